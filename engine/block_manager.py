@@ -1,0 +1,158 @@
+"""Paged KV bookkeeping: which physical block holds which request's tokens, and which blocks can be shared.
+
+No tensors live here (see ``kv_cache.py``); this is the free list, the reference counts and the prefix cache. A full
+block carries a chained hash of its tokens (hash of the previous block's hash and its own token ids), so two requests
+whose prompts start with the same blocks point at the same physical blocks. A freed block keeps its hash and stays in
+the free list in LRU order: it can be revived by a later request with the same prefix until it is handed out again.
+
+The rule the engine relies on: ``allocate`` either gets every block a request needs now or changes nothing, so a
+request never holds half an allocation, and decode memory is never overcommitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)  # kept to rule out hash collisions
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
+    prefix = (prev_hash if prev_hash is not None else 0).to_bytes(8, "little")
+    return xxhash.xxh3_64_intdigest(prefix + np.asarray(token_ids, dtype=np.int64).tobytes())
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU: evict first
+        self._hash_to_block: dict[int, int] = {}
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Physical ids of the longest run of cached full blocks that starts the sequence."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        prev: int | None = None
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            chunk = tuple(token_ids[start : start + bs])
+            prev = chain_hash(prev, chunk)
+            block_id = self._hash_to_block.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, token_ids: list[int], num_tokens: int, use_prefix_cache: bool = True) -> tuple[list[int], int] | None:
+        """Blocks for the first ``num_tokens`` slots of a sequence, reusing cached prefix blocks.
+
+        Returns (block table, number of tokens whose KV is already cached), or None when the free blocks do not
+        suffice (nothing is changed then). At least one token is always left to compute, because its logits are
+        needed: a prompt made only of cached blocks recomputes its last block.
+        """
+        cached = self._cached_prefix(token_ids) if use_prefix_cache else []
+        if cached and len(cached) * self.block_size >= len(token_ids):
+            cached.pop()
+        num_new = self.blocks_for(num_tokens) - len(cached)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if self.num_free_blocks - revived < num_new:
+            return None
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        table = cached + [self._take_free_block() for _ in range(num_new)]
+        num_cached_tokens = len(cached) * self.block_size
+        if use_prefix_cache and self.enable_prefix_caching:
+            self.prefix_hit_tokens += num_cached_tokens
+            self.prefix_query_tokens += len(token_ids)
+        return table, num_cached_tokens
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
+            del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def grow(self, table: list[int], num_tokens: int) -> bool:
+        """Extend a block table in place to hold ``num_tokens``; False (and no change) if blocks are short."""
+        num_new = self.blocks_for(num_tokens) - len(table)
+        if num_new <= 0:
+            return True
+        if num_new > self.num_free_blocks:
+            return False
+        table.extend(self._take_free_block() for _ in range(num_new))
+        return True
+
+    def register_full_blocks(self, table: list[int], token_ids: list[int], num_computed: int, num_hashed: int) -> int:
+        """Give the newly completed full blocks their chained hash; returns the new count of hashed blocks."""
+        if not self.enable_prefix_caching:
+            return num_hashed
+        num_full = min(num_computed // self.block_size, len(table))
+        prev = self.blocks[table[num_hashed - 1]].block_hash if num_hashed else None
+        bs = self.block_size
+        for i in range(num_hashed, num_full):
+            block = self.blocks[table[i]]
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            if block.block_hash is None:
+                block.block_hash = chain_hash(prev, chunk)
+                block.token_ids = chunk
+                self._hash_to_block.setdefault(block.block_hash, block.block_id)
+            prev = block.block_hash
+        return max(num_hashed, num_full)
+
+    def free(self, table: list[int]) -> None:
+        """Drop one reference to each block; blocks nobody holds go back to the free list (hashes kept)."""
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of KV block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        table.clear()
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self._free:
+            self.blocks[block_id].block_hash = None
+            self.blocks[block_id].token_ids = ()
+        self._hash_to_block = {h: b for h, b in self._hash_to_block.items() if self.blocks[b].ref_count > 0}
+
+    def check_all_free(self) -> None:
+        """Raise if any block is still referenced: the leak check every test ends with."""
+        held = [b.block_id for b in self.blocks if b.ref_count != 0]
+        if held or self.num_free_blocks != self.num_blocks:
+            raise AssertionError(f"KV blocks still held: {held[:20]} ({len(held)} of {self.num_blocks})")

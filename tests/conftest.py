@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny deterministic models (built once per session), the default model, and leak checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> Path:
+    from engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory) -> Path:
+    from engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default model's converted folder (converted on first use into $PDSERVE_CACHE)."""
+    from engine.model_loader import DEFAULT_MODEL, resolve_model_path
+
+    return resolve_model_path(DEFAULT_MODEL)
