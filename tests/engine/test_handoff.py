@@ -1,0 +1,63 @@
+"""The prefill/decode hand-off in miniature: KV exported from one engine, imported into another, decoded there."""
+
+from __future__ import annotations
+
+from engine.request import RequestStatus, SamplingParams
+from tests.engine.conftest import random_prompts
+
+
+def _handoff(prefill, decode, prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:
+    prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, prefill_only=True)
+    [first] = [o for _ in range(10) for o in prefill.step()]
+    assert first.finished and prefill.requests[request_id].status == RequestStatus.PREFILLED
+    src_blocks = prefill.request_block_ids(request_id)
+
+    dst_blocks = decode.reserve_remote(prompt, params, request_id)
+    assert dst_blocks is not None and len(dst_blocks) >= len(src_blocks)
+    for layer in range(prefill.kv_spec.num_layers):
+        k, v = prefill.read_kv_blocks(layer, src_blocks)
+        decode.write_kv_blocks(layer, dst_blocks[: len(src_blocks)], k, v)
+    prefill.release(request_id)
+
+    tokens = [o.new_token_ids[0] for o in decode.complete_remote(request_id, first.new_token_ids[0])]
+    while decode.has_unfinished():
+        tokens += [t for o in decode.step() if o.request_id == request_id for t in o.new_token_ids]
+    return tokens
+
+
+def test_exported_kv_decodes_to_the_same_tokens(tiny_llama_path, make_engine):
+    single = make_engine(tiny_llama_path)
+    prefill = make_engine(tiny_llama_path)
+    decode = make_engine(tiny_llama_path)
+    decode.generate([[1, 2, 3] * 20], SamplingParams(max_tokens=3))  # shift decode's free list: fresh block ids
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(3, 20, 120, seed=11)):
+        [expected] = single.generate([prompt], params)
+        assert _handoff(prefill, decode, prompt, params, f"req-{i}") == expected.token_ids
+
+
+def test_handoff_of_a_chunked_prompt(tiny_qwen2_path, make_engine):
+    single = make_engine(tiny_qwen2_path)
+    prefill = make_engine(tiny_qwen2_path, max_batch_tokens=32)
+    decode = make_engine(tiny_qwen2_path)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    [prompt] = random_prompts(1, 150, 150, seed=12)
+    [expected] = single.generate([prompt], params)
+    assert _handoff(prefill, decode, prompt, params, "long") == expected.token_ids
+
+
+def test_reservation_refused_when_blocks_are_short(tiny_llama_path, make_engine):
+    decode = make_engine(tiny_llama_path, num_kv_blocks=8)
+    assert decode.reserve_remote(list(range(100)), SamplingParams(), "a") is not None  # 7 blocks
+    assert decode.reserve_remote(list(range(40)), SamplingParams(), "b") is None  # never overcommitted
+    assert decode.abort("a")
+    assert decode.num_free_blocks == 8
+
+
+def test_layer_hook_sees_every_layer_in_order(tiny_llama_path, make_engine):
+    engine = make_engine(tiny_llama_path)
+    seen: list[tuple[int, int]] = []
+    engine.set_layer_hook(lambda layer, batch: seen.append((layer, len(batch.chunks))))
+    engine.generate([[5] * 40], SamplingParams(max_tokens=2, temperature=0.0))
+    layers = engine.kv_spec.num_layers
+    assert [layer for layer, _ in seen] == list(range(layers)) * 2  # one prefill forward, one decode forward
