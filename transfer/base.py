@@ -1,0 +1,162 @@
+"""The one interface every KV transfer backend implements, its config, and the lazy backend registry.
+
+Prefill worker (producer):                       Decode worker (consumer):
+    s = make_sender("zmq", fp, cfg)                  r = make_receiver("zmq", fp, sink, "tcp://0.0.0.0:0", cfg)
+    s.begin(tid, r_address)                          r.expect(tid, dst_block_ids)      # before prefill runs
+    s.send_layer(tid, layer, dst_ids, k, v)  x L     ... each step: for ev in r.poll(): admit or free
+    s.finish(tid)
+    ... each step: for ev in s.poll(): free src blocks of ev.transfer_id (DONE = acked, FAILED = lost)
+Either side may `abort(tid)`; the outcome still comes out of that side's `poll()` exactly once, so each
+worker has a single cleanup path. Backends are imported only when named (nccl needs torch.distributed).
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from transfer.inbound import Sink
+from transfer.state import TransferEvent
+from transfer.wire import WIRE_DTYPES, ModelFingerprint
+
+
+@dataclass(slots=True)
+class TransferConfig:
+    """Limits and timeouts of the transfer layer (all seconds unless named otherwise)."""
+
+    deadline_s: float = 30.0          # receiver: expect() -> DONE, else FAILED/TransferTimeout
+    lease_s: float = 10.0             # sender: hold source blocks this long without word from the receiver
+    connect_timeout_s: float = 5.0    # sender: handshake with a receiver
+    send_timeout_s: float = 5.0       # a message that cannot leave for this long fails its peer
+    socket_timeout_ms: int = 5000     # SNDTIMEO / RCVTIMEO on every socket
+    hwm: int = 64                     # SNDHWM / RCVHWM (messages) on every socket
+    queue_size: int = 256             # sender: bounded hand-off queue between caller and I/O thread
+    enqueue_timeout_s: float = 5.0    # sender: send_layer waits this long for queue room, then fails
+    max_frame_bytes: int = 1 << 30    # receiver: refuse larger payload frames
+    secret: str | None = None         # optional shared secret checked at the handshake
+    wire_dtype: str = "raw"           # "raw" (bit-exact) or "int8" (per block-and-head scales)
+    checksum: bool = True             # xxh3_64 per payload frame
+    group_timeout_s: float = 30.0     # nccl/gloo: forming the pair process group, and each p2p wait
+    device: str = "cpu"               # nccl backend: "cuda" selects NCCL, "cpu" selects gloo
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, not {self.wire_dtype!r}")
+        for name in ("deadline_s", "lease_s", "connect_timeout_s", "send_timeout_s",
+                     "enqueue_timeout_s", "group_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.hwm <= 0 or self.queue_size <= 0 or self.max_frame_bytes <= 0:
+            raise ValueError("hwm, queue_size and max_frame_bytes must be > 0")
+
+
+def check_layer_args(fp: ModelFingerprint, layer: int, dst_block_ids: Sequence[int],
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+    """Caller-side validation: a wrong shape here is a programming error, not a transfer failure."""
+    want = (len(dst_block_ids), *fp.block_shape)
+    if not 0 <= layer < fp.num_layers:
+        raise ValueError(f"layer {layer} out of range [0, {fp.num_layers})")
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want or t.dtype != fp.torch_dtype:
+            raise ValueError(f"{name} is {t.dtype}{list(t.shape)}, expected {fp.torch_dtype}{list(want)}")
+
+
+class KVSender(ABC):
+    """Producer side: streams layer pieces of transfers to receivers, holds a lease per transfer."""
+
+    @abstractmethod
+    def begin(self, transfer_id: str, peer: str) -> None:
+        """Start a transfer to the receiver at `peer` (its `address`); starts the lease."""
+
+    @abstractmethod
+    def send_layer(self, transfer_id: str, layer: int, dst_block_ids: Sequence[int],
+                   k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Queue K/V [n, block_size, kv_heads, head_dim] of one layer for the receiver's blocks
+        `dst_block_ids`. The sender keeps a reference: do not modify k/v afterwards (hand a gathered copy).
+        Returns False (and drops the piece) if the transfer already failed or the queue stayed full."""
+
+    @abstractmethod
+    def finish(self, transfer_id: str) -> None:
+        """No more pieces for this transfer: lets the receiver fail fast if some never arrived."""
+
+    @abstractmethod
+    def abort(self, transfer_id: str, reason: str = "aborted by sender") -> None:
+        """Drop queued pieces, tell the receiver, release the lease (reported by poll() as FAILED)."""
+
+    @abstractmethod
+    def poll(self) -> list[TransferEvent]:
+        """Non-blocking: leases that ended since the last call (DONE = acked, FAILED = free anyway)."""
+
+    @abstractmethod
+    def active_transfers(self) -> list[str]:
+        """Transfer ids whose source blocks are still leased."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop I/O; outstanding leases are released as FAILED (visible to a final poll())."""
+
+
+class KVReceiver(ABC):
+    """Consumer side: accepts pieces for announced transfers into a sink, polled without blocking."""
+
+    address: str
+
+    @abstractmethod
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, num_layers: int | None = None,
+               deadline_s: float | None = None) -> None:
+        """Announce a transfer (state WAITING) before its producer starts sending."""
+
+    @abstractmethod
+    def poll(self, max_messages: int = 256) -> list[TransferEvent]:
+        """Non-blocking: process up to max_messages arrivals, renew leases, expire deadlines; return
+        transfers that reached DONE (KV complete, admit the request) or FAILED (free its blocks)."""
+
+    @abstractmethod
+    def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
+        """Fail the transfer now (reported by poll()) and tell its sender to release its lease."""
+
+    @abstractmethod
+    def pending_transfers(self) -> list[str]:
+        """Transfer ids that are expected and not yet DONE or FAILED."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop I/O; pending transfers are failed (visible to a final poll())."""
+
+
+_SENDERS = {"zmq": "transfer.zmq_sender:ZmqSender", "nccl": "transfer.dist_backend:DistSender",
+            "gloo": "transfer.dist_backend:DistSender", "local": "transfer.local_backend:LocalSender"}
+_RECEIVERS = {"zmq": "transfer.zmq_receiver:ZmqReceiver", "nccl": "transfer.dist_backend:DistReceiver",
+              "gloo": "transfer.dist_backend:DistReceiver",
+              "local": "transfer.local_backend:LocalReceiver"}
+BACKENDS = tuple(_SENDERS)
+
+
+def _load(table: dict[str, str], backend: str) -> type:
+    if backend not in table:
+        raise ValueError(f"unknown transfer backend {backend!r}; choose one of {sorted(table)}")
+    module, _, cls = table[backend].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _backend_config(backend: str, config: TransferConfig | None) -> TransferConfig:
+    cfg = config or TransferConfig()
+    if backend == "gloo" and cfg.device != "cpu":
+        raise ValueError("backend 'gloo' runs on device 'cpu'")
+    return cfg
+
+
+def make_sender(backend: str, fingerprint: ModelFingerprint,
+                config: TransferConfig | None = None) -> KVSender:
+    """Create the producer side of `backend` ("zmq", "nccl", "gloo" = nccl code on CPU, "local")."""
+    return _load(_SENDERS, backend)(fingerprint, _backend_config(backend, config))
+
+
+def make_receiver(backend: str, fingerprint: ModelFingerprint, sink: Sink, address: str,
+                  config: TransferConfig | None = None) -> KVReceiver:
+    """Create the consumer side bound at `address` (tcp://host:0 picks a free port, ipc://path,
+    local://name); the actual address to hand to senders is `receiver.address`."""
+    return _load(_RECEIVERS, backend)(fingerprint, sink, address, _backend_config(backend, config))

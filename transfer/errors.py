@@ -1,0 +1,75 @@
+"""Typed failures of a KV transfer.
+
+Every way a transfer can go wrong maps to one subclass of `TransferError`, so the prefill and decode
+workers can count failures by kind (metrics) and free blocks through one cleanup path. Errors travel back
+to the producer by *name* inside a NACK header (`error_from_name`), never as pickled objects.
+"""
+from __future__ import annotations
+
+
+class TransferError(Exception):
+    """Base class: this transfer failed; its blocks must be freed on both sides."""
+
+    code = "transfer_error"
+
+
+class ProtocolError(TransferError):
+    """The peer sent something that does not follow the wire format (bad header, sizes, order)."""
+
+    code = "protocol"
+
+
+class ChecksumError(TransferError):
+    """A payload frame's xxh3_64 differs from the one in its header: corrupted on the way."""
+
+    code = "checksum"
+
+
+class FingerprintMismatch(TransferError):
+    """The two sides run different models / KV layouts; mixing their KV would be silently wrong."""
+
+    code = "fingerprint"
+
+
+class FrameTooLarge(TransferError):
+    """A frame exceeds the receiver's `max_frame_bytes` bound; refused before it is buffered or used."""
+
+    code = "frame_too_large"
+
+
+class TransferTimeout(TransferError):
+    """A deadline, lease, send timeout or full queue expired before the transfer completed."""
+
+    code = "timeout"
+
+
+class PeerGone(TransferError):
+    """The peer is unreachable or died (no handshake, broken connection, unknown session)."""
+
+    code = "peer_gone"
+
+
+class TransferAborted(TransferError):
+    """One of the sides called `abort(transfer_id)` (client gone, request cancelled)."""
+
+    code = "aborted"
+
+
+_BY_CODE: dict[str, type[TransferError]] = {
+    cls.code: cls
+    for cls in (
+        TransferError,
+        ProtocolError,
+        ChecksumError,
+        FingerprintMismatch,
+        FrameTooLarge,
+        TransferTimeout,
+        PeerGone,
+        TransferAborted,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> TransferError:
+    """Rebuild a typed error from a NACK's (code, message); unknown codes become plain TransferError."""
+    return _BY_CODE.get(code, TransferError)(message)

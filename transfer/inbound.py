@@ -1,0 +1,164 @@
+"""Receiver-side bookkeeping shared by every backend: expectations, checks, sink calls, events.
+
+Data flow on the decode side:
+    decode worker reserves blocks -> receiver.expect(tid, dst_block_ids)       (state WAITING)
+    backend receives a "kv" header -> InboundTable.admit(session, header)      (checks, claims blocks)
+    backend has the payload bytes   -> InboundTable.complete(piece, bufs)      (sizes, xxh3, sink)
+    every (layer, block) arrived    -> DONE event;   any TransferError -> FAILED event
+    deadline passes / abort          -> FAILED event
+The table never blocks and never lets a piece write to a block that was not reserved for its transfer.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import torch
+
+from transfer.compress import dequantize_int8
+from transfer.errors import ProtocolError, TransferAborted, TransferError, TransferTimeout
+from transfer.state import Inbound, TransferEvent, TransferState
+from transfer.wire import ModelFingerprint, PieceHeader, check_piece, decode_frames
+
+Sink = Callable[[str, int, list[int], torch.Tensor, torch.Tensor], None]
+"""sink(transfer_id, layer, dst_block_ids, k, v): write arrived blocks into the KV cache. k and v may be
+read-only views over the receive buffer, valid only during the call: copy them out."""
+
+
+class InboundTable:
+    """All transfers this receiver expects; single-threaded (the thread that calls `poll()`)."""
+
+    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, max_frame_bytes: int,
+                 deadline_s: float) -> None:
+        self.fp = fingerprint
+        self.sink = sink
+        self.max_frame_bytes = max_frame_bytes
+        self.deadline_s = deadline_s
+        self._tx: dict[str, Inbound] = {}
+        self._events: deque[TransferEvent] = deque()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], num_layers: int | None = None,
+               deadline_s: float | None = None) -> None:
+        """Announce a transfer: only these destination blocks, layers [0, num_layers), until deadline."""
+        if transfer_id in self._tx:
+            raise ValueError(f"transfer {transfer_id!r} already expected")
+        blocks = frozenset(int(b) for b in dst_block_ids)
+        if not blocks or len(blocks) != len(dst_block_ids):
+            raise ValueError("dst_block_ids must be non-empty and unique")
+        layers = self.fp.num_layers if num_layers is None else int(num_layers)
+        if not 0 < layers <= self.fp.num_layers:
+            raise ValueError(f"num_layers {layers} out of range")
+        now = time.monotonic()
+        self._tx[transfer_id] = Inbound(
+            transfer_id, blocks, layers, now + (deadline_s or self.deadline_s), now,
+            missing=[set(blocks) for _ in range(layers)], remaining=layers * len(blocks))
+
+    def get(self, transfer_id: str) -> Inbound | None:
+        return self._tx.get(transfer_id)
+
+    def ids(self) -> list[str]:
+        return list(self._tx)
+
+    def items(self) -> list[Inbound]:
+        return list(self._tx.values())
+
+    def fail(self, transfer_id: str, error: TransferError) -> Inbound | None:
+        """Terminal failure; returns the removed record (to NACK its sender) or None if unknown."""
+        rec = self._tx.pop(transfer_id, None)
+        if rec is not None:
+            self._events.append(TransferEvent(transfer_id, TransferState.FAILED, error, rec.nbytes,
+                                              time.monotonic() - rec.started))
+        return rec
+
+    def abort(self, transfer_id: str, reason: str) -> Inbound | None:
+        return self.fail(transfer_id, TransferAborted(reason))
+
+    def expire(self) -> list[Inbound]:
+        now = time.monotonic()
+        dead = [t for t, r in self._tx.items() if r.deadline < now]
+        out = []
+        for t in dead:
+            rec = self._tx[t]
+            missing = sum(len(m) for m in rec.missing)
+            err = TransferTimeout(f"transfer {t!r} missed its deadline in state {rec.state.name}"
+                                  f" ({missing} layer-blocks never arrived)")
+            out.append(self.fail(t, err))
+        return out
+
+    def drain(self) -> list[TransferEvent]:
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    # ------------------------------------------------------------------ pieces
+
+    def admit(self, session: bytes, h: dict[str, Any]) -> PieceHeader:
+        """Check a "kv" header before its payload is used; claims its (layer, block) slots.
+
+        Raises TransferError; the caller fails the transfer named in the header (if it is ours)."""
+        piece = PieceHeader.from_wire(h)
+        rec = self._tx.get(piece.transfer_id)
+        if rec is None:
+            raise ProtocolError(f"unknown transfer {piece.transfer_id!r} (not expected, or already ended)")
+        if rec.session is None:
+            rec.session = session
+        elif rec.session != session:
+            raise ProtocolError("piece from a different sender session than the transfer's first")
+        check_piece(piece, self.fp, self.max_frame_bytes)
+        if piece.layer >= rec.num_layers:
+            raise ProtocolError(f"layer {piece.layer} beyond expected {rec.num_layers} layers")
+        todo = rec.missing[piece.layer]
+        if len(set(piece.blocks)) != len(piece.blocks) or not todo.issuperset(piece.blocks):
+            bad = sorted(set(piece.blocks) - todo)[:8]
+            raise ProtocolError(f"layer {piece.layer}: blocks {bad} not reserved for this transfer or duplicate")
+        todo.difference_update(piece.blocks)
+        rec.state = TransferState.TRANSFERRING
+        rec.headers_seen += 1
+        return piece
+
+    def complete(self, piece: PieceHeader, bufs: Sequence[Any]) -> None:
+        """Verify payload bytes, write them through the sink, and finish the transfer if complete."""
+        rec = self._tx.get(piece.transfer_id)
+        if rec is None:  # failed or aborted while the payload was in flight
+            return
+        tensors = decode_frames(piece, bufs)
+        if piece.wire == "int8":
+            k = dequantize_int8(tensors[0], tensors[1], self.fp.torch_dtype)
+            v = dequantize_int8(tensors[2], tensors[3], self.fp.torch_dtype)
+        else:
+            k, v = tensors
+        try:
+            self.sink(piece.transfer_id, piece.layer, list(piece.blocks), k, v)
+        except TransferError:
+            raise
+        except Exception as e:  # the sink is the engine's: report, don't crash the receiver
+            raise TransferError(f"sink failed: {type(e).__name__}: {e}") from e
+        rec.nbytes += sum(f.nbytes for f in piece.frames)
+        rec.remaining -= len(piece.blocks)
+        rec.pieces_done += 1
+        self._maybe_end(rec)
+
+    def on_finish(self, session: bytes, transfer_id: str, pieces: int) -> None:
+        """The sender says it sent `pieces` pieces: lost or missing pieces fail now, not at deadline."""
+        rec = self._tx.get(transfer_id)
+        if rec is None:
+            return
+        if rec.session not in (None, session):
+            raise ProtocolError("finish from a different sender session")
+        if rec.headers_seen != pieces:
+            raise ProtocolError(f"sender sent {pieces} pieces, {rec.headers_seen} arrived")
+        rec.finish_pieces = pieces
+        self._maybe_end(rec)
+
+    def _maybe_end(self, rec: Inbound) -> None:
+        if rec.remaining == 0:
+            self._tx.pop(rec.transfer_id)
+            rec.state = TransferState.DONE
+            self._events.append(TransferEvent(rec.transfer_id, TransferState.DONE, None, rec.nbytes,
+                                              time.monotonic() - rec.started))
+        elif rec.finish_pieces is not None and rec.pieces_done == rec.finish_pieces:
+            missing = sum(len(m) for m in rec.missing)
+            raise ProtocolError(f"sender finished with {missing} layer-blocks never sent")

@@ -1,0 +1,214 @@
+"""In-process KV hand-off (`local` backend): colocated mode and unit tests, same interface as zmq.
+
+Data flow: make_receiver("local", ..., "local://name") registers the receiver in a `LocalHub`.
+LocalSender.begin looks the receiver up (missing -> PeerGone, other model -> FingerprintMismatch);
+send_layer encodes the piece exactly like the wire backends (so int8 and the header checks are the same
+code) and appends (header, tensors) to the receiver's inbox, a deque (thread-safe appends). The
+receiver's poll() runs them through InboundTable; ack/nack/renew go back into the sender's inbox.
+No bytes are copied or checksummed: the payload tensors are handed over by reference.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from transfer.base import KVReceiver, KVSender, TransferConfig, check_layer_args
+from transfer.errors import (FingerprintMismatch, PeerGone, TransferAborted, TransferError,
+                             error_from_code)
+from transfer.inbound import InboundTable, Sink
+from transfer.state import LeaseTable, TransferEvent
+from transfer.wire import ModelFingerprint, encode_piece, frame_view
+
+
+class LocalHub:
+    """Name -> receiver registry of one process (tests may create their own hub)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._receivers: dict[str, "LocalReceiver"] = {}
+
+    def register(self, name: str, receiver: "LocalReceiver") -> None:
+        with self._lock:
+            if name in self._receivers:
+                raise ValueError(f"local receiver {name!r} already exists")
+            self._receivers[name] = receiver
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._receivers.pop(name, None)
+
+    def lookup(self, name: str) -> "LocalReceiver | None":
+        with self._lock:
+            return self._receivers.get(name)
+
+
+DEFAULT_HUB = LocalHub()
+
+
+def _name(address: str) -> str:
+    if not address.startswith("local://") or len(address) <= len("local://"):
+        raise ValueError(f"local address must be local://name, not {address!r}")
+    return address[len("local://"):]
+
+
+class LocalReceiver(KVReceiver):
+    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, address: str,
+                 config: TransferConfig | None = None, hub: LocalHub | None = None) -> None:
+        self.fp = fingerprint
+        self.cfg = config or TransferConfig()
+        self.address = address
+        self._hub = hub or DEFAULT_HUB
+        self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
+        self._inbox: deque[tuple[Any, ...]] = deque()
+        self._senders: dict[bytes, "LocalSender"] = {}
+        self._hub.register(_name(address), self)
+
+    def connect(self, sender: "LocalSender") -> bytes:
+        """The local handshake: same checks as the zmq hello, returns a session token."""
+        if sender.fp != self.fp:
+            raise FingerprintMismatch(f"sender model {sender.fp} != receiver model {self.fp}")
+        session = os.urandom(16)
+        self._senders[session] = sender
+        return session
+
+    def deliver(self, session: bytes, kind: str, tid: str, payload: Any = None) -> None:
+        self._inbox.append((session, kind, tid, payload))
+
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, num_layers: int | None = None,
+               deadline_s: float | None = None) -> None:
+        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
+
+    def poll(self, max_messages: int = 256) -> list[TransferEvent]:
+        for _ in range(max_messages):
+            try:
+                session, kind, tid, payload = self._inbox.popleft()
+            except IndexError:
+                break
+            rec = self._table.get(tid)
+            if rec is None:
+                if kind == "kv":
+                    self._reply(session, "nack", tid, "protocol", "unknown transfer")
+                continue
+            try:
+                if kind == "kv":
+                    piece, tensors = payload
+                    self._table.admit(session, piece.to_wire(session))
+                    self._table.complete(piece, [frame_view(t) for t in tensors])
+                elif kind == "finish":
+                    self._table.on_finish(session, tid, payload)
+                elif kind == "abort":
+                    self._table.abort(tid, f"sender aborted: {payload}")
+                    continue
+            except TransferError as e:
+                self._table.fail(tid, e)
+                self._reply(session, "nack", tid, e.code, str(e))
+                continue
+            if self._table.get(tid) is None:
+                self._reply(session, "ack", tid)
+        for rec in self._table.expire():
+            if rec.session:
+                self._reply(rec.session, "nack", rec.transfer_id, "timeout", "receiver deadline passed")
+        now = time.monotonic()
+        for rec in self._table.items():  # keep the producer's lease alive while we wait
+            if rec.session and now - rec.last_renew >= self.cfg.lease_s / 3:
+                rec.last_renew = now
+                self._reply(rec.session, "renew", rec.transfer_id)
+        return self._table.drain()
+
+    def _reply(self, session: bytes, kind: str, tid: str, code: str = "", reason: str = "") -> None:
+        sender = self._senders.get(session)
+        if sender is not None:
+            sender.inbox.append((kind, tid, code, reason))
+
+    def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
+        rec = self._table.abort(transfer_id, reason)
+        if rec is not None and rec.session:
+            self._reply(rec.session, "nack", transfer_id, "aborted", reason)
+
+    def pending_transfers(self) -> list[str]:
+        return self._table.ids()
+
+    def close(self) -> None:
+        self._hub.unregister(_name(self.address))
+        for tid in self._table.ids():
+            self._table.fail(tid, PeerGone("receiver closed"))
+
+
+class LocalSender(KVSender):
+    def __init__(self, fingerprint: ModelFingerprint, config: TransferConfig | None = None,
+                 hub: LocalHub | None = None) -> None:
+        self.fp = fingerprint
+        self.cfg = config or TransferConfig()
+        self._hub = hub or DEFAULT_HUB
+        self._leases = LeaseTable(self.cfg.lease_s)
+        self._route: dict[str, tuple[LocalReceiver, bytes]] = {}
+        self._pieces: dict[str, int] = {}
+        self.inbox: deque[tuple[str, str, str, str]] = deque()
+
+    def begin(self, transfer_id: str, peer: str) -> None:
+        self._leases.begin(transfer_id, peer)
+        receiver = self._hub.lookup(_name(peer))
+        if receiver is None:
+            self._leases.release(transfer_id, PeerGone(f"no local receiver at {peer}"))
+            return
+        try:
+            session = receiver.connect(self)
+        except TransferError as e:
+            self._leases.release(transfer_id, e)
+            return
+        self._route[transfer_id] = (receiver, session)
+        self._pieces[transfer_id] = 0
+
+    def send_layer(self, transfer_id: str, layer: int, dst_block_ids: Sequence[int],
+                   k: torch.Tensor, v: torch.Tensor) -> bool:
+        check_layer_args(self.fp, layer, dst_block_ids, k, v)
+        route = self._route.get(transfer_id)
+        if route is None or self._leases.get(transfer_id) is None:
+            return False
+        piece, tensors = encode_piece(self.fp, transfer_id, layer, dst_block_ids, k.detach().cpu(),
+                                      v.detach().cpu(), self.cfg.wire_dtype, with_checksum=False)
+        route[0].deliver(route[1], "kv", transfer_id, (piece, tensors))
+        self._pieces[transfer_id] += 1
+        self._leases.note_sent(transfer_id, sum(f.nbytes for f in piece.frames))
+        return True
+
+    def finish(self, transfer_id: str) -> None:
+        route = self._route.get(transfer_id)
+        if route is not None:
+            route[0].deliver(route[1], "finish", transfer_id, self._pieces.get(transfer_id, 0))
+
+    def abort(self, transfer_id: str, reason: str = "aborted by sender") -> None:
+        route = self._route.pop(transfer_id, None)
+        self._pieces.pop(transfer_id, None)
+        if self._leases.release(transfer_id, TransferAborted(reason)) and route is not None:
+            route[0].deliver(route[1], "abort", transfer_id, reason)
+
+    def poll(self) -> list[TransferEvent]:
+        while self.inbox:
+            kind, tid, code, reason = self.inbox.popleft()
+            if kind == "ack":
+                self._leases.release(tid)
+            elif kind == "nack":
+                self._leases.release(tid, error_from_code(code, f"receiver: {reason}"))
+            elif kind == "renew":
+                self._leases.renew(tid)
+        for tid, _ in self._leases.expire():
+            route = self._route.get(tid)
+            if route is not None:
+                route[0].deliver(route[1], "abort", tid, "sender lease expired")
+        events = self._leases.drain()
+        for ev in events:
+            self._route.pop(ev.transfer_id, None)
+            self._pieces.pop(ev.transfer_id, None)
+        return events
+
+    def active_transfers(self) -> list[str]:
+        return self._leases.ids()
+
+    def close(self) -> None:
+        self._leases.fail_all(PeerGone("sender closed"))

@@ -1,0 +1,149 @@
+"""Per-transfer state on each side: the receiver's state machine and the sender's lease table.
+
+Receiver (decode) side, one `TransferState` per expected transfer:
+    WAITING --first piece--> TRANSFERRING --every (layer, block) arrived and checked--> DONE
+       \\_____________________ error / deadline / abort _____________________________-> FAILED
+DONE and FAILED are terminal: the entry leaves the table and one `TransferEvent` is reported by
+`poll()`, which is the single place where the decode worker learns to admit or free the request.
+
+Sender (prefill) side: a `Lease` per transfer holds the source blocks until the receiver ACKs (DONE),
+NACKs (FAILED), or the lease expires without word from the receiver (FAILED/TransferTimeout). The receiver
+renews leases while it waits, so a live-but-slow decode keeps the KV and a dead one frees it within
+`lease_s`. Each released lease is reported once by `poll()`: the prefill worker frees blocks there.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from transfer.errors import TransferError, TransferTimeout
+
+
+class TransferState(enum.IntEnum):
+    WAITING = 0
+    TRANSFERRING = 1
+    DONE = 2
+    FAILED = 3
+
+
+@dataclass(slots=True)
+class TransferEvent:
+    """Terminal outcome of one transfer on one side: free (or admit) its blocks now."""
+
+    transfer_id: str
+    state: TransferState
+    error: TransferError | None = None
+    nbytes: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.state == TransferState.DONE
+
+
+@dataclass(slots=True)
+class Lease:
+    transfer_id: str
+    peer: str
+    started: float
+    expires: float
+    pieces: int = 0
+    nbytes: int = 0
+    finished: bool = False
+
+
+class LeaseTable:
+    """Thread-safe sender-side leases: the API thread begins them, the I/O thread acks/renews them."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._events: deque[TransferEvent] = deque()
+
+    def begin(self, transfer_id: str, peer: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if transfer_id in self._leases:
+                raise ValueError(f"transfer {transfer_id!r} already in flight")
+            self._leases[transfer_id] = Lease(transfer_id, peer, now, now + self.lease_s)
+
+    def get(self, transfer_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(transfer_id)
+
+    def note_sent(self, transfer_id: str, nbytes: int) -> None:
+        with self._lock:
+            lease = self._leases.get(transfer_id)
+            if lease is not None:
+                lease.pieces += 1
+                lease.nbytes += nbytes
+
+    def renew(self, transfer_id: str) -> None:
+        with self._lock:
+            lease = self._leases.get(transfer_id)
+            if lease is not None:
+                lease.expires = max(lease.expires, time.monotonic() + self.lease_s)
+
+    def release(self, transfer_id: str, error: TransferError | None = None) -> bool:
+        """End a lease (ACK when error is None); queue its event. False if it was already gone."""
+        with self._lock:
+            lease = self._leases.pop(transfer_id, None)
+            if lease is None:
+                return False
+            state = TransferState.DONE if error is None else TransferState.FAILED
+            self._events.append(TransferEvent(transfer_id, state, error, lease.nbytes,
+                                              time.monotonic() - lease.started))
+            return True
+
+    def release_peer(self, peer: str, error: TransferError) -> list[str]:
+        with self._lock:
+            ids = [t for t, lease in self._leases.items() if lease.peer == peer]
+        return [t for t in ids if self.release(t, error)]
+
+    def expire(self) -> list[tuple[str, str]]:
+        """Release every lease past its expiry; returns (id, peer) pairs (to tell the receivers)."""
+        now = time.monotonic()
+        with self._lock:
+            dead = [(t, lease.peer) for t, lease in self._leases.items() if lease.expires < now]
+        return [(t, p) for t, p in dead if self.release(t, TransferTimeout(
+            f"lease of {self.lease_s}s expired without word from the receiver for transfer {t!r}"))]
+
+    def fail_all(self, error: TransferError) -> None:
+        with self._lock:
+            ids = list(self._leases)
+        for t in ids:
+            self.release(t, error)
+
+    def drain(self) -> list[TransferEvent]:
+        with self._lock:
+            out = list(self._events)
+            self._events.clear()
+            return out
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._leases)
+
+
+@dataclass(slots=True)
+class Inbound:
+    """Receiver-side record of one expected transfer."""
+
+    transfer_id: str
+    blocks: frozenset[int]
+    num_layers: int
+    deadline: float
+    started: float
+    missing: list[set[int]] = field(default_factory=list)  # per layer: block ids not yet arrived
+    remaining: int = 0
+    state: TransferState = TransferState.WAITING
+    session: bytes | None = None  # the sender session this transfer is bound to on first piece
+    headers_seen: int = 0
+    pieces_done: int = 0
+    finish_pieces: int | None = None
+    nbytes: int = 0
+    last_renew: float = 0.0
