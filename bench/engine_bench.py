@@ -1,0 +1,152 @@
+"""``pdserve bench engine``: decode and prefill throughput of the engine against transformers ``generate``.
+
+Both sides run the same prompts (equal lengths, so ``generate`` needs no padding) on the same weights. Decode
+throughput is measured the same way for both: ``(t(N tokens) - t(1 token)) / (batch * (N - 1))`` tokens per second,
+so the prefill and the start-up are subtracted out instead of guessed. Each figure is the median of ``--repeats``
+runs after a warm-up. Figures are ratios against transformers in the same run, because this machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import DEFAULT_MODEL, parse_dtype, resolve_model_path
+from engine.request import SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--prefill-prompts", type=int, default=8)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def _interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median time of each function, run in turns so that noise from a shared machine hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(_timed(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_batch_tokens=max(4096, args.prefill_prompts * args.prefill_len),
+            max_num_seqs=256,
+            kv_cache_memory_bytes=1 << 30,
+            enable_prefix_caching=False,  # repeated prompts must be recomputed, not served from cache
+        )
+    )
+    hf = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
+    ).to(args.device).eval()
+    vocab = min(engine.model.config.vocab_size, len(engine.tokenizer))
+    rng = random.Random(0)
+    specials = set(engine.tokenizer.all_special_ids)
+    ordinary = [t for t in range(vocab) if t not in specials]
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return [[rng.choice(ordinary) for _ in range(length)] for _ in range(count)]
+
+    def ours(batch: list[list[int]], new_tokens: int) -> None:
+        results = engine.generate(batch, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        assert all(len(r.token_ids) == new_tokens for r in results)
+
+    @torch.inference_mode()
+    def theirs(batch: list[list[int]], new_tokens: int) -> None:
+        input_ids = torch.tensor(batch, device=args.device)
+        out = hf.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=hf.config.pad_token_id or 0,
+        )
+        assert out.shape[1] == input_ids.shape[1] + new_tokens
+
+    warm = prompts(2, 16)
+    ours(warm, 4)
+    theirs(warm, 4)
+
+    decode: dict[str, dict] = {}
+    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+        batch = prompts(batch_size, args.input_len)
+        tokens = batch_size * (args.output_len - 1)
+        t = _interleaved_medians(
+            {
+                "pdserve_full": lambda: ours(batch, args.output_len),
+                "transformers_full": lambda: theirs(batch, args.output_len),
+                "pdserve_first": lambda: ours(batch, 1),
+                "transformers_first": lambda: theirs(batch, 1),
+            },
+            args.repeats,
+        )
+        figures = {
+            f"{name}_decode_tokens_per_s": round(tokens / max(t[f"{name}_full"] - t[f"{name}_first"], 1e-9), 1)
+            for name in ("pdserve", "transformers")
+        }
+        figures["ratio_vs_transformers"] = round(
+            figures["pdserve_decode_tokens_per_s"] / figures["transformers_decode_tokens_per_s"], 3
+        )
+        decode[str(batch_size)] = figures
+    sizes = list(decode)
+    if len(sizes) > 1:
+        decode[sizes[-1]][f"ratio_vs_pdserve_batch_{sizes[0]}"] = round(
+            decode[sizes[-1]]["pdserve_decode_tokens_per_s"] / decode[sizes[0]]["pdserve_decode_tokens_per_s"], 2
+        )
+
+    prefill_batch = prompts(args.prefill_prompts, args.prefill_len)
+    prefill_tokens = args.prefill_prompts * args.prefill_len
+
+    @torch.inference_mode()
+    def hf_forward() -> None:
+        hf(torch.tensor(prefill_batch, device=args.device), use_cache=False, logits_to_keep=1)
+
+    t = _interleaved_medians({"pdserve": lambda: ours(prefill_batch, 1), "transformers": hf_forward}, args.repeats)
+    ours_prefill, hf_prefill = t["pdserve"], t["transformers"]
+    engine.check_no_leaks()
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "decode": decode,
+        "prefill": {
+            "prompts": args.prefill_prompts,
+            "prompt_len": args.prefill_len,
+            "pdserve_tokens_per_s": round(prefill_tokens / ours_prefill, 1),
+            "transformers_forward_tokens_per_s": round(prefill_tokens / hf_prefill, 1),
+        },
+        "kv_bytes_per_token": engine.kv_spec.bytes_per_token,
+    }

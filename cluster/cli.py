@@ -1,0 +1,86 @@
+"""The ``pdserve`` command: one entry point, one subcommand per job; heavy imports happen inside each job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _model_tiny(args: argparse.Namespace) -> int:
+    from engine.tiny_model import build_tiny_model
+
+    path = build_tiny_model(args.out, arch=args.arch, seed=args.seed)
+    print(f"tiny {args.arch} model written to {path}")
+    return 0
+
+
+def _bench(module_name: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        module = importlib.import_module(module_name)
+        result = module.run(args)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+
+    return run
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from cluster.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
+    tiny = model.add_parser("tiny", help="build a deterministic tiny random-weight model for tests")
+    tiny.add_argument("out")
+    tiny.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_model_tiny)
+
+    bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="bench_command", required=True)
+    from bench import engine_bench
+
+    engine = bench.add_parser("engine", help="engine decode/prefill throughput vs transformers generate")
+    engine_bench.add_arguments(engine)
+    engine.set_defaults(func=_bench("bench.engine_bench"))
+    try:
+        from bench import transfer_bench
+    except ImportError:  # the transfer layer is optional for an engine-only install
+        transfer_bench = None
+    if transfer_bench is not None:
+        transfer = bench.add_parser("transfer", help="KV transfer GB/s per backend vs memcpy and raw ZeroMQ")
+        transfer_bench.add_arguments(transfer)
+        if not any(a.dest == "json" for a in transfer._actions):
+            transfer.add_argument("--json", action="store_true")
+        transfer.set_defaults(func=_bench("bench.transfer_bench"))
+
+    demo = sub.add_parser("demo", help="generate with the default model and print text and tokens/s")
+    demo.add_argument("--model", default=None)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

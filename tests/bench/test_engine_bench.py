@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import json
+
+from cluster.cli import main
+
+
+def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):
+    args = ["bench", "engine", "--json", "--model", str(tiny_llama_path), "--batch-sizes", "1,4",
+            "--output-len", "4", "--input-len", "16", "--prefill-prompts", "2", "--prefill-len", "32", "--repeats", "1"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["kv_bytes_per_token"] == 2 * 3 * 2 * 16 * 4  # layers 3, kv heads 2, head dim 16, float32
+    for size in ("1", "4"):
+        figures = result["decode"][size]
+        assert figures["pdserve_decode_tokens_per_s"] > 0 and figures["transformers_decode_tokens_per_s"] > 0
+    assert "ratio_vs_pdserve_batch_1" in result["decode"]["4"]
+    assert result["prefill"]["pdserve_tokens_per_s"] > 0
+    assert result["torch_threads"] >= 1

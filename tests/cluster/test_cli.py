@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cluster.cli import main
+
+
+def test_model_tiny_builds_a_loadable_model(tmp_path, capsys):
+    assert main(["model", "tiny", str(tmp_path / "m"), "--arch", "qwen2"]) == 0
+    assert (tmp_path / "m" / "config.json").exists()
+    assert "qwen2" in (tmp_path / "m" / "config.json").read_text()
+
+
+def test_bad_model_is_a_clear_error_not_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "engine", "--model", str(tmp_path / "nope"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_answers_with_the_default_model(capsys):
+    assert main(["demo", "--max-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "generated tokens/s" in out
