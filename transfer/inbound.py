@@ -19,7 +19,7 @@ import torch
 from transfer.compress import dequantize_int8
 from transfer.errors import ProtocolError, TransferAborted, TransferError, TransferTimeout
 from transfer.state import Inbound, TransferEvent, TransferState
-from transfer.wire import ModelFingerprint, PieceHeader, check_piece, decode_frames
+from transfer.wire import ModelFingerprint, PieceHeader, check_piece, decode_frames, verify_tensors
 
 Sink = Callable[[str, int, list[int], torch.Tensor, torch.Tensor], None]
 """sink(transfer_id, layer, dst_block_ids, k, v): write arrived blocks into the KV cache. k and v may be
@@ -121,10 +121,18 @@ class InboundTable:
 
     def complete(self, piece: PieceHeader, bufs: Sequence[Any]) -> None:
         """Verify payload bytes, write them through the sink, and finish the transfer if complete."""
-        rec = self._tx.get(piece.transfer_id)
-        if rec is None:  # failed or aborted while the payload was in flight
+        if piece.transfer_id not in self._tx:  # failed or aborted while the payload was in flight
             return
-        tensors = decode_frames(piece, bufs)
+        self._finish_piece(piece, decode_frames(piece, bufs))
+
+    def complete_tensors(self, piece: PieceHeader, tensors: Sequence[torch.Tensor]) -> None:
+        """Same as complete() for payloads that arrived straight into tensors (nccl/gloo backend)."""
+        if piece.transfer_id not in self._tx:
+            return
+        self._finish_piece(piece, verify_tensors(piece, tensors))
+
+    def _finish_piece(self, piece: PieceHeader, tensors: Sequence[torch.Tensor]) -> None:
+        rec = self._tx[piece.transfer_id]
         if piece.wire == "int8":
             k = dequantize_int8(tensors[0], tensors[1], self.fp.torch_dtype)
             v = dequantize_int8(tensors[2], tensors[3], self.fp.torch_dtype)

@@ -282,6 +282,14 @@ def decode_frames(p: PieceHeader, bufs: Sequence[Any]) -> list[torch.Tensor]:
     return out
 
 
+def verify_tensors(p: PieceHeader, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Checksum-check payloads received directly into tensors (CPU ones; device ones carry none)."""
+    for spec, t in zip(p.frames, tensors, strict=True):
+        if spec.xxh3 is not None and t.device.type == "cpu" and checksum(frame_view(t)) != spec.xxh3:
+            raise ChecksumError(f"xxh3 mismatch on a {spec.nbytes}-byte frame of layer {p.layer}")
+    return list(tensors)
+
+
 def encode_piece(fp: ModelFingerprint, transfer_id: str, layer: int, blocks: Sequence[int],
                  k: torch.Tensor, v: torch.Tensor, wire: str,
                  with_checksum: bool) -> tuple[PieceHeader, list[torch.Tensor]]:

@@ -140,6 +140,8 @@ class ZmqReceiver(KVReceiver):
             else:
                 self.dropped += 1
         except TransferError as e:
+            if kind == "kv":
+                self._on_bad_piece(sess, session, h)
             if rec is not None and rec.session in (None, session):
                 self._fail(tid, e)
             else:
@@ -183,6 +185,9 @@ class ZmqReceiver(KVReceiver):
     def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         """zmq: the payload came with the header."""
         self._table.complete(piece, bufs)
+
+    def _on_bad_piece(self, sess: Session, session: bytes, h: dict[str, Any]) -> None:
+        """Hook for the nccl backend: the refused piece's tensors are still on their way."""
 
     def _poll_payloads(self) -> None:
         """Hook for the nccl backend: finish pieces whose tensors arrived by torch.distributed."""

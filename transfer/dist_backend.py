@@ -1,0 +1,138 @@
+"""`nccl` backend: headers over ZeroMQ, KV tensors by torch.distributed point-to-point in a pair group.
+
+Same protocol and state machines as `zmq` (it subclasses ZmqSender / ZmqReceiver); only the payload path
+differs:
+    sender I/O thread:  hello(transport="dist") -> welcome(store_port, group key) -> PairLink(rank 1)
+                        per piece: send the header (with one p2p tag per frame, no payload frames)
+                        over ZeroMQ, then hand the tensors to the link thread (pg.send, bounded wait)
+    receiver poll():    admit header -> allocate the frame tensors -> link thread (pg.recv, bounded
+                        wait) -> next poll(): checksum (CPU tensors) -> sink -> ack when complete
+The pair group is NCCL when TransferConfig.device is "cuda" and gloo on "cpu" (how it is tested).
+Ranks and rendezvous are explained in transfer/pairgroup.py and docs/transfer.md.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import zmq
+
+from transfer.base import TransferConfig
+from transfer.errors import PeerGone, ProtocolError, TransferError
+from transfer.inbound import Sink
+from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server
+from transfer.wire import ModelFingerprint, PieceHeader, dtype_from_name, field as hfield, pack_header
+from transfer.zmq_receiver import Session, ZmqReceiver
+from transfer.zmq_sender import Outgoing, Peer, ZmqSender, check_peer_frame_bound
+
+
+def _pg_backend(cfg: TransferConfig) -> str:
+    return "nccl" if cfg.device.startswith("cuda") else "gloo"
+
+
+class DistSender(ZmqSender):
+    transport = "dist"
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """gloo moves host tensors; NCCL moves device tensors (no host staging at all)."""
+        return t.detach().to(self.cfg.device).contiguous()
+
+    def _on_welcome(self, peer: Peer, h: dict[str, Any]) -> None:
+        host = host_of(peer.address)
+        peer.link = PairLink(backend=_pg_backend(self.cfg), rank=1, key=hfield(h, "group", str),
+                             store_host=host, store_port=hfield(h, "store_port", int),
+                             local_host=local_ip_towards(host), timeout_s=self.cfg.group_timeout_s)
+
+    def _send(self, peer: Peer, out: Outgoing) -> None:
+        if out.piece is None:
+            super()._send(peer, out)
+            return
+        if peer.link.broken is not None:
+            raise zmq.Again()  # _check_timeouts drops the peer
+        check_peer_frame_bound(peer, out.piece)
+        tags = peer.link.next_tags(len(out.tensors))
+        piece = PieceHeader(out.piece.transfer_id, out.piece.layer, out.piece.blocks, out.piece.wire,
+                            out.piece.frames, out.piece.fingerprint, tags)
+        peer.sock.send(pack_header(piece.to_wire(peer.session)), zmq.NOBLOCK)
+        # Header left: its tensors must follow, in order, or the pair's p2p stream desynchronizes.
+        peer.link.submit(LinkJob(out.transfer_id, out.tensors, tags))
+
+    def _check_timeouts(self) -> None:
+        for peer in list(self._peers.values()):
+            if peer.link is None:
+                continue
+            for job, err in peer.link.pop_done():
+                if err is not None:
+                    self._leases.release(job.transfer_id, err)
+            if peer.link.broken is not None:
+                self._drop_peer(peer, peer.link.broken)
+        super()._check_timeouts()
+
+
+class DistReceiver(ZmqReceiver):
+    transport = "dist"
+
+    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, address: str,
+                 config: TransferConfig | None = None) -> None:
+        super().__init__(fingerprint, sink, address, config)
+        self._store = None  # created at the first handshake: receivers nobody talks to cost nothing
+
+    def _welcome_extra(self, session: bytes, h: dict[str, Any]) -> dict[str, Any]:
+        host = host_of(self.address)
+        if self._store is None:
+            self._store = make_store_server(host, self.cfg.group_timeout_s)
+        link = PairLink(backend=_pg_backend(self.cfg), rank=0, key=f"kvpair/{session.hex()}",
+                        store_host=host, store_port=self._store.port, local_host=host,
+                        timeout_s=self.cfg.group_timeout_s, store=self._store)
+        return {"store_port": self._store.port, "group": link.key, "_link": link}
+
+    def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+        if bufs or piece.tags is None:
+            raise ProtocolError("dist pieces carry p2p tags and no payload frames")
+        sess.link.submit(LinkJob(piece.transfer_id, self._buffers(piece), piece.tags, piece))
+
+    def _buffers(self, piece: PieceHeader) -> list[torch.Tensor]:
+        return [torch.empty(f.shape, dtype=dtype_from_name(f.dtype), device=self.cfg.device)
+                for f in piece.frames]
+
+    def _on_bad_piece(self, sess: Session, session: bytes, h: dict[str, Any]) -> None:
+        """Still receive a refused piece's tensors (into scratch) so the p2p stream stays aligned; if
+        even its sizes are unusable, the pair is unrecoverable: drop the session and its transfers."""
+        try:
+            piece = PieceHeader.from_wire(h)
+            if piece.tags is None or any(f.nbytes > self.cfg.max_frame_bytes for f in piece.frames):
+                raise ProtocolError("unusable frame sizes")
+            scratch = [torch.empty(f.nbytes, dtype=torch.uint8, device=self.cfg.device)
+                       for f in piece.frames]
+            sess.link.submit(LinkJob(piece.transfer_id, scratch, piece.tags, None))
+        except TransferError as e:
+            self._drop_session(session, PeerGone(f"pair stream unrecoverable: {e}"))
+
+    def _poll_payloads(self) -> None:
+        for session, sess in list(self._sessions.items()):
+            if sess.link is None:
+                continue
+            for job, err in sess.link.pop_done():
+                if job.piece is None:
+                    continue  # scratch receive of a refused piece
+                tid = job.transfer_id
+                known = self._table.get(tid) is not None
+                try:
+                    if err is not None:
+                        raise err
+                    self._table.complete_tensors(job.piece, job.tensors)
+                except TransferError as e:
+                    self._fail(tid, e)
+                    continue
+                if known and self._table.get(tid) is None:
+                    self._send(sess.identity, {"kind": "ack", "tid": tid})
+            if sess.link.broken is not None:
+                self._drop_session(session, sess.link.broken)
+
+    def _drop_session(self, session: bytes, error: TransferError) -> None:
+        sess = self._sessions.pop(session, None)
+        if sess is not None and sess.link is not None:
+            sess.link.close()
+        for rec in self._table.items():
+            if rec.session == session:
+                self._table.fail(rec.transfer_id, error)

@@ -1,0 +1,160 @@
+"""A two-rank torch.distributed process group between one sender and one receiver process, and the
+thread that drives its point-to-point sends/receives.
+
+Why not `init_process_group`: the default group is one per process and needs every rank up front, but a
+prefill worker talks to many decode workers that come and go. So each (sender, receiver) pair builds its
+own group object directly (`ProcessGroupGloo` / `ProcessGroupNCCL` over a `PrefixStore`), lazily, at its
+first handshake:
+    rank 0 = the receiver. It hosts one `TCPStore` server (free port) for all its pairs and names each
+             pair's key prefix after the session token ("kvpair/<hex>"), sent in the welcome message.
+    rank 1 = the sender. It connects to the store at the host it already uses for the receiver's
+             ZeroMQ address (127.0.0.1 for ipc://) and the port from the welcome.
+Both sides build the group in the link thread (bounded by group_timeout_s), so neither `poll()` nor the
+sender's I/O thread blocks on the rendezvous. Then the link thread executes jobs in order: a job is the
+frames of one piece, sent (rank 1) or received into fresh buffers (rank 0) with one tag per frame, each
+wait bounded by group_timeout_s. gloo's RecvWork only completes inside wait(), so waiting happens here,
+never in the caller. Any failure breaks the link: its queued jobs fail with PeerGone.
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from transfer.errors import PeerGone, TransferError
+
+
+@dataclass(slots=True)
+class LinkJob:
+    transfer_id: str
+    tensors: list[torch.Tensor]
+    tags: tuple[int, ...]
+    piece: Any = None  # receiver: the PieceHeader these tensors complete
+
+
+def host_of(address: str) -> str:
+    """Host part of a zmq address; ipc:// and wildcard binds mean this node (loopback)."""
+    if address.startswith("tcp://"):
+        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if host not in ("*", "0.0.0.0", "", "::"):
+            return host
+    return "127.0.0.1"
+
+
+def local_ip_towards(host: str) -> str:
+    """The local interface address that routes to `host` (a UDP connect sends no packet)."""
+    if host.startswith("127.") or host == "localhost":
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def make_store_server(host: str, timeout_s: float) -> dist.TCPStore:
+    """Receiver-side rendezvous store on a free port (shared by all its pair groups)."""
+    return dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class PairLink:
+    """One pair group plus the thread that runs its p2p jobs; see module docstring."""
+
+    def __init__(self, *, backend: str, rank: int, key: str, store_host: str, store_port: int,
+                 local_host: str, timeout_s: float, store: dist.Store | None = None) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"pair group backend must be gloo or nccl, not {backend!r}")
+        self.backend, self.rank, self.key = backend, rank, key
+        self._store_addr = (store_host, store_port)
+        self._store = store
+        self._local_host = local_host
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._jobs: queue.Queue[LinkJob] = queue.Queue()
+        self._done: deque[tuple[LinkJob, TransferError | None]] = deque()
+        self._tag = 0
+        self.broken: TransferError | None = None
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-pair-{key[-8:]}", daemon=True)
+        self._thread.start()
+
+    def next_tags(self, n: int) -> tuple[int, ...]:
+        tags = tuple((self._tag + i) % (1 << 30) for i in range(n))
+        self._tag += n
+        return tags
+
+    def submit(self, job: LinkJob) -> None:
+        if self.broken is not None:
+            self._done.append((job, self.broken))
+        else:
+            self._jobs.put(job)
+
+    def pop_done(self) -> list[tuple[LinkJob, TransferError | None]]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _build(self) -> Any:
+        store = self._store or dist.TCPStore(self._store_addr[0], self._store_addr[1], None, False,
+                                             timeout=self._timeout)
+        prefixed = dist.PrefixStore(self.key, store)
+        if self.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self._timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._local_host)]
+            return dist.ProcessGroupGloo(prefixed, self.rank, 2, opts)
+        if not dist.is_nccl_available():
+            raise RuntimeError("this torch build has no NCCL")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = self._timeout
+        return dist.ProcessGroupNCCL(prefixed, self.rank, 2, opts)
+
+    def _run(self) -> None:
+        try:
+            pg = self._build()
+        except Exception as e:  # noqa: BLE001 - reported as a typed transfer failure
+            self._break(PeerGone(f"{self.backend} pair group not formed within "
+                                 f"{self._timeout.total_seconds()}s: {e}"))
+            return
+        self.ready.set()
+        peer = 1 - self.rank
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                op = pg.send if self.rank == 1 else pg.recv
+                works = [op([t], peer, tag) for t, tag in zip(job.tensors, job.tags)]
+                for w in works:
+                    w.wait(self._timeout)
+                if self.rank == 0 and job.tensors and job.tensors[0].is_cuda:
+                    torch.cuda.current_stream(job.tensors[0].device).synchronize()
+            except Exception as e:  # noqa: BLE001
+                err = PeerGone(f"{self.backend} p2p with the peer failed: {str(e)[:300]}")
+                self._done.append((job, err))
+                self._break(err)
+                return
+            self._done.append((job, None))
+        self._break(PeerGone("pair link closed"))
+
+    def _break(self, err: TransferError) -> None:
+        self.broken = self.broken or err
+        while True:
+            try:
+                self._done.append((self._jobs.get_nowait(), self.broken))
+            except queue.Empty:
+                return
