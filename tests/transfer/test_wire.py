@@ -1,0 +1,87 @@
+"""Wire format: strict header decoding, piece checks, frame checks, int8 error bound."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+from kvutil import fingerprint, make_kv
+
+from transfer.compress import dequantize_int8, quantize_int8
+from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, ProtocolError
+from transfer.wire import (MAX_HEADER_BYTES, ModelFingerprint, PieceHeader, check_piece, decode_frames,
+                           encode_piece, frame_view, pack_header, unpack_header)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _piece(fp: ModelFingerprint, wire: str = "raw", n: int = 3):
+    k, v = make_kv(fp, 1, n, seed=7)
+    return encode_piece(fp, "t", 1, list(range(n)), k, v, wire, with_checksum=True)
+
+
+def test_header_round_trip_and_strictness() -> None:
+    fp = fingerprint()
+    piece, _ = _piece(fp)
+    h = unpack_header(pack_header(piece.to_wire(b"s" * 16)))
+    assert PieceHeader.from_wire(h) == piece
+    with pytest.raises(ProtocolError, match="version"):
+        unpack_header(msgpack.packb({"v": 99, "kind": "kv"}))
+    with pytest.raises(ProtocolError, match="kind"):
+        unpack_header(pack_header({"kind": "exec"}))
+    with pytest.raises(ProtocolError):
+        unpack_header(b"\xc1garbage")
+    with pytest.raises(ProtocolError, match="map"):
+        unpack_header(msgpack.packb([1, 2]))
+    with pytest.raises(ProtocolError):  # non-str map keys are refused (strict_map_key)
+        unpack_header(msgpack.packb({1: 2}))
+    with pytest.raises(FrameTooLarge):
+        unpack_header(b"\x00" * (MAX_HEADER_BYTES + 1))
+    bad = dict(h, layers=[1, 3])
+    with pytest.raises(ProtocolError, match="layer range"):
+        PieceHeader.from_wire(bad)
+
+
+def test_check_piece_sizes_fingerprint_and_bound() -> None:
+    fp = fingerprint("float16")
+    piece, _ = _piece(fp)
+    check_piece(piece, fp, 1 << 20)
+    other = ModelFingerprint(fp.architecture, fp.dtype, fp.num_layers, fp.num_kv_heads, 16, fp.block_size)
+    with pytest.raises(FingerprintMismatch):
+        check_piece(piece, other, 1 << 20)
+    with pytest.raises(FrameTooLarge):
+        check_piece(piece, fp, 100)
+    lying = PieceHeader(piece.transfer_id, piece.layer, piece.blocks + (9,), piece.wire, piece.frames,
+                        piece.fingerprint)
+    with pytest.raises(ProtocolError, match="expected"):
+        check_piece(lying, fp, 1 << 20)
+
+
+def test_decode_frames_truncated_and_corrupted() -> None:
+    fp = fingerprint("bfloat16")
+    piece, tensors = _piece(fp)
+    bufs = [bytes(frame_view(t)) for t in tensors]
+    k, v = decode_frames(piece, bufs)
+    assert torch.equal(k.view(torch.int16), tensors[0].view(torch.int16))
+    with pytest.raises(ProtocolError, match="truncated"):
+        decode_frames(piece, [bufs[0][:-2], bufs[1]])
+    with pytest.raises(ProtocolError, match="frames"):
+        decode_frames(piece, bufs[:1])
+    flipped = bytearray(bufs[1])
+    flipped[5] ^= 0x10
+    with pytest.raises(ChecksumError):
+        decode_frames(piece, [bufs[0], bytes(flipped)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_int8_error_bound(dtype: str) -> None:
+    fp = fingerprint(dtype, head_dim=64, block_size=16)
+    k = torch.randn(5, *fp.block_shape).to(fp.torch_dtype)
+    q, scale = quantize_int8(k)
+    assert q.dtype == torch.int8 and scale.shape == (5, fp.num_kv_heads)
+    back = dequantize_int8(q, scale, fp.torch_dtype)
+    amax = k.float().abs().amax(dim=(1, 3), keepdim=True)
+    err = (back.float() - k.float()).abs()
+    # half a quantization step, plus the destination dtype's own rounding
+    bound = amax / 127 * 0.5 + k.float().abs() * (2 ** -7 if dtype == "bfloat16" else 2 ** -10) + 1e-6
+    assert bool((err.permute(0, 2, 1, 3) <= bound.permute(0, 2, 1, 3)).all())
+    assert q.numel() * 1 + scale.numel() * 4 < k.numel() * k.element_size()
