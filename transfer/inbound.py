@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from transfer.compress import dequantize_int8
-from transfer.errors import ProtocolError, TransferAborted, TransferError, TransferTimeout
+from transfer.errors import PeerGone, ProtocolError, TransferAborted, TransferError, TransferTimeout
 from transfer.state import Inbound, TransferEvent, TransferState
 from transfer.wire import ModelFingerprint, PieceHeader, check_piece, decode_frames, verify_tensors
 
@@ -76,10 +76,22 @@ class InboundTable:
     def abort(self, transfer_id: str, reason: str) -> Inbound | None:
         return self.fail(transfer_id, TransferAborted(reason))
 
-    def expire(self) -> list[Inbound]:
+    def heard(self, transfer_id: str, session: bytes) -> None:
+        rec = self._tx.get(transfer_id)
+        if rec is not None and rec.session == session:
+            rec.last_heard = time.monotonic()
+
+    def expire(self, silence_s: float | None = None) -> list[Inbound]:
+        """Fail transfers past their deadline, and (with silence_s) bound to a sender that has not
+        been heard from for silence_s: a killed prefill worker frees decode blocks in ~lease_s."""
         now = time.monotonic()
-        dead = [t for t, r in self._tx.items() if r.deadline < now]
         out = []
+        if silence_s is not None:
+            for t, r in list(self._tx.items()):
+                if r.session is not None and now - r.last_heard > silence_s:
+                    out.append(self.fail(t, PeerGone(
+                        f"sender of transfer {t!r} silent for {silence_s}s (dead?)")))
+        dead = [t for t, r in self._tx.items() if r.deadline < now]
         for t in dead:
             rec = self._tx[t]
             missing = sum(len(m) for m in rec.missing)
@@ -117,6 +129,7 @@ class InboundTable:
         todo.difference_update(piece.blocks)
         rec.state = TransferState.TRANSFERRING
         rec.headers_seen += 1
+        rec.last_heard = time.monotonic()
         return piece
 
     def complete(self, piece: PieceHeader, bufs: Sequence[Any]) -> None:

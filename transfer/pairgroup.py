@@ -104,8 +104,11 @@ class PairLink:
             out.append(self._done.popleft())
         return out
 
-    def close(self) -> None:
+    def close(self, join_s: float = 2.0) -> None:
+        """Stop the thread and let it destroy the group (a group alive at interpreter exit aborts it)."""
         self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(join_s)
 
     def _build(self) -> Any:
         store = self._store or dist.TCPStore(self._store_addr[0], self._store_addr[1], None, False,
@@ -149,6 +152,7 @@ class PairLink:
                 self._break(err)
                 return
             self._done.append((job, None))
+        del pg
         self._break(PeerGone("pair link closed"))
 
     def _break(self, err: TransferError) -> None:

@@ -53,6 +53,7 @@ class Lease:
     pieces: int = 0
     nbytes: int = 0
     finished: bool = False
+    last_keepalive: float = 0.0
 
 
 class LeaseTable:
@@ -128,6 +129,17 @@ class LeaseTable:
         with self._lock:
             return list(self._leases)
 
+    def due_keepalives(self, every_s: float) -> list[tuple[str, str]]:
+        """(id, peer) of leases whose receiver should hear from us again (sender liveness)."""
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for lease in self._leases.values():
+                if now - lease.last_keepalive >= every_s:
+                    lease.last_keepalive = now
+                    out.append((lease.transfer_id, lease.peer))
+        return out
+
 
 @dataclass(slots=True)
 class Inbound:
@@ -146,4 +158,5 @@ class Inbound:
     pieces_done: int = 0
     finish_pieces: int | None = None
     nbytes: int = 0
-    last_renew: float = 0.0
+    last_renew: float = 0.0  # last lease renewal we sent to the sender
+    last_heard: float = 0.0  # last message from the sender about this transfer

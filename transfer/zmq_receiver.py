@@ -134,6 +134,9 @@ class ZmqReceiver(KVReceiver):
                 self._on_piece(sess, piece, [f.buffer for f in frames[2:]])
             elif kind == "finish" and isinstance(h.get("pieces"), int):
                 self._table.on_finish(session, tid, h["pieces"])
+            elif kind == "renew":
+                self._table.heard(tid, session)
+                return
             elif kind == "abort" and rec is not None and rec.session in (None, session):
                 self._table.abort(tid, f"sender aborted: {str(h.get('reason'))[:200]}")
                 return
@@ -212,8 +215,8 @@ class ZmqReceiver(KVReceiver):
             pass  # peer gone or not reading: its lease expiry covers it
 
     def _renew_and_expire(self) -> None:
-        for rec in self._table.expire():
-            self._nack(rec, "timeout", "receiver deadline passed")
+        for rec in self._table.expire(silence_s=self.cfg.lease_s):
+            self._nack(rec, "timeout", "receiver deadline passed or sender silent")
         now = time.monotonic()
         every = self.cfg.lease_s / 3
         for rec in self._table.items():

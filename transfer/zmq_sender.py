@@ -301,6 +301,10 @@ class ZmqSender(KVSender):
             elif peer.stuck_since is not None and now - peer.stuck_since > self.cfg.send_timeout_s:
                 self._drop_peer(peer, PeerGone(f"could not send to {peer.address} for "
                                                f"{self.cfg.send_timeout_s}s (receiver gone or stalled)"))
+        for tid, address in self._leases.due_keepalives(self.cfg.lease_s / 3):
+            peer = self._peers.get(address)
+            if peer is not None and peer.state == "ready":  # tells the receiver we are alive
+                peer.outbox.append(Outgoing(tid, {"kind": "renew", "tid": tid}))
         for tid, address in self._leases.expire():
             self._pieces.pop(tid, None)
             peer = self._peers.get(address)
