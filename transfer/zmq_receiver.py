@@ -150,6 +150,9 @@ class ZmqReceiver(KVReceiver):
             else:
                 self.dropped += 1
                 log.warning("dropped message for transfer %r: %s", tid, e)
+                if rec is None:  # not ours (never expected, or already ended): free the sender now
+                    self._send(sess.identity, {"kind": "nack", "tid": tid, "code": e.code,
+                                               "reason": str(e)[:1000]})
             return
         if rec is not None and self._table.get(tid) is None:
             self._send(sess.identity, {"kind": "ack", "tid": tid})

@@ -1,0 +1,152 @@
+"""State machine edges: aborts from either side, lost pieces, unknown transfers, expired leases and
+deadlines, receiver killed mid-transfer, close with work pending. Each ends with empty tables."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from kvutil import Cache, fingerprint, make_kv, poll_until
+
+import procs
+from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.errors import PeerGone, ProtocolError, TransferAborted, TransferTimeout
+from transfer.state import TransferState
+
+pytestmark = pytest.mark.timeout(60)
+FAST = TransferConfig(deadline_s=2.0, lease_s=1.0, connect_timeout_s=1.0, send_timeout_s=1.0)
+BACKENDS = {"zmq": "tcp://127.0.0.1:0", "local": "local://life"}
+
+
+def _pair(backend, closing, cfg=FAST):
+    fp = fingerprint("float32")
+    cache = Cache(fp)
+    r = closing(make_receiver(backend, fp, cache.sink, BACKENDS[backend], cfg))
+    s = closing(make_sender(backend, fp, cfg))
+    return fp, cache, r, s
+
+
+def _by_side(r, s, timeout=5.0):
+    rev, sev = [], []
+    poll_until([lambda: rev.extend(r.poll()) or [], lambda: sev.extend(s.poll()) or []],
+               lambda _: bool(rev) and bool(sev), timeout)
+    assert r.pending_transfers() == [] and s.active_transfers() == []
+    return rev, sev
+
+
+def _one_failure(events):
+    assert len(events) == 1 and events[0].state == TransferState.FAILED, events
+    return events[0].error
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_receiver_abort_releases_sender(backend, closing) -> None:
+    fp, cache, r, s = _pair(backend, closing)
+    r.expect("t", [1, 2])
+    s.begin("t", r.address)
+    s.send_layer("t", 0, [1, 2], *make_kv(fp, 0, 2, 1))
+    poll_until([r.poll], lambda _: cache.writes == 1, 3)
+    r.abort("t", "client went away")
+    rev, sev = _by_side(r, s)
+    assert isinstance(_one_failure(rev), TransferAborted)
+    assert isinstance(_one_failure(sev), TransferAborted) and "client went away" in str(sev[0].error)
+    assert s.send_layer("t", 1, [1, 2], *make_kv(fp, 1, 2, 1)) is False  # late pieces are dropped
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_sender_abort_fails_receiver(backend, closing) -> None:
+    fp, cache, r, s = _pair(backend, closing)
+    r.expect("t", [1, 2])
+    s.begin("t", r.address)
+    s.send_layer("t", 0, [1, 2], *make_kv(fp, 0, 2, 1))
+    poll_until([r.poll], lambda _: cache.writes == 1, 3)
+    s.abort("t", "prefill worker shutting down")
+    rev, sev = _by_side(r, s)
+    assert isinstance(_one_failure(rev), TransferAborted)
+    assert isinstance(_one_failure(sev), TransferAborted)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_finish_with_missing_layers_fails_fast(backend, closing) -> None:
+    fp, cache, r, s = _pair(backend, closing, TransferConfig(deadline_s=30, lease_s=30))
+    r.expect("t", [1, 2])
+    s.begin("t", r.address)
+    for layer in range(fp.num_layers - 1):  # the last layer never comes
+        s.send_layer("t", layer, [1, 2], *make_kv(fp, layer, 2, 1))
+    s.finish("t")
+    t0 = time.monotonic()
+    rev, sev = _by_side(r, s)
+    assert time.monotonic() - t0 < 2
+    assert isinstance(_one_failure(rev), ProtocolError) and isinstance(_one_failure(sev), ProtocolError)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_unexpected_transfer_and_wrong_blocks(backend, closing) -> None:
+    fp, cache, r, s = _pair(backend, closing)
+    s.begin("ghost", r.address)  # the receiver never reserved blocks for it
+    s.send_layer("ghost", 0, [1], *make_kv(fp, 0, 1, 1))
+    sev = poll_until([r.poll, s.poll], lambda e: e, 3)
+    assert isinstance(_one_failure(sev), ProtocolError)
+    r.expect("t", [1, 2])
+    s.begin("t", r.address)
+    s.send_layer("t", 0, [1, 3], *make_kv(fp, 0, 2, 1))  # block 3 is not ours to write
+    rev, sev = _by_side(r, s)
+    assert isinstance(_one_failure(rev), ProtocolError) and cache.writes == 0
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_receiver_deadline(backend, closing) -> None:
+    fp, cache, r, s = _pair(backend, closing)
+    r.expect("t", [1], deadline_s=0.3)
+    ev = poll_until([r.poll], lambda e: e, 3)
+    assert isinstance(_one_failure(ev), TransferTimeout) and r.pending_transfers() == []
+
+
+def test_lease_expires_when_receiver_stops_polling(closing) -> None:
+    fp, cache, r, s = _pair("zmq", closing)
+    r.expect("t", [1])
+    s.begin("t", r.address)
+    s.send_layer("t", 0, [1], *make_kv(fp, 0, 1, 1))
+    poll_until([r.poll], lambda _: cache.writes == 1, 3)  # then the decode side freezes
+    t0 = time.monotonic()
+    ev = poll_until([s.poll], lambda e: e, 5)
+    assert isinstance(_one_failure(ev), TransferTimeout) and time.monotonic() - t0 < 2.5
+    assert s.active_transfers() == []
+
+
+def test_receiver_killed_mid_transfer(spawn, closing) -> None:
+    fp = fingerprint("bfloat16")
+    q = spawn.Queue()
+    p = spawn.Process(target=procs.receiver_main,
+                      args=("zmq", "tcp://127.0.0.1:0", "bfloat16", "t", [1, 2], q), daemon=True)
+    p.start()
+    try:
+        kind, address = q.get(timeout=30)
+        s = closing(make_sender("zmq", fp, FAST))
+        s.begin("t", address)
+        s.send_layer("t", 0, [1, 2], *make_kv(fp, 0, 2, 1))
+        time.sleep(0.3)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(5)
+        for layer in range(1, fp.num_layers):
+            s.send_layer("t", layer, [1, 2], *make_kv(fp, layer, 2, 1))
+        s.finish("t")
+        t0 = time.monotonic()
+        ev = poll_until([s.poll], lambda e: e, 10)
+        assert isinstance(_one_failure(ev), (TransferTimeout, PeerGone))
+        assert time.monotonic() - t0 < 3 and s.active_transfers() == []
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def test_close_reports_pending(closing) -> None:
+    fp, cache, r, s = _pair("zmq", closing)
+    r.expect("t", [1])
+    s.begin("t", r.address)
+    r.close()
+    s.close()
+    assert isinstance(_one_failure(r.poll()), PeerGone)
+    assert isinstance(_one_failure(s.poll()), PeerGone)
+    assert r.pending_transfers() == [] and s.active_transfers() == []
