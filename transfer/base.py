@@ -12,6 +12,7 @@ worker has a single cleanup path. Backends are imported only when named (nccl ne
 from __future__ import annotations
 
 import importlib
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -117,6 +118,12 @@ class KVReceiver(ABC):
     @abstractmethod
     def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
         """Fail the transfer now (reported by poll()) and tell its sender to release its lease."""
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until something may have arrived (or timeout_s): for an idle decode loop, so that it
+        does not spin on poll() and steal the CPU from the transport's I/O threads. Never required."""
+        time.sleep(min(timeout_s, 0.001))
+        return True
 
     @abstractmethod
     def pending_transfers(self) -> list[str]:

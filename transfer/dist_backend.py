@@ -86,6 +86,10 @@ class DistReceiver(ZmqReceiver):
                         timeout_s=self.cfg.group_timeout_s, store=self._store)
         return {"store_port": self._store.port, "group": link.key, "_link": link}
 
+    def wait(self, timeout_s: float) -> bool:
+        """Payloads complete in link threads, not on the socket: wait at most 1 ms at a time."""
+        return super().wait(min(timeout_s, 0.001))
+
     def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         if bufs or piece.tags is None:
             raise ProtocolError("dist pieces carry p2p tags and no payload frames")

@@ -77,6 +77,11 @@ class ZmqReceiver(KVReceiver):
             self._renew_and_expire()
         return self._table.drain()
 
+    def wait(self, timeout_s: float) -> bool:
+        if self._closed:
+            return False
+        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
     def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
         rec = self._table.abort(transfer_id, reason)
         if rec is not None:

@@ -1,0 +1,265 @@
+"""Transfer benchmark: achieved GB/s of each KV transfer backend against this machine's references.
+
+Layout (the same for pdserve and the raw ZeroMQ reference): the receiver (decode side) runs in this
+process and polls; the sender (prefill side) runs in one spawned process that keeps its sender (and so
+its connection / pair group) across repetitions. KV is float16 blocks shaped like SmolLM2-135M (30
+layers, 3 kv heads, head_dim 64, block_size 16: 368,640 bytes per block over all layers), sent as one
+piece per layer (K and V frames). Time runs from the sender's first send_layer (perf_counter is
+system-wide monotonic on Linux, so the two processes share a clock) to the receiver's DONE event. The
+receiver's sink copies each piece into a preallocated cache, and so does the raw reference: both land
+the bytes where decode needs them; the raw reference has no header, checksum, handshake or ack.
+`local` runs both sides in this process. Each figure is the median of --reps after one warm-up.
+
+    python -m bench.transfer_bench            # prints one JSON object
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.wire import ModelFingerprint
+
+FP = ModelFingerprint("LlamaForCausalLM", "float16", 30, 3, 64, 16)  # SmolLM2-135M
+BLOCK_BYTES = 2 * FP.num_layers * FP.block_size * FP.num_kv_heads * FP.head_dim * 2
+BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo", "local")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64],
+                        help="KV payload sizes in MiB (rounded to whole blocks)")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    parser.add_argument("--no-checksum", action="store_true", help="disable xxh3 frame checksums")
+
+
+def _blocks(size_mib: float) -> int:
+    return max(1, round(size_mib * (1 << 20) / BLOCK_BYTES))
+
+
+def _kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (n, *FP.block_shape)
+    return [(torch.randn(shape).half(), torch.randn(shape).half()) for _ in range(FP.num_layers)]
+
+
+def _child(conn: Any, checksum: bool) -> None:
+    """Sender process: one sender per backend, kept across repetitions."""
+    senders: dict[str, Any] = {}
+    ctx = zmq.Context()
+    raw: dict[str, zmq.Socket] = {}
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        backend, address, n, tid = msg
+        kv = _kv(n)
+        if backend.startswith("raw"):
+            sock = raw.get(address)
+            if sock is None:
+                sock = raw[address] = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, 10000)
+                sock.connect(address)
+                time.sleep(0.2)
+            t0 = time.perf_counter()
+            for k, v in kv:
+                sock.send_multipart([k.view(-1).view(torch.uint8).numpy(),
+                                     v.view(-1).view(torch.uint8).numpy()], copy=False)
+            conn.send((t0, "sent"))
+            continue
+        s = senders.get(backend)
+        if s is None:
+            name = "gloo" if backend == "gloo" else "zmq"
+            s = senders[backend] = make_sender(name, FP, TransferConfig(checksum=checksum))
+        t0 = time.perf_counter()
+        s.begin(tid, address)
+        dst = list(range(n))
+        for layer, (k, v) in enumerate(kv):
+            s.send_layer(tid, layer, dst, k, v)
+        s.finish(tid)
+        ev: list = []
+        end = time.monotonic() + 60
+        while not ev and time.monotonic() < end:
+            ev = s.poll()
+            time.sleep(0.0005)
+        conn.send((t0, ev[0].state.name if ev else "no-event"))
+    for s in senders.values():
+        s.close()
+    ctx.destroy(linger=0)
+
+
+class _Cache:
+    def __init__(self, n: int) -> None:
+        shape = (n, *FP.block_shape)
+        self.k = [torch.empty(shape, dtype=torch.float16) for _ in range(FP.num_layers)]
+        self.v = [torch.empty(shape, dtype=torch.float16) for _ in range(FP.num_layers)]
+
+    def sink(self, tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][blocks[0]:blocks[0] + len(blocks)].copy_(k)  # bench sends contiguous ids
+        self.v[layer][blocks[0]:blocks[0] + len(blocks)].copy_(v)
+
+
+def _wait_done(r: Any, tid: str, timeout_s: float = 60) -> str:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        events = r.poll()
+        for ev in events:
+            if ev.transfer_id == tid:
+                return ev.state.name
+        if not events:
+            r.wait(0.01)  # like an idle decode loop: do not spin against the I/O threads
+    return "timeout"
+
+
+def _raw_receive(sock: zmq.Socket, cache: _Cache, timeout_s: float = 60) -> None:
+    end = time.monotonic() + timeout_s
+    layer = 0
+    while layer < FP.num_layers and time.monotonic() < end:
+        if not sock.poll(100):
+            continue
+        _, kf, vf = sock.recv_multipart(copy=False)
+        cache.k[layer].view(-1).view(torch.uint8)[:].copy_(torch.frombuffer(kf.buffer, dtype=torch.uint8))
+        cache.v[layer].view(-1).view(torch.uint8)[:].copy_(torch.frombuffer(vf.buffer, dtype=torch.uint8))
+        layer += 1
+
+
+def _memcpy(nbytes: int, reps: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _local(n: int, reps: int) -> float:
+    cache = _Cache(n)
+    r = make_receiver("local", FP, cache.sink, f"local://bench-{n}")
+    s = make_sender("local", FP)
+    kv, times = _kv(n), []
+    try:
+        for i in range(reps + 1):
+            tid = f"l{i}"
+            r.expect(tid, list(range(n)))
+            t0 = time.perf_counter()
+            s.begin(tid, r.address)
+            for layer, (k, v) in enumerate(kv):
+                s.send_layer(tid, layer, list(range(n)), k, v)
+            s.finish(tid)
+            assert _wait_done(r, tid) == "DONE"
+            times.append(time.perf_counter() - t0)
+            s.poll()
+    finally:
+        s.close()
+        r.close()
+    return n * BLOCK_BYTES / statistics.median(times[1:]) / 1e9
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = {m: _blocks(m) for m in args.sizes_mib}
+    out: dict[str, Any] = {
+        "kv": {"model": "SmolLM2-135M", "dtype": FP.dtype, "layers": FP.num_layers,
+               "kv_heads": FP.num_kv_heads, "head_dim": FP.head_dim, "block_size": FP.block_size,
+               "bytes_per_block": BLOCK_BYTES},
+        "checksum": not args.no_checksum, "reps": args.reps, "results": [], "memcpy_gbps": {},
+        "raw_zmq_gbps": {},
+    }
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(child, not args.no_checksum), daemon=True)
+    proc.start()
+    zctx = zmq.Context()
+    tmp = tempfile.mkdtemp(prefix="pdserve-bench-")
+    try:
+        for mib, n in sizes.items():
+            nbytes = n * BLOCK_BYTES
+            out["memcpy_gbps"][str(mib)] = round(_memcpy(nbytes, args.reps), 3)
+            for backend in args.backends:
+                if backend == "local":
+                    gbps = _local(n, args.reps)
+                    out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes,
+                                           "gbps": round(gbps, 3)})
+                    continue
+                cache = _Cache(n)
+                addr = f"ipc://{tmp}/{backend}-{n}.ipc" if backend == "zmq-ipc" else "tcp://127.0.0.1:0"
+                name = "gloo" if backend == "gloo" else "zmq"
+                r = make_receiver(name, FP, cache.sink, addr, TransferConfig(checksum=not args.no_checksum))
+                raw = _RawReceiver(zctx, backend, tmp, n) if backend.startswith("zmq") else None
+                times, raw_times = [], []
+                try:
+                    # interleaved with the raw reference rep by rep, so machine noise hits both alike
+                    for i in range(args.reps + 1):
+                        tid = f"{backend}-{mib}-{i}"
+                        r.expect(tid, list(range(n)))
+                        parent.send((backend, r.address, n, tid))
+                        state = _wait_done(r, tid)
+                        t1 = time.perf_counter()
+                        t0, sender_state = parent.recv()
+                        if state != "DONE" or sender_state != "DONE":
+                            raise RuntimeError(f"{backend} transfer {tid}: {state}/{sender_state}")
+                        times.append(t1 - t0)
+                        if raw is not None:
+                            raw_times.append(raw.once(parent))
+                finally:
+                    r.close()
+                    if raw is not None:
+                        raw.close()
+                gbps = nbytes / statistics.median(times[1:]) / 1e9
+                out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes,
+                                       "gbps": round(gbps, 3)})
+                if raw_times:
+                    out["raw_zmq_gbps"].setdefault(backend, {})[str(mib)] = round(
+                        nbytes / statistics.median(raw_times[1:]) / 1e9, 3)
+        for row in out["results"]:
+            raw = out["raw_zmq_gbps"].get(row["backend"], {}).get(str(row["mib"]))
+            if raw:
+                row["ratio_vs_raw_zmq"] = round(row["gbps"] / raw, 3)
+    finally:
+        parent.send(None)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        zctx.destroy(linger=0)
+    return out
+
+
+class _RawReceiver:
+    """The reference: same ROUTER/DEALER pair and frames, no header, checksum, handshake or ack."""
+
+    def __init__(self, zctx: zmq.Context, backend: str, tmp: str, n: int) -> None:
+        self.sock = zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if backend == "zmq-ipc":
+            self.addr = f"ipc://{tmp}/raw-{n}.ipc"
+            self.sock.bind(self.addr)
+        else:
+            self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.backend, self.n, self.cache = backend, n, _Cache(n)
+
+    def once(self, parent: Any) -> float:
+        parent.send(("raw-" + self.backend, self.addr, self.n, "raw"))
+        _raw_receive(self.sock, self.cache)
+        t1 = time.perf_counter()
+        t0, _ = parent.recv()
+        return t1 - t0
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    print(json.dumps(run(ap.parse_args(sys.argv[1:]))))
