@@ -28,6 +28,15 @@ def _bench(module_name: str):
     return run
 
 
+def _lazy(module_name: str, function: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module_name), function)(args)
+
+    return run
+
+
 def _demo(args: argparse.Namespace) -> int:
     from cluster.demo import run_demo
 
@@ -62,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
         if not any(a.dest == "json" for a in transfer._actions):
             transfer.add_argument("--json", action="store_true")
         transfer.set_defaults(func=_bench("bench.transfer_bench"))
+
+    serve = sub.add_parser("serve", help="start the cluster and serve the OpenAI API until Ctrl-C / SIGTERM")
+    serve.add_argument("--config", required=True)
+    serve.add_argument("--address", default=None, help="Ray address ('auto' for a `ray up` cluster)")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.set_defaults(func=_lazy("cluster.serve", "serve"))
+
+    status = sub.add_parser("status", help="pools, workers and their load, from a running router")
+    status.add_argument("--url", default="http://127.0.0.1:8000")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_lazy("cluster.serve", "status"))
 
     demo = sub.add_parser("demo", help="generate with the default model and print text and tokens/s")
     demo.add_argument("--model", default=None)

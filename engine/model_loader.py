@@ -87,6 +87,12 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+
+
 def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
     """Load (model, tokenizer) with transformers' Auto classes; errors name the field and the cause."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -88,6 +88,7 @@ class Request:
     finish_reason: FinishReason | None = None
     output_text: str = ""  # detokenized output, cut at a stop string
     generator: torch.Generator | None = None  # per-request RNG for seeded sampling
+    scheduled_s: float | None = None  # first admitted into the running batch (queue time = scheduled - arrival)
     first_token_s: float | None = None
     finished_s: float | None = None
 

@@ -14,6 +14,7 @@ stopped. If the request itself is the only one left, it is preempted and waits f
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager
@@ -85,7 +86,8 @@ class Scheduler:
             self.waiting.popleft()
             req.block_ids, req.num_computed_tokens = allocation
             req.num_hashed_blocks = req.num_computed_tokens // self.block_manager.block_size
-            if req.num_cached_tokens == 0:
+            if req.scheduled_s is None:
+                req.scheduled_s = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -1,0 +1,49 @@
+"""Ray actors for the workers: thin shells around the Ray-free worker classes.
+
+Ray places and restarts them (``max_restarts``); everything they do per request goes over ZeroMQ. Actor methods
+are only for set-up and inspection: ``info`` (addresses, pid, node), ``snapshot`` (load), ``stop``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cluster.worker_runtime import WorkerOptions
+from engine.config import EngineConfig
+
+
+class WorkerActor:
+    def __init__(self, role: str, options: dict, engine: dict, backend: str, transfer: dict, failure_policy: str) -> None:
+        import ray
+
+        host = options.pop("host")
+        if host == "auto":
+            host = ray.util.get_node_ip_address()
+        worker_options = WorkerOptions(engine=EngineConfig(**engine), host=host, **options)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        if role == "prefill":
+            from prefill.worker import PrefillWorker
+            from transfer.base import TransferConfig
+
+            self.worker = PrefillWorker(worker_options, backend, TransferConfig(**transfer))
+        elif role == "decode":
+            from decode.worker import DecodeWorker
+            from transfer.base import TransferConfig
+
+            self.worker = DecodeWorker(worker_options, backend, TransferConfig(**transfer), failure_policy)
+        elif role == "colocated":
+            from cluster.colocated_worker import ColocatedWorker
+
+            self.worker = ColocatedWorker(worker_options)
+        else:
+            raise ValueError(f"unknown worker role {role!r}")
+        self.worker.start()
+
+    def info(self) -> dict:
+        return {**self.worker.info(), "pid": os.getpid(), "node_id": self.node_id}
+
+    def snapshot(self) -> dict:
+        return self.worker.snapshot()
+
+    def stop(self) -> None:
+        self.worker.stop()

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one router, in a registry of its own (several routers can live in one test process).
+
+Latency histograms come from the router's view of each request; per-worker gauges and transfer counters come from
+the workers' heartbeats, so ``/metrics`` answers "was the KV actually transferred?" and "how full is each pool?".
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# worker stats keys exported as gauges (current values) and as counters (monotonic totals from the worker)
+GAUGE_KEYS = ("waiting", "running", "awaiting_kv", "leased_transfers", "free_blocks", "total_blocks")
+TOTAL_KEYS = (
+    "transfers_ok",
+    "transfers_failed",
+    "transfer_bytes",
+    "transfer_seconds",
+    "reservations_refused",
+    "recomputes",
+    "preemptions",
+    "prefix_hit_tokens",
+)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first", registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("pdserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS)
+        self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.errors = Counter("pdserve_errors", "Failed or aborted requests by reason", ["reason"], registry=r)
+        self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r)
+        self.inflight = Gauge("pdserve_router_inflight", "Requests in flight at the router", registry=r)
+        self.workers_alive = Gauge("pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r)
+        self.worker_gauge = Gauge("pdserve_worker", "Per-worker load from heartbeats", ["worker", "pool", "key"], registry=r)
+        self.worker_total = Gauge("pdserve_worker_total", "Per-worker counters from heartbeats", ["worker", "pool", "key"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
+        self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens generated", registry=r)
+
+    def observe_worker(self, stats: dict) -> None:
+        worker, pool = str(stats.get("worker")), str(stats.get("role"))
+        for key in GAUGE_KEYS:
+            if key in stats:
+                self.worker_gauge.labels(worker, pool, key).set(stats[key])
+        for key in TOTAL_KEYS:
+            if key in stats:
+                self.worker_total.labels(worker, pool, key).set(stats[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,418 @@
+"""The router's request flow: pick workers, reserve decode KV, dispatch, and fan the workers' events back out.
+
+It lives in the HTTP server's event loop and talks to workers over ZeroMQ (``cluster/protocol.py``): one PUSH socket
+per worker for commands, one PULL socket for every worker's events. Tokens never pass through Ray.
+
+Disaggregated request (``generate``):
+1. Reserve: try decode workers in policy order (skipping those whose last heartbeat shows too few free blocks);
+   the first that reserves wins. If none can, the request waits in a bounded queue for capacity (heartbeats and
+   finished requests wake it); a full queue is ``Overloaded`` (429), no live decode worker is ``NoWorkers`` (503).
+2. Dispatch the prompt to a prefill worker with the decode worker's KV address and reserved block ids.
+3. Prefill's ``first_token`` event is streamed to the client at once and forwarded to the decode worker (``start``);
+   decode's ``tokens`` events follow until a finish reason.
+4. Any exit that is not a normal finish (client gone, timeout, worker error) sends ``abort`` to every worker that
+   holds state for the request. Every request ends with a finish or an explicit error.
+Colocated requests skip 1-3: one worker gets ``generate`` and streams every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from cluster.config import ClusterConfig
+from cluster.metrics import RouterMetrics
+from cluster.policies import make_policy
+from cluster.protocol import ProtocolError, pack, params_to_wire, unpack
+from engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+class RequestFailed(Exception):
+    """A request that ends with an error the client sees: an HTTP status, an OpenAI error code and a message."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, code: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code or self.code
+        self.status = status or self.status
+
+
+class Overloaded(RequestFailed):
+    status, code = 429, "overloaded"
+
+
+class NoWorkers(RequestFailed):
+    status, code = 503, "no_workers"
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    name: str
+    role: str
+    command_address: str
+    socket: zmq.asyncio.Socket
+    kv_address: str | None = None
+    stats: dict = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    inflight: int = 0
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Stream:
+    rid: str
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prefill: str | None = None
+    decode: str | None = None
+    started_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    num_output_tokens: int = 0
+    finished: bool = False
+    timing: dict = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, config: ClusterConfig, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.host = host
+        self.metrics = RouterMetrics()
+        self.workers: dict[str, WorkerHandle] = {}
+        self.streams: dict[str, Stream] = {}
+        self._reservations: dict[str, asyncio.Future] = {}
+        self.last_timing: OrderedDict[str, dict] = OrderedDict()  # finished requests' timing, for the response
+        self._policies = {
+            "prefill": make_policy(config.router.prefill_policy),
+            "decode": make_policy(config.router.decode_policy),
+            "colocated": make_policy(config.router.decode_policy),
+        }
+        self._ctx = zmq.asyncio.Context()
+        self._events = self._ctx.socket(zmq.PULL)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.setsockopt(zmq.RCVHWM, 1_000_000)
+        port = self._events.bind_to_random_port(f"tcp://{host}")
+        self.event_address = f"tcp://{host}:{port}"
+        self._capacity = asyncio.Event()
+        self._queue_depth = 0
+        self._tasks: list[asyncio.Task] = []
+        self.block_size = config.transfer.block_size
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- membership --------------------------------------------------------------------------------------------
+
+    def add_worker(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 100_000), (zmq.SNDTIMEO, 1000)):
+            sock.setsockopt(option, value)
+        sock.connect(command_address)
+        old = self.workers.pop(name, None)
+        if old is not None:
+            old.socket.close(0)
+        self.workers[name] = WorkerHandle(name, role, command_address, sock, kv_address)
+        self._update_alive_gauge()
+
+    def mark_dead(self, name: str, reason: str = "worker died") -> None:
+        """Stop routing to a worker and fail what it held: explicit errors, never a silent stall."""
+        worker = self.workers.get(name)
+        if worker is None or not worker.alive:
+            return
+        worker.alive = False
+        logger.warning("worker %s marked dead: %s", name, reason)
+        for stream in list(self.streams.values()):
+            if name in (stream.prefill, stream.decode) and not stream.finished:
+                stream.queue.put_nowait(RequestFailed(f"{reason} ({name})", "worker_died", 503))
+        self._update_alive_gauge()
+
+    def _update_alive_gauge(self) -> None:
+        for pool in ("prefill", "decode", "colocated"):
+            self.metrics.workers_alive.labels(pool).set(sum(1 for w in self.workers.values() if w.role == pool and w.alive))
+
+    def live(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.role == role and w.alive]
+
+    # ---- event loop --------------------------------------------------------------------------------------------
+
+    def add_worker_threadsafe(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
+        """Register from another thread (the monitor that sees Ray restart a worker)."""
+        if self.loop is None:
+            self.add_worker(name, role, command_address, kv_address)
+        else:
+            self.loop.call_soon_threadsafe(self.add_worker, name, role, command_address, kv_address)
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._tasks.append(asyncio.create_task(self._receive_events()))
+        self._tasks.append(asyncio.create_task(self._watch_heartbeats()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for worker in self.workers.values():
+            worker.socket.close(0)
+        self._events.close(0)
+        self._ctx.term()
+
+    async def _receive_events(self) -> None:
+        while True:
+            data = await self._events.recv()
+            try:
+                self._dispatch(unpack(data))
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                logger.warning("router: dropped a bad event: %s", exc)
+
+    async def _watch_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if worker.alive and now - worker.last_seen > HEARTBEAT_TIMEOUT_S:
+                    self.mark_dead(worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
+
+    def _dispatch(self, message: dict) -> None:
+        kind = message["type"]
+        worker = self.workers.get(message.get("worker", ""))
+        if worker is not None:
+            worker.last_seen = time.monotonic()
+        if kind == "stats":
+            if worker is not None:
+                worker.stats = message
+                self.metrics.observe_worker(message)
+            self._wake()
+        elif kind == "reserved":
+            future = self._reservations.get(message["rid"])
+            if future is not None and not future.done():
+                future.set_result(message)
+            elif message.get("ok") and worker is not None:  # a reply that came after we gave up: undo it
+                self._send(worker, {"type": "abort", "rid": message["rid"]})
+        elif kind == "first_token":
+            stream = self.streams.get(message["rid"])
+            if stream is None:
+                return
+            stream.timing.update({f"prefill_{k}": v for k, v in (message.get("timing") or {}).items()})
+            decode = self.workers.get(stream.decode or "")
+            if decode is not None:
+                self._send(decode, {"type": "start", "rid": stream.rid, "first_token": message["token"]})
+            stream.queue.put_nowait(TokenEvent([message["token"]]))
+        elif kind == "tokens":
+            for rid, token_ids, finish_reason, timing in message["items"]:
+                stream = self.streams.get(rid)
+                if stream is None:
+                    continue
+                if timing:
+                    stream.timing.update(timing)
+                stream.queue.put_nowait(TokenEvent(list(token_ids), finish_reason))
+        elif kind == "error":
+            stream = self.streams.get(message.get("rid") or "")
+            if stream is not None:
+                stream.queue.put_nowait(RequestFailed(message["message"], message.get("code"), 500))
+
+    def _wake(self) -> None:
+        self._capacity.set()
+        self._capacity = asyncio.Event()
+
+    def _send(self, worker: WorkerHandle, message: dict) -> None:
+        try:
+            worker.socket.send(pack(message), zmq.NOBLOCK)
+        except zmq.Again:
+            self.mark_dead(worker.name, "command queue full")
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream a request's tokens; raises RequestFailed (with its HTTP status) when it cannot be served."""
+        rid = request_id or uuid.uuid4().hex
+        stream = Stream(rid, len(prompt))
+        self.streams[rid] = stream
+        self.metrics.inflight.inc()
+        deadline = stream.started_s + self.config.router.request_timeout_s
+        try:
+            await self._dispatch_request(stream, prompt, params, deadline)
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    event = await asyncio.wait_for(stream.queue.get(), timeout=max(remaining, 0.001))
+                except asyncio.TimeoutError:
+                    raise RequestFailed("request timed out", "timeout", 504) from None
+                if isinstance(event, RequestFailed):
+                    raise event
+                if event.token_ids and stream.first_token_s is None:
+                    stream.first_token_s = time.monotonic()
+                    self.metrics.ttft.observe(stream.first_token_s - stream.started_s)
+                stream.num_output_tokens += len(event.token_ids)
+                if event.finish_reason is not None:
+                    stream.finished = True
+                    self._record_finish(stream)
+                yield event
+                if stream.finished:
+                    return
+        except RequestFailed as exc:
+            self.metrics.errors.labels(exc.code).inc()
+            self.metrics.requests.labels("error").inc()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or stopped reading
+            if not stream.finished:
+                self.metrics.errors.labels("client_disconnected").inc()
+                self.metrics.requests.labels("aborted").inc()
+            raise
+        finally:
+            if not stream.finished:
+                self.abort(rid)
+            self._release(stream)
+
+    def _record_finish(self, stream: Stream) -> None:
+        now = time.monotonic()
+        self.metrics.requests.labels("finished").inc()
+        self.metrics.e2e.observe(now - stream.started_s)
+        self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
+        self.metrics.generated_tokens.inc(stream.num_output_tokens)
+        if stream.first_token_s is not None and stream.num_output_tokens > 1:
+            self.metrics.tpot.observe((now - stream.first_token_s) / (stream.num_output_tokens - 1))
+        stream.timing["ttft_s"] = (stream.first_token_s or now) - stream.started_s
+        stream.timing["e2e_s"] = now - stream.started_s
+        known = sum(stream.timing.get(k, 0.0) for k in ("router_queue_s", "prefill_queue_s", "prefill_compute_s"))
+        stream.timing["first_token_delivery_s"] = max(0.0, stream.timing["ttft_s"] - known)
+        self.last_timing[stream.rid] = stream.timing
+        while len(self.last_timing) > 10_000:  # a client that never collects its timing cannot grow this
+            self.last_timing.popitem(last=False)
+
+    def _release(self, stream: Stream) -> None:
+        self.streams.pop(stream.rid, None)
+        self.metrics.inflight.dec()
+        for name in {stream.prefill, stream.decode} - {None}:
+            worker = self.workers.get(name)
+            if worker is not None:
+                worker.inflight = max(0, worker.inflight - 1)
+        self._wake()
+
+    def abort(self, rid: str) -> None:
+        """Tell every worker that holds state for the request to free it."""
+        stream = self.streams.get(rid)
+        if stream is None:
+            return
+        for name in {stream.prefill, stream.decode} - {None}:
+            worker = self.workers.get(name)
+            if worker is not None and worker.alive:
+                self._send(worker, {"type": "abort", "rid": rid})
+
+    async def _dispatch_request(self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float) -> None:
+        wire_params = params_to_wire(params)
+        if self.config.mode == "colocated":
+            worker = self._pick("colocated")
+            stream.decode = worker.name
+            worker.inflight += 1
+            self._send(worker, {"type": "generate", "rid": stream.rid, "prompt": prompt, "params": wire_params})
+            stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
+            return
+        decode, reply = await self._reserve(stream, prompt, wire_params, deadline)
+        prefill = self._pick("prefill")
+        stream.prefill = prefill.name
+        prefill.inflight += 1
+        self._send(
+            prefill,
+            {
+                "type": "prefill",
+                "rid": stream.rid,
+                "prompt": prompt,
+                "params": wire_params,
+                "kv_address": reply["kv_address"],
+                "dst_blocks": reply["blocks"],
+            },
+        )
+        stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
+
+    def _pick(self, role: str) -> WorkerHandle:
+        candidates = self._policies[role].order(self.live(role))
+        if not candidates:
+            raise NoWorkers(f"no live {role} worker")
+        return candidates[0]
+
+    async def _reserve(self, stream: Stream, prompt: list[int], wire_params: dict, deadline: float):
+        needed = -(-(len(prompt) + 1) // self.block_size)
+        queued = False
+        try:
+            while True:
+                live = self.live("decode")
+                if not live:
+                    raise NoWorkers("no live decode worker")
+                fits = [w for w in live if w.stats.get("free_blocks", needed) >= needed]
+                for worker in self._policies["decode"].order(fits)[:3]:
+                    reply = await self._try_reserve(worker, stream.rid, prompt, wire_params)
+                    if reply is not None and reply.get("ok"):
+                        stream.decode = worker.name
+                        worker.inflight += 1
+                        return worker, reply
+                if not queued:
+                    if self._queue_depth >= self.config.router.queue_size:
+                        raise Overloaded("every decode worker's KV cache is reserved and the queue is full")
+                    queued = True
+                    self._queue_depth += 1
+                    self.metrics.queue_depth.set(self._queue_depth)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Overloaded("no decode KV became free before the request timed out")
+                try:
+                    await asyncio.wait_for(self._capacity.wait(), timeout=min(0.5, remaining))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if queued:
+                self._queue_depth -= 1
+                self.metrics.queue_depth.set(self._queue_depth)
+
+    async def _try_reserve(self, worker: WorkerHandle, rid: str, prompt: list[int], wire_params: dict) -> dict | None:
+        future = asyncio.get_running_loop().create_future()
+        self._reservations[rid] = future
+        try:
+            self._send(worker, {"type": "reserve", "rid": rid, "prompt": prompt, "params": wire_params})
+            return await asyncio.wait_for(future, timeout=self.config.router.worker_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("decode worker %s did not answer a reservation in time", worker.name)
+            return None
+        finally:
+            self._reservations.pop(rid, None)
+
+    def status(self) -> dict:
+        return {
+            "mode": self.config.mode,
+            "model": self.config.served_model_name,
+            "inflight": len(self.streams),
+            "queue_depth": self._queue_depth,
+            "workers": [
+                {
+                    "name": w.name,
+                    "role": w.role,
+                    "alive": w.alive,
+                    "inflight": w.inflight,
+                    "last_seen_s": round(time.monotonic() - w.last_seen, 3),
+                    **{k: v for k, v in w.stats.items() if k not in ("type", "worker", "role")},
+                }
+                for w in self.workers.values()
+            ],
+        }

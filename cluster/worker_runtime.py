@@ -1,0 +1,182 @@
+"""What every worker shares: an engine, a command socket, an event socket, and one loop thread that owns both.
+
+The engine is not thread-safe and need not be: only the loop thread touches it. The loop drains commands (without
+blocking while there is work), lets the role do one tick (step the engine, poll transfers) and sends a stats
+heartbeat a few times a second. Ray actor methods only read ``snapshot()``, a dict the loop replaces each heartbeat.
+
+A command that fails answers with an ``error`` event for its request and the loop goes on; an engine step that
+raises fails every request the worker holds (each gets an error event, each frees its blocks) rather than leaving
+them hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from cluster.protocol import ProtocolError, pack, unpack
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerOptions:
+    name: str
+    role: str  # prefill | decode | colocated
+    engine: EngineConfig
+    router_address: str  # the router's event socket
+    host: str = "127.0.0.1"  # where this worker binds its sockets
+    stats_interval_s: float = 0.2
+    send_timeout_ms: int = 2000
+    hwm: int = 100_000
+
+
+class WorkerRuntime:
+    role = "worker"
+
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.name = options.name
+        self.engine = LLMEngine(options.engine)
+        self._ctx = zmq.Context()
+        self._commands = self._socket(zmq.PULL)
+        port = self._commands.bind_to_random_port(f"tcp://{options.host}")
+        self.command_address = f"tcp://{options.host}:{port}"
+        self._events = self._socket(zmq.PUSH)
+        self._events.connect(options.router_address)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._snapshot: dict = {}
+        self._last_stats = 0.0
+        self.counters: dict[str, float] = {"errors": 0, "aborts": 0}
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.options.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.options.hwm)
+        sock.setsockopt(zmq.SNDTIMEO, self.options.send_timeout_ms)
+        sock.setsockopt(zmq.RCVTIMEO, self.options.send_timeout_ms)
+        return sock
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.close()
+
+    def close(self) -> None:
+        self._commands.close(0)
+        self._events.close(0)
+        self._ctx.term()
+
+    def info(self) -> dict:
+        return {"name": self.name, "role": self.role, "command_address": self.command_address}
+
+    def snapshot(self) -> dict:
+        return dict(self._snapshot)
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain_commands(timeout_ms=0 if self.has_work() else 5)
+                self.tick()
+            except Exception:  # the loop must survive anything one step throws
+                logger.exception("%s: step failed; failing the requests it held", self.name)
+                self.fail_all("worker step failed")
+            now = time.monotonic()
+            if now - self._last_stats >= self.options.stats_interval_s:
+                self._last_stats = now
+                self._snapshot = self.stats()
+                self.emit({"type": "stats", **self._snapshot})
+
+    def _drain_commands(self, timeout_ms: int, limit: int = 256) -> None:
+        if not self._commands.poll(timeout_ms):
+            return
+        for _ in range(limit):
+            try:
+                data = self._commands.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = unpack(data)
+            except ProtocolError as exc:
+                logger.warning("%s: dropped a bad command: %s", self.name, exc)
+                continue
+            rid = message.get("rid")
+            try:
+                if message["type"] == "abort":
+                    self.counters["aborts"] += 1
+                    self.abort(rid)
+                else:
+                    self.handle(message)
+            except (ValueError, KeyError, ProtocolError) as exc:
+                self.counters["errors"] += 1
+                self.emit_error(rid, str(exc), "invalid_request")
+
+    def emit(self, message: dict) -> None:
+        try:
+            self._events.send(pack(message))
+        except zmq.Again:
+            logger.error("%s: router unreachable; dropped a %s event", self.name, message.get("type"))
+
+    def emit_error(self, rid: str | None, message: str, code: str) -> None:
+        self.emit({"type": "error", "rid": rid, "worker": self.name, "message": message, "code": code})
+
+    def stats(self) -> dict:
+        engine = self.engine
+        return {
+            "worker": self.name,
+            "role": self.role,
+            "waiting": len(engine.scheduler.waiting),
+            "running": len(engine.scheduler.running),
+            "requests": len(engine.requests),
+            "free_blocks": engine.num_free_blocks,
+            "total_blocks": engine.block_manager.num_blocks,
+            "preemptions": engine.scheduler.num_preemptions,
+            "prefix_hit_tokens": engine.block_manager.prefix_hit_tokens,
+            **self.counters,
+        }
+
+    # ---- what each role fills in -------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def handle(self, message: dict) -> None:
+        raise ValueError(f"{self.role} worker does not take {message.get('type')!r} commands")
+
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def fail_all(self, reason: str) -> None:
+        for rid in list(self.engine.requests):
+            self.abort(rid)
+            self.emit_error(rid, reason, "worker_error")
+
+
+def finish_timing(request) -> dict:
+    """Where a request's time went inside this worker (seconds)."""
+    timing = {}
+    if request.scheduled_s is not None:
+        timing["queue_s"] = request.scheduled_s - request.arrival_s
+        if request.first_token_s is not None:
+            timing["compute_s"] = request.first_token_s - request.scheduled_s
+    return timing

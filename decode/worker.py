@@ -1,0 +1,193 @@
+"""The decode worker: reserves KV for requests, imports their KV from prefill workers, decodes them in one batch.
+
+A request's path through this worker:
+1. ``reserve`` from the router: blocks for the prompt and the first token are reserved (or refused at once when
+   they are not free: memory is never overcommitted) and the transfer receiver is told to expect the KV.
+2. While prefill computes, the receiver (polled without blocking, between steps) writes arriving layer pieces into
+   the reserved blocks, checking each frame.
+3. ``start`` from the router brings the first token that prefill sampled. When both the token and the complete KV
+   are here, the request joins the running batch between two steps (continuous batching).
+4. Each step sends the new tokens of every running request to the router in one message. A request that finishes
+   (length, EOS, stop) frees its blocks; an abort frees them whatever the state; a failed transfer fails the request
+   (``failure_policy: fail``) or, with ``recompute``, prefills it here instead, counted either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from cluster.protocol import params_from_wire
+from cluster.worker_runtime import WorkerOptions, WorkerRuntime
+from engine.request import RequestOutput, SamplingParams
+from transfer.base import TransferConfig, make_receiver
+from transfer.wire import ModelFingerprint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RemoteRequest:
+    prompt: list[int]
+    params: SamplingParams
+    expected_s: float = field(default_factory=time.monotonic)
+    first_token: int | None = None
+    start_s: float | None = None
+    kv_done_s: float | None = None
+    kv_failed: bool = False
+
+
+class DecodeWorker(WorkerRuntime):
+    role = "decode"
+
+    def __init__(
+        self,
+        options: WorkerOptions,
+        backend: str = "zmq",
+        transfer: TransferConfig | None = None,
+        failure_policy: str = "fail",
+    ) -> None:
+        super().__init__(options)
+        self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
+        self.receiver = make_receiver(backend, self.fingerprint, self._write_kv, f"tcp://{options.host}:0", transfer)
+        self.failure_policy = failure_policy
+        self.remote: dict[str, RemoteRequest] = {}
+        self.timing: dict[str, dict] = {}
+        self.counters.update(
+            reservations_refused=0, transfers_ok=0, transfers_failed=0, transfer_bytes=0, recomputes=0
+        )
+
+    def info(self) -> dict:
+        return {**super().info(), "kv_address": self.receiver.address}
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished() or bool(self.remote)
+
+    def _write_kv(self, transfer_id: str, layer: int, dst_block_ids: list[int], k, v) -> None:
+        self.engine.write_kv_blocks(layer, dst_block_ids, k, v)
+
+    def handle(self, message: dict) -> None:
+        kind, rid = message["type"], message["rid"]
+        if kind == "reserve":
+            self._reserve(rid, list(message["prompt"]), params_from_wire(message["params"]))
+        elif kind == "start":
+            remote = self.remote.get(rid)
+            if remote is None:
+                raise KeyError(f"request {rid!r} has no reservation here")
+            remote.first_token = int(message["first_token"])
+            remote.start_s = time.monotonic()
+            self._maybe_admit(rid)
+        else:
+            super().handle(message)
+
+    def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        blocks = self.engine.reserve_remote(prompt, params, rid)
+        if blocks is None:
+            self.counters["reservations_refused"] += 1
+            self.emit({"type": "reserved", "rid": rid, "worker": self.name, "ok": False, "reason": "kv_full"})
+            return
+        num_src = self.engine.block_manager.blocks_for(len(prompt))
+        self.receiver.expect(rid, blocks[:num_src], num_layers=self.engine.kv_spec.num_layers)
+        self.remote[rid] = RemoteRequest(prompt, params)
+        self.emit(
+            {
+                "type": "reserved",
+                "rid": rid,
+                "worker": self.name,
+                "ok": True,
+                "blocks": blocks,
+                "kv_address": self.receiver.address,
+            }
+        )
+
+    def _maybe_admit(self, rid: str) -> None:
+        remote = self.remote[rid]
+        if remote.first_token is None:
+            return
+        if remote.kv_failed:
+            self._recompute(rid, remote)
+            return
+        if remote.kv_done_s is None:
+            return
+        del self.remote[rid]
+        self.timing[rid] = {
+            "kv_transfer_s": remote.kv_done_s - remote.expected_s,
+            "kv_wait_after_first_token_s": max(0.0, remote.kv_done_s - remote.start_s),
+            "admitted_s": time.monotonic(),
+        }
+        # the first token was already streamed by the router: only a finish needs reporting here
+        self._send([o for o in self.engine.complete_remote(rid, remote.first_token)], skip_first=True)
+
+    def _recompute(self, rid: str, remote: RemoteRequest) -> None:
+        """failure_policy=recompute: prefill here what the transfer failed to bring, first token included."""
+        del self.remote[rid]
+        self.counters["recomputes"] += 1
+        params = remote.params
+        if params.max_tokens <= 1:
+            self._send_finish(rid, "length")
+            return
+        params.max_tokens -= 1
+        self.engine.add_request(remote.prompt + [remote.first_token], params, rid)
+        self.timing[rid] = {"recomputed": 1.0, "admitted_s": time.monotonic()}
+
+    def tick(self) -> None:
+        for event in self.receiver.poll():
+            remote = self.remote.get(event.transfer_id)
+            if remote is None:
+                continue  # aborted meanwhile: its blocks are already free
+            if event.ok:
+                self.counters["transfers_ok"] += 1
+                self.counters["transfer_bytes"] += event.nbytes
+                remote.kv_done_s = time.monotonic()
+                self._maybe_admit(event.transfer_id)
+                continue
+            self.counters["transfers_failed"] += 1
+            rid = event.transfer_id
+            self.engine.abort(rid)  # frees the reserved blocks
+            if self.failure_policy == "recompute":
+                remote.kv_failed = True
+                self._maybe_admit(rid)
+            else:
+                del self.remote[rid]
+                self.emit_error(rid, f"KV transfer failed: {event.error}", "kv_transfer_failed")
+        if self.engine.has_unfinished():
+            self._send(self.engine.step())
+
+    def _send(self, outputs: list[RequestOutput], skip_first: bool = False) -> None:
+        items = []
+        for output in outputs:
+            tokens = [] if skip_first else output.new_token_ids
+            timing = None
+            if output.finished or output.request_id in self.timing:
+                timing = self._timing(output.request_id, output.finished)
+            if tokens or output.finished:
+                items.append([output.request_id, tokens, output.finish_reason and output.finish_reason.value, timing])
+        if items:
+            self.emit({"type": "tokens", "worker": self.name, "items": items})
+
+    def _timing(self, rid: str, finished: bool) -> dict | None:
+        timing = self.timing.get(rid)
+        if timing is None:
+            return None
+        if "decode_queue_s" not in timing:
+            timing["decode_queue_s"] = time.monotonic() - timing["admitted_s"]
+        if finished:
+            self.timing.pop(rid, None)
+        return {k: v for k, v in timing.items() if k != "admitted_s"}
+
+    def _send_finish(self, rid: str, reason: str) -> None:
+        self.emit({"type": "tokens", "worker": self.name, "items": [[rid, [], reason, self.timing.pop(rid, None)]]})
+
+    def abort(self, rid: str) -> None:
+        if self.remote.pop(rid, None) is not None:
+            self.receiver.abort(rid, "aborted by router")
+        self.timing.pop(rid, None)
+        self.engine.abort(rid)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "awaiting_kv": len(self.remote)}
+
+    def close(self) -> None:
+        self.receiver.close()
+        super().close()

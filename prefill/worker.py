@@ -1,0 +1,134 @@
+"""The prefill worker: computes prompts, streams their KV to decode workers layer by layer, sends first tokens.
+
+A request's path through this worker:
+1. ``prefill`` command from the router: the request (prompt, sampling params, the decode worker's KV address and
+   the block ids it reserved) enters the engine as a prefill-only request, and a transfer to that address begins.
+2. The engine batches it with other prompts (ragged; chunked when longer than ``max_batch_tokens``). In every forward,
+   the layer hook runs after each layer's KV lands in the cache and hands the transfer sender that layer's blocks
+   that are now complete, so the bytes move while the remaining layers compute.
+3. The step that finishes the prompt samples the first token; it goes to the router at once (the TTFT point, not
+   waiting for the transfer), and the transfer is marked finished.
+4. The blocks stay held (PREFILLED) until the decode worker acknowledges the KV, or the lease runs out, or either side
+   aborts: the sender's ``poll`` reports each of those once, and that is where the blocks are released.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from cluster.protocol import params_from_wire
+from cluster.worker_runtime import WorkerOptions, WorkerRuntime, finish_timing
+from engine.attention import AttentionBatch
+from engine.request import RequestStatus
+from transfer.base import TransferConfig, make_sender
+from transfer.wire import ModelFingerprint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OutboundKV:
+    """Which of a request's blocks have been handed to the sender (every layer of a forward sends the same range)."""
+
+    dst_blocks: list[int]
+    num_prompt_tokens: int
+    blocks_sent: int = 0
+    pending_upto: int = 0  # blocks this forward sends; becomes blocks_sent after its last layer
+
+
+class PrefillWorker(WorkerRuntime):
+    role = "prefill"
+
+    def __init__(self, options: WorkerOptions, backend: str = "zmq", transfer: TransferConfig | None = None) -> None:
+        super().__init__(options)
+        self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
+        self.sender = make_sender(backend, self.fingerprint, transfer)
+        self.outbound: dict[str, OutboundKV] = {}
+        self.engine.set_layer_hook(self._on_layer)
+        self.counters.update(transfers_ok=0, transfers_failed=0, transfer_bytes=0, transfer_seconds=0.0)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished() or bool(self.outbound)
+
+    def handle(self, message: dict) -> None:
+        if message["type"] != "prefill":
+            return super().handle(message)
+        rid = message["rid"]
+        params = params_from_wire(message["params"])
+        params.max_tokens = 1
+        self.engine.add_request(list(message["prompt"]), params, rid, prefill_only=True)
+        num_prompt = len(self.engine.requests[rid].prompt_token_ids)
+        dst_blocks = list(message["dst_blocks"])
+        if len(dst_blocks) < self.engine.block_manager.blocks_for(num_prompt):
+            self.engine.abort(rid)
+            raise ValueError(f"decode reserved {len(dst_blocks)} blocks, the prompt needs more")
+        self.outbound[rid] = OutboundKV(dst_blocks, num_prompt)
+        self.sender.begin(rid, message["kv_address"])
+
+    def _on_layer(self, layer: int, batch: AttentionBatch) -> None:
+        block_size = self.engine.kv_spec.block_size
+        last_layer = layer == self.engine.kv_spec.num_layers - 1
+        for chunk in batch.chunks:
+            out = self.outbound.get(chunk.request.request_id)
+            if out is None:
+                continue
+            # a block is sent once, when full, or at the end of the prompt when it is the partial last block
+            if chunk.end >= out.num_prompt_tokens:
+                upto = -(-out.num_prompt_tokens // block_size)
+            else:
+                upto = chunk.end // block_size
+            if upto > out.blocks_sent:
+                src = chunk.request.block_ids[out.blocks_sent : upto]
+                k, v = self.engine.read_kv_blocks(layer, src)
+                self.sender.send_layer(chunk.request.request_id, layer, out.dst_blocks[out.blocks_sent : upto], k, v)
+            if last_layer:
+                out.blocks_sent = max(out.blocks_sent, upto)
+
+    def tick(self) -> None:
+        for output in self.engine.step():
+            request = self.engine.requests.get(output.request_id)
+            if output.finish_reason is None or request is None:
+                continue
+            self.sender.finish(output.request_id)
+            self.emit(
+                {
+                    "type": "first_token",
+                    "rid": output.request_id,
+                    "worker": self.name,
+                    "token": output.new_token_ids[0],
+                    "timing": finish_timing(request),
+                }
+            )
+        for event in self.sender.poll():
+            self._release(event.transfer_id)
+            if event.ok:
+                self.counters["transfers_ok"] += 1
+                self.counters["transfer_bytes"] += event.nbytes
+                self.counters["transfer_seconds"] += event.elapsed_s
+            else:
+                self.counters["transfers_failed"] += 1
+                logger.info("%s: transfer %s failed: %s", self.name, event.transfer_id, event.error)
+
+    def _release(self, rid: str) -> None:
+        self.outbound.pop(rid, None)
+        request = self.engine.requests.get(rid)
+        if request is None:
+            return
+        if request.status == RequestStatus.PREFILLED:
+            self.engine.release(rid)
+        else:  # the transfer ended before the prompt did (decode gone, aborted): stop computing it
+            self.engine.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        if rid in self.outbound:
+            self.sender.abort(rid, "aborted by router")  # its lease ends in poll(), which releases the blocks
+        else:
+            self.engine.abort(rid)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "leased_transfers": len(self.outbound)}
+
+    def close(self) -> None:
+        self.sender.close()
+        super().close()
