@@ -1,0 +1,17 @@
+"""Load test for any OpenAI-compatible server: ``pdserve bench serve`` and ``pdserve bench compare``.
+
+How a run flows, module by module:
+
+- ``workloads``: builds the request list (prompt text built to an exact token count with the model's tokenizer,
+  and a forced output length) from synthetic lengths, a JSONL file, a ShareGPT file or shared-prefix groups.
+- ``shapes``: sends those requests on a schedule (open-loop Poisson/gamma arrivals with optional ramp-up, or a
+  closed loop at a concurrency), with warm-up first, and stops at the count or duration bound, cancelling whatever
+  is still outstanding.
+- ``client``: one streamed request, timed at the client with ``time.perf_counter``; ``sse`` parses the stream.
+- ``metrics``: per-request figures to a run summary (percentiles, throughput, goodput, SLO attainment, server-side
+  stage timings) and a sweep's highest rate that meets the SLOs.
+- ``output``: the results folder (per-request JSONL, summary JSON, CSV, PNG plots) and the printed table.
+- ``cli`` (``pdserve bench serve``) and ``compare`` (``pdserve bench compare``) glue it together.
+
+``docs/loadtest.md`` says how to run it and how each figure is computed.
+"""

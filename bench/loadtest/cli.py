@@ -1,0 +1,248 @@
+"""``pdserve bench serve`` / ``python -m bench.loadtest``: options, one run or a rate sweep, the results folder.
+
+``add_arguments(parser)`` declares the options (named as in ``vllm bench serve`` where they mean the same);
+``run(args)`` builds the workload once, runs each rate (``--rates``, else ``--request-rate``), writes the results
+folder, prints the table to stderr and returns the summary dict. ``compare.py`` reuses ``prepare`` and
+``execute`` for its two modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.loadtest import metrics, output
+from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec
+from bench.loadtest.shapes import LoadShape, run_phase
+from bench.loadtest.workloads import DATASETS, LENGTH_DISTS, PromptBuilder, WorkloadSettings, build_requests, load_tokenizer
+
+DEFAULT_SLOS_NOTE = "cluster.config SLOSection defaults (no --goodput given)"
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Everything but the target: shared by ``bench serve`` and ``bench compare``."""
+    p = parser
+    p.add_argument("--endpoint-type", choices=["completions", "chat"], default="completions")
+    p.add_argument("--tokenizer", default=None,
+                   help="local tokenizer folder (default: the --model folder, else the default model's)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s, open loop (default inf: all at once, or a closed loop with --max-concurrency)")
+    p.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.25,0.5,1,2")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests per rate (0: only --duration bounds)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per rate; outstanding requests are cancelled")
+    p.add_argument("--ramp-up-s", type=float, default=0.0)
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", default=None)
+    p.add_argument("--random-input-len", type=int, default=256,
+                   help="prompt tokens as the server counts them (templated for chat); shared-prefix: question tokens")
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="uniform lengths within ±ratio")
+    p.add_argument("--length-dist", choices=LENGTH_DISTS, default=None,
+                   help="default: uniform if --random-range-ratio > 0, else fixed")
+    p.add_argument("--length-cv", type=float, default=0.25, help="std/mean for normal and lognormal lengths")
+    p.add_argument("--shared-prefix-groups", type=int, default=4)
+    p.add_argument("--shared-prefix-len", type=int, default=512)
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true so outputs run to max_tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    p.add_argument("--slo-target-pct", type=float, default=90.0, help="sweep: attainment a rate must reach")
+    p.add_argument("--num-workers", type=int, default=None, help="sweep: report the max rate per worker")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="50,90,99")
+    p.add_argument("--result-dir", default=None, help="default: results/<timestamp>")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--disable-tqdm", action="store_true")
+    if not any(a.dest == "json" for a in p._actions):
+        p.add_argument("--json", action="store_true", help="print only the summary JSON")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.model_loader import DEFAULT_MODEL
+
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the served model name (and tokenizer folder if a path)")
+    add_workload_arguments(parser)
+
+
+@dataclass
+class Plan:
+    """What every run of a command shares: the request list, per-request settings (less the target) and SLOs."""
+
+    specs: list[RequestSpec]
+    workload: WorkloadSettings
+    shapes: list[LoadShape]
+    slos: dict
+    slo_source: str
+    percentiles: list[float]
+    percentile_metrics: list[str]
+    endpoint_type: str
+    ignore_eos: bool
+    temperature: float
+    api_key: str | None
+    request_timeout_s: float
+    seed: int
+    progress: bool
+    slo_target_pct: float
+    tokenizer: object = None  # counts output tokens when a server sends no usage
+
+
+def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos: dict | None = None) -> Plan:
+    """Validate options and build the workload once (prompt building happens here, not while timing)."""
+    rates = metrics.parse_list(args.rates, "--rates") or [args.request_rate]
+    shapes = [
+        LoadShape(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                  num_prompts=args.num_prompts or None, duration_s=args.duration, ramp_up_s=args.ramp_up_s,
+                  num_warmups=args.num_warmups)
+        for rate in rates
+    ]
+    for shape in shapes:
+        shape.validate()
+    percentile_metrics = metrics.parse_list(args.percentile_metrics, "--percentile-metrics", str)
+    unknown = set(percentile_metrics) - set(metrics.METRICS)
+    if unknown:
+        raise ValueError(f"--percentile-metrics: {sorted(unknown)} not among {', '.join(metrics.METRICS)}")
+    percentiles = metrics.parse_list(args.metric_percentiles, "--metric-percentiles")
+    if any(not 0 <= p <= 100 for p in percentiles):
+        raise ValueError("--metric-percentiles: each must be within 0..100")
+    slos, slo_source = metrics.parse_goodput(args.goodput), "--goodput"
+    if not slos and len(shapes) > 1:
+        slos, slo_source = dict(default_slos or _default_slos()), DEFAULT_SLOS_NOTE
+    if not slos:
+        slo_source = "none"
+    workload = WorkloadSettings(
+        dataset_name=args.dataset_name, dataset_path=args.dataset_path, random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
+        length_dist=args.length_dist, length_cv=args.length_cv, shared_prefix_groups=args.shared_prefix_groups,
+        shared_prefix_len=args.shared_prefix_len, seed=args.seed,
+    )
+    tokenizer = load_tokenizer(args.tokenizer, tokenizer_model)
+    builder = PromptBuilder(tokenizer, args.endpoint_type, seed=args.seed)
+    n = args.num_warmups + _pool_size(shapes)
+    specs = build_requests(workload, builder, n)
+    plan = Plan(specs, workload, shapes, slos, slo_source, percentiles, percentile_metrics, args.endpoint_type,
+                args.ignore_eos, args.temperature, args.api_key, args.request_timeout_s, args.seed,
+                not args.disable_tqdm, args.slo_target_pct, tokenizer)
+    return plan
+
+
+def _default_slos() -> dict:
+    try:
+        from cluster.config import SLOSection
+
+        section = SLOSection()
+        return {"ttft": section.ttft_s * 1000.0, "tpot": section.tpot_s * 1000.0}
+    except ImportError:
+        return {"ttft": 2000.0, "tpot": 200.0}
+
+
+def _pool_size(shapes: list[LoadShape]) -> int:
+    """Distinct requests to build: the count bound, or enough for the duration (cycled beyond)."""
+    if shapes[0].num_prompts:
+        return shapes[0].num_prompts
+    sizes = []
+    for s in shapes:
+        if math.isinf(s.request_rate):
+            sizes.append(4 * (s.max_concurrency or 1) + 64)
+        else:
+            sizes.append(int(s.request_rate * s.duration_s * 1.2) + 16)
+    return max(1, min(2000, max(sizes)))
+
+
+def execute(plan: Plan, base_url: str, model: str, folder: Path, mode: str | None = None,
+            num_workers: int | None = None) -> tuple[list[dict], list[list[RequestResult]], dict | None]:
+    """Run every rate of the plan against one server; appends to ``requests.jsonl``; returns per-run summaries,
+    per-run results and the sweep pick (None for a single rate)."""
+    settings = RequestSettings(base_url=base_url, model=model, endpoint_type=plan.endpoint_type,
+                               ignore_eos=plan.ignore_eos, temperature=plan.temperature, api_key=plan.api_key,
+                               request_timeout_s=plan.request_timeout_s)
+    runs, all_results = [], []
+    for shape in plan.shapes:
+        rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
+        label = f"{mode + ' ' if mode else ''}rate {rate_label}"
+        results, duration_s, client_stats = asyncio.run(
+            run_phase(plan.specs, shape, settings, seed=plan.seed, progress=plan.progress, label=label))
+        _fill_counts(results, plan.tokenizer)
+        measured = [r for r in results if not r.warmup]
+        warm = [r for r in results if r.warmup]
+        run = {"mode": mode} if mode else {}
+        run |= {"rate": rate_label, "burstiness": shape.burstiness, "max_concurrency": shape.max_concurrency,
+                "closed_loop": shape.closed_loop}
+        run |= metrics.summarize(measured, duration_s, plan.slos, plan.percentiles, plan.percentile_metrics)
+        run["warmups"] = {"requests": len(warm), "failed": sum(not r.success for r in warm)}
+        run["client"] = client_stats
+        output.write_requests(folder / "requests.jsonl", results, {"mode": mode} if mode else None)
+        runs.append(run)
+        all_results.append(results)
+    sweep = None
+    if len(runs) > 1:
+        sweep = metrics.pick_max_rate(runs, plan.slo_target_pct, num_workers)
+    return runs, all_results, sweep
+
+
+def _fill_counts(results: list[RequestResult], tokenizer) -> None:
+    for r in results:
+        if r.success and r.output_tokens is None:
+            r.output_tokens = len(tokenizer(r.generated_text, add_special_tokens=False)["input_ids"])
+            r.output_tokens_source = "tokenizer"
+        if r.success and r.input_tokens is None:
+            r.input_tokens = r.expected_input_tokens
+        r.generated_text = ""
+
+
+def benchmark_settings(args: argparse.Namespace, plan: Plan) -> dict:
+    keep = {k: v for k, v in vars(args).items() if k not in ("func", "api_key") and not callable(v)}
+    return output.clean_json(keep | {"slo_ms": plan.slos, "slo_source": plan.slo_source,
+                                     "workload": asdict(plan.workload),
+                                     "input_tokens_mean": sum(s.input_tokens for s in plan.specs) / len(plan.specs),
+                                     "output_tokens_mean": sum(s.output_tokens for s in plan.specs) / len(plan.specs)})
+
+
+def result_folder(args: argparse.Namespace) -> Path:
+    folder = Path(args.result_dir) if args.result_dir else output.default_result_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "requests.jsonl").unlink(missing_ok=True)
+    return folder
+
+
+def run(args: argparse.Namespace) -> dict:
+    plan = prepare(args, args.tokenizer or args.model)
+    folder = result_folder(args)
+    runs, results, sweep = execute(plan, args.base_url, args.model, folder, num_workers=args.num_workers)
+    summary = {"benchmark": benchmark_settings(args, plan), "runs": runs, "sweep": sweep,
+               "result_dir": str(folder)}
+    summary["plots"] = output.write_plots(folder, runs, results)
+    summary = output.clean_json(summary)
+    output.write_summary(folder, summary)
+    print(output.format_table(runs), file=sys.stderr)
+    if sweep:
+        print(f"highest rate with >= {sweep['target_attainment_pct']}% of requests within the SLOs "
+              f"{plan.slos}: {sweep['max_rate_meeting_slo']}", file=sys.stderr)
+    print(f"results in {folder}", file=sys.stderr)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.loadtest",
+                                     description="Load-test an OpenAI-compatible server (pdserve bench serve)")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        summary = run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(summary))
+    return 0

@@ -1,0 +1,270 @@
+"""One streamed OpenAI request, timed at the client.
+
+``send_request`` posts a completions or chat request with ``stream: true`` and
+``stream_options: {"include_usage": true}``, reads the SSE stream and fills a ``RequestResult``:
+
+- ``start`` is ``time.perf_counter()`` just before the request is sent (connection set-up included, as in
+  ``vllm bench serve``); every later time is measured from it.
+- TTFT: the read that delivered the first chunk with non-empty text (``text`` for completions, ``delta.content`` or
+  ``delta.reasoning_content`` for chat). Role-only and empty chunks do not count.
+- ITL: the gap between consecutive reads that delivered text, one gap per content chunk after the first. A chunk
+  may carry several tokens; ``content_chunks`` against ``output_tokens`` shows when it did.
+- end-to-end latency: the read that delivered ``[DONE]`` (or the end of the body for a non-streamed answer).
+- token counts: from the server's ``usage``; when a server sends none, the runner counts the generated text with
+  the tokenizer afterwards (``output_tokens_source`` says which).
+- server stage timings: a ``timing`` object in any chunk (top level or inside the choice), the last one kept.
+
+Every request ends as a success or as a failure with one reason: ``http_<status>``, ``timeout``, ``cancelled``,
+``connect_error``, ``stream_cut`` (the body ended or broke before ``[DONE]``), ``stream_error`` (an error event or
+an ``error`` object in the stream), ``bad_response`` (unparseable chunk or body) or ``no_content`` (``[DONE]``
+without any text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from bench.loadtest.sse import SSEParser
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+TIMING_FIELDS = (
+    "router_queue_s",
+    "prefill_queue_s",
+    "prefill_compute_s",
+    "first_token_delivery_s",
+    "kv_transfer_s",
+    "decode_queue_s",
+    "ttft_s",
+    "e2e_s",
+)
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """What to send. ``system`` is a chat system message, or for completions a text put before ``prompt``."""
+
+    index: int
+    prompt: str
+    output_tokens: int  # sent as max_tokens
+    input_tokens: int  # what our tokenizer counts for the prompt as sent (templated for chat)
+    system: str | None = None
+    group: int | None = None  # shared-prefix group
+
+
+@dataclass(slots=True)
+class RequestSettings:
+    base_url: str
+    model: str
+    endpoint_type: str = "completions"
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    extra_body: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    warmup: bool = False
+    rate: float | None = None
+    scheduled_s: float | None = None  # planned send time, from the start of the run phase
+    sent_s: float | None = None  # actual send time, from the start of the run phase
+    success: bool = False
+    error: str | None = None
+    error_detail: str | None = None
+    http_status: int | None = None
+    ttft_s: float | None = None
+    e2el_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    content_chunks: int = 0
+    expected_input_tokens: int | None = None
+    requested_output_tokens: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    output_tokens_source: str | None = None
+    finish_reason: str | None = None
+    server_timing: dict | None = None
+    group: int | None = None
+    generated_text: str = ""  # kept for counting when usage is absent; not written out
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(e2e - ttft) / (output_tokens - 1); 0 for a single-token answer (as vLLM does), None on failure."""
+        if not self.success or self.ttft_s is None or self.e2el_s is None or not self.output_tokens:
+            return None
+        if self.output_tokens <= 1:
+            return 0.0
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def to_record(self) -> dict:
+        record = asdict(self)
+        record.pop("generated_text")
+        record["tpot_s"] = self.tpot_s
+        return record
+
+
+def build_body(spec: RequestSpec, settings: RequestSettings) -> dict:
+    body: dict = {
+        "model": settings.model,
+        "max_tokens": spec.output_tokens,
+        "temperature": settings.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if settings.endpoint_type == "chat":
+        messages = []
+        if spec.system is not None:
+            messages.append({"role": "system", "content": spec.system})
+        messages.append({"role": "user", "content": spec.prompt})
+        body["messages"] = messages
+    else:
+        body["prompt"] = (spec.system or "") + spec.prompt
+    if settings.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(settings.extra_body)
+    return body
+
+
+def _chunk_text(choice: dict) -> str:
+    if "text" in choice:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or choice.get("message") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+class _StreamState:
+    """Applies parsed chunks to a result; ``done`` once ``[DONE]`` arrived."""
+
+    def __init__(self, result: RequestResult, start: float) -> None:
+        self.result = result
+        self.start = start
+        self.last_content: float | None = None
+        self.done = False
+        self.text: list[str] = []
+
+    def apply(self, obj: dict, now: float) -> None:
+        result = self.result
+        if obj.get("error"):
+            raise _Failure("stream_error", json.dumps(obj["error"])[:500])
+        usage = obj.get("usage")
+        if usage:
+            if usage.get("prompt_tokens") is not None:
+                result.input_tokens = int(usage["prompt_tokens"])
+            if usage.get("completion_tokens") is not None:
+                result.output_tokens = int(usage["completion_tokens"])
+                result.output_tokens_source = "usage"
+        if isinstance(obj.get("timing"), dict):
+            result.server_timing = obj["timing"]
+        for choice in obj.get("choices") or []:
+            text = _chunk_text(choice)
+            if text:
+                self.text.append(text)
+                result.content_chunks += 1
+                if self.last_content is None:
+                    result.ttft_s = now - self.start
+                else:
+                    result.itl_s.append(now - self.last_content)
+                self.last_content = now
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+            if isinstance(choice.get("timing"), dict):
+                result.server_timing = choice["timing"]
+
+
+class _Failure(Exception):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict, result: RequestResult) -> float:
+    start = time.perf_counter()
+    state = _StreamState(result, start)
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            result.http_status = response.status_code
+            if response.status_code != 200:
+                detail = (await response.aread())[:500].decode("utf-8", "replace")
+                raise _Failure(f"http_{response.status_code}", detail)
+            if "text/event-stream" not in response.headers.get("content-type", "text/event-stream"):
+                raw = await response.aread()
+                now = time.perf_counter()
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    raise _Failure("bad_response", raw[:200].decode("utf-8", "replace")) from None
+                state.apply(obj, now)
+                result.e2el_s = now - start
+                state.done = True
+            else:
+                parser = SSEParser()
+                async for chunk in response.aiter_bytes():
+                    now = time.perf_counter()
+                    _handle_events(state, parser.feed(chunk), now)
+                    if state.done:
+                        result.e2el_s = now - start
+                        break
+                if not state.done:
+                    now = time.perf_counter()
+                    _handle_events(state, parser.close(), now)
+                    if state.done:
+                        result.e2el_s = now - start
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        raise _Failure("stream_cut", f"{type(exc).__name__}: {exc}") from None
+    if not state.done:
+        raise _Failure("stream_cut", "the stream ended without [DONE]")
+    result.generated_text = "".join(state.text)
+    if result.ttft_s is None:
+        raise _Failure("no_content", "the stream finished without any text")
+    return start
+
+
+def _handle_events(state: _StreamState, events: list[tuple[str | None, str]], now: float) -> None:
+    for event, data in events:
+        if state.done:
+            return
+        if data.strip() == "[DONE]":
+            state.done = True
+            continue
+        if event == "error":
+            raise _Failure("stream_error", data[:500])
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise _Failure("bad_response", data[:200]) from None
+        if isinstance(obj, dict):
+            state.apply(obj, now)
+
+
+async def send_request(
+    client: httpx.AsyncClient, spec: RequestSpec, settings: RequestSettings, result: RequestResult
+) -> RequestResult:
+    """Send one request and fill ``result``; never raises except ``CancelledError`` (after marking it)."""
+    url = settings.base_url.rstrip("/") + ENDPOINT_PATHS[settings.endpoint_type]
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    result.expected_input_tokens = spec.input_tokens
+    result.requested_output_tokens = spec.output_tokens
+    result.group = spec.group
+    try:
+        async with asyncio.timeout(settings.request_timeout_s):
+            await _stream(client, url, build_body(spec, settings), headers, result)
+        result.success = True
+    except _Failure as exc:
+        result.error, result.error_detail = exc.reason, exc.detail
+    except (TimeoutError, httpx.TimeoutException) as exc:
+        result.error, result.error_detail = "timeout", f"no answer within {settings.request_timeout_s} s ({type(exc).__name__})"
+    except httpx.ConnectError as exc:
+        result.error, result.error_detail = "connect_error", str(exc)
+    except httpx.HTTPError as exc:
+        result.error, result.error_detail = "stream_cut", f"{type(exc).__name__}: {exc}"
+    except asyncio.CancelledError:
+        result.error, result.error_detail = "cancelled", "still running when the run reached its bound"
+        raise
+    return result

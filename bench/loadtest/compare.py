@@ -1,0 +1,98 @@
+"""``pdserve bench compare --config FILE``: the same workload and rates against the cluster in colocated mode and
+in disaggregated mode, on the same workers, into one results folder with one table and the plots.
+
+For each mode it starts the cluster from a copy of the config (``mode`` set, ``router.port`` 0 for a free port)
+with ``cluster.launch.start_serving(config)``, which returns a handle with ``base_url``, ``num_workers`` and
+``stop()``; runs every rate (``--rates``, else ``--request-rate``) against ``handle.base_url``; stops it. The SLOs
+are ``--goodput`` if given, else the config's ``slo`` section. The per-worker rate uses ``handle.num_workers``
+(``--num-workers`` overrides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.loadtest import output
+from bench.loadtest.cli import add_workload_arguments, benchmark_settings, execute, prepare, result_folder
+
+MODES = ("colocated", "disaggregated")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="cluster YAML (configs/local.yaml)")
+    parser.add_argument("--modes", default=",".join(MODES), help="which modes to run, in order")
+    add_workload_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from cluster.config import load_config
+
+    config = load_config(args.config)
+    modes = [m for m in args.modes.replace(" ", "").split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"--modes: {args.modes!r}: choose from {', '.join(MODES)}")
+    slos = {"ttft": config.slo.ttft_s * 1000.0, "tpot": config.slo.tpot_s * 1000.0}
+    from_config = not args.goodput
+    if from_config:
+        args.goodput = [f"ttft:{slos['ttft']:g}", f"tpot:{slos['tpot']:g}"]
+    plan = prepare(args, args.tokenizer or config.model.name)
+    if from_config:
+        plan.slo_source = f"{args.config}: slo"
+    folder = result_folder(args)
+    runs, results, per_mode = [], [], {}
+    for mode in modes:
+        handle = _start(config, mode)
+        try:
+            workers = args.num_workers or handle.num_workers
+            mode_runs, mode_results, sweep = execute(plan, handle.base_url, config.served_model_name, folder,
+                                                     mode=mode, num_workers=workers)
+        finally:
+            handle.stop()
+        per_mode[mode] = {"base_url": handle.base_url, "num_workers": workers, "sweep": sweep}
+        runs += mode_runs
+        results += mode_results
+    summary = {"benchmark": benchmark_settings(args, plan) | {"config": str(args.config)}, "modes": per_mode,
+               "runs": runs, "result_dir": str(folder)}
+    summary["plots"] = output.write_plots(folder, runs, results)
+    summary = output.clean_json(summary)
+    output.write_summary(folder, summary)
+    (folder / "table.txt").write_text(output.format_table(runs) + "\n")
+    print(output.format_table(runs), file=sys.stderr)
+    for mode, info in per_mode.items():
+        if info["sweep"]:
+            s = info["sweep"]
+            print(f"{mode}: highest rate within the SLOs {plan.slos}: {s['max_rate_meeting_slo']} "
+                  f"({s['max_rate_per_worker']} per worker, {info['num_workers']} workers)", file=sys.stderr)
+    print(f"results in {folder}", file=sys.stderr)
+    return summary
+
+
+def _start(config, mode: str):
+    from cluster.launch import start_serving  # lazily: the launcher needs Ray and the workers
+
+    copy = config.model_copy(deep=True)
+    copy.mode = mode
+    copy.router.port = 0
+    return start_serving(copy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m bench.loadtest.compare",
+                                     description="colocated vs disaggregated on the same workers")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        summary = run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

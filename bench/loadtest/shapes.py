@@ -1,0 +1,255 @@
+"""Load shapes: when each request is sent, and when a run stops.
+
+- Open loop (``request_rate`` finite, or infinite without ``max_concurrency``): arrival gaps are gamma distributed
+  with shape ``burstiness`` and mean ``1 / rate`` (``burstiness`` 1 is Poisson; below 1 burstier, above 1 more
+  even). The first request goes at 0. ``request_rate`` inf sends them all at once. With ``max_concurrency`` a
+  request that is due waits for a free slot; its TTFT is timed from when it is actually sent (as in vLLM), and
+  ``scheduled_s`` / ``sent_s`` in the per-request records show the wait.
+- Closed loop (``request_rate`` inf with ``max_concurrency`` N): N senders, each sends its next request as soon as
+  its last one ends.
+- Ramp-up ``ramp_up_s``: open loop, the rate rises linearly from 0 to ``request_rate`` over that time (arrivals
+  are drawn in "operational time" and mapped through the integrated rate); closed loop, sender i starts at
+  ``ramp_up_s * i / N``.
+- Bounds: at most ``num_prompts`` requests (0 or None: no count bound) and at most ``duration_s`` seconds. At the
+  duration bound nothing new is sent, and every request still running is cancelled and recorded as failed with
+  reason ``cancelled``; a request over ``request_timeout_s`` fails with ``timeout``. So a run always ends.
+- Warm-up: ``num_warmups`` requests first (at most ``max_concurrency`` at once), recorded with ``warmup: true`` and
+  left out of every figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec, send_request
+
+
+@dataclass(slots=True)
+class LoadShape:
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_prompts: int | None = 100
+    duration_s: float | None = None
+    ramp_up_s: float = 0.0
+    num_warmups: int = 0
+
+    def validate(self) -> None:
+        if not self.request_rate > 0:
+            raise ValueError("--request-rate must be positive (inf: all at once)")
+        if not self.burstiness > 0:
+            raise ValueError("--burstiness must be positive (1: Poisson)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be at least 1")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError("--duration must be positive")
+        if self.ramp_up_s < 0 or self.num_warmups < 0:
+            raise ValueError("--ramp-up-s and --num-warmups cannot be negative")
+        if not self.num_prompts and self.duration_s is None:
+            raise ValueError("a run needs a bound: --num-prompts or --duration")
+        if not self.num_prompts and math.isinf(self.request_rate) and self.max_concurrency is None:
+            raise ValueError("--request-rate inf with no --num-prompts needs --max-concurrency")
+
+    @property
+    def closed_loop(self) -> bool:
+        return math.isinf(self.request_rate) and self.max_concurrency is not None
+
+
+def arrival_offsets(rate: float, burstiness: float, ramp_up_s: float, rng: np.random.Generator) -> Iterator[float]:
+    """Send times (s from the start) of an open-loop run, without end."""
+    if math.isinf(rate):
+        while True:
+            yield 0.0
+    s = 0.0  # operational time: expected arrivals so far
+    ramp_arrivals = rate * ramp_up_s / 2.0  # arrivals expected during the ramp
+    while True:
+        if ramp_up_s > 0 and s < ramp_arrivals:
+            yield math.sqrt(2.0 * ramp_up_s * s / rate)
+        else:
+            yield (ramp_up_s if ramp_up_s > 0 else 0.0) + (s - (ramp_arrivals if ramp_up_s > 0 else 0.0)) / rate
+        s += rng.gamma(shape=burstiness, scale=1.0 / burstiness)
+
+
+def make_client(settings: RequestSettings, connections: int | None = None) -> httpx.AsyncClient:
+    # No environment proxies: a benchmark must reach the server directly.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.request_timeout_s),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        trust_env=False,
+    )
+
+
+class _LagMonitor:
+    """How late the client's event loop wakes up: if this grows, the client itself is skewing the figures."""
+
+    def __init__(self, period_s: float = 0.01) -> None:
+        self.period_s = period_s
+        self.lags: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(self.period_s)
+            self.lags.append(max(0.0, time.perf_counter() - before - self.period_s))
+
+
+async def run_phase(
+    specs: Sequence[RequestSpec],
+    shape: LoadShape,
+    settings: RequestSettings,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+    label: str = "",
+) -> tuple[list[RequestResult], float, dict]:
+    """Warm up, then run the measured phase. Returns (all results, measured duration in s, client stats).
+
+    ``specs`` are used in order and cycled when the run (bounded by duration) needs more."""
+    shape.validate()
+    rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
+    results: list[RequestResult] = []
+    async with make_client(settings, shape.max_concurrency) as client:
+        spec_iter = itertools.cycle(specs)
+        if shape.num_warmups:
+            warm = [RequestResult(index=-1 - i, warmup=True, rate=rate_label) for i in range(shape.num_warmups)]
+            sem = asyncio.Semaphore(shape.max_concurrency or shape.num_warmups)
+
+            async def warm_one(result: RequestResult, spec: RequestSpec) -> None:
+                async with sem:
+                    await send_request(client, spec, settings, result)
+
+            await asyncio.gather(*(warm_one(r, next(spec_iter)) for r in warm))
+            results.extend(warm)
+        measured: list[RequestResult] = []
+        bar = _progress(shape, progress, label)
+        monitor = _LagMonitor()
+        lag_task = asyncio.create_task(monitor.run())
+        start = time.perf_counter()
+        try:
+            if shape.closed_loop:
+                await _closed_loop(client, spec_iter, shape, settings, measured, start, rate_label, bar)
+            else:
+                await _open_loop(client, spec_iter, shape, settings, measured, start, rate_label, bar, seed)
+        finally:
+            end = time.perf_counter()
+            lag_task.cancel()
+            await asyncio.gather(lag_task, return_exceptions=True)
+            if bar is not None:
+                bar.close()
+        results.extend(measured)
+    lags = np.asarray(monitor.lags or [0.0]) * 1000.0
+    stats = {"loop_lag_ms_p99": float(np.percentile(lags, 99)), "loop_lag_ms_max": float(lags.max())}
+    return results, end - start, stats
+
+
+def _progress(shape: LoadShape, enabled: bool, label: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=shape.num_prompts or None, desc=label or "requests", unit="req", file=sys.stderr,
+                leave=False, dynamic_ncols=True)
+
+
+def _remaining(start: float, shape: LoadShape) -> float | None:
+    return None if shape.duration_s is None else start + shape.duration_s - time.perf_counter()
+
+
+async def _finish(tasks: list[asyncio.Task], driver: asyncio.Task, start: float, shape: LoadShape) -> None:
+    """Wait for ``driver`` (which creates ``tasks``) and every task, up to the duration bound; then cancel."""
+
+    async def everything() -> None:
+        await driver
+        while True:  # the driver is done: ``tasks`` no longer grows
+            pending = [t for t in tasks if not t.done()]
+            if not pending:
+                return
+            await asyncio.wait(pending)
+
+    waiter = asyncio.create_task(everything())
+    try:
+        await asyncio.wait({waiter}, timeout=_remaining(start, shape))
+    finally:
+        leftovers = [t for t in [waiter, driver, *tasks] if not t.done()]
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(waiter, driver, *tasks, return_exceptions=True)
+
+
+async def _open_loop(client, spec_iter, shape, settings, measured, start, rate_label, bar, seed) -> None:
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
+    tasks: list[asyncio.Task] = []
+
+    async def one(result: RequestResult, spec: RequestSpec) -> None:
+        try:
+            if sem is None:
+                result.sent_s = time.perf_counter() - start
+                await send_request(client, spec, settings, result)
+            else:
+                async with sem:
+                    result.sent_s = time.perf_counter() - start
+                    await send_request(client, spec, settings, result)
+        except asyncio.CancelledError:
+            if result.error is None:  # never sent: still waiting for a concurrency slot
+                result.error, result.error_detail = "cancelled", "due, but waiting for a concurrency slot at the bound"
+            raise
+        finally:
+            if bar is not None:
+                bar.update(1)
+
+    async def dispatch() -> None:
+        for seq, offset in enumerate(arrival_offsets(shape.request_rate, shape.burstiness, shape.ramp_up_s, rng)):
+            if shape.num_prompts and seq >= shape.num_prompts:
+                return
+            if shape.duration_s is not None and offset >= shape.duration_s:
+                return
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result = RequestResult(index=seq, rate=rate_label, scheduled_s=offset)
+            measured.append(result)
+            tasks.append(asyncio.create_task(one(result, next(spec_iter))))
+
+    await _finish(tasks, asyncio.create_task(dispatch()), start, shape)
+
+
+async def _closed_loop(client, spec_iter, shape, settings, measured, start, rate_label, bar) -> None:
+    counter = itertools.count()
+    n = shape.max_concurrency
+
+    async def sender(i: int) -> None:
+        if shape.ramp_up_s:
+            await asyncio.sleep(shape.ramp_up_s * i / n)
+        while True:
+            seq = next(counter)
+            if shape.num_prompts and seq >= shape.num_prompts:
+                return
+            remaining = _remaining(start, shape)
+            if remaining is not None and remaining <= 0:
+                return
+            now = time.perf_counter() - start
+            result = RequestResult(index=seq, rate=rate_label, scheduled_s=now, sent_s=now)
+            measured.append(result)
+            try:
+                await send_request(client, next(spec_iter), settings, result)
+            finally:
+                if bar is not None:
+                    bar.update(1)
+
+    senders = [asyncio.create_task(sender(i)) for i in range(n)]
+
+    async def driver() -> None:
+        await asyncio.gather(*senders)
+
+    await _finish(senders, asyncio.create_task(driver()), start, shape)
+    measured.sort(key=lambda r: r.index)
