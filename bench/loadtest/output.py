@@ -112,6 +112,14 @@ def _run_label(run: dict) -> str:
     return f"{mode}rate {run['rate']}"
 
 
+def _finish_axes(ax) -> None:
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no successful requests", ha="center", va="center", transform=ax.transAxes)
+
+
 def _cdf(ax, values_ms: Sequence[float], label: str) -> None:
     import numpy as np
 
@@ -135,8 +143,7 @@ def write_plots(folder: Path, runs: Sequence[dict], results_by_run: Sequence[Seq
     for run, ok in zip(runs, ok_by_run):
         _cdf(ax, [r.ttft_s * 1000 for r in ok if r.ttft_s is not None], _run_label(run))
     ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _finish_axes(ax)
     fig.tight_layout()
     fig.savefig(folder / "ttft_cdf.png", dpi=100)
     plt.close(fig)
@@ -149,8 +156,7 @@ def write_plots(folder: Path, runs: Sequence[dict], results_by_run: Sequence[Seq
     ax1.set(xlabel="TPOT (ms)", ylabel="fraction of requests", title="TPOT CDF (per request)")
     ax2.set(xlabel="ITL (ms)", ylabel="fraction of gaps", title="ITL CDF (per text chunk)")
     for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _finish_axes(ax)
     fig.tight_layout()
     fig.savefig(folder / "tpot_itl_cdf.png", dpi=100)
     plt.close(fig)
@@ -183,9 +189,7 @@ def _latency_vs_rate(plt, folder: Path, runs: Sequence[dict]) -> str:
                 ax.plot(rates, [math.nan if v is None else v for v in values], style, marker="o",
                         label=f"{name} {stat}")
         ax.set(xlabel="request rate (req/s)", title=title)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
+        _finish_axes(ax)
     fig.tight_layout()
     fig.savefig(folder / "latency_vs_rate.png", dpi=100)
     plt.close(fig)
@@ -197,7 +201,7 @@ def _breakdown(plt, folder: Path, runs: Sequence[dict]) -> str:
 
     labels = [_run_label(r) for r in runs]
     y = np.arange(len(runs))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.5 * len(runs)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 2.0 + 0.5 * len(runs)))
     left = np.zeros(len(runs))
     for stage in STAGES_TTFT:
         widths = np.array([((r.get("server_timing_ms") or {}).get(stage) or {}).get("mean") or 0.0 for r in runs])
@@ -206,14 +210,14 @@ def _breakdown(plt, folder: Path, runs: Sequence[dict]) -> str:
     client = np.array([((r.get("ttft_ms") or {}).get("mean") or 0.0) for r in runs])
     ax1.scatter(client, y, color="black", marker="|", s=200, label="client TTFT", zorder=3)
     ax1.set(yticks=y, yticklabels=labels, xlabel="mean ms", title="TTFT by stage (server timing)")
-    ax1.legend(fontsize="small")
+    ax1.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     left = np.zeros(len(runs))
     for stage in STAGES_SECOND:
         widths = np.array([((r.get("server_timing_ms") or {}).get(stage) or {}).get("mean") or 0.0 for r in runs])
         ax2.barh(y, widths, left=left, label=stage)
         left += widths
     ax2.set(yticks=y, yticklabels=labels, xlabel="mean ms", title="second token: KV transfer and decode queue")
-    ax2.legend(fontsize="small")
+    ax2.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(folder / "ttft_breakdown.png", dpi=100)
     plt.close(fig)

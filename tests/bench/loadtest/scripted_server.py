@@ -34,6 +34,8 @@ class ScriptedServer:
     def __init__(self, script=None) -> None:
         self.script = script or (lambda body, n: Script())
         self.requests: list[dict] = []
+        self.active = 0  # responses being written now
+        self.max_active = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -82,7 +84,12 @@ class ScriptedServer:
             body = json.loads(await reader.readexactly(int(headers.get("content-length", 0))))
             n = len(self.requests)
             self.requests.append(body | {"_path": path, "_headers": headers})
-            await self._respond(writer, path, body, self.script(body, n))
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            try:
+                await self._respond(writer, path, body, self.script(body, n))
+            finally:
+                self.active -= 1
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
