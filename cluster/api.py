@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,7 +25,13 @@ from cluster.router import RequestFailed, Router
 
 
 def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: int) -> FastAPI:
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     model_name = config.served_model_name
 
     @app.exception_handler(APIError)

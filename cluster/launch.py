@@ -193,14 +193,6 @@ def start_serving(
     sock.bind((http_host, http_port))
     http_port = sock.getsockname()[1]
 
-    @app.on_event("startup")
-    async def _start_router() -> None:
-        await router.start()
-
-    @app.on_event("shutdown")
-    async def _stop_router() -> None:
-        await router.close()
-
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="pdserve-http", daemon=True)
     thread.start()

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import httpx
+import pytest
+
+from cluster.config import ClusterConfig, parse_config
+
+
+def tiny_cluster_config(model_path, mode: str = "disaggregated", **sections) -> ClusterConfig:
+    data = {
+        "model": {"name": str(model_path), "max_model_len": 512},
+        "mode": mode,
+        "pools": {
+            "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 96},
+            "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 160},
+        },
+        "router": {"port": 0},
+        "transfer": {"deadline_s": 20, "lease_s": 20},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return parse_config(data)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
+             logging_level=logging.WARNING, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def wait_all_kv_free(base_url: str, timeout_s: float = 10.0) -> dict:
+    """Every worker reports all blocks free and nothing held (heartbeats lag a little, so poll)."""
+    deadline = time.monotonic() + timeout_s
+    status: dict = {}
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{base_url}/status", timeout=5).json()
+        if all(
+            w.get("free_blocks") == w.get("total_blocks")
+            and w.get("requests", 0) == 0
+            and w.get("awaiting_kv", 0) == 0
+            and w.get("leased_transfers", 0) == 0
+            for w in status["workers"]
+        ) and status["inflight"] == 0:
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"KV blocks or requests still held: {status}")
