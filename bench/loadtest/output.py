@@ -174,6 +174,7 @@ def _latency_vs_rate(plt, folder: Path, runs: Sequence[dict]) -> str:
     modes = sorted({r.get("mode", "") for r in runs})
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("slo_attainment_pct", "SLO attainment (%)")]
+    colors = {mode: f"C{i}" for i, mode in enumerate(modes)}
     for ax, (key, title) in zip(axes, panels):
         for mode in modes:
             mine = sorted((r for r in runs if r.get("mode", "") == mode), key=lambda r: r["rate"])
@@ -182,12 +183,13 @@ def _latency_vs_rate(plt, folder: Path, runs: Sequence[dict]) -> str:
             if key == "slo_attainment_pct":
                 values = [r.get(key) for r in mine]
                 if any(v is not None for v in values):
-                    ax.plot(rates, [math.nan if v is None else v for v in values], marker="o", label=name)
+                    ax.plot(rates, [math.nan if v is None else v for v in values], marker="o", label=name,
+                            color=colors[mode])
                 continue
             for stat, style in (("median", "-"), ("p90", "--")):
                 values = [(r.get(key) or {}).get(stat) for r in mine]
                 ax.plot(rates, [math.nan if v is None else v for v in values], style, marker="o",
-                        label=f"{name} {stat}")
+                        label=f"{name} {stat}", color=colors[mode])
         ax.set(xlabel="request rate (req/s)", title=title)
         _finish_axes(ax)
     fig.tight_layout()
