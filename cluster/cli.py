@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_lazy("cluster.serve", "status"))
 
-    demo = sub.add_parser("demo", help="generate with the default model and print text and tokens/s")
+    demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
+    demo.add_argument("--config", default=None, help="default: configs/local.yaml")
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=_demo)

@@ -16,7 +16,9 @@ class ColocatedWorker(WorkerRuntime):
     def handle(self, message: dict) -> None:
         if message["type"] != "generate":
             return super().handle(message)
-        self.engine.add_request(list(message["prompt"]), params_from_wire(message["params"]), message["rid"])
+        self.engine.add_request(
+            list(message["prompt"]), params_from_wire(message["params"]), message["rid"], arrival_s=message["arrival_s"]
+        )
 
     def tick(self) -> None:
         if not self.engine.has_unfinished():

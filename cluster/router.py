@@ -237,7 +237,7 @@ class Router:
 
     def _send(self, worker: WorkerHandle, message: dict) -> None:
         try:
-            worker.socket.send(pack(message), zmq.NOBLOCK)
+            worker.socket.send(pack({**message, "sent_at": time.time()}), zmq.NOBLOCK)
         except zmq.Again:
             self.mark_dead(worker.name, "command queue full")
 

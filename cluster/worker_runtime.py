@@ -44,6 +44,7 @@ class WorkerRuntime:
         self.options = options
         self.name = options.name
         self.engine = LLMEngine(options.engine)
+        self.engine.warm_up()
         self._ctx = zmq.Context()
         self._commands = self._socket(zmq.PULL)
         port = self._commands.bind_to_random_port(f"tcp://{options.host}")
@@ -118,6 +119,10 @@ class WorkerRuntime:
                 logger.warning("%s: dropped a bad command: %s", self.name, exc)
                 continue
             rid = message.get("rid")
+            # how long the command sat in the socket while a step ran (same-host clocks; 0 if unknown)
+            sent_at = message.get("sent_at")
+            waited = max(0.0, time.time() - sent_at) if isinstance(sent_at, (int, float)) else 0.0
+            message["arrival_s"] = time.monotonic() - waited
             try:
                 if message["type"] == "abort":
                     self.counters["aborts"] += 1

@@ -81,7 +81,12 @@ class LLMEngine:
         return token_ids
 
     def _new_request(
-        self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None, prefill_only: bool
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        prefill_only: bool,
+        arrival_s: float | None = None,
     ) -> Request:
         params = params or SamplingParams()
         params.validate()
@@ -95,7 +100,7 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, time.monotonic(), prefill_only=prefill_only)
+        request = Request(request_id, token_ids, params, arrival_s or time.monotonic(), prefill_only=prefill_only)
         if not params.greedy:
             request.generator = make_generator(params.seed, self.config.device)
         return request
@@ -106,8 +111,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        arrival_s: float | None = None,
     ) -> str:
-        request = self._new_request(prompt, params, request_id, prefill_only)
+        """Queue a request; ``arrival_s`` (time.monotonic) backdates it to when it reached the worker."""
+        request = self._new_request(prompt, params, request_id, prefill_only, arrival_s)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
@@ -259,6 +266,12 @@ class LLMEngine:
         self.runner.layer_hook = hook
 
     # ---- convenience and introspection -------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """One small prefill and decode, so the first real request does not pay for lazy initialisation."""
+        self.generate([[0] * min(32, self.max_model_len - 2)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        self.block_manager.reset_prefix_cache()
+        self.step_stats.clear()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -57,7 +57,7 @@ class PrefillWorker(WorkerRuntime):
         rid = message["rid"]
         params = params_from_wire(message["params"])
         params.max_tokens = 1
-        self.engine.add_request(list(message["prompt"]), params, rid, prefill_only=True)
+        self.engine.add_request(list(message["prompt"]), params, rid, prefill_only=True, arrival_s=message["arrival_s"])
         num_prompt = len(self.engine.requests[rid].prompt_token_ids)
         dst_blocks = list(message["dst_blocks"])
         if len(dst_blocks) < self.engine.block_manager.blocks_for(num_prompt):
