@@ -27,6 +27,7 @@ class Script:
     usage: bool = True
     timing: dict | None = None
     role_chunk: bool = True  # chat: an empty role-only chunk first
+    stream: bool = True  # False: one JSON body after ttft_s, as a server that ignores stream: true
     extra: dict = field(default_factory=dict)
 
 
@@ -103,6 +104,20 @@ class ScriptedServer:
             await writer.drain()
             return
         chat = path.endswith("/chat/completions")
+        if not s.stream:
+            await asyncio.sleep(s.ttft_s)
+            tokens = s.tokens if s.tokens is not None else int(body.get("max_tokens", 16))
+            choice = {"index": 0, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": " tok" * tokens}
+            else:
+                choice["text"] = " tok" * tokens
+            payload = json.dumps({"id": "x", "choices": [choice], "timing": s.timing,
+                                  "usage": {"prompt_tokens": 7, "completion_tokens": tokens}}).encode()
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         f"{len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+            await writer.drain()
+            return
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                      b"Connection: close\r\n\r\n")
 

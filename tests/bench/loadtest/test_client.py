@@ -139,3 +139,13 @@ def test_unreachable_server_fails_cleanly(tmp_path, byte_tokenizer_dir):
 
     summary = run_cli(Gone, tmp_path, byte_tokenizer_dir, "--num-prompts", "2", "--request-timeout-s", "2")
     assert summary["runs"][0]["failures"] == {"connect_error": 2}
+
+
+def test_a_non_streamed_answer_is_timed_as_a_whole(tmp_path, byte_tokenizer_dir):
+    with ScriptedServer(lambda body, n: Script(stream=False, ttft_s=0.1, tokens=5, timing={"ttft_s": 0.09})) as server:
+        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--endpoint-type", "chat", "--num-prompts", "2")
+    run = summary["runs"][0]
+    assert run["completed"] == 2 and run["total_output_tokens"] == 10
+    for r in records(tmp_path):
+        assert r["ttft_s"] == r["e2el_s"] == pytest.approx(0.1, abs=TOLERANCE_S)
+        assert r["tpot_s"] == 0.0 and r["server_timing"] == {"ttft_s": 0.09}
