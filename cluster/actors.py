@@ -13,7 +13,10 @@ from engine.config import EngineConfig
 
 
 class WorkerActor:
-    def __init__(self, role: str, options: dict, engine: dict, backend: str, transfer: dict, failure_policy: str) -> None:
+    def __init__(
+        self, role: str, options: dict, engine: dict, backend: str, transfer: dict, failure_policy: str,
+        transport: str = "tcp", stream_layers: bool = True,
+    ) -> None:
         import ray
 
         host = options.pop("host")
@@ -25,12 +28,14 @@ class WorkerActor:
             from prefill.worker import PrefillWorker
             from transfer.base import TransferConfig
 
-            self.worker = PrefillWorker(worker_options, backend, TransferConfig(**transfer))
+            transfer_config = TransferConfig(**transfer, device=worker_options.engine.device)
+            self.worker = PrefillWorker(worker_options, backend, transfer_config, stream_layers)
         elif role == "decode":
             from decode.worker import DecodeWorker
             from transfer.base import TransferConfig
 
-            self.worker = DecodeWorker(worker_options, backend, TransferConfig(**transfer), failure_policy)
+            transfer_config = TransferConfig(**transfer, device=worker_options.engine.device)
+            self.worker = DecodeWorker(worker_options, backend, transfer_config, failure_policy, transport)
         elif role == "colocated":
             from cluster.colocated_worker import ColocatedWorker
 

@@ -57,6 +57,8 @@ class TransferSection(_Strict):
     lease_s: float = Field(default=30.0, gt=0)  # prefill holds exported KV this long without word from decode
     failure_policy: Literal["fail", "recompute"] = "fail"
     kv_wire_dtype: Literal["raw", "int8"] = "raw"
+    zmq_transport: Literal["tcp", "ipc"] = "tcp"  # ipc: Unix sockets, only when prefill and decode share a node
+    stream_layers: bool = True  # False: send the KV after the whole prefill (the baseline the overlap is measured against)
     secret: str | None = None  # shared secret checked at the data-plane handshake
 
 

@@ -167,7 +167,8 @@ def start_serving(
                     num_gpus=pool.gpus_per_replica,
                     resources=pool.resources or None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                ).remote(role, options, engine, config.transfer.backend, transfer, config.transfer.failure_policy)
+                ).remote(role, options, engine, config.transfer.backend, transfer, config.transfer.failure_policy,
+                         config.transfer.zmq_transport, config.transfer.stream_layers)
                 workers.append(WorkerRecord(name, role, actor))
         infos = ray.get([w.actor.info.remote() for w in workers], timeout=config.ray.start_timeout_s)
         for record, info in zip(workers, infos):

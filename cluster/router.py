@@ -298,6 +298,10 @@ class Router:
         stream.timing["e2e_s"] = now - stream.started_s
         known = sum(stream.timing.get(k, 0.0) for k in ("router_queue_s", "prefill_queue_s", "prefill_compute_s"))
         stream.timing["first_token_delivery_s"] = max(0.0, stream.timing["ttft_s"] - known)
+        # same-host monotonic stamps: how long after the prefill ended the decode side had the whole KV
+        prefill_end, kv_done = stream.timing.pop("prefill_end_mono", None), stream.timing.pop("kv_done_mono", None)
+        if prefill_end is not None and kv_done is not None:
+            stream.timing["kv_after_prefill_s"] = kv_done - prefill_end
         self.last_timing[stream.rid] = stream.timing
         while len(self.last_timing) > 10_000:  # a client that never collects its timing cannot grow this
             self.last_timing.popitem(last=False)

@@ -15,7 +15,9 @@ A request's path through this worker:
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from cluster.protocol import params_from_wire
@@ -47,10 +49,13 @@ class DecodeWorker(WorkerRuntime):
         backend: str = "zmq",
         transfer: TransferConfig | None = None,
         failure_policy: str = "fail",
+        transport: str = "tcp",
     ) -> None:
         super().__init__(options)
         self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
-        self.receiver = make_receiver(backend, self.fingerprint, self._write_kv, f"tcp://{options.host}:0", transfer)
+        self.receiver = make_receiver(
+            backend, self.fingerprint, self._write_kv, receiver_address(backend, transport, options), transfer
+        )
         self.failure_policy = failure_policy
         self.remote: dict[str, RemoteRequest] = {}
         self.timing: dict[str, dict] = {}
@@ -112,6 +117,7 @@ class DecodeWorker(WorkerRuntime):
             return
         del self.remote[rid]
         self.timing[rid] = {
+            "kv_done_mono": remote.kv_done_s,
             "kv_transfer_s": remote.kv_done_s - remote.expected_s,
             "kv_wait_after_first_token_s": max(0.0, remote.kv_done_s - remote.start_s),
             "admitted_s": time.monotonic(),
@@ -191,3 +197,12 @@ class DecodeWorker(WorkerRuntime):
     def close(self) -> None:
         self.receiver.close()
         super().close()
+
+
+def receiver_address(backend: str, transport: str, options: WorkerOptions) -> str:
+    """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name."""
+    if backend == "local":
+        return f"local://{options.name}-{uuid.uuid4().hex[:8]}"
+    if transport == "ipc":
+        return f"ipc://{tempfile.gettempdir()}/pdserve-{options.name}-{uuid.uuid4().hex[:8]}.sock"
+    return f"tcp://{options.host}:0"

@@ -15,6 +15,7 @@ A request's path through this worker:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from cluster.protocol import params_from_wire
@@ -40,12 +41,20 @@ class OutboundKV:
 class PrefillWorker(WorkerRuntime):
     role = "prefill"
 
-    def __init__(self, options: WorkerOptions, backend: str = "zmq", transfer: TransferConfig | None = None) -> None:
+    def __init__(
+        self,
+        options: WorkerOptions,
+        backend: str = "zmq",
+        transfer: TransferConfig | None = None,
+        stream_layers: bool = True,
+    ) -> None:
         super().__init__(options)
+        self.stream_layers = stream_layers
         self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
         self.sender = make_sender(backend, self.fingerprint, transfer)
         self.outbound: dict[str, OutboundKV] = {}
-        self.engine.set_layer_hook(self._on_layer)
+        if stream_layers:
+            self.engine.set_layer_hook(self._on_layer)
         self.counters.update(transfers_ok=0, transfers_failed=0, transfer_bytes=0, transfer_seconds=0.0)
 
     def has_work(self) -> bool:
@@ -85,11 +94,22 @@ class PrefillWorker(WorkerRuntime):
             if last_layer:
                 out.blocks_sent = max(out.blocks_sent, upto)
 
+    def _send_all_layers(self, rid: str) -> None:
+        """stream_layers=False: the whole prompt's KV, layer by layer, once the prefill is over."""
+        out = self.outbound[rid]
+        src = self.engine.requests[rid].block_ids[: len(out.dst_blocks)]
+        num_blocks = -(-out.num_prompt_tokens // self.engine.kv_spec.block_size)
+        for layer in range(self.engine.kv_spec.num_layers):
+            k, v = self.engine.read_kv_blocks(layer, src[:num_blocks])
+            self.sender.send_layer(rid, layer, out.dst_blocks[:num_blocks], k, v)
+
     def tick(self) -> None:
         for output in self.engine.step():
             request = self.engine.requests.get(output.request_id)
             if output.finish_reason is None or request is None:
                 continue
+            if not self.stream_layers:
+                self._send_all_layers(output.request_id)
             self.sender.finish(output.request_id)
             self.emit(
                 {
@@ -97,7 +117,7 @@ class PrefillWorker(WorkerRuntime):
                     "rid": output.request_id,
                     "worker": self.name,
                     "token": output.new_token_ids[0],
-                    "timing": finish_timing(request),
+                    "timing": {**finish_timing(request), "end_mono": time.monotonic()},
                 }
             )
         for event in self.sender.poll():

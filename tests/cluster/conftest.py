@@ -43,11 +43,13 @@ def ray_local():
 
 def wait_all_kv_free(base_url: str, timeout_s: float = 10.0) -> dict:
     """Every worker reports all blocks free and nothing held (heartbeats lag a little, so poll)."""
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     status: dict = {}
     while time.monotonic() < deadline:
         status = httpx.get(f"{base_url}/status", timeout=5).json()
-        if all(
+        fresh = all(w["last_seen_s"] < time.monotonic() - started for w in status["workers"] if w["alive"])
+        if fresh and all(
             w.get("free_blocks") == w.get("total_blocks")
             and w.get("requests", 0) == 0
             and w.get("awaiting_kv", 0) == 0
