@@ -85,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_lazy("cluster.serve", "status"))
 
+    from bench.loadtest import cli as loadtest_cli
+    from bench.loadtest import compare as loadtest_compare
+
+    serve_bench = bench.add_parser("serve", help="load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)")
+    loadtest_cli.add_arguments(serve_bench)
+    serve_bench.set_defaults(func=_bench("bench.loadtest.cli"))
+    compare = bench.add_parser("compare", help="the same load against colocated and disaggregated mode")
+    loadtest_compare.add_arguments(compare)
+    compare.set_defaults(func=_bench("bench.loadtest.compare"))
+
     demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
     demo.add_argument("--config", default=None, help="default: configs/local.yaml")
     demo.add_argument("--model", default=None)

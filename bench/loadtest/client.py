@@ -38,6 +38,7 @@ TIMING_FIELDS = (
     "prefill_compute_s",
     "first_token_delivery_s",
     "kv_transfer_s",
+    "kv_after_prefill_s",
     "decode_queue_s",
     "ttft_s",
     "e2e_s",

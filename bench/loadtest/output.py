@@ -33,7 +33,7 @@ for _metric in ("ttft", "tpot", "itl", "e2el"):
         CSV_FIELDS.append((f"{_metric}_{_stat}_ms", lambda s, m=_metric, k=_stat: (s.get(f"{m}_ms") or {}).get(k)))
 
 STAGES_TTFT = ("router_queue", "prefill_queue", "prefill_compute", "first_token_delivery")
-STAGES_SECOND = ("kv_transfer", "decode_queue")
+STAGES_SECOND = ("kv_after_prefill", "decode_queue")  # kv_transfer_s spans the prefill too
 
 
 def default_result_dir() -> Path:
