@@ -1,0 +1,321 @@
+"""Overlap benchmark: how much of the KV transfer layer-wise streaming hides behind the prefill, and what the int8
+wire does to greedy outputs.
+
+**Overlap.** The served cluster (Ray, one prefill and one decode worker, the HTTP router) runs twice with the same
+config except ``transfer.stream_layers``: streamed (each layer's KV goes to the sender as soon as that layer's forward
+ends) and unstreamed (the baseline: all layers sent after the prefill). Each run sends ``--reps`` requests one at a
+time (after one discarded warm-up request): a ``--prompt-tokens`` prompt of random ordinary token ids, distinct per
+request so the prefix cache never serves it, ``max_tokens`` 4, greedy. From each response's ``timing`` it keeps
+``kv_after_prefill_s`` (same-host monotonic stamps: from the prefill worker's end of the prefill step to the decode
+worker seeing the whole KV; the transfer time *not* hidden behind the prefill), ``prefill_compute_s`` and
+``kv_transfer_s`` (decode reservation to KV complete, prefill included). Reported: medians per mode and
+
+    hidden_fraction = 1 - median(streamed kv_after_prefill) / median(unstreamed kv_after_prefill)
+
+plus the KV bytes per request (prompt tokens x 2 x layers x kv heads x head dim x dtype bytes; SmolLM2-135M float32:
+46,080 B/token) and the unstreamed transfer's achieved GB/s (those bytes / its median kv_after_prefill).
+
+**int8 wire.** ``--int8-check``: N English chat prompts x T greedy tokens (``ignore_eos``) through
+``/v1/chat/completions``, once with ``kv_wire_dtype: raw`` (in the streamed overlap cluster) and once with ``int8``
+(a third cluster). Completions return text, not token ids, so the first differing *token* position is found by
+tokenizing both outputs with the model's tokenizer and comparing (the first differing character is reported too).
+Wire bytes are the decode worker's ``transfer_bytes`` counter (GET /status) before and after the prompts.
+
+    python -m bench.overlap_bench [--int8-check] [--no-overlap]     # prints one JSON object
+    pdserve bench transfer --overlap --json                          # the transfer bench plus these figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "Explain photosynthesis in simple terms.",
+    "Write a haiku about the ocean.",
+    "How do I boil an egg?",
+    "What is the difference between weather and climate?",
+    "Why is the sky blue?",
+    "Suggest a name for a small coffee shop.",
+    "How many legs does a spider have?",
+    "What should I pack for a weekend hiking trip?",
+    "Summarize the story of Romeo and Juliet in two sentences.",
+    "What is a prime number? Give an example.",
+    "How can I improve my handwriting?",
+    "Translate 'good morning' into Spanish and German.",
+    "What are the main causes of inflation?",
+    "Describe a cat to someone who has never seen one.",
+    "What is the boiling point of water at sea level?",
+    "Give me a simple recipe for pancakes.",
+    "Why do leaves change colour in autumn?",
+    "What is the Python programming language used for?",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The overlap options. ``prefix`` (e.g. "overlap-") namespaces them when another bench embeds this one."""
+    p = prefix
+    parser.add_argument(f"--{p}config", dest=f"{p.replace('-', '_')}config", default="configs/local.yaml",
+                        help="cluster config the runs start from (default: configs/local.yaml)")
+    if not p:
+        parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument(f"--{p}prompt-tokens", dest=f"{p.replace('-', '_')}prompt_tokens", type=int, default=1024)
+    parser.add_argument(f"--{p}reps", dest=f"{p.replace('-', '_')}reps", type=int, default=5,
+                        help="timed requests per mode (median reported), after one discarded warm-up")
+    parser.add_argument(f"--{p}max-tokens", dest=f"{p.replace('-', '_')}max_tokens", type=int, default=4)
+    parser.add_argument(f"--{p}prefill-chunk", dest=f"{p.replace('-', '_')}prefill_chunk", type=int, default=None,
+                        help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's")
+    if not p:
+        parser.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
+    if p:
+        parser.add_argument(f"--{p}no-int8", dest=f"{p.replace('-', '_')}no_int8", action="store_true",
+                            help="skip the int8 wire check (raw vs int8 greedy outputs)")
+    else:
+        parser.add_argument("--int8-check", action="store_true",
+                            help="also compare greedy outputs with kv_wire_dtype raw vs int8 (one more cluster start)")
+    parser.add_argument("--int8-prompts", type=int, default=20, help=f"at most {len(CHAT_PROMPTS)}")
+    parser.add_argument("--int8-tokens", type=int, default=64)
+    if not p:
+        parser.add_argument("--json", action="store_true", help="(output is always JSON)")
+
+
+def _get(args: argparse.Namespace, name: str, prefix: str, default: Any = None) -> Any:
+    return getattr(args, f"{prefix.replace('-', '_')}{name}", default)
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def _ordinary_ids(tokenizer, model_path: str) -> list[int]:
+    """Token ids that are not special tokens (and exist in the model's embedding table)."""
+    from transformers import AutoConfig
+
+    vocab = min(len(tokenizer), AutoConfig.from_pretrained(model_path).vocab_size)
+    special = set(tokenizer.all_special_ids or [])
+    return [i for i in range(vocab) if i not in special]
+
+
+def _random_prompt(ids: list[int], n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.choice(ids) for _ in range(n)]
+
+
+def _decode_transfer_bytes(base_url: str) -> int:
+    import httpx
+
+    status = httpx.get(f"{base_url}/status", timeout=10).json()
+    return int(sum(w.get("transfer_bytes", 0) or 0 for w in status["workers"] if w.get("role") == "decode"))
+
+
+def _wait_stats_settle(base_url: str, timeout_s: float = 3.0) -> int:
+    """The status counters come from heartbeats (every ~0.2 s): read until two reads agree."""
+    deadline = time.monotonic() + timeout_s
+    last = _decode_transfer_bytes(base_url)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _decode_transfer_bytes(base_url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _complete(base_url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float = 300) -> dict:
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()
+
+
+def _chat(base_url: str, model: str, text: str, max_tokens: int, timeout_s: float = 300) -> str:
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+# ---- the measurements -----------------------------------------------------------------------------------------------
+
+
+def _overlap_run(handle, config, ids: list[int], prompt_tokens: int, reps: int, max_tokens: int,
+                 seed_base: int) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {"kv_after_prefill_s": [], "prefill_compute_s": [], "kv_transfer_s": [],
+                                       "prefill_queue_s": [], "ttft_s": []}
+    before = _wait_stats_settle(handle.base_url)
+    for i in range(reps + 1):  # request 0 is a warm-up (first long prompt: allocator, thread pools)
+        result = _complete(handle.base_url, config.served_model_name, _random_prompt(ids, prompt_tokens, seed_base + i),
+                           max_tokens)
+        timing = result.get("timing") or {}
+        if i == 0:
+            continue
+        for key in samples:
+            if key in timing:
+                samples[key].append(float(timing[key]))
+    moved = _wait_stats_settle(handle.base_url) - before
+    out: dict[str, Any] = {"samples": {k: [round(v, 5) for v in vs] for k, vs in samples.items()}}
+    for key, values in samples.items():
+        med = _median(values)
+        out[f"median_{key}"] = None if med is None else round(med, 5)
+    out["decode_transfer_bytes_per_request"] = int(moved / (reps + 1)) if moved else None
+    return out
+
+
+def _int8_texts(handle, config, prompts: list[str], max_tokens: int) -> tuple[list[str], int]:
+    before = _wait_stats_settle(handle.base_url)
+    texts = [_chat(handle.base_url, config.served_model_name, p, max_tokens) for p in prompts]
+    return texts, _wait_stats_settle(handle.base_url) - before
+
+
+def _compare_texts(tokenizer, raw: list[str], int8: list[str]) -> dict[str, Any]:
+    rows = []
+    for i, (a, b) in enumerate(zip(raw, int8)):
+        if a == b:
+            rows.append({"prompt": i, "changed": False})
+            continue
+        first_char = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        ta = tokenizer.encode(a, add_special_tokens=False)
+        tb = tokenizer.encode(b, add_special_tokens=False)
+        first_tok = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        rows.append({"prompt": i, "changed": True, "first_diff_token": first_tok, "first_diff_char": first_char,
+                     "raw": a, "int8": b})
+    changed = [r for r in rows if r["changed"]]
+    return {
+        "prompts": len(rows),
+        "changed": len(changed),
+        "first_diff_token_positions": [r["first_diff_token"] for r in changed],
+        "rows": rows,
+    }
+
+
+def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+    import ray
+
+    from cluster.config import load_config
+    from cluster.launch import start_serving
+    from engine.model_loader import load_tokenizer, resolve_model_path
+
+    given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file
+    base = (given if given is not None else load_config(_get(args, "config", prefix, "configs/local.yaml")))
+    base = base.model_copy(deep=True)
+    if getattr(args, "model", None) and not prefix:
+        base.model.name = args.model
+    base.router.port = 0
+    chunk = _get(args, "prefill_chunk", prefix)
+    if chunk:
+        base.pools.prefill.max_batch_tokens = chunk
+    prompt_tokens = _get(args, "prompt_tokens", prefix, 1024)
+    reps = _get(args, "reps", prefix, 5)
+    max_tokens = _get(args, "max_tokens", prefix, 4)
+    do_overlap = not getattr(args, "no_overlap", False)
+    do_int8 = not _get(args, "no_int8", prefix, False) if prefix else bool(getattr(args, "int8_check", False))
+
+    model_path = str(resolve_model_path(base.model.name))
+    tokenizer = load_tokenizer(model_path)
+    per_token = _kv_bytes_per_token(model_path, base.model.dtype)
+    ids = _ordinary_ids(tokenizer, model_path)
+    prompts = CHAT_PROMPTS[: max(1, min(len(CHAT_PROMPTS), getattr(args, "int8_prompts", 20)))]
+    int8_tokens = getattr(args, "int8_tokens", 64)
+
+    out: dict[str, Any] = {
+        "configuration": {
+            "model": base.model.name, "dtype": base.model.dtype, "backend": base.transfer.backend,
+            "zmq_transport": base.transfer.zmq_transport, "block_size": base.transfer.block_size,
+            "prefill_max_batch_tokens": base.pools.prefill.max_batch_tokens,
+            "prefill_forwards_per_prompt": -(-prompt_tokens // base.pools.prefill.max_batch_tokens),
+            "torch_threads": {"prefill": base.pools.prefill.torch_threads, "decode": base.pools.decode.torch_threads},
+            "prompt_tokens": prompt_tokens, "reps": reps, "max_tokens": max_tokens, "cpu_count": os.cpu_count(),
+        },
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_request": per_token * prompt_tokens,
+    }
+    started_ray = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, os.cpu_count() or 1), namespace=base.ray.namespace, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
+        started_ray = True
+    t_start = time.monotonic()
+    raw_texts: list[str] | None = None
+    raw_bytes = 0
+    try:
+        modes = [("streamed", True), ("unstreamed", False)] if do_overlap else [("streamed", True)]
+        for index, (mode, stream) in enumerate(modes):
+            config = base.model_copy(deep=True)
+            config.transfer.stream_layers = stream
+            config.transfer.kv_wire_dtype = "raw"
+            handle = start_serving(config)
+            try:
+                if do_overlap:
+                    out[mode] = _overlap_run(handle, config, ids, prompt_tokens, reps, max_tokens, 1000 * (index + 1))
+                if do_int8 and stream:
+                    raw_texts, raw_bytes = _int8_texts(handle, config, prompts, int8_tokens)
+            finally:
+                handle.stop()
+        if do_overlap:
+            s = out["streamed"]["median_kv_after_prefill_s"]
+            u = out["unstreamed"]["median_kv_after_prefill_s"]
+            out["hidden_fraction"] = round(1 - s / u, 4) if s is not None and u else None
+            out["goal_hidden_fraction"] = 0.7
+            out["goal_met"] = out["hidden_fraction"] is not None and out["hidden_fraction"] >= 0.7
+            out["unstreamed_transfer_gbps"] = round(out["kv_bytes_per_request"] / u / 1e9, 4) if u else None
+            tr = out["unstreamed"]["median_kv_transfer_s"]
+            out["streamed_kv_after_prefill_ms"] = None if s is None else round(1000 * s, 2)
+            out["unstreamed_kv_after_prefill_ms"] = None if u is None else round(1000 * u, 2)
+            out["unstreamed_kv_transfer_s"] = tr
+        if do_int8:
+            config = base.model_copy(deep=True)
+            config.transfer.stream_layers = True
+            config.transfer.kv_wire_dtype = "int8"
+            handle = start_serving(config)
+            try:
+                int8_texts, int8_bytes = _int8_texts(handle, config, prompts, int8_tokens)
+            finally:
+                handle.stop()
+            cmp = _compare_texts(tokenizer, raw_texts or [], int8_texts)
+            cmp.update({
+                "max_tokens": int8_tokens, "comparison": "text; token position by re-tokenizing both outputs",
+                "raw_wire_bytes": raw_bytes, "int8_wire_bytes": int8_bytes,
+                "wire_bytes_ratio": round(int8_bytes / raw_bytes, 4) if raw_bytes else None,
+                "kv_dtype": base.model.dtype,
+            })
+            out["int8"] = cmp
+    finally:
+        if started_ray:
+            ray.shutdown()
+    out["wall_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    print(json.dumps(run(ap.parse_args(sys.argv[1:]))))

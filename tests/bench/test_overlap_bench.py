@@ -1,0 +1,62 @@
+"""The overlap bench end to end on the tiny model: both modes measured, the JSON has every figure, values sane."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import uuid
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster.config import parse_config  # noqa: E402
+
+
+def _tiny_config(model_path):
+    return parse_config({
+        "model": {"name": str(model_path), "max_model_len": 512},
+        "pools": {
+            "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 96},
+            "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 160},
+        },
+        "router": {"port": 0},
+        "transfer": {"deadline_s": 20, "lease_s": 20},
+    })
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
+             logging_level=logging.WARNING, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_overlap_bench_tiny(ray_local, tiny_llama_path):
+    from bench import overlap_bench
+
+    parser = argparse.ArgumentParser()
+    overlap_bench.add_arguments(parser)
+    args = parser.parse_args(["--prompt-tokens", "200", "--reps", "2", "--int8-check", "--int8-prompts", "2",
+                              "--int8-tokens", "8"])
+    args.cluster_config = _tiny_config(tiny_llama_path)
+    out = overlap_bench.run(args)
+
+    assert out["configuration"]["prompt_tokens"] == 200
+    assert out["kv_bytes_per_request"] == 200 * out["kv_bytes_per_token"] > 0
+    for mode in ("streamed", "unstreamed"):
+        figures = out[mode]
+        for key in ("kv_after_prefill_s", "prefill_compute_s", "kv_transfer_s"):
+            assert len(figures["samples"][key]) == 2, (mode, key, figures)
+            assert all(v >= 0 for v in figures["samples"][key]), (mode, key, figures)
+            assert figures[f"median_{key}"] >= 0
+        # the KV moved to the decode worker is at least the prompt's KV (whole blocks, first token's slot aside)
+        assert figures["decode_transfer_bytes_per_request"] >= out["kv_bytes_per_request"]
+    assert out["hidden_fraction"] is not None and out["hidden_fraction"] <= 1
+    assert out["unstreamed_transfer_gbps"] > 0
+    int8 = out["int8"]
+    assert int8["prompts"] == 2 and 0 <= int8["changed"] <= 2
+    assert int8["raw_wire_bytes"] > 0 and 0 < int8["wire_bytes_ratio"] < 1
