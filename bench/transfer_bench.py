@@ -11,6 +11,8 @@ the bytes where decode needs them; the raw reference has no header, checksum, ha
 `local` runs both sides in this process. Each figure is the median of --reps after one warm-up.
 
     python -m bench.transfer_bench            # prints one JSON object
+    python -m bench.transfer_bench --overlap  # plus the served-cluster overlap and int8 figures (minutes):
+                                              # see bench/overlap_bench.py; they land under "overlap"
 """
 from __future__ import annotations
 
@@ -40,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--no-checksum", action="store_true", help="disable xxh3 frame checksums")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also start the served cluster (SmolLM2) and measure how much of the transfer streaming "
+                             "hides behind the prefill, and the int8 wire check (takes minutes)")
+    from bench import overlap_bench
+
+    overlap_bench.add_arguments(parser, prefix="overlap-")
 
 
 def _blocks(size_mib: float) -> int:
@@ -168,6 +176,15 @@ def _local(n: int, reps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = _run_transfer(args)
+    if getattr(args, "overlap", False):
+        from bench import overlap_bench
+
+        out["overlap"] = overlap_bench.run(args, prefix="overlap-")
+    return out
+
+
+def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     sizes = {m: _blocks(m) for m in args.sizes_mib}
     out: dict[str, Any] = {
         "kv": {"model": "SmolLM2-135M", "dtype": FP.dtype, "layers": FP.num_layers,

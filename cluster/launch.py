@@ -160,7 +160,8 @@ def start_serving(
             engine["model"] = model_path
             for index in range(pool.replicas):
                 name = f"{pool_name}-{index}"
-                options = {"name": name, "role": role, "router_address": router.event_address, "host": bind_host}
+                options = {"name": name, "role": role, "router_address": router.event_address, "host": bind_host,
+                           "secret": config.transfer.secret}
                 actor = remote_cls.options(
                     name=f"pdserve-{name}",
                     num_cpus=pool.cpus_per_replica,
@@ -208,7 +209,7 @@ def start_serving(
     return handle
 
 
-def _monitor(handle: ServeHandle, interval_s: float = 1.0) -> None:
+def _monitor(handle: ServeHandle, interval_s: float = 0.5) -> None:
     """Re-register a worker that Ray restarted (it comes back with new addresses)."""
     import ray
 
@@ -216,8 +217,9 @@ def _monitor(handle: ServeHandle, interval_s: float = 1.0) -> None:
         for record in handle.workers:
             try:
                 info = ray.get(record.actor.info.remote(), timeout=5)
-            except Exception:
-                continue  # dead or restarting: the router's heartbeat check has already stopped routing to it
+            except Exception as exc:  # dead or restarting: stop routing to it now, not after the heartbeat timeout
+                handle.router.mark_dead_threadsafe(record.name, f"worker process gone ({type(exc).__name__})")
+                continue
             if info.get("command_address") != record.info.get("command_address"):
                 logger.warning("worker %s restarted (pid %s); re-registering", record.name, info.get("pid"))
                 record.info = info

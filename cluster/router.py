@@ -36,7 +36,9 @@ from engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 5.0
+HEARTBEAT_TIMEOUT_S = 2.0  # ten missed heartbeats (workers send one every 0.2 s)
+MAX_RETRIES = 2  # re-dispatches of a request whose worker died before its first token
+PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while free everything they hold
 
 
 class RequestFailed(Exception):
@@ -80,8 +82,9 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class Stream:
-    rid: str
+    rid: str  # the client-facing id
     num_prompt_tokens: int
+    wire_rid: str = ""  # the id workers know; a new one per dispatch, so a retried request ignores stale events
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prefill: str | None = None
     decode: str | None = None
@@ -117,6 +120,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.block_size = config.transfer.block_size
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.secret = config.transfer.secret  # workers drop commands that do not carry it
 
     # ---- membership --------------------------------------------------------------------------------------------
 
@@ -146,6 +150,13 @@ class Router:
     def _update_alive_gauge(self) -> None:
         for pool in ("prefill", "decode", "colocated"):
             self.metrics.workers_alive.labels(pool).set(sum(1 for w in self.workers.values() if w.role == pool and w.alive))
+
+    def live_workers(self) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.alive]
+
+    def mark_dead_threadsafe(self, name: str, reason: str) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.mark_dead, name, reason)
 
     def live(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role == role and w.alive]
@@ -186,9 +197,14 @@ class Router:
                 logger.warning("router: dropped a bad event: %s", exc)
 
     async def _watch_heartbeats(self) -> None:
+        last_ping = 0.0
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.25)
             now = time.monotonic()
+            if now - last_ping >= PING_INTERVAL_S:
+                last_ping = now
+                for worker in self.live_workers():
+                    self._send(worker, {"type": "ping"})
             for worker in list(self.workers.values()):
                 if worker.alive and now - worker.last_seen > HEARTBEAT_TIMEOUT_S:
                     self.mark_dead(worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
@@ -216,7 +232,7 @@ class Router:
             stream.timing.update({f"prefill_{k}": v for k, v in (message.get("timing") or {}).items()})
             decode = self.workers.get(stream.decode or "")
             if decode is not None:
-                self._send(decode, {"type": "start", "rid": stream.rid, "first_token": message["token"]})
+                self._send(decode, {"type": "start", "rid": stream.wire_rid, "first_token": message["token"]})
             stream.queue.put_nowait(TokenEvent([message["token"]]))
         elif kind == "tokens":
             for rid, token_ids, finish_reason, timing in message["items"]:
@@ -237,7 +253,7 @@ class Router:
 
     def _send(self, worker: WorkerHandle, message: dict) -> None:
         try:
-            worker.socket.send(pack({**message, "sent_at": time.time()}), zmq.NOBLOCK)
+            worker.socket.send(pack({**message, "sent_at": time.time(), "auth": self.secret}), zmq.NOBLOCK)
         except zmq.Again:
             self.mark_dead(worker.name, "command queue full")
 
@@ -248,10 +264,11 @@ class Router:
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens; raises RequestFailed (with its HTTP status) when it cannot be served."""
         rid = request_id or uuid.uuid4().hex
-        stream = Stream(rid, len(prompt))
+        stream = Stream(rid, len(prompt), wire_rid=rid)
         self.streams[rid] = stream
         self.metrics.inflight.inc()
         deadline = stream.started_s + self.config.router.request_timeout_s
+        attempt = 0
         try:
             await self._dispatch_request(stream, prompt, params, deadline)
             while True:
@@ -261,6 +278,12 @@ class Router:
                 except asyncio.TimeoutError:
                     raise RequestFailed("request timed out", "timeout", 504) from None
                 if isinstance(event, RequestFailed):
+                    if event.code == "worker_died" and stream.num_output_tokens == 0 and attempt < MAX_RETRIES:
+                        attempt += 1  # nothing reached the client yet: dispatch again, transparently
+                        self.metrics.errors.labels("retried_after_worker_death").inc()
+                        self._redispatch(stream, f"{rid}.retry{attempt}")
+                        await self._dispatch_request(stream, prompt, params, deadline)
+                        continue
                     raise event
                 if event.token_ids and stream.first_token_s is None:
                     stream.first_token_s = time.monotonic()
@@ -283,7 +306,7 @@ class Router:
             raise
         finally:
             if not stream.finished:
-                self.abort(rid)
+                self.abort(stream.wire_rid)
             self._release(stream)
 
     def _record_finish(self, stream: Stream) -> None:
@@ -306,24 +329,38 @@ class Router:
         while len(self.last_timing) > 10_000:  # a client that never collects its timing cannot grow this
             self.last_timing.popitem(last=False)
 
-    def _release(self, stream: Stream) -> None:
-        self.streams.pop(stream.rid, None)
-        self.metrics.inflight.dec()
+    def _unassign(self, stream: Stream) -> None:
         for name in {stream.prefill, stream.decode} - {None}:
             worker = self.workers.get(name)
             if worker is not None:
                 worker.inflight = max(0, worker.inflight - 1)
+        stream.prefill = stream.decode = None
+
+    def _redispatch(self, stream: Stream, wire_rid: str) -> None:
+        """Free the old dispatch everywhere and give the request a new id on the wire."""
+        self.abort(stream.wire_rid)
+        self._unassign(stream)
+        self.streams.pop(stream.wire_rid, None)
+        stream.wire_rid = wire_rid
+        self.streams[wire_rid] = stream
+        while not stream.queue.empty():
+            stream.queue.get_nowait()
+
+    def _release(self, stream: Stream) -> None:
+        self.streams.pop(stream.wire_rid, None)
+        self.metrics.inflight.dec()
+        self._unassign(stream)
         self._wake()
 
-    def abort(self, rid: str) -> None:
-        """Tell every worker that holds state for the request to free it."""
-        stream = self.streams.get(rid)
+    def abort(self, wire_rid: str) -> None:
+        """Tell every live worker that holds state for the request to free it."""
+        stream = self.streams.get(wire_rid)
         if stream is None:
             return
         for name in {stream.prefill, stream.decode} - {None}:
             worker = self.workers.get(name)
             if worker is not None and worker.alive:
-                self._send(worker, {"type": "abort", "rid": rid})
+                self._send(worker, {"type": "abort", "rid": wire_rid})
 
     async def _dispatch_request(self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float) -> None:
         wire_params = params_to_wire(params)
@@ -331,7 +368,7 @@ class Router:
             worker = self._pick("colocated")
             stream.decode = worker.name
             worker.inflight += 1
-            self._send(worker, {"type": "generate", "rid": stream.rid, "prompt": prompt, "params": wire_params})
+            self._send(worker, {"type": "generate", "rid": stream.wire_rid, "prompt": prompt, "params": wire_params})
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             return
         decode, reply = await self._reserve(stream, prompt, wire_params, deadline)
@@ -342,7 +379,7 @@ class Router:
             prefill,
             {
                 "type": "prefill",
-                "rid": stream.rid,
+                "rid": stream.wire_rid,
                 "prompt": prompt,
                 "params": wire_params,
                 "kv_address": reply["kv_address"],
@@ -367,7 +404,7 @@ class Router:
                     raise NoWorkers("no live decode worker")
                 fits = [w for w in live if w.stats.get("free_blocks", needed) >= needed]
                 for worker in self._policies["decode"].order(fits)[:3]:
-                    reply = await self._try_reserve(worker, stream.rid, prompt, wire_params)
+                    reply = await self._try_reserve(worker, stream.wire_rid, prompt, wire_params)
                     if reply is not None and reply.get("ok"):
                         stream.decode = worker.name
                         worker.inflight += 1

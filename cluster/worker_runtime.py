@@ -35,6 +35,8 @@ class WorkerOptions:
     stats_interval_s: float = 0.2
     send_timeout_ms: int = 2000
     hwm: int = 100_000
+    secret: str | None = None  # commands without it are dropped
+    router_timeout_s: float = 10.0  # no word from the router this long: free everything (it restarted or died)
 
 
 class WorkerRuntime:
@@ -55,6 +57,7 @@ class WorkerRuntime:
         self._thread: threading.Thread | None = None
         self._snapshot: dict = {}
         self._last_stats = 0.0
+        self._last_router_s = time.monotonic()
         self.counters: dict[str, float] = {"errors": 0, "aborts": 0}
 
     def _socket(self, kind: int) -> zmq.Socket:
@@ -100,6 +103,12 @@ class WorkerRuntime:
                 logger.exception("%s: step failed; failing the requests it held", self.name)
                 self.fail_all("worker step failed")
             now = time.monotonic()
+            if now - self._last_router_s > self.options.router_timeout_s:
+                self._last_router_s = now
+                if self.engine.requests:
+                    logger.warning("%s: no word from the router for %.0f s; freeing every request", self.name,
+                                   self.options.router_timeout_s)
+                    self.fail_all("router unreachable")
             if now - self._last_stats >= self.options.stats_interval_s:
                 self._last_stats = now
                 self._snapshot = self.stats()
@@ -117,6 +126,12 @@ class WorkerRuntime:
                 message = unpack(data)
             except ProtocolError as exc:
                 logger.warning("%s: dropped a bad command: %s", self.name, exc)
+                continue
+            if self.options.secret is not None and message.get("auth") != self.options.secret:
+                logger.warning("%s: dropped a command without the cluster secret", self.name)
+                continue
+            self._last_router_s = time.monotonic()
+            if message["type"] == "ping":
                 continue
             rid = message.get("rid")
             # how long the command sat in the socket while a step ran (same-host clocks; 0 if unknown)

@@ -28,6 +28,12 @@ def test_bad_model_is_a_clear_error_not_a_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_demo_answers_with_the_default_model(capsys):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
     assert main(["demo", "--max-tokens", "12"]) == 0
     out = capsys.readouterr().out
-    assert "Paris" in out and "generated tokens/s" in out
+    assert "Paris" in out and "ttft_ms_median" in out
+    moved = float(out.split("KV moved prefill -> decode: ")[1].split(" MB")[0])
+    assert moved > 0  # the KV really crossed from the prefill worker to the decode worker
