@@ -1,4 +1,4 @@
-"""Ray actors for the workers: thin shells around the Ray-free worker classes.
+"""Ray actors for the workers: thin shells around the Ray-free worker classes (also used as-is in-process).
 
 Ray places and restarts them (``max_restarts``); everything they do per request goes over ZeroMQ. Actor methods
 are only for set-up and inspection: ``info`` (addresses, pid, node), ``snapshot`` (load), ``stop``.
@@ -19,11 +19,10 @@ class WorkerActor:
     ) -> None:
         import ray
 
-        host = options.pop("host")
-        if host == "auto":
-            host = ray.util.get_node_ip_address()
-        worker_options = WorkerOptions(engine=EngineConfig(**engine), host=host, **options)
-        self.node_id = ray.get_runtime_context().get_node_id()
+        if options.get("host") == "auto":  # each worker binds its own node's address
+            options["host"] = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        worker_options = WorkerOptions(engine=EngineConfig(**engine), **options)
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         if role == "prefill":
             from prefill.worker import PrefillWorker
             from transfer.base import TransferConfig

@@ -1,0 +1,161 @@
+"""The worker pools behind a router: Ray actors placed by one placement group per pool, or threads in this process.
+
+``RayPools`` is the real deployment: each pool gets a placement group built from its section of the config (CPU
+share, GPUs, extra resources, strategy), each replica an actor pinned to a bundle, named ``pdserve-<pool>-<i>`` and
+restarted by Ray up to ``ray.max_restarts`` times. A pool the cluster cannot place is a ``ConfigError`` naming the
+pool and what it asked for. A monitor thread notices dead actors at once (the router stops routing to them) and
+re-registers restarted ones, which come back with new addresses.
+
+``LocalPools`` runs the same worker classes as threads of this process, with no Ray: for development and for fast
+tests of the data plane. Everything but placement and restarts behaves the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from cluster.actors import WorkerActor
+from cluster.config import ClusterConfig, ConfigError, PoolSection
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRecord:
+    name: str
+    role: str
+    actor: object
+    info: dict = field(default_factory=dict)
+
+
+def pool_layout(config: ClusterConfig) -> list[tuple[str, str, PoolSection]]:
+    """(pool name, worker role, pool section) for every pool; colocated mode keeps the workers, not the split."""
+    if config.mode == "colocated":
+        return [("prefill", "colocated", config.pools.prefill), ("decode", "colocated", config.pools.decode)]
+    return [("prefill", "prefill", config.pools.prefill), ("decode", "decode", config.pools.decode)]
+
+
+def engine_settings(config: ClusterConfig, pool: PoolSection, model_path: str) -> dict:
+    import torch
+
+    return {
+        "model": model_path,
+        "dtype": config.model.dtype,
+        "device": "cuda" if pool.gpus_per_replica > 0 and torch.cuda.is_available() else "cpu",
+        "block_size": config.transfer.block_size,
+        "num_kv_blocks": pool.kv_blocks,
+        "kv_cache_memory_bytes": pool.kv_memory_mb * 1024 * 1024,
+        "max_model_len": config.model.max_model_len,
+        "max_batch_tokens": pool.max_batch_tokens,
+        "max_num_seqs": pool.max_num_seqs,
+        "enable_prefix_caching": pool.enable_prefix_caching,
+        "torch_threads": pool.torch_threads,
+    }
+
+
+def actor_args(config: ClusterConfig, role: str, name: str, pool: PoolSection, model_path: str, router_address: str,
+               host: str) -> tuple:
+    options = {"name": name, "role": role, "router_address": router_address, "host": host,
+               "secret": config.transfer.secret}
+    transfer = {"deadline_s": config.transfer.deadline_s, "lease_s": config.transfer.lease_s,
+                "wire_dtype": config.transfer.kv_wire_dtype, "secret": config.transfer.secret}
+    return (role, options, engine_settings(config, pool, model_path), config.transfer.backend, transfer,
+            config.transfer.failure_policy, config.transfer.zmq_transport, config.transfer.stream_layers)
+
+
+class LocalPools:
+    def __init__(self, config: ClusterConfig, model_path: str, router_address: str, host: str) -> None:
+        self.workers: list[WorkerRecord] = []
+        try:
+            for pool_name, role, pool in pool_layout(config):
+                for index in range(pool.replicas):
+                    name = f"{pool_name}-{index}"
+                    actor = WorkerActor(*actor_args(config, role, name, pool, model_path, router_address, host))
+                    self.workers.append(WorkerRecord(name, role, actor, actor.info()))
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_monitor(self, router) -> None:
+        pass  # threads do not die alone; nothing restarts them
+
+    def stop(self) -> None:
+        for record in self.workers:
+            record.actor.stop()
+
+
+class RayPools:
+    def __init__(self, config: ClusterConfig, model_path: str, router_address: str, host: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.workers: list[WorkerRecord] = []
+        self.groups: list = []
+        self._stop = threading.Event()
+        remote_cls = ray.remote(max_restarts=config.ray.max_restarts, max_task_retries=0)(WorkerActor)
+        try:
+            for pool_name, role, pool in pool_layout(config):
+                if pool.replicas == 0:
+                    continue
+                bundle = {"CPU": pool.cpus_per_replica, **pool.resources}
+                if pool.gpus_per_replica:
+                    bundle["GPU"] = pool.gpus_per_replica
+                group = ray.util.placement_group([dict(bundle) for _ in range(pool.replicas)],
+                                                 strategy=pool.placement_strategy, name=f"pdserve-{pool_name}")
+                self.groups.append(group)
+                try:
+                    ray.get(group.ready(), timeout=config.ray.start_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise ConfigError(f"pools.{pool_name}: the Ray cluster cannot place {pool.replicas} x {bundle} "
+                                      f"(available: {ray.available_resources()})") from None
+                for index in range(pool.replicas):
+                    name = f"{pool_name}-{index}"
+                    actor = remote_cls.options(
+                        name=f"pdserve-{name}",
+                        num_cpus=pool.cpus_per_replica,
+                        num_gpus=pool.gpus_per_replica,
+                        resources=pool.resources or None,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                    ).remote(*actor_args(config, role, name, pool, model_path, router_address, host))
+                    self.workers.append(WorkerRecord(name, role, actor))
+            infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=config.ray.start_timeout_s)
+            for record, info in zip(self.workers, infos):
+                record.info = info
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_monitor(self, router, interval_s: float = 0.5) -> None:
+        threading.Thread(target=self._monitor, args=(router, interval_s), name="pdserve-monitor", daemon=True).start()
+
+    def _monitor(self, router, interval_s: float) -> None:
+        """Stop routing to a dead actor at once; re-register a restarted one (new addresses)."""
+        import ray
+
+        while not self._stop.wait(interval_s):
+            for record in self.workers:
+                try:
+                    info = ray.get(record.actor.info.remote(), timeout=5)
+                except Exception as exc:
+                    if not self._stop.is_set():
+                        router.mark_dead_threadsafe(record.name, f"worker process gone ({type(exc).__name__})")
+                    continue
+                if info.get("command_address") != record.info.get("command_address"):
+                    logger.warning("worker %s restarted (pid %s); re-registering", record.name, info.get("pid"))
+                    record.info = info
+                    router.add_worker_threadsafe(record.name, record.role, info["command_address"], info.get("kv_address"))
+
+    def stop(self) -> None:
+        import ray
+
+        self._stop.set()
+        for record in self.workers:
+            try:
+                ray.get(record.actor.stop.remote(), timeout=10)
+            except Exception:  # dead or stuck: killed next anyway
+                pass
+            ray.kill(record.actor, no_restart=True)
+        for group in self.groups:
+            ray.util.remove_placement_group(group)
