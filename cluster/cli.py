@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest_compare.add_arguments(compare)
     compare.set_defaults(func=_bench("bench.loadtest.compare"))
 
+    from bench import chaos
+
+    chaos_bench = bench.add_parser("chaos", help="load while killing workers: lost requests and held KV must be 0")
+    chaos.add_arguments(chaos_bench)
+    chaos_bench.set_defaults(func=_bench("bench.chaos"))
+
     demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
     demo.add_argument("--config", default=None, help="default: configs/local.yaml")
     demo.add_argument("--model", default=None)
