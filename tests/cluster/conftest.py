@@ -59,3 +59,15 @@ def wait_all_kv_free(base_url: str, timeout_s: float = 10.0) -> dict:
             return status
         time.sleep(0.1)
     raise AssertionError(f"KV blocks or requests still held: {status}")
+
+
+def metric_value(base_url: str, name: str, **labels: str) -> float | None:
+    """One sample from /metrics, parsed with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
