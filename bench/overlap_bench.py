@@ -8,12 +8,15 @@ time (after one discarded warm-up request): a ``--prompt-tokens`` prompt of rand
 request so the prefix cache never serves it, ``max_tokens`` 4, greedy. From each response's ``timing`` it keeps
 ``kv_after_prefill_s`` (same-host monotonic stamps: from the prefill worker's end of the prefill step to the decode
 worker seeing the whole KV; the transfer time *not* hidden behind the prefill), ``prefill_compute_s`` and
-``kv_transfer_s`` (decode reservation to KV complete, prefill included). Reported: medians per mode and
+``kv_transfer_s`` (decode reservation to KV complete, prefill included), and as a cross-check that does not depend on
+where the prefill worker stamps its end, ``kv_minus_prefill_s = kv_transfer_s - prefill_queue_s - prefill_compute_s``
+(the router-to-prefill dispatch is in it, alike in both modes). Reported: medians per mode and
 
     hidden_fraction = 1 - median(streamed kv_after_prefill) / median(unstreamed kv_after_prefill)
 
-plus the KV bytes per request (prompt tokens x 2 x layers x kv heads x head dim x dtype bytes; SmolLM2-135M float32:
-46,080 B/token) and the unstreamed transfer's achieved GB/s (those bytes / its median kv_after_prefill).
+(capped at 1: a negative streamed figure means the KV was complete before the prefill step ended; the uncapped
+value is reported too), plus the KV bytes per request (prompt tokens x 2 x layers x kv heads x head dim x dtype
+bytes; SmolLM2-135M float32: 46,080 B/token) and the unstreamed transfer's achieved GB/s (those bytes / its median kv_after_prefill).
 
 **int8 wire.** ``--int8-check``: N English chat prompts x T greedy tokens (``ignore_eos``) through
 ``/v1/chat/completions``, once with ``kv_wire_dtype: raw`` (in the streamed overlap cluster) and once with ``int8``
@@ -73,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     parser.add_argument(f"--{p}max-tokens", dest=f"{p.replace('-', '_')}max_tokens", type=int, default=4)
     parser.add_argument(f"--{p}prefill-chunk", dest=f"{p.replace('-', '_')}prefill_chunk", type=int, default=None,
                         help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's")
+    parser.add_argument(f"--{p}heartbeat-timeout", dest=f"{p.replace('-', '_')}heartbeat_timeout", type=float,
+                        default=30.0,
+                        help="the router's worker heartbeat timeout for these runs (cluster.router.HEARTBEAT_TIMEOUT_S, "
+                             "2 s as shipped: shorter than one 1024-token SmolLM2 prefill forward on a busy CPU, "
+                             "during which the worker sends no heartbeat); 0 keeps the shipped value")
     if not p:
         parser.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
     if p:
@@ -170,7 +178,8 @@ def _chat(base_url: str, model: str, text: str, max_tokens: int, timeout_s: floa
 def _overlap_run(handle, config, ids: list[int], prompt_tokens: int, reps: int, max_tokens: int,
                  seed_base: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {"kv_after_prefill_s": [], "prefill_compute_s": [], "kv_transfer_s": [],
-                                       "prefill_queue_s": [], "ttft_s": []}
+                                       "prefill_queue_s": [], "ttft_s": [], "kv_wait_after_first_token_s": [],
+                                       "kv_minus_prefill_s": []}
     before = _wait_stats_settle(handle.base_url)
     for i in range(reps + 1):  # request 0 is a warm-up (first long prompt: allocator, thread pools)
         result = _complete(handle.base_url, config.served_model_name, _random_prompt(ids, prompt_tokens, seed_base + i),
@@ -178,6 +187,11 @@ def _overlap_run(handle, config, ids: list[int], prompt_tokens: int, reps: int, 
         timing = result.get("timing") or {}
         if i == 0:
             continue
+        if all(k in timing for k in ("kv_transfer_s", "prefill_queue_s", "prefill_compute_s")):
+            # a cross-check that does not depend on where the prefill worker stamps "prefill end": decode reservation
+            # to KV complete, less the prefill's queue and compute (the same dispatch overhead in both modes)
+            timing["kv_minus_prefill_s"] = (timing["kv_transfer_s"] - timing["prefill_queue_s"]
+                                            - timing["prefill_compute_s"])
         for key in samples:
             if key in timing:
                 samples[key].append(float(timing[key]))
@@ -260,9 +274,18 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     }
     started_ray = False
     if not ray.is_initialized():
-        ray.init(num_cpus=max(2, os.cpu_count() or 1), namespace=base.ray.namespace, include_dashboard=False,
+        # address="local": always a fresh local Ray, never attach to another one running on this machine
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), namespace=base.ray.namespace,
+                 include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False)
         started_ray = True
+    import cluster.router as router_module
+
+    shipped_heartbeat = router_module.HEARTBEAT_TIMEOUT_S
+    heartbeat = _get(args, "heartbeat_timeout", prefix, 30.0)
+    if heartbeat:
+        router_module.HEARTBEAT_TIMEOUT_S = heartbeat  # the router runs in this process
+    out["configuration"]["router_heartbeat_timeout_s"] = router_module.HEARTBEAT_TIMEOUT_S
     t_start = time.monotonic()
     raw_texts: list[str] | None = None
     raw_bytes = 0
@@ -283,7 +306,13 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         if do_overlap:
             s = out["streamed"]["median_kv_after_prefill_s"]
             u = out["unstreamed"]["median_kv_after_prefill_s"]
-            out["hidden_fraction"] = round(1 - s / u, 4) if s is not None and u else None
+            # a negative kv_after_prefill means the KV was complete before the prefill step ended (the last layer's
+            # KV leaves before that layer's attention and MLP run): all of it hidden, so the fraction is capped at 1
+            out["hidden_fraction"] = round(1 - max(0.0, s) / u, 4) if s is not None and u else None
+            out["hidden_fraction_uncapped"] = round(1 - s / u, 4) if s is not None and u else None
+            sm, um = out["streamed"]["median_kv_minus_prefill_s"], out["unstreamed"]["median_kv_minus_prefill_s"]
+            out["kv_minus_prefill_ms"] = {"streamed": None if sm is None else round(1000 * sm, 2),
+                                          "unstreamed": None if um is None else round(1000 * um, 2)}
             out["goal_hidden_fraction"] = 0.7
             out["goal_met"] = out["hidden_fraction"] is not None and out["hidden_fraction"] >= 0.7
             out["unstreamed_transfer_gbps"] = round(out["kv_bytes_per_request"] / u / 1e9, 4) if u else None
@@ -309,6 +338,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             })
             out["int8"] = cmp
     finally:
+        router_module.HEARTBEAT_TIMEOUT_S = shipped_heartbeat
         if started_ray:
             ray.shutdown()
     out["wall_s"] = round(time.monotonic() - t_start, 1)
