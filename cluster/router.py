@@ -29,14 +29,14 @@ import zmq
 import zmq.asyncio
 
 from cluster.config import ClusterConfig
+from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import make_policy
-from cluster.protocol import ProtocolError, pack, params_to_wire, unpack
+from cluster.protocol import ProtocolError, params_to_wire, unpack
 from engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 2.0  # ten missed heartbeats (workers send one every 0.2 s)
 MAX_RETRIES = 2  # re-dispatches of a request whose worker died before its first token
 PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while free everything they hold
 
@@ -59,19 +59,6 @@ class Overloaded(RequestFailed):
 
 class NoWorkers(RequestFailed):
     status, code = 503, "no_workers"
-
-
-@dataclass(slots=True)
-class WorkerHandle:
-    name: str
-    role: str
-    command_address: str
-    socket: zmq.asyncio.Socket
-    kv_address: str | None = None
-    stats: dict = field(default_factory=dict)
-    last_seen: float = field(default_factory=time.monotonic)
-    alive: bool = True
-    inflight: int = 0
 
 
 @dataclass(slots=True)
@@ -100,7 +87,6 @@ class Router:
         self.config = config
         self.host = host
         self.metrics = RouterMetrics()
-        self.workers: dict[str, WorkerHandle] = {}
         self.streams: dict[str, Stream] = {}
         self._reservations: dict[str, asyncio.Future] = {}
         self.last_timing: OrderedDict[str, dict] = OrderedDict()  # finished requests' timing, for the response
@@ -120,48 +106,12 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.block_size = config.transfer.block_size
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.secret = config.transfer.secret  # workers drop commands that do not carry it
+        self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of)
 
-    # ---- membership --------------------------------------------------------------------------------------------
+    # ---- membership (cluster/membership.py) --------------------------------------------------------------------
 
     def add_worker(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
-        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 100_000), (zmq.SNDTIMEO, 1000)):
-            sock.setsockopt(option, value)
-        sock.connect(command_address)
-        old = self.workers.pop(name, None)
-        if old is not None:
-            old.socket.close(0)
-        self.workers[name] = WorkerHandle(name, role, command_address, sock, kv_address)
-        self._update_alive_gauge()
-
-    def mark_dead(self, name: str, reason: str = "worker died") -> None:
-        """Stop routing to a worker and fail what it held: explicit errors, never a silent stall."""
-        worker = self.workers.get(name)
-        if worker is None or not worker.alive:
-            return
-        worker.alive = False
-        logger.warning("worker %s marked dead: %s", name, reason)
-        for stream in list(self.streams.values()):
-            if name in (stream.prefill, stream.decode) and not stream.finished:
-                stream.queue.put_nowait(RequestFailed(f"{reason} ({name})", "worker_died", 503))
-        self._update_alive_gauge()
-
-    def _update_alive_gauge(self) -> None:
-        for pool in ("prefill", "decode", "colocated"):
-            self.metrics.workers_alive.labels(pool).set(sum(1 for w in self.workers.values() if w.role == pool and w.alive))
-
-    def live_workers(self) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.alive]
-
-    def mark_dead_threadsafe(self, name: str, reason: str) -> None:
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.mark_dead, name, reason)
-
-    def live(self, role: str) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.role == role and w.alive]
-
-    # ---- event loop --------------------------------------------------------------------------------------------
+        self.members.add(name, role, command_address, kv_address)
 
     def add_worker_threadsafe(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
         """Register from another thread (the monitor that sees Ray restart a worker)."""
@@ -169,6 +119,24 @@ class Router:
             self.add_worker(name, role, command_address, kv_address)
         else:
             self.loop.call_soon_threadsafe(self.add_worker, name, role, command_address, kv_address)
+
+    def mark_dead(self, name: str, reason: str = "worker died") -> None:
+        self.members.mark_dead(name, reason)
+
+    def mark_dead_threadsafe(self, name: str, reason: str) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.mark_dead, name, reason)
+
+    def live(self, role: str) -> list[WorkerHandle]:
+        return self.members.live(role)
+
+    def _fail_streams_of(self, name: str, reason: str) -> None:
+        """A dead worker's requests get an explicit error (or a retry, in generate): never a silent stall."""
+        for stream in list(self.streams.values()):
+            if name in (stream.prefill, stream.decode) and not stream.finished:
+                stream.queue.put_nowait(RequestFailed(f"{reason} ({name})", "worker_died", 503))
+
+    # ---- event loop --------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -183,8 +151,7 @@ class Router:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
-        for worker in self.workers.values():
-            worker.socket.close(0)
+        self.members.close()
         self._events.close(0)
         self._ctx.term()
 
@@ -203,17 +170,13 @@ class Router:
             now = time.monotonic()
             if now - last_ping >= PING_INTERVAL_S:
                 last_ping = now
-                for worker in self.live_workers():
+                for worker in self.members.live():
                     self._send(worker, {"type": "ping"})
-            for worker in list(self.workers.values()):
-                if worker.alive and now - worker.last_seen > HEARTBEAT_TIMEOUT_S:
-                    self.mark_dead(worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
+            self.members.expire(now)
 
     def _dispatch(self, message: dict) -> None:
         kind = message["type"]
-        worker = self.workers.get(message.get("worker", ""))
-        if worker is not None:
-            worker.last_seen = time.monotonic()
+        worker = self.members.heard_from(message.get("worker"))
         if kind == "stats":
             if worker is not None:
                 worker.stats = message
@@ -230,7 +193,7 @@ class Router:
             if stream is None:
                 return
             stream.timing.update({f"prefill_{k}": v for k, v in (message.get("timing") or {}).items()})
-            decode = self.workers.get(stream.decode or "")
+            decode = self.members.get(stream.decode)
             if decode is not None:
                 self._send(decode, {"type": "start", "rid": stream.wire_rid, "first_token": message["token"]})
             stream.queue.put_nowait(TokenEvent([message["token"]]))
@@ -252,10 +215,7 @@ class Router:
         self._capacity = asyncio.Event()
 
     def _send(self, worker: WorkerHandle, message: dict) -> None:
-        try:
-            worker.socket.send(pack({**message, "sent_at": time.time(), "auth": self.secret}), zmq.NOBLOCK)
-        except zmq.Again:
-            self.mark_dead(worker.name, "command queue full")
+        self.members.send(worker, message)
 
     # ---- requests ----------------------------------------------------------------------------------------------
 
@@ -331,7 +291,7 @@ class Router:
 
     def _unassign(self, stream: Stream) -> None:
         for name in {stream.prefill, stream.decode} - {None}:
-            worker = self.workers.get(name)
+            worker = self.members.get(name)
             if worker is not None:
                 worker.inflight = max(0, worker.inflight - 1)
         stream.prefill = stream.decode = None
@@ -358,7 +318,7 @@ class Router:
         if stream is None:
             return
         for name in {stream.prefill, stream.decode} - {None}:
-            worker = self.workers.get(name)
+            worker = self.members.get(name)
             if worker is not None and worker.alive:
                 self._send(worker, {"type": "abort", "rid": wire_rid})
 
@@ -445,15 +405,5 @@ class Router:
             "model": self.config.served_model_name,
             "inflight": len(self.streams),
             "queue_depth": self._queue_depth,
-            "workers": [
-                {
-                    "name": w.name,
-                    "role": w.role,
-                    "alive": w.alive,
-                    "inflight": w.inflight,
-                    "last_seen_s": round(time.monotonic() - w.last_seen, 3),
-                    **{k: v for k, v in w.stats.items() if k not in ("type", "worker", "role")},
-                }
-                for w in self.workers.values()
-            ],
+            "workers": self.members.status(),
         }

@@ -1,0 +1,112 @@
+"""Which workers the router knows, which are alive, and the command socket to each.
+
+A worker is alive from registration until its heartbeats stop (``HEARTBEAT_TIMEOUT_S``), its command queue fills,
+or Ray reports its process gone; then ``on_dead`` tells the router, which fails or retries what the worker held.
+A restarted worker registers again under the same name with new addresses and is alive again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from cluster.metrics import RouterMetrics
+from cluster.protocol import pack
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 2.0  # ten missed heartbeats (workers send one every 0.2 s)
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    name: str
+    role: str
+    command_address: str
+    socket: zmq.asyncio.Socket
+    kv_address: str | None = None
+    stats: dict = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    inflight: int = 0
+
+
+class Membership:
+    def __init__(self, ctx: zmq.asyncio.Context, metrics: RouterMetrics, secret: str | None,
+                 on_dead: Callable[[str, str], None]) -> None:
+        self._ctx = ctx
+        self._metrics = metrics
+        self._secret = secret  # workers drop commands that do not carry it
+        self._on_dead = on_dead
+        self.workers: dict[str, WorkerHandle] = {}
+
+    def add(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 100_000), (zmq.SNDTIMEO, 1000)):
+            sock.setsockopt(option, value)
+        sock.connect(command_address)
+        old = self.workers.pop(name, None)
+        if old is not None:
+            old.socket.close(0)
+        self.workers[name] = WorkerHandle(name, role, command_address, sock, kv_address)
+        self._update_gauge()
+
+    def get(self, name: str | None) -> WorkerHandle | None:
+        return self.workers.get(name or "")
+
+    def live(self, role: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
+
+    def mark_dead(self, name: str, reason: str) -> None:
+        worker = self.workers.get(name)
+        if worker is None or not worker.alive:
+            return
+        worker.alive = False
+        logger.warning("worker %s marked dead: %s", name, reason)
+        self._update_gauge()
+        self._on_dead(name, reason)
+
+    def expire(self, now: float) -> None:
+        for worker in list(self.workers.values()):
+            if worker.alive and now - worker.last_seen > HEARTBEAT_TIMEOUT_S:
+                self.mark_dead(worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
+
+    def send(self, worker: WorkerHandle, message: dict) -> None:
+        try:
+            worker.socket.send(pack({**message, "sent_at": time.time(), "auth": self._secret}), zmq.NOBLOCK)
+        except zmq.Again:
+            self.mark_dead(worker.name, "command queue full")
+
+    def heard_from(self, name: str | None) -> WorkerHandle | None:
+        worker = self.workers.get(name or "")
+        if worker is not None:
+            worker.last_seen = time.monotonic()
+        return worker
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.socket.close(0)
+
+    def status(self) -> list[dict]:
+        now = time.monotonic()
+        return [
+            {
+                "name": w.name,
+                "role": w.role,
+                "alive": w.alive,
+                "inflight": w.inflight,
+                "last_seen_s": round(now - w.last_seen, 3),
+                **{k: v for k, v in w.stats.items() if k not in ("type", "worker", "role")},
+            }
+            for w in self.workers.values()
+        ]
+
+    def _update_gauge(self) -> None:
+        for role in ROLES:
+            self._metrics.workers_alive.labels(role).set(len(self.live(role)))
