@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
                         help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's")
     parser.add_argument(f"--{p}heartbeat-timeout", dest=f"{p.replace('-', '_')}heartbeat_timeout", type=float,
                         default=30.0,
-                        help="the router's worker heartbeat timeout for these runs (cluster.router.HEARTBEAT_TIMEOUT_S, "
+                        help="the router's worker heartbeat timeout for these runs (HEARTBEAT_TIMEOUT_S, "
                              "2 s as shipped: shorter than one 1024-token SmolLM2 prefill forward on a busy CPU, "
                              "during which the worker sends no heartbeat); 0 keeps the shipped value")
     if not p:
@@ -279,13 +279,24 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
                  include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False)
         started_ray = True
-    import cluster.router as router_module
+    # the router runs in this process: its heartbeat timeout is a module constant (cluster.router, or
+    # cluster.membership where the router's membership code lives on its own); patched for these runs only
+    import importlib
 
-    shipped_heartbeat = router_module.HEARTBEAT_TIMEOUT_S
+    shipped_heartbeat: dict[Any, float] = {}
+    for name in ("cluster.membership", "cluster.router"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "HEARTBEAT_TIMEOUT_S"):
+            shipped_heartbeat[module] = module.HEARTBEAT_TIMEOUT_S
     heartbeat = _get(args, "heartbeat_timeout", prefix, 30.0)
     if heartbeat:
-        router_module.HEARTBEAT_TIMEOUT_S = heartbeat  # the router runs in this process
-    out["configuration"]["router_heartbeat_timeout_s"] = router_module.HEARTBEAT_TIMEOUT_S
+        for module in shipped_heartbeat:
+            module.HEARTBEAT_TIMEOUT_S = heartbeat
+    out["configuration"]["router_heartbeat_timeout_s"] = (
+        heartbeat if heartbeat and shipped_heartbeat else next(iter(shipped_heartbeat.values()), None))
     t_start = time.monotonic()
     raw_texts: list[str] | None = None
     raw_bytes = 0
@@ -338,7 +349,8 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             })
             out["int8"] = cmp
     finally:
-        router_module.HEARTBEAT_TIMEOUT_S = shipped_heartbeat
+        for module, value in shipped_heartbeat.items():
+            module.HEARTBEAT_TIMEOUT_S = value
         if started_ray:
             ray.shutdown()
     out["wall_s"] = round(time.monotonic() - t_start, 1)
