@@ -76,11 +76,6 @@ def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     parser.add_argument(f"--{p}max-tokens", dest=f"{p.replace('-', '_')}max_tokens", type=int, default=4)
     parser.add_argument(f"--{p}prefill-chunk", dest=f"{p.replace('-', '_')}prefill_chunk", type=int, default=None,
                         help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's")
-    parser.add_argument(f"--{p}heartbeat-timeout", dest=f"{p.replace('-', '_')}heartbeat_timeout", type=float,
-                        default=30.0,
-                        help="the router's worker heartbeat timeout for these runs (HEARTBEAT_TIMEOUT_S, "
-                             "2 s as shipped: shorter than one 1024-token SmolLM2 prefill forward on a busy CPU, "
-                             "during which the worker sends no heartbeat); 0 keeps the shipped value")
     if not p:
         parser.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
     if p:
@@ -279,24 +274,6 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
                  include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False)
         started_ray = True
-    # the router runs in this process: its heartbeat timeout is a module constant (cluster.router, or
-    # cluster.membership where the router's membership code lives on its own); patched for these runs only
-    import importlib
-
-    shipped_heartbeat: dict[Any, float] = {}
-    for name in ("cluster.membership", "cluster.router"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "HEARTBEAT_TIMEOUT_S"):
-            shipped_heartbeat[module] = module.HEARTBEAT_TIMEOUT_S
-    heartbeat = _get(args, "heartbeat_timeout", prefix, 30.0)
-    if heartbeat:
-        for module in shipped_heartbeat:
-            module.HEARTBEAT_TIMEOUT_S = heartbeat
-    out["configuration"]["router_heartbeat_timeout_s"] = (
-        heartbeat if heartbeat and shipped_heartbeat else next(iter(shipped_heartbeat.values()), None))
     t_start = time.monotonic()
     raw_texts: list[str] | None = None
     raw_bytes = 0
@@ -349,8 +326,6 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             })
             out["int8"] = cmp
     finally:
-        for module, value in shipped_heartbeat.items():
-            module.HEARTBEAT_TIMEOUT_S = value
         if started_ray:
             ray.shutdown()
     out["wall_s"] = round(time.monotonic() - t_start, 1)

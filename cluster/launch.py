@@ -61,7 +61,7 @@ def _ensure_ray(config: ClusterConfig, address: str | None) -> bool:
         ray.init(address=address, namespace=config.ray.namespace, logging_level=logging.WARNING)
         return True
     needed = sum(pool.replicas * pool.cpus_per_replica for _, _, pool in pool_layout(config))
-    ray.init(num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=config.ray.namespace,
+    ray.init(address="local", num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=config.ray.namespace,
              include_dashboard=False, logging_level=logging.WARNING)
     return True
 

@@ -20,7 +20,8 @@ from cluster.protocol import pack
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 2.0  # ten missed heartbeats (workers send one every 0.2 s)
+HEARTBEAT_TIMEOUT_S = 2.0  # ten missed heartbeats (a worker's heartbeat thread sends one every 0.2 s)
+STALL_TIMEOUT_S = 300.0  # heartbeats still come but the worker's loop has not come round: stuck, not slow
 ROLES = ("prefill", "decode", "colocated")
 
 
@@ -76,6 +77,8 @@ class Membership:
         for worker in list(self.workers.values()):
             if worker.alive and now - worker.last_seen > HEARTBEAT_TIMEOUT_S:
                 self.mark_dead(worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
+            elif worker.alive and worker.stats.get("loop_age_s", 0.0) > STALL_TIMEOUT_S:
+                self.mark_dead(worker.name, f"worker loop stalled for {worker.stats['loop_age_s']:.0f} s")
 
     def send(self, worker: WorkerHandle, message: dict) -> None:
         try:

@@ -1,8 +1,11 @@
 """What every worker shares: an engine, a command socket, an event socket, and one loop thread that owns both.
 
 The engine is not thread-safe and need not be: only the loop thread touches it. The loop drains commands (without
-blocking while there is work), lets the role do one tick (step the engine, poll transfers) and sends a stats
-heartbeat a few times a second. Ray actor methods only read ``snapshot()``, a dict the loop replaces each heartbeat.
+blocking while there is work), lets the role do one tick (step the engine, poll transfers) and refreshes a stats
+snapshot. A separate heartbeat thread, with its own socket, sends that snapshot to the router
+every ``stats_interval_s`` even while a long forward holds the loop (a 4k-token prefill on a CPU takes seconds), with
+``loop_age_s`` saying how long ago the loop last came round, so the router can tell slow from stuck. Ray actor
+methods only read ``snapshot()``.
 
 A command that fails answers with an ``error`` event for its request and the loop goes on; an engine step that
 raises fails every request the worker holds (each gets an error event, each frees its blocks) rather than leaving
@@ -55,8 +58,9 @@ class WorkerRuntime:
         self._events.connect(options.router_address)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._heartbeat: threading.Thread | None = None
+        self._loop_seen = time.monotonic()
         self._snapshot: dict = {}
-        self._last_stats = 0.0
         self._last_router_s = time.monotonic()
         self.counters: dict[str, float] = {"errors": 0, "aborts": 0}
 
@@ -72,13 +76,17 @@ class WorkerRuntime:
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._snapshot = self.stats()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
+        self._heartbeat = threading.Thread(target=self._beat, name=f"{self.name}-heartbeat", daemon=True)
         self._thread.start()
+        self._heartbeat.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        for thread in (self._thread, self._heartbeat):
+            if thread is not None:
+                thread.join(timeout_s)
         self.close()
 
     def close(self) -> None:
@@ -97,7 +105,10 @@ class WorkerRuntime:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._drain_commands(timeout_ms=0 if self.has_work() else 5)
+                # no wait while the engine has a step to run; a short one while only transfers are pending
+                # (spinning there would take a core from the forward on a small box); a longer one when idle
+                wait_ms = 0 if self.engine.has_unfinished() else 1 if self.has_work() else 5
+                self._drain_commands(timeout_ms=wait_ms)
                 self.tick()
             except Exception:  # the loop must survive anything one step throws
                 logger.exception("%s: step failed; failing the requests it held", self.name)
@@ -109,10 +120,21 @@ class WorkerRuntime:
                     logger.warning("%s: no word from the router for %.0f s; freeing every request", self.name,
                                    self.options.router_timeout_s)
                     self.fail_all("router unreachable")
-            if now - self._last_stats >= self.options.stats_interval_s:
-                self._last_stats = now
-                self._snapshot = self.stats()
-                self.emit({"type": "stats", **self._snapshot})
+            self._loop_seen = now
+            self._snapshot = self.stats()  # a few len() calls: cheap enough to keep the heartbeat's view current
+
+    def _beat(self) -> None:
+        sock = self._socket(zmq.PUSH)
+        sock.connect(self.options.router_address)
+        try:
+            while not self._stop.wait(self.options.stats_interval_s):
+                beat = {"type": "stats", **self._snapshot, "loop_age_s": round(time.monotonic() - self._loop_seen, 3)}
+                try:
+                    sock.send(pack(beat), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the router is gone or slow; the next beat tries again
+        finally:
+            sock.close(0)
 
     def _drain_commands(self, timeout_ms: int, limit: int = 256) -> None:
         if not self._commands.poll(timeout_ms):

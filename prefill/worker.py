@@ -117,7 +117,8 @@ class PrefillWorker(WorkerRuntime):
                     "rid": output.request_id,
                     "worker": self.name,
                     "token": output.new_token_ids[0],
-                    "timing": {**finish_timing(request), "end_mono": time.monotonic()},
+                    # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
+                    "timing": {**finish_timing(request), "end_mono": request.first_token_s},
                 }
             )
         for event in self.sender.poll():
