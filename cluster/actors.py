@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 class WorkerActor:
     def __init__(
         self, role: str, options: dict, engine: dict, backend: str, transfer: dict, failure_policy: str,
-        transport: str = "tcp", stream_layers: bool = True,
+        transport: str = "tcp", stream_layers: bool = True, headroom_tokens: int = 0,
     ) -> None:
         import ray
 
@@ -34,7 +34,8 @@ class WorkerActor:
             from transfer.base import TransferConfig
 
             transfer_config = TransferConfig(**transfer, device=worker_options.engine.device)
-            self.worker = DecodeWorker(worker_options, backend, transfer_config, failure_policy, transport)
+            self.worker = DecodeWorker(worker_options, backend, transfer_config, failure_policy, transport,
+                                       headroom_tokens)
         elif role == "colocated":
             from cluster.colocated_worker import ColocatedWorker
 

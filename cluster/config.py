@@ -41,6 +41,7 @@ class PoolSection(_Strict):
     max_batch_tokens: int = Field(default=2048, gt=0)
     max_num_seqs: int = Field(default=64, gt=0)
     enable_prefix_caching: bool = True
+    reserve_headroom_tokens: int = Field(default=0, ge=0)  # decode: reserved per request beyond prompt + 1 token
     resources: dict[str, float] = Field(default_factory=dict)  # extra Ray resources per replica (pin to node types)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 

@@ -62,7 +62,8 @@ def actor_args(config: ClusterConfig, role: str, name: str, pool: PoolSection, m
     transfer = {"deadline_s": config.transfer.deadline_s, "lease_s": config.transfer.lease_s,
                 "wire_dtype": config.transfer.kv_wire_dtype, "secret": config.transfer.secret}
     return (role, options, engine_settings(config, pool, model_path), config.transfer.backend, transfer,
-            config.transfer.failure_policy, config.transfer.zmq_transport, config.transfer.stream_layers)
+            config.transfer.failure_policy, config.transfer.zmq_transport, config.transfer.stream_layers,
+            pool.reserve_headroom_tokens)
 
 
 class LocalPools:

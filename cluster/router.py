@@ -355,7 +355,8 @@ class Router:
         return candidates[0]
 
     async def _reserve(self, stream: Stream, prompt: list[int], wire_params: dict, deadline: float):
-        needed = -(-(len(prompt) + 1) // self.block_size)
+        headroom = min(self.config.pools.decode.reserve_headroom_tokens, max(0, wire_params["max_tokens"] - 1))
+        needed = -(-(len(prompt) + 1 + headroom) // self.block_size)
         queued = False
         try:
             while True:

@@ -50,6 +50,7 @@ class DecodeWorker(WorkerRuntime):
         transfer: TransferConfig | None = None,
         failure_policy: str = "fail",
         transport: str = "tcp",
+        headroom_tokens: int = 0,
     ) -> None:
         super().__init__(options)
         self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
@@ -57,6 +58,7 @@ class DecodeWorker(WorkerRuntime):
             backend, self.fingerprint, self._write_kv, receiver_address(backend, transport, options), transfer
         )
         self.failure_policy = failure_policy
+        self.headroom_tokens = headroom_tokens
         self.remote: dict[str, RemoteRequest] = {}
         self.timing: dict[str, dict] = {}
         self.counters.update(
@@ -87,7 +89,7 @@ class DecodeWorker(WorkerRuntime):
             super().handle(message)
 
     def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        blocks = self.engine.reserve_remote(prompt, params, rid)
+        blocks = self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens)
         if blocks is None:
             self.counters["reservations_refused"] += 1
             self.emit({"type": "reserved", "rid": rid, "worker": self.name, "ok": False, "reason": "kv_full"})

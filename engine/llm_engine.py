@@ -119,15 +119,23 @@ class LLMEngine:
         self.scheduler.add(request)
         return request.request_id
 
-    def reserve_remote(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> list[int] | None:
+    def reserve_remote(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        headroom_tokens: int = 0,
+    ) -> list[int] | None:
         """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if the blocks are not free now.
 
-        The reservation covers the prompt and the first generated token, so the request can start decoding the
-        moment its KV is complete.
+        The reservation covers the prompt, the first generated token and ``headroom_tokens`` more (capped at what
+        the request can generate), so the request can start decoding the moment its KV is complete and grow that
+        far without asking for blocks.
         """
         request = self._new_request(prompt, params, request_id, prefill_only=False)
+        headroom = min(headroom_tokens, request.params.max_tokens - 1, self.max_model_len - request.num_prompt_tokens - 1)
         allocation = self.block_manager.allocate(
-            request.prompt_token_ids, request.num_prompt_tokens + 1, use_prefix_cache=False
+            request.prompt_token_ids, request.num_prompt_tokens + 1 + max(0, headroom), use_prefix_cache=False
         )
         if allocation is None:
             return None

@@ -61,3 +61,13 @@ def test_layer_hook_sees_every_layer_in_order(tiny_llama_path, make_engine):
     engine.generate([[5] * 40], SamplingParams(max_tokens=2, temperature=0.0))
     layers = engine.kv_spec.num_layers
     assert [layer for layer, _ in seen] == list(range(layers)) * 2  # one prefill forward, one decode forward
+
+
+def test_reservation_headroom_is_capped_by_what_the_request_can_generate(tiny_llama_path, make_engine):
+    decode = make_engine(tiny_llama_path, num_kv_blocks=32)
+    blocks = decode.reserve_remote(list(range(20)), SamplingParams(max_tokens=100), "a", headroom_tokens=64)
+    assert len(blocks) == -(-(20 + 1 + 64) // 16)
+    short = decode.reserve_remote(list(range(20)), SamplingParams(max_tokens=4), "b", headroom_tokens=64)
+    assert len(short) == -(-(20 + 4) // 16)
+    decode.abort("a")
+    decode.abort("b")
