@@ -1,6 +1,6 @@
 """The KV cache tensors: per layer, K and V indexed by physical block id.
 
-Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
+Layout per layer: K and V stacked, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
 ``block_id * block_size + offset``, so writing a forward's new K/V is one ``index_copy_`` on the flattened view, and
 exporting a request's KV is a gather of whole blocks. The transfer layer sees only ``read_blocks`` and
 ``write_blocks``: tensors in, tensors out, with the block ids of each side.
@@ -38,23 +38,20 @@ class KVCache:
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        # K and V of a layer live in one tensor [2, blocks, block_size, kv_heads, head_dim], so that writing a step's
+        # new tokens and gathering a decode batch's context are one indexing op each instead of two
+        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.k = [kv[0] for kv in self.kv]
+        self.v = [kv[1] for kv in self.kv]
 
-    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-slot views ``[num_blocks * block_size, kv_heads, head_dim]`` of one layer."""
-        s = self.spec
-        return (
-            self.k[layer].view(-1, s.num_kv_heads, s.head_dim),
-            self.v[layer].view(-1, s.num_kv_heads, s.head_dim),
-        )
+    def flat(self, layer: int) -> torch.Tensor:
+        """Per-slot view ``[2, num_blocks * block_size, kv_heads, head_dim]`` of one layer (K, V)."""
+        return self.kv[layer].view(2, -1, self.spec.num_kv_heads, self.spec.head_dim)
 
     def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V (``[tokens, kv_heads, head_dim]``) at their slots."""
-        k_flat, v_flat = self.flat(layer)
-        k_flat.index_copy_(0, slots, k.to(self.spec.dtype))
-        v_flat.index_copy_(0, slots, v.to(self.spec.dtype))
+        self.flat(layer).index_copy_(1, slots, torch.stack((k, v)).to(self.spec.dtype))
 
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous copy of whole blocks: ``[len(block_ids), block_size, kv_heads, head_dim]`` for K and V."""

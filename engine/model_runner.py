@@ -79,7 +79,7 @@ class ModelRunner:
                 context_slots = None if chunk.start == 0 else self._slots(req.block_ids, 0, chunk.end)
                 prefills.append(PrefillSeq(offset, chunk.num_tokens, chunk.end, _to(context_slots, self.device)))
             offset += chunk.num_tokens
-        decode = self._decode_group(decode_index, decode_chunks) if decode_chunks else None
+        decode = self._decode_group(decode_index, decode_chunks, offset) if decode_chunks else None
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
             slot_mapping=torch.cat(slot_mapping).to(self.device),
@@ -92,21 +92,23 @@ class ModelRunner:
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         return input_ids, position_ids, batch
 
-    def _decode_group(self, token_index: list[int], chunks: list[ScheduledChunk]) -> DecodeGroup:
-        bs = self.block_size
+    def _decode_group(self, token_index: list[int], chunks: list[ScheduledChunk], num_tokens: int) -> DecodeGroup:
         context_lens = torch.tensor([c.end for c in chunks], dtype=torch.long)
         max_blocks = max(len(c.request.block_ids) for c in chunks)
         table = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
         for row, chunk in enumerate(chunks):
             table[row, : len(chunk.request.block_ids)] = torch.tensor(chunk.request.block_ids, dtype=torch.long)
         max_context = int(context_lens.max())
-        slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(chunks), -1)[:, :max_context]
-        mask = torch.arange(max_context).unsqueeze(0) < context_lens.unsqueeze(1)
-        slots = slots.masked_fill(~mask, 0)
+        equal_lengths = bool(context_lens.min() == max_context)  # no padding: SDPA's faster unmasked path
+        mask = None
+        if not equal_lengths:
+            mask = (torch.arange(max_context).unsqueeze(0) < context_lens.unsqueeze(1)).view(len(chunks), 1, 1, -1)
+        whole_row = len(token_index) == num_tokens  # decode tokens only, so they fill the packed row in order
         return DecodeGroup(
-            token_index=torch.tensor(token_index, dtype=torch.long, device=self.device),
-            context_slots=slots.to(self.device),
-            mask=mask.view(len(chunks), 1, 1, max_context).to(self.device),
+            token_index=None if whole_row else torch.tensor(token_index, dtype=torch.long, device=self.device),
+            block_table=table.to(self.device),
+            max_context=max_context,
+            mask=None if mask is None else mask.to(self.device),
         )
 
     @torch.inference_mode()
@@ -122,7 +124,7 @@ class ModelRunner:
             if chunk.samples:
                 rows.append(offset - 1)
         logits = self.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]).float()
-        num_decode = 0 if batch.decode is None else len(batch.decode.token_index)
+        num_decode = 0 if batch.decode is None else len(batch.decode.block_table)
         stats = StepStats(
             num_tokens=input_ids.shape[1],
             num_seqs=len(chunks),
