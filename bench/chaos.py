@@ -1,5 +1,6 @@
 """``pdserve bench chaos``: a steady load while a decode worker and a prefill worker are killed by PID.
 
+The load behaves like a polite client: after a 429 or 503 it waits ``Retry-After`` before its next request.
 Every request must end in exactly one of two ways the client can see: a completed stream, or an explicit error
 (an HTTP error status with an OpenAI error body, or an error event in the stream followed by ``[DONE]``). A request
 with no answer, or a stream cut without an error event, is *lost*, and the run reports how many (must be 0). After
@@ -57,8 +58,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, max_toke
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 payload = json.loads(await response.aread())
+                retry_after = float(response.headers.get("retry-after", 0) or 0)
                 return {"outcome": "failed", "reason": f"http_{response.status_code}:{payload['error'].get('code')}",
-                        "elapsed_s": time.monotonic() - started, "tokens": 0}
+                        "elapsed_s": time.monotonic() - started, "tokens": 0, "retry_after_s": retry_after}
             saw_error, saw_finish = None, False
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -105,7 +107,10 @@ async def _load(handle, args, model: str) -> tuple[list[dict], list[dict]]:
         while next_index < args.num_requests:
             index = next_index
             next_index += 1
-            results.append(await _one(client, handle.base_url, model, index, args.max_tokens))
+            result = await _one(client, handle.base_url, model, index, args.max_tokens)
+            results.append(result)
+            if result.get("retry_after_s"):  # a well-behaved client waits as told before its next request
+                await asyncio.sleep(result["retry_after_s"])
             while plan and len(results) >= plan[0][0] * args.num_requests:
                 _, role = plan.pop(0)
                 kills.append(_kill(handle, role, time.monotonic() - started))

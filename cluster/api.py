@@ -248,7 +248,7 @@ async def _chain(first: list, rest):
 
 
 def _http_error(exc: RequestFailed) -> APIError:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None  # overloaded, or a worker restarting
     err_type = "server_error" if exc.status >= 500 else "rate_limit_error" if exc.status == 429 else "invalid_request_error"
     return APIError(exc.status, str(exc), code=exc.code, err_type=err_type, headers=headers)
 

@@ -61,8 +61,9 @@ def _ensure_ray(config: ClusterConfig, address: str | None) -> bool:
         ray.init(address=address, namespace=config.ray.namespace, logging_level=logging.WARNING)
         return True
     needed = sum(pool.replicas * pool.cpus_per_replica for _, _, pool in pool_layout(config))
+    # log_to_driver=False: workers log to Ray's session files, and commands that print JSON keep stdout clean
     ray.init(address="local", num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=config.ray.namespace,
-             include_dashboard=False, logging_level=logging.WARNING)
+             include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     return True
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,16 @@ def smollm2_path() -> Path:
     from engine.model_loader import DEFAULT_MODEL, resolve_model_path
 
     return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A fresh local Ray for one test module (never attaching to another cluster on the machine)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
+             logging_level=logging.WARNING, log_to_driver=False)
+    yield
+    ray.shutdown()

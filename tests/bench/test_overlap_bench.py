@@ -3,36 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import uuid
 
 import pytest
 
-ray = pytest.importorskip("ray")
-
-from cluster.config import parse_config  # noqa: E402
-
-
-def _tiny_config(model_path):
-    return parse_config({
-        "model": {"name": str(model_path), "max_model_len": 512},
-        "pools": {
-            "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 96},
-            "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 160},
-        },
-        "router": {"port": 0},
-        "transfer": {"deadline_s": 20, "lease_s": 20},
-    })
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
-             logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
+from tests.cluster.conftest import tiny_cluster_config
 
 
 def test_overlap_bench_tiny(ray_local, tiny_llama_path):
@@ -42,7 +16,7 @@ def test_overlap_bench_tiny(ray_local, tiny_llama_path):
     overlap_bench.add_arguments(parser)
     args = parser.parse_args(["--prompt-tokens", "200", "--reps", "2", "--int8-check", "--int8-prompts", "2",
                               "--int8-tokens", "8"])
-    args.cluster_config = _tiny_config(tiny_llama_path)
+    args.cluster_config = tiny_cluster_config(tiny_llama_path)
     out = overlap_bench.run(args)
 
     assert out["configuration"]["prompt_tokens"] == 200

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import logging
 import time
-import uuid
 
 import httpx
 import pytest
@@ -27,18 +25,6 @@ def tiny_cluster_config(model_path, mode: str = "disaggregated", **sections) -> 
         else:
             data[key] = value
     return parse_config(data)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
-             logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def wait_all_kv_free(base_url: str, timeout_s: float = 10.0) -> dict:

@@ -50,3 +50,22 @@ def test_two_process_handoff_is_token_exact(ray_local, tiny_llama_path, backend,
         assert decode["transfers_failed"] == 0 and decode["recomputes"] == 0
     finally:
         handle.stop()
+
+
+def test_local_backend_handoff_in_process_is_token_exact(tiny_llama_path):
+    """The `local` backend hands tensors over inside one process: workers as threads (no Ray)."""
+    config = tiny_cluster_config(tiny_llama_path, transfer={"backend": "local"})
+    reference = Reference(tiny_llama_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    handle = start_serving(config, in_process=True)
+    try:
+        prompt = random_prompts(1, 90, 90, seed=41)[0]
+        body = {"model": config.served_model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        data = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60).json()
+        expected = tokenizer.decode(reference.greedy(prompt, 12), skip_special_tokens=True)
+        assert data["choices"][0]["text"].startswith(expected)
+        decode = next(w for w in wait_all_kv_free(handle.base_url)["workers"] if w["role"] == "decode")
+        assert decode["transfers_ok"] == 1 and decode["transfer_bytes"] == -(-90 // 16) * BLOCK_BYTES
+    finally:
+        handle.stop()
