@@ -43,6 +43,7 @@ class DecodeGroup:
     token_index: torch.Tensor | None  # [B] positions of the decode tokens in the packed row; None: the whole row
     block_table: torch.Tensor  # [B, max_blocks] physical block ids (padding points at block 0 and is masked)
     max_context: int
+    gather_buffer: torch.Tensor  # [2, B * max_blocks, block_size, kvH, d], reused by every layer of the step
     mask: torch.Tensor | None  # [B, 1, 1, max_context] True where a key is attended; None: equal lengths
 
 
@@ -84,8 +85,10 @@ def paged_attention_forward(
     if group is not None:
         # gather whole blocks (a few KiB each, not one slot at a time), then view them as each request's context
         # (index_select over a flat id list is ~2.5x faster than advanced indexing with a 2-D table on CPU)
+        # into one buffer reused by every layer: a fresh multi-MiB tensor per layer costs page faults on CPU
         cache = pd_batch.kv_cache.kv[layer]  # [2, num_blocks, block_size, kvH, d]
-        blocks = cache.index_select(1, group.block_table.flatten()).view(2, *group.block_table.shape, *cache.shape[2:])
+        torch.index_select(cache, 1, group.block_table.flatten(), out=group.gather_buffer)
+        blocks = group.gather_buffer.view(2, *group.block_table.shape, *cache.shape[2:])
         kv = blocks.flatten(2, 3)[:, :, : group.max_context].permute(0, 1, 3, 2, 4).to(query.dtype)  # [2,B,kvH,C,d]
         if group.token_index is None:  # a decode-only step: the packed row is the batch, in order
             q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]

@@ -52,6 +52,16 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.device = next(model.parameters()).device
         self.layer_hook: LayerHook | None = None
+        self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
+
+    def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
+        """A contiguous [2, num_blocks, *block shape] view of storage kept across steps (grown, never shrunk)."""
+        spec = self.kv_cache.spec
+        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        numel = 2 * num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim
+        if self._gather_storage.numel() < numel:
+            self._gather_storage = torch.empty(numel * 5 // 4, dtype=spec.dtype, device=self.device)
+        return self._gather_storage[:numel].view(shape)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
@@ -108,6 +118,7 @@ class ModelRunner:
             token_index=None if whole_row else torch.tensor(token_index, dtype=torch.long, device=self.device),
             block_table=table.to(self.device),
             max_context=max_context,
+            gather_buffer=self._gather_buffer(table.numel()),
             mask=None if mask is None else mask.to(self.device),
         )
 
