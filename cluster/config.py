@@ -72,6 +72,7 @@ class RouterSection(_Strict):
     api_key: str | None = None
     request_timeout_s: float = Field(default=300.0, gt=0)
     worker_timeout_s: float = Field(default=10.0, gt=0)  # a control call to a worker
+    orphan_timeout_s: float = Field(default=10.0, gt=0)  # workers free every request after this long without the router
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     served_model_name: str | None = None  # the name /v1/models reports; default: model.name
 

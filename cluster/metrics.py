@@ -31,6 +31,11 @@ class RouterMetrics:
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first", registry=r, buckets=LATENCY_BUCKETS)
         self.e2e = Histogram("pdserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS)
+        self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "Decode reservation to complete KV (spans the prefill)",
+                                     registry=r, buckets=LATENCY_BUCKETS)
+        self.kv_after_prefill = Histogram(
+            "pdserve_kv_after_prefill_seconds", "KV complete minus first token sampled (<= 0: transfer fully hidden)",
+            registry=r, buckets=(-1, -0.1, -0.01, 0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.errors = Counter("pdserve_errors", "Failed or aborted requests by reason", ["reason"], registry=r)
         self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r)

@@ -58,7 +58,7 @@ def engine_settings(config: ClusterConfig, pool: PoolSection, model_path: str) -
 def actor_args(config: ClusterConfig, role: str, name: str, pool: PoolSection, model_path: str, router_address: str,
                host: str) -> tuple:
     options = {"name": name, "role": role, "router_address": router_address, "host": host,
-               "secret": config.transfer.secret}
+               "secret": config.transfer.secret, "router_timeout_s": config.router.orphan_timeout_s}
     transfer = {"deadline_s": config.transfer.deadline_s, "lease_s": config.transfer.lease_s,
                 "wire_dtype": config.transfer.kv_wire_dtype, "secret": config.transfer.secret}
     return (role, options, engine_settings(config, pool, model_path), config.transfer.backend, transfer,

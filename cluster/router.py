@@ -285,6 +285,9 @@ class Router:
         prefill_end, kv_done = stream.timing.pop("prefill_end_mono", None), stream.timing.pop("kv_done_mono", None)
         if prefill_end is not None and kv_done is not None:
             stream.timing["kv_after_prefill_s"] = kv_done - prefill_end
+            self.metrics.kv_after_prefill.observe(kv_done - prefill_end)
+        if "kv_transfer_s" in stream.timing:
+            self.metrics.kv_transfer.observe(stream.timing["kv_transfer_s"])
         self.last_timing[stream.rid] = stream.timing
         while len(self.last_timing) > 10_000:  # a client that never collects its timing cannot grow this
             self.last_timing.popitem(last=False)

@@ -20,9 +20,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         config.router.port = args.port
     stop = threading.Event()
+    handle = start_serving(config, address=args.address)
+    # installed after Ray's init, which sets handlers of its own that would abort the process on SIGTERM
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    handle = start_serving(config, address=args.address)
     try:
         workers = ", ".join(f"{w['name']} (pid {w.get('pid')})" for w in handle.worker_infos())
         print(f"pdserve: serving {config.served_model_name} in {config.mode} mode at {handle.base_url}/v1", flush=True)

@@ -194,3 +194,26 @@ def test_bad_bodies_get_the_right_status_and_an_openai_error(serve):
                               json={"model": handle.config.served_model_name, **case}, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["message"]
     assert _complete(handle).status_code == 200  # unharmed
+
+
+def test_a_dead_router_strands_no_kv_on_the_workers(tiny_llama_path):
+    config = tiny_cluster_config(tiny_llama_path, router={"orphan_timeout_s": 1.0, "port": 0})
+    handle = start_serving(config, in_process=True)
+    try:
+        decode = _worker(handle, "decode").engine
+        body = {"model": config.served_model_name, "prompt": "abc", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
+            next(response.iter_lines())
+            assert decode.requests  # mid-generation on the decode worker
+            handle.server.should_exit = True  # the router's process goes away (server and router with it)
+            handle.thread.join(10)
+        gone = time.monotonic()
+        engines = [r.actor.worker.engine for r in handle.workers]
+        while time.monotonic() - gone < 5 and any(engine.requests for engine in engines):
+            time.sleep(0.1)
+        for engine in engines:
+            assert not engine.requests and engine.num_free_blocks == engine.block_manager.num_blocks
+        assert time.monotonic() - gone < 1.0 + 2.0  # the orphan timeout, plus the last ping's age and a loop turn
+    finally:
+        handle.pools.stop()

@@ -134,3 +134,28 @@ def test_bad_model_paths_are_clear_errors(tmp_path):
 def test_bad_engine_config_names_the_field(settings, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**settings)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engines_generate_and_hand_off(tiny_llama_path, make_engine, dtype):
+    import torch
+
+    engine = make_engine(tiny_llama_path, dtype=dtype)
+    assert engine.kv_cache.kv[0].dtype == getattr(torch, dtype) and engine.kv_spec.bytes_per_token == 2 * 3 * 2 * 16 * 2
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    [single] = engine.generate([[5, 6, 7] * 11], params)
+    assert len(single.token_ids) == 8
+    # the same prompt prefilled here and decoded in a second engine gives the same tokens in this dtype too
+    other = make_engine(tiny_llama_path, dtype=dtype, enable_prefix_caching=False)
+    engine.add_request([5, 6, 7] * 11, SamplingParams(max_tokens=1, temperature=0.0), "x", prefill_only=True)
+    [first] = [o for _ in range(5) for o in engine.step()]
+    blocks = other.reserve_remote([5, 6, 7] * 11, params, "x")
+    src = engine.request_block_ids("x")
+    for layer in range(engine.kv_spec.num_layers):
+        k, v = engine.read_kv_blocks(layer, src)
+        other.write_kv_blocks(layer, blocks[: len(src)], k, v)
+    engine.release("x")
+    tokens = [o.new_token_ids[0] for o in other.complete_remote("x", first.new_token_ids[0])]
+    while other.has_unfinished():
+        tokens += [t for o in other.step() for t in o.new_token_ids]
+    assert tokens == single.token_ids

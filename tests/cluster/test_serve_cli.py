@@ -1,0 +1,63 @@
+"""`pdserve serve` and `pdserve status` as a user runs them: a real process, a URL, a request, SIGTERM, clean exit."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_path, tmp_path):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"name": str(tiny_llama_path), "max_model_len": 512},
+        "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
+                  "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64}},
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, deadline, seen = None, time.monotonic() + 120, []
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            seen.append(line)
+            match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+            url = match.group(1) if match else None
+        assert url, "".join(seen)
+        body = {"model": str(tiny_llama_path), "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        status = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0
+        assert "prefill-0" in status.stdout and "decode-0" in status.stdout and "disaggregated" in status.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "shutting down" in proc.stdout.read()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def test_status_without_a_server_is_a_clear_error():
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", "http://127.0.0.1:9"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no pdserve router answers" in result.stderr and "Traceback" not in result.stderr
