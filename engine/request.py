@@ -72,7 +72,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity, not field-by-field comparison: `request in running` stays cheap
 class Request:
     request_id: str
     prompt_token_ids: list[int]
