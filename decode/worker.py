@@ -175,13 +175,17 @@ class DecodeWorker(WorkerRuntime):
             self.emit({"type": "tokens", "worker": self.name, "items": items})
 
     def _timing(self, rid: str, finished: bool) -> dict | None:
+        """The request's timing, sent with its first decoded token and again with its finish, not every step."""
         timing = self.timing.get(rid)
         if timing is None:
             return None
-        if "decode_queue_s" not in timing:
+        first = "decode_queue_s" not in timing
+        if first:
             timing["decode_queue_s"] = time.monotonic() - timing["admitted_s"]
         if finished:
             self.timing.pop(rid, None)
+        elif not first:
+            return None
         return {k: v for k, v in timing.items() if k != "admitted_s"}
 
     def _send_finish(self, rid: str, reason: str) -> None:
