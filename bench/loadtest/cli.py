@@ -231,13 +231,13 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.loadtest",
-                                     description="Load-test an OpenAI-compatible server (pdserve bench serve)")
-    add_arguments(parser)
+def run_main(prog: str, description: str, add_args, run_fn, argv: list[str] | None = None) -> int:
+    """The ``python -m`` entry of a benchmark: parse, run, print the summary as JSON with ``--json``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_args(parser)
     args = parser.parse_args(argv)
     try:
-        summary = run(args)
+        summary = run_fn(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -246,3 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("python -m bench.loadtest", "Load-test an OpenAI-compatible server (pdserve bench serve)",
+                    add_arguments, run, argv)

@@ -78,20 +78,10 @@ def _start(config, mode: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
+    from bench.loadtest.cli import run_main
 
-    parser = argparse.ArgumentParser(prog="python -m bench.loadtest.compare",
-                                     description="colocated vs disaggregated on the same workers")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        summary = run(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary))
-    return 0
+    return run_main("python -m bench.loadtest.compare", "colocated vs disaggregated on the same workers",
+                    add_arguments, run, argv)
 
 
 if __name__ == "__main__":
