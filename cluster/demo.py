@@ -67,7 +67,12 @@ async def _drive(url: str, model: str, max_tokens: int) -> list[dict]:
         print(f"\n> {QUESTIONS[0]}\n", end="", flush=True)
         first = await _chat(client, url, model, QUESTIONS[0], max_tokens, echo=True)
         print("\n")
+        started = time.perf_counter()
         rest = await asyncio.gather(*(_chat(client, url, model, q, max_tokens, False) for q in QUESTIONS[1:]))
+        elapsed = time.perf_counter() - started
+    generated = sum(r["tokens"] for r in rest)
+    print(f"{len(rest)} concurrent requests: {generated} tokens in {elapsed:.1f} s = "
+          f"{generated / elapsed:.1f} generated tokens/s\n")
     return [first, *rest]
 
 
