@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cluster.config import ClusterConfig
 from cluster.detokenizer import Detokenizer
 from cluster.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body, sampling_params
-from cluster.router import RequestFailed, Router
+from cluster.errors import RequestFailed
+from cluster.router import Router
 
 
 def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: int) -> FastAPI:

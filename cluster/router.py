@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.config import ClusterConfig
+from cluster.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import make_policy
@@ -39,26 +40,6 @@ logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 2  # re-dispatches of a request whose worker died before its first token
 PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while free everything they hold
-
-
-class RequestFailed(Exception):
-    """A request that ends with an error the client sees: an HTTP status, an OpenAI error code and a message."""
-
-    status = 500
-    code = "internal_error"
-
-    def __init__(self, message: str, code: str | None = None, status: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code or self.code
-        self.status = status or self.status
-
-
-class Overloaded(RequestFailed):
-    status, code = 429, "overloaded"
-
-
-class NoWorkers(RequestFailed):
-    status, code = 503, "no_workers"
 
 
 @dataclass(slots=True)
