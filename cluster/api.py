@@ -43,11 +43,13 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", err_type="server_error").body(), 500)
 
+    def check_api_key(request: Request) -> None:
+        if config.router.api_key is not None and request.headers.get("authorization") != f"Bearer {config.router.api_key}":
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", err_type="authentication_error",
+                           code="invalid_api_key")
+
     async def read_json(request: Request) -> dict:
-        if config.router.api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {config.router.api_key}":
-                raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", err_type="authentication_error",
-                               code="invalid_api_key")
+        check_api_key(request)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.router.max_body_bytes:
             raise APIError(413, f"request body over {config.router.max_body_bytes} bytes")
@@ -205,8 +207,7 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if config.router.api_key is not None and request.headers.get("authorization") != f"Bearer {config.router.api_key}":
-            raise APIError(401, "missing or wrong API key", err_type="authentication_error", code="invalid_api_key")
+        check_api_key(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
                                              "max_model_len": max_model_len}]}
 

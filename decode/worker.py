@@ -125,7 +125,7 @@ class DecodeWorker(WorkerRuntime):
             "admitted_s": time.monotonic(),
         }
         # the first token was already streamed by the router: only a finish needs reporting here
-        self._send([o for o in self.engine.complete_remote(rid, remote.first_token)], skip_first=True)
+        self._send(self.engine.complete_remote(rid, remote.first_token), skip_first=True)
 
     def _recompute(self, rid: str, remote: RemoteRequest) -> None:
         """failure_policy=recompute: prefill here what the transfer failed to bring, first token included."""

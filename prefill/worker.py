@@ -15,7 +15,6 @@ A request's path through this worker:
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 from cluster.protocol import params_from_wire
@@ -35,7 +34,6 @@ class OutboundKV:
     dst_blocks: list[int]
     num_prompt_tokens: int
     blocks_sent: int = 0
-    pending_upto: int = 0  # blocks this forward sends; becomes blocks_sent after its last layer
 
 
 class PrefillWorker(WorkerRuntime):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
 
 from tests.cluster.conftest import tiny_cluster_config
 

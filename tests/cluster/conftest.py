@@ -3,7 +3,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 
 from cluster.config import ClusterConfig, parse_config
 

@@ -14,7 +14,7 @@ from kvutil import Cache, fingerprint, make_kv, poll_until
 import procs
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.errors import (ChecksumError, FingerprintMismatch, FrameTooLarge, PeerGone, ProtocolError,
-                             TransferAborted, TransferTimeout)
+                             TransferAborted)
 from transfer.state import TransferState
 from transfer.wire import encode_piece, frame_view, pack_header, unpack_header
 
