@@ -23,6 +23,7 @@ import torch
 from engine.attention import LayerHook, register_paged_attention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, KVSpec
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, StepStats
@@ -34,7 +35,7 @@ from engine.request import (
     RequestStatus,
     SamplingParams,
 )
-from engine.sampler import make_generator, sample
+from engine.sampler import SampleResult, make_generator, sample
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -157,18 +158,51 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One forward over everything scheduled; returns the requests that gained a token or finished."""
+        """One forward over everything scheduled; returns the requests that gained a token or finished.
+
+        A fault stays with the requests it concerns, and step() does not raise for it: a row that cannot be sampled
+        (non-finite logits) fails its own request; a forward that raises (the model, or the layer hook) fails every
+        request of this step, since their KV is incomplete. Both leave through ``_finish`` with FinishReason.ERROR
+        and come back as finished outputs that carry the error; nothing of them stays queued to fail the next step.
+        """
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits, stats = self.runner.execute(chunks)
-        self.step_stats.append(stats)
         sampling = [c for c in chunks if c.samples]
-        tokens = sample(logits, [c.request for c in sampling]) if sampling else []
+        try:
+            logits, stats = self.runner.execute(chunks)
+            result = sample(logits, [c.request for c in sampling]) if sampling else SampleResult([], [])
+        except Exception as exc:  # noqa: BLE001 - whatever the forward raised, these requests cannot go on
+            logger.exception("forward step failed; failing its %d requests", len(chunks))
+            message = f"forward step failed: {type(exc).__name__}: {exc}"
+            return [self._fail(c.request, message, "worker_error") for c in chunks]
+        self.step_stats.append(stats)
+        failed = {c.request.request_id for c, error in zip(sampling, result.errors) if error is not None}
         for chunk in chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            self._register_full_blocks(chunk.request)
-        return [self._append_token(c.request, token) for c, token in zip(sampling, tokens)]
+            if chunk.request.request_id not in failed:  # a failed row's KV may be what went wrong: never cache it
+                chunk.request.num_computed_tokens = chunk.end
+                self._register_full_blocks(chunk.request)
+        return [
+            self._append_token(c.request, token) if error is None else self._fail(c.request, error, "sampling_error")
+            for c, token, error in zip(sampling, result.token_ids, result.errors)
+        ]
+
+    def _fail(self, request: Request, error: str, code: str) -> RequestOutput:
+        """End a request with FinishReason.ERROR (blocks freed by ``_finish``); the output says why."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        request.error = error
+        self._finish(request, FinishReason.ERROR)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            text=request.output_text,
+            error=error,
+            error_code=code,
+        )
 
     def _register_full_blocks(self, request: Request) -> None:
         """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
@@ -185,10 +219,13 @@ class LLMEngine:
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
         params = request.params
+        stop_ids = request.stop_token_set
+        if stop_ids is None:  # a set, made once: the check runs for every token
+            stop_ids = request.stop_token_set = frozenset(params.stop_token_ids)
         reason: FinishReason | None = None
         if request.prefill_only:
             reason = FinishReason.PREFILLED
-        elif (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        elif (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in stop_ids:
             reason = FinishReason.STOP
         elif params.stop and self._hit_stop_string(request):
             reason = FinishReason.STOP
@@ -207,20 +244,21 @@ class LLMEngine:
         )
 
     def _hit_stop_string(self, request: Request) -> bool:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        # only the tail can hold a new match: the previous text was already checked
-        window_start = max(0, len(request.output_text) - max(len(s) for s in request.params.stop))
-        request.output_text = text
-        hits = [i for s in request.params.stop if (i := text.find(s, window_start)) >= 0]
-        if hits:
-            request.output_text = text[: min(hits)]
-            return True
-        return False
+        """Whether the new token completed a stop string; only the new text and the few characters before it are
+        decoded and searched (the text, cut at the stop string, becomes ``output_text`` in ``_finish``)."""
+        return self._detokenize(request, final=False).stopped
+
+    def _detokenize(self, request: Request, final: bool) -> IncrementalDetokenizer:
+        """Give the request's incremental detokenizer (made on first use) the tokens it has not seen yet."""
+        detokenizer = request.detokenizer
+        if detokenizer is None:
+            detokenizer = request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+        detokenizer.add(request.output_token_ids[detokenizer.num_tokens :], final=final)
+        return detokenizer
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)
-        if reason != FinishReason.STOP or not request.params.stop:
-            request.output_text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        request.output_text = self._detokenize(request, final=True).text  # the whole text, cut at a stop string
         request.finish_reason = reason
         request.finished_s = time.monotonic()
         if reason == FinishReason.PREFILLED:
@@ -277,7 +315,11 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """One small prefill and decode, so the first real request does not pay for lazy initialisation."""
-        self.generate([[0] * min(32, self.max_model_len - 2)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        [result] = self.generate(
+            [[0] * min(32, self.max_model_len - 2)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        )
+        if result.error is not None:  # a model that cannot run one forward must not start serving
+            raise RuntimeError(f"warm-up failed: {result.error}")
         self.block_manager.reset_prefix_cache()
         self.step_stats.clear()
 
@@ -302,6 +344,7 @@ class LLMEngine:
                 finish_reason=r.finish_reason.value,
                 num_prompt_tokens=r.num_prompt_tokens,
                 num_cached_tokens=r.num_cached_tokens,
+                error=r.error,
             )
             for r in requests.values()
         ]

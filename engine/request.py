@@ -11,8 +11,11 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows logits
 
 
 class RequestStatus(enum.IntEnum):
@@ -30,6 +33,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # aborted by the caller (client gone, timeout, failed transfer)
     PREFILLED = "prefilled"  # prefill-only request whose KV was handed off
+    ERROR = "error"  # this request's own fault (non-finite logits) or a failed forward step: ``error`` says which
 
 
 @dataclass(slots=True)
@@ -47,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -87,10 +91,13 @@ class Request:
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     finish_reason: FinishReason | None = None
     output_text: str = ""  # detokenized output, cut at a stop string
+    detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made on first use (stop strings, finish)
+    stop_token_set: frozenset[int] | None = None  # params.stop_token_ids as a set, made on first use
     generator: torch.Generator | None = None  # per-request RNG for seeded sampling
     scheduled_s: float | None = None  # first admitted into the running batch (queue time = scheduled - arrival)
     first_token_s: float | None = None
     finished_s: float | None = None
+    error: str | None = None  # why it ended with FinishReason.ERROR
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,6 +140,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     text: str  # the whole output text so far
+    error: str | None = None  # finish_reason ERROR: what went wrong, for the client
+    error_code: str | None = None  # finish_reason ERROR: "sampling_error" (this request's logits) or "worker_error"
 
 
 @dataclass(slots=True)
@@ -144,3 +153,4 @@ class CompletionResult:
     finish_reason: str
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None  # finish_reason "error": what went wrong
