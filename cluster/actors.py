@@ -1,7 +1,8 @@
 """Ray actors for the workers: thin shells around the Ray-free worker classes (also used as-is in-process).
 
 Ray places and restarts them (``max_restarts``); everything they do per request goes over ZeroMQ. Actor methods
-are only for set-up and inspection: ``info`` (addresses, pid, node), ``snapshot`` (load), ``stop``.
+are only for set-up and inspection: ``info`` (addresses, pid, node), ``snapshot`` (load), ``stop``, and
+``kill`` (die abruptly: the in-process chaos bench).
 """
 
 from __future__ import annotations
@@ -52,3 +53,7 @@ class WorkerActor:
 
     def stop(self) -> None:
         self.worker.stop()
+
+    def kill(self) -> None:
+        """Die abruptly, as a SIGKILL'd process would (in-process pools have no process to kill)."""
+        self.worker.kill()

@@ -1,13 +1,21 @@
 """The OpenAI-compatible HTTP API over a ``Router``: completions and chat, streaming (SSE) and not.
 
-Every refusal is an OpenAI-style error body with the right status (400 bad input, 401 no key, 404 unknown model,
-413 body too large, 429 overloaded with Retry-After, 503 no workers); nothing reaches the client as a traceback.
-A client that disconnects mid-stream cancels the response generator, and the router's cleanup aborts the request
-on every worker that holds it. Each response carries ``usage`` and ``timing`` (where the time went, seconds).
+Every refusal is an OpenAI-style error body with the right status (400 bad input, 401 no key, 404 unknown model
+or route, 413 body too large, 429 overloaded with Retry-After, 503 no workers) whose ``param`` names the field;
+nothing reaches the client as a traceback. What a body may hold is checked in ``cluster/openai_schema.py``; the
+size limit is counted while reading, so it holds for chunked bodies too. The API key, when set, guards every route
+but ``/health`` (load balancers probe it).
+
+A client that disconnects cancels its request wherever it is: mid-stream (the response generator is cancelled),
+while waiting for the first token, or while a non-streaming answer is being collected (a watcher on the ASGI
+``http.disconnect`` message). Either way the router's generator is closed and its cleanup aborts the request on
+every worker that holds it. Each response carries ``usage`` and ``timing`` (where the time went, seconds).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -17,10 +25,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster.config import ClusterConfig
 from cluster.detokenizer import Detokenizer
-from cluster.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body, sampling_params
+from cluster.openai_schema import (APIError, ChatRequest, CompletionRequest, check_token_ids, parse_body, parse_json,
+                                   sampling_params)
 from cluster.errors import RequestFailed
 from cluster.router import Router
 
@@ -34,41 +45,59 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     model_name = config.served_model_name
+    limits = config.router.limits
+    vocab_size = len(tokenizer)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method: the same error body as the rest
+    async def _http_error_body(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), err_type=err_type).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", err_type="server_error").body(), 500)
 
+    expected_auth = None if config.router.api_key is None else f"Bearer {config.router.api_key}".encode()
+
     def check_api_key(request: Request) -> None:
-        if config.router.api_key is not None and request.headers.get("authorization") != f"Bearer {config.router.api_key}":
+        if expected_auth is None:
+            return
+        given = request.headers.get("authorization", "").encode("latin-1")  # the raw bytes (ASGI decodes latin-1)
+        if not hmac.compare_digest(given, expected_auth):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", err_type="authentication_error",
                            code="invalid_api_key")
 
-    async def read_json(request: Request) -> dict:
+    async def read_json(request: Request):
         check_api_key(request)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.router.max_body_bytes:
-            raise APIError(413, f"request body over {config.router.max_body_bytes} bytes")
-        body = await request.body()
-        if len(body) > config.router.max_body_bytes:
-            raise APIError(413, f"request body over {config.router.max_body_bytes} bytes")
+        limit = config.router.max_body_bytes
+        # the server discards the rest of the body (up to its keep-alive timeout) rather than closing at once: a
+        # close with unread data resets the connection, and the client might never see this answer
+        too_large = APIError(413, f"request body over {limit} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+            raise too_large
+        chunks, size = [], 0
         try:
-            return json.loads(body.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise APIError(400, "the request body is not valid UTF-8") from None
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc.msg}") from None
+            async for chunk in request.stream():  # counted as it arrives: chunked bodies have no Content-Length
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError(400, "the client disconnected while sending the body") from None
+        return parse_json(b"".join(chunks), limits)
 
     def check_model(name: str) -> None:
         if name != model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model",
                            "model_not_found")
 
-    def budget(prompt_ids: list[int], asked: int | None, default: int | None) -> int:
+    def budget(prompt_ids: list[int], asked: int | None, default: int | None, param: str = "max_tokens") -> int:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "prompt")
         room = max_model_len - len(prompt_ids)
@@ -78,15 +107,15 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
         if asked is None:
             return min(default, room) if default else room
         if asked <= 0:
-            raise APIError(400, f"max_tokens must be at least 1, got {asked}", "max_tokens")
+            raise APIError(400, f"{param} must be at least 1, got {asked}", param)
         if asked > room:
-            raise APIError(400, f"max_tokens={asked} plus the prompt's {len(prompt_ids)} tokens exceeds max_model_len "
-                           f"{max_model_len}", "max_tokens", "context_length_exceeded")
+            raise APIError(400, f"{param}={asked} plus the prompt's {len(prompt_ids)} tokens exceeds max_model_len "
+                           f"{max_model_len}", param, "context_length_exceeded")
         return asked
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(CompletionRequest, await read_json(request))
+        body = parse_body(CompletionRequest, await read_json(request), limits)
         check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -97,14 +126,13 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
             prompt_ids = tokenizer(prompt, add_special_tokens=True).input_ids if prompt else []
         else:
             prompt_ids = list(prompt)
-            if any(t < 0 or t >= len(tokenizer) for t in prompt_ids):
-                raise APIError(400, "prompt token ids must be in the vocabulary", "prompt")
-        params = sampling_params(body, budget(prompt_ids, body.max_tokens, 16))
+            check_token_ids(prompt_ids, vocab_size, "prompt")
+        params = sampling_params(body, budget(prompt_ids, body.max_tokens, 16), vocab_size)
         return await respond(request, body, prompt_ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(ChatRequest, await read_json(request))
+        body = parse_body(ChatRequest, await read_json(request), limits)
         check_model(body.model)
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
         try:
@@ -113,8 +141,9 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
             raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
         if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
             prompt_ids = prompt_ids["input_ids"]
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, budget(list(prompt_ids), asked, None))
+        params = sampling_params(body, budget(list(prompt_ids), asked, None, param), vocab_size)
         return await respond(request, body, list(prompt_ids), params, chat=True)
 
     async def respond(request: Request, body, prompt_ids: list[int], params, chat: bool):
@@ -124,23 +153,33 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
         events = router.generate(prompt_ids, params, rid)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = await _first_event(events)  # errors before the first token are still a proper HTTP status
+            try:  # errors before the first token are still a proper HTTP status
+                first = await _unless_disconnected(request, _first_event(events))
+            except _ClientGone:
+                await events.aclose()
+                return Response(status_code=499)
             return StreamingResponse(
                 _sse(rid, created, chat, prompt_ids, detok, events, first, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        text, finish, completion_tokens = "", None, 0
-        try:
+
+        async def collect() -> tuple[str, str | None, int]:
+            text, finish, completion_tokens = "", None, 0
             async for event in events:
                 completion_tokens += len(event.token_ids)
                 text += detok.add(event.token_ids, final=event.finish_reason is not None)
                 if detok.stopped:
-                    finish = "stop"
-                    break
+                    return text, "stop", completion_tokens
                 finish = event.finish_reason
+            return text, finish, completion_tokens
+
+        try:
+            text, finish, completion_tokens = await _unless_disconnected(request, collect())
         except RequestFailed as exc:
             raise _http_error(exc) from None
+        except _ClientGone:  # nobody to answer; the router's cleanup has aborted the request on its workers
+            return Response(status_code=499)
         finally:
             await events.aclose()
         usage = _usage(len(prompt_ids), completion_tokens)
@@ -213,20 +252,57 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
 
     @app.get("/health")
     async def health():
-        status = router.status()
+        """200 while every role has a worker that takes requests (503 otherwise, so a load balancer moves on);
+        ``status`` is "degraded" as soon as any worker is dead or reports itself degraded, and says which."""
         roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
-        ok = all(any(w["alive"] for w in status["workers"] if w["role"] == r) for r in roles)
-        return JSONResponse({"status": "ok" if ok else "degraded", "mode": config.mode}, status_code=200 if ok else 503)
+        serving = all(router.live(role) for role in roles)
+        workers = router.members.workers.values()
+        unhealthy = {w.name: (w.stats.get("degraded") or "") if w.alive else "dead" for w in workers
+                     if not w.alive or w.stats.get("degraded")}
+        body = {"status": "ok" if serving and not unhealthy else "degraded", "mode": config.mode,
+                "unhealthy_workers": unhealthy}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/status")
-    async def status():
+    async def status(request: Request):
+        check_api_key(request)
         return router.status()
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        check_api_key(request)
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the ASGI server reports the client gone (only call once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Await ``awaitable``, unless the client disconnects first: then cancel it (so whatever it was iterating, the
+    router's generator, is closed and aborts the request on every worker) and raise ``_ClientGone``."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done and watcher.exception() is not None:  # cannot tell: the client may be there, so wait
+            await asyncio.wait({work})
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})  # its cleanup (the abort) has run when this returns
+    if work.cancelled():
+        raise _ClientGone()
+    return work.result()
 
 
 async def _first_event(events):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -77,12 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None, help="Ray address ('auto' for a `ray up` cluster)")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="require this key on /v1, /metrics and /status (default: $PDSERVE_API_KEY, else the "
+                            "config's router.api_key)")
     serve.set_defaults(func=_lazy("cluster.serve", "serve"))
 
     status = sub.add_parser("status", help="pools, workers and their load, from a running router")
     status.add_argument("--url", default="http://127.0.0.1:8000")
     status.add_argument("--timeout", type=float, default=5.0)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                        help="the router's API key (default: $PDSERVE_API_KEY)")
     status.set_defaults(func=_lazy("cluster.serve", "status"))
 
     from bench.loadtest import cli as loadtest_cli
@@ -100,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     chaos_bench = bench.add_parser("chaos", help="load while killing workers: lost requests and held KV must be 0")
     chaos.add_arguments(chaos_bench)
     chaos_bench.set_defaults(func=_bench("bench.chaos"))
+
+    from bench import detok_bench  # light: the tokenizer is loaded in run()
+
+    detok = bench.add_parser("detok", help="router detokenizer: microseconds per token vs stream length, old vs new")
+    detok_bench.add_arguments(detok)
+    detok.set_defaults(func=_bench("bench.detok_bench"))
 
     demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
     demo.add_argument("--config", default=None, help="default: configs/local.yaml")

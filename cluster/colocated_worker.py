@@ -25,6 +25,10 @@ class ColocatedWorker(WorkerRuntime):
             return
         items = []
         for output in self.engine.step():
+            if output.error is not None:  # finish_reason ERROR (blocks already freed): an error for that request only
+                self.counters["errors"] += 1
+                self.emit_error(output.request_id, output.error, output.error_code or "worker_error")
+                continue
             timing = None
             if output.num_output_tokens == 1 or output.finished:
                 request = self.engine.requests.get(output.request_id)

@@ -2,12 +2,16 @@
 
 Sections: ``model`` (what to serve), ``mode`` (disaggregated or colocated), ``pools`` (prefill and decode workers:
 replicas, GPUs or a CPU share, KV cache size, batching limits), ``transfer`` (KV backend, block size, deadlines,
-failure policy), ``router`` (HTTP bind, routing policies, queue bound, API key), ``slo`` (targets the load test and
-planner use) and ``ray`` (which cluster to join). ``docs/configuration.md`` documents every field.
+failure policy), ``router`` (HTTP bind, routing policies, queue bound, API key, request limits), ``slo`` (targets
+the load test and planner use) and ``ray`` (which cluster to join). ``docs/configuration.md`` documents every field.
+
+``check_network_exposure`` runs on the final config at start-up (after command-line overrides): a server or worker
+reachable from other machines without an API key is refused unless the config says so explicitly.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -60,7 +64,20 @@ class TransferSection(_Strict):
     kv_wire_dtype: Literal["raw", "int8"] = "raw"
     zmq_transport: Literal["tcp", "ipc"] = "tcp"  # ipc: Unix sockets, only when prefill and decode share a node
     stream_layers: bool = True  # False: send the KV after the whole prefill (the baseline the overlap is measured against)
-    secret: str | None = None  # shared secret checked at the data-plane handshake
+    # the cluster secret: MACs every control message and event and the KV handshake; None: a random one per start
+    secret: str | None = None
+
+
+class LimitsSection(_Strict):
+    """Caps on what one request body may hold, checked at the API before anything is tokenized or sent to a worker."""
+
+    max_stop_strings: int = Field(default=16, gt=0)
+    max_stop_string_chars: int = Field(default=256, gt=0)
+    max_stop_token_ids: int = Field(default=64, gt=0)
+    max_logit_bias_entries: int = Field(default=300, gt=0)  # OpenAI's own limit
+    max_messages: int = Field(default=1024, gt=0)
+    max_content_parts: int = Field(default=256, gt=0)  # per message
+    max_json_depth: int = Field(default=32, gt=0)
 
 
 class RouterSection(_Strict):
@@ -70,11 +87,13 @@ class RouterSection(_Strict):
     decode_policy: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
     queue_size: int = Field(default=256, ge=0)  # requests waiting for decode KV before 429
     api_key: str | None = None
+    allow_unauthenticated: bool = False  # serve a non-loopback address without api_key, deliberately
     request_timeout_s: float = Field(default=300.0, gt=0)
     worker_timeout_s: float = Field(default=10.0, gt=0)  # a control call to a worker
     orphan_timeout_s: float = Field(default=10.0, gt=0)  # workers free every request after this long without the router
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     served_model_name: str | None = None  # the name /v1/models reports; default: model.name
+    limits: LimitsSection = LimitsSection()
 
 
 class SLOSection(_Strict):
@@ -110,6 +129,29 @@ class ClusterConfig(_Strict):
     @property
     def served_model_name(self) -> str:
         return self.router.served_model_name or self.model.name
+
+
+def is_loopback(host: str) -> bool:
+    """Only literal loopback addresses and ``localhost`` count; any other name may resolve to a public address."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name, "auto", "" or "*": reachable from elsewhere for all we know
+
+
+def check_network_exposure(config: ClusterConfig, http_host: str | None = None) -> None:
+    """Refuse to bind the HTTP server (``http_host`` overrides ``router.host``) or the workers to a non-loopback
+    address without ``router.api_key``, unless ``router.allow_unauthenticated`` says that is meant."""
+    if config.router.api_key or config.router.allow_unauthenticated:
+        return
+    for field, host in (("router.host", http_host or config.router.host), ("ray.worker_host", config.ray.worker_host)):
+        if not is_loopback(host):
+            raise ConfigError(
+                f"{field}: {host!r} is reachable from other machines, and router.api_key is not set: anyone who can "
+                "reach it could use the cluster. Set router.api_key, bind a loopback address, or set "
+                "router.allow_unauthenticated: true to serve without a key deliberately")
 
 
 def _format_error(source: str, error: ValidationError) -> str:

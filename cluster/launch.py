@@ -3,18 +3,21 @@
 ``start_serving(config)`` returns a ``ServeHandle`` once every worker has reported its addresses and the HTTP server
 is accepting connections; ``handle.stop()`` undoes all of it (server, workers, placement groups, and Ray itself when
 it was started here). ``in_process=True`` runs the workers as threads without Ray (development, fast tests).
+Without a configured ``transfer.secret`` it makes a random cluster secret and hands it to every worker's constructor:
+the control plane and the KV handshake are authenticated with no configuration at all.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, check_network_exposure
 from cluster.pools import LocalPools, RayPools, WorkerRecord, pool_layout
 
 logger = logging.getLogger(__name__)
@@ -41,14 +44,40 @@ class ServeHandle:
     def worker_infos(self) -> list[dict]:
         return [dict(w.info, name=w.name, role=w.role) for w in self.pools.workers]
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 8.0) -> bool:
+        """Stop the HTTP server, the workers and Ray, within ``timeout_s`` in all; False if Ray had to be abandoned.
+
+        Each phase runs under what is left of the budget: when a process manager sends SIGTERM to the whole process
+        group, Ray's own processes die first and every call into Ray may hang; the workers this handle started on
+        this node are then killed by PID, so none is left behind whatever Ray does. After an unclean stop the caller
+        should exit the process at once (Ray's exit handlers would hang the same way).
+        """
+        deadline = time.monotonic() + timeout_s
         self.server.should_exit = True
-        self.thread.join(timeout_s)
-        self.pools.stop()
-        if self.started_ray:
+        self.thread.join(max(0.0, min(3.0, deadline - time.monotonic())))
+        clean = self.pools.responsive(timeout_s=1.5)
+        if not clean:
+            logger.warning("pdserve: Ray does not answer (its processes were stopped first); killing the workers")
+        elif not call_with_timeout(self.pools.stop, deadline - time.monotonic() - 1.0):
+            logger.warning("pdserve: the workers did not stop in time; killing them")
+            clean = False
+        self.pools.kill_local_workers()
+        if self.started_ray and clean:
             import ray
 
-            ray.shutdown()
+            if not call_with_timeout(ray.shutdown, deadline - time.monotonic()):
+                logger.warning("pdserve: Ray did not shut down in time")
+                clean = False
+        return clean
+
+
+def call_with_timeout(function, timeout_s: float) -> bool:
+    """Run ``function`` in a daemon thread; False if it has not returned within ``timeout_s`` (it is left behind)."""
+    thread = threading.Thread(target=function, name=f"pdserve-stop-{getattr(function, '__name__', 'call')}",
+                              daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    return not thread.is_alive()
 
 
 def _ensure_ray(config: ClusterConfig, address: str | None) -> bool:
@@ -67,6 +96,22 @@ def _ensure_ray(config: ClusterConfig, address: str | None) -> bool:
     return True
 
 
+def with_cluster_secret(config: ClusterConfig) -> ClusterConfig:
+    """The config with its cluster secret: the configured one, or 32 random bytes made here (zero configuration).
+
+    Every worker gets it through its constructor (``pools.actor_args``), so it is never needed anywhere else; it
+    only has to be configured to keep the same one across restarts. The caller's config object is not changed.
+    """
+    secret = config.transfer.secret
+    if secret:
+        if len(secret) < 16:
+            logger.warning("transfer.secret is %d characters: use at least 32 random ones (or none: one is made "
+                           "per start)", len(secret))
+        return config
+    transfer = config.transfer.model_copy(update={"secret": secrets.token_hex(32)})
+    return config.model_copy(update={"transfer": transfer})
+
+
 def _bind_host(config: ClusterConfig, in_process: bool) -> str:
     if config.ray.worker_host != "auto":
         return config.ray.worker_host
@@ -79,6 +124,8 @@ def _bind_host(config: ClusterConfig, in_process: bool) -> str:
 
 def start_serving(config: ClusterConfig, address: str | None = None, host: str | None = None, port: int | None = None,
                   in_process: bool = False) -> ServeHandle:
+    check_network_exposure(config, host)  # before anything starts: no unauthenticated non-loopback bind
+    config = with_cluster_secret(config)
     import uvicorn
     from transformers import AutoConfig
 

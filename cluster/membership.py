@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.metrics import RouterMetrics
-from cluster.protocol import pack
+from cluster.protocol import Channel, Signer
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,10 @@ class Membership:
                  on_dead: Callable[[str, str], None]) -> None:
         self._ctx = ctx
         self._metrics = metrics
-        self._secret = secret  # workers drop commands that do not carry it
+        if not secret:
+            raise ValueError("the router needs the cluster secret (transfer.secret; start_serving makes one)")
+        self._secret = secret  # commands are sealed with keys derived from it (cluster/protocol.py)
+        self._signers: dict[str, Signer] = {}  # per worker command address
         self._on_dead = on_dead
         self.workers: dict[str, WorkerHandle] = {}
 
@@ -64,6 +67,10 @@ class Membership:
     def live(self, role: str | None = None) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
 
+    def routable(self, role: str) -> list[WorkerHandle]:
+        """Live workers that may get new requests: not those that report themselves degraded."""
+        return [w for w in self.live(role) if not w.stats.get("degraded")]
+
     def mark_dead(self, name: str, reason: str) -> None:
         worker = self.workers.get(name)
         if worker is None or not worker.alive:
@@ -81,15 +88,30 @@ class Membership:
                 self.mark_dead(worker.name, f"worker loop stalled for {worker.stats['loop_age_s']:.0f} s")
 
     def send(self, worker: WorkerHandle, message: dict) -> None:
+        signer = self._signers.get(worker.command_address)
+        if signer is None:  # a new worker, or a restarted one (new address): forget the replaced ones' signers
+            live = {w.command_address for w in self.workers.values()}
+            for address in [a for a in self._signers if a not in live]:
+                del self._signers[address]
+            signer = self._signers[worker.command_address] = Signer(self._secret, Channel.COMMANDS,
+                                                                    worker.command_address)
         try:
-            worker.socket.send(pack({**message, "sent_at": time.time(), "auth": self._secret}), zmq.NOBLOCK)
+            worker.socket.send(signer.seal({**message, "sent_at": time.time()}), zmq.NOBLOCK)
         except zmq.Again:
             self.mark_dead(worker.name, "command queue full")
 
-    def heard_from(self, name: str | None) -> WorkerHandle | None:
+    def heard_from(self, name: str | None, kind: str = "", loop_age_s: float = 0.0) -> WorkerHandle | None:
+        """Note an authenticated event from a worker. A heartbeat from a worker marked dead revives it: it was slow
+        or cut off (a long stall, a full queue, a monitor timeout), not gone; what it held was failed or retried
+        when it was marked dead, and the router's aborts free those requests there."""
         worker = self.workers.get(name or "")
         if worker is not None:
             worker.last_seen = time.monotonic()
+            if not worker.alive and kind == "stats" and loop_age_s <= STALL_TIMEOUT_S:
+                worker.alive = True
+                logger.warning("worker %s is heard from again; back in the pool", worker.name)
+                self._metrics.worker_revivals.inc()
+                self._update_gauge()
         return worker
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cluster.protocol import Rejection
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 # worker stats keys exported as gauges (current values) and as counters (monotonic totals from the worker)
@@ -21,6 +23,10 @@ TOTAL_KEYS = (
     "recomputes",
     "preemptions",
     "prefix_hit_tokens",
+    "control_rejected",
+    "step_failures",
+    "reservations_expired",
+    "kv_rejected",
 )
 
 
@@ -40,6 +46,18 @@ class RouterMetrics:
         self.errors = Counter("pdserve_errors", "Failed or aborted requests by reason", ["reason"], registry=r)
         self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r)
         self.inflight = Gauge("pdserve_router_inflight", "Requests in flight at the router", registry=r)
+        self.control_rejected = Counter(
+            "pdserve_control_rejected", "Worker events dropped unread by the router: bad or missing MAC, replayed, "
+            "multipart, malformed", ["reason"], registry=r)
+        for reason in Rejection:
+            self.control_rejected.labels(reason.value)  # every reason shows, at 0, from the start
+        self.task_restarts = Counter("pdserve_router_task_restarts", "Router background tasks that crashed and were "
+                                     "restarted", ["task"], registry=r)
+        self.worker_degraded = Gauge("pdserve_worker_degraded", "1 while a worker reports itself degraded (its loop or a "
+                                     "transfer thread keeps failing); it gets no new requests", ["worker", "pool"],
+                                     registry=r)
+        self.worker_revivals = Counter("pdserve_worker_revivals", "Workers marked dead that were heard from again",
+                                       registry=r)
         self.workers_alive = Gauge("pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r)
         self.worker_gauge = Gauge("pdserve_worker", "Per-worker load from heartbeats", ["worker", "pool", "key"], registry=r)
         self.worker_total = Gauge("pdserve_worker_total", "Per-worker counters from heartbeats", ["worker", "pool", "key"], registry=r)
@@ -54,6 +72,7 @@ class RouterMetrics:
         for key in TOTAL_KEYS:
             if key in stats:
                 self.worker_total.labels(worker, pool, key).set(stats[key])
+        self.worker_degraded.labels(worker, pool).set(1 if stats.get("degraded") else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,6 +13,8 @@ tests of the data plane. Everything but placement and restarts behaves the same.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from dataclasses import dataclass, field
 
@@ -86,6 +88,12 @@ class LocalPools:
         for record in self.workers:
             record.actor.stop()
 
+    def kill_local_workers(self) -> None:
+        pass  # threads of this process: they end with it
+
+    def responsive(self, timeout_s: float) -> bool:
+        return True
+
 
 class RayPools:
     def __init__(self, config: ClusterConfig, model_path: str, router_address: str, host: str) -> None:
@@ -95,6 +103,7 @@ class RayPools:
         self.workers: list[WorkerRecord] = []
         self.groups: list = []
         self._stop = threading.Event()
+        self.node_id = ray.get_runtime_context().get_node_id()  # where `pdserve serve` runs
         remote_cls = ray.remote(max_restarts=config.ray.max_restarts, max_task_retries=0)(WorkerActor)
         try:
             for pool_name, role, pool in pool_layout(config):
@@ -132,7 +141,8 @@ class RayPools:
         threading.Thread(target=self._monitor, args=(router, interval_s), name="pdserve-monitor", daemon=True).start()
 
     def _monitor(self, router, interval_s: float) -> None:
-        """Stop routing to a dead actor at once; re-register a restarted one (new addresses)."""
+        """Stop routing to a dead actor at once; re-register a restarted one (new addresses); restart a degraded
+        one (Ray counts it against ``ray.max_restarts``)."""
         import ray
 
         while not self._stop.wait(interval_s):
@@ -147,16 +157,74 @@ class RayPools:
                     logger.warning("worker %s restarted (pid %s); re-registering", record.name, info.get("pid"))
                     record.info = info
                     router.add_worker_threadsafe(record.name, record.role, info["command_address"], info.get("kv_address"))
+                elif info.get("degraded"):
+                    # a worker whose loop keeps failing fails every request it gets: restart its process
+                    logger.error("worker %s is degraded (%s); restarting it", record.name, info["degraded"])
+                    router.mark_dead_threadsafe(record.name, f"degraded: {info['degraded']}")
+                    ray.kill(record.actor, no_restart=False)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask every worker to stop (in parallel, bounded), then kill the actors and free the placement groups."""
         import ray
 
         self._stop.set()
+        pending = [record.actor.stop.remote() for record in self.workers]
+        try:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        except Exception:  # a dead worker or a dead Ray: the actors are killed next anyway
+            pass
         for record in self.workers:
             try:
-                ray.get(record.actor.stop.remote(), timeout=10)
-            except Exception:  # dead or stuck: killed next anyway
+                ray.kill(record.actor, no_restart=True)
+            except Exception:
                 pass
-            ray.kill(record.actor, no_restart=True)
         for group in self.groups:
-            ray.util.remove_placement_group(group)
+            try:
+                ray.util.remove_placement_group(group)
+            except Exception:
+                pass
+
+    def responsive(self, timeout_s: float) -> bool:
+        """Whether Ray still answers a call to a worker within ``timeout_s`` (it does not once its raylet is gone)."""
+        import ray
+
+        if not self.workers:
+            return True
+        answered = threading.Event()
+
+        def probe() -> None:
+            try:
+                ray.get(self.workers[0].actor.info.remote(), timeout=timeout_s)
+                answered.set()
+            except Exception:
+                pass
+
+        threading.Thread(target=probe, name="pdserve-ray-probe", daemon=True).start()
+        return answered.wait(timeout_s)
+
+    def kill_local_workers(self) -> None:
+        """SIGKILL the worker processes this pool started on this node that are still alive (by their PIDs).
+
+        The last resort of shutdown: with Ray's own processes gone (SIGTERM to the process group), nothing else would
+        end them. Only PIDs our actors reported, on this node, and still running a Ray worker are touched.
+        """
+        for record in self.workers:
+            pid = record.info.get("pid")
+            if not isinstance(pid, int) or record.info.get("node_id") != self.node_id:
+                continue
+            if _is_ray_worker(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    logger.warning("killed worker %s (pid %d)", record.name, pid)
+                except OSError:
+                    pass
+
+
+def _is_ray_worker(pid: int) -> bool:
+    if not os.path.isdir("/proc"):  # no procfs (macOS): trust the PID our actor reported
+        return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"ray" in f.read()
+    except OSError:
+        return False

@@ -33,7 +33,8 @@ from cluster.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import make_policy
-from cluster.protocol import ProtocolError, params_to_wire, unpack
+from cluster.protocol import (MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier,
+                              params_to_wire)
 from engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,10 @@ class Router:
         self.host = host
         self.metrics = RouterMetrics()
         self.streams: dict[str, Stream] = {}
-        self._reservations: dict[str, asyncio.Future] = {}
+        # keyed by (wire rid, decode worker, attempt): a late reply can never resolve another worker's reservation,
+        # nor a later attempt's on the same worker
+        self._reservations: dict[tuple[str, str, int], asyncio.Future] = {}
+        self._attempts = 0
         self.last_timing: OrderedDict[str, dict] = OrderedDict()  # finished requests' timing, for the response
         self._policies = {
             "prefill": make_policy(config.router.prefill_policy),
@@ -80,8 +84,11 @@ class Router:
         self._events = self._ctx.socket(zmq.PULL)
         self._events.setsockopt(zmq.LINGER, 0)
         self._events.setsockopt(zmq.RCVHWM, 1_000_000)
+        self._events.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a larger frame drops its sender unbuffered
         port = self._events.bind_to_random_port(f"tcp://{host}")
         self.event_address = f"tcp://{host}:{port}"
+        # outlives a restart of _receive_events, so a replay is refused across it too
+        self._event_verifier = Verifier(config.transfer.secret, Channel.EVENTS, self.event_address)
         self._capacity = asyncio.Event()
         self._queue_depth = 0
         self._tasks: list[asyncio.Task] = []
@@ -109,20 +116,38 @@ class Router:
             self.loop.call_soon_threadsafe(self.mark_dead, name, reason)
 
     def live(self, role: str) -> list[WorkerHandle]:
-        return self.members.live(role)
+        """The workers new requests may go to: alive and not degraded."""
+        return self.members.routable(role)
 
     def _fail_streams_of(self, name: str, reason: str) -> None:
-        """A dead worker's requests get an explicit error (or a retry, in generate): never a silent stall."""
+        """A dead worker's requests get an explicit error (or a retry, in generate): never a silent stall. A prefill
+        worker's only until their first token: from then on the decode worker holds the KV and needs it no more."""
         for stream in list(self.streams.values()):
-            if name in (stream.prefill, stream.decode) and not stream.finished:
+            if not stream.finished and (name == stream.decode or name == stream.prefill and not stream.first_token_s):
                 stream.queue.put_nowait(RequestFailed(f"{reason} ({name})", "worker_died", 503))
 
     # ---- event loop --------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._tasks.append(asyncio.create_task(self._receive_events()))
-        self._tasks.append(asyncio.create_task(self._watch_heartbeats()))
+        self._tasks.append(asyncio.create_task(self._supervise("receive_events", self._receive_events)))
+        self._tasks.append(asyncio.create_task(self._supervise("watch_heartbeats", self._watch_heartbeats)))
+
+    async def _supervise(self, name: str, body) -> None:
+        """Run one of the router's background loops forever: a crash is logged, counted and the loop restarted.
+
+        Without this a crashed task dies silently and the router stops hearing its workers while /health says ok.
+        """
+        while True:
+            try:
+                await body()
+                raise RuntimeError("returned")  # the loops never end on their own
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("router: background task %s crashed; restarting it", name)
+                self.metrics.task_restarts.labels(name).inc()
+                await asyncio.sleep(0.05)  # a loop that crashes at once must not spin
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -137,11 +162,24 @@ class Router:
         self._ctx.term()
 
     async def _receive_events(self) -> None:
+        """Every event's MAC is checked (cluster/protocol.py) before it is unpacked; what fails is dropped and
+        counted in ``pdserve_control_rejected_total{reason}``."""
+        verifier, rejections = self._event_verifier, RejectionLog("router")
         while True:
             data = await self._events.recv()
             try:
-                self._dispatch(unpack(data))
-            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                if self._events.getsockopt(zmq.RCVMORE):  # events are one frame: drop the rest unread
+                    while self._events.getsockopt(zmq.RCVMORE):
+                        await self._events.recv(copy=False)
+                    raise AuthError(Rejection.MULTIPART)
+                message = verifier.open(data)
+            except AuthError as exc:
+                self.metrics.control_rejected.labels(exc.reason.value).inc()
+                rejections.note(exc)
+                continue
+            try:
+                self._dispatch(message)
+            except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("router: dropped a bad event: %s", exc)
 
     async def _watch_heartbeats(self) -> None:
@@ -157,22 +195,26 @@ class Router:
 
     def _dispatch(self, message: dict) -> None:
         kind = message["type"]
-        worker = self.members.heard_from(message.get("worker"))
+        loop_age_s = message.get("loop_age_s", 0.0) if kind == "stats" else 0.0
+        worker = self.members.heard_from(message.get("worker"), kind,
+                                         loop_age_s if isinstance(loop_age_s, (int, float)) else 0.0)
         if kind == "stats":
             if worker is not None:
                 worker.stats = message
                 self.metrics.observe_worker(message)
             self._wake()
         elif kind == "reserved":
-            future = self._reservations.get(message["rid"])
+            attempt = message.get("attempt", -1)
+            future = self._reservations.get((message["rid"], message.get("worker"), attempt))
             if future is not None and not future.done():
                 future.set_result(message)
-            elif message.get("ok") and worker is not None:  # a reply that came after we gave up: undo it
-                self._send(worker, {"type": "abort", "rid": message["rid"]})
+            elif message.get("ok") and worker is not None:
+                # a reply that came after we gave up: undo that attempt (a later one on the same worker stays)
+                self._send(worker, {"type": "unreserve", "rid": message["rid"], "attempt": attempt})
         elif kind == "first_token":
             stream = self.streams.get(message["rid"])
-            if stream is None:
-                return
+            if stream is None or message.get("worker") != stream.prefill:
+                return  # not (or no longer) this worker's request: a stale or lying event
             stream.timing.update({f"prefill_{k}": v for k, v in (message.get("timing") or {}).items()})
             decode = self.members.get(stream.decode)
             if decode is not None:
@@ -181,15 +223,21 @@ class Router:
         elif kind == "tokens":
             for rid, token_ids, finish_reason, timing in message["items"]:
                 stream = self.streams.get(rid)
-                if stream is None:
+                if stream is None or message.get("worker") != stream.decode:
                     continue
                 if timing:
                     stream.timing.update(timing)
                 stream.queue.put_nowait(TokenEvent(list(token_ids), finish_reason))
         elif kind == "error":
-            stream = self.streams.get(message.get("rid") or "")
-            if stream is not None:
-                stream.queue.put_nowait(RequestFailed(message["message"], message.get("code"), 500))
+            rid, name = message.get("rid") or "", message.get("worker")
+            future = next((f for (r, w, _), f in self._reservations.items() if r == rid and w == name), None)
+            if future is not None and not future.done():  # the decode worker could not even try to reserve
+                future.set_result({"ok": False, "reason": message.get("code"), "message": message["message"]})
+                return
+            stream = self.streams.get(rid)
+            if stream is not None and name in (stream.prefill, stream.decode):
+                status = 400 if message.get("code") == "invalid_request" else 500
+                stream.queue.put_nowait(RequestFailed(message["message"], message.get("code"), status))
 
     def _wake(self) -> None:
         self._capacity.set()
@@ -297,17 +345,19 @@ class Router:
         self._wake()
 
     def abort(self, wire_rid: str) -> None:
-        """Tell every live worker that holds state for the request to free it."""
+        """Tell every worker that holds state for the request to free it, those marked dead too: one that was only
+        cut off (and is revived when heard from again) must not keep the request."""
         stream = self.streams.get(wire_rid)
         if stream is None:
             return
         for name in {stream.prefill, stream.decode} - {None}:
             worker = self.members.get(name)
-            if worker is not None and worker.alive:
+            if worker is not None:
                 self._send(worker, {"type": "abort", "rid": wire_rid})
 
     async def _dispatch_request(self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float) -> None:
         wire_params = params_to_wire(params)
+        self._check_fits(len(prompt), wire_params)
         if self.config.mode == "colocated":
             worker = self._pick("colocated")
             stream.decode = worker.name
@@ -332,6 +382,23 @@ class Router:
         )
         stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
 
+    def _blocks_needed(self, num_prompt_tokens: int, wire_params: dict) -> int:
+        """KV blocks a decode worker reserves for a request: prompt, first token and the configured headroom."""
+        headroom = min(self.config.pools.decode.reserve_headroom_tokens, max(0, wire_params["max_tokens"] - 1))
+        return -(-(num_prompt_tokens + 1 + headroom) // self.block_size)
+
+    def _check_fits(self, num_prompt_tokens: int, wire_params: dict) -> None:
+        """A prompt that no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""
+        role = "colocated" if self.config.mode == "colocated" else "decode"
+        sizes = [int(w.stats["total_blocks"]) for w in self.live(role) if "total_blocks" in w.stats]
+        if not sizes:
+            return  # no heartbeat yet: the worker itself refuses what cannot fit
+        needed = self._blocks_needed(num_prompt_tokens, wire_params)
+        if needed > max(sizes):
+            raise RequestFailed(
+                f"the prompt needs {needed} KV blocks of {self.block_size} tokens; the largest {role} worker's KV "
+                f"cache holds {max(sizes)}", "context_length_exceeded", 400)
+
     def _pick(self, role: str) -> WorkerHandle:
         candidates = self._policies[role].order(self.live(role))
         if not candidates:
@@ -339,8 +406,7 @@ class Router:
         return candidates[0]
 
     async def _reserve(self, stream: Stream, prompt: list[int], wire_params: dict, deadline: float):
-        headroom = min(self.config.pools.decode.reserve_headroom_tokens, max(0, wire_params["max_tokens"] - 1))
-        needed = -(-(len(prompt) + 1 + headroom) // self.block_size)
+        needed = self._blocks_needed(len(prompt), wire_params)
         queued = False
         try:
             while True:
@@ -354,6 +420,10 @@ class Router:
                         stream.decode = worker.name
                         worker.inflight += 1
                         return worker, reply
+                    if reply is not None and reply.get("reason") == "invalid_request":
+                        # refused for what the request is, not for lack of room: no other worker or wait helps
+                        raise RequestFailed(reply.get("message", "the decode worker refused the request"),
+                                            "invalid_request", 400)
                 if not queued:
                     if self._queue_depth >= self.config.router.queue_size:
                         raise Overloaded("every decode worker's KV cache is reserved and the queue is full")
@@ -374,15 +444,18 @@ class Router:
 
     async def _try_reserve(self, worker: WorkerHandle, rid: str, prompt: list[int], wire_params: dict) -> dict | None:
         future = asyncio.get_running_loop().create_future()
-        self._reservations[rid] = future
+        self._attempts += 1
+        key = (rid, worker.name, self._attempts)
+        self._reservations[key] = future
         try:
-            self._send(worker, {"type": "reserve", "rid": rid, "prompt": prompt, "params": wire_params})
+            self._send(worker, {"type": "reserve", "rid": rid, "prompt": prompt, "params": wire_params,
+                                "attempt": self._attempts})
             return await asyncio.wait_for(future, timeout=self.config.router.worker_timeout_s)
         except asyncio.TimeoutError:
             logger.warning("decode worker %s did not answer a reservation in time", worker.name)
             return None
         finally:
-            self._reservations.pop(rid, None)
+            self._reservations.pop(key, None)
 
     def status(self) -> dict:
         return {

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
+import urllib.error
 import urllib.request
 
 from cluster.config import load_config
@@ -19,28 +21,61 @@ def serve(args: argparse.Namespace) -> int:
         config.router.host = args.host
     if args.port is not None:
         config.router.port = args.port
+    if getattr(args, "api_key", None):  # from the environment: the key need not be written in the config file
+        config.router.api_key = args.api_key
     stop = threading.Event()
     handle = start_serving(config, address=args.address)
+
+    def on_signal(*_) -> None:
+        if stop.is_set():  # a second Ctrl-C: do not wait for the orderly shutdown
+            _force_exit(handle, "second signal")
+        stop.set()
+
     # installed after Ray's init, which sets handlers of its own that would abort the process on SIGTERM
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         workers = ", ".join(f"{w['name']} (pid {w.get('pid')})" for w in handle.worker_infos())
         print(f"pdserve: serving {config.served_model_name} in {config.mode} mode at {handle.base_url}/v1", flush=True)
         print(f"pdserve: workers: {workers}", flush=True)
         print("pdserve: Ctrl-C or SIGTERM to stop", flush=True)
-        stop.wait()
+        while not stop.wait(1.0):  # a bounded wait, so signals are handled promptly on every platform
+            pass
     finally:
         print("pdserve: shutting down", flush=True)
-        handle.stop()
+        # the watchdog bounds everything after this point, Ray's exit handlers included (they hang when Ray's own
+        # processes were killed first, as SIGTERM to the whole process group does)
+        watchdog = threading.Timer(SHUTDOWN_TIMEOUT_S, _force_exit, args=(handle, "shutdown took too long"))
+        watchdog.daemon = True
+        watchdog.start()
+        if not handle.stop(timeout_s=SHUTDOWN_TIMEOUT_S - 2.0):
+            _force_exit(handle, "Ray was stopped under us")
+    print("pdserve: stopped", flush=True)
     return 0
 
 
+SHUTDOWN_TIMEOUT_S = 9.0  # process managers send SIGKILL after 10 s (docker stop) or more; exit before that
+
+
+def _force_exit(handle, reason: str) -> None:
+    """Kill the workers this process started, then leave at once (exit status 0: the stop was asked for)."""
+    print(f"pdserve: {reason}; exiting now", flush=True)
+    try:
+        handle.pools.kill_local_workers()
+    finally:
+        os._exit(0)
+
+
 def status(args: argparse.Namespace) -> int:
-    request = urllib.request.Request(f"{args.url.rstrip('/')}/status")
+    api_key = getattr(args, "api_key", None)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"{args.url.rstrip('/')}/status", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             data = json.load(response)
+    except urllib.error.HTTPError as exc:
+        hint = " (pass --api-key or set PDSERVE_API_KEY)" if exc.code == 401 else ""
+        raise ValueError(f"the router at {args.url} refused: HTTP {exc.code} {exc.reason}{hint}") from None
     except OSError as exc:
         raise ValueError(f"no pdserve router answers at {args.url}: {exc}") from None
     if args.json:

@@ -38,6 +38,7 @@ class RemoteRequest:
     start_s: float | None = None
     kv_done_s: float | None = None
     kv_failed: bool = False
+    attempt: int = -1  # the router's latest reservation attempt this reservation answers
 
 
 class DecodeWorker(WorkerRuntime):
@@ -59,10 +60,15 @@ class DecodeWorker(WorkerRuntime):
         )
         self.failure_policy = failure_policy
         self.headroom_tokens = headroom_tokens
+        # a reservation whose first token (``start``) has not come this long after it was made is freed: the
+        # router lost it or died; the transfer's own deadline bounds the KV, this bounds the rest
+        self.start_deadline_s = (transfer or TransferConfig()).deadline_s
+        self._next_expiry_check_s = 0.0
         self.remote: dict[str, RemoteRequest] = {}
         self.timing: dict[str, dict] = {}
         self.counters.update(
-            reservations_refused=0, transfers_ok=0, transfers_failed=0, transfer_bytes=0, recomputes=0
+            reservations_refused=0, transfers_ok=0, transfers_failed=0, transfer_bytes=0, recomputes=0,
+            reservations_expired=0,
         )
 
     def info(self) -> dict:
@@ -77,7 +83,13 @@ class DecodeWorker(WorkerRuntime):
     def handle(self, message: dict) -> None:
         kind, rid = message["type"], message["rid"]
         if kind == "reserve":
-            self._reserve(rid, list(message["prompt"]), params_from_wire(message["params"]))
+            attempt = message.get("attempt", -1)
+            self._reserve(rid, list(message["prompt"]), params_from_wire(message["params"]),
+                          attempt if isinstance(attempt, int) else -1)
+        elif kind == "unreserve":  # our answer to that attempt came too late; a later attempt's reservation stays
+            remote = self.remote.get(rid)
+            if remote is not None and remote.first_token is None and remote.attempt == message.get("attempt"):
+                self.abort(rid)
         elif kind == "start":
             remote = self.remote.get(rid)
             if remote is None:
@@ -88,21 +100,30 @@ class DecodeWorker(WorkerRuntime):
         else:
             super().handle(message)
 
-    def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        blocks = self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens)
+    def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = -1) -> None:
+        held = self.engine.requests.get(rid)
+        if rid in self.remote and held is not None and held.prompt_token_ids == prompt:
+            # the router asks again after our answer came too late: answer again with the same blocks (idempotent)
+            blocks: list[int] | None = list(held.block_ids)
+        else:
+            blocks = self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens)
+            if blocks is not None:
+                num_src = self.engine.block_manager.blocks_for(len(prompt))
+                self.receiver.expect(rid, blocks[:num_src], num_layers=self.engine.kv_spec.num_layers)
+                self.remote[rid] = RemoteRequest(prompt, params)
         if blocks is None:
             self.counters["reservations_refused"] += 1
-            self.emit({"type": "reserved", "rid": rid, "worker": self.name, "ok": False, "reason": "kv_full"})
+            self.emit({"type": "reserved", "rid": rid, "worker": self.name, "ok": False, "reason": "kv_full",
+                       "attempt": attempt})
             return
-        num_src = self.engine.block_manager.blocks_for(len(prompt))
-        self.receiver.expect(rid, blocks[:num_src], num_layers=self.engine.kv_spec.num_layers)
-        self.remote[rid] = RemoteRequest(prompt, params)
+        self.remote[rid].attempt = attempt
         self.emit(
             {
                 "type": "reserved",
                 "rid": rid,
                 "worker": self.name,
                 "ok": True,
+                "attempt": attempt,
                 "blocks": blocks,
                 "kv_address": self.receiver.address,
             }
@@ -139,7 +160,22 @@ class DecodeWorker(WorkerRuntime):
         self.engine.add_request(remote.prompt + [remote.first_token], params, rid)
         self.timing[rid] = {"recomputed": 1.0, "admitted_s": time.monotonic()}
 
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        if now < self._next_expiry_check_s:
+            return
+        self._next_expiry_check_s = now + 0.5
+        for rid, remote in list(self.remote.items()):
+            if remote.first_token is None and now - remote.expected_s > self.start_deadline_s:
+                logger.warning("%s: reservation %s got no start in %.0f s; freeing it", self.name, rid,
+                               self.start_deadline_s)
+                self.counters["reservations_expired"] += 1
+                self.abort(rid)
+                self.emit_error(rid, f"no first token reached the decode worker within {self.start_deadline_s:.0f} s",
+                                "reservation_expired")
+
     def tick(self) -> None:
+        self._expire_reservations()
         for event in self.receiver.poll():
             remote = self.remote.get(event.transfer_id)
             if remote is None:
@@ -165,6 +201,11 @@ class DecodeWorker(WorkerRuntime):
     def _send(self, outputs: list[RequestOutput], skip_first: bool = False) -> None:
         items = []
         for output in outputs:
+            if output.error is not None:  # finish_reason ERROR (blocks already freed): an error for that request only
+                self.timing.pop(output.request_id, None)
+                self.counters["errors"] += 1
+                self.emit_error(output.request_id, output.error, output.error_code or "worker_error")
+                continue
             tokens = [] if skip_first else output.new_token_ids
             timing = None
             if output.finished or output.request_id in self.timing:
@@ -197,8 +238,13 @@ class DecodeWorker(WorkerRuntime):
         self.timing.pop(rid, None)
         self.engine.abort(rid)
 
+    def health_problem(self) -> str:
+        """A dead KV receiver I/O thread (nccl pair links): transfers into this worker would fail."""
+        return self.receiver.io_problem()
+
     def stats(self) -> dict:
-        return {**super().stats(), "awaiting_kv": len(self.remote)}
+        # kv_rejected: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
+        return {**super().stats(), "awaiting_kv": len(self.remote), "kv_rejected": self.receiver.rejected}
 
     def close(self) -> None:
         self.receiver.close()

@@ -103,6 +103,14 @@ class PrefillWorker(WorkerRuntime):
 
     def tick(self) -> None:
         for output in self.engine.step():
+            if output.error is not None:  # finish_reason ERROR: the engine has already freed the request's blocks
+                # tell the router first (the client's error names the cause, not the aborted transfer), then abort
+                # the transfer: its lease ends in poll() below, where _release finds nothing left to free
+                self.counters["errors"] += 1
+                self.emit_error(output.request_id, output.error, output.error_code or "worker_error")
+                if output.request_id in self.outbound:
+                    self.sender.abort(output.request_id, output.error)
+                continue
             request = self.engine.requests.get(output.request_id)
             if output.finish_reason is None or request is None:
                 continue
@@ -144,6 +152,10 @@ class PrefillWorker(WorkerRuntime):
             self.sender.abort(rid, "aborted by router")  # its lease ends in poll(), which releases the blocks
         else:
             self.engine.abort(rid)
+
+    def health_problem(self) -> str:
+        """A dead KV sender I/O thread: every transfer of this worker would fail, so it must get no new work."""
+        return self.sender.io_problem()
 
     def stats(self) -> dict:
         return {**super().stats(), "leased_transfers": len(self.outbound)}

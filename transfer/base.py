@@ -36,22 +36,27 @@ class TransferConfig:
     hwm: int = 64                     # SNDHWM / RCVHWM (messages) on every socket
     queue_size: int = 256             # sender: bounded hand-off queue between caller and I/O thread
     enqueue_timeout_s: float = 5.0    # sender: send_layer waits this long for queue room, then fails
-    max_frame_bytes: int = 1 << 30    # receiver: refuse larger payload frames
-    secret: str | None = None         # optional shared secret checked at the handshake
+    max_frame_bytes: int = 1 << 30    # receiver: refuse larger payload frames (also its zmq.MAXMSGSIZE)
+    secret: str | None = None         # the cluster secret: proven, never sent, at the handshake (transfer/auth.py)
     wire_dtype: str = "raw"           # "raw" (bit-exact) or "int8" (per block-and-head scales)
     checksum: bool = True             # xxh3_64 per payload frame
     group_timeout_s: float = 30.0     # nccl/gloo: forming the pair process group, and each p2p wait
     device: str = "cpu"               # nccl backend: "cuda" selects NCCL, "cpu" selects gloo
+    idle_session_s: float = 60.0      # a peer session with no transfer and no message this long is dropped
+                                      # (the sender closes its side after half of it, so it never sends into one)
+    max_sessions: int = 1024          # receiver: sender sessions held at once; a hello past it is rejected
+    max_outbox_bytes: int = 1 << 30   # sender: payload bytes queued towards receivers; full: stop taking commands
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, not {self.wire_dtype!r}")
         for name in ("deadline_s", "lease_s", "connect_timeout_s", "send_timeout_s",
-                     "enqueue_timeout_s", "group_timeout_s"):
+                     "enqueue_timeout_s", "group_timeout_s", "idle_session_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.hwm <= 0 or self.queue_size <= 0 or self.max_frame_bytes <= 0:
-            raise ValueError("hwm, queue_size and max_frame_bytes must be > 0")
+        for name in ("hwm", "queue_size", "max_frame_bytes", "max_sessions", "max_outbox_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 def check_layer_args(fp: ModelFingerprint, layer: int, dst_block_ids: Sequence[int],
@@ -95,6 +100,11 @@ class KVSender(ABC):
     def active_transfers(self) -> list[str]:
         """Transfer ids whose source blocks are still leased."""
 
+    def io_problem(self) -> str:
+        """Why this sender can no longer move KV ("" while it can): an I/O thread of its own died. The prefill
+        worker reports it as its reason to be degraded (no new work; restarted under Ray)."""
+        return ""
+
     @abstractmethod
     def close(self) -> None:
         """Stop I/O; outstanding leases are released as FAILED (visible to a final poll())."""
@@ -104,6 +114,8 @@ class KVReceiver(ABC):
     """Consumer side: accepts pieces for announced transfers into a sink, polled without blocking."""
 
     address: str
+    dropped: int = 0  # messages refused before they could be attributed to a transfer (backends that count them)
+    rejected: int = 0  # of which unauthenticated: bad or missing MAC, replayed, or too many frames
 
     @abstractmethod
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, num_layers: int | None = None,
@@ -128,6 +140,11 @@ class KVReceiver(ABC):
     @abstractmethod
     def pending_transfers(self) -> list[str]:
         """Transfer ids that are expected and not yet DONE or FAILED."""
+
+    def io_problem(self) -> str:
+        """Why this receiver can no longer take KV ("" while it can): an I/O thread of its own died. The decode
+        worker reports it as its reason to be degraded."""
+        return ""
 
     @abstractmethod
     def close(self) -> None:

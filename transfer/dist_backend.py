@@ -2,13 +2,17 @@
 
 Same protocol and state machines as `zmq` (it subclasses ZmqSender / ZmqReceiver); only the payload path
 differs:
-    sender I/O thread:  hello(transport="dist") -> welcome(store_port, group key) -> PairLink(rank 1)
+    sender I/O thread:  hello(transport="dist") -> welcome(store_port) -> PairLink(rank 1), whose store prefix and
+                        first exchange (a proof of the session key each way) come from the session key
                         per piece: send the header (with one p2p tag per frame, no payload frames)
                         over ZeroMQ, then hand the tensors to the link thread (pg.send, bounded wait)
     receiver poll():    admit header -> allocate the frame tensors -> link thread (pg.recv, bounded
                         wait) -> next poll(): checksum (CPU tensors) -> sink -> ack when complete
 The pair group is NCCL when TransferConfig.device is "cuda" and gloo on "cpu" (how it is tested).
-Ranks and rendezvous are explained in transfer/pairgroup.py and docs/transfer.md.
+Ranks and rendezvous are explained in transfer/pairgroup.py and docs/transfer.md. Nothing is allocated from a
+header before `InboundTable.admit` checked it (dtype and shape re-derived from our fingerprint, nbytes equal to
+shape x itemsize and under max_frame_bytes); a refused piece's scratch buffers are sized only after the same
+per-frame checks.
 """
 from __future__ import annotations
 
@@ -20,10 +24,13 @@ import zmq
 from transfer.base import TransferConfig
 from transfer.errors import PeerGone, ProtocolError, TransferError
 from transfer.inbound import Sink
+from transfer.auth import pair_group_key
 from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server
-from transfer.wire import ModelFingerprint, PieceHeader, dtype_from_name, field as hfield, pack_header
-from transfer.zmq_receiver import Session, ZmqReceiver
-from transfer.zmq_sender import Outgoing, Peer, ZmqSender, check_peer_frame_bound
+from transfer.wire import ModelFingerprint, PieceHeader, dtype_from_name, field as hfield, frame_nbytes, pack_header
+from transfer.outbox import Outgoing, Peer, check_peer_frame_bound
+from transfer.sessions import Session
+from transfer.zmq_receiver import ZmqReceiver
+from transfer.zmq_sender import ZmqSender
 
 
 def _pg_backend(cfg: TransferConfig) -> str:
@@ -39,9 +46,10 @@ class DistSender(ZmqSender):
 
     def _on_welcome(self, peer: Peer, h: dict[str, Any]) -> None:
         host = host_of(peer.address)
-        peer.link = PairLink(backend=_pg_backend(self.cfg), rank=1, key=hfield(h, "group", str),
+        peer.link = PairLink(backend=_pg_backend(self.cfg), rank=1, key=pair_group_key(peer.key),
                              store_host=host, store_port=hfield(h, "store_port", int),
-                             local_host=local_ip_towards(host), timeout_s=self.cfg.group_timeout_s)
+                             local_host=local_ip_towards(host), timeout_s=self.cfg.group_timeout_s,
+                             auth_key=peer.key, on_crash=self._note_link_crash)
 
     def _send(self, peer: Peer, out: Outgoing) -> None:
         if out.piece is None:
@@ -53,7 +61,7 @@ class DistSender(ZmqSender):
         tags = peer.link.next_tags(len(out.tensors))
         piece = PieceHeader(out.piece.transfer_id, out.piece.layer, out.piece.blocks, out.piece.wire,
                             out.piece.frames, out.piece.fingerprint, tags)
-        peer.sock.send(pack_header(piece.to_wire(peer.session)), zmq.NOBLOCK)
+        peer.sock.send(self._seal(peer, pack_header(piece.to_wire(peer.session))), zmq.NOBLOCK)
         # Header left: its tensors must follow, in order, or the pair's p2p stream desynchronizes.
         peer.link.submit(LinkJob(out.transfer_id, out.tensors, tags))
 
@@ -77,14 +85,15 @@ class DistReceiver(ZmqReceiver):
         super().__init__(fingerprint, sink, address, config)
         self._store = None  # created at the first handshake: receivers nobody talks to cost nothing
 
-    def _welcome_extra(self, session: bytes, h: dict[str, Any]) -> dict[str, Any]:
-        host = host_of(self.address)
+    def _welcome_extra(self, session: bytes, key: bytes, h: dict[str, Any]) -> dict[str, Any]:
+        host = host_of(self.address)  # the store listens on our own address only, never on every interface
         if self._store is None:
             self._store = make_store_server(host, self.cfg.group_timeout_s)
-        link = PairLink(backend=_pg_backend(self.cfg), rank=0, key=f"kvpair/{session.hex()}",
+        link = PairLink(backend=_pg_backend(self.cfg), rank=0, key=pair_group_key(key),
                         store_host=host, store_port=self._store.port, local_host=host,
-                        timeout_s=self.cfg.group_timeout_s, store=self._store)
-        return {"store_port": self._store.port, "group": link.key, "_link": link}
+                        timeout_s=self.cfg.group_timeout_s, store=self._store, auth_key=key,
+                        on_crash=self._note_link_crash)
+        return {"store_port": self._store.port, "_link": link}
 
     def wait(self, timeout_s: float) -> bool:
         """Payloads complete in link threads, not on the socket: wait at most 1 ms at a time."""
@@ -104,10 +113,10 @@ class DistReceiver(ZmqReceiver):
         even its sizes are unusable, the pair is unrecoverable: drop the session and its transfers."""
         try:
             piece = PieceHeader.from_wire(h)
-            if piece.tags is None or any(f.nbytes > self.cfg.max_frame_bytes for f in piece.frames):
-                raise ProtocolError("unusable frame sizes")
-            scratch = [torch.empty(f.nbytes, dtype=torch.uint8, device=self.cfg.device)
-                       for f in piece.frames]
+            if piece.tags is None:
+                raise ProtocolError("a dist piece without p2p tags")
+            sizes = [frame_nbytes(f, self.cfg.max_frame_bytes) for f in piece.frames]
+            scratch = [torch.empty(n, dtype=torch.uint8, device=self.cfg.device) for n in sizes]
             sess.link.submit(LinkJob(piece.transfer_id, scratch, piece.tags, None))
         except TransferError as e:
             self._drop_session(session, PeerGone(f"pair stream unrecoverable: {e}"))
@@ -129,14 +138,14 @@ class DistReceiver(ZmqReceiver):
                     self._fail(tid, e)
                     continue
                 if known and self._table.get(tid) is None:
-                    self._send(sess.identity, {"kind": "ack", "tid": tid})
+                    self._reply(sess, {"kind": "ack", "tid": tid})
             if sess.link.broken is not None:
                 self._drop_session(session, sess.link.broken)
 
     def _drop_session(self, session: bytes, error: TransferError) -> None:
         sess = self._sessions.pop(session, None)
-        if sess is not None and sess.link is not None:
-            sess.link.close()
+        if sess is not None:
+            self._close_session(sess)  # from poll(): never waits for a link thread still forming its group
         for rec in self._table.items():
             if rec.session == session:
                 self._table.fail(rec.transfer_id, error)

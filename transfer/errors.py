@@ -19,6 +19,12 @@ class ProtocolError(TransferError):
     code = "protocol"
 
 
+class AuthError(ProtocolError):
+    """A frame whose MAC is missing or wrong, or a replayed one (see transfer/auth.py): dropped before decoding."""
+
+    code = "unauthenticated"
+
+
 class ChecksumError(TransferError):
     """A payload frame's xxh3_64 differs from the one in its header: corrupted on the way."""
 
@@ -49,6 +55,13 @@ class PeerGone(TransferError):
     code = "peer_gone"
 
 
+class SessionLimit(TransferError):
+    """The receiver already holds `max_sessions` sender sessions: a new handshake is refused (not an old one evicted)
+    until idle ones expire; the caller may try another decode worker."""
+
+    code = "session_limit"
+
+
 class TransferAborted(TransferError):
     """One of the sides called `abort(transfer_id)` (client gone, request cancelled)."""
 
@@ -60,11 +73,13 @@ _BY_CODE: dict[str, type[TransferError]] = {
     for cls in (
         TransferError,
         ProtocolError,
+        AuthError,
         ChecksumError,
         FingerprintMismatch,
         FrameTooLarge,
         TransferTimeout,
         PeerGone,
+        SessionLimit,
         TransferAborted,
     )
 }

@@ -5,30 +5,43 @@ Why not `init_process_group`: the default group is one per process and needs eve
 prefill worker talks to many decode workers that come and go. So each (sender, receiver) pair builds its
 own group object directly (`ProcessGroupGloo` / `ProcessGroupNCCL` over a `PrefixStore`), lazily, at its
 first handshake:
-    rank 0 = the receiver. It hosts one `TCPStore` server (free port) for all its pairs and names each
-             pair's key prefix after the session token ("kvpair/<hex>"), sent in the welcome message.
+    rank 0 = the receiver. It hosts one `TCPStore` server (free port) for all its pairs, listening on its own
+             ZeroMQ address's host only (a socket bound there and handed to the store: torch's own server
+             would listen on every interface), and names each pair's key prefix after a MAC of the session key
+             (transfer/auth.py), which only the two ends know; the prefix never travels.
     rank 1 = the sender. It connects to the store at the host it already uses for the receiver's
-             ZeroMQ address (127.0.0.1 for ipc://) and the port from the welcome.
+             ZeroMQ address (127.0.0.1 for ipc://) and the port from the (MACed) welcome.
 Both sides build the group in the link thread (bounded by group_timeout_s), so neither `poll()` nor the
-sender's I/O thread blocks on the rendezvous. Then the link thread executes jobs in order: a job is the
-frames of one piece, sent (rank 1) or received into fresh buffers (rank 0) with one tag per frame, each
-wait bounded by group_timeout_s. gloo's RecvWork only completes inside wait(), so waiting happens here,
-never in the caller. Any failure breaks the link: its queued jobs fail with PeerGone.
+sender's I/O thread blocks on the rendezvous. The first exchange on a new group is a 32-byte proof of the session
+key each way (rank 0 receives first): TCPStore has no authentication (anyone who reaches its port can list its
+keys and race to join), so a group whose peer cannot prove the key is broken before any KV moves. Then the link
+thread executes jobs in order: a job is the frames of one piece, sent (rank 1) or received into fresh buffers
+(rank 0) with one tag per frame, each wait bounded by group_timeout_s. gloo's RecvWork only completes inside
+wait(), so waiting happens here, never in the caller. Any failure breaks the link: its queued jobs fail with
+PeerGone. Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
+way and is reported to the link's owner (`on_crash`), whose io_problem() then makes its worker degraded.
 """
 from __future__ import annotations
 
 import datetime
+import hmac
+import logging
+import os
 import queue
 import socket
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from transfer.errors import PeerGone, TransferError
+from transfer.auth import pair_proof
+from transfer.errors import AuthError, PeerGone, TransferError
+
+log = logging.getLogger(__name__)
+PROOF_TAG = (1 << 30) + 1  # beyond every job tag (next_tags wraps at 2**30)
 
 
 @dataclass(slots=True)
@@ -61,19 +74,35 @@ def local_ip_towards(host: str) -> str:
 
 
 def make_store_server(host: str, timeout_s: float) -> dist.TCPStore:
-    """Receiver-side rendezvous store on a free port (shared by all its pair groups)."""
-    return dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """Receiver-side rendezvous store on a free port of `host` only (shared by all its pair groups)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    fd = listener.detach()  # the store owns it from here (and closes it)
+    try:
+        return dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class PairLink:
     """One pair group plus the thread that runs its p2p jobs; see module docstring."""
 
     def __init__(self, *, backend: str, rank: int, key: str, store_host: str, store_port: int,
-                 local_host: str, timeout_s: float, store: dist.Store | None = None) -> None:
+                 local_host: str, timeout_s: float, auth_key: bytes, store: dist.Store | None = None,
+                 on_crash: Callable[[str], None] | None = None) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"pair group backend must be gloo or nccl, not {backend!r}")
         self.backend, self.rank, self.key = backend, rank, key
+        self._auth_key = auth_key
         self._store_addr = (store_host, store_port)
         self._store = store
         self._local_host = local_host
@@ -82,6 +111,8 @@ class PairLink:
         self._done: deque[tuple[LinkJob, TransferError | None]] = deque()
         self._tag = 0
         self.broken: TransferError | None = None
+        self.crashed = ""  # what killed the thread, when it was not the peer (see _run)
+        self._on_crash = on_crash
         self.ready = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-pair-{key[-8:]}", daemon=True)
@@ -104,6 +135,9 @@ class PairLink:
             out.append(self._done.popleft())
         return out
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self, join_s: float = 2.0) -> None:
         """Stop the thread and let it destroy the group (a group alive at interpreter exit aborts it)."""
         self._stop.set()
@@ -125,12 +159,43 @@ class PairLink:
         opts._timeout = self._timeout
         return dist.ProcessGroupNCCL(prefixed, self.rank, 2, opts)
 
+    def _prove(self, pg: Any) -> None:
+        """Exchange proofs of the session key (rank 0 receives first, so NCCL's ordered p2p cannot deadlock)."""
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        mine = torch.tensor(list(pair_proof(self._auth_key, self.rank)), dtype=torch.uint8, device=device)
+        theirs = torch.zeros(len(mine), dtype=torch.uint8, device=device)
+        peer = 1 - self.rank
+        for op, t in ((pg.recv, theirs), (pg.send, mine)) if self.rank == 0 else ((pg.send, mine), (pg.recv, theirs)):
+            op([t], peer, PROOF_TAG).wait(self._timeout)
+        if not hmac.compare_digest(bytes(theirs.cpu().tolist()), pair_proof(self._auth_key, peer)):
+            raise AuthError("the pair group's peer does not hold the session key")
+
     def _run(self) -> None:
+        """The thread's top level: nothing leaves it silently."""
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - recorded, reported, and the link's transfers fail
+            self.crashed = f"{type(e).__name__}: {e}"[:300]
+            log.exception("kv pair-link thread died")
+            self._break(PeerGone(f"{self.backend} pair link failed: {self.crashed}"))
+            if self._on_crash is not None:
+                self._on_crash(self.crashed)
+
+    def _serve(self) -> None:
         try:
             pg = self._build()
         except Exception as e:  # noqa: BLE001 - reported as a typed transfer failure
             self._break(PeerGone(f"{self.backend} pair group not formed within "
                                  f"{self._timeout.total_seconds()}s: {e}"))
+            return
+        try:
+            self._prove(pg)
+        except AuthError as e:
+            self._break(e)
+            return
+        except Exception as e:  # noqa: BLE001
+            self._break(PeerGone(f"{self.backend} pair group: no proof of the session key from the peer: "
+                                 f"{str(e)[:300]}"))
             return
         self.ready.set()
         peer = 1 - self.rank

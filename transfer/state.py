@@ -129,6 +129,11 @@ class LeaseTable:
         with self._lock:
             return list(self._leases)
 
+    def peers(self) -> set[str]:
+        """Addresses of the receivers that some live lease is with."""
+        with self._lock:
+            return {lease.peer for lease in self._leases.values()}
+
     def due_keepalives(self, every_s: float) -> list[tuple[str, str]]:
         """(id, peer) of leases whose receiver should hear from us again (sender liveness)."""
         now = time.monotonic()

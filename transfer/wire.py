@@ -148,6 +148,17 @@ def field(h: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
 
 # ---------------------------------------------------------------------------------------- frames
 
+MAX_DIMS = 8
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _count(x: Any) -> bool:
+    """A non-negative int (not a bool): what a shape entry, a byte count or a block id must be."""
+    return _int(x) and x >= 0
+
 
 @dataclass(frozen=True, slots=True)
 class FrameSpec:
@@ -163,9 +174,11 @@ class FrameSpec:
 
     @classmethod
     def from_wire(cls, obj: Any) -> "FrameSpec":
+        """Types and signs only; `check_piece` then compares shape and dtype with what the receiver expects and
+        nbytes with shape x itemsize, before anything is allocated or viewed."""
         if not (isinstance(obj, list) and len(obj) == 4 and isinstance(obj[0], str)
-                and isinstance(obj[1], list) and all(isinstance(x, int) and x >= 0 for x in obj[1])
-                and isinstance(obj[2], int) and (obj[3] is None or isinstance(obj[3], int))):
+                and isinstance(obj[1], list) and len(obj[1]) <= MAX_DIMS and all(_count(x) for x in obj[1])
+                and _count(obj[2]) and (obj[3] is None or _int(obj[3]))):
             raise ProtocolError(f"malformed frame spec {obj!r:.200}")
         return cls(obj[0], tuple(obj[1]), obj[2], obj[3])
 
@@ -224,15 +237,15 @@ class PieceHeader:
     @classmethod
     def from_wire(cls, h: dict[str, Any]) -> "PieceHeader":
         layers = field(h, "layers", list)
-        if len(layers) != 2 or not all(isinstance(x, int) for x in layers) or layers[1] != layers[0] + 1:
+        if len(layers) != 2 or not all(_count(x) for x in layers) or layers[1] != layers[0] + 1:
             raise ProtocolError(f"layer range {layers!r:.50} must be [l, l+1]")
         blocks = field(h, "blocks", list)
-        if not blocks or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
-            raise ProtocolError("blocks must be a non-empty list of ints")
+        if not blocks or not all(_count(b) for b in blocks):
+            raise ProtocolError("blocks must be a non-empty list of non-negative ints")
         frames = tuple(FrameSpec.from_wire(f) for f in field(h, "frames", list))
         tags = h.get("tags")
         if tags is not None and not (isinstance(tags, list) and len(tags) == len(frames)
-                                     and all(isinstance(t, int) for t in tags)):
+                                     and all(_count(t) for t in tags)):
             raise ProtocolError("tags must be one int per frame")
         return cls(field(h, "tid", str), layers[0], tuple(blocks), field(h, "wire", str), frames,
                    ModelFingerprint.from_wire(h.get("fp")), tuple(tags) if tags is not None else None)
@@ -265,6 +278,16 @@ def check_piece(p: PieceHeader, fp: ModelFingerprint, max_frame_bytes: int) -> N
             raise ProtocolError(f"frame {spec.dtype}{list(spec.shape)} != expected {dt}{list(shape)}")
         if spec.nbytes != math.prod(shape) * dtype_from_name(dt).itemsize:
             raise ProtocolError(f"frame nbytes {spec.nbytes} does not match {dt}{list(shape)}")
+
+
+def frame_nbytes(spec: FrameSpec, max_frame_bytes: int) -> int:
+    """A frame's size, once its dtype is known, nbytes equals shape x itemsize and is within the bound: the only
+    way a header field may size an allocation (the scratch receive of a refused piece on the nccl backend)."""
+    if spec.nbytes > max_frame_bytes:
+        raise FrameTooLarge(f"frame of {spec.nbytes} bytes > max_frame_bytes={max_frame_bytes}")
+    if spec.nbytes != math.prod(spec.shape) * dtype_from_name(spec.dtype).itemsize:
+        raise ProtocolError(f"frame nbytes {spec.nbytes} does not match {spec.dtype}{list(spec.shape)}")
+    return spec.nbytes
 
 
 def decode_frames(p: PieceHeader, bufs: Sequence[Any]) -> list[torch.Tensor]:

@@ -1,42 +1,40 @@
 """ZeroMQ KV receiver: the decode side of the `zmq` backend (and the control half of `nccl`).
 
 Data flow (all in the thread that calls `poll()`, never blocking):
-    ROUTER socket <- [identity, header, frames...] from any number of sender DEALERs
-    hello   -> fingerprint, secret and transport checked -> welcome(session token) or reject
+    ROUTER socket <- [identity, sealed header, frames...] from any number of sender DEALERs, read one frame at a
+               time (at most MAX_FRAMES; a longer message is discarded unread), each frame bounded by MAXMSGSIZE
+    header  -> MAC checked in constant time before it is decoded (transfer/auth.py): under the handshake key for
+               a hello, under its session's key (and in increasing sequence) for everything else
+    hello   -> nonce fresh, fingerprint and transport checked -> welcome(session token, MACed) or reject
     kv      -> session known? -> InboundTable.admit (checks, claims blocks) -> payload:
                zmq: the frames of this message (viewed in place) -> InboundTable.complete -> sink
                nccl: handed to the pair link, which receives it by torch.distributed (see dist_backend)
     finish  -> lost pieces fail now;   abort -> FAILED
     replies -> ack (DONE), nack (FAILED, with the error's code), renew (keeps the sender's lease alive)
-A malformed message fails only the transfer it names (if any); the receiver keeps serving the others.
+A malformed message fails only the transfer it names (if any); the receiver keeps serving the others. Sessions are
+bounded in number and idle time (transfer/sessions.py): per-peer state nobody uses expires.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import zmq
 
+from transfer.auth import (NO_SESSION, NONCE_BYTES, OVERHEAD, NonceCache, handshake_key, seal, session_key, split,
+                           verify)
 from transfer.base import KVReceiver, TransferConfig
-from transfer.errors import FingerprintMismatch, PeerGone, ProtocolError, TransferError
+from transfer.errors import AuthError, FingerprintMismatch, PeerGone, ProtocolError, SessionLimit, TransferError
 from transfer.inbound import InboundTable, Sink
+from transfer.sessions import Session, SessionTable
 from transfer.sockets import bind_address, configure
 from transfer.state import Inbound, TransferEvent
 from transfer.wire import MAX_HEADER_BYTES, ModelFingerprint, PieceHeader, pack_header, unpack_header
 
 log = logging.getLogger(__name__)
-MAX_SESSIONS = 1024
-
-
-@dataclass(slots=True)
-class Session:
-    identity: bytes
-    transport: str
-    link: Any = None  # nccl backend: the pair process group link
+MAX_FRAMES = 2 + 4  # identity, header, and at most 4 payload frames (int8: k, k scales, v, v scales)
 
 
 class ZmqReceiver(KVReceiver):
@@ -49,14 +47,21 @@ class ZmqReceiver(KVReceiver):
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
         self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
-        self._sessions: dict[bytes, Session] = {}
+        self._sessions = SessionTable(self.cfg.max_sessions, self.cfg.idle_session_s)
+        self._hs_key = handshake_key(self.cfg.secret)
+        self._nonces = NonceCache()
+        self._seq_out = 0
         self._ctx = zmq.Context()
+        # no frame larger than a payload frame or a sealed header is ever buffered (ZeroMQ drops the peer)
         self._sock = configure(self._ctx.socket(zmq.ROUTER), self.cfg,
-                               max_msg_bytes=max(self.cfg.max_frame_bytes, MAX_HEADER_BYTES))
+                               max_msg_bytes=max(self.cfg.max_frame_bytes, MAX_HEADER_BYTES + OVERHEAD))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to vanished peers error, not vanish
         self._sock.bind(bind_address(address))
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.dropped = 0  # messages refused before they could be attributed to a transfer
+        self.rejected = 0  # of which: bad or missing MAC, replayed, or too many frames
+        self._io_problem = ""  # nccl backend: a pair-link thread died of a bug (see io_problem)
+        self._retired: list[Any] = []  # nccl backend: links of dropped sessions whose thread has not ended yet
         self._closed = False
 
     # ------------------------------------------------------------------ API
@@ -69,10 +74,11 @@ class ZmqReceiver(KVReceiver):
         if not self._closed:
             for _ in range(max_messages):
                 try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = self._recv_message()
                 except zmq.Again:
                     break
-                self._handle(frames)
+                if frames is not None:
+                    self._handle(frames)
             self._poll_payloads()
             self._renew_and_expire()
         return self._table.drain()
@@ -90,45 +96,91 @@ class ZmqReceiver(KVReceiver):
     def pending_transfers(self) -> list[str]:
         return self._table.ids()
 
+    def io_problem(self) -> str:
+        """zmq: all I/O happens in poll(), in the caller's thread (its failures are the caller's); nccl: a pair-link
+        thread that died of something other than its peer (recorded by _note_link_crash)."""
+        return self._io_problem
+
+    def _note_link_crash(self, what: str) -> None:
+        """Called from a pair-link thread whose top level caught an unexpected exception (transfer/pairgroup.py)."""
+        self._io_problem = self._io_problem or f"kv-receiver pair-link thread died: {what}"[:500]
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         for tid in self._table.ids():
             self._table.fail(tid, PeerGone("receiver closed"))
-        for s in self._sessions.values():
-            if s.link is not None:
-                s.link.close()
+        end = time.monotonic() + 2.0  # a pair group alive at interpreter exit aborts the process: let them end
+        for link in [s.link for s in self._sessions.values() if s.link is not None] + self._retired:
+            link.close(join_s=max(0.0, end - time.monotonic()))
         self._sock.close(linger=0)
         self._ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ messages
+
+    def _recv_message(self) -> list[zmq.Frame] | None:
+        """One message, frame by frame (raises zmq.Again when none is waiting); None if it had too many frames:
+        those are dropped as they are read, never collected."""
+        frames = [self._sock.recv(zmq.NOBLOCK, copy=False)]
+        while frames[-1].more:
+            if len(frames) >= MAX_FRAMES:
+                while self._sock.getsockopt(zmq.RCVMORE):
+                    self._sock.recv(zmq.NOBLOCK, copy=False)
+                self._reject_frame(f"a message of more than {MAX_FRAMES} frames")
+                return None
+            frames.append(self._sock.recv(zmq.NOBLOCK, copy=False))
+        return frames
+
+    def _reject_frame(self, reason: str) -> None:
+        self.dropped += 1
+        self.rejected += 1
+        if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...: a flood cannot flood the log
+            log.warning("dropped an unauthenticated message (%d so far): %s", self.rejected, reason)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
             self.dropped += 1
             return
         identity = frames[0].bytes
+        raw = frames[1].buffer
         try:
-            h = unpack_header(frames[1].buffer)
-        except TransferError as e:
-            self.dropped += 1
-            log.warning("dropped undecodable message: %s", e)
+            _, session, seq, body = split(raw)
+        except AuthError as e:
+            self._reject_frame(str(e))
             return
-        kind = h["kind"]
-        if kind == "hello":
-            self._on_hello(identity, h)
+        if session == NO_SESSION:  # a hello: MAC under the handshake key
+            if not verify(self._hs_key, raw):
+                self._reject_frame("handshake not authenticated (a different cluster secret?)")
+                self._send_hs(identity, {"kind": "reject", "code": AuthError.code,
+                                         "reason": "handshake not authenticated: a different cluster secret?"})
+                return
+            h = self._decode(body)
+            if h is not None and h["kind"] == "hello" and len(frames) == 2:
+                self._on_hello(identity, h)
+            elif h is not None:
+                self.dropped += 1
             return
-        session = h.get("session")
-        sess = self._sessions.get(session) if isinstance(session, bytes) else None
-        tid = h.get("tid")
+        sess = self._sessions.get(session)
         if sess is None:
             self.dropped += 1
-            if isinstance(tid, str):
-                self._send(identity, {"kind": "nack", "tid": tid, "code": PeerGone.code,
-                                      "reason": "unknown session (receiver restarted?): handshake again"})
+            self._send_hs(identity, {"kind": "reject", "code": PeerGone.code,
+                                     "reason": "unknown session (receiver restarted?): handshake again"})
+            return
+        if not verify(sess.key, raw):
+            self._reject_frame("MAC does not match the session key")
+            return
+        if seq <= sess.seq_in:
+            self._reject_frame(f"replayed message (sequence {seq} <= {sess.seq_in})")
+            return
+        sess.seq_in = seq
+        self._sessions.touch(sess)
+        h = self._decode(body)
+        if h is None:
             return
         sess.identity = identity  # a reconnected DEALER may come back under a new routing id
+        kind = h["kind"]
+        tid = h.get("tid")
         if not isinstance(tid, str):
             self.dropped += 1
             return
@@ -156,40 +208,51 @@ class ZmqReceiver(KVReceiver):
                 self.dropped += 1
                 log.warning("dropped message for transfer %r: %s", tid, e)
                 if rec is None:  # not ours (never expected, or already ended): free the sender now
-                    self._send(sess.identity, {"kind": "nack", "tid": tid, "code": e.code,
-                                               "reason": str(e)[:1000]})
+                    self._reply(sess, {"kind": "nack", "tid": tid, "code": e.code, "reason": str(e)[:1000]})
             return
         if rec is not None and self._table.get(tid) is None:
-            self._send(sess.identity, {"kind": "ack", "tid": tid})
+            self._reply(sess, {"kind": "ack", "tid": tid})
+
+    def _decode(self, body: memoryview) -> dict[str, Any] | None:
+        """Decode an authenticated header (an undecodable one is a bug of its sender, not an attack)."""
+        try:
+            return unpack_header(body)
+        except TransferError as e:
+            self.dropped += 1
+            log.warning("dropped undecodable message: %s", e)
+            return None
 
     def _on_hello(self, identity: bytes, h: dict[str, Any]) -> None:
         try:
+            nonce = h.get("nonce")
+            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+                raise ProtocolError("hello without a nonce")
+            if not self._nonces.add(nonce):
+                self.rejected += 1
+                raise AuthError("replayed hello")
             fp = ModelFingerprint.from_wire(h.get("fp"))
             if fp != self.fp:
                 raise FingerprintMismatch(f"sender model {fp} != receiver model {self.fp}")
-            secret = h.get("secret")
-            if not isinstance(secret, str) or not hmac.compare_digest(
-                    secret.encode(), (self.cfg.secret or "").encode()):
-                raise ProtocolError("wrong shared secret")
             if h.get("transport") != self.transport:
                 raise ProtocolError(f"sender uses transport {h.get('transport')!r:.20}, "
                                     f"receiver {self.transport!r}")
-            session = os.urandom(16)
-            extra = self._welcome_extra(session, h)
+            if self._sessions.full():
+                self._expire_sessions(force=True)
+            if self._sessions.full():  # never evict a session that may be in use: refuse the newcomer
+                raise SessionLimit(f"receiver holds its maximum of {self._sessions.max_sessions} sender sessions "
+                                   f"(none idle for {self._sessions.idle_s:g} s); try again later")
+            session, rnonce = os.urandom(len(NO_SESSION)), os.urandom(NONCE_BYTES)
+            key = session_key(self._hs_key, nonce, rnonce, session)
+            extra = self._welcome_extra(session, key, h)
         except TransferError as e:
             log.warning("refused handshake: %s", e)
-            self._send(identity, {"kind": "reject", "code": e.code, "reason": str(e)})
+            self._send_hs(identity, {"kind": "reject", "code": e.code, "reason": str(e)})
             return
-        if len(self._sessions) >= MAX_SESSIONS:
-            old = next(iter(self._sessions))
-            stale = self._sessions.pop(old)
-            if stale.link is not None:
-                stale.link.close()
-        self._sessions[session] = Session(identity, self.transport, extra.pop("_link", None))
-        self._send(identity, {"kind": "welcome", "session": session,
-                              "max_frame_bytes": self.cfg.max_frame_bytes, **extra})
+        self._sessions.add(Session(identity, self.transport, extra.pop("_link", None), key, session))
+        self._send_hs(identity, {"kind": "welcome", "session": session, "nonce": nonce, "rnonce": rnonce,
+                                 "max_frame_bytes": self.cfg.max_frame_bytes, **extra})
 
-    def _welcome_extra(self, session: bytes, h: dict[str, Any]) -> dict[str, Any]:
+    def _welcome_extra(self, session: bytes, key: bytes, h: dict[str, Any]) -> dict[str, Any]:
         """Hook for the nccl backend: pair-group rendezvous info (and its link under "_link")."""
         return {}
 
@@ -213,16 +276,36 @@ class ZmqReceiver(KVReceiver):
     def _nack(self, rec: Inbound, code: str, reason: str) -> None:
         sess = self._sessions.get(rec.session) if rec.session else None
         if sess is not None:
-            self._send(sess.identity, {"kind": "nack", "tid": rec.transfer_id, "code": code,
-                                       "reason": reason[:1000]})
+            self._reply(sess, {"kind": "nack", "tid": rec.transfer_id, "code": code, "reason": reason[:1000]})
 
-    def _send(self, identity: bytes, fields: dict[str, Any]) -> None:
+    def _reply(self, sess: Session, fields: dict[str, Any]) -> None:
+        """A reply within a session: sealed with its key."""
+        self._seq_out += 1
+        self._send(sess.identity, seal(sess.key, sess.token, self._seq_out, pack_header(fields)))
+
+    def _send_hs(self, identity: bytes, fields: dict[str, Any]) -> None:
+        """A handshake reply (welcome, reject): sealed with the handshake key."""
+        self._send(identity, seal(self._hs_key, NO_SESSION, 0, pack_header(fields)))
+
+    def _send(self, identity: bytes, frame: bytes) -> None:
         try:
-            self._sock.send_multipart([identity, pack_header(fields)], zmq.NOBLOCK)
+            self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # peer gone or not reading: its lease expiry covers it
 
+    def _expire_sessions(self, force: bool = False) -> None:
+        """Drop sessions no transfer is bound to that have been silent for idle_session_s (transfer/sessions.py)."""
+        for sess in self._sessions.idle(lambda: (rec.session for rec in self._table.items()), force):
+            log.info("dropped a sender session idle for %g s", self._sessions.idle_s)
+            self._close_session(sess)
+
+    def _close_session(self, sess: Session) -> None:
+        if sess.link is not None:
+            sess.link.close(join_s=0.0)  # from poll(): never wait for a link thread; close() joins what is left
+            self._retired = [link for link in self._retired if link.alive()] + [sess.link]
+
     def _renew_and_expire(self) -> None:
+        self._expire_sessions()
         for rec in self._table.expire(silence_s=self.cfg.lease_s):
             self._nack(rec, "timeout", "receiver deadline passed or sender silent")
         now = time.monotonic()
@@ -232,4 +315,4 @@ class ZmqReceiver(KVReceiver):
                 rec.last_renew = now
                 sess = self._sessions.get(rec.session)
                 if sess is not None:
-                    self._send(sess.identity, {"kind": "renew", "tid": rec.transfer_id})
+                    self._reply(sess, {"kind": "renew", "tid": rec.transfer_id})

@@ -3,59 +3,43 @@
 Data flow:
     caller thread: begin / send_layer / finish / abort  --bounded queue.Queue-->  I/O thread
     I/O thread:    per receiver address one DEALER socket; handshake first (hello -> welcome with a
-                   session token, or reject), then for each piece: encode (int8 optional, xxh3 per
-                   frame) and send [header, k bytes, v bytes] zero-copy, NOBLOCK; replies (ack, nack,
-                   renew) update the lease table.
+                   session token, or reject; both sides prove the cluster secret, see transfer/auth.py),
+                   then for each piece: encode (int8 optional, xxh3 per frame) and send [sealed header,
+                   k bytes, v bytes] zero-copy, NOBLOCK; replies (ack, nack, renew), MAC-checked before
+                   they are decoded, update the lease table.
     caller thread: poll() -> released leases (free the source blocks).
 Bounded everywhere: a full queue fails the transfer after enqueue_timeout_s, a handshake has
 connect_timeout_s, a message that cannot leave (HWM reached, peer gone) fails its peer after
-send_timeout_s, and a lease without word from the receiver expires after lease_s.
+send_timeout_s, and a lease without word from the receiver expires after lease_s. The outboxes hold at most
+max_outbox_bytes (plus one piece): at the bound the I/O thread takes no command, so the queue above fills and
+send_layer fails instead of memory growing (transfer/outbox.py). A peer with no lease and nothing sent for
+idle_session_s / 2 is closed (the receiver drops its side after idle_session_s). An I/O thread that dies records
+why (io_problem(), which makes the prefill worker degraded) and fails every lease, present and future.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import zmq
 
+from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, handshake_key, seal, session_key, split, verify
 from transfer.base import KVSender, TransferConfig, check_layer_args
-from transfer.errors import FrameTooLarge, PeerGone, TransferAborted, TransferError, TransferTimeout, error_from_code
+from transfer.errors import (AuthError, PeerGone, ProtocolError, TransferAborted, TransferError, TransferTimeout,
+                             error_from_code)
+from transfer.outbox import (FrameTooLargeForPeer, Meter, Outbox, Outgoing, Peer, check_peer_frame_bound,
+                             discard_rest)
 from transfer.sockets import configure
 from transfer.state import LeaseTable, TransferEvent
-from transfer.wire import (ModelFingerprint, PieceHeader, encode_piece, field as hfield, frame_view,
+from transfer.wire import (MAX_HEADER_BYTES, ModelFingerprint, encode_piece, field as hfield, frame_view,
                            pack_header, unpack_header)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Outgoing:
-    """One queued message: header fields (session added at send time) plus payload tensors."""
-
-    transfer_id: str
-    fields: dict[str, Any]
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    nbytes: int = 0
-    piece: PieceHeader | None = None  # "kv" messages only
-
-
-@dataclass(slots=True)
-class Peer:
-    address: str
-    sock: zmq.Socket
-    created: float
-    state: str = "connecting"  # connecting -> hello_sent -> ready
-    session: bytes = b""
-    max_frame_bytes: int = 0
-    outbox: deque[Outgoing] = field(default_factory=deque)
-    stuck_since: float | None = None
-    link: Any = None  # nccl backend: the pair process group link
 
 
 class ZmqSender(KVSender):
@@ -66,13 +50,19 @@ class ZmqSender(KVSender):
     def __init__(self, fingerprint: ModelFingerprint, config: TransferConfig | None = None) -> None:
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
+        self._hs_key = handshake_key(self.cfg.secret)
+        self.rejected = 0  # replies dropped: unauthenticated, replayed or multipart
         self._leases = LeaseTable(self.cfg.lease_s)
         self._cmds: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=self.cfg.queue_size)
         self._ctx = zmq.Context()
         self._peers: dict[str, Peer] = {}
         self._pieces: dict[str, int] = {}
+        self._meter = Meter()  # bytes queued in every peer's outbox (bounded by max_outbox_bytes)
+        self._keepalive_s = min(self.cfg.lease_s, self.cfg.idle_session_s) / 3
+        self._next_sweep = 0.0  # of idle peers, and of the outboxes of ended transfers when they are full
         self._stop = threading.Event()
         self._crash: BaseException | None = None
+        self._link_problem = ""  # nccl backend: a pair-link thread died of a bug
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -111,6 +101,23 @@ class ZmqSender(KVSender):
     def active_transfers(self) -> list[str]:
         return self._leases.ids()
 
+    def io_problem(self) -> str:
+        if self._crash is not None:
+            return f"kv-sender I/O thread died: {type(self._crash).__name__}: {self._crash}"[:500]
+        if not self._stop.is_set() and not self._thread.is_alive():
+            return "kv-sender I/O thread is not running"
+        return self._link_problem
+
+    @property
+    def outbox_bytes(self) -> int:
+        """Bytes queued towards receivers now (payload plus HEADER_COST per message)."""
+        return self._meter.nbytes
+
+    @property
+    def outbox_peak(self) -> int:
+        """The most that were ever queued: at most max_outbox_bytes plus one piece."""
+        return self._meter.peak
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=max(2.0, self.cfg.send_timeout_s))
@@ -119,13 +126,23 @@ class ZmqSender(KVSender):
             self._ctx.destroy(linger=0)
 
     def _put(self, transfer_id: str, cmd: tuple[Any, ...]) -> bool:
+        if self._fail_if_dead(transfer_id):
+            return False
         try:
             self._cmds.put(cmd, timeout=self.cfg.enqueue_timeout_s)
             return True
         except queue.Full:
             self._leases.release(transfer_id, TransferTimeout(
-                f"send queue stayed full for {self.cfg.enqueue_timeout_s}s"))
+                f"send queue stayed full for {self.cfg.enqueue_timeout_s}s (receiver slow or gone: "
+                f"{self._meter.nbytes} bytes queued towards receivers)"))
             return False
+
+    def _fail_if_dead(self, transfer_id: str) -> bool:
+        """No I/O thread to move it: the transfer fails now (poll() reports it), rather than wait for nothing."""
+        if self._thread.is_alive():
+            return False
+        self._leases.release(transfer_id, TransferError(self.io_problem() or "sender I/O thread stopped"))
+        return True
 
     # ------------------------------------------------------------------ I/O thread
 
@@ -138,16 +155,26 @@ class ZmqSender(KVSender):
                 self._check_timeouts()
                 if not busy:
                     self._idle_wait()
-        except BaseException as e:  # noqa: BLE001 - surfaced through poll()
-            log.exception("kv sender I/O thread crashed")
-            self._crash = e
-            self._leases.fail_all(TransferError(f"sender I/O thread crashed: {e!r}"))
+        except BaseException as e:  # noqa: BLE001 - surfaced through io_problem() and poll()
+            self._crash = e  # first: from here on begin/send_layer fail at once instead of queueing
+            log.exception("kv-sender I/O thread died; every transfer of this sender fails")
+            self._leases.fail_all(TransferError(f"sender I/O thread died: {e!r}"))
         finally:
             for p in list(self._peers.values()):
-                self._close_peer(p)
+                try:
+                    self._close_peer(p)
+                except Exception:  # noqa: BLE001 - closing what is left; the cause is already recorded
+                    log.exception("closing a kv-sender peer")
+
+    def _has_room(self) -> bool:
+        """Whether the outboxes may take another command (backpressure on the caller's queue when not)."""
+        return self._meter.nbytes < self.cfg.max_outbox_bytes
 
     def _idle_wait(self) -> None:
         """Sleep until a command arrives (instant wake-up) or briefly, to look at replies again."""
+        if not self._has_room():
+            self._stop.wait(0.002)
+            return
         try:
             cmd = self._cmds.get(timeout=0.002 if self._peers else 0.05)
         except queue.Empty:
@@ -156,7 +183,7 @@ class ZmqSender(KVSender):
 
     def _drain_commands(self, budget: int = 64) -> bool:
         n = 0
-        while n < budget:
+        while n < budget and self._has_room():
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -171,7 +198,7 @@ class ZmqSender(KVSender):
             self._pieces.pop(tid, None)
             p = self._peers.get(cmd[3])
             if p is not None:
-                p.outbox = deque(o for o in p.outbox if o.transfer_id != tid)
+                p.outbox.discard(lambda o: o.transfer_id == tid)
                 p.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid, "reason": cmd[2]}))
             return
         lease = self._leases.get(tid)
@@ -196,29 +223,35 @@ class ZmqSender(KVSender):
         return t.detach().to("cpu").contiguous()
 
     def _connect(self, address: str) -> Peer:
-        sock = configure(self._ctx.socket(zmq.DEALER), self.cfg)
+        # replies are headers only: anything larger is refused by ZeroMQ before it is buffered
+        sock = configure(self._ctx.socket(zmq.DEALER), self.cfg, max_msg_bytes=MAX_HEADER_BYTES + OVERHEAD)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a receiver that is not connected
         sock.connect(address)
-        peer = Peer(address, sock, time.monotonic())
+        peer = Peer(address, sock, time.monotonic(), Outbox(self._meter), nonce=os.urandom(NONCE_BYTES))
         self._peers[address] = peer
         return peer
 
-    def _hello_fields(self) -> dict[str, Any]:
-        return {"kind": "hello", "fp": self.fp.to_wire(), "secret": self.cfg.secret or "",
-                "transport": self.transport}
+    def _hello_fields(self, peer: Peer) -> dict[str, Any]:
+        return {"kind": "hello", "fp": self.fp.to_wire(), "transport": self.transport, "nonce": peer.nonce}
+
+    def _seal(self, peer: Peer, header: bytes) -> bytes:
+        """A header frame of this peer's session: MAC under the session key, next sequence number."""
+        peer.seq_out += 1
+        return seal(peer.key, peer.session, peer.seq_out, header)
 
     def _pump(self) -> bool:
         sent = False
         for peer in list(self._peers.values()):
             if peer.state == "connecting":
                 try:
-                    peer.sock.send(pack_header(self._hello_fields()), zmq.NOBLOCK)
+                    hello = seal(self._hs_key, NO_SESSION, 0, pack_header(self._hello_fields(peer)))
+                    peer.sock.send(hello, zmq.NOBLOCK)
                     peer.state = "hello_sent"
                 except zmq.Again:
                     pass
                 continue
             while peer.state == "ready" and peer.outbox:
-                out = peer.outbox[0]
+                out = peer.outbox.peek()
                 if out.fields.get("kind") != "abort" and self._leases.get(out.transfer_id) is None:
                     peer.outbox.popleft()  # its transfer ended meanwhile
                     continue
@@ -233,6 +266,7 @@ class ZmqSender(KVSender):
                     continue
                 peer.outbox.popleft()
                 peer.stuck_since = None
+                peer.last_sent = time.monotonic()
                 sent = True
                 if out.tensors:
                     self._leases.note_sent(out.transfer_id, out.nbytes)
@@ -241,10 +275,10 @@ class ZmqSender(KVSender):
     def _send(self, peer: Peer, out: Outgoing) -> None:
         """Send one message (raises zmq.Again when it cannot leave now). Overridden by nccl."""
         if out.piece is None:
-            peer.sock.send(pack_header({**out.fields, "session": peer.session}), zmq.NOBLOCK)
+            peer.sock.send(self._seal(peer, pack_header({**out.fields, "session": peer.session})), zmq.NOBLOCK)
             return
         check_peer_frame_bound(peer, out.piece)
-        header = pack_header(out.piece.to_wire(peer.session))
+        header = self._seal(peer, pack_header(out.piece.to_wire(peer.session)))
         peer.sock.send_multipart([header, *(frame_view(t) for t in out.tensors)],
                                  flags=zmq.NOBLOCK, copy=False)
 
@@ -262,20 +296,57 @@ class ZmqSender(KVSender):
                     break
                 got = True
                 try:
-                    self._on_reply(peer, unpack_header(data))
+                    if peer.sock.getsockopt(zmq.RCVMORE):
+                        discard_rest(peer.sock)
+                        raise AuthError("a multipart reply (replies are one frame)")
+                    self._on_reply(peer, self._open(peer, data))
                 except TransferError as e:
+                    self.rejected += isinstance(e, AuthError)
                     log.warning("bad reply from %s: %s", peer.address, e)
                 if peer.address not in self._peers:
                     break
         return got
 
+    def _open(self, peer: Peer, data: bytes) -> dict[str, Any]:
+        """Check a reply's MAC (constant time), then decode it. Under the handshake key only a welcome (to our
+        hello) or a reject can come; under the session key, ack/nack/renew in increasing sequence."""
+        _, session, seq, body = split(data)
+        if session == NO_SESSION:
+            if not verify(self._hs_key, data):
+                error = AuthError("unauthenticated reply")
+                if peer.state == "hello_sent":  # the receiver answered our hello but cannot prove the secret
+                    error = AuthError(f"receiver {peer.address} refused or did not authenticate the handshake: "
+                                      "a different cluster secret?")
+                    self._drop_peer(peer, error)
+                raise error
+            h = unpack_header(body)
+            if h["kind"] == "reject" or h["kind"] == "welcome" and peer.state == "hello_sent":
+                return h
+            raise AuthError(f"unexpected {h['kind']!r:.20} under the handshake key")
+        if not peer.key or session != peer.session or not verify(peer.key, data):
+            raise AuthError("reply not authenticated for this session")
+        if seq <= peer.seq_in:
+            raise AuthError(f"replayed reply (sequence {seq} <= {peer.seq_in})")
+        peer.seq_in = seq
+        h = unpack_header(body)
+        if h["kind"] not in ("ack", "nack", "renew"):
+            raise ProtocolError(f"unexpected {h['kind']!r:.20} from the receiver")
+        return h
+
     def _on_reply(self, peer: Peer, h: dict[str, Any]) -> None:
         kind = h["kind"]
         if kind == "welcome":
-            peer.session = hfield(h, "session", bytes)
+            if hfield(h, "nonce", bytes) != peer.nonce:
+                raise AuthError("a welcome that does not answer our hello (replayed?)")
+            session, rnonce = hfield(h, "session", bytes), hfield(h, "rnonce", bytes)
+            if len(session) != len(NO_SESSION) or session == NO_SESSION or len(rnonce) != NONCE_BYTES:
+                raise ProtocolError("malformed welcome")
+            peer.session = session
+            peer.key = session_key(self._hs_key, peer.nonce, rnonce, session)
             peer.max_frame_bytes = hfield(h, "max_frame_bytes", int)
             self._on_welcome(peer, h)
             peer.state = "ready"
+            peer.last_sent = time.monotonic()  # the receiver's idle clock for this session starts about now
         elif kind == "reject":
             self._drop_peer(peer, error_from_code(str(h.get("code")), f"receiver {peer.address} "
                                                   f"refused the handshake: {h.get('reason')}"))
@@ -301,7 +372,7 @@ class ZmqSender(KVSender):
             elif peer.stuck_since is not None and now - peer.stuck_since > self.cfg.send_timeout_s:
                 self._drop_peer(peer, PeerGone(f"could not send to {peer.address} for "
                                                f"{self.cfg.send_timeout_s}s (receiver gone or stalled)"))
-        for tid, address in self._leases.due_keepalives(self.cfg.lease_s / 3):
+        for tid, address in self._leases.due_keepalives(self._keepalive_s):
             peer = self._peers.get(address)
             if peer is not None and peer.state == "ready":  # tells the receiver we are alive
                 peer.outbox.append(Outgoing(tid, {"kind": "renew", "tid": tid}))
@@ -311,6 +382,25 @@ class ZmqSender(KVSender):
             if peer is not None:
                 peer.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid,
                                                   "reason": "sender lease expired"}))
+        if now >= self._next_sweep:
+            self._next_sweep = now + min(0.05, self.cfg.idle_session_s / 8)
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close peers that carry no lease and sent nothing for idle_session_s / 2 (the receiver drops its side
+        after idle_session_s: closing first, we never send into a dropped session); when the outboxes are full,
+        drop what they hold for transfers that ended meanwhile, so the live ones can move again."""
+        busy = self._leases.peers()
+        for peer in list(self._peers.values()):
+            if (peer.state == "ready" and not peer.outbox and peer.address not in busy
+                    and now - peer.last_sent > self.cfg.idle_session_s / 2):
+                log.debug("closing idle kv peer %s", peer.address)
+                self._close_peer(peer)
+                self._peers.pop(peer.address, None)
+        if not self._has_room():
+            for peer in self._peers.values():
+                peer.outbox.discard(lambda o: o.fields.get("kind") != "abort"
+                                    and self._leases.get(o.transfer_id) is None)
 
     def _drop_peer(self, peer: Peer, error: TransferError) -> None:
         self._close_peer(peer)
@@ -319,21 +409,12 @@ class ZmqSender(KVSender):
             self._pieces.pop(tid, None)
 
     def _close_peer(self, peer: Peer) -> None:
+        peer.outbox.clear()
         if peer.link is not None:
             peer.link.close()
         peer.sock.close(linger=0)
 
+    def _note_link_crash(self, what: str) -> None:
+        """Called from a pair-link thread whose top level caught an unexpected exception (transfer/pairgroup.py)."""
+        self._link_problem = self._link_problem or f"kv-sender pair-link thread died: {what}"[:500]
 
-class FrameTooLargeForPeer(Exception):
-    """Internal: a piece exceeds the receiver's announced frame bound; fails that transfer only."""
-
-    def __init__(self, error: TransferError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def check_peer_frame_bound(peer: Peer, piece: PieceHeader) -> None:
-    biggest = max(f.nbytes for f in piece.frames)
-    if peer.max_frame_bytes and biggest > peer.max_frame_bytes:
-        raise FrameTooLargeForPeer(FrameTooLarge(
-            f"{biggest}-byte frame > receiver {peer.address} max_frame_bytes={peer.max_frame_bytes}"))

@@ -26,13 +26,17 @@ def tiny_cluster_config(model_path, mode: str = "disaggregated", **sections) -> 
     return parse_config(data)
 
 
-def wait_all_kv_free(base_url: str, timeout_s: float = 10.0) -> dict:
+def _auth(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def wait_all_kv_free(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict:
     """Every worker reports all blocks free and nothing held (heartbeats lag a little, so poll)."""
     started = time.monotonic()
     deadline = started + timeout_s
     status: dict = {}
     while time.monotonic() < deadline:
-        status = httpx.get(f"{base_url}/status", timeout=5).json()
+        status = httpx.get(f"{base_url}/status", headers=_auth(api_key), timeout=5).json()
         fresh = all(w["last_seen_s"] < time.monotonic() - started for w in status["workers"] if w["alive"])
         if fresh and all(
             w.get("free_blocks") == w.get("total_blocks")
@@ -46,11 +50,11 @@ def wait_all_kv_free(base_url: str, timeout_s: float = 10.0) -> dict:
     raise AssertionError(f"KV blocks or requests still held: {status}")
 
 
-def metric_value(base_url: str, name: str, **labels: str) -> float | None:
+def metric_value(base_url: str, name: str, api_key: str | None = None, **labels: str) -> float | None:
     """One sample from /metrics, parsed with prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    text = httpx.get(f"{base_url}/metrics", headers=_auth(api_key), timeout=5).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):

@@ -67,3 +67,13 @@ def test_missing_file_and_non_mapping_are_clear(tmp_path):
 def test_defaults_are_local_and_safe():
     config = parse_config({})
     assert config.router.host == "127.0.0.1" and config.transfer.failure_policy == "fail"
+
+
+def test_the_gpu_node_config_needs_an_api_key_to_bind_beyond_loopback():
+    from cluster.config import check_network_exposure
+
+    config = load_config(CONFIGS / "gpu-node.yaml")
+    with pytest.raises(ConfigError, match="router.host"):
+        check_network_exposure(config, config.router.host)
+    config.router.api_key = "a-key-from-PDSERVE_API_KEY"  # what `pdserve serve` does with the environment variable
+    check_network_exposure(config, config.router.host)

@@ -40,7 +40,7 @@ def serve(tiny_llama_path):
     yield start
     for handle in handles:
         try:
-            wait_all_kv_free(handle.base_url)
+            wait_all_kv_free(handle.base_url, api_key=handle.config.router.api_key)
         finally:
             handle.stop()
 

@@ -63,6 +63,33 @@ def test_decode_death_mid_stream_is_an_error_event_then_the_worker_rejoins(ray_l
         handle.stop()
 
 
+def _break_the_loop(actor) -> None:
+    """Runs inside the worker's process (Ray's ``__ray_call__``): from now on every loop turn raises."""
+
+    def failing_tick() -> None:
+        raise RuntimeError("injected: the device is gone")
+
+    actor.worker.tick = failing_tick
+
+
+def test_a_degraded_worker_is_restarted_by_ray_and_serves_again(ray_local, tiny_llama_path):
+    import ray
+
+    config = tiny_cluster_config(tiny_llama_path)
+    handle = start_serving(config)
+    try:
+        old_pid = _pid(handle, "decode-0")
+        record = next(r for r in handle.workers if r.name == "decode-0")
+        ray.get(record.actor.__ray_call__.remote(_break_the_loop), timeout=30)
+        _wait(lambda: _pid(handle, "decode-0") != old_pid, timeout_s=90)  # the monitor restarted it: a new process
+        _wait(lambda: "decode-0" in [w.name for w in handle.router.live("decode")], timeout_s=60)
+        body = {"model": config.served_model_name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+        wait_all_kv_free(handle.base_url, timeout_s=30)
+    finally:
+        handle.stop()
+
+
 def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_path):
     config = tiny_cluster_config(
         tiny_llama_path,

@@ -12,6 +12,7 @@ import zmq
 from kvutil import Cache, fingerprint, make_kv, poll_until
 
 import procs
+from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.errors import (ChecksumError, FingerprintMismatch, FrameTooLarge, PeerGone, ProtocolError,
                              TransferAborted)
@@ -39,9 +40,10 @@ def rx(closing):
 
 
 class RawPeer:
-    """A hand-driven sender socket, to put exactly the bytes we want on the wire."""
+    """A hand-driven sender socket, to put exactly the bytes we want on the wire (headers sealed as the protocol
+    wants, transfer/auth.py, so that what is tested is what comes after authentication)."""
 
-    def __init__(self, address: str, fp, secret: str = "") -> None:
+    def __init__(self, address: str, fp, secret: str | None = None, transport: str = "zmq") -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -49,8 +51,9 @@ class RawPeer:
         self.sock.setsockopt(zmq.SNDTIMEO, 3000)
         self.sock.connect(address)
         self.fp = fp
-        self.sock.send(pack_header({"kind": "hello", "fp": fp.to_wire(), "secret": secret,
-                                    "transport": "zmq"}))
+        self.hs_key, self.nonce, self.seq, self.key = handshake_key(secret), os.urandom(NONCE_BYTES), 0, b""
+        hello = {"kind": "hello", "fp": fp.to_wire(), "transport": transport, "nonce": self.nonce}
+        self.sock.send(seal(self.hs_key, NO_SESSION, 0, pack_header(hello)))
         self.session = b""
 
     def welcome(self, r) -> None:
@@ -58,8 +61,9 @@ class RawPeer:
         while time.monotonic() < end and not self.session:
             r.poll()
             try:
-                h = unpack_header(self.sock.recv(zmq.NOBLOCK))
+                h = unpack_header(split(self.sock.recv(zmq.NOBLOCK))[3])
                 self.session = h["session"]
+                self.key = session_key(self.hs_key, self.nonce, h["rnonce"], self.session)
             except zmq.Again:
                 time.sleep(0.001)
         assert self.session
@@ -70,13 +74,15 @@ class RawPeer:
         return header.to_wire(self.session), [bytes(frame_view(t)) for t in tensors]
 
     def send(self, fields: dict, frames: list[bytes]) -> None:
-        self.sock.send_multipart([pack_header(fields), *frames])
+        self.seq += 1
+        header = seal(self.key, fields.get("session", self.session), self.seq, pack_header(fields))
+        self.sock.send_multipart([header, *frames])
 
     def replies(self) -> list[dict]:
         out = []
         while True:
             try:
-                out.append(unpack_header(self.sock.recv(zmq.NOBLOCK)))
+                out.append(unpack_header(split(self.sock.recv(zmq.NOBLOCK))[3]))
             except zmq.Again:
                 return out
 

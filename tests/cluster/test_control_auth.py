@@ -1,0 +1,210 @@
+"""An authenticated control plane with no configuration: the launcher makes a cluster secret and gives it to every
+worker; a command or an event that is not sealed with it (no MAC, a wrong key, a replay, several frames) is dropped
+before it is unpacked and counted (the worker's ``control_rejected``, the router's ``pdserve_control_rejected_total``),
+and the request it tried to abort, finish or duplicate completes unharmed; the secret never goes on the wire."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from cluster.launch import start_serving
+from cluster.protocol import SEAL_OVERHEAD, Channel, Signer
+from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+
+pytestmark = pytest.mark.timeout(240)
+PROMPT, MAX_TOKENS = "the quick brown fox", 40
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """Every frame any ZeroMQ socket of this process sends (the router's asyncio sockets send through a shadow
+    zmq.Socket too): (the socket's last endpoint, bytes)."""
+    frames: list[tuple[str, bytes]] = []
+    original = zmq.Socket.send
+
+    def spy(self, data, flags=0, copy=True, track=False, **kw):
+        raw = data.bytes if isinstance(data, zmq.Frame) else bytes(data)
+        result = original(self, data, flags, copy=copy, track=track, **kw)  # zmq.Again: not sent, not recorded
+        frames.append((self.getsockopt_string(zmq.LAST_ENDPOINT), raw))
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "send", spy)
+    return frames
+
+
+@pytest.fixture
+def serve(tiny_llama_path):
+    handles = []
+
+    def start(**sections):
+        sections.setdefault("router", {"port": 0, "request_timeout_s": 30})
+        handle = start_serving(tiny_cluster_config(tiny_llama_path, **sections), in_process=True)
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        try:
+            wait_all_kv_free(handle.base_url)
+        finally:
+            handle.stop()
+
+
+@pytest.fixture
+def pusher():
+    """PUSH sockets of a stranger on the same host, connected to any address."""
+    ctx = zmq.Context()
+
+    def connect(address: str) -> zmq.Socket:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(address)
+        return sock
+
+    yield connect
+    ctx.destroy(linger=1000)
+
+
+def _worker(handle, role: str):
+    return next(r for r in handle.workers if r.role == role)
+
+
+def _reference(handle) -> str:
+    body = {"model": handle.config.served_model_name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    response = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    return response.json()["choices"][0]["text"]
+
+
+def _stream(handle, after_first_token) -> tuple[str, str | None]:
+    """A greedy streamed completion; `after_first_token(wire_rid)` runs once, while the request is live."""
+    body = {"model": handle.config.served_model_name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text, finish, fired = [], None, False
+    with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            choice = chunk["choices"][0]
+            text.append(choice["text"])
+            finish = choice.get("finish_reason") or finish
+            if not fired:
+                fired = True
+                (wire_rid,) = list(handle.router.streams)
+                after_first_token(wire_rid)
+    return "".join(text), finish
+
+
+def _worker_rejected(handle, name: str, want: int) -> None:
+    """The worker's counter reaches `want` in /status and in /metrics (heartbeats lag a little)."""
+    for _ in range(50):
+        status = httpx.get(f"{handle.base_url}/status", timeout=5).json()
+        seen = next(w for w in status["workers"] if w["name"] == name).get("control_rejected")
+        total = metric_value(handle.base_url, "pdserve_worker_total", worker=name, key="control_rejected")
+        if seen == want and total == want:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name}: control_rejected {seen} in /status, {total} in /metrics; want {want}")
+
+
+def test_zero_configuration_makes_a_secret_and_every_worker_gets_it(serve, tiny_llama_path):
+    handle = serve()
+    secret = handle.config.transfer.secret
+    assert isinstance(secret, str) and len(bytes.fromhex(secret)) == 32
+    assert tiny_cluster_config(tiny_llama_path).transfer.secret is None  # made at start-up, not configured
+    for record in handle.workers:
+        worker = record.actor.worker
+        assert worker.options.secret == secret
+    assert _worker(handle, "prefill").actor.worker.sender.cfg.secret == secret
+    assert _worker(handle, "decode").actor.worker.receiver.cfg.secret == secret
+    assert _reference(handle)  # and it serves
+
+
+def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pusher):
+    handle = serve()
+    expected = _reference(handle)
+    decode, prefill = (_worker(handle, role).info["command_address"] for role in ("decode", "prefill"))
+    secret = handle.config.transfer.secret
+    replay = next(raw for endpoint, raw in sent if endpoint == decode
+                  and msgpack.unpackb(raw[SEAL_OVERHEAD:])["type"] == "reserve")  # the first request's, sealed
+    forged: list[bytes] = []
+
+    def forge(wire_rid: str) -> None:
+        abort = {"type": "abort", "rid": wire_rid}
+        forged.extend([
+            msgpack.packb(abort),  # no MAC at all (what was enough before)
+            msgpack.packb({**abort, "auth": "guess"}),
+            Signer("not-the-secret", Channel.COMMANDS, decode).seal(abort),
+            Signer(secret, Channel.COMMANDS, prefill).seal(abort),  # the right secret, sealed for another worker
+            Signer(secret, Channel.EVENTS, decode).seal(abort),  # ... or for the other direction
+            b"short",
+            Signer("not-the-secret", Channel.COMMANDS, decode).seal(
+                {"type": "reserve", "rid": "forged", "prompt": [1, 2, 3], "params": {}}),
+            replay,  # a real command of the first request, replayed
+        ])
+        sock = pusher(decode)
+        for frame in forged:
+            sock.send(frame)
+        sock.send_multipart([Signer("x", Channel.COMMANDS, decode).seal(abort), b"more"])
+        sock.send(msgpack.packb(abort), zmq.NOBLOCK)
+
+    text, finish = _stream(handle, forge)
+    assert text == expected and finish == "length"  # not aborted, nothing lost
+    _worker_rejected(handle, "decode-0", len(forged) + 2)
+    _worker_rejected(handle, "prefill-0", 0)
+    assert _reference(handle) == expected
+
+
+def test_forged_and_replayed_events_are_dropped_and_counted_in_metrics(serve, sent, pusher):
+    handle = serve()
+    expected = _reference(handle)
+    router, secret = handle.router.event_address, handle.config.transfer.secret
+
+    def forge(wire_rid: str) -> None:
+        finish = {"type": "tokens", "worker": "decode-0", "items": [[wire_rid, [7, 7], "stop", None]]}
+        first = next(raw for endpoint, raw in sent if endpoint == router and raw[SEAL_OVERHEAD:]
+                     and msgpack.unpackb(raw[SEAL_OVERHEAD:]).get("rid") == wire_rid)  # its real first_token
+        sock = pusher(router)
+        for frame in (msgpack.packb(finish),  # what a stranger could do before: end the request
+                      Signer("not-the-secret", Channel.EVENTS, router).seal(finish),
+                      Signer(secret, Channel.COMMANDS, router).seal(finish),
+                      Signer("not-the-secret", Channel.EVENTS, router).seal(
+                          {"type": "stats", "worker": "decode-0", "role": "decode", "free_blocks": 0}),
+                      b"x" * 10,
+                      first):  # replayed: the client would see its first token twice
+            sock.send(frame)
+        sock.send_multipart([finish["type"].encode(), msgpack.packb(finish)])
+
+    text, finish = _stream(handle, forge)
+    assert text == expected and finish == "length"
+    counts = {reason: metric_value(handle.base_url, "pdserve_control_rejected_total", reason=reason)
+              for reason in ("bad_mac", "missing_mac", "replayed", "multipart", "malformed")}
+    assert counts == {"bad_mac": 4, "missing_mac": 1, "replayed": 1, "multipart": 1, "malformed": 0}, counts
+    assert _reference(handle) == expected
+
+
+def test_the_secret_never_goes_on_the_wire(serve, sent):
+    secret = "configured-secret-for-this-test-0123456789"
+    handle = serve(transfer={"secret": secret, "deadline_s": 20, "lease_s": 20},
+                   router={"port": 0, "request_timeout_s": 30})
+    assert handle.config.transfer.secret == secret
+    _reference(handle)
+    _stream(handle, lambda rid: None)
+    kinds = set()
+    for _, raw in sent:
+        assert secret.encode() not in raw
+        try:
+            kinds.add(msgpack.unpackb(raw[SEAL_OVERHEAD:])["type"])
+        except Exception:  # KV frames: headers sealed differently, payload bytes
+            pass
+    assert {"reserve", "prefill", "start", "ping", "reserved", "first_token", "tokens", "stats"} <= kinds
+    assert b"".join(raw for _, raw in sent).count(b"hello") >= 1  # the KV handshake was captured too

@@ -1,0 +1,189 @@
+"""The router against slow, lying, cut-off and broken workers: no request is resolved by another's reply, nothing
+waits for what cannot come, a crashed background task comes back, a degraded worker is taken out of the pool.
+
+In-process clusters (the real router, API, workers and transfer, as threads) so faults can be placed precisely."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster.launch import start_serving
+from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def serve(tiny_llama_path):
+    handles = []
+
+    def start(**sections):
+        handle = start_serving(tiny_cluster_config(tiny_llama_path, **sections), in_process=True)
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        try:
+            wait_all_kv_free(handle.base_url)
+            assert not handle.router.streams
+        finally:
+            handle.stop()
+
+
+def _worker(handle, name: str):
+    return next(r.actor.worker for r in handle.workers if r.name == name)
+
+
+def _complete(handle, prompt="hello there", max_tokens=8, timeout=60, **extra) -> httpx.Response:
+    body = {"model": handle.config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+    return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=timeout)
+
+
+def _wait(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def _delay_reservations(worker, delay_s: float) -> None:
+    """The worker answers its next reservation ``delay_s`` late (its loop stalls first, as a slow worker's would)."""
+    original = worker._reserve
+
+    def slow_reserve(*args, **kwargs):
+        worker._reserve = original
+        time.sleep(delay_s)
+        return original(*args, **kwargs)
+
+    worker._reserve = slow_reserve
+
+
+def test_a_late_reservation_reply_never_resolves_another_workers_reservation(serve):
+    handle = serve(pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}},
+                   router={"worker_timeout_s": 1.0, "decode_policy": "round_robin"})
+    expected = _complete(handle, prompt="the same prompt").json()["choices"][0]["text"]
+    # the next request tries decode-a first; it answers 1.5 s late, while the router waits on decode-b, which
+    # answers 2.5 s late: decode-a's late "ok" must not be taken for decode-b's
+    first, second = [w.name for w in handle.router._policies["decode"].order(handle.router.live("decode"))]
+    _delay_reservations(_worker(handle, first), 1.5)
+    _delay_reservations(_worker(handle, second), 2.5)
+    response = _complete(handle, prompt="the same prompt")
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+    # the reservation that came too late was undone on its worker
+    try:
+        _wait(lambda: all(w.stats.get("requests") == 0 and w.stats.get("awaiting_kv", 0) == 0
+                          for w in handle.router.members.workers.values()), 10)
+    except AssertionError:
+        raise AssertionError([w.stats for w in handle.router.members.workers.values()]) from None
+
+
+def test_a_reservation_whose_start_never_comes_is_freed_and_the_client_told(serve):
+    handle = serve(transfer={"deadline_s": 2, "lease_s": 20})
+    router = handle.router
+    original = router._send
+    router._send = lambda worker, message: None if message["type"] == "start" else original(worker, message)
+    started = time.monotonic()
+    response = _complete(handle, stream=True, timeout=30)
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    error = next(json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e))
+    assert error["code"] == "reservation_expired" and events[-1] == "[DONE]"
+    assert time.monotonic() - started < 2 + 3
+    router._send = original
+    status = wait_all_kv_free(handle.base_url)
+    assert next(w for w in status["workers"] if w["role"] == "decode")["reservations_expired"] == 1
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_prompt_no_kv_cache_can_hold_is_refused_at_once(serve, mode):
+    handle = serve(mode=mode, pools={"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8},
+                                     "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}})
+    _wait(lambda: all("total_blocks" in w.stats for w in handle.router.members.workers.values()), 5)
+    started = time.monotonic()
+    response = _complete(handle, prompt=" ".join(["word"] * 40), max_tokens=4)  # ~200 tokens > 8 blocks of 16
+    assert time.monotonic() - started < 2
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert "KV cache" in response.json()["error"]["message"]
+    assert _complete(handle).status_code == 200
+
+
+def test_a_decode_worker_that_refuses_a_request_ends_it_at_once(serve):
+    handle = serve(pools={"decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}})
+    router = handle.router
+    original = router._dispatch
+
+    def without_cache_size(message):  # the router does not know the cache size: the worker itself must refuse
+        if message.get("type") == "stats":
+            message.pop("total_blocks", None)
+        return original(message)
+
+    router._dispatch = without_cache_size
+    try:
+        for worker in router.members.workers.values():
+            worker.stats.pop("total_blocks", None)
+        started = time.monotonic()
+        response = _complete(handle, prompt=" ".join(["word"] * 40), max_tokens=4)
+        assert time.monotonic() - started < 3  # not a queue until the request's timeout, then 429
+        assert response.status_code == 400, response.text
+        assert "KV cache" in response.json()["error"]["message"]
+    finally:
+        router._dispatch = original
+
+
+def test_a_worker_marked_dead_by_mistake_is_revived_when_heard_from(serve):
+    handle = serve()
+    handle.router.mark_dead_threadsafe("decode-0", "monitor timed out")  # a false alarm: the worker is fine
+    _wait(lambda: not handle.router.members.workers["decode-0"].alive, 2)
+    _wait(lambda: handle.router.members.workers["decode-0"].alive, 3)  # its next heartbeat brings it back
+    assert metric_value(handle.base_url, "pdserve_worker_revivals_total") == 1
+    assert _complete(handle).status_code == 200
+
+
+def test_a_crashed_background_task_is_restarted_and_counted(serve):
+    handle = serve()
+    router = handle.router
+    original = router._dispatch
+    crashed = threading.Event()
+
+    def crash_once(message):
+        if not crashed.is_set():
+            crashed.set()
+            raise RuntimeError("injected crash in the event loop")
+        return original(message)
+
+    router._dispatch = crash_once
+    _wait(crashed.is_set, 5)
+    response = _complete(handle)  # events are still received
+    assert response.status_code == 200
+    assert metric_value(handle.base_url, "pdserve_router_task_restarts_total", task="receive_events") == 1
+
+
+def test_a_worker_whose_loop_keeps_failing_is_degraded_and_gets_no_requests(serve):
+    handle = serve(mode="colocated")
+    broken = _worker(handle, "prefill-0")
+
+    def failing_tick():
+        raise RuntimeError("injected: the device is gone")
+
+    broken.tick = failing_tick
+    _wait(lambda: handle.router.members.workers["prefill-0"].stats.get("degraded"), 5)
+    health = httpx.get(f"{handle.base_url}/health", timeout=5)
+    assert health.status_code == 200  # the other worker still serves
+    body = health.json()
+    assert body["status"] == "degraded" and "device is gone" in body["unhealthy_workers"]["prefill-0"]
+    status = httpx.get(f"{handle.base_url}/status", timeout=5).json()
+    assert "device is gone" in next(w for w in status["workers"] if w["name"] == "prefill-0")["degraded"]
+    assert metric_value(handle.base_url, "pdserve_worker_degraded", worker="prefill-0") == 1
+    for _ in range(4):  # every request goes to the healthy worker
+        assert _complete(handle, max_tokens=3).status_code == 200
+    assert broken.engine.requests == {}
+    del broken.tick  # repaired: the class's tick again

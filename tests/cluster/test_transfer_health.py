@@ -1,0 +1,107 @@
+"""The KV plane's health, as the operator sees it: a prefill worker whose KV sender I/O thread died is degraded in
+/health, /status and /metrics and gets no new requests (the other prefill worker serves them), and KV-plane
+messages that fail authentication are counted per decode worker in /metrics.
+
+In-process clusters (the real router, API, workers and transfer, as threads) so the fault can be placed precisely."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import zmq
+
+from cluster.launch import start_serving
+from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+from transfer.auth import NO_SESSION, handshake_key, seal
+from transfer.wire import pack_header
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def serve(tiny_llama_path):
+    handles = []
+
+    def start(**sections):
+        handle = start_serving(tiny_cluster_config(tiny_llama_path, **sections), in_process=True)
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        try:
+            wait_all_kv_free(handle.base_url)
+            assert not handle.router.streams
+        finally:
+            handle.stop()
+
+
+def _worker(handle, name: str):
+    return next(r.actor.worker for r in handle.workers if r.name == name)
+
+
+def _complete(handle, prompt="hello there", max_tokens=6) -> httpx.Response:
+    body = {"model": handle.config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
+
+
+def _wait(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_requests(serve):
+    handle = serve(pools={"prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 96}},
+                   router={"prefill_policy": "round_robin"})
+    expected = _complete(handle).json()["choices"][0]["text"]
+    broken, healthy = _worker(handle, "prefill-1"), _worker(handle, "prefill-0")
+
+    def bug() -> None:
+        raise RuntimeError("injected: a bug in the KV sender's loop")
+
+    broken.sender._check_timeouts = bug  # the sender's I/O thread dies at its next turn
+    _wait(lambda: handle.router.members.workers["prefill-1"].stats.get("degraded"), 5)
+
+    health = httpx.get(f"{handle.base_url}/health", timeout=5)
+    assert health.status_code == 200  # the cluster still serves
+    body = health.json()
+    assert body["status"] == "degraded" and list(body["unhealthy_workers"]) == ["prefill-1"]
+    assert "kv-sender I/O thread died" in body["unhealthy_workers"]["prefill-1"]
+    status = httpx.get(f"{handle.base_url}/status", timeout=5).json()
+    assert "injected" in next(w for w in status["workers"] if w["name"] == "prefill-1")["degraded"]
+    assert not next(w for w in status["workers"] if w["name"] == "prefill-0")["degraded"]
+    assert metric_value(handle.base_url, "pdserve_worker_degraded", worker="prefill-1") == 1
+    assert metric_value(handle.base_url, "pdserve_worker_degraded", worker="prefill-0") == 0
+
+    served_before, broken_before = healthy.counters["transfers_ok"], broken.counters["transfers_ok"]
+    for _ in range(4):  # round robin would give every other request to prefill-1: they all go to prefill-0
+        response = _complete(handle)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+    assert healthy.counters["transfers_ok"] == served_before + 4
+    assert broken.counters["transfers_ok"] == broken_before and broken.engine.requests == {}
+
+
+def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serve):
+    handle = serve()
+    kv_address = handle.router.members.workers["decode-0"].kv_address
+    assert metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key="kv_rejected") == 0
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(kv_address)
+        stranger.send(b"\0" * 80)  # no valid MAC
+        hello = {"kind": "hello", "fp": [], "transport": "zmq", "nonce": b"n" * 16}
+        stranger.send(seal(handshake_key("a guessed secret"), NO_SESSION, 0, pack_header(hello)))
+        _wait(lambda: metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0",
+                                   key="kv_rejected") == 2, 5)
+    finally:
+        ctx.destroy(linger=0)
+    assert _complete(handle).status_code == 200  # the decode worker serves on

@@ -1,0 +1,100 @@
+"""Authentication of the KV plane: both sides prove they hold the cluster secret without sending it, and every
+header frame after that carries a MAC keyed per session.
+
+Why: the receiver writes what arrives into a decode worker's KV cache, so a stranger who can reach its port must not
+be able to open a session, and one who can watch the network must learn nothing that lets them open one later (the
+secret used to travel in the hello, in clear).
+
+Every header frame (both directions) is ``tag(32) | session(16) | seq(8, big-endian) | msgpack header``, with
+``tag = HMAC-SHA256(key, session | seq | header)``, checked with ``hmac.compare_digest`` before msgpack sees a byte:
+    hello    S->R  session = 0, key = handshake key;  header: fp, transport, nonce_s (16 fresh random bytes)
+    welcome  R->S  session = 0, key = handshake key;  header: session, nonce (nonce_s echoed), rnonce, ...
+    reject   R->S  session = 0, key = handshake key; a sender that cannot verify it (a different secret) drops
+                   the handshake as unauthenticated without reading it
+    others   both  session = the token from the welcome, key = the session key, seq strictly increasing
+The handshake key is HMAC(secret, label); the session key is HMAC(handshake key, nonce_s | rnonce | session), so
+only the two ends know it, and a replayed hello (refused anyway: the receiver remembers recent nonces) gets a
+welcome whose session key its sender cannot compute. The receiver's welcome MAC over the sender's fresh nonce proves
+the receiver knows the secret too. Payload frames are not MACed: their xxh3_64 sits in the authenticated header
+(integrity against accidents and against injected messages; not a MAC against someone who can rewrite a TCP stream).
+Without a secret (``TransferConfig.secret = None``, the standalone transfer layer) the key is derived from the empty
+string: same protocol, no protection. The cluster launcher always sets one.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections import OrderedDict
+
+from transfer.errors import AuthError
+
+TAG_BYTES = 32
+PREFIX = struct.Struct(">16sQ")  # session token, sequence number
+OVERHEAD = TAG_BYTES + PREFIX.size
+NO_SESSION = bytes(16)
+NONCE_BYTES = 16
+_LABEL = b"pdserve/v1/kv-handshake"
+
+
+def handshake_key(secret: str | None) -> bytes:
+    return hmac.digest((secret or "").encode(), _LABEL, hashlib.sha256)
+
+
+def session_key(handshake: bytes, nonce_s: bytes, rnonce: bytes, session: bytes) -> bytes:
+    return hmac.digest(handshake, b"session|" + nonce_s + rnonce + session, hashlib.sha256)
+
+
+def pair_group_key(key: bytes) -> str:
+    """Store prefix of a torch.distributed pair group: named by the session key, so only its two ends know it."""
+    return "kvpair/" + hmac.digest(key, b"pair-group", hashlib.sha256).hex()[:40]
+
+
+def pair_proof(key: bytes, rank: int) -> bytes:
+    """What rank `rank` of a pair group sends its peer first, to show it holds the session key."""
+    return hmac.digest(key, b"pair-proof|%d" % rank, hashlib.sha256)
+
+
+def _tag(key: bytes, prefix: bytes, body) -> bytes:
+    mac = hmac.new(key, prefix, hashlib.sha256)
+    mac.update(body)
+    return mac.digest()
+
+
+def seal(key: bytes, session: bytes, seq: int, body: bytes) -> bytes:
+    prefix = PREFIX.pack(session, seq)
+    return b"".join((_tag(key, prefix, body), prefix, body))
+
+
+def split(data) -> tuple[memoryview, bytes, int, memoryview]:
+    """(tag, session, seq, body) of a frame, without trusting any of it; too short is an AuthError."""
+    mv = memoryview(data)
+    if mv.nbytes < OVERHEAD:
+        raise AuthError(f"a {mv.nbytes}-byte frame has no MAC")
+    session, seq = PREFIX.unpack_from(mv, TAG_BYTES)
+    return mv[:TAG_BYTES], session, seq, mv[OVERHEAD:]
+
+
+def verify(key: bytes, data) -> bool:
+    """Constant-time check of a frame's tag under `key`."""
+    mv = memoryview(data)
+    if mv.nbytes < OVERHEAD:
+        return False
+    return hmac.compare_digest(mv[:TAG_BYTES], _tag(key, mv[TAG_BYTES:OVERHEAD], mv[OVERHEAD:]))
+
+
+class NonceCache:
+    """The hello nonces seen recently (bounded): a replayed hello is refused."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._size = size
+
+    def add(self, nonce: bytes) -> bool:
+        """False if `nonce` was seen already."""
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = None
+        while len(self._seen) > self._size:
+            self._seen.popitem(last=False)
+        return True

@@ -1,0 +1,137 @@
+"""The sender's per-receiver state (`Peer`) and its queue of messages waiting to leave (`Outbox`), byte-counted.
+
+Why: the I/O thread moves commands from the caller's bounded queue into per-peer outboxes, where they wait for the
+handshake, for ZeroMQ's high-water mark, or for a stalled receiver. A bounded queue of *commands* does not bound
+*bytes* once they sit in outboxes, so every outbox counts what it holds into one `Meter` per sender, and the I/O
+thread takes no command while the meter is at `TransferConfig.max_outbox_bytes`: the caller's queue fills and
+`send_layer` fails its transfer after `enqueue_timeout_s` (backpressure), and the memory held stays bounded by that
+limit plus one piece. Messages without payload (finish, abort, renew) count `HEADER_COST` each.
+Single-threaded (the sender's I/O thread); `Meter.nbytes` / `Meter.peak` may be read from any thread.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import zmq
+
+from transfer.errors import FrameTooLarge, TransferError
+from transfer.wire import PieceHeader
+
+HEADER_COST = 512  # what a message without payload counts against the bound (its header, roughly)
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One queued message: header fields (session added at send time) plus payload tensors."""
+
+    transfer_id: str
+    fields: dict[str, Any]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    piece: PieceHeader | None = None  # "kv" messages only
+
+    @property
+    def cost(self) -> int:
+        return self.nbytes + HEADER_COST
+
+
+class Meter:
+    """Bytes queued in all outboxes of one sender, and the most there ever were."""
+
+    __slots__ = ("nbytes", "peak")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.nbytes += n
+        self.peak = max(self.peak, self.nbytes)
+
+
+class Outbox:
+    """One peer's messages in send order, counted into the sender's meter."""
+
+    def __init__(self, meter: Meter) -> None:
+        self._q: deque[Outgoing] = deque()
+        self._meter = meter
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Outgoing]:
+        return iter(self._q)
+
+    def append(self, out: Outgoing) -> None:
+        self._q.append(out)
+        self._count(out.cost)
+
+    def peek(self) -> Outgoing:
+        return self._q[0]
+
+    def popleft(self) -> Outgoing:
+        out = self._q.popleft()
+        self._count(-out.cost)
+        return out
+
+    def discard(self, drop: Callable[[Outgoing], bool]) -> int:
+        """Remove every message for which drop(message) is true; returns how many."""
+        keep = deque(o for o in self._q if not drop(o))
+        gone = len(self._q) - len(keep)
+        if gone:
+            self._count(sum(o.cost for o in keep) - self.nbytes)
+            self._q = keep
+        return gone
+
+    def clear(self) -> None:
+        self._q.clear()
+        self._count(-self.nbytes)
+
+    def _count(self, n: int) -> None:
+        self.nbytes += n
+        self._meter.add(n)
+
+
+@dataclass(slots=True)
+class Peer:
+    address: str
+    sock: zmq.Socket
+    created: float
+    outbox: Outbox
+    state: str = "connecting"  # connecting -> hello_sent -> ready
+    session: bytes = b""
+    max_frame_bytes: int = 0
+    stuck_since: float | None = None
+    last_sent: float = 0.0  # the welcome, then our latest message: a peer idle too long is closed
+    link: Any = None  # nccl backend: the pair process group link
+    nonce: bytes = b""  # ours, in the hello; the welcome must echo it
+    key: bytes = b""  # the session key (transfer/auth.py), known once welcomed
+    seq_out: int = 0  # last sequence number we sealed
+    seq_in: int = 0  # last one we accepted from the receiver
+
+
+def discard_rest(sock: zmq.Socket, limit: int = 1 << 16) -> None:
+    """Drop the remaining frames of a multipart message we will not use (frame by frame, nothing kept)."""
+    for _ in range(limit):
+        if not sock.getsockopt(zmq.RCVMORE):
+            return
+        sock.recv(zmq.NOBLOCK, copy=False)
+
+
+class FrameTooLargeForPeer(Exception):
+    """Internal: a piece exceeds the receiver's announced frame bound; fails that transfer only."""
+
+    def __init__(self, error: TransferError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def check_peer_frame_bound(peer: Peer, piece: PieceHeader) -> None:
+    biggest = max(f.nbytes for f in piece.frames)
+    if peer.max_frame_bytes and biggest > peer.max_frame_bytes:
+        raise FrameTooLargeForPeer(FrameTooLarge(
+            f"{biggest}-byte frame > receiver {peer.address} max_frame_bytes={peer.max_frame_bytes}"))
