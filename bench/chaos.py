@@ -1,11 +1,19 @@
-"""``pdserve bench chaos``: a steady load while a decode worker and a prefill worker are killed by PID.
+"""``pdserve bench chaos``: a steady load while a decode worker and a prefill worker are killed.
+
+With Ray (the default) the workers are processes, killed with SIGKILL by PID, and Ray restarts them. With
+``--in-process`` they are threads of this process (``LocalPools``), and a kill is ``WorkerActor.kill()``: the
+worker stops dead, sends nothing more and closes its sockets, so the router sees exactly what it sees when a process
+dies (heartbeats stop) and nothing restarts it. ``--prefill-replicas`` / ``--decode-replicas`` size the pools: with
+spare replicas, a request that had no token yet when its worker died is re-dispatched to a survivor, and only
+streams that were mid-generation on the killed decode worker end with an explicit ``worker_died`` error event.
 
 The load behaves like a polite client: after a 429 or 503 it waits ``Retry-After`` before its next request.
 Every request must end in exactly one of two ways the client can see: a completed stream, or an explicit error
 (an HTTP error status with an OpenAI error body, or an error event in the stream followed by ``[DONE]``). A request
 with no answer, or a stream cut without an error event, is *lost*, and the run reports how many (must be 0). After
-the load, once Ray has restarted the killed workers and leases have run out, it reports the KV blocks and requests
-still held on any worker (must be 0) and the longest time any request outlived its deadline (must be 0).
+the load, once Ray has restarted the killed workers (or, in-process, on the survivors) and leases have run out, it
+reports the KV blocks and requests still held on any live worker (must be 0), the longest time any request outlived
+its deadline (must be 0), and how many answers were 503 (with a spare replica of each pool: must be 0).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import load_config
 
@@ -29,6 +38,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yam
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--model", default=None, help="override model.name")
+    parser.add_argument("--prefill-replicas", type=int, default=None, help="override pools.prefill.replicas")
+    parser.add_argument("--decode-replicas", type=int, default=None, help="override pools.decode.replicas")
+    parser.add_argument("--in-process", action="store_true",
+                        help="workers as threads of this process (no Ray); a kill stops one dead, nothing restarts it")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -53,14 +66,16 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, max_toke
     body = {"model": model, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (request {i})", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     started = time.monotonic()
-    outcome, reason, tokens = "lost", "no answer", 0
+    outcome, reason, tokens, status, message = "lost", "no answer", 0, None, ""
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            status = response.status_code
             if response.status_code != 200:
                 payload = json.loads(await response.aread())
                 retry_after = float(response.headers.get("retry-after", 0) or 0)
                 return {"outcome": "failed", "reason": f"http_{response.status_code}:{payload['error'].get('code')}",
-                        "elapsed_s": time.monotonic() - started, "tokens": 0, "retry_after_s": retry_after}
+                        "elapsed_s": time.monotonic() - started, "tokens": 0, "retry_after_s": retry_after,
+                        "status": response.status_code}
             saw_error, saw_finish = None, False
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -76,6 +91,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, max_toke
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     saw_error = chunk["error"].get("code") or "error"
+                    message = str(chunk["error"].get("message"))
                     continue
                 for choice in chunk.get("choices", []):
                     tokens += 1 if choice.get("text") else 0
@@ -84,18 +100,35 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, max_toke
                 reason = "stream cut without an error event"
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         outcome, reason = "lost", f"{type(exc).__name__}"
-    return {"outcome": outcome, "reason": reason, "elapsed_s": time.monotonic() - started, "tokens": tokens}
+    return {"outcome": outcome, "reason": reason, "elapsed_s": time.monotonic() - started, "tokens": tokens,
+            "status": status, "message": message}
 
 
-def _kill(handle, role: str, elapsed: float) -> dict:
-    info = next(w for w in handle.worker_infos() if w["role"] == role)
-    os.kill(info["pid"], signal.SIGKILL)  # a worker process this run started
-    return {"worker": info["name"], "pid": info["pid"], "at_s": round(elapsed, 2)}
+def _victim(handle, role: str) -> str:
+    """The live worker of ``role`` that holds the most requests right now (ties: the first)."""
+    live = sorted(handle.router.live(role), key=lambda w: -w.inflight)
+    return live[0].name if live else next(w.name for w in handle.workers if w.role == role)
 
 
-async def _load(handle, args, model: str) -> tuple[list[dict], list[dict]]:
+async def _kill(handle, role: str, elapsed: float, in_process: bool) -> dict:
+    name = _victim(handle, role)
+    record = next(w for w in handle.workers if w.name == name)
+    kill = {"worker": name, "at_s": round(elapsed, 2), "inflight": handle.router.members.get(name).inflight}
+    if in_process:
+        await asyncio.to_thread(record.actor.kill)  # joins the worker's threads: off the load's event loop
+    else:
+        kill["pid"] = record.info["pid"]
+        os.kill(record.info["pid"], signal.SIGKILL)  # a worker process this run started
+    killed = time.monotonic()
+    while time.monotonic() - killed < 30 and name in [w.name for w in handle.router.live(role)]:
+        await asyncio.sleep(0.05)
+    kill["detected_after_s"] = round(time.monotonic() - killed, 2)  # when the router stopped routing to it
+    return kill
+
+
+async def _load(handle, args, model: str, in_process: bool) -> tuple[list[dict], list[dict]]:
     results: list[dict] = []
-    kills: list[dict] = []
+    kills: list[asyncio.Task] = []  # each kill runs beside the load: the client that triggers it keeps sending
     started = time.monotonic()
     next_index = 0
     plan = sorted([(args.kill_decode_at, "decode"), (args.kill_prefill_at, "prefill")])
@@ -113,26 +146,37 @@ async def _load(handle, args, model: str) -> tuple[list[dict], list[dict]]:
                 await asyncio.sleep(result["retry_after_s"])
             while plan and len(results) >= plan[0][0] * args.num_requests:
                 _, role = plan.pop(0)
-                kills.append(_kill(handle, role, time.monotonic() - started))
+                kills.append(asyncio.create_task(_kill(handle, role, time.monotonic() - started, in_process)))
 
     async with httpx.AsyncClient(timeout=client_timeout, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
-    return results, kills
+    return results, [await kill for kill in kills]
 
 
-def _settle(handle, timeout_s: float) -> tuple[dict, float]:
-    """Wait for restarted workers to rejoin and every lease to end; returns the last status and the wait."""
+def _idle(worker: dict) -> bool:
+    return (worker.get("free_blocks") == worker.get("total_blocks") and worker.get("requests", 1) == 0
+            and worker.get("awaiting_kv", 0) == 0 and worker.get("leased_transfers", 0) == 0)
+
+
+def _settle(handle, timeout_s: float, expected_alive: int) -> tuple[dict, float]:
+    """Wait for restarted workers to rejoin (Ray) and every lease to end on the live ones; the last status, the wait."""
     started = time.monotonic()
     status: dict = {}
     while time.monotonic() - started < timeout_s:
         status = httpx.get(f"{handle.base_url}/status", timeout=5).json()
-        workers = status["workers"]
-        if all(w["alive"] for w in workers) and status["inflight"] == 0 and all(
-            w.get("free_blocks") == w.get("total_blocks") and w.get("requests", 1) == 0 for w in workers
-        ):
+        live = [w for w in status["workers"] if w["alive"]]
+        if len(live) >= expected_alive and status["inflight"] == 0 and all(_idle(w) for w in live):
             break
         time.sleep(0.5)
     return status, time.monotonic() - started
+
+
+def _metric(base_url: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=5).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -141,32 +185,52 @@ def run(args: argparse.Namespace) -> dict:
     config = load_config(args.config)
     if args.model:
         config.model.name = args.model
+    in_process = getattr(args, "in_process", False)
+    for pool, replicas in ((config.pools.prefill, getattr(args, "prefill_replicas", None)),
+                           (config.pools.decode, getattr(args, "decode_replicas", None))):
+        if replicas is not None:
+            pool.replicas = replicas
     config.router.port = 0
     config.router.request_timeout_s = args.request_timeout_s
-    handle = start_serving(config)
+    handle = start_serving(config, in_process=in_process)
     try:
         started = time.monotonic()
-        results, kills = asyncio.run(_load(handle, args, config.served_model_name))
+        results, kills = asyncio.run(_load(handle, args, config.served_model_name, in_process))
         load_s = time.monotonic() - started
-        status, settle_s = _settle(handle, args.settle_timeout_s)
+        expected_alive = handle.num_workers - (len(kills) if in_process else 0)
+        status, settle_s = _settle(handle, args.settle_timeout_s, expected_alive)
+        retried = _metric(handle.base_url, "pdserve_errors_total", reason="retried_after_worker_death")
         restarted = {w["name"]: w.get("pid") for w in handle.worker_infos()}
     finally:
         handle.stop()
     outcomes = Counter(r["outcome"] for r in results)
-    held_blocks = sum(max(0, w.get("total_blocks", 0) - w.get("free_blocks", 0)) for w in status.get("workers", []))
+    live = [w for w in status.get("workers", []) if w["alive"]]  # a dead worker's last heartbeat is stale
+    held_blocks = sum(max(0, w.get("total_blocks", 0) - w.get("free_blocks", 0)) for w in live)
+    if not in_process:
+        kills = [dict(k, new_pid=restarted.get(k["worker"])) for k in kills]
     return {
         "model": config.served_model_name,
+        "in_process": in_process,
+        "replicas": {"prefill": config.pools.prefill.replicas, "decode": config.pools.decode.replicas},
         "requests_sent": len(results),
         "completed": outcomes["completed"],
         "failed_with_explicit_error": outcomes["failed"],
         "failure_reasons": dict(Counter(r["reason"] for r in results if r["outcome"] == "failed")),
+        # which death ended each worker_died stream (the router names the worker in the message)
+        "worker_died_by": dict(Counter(k["worker"] for r in results if r["reason"] == "stream_error:worker_died"
+                                       for k in kills if f"({k['worker']})" in r.get("message", ""))),
         "lost": outcomes["lost"],
         "lost_reasons": dict(Counter(r["reason"] for r in results if r["outcome"] == "lost")),
+        "http_503": sum(1 for r in results if r["status"] == 503),
+        "http_status_counts": dict(Counter(str(r["status"] or "none") for r in results)),
+        "retried_after_worker_death": int(retried),
         "kv_blocks_held_after": held_blocks,
-        "requests_held_after": sum(w.get("requests", 0) for w in status.get("workers", [])) + status.get("inflight", 0),
-        "workers_alive_after": sum(1 for w in status.get("workers", []) if w["alive"]),
+        "requests_held_after": sum(w.get("requests", 0) + w.get("awaiting_kv", 0) + w.get("leased_transfers", 0)
+                                   for w in live) + status.get("inflight", 0),
+        "workers_alive_after": len(live),
         "max_over_deadline_s": round(max([0.0] + [r["elapsed_s"] - args.request_timeout_s for r in results]), 3),
-        "kills": [dict(k, new_pid=restarted.get(k["worker"])) for k in kills],
+        "max_elapsed_s": round(max([0.0] + [r["elapsed_s"] for r in results]), 2),
+        "kills": kills,
         "load_s": round(load_s, 1),
         "settle_s": round(settle_s, 1),
     }

@@ -84,14 +84,19 @@ def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_re
     for _ in range(4):  # round robin would give every other request to prefill-1: they all go to prefill-0
         response = _complete(handle)
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
-    assert healthy.counters["transfers_ok"] == served_before + 4
+    _wait(lambda: healthy.counters["transfers_ok"] == served_before + 4, 5)  # acks reach prefill as decode starts
     assert broken.counters["transfers_ok"] == broken_before and broken.engine.requests == {}
 
 
 def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serve):
     handle = serve()
     kv_address = handle.router.members.workers["decode-0"].kv_address
-    assert metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key="kv_rejected") == 0
+
+    def rejected() -> float | None:
+        return metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key="kv_rejected")
+
+    _wait(lambda: rejected() is not None, 5)  # the first heartbeat
+    assert rejected() == 0
     ctx = zmq.Context()
     try:
         stranger = ctx.socket(zmq.DEALER)
@@ -100,8 +105,7 @@ def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serv
         stranger.send(b"\0" * 80)  # no valid MAC
         hello = {"kind": "hello", "fp": [], "transport": "zmq", "nonce": b"n" * 16}
         stranger.send(seal(handshake_key("a guessed secret"), NO_SESSION, 0, pack_header(hello)))
-        _wait(lambda: metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0",
-                                   key="kv_rejected") == 2, 5)
+        _wait(lambda: rejected() == 2, 5)
     finally:
         ctx.destroy(linger=0)
     assert _complete(handle).status_code == 200  # the decode worker serves on
