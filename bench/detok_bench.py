@@ -1,9 +1,10 @@
-"""``pdserve bench detok``: the router's detokenizer cost per token as a stream grows, old method against new.
+"""``pdserve bench detok``: the detokenizer's cost per token as a stream grows, old method against new.
 
-The router turns every token event into text for the client. The old method (kept here as the baseline,
-``FullRedecodeBaseline``) re-decoded the whole output for every token, so a token's cost grew with its position and a
-stream's total was quadratic. The new one (``cluster.detokenizer.Detokenizer`` over ``engine.detokenizer``) decodes a
-window of a few tokens, so the cost per token is flat and the total linear.
+Every token becomes text for the client (in the workers' engines now; the router did it before, and only relays text
+since). The old method (kept here as the baseline, ``FullRedecodeBaseline``) re-decoded the whole output for every
+token, so a token's cost grew with its position and a stream's total was quadratic. The new one
+(``engine.detokenizer.IncrementalDetokenizer``) decodes a window of a few tokens, so the cost per token is flat and the
+total linear.
 
 Each length streams that many tokens one at a time (as the router sees them, ``final`` on the last) through both
 methods, with a stop string that never matches (the router searches for stop strings on every token when a request
@@ -90,9 +91,9 @@ def _stream(detokenizer: Any, ids: list[int]) -> tuple[float, str]:
 
 def measure(tokenizer: Any, lengths: list[int], repeats: int = 3) -> dict:
     """CPU microseconds per token for each method and length; raises if the two methods' texts ever differ."""
-    from cluster.detokenizer import Detokenizer
+    from engine.detokenizer import IncrementalDetokenizer
 
-    methods = {"full_redecode": FullRedecodeBaseline, "incremental": Detokenizer}
+    methods = {"full_redecode": FullRedecodeBaseline, "incremental": IncrementalDetokenizer}
     us: dict[str, dict[str, float]] = {name: {} for name in methods}
     for length in lengths:
         ids = stream_ids(tokenizer, length)

@@ -10,6 +10,9 @@ A client that disconnects cancels its request wherever it is: mid-stream (the re
 while waiting for the first token, or while a non-streaming answer is being collected (a watcher on the ASGI
 ``http.disconnect`` message). Either way the router's generator is closed and its cleanup aborts the request on
 every worker that holds it. Each response carries ``usage`` and ``timing`` (where the time went, seconds).
+
+The text comes detokenized from the workers (cluster/streams.py); this module only frames it: one SSE chunk per
+router event (everything that arrived since the last chunk was written), from per-request templates (``SSEChunks``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from json.encoder import encode_basestring  # what json.dumps(str, ensure_ascii=False) does, without the rest
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,7 +33,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from cluster.config import ClusterConfig
-from cluster.detokenizer import Detokenizer
 from cluster.openai_schema import (APIError, ChatRequest, CompletionRequest, check_token_ids, parse_body, parse_json,
                                    sampling_params)
 from cluster.errors import RequestFailed
@@ -149,7 +152,6 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
     async def respond(request: Request, body, prompt_ids: list[int], params, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        detok = Detokenizer(tokenizer, params.stop)
         events = router.generate(prompt_ids, params, rid)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -159,20 +161,18 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
                 await events.aclose()
                 return Response(status_code=499)
             return StreamingResponse(
-                _sse(rid, created, chat, prompt_ids, detok, events, first, include_usage),
+                _sse(SSEChunks(rid, created, chat, model_name, include_usage), len(prompt_ids), events, first),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
 
         async def collect() -> tuple[str, str | None, int]:
-            text, finish, completion_tokens = "", None, 0
-            async for event in events:
-                completion_tokens += len(event.token_ids)
-                text += detok.add(event.token_ids, final=event.finish_reason is not None)
-                if detok.stopped:
-                    return text, "stop", completion_tokens
+            parts, finish, completion_tokens = [], None, 0
+            async for event in events:  # the workers' text, as it is: they detokenized it and cut stop strings
+                completion_tokens += event.num_tokens
+                parts.append(event.text)
                 finish = event.finish_reason
-            return text, finish, completion_tokens
+            return "".join(parts), finish, completion_tokens
 
         try:
             text, finish, completion_tokens = await _unless_disconnected(request, collect())
@@ -198,45 +198,25 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
             "timing": router.last_timing.pop(rid, {}),
         }
 
-    async def _sse(rid, created, chat, prompt_ids, detok, events, first, include_usage) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta_text: str | None, finish: str | None, role: bool = False, extra: dict | None = None) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-            payload = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
-            if extra:
-                payload.update(extra)
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
+    async def _sse(chunks: SSEChunks, num_prompt_tokens: int, events, first) -> AsyncIterator[str]:
+        """One chunk per event: an event holds everything that arrived since the last one was written, so a client
+        that reads slowly (this generator waits on its socket) gets fewer, larger chunks."""
         completion_tokens = 0
         finish = None
         try:
-            if chat:
-                yield chunk(None, None, role=True)
+            if chunks.chat:
+                yield chunks.role()
             pending = [first] if first is not None else []
             async for event in _chain(pending, events):
-                completion_tokens += len(event.token_ids)
-                final = event.finish_reason is not None
-                delta = detok.add(event.token_ids, final=final)
-                if detok.stopped:
-                    finish = "stop"
-                elif final:
+                completion_tokens += event.num_tokens
+                if event.text:
+                    yield chunks.text(event.text)
+                if event.finish_reason is not None:
                     finish = event.finish_reason
-                if delta:
-                    yield chunk(delta, None)
-                if finish is not None:
                     break
-            yield chunk(None, _finish(finish), extra={"timing": router.last_timing.pop(rid, {})})
-            if include_usage:
-                usage_chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                               "usage": _usage(len(prompt_ids), completion_tokens)}
-                yield f"data: {json.dumps(usage_chunk)}\n\n"
+            yield chunks.finish(_finish(finish), router.last_timing.pop(chunks.rid, {}))
+            if chunks.include_usage:
+                yield chunks.usage(_usage(num_prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"
         except RequestFailed as exc:
             yield f"data: {json.dumps(_http_error(exc).body())}\n\n"
@@ -274,6 +254,48 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class SSEChunks:
+    """The SSE events of one response, as ``json.dumps(payload, ensure_ascii=False)`` of the OpenAI chunk would give
+    them, byte for byte. A text chunk is a prefix and a suffix made once per request around the JSON string of the
+    delta (``encode_basestring``): per chunk, no dict is built and no generic encoder runs."""
+
+    _MARK = "\x00pdserve-delta\x00"  # its JSON form, with its quotes, cannot occur elsewhere in the payload
+
+    def __init__(self, rid: str, created: int, chat: bool, model: str, include_usage: bool) -> None:
+        self.rid, self.chat, self.include_usage = rid, chat, include_usage
+        self._head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                      "model": model}
+        prefix, mark, suffix = self._event(self._choice(self._MARK, None)).partition(encode_basestring(self._MARK))
+        assert mark and encode_basestring(self._MARK) not in suffix
+        self._prefix, self._suffix = prefix, suffix
+
+    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def _event(self, choice: dict, extra: dict | None = None) -> str:
+        payload = {**self._head, "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        if extra:
+            payload.update(extra)
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def text(self, text: str) -> str:
+        return self._prefix + encode_basestring(text) + self._suffix
+
+    def role(self) -> str:
+        return self._event(self._choice(None, None, role=True))
+
+    def finish(self, reason: str, timing: dict) -> str:
+        return self._event(self._choice(None, reason), {"timing": timing})
+
+    def usage(self, usage: dict) -> str:
+        return f"data: {json.dumps({**self._head, 'choices': [], 'usage': usage})}\n\n"
 
 
 class _ClientGone(Exception):

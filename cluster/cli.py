@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None, help="Ray address ('auto' for a `ray up` cluster)")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--router-processes", type=int, default=None, metavar="N",
+                       help="router (frontend) processes serving the port (default: the config's router.processes, 1)")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require this key on /v1, /metrics and /status (default: $PDSERVE_API_KEY, else the "
                             "config's router.api_key)")
@@ -112,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     detok = bench.add_parser("detok", help="router detokenizer: microseconds per token vs stream length, old vs new")
     detok_bench.add_arguments(detok)
     detok.set_defaults(func=_bench("bench.detok_bench"))
+
+    from bench import frontend_bench  # light: the cluster runs in a subprocess, the load tester loads in run()
+
+    frontend = bench.add_parser("frontend", help="streamed tokens per router CPU-second: tiny-model cluster, 64 streams")
+    frontend_bench.add_arguments(frontend)
+    frontend.set_defaults(func=_bench("bench.frontend_bench"))
 
     demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
     demo.add_argument("--config", default=None, help="default: configs/local.yaml")

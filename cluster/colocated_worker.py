@@ -1,7 +1,8 @@
 """The colocated worker: one engine doing both phases, chunked prefill mixed into decode steps.
 
 It is the baseline disaggregation must beat, served through the same router, API and protocol: the router sends
-``generate``; every step's new tokens for all requests go back in one ``tokens`` message.
+``generate``; every step's new tokens and their text (detokenized here, by the engine) for all requests go back in
+one ``tokens`` message.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ColocatedWorker(WorkerRuntime):
                 request = self.engine.requests.get(output.request_id)
                 if request is not None:
                     timing = {f"prefill_{key}": value for key, value in finish_timing(request).items()}
-            items.append([output.request_id, output.new_token_ids, output.finish_reason and output.finish_reason.value, timing])
+            items.append([output.request_id, output.new_token_ids, output.text_delta,
+                          output.finish_reason and output.finish_reason.value, timing])
         if items:
             self.emit({"type": "tokens", "worker": self.name, "items": items})

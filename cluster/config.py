@@ -93,6 +93,8 @@ class RouterSection(_Strict):
     orphan_timeout_s: float = Field(default=10.0, gt=0)  # workers free every request after this long without the router
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     served_model_name: str | None = None  # the name /v1/models reports; default: model.name
+    # frontend processes serving the one port (SO_REUSEPORT), each connected to every worker; 1: in this process
+    processes: int = Field(default=1, ge=1, le=64)
     limits: LimitsSection = LimitsSection()
 
 

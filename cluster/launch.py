@@ -3,6 +3,8 @@
 ``start_serving(config)`` returns a ``ServeHandle`` once every worker has reported its addresses and the HTTP server
 is accepting connections; ``handle.stop()`` undoes all of it (server, workers, placement groups, and Ray itself when
 it was started here). ``in_process=True`` runs the workers as threads without Ray (development, fast tests).
+With ``router.processes`` > 1 the HTTP side is N router processes on one port (``cluster/frontend.py``) instead of
+a router and a server thread in this process; with 1 (the default) nothing else changes.
 Without a configured ``transfer.secret`` it makes a random cluster secret and hands it to every worker's constructor:
 the control plane and the KV handshake are authenticated with no configuration at all.
 """
@@ -18,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.config import ClusterConfig, check_network_exposure
+from cluster.frontend import RouterProcesses, reuseport_socket
 from cluster.pools import LocalPools, RayPools, WorkerRecord, pool_layout
 
 logger = logging.getLogger(__name__)
@@ -27,11 +30,17 @@ logger = logging.getLogger(__name__)
 class ServeHandle:
     config: ClusterConfig
     base_url: str
-    router: object
+    router: object  # the Router, or the RouterProcesses that stand for several
     pools: LocalPools | RayPools
     started_ray: bool
-    server: object
-    thread: threading.Thread
+    server: object | None  # uvicorn's server and its thread (None with several router processes)
+    thread: threading.Thread | None
+    frontends: RouterProcesses | None = None
+
+    @property
+    def router_pids(self) -> list[int]:
+        """The processes that route requests: this one, or each router process."""
+        return list(self.frontends.pids) if self.frontends is not None else [os.getpid()]
 
     @property
     def workers(self) -> list[WorkerRecord]:
@@ -53,8 +62,11 @@ class ServeHandle:
         should exit the process at once (Ray's exit handlers would hang the same way).
         """
         deadline = time.monotonic() + timeout_s
-        self.server.should_exit = True
-        self.thread.join(max(0.0, min(3.0, deadline - time.monotonic())))
+        if self.frontends is not None:
+            self.frontends.stop(max(0.0, min(3.0, deadline - time.monotonic())))
+        else:
+            self.server.should_exit = True
+            self.thread.join(max(0.0, min(3.0, deadline - time.monotonic())))
         clean = self.pools.responsive(timeout_s=1.5)
         if not clean:
             logger.warning("pdserve: Ray does not answer (its processes were stopped first); killing the workers")
@@ -134,27 +146,31 @@ def start_serving(config: ClusterConfig, address: str | None = None, host: str |
     from engine.model_loader import load_tokenizer, resolve_model_path
 
     model_path = str(resolve_model_path(config.model.name))  # converts the default model once, before the workers
-    tokenizer = load_tokenizer(model_path)
     max_model_len = config.model.max_model_len or int(
         getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
+    http_host = host or config.router.host
+    http_port = config.router.port if port is None else port
+    url_host = f"[{http_host}]" if ":" in http_host else http_host
+    # several router processes each load their own tokenizer
+    tokenizer = load_tokenizer(model_path) if config.router.processes == 1 else None
     started_ray = False if in_process else _ensure_ray(config, address)
     bind_host = _bind_host(config, in_process)
+    worker_host = bind_host if in_process else config.ray.worker_host
+    if config.router.processes > 1:
+        frontends, pools, http_port = _start_router_processes(config, model_path, max_model_len, bind_host, http_host,
+                                                              http_port, worker_host, in_process, started_ray)
+        return ServeHandle(config, f"http://{url_host}:{http_port}", frontends, pools, started_ray, None, None,
+                           frontends)
     router = Router(config, host=bind_host)
     try:
-        worker_host = bind_host if in_process else config.ray.worker_host
-        pools = (LocalPools if in_process else RayPools)(config, model_path, router.event_address, worker_host)
+        pools = (LocalPools if in_process else RayPools)(config, model_path, [router.event_address], worker_host)
     except BaseException:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
+        _shutdown_ray(started_ray)
         raise
     for record in pools.workers:
         router.add_worker(record.name, record.role, record.info["command_address"], record.info.get("kv_address"))
 
     app = create_app(router, tokenizer, config, max_model_len)
-    http_host = host or config.router.host
-    http_port = config.router.port if port is None else port
     sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((http_host, http_port))
@@ -169,5 +185,38 @@ def start_serving(config: ClusterConfig, address: str | None = None, host: str |
             raise RuntimeError("the HTTP server did not start")
         time.sleep(0.02)
     pools.start_monitor(router)
-    url_host = f"[{http_host}]" if ":" in http_host else http_host
     return ServeHandle(config, f"http://{url_host}:{http_port}", router, pools, started_ray, server, thread)
+
+
+def _start_router_processes(config: ClusterConfig, model_path: str, max_model_len: int, bind_host: str,
+                            http_host: str, http_port: int, worker_host: str, in_process: bool, started_ray: bool):
+    """N router processes on one port (cluster/frontend.py): the port is held by a probe socket of this process
+    until all of them listen; the workers get every router's event address."""
+    probe = reuseport_socket(http_host, http_port)
+    http_port = probe.getsockname()[1]
+    frontends = None
+    try:
+        frontends = RouterProcesses(config, model_path, max_model_len, bind_host, http_host, http_port)
+        pools = (LocalPools if in_process else RayPools)(config, model_path, frontends.event_addresses, worker_host)
+        try:
+            frontends.serve([(r.name, r.role, r.info["command_address"], r.info.get("kv_address"))
+                             for r in pools.workers])
+        except BaseException:
+            pools.stop()
+            raise
+    except BaseException:
+        if frontends is not None:
+            frontends.stop(timeout_s=3.0)
+        _shutdown_ray(started_ray)
+        raise
+    finally:
+        probe.close()  # it never listened: the router processes' sockets take every connection
+    pools.start_monitor(frontends)
+    return frontends, pools, http_port
+
+
+def _shutdown_ray(started_ray: bool) -> None:
+    if started_ray:
+        import ray
+
+        ray.shutdown()

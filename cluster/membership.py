@@ -40,8 +40,9 @@ class WorkerHandle:
 
 class Membership:
     def __init__(self, ctx: zmq.asyncio.Context, metrics: RouterMetrics, secret: str | None,
-                 on_dead: Callable[[str, str], None]) -> None:
+                 on_dead: Callable[[str, str], None], router_index: int = 0) -> None:
         self._ctx = ctx
+        self._router_index = router_index  # in every command: workers send a request's events to its own router
         self._metrics = metrics
         if not secret:
             raise ValueError("the router needs the cluster secret (transfer.secret; start_serving makes one)")
@@ -60,6 +61,10 @@ class Membership:
             old.socket.close(0)
         self.workers[name] = WorkerHandle(name, role, command_address, sock, kv_address)
         self._update_gauge()
+        if old is not None and old.alive and old.command_address != command_address:
+            # restarted before its death was noticed: what the old process held is gone with it
+            logger.warning("worker %s came back as a new process before its death was seen", name)
+            self._on_dead(name, "worker restarted")
 
     def get(self, name: str | None) -> WorkerHandle | None:
         return self.workers.get(name or "")
@@ -96,18 +101,26 @@ class Membership:
             signer = self._signers[worker.command_address] = Signer(self._secret, Channel.COMMANDS,
                                                                     worker.command_address)
         try:
-            worker.socket.send(signer.seal({**message, "sent_at": time.time()}), zmq.NOBLOCK)
+            worker.socket.send(signer.seal({**message, "router": self._router_index, "sent_at": time.time()}),
+                               zmq.NOBLOCK)
         except zmq.Again:
             self.mark_dead(worker.name, "command queue full")
 
-    def heard_from(self, name: str | None, kind: str = "", loop_age_s: float = 0.0) -> WorkerHandle | None:
-        """Note an authenticated event from a worker. A heartbeat from a worker marked dead revives it: it was slow
-        or cut off (a long stall, a full queue, a monitor timeout), not gone; what it held was failed or retried
-        when it was marked dead, and the router's aborts free those requests there."""
+    def heard_from(self, name: str | None, kind: str = "", loop_age_s: float = 0.0,
+                   address: str | None = None) -> WorkerHandle | None:
+        """Note an authenticated event from a worker; None when it comes from another incarnation of that worker.
+
+        ``address`` (heartbeats carry their worker's command address) tells incarnations apart: a heartbeat queued
+        by a process that has since died, or sent by its Ray-restarted successor before the pool re-registers it,
+        neither refreshes nor revives the registered entry. A heartbeat from the registered process when it was
+        marked dead revives it: it was slow or cut off (a long stall, a full queue, a monitor timeout), not gone;
+        what it held was failed or retried when it was marked dead, and the router's aborts free those requests."""
         worker = self.workers.get(name or "")
+        if worker is not None and address is not None and address != worker.command_address:
+            return None
         if worker is not None:
             worker.last_seen = time.monotonic()
-            if not worker.alive and kind == "stats" and loop_age_s <= STALL_TIMEOUT_S:
+            if not worker.alive and kind == "stats" and loop_age_s <= STALL_TIMEOUT_S and address is not None:
                 worker.alive = True
                 logger.warning("worker %s is heard from again; back in the pool", worker.name)
                 self._metrics.worker_revivals.inc()

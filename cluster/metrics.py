@@ -2,9 +2,17 @@
 
 Latency histograms come from the router's view of each request; per-worker gauges and transfer counters come from
 the workers' heartbeats, so ``/metrics`` answers "was the KV actually transferred?" and "how full is each pool?".
+
+Several router processes (``router.processes`` > 1) use prometheus_client's multiprocess mode: the launcher sets
+``PROMETHEUS_MULTIPROC_DIR`` to a fresh folder before it starts them, every process writes its values to files
+there, and ``/metrics`` on any of them renders all: counters and histograms summed, the router's own gauges (in
+flight, queued) summed over live processes, and the gauges copied from worker heartbeats (which every router
+process hears) as the most recent value, not multiplied by the number of processes.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -31,7 +39,9 @@ TOTAL_KEYS = (
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess: bool = False) -> None:
+        # only where the launcher set the folder up before prometheus_client was imported (cluster/frontend.py)
+        self.multiprocess = multiprocess and bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS)
@@ -44,8 +54,10 @@ class RouterMetrics:
             registry=r, buckets=(-1, -0.1, -0.01, 0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.errors = Counter("pdserve_errors", "Failed or aborted requests by reason", ["reason"], registry=r)
-        self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r)
-        self.inflight = Gauge("pdserve_router_inflight", "Requests in flight at the router", registry=r)
+        self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r,
+                                 multiprocess_mode="livesum")
+        self.inflight = Gauge("pdserve_router_inflight", "Requests in flight at the router", registry=r,
+                              multiprocess_mode="livesum")
         self.control_rejected = Counter(
             "pdserve_control_rejected", "Worker events dropped unread by the router: bad or missing MAC, replayed, "
             "multipart, malformed", ["reason"], registry=r)
@@ -55,14 +67,21 @@ class RouterMetrics:
                                      "restarted", ["task"], registry=r)
         self.worker_degraded = Gauge("pdserve_worker_degraded", "1 while a worker reports itself degraded (its loop or a "
                                      "transfer thread keeps failing); it gets no new requests", ["worker", "pool"],
-                                     registry=r)
+                                     registry=r, multiprocess_mode="mostrecent")
         self.worker_revivals = Counter("pdserve_worker_revivals", "Workers marked dead that were heard from again",
                                        registry=r)
-        self.workers_alive = Gauge("pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r)
-        self.worker_gauge = Gauge("pdserve_worker", "Per-worker load from heartbeats", ["worker", "pool", "key"], registry=r)
-        self.worker_total = Gauge("pdserve_worker_total", "Per-worker counters from heartbeats", ["worker", "pool", "key"], registry=r)
+        self.workers_alive = Gauge("pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r,
+                                   multiprocess_mode="mostrecent")
+        self.worker_gauge = Gauge("pdserve_worker", "Per-worker load from heartbeats", ["worker", "pool", "key"],
+                                  registry=r, multiprocess_mode="mostrecent")
+        self.worker_total = Gauge("pdserve_worker_total", "Per-worker counters from heartbeats",
+                                  ["worker", "pool", "key"], registry=r, multiprocess_mode="mostrecent")
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens generated", registry=r)
+        # workers detokenize and send text, so the router spends no time on it: kept at 0 for benchmarks to show it
+        # (``pdserve bench frontend`` reports its share of the router's CPU time)
+        self.detokenize_seconds = Counter("pdserve_router_detokenize_seconds", "CPU time the router process spent "
+                                          "detokenizing (0: the workers send text)", registry=r)
 
     def observe_worker(self, stats: dict) -> None:
         worker, pool = str(stats.get("worker")), str(stats.get("role"))
@@ -75,4 +94,14 @@ class RouterMetrics:
         self.worker_degraded.labels(worker, pool).set(1 if stats.get("degraded") else 0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()  # a fresh one per scrape, as prometheus_client's multiprocess docs do
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+    def local_value(self, name: str, **labels: str) -> float:
+        """One sample of this process alone (with several router processes, /metrics shows their sum)."""
+        return self.registry.get_sample_value(name, labels) or 0.0

@@ -4,7 +4,8 @@
 share, GPUs, extra resources, strategy), each replica an actor pinned to a bundle, named ``pdserve-<pool>-<i>`` and
 restarted by Ray up to ``ray.max_restarts`` times. A pool the cluster cannot place is a ``ConfigError`` naming the
 pool and what it asked for. A monitor thread notices dead actors at once (the router stops routing to them) and
-re-registers restarted ones, which come back with new addresses.
+re-registers restarted ones, which come back with new addresses. The "router" it tells is the in-process router, or,
+with several router processes, the group that forwards to each of them (cluster/frontend.py).
 
 ``LocalPools`` runs the same worker classes as threads of this process, with no Ray: for development and for fast
 tests of the data plane. Everything but placement and restarts behaves the same.
@@ -57,9 +58,10 @@ def engine_settings(config: ClusterConfig, pool: PoolSection, model_path: str) -
     }
 
 
-def actor_args(config: ClusterConfig, role: str, name: str, pool: PoolSection, model_path: str, router_address: str,
-               host: str) -> tuple:
-    options = {"name": name, "role": role, "router_address": router_address, "host": host,
+def actor_args(config: ClusterConfig, role: str, name: str, pool: PoolSection, model_path: str,
+               router_addresses: list[str], host: str) -> tuple:
+    """A worker's constructor arguments; ``router_addresses``: every router process's event socket, by index."""
+    options = {"name": name, "role": role, "router_address": list(router_addresses), "host": host,
                "secret": config.transfer.secret, "router_timeout_s": config.router.orphan_timeout_s}
     transfer = {"deadline_s": config.transfer.deadline_s, "lease_s": config.transfer.lease_s,
                 "wire_dtype": config.transfer.kv_wire_dtype, "secret": config.transfer.secret}
@@ -69,13 +71,13 @@ def actor_args(config: ClusterConfig, role: str, name: str, pool: PoolSection, m
 
 
 class LocalPools:
-    def __init__(self, config: ClusterConfig, model_path: str, router_address: str, host: str) -> None:
+    def __init__(self, config: ClusterConfig, model_path: str, router_addresses: list[str], host: str) -> None:
         self.workers: list[WorkerRecord] = []
         try:
             for pool_name, role, pool in pool_layout(config):
                 for index in range(pool.replicas):
                     name = f"{pool_name}-{index}"
-                    actor = WorkerActor(*actor_args(config, role, name, pool, model_path, router_address, host))
+                    actor = WorkerActor(*actor_args(config, role, name, pool, model_path, router_addresses, host))
                     self.workers.append(WorkerRecord(name, role, actor, actor.info()))
         except BaseException:
             self.stop()
@@ -96,7 +98,7 @@ class LocalPools:
 
 
 class RayPools:
-    def __init__(self, config: ClusterConfig, model_path: str, router_address: str, host: str) -> None:
+    def __init__(self, config: ClusterConfig, model_path: str, router_addresses: list[str], host: str) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -128,7 +130,7 @@ class RayPools:
                         num_gpus=pool.gpus_per_replica,
                         resources=pool.resources or None,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                    ).remote(*actor_args(config, role, name, pool, model_path, router_address, host))
+                    ).remote(*actor_args(config, role, name, pool, model_path, router_addresses, host))
                     self.workers.append(WorkerRecord(name, role, actor))
             infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=config.ray.start_timeout_s)
             for record, info in zip(self.workers, infos):

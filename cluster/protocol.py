@@ -8,10 +8,13 @@ Router -> worker (each worker's PULL socket):
     abort    {rid}                                      any: free whatever the request holds
 Worker -> router (the router's PULL socket):
     reserved    {rid, worker, ok, blocks, kv_address, reason}
-    first_token {rid, worker, token, timing}
-    tokens      {worker, items: [[rid, [token ids], finish_reason | None, timing | None], ...]}  one per step
+    first_token {rid, worker, token, text, timing}
+    tokens      {worker, items: [[rid, [token ids], text, finish_reason | None, timing | None], ...]}  one per step
     error       {rid, worker, message, code}
     stats       {worker, role, ...load and counters}    a heartbeat, several times a second
+Workers detokenize (``engine.detokenizer``, in the engine): ``text`` is what the tokens add to the request's output,
+ready to send to the client (held-back characters come later; a stop string is already cut, finish_reason "stop").
+The decode worker's texts continue the prefill worker's first-token text; the router only relays them.
 Sizes are bounded on unpack, map keys must be strings, and only plain types (ints, floats, strings, lists, maps)
 can appear, so a message cannot make the receiver run anything.
 

@@ -9,7 +9,8 @@ Disaggregated request (``generate``):
    finished requests wake it); a full queue is ``Overloaded`` (429), no live decode worker is ``NoWorkers`` (503).
 2. Dispatch the prompt to a prefill worker with the decode worker's KV address and reserved block ids.
 3. Prefill's ``first_token`` event is streamed to the client at once and forwarded to the decode worker (``start``);
-   decode's ``tokens`` events follow until a finish reason.
+   decode's ``tokens`` events follow until a finish reason. Workers send text (they detokenize, in the engine); the
+   router only relays it, through each stream's coalescing buffer (``cluster/streams.py``).
 4. Any exit that is not a normal finish (client gone, timeout, worker error) sends ``abort`` to every worker that
    holds state for the request. Every request ends with a finish or an explicit error.
 Colocated requests skip 1-3: one worker gets ``generate`` and streams every token.
@@ -19,15 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-
 import zmq
 import zmq.asyncio
 
+from cluster.admission import Admission
 from cluster.config import ClusterConfig
 from cluster.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.membership import Membership, WorkerHandle
@@ -35,6 +36,7 @@ from cluster.metrics import RouterMetrics
 from cluster.policies import make_policy
 from cluster.protocol import (MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier,
                               params_to_wire)
+from cluster.streams import Stream, TokenEvent
 from engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,32 +45,16 @@ MAX_RETRIES = 2  # re-dispatches of a request whose worker died before its first
 PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while free everything they hold
 
 
-@dataclass(slots=True)
-class TokenEvent:
-    token_ids: list[int]
-    finish_reason: str | None = None
-
-
-@dataclass(slots=True)
-class Stream:
-    rid: str  # the client-facing id
-    num_prompt_tokens: int
-    wire_rid: str = ""  # the id workers know; a new one per dispatch, so a retried request ignores stale events
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    prefill: str | None = None
-    decode: str | None = None
-    started_s: float = field(default_factory=time.monotonic)
-    first_token_s: float | None = None
-    num_output_tokens: int = 0
-    finished: bool = False
-    timing: dict = field(default_factory=dict)
-
-
 class Router:
-    def __init__(self, config: ClusterConfig, host: str = "127.0.0.1") -> None:
+    def __init__(self, config: ClusterConfig, host: str = "127.0.0.1", index: int = 0,
+                 admission: Admission | None = None) -> None:
+        """``index``: this router among ``config.router.processes`` router processes (cluster/frontend.py); every
+        command carries it, so workers send each request's events to the router that owns it. ``admission``: the
+        queue bound shared by those processes (default: this process's own)."""
         self.config = config
         self.host = host
-        self.metrics = RouterMetrics()
+        self.index = index
+        self.metrics = RouterMetrics(multiprocess=config.router.processes > 1)
         self.streams: dict[str, Stream] = {}
         # keyed by (wire rid, decode worker, attempt): a late reply can never resolve another worker's reservation,
         # nor a later attempt's on the same worker
@@ -91,10 +77,11 @@ class Router:
         self._event_verifier = Verifier(config.transfer.secret, Channel.EVENTS, self.event_address)
         self._capacity = asyncio.Event()
         self._queue_depth = 0
+        self._admission = admission or Admission(config.router.queue_size)
         self._tasks: list[asyncio.Task] = []
         self.block_size = config.transfer.block_size
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of)
+        self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of, index)
 
     # ---- membership (cluster/membership.py) --------------------------------------------------------------------
 
@@ -124,7 +111,7 @@ class Router:
         worker's only until their first token: from then on the decode worker holds the KV and needs it no more."""
         for stream in list(self.streams.values()):
             if not stream.finished and (name == stream.decode or name == stream.prefill and not stream.first_token_s):
-                stream.queue.put_nowait(RequestFailed(f"{reason} ({name})", "worker_died", 503))
+                stream.fail(RequestFailed(f"{reason} ({name})", "worker_died", 503))
 
     # ---- event loop --------------------------------------------------------------------------------------------
 
@@ -196,8 +183,10 @@ class Router:
     def _dispatch(self, message: dict) -> None:
         kind = message["type"]
         loop_age_s = message.get("loop_age_s", 0.0) if kind == "stats" else 0.0
+        address = message.get("address") if kind == "stats" else None
         worker = self.members.heard_from(message.get("worker"), kind,
-                                         loop_age_s if isinstance(loop_age_s, (int, float)) else 0.0)
+                                         loop_age_s if isinstance(loop_age_s, (int, float)) else 0.0,
+                                         address if isinstance(address, str) else None)
         if kind == "stats":
             if worker is not None:
                 worker.stats = message
@@ -215,19 +204,21 @@ class Router:
             stream = self.streams.get(message["rid"])
             if stream is None or message.get("worker") != stream.prefill:
                 return  # not (or no longer) this worker's request: a stale or lying event
+            token, text = message["token"], message["text"]
             stream.timing.update({f"prefill_{k}": v for k, v in (message.get("timing") or {}).items()})
             decode = self.members.get(stream.decode)
             if decode is not None:
-                self._send(decode, {"type": "start", "rid": stream.wire_rid, "first_token": message["token"]})
-            stream.queue.put_nowait(TokenEvent([message["token"]]))
+                self._send(decode, {"type": "start", "rid": stream.wire_rid, "first_token": token})
+            self._push(stream, 1, text, None)
         elif kind == "tokens":
-            for rid, token_ids, finish_reason, timing in message["items"]:
-                stream = self.streams.get(rid)
-                if stream is None or message.get("worker") != stream.decode:
+            name, streams = message.get("worker"), self.streams
+            for rid, token_ids, text, finish_reason, timing in message["items"]:
+                stream = streams.get(rid)
+                if stream is None or name != stream.decode:
                     continue
                 if timing:
                     stream.timing.update(timing)
-                stream.queue.put_nowait(TokenEvent(list(token_ids), finish_reason))
+                self._push(stream, len(token_ids), text, finish_reason)
         elif kind == "error":
             rid, name = message.get("rid") or "", message.get("worker")
             future = next((f for (r, w, _), f in self._reservations.items() if r == rid and w == name), None)
@@ -237,7 +228,12 @@ class Router:
             stream = self.streams.get(rid)
             if stream is not None and name in (stream.prefill, stream.decode):
                 status = 400 if message.get("code") == "invalid_request" else 500
-                stream.queue.put_nowait(RequestFailed(message["message"], message.get("code"), status))
+                stream.fail(RequestFailed(message["message"], message.get("code"), status))
+
+    def _push(self, stream: Stream, num_tokens: int, text: str, finish_reason: str | None) -> None:
+        first = stream.first_token_s is None
+        if stream.push(num_tokens, text, finish_reason) and first and stream.first_token_s is not None:
+            self.metrics.ttft.observe(stream.first_token_s - stream.started_s)
 
     def _wake(self) -> None:
         self._capacity.set()
@@ -251,7 +247,10 @@ class Router:
     async def generate(
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[TokenEvent]:
-        """Stream a request's tokens; raises RequestFailed (with its HTTP status) when it cannot be served."""
+        """Stream a request's text; raises RequestFailed (with its HTTP status) when it cannot be served.
+
+        Each event is everything that arrived since the caller last asked (``Stream.take``): a caller that is slow
+        to come back (its client reads slowly) gets one larger event, not a backlog of small ones."""
         rid = request_id or uuid.uuid4().hex
         stream = Stream(rid, len(prompt), wire_rid=rid)
         self.streams[rid] = stream
@@ -261,23 +260,23 @@ class Router:
         try:
             await self._dispatch_request(stream, prompt, params, deadline)
             while True:
-                remaining = deadline - time.monotonic()
-                try:
-                    event = await asyncio.wait_for(stream.queue.get(), timeout=max(remaining, 0.001))
-                except asyncio.TimeoutError:
-                    raise RequestFailed("request timed out", "timeout", 504) from None
-                if isinstance(event, RequestFailed):
-                    if event.code == "worker_died" and stream.num_output_tokens == 0 and attempt < MAX_RETRIES:
+                event = stream.take()
+                if event is None:
+                    error = stream.error
+                    if error is None:
+                        try:
+                            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                                await stream.ready.wait()
+                        except TimeoutError:
+                            raise RequestFailed("request timed out", "timeout", 504) from None
+                        continue
+                    if error.code == "worker_died" and stream.num_output_tokens == 0 and attempt < MAX_RETRIES:
                         attempt += 1  # nothing reached the client yet: dispatch again, transparently
                         self.metrics.errors.labels("retried_after_worker_death").inc()
                         self._redispatch(stream, f"{rid}.retry{attempt}")
                         await self._dispatch_request(stream, prompt, params, deadline)
                         continue
-                    raise event
-                if event.token_ids and stream.first_token_s is None:
-                    stream.first_token_s = time.monotonic()
-                    self.metrics.ttft.observe(stream.first_token_s - stream.started_s)
-                stream.num_output_tokens += len(event.token_ids)
+                    raise error
                 if event.finish_reason is not None:
                     stream.finished = True
                     self._record_finish(stream)
@@ -335,8 +334,7 @@ class Router:
         self.streams.pop(stream.wire_rid, None)
         stream.wire_rid = wire_rid
         self.streams[wire_rid] = stream
-        while not stream.queue.empty():
-            stream.queue.get_nowait()
+        stream.reset()
 
     def _release(self, stream: Stream) -> None:
         self.streams.pop(stream.wire_rid, None)
@@ -425,7 +423,7 @@ class Router:
                         raise RequestFailed(reply.get("message", "the decode worker refused the request"),
                                             "invalid_request", 400)
                 if not queued:
-                    if self._queue_depth >= self.config.router.queue_size:
+                    if not self._admission.enter():  # one limit across every router process
                         raise Overloaded("every decode worker's KV cache is reserved and the queue is full")
                     queued = True
                     self._queue_depth += 1
@@ -439,6 +437,7 @@ class Router:
                     pass
         finally:
             if queued:
+                self._admission.leave()
                 self._queue_depth -= 1
                 self.metrics.queue_depth.set(self._queue_depth)
 
@@ -463,5 +462,8 @@ class Router:
             "model": self.config.served_model_name,
             "inflight": len(self.streams),
             "queue_depth": self._queue_depth,
+            "router": {"index": self.index, "pid": os.getpid(), "processes": self.config.router.processes,
+                       "queue_depth_all": self._admission.total,
+                       "requests_finished": self.metrics.local_value("pdserve_requests_total", outcome="finished")},
             "workers": self.members.status(),
         }

@@ -21,6 +21,8 @@ def serve(args: argparse.Namespace) -> int:
         config.router.host = args.host
     if args.port is not None:
         config.router.port = args.port
+    if getattr(args, "router_processes", None) is not None:
+        config.router.processes = args.router_processes  # validated on assignment (1..64)
     if getattr(args, "api_key", None):  # from the environment: the key need not be written in the config file
         config.router.api_key = args.api_key
     stop = threading.Event()
@@ -38,6 +40,11 @@ def serve(args: argparse.Namespace) -> int:
         workers = ", ".join(f"{w['name']} (pid {w.get('pid')})" for w in handle.worker_infos())
         print(f"pdserve: serving {config.served_model_name} in {config.mode} mode at {handle.base_url}/v1", flush=True)
         print(f"pdserve: workers: {workers}", flush=True)
+        if handle.frontends is not None:
+            pids = ", ".join(f"pid {pid}" for pid in handle.router_pids)
+            print(f"pdserve: router processes: {len(handle.router_pids)} ({pids})", flush=True)
+        else:
+            print(f"pdserve: router: in this process (pid {os.getpid()})", flush=True)
         print("pdserve: Ctrl-C or SIGTERM to stop", flush=True)
         while not stop.wait(1.0):  # a bounded wait, so signals are handled promptly on every platform
             pass
@@ -61,6 +68,8 @@ def _force_exit(handle, reason: str) -> None:
     """Kill the workers this process started, then leave at once (exit status 0: the stop was asked for)."""
     print(f"pdserve: {reason}; exiting now", flush=True)
     try:
+        if handle.frontends is not None:
+            handle.frontends.kill()
         handle.pools.kill_local_workers()
     finally:
         os._exit(0)
@@ -82,6 +91,10 @@ def status(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print(f"mode: {data['mode']}   model: {data['model']}   in flight: {data['inflight']}   queued: {data['queue_depth']}")
+    router = data.get("router") or {}
+    if router.get("processes", 1) > 1:  # the numbers above are this process's; the queue bound is shared
+        print(f"router process {router['index']} of {router['processes']} (pid {router['pid']}); queued in all: "
+              f"{router.get('queue_depth_all', '?')}")
     header = f"{'worker':<14}{'role':<11}{'alive':<7}{'waiting':>8}{'running':>8}{'kv free':>12}{'transfers':>11}{'kv bytes':>12}"
     print(header)
     for w in data["workers"]:

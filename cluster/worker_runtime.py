@@ -10,6 +10,12 @@ methods only read ``snapshot()``.
 A command that fails answers with an ``error`` event for its request and the loop goes on; an engine step that
 raises fails every request the worker holds (each gets an error event, each frees its blocks) rather than leaving
 them hanging.
+
+Several routers (``router.processes`` > 1): the worker has one event socket per router (each sealed for that
+router's address) and sends its heartbeats to all of them. Every command carries the index of the router that sent
+it; the worker remembers which router owns each request and sends every event about a request only there (a
+``tokens`` message is split per router). A router that is silent for ``router_timeout_s`` loses its own requests
+only: the others keep theirs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 DEGRADED_AFTER_FAILURES = 3  # loop failures within DEGRADED_WINDOW_S that make a worker degraded
 DEGRADED_WINDOW_S = 30.0  # ... and a degraded worker with no failure for this long is healthy again
+OWNER_PRUNE_INTERVAL_S = 5.0  # how often the owners of requests no longer held are forgotten
+OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command about them
 
 
 @dataclass(slots=True)
@@ -37,13 +45,17 @@ class WorkerOptions:
     name: str
     role: str  # prefill | decode | colocated
     engine: EngineConfig
-    router_address: str  # the router's event socket
+    router_address: str | list[str]  # the router's event socket, or each router process's (index = router index)
     host: str = "127.0.0.1"  # where this worker binds its sockets
     stats_interval_s: float = 0.2
     send_timeout_ms: int = 2000
     hwm: int = 100_000
     secret: str | None = None  # the cluster secret (required): commands not sealed with it are dropped and counted
-    router_timeout_s: float = 10.0  # no word from the router this long: free everything (it restarted or died)
+    router_timeout_s: float = 10.0  # no word from a router this long: free its requests (it restarted or died)
+
+    @property
+    def router_addresses(self) -> list[str]:
+        return [self.router_address] if isinstance(self.router_address, str) else list(self.router_address)
 
 
 class WorkerRuntime:
@@ -61,17 +73,25 @@ class WorkerRuntime:
         port = self._commands.bind_to_random_port(f"tcp://{options.host}")
         self.command_address = f"tcp://{options.host}:{port}"
         self._verifier = Verifier(options.secret, Channel.COMMANDS, self.command_address)
-        self._signer = Signer(options.secret, Channel.EVENTS, options.router_address)  # for _events (loop thread)
         self._rejections = RejectionLog(self.name)
-        self._events = self._socket(zmq.PUSH)
-        self._events.connect(options.router_address)
+        self._routers = options.router_addresses
+        if not self._routers:
+            raise ValueError(f"worker {options.name}: no router address")
+        # one PUSH socket and signer per router (used by the loop thread only); index = the router's index
+        self._events: list[tuple[zmq.Socket, Signer]] = []
+        for address in self._routers:
+            sock = self._socket(zmq.PUSH)
+            sock.connect(address)
+            self._events.append((sock, Signer(options.secret, Channel.EVENTS, address)))
+        self._owners: dict[str, tuple[int, float]] = {}  # rid -> (owning router's index, when it last sent a command)
+        self._next_owner_prune_s = 0.0
         self._stop = threading.Event()
         self._dead = threading.Event()  # kill(): nothing leaves this worker any more
         self._thread: threading.Thread | None = None
         self._heartbeat: threading.Thread | None = None
         self._loop_seen = time.monotonic()
         self._snapshot: dict = {}
-        self._last_router_s = time.monotonic()
+        self._last_router_s = [time.monotonic()] * len(self._routers)  # per router: when it was last heard
         self.counters: dict[str, float] = {"errors": 0, "aborts": 0, "control_rejected": 0, "step_failures": 0}
         self._failures_s: list[float] = []  # when the loop last failed (within DEGRADED_WINDOW_S)
         self._loop_problem = ""  # why the loop made this worker degraded; "" while it is healthy
@@ -121,7 +141,8 @@ class WorkerRuntime:
 
     def close(self) -> None:
         self._commands.close(0)
-        self._events.close(0)
+        for sock, _ in self._events:
+            sock.close(0)
         self._ctx.term()
 
     def info(self) -> dict:
@@ -146,14 +167,40 @@ class WorkerRuntime:
                 self._note_failure(exc)
                 self.fail_all("worker step failed")
             now = time.monotonic()
-            if now - self._last_router_s > self.options.router_timeout_s:
-                self._last_router_s = now
-                if self.engine.requests:
-                    logger.warning("%s: no word from the router for %.0f s; freeing every request", self.name,
-                                   self.options.router_timeout_s)
-                    self.fail_all("router unreachable")
+            for index, last in enumerate(self._last_router_s):
+                if now - last > self.options.router_timeout_s:
+                    self._last_router_s[index] = now
+                    self._free_orphans(index)
+            if now >= self._next_owner_prune_s:
+                self._next_owner_prune_s = now + OWNER_PRUNE_INTERVAL_S
+                self._prune_owners(now)
             self._loop_seen = now
             self._snapshot = self.stats()  # a few len() calls: cheap enough to keep the heartbeat's view current
+
+    def _free_orphans(self, index: int) -> None:
+        """Router ``index`` has been silent for ``router_timeout_s`` (it died or restarted): free its requests."""
+        owned = [rid for rid in self.engine.requests if self.owner(rid) == index]
+        if not owned:
+            return
+        router = f"router {index}" if len(self._routers) > 1 else "the router"
+        logger.warning("%s: no word from %s for %.0f s; freeing its %d requests", self.name, router,
+                       self.options.router_timeout_s, len(owned))
+        for rid in owned:
+            self.abort(rid)
+            self.emit_error(rid, "router unreachable", "worker_error")
+
+    def owner(self, rid: str | None) -> int:
+        """The index of the router that sent this request's commands (0 when unknown: the only router, usually)."""
+        entry = self._owners.get(rid) if rid is not None else None
+        return 0 if entry is None else entry[0]
+
+    def _prune_owners(self, now: float) -> None:
+        """Forget the owners of requests this worker no longer holds. Kept ``OWNER_GRACE_S`` after the last command,
+        for the state a role keeps outside the engine for a while (a reservation whose KV failed, awaiting start)."""
+        requests = self.engine.requests
+        stale = [rid for rid, (_, seen) in self._owners.items() if rid not in requests and now - seen > OWNER_GRACE_S]
+        for rid in stale:
+            del self._owners[rid]
 
     def _note_failure(self, exc: Exception) -> None:
         """Count a loop failure; several close together make the worker degraded (the engine's own step already
@@ -181,18 +228,23 @@ class WorkerRuntime:
         return ""
 
     def _beat(self) -> None:
-        sock = self._socket(zmq.PUSH)
-        sock.connect(self.options.router_address)
-        signer = Signer(self.options.secret, Channel.EVENTS, self.options.router_address)  # this socket's own
+        """Every router hears every heartbeat (each router process keeps its own view of the pool)."""
+        sockets = []
         try:
+            for address in self._routers:
+                sock = self._socket(zmq.PUSH)
+                sock.connect(address)
+                sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))  # this socket's own
             while not self._stop.wait(self.options.stats_interval_s):
                 beat = {"type": "stats", **self._snapshot, "loop_age_s": round(time.monotonic() - self._loop_seen, 3)}
-                try:
-                    sock.send(signer.seal(beat), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the router is gone or slow; the next beat tries again
+                for sock, signer in sockets:
+                    try:
+                        sock.send(signer.seal(beat), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # that router is gone or slow; the next beat tries again
         finally:
-            sock.close(0)
+            for sock, _ in sockets:
+                sock.close(0)
 
     def _drain_commands(self, timeout_ms: int, limit: int = 256) -> None:
         if not self._commands.poll(timeout_ms):
@@ -212,10 +264,18 @@ class WorkerRuntime:
                 self.counters["control_rejected"] += 1
                 self._rejections.note(exc)
                 continue
-            self._last_router_s = time.monotonic()
+            now = time.monotonic()
+            router = message.get("router", 0)
+            if not isinstance(router, int) or not 0 <= router < len(self._routers):
+                self.counters["control_rejected"] += 1  # sealed with our secret, so a bug, not an attack
+                self._rejections.note(AuthError(Rejection.MALFORMED, f"router index {router!r}"))
+                continue
+            self._last_router_s[router] = now
             if message["type"] == "ping":
                 continue
             rid = message.get("rid")
+            if isinstance(rid, str) and len(self._routers) > 1:  # one router owns everything: nothing to remember
+                self._owners[rid] = (router, now)
             # how long the command sat in the socket while a step ran (same-host clocks; 0 if unknown)
             sent_at = message.get("sent_at")
             waited = max(0.0, time.time() - sent_at) if isinstance(sent_at, (int, float)) else 0.0
@@ -231,12 +291,27 @@ class WorkerRuntime:
                 self.emit_error(rid, str(exc), "invalid_request")
 
     def emit(self, message: dict) -> None:
+        """Send an event to the router that owns its request; a ``tokens`` message goes out split per router (every
+        item starts with its request id)."""
         if self._dead.is_set():
             return
+        if len(self._events) == 1:
+            self._send_event(0, message)
+        elif message.get("type") == "tokens":
+            by_router: dict[int, list] = {}
+            for item in message["items"]:
+                by_router.setdefault(self.owner(item[0]), []).append(item)
+            for index, items in by_router.items():
+                self._send_event(index, {**message, "items": items})
+        else:
+            self._send_event(self.owner(message.get("rid")), message)
+
+    def _send_event(self, index: int, message: dict) -> None:
+        sock, signer = self._events[index]
         try:
-            self._events.send(self._signer.seal(message))
+            sock.send(signer.seal(message))
         except zmq.Again:
-            logger.error("%s: router unreachable; dropped a %s event", self.name, message.get("type"))
+            logger.error("%s: router %d unreachable; dropped a %s event", self.name, index, message.get("type"))
 
     def emit_error(self, rid: str | None, message: str, code: str) -> None:
         self.emit({"type": "error", "rid": rid, "worker": self.name, "message": message, "code": code})
@@ -246,6 +321,7 @@ class WorkerRuntime:
         return {
             "worker": self.name,
             "role": self.role,
+            "address": self.command_address,  # which incarnation of the worker this is
             "waiting": len(engine.scheduler.waiting),
             "running": len(engine.scheduler.running),
             "requests": len(engine.requests),

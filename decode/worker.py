@@ -7,7 +7,8 @@ A request's path through this worker:
    the reserved blocks, checking each frame.
 3. ``start`` from the router brings the first token that prefill sampled. When both the token and the complete KV
    are here, the request joins the running batch between two steps (continuous batching).
-4. Each step sends the new tokens of every running request to the router in one message. A request that finishes
+4. Each step sends the new tokens of every running request, with their text (detokenized by the engine, continuing
+   from the first token's text that the prefill worker sent), to the router in one message. A request that finishes
    (length, EOS, stop) frees its blocks; an abort frees them whatever the state; a failed transfer fails the request
    (``failure_policy: fail``) or, with ``recompute``, prefills it here instead, counted either way.
 """
@@ -145,20 +146,17 @@ class DecodeWorker(WorkerRuntime):
             "kv_wait_after_first_token_s": max(0.0, remote.kv_done_s - remote.start_s),
             "admitted_s": time.monotonic(),
         }
-        # the first token was already streamed by the router: only a finish needs reporting here
+        # the first token and its text were already streamed by the router: only a finish needs reporting here
         self._send(self.engine.complete_remote(rid, remote.first_token), skip_first=True)
 
     def _recompute(self, rid: str, remote: RemoteRequest) -> None:
         """failure_policy=recompute: prefill here what the transfer failed to bring, first token included."""
         del self.remote[rid]
         self.counters["recomputes"] += 1
-        params = remote.params
-        if params.max_tokens <= 1:
-            self._send_finish(rid, "length")
-            return
-        params.max_tokens -= 1
-        self.engine.add_request(remote.prompt + [remote.first_token], params, rid)
         self.timing[rid] = {"recomputed": 1.0, "admitted_s": time.monotonic()}
+        # the first token counts towards max_tokens (and may finish the request) and its text is not sent again
+        self._send(self.engine.add_resumed_request(remote.prompt, remote.params, rid, remote.first_token),
+                   skip_first=True)
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
@@ -210,8 +208,9 @@ class DecodeWorker(WorkerRuntime):
             timing = None
             if output.finished or output.request_id in self.timing:
                 timing = self._timing(output.request_id, output.finished)
-            if tokens or output.finished:
-                items.append([output.request_id, tokens, output.finish_reason and output.finish_reason.value, timing])
+            if tokens or output.text_delta or output.finished:
+                items.append([output.request_id, tokens, output.text_delta,
+                              output.finish_reason and output.finish_reason.value, timing])
         if items:
             self.emit({"type": "tokens", "worker": self.name, "items": items})
 
@@ -228,9 +227,6 @@ class DecodeWorker(WorkerRuntime):
         elif not first:
             return None
         return {k: v for k, v in timing.items() if k != "admitted_s"}
-
-    def _send_finish(self, rid: str, reason: str) -> None:
-        self.emit({"type": "tokens", "worker": self.name, "items": [[rid, [], reason, self.timing.pop(rid, None)]]})
 
     def abort(self, rid: str) -> None:
         if self.remote.pop(rid, None) is not None:

@@ -6,6 +6,12 @@ Three ways in:
   the KV has been exported with ``read_kv_blocks`` and the caller ``release``\\ s it: the prefill worker's path.
 - ``reserve_remote`` + ``write_kv_blocks`` + ``complete_remote``: blocks reserved up front, KV written by the transfer
   layer, then the request joins the running batch with its first token: the decode worker's path.
+  (``add_resumed_request``: the same request when its KV never came, prefilled here with that first token.)
+
+Every output carries ``text_delta``, the text its tokens add, made here by the request's incremental detokenizer in
+time proportional to the new tokens, so workers stream text and the router only relays it. The first token's text is
+sent by the prefill worker; the decode side runs the same deterministic detokenizer over the same tokens, so it
+drops its own delta for that token and its later deltas continue exactly where the prefill worker's ended.
 
 Every request leaves through ``_finish``, which frees its blocks exactly once; ``abort`` works in every state.
 """
@@ -150,9 +156,22 @@ class LLMEngine:
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         request.num_computed_tokens = request.num_prompt_tokens
         self._register_full_blocks(request)
-        output = self._append_token(request, first_token_id)
+        output = self._append_token(request, first_token_id, text_sent=True)
         if not request.is_finished:
             self.scheduler.add_running(request)
+        return [output]
+
+    def add_resumed_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, first_token_id: int
+    ) -> list[RequestOutput]:
+        """A request whose first token was sampled (and its text sent) elsewhere, but whose KV must be computed here:
+        the decode worker's recompute after a failed transfer. The prompt and that token are prefilled together and
+        decoding goes on; the token counts towards ``max_tokens`` and finishes the request if it would have there."""
+        request = self._new_request(prompt, params, request_id, prefill_only=False)
+        self.requests[request.request_id] = request
+        output = self._append_token(request, first_token_id, text_sent=True)
+        if not request.is_finished:
+            self.scheduler.add(request)
         return [output]
 
     # ---- the step ----------------------------------------------------------------------------------------------
@@ -214,7 +233,12 @@ class LLMEngine:
                 request.num_hashed_blocks,
             )
 
-    def _append_token(self, request: Request, token_id: int) -> RequestOutput:
+    def _append_token(self, request: Request, token_id: int, text_sent: bool = False) -> RequestOutput:
+        """Add a sampled token, detokenize it (O(new tokens)) and finish the request if it is done.
+
+        ``text_sent``: the token's text was already sent by a prefill worker, which ran exactly this non-final
+        ``add`` on a fresh detokenizer; only what a finish adds beyond it is new.
+        """
         request.output_token_ids.append(token_id)
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
@@ -227,10 +251,20 @@ class LLMEngine:
             reason = FinishReason.PREFILLED
         elif (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in stop_ids:
             reason = FinishReason.STOP
-        elif params.stop and self._hit_stop_string(request):
-            reason = FinishReason.STOP
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
+        detokenizer = request.detokenizer
+        if detokenizer is None:
+            detokenizer = request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        # a prefill-only request's first token is not flushed: its delta is what decoding continues from
+        final = reason is not None and not request.prefill_only
+        if text_sent:
+            detokenizer.add((token_id,), final=False)
+            delta = detokenizer.add((), final=True) if final and not detokenizer.finished else ""
+        else:
+            delta = detokenizer.add((token_id,), final=final)
+        if detokenizer.stopped and not request.prefill_only:
+            reason = FinishReason.STOP  # a stop string, cut from the text (over LENGTH when both, as checked first)
         if reason is not None:
             self._finish(request, reason)
         return RequestOutput(
@@ -241,12 +275,8 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
             text=request.output_text,
+            text_delta=delta,
         )
-
-    def _hit_stop_string(self, request: Request) -> bool:
-        """Whether the new token completed a stop string; only the new text and the few characters before it are
-        decoded and searched (the text, cut at the stop string, becomes ``output_text`` in ``_finish``)."""
-        return self._detokenize(request, final=False).stopped
 
     def _detokenize(self, request: Request, final: bool) -> IncrementalDetokenizer:
         """Give the request's incremental detokenizer (made on first use) the tokens it has not seen yet."""

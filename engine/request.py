@@ -91,7 +91,7 @@ class Request:
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     finish_reason: FinishReason | None = None
     output_text: str = ""  # detokenized output, cut at a stop string
-    detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made on first use (stop strings, finish)
+    detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made with the first token
     stop_token_set: frozenset[int] | None = None  # params.stop_token_ids as a set, made on first use
     generator: torch.Generator | None = None  # per-request RNG for seeded sampling
     scheduled_s: float | None = None  # first admitted into the running batch (queue time = scheduled - arrival)
@@ -139,7 +139,12 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
-    text: str  # the whole output text so far
+    text: str  # the whole output text, set once the request has finished ("" before)
+    # the text safe to send now (engine.detokenizer's rules: half a UTF-8 character and the characters that could
+    # still start a stop string are held back; everything at the finish; cut at a stop string). Joined over every
+    # output of a request they make ``output_text``; a prefill-only request's is the first token's, as decoding would
+    # send it, and ``complete_remote`` continues from there
+    text_delta: str = ""
     error: str | None = None  # finish_reason ERROR: what went wrong, for the client
     error_code: str | None = None  # finish_reason ERROR: "sampling_error" (this request's logits) or "worker_error"
 

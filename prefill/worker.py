@@ -6,8 +6,8 @@ A request's path through this worker:
 2. The engine batches it with other prompts (ragged; chunked when longer than ``max_batch_tokens``). In every forward,
    the layer hook runs after each layer's KV lands in the cache and hands the transfer sender that layer's blocks
    that are now complete, so the bytes move while the remaining layers compute.
-3. The step that finishes the prompt samples the first token; it goes to the router at once (the TTFT point, not
-   waiting for the transfer), and the transfer is marked finished.
+3. The step that finishes the prompt samples the first token; it goes to the router at once with its text (the TTFT
+   point, not waiting for the transfer), and the transfer is marked finished.
 4. The blocks stay held (PREFILLED) until the decode worker acknowledges the KV, or the lease runs out, or either side
    aborts: the sender's ``poll`` reports each of those once, and that is where the blocks are released.
 """
@@ -123,6 +123,7 @@ class PrefillWorker(WorkerRuntime):
                     "rid": output.request_id,
                     "worker": self.name,
                     "token": output.new_token_ids[0],
+                    "text": output.text_delta,  # the first token's text; the decode worker continues from it
                     # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
                     "timing": {**finish_timing(request), "end_mono": request.first_token_s},
                 }

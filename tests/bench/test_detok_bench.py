@@ -1,4 +1,4 @@
-"""The detokenizer bench on the tiny model's tokenizer, and the router's detokenizer doing constant work per token."""
+"""The detokenizer bench on the tiny model's tokenizer, and the incremental detokenizer doing constant work per token."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from bench import detok_bench
 from cluster.cli import main
-from cluster.detokenizer import Detokenizer
+from engine.detokenizer import IncrementalDetokenizer
 from engine.tiny_model import build_byte_tokenizer
 from tests.engine.test_detokenizer import CountingTokenizer
 
@@ -23,7 +23,7 @@ def test_measure_shape_and_identical_text():
     # both methods give the text tokenizer.decode gives (measure raises otherwise); check it here too
     ids = detok_bench.stream_ids(tokenizer, 240)
     texts = [detok_bench._stream(cls(tokenizer, list(detok_bench.STOP)), ids)[1]
-             for cls in (detok_bench.FullRedecodeBaseline, Detokenizer)]
+             for cls in (detok_bench.FullRedecodeBaseline, IncrementalDetokenizer)]
     assert texts[0] == texts[1] == tokenizer.decode(ids, skip_special_tokens=True)
     assert any(ord(c) > 127 for c in texts[0])  # characters over several tokens were in the stream
 
@@ -35,10 +35,10 @@ def test_cli_prints_the_json(capsys):
     assert set(out["us_per_token"]) == {"full_redecode", "incremental"}
 
 
-def test_router_detokenizer_work_per_token_is_constant():
+def test_detokenizer_work_per_token_is_constant():
     tokenizer = CountingTokenizer(build_byte_tokenizer())
     ids = detok_bench.stream_ids(tokenizer, 800)
-    detokenizer = Detokenizer(tokenizer, ["\x00never"])
+    detokenizer = IncrementalDetokenizer(tokenizer, ["\x00never"])
     per_token, text = [], ""
     for i, token_id in enumerate(ids):
         before = sum(tokenizer.lengths)

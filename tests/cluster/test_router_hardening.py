@@ -139,6 +139,21 @@ def test_a_decode_worker_that_refuses_a_request_ends_it_at_once(serve):
         router._dispatch = original
 
 
+def test_a_heartbeat_from_another_incarnation_neither_refreshes_nor_revives(serve):
+    handle = serve()
+    router = handle.router
+    decode = _worker(handle, "decode-0")
+    decode.kill()  # dead for good: only a stale heartbeat (an old or a restarted process's) could revive it
+    _wait(lambda: not router.members.workers["decode-0"].alive, 5)
+    stale = {"type": "stats", "worker": "decode-0", "role": "decode", "address": "tcp://127.0.0.1:1",
+             "free_blocks": 160, "total_blocks": 160, "loop_age_s": 0.0}
+    router.loop.call_soon_threadsafe(router._dispatch, stale)
+    time.sleep(0.3)
+    assert not router.members.workers["decode-0"].alive
+    assert router.members.workers["decode-0"].stats.get("address") != "tcp://127.0.0.1:1"
+    router.members.workers.pop("decode-0")  # the test killed it: nothing to wait for at teardown
+
+
 def test_a_worker_marked_dead_by_mistake_is_revived_when_heard_from(serve):
     handle = serve()
     handle.router.mark_dead_threadsafe("decode-0", "monitor timed out")  # a false alarm: the worker is fine

@@ -1,0 +1,393 @@
+"""``pdserve bench frontend``: how many streamed tokens the router delivers per CPU-second it spends.
+
+The workers serve a tiny random-weight Llama (``engine.tiny_model``, built once under ``$PDSERVE_CACHE``), so they
+produce tokens faster than the router can stream them and the router's own cost is what the run measures. For each
+``--router-processes`` N the bench writes a config (disaggregated, one prefill and one decode worker, KV for every
+stream at full length), starts ``pdserve serve --config F --port 0`` as a subprocess (Ray pools: the workers are Ray
+worker processes, not part of the serve process), and with the load tester's own client (``bench.loadtest``:
+HTTP and a tokenizer, nothing of the server) runs:
+
+1. low load: ``--low-load-requests`` requests one at a time, 32 tokens in and 16 out, after 2 warm-ups:
+   ``ttft_p50_ms`` (a faster router must not make the first token slower);
+2. the load of issue 15: ``--num-prompts`` streams of ``--output-len`` tokens (``ignore_eos``), ``--max-concurrency``
+   at once, closed loop (the same as ``pdserve bench serve --max-concurrency 64 --num-prompts 128
+   --random-input-len 32 --random-output-len 1000 --ignore-eos``).
+
+Figures of the load (per configuration):
+
+- ``streamed_tokens``: output tokens of the completed streams (the server's ``usage``, as the load tester counts);
+- ``wall_s``: the load tester's measured duration;
+- ``router_cpu_s``: user + system CPU time over the load of the router's processes, from ``/proc/<pid>/stat``
+  (psutil where there is no ``/proc``; null when neither works). **The router's processes** are the serve process
+  and its descendants, except Ray's processes and everything below them: a process is Ray's when its command line
+  starts with ``ray::`` or runs a file inside a ``ray`` package folder (``.../ray/...``: raylet, GCS, dashboard,
+  log monitor), and the workers (whose PIDs ``pdserve serve`` prints) are excluded by PID as well. So today it is
+  the serve process alone (its HTTP server, router, and the Ray driver threads in it); with ``router.processes: N``
+  the frontend processes it starts are added. A process that started during the load counts from zero;
+- ``tokens_per_router_cpu_s`` and ``tokens_per_wall_s``;
+- ``detokenize_share``: the delta of the router's ``pdserve_router_detokenize_seconds_total`` (``/metrics``) over
+  ``router_cpu_s``; null when the router does not export that counter.
+
+N > 1 runs only when ``pdserve serve`` has a ``--router-processes`` option (read from its ``--help``); otherwise
+that configuration is reported with ``status: "unsupported"``. Everything is bounded: the start, each request, the
+whole load (``--load-timeout-s``) and the stop (SIGTERM; the process group this bench created is killed if the
+process has not exited after 15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DETOKENIZE_METRIC = "pdserve_router_detokenize_seconds_total"
+BLOCK_SIZE = 16  # transfer.block_size default
+STOP_TIMEOUT_S = 15.0
+_RAY_CMDLINE = re.compile(r"^ray::|[/\\]ray[/\\]")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--router-processes", default="1,2", help="comma-separated list of router process counts")
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=1000)
+    parser.add_argument("--low-load-requests", type=int, default=8, help="the TTFT run: requests, one at a time")
+    parser.add_argument("--model", default=None, help="model folder (default: the tiny Llama, built once in the cache)")
+    parser.add_argument("--start-timeout-s", type=float, default=180.0)
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--load-timeout-s", type=float, default=900.0, help="bound on the load's duration")
+    parser.add_argument("--quick", action="store_true", help="8 streams of 64 tokens, 4 low-load requests (tests)")
+    parser.add_argument("--json", action="store_true")
+
+
+# ---- the processes whose CPU is the router's ---------------------------------------------------------------------
+
+def _proc_table() -> dict[int, tuple[int, float, str]] | None:
+    """pid -> (parent pid, user + system CPU seconds, command line) for every process; None without /proc."""
+    if not os.path.exists("/proc/self/stat"):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ..., utime (14th), stime (15th)
+        if not cmdline:  # kernel threads and zombies: the name in parentheses
+            cmdline = stat[stat.find("(") + 1: stat.rfind(")")]
+        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmdline)
+    return table
+
+
+def _psutil_table() -> dict[int, tuple[int, float, str]] | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    table = {}
+    for p in psutil.process_iter(["ppid", "cpu_times", "cmdline", "name"]):
+        times = p.info["cpu_times"]
+        if times is None:
+            continue
+        cmdline = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
+        table[p.pid] = (p.info["ppid"] or 0, times.user + times.system, cmdline)
+    return table
+
+
+def is_ray_process(cmdline: str) -> bool:
+    return bool(_RAY_CMDLINE.search(cmdline)) or cmdline.split(" ", 1)[0].endswith(("raylet", "gcs_server"))
+
+
+def router_cpu(serve_pid: int, exclude: set[int]) -> dict[int, float] | None:
+    """CPU seconds so far of the router's processes (see the module docstring), by PID; None when unmeasurable."""
+    table = _proc_table() or _psutil_table()
+    if not table or serve_pid not in table:
+        return None
+    children = collections.defaultdict(list)
+    for pid, (ppid, _, _) in table.items():
+        children[ppid].append(pid)
+    found, todo = {}, [serve_pid]
+    while todo:
+        pid = todo.pop()
+        if pid in found or pid in exclude or (pid != serve_pid and is_ray_process(table[pid][2])):
+            continue
+        found[pid] = table[pid][1]
+        todo.extend(children[pid])
+    return found
+
+
+def cpu_delta(before: dict[int, float] | None, after: dict[int, float] | None) -> float | None:
+    if before is None or after is None:
+        return None
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+# ---- the serve subprocess ----------------------------------------------------------------------------------------
+
+def serve_supports_router_processes(timeout_s: float = 60.0) -> bool:
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=timeout_s)
+    return "--router-processes" in out.stdout
+
+
+@dataclass
+class ServeProcess:
+    """A ``pdserve serve`` this bench started: its URL, its workers' PIDs, and the last lines it printed."""
+
+    proc: subprocess.Popen
+    url: str | None = None
+    worker_pids: list[int] = field(default_factory=list)
+    lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def start(cls, config_path: Path, router_processes: int | None, timeout_s: float) -> "ServeProcess":
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config_path), "--port", "0"]
+        if router_processes is not None:
+            cmd += ["--router-processes", str(router_processes)]
+        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}  # a loopback server of our own
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # its own group: a last-resort kill reaches Ray's processes
+        serve = cls(proc)
+        threading.Thread(target=serve._read, name="frontend-bench-serve-output", daemon=True).start()
+        if not serve.ready.wait(timeout_s) or serve.url is None:
+            code = proc.poll()
+            serve.stop()
+            tail = "".join(serve.lines)[-3000:]
+            why = f"exited with status {code}" if code is not None else f"did not start within {timeout_s:.0f} s"
+            raise RuntimeError(f"pdserve serve {why}; its output:\n{tail}")
+        return serve
+
+    def _read(self) -> None:
+        """Drain the output for the whole run (a full pipe would block the server); parse the start-up lines."""
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.url is None and (match := re.search(r" at (http://\S+?)/v1\b", line)):
+                self.url = match.group(1)
+            if "workers:" in line:
+                self.worker_pids = [int(p) for p in re.findall(r"pid (\d+)", line)]
+            if "to stop" in line:
+                self.ready.set()
+        self.ready.set()  # exited before it was ready
+
+    def stop(self) -> dict:
+        """SIGTERM, wait; after ``STOP_TIMEOUT_S`` kill this bench's process group and the workers by PID."""
+        started = time.monotonic()
+        forced = False
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                forced = True
+                _kill_group(self.proc.pid)
+                self.proc.wait(timeout=10)
+        stop_s = time.monotonic() - started
+        time.sleep(0.5)
+        left = [pid for pid in self.worker_pids if _running(pid)]
+        for pid in left:  # workers the serve process reported; it should have stopped them
+            os.kill(pid, signal.SIGKILL)
+        _kill_group(self.proc.pid)  # Ray's processes, if any outlived the serve process in the group it led
+        return {"pid": self.proc.pid, "worker_pids": list(self.worker_pids), "exit_code": self.proc.returncode,
+                "stop_s": round(stop_s, 2), "forced": forced, "workers_left_running": len(left)}
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:  # no such group left: nothing to do
+        pass
+
+
+# ---- config, model, load ----------------------------------------------------------------------------------------
+
+def tiny_model_path() -> Path:
+    """The tiny random-weight Llama, built once under ``$PDSERVE_CACHE`` (a temp dir if that is not writable)."""
+    from engine.model_loader import cache_dir
+    from engine.tiny_model import build_tiny_model
+
+    for root in (cache_dir(), Path(tempfile.gettempdir()) / "pdserve-cache"):
+        path = root / "bench" / "tiny-llama-seed0"
+        if (path / "config.json").is_file():
+            return path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=path.parent))
+        except OSError:
+            continue
+        build_tiny_model(staging, arch="llama", seed=0)
+        try:
+            staging.rename(path)  # atomic: a concurrent run either sees the whole folder or builds its own
+        except OSError:  # another run renamed its copy first: use that one
+            if not (path / "config.json").is_file():
+                return staging
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        return path
+    raise RuntimeError("no writable cache folder for the tiny model")
+
+
+def cluster_config(model: str, args: argparse.Namespace) -> dict:
+    total = args.input_len + args.output_len
+    per_request = -(-(total + BLOCK_SIZE) // BLOCK_SIZE) + 1
+    seqs = max(64, args.max_concurrency)
+    pool = {"replicas": 1, "torch_threads": 1, "max_num_seqs": seqs}
+    return {
+        "model": {"name": model, "max_model_len": max(1100, total + 64)},
+        "mode": "disaggregated",
+        "pools": {"prefill": pool | {"kv_blocks": max(256, 2 * seqs * (-(-args.input_len // BLOCK_SIZE) + 2))},
+                  "decode": pool | {"kv_blocks": max(64 * 65, seqs * per_request) * 5 // 4}},
+        "router": {"request_timeout_s": args.request_timeout_s, "queue_size": max(256, args.num_prompts)},
+    }
+
+
+def run_load(base_url: str, model: str, n: int, concurrency: int, input_len: int, output_len: int,
+             args: argparse.Namespace, warmups: int = 0, before=None) -> dict:
+    """One phase with the load tester (closed loop, ``ignore_eos``); ``before()`` runs once the prompts are built."""
+    from bench.loadtest import cli as loadtest
+
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    with tempfile.TemporaryDirectory(prefix="frontend-bench-") as folder:
+        opts = parser.parse_args([
+            "--base-url", base_url, "--model", model, "--max-concurrency", str(concurrency), "--num-prompts", str(n),
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--ignore-eos",
+            "--num-warmups", str(warmups), "--request-timeout-s", str(args.request_timeout_s),
+            "--duration", str(args.load_timeout_s), "--result-dir", folder, "--disable-tqdm"])
+        plan = loadtest.prepare(opts, model)
+        marker = before() if before else None
+        runs, _, _ = loadtest.execute(plan, base_url, model, Path(folder))
+    return {"summary": runs[0], "before": marker}
+
+
+def scrape_counter(base_url: str, name: str) -> float | None:
+    """The sum over labels of counter sample ``name`` on ``/metrics``; None when absent or unreachable."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10.0, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+    return sum(values) if values else None
+
+
+# ---- one configuration, the whole run -------------------------------------------------------------------------------
+
+FIGURES = ("streamed_tokens", "expected_tokens", "failed_requests", "failures", "wall_s", "router_cpu_s",
+           "router_process_count", "tokens_per_router_cpu_s", "tokens_per_wall_s", "ttft_p50_ms", "detokenize_share",
+           "itl_ms_p50", "client_loop_lag_ms_p99", "serve_stop")
+
+
+def _empty(n: int, status: str, reason: str | None = None) -> dict:
+    return {"router_processes": n, "status": status, "reason": reason} | {k: None for k in FIGURES}
+
+
+def run_configuration(n: int, model: str, args: argparse.Namespace, flag_supported: bool, folder: Path) -> dict:
+    import yaml
+
+    if n > 1 and not flag_supported:
+        return _empty(n, "unsupported", "pdserve serve has no --router-processes option")
+    config_path = folder / f"frontend-{n}.yaml"
+    config_path.write_text(yaml.safe_dump(cluster_config(model, args)))
+    print(f"frontend bench: starting pdserve serve (router processes: {n})", file=sys.stderr)
+    serve = ServeProcess.start(config_path, n if flag_supported else None, args.start_timeout_s)
+    result = _empty(n, "ok")
+    try:
+        url, exclude = serve.url, set(serve.worker_pids)
+        low = run_load(url, model, args.low_load_requests, 1, 32, 16, args, warmups=2)["summary"]
+        result["ttft_p50_ms"] = _round(low["ttft_ms"]["p50"], 2)
+
+        def snapshot() -> tuple:
+            return router_cpu(serve.proc.pid, exclude), scrape_counter(url, DETOKENIZE_METRIC)
+
+        print(f"frontend bench: {args.num_prompts} streams x {args.output_len} tokens, {args.max_concurrency} at once",
+              file=sys.stderr)
+        phase = run_load(url, model, args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args,
+                         before=snapshot)
+        cpu_after, detok_after = snapshot()
+        (cpu_before, detok_before), load = phase["before"], phase["summary"]
+        cpu = cpu_delta(cpu_before, cpu_after)
+        tokens = load["total_output_tokens"]
+        result |= {
+            "streamed_tokens": tokens,
+            "expected_tokens": args.num_prompts * args.output_len,
+            "failed_requests": load["failed"],
+            "failures": load["failures"],
+            "wall_s": _round(load["duration_s"], 3),
+            "router_cpu_s": _round(cpu, 3),
+            "router_process_count": len(cpu_after) if cpu_after is not None else None,
+            "tokens_per_router_cpu_s": _round(tokens / cpu, 1) if cpu else None,
+            "tokens_per_wall_s": _round(tokens / load["duration_s"], 1) if load["duration_s"] else None,
+            "detokenize_share": (_round((detok_after - detok_before) / cpu, 4)
+                                 if cpu and detok_before is not None and detok_after is not None else None),
+            "itl_ms_p50": _round(load["itl_ms"]["p50"], 2),
+            "client_loop_lag_ms_p99": _round(load["client"]["loop_lag_ms_p99"], 1),
+        }
+    finally:
+        result["serve_stop"] = serve.stop()
+    return result
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.quick:
+        args.max_concurrency, args.num_prompts, args.output_len = 8, 8, 64
+        args.low_load_requests = min(args.low_load_requests, 4)
+    counts = [int(x) for x in str(args.router_processes).split(",") if x.strip()]
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError("--router-processes: a comma-separated list of counts >= 1, e.g. 1,2")
+    if min(args.max_concurrency, args.num_prompts, args.input_len, args.output_len, args.low_load_requests) < 1:
+        raise ValueError("--max-concurrency, --num-prompts, --input-len, --output-len and --low-load-requests "
+                         "must be at least 1")
+    model = str(Path(args.model).expanduser()) if args.model else str(tiny_model_path())
+    flag_supported = serve_supports_router_processes()
+    configurations = []
+    with tempfile.TemporaryDirectory(prefix="frontend-bench-config-") as folder:
+        for n in counts:
+            configurations.append(run_configuration(n, model, args, flag_supported, Path(folder)))
+    return {
+        "benchmark": {"model": model, "max_concurrency": args.max_concurrency, "num_prompts": args.num_prompts,
+                      "input_len": args.input_len, "output_len": args.output_len,
+                      "low_load": {"requests": args.low_load_requests, "concurrency": 1, "input_len": 32,
+                                   "output_len": 16},
+                      "cpu_count": os.cpu_count(), "serve_has_router_processes_option": flag_supported,
+                      "router_cpu_rule": "serve process + its non-Ray descendants (not the workers), user+system"},
+        "configurations": configurations,
+    }
+
+
+if __name__ == "__main__":
+    from bench.loadtest.cli import run_main
+
+    sys.exit(run_main("python -m bench.frontend_bench", "Router CPU per streamed token", add_arguments, run))

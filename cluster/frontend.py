@@ -1,0 +1,324 @@
+"""Several router (frontend) processes serving one HTTP port: ``router.processes: N`` > 1.
+
+Why: one router process relays every token of every stream, and its CPU caps the cluster long before a GPU decode
+pool does (issue 15). N processes, each a whole router (tokenizer, ``Router``, FastAPI app on uvicorn), share the
+port with ``SO_REUSEPORT``: the kernel spreads new connections over them. The main ``pdserve serve`` process keeps
+Ray, the pools and their monitor, and serves no HTTP itself.
+
+Start-up (``cluster/launch.py`` ``start_serving``):
+1. The main process binds a ``SO_REUSEPORT`` probe socket to ``router.host:port`` (port 0: a free one); it holds the
+   port until every router process listens on it, then closes (it never listens, so it takes no connection).
+2. It points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder and spawns the N router processes. Each loads the
+   tokenizer, builds its ``Router`` (which binds its event socket) and reports ``("router", event address, pid)``
+   on its pipe.
+3. The pools start with the list of those event addresses, so every worker has an event socket to every router;
+   each router's commands carry its index, and a worker sends a request's events only to the router that owns it.
+4. Each router process gets ``("workers", [...])``, registers them, binds its own ``SO_REUSEPORT`` socket on the port,
+   runs uvicorn and answers ``("ready",)``.
+Afterwards the pool monitor's news (a worker restarted by Ray, a worker dead) reaches every router process over its
+pipe, which each polls from an asyncio task. Admission (``router.queue_size``) is one shared limit
+(``cluster/admission.py``); ``/metrics`` on any process renders all of them (``cluster/metrics.py``).
+
+Shutdown: ``("stop",)`` on each pipe, then SIGKILL for what has not exited in time; all within the caller's budget.
+A router process whose main process is gone (its pipe closes, or its parent pid changes) stops by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from cluster.admission import Admission, release_slot
+from cluster.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+CONTROL_POLL_S = 0.1  # how often a router process looks at its pipe and at its parent
+ORPHAN_EXIT_S = 5.0  # a router process whose parent is gone exits this long after starting to stop, at the latest
+GRACEFUL_SHUTDOWN_S = 2  # uvicorn's wait for open streams when a router process stops
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port that other SO_REUSEPORT sockets of this user may bind too (not listening)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class RouterProcessSpec:
+    """What a router process needs to start (picklable: it crosses to a spawned process)."""
+
+    index: int
+    config: dict  # ClusterConfig.model_dump(), the cluster secret and command-line overrides included
+    model_path: str
+    max_model_len: int
+    event_host: str  # where the router binds its event socket (the workers connect to it)
+    http_host: str
+    http_port: int
+    parent_pid: int
+    start_timeout_s: float
+    log_level: int
+
+
+# ---- the router process ----------------------------------------------------------------------------------------
+
+
+def run_router_process(spec: RouterProcessSpec, conn, slots) -> None:
+    """The body of one router process (the target of a spawned ``multiprocessing.Process``)."""
+    logging.basicConfig(level=spec.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
+    code = 1
+    try:
+        _serve_router(spec, conn, slots)
+        code = 0
+    except BaseException:
+        logger.exception("router process %d failed", spec.index)
+    finally:
+        # everything is closed (the app's lifespan closed the router); skip the interpreter's teardown of torch and
+        # transformers, which takes seconds on a busy host and would eat the main process's shutdown budget
+        conn.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_router(spec: RouterProcessSpec, conn, slots) -> None:
+    import uvicorn
+
+    from cluster.api import create_app
+    from cluster.router import Router
+    from engine.model_loader import load_tokenizer
+
+    config = ClusterConfig.model_validate(spec.config)
+    tokenizer = load_tokenizer(spec.model_path)
+    admission = Admission(config.router.queue_size, slots, spec.index)
+    router = Router(config, host=spec.event_host, index=spec.index, admission=admission)
+    conn.send(("router", router.event_address, os.getpid()))
+    # the main process starts the pools meanwhile (placement, then every worker's start-up: each bounded there)
+    message = _receive(conn, 4 * spec.start_timeout_s, spec.parent_pid)
+    if message is None or message[0] != "workers":
+        return  # told to stop, or the main process is gone, before serving
+    for name, role, command_address, kv_address in message[1]:
+        router.add_worker(name, role, command_address, kv_address)
+    app = create_app(router, tokenizer, config, spec.max_model_len)
+    sock = reuseport_socket(spec.http_host, spec.http_port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                           lifespan="on"))
+    asyncio.run(_serve(server, sock, router, conn, spec.parent_pid))
+
+
+def _receive(conn, timeout_s: float, parent_pid: int):
+    """The next message from the main process; None when it is gone or says nothing within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and os.getppid() == parent_pid:
+        try:
+            if conn.poll(CONTROL_POLL_S):
+                return conn.recv()
+        except (EOFError, OSError):
+            return None
+    return None
+
+
+async def _serve(server, sock: socket.socket, router, conn, parent_pid: int) -> None:
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if serving.done():  # it could not start: the main process sees this process exit
+        await serving
+        return
+    conn.send(("ready",))
+    control = asyncio.create_task(_control(server, router, conn, parent_pid))
+    try:
+        await serving
+    finally:
+        control.cancel()
+
+
+async def _control(server, router, conn, parent_pid: int) -> None:
+    """Apply what the main process sends (pool news, stop); stop when it is gone."""
+    while not server.should_exit:
+        try:
+            gone = os.getppid() != parent_pid
+            while not gone and conn.poll():
+                message = conn.recv()
+                if message[0] == "add_worker":
+                    router.add_worker(*message[1:])
+                elif message[0] == "mark_dead":
+                    router.mark_dead(*message[1:])
+                elif message[0] == "stop":
+                    server.should_exit = True
+                    break
+        except (EOFError, OSError):
+            gone = True
+        except Exception:  # one odd message must not end the control task (the router would stop hearing news)
+            logger.exception("router %d: bad message from the main process", router.index)
+            gone = False
+        if gone:
+            logger.error("router %d: the main pdserve process is gone; stopping", router.index)
+            server.should_exit = True
+            timer = threading.Timer(ORPHAN_EXIT_S, os._exit, args=(1,))  # if the orderly stop hangs
+            timer.daemon = True
+            timer.start()
+            return
+        await asyncio.sleep(CONTROL_POLL_S)
+
+
+# ---- the main process's side -----------------------------------------------------------------------------------
+
+
+class RouterProcesses:
+    """The main process's handle on its router processes; stands in for the router where the pool monitor reports
+    (``add_worker_threadsafe``, ``mark_dead_threadsafe``)."""
+
+    def __init__(self, config: ClusterConfig, model_path: str, max_model_len: int, event_host: str, http_host: str,
+                 http_port: int) -> None:
+        self.count = config.router.processes
+        self._ctx = multiprocessing.get_context("spawn")
+        self._slots = self._ctx.Array("i", self.count)  # admission: one slot per router process (cluster/admission.py)
+        self._timeout_s = config.ray.start_timeout_s
+        self._lock = threading.Lock()  # pipes are written from the monitor thread and the main thread
+        self._stopping = threading.Event()
+        self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
+        self.pids: list[int] = []
+        self.event_addresses: list[str] = []
+        self._conns = []
+        self._procs = []
+        try:
+            self._spawn(config, model_path, max_model_len, event_host, http_host, http_port)
+            for index in range(self.count):
+                _, address, pid = self._expect(index, "router")
+                self.event_addresses.append(address)
+                self.pids.append(pid)
+        except BaseException:
+            self.stop(timeout_s=3.0)
+            raise
+
+    def _spawn(self, config: ClusterConfig, model_path: str, max_model_len: int, event_host: str, http_host: str,
+               http_port: int) -> None:
+        previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # read by prometheus_client as the child imports it
+        try:
+            for index in range(self.count):
+                spec = RouterProcessSpec(index, config.model_dump(), model_path, max_model_len, event_host, http_host,
+                                         http_port, os.getpid(), self._timeout_s, logging.getLogger().level)
+                ours, theirs = self._ctx.Pipe(duplex=True)
+                proc = self._ctx.Process(target=run_router_process, args=(spec, theirs, self._slots),
+                                         name=f"pdserve-router-{index}", daemon=True)
+                proc.start()
+                theirs.close()
+                self._conns.append(ours)
+                self._procs.append(proc)
+        finally:
+            if previous is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
+
+    def _expect(self, index: int, kind: str) -> tuple:
+        """The next message of router process ``index``, which must be ``kind``; RuntimeError if it exits or is
+        silent for the start timeout."""
+        conn, proc = self._conns[index], self._procs[index]
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if conn.poll(0.2):
+                    message = conn.recv()
+                    if message[0] == kind:
+                        return message
+                    raise RuntimeError(f"router process {index} sent {message[0]!r} instead of {kind!r}")
+            except (EOFError, OSError):
+                pass  # it died: reported below
+            if not proc.is_alive():
+                raise RuntimeError(f"router process {index} exited during start-up (exit code {proc.exitcode})")
+        raise RuntimeError(f"router process {index} did not start within {self._timeout_s:.0f} s")
+
+    def serve(self, workers: list[tuple[str, str, str, str | None]]) -> None:
+        """Give every router process the workers, and wait until each one accepts connections."""
+        for index in range(self.count):
+            self._send(index, ("workers", workers))
+        for index in range(self.count):
+            self._expect(index, "ready")
+        threading.Thread(target=self._watch, name="pdserve-router-watch", daemon=True).start()
+
+    def _send(self, index: int, message: tuple) -> bool:
+        with self._lock:
+            try:
+                self._conns[index].send(message)
+                return True
+            except (OSError, ValueError):  # that process is gone (its pipe is broken or closed)
+                return False
+
+    def _broadcast(self, message: tuple) -> None:
+        for index in range(self.count):
+            self._send(index, message)
+
+    # the pool monitor calls these from its thread, as it would an in-process router's
+    def add_worker_threadsafe(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
+        self._broadcast(("add_worker", name, role, command_address, kv_address))
+
+    def mark_dead_threadsafe(self, name: str, reason: str) -> None:
+        self._broadcast(("mark_dead", name, reason))
+
+    def _watch(self) -> None:
+        """A router process that dies is logged, and the queue places it held are given back; the others go on (its
+        listening socket left the port with it; the workers free its requests after ``orphan_timeout_s``)."""
+        from prometheus_client import multiprocess
+
+        reported: set[int] = set()
+        while not self._stopping.wait(1.0):
+            for index, proc in enumerate(self._procs):
+                if index in reported or proc.is_alive():
+                    continue
+                reported.add(index)
+                logger.error("router process %d (pid %s) exited (exit code %s); %d of %d still serve", index, proc.pid,
+                             proc.exitcode, sum(p.is_alive() for p in self._procs), self.count)
+                release_slot(self._slots, index)
+                multiprocess.mark_process_dead(proc.pid, self.metrics_dir)  # its in-flight gauges no longer count
+
+    def alive(self) -> list[int]:
+        return [proc.pid for proc in self._procs if proc.is_alive()]
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop every router process within ``timeout_s``: ask, then SIGKILL what is left. False if any was killed."""
+        deadline = time.monotonic() + timeout_s
+        self._stopping.set()
+        self._broadcast(("stop",))
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic() - 0.5))
+        clean = not self.alive()
+        self.kill()
+        for proc in self._procs:
+            proc.join(max(0.0, min(0.5, deadline - time.monotonic())))
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+        return clean
+
+    def kill(self) -> None:
+        """SIGKILL every router process still running (the last resort; also from a forced exit)."""
+        for proc in self._procs:
+            if proc.is_alive():
+                logger.warning("killing router process %s", proc.pid)
+                try:
+                    proc.kill()
+                except OSError:
+                    pass
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
