@@ -206,14 +206,20 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
         try:
             if chunks.chat:
                 yield chunks.role()
-            pending = [first] if first is not None else []
-            async for event in _chain(pending, events):
+            event = first
+            if event is not None:
                 completion_tokens += event.num_tokens
                 if event.text:
                     yield chunks.text(event.text)
-                if event.finish_reason is not None:
-                    finish = event.finish_reason
-                    break
+                finish = event.finish_reason
+            if finish is None and first is not None:
+                async for event in events:
+                    completion_tokens += event.num_tokens
+                    if event.text:
+                        yield chunks.text(event.text)
+                    if event.finish_reason is not None:
+                        finish = event.finish_reason
+                        break
             yield chunks.finish(_finish(finish), router.last_timing.pop(chunks.rid, {}))
             if chunks.include_usage:
                 yield chunks.usage(_usage(num_prompt_tokens, completion_tokens))
@@ -336,15 +342,6 @@ async def _first_event(events):
     except RequestFailed as exc:
         await events.aclose()
         raise _http_error(exc) from None
-
-
-async def _chain(first: list, rest):
-    for event in first:
-        yield event
-        if event.finish_reason is not None:
-            return
-    async for event in rest:
-        yield event
 
 
 def _http_error(exc: RequestFailed) -> APIError:

@@ -4,9 +4,8 @@ It lives in the HTTP server's event loop and talks to workers over ZeroMQ (``clu
 per worker for commands, one PULL socket for every worker's events. Tokens never pass through Ray.
 
 Disaggregated request (``generate``):
-1. Reserve: try decode workers in policy order (skipping those whose last heartbeat shows too few free blocks);
-   the first that reserves wins. If none can, the request waits in a bounded queue for capacity (heartbeats and
-   finished requests wake it); a full queue is ``Overloaded`` (429), no live decode worker is ``NoWorkers`` (503).
+1. Reserve decode KV (``cluster/reservations.py``): the first decode worker in policy order that has room reserves
+   blocks; otherwise the request waits in a bounded queue (429 when full, 503 with no live decode worker).
 2. Dispatch the prompt to a prefill worker with the decode worker's KV address and reserved block ids.
 3. Prefill's ``first_token`` event is streamed to the client at once and forwarded to the decode worker (``start``);
    decode's ``tokens`` events follow until a finish reason. Workers send text (they detokenize, in the engine); the
@@ -30,12 +29,13 @@ import zmq.asyncio
 
 from cluster.admission import Admission
 from cluster.config import ClusterConfig
-from cluster.errors import NoWorkers, Overloaded, RequestFailed
+from cluster.errors import NoWorkers, RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import make_policy
 from cluster.protocol import (MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier,
                               params_to_wire)
+from cluster.reservations import DecodeReservations
 from cluster.streams import Stream, TokenEvent
 from engine.request import SamplingParams
 
@@ -56,10 +56,6 @@ class Router:
         self.index = index
         self.metrics = RouterMetrics(multiprocess=config.router.processes > 1)
         self.streams: dict[str, Stream] = {}
-        # keyed by (wire rid, decode worker, attempt): a late reply can never resolve another worker's reservation,
-        # nor a later attempt's on the same worker
-        self._reservations: dict[tuple[str, str, int], asyncio.Future] = {}
-        self._attempts = 0
         self.last_timing: OrderedDict[str, dict] = OrderedDict()  # finished requests' timing, for the response
         self._policies = {
             "prefill": make_policy(config.router.prefill_policy),
@@ -75,13 +71,11 @@ class Router:
         self.event_address = f"tcp://{host}:{port}"
         # outlives a restart of _receive_events, so a replay is refused across it too
         self._event_verifier = Verifier(config.transfer.secret, Channel.EVENTS, self.event_address)
-        self._capacity = asyncio.Event()
-        self._queue_depth = 0
-        self._admission = admission or Admission(config.router.queue_size)
         self._tasks: list[asyncio.Task] = []
-        self.block_size = config.transfer.block_size
         self.loop: asyncio.AbstractEventLoop | None = None
         self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of, index)
+        self.reservations = DecodeReservations(config, self._policies["decode"], self.metrics,
+                                               admission or Admission(config.router.queue_size), self._send)
 
     # ---- membership (cluster/membership.py) --------------------------------------------------------------------
 
@@ -193,13 +187,7 @@ class Router:
                 self.metrics.observe_worker(message)
             self._wake()
         elif kind == "reserved":
-            attempt = message.get("attempt", -1)
-            future = self._reservations.get((message["rid"], message.get("worker"), attempt))
-            if future is not None and not future.done():
-                future.set_result(message)
-            elif message.get("ok") and worker is not None:
-                # a reply that came after we gave up: undo that attempt (a later one on the same worker stays)
-                self._send(worker, {"type": "unreserve", "rid": message["rid"], "attempt": attempt})
+            self.reservations.on_reserved(message, worker)
         elif kind == "first_token":
             stream = self.streams.get(message["rid"])
             if stream is None or message.get("worker") != stream.prefill:
@@ -221,9 +209,7 @@ class Router:
                 self._push(stream, len(token_ids), text, finish_reason)
         elif kind == "error":
             rid, name = message.get("rid") or "", message.get("worker")
-            future = next((f for (r, w, _), f in self._reservations.items() if r == rid and w == name), None)
-            if future is not None and not future.done():  # the decode worker could not even try to reserve
-                future.set_result({"ok": False, "reason": message.get("code"), "message": message["message"]})
+            if self.reservations.on_error(rid, name, message):  # the decode worker could not even try to reserve
                 return
             stream = self.streams.get(rid)
             if stream is not None and name in (stream.prefill, stream.decode):
@@ -236,8 +222,7 @@ class Router:
             self.metrics.ttft.observe(stream.first_token_s - stream.started_s)
 
     def _wake(self) -> None:
-        self._capacity.set()
-        self._capacity = asyncio.Event()
+        self.reservations.wake()
 
     def _send(self, worker: WorkerHandle, message: dict) -> None:
         self.members.send(worker, message)
@@ -256,6 +241,9 @@ class Router:
         self.streams[rid] = stream
         self.metrics.inflight.inc()
         deadline = stream.started_s + self.config.router.request_timeout_s
+        # one timer per request, not one per wait: the wait below runs once per token
+        timer = asyncio.get_running_loop().call_at(
+            deadline, stream.fail, RequestFailed("request timed out", "timeout", 504))
         attempt = 0
         try:
             await self._dispatch_request(stream, prompt, params, deadline)
@@ -264,11 +252,7 @@ class Router:
                 if event is None:
                     error = stream.error
                     if error is None:
-                        try:
-                            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                                await stream.ready.wait()
-                        except TimeoutError:
-                            raise RequestFailed("request timed out", "timeout", 504) from None
+                        await stream.ready.wait()
                         continue
                     if error.code == "worker_died" and stream.num_output_tokens == 0 and attempt < MAX_RETRIES:
                         attempt += 1  # nothing reached the client yet: dispatch again, transparently
@@ -293,6 +277,7 @@ class Router:
                 self.metrics.requests.labels("aborted").inc()
             raise
         finally:
+            timer.cancel()
             if not stream.finished:
                 self.abort(stream.wire_rid)
             self._release(stream)
@@ -355,7 +340,8 @@ class Router:
 
     async def _dispatch_request(self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float) -> None:
         wire_params = params_to_wire(params)
-        self._check_fits(len(prompt), wire_params)
+        role = "colocated" if self.config.mode == "colocated" else "decode"
+        self.reservations.check_fits(self.live(role), role, len(prompt), params.max_tokens)
         if self.config.mode == "colocated":
             worker = self._pick("colocated")
             stream.decode = worker.name
@@ -363,7 +349,10 @@ class Router:
             self._send(worker, {"type": "generate", "rid": stream.wire_rid, "prompt": prompt, "params": wire_params})
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             return
-        decode, reply = await self._reserve(stream, prompt, wire_params, deadline)
+        decode, reply = await self.reservations.reserve(lambda: self.live("decode"), stream.wire_rid, prompt,
+                                                        wire_params, deadline)
+        stream.decode = decode.name
+        decode.inflight += 1
         prefill = self._pick("prefill")
         stream.prefill = prefill.name
         prefill.inflight += 1
@@ -380,90 +369,20 @@ class Router:
         )
         stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
 
-    def _blocks_needed(self, num_prompt_tokens: int, wire_params: dict) -> int:
-        """KV blocks a decode worker reserves for a request: prompt, first token and the configured headroom."""
-        headroom = min(self.config.pools.decode.reserve_headroom_tokens, max(0, wire_params["max_tokens"] - 1))
-        return -(-(num_prompt_tokens + 1 + headroom) // self.block_size)
-
-    def _check_fits(self, num_prompt_tokens: int, wire_params: dict) -> None:
-        """A prompt that no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""
-        role = "colocated" if self.config.mode == "colocated" else "decode"
-        sizes = [int(w.stats["total_blocks"]) for w in self.live(role) if "total_blocks" in w.stats]
-        if not sizes:
-            return  # no heartbeat yet: the worker itself refuses what cannot fit
-        needed = self._blocks_needed(num_prompt_tokens, wire_params)
-        if needed > max(sizes):
-            raise RequestFailed(
-                f"the prompt needs {needed} KV blocks of {self.block_size} tokens; the largest {role} worker's KV "
-                f"cache holds {max(sizes)}", "context_length_exceeded", 400)
-
     def _pick(self, role: str) -> WorkerHandle:
         candidates = self._policies[role].order(self.live(role))
         if not candidates:
             raise NoWorkers(f"no live {role} worker")
         return candidates[0]
 
-    async def _reserve(self, stream: Stream, prompt: list[int], wire_params: dict, deadline: float):
-        needed = self._blocks_needed(len(prompt), wire_params)
-        queued = False
-        try:
-            while True:
-                live = self.live("decode")
-                if not live:
-                    raise NoWorkers("no live decode worker")
-                fits = [w for w in live if w.stats.get("free_blocks", needed) >= needed]
-                for worker in self._policies["decode"].order(fits)[:3]:
-                    reply = await self._try_reserve(worker, stream.wire_rid, prompt, wire_params)
-                    if reply is not None and reply.get("ok"):
-                        stream.decode = worker.name
-                        worker.inflight += 1
-                        return worker, reply
-                    if reply is not None and reply.get("reason") == "invalid_request":
-                        # refused for what the request is, not for lack of room: no other worker or wait helps
-                        raise RequestFailed(reply.get("message", "the decode worker refused the request"),
-                                            "invalid_request", 400)
-                if not queued:
-                    if not self._admission.enter():  # one limit across every router process
-                        raise Overloaded("every decode worker's KV cache is reserved and the queue is full")
-                    queued = True
-                    self._queue_depth += 1
-                    self.metrics.queue_depth.set(self._queue_depth)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise Overloaded("no decode KV became free before the request timed out")
-                try:
-                    await asyncio.wait_for(self._capacity.wait(), timeout=min(0.5, remaining))
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            if queued:
-                self._admission.leave()
-                self._queue_depth -= 1
-                self.metrics.queue_depth.set(self._queue_depth)
-
-    async def _try_reserve(self, worker: WorkerHandle, rid: str, prompt: list[int], wire_params: dict) -> dict | None:
-        future = asyncio.get_running_loop().create_future()
-        self._attempts += 1
-        key = (rid, worker.name, self._attempts)
-        self._reservations[key] = future
-        try:
-            self._send(worker, {"type": "reserve", "rid": rid, "prompt": prompt, "params": wire_params,
-                                "attempt": self._attempts})
-            return await asyncio.wait_for(future, timeout=self.config.router.worker_timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning("decode worker %s did not answer a reservation in time", worker.name)
-            return None
-        finally:
-            self._reservations.pop(key, None)
-
     def status(self) -> dict:
         return {
             "mode": self.config.mode,
             "model": self.config.served_model_name,
             "inflight": len(self.streams),
-            "queue_depth": self._queue_depth,
+            "queue_depth": self.reservations.queue_depth,
             "router": {"index": self.index, "pid": os.getpid(), "processes": self.config.router.processes,
-                       "queue_depth_all": self._admission.total,
+                       "queue_depth_all": self.reservations.queue_depth_all,
                        "requests_finished": self.metrics.local_value("pdserve_requests_total", outcome="finished")},
             "workers": self.members.status(),
         }

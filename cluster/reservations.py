@@ -1,0 +1,143 @@
+"""Decode KV reservations at the router: ask a decode worker to hold blocks for a prompt before prefill starts.
+
+A request needs ``blocks_needed`` blocks on one decode worker (prompt, first token, configured headroom). Decode
+workers are tried in policy order, skipping those whose last heartbeat shows too few free blocks; the first that
+reserves wins. When none can, the request waits in a bounded queue (``router.queue_size``, one limit across every
+router process: ``cluster/admission.py``) until a heartbeat or a finished request signals capacity; a full queue is
+``Overloaded`` (429), no live decode worker is ``NoWorkers`` (503). A prompt no worker's whole cache can hold, or one
+a decode worker refuses for what it is (``invalid_request``), ends at once with 400.
+
+Every ``reserve`` carries an attempt number, and replies are matched on (request, worker, attempt): a reply that
+comes after the router gave up can never resolve another worker's reservation nor a later attempt's on the same
+worker; an ``ok`` that came too late is undone on its worker with ``unreserve`` for that attempt only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from cluster.admission import Admission
+from cluster.config import ClusterConfig
+from cluster.errors import NoWorkers, Overloaded, RequestFailed
+from cluster.membership import WorkerHandle
+from cluster.metrics import RouterMetrics
+from cluster.policies import LeastLoaded, PowerOfTwo, RoundRobin
+
+logger = logging.getLogger(__name__)
+
+MAX_WORKERS_TRIED = 3  # decode workers asked per round before the request waits for capacity
+
+
+class DecodeReservations:
+    def __init__(self, config: ClusterConfig, policy: RoundRobin | LeastLoaded | PowerOfTwo, metrics: RouterMetrics, admission: Admission,
+                 send: Callable[[WorkerHandle, dict], None]) -> None:
+        self.config = config
+        self.block_size = config.transfer.block_size
+        self._policy = policy
+        self._metrics = metrics
+        self._admission = admission
+        self._send = send
+        self._pending: dict[tuple[str, str, int], asyncio.Future] = {}  # (wire rid, worker, attempt) -> reply
+        self._attempts = 0
+        self._capacity = asyncio.Event()
+        self.queue_depth = 0  # this router's requests waiting for decode KV
+
+    @property
+    def queue_depth_all(self) -> int:
+        """Requests waiting for decode KV in every router process."""
+        return self._admission.total
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks a decode worker reserves for a request: prompt, first token and the configured headroom."""
+        headroom = min(self.config.pools.decode.reserve_headroom_tokens, max(0, max_tokens - 1))
+        return -(-(num_prompt_tokens + 1 + headroom) // self.block_size)
+
+    def check_fits(self, workers: list[WorkerHandle], role: str, num_prompt_tokens: int, max_tokens: int) -> None:
+        """A prompt that no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""
+        sizes = [int(w.stats["total_blocks"]) for w in workers if "total_blocks" in w.stats]
+        if not sizes:
+            return  # no heartbeat yet: the worker itself refuses what cannot fit
+        needed = self.blocks_needed(num_prompt_tokens, max_tokens)
+        if needed > max(sizes):
+            raise RequestFailed(
+                f"the prompt needs {needed} KV blocks of {self.block_size} tokens; the largest {role} worker's KV "
+                f"cache holds {max(sizes)}", "context_length_exceeded", 400)
+
+    def wake(self) -> None:
+        """Capacity may have been freed (a heartbeat, a finished request): queued requests try again."""
+        self._capacity.set()
+        self._capacity = asyncio.Event()
+
+    async def reserve(self, live: Callable[[], list[WorkerHandle]], wire_rid: str, prompt: list[int],
+                      wire_params: dict, deadline: float) -> tuple[WorkerHandle, dict]:
+        """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise."""
+        needed = self.blocks_needed(len(prompt), wire_params["max_tokens"])
+        queued = False
+        try:
+            while True:
+                workers = live()
+                if not workers:
+                    raise NoWorkers("no live decode worker")
+                fits = [w for w in workers if w.stats.get("free_blocks", needed) >= needed]
+                for worker in self._policy.order(fits)[:MAX_WORKERS_TRIED]:
+                    reply = await self._try(worker, wire_rid, prompt, wire_params)
+                    if reply is not None and reply.get("ok"):
+                        return worker, reply
+                    if reply is not None and reply.get("reason") == "invalid_request":
+                        # refused for what the request is, not for lack of room: no other worker or wait helps
+                        raise RequestFailed(reply.get("message", "the decode worker refused the request"),
+                                            "invalid_request", 400)
+                if not queued:
+                    if not self._admission.enter():  # one limit across every router process
+                        raise Overloaded("every decode worker's KV cache is reserved and the queue is full")
+                    queued = True
+                    self.queue_depth += 1
+                    self._metrics.queue_depth.set(self.queue_depth)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Overloaded("no decode KV became free before the request timed out")
+                try:
+                    await asyncio.wait_for(self._capacity.wait(), timeout=min(0.5, remaining))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if queued:
+                self._admission.leave()
+                self.queue_depth -= 1
+                self._metrics.queue_depth.set(self.queue_depth)
+
+    async def _try(self, worker: WorkerHandle, rid: str, prompt: list[int], wire_params: dict) -> dict | None:
+        future = asyncio.get_running_loop().create_future()
+        self._attempts += 1
+        key = (rid, worker.name, self._attempts)
+        self._pending[key] = future
+        try:
+            self._send(worker, {"type": "reserve", "rid": rid, "prompt": prompt, "params": wire_params,
+                                "attempt": self._attempts})
+            return await asyncio.wait_for(future, timeout=self.config.router.worker_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("decode worker %s did not answer a reservation in time", worker.name)
+            return None
+        finally:
+            self._pending.pop(key, None)
+
+    def on_reserved(self, message: dict, worker: WorkerHandle | None) -> None:
+        """A decode worker's ``reserved`` reply."""
+        attempt = message.get("attempt", -1)
+        future = self._pending.get((message["rid"], message.get("worker"), attempt))
+        if future is not None and not future.done():
+            future.set_result(message)
+        elif message.get("ok") and worker is not None:
+            # a reply that came after we gave up: undo that attempt (a later one on the same worker stays)
+            self._send(worker, {"type": "unreserve", "rid": message["rid"], "attempt": attempt})
+
+    def on_error(self, rid: str, worker_name: str | None, message: dict) -> bool:
+        """An ``error`` event that answers a pending reservation (the worker could not even try); True if it did."""
+        future = next((f for (r, w, _), f in self._pending.items() if r == rid and w == worker_name), None)
+        if future is None or future.done():
+            return False
+        future.set_result({"ok": False, "reason": message.get("code"), "message": message["message"]})
+        return True
