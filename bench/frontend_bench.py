@@ -201,7 +201,7 @@ class ServeProcess:
                 self.proc.wait(timeout=10)
         stop_s = time.monotonic() - started
         time.sleep(0.5)
-        left = [pid for pid in self.worker_pids if _running(pid)]
+        left = [pid for pid in self.worker_pids if process_running(pid)]
         for pid in left:  # workers the serve process reported; it should have stopped them
             os.kill(pid, signal.SIGKILL)
         _kill_group(self.proc.pid)  # Ray's processes, if any outlived the serve process in the group it led
@@ -209,7 +209,8 @@ class ServeProcess:
                 "stop_s": round(stop_s, 2), "forced": forced, "workers_left_running": len(left)}
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed worker whose parent is gone may linger as one)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"

@@ -15,18 +15,13 @@ from pathlib import Path
 import pytest
 
 from bench import frontend_bench
+from bench.frontend_bench import process_running
 
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
@@ -53,7 +48,7 @@ def test_quick_bench_prints_sane_figures_and_stops_its_server(tiny_llama_path):
     stop = config["serve_stop"]  # SIGTERM stopped it cleanly, and it took its workers with it
     assert stop["exit_code"] == 0 and not stop["forced"] and stop["workers_left_running"] == 0
     assert len(stop["worker_pids"]) == 2
-    assert [pid for pid in [stop["pid"], *stop["worker_pids"]] if _running(pid)] == []
+    assert [pid for pid in [stop["pid"], *stop["worker_pids"]] if process_running(pid)] == []
 
 
 def test_router_cpu_counts_the_serve_process_and_its_non_ray_children(tmp_path):
@@ -93,7 +88,7 @@ def test_router_cpu_counts_the_serve_process_and_its_non_ray_children(tmp_path):
         assert not frontend_bench.is_ray_process("/venv/bin/python -m cluster.cli serve --config x.yaml")
     finally:
         for pid in child_pids:  # the processes this test started, by PID
-            if _running(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)
         parent.kill()
         parent.wait(timeout=10)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 from cluster.config import ClusterConfig, parse_config
 
@@ -60,3 +61,25 @@ def metric_value(base_url: str, name: str, api_key: str | None = None, **labels:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return None
+
+
+@pytest.fixture
+def serve(tiny_llama_path):
+    """``serve(**sections)``: an in-process cluster on the tiny model (the real router, API, workers and transfer, as
+    threads); at teardown every block must be free, no request held, and no stream left at the router."""
+    from cluster.launch import start_serving
+
+    handles = []
+
+    def start(**sections):
+        handle = start_serving(tiny_cluster_config(tiny_llama_path, **sections), in_process=True)
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        try:
+            wait_all_kv_free(handle.base_url, api_key=handle.config.router.api_key)
+            assert not handle.router.streams
+        finally:
+            handle.stop()

@@ -13,9 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from cluster.launch import start_serving
 from cluster.protocol import SEAL_OVERHEAD, Channel, Signer
-from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+from tests.cluster.conftest import metric_value, tiny_cluster_config
 
 pytestmark = pytest.mark.timeout(240)
 PROMPT, MAX_TOKENS = "the quick brown fox", 40
@@ -39,21 +38,14 @@ def sent(monkeypatch):
 
 
 @pytest.fixture
-def serve(tiny_llama_path):
-    handles = []
+def serve(serve):
+    """The cluster fixture, with a 30 s request timeout unless a test says otherwise."""
 
     def start(**sections):
         sections.setdefault("router", {"port": 0, "request_timeout_s": 30})
-        handle = start_serving(tiny_cluster_config(tiny_llama_path, **sections), in_process=True)
-        handles.append(handle)
-        return handle
+        return serve(**sections)
 
-    yield start
-    for handle in handles:
-        try:
-            wait_all_kv_free(handle.base_url)
-        finally:
-            handle.stop()
+    return start
 
 
 @pytest.fixture

@@ -28,21 +28,6 @@ def _complete(handle, prompt="hello there", max_tokens=8, **extra) -> httpx.Resp
     return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
 
 
-@pytest.fixture
-def serve(tiny_llama_path):
-    handles = []
-
-    def start(**sections):
-        handle = start_serving(tiny_cluster_config(tiny_llama_path, **sections), in_process=True)
-        handles.append(handle)
-        return handle
-
-    yield start
-    for handle in handles:
-        try:
-            wait_all_kv_free(handle.base_url, api_key=handle.config.router.api_key)
-        finally:
-            handle.stop()
 
 
 def _drop_layer(prefill, layer: int) -> None:

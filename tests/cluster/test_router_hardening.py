@@ -12,28 +12,11 @@ import time
 import httpx
 import pytest
 
-from cluster.launch import start_serving
-from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+from tests.cluster.conftest import metric_value, wait_all_kv_free
 
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture
-def serve(tiny_llama_path):
-    handles = []
-
-    def start(**sections):
-        handle = start_serving(tiny_cluster_config(tiny_llama_path, **sections), in_process=True)
-        handles.append(handle)
-        return handle
-
-    yield start
-    for handle in handles:
-        try:
-            wait_all_kv_free(handle.base_url)
-            assert not handle.router.streams
-        finally:
-            handle.stop()
 
 
 def _worker(handle, name: str):

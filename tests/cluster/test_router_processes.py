@@ -28,6 +28,7 @@ import pytest
 import yaml
 import zmq
 
+from bench.frontend_bench import process_running
 from cluster.protocol import Channel, Signer, Verifier
 from cluster.worker_runtime import WorkerOptions
 from engine.config import EngineConfig
@@ -185,12 +186,6 @@ def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
 # ---- served: pdserve serve --router-processes 2 ----------------------------------------------------------------
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _sse_text(body: str) -> tuple[str, dict | None]:
@@ -252,7 +247,7 @@ def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
             if "to stop" in line or (not line and proc.poll() is not None):
                 break
         assert url and len(worker_pids) == 2 and len(router_pids) == 2, "".join(seen)
-        assert all(_running(p) for p in worker_pids + router_pids)
+        assert all(process_running(p) for p in worker_pids + router_pids)
         model = str(tiny_llama_path)
         reference = Reference(tiny_llama_path)
 
@@ -325,13 +320,13 @@ def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
         assert proc.wait(timeout=15) == 0
         assert time.monotonic() - started < 10.0
         time.sleep(0.5)
-        assert [p for p in worker_pids + router_pids if _running(p)] == []
+        assert [p for p in worker_pids + router_pids if process_running(p)] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         for pid in worker_pids + router_pids:
-            if _running(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # Ray's processes left in the group this test created
@@ -374,7 +369,7 @@ def test_router_processes_hear_the_monitor_and_exit_when_the_main_process_dies(t
             if started:
                 port, pids = int(started[0][1]), [int(p) for p in started[0][2:]]
             time.sleep(0.05)
-        assert len(pids) == 2 and all(_running(p) for p in pids), "".join(lines)
+        assert len(pids) == 2 and all(process_running(p) for p in pids), "".join(lines)
         # both processes registered the worker and marked it dead, each when told (not by a missed heartbeat)
         deadline = time.monotonic() + 10  # the news reaches each process within its next poll of the pipe
         while not all([w["name"] for w in s["workers"]] == ["decode-7"]
@@ -388,13 +383,13 @@ def test_router_processes_hear_the_monitor_and_exit_when_the_main_process_dies(t
         proc.kill()  # no chance to stop anything
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        while any(process_running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert [p for p in pids if _running(p)] == []
+        assert [p for p in pids if process_running(p)] == []
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
         for pid in pids:
-            if _running(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -17,16 +17,11 @@ import time
 import pytest
 import yaml
 
+from bench.frontend_bench import process_running
+
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
-def _running(pid: int) -> bool:
-    """A process that exists and is not a zombie (a killed worker whose parent is gone may linger as one)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("how", ["sigint", "sigterm", "sigterm_group"])
@@ -53,7 +48,7 @@ def test_serve_exits_within_10s_and_leaves_no_worker(how, tiny_llama_path, tmp_p
                 pids = [int(p) for p in re.findall(r"pid (\d+)", line)]
             if "to stop" in line or (not line and proc.poll() is not None):
                 break
-        assert len(pids) == 2 and all(_running(p) for p in pids), "".join(seen)
+        assert len(pids) == 2 and all(process_running(p) for p in pids), "".join(seen)
         started = time.monotonic()
         if how == "sigint":
             proc.send_signal(signal.SIGINT)
@@ -64,13 +59,13 @@ def test_serve_exits_within_10s_and_leaves_no_worker(how, tiny_llama_path, tmp_p
         assert proc.wait(timeout=15) == 0
         assert time.monotonic() - started < 10.0
         time.sleep(0.5)
-        assert [p for p in pids if _running(p)] == []
+        assert [p for p in pids if process_running(p)] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         for pid in pids:  # worker processes this test started, by their PIDs
-            if _running(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # Ray's processes left in the group this test created
