@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from bench import detok_bench  # light: the tokenizer is loaded in run()
 
-    detok = bench.add_parser("detok", help="router detokenizer: microseconds per token vs stream length, old vs new")
+    detok = bench.add_parser("detok", help="incremental detokenizer: microseconds per token vs stream length, against full re-decoding")
     detok_bench.add_arguments(detok)
     detok.set_defaults(func=_bench("bench.detok_bench"))
 
