@@ -33,7 +33,8 @@ class WorkerHandle:
     socket: zmq.asyncio.Socket
     kv_address: str | None = None
     stats: dict = field(default_factory=dict)
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # any event from it
+    stats_seen: float | None = None  # its last heartbeat (what ``stats`` says is that old)
     alive: bool = True
     inflight: int = 0
 
@@ -140,6 +141,7 @@ class Membership:
                 "alive": w.alive,
                 "inflight": w.inflight,
                 "last_seen_s": round(now - w.last_seen, 3),
+                "stats_age_s": None if w.stats_seen is None else round(now - w.stats_seen, 3),
                 **{k: v for k, v in w.stats.items() if k not in ("type", "worker", "role")},
             }
             for w in self.workers.values()

@@ -183,7 +183,7 @@ class Router:
                                          address if isinstance(address, str) else None)
         if kind == "stats":
             if worker is not None:
-                worker.stats = message
+                worker.stats, worker.stats_seen = message, time.monotonic()
                 self.metrics.observe_worker(message)
             self._wake()
         elif kind == "reserved":

@@ -25,6 +25,7 @@ from cluster.protocol import params_from_wire
 from cluster.worker_runtime import WorkerOptions, WorkerRuntime
 from engine.request import RequestOutput, SamplingParams
 from transfer.base import TransferConfig, make_receiver
+from transfer.errors import SenderAborted
 from transfer.wire import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,10 @@ class DecodeWorker(WorkerRuntime):
             if self.failure_policy == "recompute":
                 remote.kv_failed = True
                 self._maybe_admit(rid)
+            elif isinstance(event.error, SenderAborted):
+                # the prefill worker gave up on purpose and tells the router why itself (its own error, or the
+                # router's abort): reporting the transfer too would race its cause to the client
+                del self.remote[rid]
             else:
                 del self.remote[rid]
                 self.emit_error(rid, f"KV transfer failed: {event.error}", "kv_transfer_failed")

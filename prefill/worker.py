@@ -51,6 +51,9 @@ class PrefillWorker(WorkerRuntime):
         self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
         self.sender = make_sender(backend, self.fingerprint, transfer)
         self.outbound: dict[str, OutboundKV] = {}
+        # transfers whose end the router already knows of (it aborted them, or got this worker's error first):
+        # their failure in poll() is not reported again
+        self._known_to_router: set[str] = set()
         if stream_layers:
             self.engine.set_layer_hook(self._on_layer)
         self.counters.update(transfers_ok=0, transfers_failed=0, transfer_bytes=0, transfer_seconds=0.0)
@@ -109,6 +112,7 @@ class PrefillWorker(WorkerRuntime):
                 self.counters["errors"] += 1
                 self.emit_error(output.request_id, output.error, output.error_code or "worker_error")
                 if output.request_id in self.outbound:
+                    self._known_to_router.add(output.request_id)
                     self.sender.abort(output.request_id, output.error)
                 continue
             request = self.engine.requests.get(output.request_id)
@@ -137,6 +141,11 @@ class PrefillWorker(WorkerRuntime):
             else:
                 self.counters["transfers_failed"] += 1
                 logger.info("%s: transfer %s failed: %s", self.name, event.transfer_id, event.error)
+                if event.transfer_id not in self._known_to_router and not getattr(event.error, "from_peer", False):
+                    # a failure this side decided (the decode side stays silent on what the sender aborted; it
+                    # reports its own NACKs, under its failure policy): the cause is reported from here
+                    self.emit_error(event.transfer_id, f"KV transfer failed: {event.error}", "kv_transfer_failed")
+            self._known_to_router.discard(event.transfer_id)
 
     def _release(self, rid: str) -> None:
         self.outbound.pop(rid, None)
@@ -150,6 +159,7 @@ class PrefillWorker(WorkerRuntime):
 
     def abort(self, rid: str) -> None:
         if rid in self.outbound:
+            self._known_to_router.add(rid)
             self.sender.abort(rid, "aborted by router")  # its lease ends in poll(), which releases the blocks
         else:
             self.engine.abort(rid)

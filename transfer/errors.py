@@ -11,6 +11,7 @@ class TransferError(Exception):
     """Base class: this transfer failed; its blocks must be freed on both sides."""
 
     code = "transfer_error"
+    from_peer = False  # True when the other side decided the failure (a NACK or a reject): it reports it itself
 
 
 class ProtocolError(TransferError):
@@ -68,6 +69,13 @@ class TransferAborted(TransferError):
     code = "aborted"
 
 
+class SenderAborted(TransferAborted):
+    """The producer aborted the transfer on purpose (its prefill failed, or its caller cancelled): the producer's
+    side reports why, so the consumer only frees what it reserved."""
+
+    code = "sender_aborted"
+
+
 _BY_CODE: dict[str, type[TransferError]] = {
     cls.code: cls
     for cls in (
@@ -81,10 +89,15 @@ _BY_CODE: dict[str, type[TransferError]] = {
         PeerGone,
         SessionLimit,
         TransferAborted,
+        SenderAborted,
     )
 }
 
 
 def error_from_code(code: str, message: str) -> TransferError:
-    """Rebuild a typed error from a NACK's (code, message); unknown codes become plain TransferError."""
-    return _BY_CODE.get(code, TransferError)(message)
+    """Rebuild a typed error from a NACK's or a reject's (code, message); unknown codes become plain TransferError.
+
+    The error is marked ``from_peer``: the other side decided it, and reports it on its own side."""
+    error = _BY_CODE.get(code, TransferError)(message)
+    error.from_peer = True
+    return error

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from transfer.base import KVReceiver, KVSender, TransferConfig, check_layer_args
-from transfer.errors import (FingerprintMismatch, PeerGone, TransferAborted, TransferError,
+from transfer.errors import (FingerprintMismatch, PeerGone, SenderAborted, TransferAborted, TransferError,
                              error_from_code)
 from transfer.inbound import InboundTable, Sink
 from transfer.state import LeaseTable, TransferEvent
@@ -102,7 +102,7 @@ class LocalReceiver(KVReceiver):
                 elif kind == "finish":
                     self._table.on_finish(session, tid, payload)
                 elif kind == "abort":
-                    self._table.abort(tid, f"sender aborted: {payload}")
+                    self._table.fail(tid, SenderAborted(f"sender aborted: {payload}"))
                     continue
             except TransferError as e:
                 self._table.fail(tid, e)

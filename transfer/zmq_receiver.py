@@ -26,7 +26,8 @@ import zmq
 from transfer.auth import (NO_SESSION, NONCE_BYTES, OVERHEAD, NonceCache, handshake_key, seal, session_key, split,
                            verify)
 from transfer.base import KVReceiver, TransferConfig
-from transfer.errors import AuthError, FingerprintMismatch, PeerGone, ProtocolError, SessionLimit, TransferError
+from transfer.errors import (AuthError, FingerprintMismatch, PeerGone, ProtocolError, SenderAborted, SessionLimit,
+                             TransferError)
 from transfer.inbound import InboundTable, Sink
 from transfer.sessions import Session, SessionTable
 from transfer.sockets import bind_address, configure
@@ -195,7 +196,7 @@ class ZmqReceiver(KVReceiver):
                 self._table.heard(tid, session)
                 return
             elif kind == "abort" and rec is not None and rec.session in (None, session):
-                self._table.abort(tid, f"sender aborted: {str(h.get('reason'))[:200]}")
+                self._table.fail(tid, SenderAborted(f"sender aborted: {str(h.get('reason'))[:200]}"))
                 return
             else:
                 self.dropped += 1

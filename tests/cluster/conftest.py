@@ -32,13 +32,15 @@ def _auth(api_key: str | None) -> dict:
 
 
 def wait_all_kv_free(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict:
-    """Every worker reports all blocks free and nothing held (heartbeats lag a little, so poll)."""
+    """Every worker reports all blocks free and nothing held, in a heartbeat sent after this call began (an
+    earlier one may predate the requests' end; a run faster than the first heartbeat has no figures yet)."""
     started = time.monotonic()
     deadline = started + timeout_s
     status: dict = {}
     while time.monotonic() < deadline:
         status = httpx.get(f"{base_url}/status", headers=_auth(api_key), timeout=5).json()
-        fresh = all(w["last_seen_s"] < time.monotonic() - started for w in status["workers"] if w["alive"])
+        fresh = all(w.get("stats_age_s") is not None and w["stats_age_s"] < time.monotonic() - started
+                    for w in status["workers"] if w["alive"])
         if fresh and all(
             w.get("free_blocks") == w.get("total_blocks")
             and w.get("requests", 0) == 0

@@ -62,11 +62,11 @@ def test_recompute_policy_serves_the_request_and_counts_it(serve, tiny_llama_pat
     expected = _complete(handle, prompt="the same prompt", max_tokens=10).json()["choices"][0]["text"]
     _drop_layer(_worker(handle, "prefill"), layer=0)
     response = _complete(handle, prompt="the same prompt", max_tokens=10)
-    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected, response.text
     assert response.json()["usage"]["completion_tokens"] == 10
     status = wait_all_kv_free(handle.base_url)
     decode = next(w for w in status["workers"] if w["role"] == "decode")
-    assert decode["recomputes"] == 1 and decode["transfers_failed"] == 1
+    assert decode.get("recomputes") == 1 and decode["transfers_failed"] == 1, json.dumps(status)
     time.sleep(0.3)
     assert metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key="recomputes") == 1
 

@@ -170,7 +170,7 @@ def test_oversize_frame_refused_by_sender(rx, closing) -> None:
     s.send_layer("t", 0, dst[:30] + [40, 41, 42], *make_kv(fp, 0, 33, seed=1))
     ev = poll_until([r.poll, s.poll], lambda e: len(e) >= 2, 5)
     errs = sorted(type(e.error).__name__ for e in ev)
-    assert errs == ["FrameTooLarge", "TransferAborted"], ev
+    assert errs == ["FrameTooLarge", "SenderAborted"], ev
     assert r.pending_transfers() == [] and s.active_transfers() == [] and cache.writes == 0
 
 
