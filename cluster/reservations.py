@@ -134,6 +134,13 @@ class DecodeReservations:
             # a reply that came after we gave up: undo that attempt (a later one on the same worker stays)
             self._send(worker, {"type": "unreserve", "rid": message["rid"], "attempt": attempt})
 
+    def on_worker_dead(self, worker_name: str) -> None:
+        """A worker marked dead answers none of its pending reservations: try the next worker now, not after
+        ``worker_timeout_s`` (if it answers after all, its late ``ok`` is undone like any other)."""
+        for (_, name, _), future in list(self._pending.items()):
+            if name == worker_name and not future.done():
+                future.set_result({"ok": False, "reason": "worker_died"})
+
     def on_error(self, rid: str, worker_name: str | None, message: dict) -> bool:
         """An ``error`` event that answers a pending reservation (the worker could not even try); True if it did."""
         future = next((f for (r, w, _), f in self._pending.items() if r == rid and w == worker_name), None)

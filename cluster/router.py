@@ -103,6 +103,7 @@ class Router:
     def _fail_streams_of(self, name: str, reason: str) -> None:
         """A dead worker's requests get an explicit error (or a retry, in generate): never a silent stall. A prefill
         worker's only until their first token: from then on the decode worker holds the KV and needs it no more."""
+        self.reservations.on_worker_dead(name)
         for stream in list(self.streams.values()):
             if not stream.finished and (name == stream.decode or name == stream.prefill and not stream.first_token_s):
                 stream.fail(RequestFailed(f"{reason} ({name})", "worker_died", 503))

@@ -69,6 +69,33 @@ def test_a_late_reservation_reply_never_resolves_another_workers_reservation(ser
         raise AssertionError([w.stats for w in handle.router.members.workers.values()]) from None
 
 
+def test_a_reservation_pending_on_a_worker_marked_dead_moves_on_at_once(serve):
+    handle = serve(pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}},
+                   router={"worker_timeout_s": 10.0})
+    expected = _complete(handle, prompt="the same prompt").json()["choices"][0]["text"]
+    asked: list[str] = []
+    for name in ("decode-0", "decode-1"):  # whichever is asked first answers 3 s late, and is then marked dead
+        worker = _worker(handle, name)
+        original = worker._reserve
+
+        def slow_reserve(*args, _worker=worker, _original=original, **kwargs):
+            _worker._reserve = _original
+            if not asked:
+                asked.append(_worker.name)
+                time.sleep(3.0)
+            return _original(*args, **kwargs)
+
+        worker._reserve = slow_reserve
+    marker = threading.Thread(target=lambda: (_wait(lambda: bool(asked), 5), time.sleep(0.3),
+                                              handle.router.mark_dead_threadsafe(asked[0], "monitor: process gone")))
+    marker.start()
+    started = time.monotonic()
+    response = _complete(handle, prompt="the same prompt")
+    marker.join(10)
+    assert asked and response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+    assert time.monotonic() - started < 2.5  # not the 10 s worker_timeout_s
+
+
 def test_a_reservation_whose_start_never_comes_is_freed_and_the_client_told(serve):
     handle = serve(transfer={"deadline_s": 2, "lease_s": 20})
     router = handle.router
