@@ -73,7 +73,7 @@ class ServeHandle:
         elif not call_with_timeout(self.pools.stop, deadline - time.monotonic() - 1.0):
             logger.warning("pdserve: the workers did not stop in time; killing them")
             clean = False
-        self.pools.kill_local_workers()
+        self.pools.kill_local_workers(after_clean_stop=clean)
         if self.started_ray and clean:
             import ray
 

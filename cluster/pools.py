@@ -90,7 +90,7 @@ class LocalPools:
         for record in self.workers:
             record.actor.stop()
 
-    def kill_local_workers(self) -> None:
+    def kill_local_workers(self, after_clean_stop: bool = False) -> None:
         pass  # threads of this process: they end with it
 
     def responsive(self, timeout_s: float) -> bool:
@@ -204,7 +204,7 @@ class RayPools:
         threading.Thread(target=probe, name="pdserve-ray-probe", daemon=True).start()
         return answered.wait(timeout_s)
 
-    def kill_local_workers(self) -> None:
+    def kill_local_workers(self, after_clean_stop: bool = False) -> None:
         """SIGKILL the worker processes this pool started on this node that are still alive (by their PIDs).
 
         The last resort of shutdown: with Ray's own processes gone (SIGTERM to the process group), nothing else would
@@ -217,7 +217,9 @@ class RayPools:
             if _is_ray_worker(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
-                    logger.warning("killed worker %s (pid %d)", record.name, pid)
+                    # after a clean stop the process was only still on its way out: not worth a warning
+                    logger.log(logging.DEBUG if after_clean_stop else logging.WARNING, "killed worker %s (pid %d)",
+                               record.name, pid)
                 except OSError:
                     pass
 
