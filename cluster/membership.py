@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.metrics import RouterMetrics
-from cluster.protocol import Channel, Signer
+from cluster.protocol import MAX_FRAME_BYTES, Channel, Signer
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,9 @@ class Membership:
 
     def add(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
         sock = self._ctx.socket(zmq.PUSH)
-        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 100_000), (zmq.SNDTIMEO, 1000)):
+        # MAXMSGSIZE too, though a PUSH socket receives nothing: every socket has it, so none can be forgotten
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 100_000), (zmq.SNDTIMEO, 1000),
+                              (zmq.MAXMSGSIZE, MAX_FRAME_BYTES)):
             sock.setsockopt(option, value)
         sock.connect(command_address)
         old = self.workers.pop(name, None)
