@@ -31,6 +31,21 @@ def _auth(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def wait_until(predicate, timeout_s: float, step_s: float = 0.05) -> float:
+    """Poll ``predicate`` until it holds; the seconds it took (AssertionError after ``timeout_s``)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(step_s)
+    raise AssertionError("condition not reached in time")
+
+
+def worker_named(handle, name: str):
+    """The worker object of an in-process cluster, by name (faults are injected into it)."""
+    return next(r.actor.worker for r in handle.workers if r.name == name)
+
+
 def wait_all_kv_free(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict:
     """Every worker reports all blocks free and nothing held, in a heartbeat sent after this call began (an
     earlier one may predate the requests' end; a run faster than the first heartbeat has no figures yet)."""

@@ -12,30 +12,15 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.conftest import metric_value, wait_all_kv_free
+from tests.cluster.conftest import metric_value, wait_all_kv_free, wait_until, worker_named
 
 pytestmark = pytest.mark.timeout(240)
-
-
-
-
-def _worker(handle, name: str):
-    return next(r.actor.worker for r in handle.workers if r.name == name)
 
 
 def _complete(handle, prompt="hello there", max_tokens=8, timeout=60, **extra) -> httpx.Response:
     body = {"model": handle.config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, **extra}
     return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=timeout)
-
-
-def _wait(predicate, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 def _delay_reservations(worker, delay_s: float) -> None:
@@ -57,13 +42,13 @@ def test_a_late_reservation_reply_never_resolves_another_workers_reservation(ser
     # the next request tries decode-a first; it answers 1.5 s late, while the router waits on decode-b, which
     # answers 2.5 s late: decode-a's late "ok" must not be taken for decode-b's
     first, second = [w.name for w in handle.router._policies["decode"].order(handle.router.live("decode"))]
-    _delay_reservations(_worker(handle, first), 1.5)
-    _delay_reservations(_worker(handle, second), 2.5)
+    _delay_reservations(worker_named(handle, first), 1.5)
+    _delay_reservations(worker_named(handle, second), 2.5)
     response = _complete(handle, prompt="the same prompt")
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
     # the reservation that came too late was undone on its worker
     try:
-        _wait(lambda: all(w.stats.get("requests") == 0 and w.stats.get("awaiting_kv", 0) == 0
+        wait_until(lambda: all(w.stats.get("requests") == 0 and w.stats.get("awaiting_kv", 0) == 0
                           for w in handle.router.members.workers.values()), 10)
     except AssertionError:
         raise AssertionError([w.stats for w in handle.router.members.workers.values()]) from None
@@ -75,7 +60,7 @@ def test_a_reservation_pending_on_a_worker_marked_dead_moves_on_at_once(serve):
     expected = _complete(handle, prompt="the same prompt").json()["choices"][0]["text"]
     asked: list[str] = []
     for name in ("decode-0", "decode-1"):  # whichever is asked first answers 3 s late, and is then marked dead
-        worker = _worker(handle, name)
+        worker = worker_named(handle, name)
         original = worker._reserve
 
         def slow_reserve(*args, _worker=worker, _original=original, **kwargs):
@@ -86,7 +71,7 @@ def test_a_reservation_pending_on_a_worker_marked_dead_moves_on_at_once(serve):
             return _original(*args, **kwargs)
 
         worker._reserve = slow_reserve
-    marker = threading.Thread(target=lambda: (_wait(lambda: bool(asked), 5), time.sleep(0.3),
+    marker = threading.Thread(target=lambda: (wait_until(lambda: bool(asked), 5), time.sleep(0.3),
                                               handle.router.mark_dead_threadsafe(asked[0], "monitor: process gone")))
     marker.start()
     started = time.monotonic()
@@ -116,7 +101,7 @@ def test_a_reservation_whose_start_never_comes_is_freed_and_the_client_told(serv
 def test_a_prompt_no_kv_cache_can_hold_is_refused_at_once(serve, mode):
     handle = serve(mode=mode, pools={"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8},
                                      "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}})
-    _wait(lambda: all("total_blocks" in w.stats for w in handle.router.members.workers.values()), 5)
+    wait_until(lambda: all("total_blocks" in w.stats for w in handle.router.members.workers.values()), 5)
     started = time.monotonic()
     response = _complete(handle, prompt=" ".join(["word"] * 40), max_tokens=4)  # ~200 tokens > 8 blocks of 16
     assert time.monotonic() - started < 2
@@ -152,9 +137,9 @@ def test_a_decode_worker_that_refuses_a_request_ends_it_at_once(serve):
 def test_a_heartbeat_from_another_incarnation_neither_refreshes_nor_revives(serve):
     handle = serve()
     router = handle.router
-    decode = _worker(handle, "decode-0")
+    decode = worker_named(handle, "decode-0")
     decode.kill()  # dead for good: only a stale heartbeat (an old or a restarted process's) could revive it
-    _wait(lambda: not router.members.workers["decode-0"].alive, 5)
+    wait_until(lambda: not router.members.workers["decode-0"].alive, 5)
     stale = {"type": "stats", "worker": "decode-0", "role": "decode", "address": "tcp://127.0.0.1:1",
              "free_blocks": 160, "total_blocks": 160, "loop_age_s": 0.0}
     router.loop.call_soon_threadsafe(router._dispatch, stale)
@@ -167,8 +152,8 @@ def test_a_heartbeat_from_another_incarnation_neither_refreshes_nor_revives(serv
 def test_a_worker_marked_dead_by_mistake_is_revived_when_heard_from(serve):
     handle = serve()
     handle.router.mark_dead_threadsafe("decode-0", "monitor timed out")  # a false alarm: the worker is fine
-    _wait(lambda: not handle.router.members.workers["decode-0"].alive, 2)
-    _wait(lambda: handle.router.members.workers["decode-0"].alive, 3)  # its next heartbeat brings it back
+    wait_until(lambda: not handle.router.members.workers["decode-0"].alive, 2)
+    wait_until(lambda: handle.router.members.workers["decode-0"].alive, 3)  # its next heartbeat brings it back
     assert metric_value(handle.base_url, "pdserve_worker_revivals_total") == 1
     assert _complete(handle).status_code == 200
 
@@ -186,7 +171,7 @@ def test_a_crashed_background_task_is_restarted_and_counted(serve):
         return original(message)
 
     router._dispatch = crash_once
-    _wait(crashed.is_set, 5)
+    wait_until(crashed.is_set, 5)
     response = _complete(handle)  # events are still received
     assert response.status_code == 200
     assert metric_value(handle.base_url, "pdserve_router_task_restarts_total", task="receive_events") == 1
@@ -194,13 +179,13 @@ def test_a_crashed_background_task_is_restarted_and_counted(serve):
 
 def test_a_worker_whose_loop_keeps_failing_is_degraded_and_gets_no_requests(serve):
     handle = serve(mode="colocated")
-    broken = _worker(handle, "prefill-0")
+    broken = worker_named(handle, "prefill-0")
 
     def failing_tick():
         raise RuntimeError("injected: the device is gone")
 
     broken.tick = failing_tick
-    _wait(lambda: handle.router.members.workers["prefill-0"].stats.get("degraded"), 5)
+    wait_until(lambda: handle.router.members.workers["prefill-0"].stats.get("degraded"), 5)
     health = httpx.get(f"{handle.base_url}/health", timeout=5)
     assert health.status_code == 200  # the other worker still serves
     body = health.json()

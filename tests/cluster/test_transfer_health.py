@@ -6,23 +6,16 @@ In-process clusters (the real router, API, workers and transfer, as threads) so 
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
 import zmq
 
-from tests.cluster.conftest import metric_value
+from tests.cluster.conftest import metric_value, wait_until, worker_named
 from transfer.auth import NO_SESSION, handshake_key, seal
 from transfer.wire import pack_header
 
 pytestmark = pytest.mark.timeout(240)
-
-
-
-
-def _worker(handle, name: str):
-    return next(r.actor.worker for r in handle.workers if r.name == name)
 
 
 def _complete(handle, prompt="hello there", max_tokens=6) -> httpx.Response:
@@ -31,26 +24,17 @@ def _complete(handle, prompt="hello there", max_tokens=6) -> httpx.Response:
     return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
 
 
-def _wait(predicate, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
-
-
 def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_requests(serve):
     handle = serve(pools={"prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 96}},
                    router={"prefill_policy": "round_robin"})
     expected = _complete(handle).json()["choices"][0]["text"]
-    broken, healthy = _worker(handle, "prefill-1"), _worker(handle, "prefill-0")
+    broken, healthy = worker_named(handle, "prefill-1"), worker_named(handle, "prefill-0")
 
     def bug() -> None:
         raise RuntimeError("injected: a bug in the KV sender's loop")
 
     broken.sender._check_timeouts = bug  # the sender's I/O thread dies at its next turn
-    _wait(lambda: handle.router.members.workers["prefill-1"].stats.get("degraded"), 5)
+    wait_until(lambda: handle.router.members.workers["prefill-1"].stats.get("degraded"), 5)
 
     health = httpx.get(f"{handle.base_url}/health", timeout=5)
     assert health.status_code == 200  # the cluster still serves
@@ -67,7 +51,7 @@ def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_re
     for _ in range(4):  # round robin would give every other request to prefill-1: they all go to prefill-0
         response = _complete(handle)
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
-    _wait(lambda: healthy.counters["transfers_ok"] == served_before + 4, 5)  # acks reach prefill as decode starts
+    wait_until(lambda: healthy.counters["transfers_ok"] == served_before + 4, 5)  # acks reach prefill as decode starts
     assert broken.counters["transfers_ok"] == broken_before and broken.engine.requests == {}
 
 
@@ -78,7 +62,7 @@ def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serv
     def rejected() -> float | None:
         return metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key="kv_rejected")
 
-    _wait(lambda: rejected() is not None, 5)  # the first heartbeat
+    wait_until(lambda: rejected() is not None, 5)  # the first heartbeat
     assert rejected() == 0
     ctx = zmq.Context()
     try:
@@ -88,7 +72,7 @@ def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serv
         stranger.send(b"\0" * 80)  # no valid MAC
         hello = {"kind": "hello", "fp": [], "transport": "zmq", "nonce": b"n" * 16}
         stranger.send(seal(handshake_key("a guessed secret"), NO_SESSION, 0, pack_header(hello)))
-        _wait(lambda: rejected() == 2, 5)
+        wait_until(lambda: rejected() == 2, 5)
     finally:
         ctx.destroy(linger=0)
     assert _complete(handle).status_code == 200  # the decode worker serves on

@@ -15,22 +15,13 @@ import pytest
 import yaml
 
 from cluster.launch import start_serving
-from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free, wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _pid(handle, name: str) -> int:
     return next(w["pid"] for w in handle.worker_infos() if w["name"] == name)
-
-
-def _wait(predicate, timeout_s: float, step_s: float = 0.1) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if predicate():
-            return time.monotonic() - started
-        time.sleep(step_s)
-    raise AssertionError("condition not reached in time")
 
 
 def test_decode_death_mid_stream_is_an_error_event_then_the_worker_rejoins(ray_local, tiny_llama_path):
@@ -57,7 +48,8 @@ def test_decode_death_mid_stream_is_an_error_event_then_the_worker_rejoins(ray_l
             ok = httpx.post(f"{handle.base_url}/v1/completions", timeout=60,
                             json={"model": config.served_model_name, "prompt": "hi", "max_tokens": 3})
             assert ok.status_code == 200
-        _wait(lambda: victim in [w.name for w in handle.router.live("decode")], timeout_s=60)  # restarted, rejoined
+        # restarted, rejoined
+        wait_until(lambda: victim in [w.name for w in handle.router.live("decode")], timeout_s=60)
         wait_all_kv_free(handle.base_url, timeout_s=30)
     finally:
         handle.stop()
@@ -81,8 +73,8 @@ def test_a_degraded_worker_is_restarted_by_ray_and_serves_again(ray_local, tiny_
         old_pid = _pid(handle, "decode-0")
         record = next(r for r in handle.workers if r.name == "decode-0")
         ray.get(record.actor.__ray_call__.remote(_break_the_loop), timeout=30)
-        _wait(lambda: _pid(handle, "decode-0") != old_pid, timeout_s=90)  # the monitor restarted it: a new process
-        _wait(lambda: "decode-0" in [w.name for w in handle.router.live("decode")], timeout_s=60)
+        wait_until(lambda: _pid(handle, "decode-0") != old_pid, timeout_s=90)  # the monitor restarted it: a new process
+        wait_until(lambda: "decode-0" in [w.name for w in handle.router.live("decode")], timeout_s=60)
         body = {"model": config.served_model_name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
         assert httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60).status_code == 200
         wait_all_kv_free(handle.base_url, timeout_s=30)
@@ -113,7 +105,7 @@ def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_p
         load = threading.Thread(target=lambda: asyncio.run(burst()))
         load.start()
         # kill prefill-0 while requests sit in its queue (long prompts, 8-token chunks: it is busy for a while)
-        _wait(lambda: any(s.prefill == "prefill-0" for s in list(handle.router.streams.values())), timeout_s=30,
+        wait_until(lambda: any(s.prefill == "prefill-0" for s in list(handle.router.streams.values())), timeout_s=30,
               step_s=0.005)
         os.kill(victim_pid, signal.SIGKILL)
         load.join(120)
@@ -123,7 +115,7 @@ def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_p
         assert sum(r.status_code == 200 for r in results) >= 4
         retried = metric_value(handle.base_url, "pdserve_errors_total", reason="retried_after_worker_death")
         assert retried and retried >= 1
-        _wait(lambda: len(handle.router.live("prefill")) == 2, timeout_s=60)
+        wait_until(lambda: len(handle.router.live("prefill")) == 2, timeout_s=60)
         wait_all_kv_free(handle.base_url, timeout_s=30)
     finally:
         handle.stop()
