@@ -142,7 +142,7 @@ def cpu_delta(before: dict[int, float] | None, after: dict[int, float] | None) -
 # ---- the serve subprocess ----------------------------------------------------------------------------------------
 
 def serve_supports_router_processes(timeout_s: float = 60.0) -> bool:
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--help"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=timeout_s)
     return "--router-processes" in out.stdout
 
@@ -159,7 +159,7 @@ class ServeProcess:
 
     @classmethod
     def start(cls, config_path: Path, router_processes: int | None, timeout_s: float) -> "ServeProcess":
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config_path), "--port", "0"]
+        cmd = [sys.executable, "-m", "cli.main", "serve", "--config", str(config_path), "--port", "0"]
         if router_processes is not None:
             cmd += ["--router-processes", str(router_processes)]
         env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}  # a loopback server of our own

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from cluster.worker_runtime import WorkerOptions
+from worker.runtime import WorkerOptions
 from engine.config import EngineConfig
 
 
@@ -38,7 +38,7 @@ class WorkerActor:
             self.worker = DecodeWorker(worker_options, backend, transfer_config, failure_policy, transport,
                                        headroom_tokens)
         elif role == "colocated":
-            from cluster.colocated_worker import ColocatedWorker
+            from worker.colocated import ColocatedWorker
 
             self.worker = ColocatedWorker(worker_options)
         else:

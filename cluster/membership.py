@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.metrics import RouterMetrics
-from cluster.protocol import MAX_FRAME_BYTES, Channel, Signer
+from worker.protocol import MAX_FRAME_BYTES, Channel, Signer
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Membership:
         self._metrics = metrics
         if not secret:
             raise ValueError("the router needs the cluster secret (transfer.secret; start_serving makes one)")
-        self._secret = secret  # commands are sealed with keys derived from it (cluster/protocol.py)
+        self._secret = secret  # commands are sealed with keys derived from it (worker/protocol.py)
         self._signers: dict[str, Signer] = {}  # per worker command address
         self._on_dead = on_dead
         self.workers: dict[str, WorkerHandle] = {}

@@ -1,6 +1,6 @@
 """The router's request flow: pick workers, reserve decode KV, dispatch, and fan the workers' events back out.
 
-It lives in the HTTP server's event loop and talks to workers over ZeroMQ (``cluster/protocol.py``): one PUSH socket
+It lives in the HTTP server's event loop and talks to workers over ZeroMQ (``worker/protocol.py``): one PUSH socket
 per worker for commands, one PULL socket for every worker's events. Tokens never pass through Ray.
 
 Disaggregated request (``generate``):
@@ -33,7 +33,7 @@ from cluster.errors import NoWorkers, RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import make_policy
-from cluster.protocol import (MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier,
+from worker.protocol import (MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier,
                               params_to_wire)
 from cluster.reservations import DecodeReservations
 from cluster.streams import Stream, TokenEvent
@@ -144,7 +144,7 @@ class Router:
         self._ctx.term()
 
     async def _receive_events(self) -> None:
-        """Every event's MAC is checked (cluster/protocol.py) before it is unpacked; what fails is dropped and
+        """Every event's MAC is checked (worker/protocol.py) before it is unpacked; what fails is dropped and
         counted in ``pdserve_control_rejected_total{reason}``."""
         verifier, rejections = self._event_verifier, RejectionLog("router")
         while True:

@@ -21,8 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from cluster.protocol import params_from_wire
-from cluster.worker_runtime import WorkerOptions, WorkerRuntime
+from worker.protocol import params_from_wire
+from worker.runtime import WorkerOptions, WorkerRuntime
 from engine.request import RequestOutput, SamplingParams
 from transfer.base import TransferConfig, make_receiver
 from transfer.errors import SenderAborted

@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from cluster.protocol import params_from_wire
-from cluster.worker_runtime import WorkerOptions, WorkerRuntime, finish_timing
+from worker.protocol import params_from_wire
+from worker.runtime import WorkerOptions, WorkerRuntime, finish_timing
 from engine.attention import AttentionBatch
 from engine.request import RequestStatus
 from transfer.base import TransferConfig, make_sender

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from bench import chaos
-from cluster.cli import build_parser
+from cli.main import build_parser
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from bench import detok_bench
-from cluster.cli import main
+from cli.main import main
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tiny_model import build_byte_tokenizer
 from tests.engine.test_detokenizer import CountingTokenizer

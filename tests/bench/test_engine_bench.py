@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.cli import main
+from cli.main import main
 
 
 def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):

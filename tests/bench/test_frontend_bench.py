@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_quick_bench_prints_sane_figures_and_stops_its_server(tiny_llama_path):
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "frontend", "--quick", "--router-processes", "1", "--json",
+        [sys.executable, "-m", "cli.main", "bench", "frontend", "--quick", "--router-processes", "1", "--json",
          "--model", str(tiny_llama_path)],
         cwd=REPO, capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -85,7 +85,7 @@ def test_router_cpu_counts_the_serve_process_and_its_non_ray_children(tmp_path):
         assert set(excluded) == {parent.pid}
         assert frontend_bench.is_ray_process("ray::WorkerActor")
         assert frontend_bench.is_ray_process("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x")
-        assert not frontend_bench.is_ray_process("/venv/bin/python -m cluster.cli serve --config x.yaml")
+        assert not frontend_bench.is_ray_process("/venv/bin/python -m cli.main serve --config x.yaml")
     finally:
         for pid in child_pids:  # the processes this test started, by PID
             if process_running(pid):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 
 
 def test_model_tiny_builds_a_loadable_model(tmp_path, capsys):
@@ -16,7 +16,7 @@ def test_model_tiny_builds_a_loadable_model(tmp_path, capsys):
 
 def test_bad_model_is_a_clear_error_not_a_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "engine", "--model", str(tmp_path / "nope"), "--json"],
+        [sys.executable, "-m", "cli.main", "bench", "engine", "--model", str(tmp_path / "nope"), "--json"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from cluster.protocol import SEAL_OVERHEAD, Channel, Signer
+from worker.protocol import SEAL_OVERHEAD, Channel, Signer
 from tests.cluster.conftest import metric_value, tiny_cluster_config
 
 pytestmark = pytest.mark.timeout(240)

@@ -29,8 +29,8 @@ import yaml
 import zmq
 
 from bench.frontend_bench import process_running
-from cluster.protocol import Channel, Signer, Verifier
-from cluster.worker_runtime import WorkerOptions
+from worker.protocol import Channel, Signer, Verifier
+from worker.runtime import WorkerOptions
 from engine.config import EngineConfig
 from tests.cluster.conftest import metric_value, wait_all_kv_free
 from tests.engine.conftest import Reference, random_prompts
@@ -115,7 +115,7 @@ def _tokens_by_rid(events: list[dict]) -> dict[str, list]:
 
 
 def test_worker_sends_each_request_events_to_its_own_router(tiny_llama_path):
-    from cluster.colocated_worker import ColocatedWorker
+    from worker.colocated import ColocatedWorker
 
     routers = FakeRouters(2)
     worker = ColocatedWorker(_options(tiny_llama_path, routers, "colocated"))
@@ -228,7 +228,7 @@ def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
                   "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 112, "reserve_headroom_tokens": 4096}},
         "router": {"queue_size": queue_size},
     }))
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0",
                              "--router-processes", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     worker_pids: list[int] = []

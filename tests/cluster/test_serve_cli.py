@@ -27,7 +27,7 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
         "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
                   "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64}},
     }))
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url, deadline, seen = None, time.monotonic() + 120, []
@@ -42,7 +42,7 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
         body = {"model": str(tiny_llama_path), "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
-        status = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], capture_output=True,
+        status = subprocess.run([sys.executable, "-m", "cli.main", "status", "--url", url], capture_output=True,
                                 text=True, timeout=60)
         assert status.returncode == 0
         assert "prefill-0" in status.stdout and "decode-0" in status.stdout and "disaggregated" in status.stdout
@@ -58,6 +58,6 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
 
 
 def test_status_without_a_server_is_a_clear_error():
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", "http://127.0.0.1:9"],
+    result = subprocess.run([sys.executable, "-m", "cli.main", "status", "--url", "http://127.0.0.1:9"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no pdserve router answers" in result.stderr and "Traceback" not in result.stderr

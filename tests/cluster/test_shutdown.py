@@ -36,7 +36,7 @@ def test_serve_exits_within_10s_and_leaves_no_worker(how, tiny_llama_path, tmp_p
         "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 32},
                   "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 32}},
     }))
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     pids: list[int] = []
     try:

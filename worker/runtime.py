@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from cluster.protocol import (MAX_FRAME_BYTES, AuthError, Channel, ProtocolError, Rejection, RejectionLog, Signer,
+from worker.protocol import (MAX_FRAME_BYTES, AuthError, Channel, ProtocolError, Rejection, RejectionLog, Signer,
                               Verifier)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

@@ -7,8 +7,8 @@ one ``tokens`` message.
 
 from __future__ import annotations
 
-from cluster.protocol import params_from_wire
-from cluster.worker_runtime import WorkerRuntime, finish_timing
+from worker.protocol import params_from_wire
+from worker.runtime import WorkerRuntime, finish_timing
 
 
 class ColocatedWorker(WorkerRuntime):
