@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if pd_batch is None:
         raise RuntimeError("pdserve_paged attention called without an AttentionBatch (pd_batch)")
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)  # set by transformers on every attention module
     new_k = key[0].transpose(0, 1)  # [T, kv_heads, d]
     new_v = value[0].transpose(0, 1)
     pd_batch.kv_cache.write_slots(layer, pd_batch.slot_mapping, new_k, new_v)

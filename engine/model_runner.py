@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from engine.attention import AttentionBatch, DecodeGroup, LayerHook, PrefillSeq
 from engine.kv_cache import KVCache
@@ -44,7 +45,7 @@ class StepStats:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
+    def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from engine.kv_connector import KVExport, RemoteKV
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows logits
 
 
@@ -22,7 +24,9 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status has exactly one way out to FINISHED, which frees its blocks."""
 
     WAITING = 0  # queued for KV blocks and a first prefill chunk
-    WAITING_FOR_REMOTE_KV = 1  # blocks reserved, KV arriving from a prefill worker; not schedulable yet
+    # blocks reserved, KV arriving from a prefill worker (``Request.remote``); admitted by the scheduler once the KV
+    # and the first token are in (after a failed transfer to be recomputed: blockless until its first token)
+    WAITING_FOR_REMOTE_KV = 1
     RUNNING = 2  # holds blocks, scheduled every step (prefill chunks, then one token per step)
     PREFILLED = 3  # prefill-only request done: blocks held for export until released
     FINISHED = 4  # blocks freed; finish_reason says why
@@ -76,12 +80,80 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@dataclass(slots=True)
+class RequestTiming:
+    """When things happened to one request (``time.monotonic`` seconds): the one record of its stamps.
+
+    Every ``RequestOutput`` of the request references this object, so a worker reports from it and keeps no table
+    of its own. The properties give the figures the workers report (None where they do not apply yet): the prefill
+    side's ``queue_s``, ``compute_s`` and ``first_token_s`` (the message key ``end_mono``); the decode side's
+    ``kv_done_mono``, ``kv_transfer_s``, ``kv_wait_after_first_token_s``, ``decode_queue_s`` and ``recomputed``.
+    """
+
+    arrival_s: float  # reached the worker (backdated by the caller to when its message arrived)
+    scheduled_s: float | None = None  # first admitted into the running batch from the waiting queue
+    first_token_s: float | None = None  # its first token was sampled here, or (decode side) appended at admission
+    finished_s: float | None = None
+    remote: RemoteKV | None = None  # decode side: KV expected / done / failed, first token, admission, first decode
+
+    # ---- prefill side (and colocated) ------------------------------------------------------------------------------
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to admission into the running batch."""
+        return None if self.scheduled_s is None else self.scheduled_s - self.arrival_s
+
+    @property
+    def compute_s(self) -> float | None:
+        """Admission to the first token (the prefill, chunks and preemptions included)."""
+        if self.scheduled_s is None or self.first_token_s is None:
+            return None
+        return self.first_token_s - self.scheduled_s
+
+    # ---- decode side (remote KV) -----------------------------------------------------------------------------------
+    @property
+    def kv_done_mono(self) -> float | None:
+        """When the imported KV was complete."""
+        return None if self.remote is None else self.remote.kv_done_s
+
+    @property
+    def kv_transfer_s(self) -> float | None:
+        """Reservation (KV expected) to KV complete: spans the prefill."""
+        remote = self.remote
+        if remote is None or remote.kv_done_s is None:
+            return None
+        return remote.kv_done_s - remote.expected_s
+
+    @property
+    def kv_wait_after_first_token_s(self) -> float | None:
+        """How long the KV lagged behind the first token (0 when it was here first)."""
+        remote = self.remote
+        if remote is None or remote.kv_done_s is None or remote.first_token_arrived_s is None:
+            return None
+        return max(0.0, remote.kv_done_s - remote.first_token_arrived_s)
+
+    @property
+    def decode_queue_s(self) -> float | None:
+        """From the join (KV, or its recompute decision, and first token both in) to the end of the first step that
+        computed a token for it here (to its admission when it finished at admission): what the second token waits
+        for beyond the KV."""
+        remote = self.remote
+        if remote is None or remote.ready_s is None:
+            return None
+        end = remote.first_decode_s if remote.first_decode_s is not None else remote.admitted_s
+        return None if end is None else end - remote.ready_s
+
+    @property
+    def recomputed(self) -> bool:
+        """The KV transfer failed and the prompt was prefilled here instead."""
+        return self.remote is not None and self.remote.recompute
+
+
 @dataclass(slots=True, eq=False)  # identity, not field-by-field comparison: `request in running` stays cheap
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_s: float
+    timing: RequestTiming
     prefill_only: bool = False
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -94,10 +166,30 @@ class Request:
     detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made with the first token
     stop_token_set: frozenset[int] | None = None  # params.stop_token_ids as a set, made on first use
     generator: torch.Generator | None = None  # per-request RNG for seeded sampling
-    scheduled_s: float | None = None  # first admitted into the running batch (queue time = scheduled - arrival)
-    first_token_s: float | None = None
-    finished_s: float | None = None
     error: str | None = None  # why it ended with FinishReason.ERROR
+    kv_export: KVExport | None = None  # prefill side: where its KV goes, and how many blocks were reported
+
+    # the stamps live in ``timing`` (one place, which outputs reference); these read them
+    @property
+    def arrival_s(self) -> float:
+        return self.timing.arrival_s
+
+    @property
+    def scheduled_s(self) -> float | None:
+        return self.timing.scheduled_s
+
+    @property
+    def first_token_s(self) -> float | None:
+        return self.timing.first_token_s
+
+    @property
+    def finished_s(self) -> float | None:
+        return self.timing.finished_s
+
+    @property
+    def remote(self) -> RemoteKV | None:
+        """Decode side: the state of its KV import (None for a request computed here from the start)."""
+        return self.timing.remote
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -143,10 +235,11 @@ class RequestOutput:
     # the text safe to send now (engine.detokenizer's rules: half a UTF-8 character and the characters that could
     # still start a stop string are held back; everything at the finish; cut at a stop string). Joined over every
     # output of a request they make ``output_text``; a prefill-only request's is the first token's, as decoding would
-    # send it, and ``complete_remote`` continues from there
+    # send it, and the decode side's admission output continues from there
     text_delta: str = ""
     error: str | None = None  # finish_reason ERROR: what went wrong, for the client
     error_code: str | None = None  # finish_reason ERROR: "sampling_error" (this request's logits) or "worker_error"
+    timing: RequestTiming | None = None  # the request's stamps (the live object, not a copy)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,13 @@ recently admitted running request is preempted: its blocks are freed, its comput
 the front of the waiting queue, keeping the tokens it generated. When it is admitted again its prompt plus those
 tokens are prefilled again (full blocks are usually still in the prefix cache), and generation continues where it
 stopped. If the request itself is the only one left, it is preempted and waits for blocks.
+
+Remote KV (decode side): a request whose KV comes from a prefill worker holds its reserved blocks with status
+WAITING_FOR_REMOTE_KV and is not scheduled. ``remote_progress`` is told when its first token or its KV arrives (or its
+transfer fails, to be recomputed); once both halves are in, it joins ``remote_ready``, and ``admit_remote`` (called by
+the engine at the start of a step, so between steps) takes it: into the running batch with its prompt KV complete, or,
+to recompute, into the waiting queue, where it is prefilled like any request. Its blocks are already reserved, so
+admission asks for none and is not held back by ``max_num_seqs`` (a cap would only idle reserved memory).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.remote_ready: deque[Request] = deque()  # remote KV and first token in: admitted at the next step
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -44,9 +52,39 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.remote_ready:
+            self.remote_ready.remove(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote_ready)
+
+    def remote_progress(self, request: Request) -> None:
+        """A WAITING_FOR_REMOTE_KV request's first token or KV came (or its transfer failed, to be recomputed):
+        once both halves are in, it is queued for admission."""
+        remote = request.remote
+        if remote is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request.request_id!r} is not waiting for remote KV")
+        if remote.ready and remote.ready_s is None:
+            remote.ready_s = time.monotonic()
+            self.remote_ready.append(request)
+
+    def admit_remote(self) -> list[Request]:
+        """Take the ready remote requests (between steps): KV imported -> RUNNING with the prompt computed;
+        to recompute -> WAITING, at the back of the queue. The caller appends each one's first token."""
+        admitted = list(self.remote_ready)
+        self.remote_ready.clear()
+        now = time.monotonic()
+        for request in admitted:
+            remote = request.remote
+            assert remote is not None  # only remote_progress queues, and it checks
+            remote.admitted_s = now
+            if remote.recompute:
+                request.status = RequestStatus.WAITING
+                self.waiting.append(request)
+            else:
+                request.num_computed_tokens = request.num_prompt_tokens
+                self.add_running(request)
+        return admitted
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -66,7 +104,8 @@ class Scheduler:
             req = self.running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.block_manager.grow(req.block_ids, req.num_computed_tokens + num_new):
-                victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
+                # req itself is never in ``scheduled`` yet, so a victim always exists
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -86,8 +125,8 @@ class Scheduler:
             self.waiting.popleft()
             req.block_ids, req.num_computed_tokens = allocation
             req.num_hashed_blocks = req.num_computed_tokens // self.block_manager.block_size
-            if req.scheduled_s is None:
-                req.scheduled_s = time.monotonic()
+            if req.timing.scheduled_s is None:
+                req.timing.scheduled_s = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -39,32 +39,39 @@ def build_byte_tokenizer():
 
 
 def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedModel,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     out = Path(out)
     tokenizer = build_byte_tokenizer()
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.2,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.2,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    torch.manual_seed(seed)
+    model: PreTrainedModel
     if arch == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
-        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
-    torch.manual_seed(seed)
-    model = cls(config).eval()
+    model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import FinishReason, Request, RequestTiming, SamplingParams
 from engine.sampler import sample
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -98,7 +98,8 @@ def test_sampler_fails_rows_not_the_batch():
     logits[1] = float("nan")
     logits[3] = float("-inf")  # nothing left to sample
     temperatures = [0.0, 0.0, 1.0, 1.0]
-    reqs = [Request(str(i), [1], SamplingParams(temperature=t, seed=1), 0.0) for i, t in enumerate(temperatures)]
+    reqs = [Request(str(i), [1], SamplingParams(temperature=t, seed=1), RequestTiming(0.0)) for i, t in
+            enumerate(temperatures)]
     result = sample(logits, reqs)
     assert result.token_ids[0] == int(logits[0].argmax()) and result.errors[0] is None
     assert result.token_ids[2] is not None and result.errors[2] is None
@@ -107,7 +108,7 @@ def test_sampler_fails_rows_not_the_batch():
     # a huge but finite logit divided by a small temperature overflows: that row fails, it does not raise
     big = torch.zeros(1, vocab)
     big[0, 3] = 3e38
-    overflow = sample(big, [Request("x", [1], SamplingParams(temperature=1e-3, seed=1), 0.0)])
+    overflow = sample(big, [Request("x", [1], SamplingParams(temperature=1e-3, seed=1), RequestTiming(0.0))])
     assert overflow.token_ids == [None] and "not finite" in overflow.errors[0]
 
 

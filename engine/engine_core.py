@@ -1,0 +1,423 @@
+"""The core of the engine: requests in, one forward per ``step``, outputs out, and every request's one way out.
+
+``LLMEngine`` (``engine.llm_engine``) is what a worker runs: this core plus the decode side's remote-KV API. Split so
+that each file holds one idea: here the step loop (admission, forward, sampling, text, finish); there how a request
+whose KV comes from elsewhere enters and leaves.
+
+Every output carries ``text_delta``, the text its tokens add, made here by the request's incremental detokenizer in
+time proportional to the new tokens, so workers stream text and the router only relays it. The first token's text is
+sent by the prefill worker; the decode side runs the same deterministic detokenizer over the same tokens, so it
+drops its own delta for that token and its later deltas continue exactly where the prefill worker's ended.
+
+Every request leaves through ``_finish``, which frees its blocks exactly once; ``abort`` works in every state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from engine.attention import register_paged_attention
+from engine.block_manager import BlockManager
+from engine.blocks import blocks_for_tokens
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCache, KVSpec
+from engine.kv_connector import KVExport, KVExporter, KVSink
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner, StepStats
+from engine.request import (
+    CompletionResult,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    RequestTiming,
+    SamplingParams,
+)
+from engine.sampler import SampleResult, make_generator, sample
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.model, self.tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention())
+        hf_config = self.model.config
+        self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        self.kv_spec = KVSpec(
+            architecture=hf_config.model_type,
+            dtype=self.model.dtype,
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=hf_config.num_key_value_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+            block_size=config.block_size,
+        )
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // self.kv_spec.bytes_per_block)
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.kv_exporter = KVExporter(self.kv_cache)
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.requests: dict[str, Request] = {}  # every request not yet FINISHED
+        self.step_stats: deque[StepStats] = deque(maxlen=1024)
+        self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
+
+    # ---- requests in -------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer(prompt, add_special_tokens=True).input_ids
+        token_ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return token_ids
+
+    def _new_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        prefill_only: bool,
+        arrival_s: float | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} (room for one more is needed)"
+            )
+        if blocks_for_tokens(len(token_ids) + 1, self.config.block_size) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than the whole KV cache holds")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        timing = RequestTiming(arrival_s or time.monotonic())
+        request = Request(request_id, token_ids, params, timing, prefill_only=prefill_only)
+        if not params.greedy:
+            request.generator = make_generator(params.seed, self.config.device)
+        return request
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        arrival_s: float | None = None,
+        kv_sink: KVSink | None = None,
+        stream_kv: bool = True,
+    ) -> str:
+        """Queue a request; ``arrival_s`` (time.monotonic) backdates it to when it reached the worker.
+
+        ``kv_sink`` (prefill-only requests): where its KV goes, as ``KVBlocksReady`` reports (``engine.kv_connector``):
+        with ``stream_kv``, from inside each forward as blocks complete; without, every layer of the prompt once it is
+        done, before ``step`` returns the first token. What the sink raises fails the request(s) of that step.
+        """
+        if kv_sink is not None and not prefill_only:
+            raise ValueError("kv_sink is for prefill-only requests (their KV is exported, then released)")
+        request = self._new_request(prompt, params, request_id, prefill_only, arrival_s)
+        if kv_sink is not None:
+            request.kv_export = KVExport(kv_sink, stream_kv)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward over everything scheduled; returns the requests that gained a token or finished.
+
+        A fault stays with the requests it concerns, and step() does not raise for it: a row that cannot be sampled
+        (non-finite logits) fails its own request; a forward that raises (the model, or the layer hook) fails every
+        request of this step, since their KV is incomplete; so does a streamed KV sink that raises (it runs inside the
+        forward), while an unstreamed sink that raises fails only its own request. All leave through ``_finish`` with
+        FinishReason.ERROR and come back as finished outputs that carry the error; nothing of them stays queued to
+        fail the next step.
+
+        Remote requests whose KV and first token are in are admitted first (between steps, continuous batching). An
+        admission's output (``_admit_remote``) is merged into the request's output of this step when it has one, so
+        a request has at most one output per step.
+        """
+        admitted = self._admit_remote() if self.scheduler.remote_ready else {}
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return list(admitted.values())
+        sampling = [c for c in chunks if c.samples]
+        self.runner.layer_hook = self.kv_exporter.layer_hook_for(chunks)
+        try:
+            logits, stats = self.runner.execute(chunks)
+            result = sample(logits, [c.request for c in sampling]) if sampling else SampleResult([], [])
+        except Exception as exc:  # whatever the forward raised, these requests cannot go on
+            self.kv_exporter.discard()
+            logger.exception("forward step failed; failing its %d requests", len(chunks))
+            message = f"forward step failed: {type(exc).__name__}: {exc}"
+            return _merge(admitted, [self._fail(c.request, message, "worker_error") for c in chunks])
+        self.kv_exporter.commit()
+        self.step_stats.append(stats)
+        failed = {c.request.request_id for c, error in zip(sampling, result.errors) if error is not None}
+        for chunk in chunks:
+            if chunk.request.request_id not in failed:  # a failed row's KV may be what went wrong: never cache it
+                chunk.request.num_computed_tokens = chunk.end
+                self._register_full_blocks(chunk.request)
+        rows = zip(sampling, result.token_ids, result.errors)
+        outputs = [self._sampled(chunk.request, token, error) for chunk, token, error in rows]
+        return _merge(admitted, outputs) if admitted else outputs
+
+    def _sampled(self, request: Request, token_id: int | None, error: str | None) -> RequestOutput:
+        """A row of this step's sample: the request gains its token, or fails with the row's error."""
+        if token_id is None:
+            return self._fail(request, error or "sampling failed", "sampling_error")
+        export = request.kv_export
+        if export is not None and not export.stream:  # a prefill-only request's one sample: its prompt is done
+            try:
+                self.kv_exporter.export_whole_prompt(request)
+            except Exception as exc:  # the sink failed: this request's KV cannot reach its peer
+                logger.exception("KV export of request %s failed", request.request_id)
+                return self._fail(request, f"KV export failed: {type(exc).__name__}: {exc}", "worker_error")
+        remote = request.timing.remote
+        if remote is not None and remote.admitted_s is not None and remote.first_decode_s is None:
+            remote.first_decode_s = time.monotonic()
+        return self._append_token(request, token_id)
+
+    def _admit_remote(self) -> dict[str, RequestOutput]:
+        """The scheduler's remote admissions: each gains the first token the prefill worker sampled (its text already
+        sent there: the output's ``new_token_ids`` is [] and its ``text_delta`` continues after that token's text);
+        it may finish right there (max_tokens=1, EOS)."""
+        outputs: dict[str, RequestOutput] = {}
+        for request in self.scheduler.admit_remote():
+            remote = request.remote
+            assert remote is not None and remote.first_token_id is not None  # the scheduler admits only ready ones
+            if remote.recompute:
+                self.num_recomputes += 1
+            else:
+                self._register_full_blocks(request)
+            output = self._append_token(request, remote.first_token_id, text_sent=True)
+            output.new_token_ids = []
+            outputs[request.request_id] = output
+        return outputs
+
+    def _fail(self, request: Request, error: str, code: str) -> RequestOutput:
+        """End a request with FinishReason.ERROR (blocks freed by ``_finish``); the output says why."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        request.error = error
+        self._finish(request, FinishReason.ERROR)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            text=request.output_text,
+            error=error,
+            error_code=code,
+            timing=request.timing,
+        )
+
+    def _register_full_blocks(self, request: Request) -> None:
+        """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
+        if request.num_computed_tokens // self.config.block_size > request.num_hashed_blocks:
+            request.num_hashed_blocks = self.block_manager.register_full_blocks(
+                request.block_ids,
+                request.token_slice(0, request.num_computed_tokens),
+                request.num_computed_tokens,
+                request.num_hashed_blocks,
+            )
+
+    def _append_token(self, request: Request, token_id: int, text_sent: bool = False) -> RequestOutput:
+        """Add a sampled token, detokenize it (O(new tokens)) and finish the request if it is done.
+
+        ``text_sent``: the token's text was already sent by a prefill worker, which ran exactly this non-final
+        ``add`` on a fresh detokenizer; only what a finish adds beyond it is new.
+        """
+        request.output_token_ids.append(token_id)
+        if request.timing.first_token_s is None:
+            request.timing.first_token_s = time.monotonic()
+        params = request.params
+        stop_ids = request.stop_token_set
+        if stop_ids is None:  # a set, made once: the check runs for every token
+            stop_ids = request.stop_token_set = frozenset(params.stop_token_ids)
+        reason: FinishReason | None = None
+        if request.prefill_only:
+            reason = FinishReason.PREFILLED
+        elif (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in stop_ids:
+            reason = FinishReason.STOP
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        detokenizer = request.detokenizer
+        if detokenizer is None:
+            detokenizer = request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        # a prefill-only request's first token is not flushed: its delta is what decoding continues from
+        final = reason is not None and not request.prefill_only
+        if text_sent:
+            detokenizer.add((token_id,), final=False)
+            delta = detokenizer.add((), final=True) if final and not detokenizer.finished else ""
+        else:
+            delta = detokenizer.add((token_id,), final=final)
+        if detokenizer.stopped and not request.prefill_only:
+            reason = FinishReason.STOP  # a stop string, cut from the text (over LENGTH when both, as checked first)
+        if reason is not None:
+            self._finish(request, reason)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            text=request.output_text,
+            text_delta=delta,
+            timing=request.timing,
+        )
+
+    def _detokenize(self, request: Request, final: bool) -> IncrementalDetokenizer:
+        """Give the request's incremental detokenizer (made on first use) the tokens it has not seen yet."""
+        detokenizer = request.detokenizer
+        if detokenizer is None:
+            detokenizer = request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+        detokenizer.add(request.output_token_ids[detokenizer.num_tokens :], final=final)
+        return detokenizer
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.remove(request)
+        request.output_text = self._detokenize(request, final=True).text  # the whole text, cut at a stop string
+        request.finish_reason = reason
+        request.timing.finished_s = time.monotonic()
+        if reason == FinishReason.PREFILLED:
+            request.status = RequestStatus.PREFILLED  # blocks held until release()
+            return
+        self.block_manager.free(request.block_ids)
+        request.status = RequestStatus.FINISHED
+        self.requests.pop(request.request_id, None)
+
+    # ---- requests out ------------------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        """Free a request's blocks now, whatever its state; False if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.PREFILLED:
+            self.release(request_id)
+        else:
+            self._finish(request, FinishReason.ABORT)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free a PREFILLED request's blocks once its KV has been exported (or its lease ended)."""
+        request = self._get(request_id, RequestStatus.PREFILLED)
+        self.block_manager.free(request.block_ids)
+        request.status = RequestStatus.FINISHED
+        self.requests.pop(request_id, None)
+
+    def _get(self, request_id: str, status: RequestStatus) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if request.status != status:
+            raise ValueError(f"request {request_id!r} is {request.status.name}, expected {status.name}")
+        return request
+
+    # ---- convenience and introspection -------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """One small prefill and decode, so the first real request does not pay for lazy initialisation."""
+        [result] = self.generate(
+            [[0] * min(32, self.max_model_len - 2)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        )
+        if result.error is not None:  # a model that cannot run one forward must not start serving
+            raise RuntimeError(f"warm-up failed: {result.error}")
+        self.block_manager.reset_prefix_cache()
+        self.step_stats.clear()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionResult]:
+        prompts = list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        ids = [self.add_request(p, _copy(sp)) for p, sp in zip(prompts, params_list)]
+        requests = {rid: self.requests[rid] for rid in ids}
+        while any(not r.is_finished for r in requests.values()):
+            self.step()
+        return [_completion(r) for r in requests.values()]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def check_no_leaks(self) -> None:
+        """Raise unless every block is free and no request is left: the check every test ends with."""
+        if self.requests or self.scheduler.has_work():
+            raise AssertionError(f"requests left: {sorted(self.requests)[:10]}")
+        self.block_manager.check_all_free()
+
+
+def _merge(admitted: dict[str, RequestOutput], outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request and step: an admission's text (non-empty only when it finished, and then the request
+    computed nothing this step) goes before what the request's forward added."""
+    for output in outputs:
+        first = admitted.pop(output.request_id, None)
+        if first is not None:
+            output.text_delta = first.text_delta + output.text_delta
+    return [*admitted.values(), *outputs]
+
+
+def _completion(request: Request) -> CompletionResult:
+    if request.finish_reason is None:
+        raise RuntimeError(f"request {request.request_id!r} has not finished")
+    return CompletionResult(
+        text=request.output_text,
+        token_ids=list(request.output_token_ids),
+        finish_reason=request.finish_reason.value,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        error=request.error,
+    )
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
