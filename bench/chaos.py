@@ -25,32 +25,12 @@ import os
 import signal
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.options import add_chaos_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from cluster.config import load_config
-
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
-    parser.add_argument("--model", default=None, help="override model.name")
-    parser.add_argument("--prefill-replicas", type=int, default=None, help="override pools.prefill.replicas")
-    parser.add_argument("--decode-replicas", type=int, default=None, help="override pools.decode.replicas")
-    parser.add_argument("--in-process", action="store_true",
-                        help="workers as threads of this process (no Ray); a kill stops one dead, nothing restarts it")
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the router's per-request deadline")
-    parser.add_argument("--kill-decode-at", type=float, default=0.25, help="fraction of requests done")
-    parser.add_argument("--kill-prefill-at", type=float, default=0.6, help="fraction of requests done")
-    parser.add_argument("--settle-timeout-s", type=float, default=90.0)
-    parser.add_argument("--json", action="store_true")
-
 
 PROMPTS = [
     "Tell me about the history of the bicycle.",

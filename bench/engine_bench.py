@@ -15,23 +15,11 @@ import time
 
 import torch
 
+from bench.options import add_engine_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_loader import DEFAULT_MODEL, parse_dtype, resolve_model_path
+from engine.model_loader import parse_dtype, resolve_model_path
 from engine.request import SamplingParams
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--prefill-prompts", type=int, default=8)
-    parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
 def _timed(fn) -> float:
@@ -54,6 +42,7 @@ def _interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, floa
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -103,10 +92,10 @@ def run(args: argparse.Namespace) -> dict:
         tokens = batch_size * (args.output_len - 1)
         t = _interleaved_medians(
             {
-                "pdserve_full": lambda: ours(batch, args.output_len),
-                "transformers_full": lambda: theirs(batch, args.output_len),
-                "pdserve_first": lambda: ours(batch, 1),
-                "transformers_first": lambda: theirs(batch, 1),
+                "pdserve_full": lambda batch=batch: ours(batch, args.output_len),  # bound: run in this iteration
+                "transformers_full": lambda batch=batch: theirs(batch, args.output_len),
+                "pdserve_first": lambda batch=batch: ours(batch, 1),
+                "transformers_first": lambda batch=batch: theirs(batch, 1),
             },
             args.repeats,
         )

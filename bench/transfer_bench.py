@@ -28,26 +28,12 @@ from typing import Any
 import torch
 import zmq
 
+from bench.options import add_transfer_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.wire import ModelFingerprint
 
 FP = ModelFingerprint("LlamaForCausalLM", "float16", 30, 3, 64, 16)  # SmolLM2-135M
 BLOCK_BYTES = 2 * FP.num_layers * FP.block_size * FP.num_kv_heads * FP.head_dim * 2
-BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo", "local")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64],
-                        help="KV payload sizes in MiB (rounded to whole blocks)")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
-    parser.add_argument("--no-checksum", action="store_true", help="disable xxh3 frame checksums")
-    parser.add_argument("--overlap", action="store_true",
-                        help="also start the served cluster (SmolLM2) and measure how much of the transfer streaming "
-                             "hides behind the prefill, and the int8 wire check (takes minutes)")
-    from bench import overlap_bench
-
-    overlap_bench.add_arguments(parser, prefix="overlap-")
 
 
 def _blocks(size_mib: float) -> int:

@@ -1,131 +1,154 @@
-"""The ``pdserve`` command: one entry point, one subcommand per job; heavy imports happen inside each job."""
+"""The ``pdserve`` command: one entry point, one subcommand per job.
+
+Why the parser is built the way it is: ``pdserve --help`` and ``pdserve status`` (one HTTP GET) must start in a
+fraction of a second on a machine without torch, so this module imports the standard library only. Each subcommand
+names the module that does its job as a string, imported only when that subcommand runs. A benchmark's options are
+declared by a light module (``bench/options.py``, ``bench/loadtest/options.py`` or the benchmark itself where it is
+light), and only when ``pdserve bench <name>`` is the command being parsed (``LazyOptionsParser``), so no benchmark
+module is imported to build the parser.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
+
+from cli import status as status_command  # the standard library only: `pdserve status` is one HTTP GET
+
+Command = Callable[[argparse.Namespace], int]
+
+# (subcommand, help, module declaring its options, that module's function, module running it); the declaring
+# module must import nothing heavy at module level (tests/cli/test_startup.py checks each one)
+BENCHMARKS: list[tuple[str, str, str, str, str]] = [
+    ("engine", "engine decode/prefill throughput vs transformers generate",
+     "bench.options", "add_engine_bench_arguments", "bench.engine_bench"),
+    ("transfer", "KV transfer GB/s per backend vs memcpy and raw ZeroMQ",
+     "bench.options", "add_transfer_bench_arguments", "bench.transfer_bench"),
+    ("serve", "load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)",
+     "bench.loadtest.options", "add_arguments", "bench.loadtest.cli"),
+    ("compare", "the same load against colocated and disaggregated mode",
+     "bench.options", "add_compare_arguments", "bench.compare_modes"),
+    ("chaos", "load while killing workers: lost requests and held KV must be 0",
+     "bench.options", "add_chaos_arguments", "bench.chaos"),
+    ("detok", "incremental detokenizer: microseconds per token vs stream length, against full re-decoding",
+     "bench.detok_bench", "add_arguments", "bench.detok_bench"),
+    ("frontend", "streamed tokens per router CPU-second: tiny-model cluster, 64 streams",
+     "bench.frontend_bench", "add_arguments", "bench.frontend_bench"),
+]
 
 
-def _model_tiny(args: argparse.Namespace) -> int:
-    from engine.tiny_model import build_tiny_model
+class LazyOptionsParser(argparse.ArgumentParser):
+    """A subcommand's parser whose options are declared the first time it parses or prints help.
 
-    path = build_tiny_model(args.out, arch=args.arch, seed=args.seed)
-    print(f"tiny {args.arch} model written to {path}")
-    return 0
+    argparse hands the remaining arguments to a subcommand's parser only when that subcommand was chosen, so the
+    module declaring its options is imported for the command that runs and for no other."""
+
+    def __init__(self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._declare = declare
+
+    def _declare_once(self) -> None:
+        if self._declare is not None:
+            declare, self._declare = self._declare, None
+            declare(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._declare_once()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._declare_once()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._declare_once()
+        return super().format_usage()
 
 
-def _bench(module_name: str):
+def _call(module_name: str, function: str) -> Command:
+    """A command that imports ``module_name`` only when it runs, and calls ``function(args)``."""
+
     def run(args: argparse.Namespace) -> int:
-        import importlib
+        return int(getattr(importlib.import_module(module_name), function)(args))
 
-        module = importlib.import_module(module_name)
-        result = module.run(args)
+    return run
+
+
+def _benchmark(module_name: str) -> Command:
+    """A benchmark command: ``module.run(args)`` returns a dict, printed as JSON (one line with ``--json``)."""
+
+    def run(args: argparse.Namespace) -> int:
+        result = importlib.import_module(module_name).run(args)
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
 
     return run
 
 
-def _lazy(module_name: str, function: str):
-    def run(args: argparse.Namespace) -> int:
-        import importlib
+def _options(module_name: str, function: str) -> Callable[[argparse.ArgumentParser], None]:
+    """Declare a benchmark's options from the light module that holds them (every benchmark takes ``--json``)."""
 
-        return getattr(importlib.import_module(module_name), function)(args)
+    def declare(parser: argparse.ArgumentParser) -> None:
+        getattr(importlib.import_module(module_name), function)(parser)
+        if not any(action.dest == "json" for action in parser._actions):
+            parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
 
-    return run
+    return declare
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from cluster.demo import run_demo
-
-    return run_demo(args)
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print JSON")
+    benchmarks = bench.add_subparsers(dest="bench_command", required=True, parser_class=LazyOptionsParser)
+    for name, help_text, options_module, options_function, run_module in BENCHMARKS:
+        parser = benchmarks.add_parser(name, help=help_text, declare=_options(options_module, options_function))
+        parser.set_defaults(func=_benchmark(run_module))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+    api_key = os.environ.get("PDSERVE_API_KEY")
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     tiny = model.add_parser("tiny", help="build a deterministic tiny random-weight model for tests")
     tiny.add_argument("out")
     tiny.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.set_defaults(func=_model_tiny)
+    tiny.set_defaults(func=_call("cli.model", "tiny"))
 
-    bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="bench_command", required=True)
-    from bench import engine_bench
-
-    engine = bench.add_parser("engine", help="engine decode/prefill throughput vs transformers generate")
-    engine_bench.add_arguments(engine)
-    engine.set_defaults(func=_bench("bench.engine_bench"))
-    try:
-        from bench import transfer_bench
-    except ImportError:  # the transfer layer is optional for an engine-only install
-        transfer_bench = None
-    if transfer_bench is not None:
-        transfer = bench.add_parser("transfer", help="KV transfer GB/s per backend vs memcpy and raw ZeroMQ")
-        transfer_bench.add_arguments(transfer)
-        if not any(a.dest == "json" for a in transfer._actions):
-            transfer.add_argument("--json", action="store_true")
-        transfer.set_defaults(func=_bench("bench.transfer_bench"))
+    _add_bench(sub)
 
     serve = sub.add_parser("serve", help="start the cluster and serve the OpenAI API until Ctrl-C / SIGTERM")
-    serve.add_argument("--config", required=True)
+    serve.add_argument("--config", required=True,
+                       help="a YAML file, or the name of a shipped config (local, gpu-node)")
     serve.add_argument("--address", default=None, help="Ray address ('auto' for a `ray up` cluster)")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--router-processes", type=int, default=None, metavar="N",
                        help="router (frontend) processes serving the port (default: the config's router.processes, 1)")
-    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+    serve.add_argument("--api-key", default=api_key,
                        help="require this key on /v1, /metrics and /status (default: $PDSERVE_API_KEY, else the "
                             "config's router.api_key)")
-    serve.set_defaults(func=_lazy("cluster.serve", "serve"))
+    serve.set_defaults(func=_call("cluster.serve", "serve"))
 
     status = sub.add_parser("status", help="pools, workers and their load, from a running router")
-    status.add_argument("--url", default="http://127.0.0.1:8000")
-    status.add_argument("--timeout", type=float, default=5.0)
-    status.add_argument("--json", action="store_true")
-    status.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                        help="the router's API key (default: $PDSERVE_API_KEY)")
-    status.set_defaults(func=_lazy("cluster.serve", "status"))
-
-    from bench.loadtest import cli as loadtest_cli
-    from bench.loadtest import compare as loadtest_compare
-
-    serve_bench = bench.add_parser("serve", help="load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)")
-    loadtest_cli.add_arguments(serve_bench)
-    serve_bench.set_defaults(func=_bench("bench.loadtest.cli"))
-    compare = bench.add_parser("compare", help="the same load against colocated and disaggregated mode")
-    loadtest_compare.add_arguments(compare)
-    compare.set_defaults(func=_bench("bench.loadtest.compare"))
-
-    from bench import chaos
-
-    chaos_bench = bench.add_parser("chaos", help="load while killing workers: lost requests and held KV must be 0")
-    chaos.add_arguments(chaos_bench)
-    chaos_bench.set_defaults(func=_bench("bench.chaos"))
-
-    from bench import detok_bench  # light: the tokenizer is loaded in run()
-
-    detok = bench.add_parser("detok", help="incremental detokenizer: microseconds per token vs stream length, against full re-decoding")
-    detok_bench.add_arguments(detok)
-    detok.set_defaults(func=_bench("bench.detok_bench"))
-
-    from bench import frontend_bench  # light: the cluster runs in a subprocess, the load tester loads in run()
-
-    frontend = bench.add_parser("frontend", help="streamed tokens per router CPU-second: tiny-model cluster, 64 streams")
-    frontend_bench.add_arguments(frontend)
-    frontend.set_defaults(func=_bench("bench.frontend_bench"))
+    status_command.add_arguments(status, default_api_key=api_key)
+    status.set_defaults(func=status_command.status)
 
     demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
-    demo.add_argument("--config", default=None, help="default: configs/local.yaml")
+    demo.add_argument("--config", default=None, help="default: the shipped local config (configs/local.yaml)")
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-tokens", type=int, default=48)
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_call("cluster.demo", "run_demo"))
+
     return parser
 
 
@@ -133,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     try:
-        return args.func(args)
+        return int(args.func(args))
     except ValueError as exc:  # bad input: a clear message, not a traceback
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2

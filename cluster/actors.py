@@ -9,40 +9,30 @@ from __future__ import annotations
 
 import os
 
-from worker.runtime import WorkerOptions
-from engine.config import EngineConfig
+from worker.spec import WorkerRole, WorkerSpec
 
 
 class WorkerActor:
-    def __init__(
-        self, role: str, options: dict, engine: dict, backend: str, transfer: dict, failure_policy: str,
-        transport: str = "tcp", stream_layers: bool = True, headroom_tokens: int = 0,
-    ) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
+        """Runs in the worker's own process: the host "auto" becomes this node's address here, and the worker's
+        constructor picks the device here (``worker.spec.resolve_spec``), where the GPUs Ray gave it are visible."""
         import ray
 
-        if options.get("host") == "auto":  # each worker binds its own node's address
-            options["host"] = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        worker_options = WorkerOptions(engine=EngineConfig(**engine), **options)
+        if spec.runtime.host == "auto":  # each worker binds its own node's address
+            spec = spec.with_host(ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        if role == "prefill":
+        if spec.role is WorkerRole.PREFILL:
             from prefill.worker import PrefillWorker
-            from transfer.base import TransferConfig
 
-            transfer_config = TransferConfig(**transfer, device=worker_options.engine.device)
-            self.worker = PrefillWorker(worker_options, backend, transfer_config, stream_layers)
-        elif role == "decode":
+            self.worker = PrefillWorker(spec)
+        elif spec.role is WorkerRole.DECODE:
             from decode.worker import DecodeWorker
-            from transfer.base import TransferConfig
 
-            transfer_config = TransferConfig(**transfer, device=worker_options.engine.device)
-            self.worker = DecodeWorker(worker_options, backend, transfer_config, failure_policy, transport,
-                                       headroom_tokens)
-        elif role == "colocated":
+            self.worker = DecodeWorker(spec)
+        else:
             from worker.colocated import ColocatedWorker
 
-            self.worker = ColocatedWorker(worker_options)
-        else:
-            raise ValueError(f"unknown worker role {role!r}")
+            self.worker = ColocatedWorker(spec)
         self.worker.start()
 
     def info(self) -> dict:

@@ -243,8 +243,7 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
         roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
         serving = all(router.live(role) for role in roles)
         workers = router.members.workers.values()
-        unhealthy = {w.name: (w.stats.get("degraded") or "") if w.alive else "dead" for w in workers
-                     if not w.alive or w.stats.get("degraded")}
+        unhealthy = {w.name: w.degraded if w.alive else "dead" for w in workers if not w.alive or w.degraded}
         body = {"status": "ok" if serving and not unhealthy else "degraded", "mode": config.mode,
                 "unhealthy_workers": unhealthy}
         return JSONResponse(body, status_code=200 if serving else 503)

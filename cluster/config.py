@@ -7,18 +7,49 @@ the load test and planner use) and ``ray`` (which cluster to join). ``docs/confi
 
 ``check_network_exposure`` runs on the final config at start-up (after command-line overrides): a server or worker
 reachable from other machines without an API key is refused unless the config says so explicitly.
+
+The config is translated once: ``ClusterConfig.worker_specs`` builds every worker's ``WorkerSpec`` (engine, transfer
+and control-plane settings, worker/spec.py) here and nowhere else. Defaults live once, in the dataclasses the specs
+are made of (``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``); the sections below take theirs from them.
+The device is not chosen here: the process that reads the config may have no GPU (a Ray head node). Each worker
+picks its own in its process (``worker.spec.resolve_device``).
+
+``load_config`` takes a path or the name of a config shipped inside the package (``local``, ``gpu-node.yaml``):
+``configs/`` is package data, found through importlib.resources, so an installed wheel works outside the source tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engine.config import EngineConfig
 from engine.model_loader import DEFAULT_MODEL
+from transfer.base import TransferConfig
+from worker.spec import FailurePolicy, RuntimeOptions, TransferBackend, WorkerRole, WorkerSpec, ZmqTransport
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+MIB = 1024 * 1024
+SHIPPED_CONFIGS = "configs"  # the package that holds the shipped YAML files (package data)
+
+
+def _default(cls: type, name: str):
+    """The default of field ``name`` of dataclass ``cls``: the one place that number is written."""
+    for item in dataclasses.fields(cls):
+        if item.name == name:
+            if item.default is not dataclasses.MISSING:
+                return item.default
+            if callable(item.default_factory):
+                return item.default_factory()
+    raise AttributeError(f"{cls.__name__} has no field {name!r} with a default")
 
 
 class ConfigError(ValueError):
@@ -31,7 +62,7 @@ class _Strict(BaseModel):
 
 class ModelSection(_Strict):
     name: str = DEFAULT_MODEL  # the built-in default, or a local folder of a Llama-family model
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = _default(EngineConfig, "dtype")
     max_model_len: int | None = Field(default=None, gt=0)
 
 
@@ -41,10 +72,10 @@ class PoolSection(_Strict):
     cpus_per_replica: float = Field(default=1, gt=0)  # Ray CPU share (also used on GPU nodes)
     torch_threads: int | None = Field(default=None, gt=0)
     kv_blocks: int | None = Field(default=None, gt=0)  # explicit; otherwise from kv_memory_mb
-    kv_memory_mb: int = Field(default=256, gt=0)
-    max_batch_tokens: int = Field(default=2048, gt=0)
-    max_num_seqs: int = Field(default=64, gt=0)
-    enable_prefix_caching: bool = True
+    kv_memory_mb: int = Field(default=_default(EngineConfig, "kv_cache_memory_bytes") // MIB, gt=0)
+    max_batch_tokens: int = Field(default=_default(EngineConfig, "max_batch_tokens"), gt=0)
+    max_num_seqs: int = Field(default=_default(EngineConfig, "max_num_seqs"), gt=0)
+    enable_prefix_caching: bool = _default(EngineConfig, "enable_prefix_caching")
     reserve_headroom_tokens: int = Field(default=0, ge=0)  # decode: reserved per request beyond prompt + 1 token
     resources: dict[str, float] = Field(default_factory=dict)  # extra Ray resources per replica (pin to node types)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -56,13 +87,16 @@ class PoolsSection(_Strict):
 
 
 class TransferSection(_Strict):
-    backend: Literal["zmq", "nccl", "local"] = "zmq"
-    block_size: int = Field(default=16, gt=0)
-    deadline_s: float = Field(default=30.0, gt=0)  # expect -> KV complete, else the request fails
-    lease_s: float = Field(default=30.0, gt=0)  # prefill holds exported KV this long without word from decode
-    failure_policy: Literal["fail", "recompute"] = "fail"
-    kv_wire_dtype: Literal["raw", "int8"] = "raw"
-    zmq_transport: Literal["tcp", "ipc"] = "tcp"  # ipc: Unix sockets, only when prefill and decode share a node
+    # nccl: KV tensors between GPUs (a pool on the CPU is an error); gloo: the same code on the CPU
+    backend: TransferBackend = _default(WorkerSpec, "transfer_backend")
+    block_size: int = Field(default=_default(EngineConfig, "block_size"), gt=0)
+    # expect -> KV complete, else the request fails
+    deadline_s: float = Field(default=_default(TransferConfig, "deadline_s"), gt=0)
+    # prefill holds exported KV this long without word from decode
+    lease_s: float = Field(default=_default(TransferConfig, "lease_s"), gt=0)
+    failure_policy: FailurePolicy = _default(WorkerSpec, "failure_policy")
+    kv_wire_dtype: Literal["raw", "int8"] = _default(TransferConfig, "wire_dtype")
+    zmq_transport: ZmqTransport = _default(WorkerSpec, "zmq_transport")  # ipc: only when prefill and decode share a node
     stream_layers: bool = True  # False: send the KV after the whole prefill (the baseline the overlap is measured against)
     # the cluster secret: MACs every control message and event and the KV handshake; None: a random one per start
     secret: str | None = None
@@ -90,7 +124,8 @@ class RouterSection(_Strict):
     allow_unauthenticated: bool = False  # serve a non-loopback address without api_key, deliberately
     request_timeout_s: float = Field(default=300.0, gt=0)
     worker_timeout_s: float = Field(default=10.0, gt=0)  # a control call to a worker
-    orphan_timeout_s: float = Field(default=10.0, gt=0)  # workers free every request after this long without the router
+    # workers free every request after this long without the router
+    orphan_timeout_s: float = Field(default=_default(RuntimeOptions, "router_timeout_s"), gt=0)
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     served_model_name: str | None = None  # the name /v1/models reports; default: model.name
     # frontend processes serving the one port (SO_REUSEPORT), each connected to every worker; 1: in this process
@@ -121,16 +156,78 @@ class ClusterConfig(_Strict):
     ray: RaySection = RaySection()
 
     @model_validator(mode="after")
-    def _pools_can_serve(self) -> "ClusterConfig":
+    def _pools_can_serve(self) -> ClusterConfig:
         if self.mode == "disaggregated" and (self.pools.prefill.replicas < 1 or self.pools.decode.replicas < 1):
             raise ValueError("pools: disaggregated mode needs at least one prefill and one decode replica")
         if self.mode == "colocated" and self.pools.prefill.replicas + self.pools.decode.replicas < 1:
             raise ValueError("pools: colocated mode needs at least one worker")
+        problem = self.transfer_backend_problem()
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def transfer_backend_problem(self) -> str:
+        """Why ``transfer.backend`` cannot work with these pools ("" when it can): nccl moves KV between GPUs, so a
+        disaggregated pool on the CPU would quietly fall back to gloo. Saying gloo is how to ask for that."""
+        if self.transfer.backend != "nccl" or self.mode != "disaggregated":
+            return ""  # colocated workers move no KV
+        cpu_pools = [name for name, _, pool in pool_layout(self) if pool.replicas and pool.gpus_per_replica == 0]
+        if not cpu_pools:
+            return ""
+        names = " and ".join(f"pools.{name}" for name in cpu_pools)
+        return (f"transfer.backend: nccl moves KV between GPUs, but {names} has gpus_per_replica: 0; "
+                "use transfer.backend: gloo for the same transfer code on the CPU")
+
+    # ---- the one translation into what the workers run -------------------------------------------------------------
+
+    def engine_config(self, pool: PoolSection, model_path: str) -> EngineConfig:
+        """One pool's engine settings; ``model_path``: the model folder (the default model converted once)."""
+        return EngineConfig(
+            model=model_path, dtype=self.model.dtype, block_size=self.transfer.block_size,
+            num_kv_blocks=pool.kv_blocks, kv_cache_memory_bytes=pool.kv_memory_mb * MIB,
+            max_model_len=self.model.max_model_len, max_batch_tokens=pool.max_batch_tokens,
+            max_num_seqs=pool.max_num_seqs, enable_prefix_caching=pool.enable_prefix_caching,
+            torch_threads=pool.torch_threads)
+
+    def transfer_config(self) -> TransferConfig:
+        """The transfer layer's limits; its device is set in each worker (``worker.spec.resolve_spec``)."""
+        return TransferConfig(deadline_s=self.transfer.deadline_s, lease_s=self.transfer.lease_s,
+                              wire_dtype=self.transfer.kv_wire_dtype, secret=self.transfer.secret)
+
+    def runtime_options(self, router_addresses: list[str], host: str) -> RuntimeOptions:
+        """``router_addresses``: every router process's event socket, by index; ``host``: where workers bind."""
+        return RuntimeOptions(router_addresses=list(router_addresses), host=host, secret=self.transfer.secret,
+                              router_timeout_s=self.router.orphan_timeout_s)
+
+    def worker_specs(self, model_path: str, router_addresses: list[str], host: str) -> list[WorkerSpec]:
+        """Every worker of every pool, in pool order: ``<pool>-<index>``, the pool's role, engine and GPUs."""
+        problem = self.transfer_backend_problem()  # also after assignments, which skip the model validator
+        if problem:
+            raise ConfigError(problem)
+        specs = []
+        for pool_name, role, pool in pool_layout(self):
+            for index in range(pool.replicas):  # each spec its own objects: a worker may resolve its own in place
+                specs.append(WorkerSpec(
+                    name=f"{pool_name}-{index}", role=role, pool=pool_name,
+                    engine=self.engine_config(pool, model_path),
+                    runtime=self.runtime_options(router_addresses, host),
+                    transfer=self.transfer_config(), transfer_backend=self.transfer.backend,
+                    zmq_transport=self.transfer.zmq_transport, stream_layers=self.transfer.stream_layers,
+                    failure_policy=self.transfer.failure_policy,
+                    reserve_headroom_tokens=pool.reserve_headroom_tokens, gpus=pool.gpus_per_replica))
+        return specs
 
     @property
     def served_model_name(self) -> str:
         return self.router.served_model_name or self.model.name
+
+
+def pool_layout(config: ClusterConfig) -> list[tuple[str, WorkerRole, PoolSection]]:
+    """(pool name, worker role, pool section) for every pool; colocated mode keeps the workers, not the split."""
+    if config.mode == "colocated":
+        return [("prefill", WorkerRole.COLOCATED, config.pools.prefill),
+                ("decode", WorkerRole.COLOCATED, config.pools.decode)]
+    return [("prefill", WorkerRole.PREFILL, config.pools.prefill), ("decode", WorkerRole.DECODE, config.pools.decode)]
 
 
 def is_loopback(host: str) -> bool:
@@ -171,14 +268,35 @@ def parse_config(data: dict | None, source: str = "<config>") -> ClusterConfig:
         raise ConfigError(_format_error(source, exc)) from None
 
 
-def load_config(path: str | Path) -> ClusterConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+def shipped_configs() -> list[str]:
+    """The names of the YAML files shipped in the ``configs`` package."""
+    return sorted(entry.name for entry in resources.files(SHIPPED_CONFIGS).iterdir() if entry.name.endswith(".yaml"))
+
+
+def find_config(name_or_path: str | Path) -> Path | Traversable:
+    """A config file: ``name_or_path`` when it is a file, else the shipped config of that name (``local`` or
+    ``local.yaml``), found through importlib.resources wherever the package is installed. ConfigError if neither."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    name = str(name_or_path)
+    if name and "/" not in name and "\\" not in name:  # a bare name: look among the shipped configs
+        shipped = resources.files(SHIPPED_CONFIGS)
+        for candidate in (name, f"{name}.yaml"):
+            entry = shipped.joinpath(candidate)
+            if candidate.endswith(".yaml") and entry.is_file():
+                return entry
+    raise ConfigError(f"{name_or_path}: config file not found (shipped configs, by name: "
+                      f"{', '.join(shipped_configs())})")
+
+
+def load_config(name_or_path: str | Path) -> ClusterConfig:
+    """Load and validate a config file, given by path or by a shipped config's name (``find_config``)."""
+    source = find_config(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(source.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_config(data, str(path))
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    return parse_config(data, str(source))

@@ -1,4 +1,4 @@
-"""``pdserve demo``: a local cluster from ``configs/local.yaml`` with the default model, used the way a client would.
+"""``pdserve demo``: a local cluster from the shipped ``local`` config with the default model, used as a client would.
 
 It starts the cluster (Ray, one prefill and one decode worker, the router), streams one chat answer to the terminal,
 sends a few more chat requests concurrently, prints TTFT and TPOT per request and the router's own added latency
@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
@@ -27,7 +26,7 @@ QUESTIONS = [
     "Name three primary colors.",
     "What does a compiler do?",
 ]
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+DEFAULT_CONFIG = "local"  # the shipped configs/local.yaml, found as package data (cluster.config.find_config)
 
 
 async def _chat(client: httpx.AsyncClient, url: str, model: str, question: str, max_tokens: int, echo: bool) -> dict:

@@ -5,7 +5,7 @@ is accepting connections; ``handle.stop()`` undoes all of it (server, workers, p
 it was started here). ``in_process=True`` runs the workers as threads without Ray (development, fast tests).
 With ``router.processes`` > 1 the HTTP side is N router processes on one port (``cluster/frontend.py``) instead of
 a router and a server thread in this process; with 1 (the default) nothing else changes.
-Without a configured ``transfer.secret`` it makes a random cluster secret and hands it to every worker's constructor:
+Without a configured ``transfer.secret`` it makes a random cluster secret and puts it in every worker's spec:
 the control plane and the KV handshake are authenticated with no configuration at all.
 """
 
@@ -19,9 +19,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig, check_network_exposure
+from cluster.config import ClusterConfig, check_network_exposure, pool_layout
 from cluster.frontend import RouterProcesses, reuseport_socket
-from cluster.pools import LocalPools, RayPools, WorkerRecord, pool_layout
+from cluster.pools import LocalPools, RayPools, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _ensure_ray(config: ClusterConfig, address: str | None) -> bool:
 def with_cluster_secret(config: ClusterConfig) -> ClusterConfig:
     """The config with its cluster secret: the configured one, or 32 random bytes made here (zero configuration).
 
-    Every worker gets it through its constructor (``pools.actor_args``), so it is never needed anywhere else; it
+    Every worker gets it in its spec (``ClusterConfig.worker_specs``), so it is never needed anywhere else; it
     only has to be configured to keep the same one across restarts. The caller's config object is not changed.
     """
     secret = config.transfer.secret

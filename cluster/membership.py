@@ -12,10 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from cluster.metrics import RouterMetrics
+from worker.messages import Command, Stats
 from worker.protocol import MAX_FRAME_BYTES, Channel, Signer
 
 logger = logging.getLogger(__name__)
@@ -32,11 +34,16 @@ class WorkerHandle:
     command_address: str
     socket: zmq.asyncio.Socket
     kv_address: str | None = None
-    stats: dict = field(default_factory=dict)
+    stats: Stats | None = None  # its last heartbeat (None until the first)
     last_seen: float = field(default_factory=time.monotonic)  # any event from it
     stats_seen: float | None = None  # its last heartbeat (what ``stats`` says is that old)
     alive: bool = True
     inflight: int = 0
+
+    @property
+    def degraded(self) -> str:
+        """Why the worker says it should get no new work, as of its last heartbeat ("" when healthy or unknown)."""
+        return self.stats.degraded if self.stats is not None else ""
 
 
 class Membership:
@@ -77,7 +84,7 @@ class Membership:
 
     def routable(self, role: str) -> list[WorkerHandle]:
         """Live workers that may get new requests: not those that report themselves degraded."""
-        return [w for w in self.live(role) if not w.stats.get("degraded")]
+        return [w for w in self.live(role) if not w.degraded]
 
     def mark_dead(self, name: str, reason: str) -> None:
         worker = self.workers.get(name)
@@ -92,10 +99,11 @@ class Membership:
         for worker in list(self.workers.values()):
             if worker.alive and now - worker.last_seen > HEARTBEAT_TIMEOUT_S:
                 self.mark_dead(worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
-            elif worker.alive and worker.stats.get("loop_age_s", 0.0) > STALL_TIMEOUT_S:
-                self.mark_dead(worker.name, f"worker loop stalled for {worker.stats['loop_age_s']:.0f} s")
+            elif worker.alive and worker.stats is not None and worker.stats.loop_age_s > STALL_TIMEOUT_S:
+                self.mark_dead(worker.name, f"worker loop stalled for {worker.stats.loop_age_s:.0f} s")
 
-    def send(self, worker: WorkerHandle, message: dict) -> None:
+    def send(self, worker: WorkerHandle, message: Command) -> None:
+        """Seal and send a command, stamped with this router's index and the time (the message is changed)."""
         signer = self._signers.get(worker.command_address)
         if signer is None:  # a new worker, or a restarted one (new address): forget the replaced ones' signers
             live = {w.command_address for w in self.workers.values()}
@@ -103,27 +111,27 @@ class Membership:
                 del self._signers[address]
             signer = self._signers[worker.command_address] = Signer(self._secret, Channel.COMMANDS,
                                                                     worker.command_address)
+        message.router, message.sent_at = self._router_index, time.time()
         try:
-            worker.socket.send(signer.seal({**message, "router": self._router_index, "sent_at": time.time()}),
-                               zmq.NOBLOCK)
+            worker.socket.send(signer.seal(message), zmq.NOBLOCK)
         except zmq.Again:
             self.mark_dead(worker.name, "command queue full")
 
-    def heard_from(self, name: str | None, kind: str = "", loop_age_s: float = 0.0,
-                   address: str | None = None) -> WorkerHandle | None:
+    def heard_from(self, name: str, heartbeat: Stats | None = None) -> WorkerHandle | None:
         """Note an authenticated event from a worker; None when it comes from another incarnation of that worker.
 
-        ``address`` (heartbeats carry their worker's command address) tells incarnations apart: a heartbeat queued
-        by a process that has since died, or sent by its Ray-restarted successor before the pool re-registers it,
-        neither refreshes nor revives the registered entry. A heartbeat from the registered process when it was
-        marked dead revives it: it was slow or cut off (a long stall, a full queue, a monitor timeout), not gone;
-        what it held was failed or retried when it was marked dead, and the router's aborts free those requests."""
-        worker = self.workers.get(name or "")
-        if worker is not None and address is not None and address != worker.command_address:
+        ``heartbeat`` (the event, when it is one) carries its worker's command address, which tells incarnations
+        apart: a heartbeat queued by a process that has since died, or sent by its Ray-restarted successor before the
+        pool re-registers it, neither refreshes nor revives the registered entry. A heartbeat from the registered
+        process when it was marked dead revives it: it was slow or cut off (a long stall, a full queue, a monitor
+        timeout), not gone; what it held was failed or retried when it was marked dead, and the router's aborts free
+        those requests."""
+        worker = self.workers.get(name)
+        if worker is not None and heartbeat is not None and heartbeat.address != worker.command_address:
             return None
         if worker is not None:
             worker.last_seen = time.monotonic()
-            if not worker.alive and kind == "stats" and loop_age_s <= STALL_TIMEOUT_S and address is not None:
+            if not worker.alive and heartbeat is not None and heartbeat.loop_age_s <= STALL_TIMEOUT_S:
                 worker.alive = True
                 logger.warning("worker %s is heard from again; back in the pool", worker.name)
                 self._metrics.worker_revivals.inc()
@@ -144,7 +152,7 @@ class Membership:
                 "inflight": w.inflight,
                 "last_seen_s": round(now - w.last_seen, 3),
                 "stats_age_s": None if w.stats_seen is None else round(now - w.stats_seen, 3),
-                **{k: v for k, v in w.stats.items() if k not in ("type", "worker", "role")},
+                **heartbeat_status(w.stats),
             }
             for w in self.workers.values()
         ]
@@ -152,3 +160,12 @@ class Membership:
     def _update_gauge(self) -> None:
         for role in ROLES:
             self._metrics.workers_alive.labels(role).set(len(self.live(role)))
+
+
+def heartbeat_status(stats: Stats | None) -> dict:
+    """A heartbeat as ``/status`` shows it: one flat map (address, degraded, loop_age_s, then every load and counter
+    field under its own name); empty before the first heartbeat."""
+    if stats is None:
+        return {}
+    return {"address": stats.address, "degraded": stats.degraded, "loop_age_s": stats.loop_age_s,
+            **msgspec.structs.asdict(stats.load), **msgspec.structs.asdict(stats.counters)}

@@ -16,26 +16,15 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from worker.messages import Stats, WorkerCounters, WorkerLoad
 from worker.protocol import Rejection
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-# worker stats keys exported as gauges (current values) and as counters (monotonic totals from the worker)
-GAUGE_KEYS = ("waiting", "running", "awaiting_kv", "leased_transfers", "free_blocks", "total_blocks")
-TOTAL_KEYS = (
-    "transfers_ok",
-    "transfers_failed",
-    "transfer_bytes",
-    "transfer_seconds",
-    "reservations_refused",
-    "recomputes",
-    "preemptions",
-    "prefix_hit_tokens",
-    "control_rejected",
-    "step_failures",
-    "reservations_expired",
-    "kv_rejected",
-)
+# the heartbeat's fields, exported under their own names: load as gauges (``pdserve_worker{key=...}``), counters as
+# the worker's monotonic totals (``pdserve_worker_total{key=...}``); a field added to either Struct shows up here
+GAUGE_KEYS: tuple[str, ...] = WorkerLoad.__struct_fields__
+TOTAL_KEYS: tuple[str, ...] = WorkerCounters.__struct_fields__
 
 
 class RouterMetrics:
@@ -83,15 +72,13 @@ class RouterMetrics:
         self.detokenize_seconds = Counter("pdserve_router_detokenize_seconds", "CPU time the router process spent "
                                           "detokenizing (0: the workers send text)", registry=r)
 
-    def observe_worker(self, stats: dict) -> None:
-        worker, pool = str(stats.get("worker")), str(stats.get("role"))
+    def observe_worker(self, stats: Stats) -> None:
+        worker, pool, load, counters = stats.worker, stats.role, stats.load, stats.counters
         for key in GAUGE_KEYS:
-            if key in stats:
-                self.worker_gauge.labels(worker, pool, key).set(stats[key])
+            self.worker_gauge.labels(worker, pool, key).set(getattr(load, key))
         for key in TOTAL_KEYS:
-            if key in stats:
-                self.worker_total.labels(worker, pool, key).set(stats[key])
-        self.worker_degraded.labels(worker, pool).set(1 if stats.get("degraded") else 0)
+            self.worker_total.labels(worker, pool, key).set(getattr(counters, key))
+        self.worker_degraded.labels(worker, pool).set(1 if stats.degraded else 0)
 
     def render(self) -> bytes:
         if not self.multiprocess:

@@ -12,18 +12,21 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
+from worker.messages import Stats
+
 
 class Candidate(Protocol):
     name: str
     inflight: int
-    stats: dict
+    stats: Stats | None  # its last heartbeat (None before the first)
 
 
 def load_score(worker: Candidate) -> float:
-    stats = worker.stats
-    total = max(1, stats.get("total_blocks", 1))
-    kv_used = 1.0 - stats.get("free_blocks", total) / total
-    return stats.get("waiting", 0) + stats.get("awaiting_kv", 0) + worker.inflight + kv_used
+    if worker.stats is None:  # not heard from yet: only what the router sent it counts
+        return float(worker.inflight)
+    load = worker.stats.load
+    kv_used = 1.0 - load.free_blocks / load.total_blocks if load.total_blocks > 0 else 0.0
+    return load.waiting + load.awaiting_kv + worker.inflight + kv_used
 
 
 class RoundRobin:

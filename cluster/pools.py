@@ -9,6 +9,9 @@ with several router processes, the group that forwards to each of them (cluster/
 
 ``LocalPools`` runs the same worker classes as threads of this process, with no Ray: for development and for fast
 tests of the data plane. Everything but placement and restarts behaves the same.
+
+Both start each worker from its ``WorkerSpec`` (``ClusterConfig.worker_specs``, the one translation of the config);
+Ray pickles the spec into the actor, and the worker picks its device there, in its own process.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import threading
 from dataclasses import dataclass, field
 
 from cluster.actors import WorkerActor
-from cluster.config import ClusterConfig, ConfigError, PoolSection
+from cluster.config import ClusterConfig, ConfigError, pool_layout
 
 logger = logging.getLogger(__name__)
 
@@ -33,52 +36,13 @@ class WorkerRecord:
     info: dict = field(default_factory=dict)
 
 
-def pool_layout(config: ClusterConfig) -> list[tuple[str, str, PoolSection]]:
-    """(pool name, worker role, pool section) for every pool; colocated mode keeps the workers, not the split."""
-    if config.mode == "colocated":
-        return [("prefill", "colocated", config.pools.prefill), ("decode", "colocated", config.pools.decode)]
-    return [("prefill", "prefill", config.pools.prefill), ("decode", "decode", config.pools.decode)]
-
-
-def engine_settings(config: ClusterConfig, pool: PoolSection, model_path: str) -> dict:
-    import torch
-
-    return {
-        "model": model_path,
-        "dtype": config.model.dtype,
-        "device": "cuda" if pool.gpus_per_replica > 0 and torch.cuda.is_available() else "cpu",
-        "block_size": config.transfer.block_size,
-        "num_kv_blocks": pool.kv_blocks,
-        "kv_cache_memory_bytes": pool.kv_memory_mb * 1024 * 1024,
-        "max_model_len": config.model.max_model_len,
-        "max_batch_tokens": pool.max_batch_tokens,
-        "max_num_seqs": pool.max_num_seqs,
-        "enable_prefix_caching": pool.enable_prefix_caching,
-        "torch_threads": pool.torch_threads,
-    }
-
-
-def actor_args(config: ClusterConfig, role: str, name: str, pool: PoolSection, model_path: str,
-               router_addresses: list[str], host: str) -> tuple:
-    """A worker's constructor arguments; ``router_addresses``: every router process's event socket, by index."""
-    options = {"name": name, "role": role, "router_address": list(router_addresses), "host": host,
-               "secret": config.transfer.secret, "router_timeout_s": config.router.orphan_timeout_s}
-    transfer = {"deadline_s": config.transfer.deadline_s, "lease_s": config.transfer.lease_s,
-                "wire_dtype": config.transfer.kv_wire_dtype, "secret": config.transfer.secret}
-    return (role, options, engine_settings(config, pool, model_path), config.transfer.backend, transfer,
-            config.transfer.failure_policy, config.transfer.zmq_transport, config.transfer.stream_layers,
-            pool.reserve_headroom_tokens)
-
-
 class LocalPools:
     def __init__(self, config: ClusterConfig, model_path: str, router_addresses: list[str], host: str) -> None:
         self.workers: list[WorkerRecord] = []
         try:
-            for pool_name, role, pool in pool_layout(config):
-                for index in range(pool.replicas):
-                    name = f"{pool_name}-{index}"
-                    actor = WorkerActor(*actor_args(config, role, name, pool, model_path, router_addresses, host))
-                    self.workers.append(WorkerRecord(name, role, actor, actor.info()))
+            for spec in config.worker_specs(model_path, router_addresses, host):
+                actor = WorkerActor(spec)
+                self.workers.append(WorkerRecord(spec.name, spec.role.value, actor, actor.info()))
         except BaseException:
             self.stop()
             raise
@@ -107,8 +71,9 @@ class RayPools:
         self._stop = threading.Event()
         self.node_id = ray.get_runtime_context().get_node_id()  # where `pdserve serve` runs
         remote_cls = ray.remote(max_restarts=config.ray.max_restarts, max_task_retries=0)(WorkerActor)
+        specs = config.worker_specs(model_path, router_addresses, host)
         try:
-            for pool_name, role, pool in pool_layout(config):
+            for pool_name, _, pool in pool_layout(config):
                 if pool.replicas == 0:
                     continue
                 bundle = {"CPU": pool.cpus_per_replica, **pool.resources}
@@ -122,16 +87,15 @@ class RayPools:
                 except ray.exceptions.GetTimeoutError:
                     raise ConfigError(f"pools.{pool_name}: the Ray cluster cannot place {pool.replicas} x {bundle} "
                                       f"(available: {ray.available_resources()})") from None
-                for index in range(pool.replicas):
-                    name = f"{pool_name}-{index}"
+                for index, spec in enumerate(s for s in specs if s.pool == pool_name):
                     actor = remote_cls.options(
-                        name=f"pdserve-{name}",
+                        name=f"pdserve-{spec.name}",
                         num_cpus=pool.cpus_per_replica,
-                        num_gpus=pool.gpus_per_replica,
+                        num_gpus=spec.gpus,
                         resources=pool.resources or None,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                    ).remote(*actor_args(config, role, name, pool, model_path, router_addresses, host))
-                    self.workers.append(WorkerRecord(name, role, actor))
+                    ).remote(spec)
+                    self.workers.append(WorkerRecord(spec.name, spec.role.value, actor))
             infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=config.ray.start_timeout_s)
             for record, info in zip(self.workers, infos):
                 record.info = info

@@ -25,6 +25,8 @@ from cluster.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.membership import WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import LeastLoaded, PowerOfTwo, RoundRobin
+from engine.request import SamplingParams
+from worker.messages import Command, ErrorCode, ErrorEvent, Reserve, Reserved, Unreserve
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +35,15 @@ MAX_WORKERS_TRIED = 3  # decode workers asked per round before the request waits
 
 class DecodeReservations:
     def __init__(self, config: ClusterConfig, policy: RoundRobin | LeastLoaded | PowerOfTwo, metrics: RouterMetrics, admission: Admission,
-                 send: Callable[[WorkerHandle, dict], None]) -> None:
+                 send: Callable[[WorkerHandle, Command], None]) -> None:
         self.config = config
         self.block_size = config.transfer.block_size
         self._policy = policy
         self._metrics = metrics
         self._admission = admission
         self._send = send
-        self._pending: dict[tuple[str, str, int], asyncio.Future] = {}  # (wire rid, worker, attempt) -> reply
+        # (wire rid, worker, attempt) -> the reply: Reserved, an ErrorEvent, or None (the worker was marked dead)
+        self._pending: dict[tuple[str, str, int], asyncio.Future[Reserved | ErrorEvent | None]] = {}
         self._attempts = 0
         self._capacity = asyncio.Event()
         self.queue_depth = 0  # this router's requests waiting for decode KV
@@ -57,7 +60,7 @@ class DecodeReservations:
 
     def check_fits(self, workers: list[WorkerHandle], role: str, num_prompt_tokens: int, max_tokens: int) -> None:
         """A prompt that no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""
-        sizes = [int(w.stats["total_blocks"]) for w in workers if "total_blocks" in w.stats]
+        sizes = [w.stats.load.total_blocks for w in workers if w.stats is not None]
         if not sizes:
             return  # no heartbeat yet: the worker itself refuses what cannot fit
         needed = self.blocks_needed(num_prompt_tokens, max_tokens)
@@ -72,24 +75,23 @@ class DecodeReservations:
         self._capacity = asyncio.Event()
 
     async def reserve(self, live: Callable[[], list[WorkerHandle]], wire_rid: str, prompt: list[int],
-                      wire_params: dict, deadline: float) -> tuple[WorkerHandle, dict]:
+                      params: SamplingParams, deadline: float) -> tuple[WorkerHandle, Reserved]:
         """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise."""
-        needed = self.blocks_needed(len(prompt), wire_params["max_tokens"])
+        needed = self.blocks_needed(len(prompt), params.max_tokens)
         queued = False
         try:
             while True:
                 workers = live()
                 if not workers:
                     raise NoWorkers("no live decode worker")
-                fits = [w for w in workers if w.stats.get("free_blocks", needed) >= needed]
+                fits = [w for w in workers if w.stats is None or w.stats.load.free_blocks >= needed]
                 for worker in self._policy.order(fits)[:MAX_WORKERS_TRIED]:
-                    reply = await self._try(worker, wire_rid, prompt, wire_params)
-                    if reply is not None and reply.get("ok"):
+                    reply = await self._try(worker, wire_rid, prompt, params)
+                    if isinstance(reply, Reserved) and reply.ok:
                         return worker, reply
-                    if reply is not None and reply.get("reason") == "invalid_request":
+                    if isinstance(reply, ErrorEvent) and reply.code is ErrorCode.INVALID_REQUEST:
                         # refused for what the request is, not for lack of room: no other worker or wait helps
-                        raise RequestFailed(reply.get("message", "the decode worker refused the request"),
-                                            "invalid_request", 400)
+                        raise RequestFailed(reply.message, ErrorCode.INVALID_REQUEST.value, 400)
                 if not queued:
                     if not self._admission.enter():  # one limit across every router process
                         raise Overloaded("every decode worker's KV cache is reserved and the queue is full")
@@ -109,14 +111,14 @@ class DecodeReservations:
                 self.queue_depth -= 1
                 self._metrics.queue_depth.set(self.queue_depth)
 
-    async def _try(self, worker: WorkerHandle, rid: str, prompt: list[int], wire_params: dict) -> dict | None:
+    async def _try(self, worker: WorkerHandle, rid: str, prompt: list[int],
+                   params: SamplingParams) -> Reserved | ErrorEvent | None:
         future = asyncio.get_running_loop().create_future()
         self._attempts += 1
         key = (rid, worker.name, self._attempts)
         self._pending[key] = future
         try:
-            self._send(worker, {"type": "reserve", "rid": rid, "prompt": prompt, "params": wire_params,
-                                "attempt": self._attempts})
+            self._send(worker, Reserve(rid, prompt, params, attempt=self._attempts))
             return await asyncio.wait_for(future, timeout=self.config.router.worker_timeout_s)
         except asyncio.TimeoutError:
             logger.warning("decode worker %s did not answer a reservation in time", worker.name)
@@ -124,27 +126,26 @@ class DecodeReservations:
         finally:
             self._pending.pop(key, None)
 
-    def on_reserved(self, message: dict, worker: WorkerHandle | None) -> None:
+    def on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> None:
         """A decode worker's ``reserved`` reply."""
-        attempt = message.get("attempt", -1)
-        future = self._pending.get((message["rid"], message.get("worker"), attempt))
+        future = self._pending.get((reply.rid, reply.worker, reply.attempt))
         if future is not None and not future.done():
-            future.set_result(message)
-        elif message.get("ok") and worker is not None:
+            future.set_result(reply)
+        elif reply.ok and worker is not None:
             # a reply that came after we gave up: undo that attempt (a later one on the same worker stays)
-            self._send(worker, {"type": "unreserve", "rid": message["rid"], "attempt": attempt})
+            self._send(worker, Unreserve(reply.rid, attempt=reply.attempt))
 
     def on_worker_dead(self, worker_name: str) -> None:
         """A worker marked dead answers none of its pending reservations: try the next worker now, not after
         ``worker_timeout_s`` (if it answers after all, its late ``ok`` is undone like any other)."""
         for (_, name, _), future in list(self._pending.items()):
             if name == worker_name and not future.done():
-                future.set_result({"ok": False, "reason": "worker_died"})
+                future.set_result(None)  # no answer: the next worker is tried, as after a timeout
 
-    def on_error(self, rid: str, worker_name: str | None, message: dict) -> bool:
+    def on_error(self, error: ErrorEvent) -> bool:
         """An ``error`` event that answers a pending reservation (the worker could not even try); True if it did."""
-        future = next((f for (r, w, _), f in self._pending.items() if r == rid and w == worker_name), None)
+        future = next((f for (r, w, _), f in self._pending.items() if r == error.rid and w == error.worker), None)
         if future is None or future.done():
             return False
-        future.set_result({"ok": False, "reason": message.get("code"), "message": message["message"]})
+        future.set_result(error)
         return True

@@ -1,7 +1,8 @@
 """The router's request flow: pick workers, reserve decode KV, dispatch, and fan the workers' events back out.
 
-It lives in the HTTP server's event loop and talks to workers over ZeroMQ (``worker/protocol.py``): one PUSH socket
-per worker for commands, one PULL socket for every worker's events. Tokens never pass through Ray.
+It lives in the HTTP server's event loop and talks to workers over ZeroMQ (typed messages, ``worker/messages.py``,
+sealed by ``worker/protocol.py``): one PUSH socket per worker for commands, one PULL socket for every worker's events,
+each event handled by its type (``_dispatch``). Tokens never pass through Ray.
 
 Disaggregated request (``generate``):
 1. Reserve decode KV (``cluster/reservations.py``): the first decode worker in policy order that has room reserves
@@ -33,11 +34,12 @@ from cluster.errors import NoWorkers, RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import make_policy
-from worker.protocol import (MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier,
-                              params_to_wire)
 from cluster.reservations import DecodeReservations
 from cluster.streams import Stream, TokenEvent
 from engine.request import SamplingParams
+from worker.messages import (Abort, Command, DecodeTiming, ErrorCode, ErrorEvent, Event, FirstToken, Generate, Ping,
+                             Prefill, PrefillTiming, Reserved, Start, Stats, Tokens)
+from worker.protocol import MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ class Router:
         self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of, index)
         self.reservations = DecodeReservations(config, self._policies["decode"], self.metrics,
                                                admission or Admission(config.router.queue_size), self._send)
+        self._handlers = {Stats: self._on_stats, Reserved: self._on_reserved, FirstToken: self._on_first_token,
+                          Tokens: self._on_tokens, ErrorEvent: self._on_error}
 
     # ---- membership (cluster/membership.py) --------------------------------------------------------------------
 
@@ -154,13 +158,13 @@ class Router:
                     while self._events.getsockopt(zmq.RCVMORE):
                         await self._events.recv(copy=False)
                     raise AuthError(Rejection.MULTIPART)
-                message = verifier.open(data)
+                event = verifier.open(data)
             except AuthError as exc:
                 self.metrics.control_rejected.labels(exc.reason.value).inc()
                 rejections.note(exc)
                 continue
             try:
-                self._dispatch(message)
+                self._dispatch(event)  # type: ignore[arg-type]  # an event socket's verifier decodes events
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("router: dropped a bad event: %s", exc)
 
@@ -172,50 +176,51 @@ class Router:
             if now - last_ping >= PING_INTERVAL_S:
                 last_ping = now
                 for worker in self.members.live():
-                    self._send(worker, {"type": "ping"})
+                    self._send(worker, Ping())
             self.members.expire(now)
 
-    def _dispatch(self, message: dict) -> None:
-        kind = message["type"]
-        loop_age_s = message.get("loop_age_s", 0.0) if kind == "stats" else 0.0
-        address = message.get("address") if kind == "stats" else None
-        worker = self.members.heard_from(message.get("worker"), kind,
-                                         loop_age_s if isinstance(loop_age_s, (int, float)) else 0.0,
-                                         address if isinstance(address, str) else None)
-        if kind == "stats":
-            if worker is not None:
-                worker.stats, worker.stats_seen = message, time.monotonic()
-                self.metrics.observe_worker(message)
-            self._wake()
-        elif kind == "reserved":
-            self.reservations.on_reserved(message, worker)
-        elif kind == "first_token":
-            stream = self.streams.get(message["rid"])
-            if stream is None or message.get("worker") != stream.prefill:
-                return  # not (or no longer) this worker's request: a stale or lying event
-            token, text = message["token"], message["text"]
-            stream.timing.update({f"prefill_{k}": v for k, v in (message.get("timing") or {}).items()})
-            decode = self.members.get(stream.decode)
-            if decode is not None:
-                self._send(decode, {"type": "start", "rid": stream.wire_rid, "first_token": token})
-            self._push(stream, 1, text, None)
-        elif kind == "tokens":
-            name, streams = message.get("worker"), self.streams
-            for rid, token_ids, text, finish_reason, timing in message["items"]:
-                stream = streams.get(rid)
-                if stream is None or name != stream.decode:
-                    continue
-                if timing:
-                    stream.timing.update(timing)
-                self._push(stream, len(token_ids), text, finish_reason)
-        elif kind == "error":
-            rid, name = message.get("rid") or "", message.get("worker")
-            if self.reservations.on_error(rid, name, message):  # the decode worker could not even try to reserve
-                return
-            stream = self.streams.get(rid)
-            if stream is not None and name in (stream.prefill, stream.decode):
-                status = 400 if message.get("code") == "invalid_request" else 500
-                stream.fail(RequestFailed(message["message"], message.get("code"), status))
+    def _dispatch(self, event: Event) -> None:
+        """One authenticated event, to its handler by type (every event names its worker)."""
+        worker = self.members.heard_from(event.worker, event if isinstance(event, Stats) else None)
+        self._handlers[type(event)](event, worker)  # type: ignore[operator]
+
+    def _on_stats(self, stats: Stats, worker: WorkerHandle | None) -> None:
+        if worker is not None:
+            worker.stats, worker.stats_seen = stats, time.monotonic()
+            self.metrics.observe_worker(stats)
+        self._wake()
+
+    def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> None:
+        self.reservations.on_reserved(reply, worker)
+
+    def _on_first_token(self, event: FirstToken, worker: WorkerHandle | None) -> None:
+        stream = self.streams.get(event.rid)
+        if stream is None or event.worker != stream.prefill:
+            return  # not (or no longer) this worker's request: a stale or lying event
+        stream.timing.update(response_timing(event.timing))
+        decode = self.members.get(stream.decode)
+        if decode is not None:
+            self._send(decode, Start(stream.wire_rid, event.token))
+        self._push(stream, 1, event.text, None)
+
+    def _on_tokens(self, event: Tokens, worker: WorkerHandle | None) -> None:
+        name, streams = event.worker, self.streams
+        for item in event.items:
+            stream = streams.get(item.rid)
+            if stream is None or name != stream.decode:
+                continue
+            if item.timing is not None:
+                stream.timing.update(response_timing(item.timing))
+            finish = item.finish_reason
+            self._push(stream, len(item.token_ids), item.text, None if finish is None else finish.value)
+
+    def _on_error(self, error: ErrorEvent, worker: WorkerHandle | None) -> None:
+        if self.reservations.on_error(error):  # the decode worker could not even try to reserve
+            return
+        stream = self.streams.get(error.rid)
+        if stream is not None and error.worker in (stream.prefill, stream.decode):
+            status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
+            stream.fail(RequestFailed(error.message, error.code.value, status))
 
     def _push(self, stream: Stream, num_tokens: int, text: str, finish_reason: str | None) -> None:
         first = stream.first_token_s is None
@@ -225,7 +230,7 @@ class Router:
     def _wake(self) -> None:
         self.reservations.wake()
 
-    def _send(self, worker: WorkerHandle, message: dict) -> None:
+    def _send(self, worker: WorkerHandle, message: Command) -> None:
         self.members.send(worker, message)
 
     # ---- requests ----------------------------------------------------------------------------------------------
@@ -337,37 +342,26 @@ class Router:
         for name in {stream.prefill, stream.decode} - {None}:
             worker = self.members.get(name)
             if worker is not None:
-                self._send(worker, {"type": "abort", "rid": wire_rid})
+                self._send(worker, Abort(wire_rid))
 
     async def _dispatch_request(self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float) -> None:
-        wire_params = params_to_wire(params)
         role = "colocated" if self.config.mode == "colocated" else "decode"
         self.reservations.check_fits(self.live(role), role, len(prompt), params.max_tokens)
         if self.config.mode == "colocated":
             worker = self._pick("colocated")
             stream.decode = worker.name
             worker.inflight += 1
-            self._send(worker, {"type": "generate", "rid": stream.wire_rid, "prompt": prompt, "params": wire_params})
+            self._send(worker, Generate(stream.wire_rid, prompt, params))
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             return
         decode, reply = await self.reservations.reserve(lambda: self.live("decode"), stream.wire_rid, prompt,
-                                                        wire_params, deadline)
+                                                        params, deadline)
         stream.decode = decode.name
         decode.inflight += 1
         prefill = self._pick("prefill")
         stream.prefill = prefill.name
         prefill.inflight += 1
-        self._send(
-            prefill,
-            {
-                "type": "prefill",
-                "rid": stream.wire_rid,
-                "prompt": prompt,
-                "params": wire_params,
-                "kv_address": reply["kv_address"],
-                "dst_blocks": reply["blocks"],
-            },
-        )
+        self._send(prefill, Prefill(stream.wire_rid, prompt, params, reply.kv_address, reply.blocks))
         stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
 
     def _pick(self, role: str) -> WorkerHandle:
@@ -387,3 +381,17 @@ class Router:
                        "requests_finished": self.metrics.local_value("pdserve_requests_total", outcome="finished")},
             "workers": self.members.status(),
         }
+
+
+
+def response_timing(timing: PrefillTiming | DecodeTiming) -> dict[str, float]:
+    """A worker's timing as the response's ``timing`` map names it (the one place that converts): a prefill's fields
+    as ``prefill_<field>``, the decode worker's under their own names, ``recomputed`` as 1.0; fields the worker did
+    not reach (None, or recomputed False) are left out."""
+    prefix = "prefill_" if isinstance(timing, PrefillTiming) else ""
+    out = {}
+    for name in timing.__struct_fields__:
+        value = getattr(timing, name)
+        if value is not None and value is not False:
+            out[prefix + name] = 1.0 if value is True else value
+    return out

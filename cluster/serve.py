@@ -1,19 +1,18 @@
-"""``pdserve serve`` and ``pdserve status``: run a cluster until Ctrl-C or SIGTERM; show a running one's pools."""
+"""``pdserve serve``: run a cluster until Ctrl-C or SIGTERM (``pdserve status`` is ``cli/status.py``)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import threading
-import urllib.error
-import urllib.request
 
 from cluster.config import load_config
 
 
 def serve(args: argparse.Namespace) -> int:
+    """``--config``: a YAML path, or the name of a shipped config (``local``, ``gpu-node``), wherever pdserve is
+    installed (``cluster.config.find_config``)."""
     from cluster.launch import start_serving
 
     config = load_config(args.config)
@@ -74,31 +73,3 @@ def _force_exit(handle, reason: str) -> None:
     finally:
         os._exit(0)
 
-
-def status(args: argparse.Namespace) -> int:
-    api_key = getattr(args, "api_key", None)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    request = urllib.request.Request(f"{args.url.rstrip('/')}/status", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            data = json.load(response)
-    except urllib.error.HTTPError as exc:
-        hint = " (pass --api-key or set PDSERVE_API_KEY)" if exc.code == 401 else ""
-        raise ValueError(f"the router at {args.url} refused: HTTP {exc.code} {exc.reason}{hint}") from None
-    except OSError as exc:
-        raise ValueError(f"no pdserve router answers at {args.url}: {exc}") from None
-    if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    print(f"mode: {data['mode']}   model: {data['model']}   in flight: {data['inflight']}   queued: {data['queue_depth']}")
-    router = data.get("router") or {}
-    if router.get("processes", 1) > 1:  # the numbers above are this process's; the queue bound is shared
-        print(f"router process {router['index']} of {router['processes']} (pid {router['pid']}); queued in all: "
-              f"{router.get('queue_depth_all', '?')}")
-    header = f"{'worker':<14}{'role':<11}{'alive':<7}{'waiting':>8}{'running':>8}{'kv free':>12}{'transfers':>11}{'kv bytes':>12}"
-    print(header)
-    for w in data["workers"]:
-        kv = f"{w.get('free_blocks', '?')}/{w.get('total_blocks', '?')}"
-        print(f"{w['name']:<14}{w['role']:<11}{str(w['alive']):<7}{w.get('waiting', 0):>8}{w.get('running', 0):>8}"
-              f"{kv:>12}{int(w.get('transfers_ok', 0)):>11}{int(w.get('transfer_bytes', 0)):>12}")
-    return 0

@@ -21,10 +21,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from worker.protocol import params_from_wire
-from worker.runtime import WorkerOptions, WorkerRuntime
+from worker.messages import (Command, DecodeTiming, ErrorCode, Reserve, Reserved, Start, Stats, TokenItem, Tokens,
+                             Unreserve)
+from worker.runtime import WorkerRuntime
+from worker.spec import WorkerSpec
 from engine.request import RequestOutput, SamplingParams
-from transfer.base import TransferConfig, make_receiver
+from transfer.base import make_receiver
 from transfer.errors import SenderAborted
 from transfer.wire import ModelFingerprint
 
@@ -43,35 +45,32 @@ class RemoteRequest:
     attempt: int = -1  # the router's latest reservation attempt this reservation answers
 
 
+@dataclass(slots=True)
+class PendingTiming:
+    """An admitted request's timing until it is sent (with its first decoded token, and again with its finish)."""
+
+    timing: DecodeTiming
+    admitted_s: float = field(default_factory=time.monotonic)  # joined the batch (decode_queue_s counts from here)
+
+
 class DecodeWorker(WorkerRuntime):
     role = "decode"
 
-    def __init__(
-        self,
-        options: WorkerOptions,
-        backend: str = "zmq",
-        transfer: TransferConfig | None = None,
-        failure_policy: str = "fail",
-        transport: str = "tcp",
-        headroom_tokens: int = 0,
-    ) -> None:
-        super().__init__(options)
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)  # self.spec: resolved in this process (device chosen)
+        spec = self.spec
         self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
         self.receiver = make_receiver(
-            backend, self.fingerprint, self._write_kv, receiver_address(backend, transport, options), transfer
+            spec.transfer_backend, self.fingerprint, self._write_kv, receiver_address(spec), spec.transfer
         )
-        self.failure_policy = failure_policy
-        self.headroom_tokens = headroom_tokens
+        self.failure_policy = spec.failure_policy
+        self.headroom_tokens = spec.reserve_headroom_tokens
         # a reservation whose first token (``start``) has not come this long after it was made is freed: the
         # router lost it or died; the transfer's own deadline bounds the KV, this bounds the rest
-        self.start_deadline_s = (transfer or TransferConfig()).deadline_s
+        self.start_deadline_s = spec.transfer.deadline_s
         self._next_expiry_check_s = 0.0
         self.remote: dict[str, RemoteRequest] = {}
-        self.timing: dict[str, dict] = {}
-        self.counters.update(
-            reservations_refused=0, transfers_ok=0, transfers_failed=0, transfer_bytes=0, recomputes=0,
-            reservations_expired=0,
-        )
+        self.timing: dict[str, PendingTiming] = {}
 
     def info(self) -> dict:
         return {**super().info(), "kv_address": self.receiver.address}
@@ -82,25 +81,22 @@ class DecodeWorker(WorkerRuntime):
     def _write_kv(self, transfer_id: str, layer: int, dst_block_ids: list[int], k, v) -> None:
         self.engine.write_kv_blocks(layer, dst_block_ids, k, v)
 
-    def handle(self, message: dict) -> None:
-        kind, rid = message["type"], message["rid"]
-        if kind == "reserve":
-            attempt = message.get("attempt", -1)
-            self._reserve(rid, list(message["prompt"]), params_from_wire(message["params"]),
-                          attempt if isinstance(attempt, int) else -1)
-        elif kind == "unreserve":  # our answer to that attempt came too late; a later attempt's reservation stays
-            remote = self.remote.get(rid)
-            if remote is not None and remote.first_token is None and remote.attempt == message.get("attempt"):
-                self.abort(rid)
-        elif kind == "start":
-            remote = self.remote.get(rid)
+    def handle(self, command: Command, arrival_s: float) -> None:
+        if isinstance(command, Reserve):
+            self._reserve(command.rid, command.prompt, command.params, command.attempt)
+        elif isinstance(command, Unreserve):  # our answer to that attempt came too late; a later attempt's stays
+            remote = self.remote.get(command.rid)
+            if remote is not None and remote.first_token is None and remote.attempt == command.attempt:
+                self.abort(command.rid)
+        elif isinstance(command, Start):
+            remote = self.remote.get(command.rid)
             if remote is None:
-                raise KeyError(f"request {rid!r} has no reservation here")
-            remote.first_token = int(message["first_token"])
+                raise KeyError(f"request {command.rid!r} has no reservation here")
+            remote.first_token = command.first_token
             remote.start_s = time.monotonic()
-            self._maybe_admit(rid)
+            self._maybe_admit(command.rid)
         else:
-            super().handle(message)
+            super().handle(command, arrival_s)
 
     def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = -1) -> None:
         held = self.engine.requests.get(rid)
@@ -114,22 +110,12 @@ class DecodeWorker(WorkerRuntime):
                 self.receiver.expect(rid, blocks[:num_src], num_layers=self.engine.kv_spec.num_layers)
                 self.remote[rid] = RemoteRequest(prompt, params)
         if blocks is None:
-            self.counters["reservations_refused"] += 1
-            self.emit({"type": "reserved", "rid": rid, "worker": self.name, "ok": False, "reason": "kv_full",
-                       "attempt": attempt})
+            self.counters.reservations_refused += 1
+            self.emit(Reserved(rid=rid, worker=self.name, ok=False, attempt=attempt, reason="kv_full"))
             return
         self.remote[rid].attempt = attempt
-        self.emit(
-            {
-                "type": "reserved",
-                "rid": rid,
-                "worker": self.name,
-                "ok": True,
-                "attempt": attempt,
-                "blocks": blocks,
-                "kv_address": self.receiver.address,
-            }
-        )
+        self.emit(Reserved(rid=rid, worker=self.name, ok=True, attempt=attempt, blocks=blocks,
+                           kv_address=self.receiver.address))
 
     def _maybe_admit(self, rid: str) -> None:
         remote = self.remote[rid]
@@ -141,20 +127,19 @@ class DecodeWorker(WorkerRuntime):
         if remote.kv_done_s is None:
             return
         del self.remote[rid]
-        self.timing[rid] = {
-            "kv_done_mono": remote.kv_done_s,
-            "kv_transfer_s": remote.kv_done_s - remote.expected_s,
-            "kv_wait_after_first_token_s": max(0.0, remote.kv_done_s - remote.start_s),
-            "admitted_s": time.monotonic(),
-        }
+        self.timing[rid] = PendingTiming(DecodeTiming(
+            kv_done_mono=remote.kv_done_s,
+            kv_transfer_s=remote.kv_done_s - remote.expected_s,
+            kv_wait_after_first_token_s=max(0.0, remote.kv_done_s - remote.start_s),
+        ))
         # the first token and its text were already streamed by the router: only a finish needs reporting here
         self._send(self.engine.complete_remote(rid, remote.first_token), skip_first=True)
 
     def _recompute(self, rid: str, remote: RemoteRequest) -> None:
         """failure_policy=recompute: prefill here what the transfer failed to bring, first token included."""
         del self.remote[rid]
-        self.counters["recomputes"] += 1
-        self.timing[rid] = {"recomputed": 1.0, "admitted_s": time.monotonic()}
+        self.counters.recomputes += 1
+        self.timing[rid] = PendingTiming(DecodeTiming(recomputed=True))
         # the first token counts towards max_tokens (and may finish the request) and its text is not sent again
         self._send(self.engine.add_resumed_request(remote.prompt, remote.params, rid, remote.first_token),
                    skip_first=True)
@@ -168,10 +153,10 @@ class DecodeWorker(WorkerRuntime):
             if remote.first_token is None and now - remote.expected_s > self.start_deadline_s:
                 logger.warning("%s: reservation %s got no start in %.0f s; freeing it", self.name, rid,
                                self.start_deadline_s)
-                self.counters["reservations_expired"] += 1
+                self.counters.reservations_expired += 1
                 self.abort(rid)
                 self.emit_error(rid, f"no first token reached the decode worker within {self.start_deadline_s:.0f} s",
-                                "reservation_expired")
+                                ErrorCode.RESERVATION_EXPIRED)
 
     def tick(self) -> None:
         self._expire_reservations()
@@ -180,12 +165,12 @@ class DecodeWorker(WorkerRuntime):
             if remote is None:
                 continue  # aborted meanwhile: its blocks are already free
             if event.ok:
-                self.counters["transfers_ok"] += 1
-                self.counters["transfer_bytes"] += event.nbytes
+                self.counters.transfers_ok += 1
+                self.counters.transfer_bytes += event.nbytes
                 remote.kv_done_s = time.monotonic()
                 self._maybe_admit(event.transfer_id)
                 continue
-            self.counters["transfers_failed"] += 1
+            self.counters.transfers_failed += 1
             rid = event.transfer_id
             self.engine.abort(rid)  # frees the reserved blocks
             if self.failure_policy == "recompute":
@@ -197,7 +182,7 @@ class DecodeWorker(WorkerRuntime):
                 del self.remote[rid]
             else:
                 del self.remote[rid]
-                self.emit_error(rid, f"KV transfer failed: {event.error}", "kv_transfer_failed")
+                self.emit_error(rid, f"KV transfer failed: {event.error}", ErrorCode.KV_TRANSFER_FAILED)
         if self.engine.has_unfinished():
             self._send(self.engine.step())
 
@@ -206,32 +191,31 @@ class DecodeWorker(WorkerRuntime):
         for output in outputs:
             if output.error is not None:  # finish_reason ERROR (blocks already freed): an error for that request only
                 self.timing.pop(output.request_id, None)
-                self.counters["errors"] += 1
-                self.emit_error(output.request_id, output.error, output.error_code or "worker_error")
+                self.counters.errors += 1
+                self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
                 continue
             tokens = [] if skip_first else output.new_token_ids
             timing = None
             if output.finished or output.request_id in self.timing:
                 timing = self._timing(output.request_id, output.finished)
             if tokens or output.text_delta or output.finished:
-                items.append([output.request_id, tokens, output.text_delta,
-                              output.finish_reason and output.finish_reason.value, timing])
+                items.append(TokenItem(output.request_id, tokens, output.text_delta, output.finish_reason, timing))
         if items:
-            self.emit({"type": "tokens", "worker": self.name, "items": items})
+            self.emit(Tokens(worker=self.name, items=items))
 
-    def _timing(self, rid: str, finished: bool) -> dict | None:
+    def _timing(self, rid: str, finished: bool) -> DecodeTiming | None:
         """The request's timing, sent with its first decoded token and again with its finish, not every step."""
-        timing = self.timing.get(rid)
-        if timing is None:
+        pending = self.timing.get(rid)
+        if pending is None:
             return None
-        first = "decode_queue_s" not in timing
+        first = pending.timing.decode_queue_s is None
         if first:
-            timing["decode_queue_s"] = time.monotonic() - timing["admitted_s"]
+            pending.timing.decode_queue_s = time.monotonic() - pending.admitted_s
         if finished:
             self.timing.pop(rid, None)
         elif not first:
             return None
-        return {k: v for k, v in timing.items() if k != "admitted_s"}
+        return pending.timing
 
     def abort(self, rid: str) -> None:
         if self.remote.pop(rid, None) is not None:
@@ -243,19 +227,21 @@ class DecodeWorker(WorkerRuntime):
         """A dead KV receiver I/O thread (nccl pair links): transfers into this worker would fail."""
         return self.receiver.io_problem()
 
-    def stats(self) -> dict:
-        # kv_rejected: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
-        return {**super().stats(), "awaiting_kv": len(self.remote), "kv_rejected": self.receiver.rejected}
+    def stats(self) -> Stats:
+        stats = super().stats()
+        stats.load.awaiting_kv = len(self.remote)
+        stats.counters.kv_rejected = self.receiver.rejected  # KV-plane messages dropped unread (the receiver counts)
+        return stats
 
     def close(self) -> None:
         self.receiver.close()
         super().close()
 
 
-def receiver_address(backend: str, transport: str, options: WorkerOptions) -> str:
+def receiver_address(spec: WorkerSpec) -> str:
     """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name."""
-    if backend == "local":
-        return f"local://{options.name}-{uuid.uuid4().hex[:8]}"
-    if transport == "ipc":
-        return f"ipc://{tempfile.gettempdir()}/pdserve-{options.name}-{uuid.uuid4().hex[:8]}.sock"
-    return f"tcp://{options.host}:0"
+    if spec.transfer_backend == "local":
+        return f"local://{spec.name}-{uuid.uuid4().hex[:8]}"
+    if spec.zmq_transport == "ipc":
+        return f"ipc://{tempfile.gettempdir()}/pdserve-{spec.name}-{uuid.uuid4().hex[:8]}.sock"
+    return f"tcp://{spec.runtime.host}:0"

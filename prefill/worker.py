@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from worker.protocol import params_from_wire
-from worker.runtime import WorkerOptions, WorkerRuntime, finish_timing
+from worker.messages import Command, ErrorCode, FirstToken, Prefill, Stats
+from worker.runtime import WorkerRuntime, finish_timing
+from worker.spec import WorkerSpec
 from engine.attention import AttentionBatch
 from engine.request import RequestStatus
-from transfer.base import TransferConfig, make_sender
+from transfer.base import make_sender
 from transfer.wire import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -39,42 +40,34 @@ class OutboundKV:
 class PrefillWorker(WorkerRuntime):
     role = "prefill"
 
-    def __init__(
-        self,
-        options: WorkerOptions,
-        backend: str = "zmq",
-        transfer: TransferConfig | None = None,
-        stream_layers: bool = True,
-    ) -> None:
-        super().__init__(options)
-        self.stream_layers = stream_layers
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)  # self.spec: resolved in this process (device chosen)
+        stream_layers = self.stream_layers = self.spec.stream_layers
         self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
-        self.sender = make_sender(backend, self.fingerprint, transfer)
+        self.sender = make_sender(self.spec.transfer_backend, self.fingerprint, self.spec.transfer)
         self.outbound: dict[str, OutboundKV] = {}
         # transfers whose end the router already knows of (it aborted them, or got this worker's error first):
         # their failure in poll() is not reported again
         self._known_to_router: set[str] = set()
         if stream_layers:
             self.engine.set_layer_hook(self._on_layer)
-        self.counters.update(transfers_ok=0, transfers_failed=0, transfer_bytes=0, transfer_seconds=0.0)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self.outbound)
 
-    def handle(self, message: dict) -> None:
-        if message["type"] != "prefill":
-            return super().handle(message)
-        rid = message["rid"]
-        params = params_from_wire(message["params"])
+    def handle(self, command: Command, arrival_s: float) -> None:
+        if not isinstance(command, Prefill):
+            return super().handle(command, arrival_s)
+        rid, params = command.rid, command.params
         params.max_tokens = 1
-        self.engine.add_request(list(message["prompt"]), params, rid, prefill_only=True, arrival_s=message["arrival_s"])
+        self.engine.add_request(command.prompt, params, rid, prefill_only=True, arrival_s=arrival_s)
         num_prompt = len(self.engine.requests[rid].prompt_token_ids)
-        dst_blocks = list(message["dst_blocks"])
+        dst_blocks = command.dst_blocks
         if len(dst_blocks) < self.engine.block_manager.blocks_for(num_prompt):
             self.engine.abort(rid)
             raise ValueError(f"decode reserved {len(dst_blocks)} blocks, the prompt needs more")
         self.outbound[rid] = OutboundKV(dst_blocks, num_prompt)
-        self.sender.begin(rid, message["kv_address"])
+        self.sender.begin(rid, command.kv_address)
 
     def _on_layer(self, layer: int, batch: AttentionBatch) -> None:
         block_size = self.engine.kv_spec.block_size
@@ -109,8 +102,8 @@ class PrefillWorker(WorkerRuntime):
             if output.error is not None:  # finish_reason ERROR: the engine has already freed the request's blocks
                 # tell the router first (the client's error names the cause, not the aborted transfer), then abort
                 # the transfer: its lease ends in poll() below, where _release finds nothing left to free
-                self.counters["errors"] += 1
-                self.emit_error(output.request_id, output.error, output.error_code or "worker_error")
+                self.counters.errors += 1
+                self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
                 if output.request_id in self.outbound:
                     self._known_to_router.add(output.request_id)
                     self.sender.abort(output.request_id, output.error)
@@ -121,30 +114,26 @@ class PrefillWorker(WorkerRuntime):
             if not self.stream_layers:
                 self._send_all_layers(output.request_id)
             self.sender.finish(output.request_id)
-            self.emit(
-                {
-                    "type": "first_token",
-                    "rid": output.request_id,
-                    "worker": self.name,
-                    "token": output.new_token_ids[0],
-                    "text": output.text_delta,  # the first token's text; the decode worker continues from it
-                    # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
-                    "timing": {**finish_timing(request), "end_mono": request.first_token_s},
-                }
-            )
+            timing = finish_timing(request)
+            # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
+            timing.end_mono = request.first_token_s
+            # text: the first token's text; the decode worker continues from it
+            self.emit(FirstToken(rid=output.request_id, worker=self.name, token=output.new_token_ids[0],
+                                 text=output.text_delta, timing=timing))
         for event in self.sender.poll():
             self._release(event.transfer_id)
             if event.ok:
-                self.counters["transfers_ok"] += 1
-                self.counters["transfer_bytes"] += event.nbytes
-                self.counters["transfer_seconds"] += event.elapsed_s
+                self.counters.transfers_ok += 1
+                self.counters.transfer_bytes += event.nbytes
+                self.counters.transfer_seconds += event.elapsed_s
             else:
-                self.counters["transfers_failed"] += 1
+                self.counters.transfers_failed += 1
                 logger.info("%s: transfer %s failed: %s", self.name, event.transfer_id, event.error)
                 if event.transfer_id not in self._known_to_router and not getattr(event.error, "from_peer", False):
                     # a failure this side decided (the decode side stays silent on what the sender aborted; it
                     # reports its own NACKs, under its failure policy): the cause is reported from here
-                    self.emit_error(event.transfer_id, f"KV transfer failed: {event.error}", "kv_transfer_failed")
+                    self.emit_error(event.transfer_id, f"KV transfer failed: {event.error}",
+                                    ErrorCode.KV_TRANSFER_FAILED)
             self._known_to_router.discard(event.transfer_id)
 
     def _release(self, rid: str) -> None:
@@ -168,8 +157,10 @@ class PrefillWorker(WorkerRuntime):
         """A dead KV sender I/O thread: every transfer of this worker would fail, so it must get no new work."""
         return self.sender.io_problem()
 
-    def stats(self) -> dict:
-        return {**super().stats(), "leased_transfers": len(self.outbound)}
+    def stats(self) -> Stats:
+        stats = super().stats()
+        stats.load.leased_transfers = len(self.outbound)
+        return stats
 
     def close(self) -> None:
         self.sender.close()

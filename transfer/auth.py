@@ -55,7 +55,7 @@ def pair_proof(key: bytes, rank: int) -> bytes:
     return hmac.digest(key, b"pair-proof|%d" % rank, hashlib.sha256)
 
 
-def _tag(key: bytes, prefix: bytes, body) -> bytes:
+def _tag(key: bytes, prefix: bytes | memoryview, body) -> bytes:
     mac = hmac.new(key, prefix, hashlib.sha256)
     mac.update(body)
     return mac.digest()

@@ -29,7 +29,7 @@ class TransferConfig:
     """Limits and timeouts of the transfer layer (all seconds unless named otherwise)."""
 
     deadline_s: float = 30.0          # receiver: expect() -> DONE, else FAILED/TransferTimeout
-    lease_s: float = 10.0             # sender: hold source blocks this long without word from the receiver
+    lease_s: float = 30.0             # sender: hold source blocks this long without word from the receiver
     connect_timeout_s: float = 5.0    # sender: handshake with a receiver
     send_timeout_s: float = 5.0       # a message that cannot leave for this long fails its peer
     socket_timeout_ms: int = 5000     # SNDTIMEO / RCVTIMEO on every socket

@@ -83,7 +83,7 @@ class DistReceiver(ZmqReceiver):
     def __init__(self, fingerprint: ModelFingerprint, sink: Sink, address: str,
                  config: TransferConfig | None = None) -> None:
         super().__init__(fingerprint, sink, address, config)
-        self._store = None  # created at the first handshake: receivers nobody talks to cost nothing
+        self._store: torch.distributed.TCPStore | None = None  # made at the first handshake: idle receivers cost nothing
 
     def _welcome_extra(self, session: bytes, key: bytes, h: dict[str, Any]) -> dict[str, Any]:
         host = host_of(self.address)  # the store listens on our own address only, never on every interface

@@ -85,7 +85,7 @@ class InboundTable:
         """Fail transfers past their deadline, and (with silence_s) bound to a sender that has not
         been heard from for silence_s: a killed prefill worker frees decode blocks in ~lease_s."""
         now = time.monotonic()
-        out = []
+        out: list[Inbound | None] = []  # fail() finds each (the ids come from the table): no None in practice
         if silence_s is not None:
             for t, r in list(self._tx.items()):
                 if r.session is not None and now - r.last_heard > silence_s:
@@ -98,7 +98,7 @@ class InboundTable:
             err = TransferTimeout(f"transfer {t!r} missed its deadline in state {rec.state.name}"
                                   f" ({missing} layer-blocks never arrived)")
             out.append(self.fail(t, err))
-        return out
+        return [rec for rec in out if rec is not None]
 
     def drain(self) -> list[TransferEvent]:
         out = list(self._events)

@@ -149,7 +149,7 @@ class PairLink:
                                              timeout=self._timeout)
         prefixed = dist.PrefixStore(self.key, store)
         if self.backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: no stub; sets the timeout
             opts._timeout = self._timeout
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._local_host)]
             return dist.ProcessGroupGloo(prefixed, self.rank, 2, opts)

@@ -187,7 +187,7 @@ def frame_view(t: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("frame_view needs a contiguous CPU tensor")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def checksum(buf: Any) -> int:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import zmq
 
@@ -296,7 +297,10 @@ class ZmqReceiver(KVReceiver):
 
     def _expire_sessions(self, force: bool = False) -> None:
         """Drop sessions no transfer is bound to that have been silent for idle_session_s (transfer/sessions.py)."""
-        for sess in self._sessions.idle(lambda: (rec.session for rec in self._table.items()), force):
+        def bound() -> Iterator[bytes]:  # the sessions a transfer is bound to
+            return (rec.session for rec in self._table.items() if rec.session is not None)
+
+        for sess in self._sessions.idle(bound, force):
             log.info("dropped a sender session idle for %g s", self._sessions.idle_s)
             self._close_session(sess)
 

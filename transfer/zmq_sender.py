@@ -373,15 +373,15 @@ class ZmqSender(KVSender):
                 self._drop_peer(peer, PeerGone(f"could not send to {peer.address} for "
                                                f"{self.cfg.send_timeout_s}s (receiver gone or stalled)"))
         for tid, address in self._leases.due_keepalives(self._keepalive_s):
-            peer = self._peers.get(address)
-            if peer is not None and peer.state == "ready":  # tells the receiver we are alive
-                peer.outbox.append(Outgoing(tid, {"kind": "renew", "tid": tid}))
+            kept = self._peers.get(address)
+            if kept is not None and kept.state == "ready":  # tells the receiver we are alive
+                kept.outbox.append(Outgoing(tid, {"kind": "renew", "tid": tid}))
         for tid, address in self._leases.expire():
             self._pieces.pop(tid, None)
-            peer = self._peers.get(address)
-            if peer is not None:
-                peer.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid,
-                                                  "reason": "sender lease expired"}))
+            expired = self._peers.get(address)
+            if expired is not None:
+                expired.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid,
+                                                     "reason": "sender lease expired"}))
         if now >= self._next_sweep:
             self._next_sweep = now + min(0.05, self.cfg.idle_session_s / 8)
             self._sweep(now)

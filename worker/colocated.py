@@ -7,19 +7,17 @@ one ``tokens`` message.
 
 from __future__ import annotations
 
-from worker.protocol import params_from_wire
+from worker.messages import Command, ErrorCode, Generate, TokenItem, Tokens
 from worker.runtime import WorkerRuntime, finish_timing
 
 
 class ColocatedWorker(WorkerRuntime):
     role = "colocated"
 
-    def handle(self, message: dict) -> None:
-        if message["type"] != "generate":
-            return super().handle(message)
-        self.engine.add_request(
-            list(message["prompt"]), params_from_wire(message["params"]), message["rid"], arrival_s=message["arrival_s"]
-        )
+    def handle(self, command: Command, arrival_s: float) -> None:
+        if not isinstance(command, Generate):
+            return super().handle(command, arrival_s)
+        self.engine.add_request(command.prompt, command.params, command.rid, arrival_s=arrival_s)
 
     def tick(self) -> None:
         if not self.engine.has_unfinished():
@@ -27,15 +25,15 @@ class ColocatedWorker(WorkerRuntime):
         items = []
         for output in self.engine.step():
             if output.error is not None:  # finish_reason ERROR (blocks already freed): an error for that request only
-                self.counters["errors"] += 1
-                self.emit_error(output.request_id, output.error, output.error_code or "worker_error")
+                self.counters.errors += 1
+                self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
                 continue
-            timing = None
+            timing = None  # the prefill's timing (the router names it prefill_*), with the first token and the last
             if output.num_output_tokens == 1 or output.finished:
                 request = self.engine.requests.get(output.request_id)
                 if request is not None:
-                    timing = {f"prefill_{key}": value for key, value in finish_timing(request).items()}
-            items.append([output.request_id, output.new_token_ids, output.text_delta,
-                          output.finish_reason and output.finish_reason.value, timing])
+                    timing = finish_timing(request)
+            items.append(TokenItem(output.request_id, output.new_token_ids, output.text_delta, output.finish_reason,
+                                   timing))
         if items:
-            self.emit({"type": "tokens", "worker": self.name, "items": items})
+            self.emit(Tokens(worker=self.name, items=items))

@@ -1,5 +1,9 @@
 """What every worker shares: an engine, a command socket, an event socket, and one loop thread that owns both.
 
+The runtime owns one role (``worker/role.py``: the request logic of a prefill, decode or colocated worker, testable
+without sockets) and everything around it: the sockets, the loop, the heartbeat and which router owns each request.
+``PrefillWorker(spec)``, ``DecodeWorker(spec)`` and ``ColocatedWorker(spec)`` are this runtime with their role.
+
 The engine is not thread-safe and need not be: only the loop thread touches it. The loop drains commands (without
 blocking while there is work), lets the role do one tick (step the engine, poll transfers) and refreshes a stats
 snapshot. A separate heartbeat thread, with its own socket, sends that snapshot to the router
@@ -23,14 +27,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
-from worker.protocol import (MAX_FRAME_BYTES, AuthError, Channel, ProtocolError, Rejection, RejectionLog, Signer,
-                              Verifier)
-from engine.config import EngineConfig
+import msgspec
+
 from engine.llm_engine import LLMEngine
+from worker.messages import Abort, Command, ErrorCode, Event, Ping, PromptCommand, Stats, Tokens, WorkerCounters, kind
+from worker.protocol import (MAX_FRAME_BYTES, AuthError, Channel, ProtocolError, Rejection, RejectionLog, Signer,
+                             Verifier)
+from worker.role import Role
+from worker.spec import WorkerSpec, resolve_spec
 
 logger = logging.getLogger(__name__)
 
@@ -40,33 +47,21 @@ OWNER_PRUNE_INTERVAL_S = 5.0  # how often the owners of requests no longer held 
 OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command about them
 
 
-@dataclass(slots=True)
-class WorkerOptions:
-    name: str
-    role: str  # prefill | decode | colocated
-    engine: EngineConfig
-    router_address: str | list[str]  # the router's event socket, or each router process's (index = router index)
-    host: str = "127.0.0.1"  # where this worker binds its sockets
-    stats_interval_s: float = 0.2
-    send_timeout_ms: int = 2000
-    hwm: int = 100_000
-    secret: str | None = None  # the cluster secret (required): commands not sealed with it are dropped and counted
-    router_timeout_s: float = 10.0  # no word from a router this long: free its requests (it restarted or died)
-
-    @property
-    def router_addresses(self) -> list[str]:
-        return [self.router_address] if isinstance(self.router_address, str) else list(self.router_address)
-
-
 class WorkerRuntime:
-    role = "worker"
+    """One worker: its engine, its role (``role_class.from_spec``), its sockets and its two threads."""
 
-    def __init__(self, options: WorkerOptions) -> None:
-        if not options.secret:
-            raise ValueError(f"worker {options.name}: no cluster secret (the launcher gives every worker one)")
-        self.options = options
-        self.name = options.name
-        self.engine = LLMEngine(options.engine)
+    def __init__(self, spec: WorkerSpec, role_class: type[Role]) -> None:
+        """``spec`` as the cluster config built it; the device is chosen here, in the worker's own process
+        (``resolve_spec``), and ``self.spec`` is the resolved one (what the role is built from)."""
+        if not spec.runtime.secret:
+            raise ValueError(f"worker {spec.name}: no cluster secret (the launcher gives every worker one)")
+        if spec.role is not role_class.kind:
+            raise ValueError(f"worker {spec.name}: a {spec.role.value} spec given to the {role_class.kind.value} role")
+        spec = resolve_spec(spec)
+        self.spec = spec
+        self.options = options = spec.runtime
+        self.name = spec.name
+        self.engine = LLMEngine(spec.engine)
         self.engine.warm_up()
         self._ctx = zmq.Context()
         self._commands = self._socket(zmq.PULL)
@@ -76,7 +71,7 @@ class WorkerRuntime:
         self._rejections = RejectionLog(self.name)
         self._routers = options.router_addresses
         if not self._routers:
-            raise ValueError(f"worker {options.name}: no router address")
+            raise ValueError(f"worker {spec.name}: no router address")
         # one PUSH socket and signer per router (used by the loop thread only); index = the router's index
         self._events: list[tuple[zmq.Socket, Signer]] = []
         for address in self._routers:
@@ -90,11 +85,20 @@ class WorkerRuntime:
         self._thread: threading.Thread | None = None
         self._heartbeat: threading.Thread | None = None
         self._loop_seen = time.monotonic()
-        self._snapshot: dict = {}
+        self._snapshot: Stats | None = None
         self._last_router_s = [time.monotonic()] * len(self._routers)  # per router: when it was last heard
-        self.counters: dict[str, float] = {"errors": 0, "aborts": 0, "control_rejected": 0, "step_failures": 0}
         self._failures_s: list[float] = []  # when the loop last failed (within DEGRADED_WINDOW_S)
         self._loop_problem = ""  # why the loop made this worker degraded; "" while it is healthy
+        try:
+            self.role = role_class.from_spec(spec, self.engine, self.emit)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def counters(self) -> WorkerCounters:
+        """Every role's totals (the heartbeat's ``counters``): the role's, which this runtime adds to."""
+        return self.role.counters
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
@@ -140,17 +144,21 @@ class WorkerRuntime:
         self.close()
 
     def close(self) -> None:
+        role = getattr(self, "role", None)  # absent when the role's own constructor failed
+        if role is not None:
+            role.close()
         self._commands.close(0)
         for sock, _ in self._events:
             sock.close(0)
         self._ctx.term()
 
     def info(self) -> dict:
-        return {"name": self.name, "role": self.role, "command_address": self.command_address,
-                "degraded": self.degraded}
+        return {"name": self.name, "role": self.role.kind.value, "command_address": self.command_address,
+                "degraded": self.degraded, **self.role.info()}
 
     def snapshot(self) -> dict:
-        return dict(self._snapshot)
+        """The last stats, as plain data (Ray actor methods return it)."""
+        return msgspec.to_builtins(self._snapshot)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
@@ -187,7 +195,7 @@ class WorkerRuntime:
                        self.options.router_timeout_s, len(owned))
         for rid in owned:
             self.abort(rid)
-            self.emit_error(rid, "router unreachable", "worker_error")
+            self.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
 
     def owner(self, rid: str | None) -> int:
         """The index of the router that sent this request's commands (0 when unknown: the only router, usually)."""
@@ -196,7 +204,8 @@ class WorkerRuntime:
 
     def _prune_owners(self, now: float) -> None:
         """Forget the owners of requests this worker no longer holds. Kept ``OWNER_GRACE_S`` after the last command,
-        for the state a role keeps outside the engine for a while (a reservation whose KV failed, awaiting start)."""
+        for what may still be reported about a request the engine has let go (its KV transfer's end, on the prefill
+        side, comes after the engine failed it)."""
         requests = self.engine.requests
         stale = [rid for rid, (_, seen) in self._owners.items() if rid not in requests and now - seen > OWNER_GRACE_S]
         for rid in stale:
@@ -206,7 +215,7 @@ class WorkerRuntime:
         """Count a loop failure; several close together make the worker degraded (the engine's own step already
         fails only the requests a fault belongs to, so a loop that still fails is broken, not unlucky)."""
         now = time.monotonic()
-        self.counters["step_failures"] += 1
+        self.counters.step_failures += 1
         self._failures_s = [t for t in self._failures_s if now - t < DEGRADED_WINDOW_S] + [now]
         if len(self._failures_s) >= DEGRADED_AFTER_FAILURES:
             if not self._loop_problem:
@@ -223,10 +232,6 @@ class WorkerRuntime:
             self._loop_problem = ""  # quiet for a whole window: healthy again
         return self._loop_problem or self.health_problem()
 
-    def health_problem(self) -> str:
-        """A role's own reason to be degraded ("" when none)."""
-        return ""
-
     def _beat(self) -> None:
         """Every router hears every heartbeat (each router process keeps its own view of the pool)."""
         sockets = []
@@ -236,7 +241,8 @@ class WorkerRuntime:
                 sock.connect(address)
                 sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))  # this socket's own
             while not self._stop.wait(self.options.stats_interval_s):
-                beat = {"type": "stats", **self._snapshot, "loop_age_s": round(time.monotonic() - self._loop_seen, 3)}
+                snapshot = self._snapshot  # built by the loop thread, never changed after: a copy with the age
+                beat = msgspec.structs.replace(snapshot, loop_age_s=round(time.monotonic() - self._loop_seen, 3))
                 for sock, signer in sockets:
                     try:
                         sock.send(signer.seal(beat), zmq.NOBLOCK)
@@ -259,105 +265,85 @@ class WorkerRuntime:
                     while self._commands.getsockopt(zmq.RCVMORE):
                         self._commands.recv(zmq.NOBLOCK, copy=False)
                     raise AuthError(Rejection.MULTIPART)
-                message = self._verifier.open(data)  # the MAC is checked before anything is unpacked
+                # the MAC is checked before anything is decoded; what is left is a typed command
+                command: Command = self._verifier.open(data)  # type: ignore[assignment]
             except AuthError as exc:
-                self.counters["control_rejected"] += 1
+                self.counters.control_rejected += 1
                 self._rejections.note(exc)
                 continue
             now = time.monotonic()
-            router = message.get("router", 0)
-            if not isinstance(router, int) or not 0 <= router < len(self._routers):
-                self.counters["control_rejected"] += 1  # sealed with our secret, so a bug, not an attack
+            router = command.router
+            if router >= len(self._routers):
+                self.counters.control_rejected += 1  # sealed with our secret, so a bug, not an attack
                 self._rejections.note(AuthError(Rejection.MALFORMED, f"router index {router!r}"))
                 continue
             self._last_router_s[router] = now
-            if message["type"] == "ping":
+            if isinstance(command, Ping):
                 continue
-            rid = message.get("rid")
-            if isinstance(rid, str) and len(self._routers) > 1:  # one router owns everything: nothing to remember
+            rid = command.rid
+            if len(self._routers) > 1:  # one router owns everything: nothing to remember
                 self._owners[rid] = (router, now)
             # how long the command sat in the socket while a step ran (same-host clocks; 0 if unknown)
-            sent_at = message.get("sent_at")
-            waited = max(0.0, time.time() - sent_at) if isinstance(sent_at, (int, float)) else 0.0
-            message["arrival_s"] = time.monotonic() - waited
+            waited = 0.0 if command.sent_at is None else max(0.0, time.time() - command.sent_at)
+            arrival_s = time.monotonic() - waited
             try:
-                if message["type"] == "abort":
-                    self.counters["aborts"] += 1
+                if isinstance(command, Abort):
+                    self.counters.aborts += 1
                     self.abort(rid)
-                else:
-                    self.handle(message)
+                    continue
+                if isinstance(command, PromptCommand):
+                    command.params.validate()  # a bad value answers the request (below), as the engine's checks do
+                self.handle(command, arrival_s)
             except (ValueError, KeyError, ProtocolError) as exc:
-                self.counters["errors"] += 1
-                self.emit_error(rid, str(exc), "invalid_request")
+                self.counters.errors += 1
+                self.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
 
-    def emit(self, message: dict) -> None:
-        """Send an event to the router that owns its request; a ``tokens`` message goes out split per router (every
-        item starts with its request id)."""
+    def emit(self, event: Event) -> None:
+        """Send an event to the router that owns its request; a ``tokens`` message goes out split per router."""
         if self._dead.is_set():
             return
         if len(self._events) == 1:
-            self._send_event(0, message)
-        elif message.get("type") == "tokens":
+            self._send_event(0, event)
+        elif isinstance(event, Tokens):
             by_router: dict[int, list] = {}
-            for item in message["items"]:
-                by_router.setdefault(self.owner(item[0]), []).append(item)
+            for item in event.items:
+                by_router.setdefault(self.owner(item.rid), []).append(item)
             for index, items in by_router.items():
-                self._send_event(index, {**message, "items": items})
+                self._send_event(index, Tokens(worker=event.worker, items=items))
         else:
-            self._send_event(self.owner(message.get("rid")), message)
+            self._send_event(self.owner(event.rid), event)  # type: ignore[union-attr]  # stats go by _beat
 
-    def _send_event(self, index: int, message: dict) -> None:
+    def _send_event(self, index: int, event: Event) -> None:
         sock, signer = self._events[index]
         try:
-            sock.send(signer.seal(message))
+            sock.send(signer.seal(event))
         except zmq.Again:
-            logger.error("%s: router %d unreachable; dropped a %s event", self.name, index, message.get("type"))
+            logger.error("%s: router %d unreachable; dropped a %s event", self.name, index, kind(event))
 
-    def emit_error(self, rid: str | None, message: str, code: str) -> None:
-        self.emit({"type": "error", "rid": rid, "worker": self.name, "message": message, "code": code})
+    def stats(self) -> Stats:
+        """A fresh heartbeat (never changed once built: the heartbeat thread sends it while the loop goes on)."""
+        return Stats(worker=self.name, role=self.role.kind.value, address=self.command_address,
+                     load=self.role.load(), counters=self.role.totals(), degraded=self.degraded)
 
-    def stats(self) -> dict:
-        engine = self.engine
-        return {
-            "worker": self.name,
-            "role": self.role,
-            "address": self.command_address,  # which incarnation of the worker this is
-            "waiting": len(engine.scheduler.waiting),
-            "running": len(engine.scheduler.running),
-            "requests": len(engine.requests),
-            "free_blocks": engine.num_free_blocks,
-            "total_blocks": engine.block_manager.num_blocks,
-            "preemptions": engine.scheduler.num_preemptions,
-            "prefix_hit_tokens": engine.block_manager.prefix_hit_tokens,
-            "degraded": self.degraded,
-            **self.counters,
-        }
-
-    # ---- what each role fills in -------------------------------------------------------------------------------
+    # ---- the role: the loop calls these (tests replace ``tick`` to break a worker) -----------------------------
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.role.has_work()
 
-    def handle(self, message: dict) -> None:
-        raise ValueError(f"{self.role} worker does not take {message.get('type')!r} commands")
+    def handle(self, command: Command, arrival_s: float) -> None:
+        self.role.handle(command, arrival_s)
 
     def abort(self, rid: str) -> None:
-        self.engine.abort(rid)
+        self.role.abort(rid)
 
     def tick(self) -> None:
-        raise NotImplementedError
+        self.role.tick()
 
     def fail_all(self, reason: str) -> None:
-        for rid in list(self.engine.requests):
-            self.abort(rid)
-            self.emit_error(rid, reason, "worker_error")
+        self.role.fail_all(reason)
 
+    def health_problem(self) -> str:
+        return self.role.health_problem()
 
-def finish_timing(request) -> dict:
-    """Where a request's time went inside this worker (seconds)."""
-    timing = {}
-    if request.scheduled_s is not None:
-        timing["queue_s"] = request.scheduled_s - request.arrival_s
-        if request.first_token_s is not None:
-            timing["compute_s"] = request.first_token_s - request.scheduled_s
-    return timing
+    def emit_error(self, rid: str, message: str, code: ErrorCode) -> None:
+        self.role.emit_error(rid, message, code)

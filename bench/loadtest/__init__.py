@@ -11,7 +11,11 @@ How a run flows, module by module:
 - ``metrics``: per-request figures to a run summary (percentiles, throughput, goodput, SLO attainment, server-side
   stage timings) and a sweep's highest rate that meets the SLOs.
 - ``output``: the results folder (per-request JSONL, summary JSON, CSV, PNG plots) and the printed table.
-- ``cli`` (``pdserve bench serve``) and ``compare`` (``pdserve bench compare``) glue it together.
+- ``options``: the command-line options, declared with argparse alone (``pdserve bench serve --help`` imports nothing
+  heavy); ``cli`` (``pdserve bench serve``) glues the rest together.
+
+It imports nothing of pdserve's server, so it can load-test any OpenAI-compatible endpoint; ``bench/compare_modes.py``
+(``pdserve bench compare``) runs it against pdserve's cluster in both modes.
 
 ``docs/loadtest.md`` says how to run it and how each figure is computed.
 """

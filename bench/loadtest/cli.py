@@ -1,9 +1,9 @@
 """``pdserve bench serve`` / ``python -m bench.loadtest``: options, one run or a rate sweep, the results folder.
 
-``add_arguments(parser)`` declares the options (named as in ``vllm bench serve`` where they mean the same);
-``run(args)`` builds the workload once, runs each rate (``--rates``, else ``--request-rate``), writes the results
-folder, prints the table to stderr and returns the summary dict. ``compare.py`` reuses ``prepare`` and
-``execute`` for its two modes.
+``add_arguments(parser)`` declares the options (in ``options.py``, which imports nothing heavy; named as in
+``vllm bench serve`` where they mean the same); ``run(args)`` builds the workload once, runs each rate (``--rates``,
+else ``--request-rate``), writes the results folder, prints the table to stderr and returns the summary dict.
+``bench/compare_modes.py`` (``pdserve bench compare``) reuses ``prepare`` and ``execute`` for its two modes.
 """
 
 from __future__ import annotations
@@ -18,60 +18,11 @@ from pathlib import Path
 
 from bench.loadtest import metrics, output
 from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec
+from bench.loadtest.options import DEFAULT_SLOS_NOTE, PDSERVE_DEFAULT_SLOS_MS
+from bench.loadtest.options import add_arguments as add_arguments  # re-exported: `python -m bench.loadtest`, tests
+from bench.loadtest.options import add_workload_arguments as add_workload_arguments
 from bench.loadtest.shapes import LoadShape, run_phase
-from bench.loadtest.workloads import DATASETS, LENGTH_DISTS, PromptBuilder, WorkloadSettings, build_requests, load_tokenizer
-
-DEFAULT_SLOS_NOTE = "cluster.config SLOSection defaults (no --goodput given)"
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """Everything but the target: shared by ``bench serve`` and ``bench compare``."""
-    p = parser
-    p.add_argument("--endpoint-type", choices=["completions", "chat"], default="completions")
-    p.add_argument("--tokenizer", default=None,
-                   help="local tokenizer folder (default: the --model folder, else the default model's)")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests/s, open loop (default inf: all at once, or a closed loop with --max-concurrency)")
-    p.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.25,0.5,1,2")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=100, help="requests per rate (0: only --duration bounds)")
-    p.add_argument("--duration", type=float, default=None, help="seconds per rate; outstanding requests are cancelled")
-    p.add_argument("--ramp-up-s", type=float, default=0.0)
-    p.add_argument("--num-warmups", type=int, default=0)
-    p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", default=None)
-    p.add_argument("--random-input-len", type=int, default=256,
-                   help="prompt tokens as the server counts them (templated for chat); shared-prefix: question tokens")
-    p.add_argument("--random-output-len", type=int, default=64)
-    p.add_argument("--random-range-ratio", type=float, default=0.0, help="uniform lengths within ±ratio")
-    p.add_argument("--length-dist", choices=LENGTH_DISTS, default=None,
-                   help="default: uniform if --random-range-ratio > 0, else fixed")
-    p.add_argument("--length-cv", type=float, default=0.25, help="std/mean for normal and lognormal lengths")
-    p.add_argument("--shared-prefix-groups", type=int, default=4)
-    p.add_argument("--shared-prefix-len", type=int, default=512)
-    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true so outputs run to max_tokens")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
-    p.add_argument("--slo-target-pct", type=float, default=90.0, help="sweep: attainment a rate must reach")
-    p.add_argument("--num-workers", type=int, default=None, help="sweep: report the max rate per worker")
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    p.add_argument("--metric-percentiles", default="50,90,99")
-    p.add_argument("--result-dir", default=None, help="default: results/<timestamp>")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
-    p.add_argument("--disable-tqdm", action="store_true")
-    if not any(a.dest == "json" for a in p._actions):
-        p.add_argument("--json", action="store_true", help="print only the summary JSON")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.model_loader import DEFAULT_MODEL
-
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="the served model name (and tokenizer folder if a path)")
-    add_workload_arguments(parser)
+from bench.loadtest.workloads import PromptBuilder, WorkloadSettings, build_requests, load_tokenizer
 
 
 @dataclass
@@ -136,13 +87,7 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
 
 
 def _default_slos() -> dict:
-    try:
-        from cluster.config import SLOSection
-
-        section = SLOSection()
-        return {"ttft": section.ttft_s * 1000.0, "tpot": section.tpot_s * 1000.0}
-    except ImportError:
-        return {"ttft": 2000.0, "tpot": 200.0}
+    return dict(PDSERVE_DEFAULT_SLOS_MS)
 
 
 def _pool_size(shapes: list[LoadShape]) -> int:

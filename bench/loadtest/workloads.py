@@ -37,9 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.loadtest.client import RequestSpec
+from bench.loadtest.options import DATASETS, LENGTH_DISTS
 
-LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
-DATASETS = ("random", "jsonl", "sharegpt", "shared-prefix")
 _WORD = re.compile(r"^ [A-Za-z]{2,}$")
 
 
@@ -53,7 +52,8 @@ def load_tokenizer(tokenizer: str | None = None, model: str | None = None):
             raise ValueError(f"--tokenizer: {str(path)!r} does not exist (a local tokenizer or model folder)")
     elif model and Path(model).expanduser().is_dir():
         path = Path(model).expanduser()
-    else:
+    else:  # pdserve's own default model: only its engine knows where the converted folder is (this is the load
+        # tester's one import of pdserve code, and only when neither --tokenizer nor a model folder is given)
         from engine.model_loader import DEFAULT_MODEL, resolve_model_path
 
         path = resolve_model_path(DEFAULT_MODEL)

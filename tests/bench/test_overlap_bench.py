@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-from tests.cluster.conftest import tiny_cluster_config
+from tests.helpers.cluster import tiny_cluster_config
 
 
 def test_overlap_bench_tiny(ray_local, tiny_llama_path):

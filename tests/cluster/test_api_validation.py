@@ -19,7 +19,7 @@ import yaml
 from cli.main import main as cli_main
 from cluster.config import ConfigError, check_network_exposure, parse_config
 from cluster.launch import start_serving
-from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv_free
 
 pytestmark = pytest.mark.timeout(240)
 

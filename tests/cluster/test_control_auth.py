@@ -13,8 +13,10 @@ import msgpack
 import pytest
 import zmq
 
+from engine.request import FinishReason, SamplingParams
+from worker.messages import Abort, Reserve, Stats, TokenItem, Tokens, WorkerCounters, WorkerLoad
 from worker.protocol import SEAL_OVERHEAD, Channel, Signer
-from tests.cluster.conftest import metric_value, tiny_cluster_config
+from tests.helpers.cluster import metric_value, tiny_cluster_config
 
 pytestmark = pytest.mark.timeout(240)
 PROMPT, MAX_TOKENS = "the quick brown fox", 40
@@ -131,23 +133,23 @@ def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pu
     forged: list[bytes] = []
 
     def forge(wire_rid: str) -> None:
-        abort = {"type": "abort", "rid": wire_rid}
+        raw_abort = {"type": "abort", "rid": wire_rid}
+        abort = Abort(wire_rid)
         forged.extend([
-            msgpack.packb(abort),  # no MAC at all (what was enough before)
-            msgpack.packb({**abort, "auth": "guess"}),
+            msgpack.packb(raw_abort),  # no MAC at all (what was enough before)
+            msgpack.packb({**raw_abort, "auth": "guess"}),
             Signer("not-the-secret", Channel.COMMANDS, decode).seal(abort),
             Signer(secret, Channel.COMMANDS, prefill).seal(abort),  # the right secret, sealed for another worker
             Signer(secret, Channel.EVENTS, decode).seal(abort),  # ... or for the other direction
             b"short",
-            Signer("not-the-secret", Channel.COMMANDS, decode).seal(
-                {"type": "reserve", "rid": "forged", "prompt": [1, 2, 3], "params": {}}),
+            Signer("not-the-secret", Channel.COMMANDS, decode).seal(Reserve("forged", [1, 2, 3], SamplingParams())),
             replay,  # a real command of the first request, replayed
         ])
         sock = pusher(decode)
         for frame in forged:
             sock.send(frame)
         sock.send_multipart([Signer("x", Channel.COMMANDS, decode).seal(abort), b"more"])
-        sock.send(msgpack.packb(abort), zmq.NOBLOCK)
+        sock.send(msgpack.packb(raw_abort), zmq.NOBLOCK)
 
     text, finish = _stream(handle, forge)
     assert text == expected and finish == "length"  # not aborted, nothing lost
@@ -162,19 +164,21 @@ def test_forged_and_replayed_events_are_dropped_and_counted_in_metrics(serve, se
     router, secret = handle.router.event_address, handle.config.transfer.secret
 
     def forge(wire_rid: str) -> None:
-        finish = {"type": "tokens", "worker": "decode-0", "items": [[wire_rid, [7, 7], "stop", None]]}
+        raw_finish = {"type": "tokens", "worker": "decode-0", "items": [[wire_rid, [7, 7], "", "stop", None]]}
+        finish = Tokens(worker="decode-0", items=[TokenItem(wire_rid, [7, 7], "", FinishReason.STOP)])
+        no_room = Stats(worker="decode-0", role="decode", address="tcp://127.0.0.1:1",
+                        load=WorkerLoad(free_blocks=0), counters=WorkerCounters())
         first = next(raw for endpoint, raw in sent if endpoint == router and raw[SEAL_OVERHEAD:]
                      and msgpack.unpackb(raw[SEAL_OVERHEAD:]).get("rid") == wire_rid)  # its real first_token
         sock = pusher(router)
-        for frame in (msgpack.packb(finish),  # what a stranger could do before: end the request
+        for frame in (msgpack.packb(raw_finish),  # what a stranger could do before: end the request
                       Signer("not-the-secret", Channel.EVENTS, router).seal(finish),
                       Signer(secret, Channel.COMMANDS, router).seal(finish),
-                      Signer("not-the-secret", Channel.EVENTS, router).seal(
-                          {"type": "stats", "worker": "decode-0", "role": "decode", "free_blocks": 0}),
+                      Signer("not-the-secret", Channel.EVENTS, router).seal(no_room),
                       b"x" * 10,
                       first):  # replayed: the client would see its first token twice
             sock.send(frame)
-        sock.send_multipart([finish["type"].encode(), msgpack.packb(finish)])
+        sock.send_multipart([b"tokens", msgpack.packb(raw_finish)])
 
     text, finish = _stream(handle, forge)
     assert text == expected and finish == "length"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from cluster.launch import start_serving
-from tests.cluster.conftest import tiny_cluster_config, wait_all_kv_free
+from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from cluster.launch import start_serving
 from engine.model_loader import load_tokenizer
-from tests.cluster.conftest import tiny_cluster_config, wait_all_kv_free
+from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 
 pytestmark = pytest.mark.timeout(300)
 

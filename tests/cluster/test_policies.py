@@ -7,13 +7,20 @@ from dataclasses import dataclass, field
 import pytest
 
 from cluster.policies import LeastLoaded, PowerOfTwo, RoundRobin, load_score, make_policy
+from worker.messages import Stats, WorkerCounters, WorkerLoad
+
+
+def heartbeat(**load: int) -> Stats:
+    load = {"free_blocks": 100, "total_blocks": 100, **load}
+    return Stats(worker="w", role="decode", address="tcp://127.0.0.1:1", load=WorkerLoad(**load),
+                 counters=WorkerCounters())
 
 
 @dataclass
 class W:
     name: str
     inflight: int = 0
-    stats: dict = field(default_factory=lambda: {"free_blocks": 100, "total_blocks": 100})
+    stats: Stats | None = field(default_factory=heartbeat)
 
 
 def test_round_robin_rotates():
@@ -23,8 +30,7 @@ def test_round_robin_rotates():
 
 
 def test_least_loaded_weighs_queue_inflight_and_kv_use():
-    idle, queued, busy_kv = W("idle"), W("queued", stats={"waiting": 3, "free_blocks": 100, "total_blocks": 100}), W(
-        "kv", stats={"free_blocks": 10, "total_blocks": 100})
+    idle, queued, busy_kv = W("idle"), W("queued", stats=heartbeat(waiting=3)), W("kv", stats=heartbeat(free_blocks=10))
     assert load_score(idle) < load_score(busy_kv) < load_score(queued)
     assert [w.name for w in LeastLoaded().order([queued, busy_kv, idle])] == ["idle", "kv", "queued"]
 

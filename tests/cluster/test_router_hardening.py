@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.conftest import metric_value, wait_all_kv_free, wait_until, worker_named
+from tests.helpers.cluster import metric_value, wait_all_kv_free, wait_until, worker_named
+from worker.messages import Start, Stats, WorkerCounters, WorkerLoad
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,8 +49,8 @@ def test_a_late_reservation_reply_never_resolves_another_workers_reservation(ser
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
     # the reservation that came too late was undone on its worker
     try:
-        wait_until(lambda: all(w.stats.get("requests") == 0 and w.stats.get("awaiting_kv", 0) == 0
-                          for w in handle.router.members.workers.values()), 10)
+        wait_until(lambda: all(w.stats is not None and w.stats.load.requests == 0 and w.stats.load.awaiting_kv == 0
+                               for w in handle.router.members.workers.values()), 10)
     except AssertionError:
         raise AssertionError([w.stats for w in handle.router.members.workers.values()]) from None
 
@@ -85,7 +86,7 @@ def test_a_reservation_whose_start_never_comes_is_freed_and_the_client_told(serv
     handle = serve(transfer={"deadline_s": 2, "lease_s": 20})
     router = handle.router
     original = router._send
-    router._send = lambda worker, message: None if message["type"] == "start" else original(worker, message)
+    router._send = lambda worker, message: None if isinstance(message, Start) else original(worker, message)
     started = time.monotonic()
     response = _complete(handle, stream=True, timeout=30)
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
@@ -101,7 +102,7 @@ def test_a_reservation_whose_start_never_comes_is_freed_and_the_client_told(serv
 def test_a_prompt_no_kv_cache_can_hold_is_refused_at_once(serve, mode):
     handle = serve(mode=mode, pools={"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8},
                                      "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}})
-    wait_until(lambda: all("total_blocks" in w.stats for w in handle.router.members.workers.values()), 5)
+    wait_until(lambda: all(w.stats is not None for w in handle.router.members.workers.values()), 5)
     started = time.monotonic()
     response = _complete(handle, prompt=" ".join(["word"] * 40), max_tokens=4)  # ~200 tokens > 8 blocks of 16
     assert time.monotonic() - started < 2
@@ -116,15 +117,16 @@ def test_a_decode_worker_that_refuses_a_request_ends_it_at_once(serve):
     router = handle.router
     original = router._dispatch
 
-    def without_cache_size(message):  # the router does not know the cache size: the worker itself must refuse
-        if message.get("type") == "stats":
-            message.pop("total_blocks", None)
-        return original(message)
+    def without_cache_size(event):  # the router does not know the cache size: the worker itself must refuse
+        original(event)
+        worker = router.members.get(event.worker)
+        if isinstance(event, Stats) and worker is not None:  # heard from, its heartbeat forgotten (as before the first)
+            worker.stats = None
 
     router._dispatch = without_cache_size
     try:
         for worker in router.members.workers.values():
-            worker.stats.pop("total_blocks", None)
+            worker.stats = None
         started = time.monotonic()
         response = _complete(handle, prompt=" ".join(["word"] * 40), max_tokens=4)
         assert time.monotonic() - started < 3  # not a queue until the request's timeout, then 429
@@ -140,12 +142,13 @@ def test_a_heartbeat_from_another_incarnation_neither_refreshes_nor_revives(serv
     decode = worker_named(handle, "decode-0")
     decode.kill()  # dead for good: only a stale heartbeat (an old or a restarted process's) could revive it
     wait_until(lambda: not router.members.workers["decode-0"].alive, 5)
-    stale = {"type": "stats", "worker": "decode-0", "role": "decode", "address": "tcp://127.0.0.1:1",
-             "free_blocks": 160, "total_blocks": 160, "loop_age_s": 0.0}
+    stale = Stats(worker="decode-0", role="decode", address="tcp://127.0.0.1:1",
+                  load=WorkerLoad(free_blocks=160, total_blocks=160), counters=WorkerCounters(), loop_age_s=0.0)
     router.loop.call_soon_threadsafe(router._dispatch, stale)
     time.sleep(0.3)
     assert not router.members.workers["decode-0"].alive
-    assert router.members.workers["decode-0"].stats.get("address") != "tcp://127.0.0.1:1"
+    kept = router.members.workers["decode-0"].stats  # the registered process's last heartbeat, if one came: not this
+    assert kept is None or kept.address != "tcp://127.0.0.1:1"
     router.members.workers.pop("decode-0")  # the test killed it: nothing to wait for at teardown
 
 
@@ -185,7 +188,7 @@ def test_a_worker_whose_loop_keeps_failing_is_degraded_and_gets_no_requests(serv
         raise RuntimeError("injected: the device is gone")
 
     broken.tick = failing_tick
-    wait_until(lambda: handle.router.members.workers["prefill-0"].stats.get("degraded"), 5)
+    wait_until(lambda: handle.router.members.workers["prefill-0"].degraded, 5)
     health = httpx.get(f"{handle.base_url}/health", timeout=5)
     assert health.status_code == 200  # the other worker still serves
     body = health.json()

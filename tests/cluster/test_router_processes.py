@@ -29,11 +29,13 @@ import yaml
 import zmq
 
 from bench.frontend_bench import process_running
+from engine.request import SamplingParams
+from worker.messages import Abort, Command, ErrorEvent, Event, Generate, Ping, Reserve, Reserved, Stats, Tokens
 from worker.protocol import Channel, Signer, Verifier
-from worker.runtime import WorkerOptions
+from worker.spec import RuntimeOptions, WorkerSpec
 from engine.config import EngineConfig
-from tests.cluster.conftest import metric_value, wait_all_kv_free
-from tests.engine.conftest import Reference, random_prompts
+from tests.helpers.cluster import metric_value, wait_all_kv_free
+from tests.helpers.engine import Reference, random_prompts
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -57,7 +59,7 @@ class FakeRouters:
             self.pulls.append(sock)
             self.addresses.append(address)
             self.verifiers.append(Verifier(SECRET, Channel.EVENTS, address))
-        self.events: list[list[dict]] = [[] for _ in range(count)]
+        self.events: list[list[Event]] = [[] for _ in range(count)]
         self.pushes: list[tuple[zmq.Socket, Signer]] = []
 
     def connect(self, command_address: str) -> None:
@@ -67,9 +69,10 @@ class FakeRouters:
             sock.connect(command_address)
             self.pushes.append((sock, Signer(SECRET, Channel.COMMANDS, command_address)))
 
-    def send(self, router: int, message: dict) -> None:
+    def send(self, router: int, message: Command) -> None:
         sock, signer = self.pushes[router]
-        sock.send(signer.seal({**message, "router": router, "sent_at": time.time()}), zmq.NOBLOCK)
+        message.router, message.sent_at = router, time.time()
+        sock.send(signer.seal(message), zmq.NOBLOCK)
 
     def pump(self, timeout_s: float = 0.05) -> None:
         poller = zmq.Poller()
@@ -86,12 +89,12 @@ class FakeRouters:
         while not condition():
             assert time.monotonic() < deadline, f"timed out; events: {[e[-5:] for e in self.events]}"
             if ping is not None and time.monotonic() - last_ping > 0.3:
-                self.send(ping, {"type": "ping"})
+                self.send(ping, Ping())
                 last_ping = time.monotonic()
             self.pump()
 
-    def of(self, router: int, kind: str) -> list[dict]:
-        return [e for e in self.events[router] if e["type"] == kind]
+    def of(self, router: int, kind: type) -> list:
+        return [e for e in self.events[router] if isinstance(e, kind)]
 
     def close(self) -> None:
         for sock in self.pulls + [s for s, _ in self.pushes]:
@@ -99,18 +102,19 @@ class FakeRouters:
         self.ctx.term()
 
 
-def _options(tiny_llama_path, routers: FakeRouters, role: str, **extra) -> WorkerOptions:
+def _spec(tiny_llama_path, routers: FakeRouters, role: str, transfer=None, **runtime) -> WorkerSpec:
     engine = EngineConfig(model=str(tiny_llama_path), num_kv_blocks=64, torch_threads=1, max_model_len=256)
-    return WorkerOptions(name=f"{role}-0", role=role, engine=engine, router_address=list(routers.addresses),
-                         secret=SECRET, **extra)
+    options = RuntimeOptions(router_addresses=list(routers.addresses), secret=SECRET, **runtime)
+    extra = {} if transfer is None else {"transfer": transfer}
+    return WorkerSpec(name=f"{role}-0", role=role, engine=engine, runtime=options, **extra)
 
 
-def _tokens_by_rid(events: list[dict]) -> dict[str, list]:
+def _tokens_by_rid(events: list[Event]) -> dict[str, list]:
     out: dict[str, list] = defaultdict(list)
     for event in events:
-        if event["type"] == "tokens":
-            for item in event["items"]:  # [rid, token ids, (text,) finish reason, timing]
-                out[item[0]].append((list(item[1]), item[-2]))
+        if isinstance(event, Tokens):
+            for item in event.items:
+                out[item.rid].append((item.token_ids, item.finish_reason))
     return out
 
 
@@ -118,20 +122,20 @@ def test_worker_sends_each_request_events_to_its_own_router(tiny_llama_path):
     from worker.colocated import ColocatedWorker
 
     routers = FakeRouters(2)
-    worker = ColocatedWorker(_options(tiny_llama_path, routers, "colocated"))
+    worker = ColocatedWorker(_spec(tiny_llama_path, routers, "colocated"))
     worker.start()
     try:
         routers.connect(worker.command_address)
-        params = {"max_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
         prompt = random_prompts(1, 12, 12, seed=3)[0]
-        routers.send(0, {"type": "generate", "rid": "a", "prompt": prompt, "params": params})
-        routers.send(1, {"type": "generate", "rid": "b", "prompt": prompt, "params": params})
-        routers.send(1, {"type": "generate", "rid": "c", "prompt": prompt, "params": {"bogus": 1}})
+        routers.send(0, Generate("a", prompt, params))
+        routers.send(1, Generate("b", prompt, params))
+        routers.send(1, Generate("c", prompt, SamplingParams(temperature=-1.0)))  # refused on receipt: an error
 
         def done() -> bool:
             tokens = [_tokens_by_rid(routers.events[0]), _tokens_by_rid(routers.events[1])]
             finished = all(any(f for _, f in tokens[i].get(rid, [])) for i, rid in ((0, "a"), (1, "b")))
-            return finished and routers.of(1, "error") and routers.of(0, "stats") and routers.of(1, "stats")
+            return finished and routers.of(1, ErrorEvent) and routers.of(0, Stats) and routers.of(1, Stats)
 
         routers.wait_for(done)
         routers.pump(0.5)  # anything misrouted would arrive by now
@@ -141,9 +145,9 @@ def test_worker_sends_each_request_events_to_its_own_router(tiny_llama_path):
         stream_b = [t for ids, _ in got[1]["b"] for t in ids]
         assert len(stream_a) == 20 and stream_a == stream_b  # same prompt, greedy: nothing lost or duplicated
         assert got[0]["a"][-1][1] == "length" and got[1]["b"][-1][1] == "length"
-        assert routers.of(0, "error") == []
-        assert [e["rid"] for e in routers.of(1, "error")] == ["c"]
-        assert {e["worker"] for e in routers.of(0, "stats") + routers.of(1, "stats")} == {worker.name}
+        assert routers.of(0, ErrorEvent) == []
+        assert [(e.rid, e.code.value) for e in routers.of(1, ErrorEvent)] == [("c", "invalid_request")]
+        assert {e.worker for e in routers.of(0, Stats) + routers.of(1, Stats)} == {worker.name}
         routers.wait_for(lambda: not worker.engine.requests)
         worker.engine.check_no_leaks()
     finally:
@@ -156,26 +160,27 @@ def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
     from transfer.base import TransferConfig
 
     routers = FakeRouters(2)
-    options = _options(tiny_llama_path, routers, "decode", router_timeout_s=1.5)
-    worker = DecodeWorker(options, "zmq", TransferConfig(secret=SECRET, deadline_s=60), "fail", "tcp", 0)
+    spec = _spec(tiny_llama_path, routers, "decode", transfer=TransferConfig(secret=SECRET, deadline_s=60),
+                 router_timeout_s=1.5)
+    worker = DecodeWorker(spec)  # zmq over tcp, failure policy "fail", no headroom: the spec's defaults
     worker.start()
     try:
         routers.connect(worker.command_address)
         prompt = random_prompts(1, 10, 10, seed=4)[0]
-        params = {"max_tokens": 4}
-        routers.send(0, {"type": "reserve", "rid": "d", "prompt": prompt, "params": params, "attempt": 1})
-        routers.send(1, {"type": "reserve", "rid": "e", "prompt": prompt, "params": params, "attempt": 1})
-        routers.wait_for(lambda: routers.of(0, "reserved") and routers.of(1, "reserved"), ping=1)
-        assert [(e["rid"], e["ok"]) for e in routers.of(0, "reserved")] == [("d", True)]
-        assert [(e["rid"], e["ok"]) for e in routers.of(1, "reserved")] == [("e", True)]
+        params = SamplingParams(max_tokens=4)
+        routers.send(0, Reserve("d", prompt, params, attempt=1))
+        routers.send(1, Reserve("e", prompt, params, attempt=1))
+        routers.wait_for(lambda: routers.of(0, Reserved) and routers.of(1, Reserved), ping=1)
+        assert [(e.rid, e.ok) for e in routers.of(0, Reserved)] == [("d", True)]
+        assert [(e.rid, e.ok) for e in routers.of(1, Reserved)] == [("e", True)]
         # router 1 keeps pinging, router 0 says nothing: after router_timeout_s only "d" is freed, at router 0
-        routers.wait_for(lambda: routers.of(0, "error"), timeout_s=15, ping=1)
-        assert [(e["rid"], e["message"]) for e in routers.of(0, "error")] == [("d", "router unreachable")]
+        routers.wait_for(lambda: routers.of(0, ErrorEvent), timeout_s=15, ping=1)
+        assert [(e.rid, e.message) for e in routers.of(0, ErrorEvent)] == [("d", "router unreachable")]
         started = time.monotonic()
         routers.wait_for(lambda: time.monotonic() - started > 2.0, ping=1)  # longer than the timeout again
-        assert routers.of(1, "error") == []
+        assert routers.of(1, ErrorEvent) == []
         assert set(worker.engine.requests) == {"e"}
-        routers.send(1, {"type": "abort", "rid": "e"})
+        routers.send(1, Abort("e"))
         routers.wait_for(lambda: not worker.engine.requests, ping=1)
         worker.engine.check_no_leaks()
     finally:

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from cluster.launch import start_serving
-from tests.cluster.conftest import tiny_cluster_config, wait_all_kv_free
-from tests.engine.conftest import Reference, random_prompts
+from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
+from tests.helpers.engine import Reference, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from cluster.launch import start_serving
-from tests.cluster.conftest import tiny_cluster_config, wait_all_kv_free
-from tests.engine.conftest import Reference, random_prompts
+from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
+from tests.helpers.engine import Reference, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -18,7 +18,7 @@ BLOCK_BYTES = 16 * 2 * 3 * 2 * 16 * 4  # tokens x (K,V) x layers x kv heads x he
 
 @pytest.mark.parametrize(
     "backend, transport, stream_layers",
-    [("zmq", "tcp", True), ("zmq", "ipc", True), ("nccl", "tcp", True), ("zmq", "tcp", False)],
+    [("zmq", "tcp", True), ("zmq", "ipc", True), ("gloo", "tcp", True), ("zmq", "tcp", False)],
     ids=["zmq-tcp", "zmq-ipc", "gloo", "zmq-tcp-unstreamed"],
 )
 def test_two_process_handoff_is_token_exact(ray_local, tiny_llama_path, backend, transport, stream_layers):

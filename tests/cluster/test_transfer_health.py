@@ -11,7 +11,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.cluster.conftest import metric_value, wait_until, worker_named
+from tests.helpers.cluster import metric_value, wait_until, worker_named
 from transfer.auth import NO_SESSION, handshake_key, seal
 from transfer.wire import pack_header
 
@@ -34,7 +34,7 @@ def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_re
         raise RuntimeError("injected: a bug in the KV sender's loop")
 
     broken.sender._check_timeouts = bug  # the sender's I/O thread dies at its next turn
-    wait_until(lambda: handle.router.members.workers["prefill-1"].stats.get("degraded"), 5)
+    wait_until(lambda: handle.router.members.workers["prefill-1"].degraded, 5)
 
     health = httpx.get(f"{handle.base_url}/health", timeout=5)
     assert health.status_code == 200  # the cluster still serves
@@ -47,12 +47,12 @@ def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_re
     assert metric_value(handle.base_url, "pdserve_worker_degraded", worker="prefill-1") == 1
     assert metric_value(handle.base_url, "pdserve_worker_degraded", worker="prefill-0") == 0
 
-    served_before, broken_before = healthy.counters["transfers_ok"], broken.counters["transfers_ok"]
+    served_before, broken_before = healthy.counters.transfers_ok, broken.counters.transfers_ok
     for _ in range(4):  # round robin would give every other request to prefill-1: they all go to prefill-0
         response = _complete(handle)
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
-    wait_until(lambda: healthy.counters["transfers_ok"] == served_before + 4, 5)  # acks reach prefill as decode starts
-    assert broken.counters["transfers_ok"] == broken_before and broken.engine.requests == {}
+    wait_until(lambda: healthy.counters.transfers_ok == served_before + 4, 5)  # acks reach prefill as decode starts
+    assert broken.counters.transfers_ok == broken_before and broken.engine.requests == {}
 
 
 def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serve):

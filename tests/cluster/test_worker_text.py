@@ -22,7 +22,7 @@ from cluster.streams import Stream
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from tests.cluster.conftest import metric_value, tiny_cluster_config, wait_all_kv_free
+from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv_free
 
 pytestmark = pytest.mark.timeout(300)
 

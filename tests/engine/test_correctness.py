@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.request import SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.helpers.engine import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -122,7 +122,7 @@ def test_preemption_under_block_pressure_keeps_output_exact(tiny_llama_path, lla
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2_path, make_engine):
-    from tests.engine.conftest import Reference
+    from tests.helpers.engine import Reference
 
     reference = Reference(smollm2_path)
     engine = make_engine(smollm2_path)

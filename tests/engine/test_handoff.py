@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.request import RequestStatus, SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.helpers.engine import random_prompts
 
 
 def _handoff(prefill, decode, prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.request import FinishReason, RequestStatus, SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.helpers.engine import random_prompts
 from tests.engine.test_detokenizer import _byte_fallback_bpe, _metaspace_unigram
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -1,14 +1,10 @@
-"""Fixtures for transfer tests: make tests/transfer importable for spawned peers, a spawn context,
-and teardown that closes every sender/receiver a test made (so no socket or thread outlives it)."""
+"""Fixtures for transfer tests: a spawn context, and teardown that closes every sender/receiver a test made (so no
+socket or thread outlives it). Payloads, the destination cache and the peer processes are in tests/helpers/."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture

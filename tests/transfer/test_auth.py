@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 import zmq
-from kvutil import Cache, fingerprint, make_kv, poll_until
-from test_failures import FAST, RawPeer, _failed, _serves_next
 
+from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
+from tests.transfer.test_failures import FAST, RawPeer, _failed, _serves_next
 from transfer import wire
 from transfer.auth import NO_SESSION, OVERHEAD, handshake_key, pair_group_key, seal, split
 from transfer.base import TransferConfig, make_receiver, make_sender

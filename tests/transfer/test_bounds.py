@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvutil import Cache, fingerprint, make_kv, poll_until
-from test_failures import FAST, RawPeer, _failed
 
+from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
+from tests.transfer.test_failures import FAST, RawPeer, _failed
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.errors import PeerGone, SessionLimit, TransferError, TransferTimeout
 from transfer.outbox import HEADER_COST

@@ -9,9 +9,9 @@ import time
 
 import pytest
 import zmq
-from kvutil import Cache, fingerprint, make_kv, poll_until
 
-import procs
+from tests.helpers import transfer_peers as procs
+from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.errors import (ChecksumError, FingerprintMismatch, FrameTooLarge, PeerGone, ProtocolError,

@@ -7,9 +7,9 @@ import signal
 import time
 
 import pytest
-from kvutil import Cache, fingerprint, make_kv, poll_until
 
-import procs
+from tests.helpers import transfer_peers as procs
+from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.errors import PeerGone, ProtocolError, TransferAborted, TransferTimeout
 from transfer.state import TransferState

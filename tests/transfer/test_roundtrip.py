@@ -3,9 +3,9 @@ processes), chunked pieces, int8 wire compression; both sides end with empty tab
 from __future__ import annotations
 
 import pytest
-from kvutil import DTYPES, Cache, fingerprint, make_kv, poll_until
 
-import procs
+from tests.helpers import transfer_peers as procs
+from tests.helpers.kv import DTYPES, Cache, fingerprint, make_kv, poll_until
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.state import TransferState
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
-from kvutil import fingerprint, make_kv
 
+from tests.helpers.kv import fingerprint, make_kv
 from transfer.compress import dequantize_int8, quantize_int8
 from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, ProtocolError
 from transfer.wire import (MAX_HEADER_BYTES, ModelFingerprint, PieceHeader, check_piece, decode_frames,

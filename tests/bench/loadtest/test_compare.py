@@ -1,4 +1,4 @@
-"""``bench compare`` against a fake ``cluster.launch.start_serving`` that serves the scripted server."""
+"""``bench compare`` (bench/compare_modes.py) against a fake ``cluster.launch.start_serving`` that serves the scripted server."""
 
 import argparse
 import sys
@@ -6,7 +6,7 @@ import types
 
 import yaml
 
-from bench.loadtest import compare
+from bench import compare_modes as compare
 from tests.bench.loadtest.scripted_server import Script, ScriptedServer
 
 

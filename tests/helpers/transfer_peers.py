@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import time
 
-from kvutil import Cache, fingerprint, make_kv, poll_until
-
+from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from transfer.base import TransferConfig, make_receiver, make_sender
 
 

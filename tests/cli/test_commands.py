@@ -1,3 +1,5 @@
+"""``pdserve`` subcommands run in-process or as a user runs them: a tiny model built, a bad model reported, the demo."""
+
 from __future__ import annotations
 
 import subprocess

@@ -1,6 +1,9 @@
 """``pdserve bench compare --config FILE``: the same workload and rates against the cluster in colocated mode and
 in disaggregated mode, on the same workers, into one results folder with one table and the plots.
 
+It lives in bench/, not in bench/loadtest/, because it starts pdserve's cluster: the load tester itself needs only
+HTTP and a tokenizer and imports nothing of the server, so it can test any OpenAI-compatible one.
+
 For each mode it starts the cluster from a copy of the config (``mode`` set, ``router.port`` 0 for a free port)
 with ``cluster.launch.start_serving(config)``, which returns a handle with ``base_url``, ``num_workers`` and
 ``stop()``; runs every rate (``--rates``, else ``--request-rate``) against ``handle.base_url``; stops it. The SLOs
@@ -14,15 +17,9 @@ import argparse
 import sys
 
 from bench.loadtest import output
-from bench.loadtest.cli import add_workload_arguments, benchmark_settings, execute, prepare, result_folder
-
-MODES = ("colocated", "disaggregated")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="cluster YAML (configs/local.yaml)")
-    parser.add_argument("--modes", default=",".join(MODES), help="which modes to run, in order")
-    add_workload_arguments(parser)
+from bench.loadtest.cli import benchmark_settings, execute, prepare, result_folder
+from bench.options import COMPARE_MODES as MODES
+from bench.options import add_compare_arguments as add_arguments  # re-exported: this module's CLI and tests
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -80,7 +77,7 @@ def _start(config, mode: str):
 def main(argv: list[str] | None = None) -> int:
     from bench.loadtest.cli import run_main
 
-    return run_main("python -m bench.loadtest.compare", "colocated vs disaggregated on the same workers",
+    return run_main("python -m bench.compare_modes", "colocated vs disaggregated on the same workers",
                     add_arguments, run, argv)
 
 

@@ -1,13 +1,13 @@
 """Test helpers: deterministic KV payloads, a dict-backed destination cache (the sink), polling loops.
 
-Shared by the in-process tests and the spawned peer processes in procs.py (spawn re-imports this module
-by name, so it must stay importable without pytest).
+Shared by the in-process tests and the spawned peer processes in ``transfer_peers.py`` (spawn re-imports this
+module by name, so it must stay importable without pytest).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -1,0 +1,76 @@
+"""Command-line options of the benchmarks whose modules are heavy to import (torch, the transfer layer, the cluster).
+
+Why apart from the benchmarks: ``pdserve bench engine --help`` and the parser of ``pdserve bench ...`` must not import
+torch, transformers or Ray just to list options (the engine bench's module takes seconds to import). This module
+imports ``argparse`` and ``pathlib`` only; each benchmark re-exports its function as ``add_arguments`` for its own
+``python -m`` entry and for tests. The light benchmarks (``detok_bench``, ``frontend_bench``, ``overlap_bench``,
+``loadtest/options.py``) declare their own options: importing them costs nothing.
+
+Values that pdserve's own packages define (the default model's name) are written here as plain values, and a test
+checks that they still agree (``tests/bench/loadtest/test_imports.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.loadtest.options import PDSERVE_DEFAULT_MODEL, add_workload_arguments
+
+TRANSFER_BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo", "local")
+COMPARE_MODES = ("colocated", "disaggregated")
+LOCAL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench engine`` (``bench/engine_bench.py``)."""
+    parser.add_argument("--model", default=PDSERVE_DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default=None, help="default: cuda when torch sees a GPU, else cpu")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--prefill-prompts", type=int, default=8)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+
+
+def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench transfer`` (``bench/transfer_bench.py``), with the overlap options under ``--overlap-``."""
+    from bench import overlap_bench  # light: its heavy imports are inside run()
+
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64],
+                        help="KV payload sizes in MiB (rounded to whole blocks)")
+    parser.add_argument("--backends", nargs="+", default=list(TRANSFER_BACKENDS), choices=TRANSFER_BACKENDS)
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    parser.add_argument("--no-checksum", action="store_true", help="disable xxh3 frame checksums")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also start the served cluster (SmolLM2) and measure how much of the transfer streaming "
+                             "hides behind the prefill, and the int8 wire check (takes minutes)")
+    overlap_bench.add_arguments(parser, prefix="overlap-")
+
+
+def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench chaos`` (``bench/chaos.py``)."""
+    parser.add_argument("--config", default=str(LOCAL_CONFIG))
+    parser.add_argument("--model", default=None, help="override model.name")
+    parser.add_argument("--prefill-replicas", type=int, default=None, help="override pools.prefill.replicas")
+    parser.add_argument("--decode-replicas", type=int, default=None, help="override pools.decode.replicas")
+    parser.add_argument("--in-process", action="store_true",
+                        help="workers as threads of this process (no Ray); a kill stops one dead, nothing restarts it")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the router's per-request deadline")
+    parser.add_argument("--kill-decode-at", type=float, default=0.25, help="fraction of requests done")
+    parser.add_argument("--kill-prefill-at", type=float, default=0.6, help="fraction of requests done")
+    parser.add_argument("--settle-timeout-s", type=float, default=90.0)
+    parser.add_argument("--json", action="store_true")
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench compare`` (``bench/compare_modes.py``): a cluster config, the modes, a workload."""
+    parser.add_argument("--config", required=True, help="cluster YAML (configs/local.yaml)")
+    parser.add_argument("--modes", default=",".join(COMPARE_MODES), help="which modes to run, in order")
+    add_workload_arguments(parser)

@@ -1,0 +1,62 @@
+"""``pdserve status``: one HTTP GET of a running router's ``/status``, printed as a table (or the JSON).
+
+It lives in cli/, not in cluster/, because it is a client of the router's HTTP API and nothing more: it imports the
+standard library only, so it starts in a fraction of a second on a machine without torch or Ray, and it works
+against a router of any version that serves the same ``/status`` shape (``cluster/router.py``, ``status()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+WORKER_HEADER = (f"{'worker':<14}{'role':<11}{'alive':<7}{'waiting':>8}{'running':>8}{'kv free':>12}{'transfers':>11}"
+                 f"{'kv bytes':>12}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the router's answer")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--api-key", default=default_api_key, help="the router's API key (default: $PDSERVE_API_KEY)")
+
+
+def fetch_status(url: str, timeout_s: float, api_key: str | None) -> dict[str, Any]:
+    """The router's ``/status`` as a dict; ValueError (a message for the user) when it cannot be had."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"{url.rstrip('/')}/status", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            data: dict[str, Any] = json.load(response)
+    except urllib.error.HTTPError as exc:
+        hint = " (pass --api-key or set PDSERVE_API_KEY)" if exc.code == 401 else ""
+        raise ValueError(f"the router at {url} refused: HTTP {exc.code} {exc.reason}{hint}") from None
+    except OSError as exc:
+        raise ValueError(f"no pdserve router answers at {url}: {exc}") from None
+    return data
+
+
+def format_status(data: dict[str, Any]) -> str:
+    """The table ``pdserve status`` prints: the router's totals, then one line per worker."""
+    lines = [f"mode: {data['mode']}   model: {data['model']}   in flight: {data['inflight']}   "
+             f"queued: {data['queue_depth']}"]
+    router = data.get("router") or {}
+    if router.get("processes", 1) > 1:  # the numbers above are this process's; the queue bound is shared
+        lines.append(f"router process {router['index']} of {router['processes']} (pid {router['pid']}); queued in "
+                     f"all: {router.get('queue_depth_all', '?')}")
+    lines.append(WORKER_HEADER)
+    for w in data["workers"]:
+        kv = f"{w.get('free_blocks', '?')}/{w.get('total_blocks', '?')}"
+        lines.append(f"{w['name']:<14}{w['role']:<11}{str(w['alive']):<7}{w.get('waiting', 0):>8}"
+                     f"{w.get('running', 0):>8}{kv:>12}{int(w.get('transfers_ok', 0)):>11}"
+                     f"{int(w.get('transfer_bytes', 0)):>12}")
+    return "\n".join(lines)
+
+
+def status(args: argparse.Namespace) -> int:
+    data = fetch_status(args.url, args.timeout, getattr(args, "api_key", None))
+    print(json.dumps(data, indent=2) if args.json else format_status(data))
+    return 0

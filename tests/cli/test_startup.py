@@ -1,0 +1,137 @@
+"""``pdserve --help``, ``pdserve status`` and argument parsing start without torch, transformers, Ray or any
+package below the CLI: the modules a subcommand needs are imported only when that subcommand runs.
+
+Each check runs a fresh interpreter (``python -c``, and ``python -X importtime -m cli.main --help`` as the issue asks)
+and reads which modules it imported, so nothing this test process already imported can hide a heavy import. Wall
+time is not asserted (this machine is shared); the imports are what make the start slow, and they are asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cli.main import BENCHMARKS
+from tests.helpers.imports import ROOT
+
+HEAVY = {"torch", "transformers", "ray"}
+BELOW_CLI = {"bench", "planner", "cluster", "prefill", "decode", "worker", "engine", "transfer"}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PDSERVE_API_KEY", None)
+    return env
+
+
+RUN_AS_PDSERVE = """
+import json, os, runpy, sys
+sys.argv = ["pdserve", *json.loads(os.environ["PDSERVE_TEST_ARGV"])]
+status = 0
+try:
+    runpy.run_module("cli.main", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    status = exc.code if isinstance(exc.code, int) else 1
+with open(os.environ["PDSERVE_TEST_MODULES"], "w") as out:
+    json.dump(sorted(sys.modules), out)
+sys.exit(status)
+"""
+
+
+def run_cli(tmp_path, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``pdserve ARGV`` in a fresh interpreter (as ``python -m cli.main`` would); the finished process and
+    every module in its ``sys.modules`` at exit (importlib's imports included, which ``-X importtime`` misses)."""
+    modules_file = tmp_path / "modules.json"
+    env = _env() | {"PDSERVE_TEST_ARGV": json.dumps(argv), "PDSERVE_TEST_MODULES": str(modules_file)}
+    proc = subprocess.run([sys.executable, "-c", RUN_AS_PDSERVE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    return proc, set(json.loads(modules_file.read_text()))
+
+
+def top_level(modules: set[str]) -> set[str]:
+    return {m.split(".")[0] for m in modules}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["serve", "--help"], ["demo", "--help"],
+                                  ["bench", "--help"], ["model", "tiny", "--help"]])
+def test_help_imports_nothing_below_the_cli(tmp_path, argv):
+    proc, modules = run_cli(tmp_path, *argv)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: pdserve")
+    assert not top_level(modules) & (HEAVY | BELOW_CLI), sorted(m for m in modules if m.split(".")[0] in
+                                                                 HEAVY | BELOW_CLI)
+
+
+def test_parsing_every_non_bench_command_imports_nothing_below_the_cli():
+    """The parser alone (``python -c``), for each subcommand's arguments, without running the subcommand."""
+    code = (
+        "import json, sys\n"
+        "from cli.main import build_parser\n"
+        "parser = build_parser()\n"
+        "for argv in (['serve', '--config', 'x.yaml', '--port', '0'], ['status', '--url', 'http://h:1', '--json'],\n"
+        "             ['demo', '--max-tokens', '4'], ['model', 'tiny', 'out', '--arch', 'qwen2'], ['-v', 'status']):\n"
+        "    assert callable(parser.parse_args(argv).func)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = top_level(set(json.loads(proc.stdout)))
+    assert "cli.main" in json.loads(proc.stdout)  # the check really ran the parser
+    assert not loaded & (HEAVY | BELOW_CLI), sorted(loaded & (HEAVY | BELOW_CLI))
+
+
+@pytest.mark.parametrize(("name", "options_module", "run_module"),
+                         [(name, options_module, run_module) for name, _, options_module, _, run_module in BENCHMARKS])
+def test_a_benchmarks_options_are_declared_without_torch_or_the_cluster(tmp_path, name, options_module, run_module):
+    """``pdserve bench NAME --help`` imports the light module declaring the options, not the benchmark itself."""
+    proc, modules = run_cli(tmp_path, "bench", name, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: pdserve bench {name}") and "--json" in proc.stdout
+    assert options_module in modules
+    if run_module != options_module:
+        assert run_module not in modules
+    assert not top_level(modules) & (HEAVY | BELOW_CLI - {"bench"}), sorted(
+        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI - {"bench"})
+
+
+def test_only_the_chosen_benchmarks_options_are_declared():
+    """Parsing one benchmark's arguments loads that benchmark's options module and no other benchmark's."""
+    code = (
+        "import json, sys\n"
+        "from cli.main import build_parser\n"
+        "args = build_parser().parse_args(['bench', 'detok', '--tiny', '--lengths', '10', '--json'])\n"
+        "print(json.dumps({'lengths': args.lengths, 'json': args.json, 'modules': sorted(sys.modules)}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["lengths"] == "10" and out["json"] is True
+    bench_modules = {m for m in out["modules"] if m.split(".")[0] == "bench"}
+    assert bench_modules == {"bench", "bench.detok_bench"}
+    assert not top_level(set(out["modules"])) & HEAVY
+
+
+def test_status_against_a_router_imports_nothing_below_the_cli(tmp_path, status_server):
+    server = status_server()
+    proc, modules = run_cli(tmp_path, "status", "--url", server.url)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prefill-0" in proc.stdout and "decode-0" in proc.stdout and "disaggregated" in proc.stdout
+    assert server.authorizations == [None]  # it really asked the router
+    assert not top_level(modules) & (HEAVY | BELOW_CLI), sorted(m for m in modules if m.split(".")[0] in
+                                                                 HEAVY | BELOW_CLI)
+
+
+def test_importtime_of_help_shows_no_heavy_import():
+    """The check of the issue, as written there: ``python -X importtime -m cli.main --help``."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "cli.main", "--help"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: pdserve")
+    timed = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "cli.status" in timed  # the output was read
+    assert not top_level(timed) & (HEAVY | BELOW_CLI), sorted(m for m in timed if m.split(".")[0] in HEAVY | BELOW_CLI)

@@ -1,0 +1,272 @@
+"""Typed control messages (worker/messages.py): every kind survives the wire as itself; what is not a valid message
+(undecodable, an unknown kind, a missing, unknown, wrong-typed or out-of-range field, too large, the other
+direction's) is a MalformedMessage, which the sealing layer reports as Rejection.MALFORMED only after the MAC was
+checked; a worker given such a command counts it in control_rejected and keeps serving; the router's /metrics keys,
+/status fields and per-response timing come from the Structs' fields."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import msgspec
+import pytest
+import zmq
+
+from cluster.membership import heartbeat_status
+from cluster.metrics import GAUGE_KEYS, TOTAL_KEYS, RouterMetrics
+from cluster.router import response_timing
+from engine.config import EngineConfig
+from engine.request import FinishReason, SamplingParams
+from tests.helpers.engine import random_prompts
+from worker.messages import (
+    MAX_MESSAGE_BYTES,
+    Abort,
+    DecodeTiming,
+    ErrorCode,
+    ErrorEvent,
+    FirstToken,
+    Generate,
+    MalformedMessage,
+    Ping,
+    Prefill,
+    PrefillTiming,
+    ProtocolError,
+    Reserve,
+    Reserved,
+    Start,
+    Stats,
+    TokenItem,
+    Tokens,
+    Unreserve,
+    WorkerCounters,
+    WorkerLoad,
+    decode_command,
+    decode_event,
+    encode,
+    kind,
+)
+from worker.protocol import AuthError, Channel, Rejection, Signer, Verifier
+
+SECRET = "typed-messages-test-secret-0123456789"
+PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=["x"], stop_token_ids=[2],
+                        ignore_eos=True)
+
+
+def _stats(**load: int) -> Stats:
+    counters = WorkerCounters(**{name: index + 1 for index, name in enumerate(WorkerCounters.__struct_fields__)})
+    counters.transfer_seconds = 2.5
+    return Stats(worker="decode-0", role="decode", address="tcp://127.0.0.1:5555", load=WorkerLoad(**load),
+                 counters=counters, degraded="", loop_age_s=0.125)
+
+
+COMMANDS = [
+    Reserve("r1", [1, 2, 3], PARAMS, attempt=4, router=1, sent_at=1234.5),
+    Unreserve("r1", attempt=4),
+    Prefill("r1", [1, 2, 3], PARAMS, "tcp://127.0.0.1:9", [7, 8]),
+    Start("r1", 42, router=2),
+    Generate("r2", [5], SamplingParams()),
+    Abort("r2"),
+    Ping(router=3),
+]
+EVENTS = [
+    Reserved(rid="r1", worker="decode-0", ok=True, attempt=4, blocks=[7, 8], kv_address="tcp://127.0.0.1:9"),
+    Reserved(rid="r1", worker="decode-0", ok=False, attempt=5, reason="kv_full"),
+    FirstToken(rid="r1", worker="prefill-0", token=42, text=" hi", timing=PrefillTiming(0.1, 0.2, 3.0)),
+    Tokens(worker="decode-0", items=[
+        TokenItem("r1", [1, 2], "ab"),
+        TokenItem("r2", [], "", FinishReason.STOP, DecodeTiming(kv_done_mono=1.0, decode_queue_s=0.01)),
+        TokenItem("r3", [9], "z", FinishReason.LENGTH, PrefillTiming(queue_s=0.5)),
+    ]),
+    ErrorEvent(rid="r1", worker="prefill-0", message="boom", code=ErrorCode.KV_TRANSFER_FAILED),
+    _stats(waiting=1, running=2, requests=3, free_blocks=4, total_blocks=5, awaiting_kv=6, leased_transfers=7),
+]
+
+
+@pytest.mark.parametrize("message", COMMANDS, ids=kind)
+def test_every_command_round_trips_as_itself(message):
+    assert decode_command(encode(message)) == message
+    assert msgpack.unpackb(encode(message))["type"] == kind(message)  # the protocol's names on the wire
+
+
+@pytest.mark.parametrize("message", EVENTS, ids=kind)
+def test_every_event_round_trips_as_itself(message):
+    decoded = decode_event(encode(message))
+    assert decoded == message and type(decoded) is type(message)
+
+
+def test_a_tokens_item_is_a_positional_array_on_the_wire():
+    wire = msgpack.unpackb(encode(EVENTS[3]))
+    assert wire["items"][0] == ["r1", [1, 2], "ab", None, None]
+    assert wire["items"][1][3] == "stop" and wire["items"][1][4] == {"phase": "decode", "kv_done_mono": 1.0,
+                                                                      "decode_queue_s": 0.01}
+
+
+def _raw(**fields) -> bytes:
+    return msgpack.packb(fields)
+
+
+GOOD_ABORT = {"type": "abort", "rid": "r1", "router": 0}
+MALFORMED_COMMANDS = {
+    "not msgpack": b"\xc1",
+    "truncated": encode(COMMANDS[0])[:-3],
+    "not a map": msgpack.packb([1, 2, 3]),
+    "no type": _raw(rid="r1"),
+    "unknown type": _raw(type="detonate", rid="r1"),
+    "an event's type": encode(EVENTS[0]),
+    "missing field": _raw(type="start", rid="r1"),
+    "unknown field": _raw(**GOOD_ABORT, extra=1),
+    "wrong-typed rid": _raw(type="abort", rid=5),
+    "wrong-typed prompt": _raw(type="generate", rid="r", prompt=["a"], params={}),
+    "wrong-typed params": _raw(type="generate", rid="r", prompt=[1], params={"max_tokens": "many"}),
+    "negative router index": _raw(**{**GOOD_ABORT, "router": -1}),
+    "integer map keys": msgpack.packb({1: "abort"}),
+}
+
+
+@pytest.mark.parametrize("data", MALFORMED_COMMANDS.values(), ids=MALFORMED_COMMANDS.keys())
+def test_what_is_not_a_valid_command_is_a_typed_error(data):
+    assert decode_command(_raw(**GOOD_ABORT)) == Abort("r1")  # the baseline the cases break
+    with pytest.raises(MalformedMessage) as error:
+        decode_command(data)
+    assert isinstance(error.value, ProtocolError)
+
+
+def test_what_is_not_a_valid_event_is_a_typed_error():
+    for data in (encode(COMMANDS[0]), _raw(type="stats", worker="w"), _raw(type="tokens", worker="w", items=[["r"]]),
+                 _raw(type="error", worker="w", rid="r", message="m", code="no_such_code"),
+                 _raw(type="reserved", worker="w", rid="r", ok=True, reason="because")):
+        with pytest.raises(MalformedMessage):
+            decode_event(data)
+
+
+def test_a_body_over_the_size_bound_is_refused_before_it_is_decoded():
+    with pytest.raises(MalformedMessage, match="exceeds"):
+        decode_command(b"\x90" * (MAX_MESSAGE_BYTES + 1))
+
+
+def test_sampling_values_are_checked_by_the_worker_not_the_decoder():
+    """A well-typed but invalid value decodes (the worker's validate() answers the request with invalid_request)."""
+    command = decode_command(encode(Generate("r", [1], SamplingParams(temperature=-1.0))))
+    with pytest.raises(ValueError, match="temperature"):
+        command.params.validate()
+
+
+def test_engine_error_codes_map_onto_the_closed_set():
+    assert ErrorCode.from_engine("sampling_error") is ErrorCode.SAMPLING_ERROR
+    assert ErrorCode.from_engine("something_new") is ErrorCode.WORKER_ERROR
+    assert ErrorCode.from_engine(None) is ErrorCode.WORKER_ERROR
+
+
+def test_the_mac_is_checked_before_the_body_is_decoded():
+    address = "tcp://127.0.0.1:1"
+    verifier = Verifier(SECRET, Channel.COMMANDS, address)
+    garbage = b"\xc1 not a message"
+    with pytest.raises(AuthError) as error:  # a stranger's garbage is a bad MAC, not a decode error
+        verifier.open(Signer("wrong-secret", Channel.COMMANDS, address).seal_body(garbage))
+    assert error.value.reason is Rejection.BAD_MAC
+    signer = Signer(SECRET, Channel.COMMANDS, address)
+    with pytest.raises(AuthError) as error:  # sealed with the secret: a malformed message, a bug of the sender
+        verifier.open(signer.seal_body(garbage))
+    assert error.value.reason is Rejection.MALFORMED
+    assert verifier.open(signer.seal(COMMANDS[3])) == COMMANDS[3]  # typed, by the channel's decoder
+    events = Verifier(SECRET, Channel.EVENTS, address)
+    assert events.open(Signer(SECRET, Channel.EVENTS, address).seal(EVENTS[4])) == EVENTS[4]
+
+
+# ---- the router's names come from the Structs ------------------------------------------------------------------
+
+
+def test_metrics_keys_are_the_heartbeat_structs_fields():
+    assert GAUGE_KEYS == WorkerLoad.__struct_fields__ and TOTAL_KEYS == WorkerCounters.__struct_fields__
+    stats = EVENTS[-1]
+    metrics = RouterMetrics()
+    metrics.observe_worker(stats)
+    labels = {"worker": stats.worker, "pool": stats.role}
+    for key in WorkerLoad.__struct_fields__:
+        assert metrics.local_value("pdserve_worker", **labels, key=key) == getattr(stats.load, key)
+    for key in WorkerCounters.__struct_fields__:
+        assert metrics.local_value("pdserve_worker_total", **labels, key=key) == getattr(stats.counters, key)
+
+
+def test_status_shows_a_heartbeat_as_one_flat_map():
+    stats = EVENTS[-1]
+    status = heartbeat_status(stats)
+    assert set(status) == ({"address", "degraded", "loop_age_s"} | set(WorkerLoad.__struct_fields__)
+                           | set(WorkerCounters.__struct_fields__))
+    assert status["free_blocks"] == 4 and status["control_rejected"] == stats.counters.control_rejected
+    assert heartbeat_status(None) == {}
+
+
+def test_response_timing_keeps_its_keys():
+    assert response_timing(PrefillTiming(0.1, 0.2, 3.0)) == {"prefill_queue_s": 0.1, "prefill_compute_s": 0.2,
+                                                              "prefill_end_mono": 3.0}
+    assert response_timing(PrefillTiming(queue_s=0.1)) == {"prefill_queue_s": 0.1}
+    assert response_timing(DecodeTiming(1.0, 0.5, 0.0, 0.01)) == {
+        "kv_done_mono": 1.0, "kv_transfer_s": 0.5, "kv_wait_after_first_token_s": 0.0, "decode_queue_s": 0.01}
+    assert response_timing(DecodeTiming(recomputed=True, decode_queue_s=0.02)) == {"recomputed": 1.0,
+                                                                                   "decode_queue_s": 0.02}
+
+
+# ---- a worker given malformed commands ---------------------------------------------------------------------------
+
+
+def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny_llama_path):
+    from worker.colocated import ColocatedWorker
+    from worker.spec import RuntimeOptions, WorkerSpec
+
+    ctx = zmq.Context()
+    events_sock = ctx.socket(zmq.PULL)
+    events_sock.setsockopt(zmq.LINGER, 0)
+    router_address = f"tcp://127.0.0.1:{events_sock.bind_to_random_port('tcp://127.0.0.1')}"
+    verifier = Verifier(SECRET, Channel.EVENTS, router_address)
+    engine = EngineConfig(model=str(tiny_llama_path), num_kv_blocks=32, torch_threads=1, max_model_len=128)
+    spec = WorkerSpec(name="colocated-0", role="colocated", engine=engine,
+                      runtime=RuntimeOptions(router_addresses=[router_address], secret=SECRET))
+    worker = ColocatedWorker(spec)
+    worker.start()
+    commands = ctx.socket(zmq.PUSH)
+    commands.setsockopt(zmq.LINGER, 0)
+    commands.connect(worker.command_address)
+    signer = Signer(SECRET, Channel.COMMANDS, worker.command_address)
+    received: list = []
+
+    def wait_for(condition, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, received[-5:]
+            if events_sock.poll(50):
+                received.append(verifier.open(events_sock.recv()))
+
+    try:
+        malformed = [signer.seal_body(data) for data in MALFORMED_COMMANDS.values()]
+        malformed.append(signer.seal(Abort("r", router=1)))  # well formed, but this worker knows one router only
+        for frame in malformed:
+            commands.send(frame)
+        prompt = random_prompts(1, 8, 8, seed=5)[0]
+        commands.send(signer.seal(Generate("ok", prompt, SamplingParams(max_tokens=5, temperature=0.0,
+                                                                        ignore_eos=True))))
+        commands.send(signer.seal(Generate("bad", prompt, SamplingParams(top_p=0.0))))  # decodes; validate() fails
+
+        def finished() -> bool:
+            items = [i for e in received if isinstance(e, Tokens) for i in e.items if i.rid == "ok"]
+            return bool(items) and items[-1].finish_reason is FinishReason.LENGTH
+
+        wait_for(finished)
+        wait_for(lambda: any(isinstance(e, Stats) and e.counters.control_rejected == len(malformed)
+                             for e in received))
+        tokens = [t for e in received if isinstance(e, Tokens) for i in e.items if i.rid == "ok" for t in i.token_ids]
+        assert len(tokens) == 5
+        errors = [e for e in received if isinstance(e, ErrorEvent)]
+        assert [(e.rid, e.code) for e in errors] == [("bad", ErrorCode.INVALID_REQUEST)]
+        assert "top_p" in errors[0].message
+        assert worker.counters.control_rejected == len(malformed) and worker.counters.errors == 1
+        wait_for(lambda: not worker.engine.requests)
+        worker.engine.check_no_leaks()
+        assert msgspec.to_builtins(worker.stats())["counters"]["control_rejected"] == len(malformed)
+        assert worker.snapshot()["counters"]["control_rejected"] == len(malformed)  # plain data, for Ray
+    finally:
+        worker.stop()
+        commands.close(0)
+        events_sock.close(0)
+        ctx.term()

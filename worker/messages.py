@@ -1,0 +1,266 @@
+"""Every control message between the router and the workers, one msgspec Struct per kind, encoded as msgpack.
+
+Why: messages used to be plain dicts and positional lists, so a timing key or a counter name had to be spelled the
+same in five files and a missing key surfaced as a KeyError deep in a handler. Here each kind is a typed Struct;
+``decode_command`` and ``decode_event`` return the typed object or raise ``MalformedMessage``, and handlers dispatch
+on the type. On the wire a message is a msgpack map whose ``type`` key names the kind (``tag_field``), the names
+the protocol always used; a ``tokens`` item is a positional array (compact: one per request per step).
+
+Router -> worker (commands; ``Membership.send`` stamps ``router`` (its index) and ``sent_at`` (wall clock)):
+    reserve   {rid, prompt, params, attempt}            decode: reserve KV blocks, expect the transfer
+    unreserve {rid, attempt}                            decode: undo a reservation whose answer came too late
+    prefill   {rid, prompt, params, kv_address, dst_blocks}   prefill: compute, stream KV, sample the first token
+    start     {rid, first_token}                        decode: the first token (KV may still be arriving)
+    generate  {rid, prompt, params}                     colocated: both phases here
+    abort     {rid}                                     any: free whatever the request holds
+    ping      {}                                        any: the router is alive
+Worker -> router (events):
+    reserved    {rid, worker, ok, attempt, blocks, kv_address, reason}
+    first_token {rid, worker, token, text, timing: PrefillTiming}
+    tokens      {worker, items: [TokenItem, ...]}        one per step
+    error       {rid, worker, message, code: ErrorCode}
+    stats       {worker, role, address, load: WorkerLoad, counters: WorkerCounters, degraded, loop_age_s}
+
+Bounds: a body larger than ``MAX_MESSAGE_BYTES`` is refused before it is decoded; every field has one type (map keys
+can only be the Structs' own field names, so strings), unknown fields and unknown kinds are refused, so a message
+cannot make the receiver build anything but these objects. Sampling parameters travel as the engine's own
+``SamplingParams`` (msgspec decodes its dataclass, checking each field's type) and the worker ``validate()``s them
+on receipt: a bad value answers the request with an ``invalid_request`` error, as before.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+
+from engine.request import FinishReason, SamplingParams
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+Role = Literal["prefill", "decode", "colocated"]
+RefusalReason = Literal["kv_full"]  # why a decode worker refused a reservation (ok=False)
+
+
+class ProtocolError(ValueError):
+    """A control message that cannot be taken (the sealing layer's AuthError is one too)."""
+
+
+class MalformedMessage(ProtocolError):
+    """Authenticated, but not a valid message: undecodable, an unknown kind, a missing, unknown or wrong-typed field,
+    or too large. The receiver counts it as ``Rejection.MALFORMED`` (a bug of the sender, not an attack)."""
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a worker failed a request (``error`` events); the router turns it into the client's error code."""
+
+    INVALID_REQUEST = "invalid_request"  # the command itself is wrong (bad params, prompt, unknown request): 400
+    WORKER_ERROR = "worker_error"  # a failed step, a router that went silent, a worker going down
+    SAMPLING_ERROR = "sampling_error"  # this request's own logits (non-finite)
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # its KV did not arrive
+    RESERVATION_EXPIRED = "reservation_expired"  # its first token never reached the decode worker
+
+    @classmethod
+    def from_engine(cls, code: str | None) -> ErrorCode:
+        """The engine's ``RequestOutput.error_code`` (a string): a code this protocol does not know is a worker
+        error, so an error is never dropped for its code."""
+        try:
+            return cls(code)
+        except ValueError:
+            return cls.WORKER_ERROR
+
+
+# ---- timing and counters ---------------------------------------------------------------------------------------
+
+
+class PrefillTiming(msgspec.Struct, tag_field="phase", tag="prefill", omit_defaults=True):
+    """Where a request's prefill time went in the worker that computed it (seconds; None: not reached)."""
+
+    queue_s: float | None = None  # added to the engine until first scheduled
+    compute_s: float | None = None  # first scheduled until the first token was sampled
+    end_mono: float | None = None  # monotonic stamp of the first token (prefill worker; same-host comparisons)
+
+
+class DecodeTiming(msgspec.Struct, tag_field="phase", tag="decode", omit_defaults=True):
+    """Where a request's time went in the decode worker before its first decoded token (seconds)."""
+
+    kv_done_mono: float | None = None  # monotonic stamp of the complete KV
+    kv_transfer_s: float | None = None  # reservation until the complete KV (spans the prefill)
+    kv_wait_after_first_token_s: float | None = None  # first token here until the complete KV (0: KV was first)
+    decode_queue_s: float | None = None  # admitted until its first decode step ran
+    recomputed: bool = False  # its KV transfer failed and it was prefilled here (failure_policy: recompute)
+
+
+class WorkerLoad(msgspec.Struct):
+    """A worker's current load: gauges (``pdserve_worker{key=<field>}``)."""
+
+    waiting: int = 0
+    running: int = 0
+    requests: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    awaiting_kv: int = 0  # decode: reservations whose KV or first token has not arrived
+    leased_transfers: int = 0  # prefill: requests whose blocks are held until the decode worker has the KV
+
+
+class WorkerCounters(msgspec.Struct):
+    """A worker's monotonic totals since it started (``pdserve_worker_total{key=<field>}``)."""
+
+    errors: int = 0
+    aborts: int = 0
+    control_rejected: int = 0  # commands dropped unread or undecodable (by Rejection reason in the log)
+    step_failures: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0  # prefill: time its sender spent on finished transfers
+    reservations_refused: int = 0
+    recomputes: int = 0
+    reservations_expired: int = 0
+    kv_rejected: int = 0  # decode: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+
+# ---- commands: router -> worker --------------------------------------------------------------------------------
+
+
+class _Command(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    router: Annotated[int, msgspec.Meta(ge=0)] = 0  # the sending router's index: a request's events go back there
+    sent_at: float | None = None  # time.time() when sent (how long it sat in the socket; same-host clocks)
+
+
+class _RequestCommand(_Command):
+    rid: str
+
+
+class _PromptCommand(_RequestCommand):
+    prompt: list[int]
+    params: SamplingParams  # validate()d by the worker on receipt
+
+
+class Reserve(_PromptCommand, tag="reserve"):
+    attempt: int = -1  # the router's attempt number: the reply answers this attempt only
+
+
+class Unreserve(_RequestCommand, tag="unreserve"):
+    attempt: int  # undo this attempt's reservation (a later attempt's on the same worker stays)
+
+
+class Prefill(_PromptCommand, tag="prefill"):
+    kv_address: str  # the decode worker's KV receiver
+    dst_blocks: list[int]  # the block ids it reserved, in order
+
+
+class Start(_RequestCommand, tag="start"):
+    first_token: int
+
+
+class Generate(_PromptCommand, tag="generate"):
+    pass
+
+
+class Abort(_RequestCommand, tag="abort"):
+    pass
+
+
+class Ping(_Command, tag="ping"):
+    pass
+
+
+Command = Reserve | Unreserve | Prefill | Start | Generate | Abort | Ping
+RequestCommand = _RequestCommand  # every command about one request (all but ping)
+PromptCommand = _PromptCommand  # the commands that bring a prompt and its sampling parameters
+
+
+# ---- events: worker -> router ----------------------------------------------------------------------------------
+
+
+class _Event(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    worker: str  # the sending worker's name
+
+
+class Reserved(_Event, tag="reserved"):
+    rid: str
+    ok: bool
+    attempt: int = -1
+    blocks: list[int] = []  # ok: the reserved block ids (prompt, first token, headroom)
+    kv_address: str = ""  # ok: where the prefill worker sends the KV
+    reason: RefusalReason | None = None  # not ok: why
+
+
+class FirstToken(_Event, tag="first_token"):
+    rid: str
+    token: int
+    text: str  # the first token's text; the decode worker's texts continue from it
+    timing: PrefillTiming
+
+
+class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One request's share of a step: ``[rid, token ids, text, finish reason, timing]`` on the wire."""
+
+    rid: str
+    token_ids: list[int]
+    text: str  # what the tokens add to the output, ready to send (held-back characters come later)
+    finish_reason: FinishReason | None = None
+    timing: PrefillTiming | DecodeTiming | None = None  # with its first and its last item only
+
+
+class Tokens(_Event, tag="tokens"):
+    items: list[TokenItem]
+
+
+class ErrorEvent(_Event, tag="error"):
+    rid: str
+    message: str
+    code: ErrorCode
+
+
+class Stats(_Event, tag="stats"):
+    """The heartbeat: several times a second, to every router, even while a long step holds the worker's loop."""
+
+    role: Role
+    address: str  # the worker's command address: which incarnation of the worker this is
+    load: WorkerLoad
+    counters: WorkerCounters
+    degraded: str = ""  # why the worker should get no new work ("" when healthy)
+    loop_age_s: float = 0.0  # how long ago the worker's loop last came round (slow vs stuck)
+
+
+Event = Reserved | FirstToken | Tokens | ErrorEvent | Stats
+
+
+# ---- encoding --------------------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_command_decoder = msgspec.msgpack.Decoder(Command)
+_event_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def encode(message: Command | Event) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_command(data: bytes | memoryview) -> Command:
+    """The typed command, or MalformedMessage."""
+    return _decode(_command_decoder, data)
+
+
+def decode_event(data: bytes | memoryview) -> Event:
+    """The typed event, or MalformedMessage."""
+    return _decode(_event_decoder, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MalformedMessage(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # ValidationError is a DecodeError; both named
+        raise MalformedMessage(f"invalid control message: {exc}") from None
+
+
+def kind(message: Command | Event) -> str:
+    """The message's wire name (its ``type``), for logs."""
+    return message.__struct_config__.tag  # type: ignore[return-value]

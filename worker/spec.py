@@ -1,0 +1,133 @@
+"""What one worker is, as one picklable value: ``WorkerSpec`` (name, role, engine, KV transfer, control plane).
+
+Why one value: the cluster config used to be translated three times (dicts, a positional tuple, then each role's
+constructor arguments), each translation with defaults of its own. Now ``cluster/config.py`` builds every worker's
+spec in one place (``worker_specs``), Ray pickles it into the worker actor, and each role's constructor takes it
+whole: ``PrefillWorker(spec)``, ``DecodeWorker(spec)``, ``ColocatedWorker(spec)``. The only defaults are those of
+the dataclasses it is made of (``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``); the config's sections take
+theirs from them.
+
+Why the spec carries GPUs and not a device: the process that builds it (``pdserve serve``, perhaps on a Ray head
+node without a GPU) cannot know what the worker's process will see. The spec says how many GPUs the pool asked for;
+``resolve_spec`` runs inside the worker process (``WorkerRuntime.__init__``) and picks the device there: a worker
+that asked for GPUs and sees none fails, naming itself, instead of quietly running on the CPU. So does a worker told
+to move KV over ``nccl`` that runs on the CPU: ``gloo`` is the same code on the CPU, chosen by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+from engine.config import EngineConfig
+from transfer.base import TransferConfig
+
+TransferBackend = Literal["zmq", "nccl", "gloo", "local"]  # gloo: the nccl code on the CPU (how it is tested)
+ZmqTransport = Literal["tcp", "ipc"]  # ipc: Unix sockets, only when prefill and decode share a node
+FailurePolicy = Literal["fail", "recompute"]  # a lost transfer fails the request, or decode prefills it itself
+
+
+class WorkerRole(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"  # both phases in one engine: the baseline disaggregation must beat
+
+
+@dataclass(slots=True)
+class RuntimeOptions:
+    """The worker's place in the control plane (worker/runtime.py): where the routers are, where it binds, how often
+    it reports, how long it waits."""
+
+    router_addresses: list[str]  # each router process's event socket; index = the router's index
+    host: str = "127.0.0.1"  # where this worker binds its sockets ("auto": the node's IP, resolved by the actor)
+    stats_interval_s: float = 0.2  # heartbeat period
+    send_timeout_ms: int = 2000  # SNDTIMEO / RCVTIMEO on every control socket
+    hwm: int = 100_000  # SNDHWM / RCVHWM (messages) on every control socket
+    secret: str | None = None  # the cluster secret (required): commands not sealed with it are dropped and counted
+    router_timeout_s: float = 10.0  # no word from a router this long: free its requests (it restarted or died)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.router_addresses, str):
+            self.router_addresses = [self.router_addresses]
+        self.router_addresses = list(self.router_addresses)
+        for name in ("stats_interval_s", "send_timeout_ms", "hwm", "router_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """Everything one worker needs, built by ``cluster.config.worker_specs`` (or by hand in tests)."""
+
+    name: str
+    role: WorkerRole
+    engine: EngineConfig  # its ``device`` is decided in the worker process (``resolve_spec``), from ``gpus``
+    runtime: RuntimeOptions
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    transfer_backend: TransferBackend = "zmq"
+    zmq_transport: ZmqTransport = "tcp"
+    stream_layers: bool = True  # prefill: send each layer's KV as it is computed (False: after the whole prompt)
+    failure_policy: FailurePolicy = "fail"  # decode: what a failed transfer does to its request
+    reserve_headroom_tokens: int = 0  # decode: reserved per request beyond prompt + first token
+    gpus: float = 0.0  # what the pool asked for per replica (Ray's num_gpus); 0: a CPU worker
+    pool: str = ""  # the config's pool it belongs to ("prefill", "decode"); default: its role's name
+
+    def __post_init__(self) -> None:
+        self.role = WorkerRole(self.role)
+        self.pool = self.pool or self.role.value
+        _check_choice("transfer_backend", self.transfer_backend, TransferBackend)
+        _check_choice("zmq_transport", self.zmq_transport, ZmqTransport)
+        _check_choice("failure_policy", self.failure_policy, FailurePolicy)
+        if self.reserve_headroom_tokens < 0:
+            raise ValueError(f"reserve_headroom_tokens must be >= 0, got {self.reserve_headroom_tokens!r}")
+        if self.gpus < 0:
+            raise ValueError(f"gpus must be >= 0, got {self.gpus!r}")
+        # one cluster secret for the control plane and the KV handshake: given once, it serves both
+        secret, transfer_secret = self.runtime.secret, self.transfer.secret
+        if secret and transfer_secret and secret != transfer_secret:
+            raise ValueError(f"worker {self.name}: the control-plane and transfer secrets differ")
+        if secret and not transfer_secret:
+            self.transfer = dataclasses.replace(self.transfer, secret=secret)
+
+    def with_host(self, host: str) -> WorkerSpec:
+        """The same spec binding ``host`` (the actor resolves ``"auto"`` to its node's address)."""
+        return dataclasses.replace(self, runtime=dataclasses.replace(self.runtime, host=host))
+
+
+def _check_choice(name: str, value: str, choices: object) -> None:
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def resolve_device(spec: WorkerSpec) -> str:
+    """The device this worker's engine runs on, decided in the worker's own process: "cuda" when its pool asked for
+    GPUs and this process sees one, "cpu" when it asked for none; a RuntimeError when it asked and sees none."""
+    if spec.gpus <= 0:
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    raise RuntimeError(
+        f"worker {spec.name}: its pool asks for {spec.gpus:g} GPU(s) per replica, but no GPU is visible to it "
+        f"(torch.cuda.is_available() is False in pid {os.getpid()} on {socket.gethostname()}, "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Check the node's driver and torch's "
+        "CUDA build, or set gpus_per_replica: 0 to run this pool on the CPU")
+
+
+def resolve_spec(spec: WorkerSpec) -> WorkerSpec:
+    """The spec as this process runs it: the engine on ``resolve_device``'s device, and the transfer's device set for
+    the backend (nccl moves device tensors; gloo, zmq and local move host ones). ``nccl`` on a CPU worker fails."""
+    device = resolve_device(spec)
+    if spec.transfer_backend == "nccl" and device == "cpu" and spec.role is not WorkerRole.COLOCATED:
+        raise RuntimeError(
+            f"worker {spec.name}: transfer.backend is nccl, which moves KV between GPUs, but this worker runs on the "
+            "CPU (its pool has gpus_per_replica: 0). Use transfer.backend: gloo for the same code on the CPU")
+    transfer_device = device if spec.transfer_backend == "nccl" else "cpu"
+    return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=device),
+                               transfer=dataclasses.replace(spec.transfer, device=transfer_device))
