@@ -25,6 +25,7 @@ from cluster.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.membership import WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import LeastLoaded, PowerOfTwo, RoundRobin
+from engine.blocks import reserved_blocks
 from engine.request import SamplingParams
 from worker.messages import Command, ErrorCode, ErrorEvent, Reserve, Reserved, Unreserve
 
@@ -54,9 +55,10 @@ class DecodeReservations:
         return self._admission.total
 
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """KV blocks a decode worker reserves for a request: prompt, first token and the configured headroom."""
-        headroom = min(self.config.pools.decode.reserve_headroom_tokens, max(0, max_tokens - 1))
-        return -(-(num_prompt_tokens + 1 + headroom) // self.block_size)
+        """KV blocks a decode worker reserves for a request: prompt, first token and the configured headroom (the
+        engine's own rule, ``engine.blocks.reserved_blocks``, so the router never plans with another count)."""
+        return reserved_blocks(num_prompt_tokens, max_tokens, self.config.pools.decode.reserve_headroom_tokens,
+                               self.block_size, self.config.model.max_model_len)
 
     def check_fits(self, workers: list[WorkerHandle], role: str, num_prompt_tokens: int, max_tokens: int) -> None:
         """A prompt that no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""

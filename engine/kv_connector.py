@@ -109,7 +109,7 @@ class KVExporter:
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
-        self.user_hook: LayerHook | None = None  # deprecated ``LLMEngine.set_layer_hook``: runs after the exports
+        self.user_hook: LayerHook | None = None  # ``LLMEngine.set_layer_hook`` (fault injection): after the exports
         self._planned: list[_PlannedExport] = []
 
     def layer_hook_for(self, chunks: list[ScheduledChunk]) -> LayerHook | None:

@@ -11,8 +11,8 @@ Three ways in:
   ``step``, whose output for it continues the text from the first token. ``remote_kv_failed`` ends it, or has it
   prefilled here with that first token (recompute); ``expire_remote`` frees reservations whose first token never
   came: the decode worker's path.
-  (Deprecated, until the workers move to the connector: ``complete_remote`` and ``add_resumed_request`` do the
-  admission and the recompute at once, and ``set_layer_hook`` + ``read_kv_blocks`` let a worker stream KV itself.)
+
+``set_layer_hook`` is for fault injection only (tests slow or fail a forward with it): the KV hand-off never needs it.
 
 The first two live in ``engine.engine_core``; this file adds the third, the decode side of the hand-off.
 """
@@ -30,7 +30,6 @@ from engine.kv_connector import RemoteKV
 from engine.request import (
     FinishReason,
     Request,
-    RequestOutput,
     RequestStatus,
     SamplingParams,
 )
@@ -155,59 +154,13 @@ class LLMEngine(EngineCore):
             self._finish(request, FinishReason.ABORT)
         return [request.request_id for request in expired]
 
-    def complete_remote(self, request_id: str, first_token_id: int) -> list[RequestOutput]:
-        """The imported KV is complete: the request joins the running batch with the token prefill sampled.
-
-        Deprecated: used by decode/worker.py until the workers move to the connector (``remote_first_token`` +
-        ``remote_kv_done``, admitted by the scheduler)."""
-        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
-        request.num_computed_tokens = request.num_prompt_tokens
-        self._register_full_blocks(request)
-        output = self._append_token(request, first_token_id, text_sent=True)
-        if not request.is_finished:
-            self.scheduler.add_running(request)
-        return [output]
-
-    def add_resumed_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, first_token_id: int
-    ) -> list[RequestOutput]:
-        """A request whose first token was sampled (and its text sent) elsewhere, but whose KV must be computed here:
-        the decode worker's recompute after a failed transfer. The prompt and that token are prefilled together and
-        decoding goes on; the token counts towards ``max_tokens`` and finishes the request if it would have there.
-
-        Deprecated: used by decode/worker.py until the workers move to the connector (``remote_kv_failed`` with
-        ``recompute=True``)."""
-        request = self._new_request(prompt, params, request_id, prefill_only=False)
-        self.requests[request.request_id] = request
-        output = self._append_token(request, first_token_id, text_sent=True)
-        if not request.is_finished:
-            self.scheduler.add(request)
-        return [output]
-
-    # ---- KV export and import (the transfer layer's side) ------------------------------------------------------
-
-    def request_block_ids(self, request_id: str) -> list[int]:
-        return list(self.requests[request_id].block_ids)
-
-    def read_kv_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of physical blocks' K and V for one layer.
-
-        Deprecated: used by prefill/worker.py until the workers move to the connector (``add_request(kv_sink=...)``
-        hands the sink these tensors)."""
-        return self.kv_cache.read_blocks(layer, block_ids)
-
-    def write_kv_blocks(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write imported K and V for one layer into physical blocks, unchecked.
-
-        Deprecated: used by decode/worker.py until the workers move to the connector (``write_remote_kv`` checks the
-        blocks belong to a request waiting for them)."""
-        self.kv_cache.write_blocks(layer, block_ids, k, v)
+    # ---- fault injection ----------------------------------------------------------------------------------------
 
     def set_layer_hook(self, hook: LayerHook | None) -> None:
-        """Called after each layer's KV is written in every forward (after the connector's own exports).
-
-        Deprecated: used by prefill/worker.py (and tests/cluster, to slow or fail its forwards) until the workers move
-        to the connector."""
+        """For fault injection only: ``hook(layer, batch)`` runs after each layer's KV is written in every forward,
+        after the KV connector's own exports for that layer. What it raises fails that step's requests, as a failing
+        forward does; what it sleeps delays the rest of the forward (tests/cluster slow or fail prefills with it).
+        ``None`` removes it."""
         self.kv_exporter.user_hook = hook
 
 

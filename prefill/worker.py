@@ -1,167 +1,157 @@
-"""The prefill worker: computes prompts, streams their KV to decode workers layer by layer, sends first tokens.
+"""The prefill worker: computes prompts, streams their KV to decode workers, sends first tokens.
 
-A request's path through this worker:
-1. ``prefill`` command from the router: the request (prompt, sampling params, the decode worker's KV address and
-   the block ids it reserved) enters the engine as a prefill-only request, and a transfer to that address begins.
-2. The engine batches it with other prompts (ragged; chunked when longer than ``max_batch_tokens``). In every forward,
-   the layer hook runs after each layer's KV lands in the cache and hands the transfer sender that layer's blocks
-   that are now complete, so the bytes move while the remaining layers compute.
+A thin adapter between the engine's KV connector, the transfer sender and the control plane; which blocks are
+complete, and when, is the engine's business (``engine.kv_connector``), not this file's. A request's path:
+1. ``prefill`` from the router: the request (prompt, sampling params, the decode worker's KV address and the block ids
+   it reserved) enters the engine as a prefill-only request with a KV sink, and a transfer to that address begins.
+2. The engine batches it with other prompts (ragged; chunked when longer than ``max_batch_tokens``) and reports its
+   completed blocks to the sink, layer by layer inside the forward (``stream_layers``; else every layer once the
+   prompt is done). The sink maps the request's logical blocks onto the decode worker's and hands them to the
+   sender, so the bytes move while the remaining layers compute.
 3. The step that finishes the prompt samples the first token; it goes to the router at once with its text (the TTFT
    point, not waiting for the transfer), and the transfer is marked finished.
 4. The blocks stay held (PREFILLED) until the decode worker acknowledges the KV, or the lease runs out, or either side
-   aborts: the sender's ``poll`` reports each of those once, and that is where the blocks are released.
+   aborts: the sender's ``poll`` reports each of those once, and that is where the engine lets the request go.
+
+Who reports a failed transfer: the side that decided it. A failure this side decided (the decode worker is gone,
+the lease ran out) is reported from here as ``kv_transfer_failed``; one the decode side decided (a NACK) is reported
+there; one the router already knows of (it aborted the request, or got this worker's own error first) is not
+reported again. The decode side stays silent about what this sender aborted.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
-from worker.messages import Command, ErrorCode, FirstToken, Prefill, Stats
-from worker.runtime import WorkerRuntime, finish_timing
-from worker.spec import WorkerSpec
-from engine.attention import AttentionBatch
-from engine.request import RequestStatus
-from transfer.base import make_sender
+from engine.blocks import blocks_for_tokens
+from engine.kv_connector import KVBlocksReady, KVSink
+from engine.llm_engine import LLMEngine
+from engine.request import FinishReason
+from transfer.base import KVSender, make_sender
+from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
+from worker.messages import Command, ErrorCode, FirstToken, Prefill, WorkerCounters, WorkerLoad
+from worker.role import Emit, Role, prefill_timing
+from worker.runtime import WorkerRuntime
+from worker.spec import WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class OutboundKV:
-    """Which of a request's blocks have been handed to the sender (every layer of a forward sends the same range)."""
+class PrefillRole(Role):
+    kind = WorkerRole.PREFILL
 
-    dst_blocks: list[int]
-    num_prompt_tokens: int
-    blocks_sent: int = 0
-
-
-class PrefillWorker(WorkerRuntime):
-    role = "prefill"
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec)  # self.spec: resolved in this process (device chosen)
-        stream_layers = self.stream_layers = self.spec.stream_layers
-        self.fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
-        self.sender = make_sender(self.spec.transfer_backend, self.fingerprint, self.spec.transfer)
-        self.outbound: dict[str, OutboundKV] = {}
+    def __init__(self, name: str, engine: LLMEngine, sender: KVSender, emit: Emit, *, stream_kv: bool = True,
+                 counters: WorkerCounters | None = None) -> None:
+        super().__init__(name, engine, emit, counters)
+        self.sender = sender
+        self.stream_kv = stream_kv  # False: every layer's KV once the whole prompt is done (the overlap baseline)
         # transfers whose end the router already knows of (it aborted them, or got this worker's error first):
-        # their failure in poll() is not reported again
+        # their failure in poll() is not reported again. Added to when this side aborts a transfer; an entry leaves
+        # when poll() reports that transfer's end, which it does exactly once for every transfer begun.
         self._known_to_router: set[str] = set()
-        if stream_layers:
-            self.engine.set_layer_hook(self._on_layer)
 
-    def has_work(self) -> bool:
-        return self.engine.has_unfinished() or bool(self.outbound)
+    @classmethod
+    def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> PrefillRole:
+        sender = make_sender(spec.transfer_backend, ModelFingerprint.from_spec(engine.kv_spec), spec.transfer)
+        return cls(spec.name, engine, sender, emit, stream_kv=spec.stream_layers)
 
     def handle(self, command: Command, arrival_s: float) -> None:
         if not isinstance(command, Prefill):
             return super().handle(command, arrival_s)
         rid, params = command.rid, command.params
         params.max_tokens = 1
-        self.engine.add_request(command.prompt, params, rid, prefill_only=True, arrival_s=arrival_s)
-        num_prompt = len(self.engine.requests[rid].prompt_token_ids)
-        dst_blocks = command.dst_blocks
-        if len(dst_blocks) < self.engine.block_manager.blocks_for(num_prompt):
+        self.engine.add_request(command.prompt, params, rid, prefill_only=True, arrival_s=arrival_s,
+                                kv_sink=self._sink(rid, list(command.dst_blocks)), stream_kv=self.stream_kv)
+        num_prompt_tokens = self.engine.requests[rid].num_prompt_tokens
+        if len(command.dst_blocks) < blocks_for_tokens(num_prompt_tokens, self.engine.kv_spec.block_size):
             self.engine.abort(rid)
-            raise ValueError(f"decode reserved {len(dst_blocks)} blocks, the prompt needs more")
-        self.outbound[rid] = OutboundKV(dst_blocks, num_prompt)
-        self.sender.begin(rid, command.kv_address)
+            raise ValueError(f"decode reserved {len(command.dst_blocks)} blocks, the prompt needs more")
+        try:
+            self.sender.begin(rid, command.kv_address)
+        except Exception:  # no transfer, so nothing would ever release the request: it ends here
+            self.engine.abort(rid)
+            raise
 
-    def _on_layer(self, layer: int, batch: AttentionBatch) -> None:
-        block_size = self.engine.kv_spec.block_size
-        last_layer = layer == self.engine.kv_spec.num_layers - 1
-        for chunk in batch.chunks:
-            out = self.outbound.get(chunk.request.request_id)
-            if out is None:
-                continue
-            # a block is sent once, when full, or at the end of the prompt when it is the partial last block
-            if chunk.end >= out.num_prompt_tokens:
-                upto = -(-out.num_prompt_tokens // block_size)
-            else:
-                upto = chunk.end // block_size
-            if upto > out.blocks_sent:
-                src = chunk.request.block_ids[out.blocks_sent : upto]
-                k, v = self.engine.read_kv_blocks(layer, src)
-                self.sender.send_layer(chunk.request.request_id, layer, out.dst_blocks[out.blocks_sent : upto], k, v)
-            if last_layer:
-                out.blocks_sent = max(out.blocks_sent, upto)
+    def _sink(self, rid: str, dst_blocks: list[int]) -> KVSink:
+        """The request's KV sink: its logical blocks [first, end) go to the decode worker's reserved blocks."""
+        sender = self.sender
 
-    def _send_all_layers(self, rid: str) -> None:
-        """stream_layers=False: the whole prompt's KV, layer by layer, once the prefill is over."""
-        out = self.outbound[rid]
-        src = self.engine.requests[rid].block_ids[: len(out.dst_blocks)]
-        num_blocks = -(-out.num_prompt_tokens // self.engine.kv_spec.block_size)
-        for layer in range(self.engine.kv_spec.num_layers):
-            k, v = self.engine.read_kv_blocks(layer, src[:num_blocks])
-            self.sender.send_layer(rid, layer, out.dst_blocks[:num_blocks], k, v)
+        def send(ready: KVBlocksReady) -> None:
+            sender.send_layer(rid, ready.layer, dst_blocks[ready.first_block : ready.end_block], ready.k, ready.v)
+
+        return send
 
     def tick(self) -> None:
         for output in self.engine.step():
+            rid = output.request_id
             if output.error is not None:  # finish_reason ERROR: the engine has already freed the request's blocks
                 # tell the router first (the client's error names the cause, not the aborted transfer), then abort
-                # the transfer: its lease ends in poll() below, where _release finds nothing left to free
+                # the transfer: its lease ends in poll() below, where there is nothing left to free
                 self.counters.errors += 1
-                self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
-                if output.request_id in self.outbound:
-                    self._known_to_router.add(output.request_id)
-                    self.sender.abort(output.request_id, output.error)
+                self.emit_error(rid, output.error, ErrorCode.from_engine(output.error_code))
+                self._abort_transfer(rid, output.error)
                 continue
-            request = self.engine.requests.get(output.request_id)
-            if output.finish_reason is None or request is None:
+            if output.finish_reason is not FinishReason.PREFILLED:
                 continue
-            if not self.stream_layers:
-                self._send_all_layers(output.request_id)
-            self.sender.finish(output.request_id)
-            timing = finish_timing(request)
+            self.sender.finish(rid)  # every layer of every block went to the sink before step() returned
+            timing = prefill_timing(output.timing)
             # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
-            timing.end_mono = request.first_token_s
+            timing.end_mono = output.timing.first_token_s if output.timing is not None else None
             # text: the first token's text; the decode worker continues from it
-            self.emit(FirstToken(rid=output.request_id, worker=self.name, token=output.new_token_ids[0],
-                                 text=output.text_delta, timing=timing))
+            self.emit(FirstToken(rid=rid, worker=self.name, token=output.new_token_ids[0], text=output.text_delta,
+                                 timing=timing))
         for event in self.sender.poll():
-            self._release(event.transfer_id)
-            if event.ok:
-                self.counters.transfers_ok += 1
-                self.counters.transfer_bytes += event.nbytes
-                self.counters.transfer_seconds += event.elapsed_s
-            else:
-                self.counters.transfers_failed += 1
-                logger.info("%s: transfer %s failed: %s", self.name, event.transfer_id, event.error)
-                if event.transfer_id not in self._known_to_router and not getattr(event.error, "from_peer", False):
-                    # a failure this side decided (the decode side stays silent on what the sender aborted; it
-                    # reports its own NACKs, under its failure policy): the cause is reported from here
-                    self.emit_error(event.transfer_id, f"KV transfer failed: {event.error}",
-                                    ErrorCode.KV_TRANSFER_FAILED)
-            self._known_to_router.discard(event.transfer_id)
+            self._transfer_ended(event)
 
-    def _release(self, rid: str) -> None:
-        self.outbound.pop(rid, None)
-        request = self.engine.requests.get(rid)
-        if request is None:
+    def _transfer_ended(self, event: TransferEvent) -> None:
+        """The lease ended (acknowledged, failed or aborted): the engine lets the request go, whatever its state (a
+        request still computing stops: its KV has nowhere to go)."""
+        rid = event.transfer_id
+        self.engine.abort(rid)  # PREFILLED: released; still computing: aborted; gone: nothing to do
+        known = rid in self._known_to_router
+        self._known_to_router.discard(rid)
+        if event.ok:
+            self.counters.transfers_ok += 1
+            self.counters.transfer_bytes += event.nbytes
+            self.counters.transfer_seconds += event.elapsed_s
             return
-        if request.status == RequestStatus.PREFILLED:
-            self.engine.release(rid)
-        else:  # the transfer ended before the prompt did (decode gone, aborted): stop computing it
-            self.engine.abort(rid)
+        self.counters.transfers_failed += 1
+        logger.info("%s: transfer %s failed: %s", self.name, rid, event.error)
+        if not known and not getattr(event.error, "from_peer", False):
+            # a failure this side decided (the decode side stays silent on what the sender aborted; it reports its
+            # own NACKs, under its failure policy): the cause is reported from here
+            self.emit_error(rid, f"KV transfer failed: {event.error}", ErrorCode.KV_TRANSFER_FAILED)
+
+    def _abort_transfer(self, rid: str, reason: str) -> None:
+        self._known_to_router.add(rid)
+        self.sender.abort(rid, reason)  # its lease ends in poll(), which lets the request go
 
     def abort(self, rid: str) -> None:
-        if rid in self.outbound:
-            self._known_to_router.add(rid)
-            self.sender.abort(rid, "aborted by router")  # its lease ends in poll(), which releases the blocks
-        else:
-            self.engine.abort(rid)
+        if rid in self.engine.requests:  # every request here has a transfer (begun right after it was added)
+            self._abort_transfer(rid, "aborted by router")
 
     def health_problem(self) -> str:
         """A dead KV sender I/O thread: every transfer of this worker would fail, so it must get no new work."""
         return self.sender.io_problem()
 
-    def stats(self) -> Stats:
-        stats = super().stats()
-        stats.load.leased_transfers = len(self.outbound)
-        return stats
+    def load(self) -> WorkerLoad:
+        load = super().load()
+        load.leased_transfers = len(self.sender.active_transfers())
+        return load
 
     def close(self) -> None:
         self.sender.close()
-        super().close()
+
+
+class PrefillWorker(WorkerRuntime):
+    """The prefill role in a worker process (sockets, loop, heartbeat)."""
+
+    role: PrefillRole
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec, PrefillRole)
+
+    @property
+    def sender(self) -> KVSender:
+        return self.role.sender

@@ -8,11 +8,13 @@ one ``tokens`` message.
 from __future__ import annotations
 
 from worker.messages import Command, ErrorCode, Generate, TokenItem, Tokens
-from worker.runtime import WorkerRuntime, finish_timing
+from worker.role import Role, prefill_timing
+from worker.runtime import WorkerRuntime
+from worker.spec import WorkerRole, WorkerSpec
 
 
-class ColocatedWorker(WorkerRuntime):
-    role = "colocated"
+class ColocatedRole(Role):
+    kind = WorkerRole.COLOCATED
 
     def handle(self, command: Command, arrival_s: float) -> None:
         if not isinstance(command, Generate):
@@ -30,10 +32,17 @@ class ColocatedWorker(WorkerRuntime):
                 continue
             timing = None  # the prefill's timing (the router names it prefill_*), with the first token and the last
             if output.num_output_tokens == 1 or output.finished:
-                request = self.engine.requests.get(output.request_id)
-                if request is not None:
-                    timing = finish_timing(request)
+                timing = prefill_timing(output.timing)
             items.append(TokenItem(output.request_id, output.new_token_ids, output.text_delta, output.finish_reason,
                                    timing))
         if items:
             self.emit(Tokens(worker=self.name, items=items))
+
+
+class ColocatedWorker(WorkerRuntime):
+    """The colocated role in a worker process (sockets, loop, heartbeat)."""
+
+    role: ColocatedRole
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec, ColocatedRole)

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+from engine.kv_connector import KVBlocksReady
 from engine.request import RequestStatus, SamplingParams
 from tests.helpers.engine import random_prompts
 
 
 def _handoff(prefill, decode, prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:
-    prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, prefill_only=True)
+    """Reserve on decode, prefill with a KV sink that writes each reported block range into the reserved blocks,
+    then the first token; returns every token the client gets (prefill's first, then decode's)."""
+    dst_blocks = decode.reserve_remote(prompt, params, request_id)
+    num_src_blocks = -(-len(prompt) // prefill.kv_spec.block_size)
+    assert dst_blocks is not None and len(dst_blocks) >= num_src_blocks
+
+    def sink(ready: KVBlocksReady) -> None:
+        dst = dst_blocks[ready.first_block : ready.end_block]
+        decode.write_remote_kv(ready.request_id, ready.layer, dst, ready.k, ready.v)
+
+    prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, prefill_only=True,
+                        kv_sink=sink)
     [first] = [o for _ in range(10) for o in prefill.step()]
     assert first.finished and prefill.requests[request_id].status == RequestStatus.PREFILLED
-    src_blocks = prefill.request_block_ids(request_id)
-
-    dst_blocks = decode.reserve_remote(prompt, params, request_id)
-    assert dst_blocks is not None and len(dst_blocks) >= len(src_blocks)
-    for layer in range(prefill.kv_spec.num_layers):
-        k, v = prefill.read_kv_blocks(layer, src_blocks)
-        decode.write_kv_blocks(layer, dst_blocks[: len(src_blocks)], k, v)
+    assert prefill.requests[request_id].kv_export.num_blocks_reported == num_src_blocks
     prefill.release(request_id)
 
-    tokens = [o.new_token_ids[0] for o in decode.complete_remote(request_id, first.new_token_ids[0])]
+    decode.remote_first_token(request_id, first.new_token_ids[0])
+    assert decode.remote_kv_done(request_id)
+    tokens = list(first.new_token_ids)
     while decode.has_unfinished():
         tokens += [t for o in decode.step() if o.request_id == request_id for t in o.new_token_ids]
     return tokens

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.kv_connector import KVBlocksReady
 from engine.request import FinishReason, RequestStatus, SamplingParams
 from tests.helpers.engine import random_prompts
 from tests.engine.test_detokenizer import _byte_fallback_bpe, _metaspace_unigram
@@ -121,42 +122,48 @@ def test_deltas_with_the_default_model(smollm2_path, make_engine):
 # ---- the prefill -> decode hand-off -------------------------------------------------------------------------------
 
 
-def handoff_text(prefill, decode, prompt: list[int], params: SamplingParams, rid: str) -> tuple[str, list[int], str]:
-    """What the client gets in disaggregated serving: prefill's first delta, then decode's deltas."""
+def _prefilled(prefill, decode, prompt: list[int], params: SamplingParams, rid: str, write_kv: bool):
+    """Reserve on decode, prefill there with a KV sink (writing each reported block range into the reserved blocks,
+    or dropping it), release; returns prefill's first output."""
+    dst = decode.reserve_remote(prompt, params, rid)
+
+    def sink(ready: KVBlocksReady) -> None:
+        if write_kv:
+            decode.write_remote_kv(rid, ready.layer, dst[ready.first_block : ready.end_block], ready.k, ready.v)
+
     prefill.add_request(prompt, SamplingParams(max_tokens=1, **GREEDY, stop=list(params.stop)), rid,
-                        prefill_only=True)
+                        prefill_only=True, kv_sink=sink)
     [first] = [o for _ in range(10) for o in prefill.step()]
     assert first.finished and prefill.requests[rid].status == RequestStatus.PREFILLED
-    src = prefill.request_block_ids(rid)
-    dst = decode.reserve_remote(prompt, params, rid)
-    for layer in range(prefill.kv_spec.num_layers):
-        k, v = prefill.read_kv_blocks(layer, src)
-        decode.write_kv_blocks(layer, dst[: len(src)], k, v)
     prefill.release(rid)
-    [admitted] = decode.complete_remote(rid, first.new_token_ids[0])
-    deltas, ids, reason = [first.text_delta, admitted.text_delta], list(first.new_token_ids), admitted.finish_reason
+    return first
+
+
+def _client_text(first, decode) -> tuple[str, list[int], str]:
+    """Prefill's first delta, then every delta the decode engine's steps make (its admission's included)."""
+    deltas, ids, reason = [first.text_delta], list(first.new_token_ids), None
     while decode.has_unfinished():
         for output in decode.step():
             deltas.append(output.text_delta)
             ids += output.new_token_ids
             reason = output.finish_reason or reason
     return "".join(deltas), ids, reason.value
+
+
+def handoff_text(prefill, decode, prompt: list[int], params: SamplingParams, rid: str) -> tuple[str, list[int], str]:
+    """What the client gets in disaggregated serving: prefill's first delta, then decode's deltas."""
+    first = _prefilled(prefill, decode, prompt, params, rid, write_kv=True)
+    decode.remote_first_token(rid, first.new_token_ids[0])
+    assert decode.remote_kv_done(rid)
+    return _client_text(first, decode)
 
 
 def resumed_text(prefill, decode, prompt: list[int], params: SamplingParams, rid: str) -> tuple[str, list[int], str]:
     """The decode worker's recompute: the KV never came, so the prompt and the first token are prefilled there."""
-    prefill.add_request(prompt, SamplingParams(max_tokens=1, **GREEDY, stop=list(params.stop)), rid,
-                        prefill_only=True)
-    [first] = [o for _ in range(10) for o in prefill.step()]
-    prefill.release(rid)
-    [resumed] = decode.add_resumed_request(prompt, params, rid, first.new_token_ids[0])
-    deltas, ids, reason = [first.text_delta, resumed.text_delta], list(first.new_token_ids), resumed.finish_reason
-    while decode.has_unfinished():
-        for output in decode.step():
-            deltas.append(output.text_delta)
-            ids += output.new_token_ids
-            reason = output.finish_reason or reason
-    return "".join(deltas), ids, reason.value
+    first = _prefilled(prefill, decode, prompt, params, rid, write_kv=False)
+    assert decode.remote_kv_failed(rid, recompute=True)
+    decode.remote_first_token(rid, first.new_token_ids[0])
+    return _client_text(first, decode)
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "metaspace", "byte_fallback"])

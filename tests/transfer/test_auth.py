@@ -40,9 +40,14 @@ def sent(monkeypatch):
 
     def spy(self, data, flags=0, copy=True, track=False, **kw):
         raw = data.bytes if isinstance(data, zmq.Frame) else bytes(data)
-        result = original(self, data, flags, copy=copy, track=track, **kw)  # zmq.Again: not sent, not recorded
-        frames.append((self.type, bool(flags & zmq.SNDMORE), raw))
-        return result
+        # recorded before the send: once the frame is out, the peer may act on it before this thread runs again
+        entry = (self.type, bool(flags & zmq.SNDMORE), raw)
+        frames.append(entry)
+        try:
+            return original(self, data, flags, copy=copy, track=track, **kw)
+        except zmq.Again:  # not sent: not recorded
+            frames.remove(entry)
+            raise
 
     monkeypatch.setattr(zmq.Socket, "send", spy)
     return frames
