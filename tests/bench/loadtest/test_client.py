@@ -9,7 +9,7 @@ import pytest
 from bench.loadtest import cli
 from tests.bench.loadtest.scripted_server import Script, ScriptedServer
 
-TOLERANCE_S = 0.02  # a shared 2-core box: scheduler noise, not client error
+TOLERANCE_S = 0.05  # a shared 2-core box under a parallel test load: scheduler noise, not client error
 
 
 def run_cli(server, tmp_path, tokenizer_dir, *extra):
