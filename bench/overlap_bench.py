@@ -66,8 +66,8 @@ CHAT_PROMPTS = [
 def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     """The overlap options. ``prefix`` (e.g. "overlap-") namespaces them when another bench embeds this one."""
     p = prefix
-    parser.add_argument(f"--{p}config", dest=f"{p.replace('-', '_')}config", default="configs/local.yaml",
-                        help="cluster config the runs start from (default: configs/local.yaml)")
+    parser.add_argument(f"--{p}config", dest=f"{p.replace('-', '_')}config", default="local",
+                        help="cluster config the runs start from: a path or a shipped name (default: local)")
     if not p:
         parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
     parser.add_argument(f"--{p}prompt-tokens", dest=f"{p.replace('-', '_')}prompt_tokens", type=int, default=1024)
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     from engine.model_loader import load_tokenizer, resolve_model_path
 
     given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file
-    base = (given if given is not None else load_config(_get(args, "config", prefix, "configs/local.yaml")))
+    base = (given if given is not None else load_config(_get(args, "config", prefix, "local")))
     base = base.model_copy(deep=True)
     if getattr(args, "model", None) and not prefix:
         base.model.name = args.model

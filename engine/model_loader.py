@@ -14,15 +14,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# names only: finding a model (the load tester's tokenizer, the router's config) must not import torch
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def cache_dir() -> Path:
@@ -30,9 +32,12 @@ def cache_dir() -> Path:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    import torch
+
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def _smollm2_gguf() -> Path:
@@ -49,6 +54,7 @@ def _smollm2_gguf() -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to %s (once)", gguf.name, out)
