@@ -38,8 +38,19 @@ from transfer.base import KVReceiver, make_receiver
 from transfer.errors import SenderAborted
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
-from worker.messages import (Command, DecodeTiming, ErrorCode, Reserve, Reserved, Start, TokenItem, Tokens, Unreserve,
-                             WorkerCounters, WorkerLoad)
+from worker.messages import (
+    Command,
+    DecodeTiming,
+    ErrorCode,
+    Reserve,
+    Reserved,
+    Start,
+    TokenItem,
+    Tokens,
+    Unreserve,
+    WorkerCounters,
+    WorkerLoad,
+)
 from worker.role import Emit, Role
 from worker.runtime import WorkerRuntime
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
@@ -52,9 +63,18 @@ EXPIRY_CHECK_INTERVAL_S = 0.5  # how often reservations are checked for a first 
 class DecodeRole(Role):
     kind = WorkerRole.DECODE
 
-    def __init__(self, name: str, engine: LLMEngine, receiver: KVReceiver, emit: Emit, *,
-                 failure_policy: FailurePolicy = "fail", headroom_tokens: int = 0, start_deadline_s: float = 30.0,
-                 counters: WorkerCounters | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: LLMEngine,
+        receiver: KVReceiver,
+        emit: Emit,
+        *,
+        failure_policy: FailurePolicy = "fail",
+        headroom_tokens: int = 0,
+        start_deadline_s: float = 30.0,
+        counters: WorkerCounters | None = None,
+    ) -> None:
         """``receiver``'s sink must be ``engine.write_remote_kv`` (``from_spec`` builds it so)."""
         super().__init__(name, engine, emit, counters)
         self.receiver = receiver
@@ -72,10 +92,22 @@ class DecodeRole(Role):
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> DecodeRole:
-        receiver = make_receiver(spec.transfer_backend, ModelFingerprint.from_spec(engine.kv_spec),
-                                 engine.write_remote_kv, receiver_address(spec), spec.transfer)
-        return cls(spec.name, engine, receiver, emit, failure_policy=spec.failure_policy,
-                   headroom_tokens=spec.reserve_headroom_tokens, start_deadline_s=spec.transfer.deadline_s)
+        receiver = make_receiver(
+            spec.transfer_backend,
+            ModelFingerprint.from_spec(engine.kv_spec),
+            engine.write_remote_kv,
+            receiver_address(spec),
+            spec.transfer,
+        )
+        return cls(
+            spec.name,
+            engine,
+            receiver,
+            emit,
+            failure_policy=spec.failure_policy,
+            headroom_tokens=spec.reserve_headroom_tokens,
+            start_deadline_s=spec.transfer.deadline_s,
+        )
 
     def info(self) -> dict:
         return {"kv_address": self.receiver.address}
@@ -87,8 +119,11 @@ class DecodeRole(Role):
             self._reserve(command.rid, command.prompt, command.params, command.attempt)
         elif isinstance(command, Unreserve):  # our answer to that attempt came too late; a later attempt's stays
             request = self._reservation(command.rid)
-            if (request is not None and _remote(request).first_token_id is None
-                    and self._attempts.get(command.rid) == command.attempt):
+            if (
+                request is not None
+                and _remote(request).first_token_id is None
+                and self._attempts.get(command.rid) == command.attempt
+            ):
                 self.abort(command.rid)
         elif isinstance(command, Start):
             if command.rid not in self.engine.requests:
@@ -111,16 +146,20 @@ class DecodeRole(Role):
         else:
             blocks = self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens)
             if blocks is not None:
-                num_prompt_blocks = blocks_for_tokens(self.engine.requests[rid].num_prompt_tokens,
-                                                      self.engine.kv_spec.block_size)
+                num_prompt_blocks = blocks_for_tokens(
+                    self.engine.requests[rid].num_prompt_tokens, self.engine.kv_spec.block_size
+                )
                 self.receiver.expect(rid, blocks[:num_prompt_blocks], num_layers=self.engine.kv_spec.num_layers)
         if blocks is None:
             self.counters.reservations_refused += 1
             self.emit(Reserved(rid=rid, worker=self.name, ok=False, attempt=attempt, reason="kv_full"))
             return
         self._attempts[rid] = attempt
-        self.emit(Reserved(rid=rid, worker=self.name, ok=True, attempt=attempt, blocks=blocks,
-                           kv_address=self.receiver.address))
+        self.emit(
+            Reserved(
+                rid=rid, worker=self.name, ok=True, attempt=attempt, blocks=blocks, kv_address=self.receiver.address
+            )
+        )
 
     def _reservation(self, rid: str) -> Request | None:
         """The request if it is an open reservation: waiting for its KV or first token, not yet queued to join."""
@@ -175,12 +214,16 @@ class DecodeRole(Role):
             return
         self._next_expiry_check_s = now + EXPIRY_CHECK_INTERVAL_S
         for rid in self.engine.expire_remote(self.start_deadline_s):
-            logger.warning("%s: reservation %s got no start in %.0f s; freeing it", self.name, rid,
-                           self.start_deadline_s)
+            logger.warning(
+                "%s: reservation %s got no start in %.0f s; freeing it", self.name, rid, self.start_deadline_s
+            )
             self.counters.reservations_expired += 1
             self.receiver.abort(rid, "reservation expired")  # a transfer still under way: its sender is told
-            self.emit_error(rid, f"no first token reached the decode worker within {self.start_deadline_s:.0f} s",
-                            ErrorCode.RESERVATION_EXPIRED)
+            self.emit_error(
+                rid,
+                f"no first token reached the decode worker within {self.start_deadline_s:.0f} s",
+                ErrorCode.RESERVATION_EXPIRED,
+            )
         for rid in [rid for rid in self._attempts if rid not in self.engine.requests]:
             del self._attempts[rid]
 
@@ -198,8 +241,9 @@ class DecodeRole(Role):
             if output.finished or output.num_output_tokens == 2:
                 timing = decode_timing(output.timing)
             if output.new_token_ids or output.text_delta or output.finished:
-                items.append(TokenItem(output.request_id, output.new_token_ids, output.text_delta,
-                                       output.finish_reason, timing))
+                items.append(
+                    TokenItem(output.request_id, output.new_token_ids, output.text_delta, output.finish_reason, timing)
+                )
         if items:
             self.emit(Tokens(worker=self.name, items=items))
 
@@ -228,9 +272,13 @@ def decode_timing(timing: RequestTiming | None) -> DecodeTiming:
     reached; a recomputed request has no KV figures)."""
     if timing is None:
         return DecodeTiming()
-    return DecodeTiming(kv_done_mono=timing.kv_done_mono, kv_transfer_s=timing.kv_transfer_s,
-                        kv_wait_after_first_token_s=timing.kv_wait_after_first_token_s,
-                        decode_queue_s=timing.decode_queue_s, recomputed=timing.recomputed)
+    return DecodeTiming(
+        kv_done_mono=timing.kv_done_mono,
+        kv_transfer_s=timing.kv_transfer_s,
+        kv_wait_after_first_token_s=timing.kv_wait_after_first_token_s,
+        decode_queue_s=timing.decode_queue_s,
+        recomputed=timing.recomputed,
+    )
 
 
 def _remote(request: Request) -> RemoteKV:

@@ -41,8 +41,16 @@ logger = logging.getLogger(__name__)
 class PrefillRole(Role):
     kind = WorkerRole.PREFILL
 
-    def __init__(self, name: str, engine: LLMEngine, sender: KVSender, emit: Emit, *, stream_kv: bool = True,
-                 counters: WorkerCounters | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: LLMEngine,
+        sender: KVSender,
+        emit: Emit,
+        *,
+        stream_kv: bool = True,
+        counters: WorkerCounters | None = None,
+    ) -> None:
         super().__init__(name, engine, emit, counters)
         self.sender = sender
         self.stream_kv = stream_kv  # False: every layer's KV once the whole prompt is done (the overlap baseline)
@@ -61,8 +69,15 @@ class PrefillRole(Role):
             return super().handle(command, arrival_s)
         rid, params = command.rid, command.params
         params.max_tokens = 1
-        self.engine.add_request(command.prompt, params, rid, prefill_only=True, arrival_s=arrival_s,
-                                kv_sink=self._sink(rid, list(command.dst_blocks)), stream_kv=self.stream_kv)
+        self.engine.add_request(
+            command.prompt,
+            params,
+            rid,
+            prefill_only=True,
+            arrival_s=arrival_s,
+            kv_sink=self._sink(rid, list(command.dst_blocks)),
+            stream_kv=self.stream_kv,
+        )
         num_prompt_tokens = self.engine.requests[rid].num_prompt_tokens
         if len(command.dst_blocks) < blocks_for_tokens(num_prompt_tokens, self.engine.kv_spec.block_size):
             self.engine.abort(rid)
@@ -99,8 +114,11 @@ class PrefillRole(Role):
             # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
             timing.end_mono = output.timing.first_token_s if output.timing is not None else None
             # text: the first token's text; the decode worker continues from it
-            self.emit(FirstToken(rid=rid, worker=self.name, token=output.new_token_ids[0], text=output.text_delta,
-                                 timing=timing))
+            self.emit(
+                FirstToken(
+                    rid=rid, worker=self.name, token=output.new_token_ids[0], text=output.text_delta, timing=timing
+                )
+            )
         for event in self.sender.poll():
             self._transfer_ended(event)
 

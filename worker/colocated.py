@@ -33,8 +33,9 @@ class ColocatedRole(Role):
             timing = None  # the prefill's timing (the router names it prefill_*), with the first token and the last
             if output.num_output_tokens == 1 or output.finished:
                 timing = prefill_timing(output.timing)
-            items.append(TokenItem(output.request_id, output.new_token_ids, output.text_delta, output.finish_reason,
-                                   timing))
+            items.append(
+                TokenItem(output.request_id, output.new_token_ids, output.text_delta, output.finish_reason, timing)
+            )
         if items:
             self.emit(Tokens(worker=self.name, items=items))
 

@@ -21,8 +21,7 @@ import msgspec
 
 from engine.llm_engine import LLMEngine
 from engine.request import RequestTiming
-from worker.messages import (Command, ErrorCode, ErrorEvent, Event, PrefillTiming, WorkerCounters, WorkerLoad,
-                             kind)
+from worker.messages import Command, ErrorCode, ErrorEvent, Event, PrefillTiming, WorkerCounters, WorkerLoad, kind
 from worker.spec import WorkerRole, WorkerSpec
 
 Emit = Callable[[Event], None]  # where a role's events go (the runtime's socket to the owning router, or a test)
@@ -99,9 +98,12 @@ class Role:
     def totals(self) -> WorkerCounters:
         """The counters of the heartbeat (a copy), with those the engine keeps itself."""
         engine = self.engine
-        return msgspec.structs.replace(self.counters, preemptions=engine.scheduler.num_preemptions,
-                                       prefix_hit_tokens=engine.block_manager.prefix_hit_tokens,
-                                       recomputes=engine.num_recomputes)
+        return msgspec.structs.replace(
+            self.counters,
+            preemptions=engine.scheduler.num_preemptions,
+            prefix_hit_tokens=engine.block_manager.prefix_hit_tokens,
+            recomputes=engine.num_recomputes,
+        )
 
 
 def prefill_timing(timing: RequestTiming | None) -> PrefillTiming:

@@ -28,14 +28,21 @@ import logging
 import threading
 import time
 
-import zmq
-
 import msgspec
+import zmq
 
 from engine.llm_engine import LLMEngine
 from worker.messages import Abort, Command, ErrorCode, Event, Ping, PromptCommand, Stats, Tokens, WorkerCounters, kind
-from worker.protocol import (MAX_FRAME_BYTES, AuthError, Channel, ProtocolError, Rejection, RejectionLog, Signer,
-                             Verifier)
+from worker.protocol import (
+    MAX_FRAME_BYTES,
+    AuthError,
+    Channel,
+    ProtocolError,
+    Rejection,
+    RejectionLog,
+    Signer,
+    Verifier,
+)
 from worker.role import Role
 from worker.spec import WorkerSpec, resolve_spec
 
@@ -153,8 +160,13 @@ class WorkerRuntime:
         self._ctx.term()
 
     def info(self) -> dict:
-        return {"name": self.name, "role": self.role.kind.value, "command_address": self.command_address,
-                "degraded": self.degraded, **self.role.info()}
+        return {
+            "name": self.name,
+            "role": self.role.kind.value,
+            "command_address": self.command_address,
+            "degraded": self.degraded,
+            **self.role.info(),
+        }
 
     def snapshot(self) -> dict:
         """The last stats, as plain data (Ray actor methods return it)."""
@@ -191,8 +203,13 @@ class WorkerRuntime:
         if not owned:
             return
         router = f"router {index}" if len(self._routers) > 1 else "the router"
-        logger.warning("%s: no word from %s for %.0f s; freeing its %d requests", self.name, router,
-                       self.options.router_timeout_s, len(owned))
+        logger.warning(
+            "%s: no word from %s for %.0f s; freeing its %d requests",
+            self.name,
+            router,
+            self.options.router_timeout_s,
+            len(owned),
+        )
         for rid in owned:
             self.abort(rid)
             self.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
@@ -219,10 +236,16 @@ class WorkerRuntime:
         self._failures_s = [t for t in self._failures_s if now - t < DEGRADED_WINDOW_S] + [now]
         if len(self._failures_s) >= DEGRADED_AFTER_FAILURES:
             if not self._loop_problem:
-                logger.error("%s: degraded: the loop failed %d times in %.0f s", self.name, len(self._failures_s),
-                             DEGRADED_WINDOW_S)
-            self._loop_problem = (f"loop failed {len(self._failures_s)} times in {DEGRADED_WINDOW_S:.0f} s; last: "
-                                  f"{type(exc).__name__}: {exc}"[:300])
+                logger.error(
+                    "%s: degraded: the loop failed %d times in %.0f s",
+                    self.name,
+                    len(self._failures_s),
+                    DEGRADED_WINDOW_S,
+                )
+            self._loop_problem = (
+                f"loop failed {len(self._failures_s)} times in {DEGRADED_WINDOW_S:.0f} s; last: "
+                f"{type(exc).__name__}: {exc}"[:300]
+            )
 
     @property
     def degraded(self) -> str:
@@ -322,8 +345,14 @@ class WorkerRuntime:
 
     def stats(self) -> Stats:
         """A fresh heartbeat (never changed once built: the heartbeat thread sends it while the loop goes on)."""
-        return Stats(worker=self.name, role=self.role.kind.value, address=self.command_address,
-                     load=self.role.load(), counters=self.role.totals(), degraded=self.degraded)
+        return Stats(
+            worker=self.name,
+            role=self.role.kind.value,
+            address=self.command_address,
+            load=self.role.load(),
+            counters=self.role.totals(),
+            degraded=self.degraded,
+        )
 
     # ---- the role: the loop calls these (tests replace ``tick`` to break a worker) -----------------------------
 

@@ -139,17 +139,15 @@ def test_non_finite_logits_fail_only_that_request(handle):
 
 
 def _fail_marked_forwards(handle) -> None:
-    """Any forward holding the marked request raises: in the prefill worker's layer hook (which streams KV) when
-    prefill is disaggregated, else in the colocated workers' forward."""
+    """Any forward holding the marked request raises: in the prefill engine's layer hook (fault injection; it runs
+    inside the forward that streams the KV) when prefill is disaggregated, else in the colocated workers' forward."""
     for replica in handle.workers:
         worker = replica.actor.worker
         if replica.role == "prefill":
-            hook = worker._on_layer
 
-            def failing_hook(layer, batch, hook=hook):
+            def failing_hook(layer, batch):
                 if any(c.request.params.seed == MARK for c in batch.chunks):
                     raise RuntimeError("injected device fault")
-                hook(layer, batch)
 
             worker.engine.set_layer_hook(failing_hook)
         elif replica.role == "colocated":

@@ -26,6 +26,7 @@ def _complete(handle, prompt="hello there", max_tokens=8, timeout=60, **extra) -
 
 def _delay_reservations(worker, delay_s: float) -> None:
     """The worker answers its next reservation ``delay_s`` late (its loop stalls first, as a slow worker's would)."""
+    worker = worker.role  # the decode role answers reservations
     original = worker._reserve
 
     def slow_reserve(*args, **kwargs):
@@ -61,7 +62,7 @@ def test_a_reservation_pending_on_a_worker_marked_dead_moves_on_at_once(serve):
     expected = _complete(handle, prompt="the same prompt").json()["choices"][0]["text"]
     asked: list[str] = []
     for name in ("decode-0", "decode-1"):  # whichever is asked first answers 3 s late, and is then marked dead
-        worker = worker_named(handle, name)
+        worker = worker_named(handle, name).role  # the decode role answers reservations
         original = worker._reserve
 
         def slow_reserve(*args, _worker=worker, _original=original, **kwargs):

@@ -115,8 +115,8 @@ def test_workers_built_from_the_configs_specs_run_on_the_cpu_and_free_everything
         prefill, decode = workers["prefill-0"], workers["decode-0"]
         assert prefill.engine.config.device == decode.engine.config.device == "cpu"
         assert prefill.engine.block_manager.num_blocks == 32 and decode.engine.block_manager.num_blocks == 48
-        assert prefill.stream_layers is False and decode.failure_policy == "recompute"
-        assert decode.headroom_tokens == 8 and decode.info()["kv_address"].startswith("local://decode-0-")
+        assert prefill.role.stream_kv is False and decode.role.failure_policy == "recompute"
+        assert decode.role.headroom_tokens == 8 and decode.info()["kv_address"].startswith("local://decode-0-")
         assert prefill.options.secret == decode.options.secret == SECRET
     finally:
         pools.stop()

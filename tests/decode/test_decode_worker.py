@@ -1,0 +1,294 @@
+"""The decode role, driven directly: typed commands in, typed events out, KV over the local transfer backend.
+
+The router is played by hand (tests/helpers/roles.py). Covered here: reservations (refused when the blocks are not
+free, never overcommitted; idempotent when asked again; undone by ``unreserve`` for its own attempt only), the first
+token and the KV arriving in either order, a failed transfer under each failure policy, the router's abort in every
+decode-side state, a reservation whose first token never comes, and failing everything at once. Every test ends with
+no block, request or transfer left on either side.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.blocks import reserved_blocks
+from engine.request import RequestStatus
+from tests.helpers.engine import random_prompts
+from tests.helpers.roles import greedy
+from worker.messages import DecodeTiming, ErrorEvent, FirstToken, Start, Tokens, Unreserve
+
+
+def _drop_layer(pair, layer: int) -> None:
+    """Lose every KV piece of one layer on its way to the decode role (the sender believes it sent them)."""
+    sender = pair.prefill.sender
+    original = sender.send_layer
+
+    def send_layer(tid, lyr, dst, k, v):
+        return True if lyr == layer else original(tid, lyr, dst, k, v)
+
+    sender.send_layer = send_layer
+
+
+# ---- reservations ------------------------------------------------------------------------------------------------
+
+
+def test_a_reservation_is_refused_when_the_blocks_are_not_free(role_pair):
+    pair = role_pair(decode_engine={"num_kv_blocks": 8}, headroom_tokens=16)
+    big, small = list(range(100)), list(range(40))
+    first = pair.reserve("a", big, greedy(4))  # 100 + 1 + 3 (headroom capped by max_tokens) tokens: 7 blocks
+    assert first.ok and len(first.blocks) == reserved_blocks(100, 4, 16, 16) == 7
+    refused = pair.reserve("b", small, greedy(40))  # 40 + 1 + 16 tokens: 4 blocks, 1 free
+    assert not refused.ok and refused.reason == "kv_full" and refused.blocks == []
+    assert pair.decode.counters.reservations_refused == 1 and "b" not in pair.decode.engine.requests
+    assert pair.decode.engine.num_free_blocks == 1  # never overcommitted
+    assert pair.decode.load().awaiting_kv == 1 and pair.decode.receiver.pending_transfers() == ["a"]
+    pair.decode.abort("a")
+    assert pair.reserve("b", small, greedy(40)).ok  # room again
+    pair.decode.abort("b")
+    pair.settle()
+    assert pair.decode_events.errors() == []
+    pair.check_no_leaks()
+
+
+def test_reserving_again_is_idempotent_and_unreserve_undoes_only_its_attempt(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 40, 40, seed=51)
+    first = pair.reserve("x", prompt, greedy(), attempt=1)
+    free = pair.decode.engine.num_free_blocks
+    again = pair.reserve("x", prompt, greedy(), attempt=2)  # the router asks again: our answer came too late
+    assert again.ok and again.blocks == first.blocks and again.attempt == 2
+    assert pair.decode.engine.num_free_blocks == free and pair.decode.receiver.pending_transfers() == ["x"]
+    pair.decode.handle(Unreserve(rid="x", attempt=1), time.monotonic())  # the late answer to attempt 1 is undone...
+    assert "x" in pair.decode.engine.requests  # ...which leaves attempt 2's reservation alone
+    with pytest.raises(ValueError, match="already in use"):  # the same id for another prompt is a router bug
+        pair.reserve("x", prompt[:20], greedy(), attempt=3)
+    pair.decode.handle(Unreserve(rid="x", attempt=2), time.monotonic())
+    assert "x" not in pair.decode.engine.requests and pair.decode.receiver.pending_transfers() == []
+    pair.settle()
+    assert pair.decode_events.errors() == []
+    pair.check_no_leaks()
+
+
+def test_reserving_again_after_the_kv_came_keeps_it_and_unreserve_after_start_does_nothing(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 40, 40, seed=52)
+    params = greedy(8)
+    reserved = pair.reserve("x", prompt, params, attempt=1)
+    pair.send_prefill("x", prompt, params, reserved)
+    first = pair.wait_first_token("x")
+    pair.run_until(lambda: pair.decode.engine.requests["x"].remote.kv_done_s is not None, what="KV done")
+    assert pair.reserve("x", prompt, params, attempt=2).blocks == reserved.blocks  # KV kept, nothing expected anew
+    assert pair.decode.receiver.pending_transfers() == []
+    pair.start("x", first)
+    pair.decode.handle(Unreserve(rid="x", attempt=2), time.monotonic())  # too late: it has its first token
+    pair.run_until(lambda: pair.finished("x"))
+    assert pair.client_view("x") == pair.expected(prompt, params)
+    pair.settle()
+    pair.check_no_leaks()
+
+
+def test_a_start_or_unreserve_for_no_reservation(role_pair):
+    pair = role_pair()
+    with pytest.raises(KeyError, match="no reservation"):  # the runtime answers invalid_request
+        pair.decode.handle(Start(rid="nobody", first_token=1), time.monotonic())
+    pair.decode.handle(Unreserve(rid="nobody", attempt=1), time.monotonic())  # nothing to undo
+    assert pair.decode_events.events == []
+    pair.check_no_leaks()
+
+
+# ---- the first token and the KV, in either order -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["kv_first", "start_first"])
+def test_start_and_kv_in_either_order_is_token_exact(role_pair, order):
+    pair = role_pair(headroom_tokens=8)
+    prompt, other = random_prompts(2, 30, 50, seed=53)
+    params = greedy(10)
+    pair.send_prefill("other", other, greedy(30), pair.reserve("other", other, greedy(30)))
+    pair.start("other", pair.wait_first_token("other"))  # decoding here while "x" arrives
+    reserved = pair.reserve("x", prompt, params)
+    pair.send_prefill("x", prompt, params, reserved)
+    first = pair.wait_first_token("x", decode_too=False)  # the KV waits in the receiver, unpolled
+    request = pair.decode.engine.requests["x"]
+    if order == "kv_first":
+        pair.run_until(lambda: request.remote.kv_done_s is not None, what="KV done")
+        for _ in range(3):  # half of what admission needs: the request waits, the batch goes on without it
+            pair.tick()
+            assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV and not pair.decode_events.items("x")
+        time.sleep(0.002)
+        pair.start("x", first)
+    else:
+        pair.start("x", first)
+        time.sleep(0.002)  # the first token waits for the KV this long at least
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    pair.run_until(lambda: pair.finished("x") and pair.finished("other"))
+    assert pair.client_view("x") == pair.expected(prompt, params)
+    assert pair.client_view("other") == pair.expected(other, greedy(30))
+    timing = pair.decode_timings("x")[0]
+    assert isinstance(timing, DecodeTiming) and timing.kv_transfer_s > 0 and not timing.recomputed
+    if order == "kv_first":
+        assert timing.kv_wait_after_first_token_s == 0.0
+    else:
+        assert timing.kv_wait_after_first_token_s >= 0.002
+    assert pair.decode_events.errors() == [] and pair.prefill_events.errors() == []
+    pair.settle()
+    pair.check_no_leaks()
+
+
+def test_a_request_that_finishes_with_its_first_token(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 33, 33, seed=54)
+    _, items = pair.handoff("one", prompt, greedy(1))
+    assert [(i.token_ids, i.finish_reason.value) for i in items] == [([], "length")]  # no token of its own
+    assert isinstance(items[0].timing, DecodeTiming)
+    assert pair.client_view("one") == pair.expected(prompt, greedy(1))
+    pair.settle()
+    pair.check_no_leaks()
+
+
+# ---- a failed transfer ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["before_start", "after_start"])
+def test_a_failed_transfer_under_policy_fail_is_reported_by_the_decode_side(role_pair, when):
+    pair = role_pair(failure_policy="fail")
+    [prompt] = random_prompts(1, 45, 45, seed=55)
+    params = greedy(8)
+    _drop_layer(pair, layer=1)
+    pair.send_prefill("x", prompt, params, pair.reserve("x", prompt, params))
+    first = pair.wait_first_token("x", decode_too=False)
+    if when == "after_start":
+        pair.start("x", first)
+    pair.settle()
+    assert pair.decode_events.errors() == [("x", "kv_transfer_failed")]
+    assert "never sent" in pair.decode_events.of(ErrorEvent)[0].message
+    assert pair.prefill_events.errors() == []  # the NACK's failure is the decode side's to report, not both
+    assert pair.decode_events.of(Tokens) == []
+    assert pair.decode.counters.transfers_failed == 1 and pair.prefill.counters.transfers_failed == 1
+    assert pair.decode.totals().recomputes == 0
+    if when == "before_start":  # the router's start comes after the failure: the request is gone
+        with pytest.raises(KeyError):
+            pair.start("x", first)
+    pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("when", ["before_start", "after_start"])
+def test_a_failed_transfer_under_policy_recompute_is_token_exact(role_pair, when):
+    pair = role_pair(failure_policy="recompute")
+    [prompt] = random_prompts(1, 45, 45, seed=56)
+    params = greedy(10)
+    _drop_layer(pair, layer=0)
+    pair.send_prefill("x", prompt, params, pair.reserve("x", prompt, params))
+    first = pair.wait_first_token("x", decode_too=False)
+    if when == "after_start":
+        pair.start("x", first)
+    pair.run_until(lambda: pair.decode.counters.transfers_failed == 1, what="the transfer failed")
+    if when == "before_start":  # the reserved blocks are freed at once; the recompute waits for the first token
+        assert pair.decode.engine.num_free_blocks == pair.decode.engine.block_manager.num_blocks
+        assert pair.decode.engine.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+        pair.start("x", first)
+    pair.run_until(lambda: pair.finished("x"))
+    assert pair.client_view("x") == pair.expected(prompt, params)
+    assert pair.decode_events.errors() == [] and pair.prefill_events.errors() == []
+    assert pair.decode.totals().recomputes == 1
+    timing = pair.decode_timings("x")[0]
+    assert timing.recomputed and timing.kv_transfer_s is None and timing.decode_queue_s >= 0
+    pair.settle()
+    pair.check_no_leaks()
+
+
+# ---- the router's abort, expiry, failing everything ----------------------------------------------------------------
+
+DECODE_STATES = ["reserved", "kv_arriving", "kv_done", "started", "decoding", "failed_awaiting_start"]
+
+
+@pytest.mark.parametrize("state", DECODE_STATES)
+def test_a_router_abort_frees_the_decode_side_in_every_state(role_pair, state):
+    pair = role_pair(
+        failure_policy="recompute" if state == "failed_awaiting_start" else "fail",
+        prefill_engine={"max_batch_tokens": 32},
+    )
+    [prompt] = random_prompts(1, 100, 100, seed=57)  # four prefill chunks
+    params = greedy(30)
+    reserved = pair.reserve("x", prompt, params)
+    request = pair.decode.engine.requests["x"]
+    if state != "reserved":
+        if state == "failed_awaiting_start":
+            _drop_layer(pair, layer=2)
+        pair.send_prefill("x", prompt, params, reserved)
+    if state == "kv_arriving":
+        pair.tick()  # one chunk: two blocks of every layer written, the rest still computing
+        assert request.remote.kv_done_s is None and "x" in pair.prefill.engine.requests
+    elif state in ("kv_done", "failed_awaiting_start"):
+        pair.wait_first_token("x")
+        pair.run_until(lambda: request.remote.kv_done_s is not None or request.remote.kv_failed)
+        assert request.remote.kv_failed == (state == "failed_awaiting_start")
+    elif state == "started":
+        pair.start("x", pair.wait_first_token("x", decode_too=False))
+        assert request.remote.kv_done_s is None
+    elif state == "decoding":
+        pair.start("x", pair.wait_first_token("x"))
+        pair.run_until(lambda: len(pair.decode_events.items("x")) >= 3, what="decoding")
+    pair.decode.abort("x")
+    pair.prefill.abort("x")  # the router aborts both sides (the prefill side may have let it go already)
+    tokens_before = len(pair.decode_events.items("x"))
+    pair.settle()
+    assert pair.decode_events.errors() == [] and pair.prefill_events.errors() == []
+    assert len(pair.decode_events.items("x")) == tokens_before  # nothing more about it after the abort
+    assert not any(item.finish_reason for item in pair.decode_events.items("x"))
+    pair.check_no_leaks()
+
+
+def test_a_decode_side_abort_alone_stops_the_prefill(role_pair):
+    pair = role_pair(prefill_engine={"max_batch_tokens": 32})
+    [prompt] = random_prompts(1, 100, 100, seed=58)
+    pair.send_prefill("x", prompt, greedy(), pair.reserve("x", prompt, greedy()))
+    pair.tick()  # one chunk of four computed and streamed
+    pair.decode.abort("x")  # the receiver NACKs the transfer: the prefill side stops computing, silently
+    pair.settle()
+    assert pair.prefill_events.of(FirstToken) == [] and pair.prefill_events.errors() == []
+    assert pair.decode_events.errors() == [] and pair.prefill.counters.transfers_failed == 1
+    pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("state", ["no_prefill", "kv_done", "kv_failed_to_recompute"])
+def test_a_reservation_without_a_first_token_expires(role_pair, state):
+    pair = role_pair(start_deadline_s=0.3, failure_policy="recompute" if state == "kv_failed_to_recompute" else "fail")
+    [prompt] = random_prompts(1, 40, 40, seed=59)
+    params = greedy()
+    reserved = pair.reserve("x", prompt, params)
+    first = None
+    if state != "no_prefill":
+        if state == "kv_failed_to_recompute":
+            _drop_layer(pair, layer=1)
+        pair.send_prefill("x", prompt, params, reserved)
+        first = pair.wait_first_token("x")
+    pair.run_until(lambda: pair.decode_events.of(ErrorEvent), timeout_s=5, what="expiry")
+    assert pair.decode_events.errors() == [("x", "reservation_expired")]
+    assert "within 0 s" in pair.decode_events.of(ErrorEvent)[0].message
+    assert pair.decode.counters.reservations_expired == 1 and "x" not in pair.decode.engine.requests
+    if first is not None:
+        with pytest.raises(KeyError):  # the router's start, too late
+            pair.start("x", first)
+    pair.settle()
+    assert pair.decode_events.errors() == [("x", "reservation_expired")] and pair.prefill_events.errors() == []
+    pair.check_no_leaks()
+
+
+def test_fail_all_frees_every_decode_request(role_pair):
+    pair = role_pair()
+    prompts = random_prompts(3, 30, 30, seed=60)
+    for rid, prompt in zip(("reserved", "kv_done", "decoding"), prompts):
+        reserved = pair.reserve(rid, prompt, greedy(40))
+        if rid != "reserved":
+            pair.send_prefill(rid, prompt, greedy(40), reserved)
+    pair.start("decoding", pair.wait_first_token("decoding"))
+    pair.wait_first_token("kv_done")
+    pair.run_until(lambda: len(pair.decode_events.items("decoding")) >= 2)
+    pair.decode.fail_all("worker step failed")
+    assert sorted(pair.decode_events.errors()) == [(rid, "worker_error") for rid in ("decoding", "kv_done", "reserved")]
+    pair.settle()
+    assert len(pair.decode_events.errors()) == 3
+    pair.check_no_leaks()

@@ -1,0 +1,256 @@
+"""A prefill role and a decode role wired together by the local transfer backend, driven without sockets or Ray.
+
+The tests in tests/prefill and tests/decode play the router by hand: they build typed commands (``Reserve``,
+``Prefill``, ``Start``, ``Unreserve``), hand them to a role's ``handle``, turn the roles' loops by calling ``tick``,
+and read the typed events each role emitted. Nothing here decides what a role does: ``RolePair`` only holds the two
+roles, their engines and event logs, and a few steps every hand-off test takes (reserve, prefill, start).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decode.worker import DecodeRole
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from prefill.worker import PrefillRole
+from transfer.base import TransferConfig
+from transfer.local_backend import LocalHub, LocalReceiver, LocalSender
+from transfer.wire import ModelFingerprint
+from worker.messages import DecodeTiming, ErrorEvent, Event, FirstToken, Prefill, Reserve, Reserved, Start, Tokens
+
+
+class EventLog:
+    """A role's ``emit``: every event it sent, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, cls: type, rid: str | None = None) -> list:
+        return [e for e in self.events if isinstance(e, cls) and (rid is None or getattr(e, "rid", None) == rid)]
+
+    def errors(self) -> list[tuple[str, str]]:
+        return [(e.rid, e.code.value) for e in self.of(ErrorEvent)]
+
+    def items(self, rid: str) -> list:
+        """The decode role's ``tokens`` items for one request, in order."""
+        return [item for event in self.of(Tokens) for item in event.items if item.rid == rid]
+
+
+def build_engine(model, **overrides) -> LLMEngine:
+    settings = dict(model=str(model), num_kv_blocks=256)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def copy_params(params: SamplingParams) -> SamplingParams:
+    """What msgspec decodes on each worker: its own copy (the prefill role sets ``max_tokens`` to 1 on its own)."""
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+@dataclass
+class RolePair:
+    prefill: PrefillRole
+    decode: DecodeRole
+    prefill_events: EventLog
+    decode_events: EventLog
+    model: str
+    _reference: LLMEngine | None = field(default=None, repr=False)
+
+    # ---- the loops ---------------------------------------------------------------------------------------------
+
+    def tick(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.prefill.tick()
+            self.decode.tick()
+
+    def run_until(self, condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{what} not reached in {timeout_s} s; prefill events "
+                    f"{self.prefill_events.events[-5:]}, decode events {self.decode_events.events[-5:]}"
+                )
+            self.tick()
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Tick until neither role holds a request nor a transfer."""
+        self.run_until(lambda: self.idle, timeout_s, "both roles idle")
+
+    @property
+    def idle(self) -> bool:
+        return (
+            not self.prefill.engine.requests
+            and not self.decode.engine.requests
+            and not self.prefill.sender.active_transfers()
+            and not self.decode.receiver.pending_transfers()
+        )
+
+    # ---- the router's steps, by hand ---------------------------------------------------------------------------
+
+    def reserve(self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = 1) -> Reserved:
+        self.decode.handle(
+            Reserve(rid=rid, prompt=list(prompt), params=copy_params(params), attempt=attempt), time.monotonic()
+        )
+        return self.decode_events.of(Reserved, rid)[-1]
+
+    def send_prefill(
+        self, rid: str, prompt: list[int], params: SamplingParams, reserved: Reserved, arrival_s: float | None = None
+    ) -> None:
+        command = Prefill(
+            rid=rid,
+            prompt=list(prompt),
+            params=copy_params(params),
+            kv_address=reserved.kv_address,
+            dst_blocks=list(reserved.blocks),
+        )
+        self.prefill.handle(command, time.monotonic() if arrival_s is None else arrival_s)
+
+    def wait_first_token(self, rid: str, decode_too: bool = True) -> FirstToken:
+        """Tick the prefill role (and the decode role, unless ``decode_too`` is False) until ``rid``'s first token."""
+
+        def step() -> None:
+            self.prefill.tick()
+            if decode_too:
+                self.decode.tick()
+
+        deadline = time.monotonic() + 30
+        while not self.prefill_events.of(FirstToken, rid):
+            assert time.monotonic() < deadline and not self.prefill_events.of(ErrorEvent, rid), (
+                self.prefill_events.events
+            )
+            step()
+        return self.prefill_events.of(FirstToken, rid)[0]
+
+    def start(self, rid: str, first: FirstToken) -> None:
+        self.decode.handle(Start(rid=rid, first_token=first.token), time.monotonic())
+
+    def handoff(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[FirstToken, list]:
+        """The whole happy path for one request: reserve, prefill, start, decode to the finish."""
+        reserved = self.reserve(rid, prompt, params)
+        assert reserved.ok, reserved
+        self.send_prefill(rid, prompt, params, reserved)
+        first = self.wait_first_token(rid)
+        self.start(rid, first)
+        self.run_until(lambda: self.finished(rid), what=f"{rid} finished")
+        return first, self.decode_events.items(rid)
+
+    def finished(self, rid: str) -> bool:
+        return any(item.finish_reason is not None for item in self.decode_events.items(rid))
+
+    # ---- what the client gets, and what it should get ----------------------------------------------------------
+
+    def client_view(self, rid: str) -> tuple[list[int], str, str]:
+        """The prefill role's first token and text, then the decode role's tokens and texts: (ids, text, reason)."""
+        [first] = self.prefill_events.of(FirstToken, rid)
+        items = self.decode_events.items(rid)
+        assert items and items[-1].finish_reason is not None and all(i.finish_reason is None for i in items[:-1])
+        ids = [first.token] + [t for item in items for t in item.token_ids]
+        return ids, first.text + "".join(item.text for item in items), items[-1].finish_reason.value
+
+    def expected(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+        """One engine's ``generate``: what the hand-off must give, token for token and character for character."""
+        if self._reference is None:
+            self._reference = build_engine(self.model)
+        [result] = self._reference.generate([prompt], copy_params(params))
+        return result.token_ids, result.text, result.finish_reason
+
+    def decode_timings(self, rid: str) -> list[DecodeTiming | None]:
+        return [item.timing for item in self.decode_events.items(rid)]
+
+    # ---- the end of every test ---------------------------------------------------------------------------------
+
+    def check_no_leaks(self) -> None:
+        """No block, request or transfer left on either side (the check every role test ends with)."""
+        for engine in (self.prefill.engine, self.decode.engine, self._reference):
+            if engine is not None:
+                assert not engine.has_unfinished()
+                engine.check_no_leaks()
+        assert self.prefill.sender.active_transfers() == []
+        assert self.decode.receiver.pending_transfers() == []
+        assert self.prefill.load().leased_transfers == 0 and self.decode.load().awaiting_kv == 0
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+def make_role_pair(
+    model,
+    *,
+    stream_kv: bool = True,
+    failure_policy: str = "fail",
+    headroom_tokens: int = 0,
+    start_deadline_s: float = 30.0,
+    transfer: TransferConfig | None = None,
+    prefill_engine: dict | None = None,
+    decode_engine: dict | None = None,
+) -> RolePair:
+    """A prefill role and a decode role on their own engines, joined by a private local transfer hub."""
+    prefill_llm = build_engine(model, **(prefill_engine or {}))
+    decode_llm = build_engine(model, **(decode_engine or {}))
+    config = transfer or TransferConfig()
+    hub = LocalHub()  # private: no other test's receiver can be reached
+    fingerprint = ModelFingerprint.from_spec(prefill_llm.kv_spec)
+    sender = LocalSender(fingerprint, config, hub=hub)
+    receiver = LocalReceiver(
+        ModelFingerprint.from_spec(decode_llm.kv_spec),
+        decode_llm.write_remote_kv,
+        f"local://decode-{uuid.uuid4().hex[:8]}",
+        config,
+        hub=hub,
+    )
+    prefill_events, decode_events = EventLog(), EventLog()
+    prefill = PrefillRole("prefill-0", prefill_llm, sender, prefill_events, stream_kv=stream_kv)
+    decode = DecodeRole(
+        "decode-0",
+        decode_llm,
+        receiver,
+        decode_events,
+        failure_policy=failure_policy,
+        headroom_tokens=headroom_tokens,
+        start_deadline_s=start_deadline_s,
+    )
+    return RolePair(prefill, decode, prefill_events, decode_events, str(model))
+
+
+class RolePairs:
+    """Makes the ``RolePair`` objects of one test and closes them after it (the ``role_pair`` fixture of tests/prefill and
+    tests/decode): ``with RolePairs(model) as pairs: pair = pairs.make(stream_kv=False)``."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.pairs: list[RolePair] = []
+
+    def make(self, model=None, **options) -> RolePair:
+        pair = make_role_pair(model or self.model, **options)
+        self.pairs.append(pair)
+        return pair
+
+    def __enter__(self) -> RolePairs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pair in self.pairs:
+            pair.close()

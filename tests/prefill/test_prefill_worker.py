@@ -1,0 +1,179 @@
+"""The prefill role, driven directly: typed commands in, typed events out, KV over the local transfer backend.
+
+The router is played by hand (tests/helpers/roles.py): each test reserves on the decode role, sends the prefill role
+its ``prefill`` command, ticks both roles' loops and reads what they emitted. Covered here: the hand-off token-exact
+against one engine's ``generate`` (streamed and not, whole and chunked prompts), the first-token event's content and
+timing, a command the role refuses, a prefill engine error, the router's abort in every prefill-side state and a
+decode worker that is not there. Every test ends with no block, request or transfer left on either side.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.blocks import blocks_for_tokens
+from engine.request import RequestStatus
+from tests.helpers.engine import random_prompts
+from tests.helpers.roles import greedy
+from worker.messages import DecodeTiming, ErrorEvent, FirstToken, Prefill, PrefillTiming, Reserved, Tokens
+
+
+@pytest.mark.parametrize("max_batch_tokens", [2048, 24], ids=["whole", "chunked"])
+@pytest.mark.parametrize("stream_kv", [True, False], ids=["streamed", "unstreamed"])
+def test_handoff_is_token_exact(role_pair, stream_kv, max_batch_tokens):
+    pair = role_pair(stream_kv=stream_kv, prefill_engine={"max_batch_tokens": max_batch_tokens})
+    pair.decode.engine.generate([[7, 8, 9] * 20], greedy(3))  # shift decode's free list: its block ids differ
+    # mid-block, one token, exactly one block, on a block boundary, several blocks: prefilled together
+    prompts = [p[:n] for p, n in zip(random_prompts(5, 100, 100, seed=41), [37, 1, 16, 48, 100])]
+    params = greedy(14)
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(rids, prompts):
+        reserved = pair.reserve(rid, prompt, params)
+        assert reserved.ok and len(reserved.blocks) == blocks_for_tokens(len(prompt) + 1, 16)
+        pair.send_prefill(rid, prompt, params, reserved)
+    pair.run_until(lambda: all(pair.prefill_events.of(FirstToken, rid) for rid in rids), what="first tokens")
+    for rid in rids:
+        pair.start(rid, pair.prefill_events.of(FirstToken, rid)[0])
+    pair.run_until(lambda: all(pair.finished(rid) for rid in rids), what="finished")
+    for rid, prompt in zip(rids, prompts):
+        assert pair.client_view(rid) == pair.expected(prompt, params), rid
+    for event in pair.decode_events.of(Tokens):  # one message per step, one item per request in it
+        assert len({item.rid for item in event.items}) == len(event.items)
+    assert pair.prefill_events.errors() == [] and pair.decode_events.errors() == []
+    pair.settle()
+    for role in (pair.prefill, pair.decode):
+        assert role.counters.transfers_ok == len(prompts) and role.counters.transfers_failed == 0
+        assert role.counters.transfer_bytes > 0
+    pair.check_no_leaks()
+
+
+def test_first_token_event_comes_at_once_with_its_text_and_timing(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 40, 40, seed=42)
+    params = greedy(6)
+    reserved = pair.reserve("x", prompt, params)
+    sent = time.monotonic()
+    pair.send_prefill("x", prompt, params, reserved, arrival_s=sent - 0.05)  # it waited 50 ms in the socket
+    first = pair.wait_first_token("x", decode_too=False)  # the decode side has not taken a single piece yet
+    ids, text, _ = pair.expected(prompt, params)
+    assert first.worker == "prefill-0" and first.token == ids[0] and text.startswith(first.text)
+    assert isinstance(first.timing, PrefillTiming)
+    assert first.timing.queue_s >= 0.05 and first.timing.compute_s > 0
+    assert sent < first.timing.end_mono <= time.monotonic()
+    # the TTFT point: the first token is out while the transfer still holds the prompt's blocks
+    assert pair.prefill.engine.requests["x"].status == RequestStatus.PREFILLED
+    assert pair.prefill.load().leased_transfers == 1 and pair.prefill.has_work()
+    pair.start("x", first)
+    pair.run_until(lambda: pair.finished("x"))
+    assert pair.client_view("x") == pair.expected(prompt, params)
+    # the decode side's timing goes with its first decoded token and with its finish, not in between
+    timings = pair.decode_timings("x")
+    assert isinstance(timings[0], DecodeTiming) and isinstance(timings[-1], DecodeTiming)
+    assert all(t is None for t in timings[1:-1]) and len(timings) == 5
+    decode_timing = timings[0]
+    assert decode_timing.kv_transfer_s > 0 and decode_timing.kv_done_mono > first.timing.end_mono
+    assert decode_timing.kv_wait_after_first_token_s >= 0 and decode_timing.decode_queue_s >= 0
+    assert not decode_timing.recomputed
+    pair.settle()
+    pair.check_no_leaks()
+
+
+def test_too_few_destination_blocks_are_refused(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 40, 40, seed=43)  # 3 blocks
+    reserved = pair.reserve("x", prompt, greedy())
+    short = Prefill(
+        rid="x", prompt=prompt, params=greedy(), kv_address=reserved.kv_address, dst_blocks=reserved.blocks[:2]
+    )
+    with pytest.raises(ValueError, match="decode reserved 2 blocks"):  # the runtime answers invalid_request
+        pair.prefill.handle(short, time.monotonic())
+    assert not pair.prefill.engine.requests and pair.prefill.sender.active_transfers() == []
+    pair.decode.abort("x")  # the router gives the request up on both sides
+    pair.settle()
+    assert pair.prefill_events.events == [] and pair.decode_events.errors() == []
+    pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("stream_kv", [True, False], ids=["streamed", "unstreamed"])
+def test_a_prefill_engine_error_is_reported_and_aborts_the_transfer(role_pair, stream_kv):
+    pair = role_pair(stream_kv=stream_kv)
+    prompt, other = random_prompts(2, 40, 40, seed=44)
+    params = greedy(5)
+    for rid in ("doomed", "other"):
+        pair.send_prefill(
+            rid,
+            prompt if rid == "doomed" else other,
+            params,
+            pair.reserve(rid, prompt if rid == "doomed" else other, params),
+        )
+
+    def device_fault(layer, batch):  # the forward holding "doomed" fails (and the one holding "other" with it)
+        if layer == 1 and any(c.request.request_id == "doomed" for c in batch.chunks):
+            raise RuntimeError("injected device fault")
+
+    pair.prefill.engine.set_layer_hook(device_fault)
+    pair.run_until(lambda: len(pair.prefill_events.of(ErrorEvent)) == 2, what="errors")
+    pair.prefill.engine.set_layer_hook(None)
+    for event in pair.prefill_events.of(ErrorEvent):
+        assert event.code.value == "worker_error" and "injected device fault" in event.message
+    pair.settle()
+    # the sender aborted both transfers: the decode side freed the reservations and stays silent about them
+    assert pair.decode_events.errors() == [] and pair.decode_events.of(Tokens) == []
+    assert pair.prefill.counters.errors == 2 and pair.prefill.counters.transfers_failed == 2
+    assert pair.decode.counters.transfers_failed == 2
+    assert len(pair.prefill_events.of(ErrorEvent)) == 2  # the aborted transfers are not reported again
+    pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("state", ["queued", "computing", "leased"])
+def test_a_router_abort_frees_the_prefill_side_in_every_state(role_pair, state):
+    pair = role_pair(prefill_engine={"max_batch_tokens": 32})
+    [prompt] = random_prompts(1, 100, 100, seed=45)  # four chunks
+    params = greedy(6)
+    pair.send_prefill("x", prompt, params, pair.reserve("x", prompt, params))
+    if state == "computing":
+        pair.prefill.tick()  # one chunk computed, its two blocks streamed
+        assert pair.prefill.engine.requests["x"].kv_export.num_blocks_reported == 2
+    elif state == "leased":
+        pair.wait_first_token("x", decode_too=False)
+    pair.prefill.abort("x")
+    pair.run_until(lambda: not pair.prefill.engine.requests and not pair.decode.receiver.pending_transfers())
+    assert pair.prefill_events.errors() == []  # the router knows: nothing more is reported
+    if state == "leased":  # the whole KV was sent before the abort: the decode side has it, and waits
+        assert pair.decode.engine.requests["x"].remote.kv_done_s is not None
+    else:  # the sender aborted: the decode side frees the reservation at once, silently
+        assert "x" not in pair.decode.engine.requests and pair.decode.counters.transfers_failed == 1
+    pair.decode.abort("x")  # the router aborts both sides
+    pair.settle()
+    assert pair.decode_events.errors() == [] and pair.decode_events.of(Tokens) == []
+    pair.check_no_leaks()
+
+
+def test_a_decode_worker_that_is_not_there_is_reported_by_the_prefill_side(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 20, 20, seed=46)
+    gone = Reserved(rid="x", worker="decode-9", ok=True, blocks=[0, 1], kv_address="local://nobody")
+    pair.send_prefill("x", prompt, greedy(), gone)
+    pair.settle()
+    # a failure this side decided: reported from here, once, and the request's blocks are freed
+    assert pair.prefill_events.errors() == [("x", "kv_transfer_failed")]
+    assert "no local receiver" in pair.prefill_events.of(ErrorEvent)[0].message
+    assert pair.prefill.counters.transfers_failed == 1
+    pair.check_no_leaks()
+
+
+def test_fail_all_frees_every_prefill_request(role_pair):
+    pair = role_pair(prefill_engine={"max_batch_tokens": 32})
+    prompts = random_prompts(2, 60, 60, seed=47)
+    for rid, prompt in zip(("a", "b"), prompts):
+        pair.send_prefill(rid, prompt, greedy(), pair.reserve(rid, prompt, greedy()))
+    pair.wait_first_token("a", decode_too=False)  # "a" is leased, "b" is computing or queued
+    pair.prefill.fail_all("worker step failed")
+    assert sorted(pair.prefill_events.errors()) == [("a", "worker_error"), ("b", "worker_error")]
+    for rid in ("a", "b"):
+        pair.decode.abort(rid)  # the router fails the requests on both sides
+    pair.settle()
+    assert sorted(pair.prefill_events.errors()) == [("a", "worker_error"), ("b", "worker_error")]
+    pair.check_no_leaks()
