@@ -43,8 +43,14 @@ PROMPTS = [
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (request {i})", "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": f"{PROMPTS[i % len(PROMPTS)]} (request {i})",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     started = time.monotonic()
     outcome, reason, tokens, status, message = "lost", "no answer", 0, None, ""
     try:
@@ -53,9 +59,14 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, max_toke
             if response.status_code != 200:
                 payload = json.loads(await response.aread())
                 retry_after = float(response.headers.get("retry-after", 0) or 0)
-                return {"outcome": "failed", "reason": f"http_{response.status_code}:{payload['error'].get('code')}",
-                        "elapsed_s": time.monotonic() - started, "tokens": 0, "retry_after_s": retry_after,
-                        "status": response.status_code}
+                return {
+                    "outcome": "failed",
+                    "reason": f"http_{response.status_code}:{payload['error'].get('code')}",
+                    "elapsed_s": time.monotonic() - started,
+                    "tokens": 0,
+                    "retry_after_s": retry_after,
+                    "status": response.status_code,
+                }
             saw_error, saw_finish = None, False
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -80,8 +91,14 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, max_toke
                 reason = "stream cut without an error event"
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         outcome, reason = "lost", f"{type(exc).__name__}"
-    return {"outcome": outcome, "reason": reason, "elapsed_s": time.monotonic() - started, "tokens": tokens,
-            "status": status, "message": message}
+    return {
+        "outcome": outcome,
+        "reason": reason,
+        "elapsed_s": time.monotonic() - started,
+        "tokens": tokens,
+        "status": status,
+        "message": message,
+    }
 
 
 def _victim(handle, role: str) -> str:
@@ -134,8 +151,12 @@ async def _load(handle, args, model: str, in_process: bool) -> tuple[list[dict],
 
 
 def _idle(worker: dict) -> bool:
-    return (worker.get("free_blocks") == worker.get("total_blocks") and worker.get("requests", 1) == 0
-            and worker.get("awaiting_kv", 0) == 0 and worker.get("leased_transfers", 0) == 0)
+    return (
+        worker.get("free_blocks") == worker.get("total_blocks")
+        and worker.get("requests", 1) == 0
+        and worker.get("awaiting_kv", 0) == 0
+        and worker.get("leased_transfers", 0) == 0
+    )
 
 
 def _settle(handle, timeout_s: float, expected_alive: int) -> tuple[dict, float]:
@@ -166,8 +187,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.model:
         config.model.name = args.model
     in_process = getattr(args, "in_process", False)
-    for pool, replicas in ((config.pools.prefill, getattr(args, "prefill_replicas", None)),
-                           (config.pools.decode, getattr(args, "decode_replicas", None))):
+    for pool, replicas in (
+        (config.pools.prefill, getattr(args, "prefill_replicas", None)),
+        (config.pools.decode, getattr(args, "decode_replicas", None)),
+    ):
         if replicas is not None:
             pool.replicas = replicas
     config.router.port = 0
@@ -197,16 +220,25 @@ def run(args: argparse.Namespace) -> dict:
         "failed_with_explicit_error": outcomes["failed"],
         "failure_reasons": dict(Counter(r["reason"] for r in results if r["outcome"] == "failed")),
         # which death ended each worker_died stream (the router names the worker in the message)
-        "worker_died_by": dict(Counter(k["worker"] for r in results if r["reason"] == "stream_error:worker_died"
-                                       for k in kills if f"({k['worker']})" in r.get("message", ""))),
+        "worker_died_by": dict(
+            Counter(
+                k["worker"]
+                for r in results
+                if r["reason"] == "stream_error:worker_died"
+                for k in kills
+                if f"({k['worker']})" in r.get("message", "")
+            )
+        ),
         "lost": outcomes["lost"],
         "lost_reasons": dict(Counter(r["reason"] for r in results if r["outcome"] == "lost")),
         "http_503": sum(1 for r in results if r["status"] == 503),
         "http_status_counts": dict(Counter(str(r["status"] or "none") for r in results)),
         "retried_after_worker_death": int(retried),
         "kv_blocks_held_after": held_blocks,
-        "requests_held_after": sum(w.get("requests", 0) + w.get("awaiting_kv", 0) + w.get("leased_transfers", 0)
-                                   for w in live) + status.get("inflight", 0),
+        "requests_held_after": sum(
+            w.get("requests", 0) + w.get("awaiting_kv", 0) + w.get("leased_transfers", 0) for w in live
+        )
+        + status.get("inflight", 0),
         "workers_alive_after": len(live),
         "max_over_deadline_s": round(max([0.0] + [r["elapsed_s"] - args.request_timeout_s for r in results]), 3),
         "max_elapsed_s": round(max([0.0] + [r["elapsed_s"] for r in results]), 2),

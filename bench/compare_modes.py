@@ -42,15 +42,20 @@ def run(args: argparse.Namespace) -> dict:
         handle = _start(config, mode)
         try:
             workers = args.num_workers or handle.num_workers
-            mode_runs, mode_results, sweep = execute(plan, handle.base_url, config.served_model_name, folder,
-                                                     mode=mode, num_workers=workers)
+            mode_runs, mode_results, sweep = execute(
+                plan, handle.base_url, config.served_model_name, folder, mode=mode, num_workers=workers
+            )
         finally:
             handle.stop()
         per_mode[mode] = {"base_url": handle.base_url, "num_workers": workers, "sweep": sweep}
         runs += mode_runs
         results += mode_results
-    summary = {"benchmark": benchmark_settings(args, plan) | {"config": str(args.config)}, "modes": per_mode,
-               "runs": runs, "result_dir": str(folder)}
+    summary = {
+        "benchmark": benchmark_settings(args, plan) | {"config": str(args.config)},
+        "modes": per_mode,
+        "runs": runs,
+        "result_dir": str(folder),
+    }
     summary["plots"] = output.write_plots(folder, runs, results)
     summary = output.clean_json(summary)
     output.write_summary(folder, summary)
@@ -59,8 +64,11 @@ def run(args: argparse.Namespace) -> dict:
     for mode, info in per_mode.items():
         if info["sweep"]:
             s = info["sweep"]
-            print(f"{mode}: highest rate within the SLOs {plan.slos}: {s['max_rate_meeting_slo']} "
-                  f"({s['max_rate_per_worker']} per worker, {info['num_workers']} workers)", file=sys.stderr)
+            print(
+                f"{mode}: highest rate within the SLOs {plan.slos}: {s['max_rate_meeting_slo']} "
+                f"({s['max_rate_per_worker']} per worker, {info['num_workers']} workers)",
+                file=sys.stderr,
+            )
     print(f"results in {folder}", file=sys.stderr)
     return summary
 
@@ -77,8 +85,9 @@ def _start(config, mode: str):
 def main(argv: list[str] | None = None) -> int:
     from bench.loadtest.cli import run_main
 
-    return run_main("python -m bench.compare_modes", "colocated vs disaggregated on the same workers",
-                    add_arguments, run, argv)
+    return run_main(
+        "python -m bench.compare_modes", "colocated vs disaggregated on the same workers", add_arguments, run, argv
+    )
 
 
 if __name__ == "__main__":

@@ -54,9 +54,13 @@ def run(args: argparse.Namespace) -> dict:
             enable_prefix_caching=False,  # repeated prompts must be recomputed, not served from cache
         )
     )
-    hf = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
-    ).to(args.device).eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
+        )
+        .to(args.device)
+        .eval()
+    )
     vocab = min(engine.model.config.vocab_size, len(engine.tokenizer))
     rng = random.Random(0)
     specials = set(engine.tokenizer.all_special_ids)

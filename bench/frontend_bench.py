@@ -73,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- the processes whose CPU is the router's ---------------------------------------------------------------------
 
+
 def _proc_table() -> dict[int, tuple[int, float, str]] | None:
     """pid -> (parent pid, user + system CPU seconds, command line) for every process; None without /proc."""
     if not os.path.exists("/proc/self/stat"):
@@ -91,7 +92,7 @@ def _proc_table() -> dict[int, tuple[int, float, str]] | None:
             continue
         fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ..., utime (14th), stime (15th)
         if not cmdline:  # kernel threads and zombies: the name in parentheses
-            cmdline = stat[stat.find("(") + 1: stat.rfind(")")]
+            cmdline = stat[stat.find("(") + 1 : stat.rfind(")")]
         table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmdline)
     return table
 
@@ -141,9 +142,15 @@ def cpu_delta(before: dict[int, float] | None, after: dict[int, float] | None) -
 
 # ---- the serve subprocess ----------------------------------------------------------------------------------------
 
+
 def serve_supports_router_processes(timeout_s: float = 60.0) -> bool:
-    out = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=timeout_s)
+    out = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     return "--router-processes" in out.stdout
 
 
@@ -158,13 +165,14 @@ class ServeProcess:
     ready: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def start(cls, config_path: Path, router_processes: int | None, timeout_s: float) -> "ServeProcess":
+    def start(cls, config_path: Path, router_processes: int | None, timeout_s: float) -> ServeProcess:
         cmd = [sys.executable, "-m", "cli.main", "serve", "--config", str(config_path), "--port", "0"]
         if router_processes is not None:
             cmd += ["--router-processes", str(router_processes)]
         env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}  # a loopback server of our own
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # its own group: a last-resort kill reaches Ray's processes
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )  # its own group: a last-resort kill reaches Ray's processes
         serve = cls(proc)
         threading.Thread(target=serve._read, name="frontend-bench-serve-output", daemon=True).start()
         if not serve.ready.wait(timeout_s) or serve.url is None:
@@ -205,8 +213,14 @@ class ServeProcess:
         for pid in left:  # workers the serve process reported; it should have stopped them
             os.kill(pid, signal.SIGKILL)
         _kill_group(self.proc.pid)  # Ray's processes, if any outlived the serve process in the group it led
-        return {"pid": self.proc.pid, "worker_pids": list(self.worker_pids), "exit_code": self.proc.returncode,
-                "stop_s": round(stop_s, 2), "forced": forced, "workers_left_running": len(left)}
+        return {
+            "pid": self.proc.pid,
+            "worker_pids": list(self.worker_pids),
+            "exit_code": self.proc.returncode,
+            "stop_s": round(stop_s, 2),
+            "forced": forced,
+            "workers_left_running": len(left),
+        }
 
 
 def process_running(pid: int) -> bool:
@@ -226,6 +240,7 @@ def _kill_group(pgid: int) -> None:
 
 
 # ---- config, model, load ----------------------------------------------------------------------------------------
+
 
 def tiny_model_path() -> Path:
     """The tiny random-weight Llama, built once under ``$PDSERVE_CACHE`` (a temp dir if that is not writable)."""
@@ -262,25 +277,57 @@ def cluster_config(model: str, args: argparse.Namespace) -> dict:
     return {
         "model": {"name": model, "max_model_len": max(1100, total + 64)},
         "mode": "disaggregated",
-        "pools": {"prefill": pool | {"kv_blocks": max(256, 2 * seqs * (-(-args.input_len // BLOCK_SIZE) + 2))},
-                  "decode": pool | {"kv_blocks": max(64 * 65, seqs * per_request) * 5 // 4}},
+        "pools": {
+            "prefill": pool | {"kv_blocks": max(256, 2 * seqs * (-(-args.input_len // BLOCK_SIZE) + 2))},
+            "decode": pool | {"kv_blocks": max(64 * 65, seqs * per_request) * 5 // 4},
+        },
         "router": {"request_timeout_s": args.request_timeout_s, "queue_size": max(256, args.num_prompts)},
     }
 
 
-def run_load(base_url: str, model: str, n: int, concurrency: int, input_len: int, output_len: int,
-             args: argparse.Namespace, warmups: int = 0, before=None) -> dict:
+def run_load(
+    base_url: str,
+    model: str,
+    n: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    args: argparse.Namespace,
+    warmups: int = 0,
+    before=None,
+) -> dict:
     """One phase with the load tester (closed loop, ``ignore_eos``); ``before()`` runs once the prompts are built."""
     from bench.loadtest import cli as loadtest
 
     parser = argparse.ArgumentParser()
     loadtest.add_arguments(parser)
     with tempfile.TemporaryDirectory(prefix="frontend-bench-") as folder:
-        opts = parser.parse_args([
-            "--base-url", base_url, "--model", model, "--max-concurrency", str(concurrency), "--num-prompts", str(n),
-            "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--ignore-eos",
-            "--num-warmups", str(warmups), "--request-timeout-s", str(args.request_timeout_s),
-            "--duration", str(args.load_timeout_s), "--result-dir", folder, "--disable-tqdm"])
+        opts = parser.parse_args(
+            [
+                "--base-url",
+                base_url,
+                "--model",
+                model,
+                "--max-concurrency",
+                str(concurrency),
+                "--num-prompts",
+                str(n),
+                "--random-input-len",
+                str(input_len),
+                "--random-output-len",
+                str(output_len),
+                "--ignore-eos",
+                "--num-warmups",
+                str(warmups),
+                "--request-timeout-s",
+                str(args.request_timeout_s),
+                "--duration",
+                str(args.load_timeout_s),
+                "--result-dir",
+                folder,
+                "--disable-tqdm",
+            ]
+        )
         plan = loadtest.prepare(opts, model)
         marker = before() if before else None
         runs, _, _ = loadtest.execute(plan, base_url, model, Path(folder))
@@ -302,9 +349,22 @@ def scrape_counter(base_url: str, name: str) -> float | None:
 
 # ---- one configuration, the whole run -------------------------------------------------------------------------------
 
-FIGURES = ("streamed_tokens", "expected_tokens", "failed_requests", "failures", "wall_s", "router_cpu_s",
-           "router_process_count", "tokens_per_router_cpu_s", "tokens_per_wall_s", "ttft_p50_ms", "detokenize_share",
-           "itl_ms_p50", "client_loop_lag_ms_p99", "serve_stop")
+FIGURES = (
+    "streamed_tokens",
+    "expected_tokens",
+    "failed_requests",
+    "failures",
+    "wall_s",
+    "router_cpu_s",
+    "router_process_count",
+    "tokens_per_router_cpu_s",
+    "tokens_per_wall_s",
+    "ttft_p50_ms",
+    "detokenize_share",
+    "itl_ms_p50",
+    "client_loop_lag_ms_p99",
+    "serve_stop",
+)
 
 
 def _empty(n: int, status: str, reason: str | None = None) -> dict:
@@ -329,10 +389,13 @@ def run_configuration(n: int, model: str, args: argparse.Namespace, flag_support
         def snapshot() -> tuple:
             return router_cpu(serve.proc.pid, exclude), scrape_counter(url, DETOKENIZE_METRIC)
 
-        print(f"frontend bench: {args.num_prompts} streams x {args.output_len} tokens, {args.max_concurrency} at once",
-              file=sys.stderr)
-        phase = run_load(url, model, args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args,
-                         before=snapshot)
+        print(
+            f"frontend bench: {args.num_prompts} streams x {args.output_len} tokens, {args.max_concurrency} at once",
+            file=sys.stderr,
+        )
+        phase = run_load(
+            url, model, args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args, before=snapshot
+        )
         cpu_after, detok_after = snapshot()
         (cpu_before, detok_before), load = phase["before"], phase["summary"]
         cpu = cpu_delta(cpu_before, cpu_after)
@@ -347,8 +410,11 @@ def run_configuration(n: int, model: str, args: argparse.Namespace, flag_support
             "router_process_count": len(cpu_after) if cpu_after is not None else None,
             "tokens_per_router_cpu_s": _round(tokens / cpu, 1) if cpu else None,
             "tokens_per_wall_s": _round(tokens / load["duration_s"], 1) if load["duration_s"] else None,
-            "detokenize_share": (_round((detok_after - detok_before) / cpu, 4)
-                                 if cpu and detok_before is not None and detok_after is not None else None),
+            "detokenize_share": (
+                _round((detok_after - detok_before) / cpu, 4)
+                if cpu and detok_before is not None and detok_after is not None
+                else None
+            ),
             "itl_ms_p50": _round(load["itl_ms"]["p50"], 2),
             "client_loop_lag_ms_p99": _round(load["client"]["loop_lag_ms_p99"], 1),
         }
@@ -369,8 +435,9 @@ def run(args: argparse.Namespace) -> dict:
     if not counts or any(n < 1 for n in counts):
         raise ValueError("--router-processes: a comma-separated list of counts >= 1, e.g. 1,2")
     if min(args.max_concurrency, args.num_prompts, args.input_len, args.output_len, args.low_load_requests) < 1:
-        raise ValueError("--max-concurrency, --num-prompts, --input-len, --output-len and --low-load-requests "
-                         "must be at least 1")
+        raise ValueError(
+            "--max-concurrency, --num-prompts, --input-len, --output-len and --low-load-requests must be at least 1"
+        )
     model = str(Path(args.model).expanduser()) if args.model else str(tiny_model_path())
     flag_supported = serve_supports_router_processes()
     configurations = []
@@ -378,12 +445,17 @@ def run(args: argparse.Namespace) -> dict:
         for n in counts:
             configurations.append(run_configuration(n, model, args, flag_supported, Path(folder)))
     return {
-        "benchmark": {"model": model, "max_concurrency": args.max_concurrency, "num_prompts": args.num_prompts,
-                      "input_len": args.input_len, "output_len": args.output_len,
-                      "low_load": {"requests": args.low_load_requests, "concurrency": 1, "input_len": 32,
-                                   "output_len": 16},
-                      "cpu_count": os.cpu_count(), "serve_has_router_processes_option": flag_supported,
-                      "router_cpu_rule": "serve process + its non-Ray descendants (not the workers), user+system"},
+        "benchmark": {
+            "model": model,
+            "max_concurrency": args.max_concurrency,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "low_load": {"requests": args.low_load_requests, "concurrency": 1, "input_len": 32, "output_len": 16},
+            "cpu_count": os.cpu_count(),
+            "serve_has_router_processes_option": flag_supported,
+            "router_cpu_rule": "serve process + its non-Ray descendants (not the workers), user+system",
+        },
         "configurations": configurations,
     }
 

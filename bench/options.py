@@ -40,14 +40,22 @@ def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve bench transfer`` (``bench/transfer_bench.py``), with the overlap options under ``--overlap-``."""
     from bench import overlap_bench  # light: its heavy imports are inside run()
 
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64],
-                        help="KV payload sizes in MiB (rounded to whole blocks)")
+    parser.add_argument(
+        "--sizes-mib",
+        type=float,
+        nargs="+",
+        default=[1, 16, 64],
+        help="KV payload sizes in MiB (rounded to whole blocks)",
+    )
     parser.add_argument("--backends", nargs="+", default=list(TRANSFER_BACKENDS), choices=TRANSFER_BACKENDS)
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--no-checksum", action="store_true", help="disable xxh3 frame checksums")
-    parser.add_argument("--overlap", action="store_true",
-                        help="also start the served cluster (SmolLM2) and measure how much of the transfer streaming "
-                             "hides behind the prefill, and the int8 wire check (takes minutes)")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also start the served cluster (SmolLM2) and measure how much of the transfer streaming "
+        "hides behind the prefill, and the int8 wire check (takes minutes)",
+    )
     overlap_bench.add_arguments(parser, prefix="overlap-")
 
 
@@ -57,8 +65,11 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="override model.name")
     parser.add_argument("--prefill-replicas", type=int, default=None, help="override pools.prefill.replicas")
     parser.add_argument("--decode-replicas", type=int, default=None, help="override pools.decode.replicas")
-    parser.add_argument("--in-process", action="store_true",
-                        help="workers as threads of this process (no Ray); a kill stops one dead, nothing restarts it")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="workers as threads of this process (no Ray); a kill stops one dead, nothing restarts it",
+    )
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=24)

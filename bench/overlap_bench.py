@@ -66,24 +66,45 @@ CHAT_PROMPTS = [
 def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     """The overlap options. ``prefix`` (e.g. "overlap-") namespaces them when another bench embeds this one."""
     p = prefix
-    parser.add_argument(f"--{p}config", dest=f"{p.replace('-', '_')}config", default="local",
-                        help="cluster config the runs start from: a path or a shipped name (default: local)")
+    parser.add_argument(
+        f"--{p}config",
+        dest=f"{p.replace('-', '_')}config",
+        default="local",
+        help="cluster config the runs start from: a path or a shipped name (default: local)",
+    )
     if not p:
         parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
     parser.add_argument(f"--{p}prompt-tokens", dest=f"{p.replace('-', '_')}prompt_tokens", type=int, default=1024)
-    parser.add_argument(f"--{p}reps", dest=f"{p.replace('-', '_')}reps", type=int, default=5,
-                        help="timed requests per mode (median reported), after one discarded warm-up")
+    parser.add_argument(
+        f"--{p}reps",
+        dest=f"{p.replace('-', '_')}reps",
+        type=int,
+        default=5,
+        help="timed requests per mode (median reported), after one discarded warm-up",
+    )
     parser.add_argument(f"--{p}max-tokens", dest=f"{p.replace('-', '_')}max_tokens", type=int, default=4)
-    parser.add_argument(f"--{p}prefill-chunk", dest=f"{p.replace('-', '_')}prefill_chunk", type=int, default=None,
-                        help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's")
+    parser.add_argument(
+        f"--{p}prefill-chunk",
+        dest=f"{p.replace('-', '_')}prefill_chunk",
+        type=int,
+        default=None,
+        help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's",
+    )
     if not p:
         parser.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
     if p:
-        parser.add_argument(f"--{p}no-int8", dest=f"{p.replace('-', '_')}no_int8", action="store_true",
-                            help="skip the int8 wire check (raw vs int8 greedy outputs)")
+        parser.add_argument(
+            f"--{p}no-int8",
+            dest=f"{p.replace('-', '_')}no_int8",
+            action="store_true",
+            help="skip the int8 wire check (raw vs int8 greedy outputs)",
+        )
     else:
-        parser.add_argument("--int8-check", action="store_true",
-                            help="also compare greedy outputs with kv_wire_dtype raw vs int8 (one more cluster start)")
+        parser.add_argument(
+            "--int8-check",
+            action="store_true",
+            help="also compare greedy outputs with kv_wire_dtype raw vs int8 (one more cluster start)",
+        )
     parser.add_argument("--int8-prompts", type=int, default=20, help=f"at most {len(CHAT_PROMPTS)}")
     parser.add_argument("--int8-tokens", type=int, default=64)
     if not p:
@@ -160,8 +181,13 @@ def _complete(base_url: str, model: str, prompt: list[int], max_tokens: int, tim
 def _chat(base_url: str, model: str, text: str, max_tokens: int, timeout_s: float = 300) -> str:
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=timeout_s)
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"]
@@ -170,23 +196,32 @@ def _chat(base_url: str, model: str, text: str, max_tokens: int, timeout_s: floa
 # ---- the measurements -----------------------------------------------------------------------------------------------
 
 
-def _overlap_run(handle, config, ids: list[int], prompt_tokens: int, reps: int, max_tokens: int,
-                 seed_base: int) -> dict[str, Any]:
-    samples: dict[str, list[float]] = {"kv_after_prefill_s": [], "prefill_compute_s": [], "kv_transfer_s": [],
-                                       "prefill_queue_s": [], "ttft_s": [], "kv_wait_after_first_token_s": [],
-                                       "kv_minus_prefill_s": []}
+def _overlap_run(
+    handle, config, ids: list[int], prompt_tokens: int, reps: int, max_tokens: int, seed_base: int
+) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {
+        "kv_after_prefill_s": [],
+        "prefill_compute_s": [],
+        "kv_transfer_s": [],
+        "prefill_queue_s": [],
+        "ttft_s": [],
+        "kv_wait_after_first_token_s": [],
+        "kv_minus_prefill_s": [],
+    }
     before = _wait_stats_settle(handle.base_url)
     for i in range(reps + 1):  # request 0 is a warm-up (first long prompt: allocator, thread pools)
-        result = _complete(handle.base_url, config.served_model_name, _random_prompt(ids, prompt_tokens, seed_base + i),
-                           max_tokens)
+        result = _complete(
+            handle.base_url, config.served_model_name, _random_prompt(ids, prompt_tokens, seed_base + i), max_tokens
+        )
         timing = result.get("timing") or {}
         if i == 0:
             continue
         if all(k in timing for k in ("kv_transfer_s", "prefill_queue_s", "prefill_compute_s")):
             # a cross-check that does not depend on where the prefill worker stamps "prefill end": decode reservation
             # to KV complete, less the prefill's queue and compute (the same dispatch overhead in both modes)
-            timing["kv_minus_prefill_s"] = (timing["kv_transfer_s"] - timing["prefill_queue_s"]
-                                            - timing["prefill_compute_s"])
+            timing["kv_minus_prefill_s"] = (
+                timing["kv_transfer_s"] - timing["prefill_queue_s"] - timing["prefill_compute_s"]
+            )
         for key in samples:
             if key in timing:
                 samples[key].append(float(timing[key]))
@@ -215,8 +250,16 @@ def _compare_texts(tokenizer, raw: list[str], int8: list[str]) -> dict[str, Any]
         ta = tokenizer.encode(a, add_special_tokens=False)
         tb = tokenizer.encode(b, add_special_tokens=False)
         first_tok = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-        rows.append({"prompt": i, "changed": True, "first_diff_token": first_tok, "first_diff_char": first_char,
-                     "raw": a, "int8": b})
+        rows.append(
+            {
+                "prompt": i,
+                "changed": True,
+                "first_diff_token": first_tok,
+                "first_diff_char": first_char,
+                "raw": a,
+                "int8": b,
+            }
+        )
     changed = [r for r in rows if r["changed"]]
     return {
         "prompts": len(rows),
@@ -234,7 +277,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     from engine.model_loader import load_tokenizer, resolve_model_path
 
     given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file
-    base = (given if given is not None else load_config(_get(args, "config", prefix, "local")))
+    base = given if given is not None else load_config(_get(args, "config", prefix, "local"))
     base = base.model_copy(deep=True)
     if getattr(args, "model", None) and not prefix:
         base.model.name = args.model
@@ -257,12 +300,18 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "configuration": {
-            "model": base.model.name, "dtype": base.model.dtype, "backend": base.transfer.backend,
-            "zmq_transport": base.transfer.zmq_transport, "block_size": base.transfer.block_size,
+            "model": base.model.name,
+            "dtype": base.model.dtype,
+            "backend": base.transfer.backend,
+            "zmq_transport": base.transfer.zmq_transport,
+            "block_size": base.transfer.block_size,
             "prefill_max_batch_tokens": base.pools.prefill.max_batch_tokens,
             "prefill_forwards_per_prompt": -(-prompt_tokens // base.pools.prefill.max_batch_tokens),
             "torch_threads": {"prefill": base.pools.prefill.torch_threads, "decode": base.pools.decode.torch_threads},
-            "prompt_tokens": prompt_tokens, "reps": reps, "max_tokens": max_tokens, "cpu_count": os.cpu_count(),
+            "prompt_tokens": prompt_tokens,
+            "reps": reps,
+            "max_tokens": max_tokens,
+            "cpu_count": os.cpu_count(),
         },
         "kv_bytes_per_token": per_token,
         "kv_bytes_per_request": per_token * prompt_tokens,
@@ -270,9 +319,14 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     started_ray = False
     if not ray.is_initialized():
         # address="local": always a fresh local Ray, never attach to another one running on this machine
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), namespace=base.ray.namespace,
-                 include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=max(2, os.cpu_count() or 1),
+            namespace=base.ray.namespace,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
         started_ray = True
     t_start = time.monotonic()
     raw_texts: list[str] | None = None
@@ -299,8 +353,10 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             out["hidden_fraction"] = round(1 - max(0.0, s) / u, 4) if s is not None and u else None
             out["hidden_fraction_uncapped"] = round(1 - s / u, 4) if s is not None and u else None
             sm, um = out["streamed"]["median_kv_minus_prefill_s"], out["unstreamed"]["median_kv_minus_prefill_s"]
-            out["kv_minus_prefill_ms"] = {"streamed": None if sm is None else round(1000 * sm, 2),
-                                          "unstreamed": None if um is None else round(1000 * um, 2)}
+            out["kv_minus_prefill_ms"] = {
+                "streamed": None if sm is None else round(1000 * sm, 2),
+                "unstreamed": None if um is None else round(1000 * um, 2),
+            }
             out["goal_hidden_fraction"] = 0.7
             out["goal_met"] = out["hidden_fraction"] is not None and out["hidden_fraction"] >= 0.7
             out["unstreamed_transfer_gbps"] = round(out["kv_bytes_per_request"] / u / 1e9, 4) if u else None
@@ -318,12 +374,16 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             finally:
                 handle.stop()
             cmp = _compare_texts(tokenizer, raw_texts or [], int8_texts)
-            cmp.update({
-                "max_tokens": int8_tokens, "comparison": "text; token position by re-tokenizing both outputs",
-                "raw_wire_bytes": raw_bytes, "int8_wire_bytes": int8_bytes,
-                "wire_bytes_ratio": round(int8_bytes / raw_bytes, 4) if raw_bytes else None,
-                "kv_dtype": base.model.dtype,
-            })
+            cmp.update(
+                {
+                    "max_tokens": int8_tokens,
+                    "comparison": "text; token position by re-tokenizing both outputs",
+                    "raw_wire_bytes": raw_bytes,
+                    "int8_wire_bytes": int8_bytes,
+                    "wire_bytes_ratio": round(int8_bytes / raw_bytes, 4) if raw_bytes else None,
+                    "kv_dtype": base.model.dtype,
+                }
+            )
             out["int8"] = cmp
     finally:
         if started_ray:

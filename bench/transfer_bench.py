@@ -14,6 +14,7 @@ the bytes where decode needs them; the raw reference has no header, checksum, ha
     python -m bench.transfer_bench --overlap  # plus the served-cluster overlap and int8 figures (minutes):
                                               # see bench/overlap_bench.py; they land under "overlap"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,9 @@ def _child(conn: Any, checksum: bool) -> None:
                 time.sleep(0.2)
             t0 = time.perf_counter()
             for k, v in kv:
-                sock.send_multipart([k.view(-1).view(torch.uint8).numpy(),
-                                     v.view(-1).view(torch.uint8).numpy()], copy=False)
+                sock.send_multipart(
+                    [k.view(-1).view(torch.uint8).numpy(), v.view(-1).view(torch.uint8).numpy()], copy=False
+                )
             conn.send((t0, "sent"))
             continue
         s = senders.get(backend)
@@ -98,8 +100,8 @@ class _Cache:
         self.v = [torch.empty(shape, dtype=torch.float16) for _ in range(FP.num_layers)]
 
     def sink(self, tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][blocks[0]:blocks[0] + len(blocks)].copy_(k)  # bench sends contiguous ids
-        self.v[layer][blocks[0]:blocks[0] + len(blocks)].copy_(v)
+        self.k[layer][blocks[0] : blocks[0] + len(blocks)].copy_(k)  # bench sends contiguous ids
+        self.v[layer][blocks[0] : blocks[0] + len(blocks)].copy_(v)
 
 
 def _wait_done(r: Any, tid: str, timeout_s: float = 60) -> str:
@@ -173,10 +175,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     sizes = {m: _blocks(m) for m in args.sizes_mib}
     out: dict[str, Any] = {
-        "kv": {"model": "SmolLM2-135M", "dtype": FP.dtype, "layers": FP.num_layers,
-               "kv_heads": FP.num_kv_heads, "head_dim": FP.head_dim, "block_size": FP.block_size,
-               "bytes_per_block": BLOCK_BYTES},
-        "checksum": not args.no_checksum, "reps": args.reps, "results": [], "memcpy_gbps": {},
+        "kv": {
+            "model": "SmolLM2-135M",
+            "dtype": FP.dtype,
+            "layers": FP.num_layers,
+            "kv_heads": FP.num_kv_heads,
+            "head_dim": FP.head_dim,
+            "block_size": FP.block_size,
+            "bytes_per_block": BLOCK_BYTES,
+        },
+        "checksum": not args.no_checksum,
+        "reps": args.reps,
+        "results": [],
+        "memcpy_gbps": {},
         "raw_zmq_gbps": {},
     }
     ctx = mp.get_context("spawn")
@@ -192,8 +203,7 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
             for backend in args.backends:
                 if backend == "local":
                     gbps = _local(n, args.reps)
-                    out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes,
-                                           "gbps": round(gbps, 3)})
+                    out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes, "gbps": round(gbps, 3)})
                     continue
                 cache = _Cache(n)
                 addr = f"ipc://{tmp}/{backend}-{n}.ipc" if backend == "zmq-ipc" else "tcp://127.0.0.1:0"
@@ -220,11 +230,11 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
                     if raw is not None:
                         raw.close()
                 gbps = nbytes / statistics.median(times[1:]) / 1e9
-                out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes,
-                                       "gbps": round(gbps, 3)})
+                out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes, "gbps": round(gbps, 3)})
                 if raw_times:
                     out["raw_zmq_gbps"].setdefault(backend, {})[str(mib)] = round(
-                        nbytes / statistics.median(raw_times[1:]) / 1e9, 3)
+                        nbytes / statistics.median(raw_times[1:]) / 1e9, 3
+                    )
         for row in out["results"]:
             raw = out["raw_zmq_gbps"].get(row["backend"], {}).get(str(row["mib"]))
             if raw:

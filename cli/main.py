@@ -26,20 +26,55 @@ Command = Callable[[argparse.Namespace], int]
 # (subcommand, help, module declaring its options, that module's function, module running it); the declaring
 # module must import nothing heavy at module level (tests/cli/test_startup.py checks each one)
 BENCHMARKS: list[tuple[str, str, str, str, str]] = [
-    ("engine", "engine decode/prefill throughput vs transformers generate",
-     "bench.options", "add_engine_bench_arguments", "bench.engine_bench"),
-    ("transfer", "KV transfer GB/s per backend vs memcpy and raw ZeroMQ",
-     "bench.options", "add_transfer_bench_arguments", "bench.transfer_bench"),
-    ("serve", "load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)",
-     "bench.loadtest.options", "add_arguments", "bench.loadtest.cli"),
-    ("compare", "the same load against colocated and disaggregated mode",
-     "bench.options", "add_compare_arguments", "bench.compare_modes"),
-    ("chaos", "load while killing workers: lost requests and held KV must be 0",
-     "bench.options", "add_chaos_arguments", "bench.chaos"),
-    ("detok", "incremental detokenizer: microseconds per token vs stream length, against full re-decoding",
-     "bench.detok_bench", "add_arguments", "bench.detok_bench"),
-    ("frontend", "streamed tokens per router CPU-second: tiny-model cluster, 64 streams",
-     "bench.frontend_bench", "add_arguments", "bench.frontend_bench"),
+    (
+        "engine",
+        "engine decode/prefill throughput vs transformers generate",
+        "bench.options",
+        "add_engine_bench_arguments",
+        "bench.engine_bench",
+    ),
+    (
+        "transfer",
+        "KV transfer GB/s per backend vs memcpy and raw ZeroMQ",
+        "bench.options",
+        "add_transfer_bench_arguments",
+        "bench.transfer_bench",
+    ),
+    (
+        "serve",
+        "load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)",
+        "bench.loadtest.options",
+        "add_arguments",
+        "bench.loadtest.cli",
+    ),
+    (
+        "compare",
+        "the same load against colocated and disaggregated mode",
+        "bench.options",
+        "add_compare_arguments",
+        "bench.compare_modes",
+    ),
+    (
+        "chaos",
+        "load while killing workers: lost requests and held KV must be 0",
+        "bench.options",
+        "add_chaos_arguments",
+        "bench.chaos",
+    ),
+    (
+        "detok",
+        "incremental detokenizer: microseconds per token vs stream length, against full re-decoding",
+        "bench.detok_bench",
+        "add_arguments",
+        "bench.detok_bench",
+    ),
+    (
+        "frontend",
+        "streamed tokens per router CPU-second: tiny-model cluster, 64 streams",
+        "bench.frontend_bench",
+        "add_arguments",
+        "bench.frontend_bench",
+    ),
 ]
 
 
@@ -49,8 +84,9 @@ class LazyOptionsParser(argparse.ArgumentParser):
     argparse hands the remaining arguments to a subcommand's parser only when that subcommand was chosen, so the
     module declaring its options is imported for the command that runs and for no other."""
 
-    def __init__(self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._declare = declare
 
@@ -127,16 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
 
     serve = sub.add_parser("serve", help="start the cluster and serve the OpenAI API until Ctrl-C / SIGTERM")
-    serve.add_argument("--config", required=True,
-                       help="a YAML file, or the name of a shipped config (local, gpu-node)")
+    serve.add_argument("--config", required=True, help="a YAML file, or the name of a shipped config (local, gpu-node)")
     serve.add_argument("--address", default=None, help="Ray address ('auto' for a `ray up` cluster)")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--router-processes", type=int, default=None, metavar="N",
-                       help="router (frontend) processes serving the port (default: the config's router.processes, 1)")
-    serve.add_argument("--api-key", default=api_key,
-                       help="require this key on /v1, /metrics and /status (default: $PDSERVE_API_KEY, else the "
-                            "config's router.api_key)")
+    serve.add_argument(
+        "--router-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="router (frontend) processes serving the port (default: the config's router.processes, 1)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=api_key,
+        help="require this key on /v1, /metrics and /status (default: $PDSERVE_API_KEY, else the "
+        "config's router.api_key)",
+    )
     serve.set_defaults(func=_call("cluster.serve", "serve"))
 
     status = sub.add_parser("status", help="pools, workers and their load, from a running router")

@@ -13,8 +13,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-WORKER_HEADER = (f"{'worker':<14}{'role':<11}{'alive':<7}{'waiting':>8}{'running':>8}{'kv free':>12}{'transfers':>11}"
-                 f"{'kv bytes':>12}")
+WORKER_HEADER = (
+    f"{'worker':<14}{'role':<11}{'alive':<7}{'waiting':>8}{'running':>8}{'kv free':>12}{'transfers':>11}"
+    f"{'kv bytes':>12}"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) -> None:
@@ -41,18 +43,23 @@ def fetch_status(url: str, timeout_s: float, api_key: str | None) -> dict[str, A
 
 def format_status(data: dict[str, Any]) -> str:
     """The table ``pdserve status`` prints: the router's totals, then one line per worker."""
-    lines = [f"mode: {data['mode']}   model: {data['model']}   in flight: {data['inflight']}   "
-             f"queued: {data['queue_depth']}"]
+    lines = [
+        f"mode: {data['mode']}   model: {data['model']}   in flight: {data['inflight']}   queued: {data['queue_depth']}"
+    ]
     router = data.get("router") or {}
     if router.get("processes", 1) > 1:  # the numbers above are this process's; the queue bound is shared
-        lines.append(f"router process {router['index']} of {router['processes']} (pid {router['pid']}); queued in "
-                     f"all: {router.get('queue_depth_all', '?')}")
+        lines.append(
+            f"router process {router['index']} of {router['processes']} (pid {router['pid']}); queued in "
+            f"all: {router.get('queue_depth_all', '?')}"
+        )
     lines.append(WORKER_HEADER)
     for w in data["workers"]:
         kv = f"{w.get('free_blocks', '?')}/{w.get('total_blocks', '?')}"
-        lines.append(f"{w['name']:<14}{w['role']:<11}{str(w['alive']):<7}{w.get('waiting', 0):>8}"
-                     f"{w.get('running', 0):>8}{kv:>12}{int(w.get('transfers_ok', 0)):>11}"
-                     f"{int(w.get('transfer_bytes', 0)):>12}")
+        lines.append(
+            f"{w['name']:<14}{w['role']:<11}{str(w['alive']):<7}{w.get('waiting', 0):>8}"
+            f"{w.get('running', 0):>8}{kv:>12}{int(w.get('transfers_ok', 0)):>11}"
+            f"{int(w.get('transfer_bytes', 0)):>12}"
+        )
     return "\n".join(lines)
 
 

@@ -50,8 +50,9 @@ class Admission:
             return
         lock = self._slots.get_lock()
         if not lock.acquire(timeout=LOCK_TIMEOUT_S):
-            logger.error("router: the shared admission counter stayed locked for %.0f s; a queue place is lost",
-                         LOCK_TIMEOUT_S)
+            logger.error(
+                "router: the shared admission counter stayed locked for %.0f s; a queue place is lost", LOCK_TIMEOUT_S
+            )
             return
         try:
             counts = self._slots.get_obj()

@@ -33,9 +33,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from cluster.config import ClusterConfig
-from cluster.openai_schema import (APIError, ChatRequest, CompletionRequest, check_token_ids, parse_body, parse_json,
-                                   sampling_params)
 from cluster.errors import RequestFailed
+from cluster.openai_schema import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    check_token_ids,
+    parse_body,
+    parse_json,
+    sampling_params,
+)
 from cluster.router import Router
 
 
@@ -58,8 +65,11 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
     @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method: the same error body as the rest
     async def _http_error_body(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), err_type=err_type).body(),
-                            status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail), err_type=err_type).body(),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -72,8 +82,12 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
             return
         given = request.headers.get("authorization", "").encode("latin-1")  # the raw bytes (ASGI decodes latin-1)
         if not hmac.compare_digest(given, expected_auth):
-            raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", err_type="authentication_error",
-                           code="invalid_api_key")
+            raise APIError(
+                401,
+                "missing or wrong API key (Authorization: Bearer ...)",
+                err_type="authentication_error",
+                code="invalid_api_key",
+            )
 
     async def read_json(request: Request):
         check_api_key(request)
@@ -97,23 +111,32 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
 
     def check_model(name: str) -> None:
         if name != model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model",
-                           "model_not_found")
+            raise APIError(
+                404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model", "model_not_found"
+            )
 
     def budget(prompt_ids: list[int], asked: int | None, default: int | None, param: str = "max_tokens") -> int:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "prompt")
         room = max_model_len - len(prompt_ids)
         if room <= 0:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}",
-                           "prompt", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}",
+                "prompt",
+                "context_length_exceeded",
+            )
         if asked is None:
             return min(default, room) if default else room
         if asked <= 0:
             raise APIError(400, f"{param} must be at least 1, got {asked}", param)
         if asked > room:
-            raise APIError(400, f"{param}={asked} plus the prompt's {len(prompt_ids)} tokens exceeds max_model_len "
-                           f"{max_model_len}", param, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"{param}={asked} plus the prompt's {len(prompt_ids)} tokens exceeds max_model_len {max_model_len}",
+                param,
+                "context_length_exceeded",
+            )
         return asked
 
     @app.post("/v1/completions")
@@ -233,8 +256,18 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
     @app.get("/v1/models")
     async def models(request: Request):
         check_api_key(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                                             "max_model_len": max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -244,8 +277,11 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
         serving = all(router.live(role) for role in roles)
         workers = router.members.workers.values()
         unhealthy = {w.name: w.degraded if w.alive else "dead" for w in workers if not w.alive or w.degraded}
-        body = {"status": "ok" if serving and not unhealthy else "degraded", "mode": config.mode,
-                "unhealthy_workers": unhealthy}
+        body = {
+            "status": "ok" if serving and not unhealthy else "degraded",
+            "mode": config.mode,
+            "unhealthy_workers": unhealthy,
+        }
         return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/status")
@@ -270,8 +306,12 @@ class SSEChunks:
 
     def __init__(self, rid: str, created: int, chat: bool, model: str, include_usage: bool) -> None:
         self.rid, self.chat, self.include_usage = rid, chat, include_usage
-        self._head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                      "model": model}
+        self._head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
         prefix, mark, suffix = self._event(self._choice(self._MARK, None)).partition(encode_basestring(self._MARK))
         assert mark and encode_basestring(self._MARK) not in suffix
         self._prefix, self._suffix = prefix, suffix
@@ -345,13 +385,18 @@ async def _first_event(events):
 
 def _http_error(exc: RequestFailed) -> APIError:
     headers = {"Retry-After": "1"} if exc.status in (429, 503) else None  # overloaded, or a worker restarting
-    err_type = "server_error" if exc.status >= 500 else "rate_limit_error" if exc.status == 429 else "invalid_request_error"
+    err_type = (
+        "server_error" if exc.status >= 500 else "rate_limit_error" if exc.status == 429 else "invalid_request_error"
+    )
     return APIError(exc.status, str(exc), code=exc.code, err_type=err_type, headers=headers)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _finish(reason: str | None) -> str:

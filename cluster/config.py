@@ -96,8 +96,12 @@ class TransferSection(_Strict):
     lease_s: float = Field(default=_default(TransferConfig, "lease_s"), gt=0)
     failure_policy: FailurePolicy = _default(WorkerSpec, "failure_policy")
     kv_wire_dtype: Literal["raw", "int8"] = _default(TransferConfig, "wire_dtype")
-    zmq_transport: ZmqTransport = _default(WorkerSpec, "zmq_transport")  # ipc: only when prefill and decode share a node
-    stream_layers: bool = True  # False: send the KV after the whole prefill (the baseline the overlap is measured against)
+    zmq_transport: ZmqTransport = _default(
+        WorkerSpec, "zmq_transport"
+    )  # ipc: only when prefill and decode share a node
+    stream_layers: bool = (
+        True  # False: send the KV after the whole prefill (the baseline the overlap is measured against)
+    )
     # the cluster secret: MACs every control message and event and the KV handshake; None: a random one per start
     secret: str | None = None
 
@@ -175,29 +179,45 @@ class ClusterConfig(_Strict):
         if not cpu_pools:
             return ""
         names = " and ".join(f"pools.{name}" for name in cpu_pools)
-        return (f"transfer.backend: nccl moves KV between GPUs, but {names} has gpus_per_replica: 0; "
-                "use transfer.backend: gloo for the same transfer code on the CPU")
+        return (
+            f"transfer.backend: nccl moves KV between GPUs, but {names} has gpus_per_replica: 0; "
+            "use transfer.backend: gloo for the same transfer code on the CPU"
+        )
 
     # ---- the one translation into what the workers run -------------------------------------------------------------
 
     def engine_config(self, pool: PoolSection, model_path: str) -> EngineConfig:
         """One pool's engine settings; ``model_path``: the model folder (the default model converted once)."""
         return EngineConfig(
-            model=model_path, dtype=self.model.dtype, block_size=self.transfer.block_size,
-            num_kv_blocks=pool.kv_blocks, kv_cache_memory_bytes=pool.kv_memory_mb * MIB,
-            max_model_len=self.model.max_model_len, max_batch_tokens=pool.max_batch_tokens,
-            max_num_seqs=pool.max_num_seqs, enable_prefix_caching=pool.enable_prefix_caching,
-            torch_threads=pool.torch_threads)
+            model=model_path,
+            dtype=self.model.dtype,
+            block_size=self.transfer.block_size,
+            num_kv_blocks=pool.kv_blocks,
+            kv_cache_memory_bytes=pool.kv_memory_mb * MIB,
+            max_model_len=self.model.max_model_len,
+            max_batch_tokens=pool.max_batch_tokens,
+            max_num_seqs=pool.max_num_seqs,
+            enable_prefix_caching=pool.enable_prefix_caching,
+            torch_threads=pool.torch_threads,
+        )
 
     def transfer_config(self) -> TransferConfig:
         """The transfer layer's limits; its device is set in each worker (``worker.spec.resolve_spec``)."""
-        return TransferConfig(deadline_s=self.transfer.deadline_s, lease_s=self.transfer.lease_s,
-                              wire_dtype=self.transfer.kv_wire_dtype, secret=self.transfer.secret)
+        return TransferConfig(
+            deadline_s=self.transfer.deadline_s,
+            lease_s=self.transfer.lease_s,
+            wire_dtype=self.transfer.kv_wire_dtype,
+            secret=self.transfer.secret,
+        )
 
     def runtime_options(self, router_addresses: list[str], host: str) -> RuntimeOptions:
         """``router_addresses``: every router process's event socket, by index; ``host``: where workers bind."""
-        return RuntimeOptions(router_addresses=list(router_addresses), host=host, secret=self.transfer.secret,
-                              router_timeout_s=self.router.orphan_timeout_s)
+        return RuntimeOptions(
+            router_addresses=list(router_addresses),
+            host=host,
+            secret=self.transfer.secret,
+            router_timeout_s=self.router.orphan_timeout_s,
+        )
 
     def worker_specs(self, model_path: str, router_addresses: list[str], host: str) -> list[WorkerSpec]:
         """Every worker of every pool, in pool order: ``<pool>-<index>``, the pool's role, engine and GPUs."""
@@ -207,14 +227,22 @@ class ClusterConfig(_Strict):
         specs = []
         for pool_name, role, pool in pool_layout(self):
             for index in range(pool.replicas):  # each spec its own objects: a worker may resolve its own in place
-                specs.append(WorkerSpec(
-                    name=f"{pool_name}-{index}", role=role, pool=pool_name,
-                    engine=self.engine_config(pool, model_path),
-                    runtime=self.runtime_options(router_addresses, host),
-                    transfer=self.transfer_config(), transfer_backend=self.transfer.backend,
-                    zmq_transport=self.transfer.zmq_transport, stream_layers=self.transfer.stream_layers,
-                    failure_policy=self.transfer.failure_policy,
-                    reserve_headroom_tokens=pool.reserve_headroom_tokens, gpus=pool.gpus_per_replica))
+                specs.append(
+                    WorkerSpec(
+                        name=f"{pool_name}-{index}",
+                        role=role,
+                        pool=pool_name,
+                        engine=self.engine_config(pool, model_path),
+                        runtime=self.runtime_options(router_addresses, host),
+                        transfer=self.transfer_config(),
+                        transfer_backend=self.transfer.backend,
+                        zmq_transport=self.transfer.zmq_transport,
+                        stream_layers=self.transfer.stream_layers,
+                        failure_policy=self.transfer.failure_policy,
+                        reserve_headroom_tokens=pool.reserve_headroom_tokens,
+                        gpus=pool.gpus_per_replica,
+                    )
+                )
         return specs
 
     @property
@@ -225,8 +253,10 @@ class ClusterConfig(_Strict):
 def pool_layout(config: ClusterConfig) -> list[tuple[str, WorkerRole, PoolSection]]:
     """(pool name, worker role, pool section) for every pool; colocated mode keeps the workers, not the split."""
     if config.mode == "colocated":
-        return [("prefill", WorkerRole.COLOCATED, config.pools.prefill),
-                ("decode", WorkerRole.COLOCATED, config.pools.decode)]
+        return [
+            ("prefill", WorkerRole.COLOCATED, config.pools.prefill),
+            ("decode", WorkerRole.COLOCATED, config.pools.decode),
+        ]
     return [("prefill", WorkerRole.PREFILL, config.pools.prefill), ("decode", WorkerRole.DECODE, config.pools.decode)]
 
 
@@ -250,7 +280,8 @@ def check_network_exposure(config: ClusterConfig, http_host: str | None = None) 
             raise ConfigError(
                 f"{field}: {host!r} is reachable from other machines, and router.api_key is not set: anyone who can "
                 "reach it could use the cluster. Set router.api_key, bind a loopback address, or set "
-                "router.allow_unauthenticated: true to serve without a key deliberately")
+                "router.allow_unauthenticated: true to serve without a key deliberately"
+            )
 
 
 def _format_error(source: str, error: ValidationError) -> str:
@@ -286,8 +317,9 @@ def find_config(name_or_path: str | Path) -> Path | Traversable:
             entry = shipped.joinpath(candidate)
             if candidate.endswith(".yaml") and entry.is_file():
                 return entry
-    raise ConfigError(f"{name_or_path}: config file not found (shipped configs, by name: "
-                      f"{', '.join(shipped_configs())})")
+    raise ConfigError(
+        f"{name_or_path}: config file not found (shipped configs, by name: {', '.join(shipped_configs())})"
+    )
 
 
 def load_config(name_or_path: str | Path) -> ClusterConfig:

@@ -30,8 +30,14 @@ DEFAULT_CONFIG = "local"  # the shipped configs/local.yaml, found as package dat
 
 
 async def _chat(client: httpx.AsyncClient, url: str, model: str, question: str, max_tokens: int, echo: bool) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     stamps: list[float] = []
     text, usage, timing = "", {}, {}
@@ -70,8 +76,10 @@ async def _drive(url: str, model: str, max_tokens: int) -> list[dict]:
         rest = await asyncio.gather(*(_chat(client, url, model, q, max_tokens, False) for q in QUESTIONS[1:]))
         elapsed = time.perf_counter() - started
     generated = sum(r["tokens"] for r in rest)
-    print(f"{len(rest)} concurrent requests: {generated} tokens in {elapsed:.1f} s = "
-          f"{generated / elapsed:.1f} generated tokens/s\n")
+    print(
+        f"{len(rest)} concurrent requests: {generated} tokens in {elapsed:.1f} s = "
+        f"{generated / elapsed:.1f} generated tokens/s\n"
+    )
     return [first, *rest]
 
 
@@ -91,15 +99,20 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     handle = start_serving(config)
     try:
-        print(f"ready in {time.perf_counter() - started:.1f} s at {handle.base_url}/v1 with workers: "
-              + ", ".join(f"{w['name']} (pid {w['pid']})" for w in handle.worker_infos()), flush=True)
+        print(
+            f"ready in {time.perf_counter() - started:.1f} s at {handle.base_url}/v1 with workers: "
+            + ", ".join(f"{w['name']} (pid {w['pid']})" for w in handle.worker_infos()),
+            flush=True,
+        )
         results = asyncio.run(_drive(handle.base_url, config.served_model_name, args.max_tokens))
         print(f"{'request':<44}{'tokens':>7}{'TTFT ms':>9}{'TPOT ms':>9}")
         for r in results:
             print(f"{r['question'][:42]:<44}{r['tokens']:>7}{r['ttft_s'] * 1000:>9.0f}{r['tpot_s'] * 1000:>9.1f}")
         for r in results[1:]:
             print(f"\n> {r['question']}\n{r['text'].strip()}")
-        overhead = [r["timing"].get("router_queue_s", 0) + r["timing"].get("first_token_delivery_s", 0) for r in results]
+        overhead = [
+            r["timing"].get("router_queue_s", 0) + r["timing"].get("first_token_delivery_s", 0) for r in results
+        ]
         summary = {
             "ttft_ms_median": round(statistics.median(r["ttft_s"] for r in results) * 1000, 1),
             "tpot_ms_median": round(statistics.median(r["tpot_s"] for r in results) * 1000, 1),
@@ -110,8 +123,10 @@ def run_demo(args: argparse.Namespace) -> int:
         status = httpx.get(f"{handle.base_url}/status", timeout=10).json()
         moved = sum(w.get("transfer_bytes", 0) for w in status["workers"] if w["role"] == "decode")
         if config.mode == "disaggregated":
-            print(f"KV moved prefill -> decode: {moved / 1e6:.1f} MB in "
-                  f"{sum(int(w.get('transfers_ok', 0)) for w in status['workers'] if w['role'] == 'decode')} transfers")
+            print(
+                f"KV moved prefill -> decode: {moved / 1e6:.1f} MB in "
+                f"{sum(int(w.get('transfers_ok', 0)) for w in status['workers'] if w['role'] == 'decode')} transfers"
+            )
     finally:
         print("shutting down ...", flush=True)
         handle.stop()

@@ -120,8 +120,9 @@ def _serve_router(spec: RouterProcessSpec, conn, slots) -> None:
         router.add_worker(name, role, command_address, kv_address)
     app = create_app(router, tokenizer, config, spec.max_model_len)
     sock = reuseport_socket(spec.http_host, spec.http_port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                           lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    )
     asyncio.run(_serve(server, sock, router, conn, spec.parent_pid))
 
 
@@ -188,8 +189,15 @@ class RouterProcesses:
     """The main process's handle on its router processes; stands in for the router where the pool monitor reports
     (``add_worker_threadsafe``, ``mark_dead_threadsafe``)."""
 
-    def __init__(self, config: ClusterConfig, model_path: str, max_model_len: int, event_host: str, http_host: str,
-                 http_port: int) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        model_path: str,
+        max_model_len: int,
+        event_host: str,
+        http_host: str,
+        http_port: int,
+    ) -> None:
         self.count = config.router.processes
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = self._ctx.Array("i", self.count)  # admission: one slot per router process (cluster/admission.py)
@@ -211,17 +219,38 @@ class RouterProcesses:
             self.stop(timeout_s=3.0)
             raise
 
-    def _spawn(self, config: ClusterConfig, model_path: str, max_model_len: int, event_host: str, http_host: str,
-               http_port: int) -> None:
+    def _spawn(
+        self,
+        config: ClusterConfig,
+        model_path: str,
+        max_model_len: int,
+        event_host: str,
+        http_host: str,
+        http_port: int,
+    ) -> None:
         previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # read by prometheus_client as the child imports it
         try:
             for index in range(self.count):
-                spec = RouterProcessSpec(index, config.model_dump(), model_path, max_model_len, event_host, http_host,
-                                         http_port, os.getpid(), self._timeout_s, logging.getLogger().level)
+                spec = RouterProcessSpec(
+                    index,
+                    config.model_dump(),
+                    model_path,
+                    max_model_len,
+                    event_host,
+                    http_host,
+                    http_port,
+                    os.getpid(),
+                    self._timeout_s,
+                    logging.getLogger().level,
+                )
                 ours, theirs = self._ctx.Pipe(duplex=True)
-                proc = self._ctx.Process(target=run_router_process, args=(spec, theirs, self._slots),
-                                         name=f"pdserve-router-{index}", daemon=True)
+                proc = self._ctx.Process(
+                    target=run_router_process,
+                    args=(spec, theirs, self._slots),
+                    name=f"pdserve-router-{index}",
+                    daemon=True,
+                )
                 proc.start()
                 theirs.close()
                 self._conns.append(ours)
@@ -288,8 +317,14 @@ class RouterProcesses:
                 if index in reported or proc.is_alive():
                     continue
                 reported.add(index)
-                logger.error("router process %d (pid %s) exited (exit code %s); %d of %d still serve", index, proc.pid,
-                             proc.exitcode, sum(p.is_alive() for p in self._procs), self.count)
+                logger.error(
+                    "router process %d (pid %s) exited (exit code %s); %d of %d still serve",
+                    index,
+                    proc.pid,
+                    proc.exitcode,
+                    sum(p.is_alive() for p in self._procs),
+                    self.count,
+                )
                 release_slot(self._slots, index)
                 multiprocess.mark_process_dead(proc.pid, self.metrics_dir)  # its in-flight gauges no longer count
 

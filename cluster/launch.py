@@ -85,8 +85,9 @@ class ServeHandle:
 
 def call_with_timeout(function, timeout_s: float) -> bool:
     """Run ``function`` in a daemon thread; False if it has not returned within ``timeout_s`` (it is left behind)."""
-    thread = threading.Thread(target=function, name=f"pdserve-stop-{getattr(function, '__name__', 'call')}",
-                              daemon=True)
+    thread = threading.Thread(
+        target=function, name=f"pdserve-stop-{getattr(function, '__name__', 'call')}", daemon=True
+    )
     thread.start()
     thread.join(max(0.0, timeout_s))
     return not thread.is_alive()
@@ -103,8 +104,14 @@ def _ensure_ray(config: ClusterConfig, address: str | None) -> bool:
         return True
     needed = sum(pool.replicas * pool.cpus_per_replica for _, _, pool in pool_layout(config))
     # log_to_driver=False: workers log to Ray's session files, and commands that print JSON keep stdout clean
-    ray.init(address="local", num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=config.ray.namespace,
-             include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
+        namespace=config.ray.namespace,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
     return True
 
 
@@ -117,8 +124,10 @@ def with_cluster_secret(config: ClusterConfig) -> ClusterConfig:
     secret = config.transfer.secret
     if secret:
         if len(secret) < 16:
-            logger.warning("transfer.secret is %d characters: use at least 32 random ones (or none: one is made "
-                           "per start)", len(secret))
+            logger.warning(
+                "transfer.secret is %d characters: use at least 32 random ones (or none: one is made per start)",
+                len(secret),
+            )
         return config
     transfer = config.transfer.model_copy(update={"secret": secrets.token_hex(32)})
     return config.model_copy(update={"transfer": transfer})
@@ -134,8 +143,13 @@ def _bind_host(config: ClusterConfig, in_process: bool) -> str:
     return ray.util.get_node_ip_address()
 
 
-def start_serving(config: ClusterConfig, address: str | None = None, host: str | None = None, port: int | None = None,
-                  in_process: bool = False) -> ServeHandle:
+def start_serving(
+    config: ClusterConfig,
+    address: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    in_process: bool = False,
+) -> ServeHandle:
     check_network_exposure(config, host)  # before anything starts: no unauthenticated non-loopback bind
     config = with_cluster_secret(config)
     import uvicorn
@@ -147,7 +161,8 @@ def start_serving(config: ClusterConfig, address: str | None = None, host: str |
 
     model_path = str(resolve_model_path(config.model.name))  # converts the default model once, before the workers
     max_model_len = config.model.max_model_len or int(
-        getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
+        getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048)
+    )
     http_host = host or config.router.host
     http_port = config.router.port if port is None else port
     url_host = f"[{http_host}]" if ":" in http_host else http_host
@@ -157,10 +172,12 @@ def start_serving(config: ClusterConfig, address: str | None = None, host: str |
     bind_host = _bind_host(config, in_process)
     worker_host = bind_host if in_process else config.ray.worker_host
     if config.router.processes > 1:
-        frontends, pools, http_port = _start_router_processes(config, model_path, max_model_len, bind_host, http_host,
-                                                              http_port, worker_host, in_process, started_ray)
-        return ServeHandle(config, f"http://{url_host}:{http_port}", frontends, pools, started_ray, None, None,
-                           frontends)
+        frontends, pools, http_port = _start_router_processes(
+            config, model_path, max_model_len, bind_host, http_host, http_port, worker_host, in_process, started_ray
+        )
+        return ServeHandle(
+            config, f"http://{url_host}:{http_port}", frontends, pools, started_ray, None, None, frontends
+        )
     router = Router(config, host=bind_host)
     try:
         pools = (LocalPools if in_process else RayPools)(config, model_path, [router.event_address], worker_host)
@@ -188,8 +205,17 @@ def start_serving(config: ClusterConfig, address: str | None = None, host: str |
     return ServeHandle(config, f"http://{url_host}:{http_port}", router, pools, started_ray, server, thread)
 
 
-def _start_router_processes(config: ClusterConfig, model_path: str, max_model_len: int, bind_host: str,
-                            http_host: str, http_port: int, worker_host: str, in_process: bool, started_ray: bool):
+def _start_router_processes(
+    config: ClusterConfig,
+    model_path: str,
+    max_model_len: int,
+    bind_host: str,
+    http_host: str,
+    http_port: int,
+    worker_host: str,
+    in_process: bool,
+    started_ray: bool,
+):
     """N router processes on one port (cluster/frontend.py): the port is held by a probe socket of this process
     until all of them listen; the workers get every router's event address."""
     probe = reuseport_socket(http_host, http_port)
@@ -199,8 +225,9 @@ def _start_router_processes(config: ClusterConfig, model_path: str, max_model_le
         frontends = RouterProcesses(config, model_path, max_model_len, bind_host, http_host, http_port)
         pools = (LocalPools if in_process else RayPools)(config, model_path, frontends.event_addresses, worker_host)
         try:
-            frontends.serve([(r.name, r.role, r.info["command_address"], r.info.get("kv_address"))
-                             for r in pools.workers])
+            frontends.serve(
+                [(r.name, r.role, r.info["command_address"], r.info.get("kv_address")) for r in pools.workers]
+            )
         except BaseException:
             pools.stop()
             raise

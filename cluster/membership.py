@@ -47,8 +47,14 @@ class WorkerHandle:
 
 
 class Membership:
-    def __init__(self, ctx: zmq.asyncio.Context, metrics: RouterMetrics, secret: str | None,
-                 on_dead: Callable[[str, str], None], router_index: int = 0) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        metrics: RouterMetrics,
+        secret: str | None,
+        on_dead: Callable[[str, str], None],
+        router_index: int = 0,
+    ) -> None:
         self._ctx = ctx
         self._router_index = router_index  # in every command: workers send a request's events to its own router
         self._metrics = metrics
@@ -62,8 +68,12 @@ class Membership:
     def add(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
         sock = self._ctx.socket(zmq.PUSH)
         # MAXMSGSIZE too, though a PUSH socket receives nothing: every socket has it, so none can be forgotten
-        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 100_000), (zmq.SNDTIMEO, 1000),
-                              (zmq.MAXMSGSIZE, MAX_FRAME_BYTES)):
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.SNDHWM, 100_000),
+            (zmq.SNDTIMEO, 1000),
+            (zmq.MAXMSGSIZE, MAX_FRAME_BYTES),
+        ):
             sock.setsockopt(option, value)
         sock.connect(command_address)
         old = self.workers.pop(name, None)
@@ -109,8 +119,9 @@ class Membership:
             live = {w.command_address for w in self.workers.values()}
             for address in [a for a in self._signers if a not in live]:
                 del self._signers[address]
-            signer = self._signers[worker.command_address] = Signer(self._secret, Channel.COMMANDS,
-                                                                    worker.command_address)
+            signer = self._signers[worker.command_address] = Signer(
+                self._secret, Channel.COMMANDS, worker.command_address
+            )
         message.router, message.sent_at = self._router_index, time.time()
         try:
             worker.socket.send(signer.seal(message), zmq.NOBLOCK)
@@ -167,5 +178,10 @@ def heartbeat_status(stats: Stats | None) -> dict:
     field under its own name); empty before the first heartbeat."""
     if stats is None:
         return {}
-    return {"address": stats.address, "degraded": stats.degraded, "loop_age_s": stats.loop_age_s,
-            **msgspec.structs.asdict(stats.load), **msgspec.structs.asdict(stats.counters)}
+    return {
+        "address": stats.address,
+        "degraded": stats.degraded,
+        "loop_age_s": stats.loop_age_s,
+        **msgspec.structs.asdict(stats.load),
+        **msgspec.structs.asdict(stats.counters),
+    }

@@ -33,44 +33,84 @@ class RouterMetrics:
         self.multiprocess = multiprocess and bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS)
-        self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first", registry=r, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "pdserve_tpot_seconds", "Time per output token after the first", registry=r, buckets=LATENCY_BUCKETS
+        )
         self.e2e = Histogram("pdserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS)
-        self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "Decode reservation to complete KV (spans the prefill)",
-                                     registry=r, buckets=LATENCY_BUCKETS)
+        self.kv_transfer = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Decode reservation to complete KV (spans the prefill)",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self.kv_after_prefill = Histogram(
-            "pdserve_kv_after_prefill_seconds", "KV complete minus first token sampled (<= 0: transfer fully hidden)",
-            registry=r, buckets=(-1, -0.1, -0.01, 0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+            "pdserve_kv_after_prefill_seconds",
+            "KV complete minus first token sampled (<= 0: transfer fully hidden)",
+            registry=r,
+            buckets=(-1, -0.1, -0.01, 0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+        )
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.errors = Counter("pdserve_errors", "Failed or aborted requests by reason", ["reason"], registry=r)
-        self.queue_depth = Gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r,
-                                 multiprocess_mode="livesum")
-        self.inflight = Gauge("pdserve_router_inflight", "Requests in flight at the router", registry=r,
-                              multiprocess_mode="livesum")
+        self.queue_depth = Gauge(
+            "pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r, multiprocess_mode="livesum"
+        )
+        self.inflight = Gauge(
+            "pdserve_router_inflight", "Requests in flight at the router", registry=r, multiprocess_mode="livesum"
+        )
         self.control_rejected = Counter(
-            "pdserve_control_rejected", "Worker events dropped unread by the router: bad or missing MAC, replayed, "
-            "multipart, malformed", ["reason"], registry=r)
+            "pdserve_control_rejected",
+            "Worker events dropped unread by the router: bad or missing MAC, replayed, multipart, malformed",
+            ["reason"],
+            registry=r,
+        )
         for reason in Rejection:
             self.control_rejected.labels(reason.value)  # every reason shows, at 0, from the start
-        self.task_restarts = Counter("pdserve_router_task_restarts", "Router background tasks that crashed and were "
-                                     "restarted", ["task"], registry=r)
-        self.worker_degraded = Gauge("pdserve_worker_degraded", "1 while a worker reports itself degraded (its loop or a "
-                                     "transfer thread keeps failing); it gets no new requests", ["worker", "pool"],
-                                     registry=r, multiprocess_mode="mostrecent")
-        self.worker_revivals = Counter("pdserve_worker_revivals", "Workers marked dead that were heard from again",
-                                       registry=r)
-        self.workers_alive = Gauge("pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r,
-                                   multiprocess_mode="mostrecent")
-        self.worker_gauge = Gauge("pdserve_worker", "Per-worker load from heartbeats", ["worker", "pool", "key"],
-                                  registry=r, multiprocess_mode="mostrecent")
-        self.worker_total = Gauge("pdserve_worker_total", "Per-worker counters from heartbeats",
-                                  ["worker", "pool", "key"], registry=r, multiprocess_mode="mostrecent")
+        self.task_restarts = Counter(
+            "pdserve_router_task_restarts",
+            "Router background tasks that crashed and were restarted",
+            ["task"],
+            registry=r,
+        )
+        self.worker_degraded = Gauge(
+            "pdserve_worker_degraded",
+            "1 while a worker reports itself degraded (its loop or a "
+            "transfer thread keeps failing); it gets no new requests",
+            ["worker", "pool"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.worker_revivals = Counter(
+            "pdserve_worker_revivals", "Workers marked dead that were heard from again", registry=r
+        )
+        self.workers_alive = Gauge(
+            "pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r, multiprocess_mode="mostrecent"
+        )
+        self.worker_gauge = Gauge(
+            "pdserve_worker",
+            "Per-worker load from heartbeats",
+            ["worker", "pool", "key"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.worker_total = Gauge(
+            "pdserve_worker_total",
+            "Per-worker counters from heartbeats",
+            ["worker", "pool", "key"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens generated", registry=r)
         # workers detokenize and send text, so the router spends no time on it: kept at 0 for benchmarks to show it
         # (``pdserve bench frontend`` reports its share of the router's CPU time)
-        self.detokenize_seconds = Counter("pdserve_router_detokenize_seconds", "CPU time the router process spent "
-                                          "detokenizing (0: the workers send text)", registry=r)
+        self.detokenize_seconds = Counter(
+            "pdserve_router_detokenize_seconds",
+            "CPU time the router process spent detokenizing (0: the workers send text)",
+            registry=r,
+        )
 
     def observe_worker(self, stats: Stats) -> None:
         worker, pool, load, counters = stats.worker, stats.role, stats.load, stats.counters

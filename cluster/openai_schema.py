@@ -44,8 +44,15 @@ def _short(value: Any) -> str:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 err_type: str = "invalid_request_error", headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str = "invalid_request_error",
+        headers: dict | None = None,
+    ) -> None:
         message, param = _clean(message), None if param is None else _clean(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, err_type
@@ -177,8 +184,9 @@ def parse_json(body: bytes, limits: LimitsSection) -> Any:
     if _SURROGATE_ESCAPE.search(text):
         path = _find(data, _not_utf8)
         if path is not None:
-            raise APIError(400, f"{format_path(path)}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text",
-                           format_path(path))
+            raise APIError(
+                400, f"{format_path(path)}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text", format_path(path)
+            )
     return data
 
 
@@ -285,8 +293,12 @@ def _check_caps(data: dict, limits: LimitsSection) -> None:
     for i, text in enumerate(stop if isinstance(stop, list) else [stop]):
         if isinstance(text, str) and len(text) > limits.max_stop_string_chars:
             name = f"stop[{i}]" if isinstance(stop, list) else "stop"
-            raise APIError(400, f"{name}: a stop string of {len(text)} characters; at most "
-                                f"{limits.max_stop_string_chars} are allowed (router.limits)", name)
+            raise APIError(
+                400,
+                f"{name}: a stop string of {len(text)} characters; at most "
+                f"{limits.max_stop_string_chars} are allowed (router.limits)",
+                name,
+            )
     if isinstance(data.get("stop_token_ids"), list):
         cap("stop_token_ids", len(data["stop_token_ids"]), limits.max_stop_token_ids, "stop token ids")
     if isinstance(data.get("logit_bias"), dict):
@@ -319,8 +331,9 @@ def parse_body(model: type[_Common], data: Any, limits: LimitsSection) -> _Commo
         if value is not None and value != neutral and not (neutral is None and value in (False, 0, {})):
             if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
                 continue
-            raise APIError(400, f"'{name}' = {_short(value)} is not supported by this server", name,
-                           "unsupported_parameter")
+            raise APIError(
+                400, f"'{name}' = {_short(value)} is not supported by this server", name, "unsupported_parameter"
+            )
     return request
 
 
@@ -330,8 +343,9 @@ def parse_body(model: type[_Common], data: Any, limits: LimitsSection) -> _Commo
 def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
     for i, token in enumerate(token_ids):
         if not 0 <= token < vocab_size:
-            raise APIError(400, f"{field}[{i}]: token id {token} is not in the vocabulary [0, {vocab_size})",
-                           f"{field}[{i}]")
+            raise APIError(
+                400, f"{field}[{i}]: token id {token} is not in the vocabulary [0, {vocab_size})", f"{field}[{i}]"
+            )
 
 
 def sampling_params(request: _Common, max_tokens: int, vocab_size: int) -> SamplingParams:

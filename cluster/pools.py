@@ -79,14 +79,19 @@ class RayPools:
                 bundle = {"CPU": pool.cpus_per_replica, **pool.resources}
                 if pool.gpus_per_replica:
                     bundle["GPU"] = pool.gpus_per_replica
-                group = ray.util.placement_group([dict(bundle) for _ in range(pool.replicas)],
-                                                 strategy=pool.placement_strategy, name=f"pdserve-{pool_name}")
+                group = ray.util.placement_group(
+                    [dict(bundle) for _ in range(pool.replicas)],
+                    strategy=pool.placement_strategy,
+                    name=f"pdserve-{pool_name}",
+                )
                 self.groups.append(group)
                 try:
                     ray.get(group.ready(), timeout=config.ray.start_timeout_s)
                 except ray.exceptions.GetTimeoutError:
-                    raise ConfigError(f"pools.{pool_name}: the Ray cluster cannot place {pool.replicas} x {bundle} "
-                                      f"(available: {ray.available_resources()})") from None
+                    raise ConfigError(
+                        f"pools.{pool_name}: the Ray cluster cannot place {pool.replicas} x {bundle} "
+                        f"(available: {ray.available_resources()})"
+                    ) from None
                 for index, spec in enumerate(s for s in specs if s.pool == pool_name):
                     actor = remote_cls.options(
                         name=f"pdserve-{spec.name}",
@@ -122,7 +127,9 @@ class RayPools:
                 if info.get("command_address") != record.info.get("command_address"):
                     logger.warning("worker %s restarted (pid %s); re-registering", record.name, info.get("pid"))
                     record.info = info
-                    router.add_worker_threadsafe(record.name, record.role, info["command_address"], info.get("kv_address"))
+                    router.add_worker_threadsafe(
+                        record.name, record.role, info["command_address"], info.get("kv_address")
+                    )
                 elif info.get("degraded"):
                     # a worker whose loop keeps failing fails every request it gets: restart its process
                     logger.error("worker %s is degraded (%s); restarting it", record.name, info["degraded"])
@@ -182,8 +189,12 @@ class RayPools:
                 try:
                     os.kill(pid, signal.SIGKILL)
                     # after a clean stop the process was only still on its way out: not worth a warning
-                    logger.log(logging.DEBUG if after_clean_stop else logging.WARNING, "killed worker %s (pid %d)",
-                               record.name, pid)
+                    logger.log(
+                        logging.DEBUG if after_clean_stop else logging.WARNING,
+                        "killed worker %s (pid %d)",
+                        record.name,
+                        pid,
+                    )
                 except OSError:
                     pass
 

@@ -35,8 +35,14 @@ MAX_WORKERS_TRIED = 3  # decode workers asked per round before the request waits
 
 
 class DecodeReservations:
-    def __init__(self, config: ClusterConfig, policy: RoundRobin | LeastLoaded | PowerOfTwo, metrics: RouterMetrics, admission: Admission,
-                 send: Callable[[WorkerHandle, Command], None]) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        policy: RoundRobin | LeastLoaded | PowerOfTwo,
+        metrics: RouterMetrics,
+        admission: Admission,
+        send: Callable[[WorkerHandle, Command], None],
+    ) -> None:
         self.config = config
         self.block_size = config.transfer.block_size
         self._policy = policy
@@ -57,8 +63,13 @@ class DecodeReservations:
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a decode worker reserves for a request: prompt, first token and the configured headroom (the
         engine's own rule, ``engine.blocks.reserved_blocks``, so the router never plans with another count)."""
-        return reserved_blocks(num_prompt_tokens, max_tokens, self.config.pools.decode.reserve_headroom_tokens,
-                               self.block_size, self.config.model.max_model_len)
+        return reserved_blocks(
+            num_prompt_tokens,
+            max_tokens,
+            self.config.pools.decode.reserve_headroom_tokens,
+            self.block_size,
+            self.config.model.max_model_len,
+        )
 
     def check_fits(self, workers: list[WorkerHandle], role: str, num_prompt_tokens: int, max_tokens: int) -> None:
         """A prompt that no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""
@@ -69,15 +80,24 @@ class DecodeReservations:
         if needed > max(sizes):
             raise RequestFailed(
                 f"the prompt needs {needed} KV blocks of {self.block_size} tokens; the largest {role} worker's KV "
-                f"cache holds {max(sizes)}", "context_length_exceeded", 400)
+                f"cache holds {max(sizes)}",
+                "context_length_exceeded",
+                400,
+            )
 
     def wake(self) -> None:
         """Capacity may have been freed (a heartbeat, a finished request): queued requests try again."""
         self._capacity.set()
         self._capacity = asyncio.Event()
 
-    async def reserve(self, live: Callable[[], list[WorkerHandle]], wire_rid: str, prompt: list[int],
-                      params: SamplingParams, deadline: float) -> tuple[WorkerHandle, Reserved]:
+    async def reserve(
+        self,
+        live: Callable[[], list[WorkerHandle]],
+        wire_rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float,
+    ) -> tuple[WorkerHandle, Reserved]:
         """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise."""
         needed = self.blocks_needed(len(prompt), params.max_tokens)
         queued = False
@@ -113,8 +133,9 @@ class DecodeReservations:
                 self.queue_depth -= 1
                 self._metrics.queue_depth.set(self.queue_depth)
 
-    async def _try(self, worker: WorkerHandle, rid: str, prompt: list[int],
-                   params: SamplingParams) -> Reserved | ErrorEvent | None:
+    async def _try(
+        self, worker: WorkerHandle, rid: str, prompt: list[int], params: SamplingParams
+    ) -> Reserved | ErrorEvent | None:
         future = asyncio.get_running_loop().create_future()
         self._attempts += 1
         key = (rid, worker.name, self._attempts)

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+
 import zmq
 import zmq.asyncio
 
@@ -37,8 +38,23 @@ from cluster.policies import make_policy
 from cluster.reservations import DecodeReservations
 from cluster.streams import Stream, TokenEvent
 from engine.request import SamplingParams
-from worker.messages import (Abort, Command, DecodeTiming, ErrorCode, ErrorEvent, Event, FirstToken, Generate, Ping,
-                             Prefill, PrefillTiming, Reserved, Start, Stats, Tokens)
+from worker.messages import (
+    Abort,
+    Command,
+    DecodeTiming,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    FirstToken,
+    Generate,
+    Ping,
+    Prefill,
+    PrefillTiming,
+    Reserved,
+    Start,
+    Stats,
+    Tokens,
+)
 from worker.protocol import MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Verifier
 
 logger = logging.getLogger(__name__)
@@ -48,8 +64,9 @@ PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while f
 
 
 class Router:
-    def __init__(self, config: ClusterConfig, host: str = "127.0.0.1", index: int = 0,
-                 admission: Admission | None = None) -> None:
+    def __init__(
+        self, config: ClusterConfig, host: str = "127.0.0.1", index: int = 0, admission: Admission | None = None
+    ) -> None:
         """``index``: this router among ``config.router.processes`` router processes (cluster/frontend.py); every
         command carries it, so workers send each request's events to the router that owns it. ``admission``: the
         queue bound shared by those processes (default: this process's own)."""
@@ -76,10 +93,16 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of, index)
-        self.reservations = DecodeReservations(config, self._policies["decode"], self.metrics,
-                                               admission or Admission(config.router.queue_size), self._send)
-        self._handlers = {Stats: self._on_stats, Reserved: self._on_reserved, FirstToken: self._on_first_token,
-                          Tokens: self._on_tokens, ErrorEvent: self._on_error}
+        self.reservations = DecodeReservations(
+            config, self._policies["decode"], self.metrics, admission or Admission(config.router.queue_size), self._send
+        )
+        self._handlers = {
+            Stats: self._on_stats,
+            Reserved: self._on_reserved,
+            FirstToken: self._on_first_token,
+            Tokens: self._on_tokens,
+            ErrorEvent: self._on_error,
+        }
 
     # ---- membership (cluster/membership.py) --------------------------------------------------------------------
 
@@ -249,7 +272,8 @@ class Router:
         deadline = stream.started_s + self.config.router.request_timeout_s
         # one timer per request, not one per wait: the wait below runs once per token
         timer = asyncio.get_running_loop().call_at(
-            deadline, stream.fail, RequestFailed("request timed out", "timeout", 504))
+            deadline, stream.fail, RequestFailed("request timed out", "timeout", 504)
+        )
         attempt = 0
         try:
             await self._dispatch_request(stream, prompt, params, deadline)
@@ -344,7 +368,9 @@ class Router:
             if worker is not None:
                 self._send(worker, Abort(wire_rid))
 
-    async def _dispatch_request(self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float) -> None:
+    async def _dispatch_request(
+        self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float
+    ) -> None:
         role = "colocated" if self.config.mode == "colocated" else "decode"
         self.reservations.check_fits(self.live(role), role, len(prompt), params.max_tokens)
         if self.config.mode == "colocated":
@@ -354,8 +380,9 @@ class Router:
             self._send(worker, Generate(stream.wire_rid, prompt, params))
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             return
-        decode, reply = await self.reservations.reserve(lambda: self.live("decode"), stream.wire_rid, prompt,
-                                                        params, deadline)
+        decode, reply = await self.reservations.reserve(
+            lambda: self.live("decode"), stream.wire_rid, prompt, params, deadline
+        )
         stream.decode = decode.name
         decode.inflight += 1
         prefill = self._pick("prefill")
@@ -376,12 +403,15 @@ class Router:
             "model": self.config.served_model_name,
             "inflight": len(self.streams),
             "queue_depth": self.reservations.queue_depth,
-            "router": {"index": self.index, "pid": os.getpid(), "processes": self.config.router.processes,
-                       "queue_depth_all": self.reservations.queue_depth_all,
-                       "requests_finished": self.metrics.local_value("pdserve_requests_total", outcome="finished")},
+            "router": {
+                "index": self.index,
+                "pid": os.getpid(),
+                "processes": self.config.router.processes,
+                "queue_depth_all": self.reservations.queue_depth_all,
+                "requests_finished": self.metrics.local_value("pdserve_requests_total", outcome="finished"),
+            },
             "workers": self.members.status(),
         }
-
 
 
 def response_timing(timing: PrefillTiming | DecodeTiming) -> dict[str, float]:

@@ -72,4 +72,3 @@ def _force_exit(handle, reason: str) -> None:
         handle.pools.kill_local_workers()
     finally:
         os._exit(0)
-

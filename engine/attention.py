@@ -109,7 +109,9 @@ def paged_attention_forward(
             v = value[:, :, seq.q_start : seq.q_start + seq.q_len]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
-            kv = kv_flat.index_select(1, seq.context_slots).transpose(1, 2).unsqueeze(1).to(query.dtype)  # [2,1,kvH,C,d]
+            kv = (
+                kv_flat.index_select(1, seq.context_slots).transpose(1, 2).unsqueeze(1).to(query.dtype)
+            )  # [2,1,kvH,C,d]
             k, v = kv[0], kv[1]
             offset = seq.context_len - seq.q_len
             rows = torch.arange(seq.q_len, device=query.device).unsqueeze(1) + offset

@@ -72,7 +72,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, token_ids: list[int], num_tokens: int, use_prefix_cache: bool = True) -> tuple[list[int], int] | None:
+    def allocate(
+        self, token_ids: list[int], num_tokens: int, use_prefix_cache: bool = True
+    ) -> tuple[list[int], int] | None:
         """Blocks for the first ``num_tokens`` slots of a sequence, reusing cached prefix blocks.
 
         Returns (block table, number of tokens whose KV is already cached), or None when the free blocks do not

@@ -49,8 +49,16 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete or invali
 
 # transformers' PreTrainedTokenizerBase.clean_up_tokenization, in its order (each rule is one str.replace pass)
 CLEANUP_RULES: tuple[tuple[str, str], ...] = (
-    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-    (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
 )
 _PROBE = "a , b . c ! d ? e ' f n't g 'm h 's i 've j 're k"  # holds every pattern, to see whether decode cleans up
 
@@ -175,8 +183,10 @@ def _cleans_up(tokenizer: Any, raw_decode: Callable[[list[int]], str]) -> bool:
     if clean_up(raw) == raw:  # the probe's patterns did not survive encoding: nothing to tell
         return True
     if full not in (raw, clean_up(raw)):
-        logger.warning("%s cleans up tokenization spaces its own way; streaming applies transformers' rules",
-                       type(tokenizer).__name__)
+        logger.warning(
+            "%s cleans up tokenization spaces its own way; streaming applies transformers' rules",
+            type(tokenizer).__name__,
+        )
     return full != raw
 
 

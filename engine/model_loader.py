@@ -112,7 +112,9 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_imp
     except (OSError, ValueError) as exc:
         raise ValueError(f"model: {str(path)!r} holds no readable model config: {exc}") from exc
     if config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model: architecture {config.model_type!r} is not supported (use one of {SUPPORTED_ARCHITECTURES})")
+        raise ValueError(
+            f"model: architecture {config.model_type!r} is not supported (use one of {SUPPORTED_ARCHITECTURES})"
+        )
     try:
         hf_model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation

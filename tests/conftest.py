@@ -42,7 +42,13 @@ def ray_local():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
-             logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()

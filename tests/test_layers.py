@@ -101,8 +101,11 @@ def _violations_in(package: str, source: str) -> list[str]:
         ("cluster", "import importlib\nm = importlib.import_module('bench.chaos')\n", "cluster imports bench"),
         ("cluster", "m = __import__('cli.main')\n", "nothing imports cli"),
         ("bench", "from planner import simulate\n", "bench and planner are one layer"),
-        ("engine", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from worker.runtime import X\n",
-         "engine imports worker"),
+        (
+            "engine",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from worker.runtime import X\n",
+            "engine imports worker",
+        ),
         ("cluster", "from bench import chaos\n", "cluster imports bench"),
     ],
 )

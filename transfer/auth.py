@@ -20,6 +20,7 @@ the receiver knows the secret too. Payload frames are not MACed: their xxh3_64 s
 Without a secret (``TransferConfig.secret = None``, the standalone transfer layer) the key is derived from the empty
 string: same protocol, no protection. The cluster launcher always sets one.
 """
+
 from __future__ import annotations
 
 import hashlib

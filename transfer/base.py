@@ -9,13 +9,14 @@ Prefill worker (producer):                       Decode worker (consumer):
 Either side may `abort(tid)`; the outcome still comes out of that side's `poll()` exactly once, so each
 worker has a single cleanup path. Backends are imported only when named (nccl needs torch.distributed).
 """
+
 from __future__ import annotations
 
 import importlib
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -28,30 +29,37 @@ from transfer.wire import WIRE_DTYPES, ModelFingerprint
 class TransferConfig:
     """Limits and timeouts of the transfer layer (all seconds unless named otherwise)."""
 
-    deadline_s: float = 30.0          # receiver: expect() -> DONE, else FAILED/TransferTimeout
-    lease_s: float = 30.0             # sender: hold source blocks this long without word from the receiver
-    connect_timeout_s: float = 5.0    # sender: handshake with a receiver
-    send_timeout_s: float = 5.0       # a message that cannot leave for this long fails its peer
-    socket_timeout_ms: int = 5000     # SNDTIMEO / RCVTIMEO on every socket
-    hwm: int = 64                     # SNDHWM / RCVHWM (messages) on every socket
-    queue_size: int = 256             # sender: bounded hand-off queue between caller and I/O thread
-    enqueue_timeout_s: float = 5.0    # sender: send_layer waits this long for queue room, then fails
-    max_frame_bytes: int = 1 << 30    # receiver: refuse larger payload frames (also its zmq.MAXMSGSIZE)
-    secret: str | None = None         # the cluster secret: proven, never sent, at the handshake (transfer/auth.py)
-    wire_dtype: str = "raw"           # "raw" (bit-exact) or "int8" (per block-and-head scales)
-    checksum: bool = True             # xxh3_64 per payload frame
-    group_timeout_s: float = 30.0     # nccl/gloo: forming the pair process group, and each p2p wait
-    device: str = "cpu"               # nccl backend: "cuda" selects NCCL, "cpu" selects gloo
-    idle_session_s: float = 60.0      # a peer session with no transfer and no message this long is dropped
-                                      # (the sender closes its side after half of it, so it never sends into one)
-    max_sessions: int = 1024          # receiver: sender sessions held at once; a hello past it is rejected
-    max_outbox_bytes: int = 1 << 30   # sender: payload bytes queued towards receivers; full: stop taking commands
+    deadline_s: float = 30.0  # receiver: expect() -> DONE, else FAILED/TransferTimeout
+    lease_s: float = 30.0  # sender: hold source blocks this long without word from the receiver
+    connect_timeout_s: float = 5.0  # sender: handshake with a receiver
+    send_timeout_s: float = 5.0  # a message that cannot leave for this long fails its peer
+    socket_timeout_ms: int = 5000  # SNDTIMEO / RCVTIMEO on every socket
+    hwm: int = 64  # SNDHWM / RCVHWM (messages) on every socket
+    queue_size: int = 256  # sender: bounded hand-off queue between caller and I/O thread
+    enqueue_timeout_s: float = 5.0  # sender: send_layer waits this long for queue room, then fails
+    max_frame_bytes: int = 1 << 30  # receiver: refuse larger payload frames (also its zmq.MAXMSGSIZE)
+    secret: str | None = None  # the cluster secret: proven, never sent, at the handshake (transfer/auth.py)
+    wire_dtype: str = "raw"  # "raw" (bit-exact) or "int8" (per block-and-head scales)
+    checksum: bool = True  # xxh3_64 per payload frame
+    group_timeout_s: float = 30.0  # nccl/gloo: forming the pair process group, and each p2p wait
+    device: str = "cpu"  # nccl backend: "cuda" selects NCCL, "cpu" selects gloo
+    idle_session_s: float = 60.0  # a peer session with no transfer and no message this long is dropped
+    # (the sender closes its side after half of it, so it never sends into one)
+    max_sessions: int = 1024  # receiver: sender sessions held at once; a hello past it is rejected
+    max_outbox_bytes: int = 1 << 30  # sender: payload bytes queued towards receivers; full: stop taking commands
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, not {self.wire_dtype!r}")
-        for name in ("deadline_s", "lease_s", "connect_timeout_s", "send_timeout_s",
-                     "enqueue_timeout_s", "group_timeout_s", "idle_session_s"):
+        for name in (
+            "deadline_s",
+            "lease_s",
+            "connect_timeout_s",
+            "send_timeout_s",
+            "enqueue_timeout_s",
+            "group_timeout_s",
+            "idle_session_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("hwm", "queue_size", "max_frame_bytes", "max_sessions", "max_outbox_bytes"):
@@ -59,8 +67,9 @@ class TransferConfig:
                 raise ValueError(f"{name} must be > 0")
 
 
-def check_layer_args(fp: ModelFingerprint, layer: int, dst_block_ids: Sequence[int],
-                     k: torch.Tensor, v: torch.Tensor) -> None:
+def check_layer_args(
+    fp: ModelFingerprint, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Caller-side validation: a wrong shape here is a programming error, not a transfer failure."""
     want = (len(dst_block_ids), *fp.block_shape)
     if not 0 <= layer < fp.num_layers:
@@ -78,8 +87,9 @@ class KVSender(ABC):
         """Start a transfer to the receiver at `peer` (its `address`); starts the lease."""
 
     @abstractmethod
-    def send_layer(self, transfer_id: str, layer: int, dst_block_ids: Sequence[int],
-                   k: torch.Tensor, v: torch.Tensor) -> bool:
+    def send_layer(
+        self, transfer_id: str, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
         """Queue K/V [n, block_size, kv_heads, head_dim] of one layer for the receiver's blocks
         `dst_block_ids`. The sender keeps a reference: do not modify k/v afterwards (hand a gathered copy).
         Returns False (and drops the piece) if the transfer already failed or the queue stayed full."""
@@ -118,8 +128,14 @@ class KVReceiver(ABC):
     rejected: int = 0  # of which unauthenticated: bad or missing MAC, replayed, or too many frames
 
     @abstractmethod
-    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, num_layers: int | None = None,
-               deadline_s: float | None = None) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        dst_block_ids: Sequence[int],
+        *,
+        num_layers: int | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
         """Announce a transfer (state WAITING) before its producer starts sending."""
 
     @abstractmethod
@@ -151,11 +167,18 @@ class KVReceiver(ABC):
         """Stop I/O; pending transfers are failed (visible to a final poll())."""
 
 
-_SENDERS = {"zmq": "transfer.zmq_sender:ZmqSender", "nccl": "transfer.dist_backend:DistSender",
-            "gloo": "transfer.dist_backend:DistSender", "local": "transfer.local_backend:LocalSender"}
-_RECEIVERS = {"zmq": "transfer.zmq_receiver:ZmqReceiver", "nccl": "transfer.dist_backend:DistReceiver",
-              "gloo": "transfer.dist_backend:DistReceiver",
-              "local": "transfer.local_backend:LocalReceiver"}
+_SENDERS = {
+    "zmq": "transfer.zmq_sender:ZmqSender",
+    "nccl": "transfer.dist_backend:DistSender",
+    "gloo": "transfer.dist_backend:DistSender",
+    "local": "transfer.local_backend:LocalSender",
+}
+_RECEIVERS = {
+    "zmq": "transfer.zmq_receiver:ZmqReceiver",
+    "nccl": "transfer.dist_backend:DistReceiver",
+    "gloo": "transfer.dist_backend:DistReceiver",
+    "local": "transfer.local_backend:LocalReceiver",
+}
 BACKENDS = tuple(_SENDERS)
 
 
@@ -173,14 +196,14 @@ def _backend_config(backend: str, config: TransferConfig | None) -> TransferConf
     return cfg
 
 
-def make_sender(backend: str, fingerprint: ModelFingerprint,
-                config: TransferConfig | None = None) -> KVSender:
+def make_sender(backend: str, fingerprint: ModelFingerprint, config: TransferConfig | None = None) -> KVSender:
     """Create the producer side of `backend` ("zmq", "nccl", "gloo" = nccl code on CPU, "local")."""
     return _load(_SENDERS, backend)(fingerprint, _backend_config(backend, config))
 
 
-def make_receiver(backend: str, fingerprint: ModelFingerprint, sink: Sink, address: str,
-                  config: TransferConfig | None = None) -> KVReceiver:
+def make_receiver(
+    backend: str, fingerprint: ModelFingerprint, sink: Sink, address: str, config: TransferConfig | None = None
+) -> KVReceiver:
     """Create the consumer side bound at `address` (tcp://host:0 picks a free port, ipc://path,
     local://name); the actual address to hand to senders is `receiver.address`."""
     return _load(_RECEIVERS, backend)(fingerprint, sink, address, _backend_config(backend, config))

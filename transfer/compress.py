@@ -5,6 +5,7 @@ symmetric scale per block and head (amax / 127). Receiver: q * scale -> destinat
 bf16/fp16 bytes (quarter of fp32) at the cost of ~0.4% relative error per element; whether greedy tokens
 change must be measured per model (see docs/transfer.md).
 """
+
 from __future__ import annotations
 
 import torch

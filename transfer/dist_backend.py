@@ -14,6 +14,7 @@ header before `InboundTable.admit` checked it (dtype and shape re-derived from o
 shape x itemsize and under max_frame_bytes); a refused piece's scratch buffers are sized only after the same
 per-frame checks.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,14 +22,15 @@ from typing import Any
 import torch
 import zmq
 
+from transfer.auth import pair_group_key
 from transfer.base import TransferConfig
 from transfer.errors import PeerGone, ProtocolError, TransferError
 from transfer.inbound import Sink
-from transfer.auth import pair_group_key
-from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server
-from transfer.wire import ModelFingerprint, PieceHeader, dtype_from_name, field as hfield, frame_nbytes, pack_header
 from transfer.outbox import Outgoing, Peer, check_peer_frame_bound
+from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server
 from transfer.sessions import Session
+from transfer.wire import ModelFingerprint, PieceHeader, dtype_from_name, frame_nbytes, pack_header
+from transfer.wire import field as hfield
 from transfer.zmq_receiver import ZmqReceiver
 from transfer.zmq_sender import ZmqSender
 
@@ -46,10 +48,17 @@ class DistSender(ZmqSender):
 
     def _on_welcome(self, peer: Peer, h: dict[str, Any]) -> None:
         host = host_of(peer.address)
-        peer.link = PairLink(backend=_pg_backend(self.cfg), rank=1, key=pair_group_key(peer.key),
-                             store_host=host, store_port=hfield(h, "store_port", int),
-                             local_host=local_ip_towards(host), timeout_s=self.cfg.group_timeout_s,
-                             auth_key=peer.key, on_crash=self._note_link_crash)
+        peer.link = PairLink(
+            backend=_pg_backend(self.cfg),
+            rank=1,
+            key=pair_group_key(peer.key),
+            store_host=host,
+            store_port=hfield(h, "store_port", int),
+            local_host=local_ip_towards(host),
+            timeout_s=self.cfg.group_timeout_s,
+            auth_key=peer.key,
+            on_crash=self._note_link_crash,
+        )
 
     def _send(self, peer: Peer, out: Outgoing) -> None:
         if out.piece is None:
@@ -59,8 +68,15 @@ class DistSender(ZmqSender):
             raise zmq.Again()  # _check_timeouts drops the peer
         check_peer_frame_bound(peer, out.piece)
         tags = peer.link.next_tags(len(out.tensors))
-        piece = PieceHeader(out.piece.transfer_id, out.piece.layer, out.piece.blocks, out.piece.wire,
-                            out.piece.frames, out.piece.fingerprint, tags)
+        piece = PieceHeader(
+            out.piece.transfer_id,
+            out.piece.layer,
+            out.piece.blocks,
+            out.piece.wire,
+            out.piece.frames,
+            out.piece.fingerprint,
+            tags,
+        )
         peer.sock.send(self._seal(peer, pack_header(piece.to_wire(peer.session))), zmq.NOBLOCK)
         # Header left: its tensors must follow, in order, or the pair's p2p stream desynchronizes.
         peer.link.submit(LinkJob(out.transfer_id, out.tensors, tags))
@@ -80,19 +96,30 @@ class DistSender(ZmqSender):
 class DistReceiver(ZmqReceiver):
     transport = "dist"
 
-    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, address: str,
-                 config: TransferConfig | None = None) -> None:
+    def __init__(
+        self, fingerprint: ModelFingerprint, sink: Sink, address: str, config: TransferConfig | None = None
+    ) -> None:
         super().__init__(fingerprint, sink, address, config)
-        self._store: torch.distributed.TCPStore | None = None  # made at the first handshake: idle receivers cost nothing
+        self._store: torch.distributed.TCPStore | None = (
+            None  # made at the first handshake: idle receivers cost nothing
+        )
 
     def _welcome_extra(self, session: bytes, key: bytes, h: dict[str, Any]) -> dict[str, Any]:
         host = host_of(self.address)  # the store listens on our own address only, never on every interface
         if self._store is None:
             self._store = make_store_server(host, self.cfg.group_timeout_s)
-        link = PairLink(backend=_pg_backend(self.cfg), rank=0, key=pair_group_key(key),
-                        store_host=host, store_port=self._store.port, local_host=host,
-                        timeout_s=self.cfg.group_timeout_s, store=self._store, auth_key=key,
-                        on_crash=self._note_link_crash)
+        link = PairLink(
+            backend=_pg_backend(self.cfg),
+            rank=0,
+            key=pair_group_key(key),
+            store_host=host,
+            store_port=self._store.port,
+            local_host=host,
+            timeout_s=self.cfg.group_timeout_s,
+            store=self._store,
+            auth_key=key,
+            on_crash=self._note_link_crash,
+        )
         return {"store_port": self._store.port, "_link": link}
 
     def wait(self, timeout_s: float) -> bool:
@@ -105,8 +132,7 @@ class DistReceiver(ZmqReceiver):
         sess.link.submit(LinkJob(piece.transfer_id, self._buffers(piece), piece.tags, piece))
 
     def _buffers(self, piece: PieceHeader) -> list[torch.Tensor]:
-        return [torch.empty(f.shape, dtype=dtype_from_name(f.dtype), device=self.cfg.device)
-                for f in piece.frames]
+        return [torch.empty(f.shape, dtype=dtype_from_name(f.dtype), device=self.cfg.device) for f in piece.frames]
 
     def _on_bad_piece(self, sess: Session, session: bytes, h: dict[str, Any]) -> None:
         """Still receive a refused piece's tensors (into scratch) so the p2p stream stays aligned; if

@@ -4,6 +4,7 @@ Every way a transfer can go wrong maps to one subclass of `TransferError`, so th
 workers can count failures by kind (metrics) and free blocks through one cleanup path. Errors travel back
 to the producer by *name* inside a NACK header (`error_from_name`), never as pickled objects.
 """
+
 from __future__ import annotations
 
 

@@ -8,11 +8,13 @@ Data flow on the decode side:
     deadline passes / abort          -> FAILED event
 The table never blocks and never lets a piece write to a block that was not reserved for its transfer.
 """
+
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,8 +31,7 @@ read-only views over the receive buffer, valid only during the call: copy them o
 class InboundTable:
     """All transfers this receiver expects; single-threaded (the thread that calls `poll()`)."""
 
-    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, max_frame_bytes: int,
-                 deadline_s: float) -> None:
+    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, max_frame_bytes: int, deadline_s: float) -> None:
         self.fp = fingerprint
         self.sink = sink
         self.max_frame_bytes = max_frame_bytes
@@ -40,8 +41,13 @@ class InboundTable:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], num_layers: int | None = None,
-               deadline_s: float | None = None) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        dst_block_ids: Sequence[int],
+        num_layers: int | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
         """Announce a transfer: only these destination blocks, layers [0, num_layers), until deadline."""
         if transfer_id in self._tx:
             raise ValueError(f"transfer {transfer_id!r} already expected")
@@ -53,8 +59,14 @@ class InboundTable:
             raise ValueError(f"num_layers {layers} out of range")
         now = time.monotonic()
         self._tx[transfer_id] = Inbound(
-            transfer_id, blocks, layers, now + (deadline_s or self.deadline_s), now,
-            missing=[set(blocks) for _ in range(layers)], remaining=layers * len(blocks))
+            transfer_id,
+            blocks,
+            layers,
+            now + (deadline_s or self.deadline_s),
+            now,
+            missing=[set(blocks) for _ in range(layers)],
+            remaining=layers * len(blocks),
+        )
 
     def get(self, transfer_id: str) -> Inbound | None:
         return self._tx.get(transfer_id)
@@ -69,8 +81,9 @@ class InboundTable:
         """Terminal failure; returns the removed record (to NACK its sender) or None if unknown."""
         rec = self._tx.pop(transfer_id, None)
         if rec is not None:
-            self._events.append(TransferEvent(transfer_id, TransferState.FAILED, error, rec.nbytes,
-                                              time.monotonic() - rec.started))
+            self._events.append(
+                TransferEvent(transfer_id, TransferState.FAILED, error, rec.nbytes, time.monotonic() - rec.started)
+            )
         return rec
 
     def abort(self, transfer_id: str, reason: str) -> Inbound | None:
@@ -89,14 +102,14 @@ class InboundTable:
         if silence_s is not None:
             for t, r in list(self._tx.items()):
                 if r.session is not None and now - r.last_heard > silence_s:
-                    out.append(self.fail(t, PeerGone(
-                        f"sender of transfer {t!r} silent for {silence_s}s (dead?)")))
+                    out.append(self.fail(t, PeerGone(f"sender of transfer {t!r} silent for {silence_s}s (dead?)")))
         dead = [t for t, r in self._tx.items() if r.deadline < now]
         for t in dead:
             rec = self._tx[t]
             missing = sum(len(m) for m in rec.missing)
-            err = TransferTimeout(f"transfer {t!r} missed its deadline in state {rec.state.name}"
-                                  f" ({missing} layer-blocks never arrived)")
+            err = TransferTimeout(
+                f"transfer {t!r} missed its deadline in state {rec.state.name} ({missing} layer-blocks never arrived)"
+            )
             out.append(self.fail(t, err))
         return [rec for rec in out if rec is not None]
 
@@ -178,8 +191,9 @@ class InboundTable:
         if rec.remaining == 0:
             self._tx.pop(rec.transfer_id)
             rec.state = TransferState.DONE
-            self._events.append(TransferEvent(rec.transfer_id, TransferState.DONE, None, rec.nbytes,
-                                              time.monotonic() - rec.started))
+            self._events.append(
+                TransferEvent(rec.transfer_id, TransferState.DONE, None, rec.nbytes, time.monotonic() - rec.started)
+            )
         elif rec.finish_pieces is not None and rec.pieces_done == rec.finish_pieces:
             missing = sum(len(m) for m in rec.missing)
             raise ProtocolError(f"sender finished with {missing} layer-blocks never sent")

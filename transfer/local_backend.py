@@ -7,19 +7,27 @@ code) and appends (header, tensors) to the receiver's inbox, a deque (thread-saf
 receiver's poll() runs them through InboundTable; ack/nack/renew go back into the sender's inbox.
 No bytes are copied or checksummed: the payload tensors are handed over by reference.
 """
+
 from __future__ import annotations
 
 import os
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from transfer.base import KVReceiver, KVSender, TransferConfig, check_layer_args
-from transfer.errors import (FingerprintMismatch, PeerGone, SenderAborted, TransferAborted, TransferError,
-                             error_from_code)
+from transfer.errors import (
+    FingerprintMismatch,
+    PeerGone,
+    SenderAborted,
+    TransferAborted,
+    TransferError,
+    error_from_code,
+)
 from transfer.inbound import InboundTable, Sink
 from transfer.state import LeaseTable, TransferEvent
 from transfer.wire import ModelFingerprint, encode_piece, frame_view
@@ -30,9 +38,9 @@ class LocalHub:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._receivers: dict[str, "LocalReceiver"] = {}
+        self._receivers: dict[str, LocalReceiver] = {}
 
-    def register(self, name: str, receiver: "LocalReceiver") -> None:
+    def register(self, name: str, receiver: LocalReceiver) -> None:
         with self._lock:
             if name in self._receivers:
                 raise ValueError(f"local receiver {name!r} already exists")
@@ -42,7 +50,7 @@ class LocalHub:
         with self._lock:
             self._receivers.pop(name, None)
 
-    def lookup(self, name: str) -> "LocalReceiver | None":
+    def lookup(self, name: str) -> LocalReceiver | None:
         with self._lock:
             return self._receivers.get(name)
 
@@ -53,22 +61,28 @@ DEFAULT_HUB = LocalHub()
 def _name(address: str) -> str:
     if not address.startswith("local://") or len(address) <= len("local://"):
         raise ValueError(f"local address must be local://name, not {address!r}")
-    return address[len("local://"):]
+    return address[len("local://") :]
 
 
 class LocalReceiver(KVReceiver):
-    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, address: str,
-                 config: TransferConfig | None = None, hub: LocalHub | None = None) -> None:
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint,
+        sink: Sink,
+        address: str,
+        config: TransferConfig | None = None,
+        hub: LocalHub | None = None,
+    ) -> None:
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
         self.address = address
         self._hub = hub or DEFAULT_HUB
         self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
         self._inbox: deque[tuple[Any, ...]] = deque()
-        self._senders: dict[bytes, "LocalSender"] = {}
+        self._senders: dict[bytes, LocalSender] = {}
         self._hub.register(_name(address), self)
 
-    def connect(self, sender: "LocalSender") -> bytes:
+    def connect(self, sender: LocalSender) -> bytes:
         """The local handshake: same checks as the zmq hello, returns a session token."""
         if sender.fp != self.fp:
             raise FingerprintMismatch(f"sender model {sender.fp} != receiver model {self.fp}")
@@ -79,8 +93,14 @@ class LocalReceiver(KVReceiver):
     def deliver(self, session: bytes, kind: str, tid: str, payload: Any = None) -> None:
         self._inbox.append((session, kind, tid, payload))
 
-    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, num_layers: int | None = None,
-               deadline_s: float | None = None) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        dst_block_ids: Sequence[int],
+        *,
+        num_layers: int | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
         self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
 
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:
@@ -140,8 +160,9 @@ class LocalReceiver(KVReceiver):
 
 
 class LocalSender(KVSender):
-    def __init__(self, fingerprint: ModelFingerprint, config: TransferConfig | None = None,
-                 hub: LocalHub | None = None) -> None:
+    def __init__(
+        self, fingerprint: ModelFingerprint, config: TransferConfig | None = None, hub: LocalHub | None = None
+    ) -> None:
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
         self._hub = hub or DEFAULT_HUB
@@ -164,14 +185,23 @@ class LocalSender(KVSender):
         self._route[transfer_id] = (receiver, session)
         self._pieces[transfer_id] = 0
 
-    def send_layer(self, transfer_id: str, layer: int, dst_block_ids: Sequence[int],
-                   k: torch.Tensor, v: torch.Tensor) -> bool:
+    def send_layer(
+        self, transfer_id: str, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
         check_layer_args(self.fp, layer, dst_block_ids, k, v)
         route = self._route.get(transfer_id)
         if route is None or self._leases.get(transfer_id) is None:
             return False
-        piece, tensors = encode_piece(self.fp, transfer_id, layer, dst_block_ids, k.detach().cpu(),
-                                      v.detach().cpu(), self.cfg.wire_dtype, with_checksum=False)
+        piece, tensors = encode_piece(
+            self.fp,
+            transfer_id,
+            layer,
+            dst_block_ids,
+            k.detach().cpu(),
+            v.detach().cpu(),
+            self.cfg.wire_dtype,
+            with_checksum=False,
+        )
         route[0].deliver(route[1], "kv", transfer_id, (piece, tensors))
         self._pieces[transfer_id] += 1
         self._leases.note_sent(transfer_id, sum(f.nbytes for f in piece.frames))

@@ -8,11 +8,13 @@ thread takes no command while the meter is at `TransferConfig.max_outbox_bytes`:
 limit plus one piece. Messages without payload (finish, abort, renew) count `HEADER_COST` each.
 Single-threaded (the sender's I/O thread); `Meter.nbytes` / `Meter.peak` may be read from any thread.
 """
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import zmq
@@ -133,5 +135,6 @@ class FrameTooLargeForPeer(Exception):
 def check_peer_frame_bound(peer: Peer, piece: PieceHeader) -> None:
     biggest = max(f.nbytes for f in piece.frames)
     if peer.max_frame_bytes and biggest > peer.max_frame_bytes:
-        raise FrameTooLargeForPeer(FrameTooLarge(
-            f"{biggest}-byte frame > receiver {peer.address} max_frame_bytes={peer.max_frame_bytes}"))
+        raise FrameTooLargeForPeer(
+            FrameTooLarge(f"{biggest}-byte frame > receiver {peer.address} max_frame_bytes={peer.max_frame_bytes}")
+        )

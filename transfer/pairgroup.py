@@ -21,6 +21,7 @@ wait(), so waiting happens here, never in the caller. Any failure breaks the lin
 PeerGone. Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
 way and is reported to the link's owner (`on_crash`), whose io_problem() then makes its worker degraded.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,8 +32,9 @@ import queue
 import socket
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +57,7 @@ class LinkJob:
 def host_of(address: str) -> str:
     """Host part of a zmq address; ipc:// and wildcard binds mean this node (loopback)."""
     if address.startswith("tcp://"):
-        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
         if host not in ("*", "0.0.0.0", "", "::"):
             return host
     return "127.0.0.1"
@@ -86,8 +88,15 @@ def make_store_server(host: str, timeout_s: float) -> dist.TCPStore:
         raise
     fd = listener.detach()  # the store owns it from here (and closes it)
     try:
-        return dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False, master_listen_fd=fd)
+        return dist.TCPStore(
+            host,
+            port,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
     except BaseException:
         os.close(fd)
         raise
@@ -96,9 +105,20 @@ def make_store_server(host: str, timeout_s: float) -> dist.TCPStore:
 class PairLink:
     """One pair group plus the thread that runs its p2p jobs; see module docstring."""
 
-    def __init__(self, *, backend: str, rank: int, key: str, store_host: str, store_port: int,
-                 local_host: str, timeout_s: float, auth_key: bytes, store: dist.Store | None = None,
-                 on_crash: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        backend: str,
+        rank: int,
+        key: str,
+        store_host: str,
+        store_port: int,
+        local_host: str,
+        timeout_s: float,
+        auth_key: bytes,
+        store: dist.Store | None = None,
+        on_crash: Callable[[str], None] | None = None,
+    ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"pair group backend must be gloo or nccl, not {backend!r}")
         self.backend, self.rank, self.key = backend, rank, key
@@ -145,8 +165,9 @@ class PairLink:
             self._thread.join(join_s)
 
     def _build(self) -> Any:
-        store = self._store or dist.TCPStore(self._store_addr[0], self._store_addr[1], None, False,
-                                             timeout=self._timeout)
+        store = self._store or dist.TCPStore(
+            self._store_addr[0], self._store_addr[1], None, False, timeout=self._timeout
+        )
         prefixed = dist.PrefixStore(self.key, store)
         if self.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: no stub; sets the timeout
@@ -185,8 +206,7 @@ class PairLink:
         try:
             pg = self._build()
         except Exception as e:  # noqa: BLE001 - reported as a typed transfer failure
-            self._break(PeerGone(f"{self.backend} pair group not formed within "
-                                 f"{self._timeout.total_seconds()}s: {e}"))
+            self._break(PeerGone(f"{self.backend} pair group not formed within {self._timeout.total_seconds()}s: {e}"))
             return
         try:
             self._prove(pg)
@@ -194,8 +214,9 @@ class PairLink:
             self._break(e)
             return
         except Exception as e:  # noqa: BLE001
-            self._break(PeerGone(f"{self.backend} pair group: no proof of the session key from the peer: "
-                                 f"{str(e)[:300]}"))
+            self._break(
+                PeerGone(f"{self.backend} pair group: no proof of the session key from the peer: {str(e)[:300]}")
+            )
             return
         self.ready.set()
         peer = 1 - self.rank

@@ -11,12 +11,14 @@ A sender whose session expired handshakes again: the sender closes its own side 
 (transfer/zmq_sender.py), so it never sends into a session the receiver has dropped.
 Single-threaded: the thread that calls the receiver's `poll()`.
 """
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ Why: a send to a dead peer must fail, not block forever (SGLang #16903), and a c
 keep the process alive (linger 0). All sends and receives in transfer/ are additionally NOBLOCK, so the
 timeouts below are a second line of defence.
 """
+
 from __future__ import annotations
 
 import zmq

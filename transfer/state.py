@@ -11,6 +11,7 @@ NACKs (FAILED), or the lease expires without word from the receiver (FAILED/Tran
 renews leases while it waits, so a live-but-slow decode keeps the KV and a dead one frees it within
 `lease_s`. Each released lease is reported once by `poll()`: the prefill worker frees blocks there.
 """
+
 from __future__ import annotations
 
 import enum
@@ -96,8 +97,9 @@ class LeaseTable:
             if lease is None:
                 return False
             state = TransferState.DONE if error is None else TransferState.FAILED
-            self._events.append(TransferEvent(transfer_id, state, error, lease.nbytes,
-                                              time.monotonic() - lease.started))
+            self._events.append(
+                TransferEvent(transfer_id, state, error, lease.nbytes, time.monotonic() - lease.started)
+            )
             return True
 
     def release_peer(self, peer: str, error: TransferError) -> list[str]:
@@ -110,8 +112,14 @@ class LeaseTable:
         now = time.monotonic()
         with self._lock:
             dead = [(t, lease.peer) for t, lease in self._leases.items() if lease.expires < now]
-        return [(t, p) for t, p in dead if self.release(t, TransferTimeout(
-            f"lease of {self.lease_s}s expired without word from the receiver for transfer {t!r}"))]
+        return [
+            (t, p)
+            for t, p in dead
+            if self.release(
+                t,
+                TransferTimeout(f"lease of {self.lease_s}s expired without word from the receiver for transfer {t!r}"),
+            )
+        ]
 
     def fail_all(self, error: TransferError) -> None:
         with self._lock:

@@ -16,12 +16,14 @@ receiver re-derived from its own model fingerprint. bfloat16 travels as its 16-b
 Control messages (hello/welcome/reject/finish/abort/ack/nack/renew) are header-only maps; their fields
 are documented in docs/transfer.md.
 """
+
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -33,9 +35,7 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 256 * 1024
 """Bound on a header's size: ~8k block ids fit; anything larger is refused before msgpack sees it."""
 
-KINDS = frozenset(
-    {"hello", "welcome", "reject", "kv", "finish", "abort", "ack", "nack", "renew"}
-)
+KINDS = frozenset({"hello", "welcome", "reject", "kv", "finish", "abort", "ack", "nack", "renew"})
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -81,11 +81,17 @@ class ModelFingerprint:
                 raise ValueError(f"{f} must be > 0")
 
     @classmethod
-    def from_spec(cls, spec: Any) -> "ModelFingerprint":
+    def from_spec(cls, spec: Any) -> ModelFingerprint:
         """Build from the engine's `kv_spec` (duck-typed: transfer does not import engine)."""
         dt = spec.dtype if isinstance(spec.dtype, str) else dtype_name(spec.dtype)
-        return cls(str(spec.architecture), dt, int(spec.num_layers), int(spec.num_kv_heads),
-                   int(spec.head_dim), int(spec.block_size))
+        return cls(
+            str(spec.architecture),
+            dt,
+            int(spec.num_layers),
+            int(spec.num_kv_heads),
+            int(spec.head_dim),
+            int(spec.block_size),
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -96,13 +102,17 @@ class ModelFingerprint:
         return (self.block_size, self.num_kv_heads, self.head_dim)
 
     def to_wire(self) -> list[Any]:
-        return [self.architecture, self.dtype, self.num_layers, self.num_kv_heads, self.head_dim,
-                self.block_size]
+        return [self.architecture, self.dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size]
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "ModelFingerprint":
-        if not (isinstance(obj, list) and len(obj) == 6 and isinstance(obj[0], str)
-                and isinstance(obj[1], str) and all(isinstance(x, int) for x in obj[2:])):
+    def from_wire(cls, obj: Any) -> ModelFingerprint:
+        if not (
+            isinstance(obj, list)
+            and len(obj) == 6
+            and isinstance(obj[0], str)
+            and isinstance(obj[1], str)
+            and all(isinstance(x, int) for x in obj[2:])
+        ):
             raise ProtocolError(f"malformed fingerprint {obj!r:.200}")
         try:
             return cls(*obj)
@@ -124,8 +134,15 @@ def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
         raise FrameTooLarge(f"header of {len(data)} bytes > {MAX_HEADER_BYTES}")
     try:
         obj = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=4096, max_bin_len=4096, max_array_len=65536, max_map_len=64, max_ext_len=0,
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=4096,
+            max_bin_len=4096,
+            max_array_len=65536,
+            max_map_len=64,
+            max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several types (ExtraData, ValueError, FormatError, ...)
         raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
@@ -173,12 +190,19 @@ class FrameSpec:
         return [self.dtype, list(self.shape), self.nbytes, self.xxh3]
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "FrameSpec":
+    def from_wire(cls, obj: Any) -> FrameSpec:
         """Types and signs only; `check_piece` then compares shape and dtype with what the receiver expects and
         nbytes with shape x itemsize, before anything is allocated or viewed."""
-        if not (isinstance(obj, list) and len(obj) == 4 and isinstance(obj[0], str)
-                and isinstance(obj[1], list) and len(obj[1]) <= MAX_DIMS and all(_count(x) for x in obj[1])
-                and _count(obj[2]) and (obj[3] is None or _int(obj[3]))):
+        if not (
+            isinstance(obj, list)
+            and len(obj) == 4
+            and isinstance(obj[0], str)
+            and isinstance(obj[1], list)
+            and len(obj[1]) <= MAX_DIMS
+            and all(_count(x) for x in obj[1])
+            and _count(obj[2])
+            and (obj[3] is None or _int(obj[3]))
+        ):
             raise ProtocolError(f"malformed frame spec {obj!r:.200}")
         return cls(obj[0], tuple(obj[1]), obj[2], obj[3])
 
@@ -226,16 +250,21 @@ class PieceHeader:
 
     def to_wire(self, session: bytes) -> dict[str, Any]:
         h: dict[str, Any] = {
-            "kind": "kv", "session": session, "tid": self.transfer_id,
-            "layers": [self.layer, self.layer + 1], "blocks": list(self.blocks), "wire": self.wire,
-            "frames": [f.to_wire() for f in self.frames], "fp": self.fingerprint.to_wire(),
+            "kind": "kv",
+            "session": session,
+            "tid": self.transfer_id,
+            "layers": [self.layer, self.layer + 1],
+            "blocks": list(self.blocks),
+            "wire": self.wire,
+            "frames": [f.to_wire() for f in self.frames],
+            "fp": self.fingerprint.to_wire(),
         }
         if self.tags is not None:
             h["tags"] = list(self.tags)
         return h
 
     @classmethod
-    def from_wire(cls, h: dict[str, Any]) -> "PieceHeader":
+    def from_wire(cls, h: dict[str, Any]) -> PieceHeader:
         layers = field(h, "layers", list)
         if len(layers) != 2 or not all(_count(x) for x in layers) or layers[1] != layers[0] + 1:
             raise ProtocolError(f"layer range {layers!r:.50} must be [l, l+1]")
@@ -244,11 +273,19 @@ class PieceHeader:
             raise ProtocolError("blocks must be a non-empty list of non-negative ints")
         frames = tuple(FrameSpec.from_wire(f) for f in field(h, "frames", list))
         tags = h.get("tags")
-        if tags is not None and not (isinstance(tags, list) and len(tags) == len(frames)
-                                     and all(_count(t) for t in tags)):
+        if tags is not None and not (
+            isinstance(tags, list) and len(tags) == len(frames) and all(_count(t) for t in tags)
+        ):
             raise ProtocolError("tags must be one int per frame")
-        return cls(field(h, "tid", str), layers[0], tuple(blocks), field(h, "wire", str), frames,
-                   ModelFingerprint.from_wire(h.get("fp")), tuple(tags) if tags is not None else None)
+        return cls(
+            field(h, "tid", str),
+            layers[0],
+            tuple(blocks),
+            field(h, "wire", str),
+            frames,
+            ModelFingerprint.from_wire(h.get("fp")),
+            tuple(tags) if tags is not None else None,
+        )
 
 
 def expected_frames(fp: ModelFingerprint, wire: str, n: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -313,9 +350,16 @@ def verify_tensors(p: PieceHeader, tensors: Sequence[torch.Tensor]) -> list[torc
     return list(tensors)
 
 
-def encode_piece(fp: ModelFingerprint, transfer_id: str, layer: int, blocks: Sequence[int],
-                 k: torch.Tensor, v: torch.Tensor, wire: str,
-                 with_checksum: bool) -> tuple[PieceHeader, list[torch.Tensor]]:
+def encode_piece(
+    fp: ModelFingerprint,
+    transfer_id: str,
+    layer: int,
+    blocks: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    wire: str,
+    with_checksum: bool,
+) -> tuple[PieceHeader, list[torch.Tensor]]:
     """Header and payload tensors (contiguous, in frame order) for one layer piece.
 
     raw: [k, v] as they are (bit-exact). int8: [k_q, k_scale, v_q, v_scale] (see transfer.compress)."""

@@ -14,6 +14,7 @@ Data flow (all in the thread that calls `poll()`, never blocking):
 A malformed message fails only the transfer it names (if any); the receiver keeps serving the others. Sessions are
 bounded in number and idle time (transfer/sessions.py): per-peer state nobody uses expires.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,11 +25,17 @@ from typing import Any
 
 import zmq
 
-from transfer.auth import (NO_SESSION, NONCE_BYTES, OVERHEAD, NonceCache, handshake_key, seal, session_key, split,
-                           verify)
+from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, NonceCache, handshake_key, seal, session_key, split, verify
 from transfer.base import KVReceiver, TransferConfig
-from transfer.errors import (AuthError, FingerprintMismatch, PeerGone, ProtocolError, SenderAborted, SessionLimit,
-                             TransferError)
+from transfer.errors import (
+    AuthError,
+    FingerprintMismatch,
+    PeerGone,
+    ProtocolError,
+    SenderAborted,
+    SessionLimit,
+    TransferError,
+)
 from transfer.inbound import InboundTable, Sink
 from transfer.sessions import Session, SessionTable
 from transfer.sockets import bind_address, configure
@@ -44,8 +51,9 @@ class ZmqReceiver(KVReceiver):
 
     transport = "zmq"
 
-    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, address: str,
-                 config: TransferConfig | None = None) -> None:
+    def __init__(
+        self, fingerprint: ModelFingerprint, sink: Sink, address: str, config: TransferConfig | None = None
+    ) -> None:
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
         self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
@@ -55,8 +63,11 @@ class ZmqReceiver(KVReceiver):
         self._seq_out = 0
         self._ctx = zmq.Context()
         # no frame larger than a payload frame or a sealed header is ever buffered (ZeroMQ drops the peer)
-        self._sock = configure(self._ctx.socket(zmq.ROUTER), self.cfg,
-                               max_msg_bytes=max(self.cfg.max_frame_bytes, MAX_HEADER_BYTES + OVERHEAD))
+        self._sock = configure(
+            self._ctx.socket(zmq.ROUTER),
+            self.cfg,
+            max_msg_bytes=max(self.cfg.max_frame_bytes, MAX_HEADER_BYTES + OVERHEAD),
+        )
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to vanished peers error, not vanish
         self._sock.bind(bind_address(address))
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -68,8 +79,14 @@ class ZmqReceiver(KVReceiver):
 
     # ------------------------------------------------------------------ API
 
-    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, num_layers: int | None = None,
-               deadline_s: float | None = None) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        dst_block_ids: Sequence[int],
+        *,
+        num_layers: int | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
         self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
 
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:
@@ -154,8 +171,14 @@ class ZmqReceiver(KVReceiver):
         if session == NO_SESSION:  # a hello: MAC under the handshake key
             if not verify(self._hs_key, raw):
                 self._reject_frame("handshake not authenticated (a different cluster secret?)")
-                self._send_hs(identity, {"kind": "reject", "code": AuthError.code,
-                                         "reason": "handshake not authenticated: a different cluster secret?"})
+                self._send_hs(
+                    identity,
+                    {
+                        "kind": "reject",
+                        "code": AuthError.code,
+                        "reason": "handshake not authenticated: a different cluster secret?",
+                    },
+                )
                 return
             h = self._decode(body)
             if h is not None and h["kind"] == "hello" and len(frames) == 2:
@@ -166,8 +189,14 @@ class ZmqReceiver(KVReceiver):
         sess = self._sessions.get(session)
         if sess is None:
             self.dropped += 1
-            self._send_hs(identity, {"kind": "reject", "code": PeerGone.code,
-                                     "reason": "unknown session (receiver restarted?): handshake again"})
+            self._send_hs(
+                identity,
+                {
+                    "kind": "reject",
+                    "code": PeerGone.code,
+                    "reason": "unknown session (receiver restarted?): handshake again",
+                },
+            )
             return
         if not verify(sess.key, raw):
             self._reject_frame("MAC does not match the session key")
@@ -236,13 +265,14 @@ class ZmqReceiver(KVReceiver):
             if fp != self.fp:
                 raise FingerprintMismatch(f"sender model {fp} != receiver model {self.fp}")
             if h.get("transport") != self.transport:
-                raise ProtocolError(f"sender uses transport {h.get('transport')!r:.20}, "
-                                    f"receiver {self.transport!r}")
+                raise ProtocolError(f"sender uses transport {h.get('transport')!r:.20}, receiver {self.transport!r}")
             if self._sessions.full():
                 self._expire_sessions(force=True)
             if self._sessions.full():  # never evict a session that may be in use: refuse the newcomer
-                raise SessionLimit(f"receiver holds its maximum of {self._sessions.max_sessions} sender sessions "
-                                   f"(none idle for {self._sessions.idle_s:g} s); try again later")
+                raise SessionLimit(
+                    f"receiver holds its maximum of {self._sessions.max_sessions} sender sessions "
+                    f"(none idle for {self._sessions.idle_s:g} s); try again later"
+                )
             session, rnonce = os.urandom(len(NO_SESSION)), os.urandom(NONCE_BYTES)
             key = session_key(self._hs_key, nonce, rnonce, session)
             extra = self._welcome_extra(session, key, h)
@@ -251,8 +281,17 @@ class ZmqReceiver(KVReceiver):
             self._send_hs(identity, {"kind": "reject", "code": e.code, "reason": str(e)})
             return
         self._sessions.add(Session(identity, self.transport, extra.pop("_link", None), key, session))
-        self._send_hs(identity, {"kind": "welcome", "session": session, "nonce": nonce, "rnonce": rnonce,
-                                 "max_frame_bytes": self.cfg.max_frame_bytes, **extra})
+        self._send_hs(
+            identity,
+            {
+                "kind": "welcome",
+                "session": session,
+                "nonce": nonce,
+                "rnonce": rnonce,
+                "max_frame_bytes": self.cfg.max_frame_bytes,
+                **extra,
+            },
+        )
 
     def _welcome_extra(self, session: bytes, key: bytes, h: dict[str, Any]) -> dict[str, Any]:
         """Hook for the nccl backend: pair-group rendezvous info (and its link under "_link")."""
@@ -297,6 +336,7 @@ class ZmqReceiver(KVReceiver):
 
     def _expire_sessions(self, force: bool = False) -> None:
         """Drop sessions no transfer is bound to that have been silent for idle_session_s (transfer/sessions.py)."""
+
         def bound() -> Iterator[bytes]:  # the sessions a transfer is bound to
             return (rec.session for rec in self._table.items() if rec.session is not None)
 

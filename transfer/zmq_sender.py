@@ -16,6 +16,7 @@ send_layer fails instead of memory growing (transfer/outbox.py). A peer with no 
 idle_session_s / 2 is closed (the receiver drops its side after idle_session_s). An I/O thread that dies records
 why (io_problem(), which makes the prefill worker degraded) and fails every lease, present and future.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,21 +24,28 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import zmq
 
 from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, handshake_key, seal, session_key, split, verify
 from transfer.base import KVSender, TransferConfig, check_layer_args
-from transfer.errors import (AuthError, PeerGone, ProtocolError, TransferAborted, TransferError, TransferTimeout,
-                             error_from_code)
-from transfer.outbox import (FrameTooLargeForPeer, Meter, Outbox, Outgoing, Peer, check_peer_frame_bound,
-                             discard_rest)
+from transfer.errors import (
+    AuthError,
+    PeerGone,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+    error_from_code,
+)
+from transfer.outbox import FrameTooLargeForPeer, Meter, Outbox, Outgoing, Peer, check_peer_frame_bound, discard_rest
 from transfer.sockets import configure
 from transfer.state import LeaseTable, TransferEvent
-from transfer.wire import (MAX_HEADER_BYTES, ModelFingerprint, encode_piece, field as hfield, frame_view,
-                           pack_header, unpack_header)
+from transfer.wire import MAX_HEADER_BYTES, ModelFingerprint, encode_piece, frame_view, pack_header, unpack_header
+from transfer.wire import field as hfield
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +82,9 @@ class ZmqSender(KVSender):
         self._leases.begin(transfer_id, peer)
         self._put(transfer_id, ("begin", transfer_id, peer))
 
-    def send_layer(self, transfer_id: str, layer: int, dst_block_ids: Sequence[int],
-                   k: torch.Tensor, v: torch.Tensor) -> bool:
+    def send_layer(
+        self, transfer_id: str, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
         check_layer_args(self.fp, layer, dst_block_ids, k, v)
         if self._leases.get(transfer_id) is None:
             return False  # already failed/aborted: its event is (or was) in poll()
@@ -132,9 +141,13 @@ class ZmqSender(KVSender):
             self._cmds.put(cmd, timeout=self.cfg.enqueue_timeout_s)
             return True
         except queue.Full:
-            self._leases.release(transfer_id, TransferTimeout(
-                f"send queue stayed full for {self.cfg.enqueue_timeout_s}s (receiver slow or gone: "
-                f"{self._meter.nbytes} bytes queued towards receivers)"))
+            self._leases.release(
+                transfer_id,
+                TransferTimeout(
+                    f"send queue stayed full for {self.cfg.enqueue_timeout_s}s (receiver slow or gone: "
+                    f"{self._meter.nbytes} bytes queued towards receivers)"
+                ),
+            )
             return False
 
     def _fail_if_dead(self, transfer_id: str) -> bool:
@@ -210,13 +223,13 @@ class ZmqSender(KVSender):
             self._pieces[tid] = 0
         elif kind == "kv":
             _, _, layer, blocks, k, v = cmd
-            header, tensors = encode_piece(self.fp, tid, layer, blocks, self._stage(k), self._stage(v),
-                                           self.cfg.wire_dtype, self.cfg.checksum)
+            header, tensors = encode_piece(
+                self.fp, tid, layer, blocks, self._stage(k), self._stage(v), self.cfg.wire_dtype, self.cfg.checksum
+            )
             peer.outbox.append(Outgoing(tid, {}, tensors, sum(f.nbytes for f in header.frames), header))
             self._pieces[tid] = self._pieces.get(tid, 0) + 1
         elif kind == "finish":
-            peer.outbox.append(Outgoing(tid, {"kind": "finish", "tid": tid,
-                                              "pieces": self._pieces.pop(tid, 0)}))
+            peer.outbox.append(Outgoing(tid, {"kind": "finish", "tid": tid, "pieces": self._pieces.pop(tid, 0)}))
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         """Where payload tensors must live for this transport: host memory for ZeroMQ."""
@@ -279,8 +292,7 @@ class ZmqSender(KVSender):
             return
         check_peer_frame_bound(peer, out.piece)
         header = self._seal(peer, pack_header(out.piece.to_wire(peer.session)))
-        peer.sock.send_multipart([header, *(frame_view(t) for t in out.tensors)],
-                                 flags=zmq.NOBLOCK, copy=False)
+        peer.sock.send_multipart([header, *(frame_view(t) for t in out.tensors)], flags=zmq.NOBLOCK, copy=False)
 
     def _fail_transfer(self, peer: Peer, tid: str, error: TransferError) -> None:
         if self._leases.release(tid, error):
@@ -315,8 +327,10 @@ class ZmqSender(KVSender):
             if not verify(self._hs_key, data):
                 error = AuthError("unauthenticated reply")
                 if peer.state == "hello_sent":  # the receiver answered our hello but cannot prove the secret
-                    error = AuthError(f"receiver {peer.address} refused or did not authenticate the handshake: "
-                                      "a different cluster secret?")
+                    error = AuthError(
+                        f"receiver {peer.address} refused or did not authenticate the handshake: "
+                        "a different cluster secret?"
+                    )
                     self._drop_peer(peer, error)
                 raise error
             h = unpack_header(body)
@@ -348,8 +362,12 @@ class ZmqSender(KVSender):
             peer.state = "ready"
             peer.last_sent = time.monotonic()  # the receiver's idle clock for this session starts about now
         elif kind == "reject":
-            self._drop_peer(peer, error_from_code(str(h.get("code")), f"receiver {peer.address} "
-                                                  f"refused the handshake: {h.get('reason')}"))
+            self._drop_peer(
+                peer,
+                error_from_code(
+                    str(h.get("code")), f"receiver {peer.address} refused the handshake: {h.get('reason')}"
+                ),
+            )
         elif kind == "ack":
             self._leases.release(hfield(h, "tid", str))
         elif kind == "nack":
@@ -367,11 +385,19 @@ class ZmqSender(KVSender):
         now = time.monotonic()
         for peer in list(self._peers.values()):
             if peer.state != "ready" and now - peer.created > self.cfg.connect_timeout_s:
-                self._drop_peer(peer, PeerGone(f"no handshake with {peer.address} within "
-                                               f"{self.cfg.connect_timeout_s}s (receiver not running?)"))
+                self._drop_peer(
+                    peer,
+                    PeerGone(
+                        f"no handshake with {peer.address} within {self.cfg.connect_timeout_s}s (receiver not running?)"
+                    ),
+                )
             elif peer.stuck_since is not None and now - peer.stuck_since > self.cfg.send_timeout_s:
-                self._drop_peer(peer, PeerGone(f"could not send to {peer.address} for "
-                                               f"{self.cfg.send_timeout_s}s (receiver gone or stalled)"))
+                self._drop_peer(
+                    peer,
+                    PeerGone(
+                        f"could not send to {peer.address} for {self.cfg.send_timeout_s}s (receiver gone or stalled)"
+                    ),
+                )
         for tid, address in self._leases.due_keepalives(self._keepalive_s):
             kept = self._peers.get(address)
             if kept is not None and kept.state == "ready":  # tells the receiver we are alive
@@ -380,8 +406,7 @@ class ZmqSender(KVSender):
             self._pieces.pop(tid, None)
             expired = self._peers.get(address)
             if expired is not None:
-                expired.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid,
-                                                     "reason": "sender lease expired"}))
+                expired.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid, "reason": "sender lease expired"}))
         if now >= self._next_sweep:
             self._next_sweep = now + min(0.05, self.cfg.idle_session_s / 8)
             self._sweep(now)
@@ -392,15 +417,20 @@ class ZmqSender(KVSender):
         drop what they hold for transfers that ended meanwhile, so the live ones can move again."""
         busy = self._leases.peers()
         for peer in list(self._peers.values()):
-            if (peer.state == "ready" and not peer.outbox and peer.address not in busy
-                    and now - peer.last_sent > self.cfg.idle_session_s / 2):
+            if (
+                peer.state == "ready"
+                and not peer.outbox
+                and peer.address not in busy
+                and now - peer.last_sent > self.cfg.idle_session_s / 2
+            ):
                 log.debug("closing idle kv peer %s", peer.address)
                 self._close_peer(peer)
                 self._peers.pop(peer.address, None)
         if not self._has_room():
             for peer in self._peers.values():
-                peer.outbox.discard(lambda o: o.fields.get("kind") != "abort"
-                                    and self._leases.get(o.transfer_id) is None)
+                peer.outbox.discard(
+                    lambda o: o.fields.get("kind") != "abort" and self._leases.get(o.transfer_id) is None
+                )
 
     def _drop_peer(self, peer: Peer, error: TransferError) -> None:
         self._close_peer(peer)
@@ -417,4 +447,3 @@ class ZmqSender(KVSender):
     def _note_link_crash(self, what: str) -> None:
         """Called from a pair-link thread whose top level caught an unexpected exception (transfer/pairgroup.py)."""
         self._link_problem = self._link_problem or f"kv-sender pair-link thread died: {what}"[:500]
-

@@ -117,7 +117,8 @@ def resolve_device(spec: WorkerSpec) -> str:
         f"worker {spec.name}: its pool asks for {spec.gpus:g} GPU(s) per replica, but no GPU is visible to it "
         f"(torch.cuda.is_available() is False in pid {os.getpid()} on {socket.gethostname()}, "
         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Check the node's driver and torch's "
-        "CUDA build, or set gpus_per_replica: 0 to run this pool on the CPU")
+        "CUDA build, or set gpus_per_replica: 0 to run this pool on the CPU"
+    )
 
 
 def resolve_spec(spec: WorkerSpec) -> WorkerSpec:
@@ -127,7 +128,11 @@ def resolve_spec(spec: WorkerSpec) -> WorkerSpec:
     if spec.transfer_backend == "nccl" and device == "cpu" and spec.role is not WorkerRole.COLOCATED:
         raise RuntimeError(
             f"worker {spec.name}: transfer.backend is nccl, which moves KV between GPUs, but this worker runs on the "
-            "CPU (its pool has gpus_per_replica: 0). Use transfer.backend: gloo for the same code on the CPU")
+            "CPU (its pool has gpus_per_replica: 0). Use transfer.backend: gloo for the same code on the CPU"
+        )
     transfer_device = device if spec.transfer_backend == "nccl" else "cpu"
-    return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=device),
-                               transfer=dataclasses.replace(spec.transfer, device=transfer_device))
+    return dataclasses.replace(
+        spec,
+        engine=dataclasses.replace(spec.engine, device=device),
+        transfer=dataclasses.replace(spec.transfer, device=transfer_device),
+    )

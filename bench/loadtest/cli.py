@@ -51,9 +51,15 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
     """Validate options and build the workload once (prompt building happens here, not while timing)."""
     rates = metrics.parse_list(args.rates, "--rates") or [args.request_rate]
     shapes = [
-        LoadShape(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                  num_prompts=args.num_prompts or None, duration_s=args.duration, ramp_up_s=args.ramp_up_s,
-                  num_warmups=args.num_warmups)
+        LoadShape(
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            num_prompts=args.num_prompts or None,
+            duration_s=args.duration,
+            ramp_up_s=args.ramp_up_s,
+            num_warmups=args.num_warmups,
+        )
         for rate in rates
     ]
     for shape in shapes:
@@ -71,18 +77,39 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
     if not slos:
         slo_source = "none"
     workload = WorkloadSettings(
-        dataset_name=args.dataset_name, dataset_path=args.dataset_path, random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
-        length_dist=args.length_dist, length_cv=args.length_cv, shared_prefix_groups=args.shared_prefix_groups,
-        shared_prefix_len=args.shared_prefix_len, seed=args.seed,
+        dataset_name=args.dataset_name,
+        dataset_path=args.dataset_path,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        length_dist=args.length_dist,
+        length_cv=args.length_cv,
+        shared_prefix_groups=args.shared_prefix_groups,
+        shared_prefix_len=args.shared_prefix_len,
+        seed=args.seed,
     )
     tokenizer = load_tokenizer(args.tokenizer, tokenizer_model)
     builder = PromptBuilder(tokenizer, args.endpoint_type, seed=args.seed)
     n = args.num_warmups + _pool_size(shapes)
     specs = build_requests(workload, builder, n)
-    plan = Plan(specs, workload, shapes, slos, slo_source, percentiles, percentile_metrics, args.endpoint_type,
-                args.ignore_eos, args.temperature, args.api_key, args.request_timeout_s, args.seed,
-                not args.disable_tqdm, args.slo_target_pct, tokenizer)
+    plan = Plan(
+        specs,
+        workload,
+        shapes,
+        slos,
+        slo_source,
+        percentiles,
+        percentile_metrics,
+        args.endpoint_type,
+        args.ignore_eos,
+        args.temperature,
+        args.api_key,
+        args.request_timeout_s,
+        args.seed,
+        not args.disable_tqdm,
+        args.slo_target_pct,
+        tokenizer,
+    )
     return plan
 
 
@@ -103,25 +130,37 @@ def _pool_size(shapes: list[LoadShape]) -> int:
     return max(1, min(2000, max(sizes)))
 
 
-def execute(plan: Plan, base_url: str, model: str, folder: Path, mode: str | None = None,
-            num_workers: int | None = None) -> tuple[list[dict], list[list[RequestResult]], dict | None]:
+def execute(
+    plan: Plan, base_url: str, model: str, folder: Path, mode: str | None = None, num_workers: int | None = None
+) -> tuple[list[dict], list[list[RequestResult]], dict | None]:
     """Run every rate of the plan against one server; appends to ``requests.jsonl``; returns per-run summaries,
     per-run results and the sweep pick (None for a single rate)."""
-    settings = RequestSettings(base_url=base_url, model=model, endpoint_type=plan.endpoint_type,
-                               ignore_eos=plan.ignore_eos, temperature=plan.temperature, api_key=plan.api_key,
-                               request_timeout_s=plan.request_timeout_s)
+    settings = RequestSettings(
+        base_url=base_url,
+        model=model,
+        endpoint_type=plan.endpoint_type,
+        ignore_eos=plan.ignore_eos,
+        temperature=plan.temperature,
+        api_key=plan.api_key,
+        request_timeout_s=plan.request_timeout_s,
+    )
     runs, all_results = [], []
     for shape in plan.shapes:
         rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
         label = f"{mode + ' ' if mode else ''}rate {rate_label}"
         results, duration_s, client_stats = asyncio.run(
-            run_phase(plan.specs, shape, settings, seed=plan.seed, progress=plan.progress, label=label))
+            run_phase(plan.specs, shape, settings, seed=plan.seed, progress=plan.progress, label=label)
+        )
         _fill_counts(results, plan.tokenizer)
         measured = [r for r in results if not r.warmup]
         warm = [r for r in results if r.warmup]
         run = {"mode": mode} if mode else {}
-        run |= {"rate": rate_label, "burstiness": shape.burstiness, "max_concurrency": shape.max_concurrency,
-                "closed_loop": shape.closed_loop}
+        run |= {
+            "rate": rate_label,
+            "burstiness": shape.burstiness,
+            "max_concurrency": shape.max_concurrency,
+            "closed_loop": shape.closed_loop,
+        }
         run |= metrics.summarize(measured, duration_s, plan.slos, plan.percentiles, plan.percentile_metrics)
         run["warmups"] = {"requests": len(warm), "failed": sum(not r.success for r in warm)}
         run["client"] = client_stats
@@ -146,10 +185,16 @@ def _fill_counts(results: list[RequestResult], tokenizer) -> None:
 
 def benchmark_settings(args: argparse.Namespace, plan: Plan) -> dict:
     keep = {k: v for k, v in vars(args).items() if k not in ("func", "api_key") and not callable(v)}
-    return output.clean_json(keep | {"slo_ms": plan.slos, "slo_source": plan.slo_source,
-                                     "workload": asdict(plan.workload),
-                                     "input_tokens_mean": sum(s.input_tokens for s in plan.specs) / len(plan.specs),
-                                     "output_tokens_mean": sum(s.output_tokens for s in plan.specs) / len(plan.specs)})
+    return output.clean_json(
+        keep
+        | {
+            "slo_ms": plan.slos,
+            "slo_source": plan.slo_source,
+            "workload": asdict(plan.workload),
+            "input_tokens_mean": sum(s.input_tokens for s in plan.specs) / len(plan.specs),
+            "output_tokens_mean": sum(s.output_tokens for s in plan.specs) / len(plan.specs),
+        }
+    )
 
 
 def result_folder(args: argparse.Namespace) -> Path:
@@ -163,15 +208,17 @@ def run(args: argparse.Namespace) -> dict:
     plan = prepare(args, args.tokenizer or args.model)
     folder = result_folder(args)
     runs, results, sweep = execute(plan, args.base_url, args.model, folder, num_workers=args.num_workers)
-    summary = {"benchmark": benchmark_settings(args, plan), "runs": runs, "sweep": sweep,
-               "result_dir": str(folder)}
+    summary = {"benchmark": benchmark_settings(args, plan), "runs": runs, "sweep": sweep, "result_dir": str(folder)}
     summary["plots"] = output.write_plots(folder, runs, results)
     summary = output.clean_json(summary)
     output.write_summary(folder, summary)
     print(output.format_table(runs), file=sys.stderr)
     if sweep:
-        print(f"highest rate with >= {sweep['target_attainment_pct']}% of requests within the SLOs "
-              f"{plan.slos}: {sweep['max_rate_meeting_slo']}", file=sys.stderr)
+        print(
+            f"highest rate with >= {sweep['target_attainment_pct']}% of requests within the SLOs "
+            f"{plan.slos}: {sweep['max_rate_meeting_slo']}",
+            file=sys.stderr,
+        )
     print(f"results in {folder}", file=sys.stderr)
     return summary
 
@@ -194,5 +241,10 @@ def run_main(prog: str, description: str, add_args, run_fn, argv: list[str] | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("python -m bench.loadtest", "Load-test an OpenAI-compatible server (pdserve bench serve)",
-                    add_arguments, run, argv)
+    return run_main(
+        "python -m bench.loadtest",
+        "Load-test an OpenAI-compatible server (pdserve bench serve)",
+        add_arguments,
+        run,
+        argv,
+    )

@@ -260,7 +260,10 @@ async def send_request(
     except _Failure as exc:
         result.error, result.error_detail = exc.reason, exc.detail
     except (TimeoutError, httpx.TimeoutException) as exc:
-        result.error, result.error_detail = "timeout", f"no answer within {settings.request_timeout_s} s ({type(exc).__name__})"
+        result.error, result.error_detail = (
+            "timeout",
+            f"no answer within {settings.request_timeout_s} s ({type(exc).__name__})",
+        )
     except httpx.ConnectError as exc:
         result.error, result.error_detail = "connect_error", str(exc)
     except httpx.HTTPError as exc:

@@ -135,14 +135,25 @@ def summarize(
         summary["goodput"] = per(good)
         summary["slo_attainment_pct"] = 100.0 * good / len(results) if results else None
     else:
-        summary["slo_ms"], summary["good_requests"], summary["goodput"], summary["slo_attainment_pct"] = {}, None, None, None
+        summary["slo_ms"], summary["good_requests"], summary["goodput"], summary["slo_attainment_pct"] = (
+            {},
+            None,
+            None,
+            None,
+        )
     summary["server_timing_ms"] = server_timing_summary(ok)
     summary["input_tokens_mismatch"] = sum(
-        1 for r in ok if r.input_tokens is not None and r.expected_input_tokens is not None
+        1
+        for r in ok
+        if r.input_tokens is not None
+        and r.expected_input_tokens is not None
         and r.input_tokens != r.expected_input_tokens
     )
     summary["output_tokens_short"] = sum(
-        1 for r in ok if r.output_tokens is not None and r.requested_output_tokens is not None
+        1
+        for r in ok
+        if r.output_tokens is not None
+        and r.requested_output_tokens is not None
         and r.output_tokens < r.requested_output_tokens
     )
     summary["multi_token_chunk_requests"] = sum(
@@ -159,13 +170,19 @@ def server_timing_summary(results: Sequence[RequestResult]) -> dict:
     client's own overhead."""
     stages: dict = {}
     for name in TIMING_FIELDS:
-        values = [float(r.server_timing[name]) for r in results
-                  if r.server_timing and isinstance(r.server_timing.get(name), (int, float))]
+        values = [
+            float(r.server_timing[name])
+            for r in results
+            if r.server_timing and isinstance(r.server_timing.get(name), (int, float))
+        ]
         if values:
             d = describe(values, (50.0, 90.0), scale=1000.0)
             stages[name.removesuffix("_s")] = {k: d[k] for k in ("mean", "median", "p90", "count")}
-    gaps = [r.ttft_s - float(r.server_timing["ttft_s"]) for r in results
-            if r.server_timing and isinstance(r.server_timing.get("ttft_s"), (int, float)) and r.ttft_s is not None]
+    gaps = [
+        r.ttft_s - float(r.server_timing["ttft_s"])
+        for r in results
+        if r.server_timing and isinstance(r.server_timing.get("ttft_s"), (int, float)) and r.ttft_s is not None
+    ]
     if gaps:
         d = describe(gaps, (50.0, 90.0), scale=1000.0)
         stages["client_minus_server_ttft"] = {k: d[k] for k in ("mean", "median", "p90", "count")}

@@ -23,10 +23,17 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Everything but the target: shared by ``bench serve`` and ``bench compare``."""
     p = parser
     p.add_argument("--endpoint-type", choices=["completions", "chat"], default="completions")
-    p.add_argument("--tokenizer", default=None,
-                   help="local tokenizer folder (default: the --model folder, else the default model's)")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests/s, open loop (default inf: all at once, or a closed loop with --max-concurrency)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer folder (default: the --model folder, else the default model's)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s, open loop (default inf: all at once, or a closed loop with --max-concurrency)",
+    )
     p.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.25,0.5,1,2")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -36,12 +43,20 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
     p.add_argument("--dataset-path", default=None)
-    p.add_argument("--random-input-len", type=int, default=256,
-                   help="prompt tokens as the server counts them (templated for chat); shared-prefix: question tokens")
+    p.add_argument(
+        "--random-input-len",
+        type=int,
+        default=256,
+        help="prompt tokens as the server counts them (templated for chat); shared-prefix: question tokens",
+    )
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="uniform lengths within ±ratio")
-    p.add_argument("--length-dist", choices=LENGTH_DISTS, default=None,
-                   help="default: uniform if --random-range-ratio > 0, else fixed")
+    p.add_argument(
+        "--length-dist",
+        choices=LENGTH_DISTS,
+        default=None,
+        help="default: uniform if --random-range-ratio > 0, else fixed",
+    )
     p.add_argument("--length-cv", type=float, default=0.25, help="std/mean for normal and lognormal lengths")
     p.add_argument("--shared-prefix-groups", type=int, default=4)
     p.add_argument("--shared-prefix-len", type=int, default=512)
@@ -64,6 +79,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve bench serve`` / ``python -m bench.loadtest``: a target server and a workload."""
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=PDSERVE_DEFAULT_MODEL,
-                        help="the served model name (and tokenizer folder if a path)")
+    parser.add_argument(
+        "--model", default=PDSERVE_DEFAULT_MODEL, help="the served model name (and tokenizer folder if a path)"
+    )
     add_workload_arguments(parser)

@@ -81,24 +81,37 @@ def _fmt(value, digits: int = 1) -> str:
 
 
 def format_table(runs: Sequence[dict]) -> str:
-    head = ["mode", "rate", "ok/fail", "req/s", "out tok/s", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "ITL p50 ms",
-            "E2EL p50 ms", "goodput", "SLO %"]
+    head = [
+        "mode",
+        "rate",
+        "ok/fail",
+        "req/s",
+        "out tok/s",
+        "TTFT p50/p90 ms",
+        "TPOT p50/p90 ms",
+        "ITL p50 ms",
+        "E2EL p50 ms",
+        "goodput",
+        "SLO %",
+    ]
     rows = [head]
     for s in runs:
         ttft, tpot = s.get("ttft_ms") or {}, s.get("tpot_ms") or {}
-        rows.append([
-            s.get("mode", "-"),
-            _fmt(s["rate"], 2),
-            f"{s['completed']}/{s['failed']}",
-            _fmt(s["request_throughput"], 2),
-            _fmt(s["output_token_throughput"], 1),
-            f"{_fmt(ttft.get('median'))}/{_fmt(ttft.get('p90'))}",
-            f"{_fmt(tpot.get('median'))}/{_fmt(tpot.get('p90'))}",
-            _fmt((s.get("itl_ms") or {}).get("median")),
-            _fmt((s.get("e2el_ms") or {}).get("median")),
-            _fmt(s.get("goodput"), 2),
-            _fmt(s.get("slo_attainment_pct"), 1),
-        ])
+        rows.append(
+            [
+                s.get("mode", "-"),
+                _fmt(s["rate"], 2),
+                f"{s['completed']}/{s['failed']}",
+                _fmt(s["request_throughput"], 2),
+                _fmt(s["output_token_throughput"], 1),
+                f"{_fmt(ttft.get('median'))}/{_fmt(ttft.get('p90'))}",
+                f"{_fmt(tpot.get('median'))}/{_fmt(tpot.get('p90'))}",
+                _fmt((s.get("itl_ms") or {}).get("median")),
+                _fmt((s.get("e2el_ms") or {}).get("median")),
+                _fmt(s.get("goodput"), 2),
+                _fmt(s.get("slo_attainment_pct"), 1),
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     failures = [f"{s.get('mode', '')} rate {s['rate']}: {s['failures']}" for s in runs if s["failures"]]
@@ -183,13 +196,24 @@ def _latency_vs_rate(plt, folder: Path, runs: Sequence[dict]) -> str:
             if key == "slo_attainment_pct":
                 values = [r.get(key) for r in mine]
                 if any(v is not None for v in values):
-                    ax.plot(rates, [math.nan if v is None else v for v in values], marker="o", label=name,
-                            color=colors[mode])
+                    ax.plot(
+                        rates,
+                        [math.nan if v is None else v for v in values],
+                        marker="o",
+                        label=name,
+                        color=colors[mode],
+                    )
                 continue
             for stat, style in (("median", "-"), ("p90", "--")):
                 values = [(r.get(key) or {}).get(stat) for r in mine]
-                ax.plot(rates, [math.nan if v is None else v for v in values], style, marker="o",
-                        label=f"{name} {stat}", color=colors[mode])
+                ax.plot(
+                    rates,
+                    [math.nan if v is None else v for v in values],
+                    style,
+                    marker="o",
+                    label=f"{name} {stat}",
+                    color=colors[mode],
+                )
         ax.set(xlabel="request rate (req/s)", title=title)
         _finish_axes(ax)
     fig.tight_layout()

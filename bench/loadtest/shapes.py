@@ -156,8 +156,14 @@ def _progress(shape: LoadShape, enabled: bool, label: str):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=shape.num_prompts or None, desc=label or "requests", unit="req", file=sys.stderr,
-                leave=False, dynamic_ncols=True)
+    return tqdm(
+        total=shape.num_prompts or None,
+        desc=label or "requests",
+        unit="req",
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 def _remaining(start: float, shape: LoadShape) -> float | None:

@@ -138,8 +138,9 @@ class PromptBuilder:
         raise ValueError(f"could not build a prompt of exactly {target} tokens with this tokenizer")
 
 
-def draw_lengths(mean: int, n: int, dist: str, rng: np.random.Generator, range_ratio: float = 0.0, cv: float = 0.25,
-                 minimum: int = 1) -> list[int]:
+def draw_lengths(
+    mean: int, n: int, dist: str, rng: np.random.Generator, range_ratio: float = 0.0, cv: float = 0.25, minimum: int = 1
+) -> list[int]:
     """``n`` lengths around ``mean``: fixed; uniform in [mean(1-r), mean(1+r)]; normal or lognormal with
     standard deviation ``cv * mean`` (the lognormal keeps the mean). Clipped below at ``minimum``."""
     if mean < 1:
@@ -187,10 +188,12 @@ def build_requests(settings: WorkloadSettings, builder: PromptBuilder, n: int) -
     name = settings.dataset_name
     if name == "random":
         minimum = builder.overhead() + 1
-        inputs = draw_lengths(settings.random_input_len, n, settings.dist, rng, settings.random_range_ratio,
-                              settings.length_cv, minimum)
-        outputs = draw_lengths(settings.random_output_len, n, settings.dist, rng, settings.random_range_ratio,
-                               settings.length_cv)
+        inputs = draw_lengths(
+            settings.random_input_len, n, settings.dist, rng, settings.random_range_ratio, settings.length_cv, minimum
+        )
+        outputs = draw_lengths(
+            settings.random_output_len, n, settings.dist, rng, settings.random_range_ratio, settings.length_cv
+        )
         return [RequestSpec(i, builder.build(inputs[i]), outputs[i], inputs[i]) for i in range(n)]
     if name == "shared-prefix":
         if settings.shared_prefix_groups < 1 or settings.shared_prefix_len < 1:
@@ -199,10 +202,12 @@ def build_requests(settings: WorkloadSettings, builder: PromptBuilder, n: int) -
         if not builder.chat:
             prefixes = [p + "\n" for p in prefixes]
         bases = [builder.overhead(p) for p in prefixes]
-        questions = draw_lengths(settings.random_input_len, n, settings.dist, rng, settings.random_range_ratio,
-                                 settings.length_cv)
-        outputs = draw_lengths(settings.random_output_len, n, settings.dist, rng, settings.random_range_ratio,
-                               settings.length_cv)
+        questions = draw_lengths(
+            settings.random_input_len, n, settings.dist, rng, settings.random_range_ratio, settings.length_cv
+        )
+        outputs = draw_lengths(
+            settings.random_output_len, n, settings.dist, rng, settings.random_range_ratio, settings.length_cv
+        )
         specs = []
         for i in range(n):
             g = i % settings.shared_prefix_groups
@@ -236,7 +241,7 @@ def _read_jsonl(path: Path, settings: WorkloadSettings) -> list[tuple[str, int]]
             prompt = row["prompt"]
             output = int(row.get("output_tokens", settings.random_output_len))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: expected {{\"prompt\": str, \"output_tokens\": int}} ({exc})") from None
+            raise ValueError(f'{path}:{number}: expected {{"prompt": str, "output_tokens": int}} ({exc})') from None
         if not isinstance(prompt, str) or not prompt or output < 1:
             raise ValueError(f"{path}:{number}: prompt must be a non-empty string and output_tokens at least 1")
         pairs.append((prompt, output))
@@ -249,7 +254,7 @@ def _read_sharegpt(path: Path, builder: PromptBuilder, rng: np.random.Generator)
     except ValueError as exc:
         raise ValueError(f"{path}: not a JSON file ({exc})") from None
     if not isinstance(data, list):
-        raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{\"conversations\": [...]}}")
+        raise ValueError(f'{path}: a ShareGPT file is a JSON list of {{"conversations": [...]}}')
     pairs = []
     for row in data:
         turns = (row.get("conversations") or row.get("conversation") or []) if isinstance(row, dict) else []

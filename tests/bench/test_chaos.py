@@ -24,22 +24,50 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_cli_takes_the_replica_and_in_process_options():
-    args = build_parser().parse_args(["bench", "chaos", "--config", "configs/local.yaml", "--prefill-replicas", "2",
-                                      "--decode-replicas", "2", "--in-process"])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "chaos",
+            "--config",
+            "configs/local.yaml",
+            "--prefill-replicas",
+            "2",
+            "--decode-replicas",
+            "2",
+            "--in-process",
+        ]
+    )
     assert (args.prefill_replicas, args.decode_replicas, args.in_process) == (2, 2, True)
 
 
 def test_in_process_chaos_with_spare_replicas_loses_nothing(tiny_llama_path, tmp_path):
     config_path = tmp_path / "chaos.yaml"
-    config_path.write_text(yaml.safe_dump({
-        "model": {"name": str(tiny_llama_path), "max_model_len": 512},
-        "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 96},
-                  "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 160}},
-        "transfer": {"deadline_s": 5, "lease_s": 5},
-    }))
-    args = argparse.Namespace(config=str(config_path), model=None, prefill_replicas=2, decode_replicas=2,
-                              in_process=True, num_requests=40, concurrency=8, max_tokens=48, request_timeout_s=30.0,
-                              kill_decode_at=0.25, kill_prefill_at=0.6, settle_timeout_s=30.0)
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": str(tiny_llama_path), "max_model_len": 512},
+                "pools": {
+                    "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 96},
+                    "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 160},
+                },
+                "transfer": {"deadline_s": 5, "lease_s": 5},
+            }
+        )
+    )
+    args = argparse.Namespace(
+        config=str(config_path),
+        model=None,
+        prefill_replicas=2,
+        decode_replicas=2,
+        in_process=True,
+        num_requests=40,
+        concurrency=8,
+        max_tokens=48,
+        request_timeout_s=30.0,
+        kill_decode_at=0.25,
+        kill_prefill_at=0.6,
+        settle_timeout_s=30.0,
+    )
     result = chaos.run(args)
     assert result["replicas"] == {"prefill": 2, "decode": 2} and result["in_process"]
     assert result["requests_sent"] == 40
@@ -63,8 +91,10 @@ def test_a_prefill_death_fails_no_stream_already_decoding_elsewhere(tiny_llama_p
     from cluster.launch import start_serving
     from tests.helpers.cluster import tiny_cluster_config
 
-    pools = {"prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 96},
-             "decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}}
+    pools = {
+        "prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 96},
+        "decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160},
+    }
     config = tiny_cluster_config(tiny_llama_path, pools=pools)
     handle = start_serving(config, in_process=True)
     try:
@@ -72,8 +102,14 @@ def test_a_prefill_death_fails_no_stream_already_decoding_elsewhere(tiny_llama_p
             if record.role == "decode":
                 engine = record.actor.worker.engine
                 engine.step = lambda step=engine.step: (time.sleep(0.02), step())[1]
-        body = {"model": config.served_model_name, "prompt": "tell me a story", "max_tokens": 300, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": config.served_model_name,
+            "prompt": "tell me a story",
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         events: list[str] = []
         with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():

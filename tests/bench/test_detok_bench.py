@@ -22,8 +22,10 @@ def test_measure_shape_and_identical_text():
     assert set(out["speedup"]) == {"60", "120", "240"}
     # both methods give the text tokenizer.decode gives (measure raises otherwise); check it here too
     ids = detok_bench.stream_ids(tokenizer, 240)
-    texts = [detok_bench._stream(cls(tokenizer, list(detok_bench.STOP)), ids)[1]
-             for cls in (detok_bench.FullRedecodeBaseline, IncrementalDetokenizer)]
+    texts = [
+        detok_bench._stream(cls(tokenizer, list(detok_bench.STOP)), ids)[1]
+        for cls in (detok_bench.FullRedecodeBaseline, IncrementalDetokenizer)
+    ]
     assert texts[0] == texts[1] == tokenizer.decode(ids, skip_special_tokens=True)
     assert any(ord(c) > 127 for c in texts[0])  # characters over several tokens were in the stream
 

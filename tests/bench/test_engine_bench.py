@@ -6,8 +6,25 @@ from cli.main import main
 
 
 def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):
-    args = ["bench", "engine", "--json", "--model", str(tiny_llama_path), "--batch-sizes", "1,4",
-            "--output-len", "4", "--input-len", "16", "--prefill-prompts", "2", "--prefill-len", "32", "--repeats", "1"]
+    args = [
+        "bench",
+        "engine",
+        "--json",
+        "--model",
+        str(tiny_llama_path),
+        "--batch-sizes",
+        "1,4",
+        "--output-len",
+        "4",
+        "--input-len",
+        "16",
+        "--prefill-prompts",
+        "2",
+        "--prefill-len",
+        "32",
+        "--repeats",
+        "1",
+    ]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["kv_bytes_per_token"] == 2 * 3 * 2 * 16 * 4  # layers 3, kv heads 2, head dim 16, float32

@@ -22,14 +22,27 @@ pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[2]
 
 
-
-
 @pytest.mark.slow
 def test_quick_bench_prints_sane_figures_and_stops_its_server(tiny_llama_path):
     out = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "frontend", "--quick", "--router-processes", "1", "--json",
-         "--model", str(tiny_llama_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=200)
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "bench",
+            "frontend",
+            "--quick",
+            "--router-processes",
+            "1",
+            "--json",
+            "--model",
+            str(tiny_llama_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     bench = result["benchmark"]
@@ -95,14 +108,15 @@ def test_router_cpu_counts_the_serve_process_and_its_non_ray_children(tmp_path):
 
 
 def test_router_cpu_of_a_missing_process_is_null():
-    pid = 2 ** 22 + 7  # above the default pid_max: never a live process
+    pid = 2**22 + 7  # above the default pid_max: never a live process
     assert frontend_bench.router_cpu(pid, exclude=set()) is None
     assert frontend_bench.cpu_delta(None, {1: 1.0}) is None
 
 
 def test_config_holds_every_stream_at_full_length():
-    args = frontend_bench.argparse.Namespace(input_len=32, output_len=1000, max_concurrency=64, num_prompts=128,
-                                             request_timeout_s=300.0)
+    args = frontend_bench.argparse.Namespace(
+        input_len=32, output_len=1000, max_concurrency=64, num_prompts=128, request_timeout_s=300.0
+    )
     config = frontend_bench.cluster_config("/models/tiny", args)
     decode = config["pools"]["decode"]
     assert decode["kv_blocks"] * frontend_bench.BLOCK_SIZE >= 64 * 1032

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-
 from tests.helpers.cluster import tiny_cluster_config
 
 
@@ -13,8 +12,9 @@ def test_overlap_bench_tiny(ray_local, tiny_llama_path):
 
     parser = argparse.ArgumentParser()
     overlap_bench.add_arguments(parser)
-    args = parser.parse_args(["--prompt-tokens", "200", "--reps", "2", "--int8-check", "--int8-prompts", "2",
-                              "--int8-tokens", "8"])
+    args = parser.parse_args(
+        ["--prompt-tokens", "200", "--reps", "2", "--int8-check", "--int8-prompts", "2", "--int8-tokens", "8"]
+    )
     args.cluster_config = tiny_cluster_config(tiny_llama_path)
     out = overlap_bench.run(args)
 

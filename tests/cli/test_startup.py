@@ -47,8 +47,9 @@ def run_cli(tmp_path, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]
     every module in its ``sys.modules`` at exit (importlib's imports included, which ``-X importtime`` misses)."""
     modules_file = tmp_path / "modules.json"
     env = _env() | {"PDSERVE_TEST_ARGV": json.dumps(argv), "PDSERVE_TEST_MODULES": str(modules_file)}
-    proc = subprocess.run([sys.executable, "-c", RUN_AS_PDSERVE], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_AS_PDSERVE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     return proc, set(json.loads(modules_file.read_text()))
 
 
@@ -56,14 +57,24 @@ def top_level(modules: set[str]) -> set[str]:
     return {m.split(".")[0] for m in modules}
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["serve", "--help"], ["demo", "--help"],
-                                  ["bench", "--help"], ["model", "tiny", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["status", "--help"],
+        ["serve", "--help"],
+        ["demo", "--help"],
+        ["bench", "--help"],
+        ["model", "tiny", "--help"],
+    ],
+)
 def test_help_imports_nothing_below_the_cli(tmp_path, argv):
     proc, modules = run_cli(tmp_path, *argv)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: pdserve")
-    assert not top_level(modules) & (HEAVY | BELOW_CLI), sorted(m for m in modules if m.split(".")[0] in
-                                                                 HEAVY | BELOW_CLI)
+    assert not top_level(modules) & (HEAVY | BELOW_CLI), sorted(
+        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI
+    )
 
 
 def test_parsing_every_non_bench_command_imports_nothing_below_the_cli():
@@ -77,16 +88,19 @@ def test_parsing_every_non_bench_command_imports_nothing_below_the_cli():
         "    assert callable(parser.parse_args(argv).func)\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = top_level(set(json.loads(proc.stdout)))
     assert "cli.main" in json.loads(proc.stdout)  # the check really ran the parser
     assert not loaded & (HEAVY | BELOW_CLI), sorted(loaded & (HEAVY | BELOW_CLI))
 
 
-@pytest.mark.parametrize(("name", "options_module", "run_module"),
-                         [(name, options_module, run_module) for name, _, options_module, _, run_module in BENCHMARKS])
+@pytest.mark.parametrize(
+    ("name", "options_module", "run_module"),
+    [(name, options_module, run_module) for name, _, options_module, _, run_module in BENCHMARKS],
+)
 def test_a_benchmarks_options_are_declared_without_torch_or_the_cluster(tmp_path, name, options_module, run_module):
     """``pdserve bench NAME --help`` imports the light module declaring the options, not the benchmark itself."""
     proc, modules = run_cli(tmp_path, "bench", name, "--help")
@@ -96,7 +110,8 @@ def test_a_benchmarks_options_are_declared_without_torch_or_the_cluster(tmp_path
     if run_module != options_module:
         assert run_module not in modules
     assert not top_level(modules) & (HEAVY | BELOW_CLI - {"bench"}), sorted(
-        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI - {"bench"})
+        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI - {"bench"}
+    )
 
 
 def test_only_the_chosen_benchmarks_options_are_declared():
@@ -107,8 +122,9 @@ def test_only_the_chosen_benchmarks_options_are_declared():
         "args = build_parser().parse_args(['bench', 'detok', '--tiny', '--lengths', '10', '--json'])\n"
         "print(json.dumps({'lengths': args.lengths, 'json': args.json, 'modules': sorted(sys.modules)}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["lengths"] == "10" and out["json"] is True
@@ -123,14 +139,21 @@ def test_status_against_a_router_imports_nothing_below_the_cli(tmp_path, status_
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "prefill-0" in proc.stdout and "decode-0" in proc.stdout and "disaggregated" in proc.stdout
     assert server.authorizations == [None]  # it really asked the router
-    assert not top_level(modules) & (HEAVY | BELOW_CLI), sorted(m for m in modules if m.split(".")[0] in
-                                                                 HEAVY | BELOW_CLI)
+    assert not top_level(modules) & (HEAVY | BELOW_CLI), sorted(
+        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI
+    )
 
 
 def test_importtime_of_help_shows_no_heavy_import():
     """The check of the issue, as written there: ``python -X importtime -m cli.main --help``."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "cli.main", "--help"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "cli.main", "--help"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("usage: pdserve")
     timed = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "cli.status" in timed  # the output was read

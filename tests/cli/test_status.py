@@ -16,19 +16,45 @@ def test_status_prints_the_routers_totals_and_one_line_per_worker(status_server,
     assert main(["status", "--url", server.url]) == 0
     lines = capsys.readouterr().out.splitlines()
     payload = canned_status()
-    assert lines[0].split() == ["mode:", payload["mode"], "model:", payload["model"], "in", "flight:",
-                                str(payload["inflight"]), "queued:", str(payload["queue_depth"])]
+    assert lines[0].split() == [
+        "mode:",
+        payload["mode"],
+        "model:",
+        payload["model"],
+        "in",
+        "flight:",
+        str(payload["inflight"]),
+        "queued:",
+        str(payload["queue_depth"]),
+    ]
     router = payload["router"]
     assert f"router process {router['index']} of {router['processes']} (pid {router['pid']})" in lines[1]
     assert lines[1].endswith(f"queued in all: {router['queue_depth_all']}")
-    assert lines[2].split() == ["worker", "role", "alive", "waiting", "running", "kv", "free", "transfers", "kv",
-                                "bytes"]
+    assert lines[2].split() == [
+        "worker",
+        "role",
+        "alive",
+        "waiting",
+        "running",
+        "kv",
+        "free",
+        "transfers",
+        "kv",
+        "bytes",
+    ]
     by_name = {line.split()[0]: line.split() for line in lines[3:]}
     assert set(by_name) == {w["name"] for w in payload["workers"]}
     seen, fresh = payload["workers"]
-    assert by_name[seen["name"]] == [seen["name"], seen["role"], str(seen["alive"]), str(seen["waiting"]),
-                                     str(seen["running"]), f"{seen['free_blocks']}/{seen['total_blocks']}",
-                                     str(int(seen["transfers_ok"])), str(int(seen["transfer_bytes"]))]
+    assert by_name[seen["name"]] == [
+        seen["name"],
+        seen["role"],
+        str(seen["alive"]),
+        str(seen["waiting"]),
+        str(seen["running"]),
+        f"{seen['free_blocks']}/{seen['total_blocks']}",
+        str(int(seen["transfers_ok"])),
+        str(int(seen["transfer_bytes"])),
+    ]
     # no heartbeat yet: no load figures, and the table says so instead of failing
     assert by_name[fresh["name"]] == [fresh["name"], fresh["role"], "False", "0", "0", "?/?", "0", "0"]
     assert server.authorizations == [None]  # no key configured: none sent
@@ -64,6 +90,10 @@ def test_a_router_that_does_not_answer_in_time_is_a_clear_error(status_server, c
 
 
 def test_status_without_a_server_is_a_clear_error():
-    result = subprocess.run([sys.executable, "-m", "cli.main", "status", "--url", "http://127.0.0.1:9"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.main", "status", "--url", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "no pdserve router answers" in result.stderr and "Traceback" not in result.stderr

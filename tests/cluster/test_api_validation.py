@@ -48,8 +48,12 @@ def _post(handle, path: str, body: dict | bytes, **kwargs) -> httpx.Response:
     if isinstance(body, dict):
         body = json.dumps({"model": handle.config.served_model_name, **body}).encode()
     kwargs.setdefault("timeout", 60)
-    return httpx.post(f"{handle.base_url}{path}", content=body,
-                      headers={"content-type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
+    return httpx.post(
+        f"{handle.base_url}{path}",
+        content=body,
+        headers={"content-type": "application/json", **kwargs.pop("headers", {})},
+        **kwargs,
+    )
 
 
 def _raw(text: str) -> callable:
@@ -61,7 +65,7 @@ def _deep(depth: int, key: str | None) -> callable:
     nest = "[" * depth + "]" * depth
     if key is None:
         return lambda handle: nest.encode()
-    return lambda handle: ('{"model": "m", "prompt": "x", "%s": %s}' % (key, nest)).encode()
+    return lambda handle: f'{{"model": "m", "prompt": "x", "{key}": {nest}}}'.encode()
 
 
 def _chat(messages) -> dict:
@@ -78,17 +82,31 @@ CASES = [
     ("seed-2**64", C, {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("seed-below-int64", C, {"prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
     ("max_tokens-1e30", C, {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
-    ("max_tokens-5000-digits", C, _raw('{"model": MODEL, "prompt": "x", "max_tokens": %s}' % ("9" * 5000)), 400,
-     "max_tokens"),
+    (
+        "max_tokens-5000-digits",
+        C,
+        _raw('{"model": MODEL, "prompt": "x", "max_tokens": %s}' % ("9" * 5000)),
+        400,
+        "max_tokens",
+    ),
     ("max_tokens-0", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ("max_completion_tokens-2**64", CHAT, {**_chat([{"role": "user", "content": "x"}]),
-                                           "max_completion_tokens": 2**64}, 400, "max_completion_tokens"),
+    (
+        "max_completion_tokens-2**64",
+        CHAT,
+        {**_chat([{"role": "user", "content": "x"}]), "max_completion_tokens": 2**64},
+        400,
+        "max_completion_tokens",
+    ),
     ("NaN-literal", C, _raw('{"model": MODEL, "prompt": "x", "temperature": NaN}'), 400, "temperature"),
     ("Infinity-literal", C, _raw('{"model": MODEL, "prompt": "x", "top_p": Infinity}'), 400, "top_p"),
-    ("-Infinity-literal", C, _raw('{"model": MODEL, "prompt": "x", "presence_penalty": -Infinity}'), 400,
-     "presence_penalty"),
-    ("NaN-in-a-list", C, _raw('{"model": MODEL, "prompt": "x", "stop_token_ids": [1, NaN]}'), 400,
-     "stop_token_ids[1]"),
+    (
+        "-Infinity-literal",
+        C,
+        _raw('{"model": MODEL, "prompt": "x", "presence_penalty": -Infinity}'),
+        400,
+        "presence_penalty",
+    ),
+    ("NaN-in-a-list", C, _raw('{"model": MODEL, "prompt": "x", "stop_token_ids": [1, NaN]}'), 400, "stop_token_ids[1]"),
     ("temperature-1e309", C, _raw('{"model": MODEL, "prompt": "x", "temperature": 1e309}'), 400, "temperature"),
     ("temperature-negative", C, {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("stop_token_id-vocab", C, lambda h: {"prompt": "x", "stop_token_ids": [1, h.vocab]}, 400, "stop_token_ids[1]"),
@@ -105,23 +123,48 @@ CASES = [
     ("stop-string-too-long", C, {"prompt": "x", "stop": "z" * 257}, 400, "stop"),
     ("logit_bias-too-many", C, {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
     ("messages-too-many", CHAT, _chat([{"role": "user", "content": "x"}] * 1025), 400, "messages"),
-    ("content-parts-too-many", CHAT, _chat([{"role": "user", "content": "x"}] * 3 + [
-        {"role": "user", "content": _parts(257)}]), 400, "messages[3].content"),
+    (
+        "content-parts-too-many",
+        CHAT,
+        _chat([{"role": "user", "content": "x"}] * 3 + [{"role": "user", "content": _parts(257)}]),
+        400,
+        "messages[3].content",
+    ),
     ("deep-nesting-100k", C, _deep(100_000, None), 400, None),
     ("deep-nesting-in-a-field", C, _deep(100_000, "logprobs"), 400, "logprobs"),
     ("stream-as-string", C, {"prompt": "x", "stream": "true"}, 400, "stream"),
     ("ignore_eos-as-string", C, {"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("echo-as-int", C, {"prompt": "x", "echo": 0}, 400, "echo"),
-    ("include_usage-as-int", C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
-     "stream_options.include_usage"),
+    (
+        "include_usage-as-int",
+        C,
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+        400,
+        "stream_options.include_usage",
+    ),
     ("prompt-lone-surrogate", C, _raw('{"model": MODEL, "prompt": "a\\ud800b"}'), 400, "prompt"),
     ("stop-lone-surrogate", C, _raw('{"model": MODEL, "prompt": "x", "stop": ["\\udfff"]}'), 400, "stop[0]"),
-    ("chat-content-lone-surrogate", CHAT,
-     _raw('{"model": MODEL, "messages": [{"role": "user", "content": "\\ud800"}]}'), 400, "messages[0].content"),
-    ("huge-int-in-any-field", C, _raw('{"model": MODEL, "prompt": "x", "logprobs": %s}' % ("7" * 5000)), 400,
-     "logprobs"),
-    ("bad-field-in-a-message", CHAT, _chat([{"role": "user", "content": "x"}, {"role": "user", "content": 5}]), 400,
-     "messages[1].content"),
+    (
+        "chat-content-lone-surrogate",
+        CHAT,
+        _raw('{"model": MODEL, "messages": [{"role": "user", "content": "\\ud800"}]}'),
+        400,
+        "messages[0].content",
+    ),
+    (
+        "huge-int-in-any-field",
+        C,
+        _raw('{"model": MODEL, "prompt": "x", "logprobs": %s}' % ("7" * 5000)),
+        400,
+        "logprobs",
+    ),
+    (
+        "bad-field-in-a-message",
+        CHAT,
+        _chat([{"role": "user", "content": "x"}, {"role": "user", "content": 5}]),
+        400,
+        "messages[1].content",
+    ),
 ]
 
 
@@ -142,8 +185,10 @@ def test_a_chunked_body_over_the_limit_is_413_before_it_even_ends(server):
     limit = server.config.router.max_body_bytes
     url = httpx.URL(server.base_url)
     with socket.create_connection((url.host, url.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         piece, sent = b"x" * 65536, 0
         while sent <= limit + len(piece):
             sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -174,9 +219,15 @@ def test_nesting_is_capped_at_the_configured_depth(server):
 
 
 def test_extremes_that_are_valid_are_served(server):
-    for extra in ({"seed": 2**63 - 1, "temperature": 0.7}, {"seed": -(2**63), "temperature": 0.7},
-                  {"top_k": server.vocab, "temperature": 0.7}, {"top_k": -1}, {"stop_token_ids": [server.vocab - 1]},
-                  {"stop": [f"q{i}" for i in range(16)]}, {"stop": "z" * 256}):
+    for extra in (
+        {"seed": 2**63 - 1, "temperature": 0.7},
+        {"seed": -(2**63), "temperature": 0.7},
+        {"top_k": server.vocab, "temperature": 0.7},
+        {"top_k": -1},
+        {"stop_token_ids": [server.vocab - 1]},
+        {"stop": [f"q{i}" for i in range(16)]},
+        {"stop": "z" * 256},
+    ):
         response = _post(server, C, {"prompt": "x", "max_tokens": 3, **extra})
         assert response.status_code == 200, (extra, response.text[:300])
     parts = _chat([{"role": "user", "content": _parts(256)}])
@@ -184,8 +235,10 @@ def test_extremes_that_are_valid_are_served(server):
 
 
 def test_unknown_routes_and_methods_get_an_openai_error(server):
-    for response, status in ((httpx.get(f"{server.base_url}/v1/nope"), 404),
-                             (httpx.get(f"{server.base_url}/v1/completions"), 405)):
+    for response, status in (
+        (httpx.get(f"{server.base_url}/v1/nope"), 404),
+        (httpx.get(f"{server.base_url}/v1/completions"), 405),
+    ):
         assert response.status_code == status
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 

@@ -24,7 +24,10 @@ def test_shipped_serving_configs_load(name):
 def test_gpu_node_config_fills_eight_gpus():
     config = load_config(CONFIGS / "gpu-node.yaml")
     pools = config.pools
-    assert pools.prefill.replicas * pools.prefill.gpus_per_replica + pools.decode.replicas * pools.decode.gpus_per_replica == 8
+    assert (
+        pools.prefill.replicas * pools.prefill.gpus_per_replica + pools.decode.replicas * pools.decode.gpus_per_replica
+        == 8
+    )
 
 
 def test_cluster_yaml_passes_rays_own_schema():
@@ -89,11 +92,14 @@ def test_a_shipped_config_loads_by_name_from_any_working_directory(tmp_path):
     assert load_config("local") == load_config("local.yaml") == load_config(CONFIGS / "local.yaml")
     assert find_config("gpu-node").name == "gpu-node.yaml"
     repo = Path(__file__).resolve().parents[2]
-    code = ("import json; from cluster.config import load_config; c = load_config('local'); "
-            "print(json.dumps([c.mode, c.pools.decode.kv_memory_mb, c.transfer.backend]))")
+    code = (
+        "import json; from cluster.config import load_config; c = load_config('local'); "
+        "print(json.dumps([c.mode, c.pools.decode.kv_memory_mb, c.transfer.backend]))"
+    )
     env = {**os.environ, "PYTHONPATH": str(repo)}  # importable, but nothing relative to the working directory
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     shipped = load_config(CONFIGS / "local.yaml")
     assert json.loads(out.stdout) == [shipped.mode, shipped.pools.decode.kv_memory_mb, shipped.transfer.backend]
@@ -174,4 +180,7 @@ def test_worker_specs_carry_every_setting_of_the_config():
     assert specs[0].engine is not specs[1].engine  # no shared mutable parts between workers
     colocated = parse_config({"mode": "colocated", "pools": {"decode": {"replicas": 2}}})
     assert [(s.name, s.role.value) for s in colocated.worker_specs("/m", ["tcp://127.0.0.1:1"], "127.0.0.1")] == [
-        ("prefill-0", "colocated"), ("decode-0", "colocated"), ("decode-1", "colocated")]
+        ("prefill-0", "colocated"),
+        ("decode-0", "colocated"),
+        ("decode-1", "colocated"),
+    ]

@@ -14,9 +14,9 @@ import pytest
 import zmq
 
 from engine.request import FinishReason, SamplingParams
+from tests.helpers.cluster import metric_value, tiny_cluster_config
 from worker.messages import Abort, Reserve, Stats, TokenItem, Tokens, WorkerCounters, WorkerLoad
 from worker.protocol import SEAL_OVERHEAD, Channel, Signer
-from tests.helpers.cluster import metric_value, tiny_cluster_config
 
 pytestmark = pytest.mark.timeout(240)
 PROMPT, MAX_TOKENS = "the quick brown fox", 40
@@ -70,8 +70,13 @@ def _worker(handle, role: str):
 
 
 def _reference(handle) -> str:
-    body = {"model": handle.config.served_model_name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": handle.config.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     response = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200
     return response.json()["choices"][0]["text"]
@@ -79,8 +84,14 @@ def _reference(handle) -> str:
 
 def _stream(handle, after_first_token) -> tuple[str, str | None]:
     """A greedy streamed completion; `after_first_token(wire_rid)` runs once, while the request is live."""
-    body = {"model": handle.config.served_model_name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": handle.config.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     text, finish, fired = [], None, False
     with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
@@ -128,23 +139,28 @@ def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pu
     expected = _reference(handle)
     decode, prefill = (_worker(handle, role).info["command_address"] for role in ("decode", "prefill"))
     secret = handle.config.transfer.secret
-    replay = next(raw for endpoint, raw in sent if endpoint == decode
-                  and msgpack.unpackb(raw[SEAL_OVERHEAD:])["type"] == "reserve")  # the first request's, sealed
+    replay = next(
+        raw
+        for endpoint, raw in sent
+        if endpoint == decode and msgpack.unpackb(raw[SEAL_OVERHEAD:])["type"] == "reserve"
+    )  # the first request's, sealed
     forged: list[bytes] = []
 
     def forge(wire_rid: str) -> None:
         raw_abort = {"type": "abort", "rid": wire_rid}
         abort = Abort(wire_rid)
-        forged.extend([
-            msgpack.packb(raw_abort),  # no MAC at all (what was enough before)
-            msgpack.packb({**raw_abort, "auth": "guess"}),
-            Signer("not-the-secret", Channel.COMMANDS, decode).seal(abort),
-            Signer(secret, Channel.COMMANDS, prefill).seal(abort),  # the right secret, sealed for another worker
-            Signer(secret, Channel.EVENTS, decode).seal(abort),  # ... or for the other direction
-            b"short",
-            Signer("not-the-secret", Channel.COMMANDS, decode).seal(Reserve("forged", [1, 2, 3], SamplingParams())),
-            replay,  # a real command of the first request, replayed
-        ])
+        forged.extend(
+            [
+                msgpack.packb(raw_abort),  # no MAC at all (what was enough before)
+                msgpack.packb({**raw_abort, "auth": "guess"}),
+                Signer("not-the-secret", Channel.COMMANDS, decode).seal(abort),
+                Signer(secret, Channel.COMMANDS, prefill).seal(abort),  # the right secret, sealed for another worker
+                Signer(secret, Channel.EVENTS, decode).seal(abort),  # ... or for the other direction
+                b"short",
+                Signer("not-the-secret", Channel.COMMANDS, decode).seal(Reserve("forged", [1, 2, 3], SamplingParams())),
+                replay,  # a real command of the first request, replayed
+            ]
+        )
         sock = pusher(decode)
         for frame in forged:
             sock.send(frame)
@@ -166,32 +182,47 @@ def test_forged_and_replayed_events_are_dropped_and_counted_in_metrics(serve, se
     def forge(wire_rid: str) -> None:
         raw_finish = {"type": "tokens", "worker": "decode-0", "items": [[wire_rid, [7, 7], "", "stop", None]]}
         finish = Tokens(worker="decode-0", items=[TokenItem(wire_rid, [7, 7], "", FinishReason.STOP)])
-        no_room = Stats(worker="decode-0", role="decode", address="tcp://127.0.0.1:1",
-                        load=WorkerLoad(free_blocks=0), counters=WorkerCounters())
-        first = next(raw for endpoint, raw in sent if endpoint == router and raw[SEAL_OVERHEAD:]
-                     and msgpack.unpackb(raw[SEAL_OVERHEAD:]).get("rid") == wire_rid)  # its real first_token
+        no_room = Stats(
+            worker="decode-0",
+            role="decode",
+            address="tcp://127.0.0.1:1",
+            load=WorkerLoad(free_blocks=0),
+            counters=WorkerCounters(),
+        )
+        first = next(
+            raw
+            for endpoint, raw in sent
+            if endpoint == router
+            and raw[SEAL_OVERHEAD:]
+            and msgpack.unpackb(raw[SEAL_OVERHEAD:]).get("rid") == wire_rid
+        )  # its real first_token
         sock = pusher(router)
-        for frame in (msgpack.packb(raw_finish),  # what a stranger could do before: end the request
-                      Signer("not-the-secret", Channel.EVENTS, router).seal(finish),
-                      Signer(secret, Channel.COMMANDS, router).seal(finish),
-                      Signer("not-the-secret", Channel.EVENTS, router).seal(no_room),
-                      b"x" * 10,
-                      first):  # replayed: the client would see its first token twice
+        for frame in (
+            msgpack.packb(raw_finish),  # what a stranger could do before: end the request
+            Signer("not-the-secret", Channel.EVENTS, router).seal(finish),
+            Signer(secret, Channel.COMMANDS, router).seal(finish),
+            Signer("not-the-secret", Channel.EVENTS, router).seal(no_room),
+            b"x" * 10,
+            first,
+        ):  # replayed: the client would see its first token twice
             sock.send(frame)
         sock.send_multipart([b"tokens", msgpack.packb(raw_finish)])
 
     text, finish = _stream(handle, forge)
     assert text == expected and finish == "length"
-    counts = {reason: metric_value(handle.base_url, "pdserve_control_rejected_total", reason=reason)
-              for reason in ("bad_mac", "missing_mac", "replayed", "multipart", "malformed")}
+    counts = {
+        reason: metric_value(handle.base_url, "pdserve_control_rejected_total", reason=reason)
+        for reason in ("bad_mac", "missing_mac", "replayed", "multipart", "malformed")
+    }
     assert counts == {"bad_mac": 4, "missing_mac": 1, "replayed": 1, "multipart": 1, "malformed": 0}, counts
     assert _reference(handle) == expected
 
 
 def test_the_secret_never_goes_on_the_wire(serve, sent):
     secret = "configured-secret-for-this-test-0123456789"
-    handle = serve(transfer={"secret": secret, "deadline_s": 20, "lease_s": 20},
-                   router={"port": 0, "request_timeout_s": 30})
+    handle = serve(
+        transfer={"secret": secret, "deadline_s": 20, "lease_s": 20}, router={"port": 0, "request_timeout_s": 30}
+    )
     assert handle.config.transfer.secret == secret
     _reference(handle)
     _stream(handle, lambda rid: None)

@@ -36,8 +36,14 @@ def handle(request, tiny_llama_path):
 
 
 def _body(handle, prompt: str, max_tokens: int, **extra) -> dict:
-    return {"model": handle.config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **extra}
+    return {
+        "model": handle.config.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def _complete(handle, prompt=NORMAL_PROMPT, max_tokens=NORMAL_TOKENS, **extra) -> httpx.Response:

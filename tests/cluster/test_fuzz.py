@@ -33,9 +33,14 @@ from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 pytestmark = pytest.mark.timeout(300)
 
 CLIENT_TIMEOUT_S = 30.0  # no answer in this long is a hang
-FUZZ = settings(deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-                print_blob=False, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                         HealthCheck.large_base_example])
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 REFERENCE = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -88,23 +93,78 @@ def has_raw(value: object) -> bool:
 
 # ---- values ------------------------------------------------------------------------------------------------------
 
-INT_EDGES = [0, -1, -2, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**64 + 1, -2**63,
-             -2**63 - 1, 10**30, -10**30]
-NUMBER_LITERALS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e-400", "-0", "-0.0", "0e0", "1E-40",
-                   "5e-324", "1.7976931348623157e308", "1" * 5000, "-" + "9" * 4400]
-TEXT_EDGES = ["", " ", "\x00", "\ud800", "\udfff\ud800x", "\u202e\u202d", "\ufeff", "\U0001f4a5" * 8, "\r\n\r\n",
-              "<|im_end|>", "<|endoftext|>", "<|im_start|>user\n", "data: [DONE]\n\n", "{}", "null", "\\u0000",
-              "é" * 40]
+INT_EDGES = [
+    0,
+    -1,
+    -2,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    2**64 + 1,
+    -(2**63),
+    -(2**63) - 1,
+    10**30,
+    -(10**30),
+]
+NUMBER_LITERALS = [
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e400",
+    "-1e400",
+    "1e-400",
+    "-0",
+    "-0.0",
+    "0e0",
+    "1E-40",
+    "5e-324",
+    "1.7976931348623157e308",
+    "1" * 5000,
+    "-" + "9" * 4400,
+]
+TEXT_EDGES = [
+    "",
+    " ",
+    "\x00",
+    "\ud800",
+    "\udfff\ud800x",
+    "\u202e\u202d",
+    "\ufeff",
+    "\U0001f4a5" * 8,
+    "\r\n\r\n",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_start|>user\n",
+    "data: [DONE]\n\n",
+    "{}",
+    "null",
+    "\\u0000",
+    "é" * 40,
+]
 
-odd_ints = st.one_of(st.sampled_from(INT_EDGES), st.integers(), st.integers(min_value=2**64, max_value=2**256),
-                     st.integers(max_value=-2**63 - 1, min_value=-2**256))
-odd_floats = st.one_of(st.floats(), st.sampled_from([1e-40, -0.0, 5e-324, 1e308, -1e308, 1e-5, 1e-6, -1e-40]),
-                       st.sampled_from(NUMBER_LITERALS).map(Raw))
-any_text = st.one_of(st.text(max_size=24), st.text(st.characters(exclude_categories=()), max_size=12),
-                     st.sampled_from(TEXT_EDGES))
+odd_ints = st.one_of(
+    st.sampled_from(INT_EDGES),
+    st.integers(),
+    st.integers(min_value=2**64, max_value=2**256),
+    st.integers(max_value=-(2**63) - 1, min_value=-(2**256)),
+)
+odd_floats = st.one_of(
+    st.floats(),
+    st.sampled_from([1e-40, -0.0, 5e-324, 1e308, -1e308, 1e-5, 1e-6, -1e-40]),
+    st.sampled_from(NUMBER_LITERALS).map(Raw),
+)
+any_text = st.one_of(
+    st.text(max_size=24), st.text(st.characters(exclude_categories=()), max_size=12), st.sampled_from(TEXT_EDGES)
+)
 scalars = st.one_of(st.none(), st.booleans(), odd_ints, odd_floats, any_text)
-junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
-                    max_leaves=10)
+junk = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4), max_leaves=10
+)
 deep_list = st.integers(min_value=20, max_value=200).map(lambda n: json.loads("[" * n + "1" + "]" * n))
 
 
@@ -125,54 +185,94 @@ def field_strategies(model: str, vocab: int, chat: bool) -> dict[str, tuple[st.S
     fields = {
         "model": (st.just(model), wrong(st.just(model.upper()), st.just(model + " "), st.just(""))),
         "max_tokens": (ok_tokens, wrong(st.sampled_from([0, -1, 10**6, 513, 2**31 - 1, 6.0, 6.5, "6"]))),
-        "temperature": (st.one_of(st.sampled_from([0, 1e-40, 5e-324, 1e-6, 1e-5, 2]), st.floats(0, 2)),
-                        wrong(st.floats(max_value=-1e-300), st.floats(min_value=2.01), st.just("hot"))),
-        "top_p": (st.one_of(st.sampled_from([1, 0.05, 1 - 1e-9]), st.floats(0.05, 1.0)),
-                  wrong(st.sampled_from([0, 1e-40, 1.0000001, -0.5, 100]))),
-        "top_k": (st.one_of(st.sampled_from([-1, 0]), st.integers(1, 50)),
-                  wrong(st.sampled_from([vocab, vocab + 1, -2, 2**63, 3.5]))),
-        "seed": (st.one_of(st.sampled_from([0, 2**32, 2**63 - 1]), st.integers(0, 2**63 - 1)),
-                 wrong(st.floats(), st.integers(min_value=2**63))),
-        "stop": (st.one_of(stop_text, st.lists(stop_text, min_size=1, max_size=4)),
-                 wrong(st.sampled_from(["", [""], [], ["x" * 100_000]]), huge_list("ab", 20_000),
-                       st.lists(any_text, max_size=6))),
-        "stop_token_ids": (st.lists(st.integers(0, vocab - 1), max_size=4),
-                           wrong(st.lists(odd_ints, min_size=1, max_size=4), st.sampled_from([[vocab], [-1]]),
-                                 huge_list(3))),
+        "temperature": (
+            st.one_of(st.sampled_from([0, 1e-40, 5e-324, 1e-6, 1e-5, 2]), st.floats(0, 2)),
+            wrong(st.floats(max_value=-1e-300), st.floats(min_value=2.01), st.just("hot")),
+        ),
+        "top_p": (
+            st.one_of(st.sampled_from([1, 0.05, 1 - 1e-9]), st.floats(0.05, 1.0)),
+            wrong(st.sampled_from([0, 1e-40, 1.0000001, -0.5, 100])),
+        ),
+        "top_k": (
+            st.one_of(st.sampled_from([-1, 0]), st.integers(1, 50)),
+            wrong(st.sampled_from([vocab, vocab + 1, -2, 2**63, 3.5])),
+        ),
+        "seed": (
+            st.one_of(st.sampled_from([0, 2**32, 2**63 - 1]), st.integers(0, 2**63 - 1)),
+            wrong(st.floats(), st.integers(min_value=2**63)),
+        ),
+        "stop": (
+            st.one_of(stop_text, st.lists(stop_text, min_size=1, max_size=4)),
+            wrong(
+                st.sampled_from(["", [""], [], ["x" * 100_000]]),
+                huge_list("ab", 20_000),
+                st.lists(any_text, max_size=6),
+            ),
+        ),
+        "stop_token_ids": (
+            st.lists(st.integers(0, vocab - 1), max_size=4),
+            wrong(st.lists(odd_ints, min_size=1, max_size=4), st.sampled_from([[vocab], [-1]]), huge_list(3)),
+        ),
         "ignore_eos": (st.booleans(), wrong(st.sampled_from(["true", "no", 2]))),
         "stream": (st.booleans(), wrong(st.sampled_from(["yes", 1, 0, "false"]))),
-        "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}),
-                           wrong(st.just({"include_usage": True, "extra": 1}))),
+        "stream_options": (
+            st.fixed_dictionaries({"include_usage": st.booleans()}),
+            wrong(st.just({"include_usage": True, "extra": 1})),
+        ),
         "user": (text, wrong()),
         "n": (st.just(1), wrong(st.sampled_from([2, 0, -1, 2**64]))),
         "logprobs": (st.none(), wrong(st.sampled_from([True, 5, 2**70]))),
         "presence_penalty": (st.just(0), wrong(st.sampled_from([0.5, -2.5, math.inf]))),
-        "logit_bias": (st.none(), wrong(st.dictionaries(st.sampled_from(["1", "-1", "99999999999", "x"]), odd_floats,
-                                                        min_size=1, max_size=3))),
+        "logit_bias": (
+            st.none(),
+            wrong(
+                st.dictionaries(st.sampled_from(["1", "-1", "99999999999", "x"]), odd_floats, min_size=1, max_size=3)
+            ),
+        ),
     }
     if chat:
         part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=16)})
-        content = st.one_of(st.text(st.characters(exclude_categories=("Cs",)), max_size=24),
-                            st.lists(part, min_size=1, max_size=3))
-        message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
-                                         "content": content})
-        odd_part = wrong(st.just({"type": "image_url", "image_url": {"url": "http://x"}}), st.just({"type": "text"}),
-                         st.fixed_dictionaries({"type": st.just("text"), "text": wrong()}))
+        content = st.one_of(
+            st.text(st.characters(exclude_categories=("Cs",)), max_size=24), st.lists(part, min_size=1, max_size=3)
+        )
+        message = st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": content}
+        )
+        odd_part = wrong(
+            st.just({"type": "image_url", "image_url": {"url": "http://x"}}),
+            st.just({"type": "text"}),
+            st.fixed_dictionaries({"type": st.just("text"), "text": wrong()}),
+        )
         odd_message = st.fixed_dictionaries(
-            {"role": wrong(st.sampled_from(["tool", "function", "robot", "", "USER", "assistant\x00"])),
-             "content": wrong(st.lists(odd_part, max_size=3), st.just("x" * 300_000), any_text)},
-            optional={"name": wrong(), "tool_calls": wrong()})
-        fields["messages"] = (st.lists(message, min_size=1, max_size=3),
-                              wrong(st.lists(st.one_of(message, odd_message), min_size=1, max_size=4),
-                                    st.lists(odd_message, min_size=1, max_size=3), st.just([]),
-                                    huge_list({"role": "user", "content": "hi"}, 5000), deep_list))
+            {
+                "role": wrong(st.sampled_from(["tool", "function", "robot", "", "USER", "assistant\x00"])),
+                "content": wrong(st.lists(odd_part, max_size=3), st.just("x" * 300_000), any_text),
+            },
+            optional={"name": wrong(), "tool_calls": wrong()},
+        )
+        fields["messages"] = (
+            st.lists(message, min_size=1, max_size=3),
+            wrong(
+                st.lists(st.one_of(message, odd_message), min_size=1, max_size=4),
+                st.lists(odd_message, min_size=1, max_size=3),
+                st.just([]),
+                huge_list({"role": "user", "content": "hi"}, 5000),
+                deep_list,
+            ),
+        )
         fields["max_completion_tokens"] = fields["max_tokens"]
     else:
         token_ids = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20)
-        fields["prompt"] = (st.one_of(text, token_ids, text.map(lambda t: [t])),
-                            wrong(st.sampled_from(["", [], [""], [[1, 2]], [1.5], "x" * 600, "x" * 2_000_000]),
-                                  st.lists(odd_ints, min_size=1, max_size=5), st.lists(text, min_size=2, max_size=4),
-                                  huge_list(vocab - 1, 60_000), deep_list))
+        fields["prompt"] = (
+            st.one_of(text, token_ids, text.map(lambda t: [t])),
+            wrong(
+                st.sampled_from(["", [], [""], [[1, 2]], [1.5], "x" * 600, "x" * 2_000_000]),
+                st.lists(odd_ints, min_size=1, max_size=5),
+                st.lists(text, min_size=2, max_size=4),
+                huge_list(vocab - 1, 60_000),
+                deep_list,
+            ),
+        )
         fields["echo"] = (st.just(False), wrong(st.just(True)))
         fields["suffix"] = (st.none(), wrong(text))
     return fields
@@ -183,20 +283,28 @@ def api_cases(draw, endpoint: str, model: str, vocab: int) -> Case:
     fields = field_strategies(model, vocab, chat=endpoint == "chat/completions")
     main = "messages" if endpoint == "chat/completions" else "prompt"
     budget = st.sampled_from(["max_tokens", "max_completion_tokens"]) if main == "messages" else st.just("max_tokens")
-    body = {"model": model, main: draw(fields[main][0]), draw(budget): draw(fields["max_tokens"][0]),
-            "stream": draw(fields["stream"][0])}
+    body = {
+        "model": model,
+        main: draw(fields[main][0]),
+        draw(budget): draw(fields["max_tokens"][0]),
+        "stream": draw(fields["stream"][0]),
+    }
     optional = sorted(set(fields) - {"model", main, "max_tokens", "max_completion_tokens", "stream"})
     for name in draw(st.lists(st.sampled_from(optional), max_size=8, unique=True)):
         body[name] = draw(fields[name][0])
     # valid bodies reach the workers with edge values; one odd field reaches the validation of that field alone
     num_odd = draw(st.sampled_from([0, 0, 1, 1, 1, 2, 3]))
-    odd = draw(st.lists(st.sampled_from(sorted(fields) + ["<unknown>"]), min_size=num_odd, max_size=num_odd,
-                        unique=True))
+    odd = draw(
+        st.lists(st.sampled_from(sorted(fields) + ["<unknown>"]), min_size=num_odd, max_size=num_odd, unique=True)
+    )
     named = None
     for name in odd:
         if name == "<unknown>":
-            name = draw(st.one_of(st.sampled_from(["tools_x", "Model", "prompt ", "__proto__", "functions_"]), any_text)
-                        .filter(lambda k: k not in fields))
+            name = draw(
+                st.one_of(st.sampled_from(["tools_x", "Model", "prompt ", "__proto__", "functions_"]), any_text).filter(
+                    lambda k: k not in fields
+                )
+            )
             body[name] = draw(junk)
         else:
             body[name] = draw(fields[name][1])
@@ -225,8 +333,9 @@ def raw_cases(draw, model: str) -> Case:
     if kind == "truncated":
         return Case(endpoint, valid[: draw(st.integers(0, len(valid) - 1))], "error")
     if kind == "not_utf8":
-        bad = draw(st.sampled_from([b"\xff", b"\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
-                                    b"\xfe\xfe"]))
+        bad = draw(
+            st.sampled_from([b"\xff", b"\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xfe\xfe"])
+        )
         at = draw(st.integers(0, len(valid)))
         return Case(endpoint, valid[:at] + bad + valid[at:], "error")
     if kind == "deep":
@@ -239,13 +348,25 @@ def raw_cases(draw, model: str) -> Case:
         return Case(endpoint, valid[:-1] + f', "temperature": {literal}}}'.encode(), "error")
     if kind == "chunked_huge":
         return Case(endpoint, valid[:-1] + b', "user": "' + b"x" * (2 << 20) + b'"}', "error", chunked=True)
-    misc = draw(st.sampled_from([(b"", "error"), (b"null", "error"), (b"[]", "error"), (b'"x"', "error"),
-                                 (b"\xef\xbb\xbf" + valid, "any"), (valid[:-1] + b', "model": "other"}', "error"),
-                                 (valid + b"  \n", "ok"), (valid + b"{}", "error")]))
+    misc = draw(
+        st.sampled_from(
+            [
+                (b"", "error"),
+                (b"null", "error"),
+                (b"[]", "error"),
+                (b'"x"', "error"),
+                (b"\xef\xbb\xbf" + valid, "any"),
+                (valid[:-1] + b', "model": "other"}', "error"),
+                (valid + b"  \n", "ok"),
+                (valid + b"{}", "error"),
+            ]
+        )
+    )
     return Case(endpoint, *misc)
 
 
 # ---- the cluster and the checks ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path):
@@ -272,8 +393,9 @@ def send(client: httpx.Client, case: Case) -> tuple[int, dict, bytes]:
     if case.chunked:  # no Content-Length: the size limit must hold while reading
         content = (case.body[i : i + 65536] for i in range(0, len(case.body), 65536))
     try:
-        with client.stream("POST", f"/v1/{case.endpoint}", content=content,
-                           headers={"content-type": "application/json"}) as response:
+        with client.stream(
+            "POST", f"/v1/{case.endpoint}", content=content, headers={"content-type": "application/json"}
+        ) as response:
             return response.status_code, dict(response.headers), response.read()
     except httpx.TimeoutException:
         pytest.fail(f"no answer within {CLIENT_TIMEOUT_S} s (a hang) for {case!r}")
@@ -337,20 +459,32 @@ def check_nothing_held(handle) -> None:
 
 # ---- the tests ---------------------------------------------------------------------------------------------------
 
+
 def test_fuzz_completions(cluster):
     handle, _, _, vocab = cluster
     model = handle.config.served_model_name
 
     @settings(FUZZ, max_examples=110)
     @given(case=api_cases("completions", model, vocab))
-    @example(case=Case("completions", encode({"model": model, "prompt": "hi", "max_tokens": 4, "temperature": 1e-40}),
-                       "ok"))
-    @example(case=Case("completions", encode({"model": model, "prompt": "hi", "max_tokens": 4, "seed": 2**64 + 1}),
-                       "error", "seed"))
-    @example(case=Case("completions", encode({"model": model, "prompt": "hi", "max_tokens": 4,
-                                              "stop_token_ids": [2**64]}), "error", "stop_token_ids"))
-    @example(case=Case("completions", encode({"model": model, "prompt": [vocab + 5], "max_tokens": 4}), "error",
-                       "prompt"))
+    @example(
+        case=Case("completions", encode({"model": model, "prompt": "hi", "max_tokens": 4, "temperature": 1e-40}), "ok")
+    )
+    @example(
+        case=Case(
+            "completions", encode({"model": model, "prompt": "hi", "max_tokens": 4, "seed": 2**64 + 1}), "error", "seed"
+        )
+    )
+    @example(
+        case=Case(
+            "completions",
+            encode({"model": model, "prompt": "hi", "max_tokens": 4, "stop_token_ids": [2**64]}),
+            "error",
+            "stop_token_ids",
+        )
+    )
+    @example(
+        case=Case("completions", encode({"model": model, "prompt": [vocab + 5], "max_tokens": 4}), "error", "prompt")
+    )
     def fuzz(case: Case) -> None:
         check_case(cluster, case)
 
@@ -364,8 +498,14 @@ def test_fuzz_chat_completions(cluster):
 
     @settings(FUZZ, max_examples=90)
     @given(case=api_cases("chat/completions", model, vocab))
-    @example(case=Case("chat/completions", encode({"model": model, "messages": [{"role": "user", "content": "\ud800"}],
-                                                   "max_tokens": 3}), "any", "messages"))
+    @example(
+        case=Case(
+            "chat/completions",
+            encode({"model": model, "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 3}),
+            "any",
+            "messages",
+        )
+    )
     def fuzz(case: Case) -> None:
         check_case(cluster, case)
 

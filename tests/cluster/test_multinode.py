@@ -34,8 +34,13 @@ def test_pools_land_on_their_nodes_and_kv_crosses_over_tcp(three_nodes, tiny_lla
         tiny_llama_path,
         pools={
             "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64, "resources": {"prefill_node": 1}},
-            "decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 64, "resources": {"decode_node": 1},
-                       "placement_strategy": "SPREAD"},
+            "decode": {
+                "replicas": 2,
+                "torch_threads": 1,
+                "kv_blocks": 64,
+                "resources": {"decode_node": 1},
+                "placement_strategy": "SPREAD",
+            },
         },
     )
     handle = start_serving(config)
@@ -47,7 +52,12 @@ def test_pools_land_on_their_nodes_and_kv_crosses_over_tcp(three_nodes, tiny_lla
             if info["role"] == "decode":
                 assert info["kv_address"].startswith("tcp://")
         for i in range(4):
-            body = {"model": config.served_model_name, "prompt": f"hello {i} " * 10, "max_tokens": 5, "ignore_eos": True}
+            body = {
+                "model": config.served_model_name,
+                "prompt": f"hello {i} " * 10,
+                "max_tokens": 5,
+                "ignore_eos": True,
+            }
             response = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
         status = wait_all_kv_free(handle.base_url)

@@ -12,8 +12,9 @@ from worker.messages import Stats, WorkerCounters, WorkerLoad
 
 def heartbeat(**load: int) -> Stats:
     load = {"free_blocks": 100, "total_blocks": 100, **load}
-    return Stats(worker="w", role="decode", address="tcp://127.0.0.1:1", load=WorkerLoad(**load),
-                 counters=WorkerCounters())
+    return Stats(
+        worker="w", role="decode", address="tcp://127.0.0.1:1", load=WorkerLoad(**load), counters=WorkerCounters()
+    )
 
 
 @dataclass

@@ -23,11 +23,15 @@ def _worker(handle, role: str):
 
 
 def _complete(handle, prompt="hello there", max_tokens=8, **extra) -> httpx.Response:
-    body = {"model": handle.config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **extra}
+    body = {
+        "model": handle.config.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
     return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
-
-
 
 
 def _drop_layer(prefill, layer: int) -> None:
@@ -88,13 +92,16 @@ def test_late_transfer_fails_cleanly(serve):
 
 def test_overload_is_429_with_retry_after_and_recovers(serve):
     # decode holds 8 blocks: one 70-token request reserves 5, so the second waits and the rest are refused
-    handle = serve(pools={"decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}},
-                   router={"queue_size": 1, "port": 0})
+    handle = serve(
+        pools={"decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}}, router={"queue_size": 1, "port": 0}
+    )
 
     async def burst():
         async with httpx.AsyncClient(timeout=60) as client:
             body = {"model": handle.config.served_model_name, "prompt": "x" * 70, "max_tokens": 40, "ignore_eos": True}
-            return await asyncio.gather(*(client.post(f"{handle.base_url}/v1/completions", json=body) for _ in range(6)))
+            return await asyncio.gather(
+                *(client.post(f"{handle.base_url}/v1/completions", json=body) for _ in range(6))
+            )
 
     responses = asyncio.run(burst())
     codes = sorted(r.status_code for r in responses)
@@ -107,8 +114,13 @@ def test_overload_is_429_with_retry_after_and_recovers(serve):
 
 def test_client_disconnect_frees_blocks_on_both_workers_within_a_second(serve):
     handle = serve()
-    body = {"model": handle.config.served_model_name, "prompt": "abc " * 30, "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": handle.config.served_model_name,
+        "prompt": "abc " * 30,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and '"text": ""' not in line:
@@ -165,16 +177,25 @@ def test_bad_bodies_get_the_right_status_and_an_openai_error(serve):
     handle = serve()
     for raw, status in BAD_BODIES:
         raw = raw.replace(b'"M"', json.dumps(handle.config.served_model_name).encode())
-        response = httpx.post(f"{handle.base_url}/v1/completions", content=raw,
-                              headers={"content-type": "application/json"}, timeout=30)
+        response = httpx.post(
+            f"{handle.base_url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30
+        )
         assert response.status_code == status, (raw[:60], response.text)
         error = response.json()["error"]
         assert error["message"] and error["type"]
-    chat_cases = [{"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
-                  {"messages": [{"role": "user"}]}, {"messages": "hello"}, {}]
+    chat_cases = [
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": [{"role": "user"}]},
+        {"messages": "hello"},
+        {},
+    ]
     for case in chat_cases:
-        response = httpx.post(f"{handle.base_url}/v1/chat/completions",
-                              json={"model": handle.config.served_model_name, **case}, timeout=30)
+        response = httpx.post(
+            f"{handle.base_url}/v1/chat/completions",
+            json={"model": handle.config.served_model_name, **case},
+            timeout=30,
+        )
         assert response.status_code == 400 and response.json()["error"]["message"]
     assert _complete(handle).status_code == 200  # unharmed
 
@@ -184,8 +205,13 @@ def test_a_dead_router_strands_no_kv_on_the_workers(tiny_llama_path):
     handle = start_serving(config, in_process=True)
     try:
         decode = _worker(handle, "decode").engine
-        body = {"model": config.served_model_name, "prompt": "abc", "max_tokens": 400, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": config.served_model_name,
+            "prompt": "abc",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
             next(response.iter_lines())
             assert decode.requests  # mid-generation on the decode worker

@@ -19,8 +19,14 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _complete(handle, prompt="hello there", max_tokens=8, timeout=60, **extra) -> httpx.Response:
-    body = {"model": handle.config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **extra}
+    body = {
+        "model": handle.config.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
     return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=timeout)
 
 
@@ -38,8 +44,10 @@ def _delay_reservations(worker, delay_s: float) -> None:
 
 
 def test_a_late_reservation_reply_never_resolves_another_workers_reservation(serve):
-    handle = serve(pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}},
-                   router={"worker_timeout_s": 1.0, "decode_policy": "round_robin"})
+    handle = serve(
+        pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}},
+        router={"worker_timeout_s": 1.0, "decode_policy": "round_robin"},
+    )
     expected = _complete(handle, prompt="the same prompt").json()["choices"][0]["text"]
     # the next request tries decode-a first; it answers 1.5 s late, while the router waits on decode-b, which
     # answers 2.5 s late: decode-a's late "ok" must not be taken for decode-b's
@@ -50,15 +58,21 @@ def test_a_late_reservation_reply_never_resolves_another_workers_reservation(ser
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
     # the reservation that came too late was undone on its worker
     try:
-        wait_until(lambda: all(w.stats is not None and w.stats.load.requests == 0 and w.stats.load.awaiting_kv == 0
-                               for w in handle.router.members.workers.values()), 10)
+        wait_until(
+            lambda: all(
+                w.stats is not None and w.stats.load.requests == 0 and w.stats.load.awaiting_kv == 0
+                for w in handle.router.members.workers.values()
+            ),
+            10,
+        )
     except AssertionError:
         raise AssertionError([w.stats for w in handle.router.members.workers.values()]) from None
 
 
 def test_a_reservation_pending_on_a_worker_marked_dead_moves_on_at_once(serve):
-    handle = serve(pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}},
-                   router={"worker_timeout_s": 10.0})
+    handle = serve(
+        pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}}, router={"worker_timeout_s": 10.0}
+    )
     expected = _complete(handle, prompt="the same prompt").json()["choices"][0]["text"]
     asked: list[str] = []
     for name in ("decode-0", "decode-1"):  # whichever is asked first answers 3 s late, and is then marked dead
@@ -73,8 +87,13 @@ def test_a_reservation_pending_on_a_worker_marked_dead_moves_on_at_once(serve):
             return _original(*args, **kwargs)
 
         worker._reserve = slow_reserve
-    marker = threading.Thread(target=lambda: (wait_until(lambda: bool(asked), 5), time.sleep(0.3),
-                                              handle.router.mark_dead_threadsafe(asked[0], "monitor: process gone")))
+    marker = threading.Thread(
+        target=lambda: (
+            wait_until(lambda: bool(asked), 5),
+            time.sleep(0.3),
+            handle.router.mark_dead_threadsafe(asked[0], "monitor: process gone"),
+        )
+    )
     marker.start()
     started = time.monotonic()
     response = _complete(handle, prompt="the same prompt")
@@ -101,8 +120,13 @@ def test_a_reservation_whose_start_never_comes_is_freed_and_the_client_told(serv
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_prompt_no_kv_cache_can_hold_is_refused_at_once(serve, mode):
-    handle = serve(mode=mode, pools={"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8},
-                                     "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}})
+    handle = serve(
+        mode=mode,
+        pools={
+            "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8},
+            "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8},
+        },
+    )
     wait_until(lambda: all(w.stats is not None for w in handle.router.members.workers.values()), 5)
     started = time.monotonic()
     response = _complete(handle, prompt=" ".join(["word"] * 40), max_tokens=4)  # ~200 tokens > 8 blocks of 16
@@ -143,8 +167,14 @@ def test_a_heartbeat_from_another_incarnation_neither_refreshes_nor_revives(serv
     decode = worker_named(handle, "decode-0")
     decode.kill()  # dead for good: only a stale heartbeat (an old or a restarted process's) could revive it
     wait_until(lambda: not router.members.workers["decode-0"].alive, 5)
-    stale = Stats(worker="decode-0", role="decode", address="tcp://127.0.0.1:1",
-                  load=WorkerLoad(free_blocks=160, total_blocks=160), counters=WorkerCounters(), loop_age_s=0.0)
+    stale = Stats(
+        worker="decode-0",
+        role="decode",
+        address="tcp://127.0.0.1:1",
+        load=WorkerLoad(free_blocks=160, total_blocks=160),
+        counters=WorkerCounters(),
+        loop_age_s=0.0,
+    )
     router.loop.call_soon_threadsafe(router._dispatch, stale)
     time.sleep(0.3)
     assert not router.members.workers["decode-0"].alive

@@ -29,13 +29,13 @@ import yaml
 import zmq
 
 from bench.frontend_bench import process_running
+from engine.config import EngineConfig
 from engine.request import SamplingParams
+from tests.helpers.cluster import metric_value, wait_all_kv_free
+from tests.helpers.engine import Reference, random_prompts
 from worker.messages import Abort, Command, ErrorEvent, Event, Generate, Ping, Reserve, Reserved, Stats, Tokens
 from worker.protocol import Channel, Signer, Verifier
 from worker.spec import RuntimeOptions, WorkerSpec
-from engine.config import EngineConfig
-from tests.helpers.cluster import metric_value, wait_all_kv_free
-from tests.helpers.engine import Reference, random_prompts
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -160,8 +160,9 @@ def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
     from transfer.base import TransferConfig
 
     routers = FakeRouters(2)
-    spec = _spec(tiny_llama_path, routers, "decode", transfer=TransferConfig(secret=SECRET, deadline_s=60),
-                 router_timeout_s=1.5)
+    spec = _spec(
+        tiny_llama_path, routers, "decode", transfer=TransferConfig(secret=SECRET, deadline_s=60), router_timeout_s=1.5
+    )
     worker = DecodeWorker(spec)  # zmq over tcp, failure policy "fail", no headroom: the spec's defaults
     worker.start()
     try:
@@ -191,12 +192,10 @@ def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
 # ---- served: pdserve serve --router-processes 2 ----------------------------------------------------------------
 
 
-
-
 def _sse_text(body: str) -> tuple[str, dict | None]:
     text, usage = "", None
     for event in body.strip().split("\n\n"):
-        payload = event[len("data: "):]
+        payload = event[len("data: ") :]
         if payload == "[DONE]":
             break
         data = json.loads(payload)
@@ -226,16 +225,26 @@ def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
         ray.shutdown()
     queue_size = 2
     config = tmp_path / "two-routers.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"name": str(tiny_llama_path), "max_model_len": 2048},
-        "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
-                  # every request reserves its whole length: a 1,790-token one takes all 112 blocks
-                  "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 112, "reserve_headroom_tokens": 4096}},
-        "router": {"queue_size": queue_size},
-    }))
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0",
-                             "--router-processes", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": str(tiny_llama_path), "max_model_len": 2048},
+                "pools": {
+                    "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
+                    # every request reserves its whole length: a 1,790-token one takes all 112 blocks
+                    "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 112, "reserve_headroom_tokens": 4096},
+                },
+                "router": {"queue_size": queue_size},
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0", "--router-processes", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     worker_pids: list[int] = []
     router_pids: list[int] = []
     try:
@@ -261,12 +270,22 @@ def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
         expected = [reference.greedy(p, 12) for p in prompts]
 
         async def stream(client: httpx.AsyncClient, prompt: list[int]) -> tuple[int, str, dict | None]:
-            body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            response = await client.post(f"{url}/v1/completions", json=body, timeout=60,
-                                         headers={"Connection": "close"})
-            return (response.status_code, *_sse_text(response.text)) if response.status_code == 200 else \
-                (response.status_code, response.text, None)
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            response = await client.post(
+                f"{url}/v1/completions", json=body, timeout=60, headers={"Connection": "close"}
+            )
+            return (
+                (response.status_code, *_sse_text(response.text))
+                if response.status_code == 200
+                else (response.status_code, response.text, None)
+            )
 
         async def streams(batch: list[list[int]]):
             limits = httpx.Limits(max_keepalive_connections=0)  # a new connection each: the kernel spreads them
@@ -291,16 +310,27 @@ def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
         # 2. one queue limit across both: a request holds every decode block; of a burst, queue_size wait, 429 rest
         async def burst() -> list[int]:
             async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
-                blocker = {"model": model, "prompt": random_prompts(1, 100, 100, seed=5)[0], "max_tokens": 1689,
-                           "ignore_eos": True, "stream": True}
+                blocker = {
+                    "model": model,
+                    "prompt": random_prompts(1, 100, 100, seed=5)[0],
+                    "max_tokens": 1689,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 async with client.stream("POST", f"{url}/v1/completions", json=blocker, timeout=120) as response:
                     assert response.status_code == 200
                     lines = response.aiter_lines()
                     await lines.__anext__()  # its first token: it holds all 112 decode blocks now
                     await asyncio.sleep(0.5)  # heartbeats show the cache full
-                    small = [client.post(f"{url}/v1/completions", timeout=120, headers={"Connection": "close"},
-                                         json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 4})
-                             for _ in range(16)]
+                    small = [
+                        client.post(
+                            f"{url}/v1/completions",
+                            timeout=120,
+                            headers={"Connection": "close"},
+                            json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 4},
+                        )
+                        for _ in range(16)
+                    ]
                     answers = await asyncio.gather(*small)
                     async for _ in lines:
                         pass
@@ -361,8 +391,13 @@ ROUTERS_ONLY_SCRIPT = textwrap.dedent("""
 
 
 def test_router_processes_hear_the_monitor_and_exit_when_the_main_process_dies(tiny_llama_path):
-    proc = subprocess.Popen([sys.executable, "-c", ROUTERS_ONLY_SCRIPT, str(tiny_llama_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ROUTERS_ONLY_SCRIPT, str(tiny_llama_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
@@ -377,8 +412,10 @@ def test_router_processes_hear_the_monitor_and_exit_when_the_main_process_dies(t
         assert len(pids) == 2 and all(process_running(p) for p in pids), "".join(lines)
         # both processes registered the worker and marked it dead, each when told (not by a missed heartbeat)
         deadline = time.monotonic() + 10  # the news reaches each process within its next poll of the pipe
-        while not all([w["name"] for w in s["workers"]] == ["decode-7"]
-                      for s in _statuses_of_every_process(f"http://127.0.0.1:{port}", 2).values()):
+        while not all(
+            [w["name"] for w in s["workers"]] == ["decode-7"]
+            for s in _statuses_of_every_process(f"http://127.0.0.1:{port}", 2).values()
+        ):
             assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.05)
         while sum("worker decode-7 marked dead: gone in this test" in line for line in list(lines)) < 2:

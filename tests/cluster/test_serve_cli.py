@@ -23,13 +23,23 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
     if ray.is_initialized():
         ray.shutdown()
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"name": str(tiny_llama_path), "max_model_len": 512},
-        "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
-                  "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64}},
-    }))
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": str(tiny_llama_path), "max_model_len": 512},
+                "pools": {
+                    "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
+                    "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
+                },
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url, deadline, seen = None, time.monotonic() + 120, []
         while url is None and time.monotonic() < deadline:
@@ -43,8 +53,9 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
         body = {"model": str(tiny_llama_path), "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
-        status = subprocess.run([sys.executable, "-m", "cli.main", "status", "--url", url], capture_output=True,
-                                text=True, timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "cli.main", "status", "--url", url], capture_output=True, text=True, timeout=60
+        )
         assert status.returncode == 0
         assert "prefill-0" in status.stdout and "decode-0" in status.stdout and "disaggregated" in status.stdout
         proc.send_signal(signal.SIGTERM)
@@ -56,4 +67,3 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-

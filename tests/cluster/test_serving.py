@@ -62,8 +62,11 @@ def test_completions_match_transformers(server, reference, tokenizer):
         assert response.status_code == 200, response.text
         data = response.json()
         assert data["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        assert data["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(expected),
-                                 "total_tokens": len(prompt) + len(expected)}
+        assert data["usage"] == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(expected),
+            "total_tokens": len(prompt) + len(expected),
+        }
         assert data["object"] == "text_completion" and data["id"].startswith("cmpl-")
         assert data["timing"]["ttft_s"] > 0
 
@@ -73,8 +76,14 @@ def test_streamed_chat_matches_transformers_and_is_framed_exactly(server, refere
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     expected = reference.greedy(prompt, 12)
-    body = {"model": _model(server), "messages": messages, "max_completion_tokens": 12, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": _model(server),
+        "messages": messages,
+        "max_completion_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     events = _sse_events(response.text)
@@ -88,8 +97,11 @@ def test_streamed_chat_matches_transformers_and_is_framed_exactly(server, refere
     assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] in ("stop", "length")
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(expected),
-                                    "total_tokens": len(prompt) + len(expected)}
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(expected),
+        "total_tokens": len(prompt) + len(expected),
+    }
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
@@ -104,9 +116,16 @@ def test_streamed_completion_without_usage_option(server):
 
 def test_32_concurrent_streams_complete_with_correct_usage(server):
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, dict]:
-        body = {"model": _model(server), "prompt": f"request number {i} " * (1 + i % 5), "max_tokens": 6 + i % 4,
-                "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": _model(server),
+            "prompt": f"request number {i} " * (1 + i % 5),
+            "max_tokens": 6 + i % 4,
+            "temperature": 0.8,
+            "seed": i,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
             assert response.status_code == 200
             text = "".join([part async for part in response.aiter_text()])
@@ -126,11 +145,17 @@ def test_models_health_metrics(server):
     models = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == _model(server)
     assert httpx.get(f"{server.base_url}/health", timeout=10).json()["status"] == "ok"
-    httpx.post(f"{server.base_url}/v1/completions", json={"model": _model(server), "prompt": "x", "max_tokens": 2},
-               timeout=60)
+    httpx.post(
+        f"{server.base_url}/v1/completions", json={"model": _model(server), "prompt": "x", "max_tokens": 2}, timeout=60
+    )
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    for name in ("pdserve_ttft_seconds_bucket", "pdserve_e2e_seconds_count", "pdserve_router_queue_depth",
-                 'pdserve_worker{key="free_blocks"', "pdserve_requests_total"):
+    for name in (
+        "pdserve_ttft_seconds_bucket",
+        "pdserve_e2e_seconds_count",
+        "pdserve_router_queue_depth",
+        'pdserve_worker{key="free_blocks"',
+        "pdserve_requests_total",
+    ):
         assert name.split("{")[0] in metrics
     if server.config.mode == "disaggregated":
         assert 'key="transfer_bytes"' in metrics
@@ -162,8 +187,12 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
 
 
 def test_malformed_json_and_bad_chat_role(server):
-    response = httpx.post(f"{server.base_url}/v1/completions", content=b"{not json", timeout=30,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
     body = {"model": _model(server), "messages": [{"role": "wizard", "content": "hi"}]}
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)

@@ -22,8 +22,6 @@ from bench.frontend_bench import process_running
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
-
-
 @pytest.mark.parametrize("how", ["sigint", "sigterm", "sigterm_group"])
 def test_serve_exits_within_10s_and_leaves_no_worker(how, tiny_llama_path, tmp_path):
     import ray
@@ -31,13 +29,24 @@ def test_serve_exits_within_10s_and_leaves_no_worker(how, tiny_llama_path, tmp_p
     if ray.is_initialized():
         ray.shutdown()
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"name": str(tiny_llama_path), "max_model_len": 256},
-        "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 32},
-                  "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 32}},
-    }))
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": str(tiny_llama_path), "max_model_len": 256},
+                "pools": {
+                    "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 32},
+                    "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 32},
+                },
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     pids: list[int] = []
     try:
         seen, deadline = [], time.monotonic() + 120

@@ -34,8 +34,13 @@ def test_two_process_handoff_is_token_exact(ray_local, tiny_llama_path, backend,
         prompts = random_prompts(3, 20, 150, seed=31)
         prompts[0] = (prompts[0] * 10)[:150]  # several prefill chunks, streamed chunk by chunk
         for prompt in prompts:
-            body = {"model": config.served_model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                    "ignore_eos": True}
+            body = {
+                "model": config.served_model_name,
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             data = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=120).json()
             expected = reference.greedy(prompt, 12)
             got = data["choices"][0]["text"]
@@ -60,8 +65,13 @@ def test_local_backend_handoff_in_process_is_token_exact(tiny_llama_path):
     handle = start_serving(config, in_process=True)
     try:
         prompt = random_prompts(1, 90, 90, seed=41)[0]
-        body = {"model": config.served_model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": config.served_model_name,
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         data = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60).json()
         expected = tokenizer.decode(reference.greedy(prompt, 12), skip_special_tokens=True)
         assert data["choices"][0]["text"].startswith(expected)

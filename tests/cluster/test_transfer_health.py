@@ -6,7 +6,6 @@ In-process clusters (the real router, API, workers and transfer, as threads) so 
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 import zmq
@@ -19,14 +18,21 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _complete(handle, prompt="hello there", max_tokens=6) -> httpx.Response:
-    body = {"model": handle.config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": handle.config.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
 
 
 def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_requests(serve):
-    handle = serve(pools={"prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 96}},
-                   router={"prefill_policy": "round_robin"})
+    handle = serve(
+        pools={"prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 96}},
+        router={"prefill_policy": "round_robin"},
+    )
     expected = _complete(handle).json()["choices"][0]["text"]
     broken, healthy = worker_named(handle, "prefill-1"), worker_named(handle, "prefill-0")
 

@@ -25,11 +25,18 @@ def _pid(handle, name: str) -> int:
 
 
 def test_decode_death_mid_stream_is_an_error_event_then_the_worker_rejoins(ray_local, tiny_llama_path):
-    config = tiny_cluster_config(tiny_llama_path, pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}})
+    config = tiny_cluster_config(
+        tiny_llama_path, pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}}
+    )
     handle = start_serving(config)
     try:
-        body = {"model": config.served_model_name, "prompt": "tell me a long story", "max_tokens": 400,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": config.served_model_name,
+            "prompt": "tell me a long story",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
         lines: list[str] = []
         with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
@@ -45,8 +52,11 @@ def test_decode_death_mid_stream_is_an_error_event_then_the_worker_rejoins(ray_l
         assert time.monotonic() - killed < 3
         assert victim not in [w.name for w in handle.router.live("decode")]  # no more routing to it
         for _ in range(3):  # served by the survivor meanwhile
-            ok = httpx.post(f"{handle.base_url}/v1/completions", timeout=60,
-                            json={"model": config.served_model_name, "prompt": "hi", "max_tokens": 3})
+            ok = httpx.post(
+                f"{handle.base_url}/v1/completions",
+                timeout=60,
+                json={"model": config.served_model_name, "prompt": "hi", "max_tokens": 3},
+            )
             assert ok.status_code == 200
         # restarted, rejoined
         wait_until(lambda: victim in [w.name for w in handle.router.live("decode")], timeout_s=60)
@@ -85,8 +95,10 @@ def test_a_degraded_worker_is_restarted_by_ray_and_serves_again(ray_local, tiny_
 def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_path):
     config = tiny_cluster_config(
         tiny_llama_path,
-        pools={"prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 200, "max_batch_tokens": 8},
-               "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 300}},
+        pools={
+            "prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 200, "max_batch_tokens": 8},
+            "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 300},
+        },
         router={"prefill_policy": "round_robin", "port": 0},
         transfer={"deadline_s": 20, "lease_s": 5},
     )
@@ -98,15 +110,20 @@ def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_p
         async def burst():
             async with httpx.AsyncClient(timeout=120) as client:
                 body = {"model": config.served_model_name, "max_tokens": 4, "ignore_eos": True}
-                tasks = [client.post(f"{handle.base_url}/v1/completions", json={**body, "prompt": f"{i} " + "y" * 480})
-                         for i in range(6)]
+                tasks = [
+                    client.post(f"{handle.base_url}/v1/completions", json={**body, "prompt": f"{i} " + "y" * 480})
+                    for i in range(6)
+                ]
                 results.extend(await asyncio.gather(*tasks))
 
         load = threading.Thread(target=lambda: asyncio.run(burst()))
         load.start()
         # kill prefill-0 while requests sit in its queue (long prompts, 8-token chunks: it is busy for a while)
-        wait_until(lambda: any(s.prefill == "prefill-0" for s in list(handle.router.streams.values())), timeout_s=30,
-              step_s=0.005)
+        wait_until(
+            lambda: any(s.prefill == "prefill-0" for s in list(handle.router.streams.values())),
+            timeout_s=30,
+            step_s=0.005,
+        )
         os.kill(victim_pid, signal.SIGKILL)
         load.join(120)
         assert len(results) == 6
@@ -125,14 +142,29 @@ def test_chaos_bench_loses_nothing_and_leaks_nothing(ray_local, tiny_llama_path,
     from bench import chaos
 
     config_path = tmp_path / "chaos.yaml"
-    config_path.write_text(yaml.safe_dump({
-        "model": {"name": str(tiny_llama_path), "max_model_len": 512},
-        "pools": {"prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 96},
-                  "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 160}},
-        "transfer": {"deadline_s": 10, "lease_s": 10},
-    }))
-    args = argparse.Namespace(config=str(config_path), model=None, num_requests=40, concurrency=8, max_tokens=12,
-                              request_timeout_s=30.0, kill_decode_at=0.25, kill_prefill_at=0.6, settle_timeout_s=60.0)
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": str(tiny_llama_path), "max_model_len": 512},
+                "pools": {
+                    "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 96},
+                    "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 160},
+                },
+                "transfer": {"deadline_s": 10, "lease_s": 10},
+            }
+        )
+    )
+    args = argparse.Namespace(
+        config=str(config_path),
+        model=None,
+        num_requests=40,
+        concurrency=8,
+        max_tokens=12,
+        request_timeout_s=30.0,
+        kill_decode_at=0.25,
+        kill_prefill_at=0.6,
+        settle_timeout_s=60.0,
+    )
     result = chaos.run(args)
     assert result["requests_sent"] == 40
     assert result["lost"] == 0, result["lost_reasons"]

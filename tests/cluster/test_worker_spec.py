@@ -20,9 +20,15 @@ SECRET = "worker-spec-test-secret-0123456789abcdef"
 
 
 def _spec(role: str = "prefill", gpus: float = 0, backend: str = "zmq", **extra) -> WorkerSpec:
-    return WorkerSpec(name=f"{role}-7", role=role, engine=EngineConfig(model="/nowhere"),
-                      runtime=RuntimeOptions(["tcp://127.0.0.1:1"], secret=SECRET), transfer_backend=backend,
-                      gpus=gpus, **extra)
+    return WorkerSpec(
+        name=f"{role}-7",
+        role=role,
+        engine=EngineConfig(model="/nowhere"),
+        runtime=RuntimeOptions(["tcp://127.0.0.1:1"], secret=SECRET),
+        transfer_backend=backend,
+        gpus=gpus,
+        **extra,
+    )
 
 
 @pytest.fixture
@@ -67,8 +73,12 @@ def test_a_spec_checks_its_values_and_shares_one_secret():
     assert spec.transfer.secret == SECRET  # given once, used by the control plane and the KV handshake
     with pytest.raises(ValueError, match="differ"):
         _spec(transfer=TransferConfig(secret="another-secret-entirely-0123456789"))
-    for field, value in (("transfer_backend", "carrier-pigeon"), ("zmq_transport", "udp"),
-                         ("failure_policy", "retry"), ("role", "router")):
+    for field, value in (
+        ("transfer_backend", "carrier-pigeon"),
+        ("zmq_transport", "udp"),
+        ("failure_policy", "retry"),
+        ("role", "router"),
+    ):
         with pytest.raises(ValueError, match=field if field != "role" else "WorkerRole"):
             dataclasses.replace(spec, **{field: value})
     assert spec.with_host("10.1.2.3").runtime.host == "10.1.2.3" and spec.runtime.host == "127.0.0.1"
@@ -92,9 +102,13 @@ def test_a_role_refuses_another_roles_spec(tiny_llama_path):
 def test_workers_fail_in_their_own_process_when_their_gpu_is_missing(tiny_llama_path, no_gpu):
     """The launcher decides nothing about devices: the worker itself refuses, naming itself (LocalPools runs the
     workers' constructors here, as a Ray actor runs them in its own process)."""
-    config = parse_config({"model": {"name": str(tiny_llama_path)},
-                           "pools": {"prefill": {"gpus_per_replica": 1}, "decode": {"gpus_per_replica": 1}},
-                           "transfer": {"secret": SECRET}})
+    config = parse_config(
+        {
+            "model": {"name": str(tiny_llama_path)},
+            "pools": {"prefill": {"gpus_per_replica": 1}, "decode": {"gpus_per_replica": 1}},
+            "transfer": {"secret": SECRET},
+        }
+    )
     with pytest.raises(RuntimeError, match="worker prefill-0: .*no GPU is visible"):
         LocalPools(config, str(tiny_llama_path), ["tcp://127.0.0.1:1"], "127.0.0.1")
 
@@ -102,12 +116,16 @@ def test_workers_fail_in_their_own_process_when_their_gpu_is_missing(tiny_llama_
 def test_workers_built_from_the_configs_specs_run_on_the_cpu_and_free_everything(tiny_llama_path):
     """In-process pools from ``worker_specs``: each worker resolved its own device, took its role's settings from its
     spec, and holds nothing after it stops."""
-    config = parse_config({
-        "model": {"name": str(tiny_llama_path), "max_model_len": 256},
-        "pools": {"prefill": {"kv_blocks": 32, "torch_threads": 1},
-                  "decode": {"kv_blocks": 48, "torch_threads": 1, "reserve_headroom_tokens": 8}},
-        "transfer": {"backend": "local", "secret": SECRET, "failure_policy": "recompute", "stream_layers": False},
-    })
+    config = parse_config(
+        {
+            "model": {"name": str(tiny_llama_path), "max_model_len": 256},
+            "pools": {
+                "prefill": {"kv_blocks": 32, "torch_threads": 1},
+                "decode": {"kv_blocks": 48, "torch_threads": 1, "reserve_headroom_tokens": 8},
+            },
+            "transfer": {"backend": "local", "secret": SECRET, "failure_policy": "recompute", "stream_layers": False},
+        }
+    )
     pools = LocalPools(config, str(tiny_llama_path), ["tcp://127.0.0.1:1"], "127.0.0.1")
     try:
         workers = {record.name: record.actor.worker for record in pools.workers}

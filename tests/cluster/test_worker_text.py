@@ -33,8 +33,7 @@ SLOW_TOKENS = 240
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def handle(request, tiny_llama_path):
-    config = tiny_cluster_config(tiny_llama_path, request.param,
-                                 router={"port": 0, "served_model_name": MODEL_NAME})
+    config = tiny_cluster_config(tiny_llama_path, request.param, router={"port": 0, "served_model_name": MODEL_NAME})
     handle = start_serving(config, in_process=True)
     yield handle
     handle.stop()
@@ -46,14 +45,21 @@ def engine(tiny_llama_path):
 
 
 def _reference(engine, prompt: list[int], max_tokens: int, stop: list[str] | None = None):
-    [result] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                        stop=list(stop or [])))
+    [result] = engine.generate(
+        [prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=list(stop or []))
+    )
     return result
 
 
 def _body(prompt: list[int], max_tokens: int, stop: list[str] | None = None, stream: bool = False) -> dict:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stop:
         body["stop"] = stop
     if stream:
@@ -125,8 +131,10 @@ def _raw_request(base_url: str, body: dict) -> socket.socket:
     sock.settimeout(60)
     sock.connect((url.hostname, url.port))
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.0\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
     return sock
 
 

@@ -32,4 +32,3 @@ def make_engine():
     yield factory
     for engine in engines:
         engine.check_no_leaks()
-

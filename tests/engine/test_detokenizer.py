@@ -33,12 +33,18 @@ def _metaspace_unigram(cleanup: bool):
     core = Tokenizer(models.Unigram())
     core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.UnigramTrainer(vocab_size=220, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>",
-                                      show_progress=False)
+    trainer = trainers.UnigramTrainer(
+        vocab_size=220, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", show_progress=False
+    )
     core.train_from_iterator(CORPUS * 20, trainer)
     core.add_tokens([AddedToken("<tool>", special=False, normalized=False)])  # an added token that is not special
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   clean_up_tokenization_spaces=cleanup)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=cleanup,
+    )
 
 
 def _byte_fallback_bpe(cleanup: bool):
@@ -48,8 +54,9 @@ def _byte_fallback_bpe(cleanup: bool):
 
     trained = Tokenizer(models.BPE(unk_token="<unk>"))
     trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60, show_progress=False
+    )
     trained.train_from_iterator(CORPUS * 20, trainer)
     vocab = trained.get_vocab(with_added_tokens=False)
     saved = json.loads(trained.to_str())["model"]["merges"]
@@ -63,7 +70,10 @@ def _byte_fallback_bpe(cleanup: bool):
     )
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ["<unk>", "<s>", "</s>"]])
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         clean_up_tokenization_spaces=cleanup,
         clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=cleanup,
     )
@@ -78,10 +88,17 @@ def _wordpiece_cleanup():
     core.normalizer = normalizers.BertNormalizer(lowercase=False)
     core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    core.train_from_iterator(CORPUS * 20, trainers.WordPieceTrainer(vocab_size=300, show_progress=False,
-                                                                    special_tokens=["[UNK]", "[CLS]", "[SEP]"]))
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                                   clean_up_tokenization_spaces=True)
+    core.train_from_iterator(
+        CORPUS * 20,
+        trainers.WordPieceTrainer(vocab_size=300, show_progress=False, special_tokens=["[UNK]", "[CLS]", "[SEP]"]),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        clean_up_tokenization_spaces=True,
+    )
 
 
 _CACHE: dict[str, object] = {}
@@ -113,8 +130,17 @@ def _with_cleanup_flag(tokenizer):
     return tokenizer
 
 
-ALL = ["tiny_llama", "tiny_qwen2", "smollm2", "metaspace", "metaspace_cleanup", "byte_fallback",
-       "byte_fallback_cleanup", "wordpiece_cleanup", "bpe_cleanup_flag"]
+ALL = [
+    "tiny_llama",
+    "tiny_qwen2",
+    "smollm2",
+    "metaspace",
+    "metaspace_cleanup",
+    "byte_fallback",
+    "byte_fallback_cleanup",
+    "wordpiece_cleanup",
+    "bpe_cleanup_flag",
+]
 
 
 # ---- sequences and streaming -----------------------------------------------------------------------------------------
@@ -312,8 +338,9 @@ def test_engine_checks_stop_token_ids_as_a_set(tiny_llama_path, make_engine):
     [free] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     stopper = free.token_ids[6]
     stop_ids = _CountingList(list(range(300, 350)) + [stopper])  # ids past the tiny vocabulary, then the stopper
-    engine.add_request([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=stop_ids),
-                       request_id="r")
+    engine.add_request(
+        [5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=stop_ids), request_id="r"
+    )
     request = engine.requests["r"]
     while engine.has_unfinished():
         engine.step()

@@ -98,8 +98,10 @@ def test_sampler_fails_rows_not_the_batch():
     logits[1] = float("nan")
     logits[3] = float("-inf")  # nothing left to sample
     temperatures = [0.0, 0.0, 1.0, 1.0]
-    reqs = [Request(str(i), [1], SamplingParams(temperature=t, seed=1), RequestTiming(0.0)) for i, t in
-            enumerate(temperatures)]
+    reqs = [
+        Request(str(i), [1], SamplingParams(temperature=t, seed=1), RequestTiming(0.0))
+        for i, t in enumerate(temperatures)
+    ]
     result = sample(logits, reqs)
     assert result.token_ids[0] == int(logits[0].argmax()) and result.errors[0] is None
     assert result.token_ids[2] is not None and result.errors[2] is None
@@ -129,6 +131,7 @@ def test_failed_forward_fails_that_step_and_the_engine_goes_on(tiny_llama_path, 
 
         engine.runner.execute = execute
     else:
+
         def hook(layer, batch):
             engine.set_layer_hook(None)
             raise RuntimeError("device fell over")

@@ -18,8 +18,9 @@ def _handoff(prefill, decode, prompt: list[int], params: SamplingParams, request
         dst = dst_blocks[ready.first_block : ready.end_block]
         decode.write_remote_kv(ready.request_id, ready.layer, dst, ready.k, ready.v)
 
-    prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, prefill_only=True,
-                        kv_sink=sink)
+    prefill.add_request(
+        prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, prefill_only=True, kv_sink=sink
+    )
     [first] = [o for _ in range(10) for o in prefill.step()]
     assert first.finished and prefill.requests[request_id].status == RequestStatus.PREFILLED
     assert prefill.requests[request_id].kv_export.num_blocks_reported == num_src_blocks

@@ -27,8 +27,12 @@ def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
 
 
 def copy(params: SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, stop=list(params.stop),
-                          ignore_eos=params.ignore_eos)
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+    )
 
 
 class Wire:
@@ -95,8 +99,9 @@ def handoff(prefill, decode, prompts: list[list[int]], params: SamplingParams, s
     for rid, prompt in zip(rids, prompts):
         dst = decode.reserve_remote(prompt, copy(params), rid)
         wires[rid] = Wire(decode, dst)
-        prefill.add_request(prompt, prefill_params(params), rid, prefill_only=True, kv_sink=wires[rid],
-                            stream_kv=stream)
+        prefill.add_request(
+            prompt, prefill_params(params), rid, prefill_only=True, kv_sink=wires[rid], stream_kv=stream
+        )
     firsts = prefill_all(prefill, rids)
     for rid, prompt in zip(rids, prompts):
         wires[rid].assert_each_block_once_per_layer(prefill.kv_spec.num_layers, len(prompt))
@@ -180,8 +185,9 @@ def test_streamed_reports_follow_the_chunks_inside_the_forward(tiny_llama_path, 
             ranges = [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
             assert wire.reports == [(layer, *r) for r in ranges for layer in range(num_layers)]
             assert wire.steps == [s for s in range(5) for _ in range(num_layers)]
-            assert events == [e for _ in range(5) for layer in range(num_layers) for e in (("kv", layer),
-                                                                                            ("layer", layer))]
+            assert events == [
+                e for _ in range(5) for layer in range(num_layers) for e in (("kv", layer), ("layer", layer))
+            ]
         else:  # the whole prompt, every layer, once the prompt is done (after its last forward)
             assert wire.reports == [(layer, 0, 10) for layer in range(num_layers)]
             assert wire.steps == [4] * num_layers
@@ -340,8 +346,17 @@ def test_expire_remote_frees_reservations_without_a_first_token(tiny_llama_path,
     no_leaks(single, prefill, decode)
 
 
-ABORT_STATES = ["reserved", "first_token_in", "kv_in", "ready", "failed_to_recompute", "failed_and_ready",
-                "recomputing", "prefill_streaming", "prefilled"]
+ABORT_STATES = [
+    "reserved",
+    "first_token_in",
+    "kv_in",
+    "ready",
+    "failed_to_recompute",
+    "failed_and_ready",
+    "recomputing",
+    "prefill_streaming",
+    "prefilled",
+]
 
 
 @pytest.mark.parametrize("state", ABORT_STATES)
@@ -373,10 +388,15 @@ def test_abort_works_in_every_state_of_the_handoff(tiny_llama_path, make_engine,
         "kv_in": [lambda: decode.remote_kv_done("x")],
         "ready": [lambda: decode.remote_kv_done("x"), lambda: decode.remote_first_token("x", token)],
         "failed_to_recompute": [lambda: decode.remote_kv_failed("x", recompute=True)],
-        "failed_and_ready": [lambda: decode.remote_kv_failed("x", recompute=True),
-                             lambda: decode.remote_first_token("x", token)],
-        "recomputing": [lambda: decode.remote_kv_failed("x", recompute=True),
-                        lambda: decode.remote_first_token("x", token), decode.step],
+        "failed_and_ready": [
+            lambda: decode.remote_kv_failed("x", recompute=True),
+            lambda: decode.remote_first_token("x", token),
+        ],
+        "recomputing": [
+            lambda: decode.remote_kv_failed("x", recompute=True),
+            lambda: decode.remote_first_token("x", token),
+            decode.step,
+        ],
     }[state]
     for action in steps:
         action()
@@ -420,8 +440,18 @@ def test_a_raising_sink_fails_only_its_steps_requests(tiny_llama_path, make_engi
 
 def test_reserved_blocks_is_what_reserve_remote_allocates(tiny_llama_path, make_engine):
     engine = make_engine(tiny_llama_path, max_model_len=80, num_kv_blocks=64)
-    cases = [(1, 1, 0), (15, 16, 0), (16, 16, 0), (17, 2, 100), (20, 100, 64), (20, 4, 64), (60, 100, 100),
-             (79, 50, 10), (32, 1, 500), (47, 3, 1)]
+    cases = [
+        (1, 1, 0),
+        (15, 16, 0),
+        (16, 16, 0),
+        (17, 2, 100),
+        (20, 100, 64),
+        (20, 4, 64),
+        (60, 100, 100),
+        (79, 50, 10),
+        (32, 1, 500),
+        (47, 3, 1),
+    ]
     for n, (num_prompt, max_tokens, headroom) in enumerate(cases):
         blocks = engine.reserve_remote(list(range(1, num_prompt + 1)), greedy(max_tokens), f"c{n}", headroom)
         assert blocks is not None

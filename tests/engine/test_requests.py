@@ -49,9 +49,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama_path, 
     engine = make_engine(tiny_llama_path)
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     [alone] = engine.generate(["once upon"], params)
-    batch = engine.generate(["once upon", "other prompt", "once upon"], [params, SamplingParams(temperature=0.7), params])
+    batch = engine.generate(
+        ["once upon", "other prompt", "once upon"], [params, SamplingParams(temperature=0.7), params]
+    )
     assert batch[0].token_ids == alone.token_ids == batch[2].token_ids
-    [other_seed] = engine.generate(["once upon"], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    [other_seed] = engine.generate(
+        ["once upon"], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    )
     assert other_seed.token_ids != alone.token_ids
 
 
@@ -153,8 +157,9 @@ def test_half_precision_engines_generate_and_hand_off(tiny_llama_path, make_engi
         assert ready.k.dtype == ready.v.dtype == getattr(torch, dtype)
         other.write_remote_kv("x", ready.layer, blocks[ready.first_block : ready.end_block], ready.k, ready.v)
 
-    engine.add_request([5, 6, 7] * 11, SamplingParams(max_tokens=1, temperature=0.0), "x", prefill_only=True,
-                       kv_sink=sink)
+    engine.add_request(
+        [5, 6, 7] * 11, SamplingParams(max_tokens=1, temperature=0.0), "x", prefill_only=True, kv_sink=sink
+    )
     [first] = [o for _ in range(5) for o in engine.step()]
     engine.release("x")
     other.remote_first_token("x", first.new_token_ids[0])

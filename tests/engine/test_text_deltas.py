@@ -11,8 +11,8 @@ import pytest
 
 from engine.kv_connector import KVBlocksReady
 from engine.request import FinishReason, RequestStatus, SamplingParams
-from tests.helpers.engine import random_prompts
 from tests.engine.test_detokenizer import _byte_fallback_bpe, _metaspace_unigram
+from tests.helpers.engine import random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -57,18 +57,21 @@ def test_deltas_join_to_the_decoded_text(model, request, make_engine):
     engine = make_engine(request.getfixturevalue(model))
     tokenizer = engine.tokenizer
     prompts = random_prompts(6, 4, 40, seed=31)
-    runs = stream_all(engine, prompts, lambda i: _params(max_tokens=40 + 7 * i, temperature=0.0 if i % 2 else 0.9,
-                                                          seed=i))
+    runs = stream_all(
+        engine, prompts, lambda i: _params(max_tokens=40 + 7 * i, temperature=0.0 if i % 2 else 0.9, seed=i)
+    )
     held = 0
-    for run, prompt in zip(runs, prompts):
+    for run in runs:
         expected = tokenizer.decode(run["ids"], skip_special_tokens=True)
         assert "".join(run["deltas"]) == expected == run["text"]
         assert sum(1 for d in run["deltas"] if d) > 5  # streamed as it went, not all at the finish
         held += sum(1 for d in run["deltas"][:-1] if not d)  # a token whose text was held (half a character)
     assert held > 0 and any(ord(c) > 127 for run in runs for c in run["text"])
     # generate() is unchanged: the same text as before, and the same as the deltas
-    results = engine.generate(prompts, [_params(max_tokens=40 + 7 * i, temperature=0.0 if i % 2 else 0.9, seed=i)
-                                        for i in range(len(prompts))])
+    results = engine.generate(
+        prompts,
+        [_params(max_tokens=40 + 7 * i, temperature=0.0 if i % 2 else 0.9, seed=i) for i in range(len(prompts))],
+    )
     assert [r.text for r in results] == [r["text"] for r in runs]
     assert [r.token_ids for r in results] == [r["ids"] for r in runs]
 
@@ -107,8 +110,11 @@ def test_deltas_with_sentencepiece_tokenizers(kind, tiny_llama_path, make_engine
 def test_deltas_with_the_default_model(smollm2_path, make_engine):
     engine = make_engine(smollm2_path, num_kv_blocks=64)
     tokenizer = engine.tokenizer
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write one sentence about Paris, café and "
-                                             "crème brûlée."}], add_generation_prompt=True, tokenize=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write one sentence about Paris, café and crème brûlée."}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     [run] = stream_all(engine, [prompt], lambda i: _params(max_tokens=32, ignore_eos=False))
     assert "".join(run["deltas"]) == tokenizer.decode(run["ids"], skip_special_tokens=True) == run["text"]
@@ -131,8 +137,9 @@ def _prefilled(prefill, decode, prompt: list[int], params: SamplingParams, rid: 
         if write_kv:
             decode.write_remote_kv(rid, ready.layer, dst[ready.first_block : ready.end_block], ready.k, ready.v)
 
-    prefill.add_request(prompt, SamplingParams(max_tokens=1, **GREEDY, stop=list(params.stop)), rid,
-                        prefill_only=True, kv_sink=sink)
+    prefill.add_request(
+        prompt, SamplingParams(max_tokens=1, **GREEDY, stop=list(params.stop)), rid, prefill_only=True, kv_sink=sink
+    )
     [first] = [o for _ in range(10) for o in prefill.step()]
     assert first.finished and prefill.requests[rid].status == RequestStatus.PREFILLED
     prefill.release(rid)
@@ -175,12 +182,15 @@ def test_handoff_text_is_the_single_engine_text(kind, tiny_llama_path, make_engi
             engine.tokenizer = tokenizer
     tokenizer = single.tokenizer
     cases = []
-    for i, prompt in enumerate(random_prompts(4, 8, 40, seed=34)):
+    for prompt in random_prompts(4, 8, 40, seed=34):
         [free] = single.generate([prompt], _params(max_tokens=30))
         stop = _spanning_stop(tokenizer, free.token_ids, free.text)
         first_text = tokenizer.decode(free.token_ids[:1], skip_special_tokens=True).strip()
-        cases += [(prompt, _params(max_tokens=30)), (prompt, _params(max_tokens=1)),
-                  (prompt, _params(max_tokens=30, stop=[stop]))]
+        cases += [
+            (prompt, _params(max_tokens=30)),
+            (prompt, _params(max_tokens=1)),
+            (prompt, _params(max_tokens=30, stop=[stop])),
+        ]
         if first_text and "\ufffd" not in first_text:  # a stop string inside the first token's text
             cases.append((prompt, _params(max_tokens=30, stop=[first_text[-1]])))
     stopped_at_first = 0
@@ -195,5 +205,9 @@ def test_handoff_text_is_the_single_engine_text(kind, tiny_llama_path, make_engi
 
 
 def _copy(params: SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, stop=list(params.stop),
-                          ignore_eos=params.ignore_eos)
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+    )

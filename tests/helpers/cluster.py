@@ -55,15 +55,22 @@ def wait_all_kv_free(base_url: str, timeout_s: float = 10.0, api_key: str | None
     status: dict = {}
     while time.monotonic() < deadline:
         status = httpx.get(f"{base_url}/status", headers=_auth(api_key), timeout=5).json()
-        fresh = all(w.get("stats_age_s") is not None and w["stats_age_s"] < time.monotonic() - started
-                    for w in status["workers"] if w["alive"])
-        if fresh and all(
-            w.get("free_blocks") == w.get("total_blocks")
-            and w.get("requests", 0) == 0
-            and w.get("awaiting_kv", 0) == 0
-            and w.get("leased_transfers", 0) == 0
+        fresh = all(
+            w.get("stats_age_s") is not None and w["stats_age_s"] < time.monotonic() - started
             for w in status["workers"]
-        ) and status["inflight"] == 0:
+            if w["alive"]
+        )
+        if (
+            fresh
+            and all(
+                w.get("free_blocks") == w.get("total_blocks")
+                and w.get("requests", 0) == 0
+                and w.get("awaiting_kv", 0) == 0
+                and w.get("leased_transfers", 0) == 0
+                for w in status["workers"]
+            )
+            and status["inflight"] == 0
+        ):
             return status
         time.sleep(0.1)
     raise AssertionError(f"KV blocks or requests still held: {status}")

@@ -70,8 +70,9 @@ def imports_of(path: Path, source: str | None = None) -> list[Import]:
             text = _first_line(source, node)
             found.append(Import(path, node.lineno, base, text))
             # `from bench import engine_bench` imports the module bench.engine_bench: check the full name too
-            found += [Import(path, node.lineno, f"{base}.{alias.name}", text) for alias in node.names
-                      if alias.name != "*"]
+            found += [
+                Import(path, node.lineno, f"{base}.{alias.name}", text) for alias in node.names if alias.name != "*"
+            ]
         elif isinstance(node, ast.Call) and (name := _literal_import(node)) is not None:
             found.append(Import(path, node.lineno, name, _first_line(source, node)))
     return found

@@ -3,6 +3,7 @@
 Shared by the in-process tests and the spawned peer processes in ``transfer_peers.py`` (spawn re-imports this
 module by name, so it must stay importable without pytest).
 """
+
 from __future__ import annotations
 
 import time
@@ -17,13 +18,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
-def fingerprint(dtype: str = "bfloat16", layers: int = 4, heads: int = 2, head_dim: int = 8,
-                block_size: int = 4) -> ModelFingerprint:
+def fingerprint(
+    dtype: str = "bfloat16", layers: int = 4, heads: int = 2, head_dim: int = 8, block_size: int = 4
+) -> ModelFingerprint:
     return ModelFingerprint("LlamaForCausalLM", dtype, layers, heads, head_dim, block_size)
 
 
-def make_kv(fp: ModelFingerprint, layer: int, n: int, seed: int,
-            specials: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def make_kv(
+    fp: ModelFingerprint, layer: int, n: int, seed: int, specials: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Source K/V for one layer; with specials, includes inf, -inf, nan and -0.0 so that 'bit-exact'
     means bits (int8 compression has no meaning for non-finite values, so it uses specials=False)."""
     g = torch.Generator().manual_seed(seed * 1000 + layer)
@@ -70,8 +73,7 @@ class Cache:
                     assert torch.allclose(got.float(), want.float(), atol=atol, rtol=0)
 
 
-def poll_until(pollers: list[Callable[[], list]], done: Callable[[list], bool],
-               timeout_s: float) -> list:
+def poll_until(pollers: list[Callable[[], list]], done: Callable[[list], bool], timeout_s: float) -> list:
     """Poll every poller (non-blocking) until done(events) or timeout; returns all events."""
     events: list = []
     end = time.monotonic() + timeout_s

@@ -20,12 +20,31 @@ def canned_status() -> dict[str, Any]:
         "queue_depth": 1,
         "router": {"index": 0, "pid": 4242, "processes": 2, "queue_depth_all": 2, "requests_finished": 17.0},
         "workers": [
-            {"name": "prefill-0", "role": "prefill", "alive": True, "inflight": 1, "last_seen_s": 0.2,
-             "stats_age_s": 0.2, "address": "tcp://127.0.0.1:5555", "degraded": False, "loop_age_s": 0.01,
-             "waiting": 2, "running": 1, "free_blocks": 80, "total_blocks": 96, "transfers_ok": 5.0,
-             "transfer_bytes": 123456.0},
-            {"name": "decode-0", "role": "decode", "alive": False, "inflight": 0, "last_seen_s": 9.5,
-             "stats_age_s": None},
+            {
+                "name": "prefill-0",
+                "role": "prefill",
+                "alive": True,
+                "inflight": 1,
+                "last_seen_s": 0.2,
+                "stats_age_s": 0.2,
+                "address": "tcp://127.0.0.1:5555",
+                "degraded": False,
+                "loop_age_s": 0.01,
+                "waiting": 2,
+                "running": 1,
+                "free_blocks": 80,
+                "total_blocks": 96,
+                "transfers_ok": 5.0,
+                "transfer_bytes": 123456.0,
+            },
+            {
+                "name": "decode-0",
+                "role": "decode",
+                "alive": False,
+                "inflight": 0,
+                "last_seen_s": 9.5,
+                "stats_age_s": None,
+            },
         ],
     }
 
@@ -41,8 +60,9 @@ class StatusServer:
         self.authorizations: list[str | None] = []  # the Authorization header of each request, in order
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="status-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="status-server", daemon=True
+        )
 
     @property
     def url(self) -> str:

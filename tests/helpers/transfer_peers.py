@@ -2,6 +2,7 @@
 
 Each reports over a multiprocessing queue and exits; tests kill them by pid to simulate a dead peer.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,13 @@ def sender_main(jobs: list[dict], out, stall_after: int | None = None) -> None:
             s.send_layer(j["tid"], layer, j["dst"], k, v)
         s.finish(j["tid"])
     events = poll_until([s.poll for s in senders], lambda ev: len(ev) >= len(jobs), 30.0)
-    out.put(("events", [(e.transfer_id, e.state.name, repr(e.error)) for e in events],
-             [s.active_transfers() for s in senders]))
+    out.put(
+        (
+            "events",
+            [(e.transfer_id, e.state.name, repr(e.error)) for e in events],
+            [s.active_transfers() for s in senders],
+        )
+    )
     for s in senders:
         s.close()
 

@@ -1,5 +1,6 @@
 """Fixtures for transfer tests: a spawn context, and teardown that closes every sender/receiver a test made (so no
 socket or thread outlives it). Payloads, the destination cache and the peer processes are in tests/helpers/."""
+
 from __future__ import annotations
 
 import multiprocessing as mp

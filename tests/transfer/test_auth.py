@@ -2,6 +2,7 @@
 header is MAC-checked and in sequence before it is decoded, ZeroMQ bounds every frame, a message cannot bring more
 frames than a piece has, a lying header allocates nothing, and the pair groups' rendezvous store listens only where
 it was told and admits no peer that cannot prove the session key."""
+
 from __future__ import annotations
 
 import socket
@@ -95,8 +96,9 @@ def test_handshake_never_sends_the_secret(sent, closing) -> None:
 def test_a_different_secret_is_refused_both_ways(sender_secret, receiver_secret, closing) -> None:
     fp = fingerprint()
     cache = Cache(fp)
-    r = closing(make_receiver("zmq", fp, cache.sink, "tcp://127.0.0.1:0",
-                              TransferConfig(secret=receiver_secret, **FAST)))
+    r = closing(
+        make_receiver("zmq", fp, cache.sink, "tcp://127.0.0.1:0", TransferConfig(secret=receiver_secret, **FAST))
+    )
     s = closing(make_sender("zmq", fp, TransferConfig(secret=sender_secret, **FAST)))
     r.expect("t", [1])
     s.begin("t", r.address)
@@ -120,8 +122,13 @@ def test_a_receiver_that_cannot_prove_the_secret_gets_no_kv(zctx, closing) -> No
     s.send_layer("t", 0, [1], *make_kv(fp, 0, 1, seed=1))
     identity, hello = fake.recv_multipart()
     h = unpack_header(split(hello)[3])
-    welcome = {"kind": "welcome", "session": b"s" * 16, "nonce": h["nonce"], "rnonce": b"r" * 16,
-               "max_frame_bytes": 1 << 20}
+    welcome = {
+        "kind": "welcome",
+        "session": b"s" * 16,
+        "nonce": h["nonce"],
+        "rnonce": b"r" * 16,
+        "max_frame_bytes": 1 << 20,
+    }
     fake.send_multipart([identity, seal(handshake_key("not-the-secret"), NO_SESSION, 0, pack_header(welcome))])
     assert isinstance(_failed(poll_until([s.poll], lambda e: e, 3), "t"), AuthError)
     time.sleep(0.1)
@@ -168,7 +175,7 @@ def test_a_sniffed_session_token_is_not_enough(closing) -> None:
     fields, frames = raw.piece("t", 0, [1])
     forged = seal(b"k" * 32, raw.session, 99, pack_header(fields))  # the right session, not its key
     raw.sock.send_multipart([forged, *frames])
-    raw.sock.send_multipart([forged[:OVERHEAD - 1], *frames])  # too short to carry a MAC
+    raw.sock.send_multipart([forged[: OVERHEAD - 1], *frames])  # too short to carry a MAC
     poll_until([r.poll], lambda e: r.rejected >= 2, 3)
     assert r.rejected == 2 and cache.writes == 0 and r.pending_transfers() == ["t"]
     raw.send(fields, frames)  # the same piece, sealed with the session key, is accepted
@@ -235,8 +242,9 @@ def allocations(monkeypatch):
     calls: list = []
     empty, over = torch.empty, wire.tensor_over
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: calls.append(("empty", a)) or empty(*a, **kw))
-    monkeypatch.setattr(wire, "tensor_over",
-                        lambda buf, dt, shape: calls.append(("view", shape)) or over(buf, dt, shape))
+    monkeypatch.setattr(
+        wire, "tensor_over", lambda buf, dt, shape: calls.append(("view", shape)) or over(buf, dt, shape)
+    )
     return calls
 
 
@@ -297,10 +305,20 @@ def test_a_pair_group_peer_must_prove_the_session_key(same_key) -> None:
     """Anyone who reaches the store can list its keys and race to join a pair: the proof exchange stops them."""
     store = make_store_server("127.0.0.1", 5)
     key = b"k" * 32
-    links = [PairLink(backend="gloo", rank=rank, key=pair_group_key(key), store_host="127.0.0.1",
-                      store_port=store.port, local_host="127.0.0.1", timeout_s=5,
-                      auth_key=key if same_key or rank == 0 else b"x" * 32,
-                      store=store if rank == 0 else None) for rank in (0, 1)]
+    links = [
+        PairLink(
+            backend="gloo",
+            rank=rank,
+            key=pair_group_key(key),
+            store_host="127.0.0.1",
+            store_port=store.port,
+            local_host="127.0.0.1",
+            timeout_s=5,
+            auth_key=key if same_key or rank == 0 else b"x" * 32,
+            store=store if rank == 0 else None,
+        )
+        for rank in (0, 1)
+    ]
     try:
         end = time.monotonic() + 10
         while time.monotonic() < end and not all(link.ready.is_set() or link.broken for link in links):

@@ -2,6 +2,7 @@
 (and a peer that comes back handshakes again), the receiver holds at most max_sessions, the sender's outboxes hold
 at most max_outbox_bytes under a receiver that never reads (send_layer fails instead), and an I/O thread that dies
 says so through io_problem() while its transfers fail."""
+
 from __future__ import annotations
 
 import time
@@ -154,8 +155,16 @@ def test_the_outbox_stays_bounded_under_a_receiver_that_never_reads(closing) -> 
     fp = fingerprint(heads=8, head_dim=64, block_size=16)  # 16 KiB per block and tensor
     cache = Cache(fp, num_blocks=16)
     limit = 1 << 20
-    cfg = _cfg(max_outbox_bytes=limit, queue_size=2, enqueue_timeout_s=0.5, hwm=2, connect_timeout_s=30,
-               send_timeout_s=30, lease_s=30, deadline_s=30)
+    cfg = _cfg(
+        max_outbox_bytes=limit,
+        queue_size=2,
+        enqueue_timeout_s=0.5,
+        hwm=2,
+        connect_timeout_s=30,
+        send_timeout_s=30,
+        lease_s=30,
+        deadline_s=30,
+    )
     stalled = closing(make_receiver("zmq", fp, cache.sink, "tcp://127.0.0.1:0", cfg))
     s = closing(make_sender("zmq", fp, cfg))
     dst = list(range(8))

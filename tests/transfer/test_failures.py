@@ -1,6 +1,7 @@
 """Every failure is a typed error within its deadline, never a hang, and leaves no state on either side:
 corrupted frame, truncated message, garbage, oversize frame, wrong fingerprint/secret, receiver that
 never starts, sender or receiver killed mid-transfer, aborts, lost pieces, expired leases."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,7 @@ from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
 from transfer.base import TransferConfig, make_receiver, make_sender
-from transfer.errors import (ChecksumError, FingerprintMismatch, FrameTooLarge, PeerGone, ProtocolError,
-                             TransferAborted)
+from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, PeerGone, ProtocolError, TransferAborted
 from transfer.state import TransferState
 from transfer.wire import encode_piece, frame_view, pack_header, unpack_header
 
@@ -34,8 +34,7 @@ def rx(closing):
     """A zmq tcp receiver with short deadlines, and its cache."""
     fp = fingerprint("bfloat16")
     cache = Cache(fp)
-    r = closing(make_receiver("zmq", fp, cache.sink, "tcp://127.0.0.1:0",
-                              TransferConfig(max_frame_bytes=4096, **FAST)))
+    r = closing(make_receiver("zmq", fp, cache.sink, "tcp://127.0.0.1:0", TransferConfig(max_frame_bytes=4096, **FAST)))
     return r, cache, fp
 
 
@@ -129,8 +128,7 @@ def test_truncated_message(rx, closing, cut) -> None:
     raw.welcome(r)
     r.expect("t", [1, 2])
     fields, frames = raw.piece("t", 0, [1, 2])
-    frames = {"missing_frame": frames[:1], "short_frame": [frames[0], frames[1][:-3]],
-              "no_payload": []}[cut]
+    frames = {"missing_frame": frames[:1], "short_frame": [frames[0], frames[1][:-3]], "no_payload": []}[cut]
     raw.send(fields, frames)
     assert isinstance(_failed(poll_until([r.poll], lambda e: e, 3), "t"), ProtocolError)
     assert r.pending_transfers() == [] and cache.writes == 0
@@ -197,8 +195,7 @@ def test_wrong_fingerprint(backend, closing) -> None:
 
 def test_wrong_secret(closing) -> None:
     fp = fingerprint()
-    r = closing(make_receiver("zmq", fp, Cache(fp).sink, "tcp://127.0.0.1:0",
-                              TransferConfig(secret="s3cret", **FAST)))
+    r = closing(make_receiver("zmq", fp, Cache(fp).sink, "tcp://127.0.0.1:0", TransferConfig(secret="s3cret", **FAST)))
     s = closing(make_sender("zmq", fp, TransferConfig(secret="guess", **FAST)))
     s.begin("t", r.address)
     ev = poll_until([r.poll, s.poll], lambda e: e, 3)
@@ -230,8 +227,7 @@ def test_receiver_never_starts(kind, tmp_path, closing) -> None:
 def test_sender_killed_mid_transfer(backend, spawn, closing) -> None:
     fp = fingerprint("float16")
     cache = Cache(fp)
-    r = closing(make_receiver(backend, fp, cache.sink, "tcp://127.0.0.1:0",
-                              TransferConfig(deadline_s=15, lease_s=1.5)))
+    r = closing(make_receiver(backend, fp, cache.sink, "tcp://127.0.0.1:0", TransferConfig(deadline_s=15, lease_s=1.5)))
     r.expect("t", [1, 2, 3], deadline_s=15)
     q = spawn.Queue()
     job = dict(backend=backend, address=r.address, dtype="float16", tid="t", dst=[1, 2, 3], seed=2)

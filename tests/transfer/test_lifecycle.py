@@ -1,5 +1,6 @@
 """State machine edges: aborts from either side, lost pieces, unknown transfers, expired leases and
 deadlines, receiver killed mid-transfer, close with work pending. Each ends with empty tables."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,11 @@ def _pair(backend, closing, cfg=FAST):
 
 def _by_side(r, s, timeout=5.0):
     rev, sev = [], []
-    poll_until([lambda: rev.extend(r.poll()) or [], lambda: sev.extend(s.poll()) or []],
-               lambda _: bool(rev) and bool(sev), timeout)
+    poll_until(
+        [lambda: rev.extend(r.poll()) or [], lambda: sev.extend(s.poll()) or []],
+        lambda _: bool(rev) and bool(sev),
+        timeout,
+    )
     assert r.pending_transfers() == [] and s.active_transfers() == []
     return rev, sev
 
@@ -118,8 +122,9 @@ def test_lease_expires_when_receiver_stops_polling(closing) -> None:
 def test_receiver_killed_mid_transfer(spawn, closing) -> None:
     fp = fingerprint("bfloat16")
     q = spawn.Queue()
-    p = spawn.Process(target=procs.receiver_main,
-                      args=("zmq", "tcp://127.0.0.1:0", "bfloat16", "t", [1, 2], q), daemon=True)
+    p = spawn.Process(
+        target=procs.receiver_main, args=("zmq", "tcp://127.0.0.1:0", "bfloat16", "t", [1, 2], q), daemon=True
+    )
     p.start()
     try:
         kind, address = q.get(timeout=30)

@@ -1,5 +1,6 @@
 """Bit-exact round trips on every backend (zmq tcp, zmq ipc, local in-process; gloo and zmq across two
 processes), chunked pieces, int8 wire compression; both sides end with empty tables."""
+
 from __future__ import annotations
 
 import pytest
@@ -73,15 +74,15 @@ def test_two_processes_gloo_and_zmq(spawn, closing) -> None:
         r.expect(f"t{i}", [3, 9, 1])
         caches.append(cache)
         receivers.append(r)
-        jobs.append(dict(backend=backend, address=r.address, dtype=dtype, tid=f"t{i}", dst=[3, 9, 1],
-                         seed=i))
+        jobs.append(dict(backend=backend, address=r.address, dtype=dtype, tid=f"t{i}", dst=[3, 9, 1], seed=i))
     q = spawn.Queue()
     p = spawn.Process(target=procs.sender_main, args=(jobs, q), daemon=True)
     p.start()
     try:
         events = poll_until([r.poll for r in receivers], lambda ev: len(ev) >= len(plan), 40.0)
         assert sorted((e.transfer_id, e.state) for e in events) == [
-            (f"t{i}", TransferState.DONE) for i in range(len(plan))]
+            (f"t{i}", TransferState.DONE) for i in range(len(plan))
+        ]
         kind, sender_events, active = q.get(timeout=20)
         assert sorted(sender_events) == [(f"t{i}", "DONE", "None") for i in range(len(plan))]
         assert active == [[]] * len(plan)

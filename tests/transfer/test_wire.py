@@ -1,4 +1,5 @@
 """Wire format: strict header decoding, piece checks, frame checks, int8 error bound."""
+
 from __future__ import annotations
 
 import msgpack
@@ -8,8 +9,17 @@ import torch
 from tests.helpers.kv import fingerprint, make_kv
 from transfer.compress import dequantize_int8, quantize_int8
 from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, ProtocolError
-from transfer.wire import (MAX_HEADER_BYTES, ModelFingerprint, PieceHeader, check_piece, decode_frames,
-                           encode_piece, frame_view, pack_header, unpack_header)
+from transfer.wire import (
+    MAX_HEADER_BYTES,
+    ModelFingerprint,
+    PieceHeader,
+    check_piece,
+    decode_frames,
+    encode_piece,
+    frame_view,
+    pack_header,
+    unpack_header,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -50,8 +60,9 @@ def test_check_piece_sizes_fingerprint_and_bound() -> None:
         check_piece(piece, other, 1 << 20)
     with pytest.raises(FrameTooLarge):
         check_piece(piece, fp, 100)
-    lying = PieceHeader(piece.transfer_id, piece.layer, piece.blocks + (9,), piece.wire, piece.frames,
-                        piece.fingerprint)
+    lying = PieceHeader(
+        piece.transfer_id, piece.layer, piece.blocks + (9,), piece.wire, piece.frames, piece.fingerprint
+    )
     with pytest.raises(ProtocolError, match="expected"):
         check_piece(lying, fp, 1 << 20)
 
@@ -82,6 +93,6 @@ def test_int8_error_bound(dtype: str) -> None:
     amax = k.float().abs().amax(dim=(1, 3), keepdim=True)
     err = (back.float() - k.float()).abs()
     # half a quantization step, plus the destination dtype's own rounding
-    bound = amax / 127 * 0.5 + k.float().abs() * (2 ** -7 if dtype == "bfloat16" else 2 ** -10) + 1e-6
+    bound = amax / 127 * 0.5 + k.float().abs() * (2**-7 if dtype == "bfloat16" else 2**-10) + 1e-6
     assert bool((err.permute(0, 2, 1, 3) <= bound.permute(0, 2, 1, 3)).all())
     assert q.numel() * 1 + scale.numel() * 4 < k.numel() * k.element_size()

@@ -49,15 +49,23 @@ from worker.messages import (
 from worker.protocol import AuthError, Channel, Rejection, Signer, Verifier
 
 SECRET = "typed-messages-test-secret-0123456789"
-PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=["x"], stop_token_ids=[2],
-                        ignore_eos=True)
+PARAMS = SamplingParams(
+    max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=["x"], stop_token_ids=[2], ignore_eos=True
+)
 
 
 def _stats(**load: int) -> Stats:
     counters = WorkerCounters(**{name: index + 1 for index, name in enumerate(WorkerCounters.__struct_fields__)})
     counters.transfer_seconds = 2.5
-    return Stats(worker="decode-0", role="decode", address="tcp://127.0.0.1:5555", load=WorkerLoad(**load),
-                 counters=counters, degraded="", loop_age_s=0.125)
+    return Stats(
+        worker="decode-0",
+        role="decode",
+        address="tcp://127.0.0.1:5555",
+        load=WorkerLoad(**load),
+        counters=counters,
+        degraded="",
+        loop_age_s=0.125,
+    )
 
 
 COMMANDS = [
@@ -73,11 +81,14 @@ EVENTS = [
     Reserved(rid="r1", worker="decode-0", ok=True, attempt=4, blocks=[7, 8], kv_address="tcp://127.0.0.1:9"),
     Reserved(rid="r1", worker="decode-0", ok=False, attempt=5, reason="kv_full"),
     FirstToken(rid="r1", worker="prefill-0", token=42, text=" hi", timing=PrefillTiming(0.1, 0.2, 3.0)),
-    Tokens(worker="decode-0", items=[
-        TokenItem("r1", [1, 2], "ab"),
-        TokenItem("r2", [], "", FinishReason.STOP, DecodeTiming(kv_done_mono=1.0, decode_queue_s=0.01)),
-        TokenItem("r3", [9], "z", FinishReason.LENGTH, PrefillTiming(queue_s=0.5)),
-    ]),
+    Tokens(
+        worker="decode-0",
+        items=[
+            TokenItem("r1", [1, 2], "ab"),
+            TokenItem("r2", [], "", FinishReason.STOP, DecodeTiming(kv_done_mono=1.0, decode_queue_s=0.01)),
+            TokenItem("r3", [9], "z", FinishReason.LENGTH, PrefillTiming(queue_s=0.5)),
+        ],
+    ),
     ErrorEvent(rid="r1", worker="prefill-0", message="boom", code=ErrorCode.KV_TRANSFER_FAILED),
     _stats(waiting=1, running=2, requests=3, free_blocks=4, total_blocks=5, awaiting_kv=6, leased_transfers=7),
 ]
@@ -98,8 +109,11 @@ def test_every_event_round_trips_as_itself(message):
 def test_a_tokens_item_is_a_positional_array_on_the_wire():
     wire = msgpack.unpackb(encode(EVENTS[3]))
     assert wire["items"][0] == ["r1", [1, 2], "ab", None, None]
-    assert wire["items"][1][3] == "stop" and wire["items"][1][4] == {"phase": "decode", "kv_done_mono": 1.0,
-                                                                      "decode_queue_s": 0.01}
+    assert wire["items"][1][3] == "stop" and wire["items"][1][4] == {
+        "phase": "decode",
+        "kv_done_mono": 1.0,
+        "decode_queue_s": 0.01,
+    }
 
 
 def _raw(**fields) -> bytes:
@@ -133,9 +147,13 @@ def test_what_is_not_a_valid_command_is_a_typed_error(data):
 
 
 def test_what_is_not_a_valid_event_is_a_typed_error():
-    for data in (encode(COMMANDS[0]), _raw(type="stats", worker="w"), _raw(type="tokens", worker="w", items=[["r"]]),
-                 _raw(type="error", worker="w", rid="r", message="m", code="no_such_code"),
-                 _raw(type="reserved", worker="w", rid="r", ok=True, reason="because")):
+    for data in (
+        encode(COMMANDS[0]),
+        _raw(type="stats", worker="w"),
+        _raw(type="tokens", worker="w", items=[["r"]]),
+        _raw(type="error", worker="w", rid="r", message="m", code="no_such_code"),
+        _raw(type="reserved", worker="w", rid="r", ok=True, reason="because"),
+    ):
         with pytest.raises(MalformedMessage):
             decode_event(data)
 
@@ -192,20 +210,32 @@ def test_metrics_keys_are_the_heartbeat_structs_fields():
 def test_status_shows_a_heartbeat_as_one_flat_map():
     stats = EVENTS[-1]
     status = heartbeat_status(stats)
-    assert set(status) == ({"address", "degraded", "loop_age_s"} | set(WorkerLoad.__struct_fields__)
-                           | set(WorkerCounters.__struct_fields__))
+    assert set(status) == (
+        {"address", "degraded", "loop_age_s"}
+        | set(WorkerLoad.__struct_fields__)
+        | set(WorkerCounters.__struct_fields__)
+    )
     assert status["free_blocks"] == 4 and status["control_rejected"] == stats.counters.control_rejected
     assert heartbeat_status(None) == {}
 
 
 def test_response_timing_keeps_its_keys():
-    assert response_timing(PrefillTiming(0.1, 0.2, 3.0)) == {"prefill_queue_s": 0.1, "prefill_compute_s": 0.2,
-                                                              "prefill_end_mono": 3.0}
+    assert response_timing(PrefillTiming(0.1, 0.2, 3.0)) == {
+        "prefill_queue_s": 0.1,
+        "prefill_compute_s": 0.2,
+        "prefill_end_mono": 3.0,
+    }
     assert response_timing(PrefillTiming(queue_s=0.1)) == {"prefill_queue_s": 0.1}
     assert response_timing(DecodeTiming(1.0, 0.5, 0.0, 0.01)) == {
-        "kv_done_mono": 1.0, "kv_transfer_s": 0.5, "kv_wait_after_first_token_s": 0.0, "decode_queue_s": 0.01}
-    assert response_timing(DecodeTiming(recomputed=True, decode_queue_s=0.02)) == {"recomputed": 1.0,
-                                                                                   "decode_queue_s": 0.02}
+        "kv_done_mono": 1.0,
+        "kv_transfer_s": 0.5,
+        "kv_wait_after_first_token_s": 0.0,
+        "decode_queue_s": 0.01,
+    }
+    assert response_timing(DecodeTiming(recomputed=True, decode_queue_s=0.02)) == {
+        "recomputed": 1.0,
+        "decode_queue_s": 0.02,
+    }
 
 
 # ---- a worker given malformed commands ---------------------------------------------------------------------------
@@ -221,8 +251,12 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
     router_address = f"tcp://127.0.0.1:{events_sock.bind_to_random_port('tcp://127.0.0.1')}"
     verifier = Verifier(SECRET, Channel.EVENTS, router_address)
     engine = EngineConfig(model=str(tiny_llama_path), num_kv_blocks=32, torch_threads=1, max_model_len=128)
-    spec = WorkerSpec(name="colocated-0", role="colocated", engine=engine,
-                      runtime=RuntimeOptions(router_addresses=[router_address], secret=SECRET))
+    spec = WorkerSpec(
+        name="colocated-0",
+        role="colocated",
+        engine=engine,
+        runtime=RuntimeOptions(router_addresses=[router_address], secret=SECRET),
+    )
     worker = ColocatedWorker(spec)
     worker.start()
     commands = ctx.socket(zmq.PUSH)
@@ -244,8 +278,9 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
         for frame in malformed:
             commands.send(frame)
         prompt = random_prompts(1, 8, 8, seed=5)[0]
-        commands.send(signer.seal(Generate("ok", prompt, SamplingParams(max_tokens=5, temperature=0.0,
-                                                                        ignore_eos=True))))
+        commands.send(
+            signer.seal(Generate("ok", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+        )
         commands.send(signer.seal(Generate("bad", prompt, SamplingParams(top_p=0.0))))  # decodes; validate() fails
 
         def finished() -> bool:
@@ -253,8 +288,7 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
             return bool(items) and items[-1].finish_reason is FinishReason.LENGTH
 
         wait_for(finished)
-        wait_for(lambda: any(isinstance(e, Stats) and e.counters.control_rejected == len(malformed)
-                             for e in received))
+        wait_for(lambda: any(isinstance(e, Stats) and e.counters.control_rejected == len(malformed) for e in received))
         tokens = [t for e in received if isinstance(e, Tokens) for i in e.items if i.rid == "ok" for t in i.token_ids]
         assert len(tokens) == 5
         errors = [e for e in received if isinstance(e, ErrorEvent)]

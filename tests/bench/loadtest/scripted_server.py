@@ -47,7 +47,7 @@ class ScriptedServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ScriptedServer":
+    def __enter__(self) -> ScriptedServer:
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("the scripted server did not start")
@@ -99,8 +99,11 @@ class ScriptedServer:
     async def _respond(self, writer, path: str, body: dict, s: Script) -> None:
         if s.status != 200:
             payload = json.dumps({"error": {"message": "scripted failure", "code": s.status}}).encode()
-            writer.write(f"HTTP/1.1 {s.status} Error\r\nContent-Type: application/json\r\nContent-Length: "
-                         f"{len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+            writer.write(
+                f"HTTP/1.1 {s.status} Error\r\nContent-Type: application/json\r\nContent-Length: "
+                f"{len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
+            )
             await writer.drain()
             return
         chat = path.endswith("/chat/completions")
@@ -112,14 +115,25 @@ class ScriptedServer:
                 choice["message"] = {"role": "assistant", "content": " tok" * tokens}
             else:
                 choice["text"] = " tok" * tokens
-            payload = json.dumps({"id": "x", "choices": [choice], "timing": s.timing,
-                                  "usage": {"prompt_tokens": 7, "completion_tokens": tokens}}).encode()
-            writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                         f"{len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+            payload = json.dumps(
+                {
+                    "id": "x",
+                    "choices": [choice],
+                    "timing": s.timing,
+                    "usage": {"prompt_tokens": 7, "completion_tokens": tokens},
+                }
+            ).encode()
+            writer.write(
+                f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                f"{len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
+            )
             await writer.drain()
             return
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-                     b"Connection: close\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+            b"Connection: close\r\n\r\n"
+        )
 
         async def send(obj) -> None:
             data = ("data: " + (obj if isinstance(obj, str) else json.dumps(obj)) + "\n\n").encode()
@@ -150,16 +164,23 @@ class ScriptedServer:
                 await send({"error": {"message": "scripted error", "type": "server_error"}})
                 break
             last = i == chunks - 1
-            obj = chunk(" tok" * min(s.tokens_per_chunk, tokens - i * s.tokens_per_chunk),
-                        "length" if last else None)
+            obj = chunk(" tok" * min(s.tokens_per_chunk, tokens - i * s.tokens_per_chunk), "length" if last else None)
             if last and s.timing is not None:
                 obj["timing"] = s.timing
             await send(obj)
         else:
             if s.usage:
-                await send({"id": "x", "choices": [], "usage": {"prompt_tokens": s.extra.get("prompt_tokens", 7),
-                                                                "completion_tokens": tokens,
-                                                                "total_tokens": tokens + 7}})
+                await send(
+                    {
+                        "id": "x",
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": s.extra.get("prompt_tokens", 7),
+                            "completion_tokens": tokens,
+                            "total_tokens": tokens + 7,
+                        },
+                    }
+                )
         await send("[DONE]")
         writer.write(b"0\r\n\r\n")
         await writer.drain()

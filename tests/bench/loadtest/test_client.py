@@ -15,9 +15,22 @@ TOLERANCE_S = 0.05  # a shared 2-core box under a parallel test load: scheduler 
 def run_cli(server, tmp_path, tokenizer_dir, *extra):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    args = parser.parse_args(["--base-url", server.base_url, "--tokenizer", str(tokenizer_dir), "--disable-tqdm",
-                              "--random-input-len", "32", "--random-output-len", "6",
-                              "--result-dir", str(tmp_path / "out"), *extra])
+    args = parser.parse_args(
+        [
+            "--base-url",
+            server.base_url,
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--disable-tqdm",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "6",
+            "--result-dir",
+            str(tmp_path / "out"),
+            *extra,
+        ]
+    )
     return cli.run(args)
 
 
@@ -27,8 +40,19 @@ def records(tmp_path):
 
 def test_measured_ttft_and_gaps_match_the_server(tmp_path, byte_tokenizer_dir):
     with ScriptedServer(lambda body, n: Script(ttft_s=0.2, gap_s=0.05, extra={"prompt_tokens": 32})) as server:
-        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--num-prompts", "4", "--request-rate", "inf",
-                          "--ignore-eos", "--goodput", "ttft:300", "tpot:70")
+        summary = run_cli(
+            server,
+            tmp_path,
+            byte_tokenizer_dir,
+            "--num-prompts",
+            "4",
+            "--request-rate",
+            "inf",
+            "--ignore-eos",
+            "--goodput",
+            "ttft:300",
+            "tpot:70",
+        )
     run = summary["runs"][0]
     assert run["completed"] == 4 and run["failed"] == 0
     for r in records(tmp_path):
@@ -53,16 +77,39 @@ def test_measured_ttft_and_gaps_match_the_server(tmp_path, byte_tokenizer_dir):
 
 
 def test_failures_are_counted_by_reason(tmp_path, byte_tokenizer_dir):
-    scripts = {0: Script(status=500), 1: Script(status=429), 2: Script(cut_after_chunks=2),
-               3: Script(error_after_chunks=1), 4: Script(ttft_s=5.0), 5: Script(tokens=0)}
+    scripts = {
+        0: Script(status=500),
+        1: Script(status=429),
+        2: Script(cut_after_chunks=2),
+        3: Script(error_after_chunks=1),
+        4: Script(ttft_s=5.0),
+        5: Script(tokens=0),
+    }
 
     with ScriptedServer(lambda body, n: scripts.get(n, Script(ttft_s=0.02, gap_s=0.01))) as server:
-        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--num-prompts", "8", "--max-concurrency", "1",
-                          "--request-timeout-s", "1.0", "--goodput", "ttft:1000")
+        summary = run_cli(
+            server,
+            tmp_path,
+            byte_tokenizer_dir,
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "1",
+            "--request-timeout-s",
+            "1.0",
+            "--goodput",
+            "ttft:1000",
+        )
     run = summary["runs"][0]
     assert run["requests"] == 8 and run["completed"] == 2
-    assert run["failures"] == {"http_429": 1, "http_500": 1, "no_content": 1, "stream_cut": 1, "stream_error": 1,
-                               "timeout": 1}
+    assert run["failures"] == {
+        "http_429": 1,
+        "http_500": 1,
+        "no_content": 1,
+        "stream_cut": 1,
+        "stream_error": 1,
+        "timeout": 1,
+    }
     assert run["slo_attainment_pct"] == 25.0
     by_index = {r["index"]: r for r in records(tmp_path)}
     assert by_index[0]["http_status"] == 500 and "scripted failure" in by_index[0]["error_detail"]
@@ -72,8 +119,9 @@ def test_failures_are_counted_by_reason(tmp_path, byte_tokenizer_dir):
 def test_duration_bound_ends_on_time_and_cancels_outstanding(tmp_path, byte_tokenizer_dir):
     with ScriptedServer(lambda body, n: Script(ttft_s=0.05, gap_s=0.1, tokens=50)) as server:
         started = time.perf_counter()
-        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--num-prompts", "0", "--duration", "1.0",
-                          "--request-rate", "8")
+        summary = run_cli(
+            server, tmp_path, byte_tokenizer_dir, "--num-prompts", "0", "--duration", "1.0", "--request-rate", "8"
+        )
         elapsed = time.perf_counter() - started
     run = summary["runs"][0]
     assert run["duration_s"] == pytest.approx(1.0, abs=0.1)
@@ -84,8 +132,9 @@ def test_duration_bound_ends_on_time_and_cancels_outstanding(tmp_path, byte_toke
 
 def test_closed_loop_keeps_concurrency_and_warmups_are_left_out(tmp_path, byte_tokenizer_dir):
     with ScriptedServer(lambda body, n: Script(ttft_s=0.03, gap_s=0.01, tokens=3)) as server:
-        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--num-prompts", "12", "--max-concurrency", "3",
-                          "--num-warmups", "2")
+        summary = run_cli(
+            server, tmp_path, byte_tokenizer_dir, "--num-prompts", "12", "--max-concurrency", "3", "--num-warmups", "2"
+        )
         assert len(server.requests) == 14
         assert server.max_active == 3
     run = summary["runs"][0]
@@ -98,12 +147,29 @@ def test_closed_loop_keeps_concurrency_and_warmups_are_left_out(tmp_path, byte_t
 
 
 def test_chat_multi_token_chunks_timing_and_no_usage(tmp_path, byte_tokenizer_dir):
-    timing = {"router_queue_s": 0.001, "prefill_queue_s": 0.002, "prefill_compute_s": 0.02,
-              "first_token_delivery_s": 0.001, "kv_transfer_s": 0.004, "decode_queue_s": 0.001, "ttft_s": 0.03}
-    with ScriptedServer(lambda body, n: Script(ttft_s=0.05, gap_s=0.02, tokens_per_chunk=2, usage=False,
-                                               timing=timing)) as server:
-        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--endpoint-type", "chat", "--num-prompts", "3",
-                          "--request-rate", "50")
+    timing = {
+        "router_queue_s": 0.001,
+        "prefill_queue_s": 0.002,
+        "prefill_compute_s": 0.02,
+        "first_token_delivery_s": 0.001,
+        "kv_transfer_s": 0.004,
+        "decode_queue_s": 0.001,
+        "ttft_s": 0.03,
+    }
+    with ScriptedServer(
+        lambda body, n: Script(ttft_s=0.05, gap_s=0.02, tokens_per_chunk=2, usage=False, timing=timing)
+    ) as server:
+        summary = run_cli(
+            server,
+            tmp_path,
+            byte_tokenizer_dir,
+            "--endpoint-type",
+            "chat",
+            "--num-prompts",
+            "3",
+            "--request-rate",
+            "50",
+        )
         assert server.requests[0]["_path"] == "/v1/chat/completions"
         assert server.requests[0]["messages"][-1]["role"] == "user"
     run = summary["runs"][0]
@@ -123,8 +189,19 @@ def test_chat_multi_token_chunks_timing_and_no_usage(tmp_path, byte_tokenizer_di
 def test_sweep_reports_max_rate_per_worker(tmp_path, byte_tokenizer_dir):
     # The server gets slower with each request: later (higher-rate) runs miss the TTFT SLO.
     with ScriptedServer(lambda body, n: Script(ttft_s=0.02 if n < 6 else 0.2, gap_s=0.01, tokens=3)) as server:
-        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--num-prompts", "6", "--rates", "20,40",
-                          "--goodput", "ttft:100", "--num-workers", "2")
+        summary = run_cli(
+            server,
+            tmp_path,
+            byte_tokenizer_dir,
+            "--num-prompts",
+            "6",
+            "--rates",
+            "20,40",
+            "--goodput",
+            "ttft:100",
+            "--num-workers",
+            "2",
+        )
     assert [r["rate"] for r in summary["runs"]] == [20.0, 40.0]
     assert [r["slo_attainment_pct"] for r in summary["runs"]] == [100.0, 0.0]
     assert summary["sweep"]["max_rate_meeting_slo"] == 20.0 and summary["sweep"]["max_rate_per_worker"] == 10.0

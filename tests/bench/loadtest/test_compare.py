@@ -17,10 +17,19 @@ def test_compare_runs_both_modes_and_writes_table_and_plots(tmp_path, byte_token
         def __init__(self, config):
             # disaggregated: slower first token, steadier decode (what the scripted server pretends)
             slow = config.mode == "disaggregated"
-            self.server = ScriptedServer(lambda body, n: Script(
-                ttft_s=0.06 if slow else 0.03, gap_s=0.01 if slow else 0.02, tokens=4,
-                timing={"router_queue_s": 0.001, "prefill_compute_s": 0.02, "ttft_s": 0.025,
-                        **({"kv_transfer_s": 0.005} if slow else {})})).__enter__()
+            self.server = ScriptedServer(
+                lambda body, n: Script(
+                    ttft_s=0.06 if slow else 0.03,
+                    gap_s=0.01 if slow else 0.02,
+                    tokens=4,
+                    timing={
+                        "router_queue_s": 0.001,
+                        "prefill_compute_s": 0.02,
+                        "ttft_s": 0.025,
+                        **({"kv_transfer_s": 0.005} if slow else {}),
+                    },
+                )
+            ).__enter__()
             self.base_url = self.server.base_url
             self.num_workers = 2
             self.config = config
@@ -36,19 +45,40 @@ def test_compare_runs_both_modes_and_writes_table_and_plots(tmp_path, byte_token
     monkeypatch.setitem(sys.modules, "cluster.launch", fake)
 
     config_path = tmp_path / "cluster.yaml"
-    config_path.write_text(yaml.safe_dump({"mode": "disaggregated", "router": {"port": 8000},
-                                           "slo": {"ttft_s": 0.05, "tpot_s": 0.1}}))
+    config_path.write_text(
+        yaml.safe_dump({"mode": "disaggregated", "router": {"port": 8000}, "slo": {"ttft_s": 0.05, "tpot_s": 0.1}})
+    )
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    args = parser.parse_args(["--config", str(config_path), "--tokenizer", str(byte_tokenizer_dir),
-                              "--rates", "20,40", "--num-prompts", "4", "--random-input-len", "24",
-                              "--random-output-len", "4", "--disable-tqdm", "--result-dir", str(tmp_path / "cmp")])
+    args = parser.parse_args(
+        [
+            "--config",
+            str(config_path),
+            "--tokenizer",
+            str(byte_tokenizer_dir),
+            "--rates",
+            "20,40",
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "4",
+            "--disable-tqdm",
+            "--result-dir",
+            str(tmp_path / "cmp"),
+        ]
+    )
     summary = compare.run(args)
 
     assert [h.config.mode for h in started] == ["colocated", "disaggregated"]
     assert all(h.config.router.port == 0 and h.stopped for h in started)
     assert [(r["mode"], r["rate"]) for r in summary["runs"]] == [
-        ("colocated", 20.0), ("colocated", 40.0), ("disaggregated", 20.0), ("disaggregated", 40.0)]
+        ("colocated", 20.0),
+        ("colocated", 40.0),
+        ("disaggregated", 20.0),
+        ("disaggregated", 40.0),
+    ]
     assert summary["benchmark"]["slo_ms"] == {"ttft": 50.0, "tpot": 100.0}  # from the config's slo section
     colocated, disaggregated = summary["modes"]["colocated"], summary["modes"]["disaggregated"]
     assert colocated["sweep"]["max_rate_meeting_slo"] == 40.0 and colocated["sweep"]["max_rate_per_worker"] == 20.0
@@ -56,8 +86,15 @@ def test_compare_runs_both_modes_and_writes_table_and_plots(tmp_path, byte_token
     out = tmp_path / "cmp"
     table = (out / "table.txt").read_text()
     assert "colocated" in table and "disaggregated" in table
-    for name in ("summary.json", "summary.csv", "requests.jsonl", "ttft_cdf.png", "tpot_itl_cdf.png",
-                 "latency_vs_rate.png", "ttft_breakdown.png"):
+    for name in (
+        "summary.json",
+        "summary.csv",
+        "requests.jsonl",
+        "ttft_cdf.png",
+        "tpot_itl_cdf.png",
+        "latency_vs_rate.png",
+        "ttft_breakdown.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert len((out / "summary.csv").read_text().splitlines()) == 5
     assert '"mode": "disaggregated"' in (out / "requests.jsonl").read_text()

@@ -23,8 +23,12 @@ def _allowed(path: str, module: str) -> bool:
 def test_the_load_tester_imports_no_server_code():
     files = [p for p in package_files("bench") if p.relative_to(ROOT).parts[:2] == ("bench", "loadtest")]
     assert len(files) >= 8
-    found = [str(imp) for path in files for imp in imports_of(path)
-             if imp.module.split(".")[0] in SERVER_PACKAGES and not _allowed(str(path.relative_to(ROOT)), imp.module)]
+    found = [
+        str(imp)
+        for path in files
+        for imp in imports_of(path)
+        if imp.module.split(".")[0] in SERVER_PACKAGES and not _allowed(str(path.relative_to(ROOT)), imp.module)
+    ]
     assert not found, "the load tester imports server code:\n" + "\n".join(found)
 
 
@@ -43,7 +47,8 @@ def test_importing_and_parsing_the_load_tester_loads_no_torch_or_server_code():
     assert out["rates"] == "1,2"
     loaded = {m.split(".")[0] for m in out["modules"]}
     assert "bench" in loaded and not loaded & (SERVER_PACKAGES | {"transformers"}), sorted(
-        loaded & (SERVER_PACKAGES | {"transformers"}))
+        loaded & (SERVER_PACKAGES | {"transformers"})
+    )
 
 
 def test_pdserve_defaults_written_in_the_load_tester_agree_with_pdserve():

@@ -9,9 +9,20 @@ from bench.loadtest.shapes import arrival_offsets
 
 
 def ok(ttft, e2el, out, itl=(), timing=None, expected_in=10, usage_in=10):
-    return RequestResult(index=0, success=True, ttft_s=ttft, e2el_s=e2el, output_tokens=out, itl_s=list(itl),
-                         content_chunks=out, input_tokens=usage_in, expected_input_tokens=expected_in,
-                         requested_output_tokens=out, server_timing=timing, output_tokens_source="usage")
+    return RequestResult(
+        index=0,
+        success=True,
+        ttft_s=ttft,
+        e2el_s=e2el,
+        output_tokens=out,
+        itl_s=list(itl),
+        content_chunks=out,
+        input_tokens=usage_in,
+        expected_input_tokens=expected_in,
+        requested_output_tokens=out,
+        server_timing=timing,
+        output_tokens_source="usage",
+    )
 
 
 def failed(reason):
@@ -83,8 +94,12 @@ def test_server_timing_stages():
 
 
 def test_sweep_picks_highest_rate_meeting_target():
-    runs = [{"rate": 0.5, "slo_attainment_pct": 100.0}, {"rate": 1.0, "slo_attainment_pct": 95.0},
-            {"rate": 2.0, "slo_attainment_pct": 89.9}, {"rate": 4.0, "slo_attainment_pct": 10.0}]
+    runs = [
+        {"rate": 0.5, "slo_attainment_pct": 100.0},
+        {"rate": 1.0, "slo_attainment_pct": 95.0},
+        {"rate": 2.0, "slo_attainment_pct": 89.9},
+        {"rate": 4.0, "slo_attainment_pct": 10.0},
+    ]
     pick = pick_max_rate(runs, 90.0, num_workers=2)
     assert pick["max_rate_meeting_slo"] == 1.0 and pick["max_rate_per_worker"] == 0.5 and pick["monotonic"]
     noisy = pick_max_rate([{"rate": 1, "slo_attainment_pct": 80.0}, {"rate": 2, "slo_attainment_pct": 91.0}])

@@ -20,12 +20,33 @@ def test_load_test_against_the_real_cluster(tiny_llama_path, tmp_path):
     try:
         parser = argparse.ArgumentParser()
         cli.add_arguments(parser)
-        args = parser.parse_args([
-            "--base-url", handle.base_url, "--model", config.served_model_name, "--tokenizer", str(tiny_llama_path),
-            "--num-prompts", "8", "--random-input-len", "40", "--random-output-len", "6", "--ignore-eos",
-            "--request-rate", "inf", "--max-concurrency", "3", "--disable-tqdm", "--result-dir", str(tmp_path / "r"),
-            "--goodput", "ttft:10000", "tpot:10000",
-        ])
+        args = parser.parse_args(
+            [
+                "--base-url",
+                handle.base_url,
+                "--model",
+                config.served_model_name,
+                "--tokenizer",
+                str(tiny_llama_path),
+                "--num-prompts",
+                "8",
+                "--random-input-len",
+                "40",
+                "--random-output-len",
+                "6",
+                "--ignore-eos",
+                "--request-rate",
+                "inf",
+                "--max-concurrency",
+                "3",
+                "--disable-tqdm",
+                "--result-dir",
+                str(tmp_path / "r"),
+                "--goodput",
+                "ttft:10000",
+                "tpot:10000",
+            ]
+        )
         summary = cli.run(args)
         wait_all_kv_free(handle.base_url)
     finally:

@@ -10,7 +10,9 @@ def feed_all(parts):
 
 
 def test_events_split_anywhere_give_the_same_result():
-    stream = 'data: {"a": 1}\n\n: keep-alive\n\nevent: error\ndata: x\ndata: y\n\ndata: é\r\n\r\ndata:[DONE]\n\n'.encode()
+    stream = (
+        'data: {"a": 1}\n\n: keep-alive\n\nevent: error\ndata: x\ndata: y\n\ndata: é\r\n\r\ndata:[DONE]\n\n'.encode()
+    )
     want = [(None, '{"a": 1}'), ("error", "x\ny"), (None, "é"), (None, "[DONE]")]
     assert feed_all([stream]) == want
     for cut in range(1, len(stream)):  # every split point, also inside é and between \r and \n

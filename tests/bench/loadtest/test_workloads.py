@@ -25,8 +25,9 @@ def test_prompts_have_exact_token_counts(tokenizer, endpoint):
 def test_chat_count_is_the_templated_prompt(tokenizer):
     builder = PromptBuilder(tokenizer, "chat")
     text = builder.build(100)
-    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=False)
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     assert len(tokenizer(templated, add_special_tokens=False)["input_ids"]) == 100
 
 
@@ -56,20 +57,27 @@ def test_length_distributions():
 
 def test_random_and_shared_prefix_workloads(tokenizer):
     builder = PromptBuilder(tokenizer, "completions", seed=0)
-    specs = build_requests(WorkloadSettings(random_input_len=64, random_output_len=8, random_range_ratio=0.25),
-                           builder, 20)
+    specs = build_requests(
+        WorkloadSettings(random_input_len=64, random_output_len=8, random_range_ratio=0.25), builder, 20
+    )
     assert all(builder.count(s.prompt) == s.input_tokens for s in specs)
     assert len({s.input_tokens for s in specs}) > 1 and all(48 <= s.input_tokens <= 80 for s in specs)
-    shared = build_requests(WorkloadSettings(dataset_name="shared-prefix", shared_prefix_groups=3,
-                                             shared_prefix_len=200, random_input_len=20), builder, 9)
+    shared = build_requests(
+        WorkloadSettings(
+            dataset_name="shared-prefix", shared_prefix_groups=3, shared_prefix_len=200, random_input_len=20
+        ),
+        builder,
+        9,
+    )
     assert [s.group for s in shared] == [0, 1, 2] * 3
     assert len({s.system for s in shared}) == 3
     assert all(shared[i].system == shared[i + 3].system for i in range(6))
     for s in shared:
         assert builder.count(s.prompt, s.system) == s.input_tokens == 200 + 1 + 20  # prefix + "\n" + question
     chat = PromptBuilder(tokenizer, "chat", seed=0)
-    for s in build_requests(WorkloadSettings(dataset_name="shared-prefix", shared_prefix_len=50,
-                                             random_input_len=10), chat, 4):
+    for s in build_requests(
+        WorkloadSettings(dataset_name="shared-prefix", shared_prefix_len=50, random_input_len=10), chat, 4
+    ):
         assert chat.count(s.prompt, s.system) == s.input_tokens
 
 
@@ -77,20 +85,34 @@ def test_jsonl_and_sharegpt_files(tokenizer, tmp_path):
     builder = PromptBuilder(tokenizer, "completions")
     jsonl = tmp_path / "w.jsonl"
     jsonl.write_text('{"prompt": "hello there", "output_tokens": 5}\n\n{"prompt": "bye"}\n')
-    specs = build_requests(WorkloadSettings(dataset_name="jsonl", dataset_path=str(jsonl), random_output_len=9),
-                           builder, 3)
+    specs = build_requests(
+        WorkloadSettings(dataset_name="jsonl", dataset_path=str(jsonl), random_output_len=9), builder, 3
+    )
     assert [(s.prompt, s.output_tokens, s.input_tokens) for s in specs] == [
-        ("hello there", 5, 11), ("bye", 9, 3), ("hello there", 5, 11)]
+        ("hello there", 5, 11),
+        ("bye", 9, 3),
+        ("hello there", 5, 11),
+    ]
     jsonl.write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="w.jsonl:1"):
         build_requests(WorkloadSettings(dataset_name="jsonl", dataset_path=str(jsonl)), builder, 1)
     share = tmp_path / "sg.json"
-    share.write_text(json.dumps([
-        {"conversations": [{"from": "human", "value": "abc"}, {"from": "gpt", "value": "four"}]},
-        {"conversations": [{"from": "human", "value": "only a question"}]},
-        {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q2"},
-                           {"from": "gpt", "value": "answer!"}, {"from": "human", "value": "more"}]},
-    ]))
+    share.write_text(
+        json.dumps(
+            [
+                {"conversations": [{"from": "human", "value": "abc"}, {"from": "gpt", "value": "four"}]},
+                {"conversations": [{"from": "human", "value": "only a question"}]},
+                {
+                    "conversations": [
+                        {"from": "system", "value": "s"},
+                        {"from": "human", "value": "q2"},
+                        {"from": "gpt", "value": "answer!"},
+                        {"from": "human", "value": "more"},
+                    ]
+                },
+            ]
+        )
+    )
     specs = build_requests(WorkloadSettings(dataset_name="sharegpt", dataset_path=str(share)), builder, 2)
     assert sorted((s.prompt, s.output_tokens) for s in specs) == [("abc", 4), ("q2", 7)]
     with pytest.raises(ValueError, match="needs --dataset-path"):
