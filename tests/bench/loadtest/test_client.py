@@ -10,6 +10,15 @@ from bench.loadtest import cli
 from tests.bench.loadtest.scripted_server import Script, ScriptedServer
 
 TOLERANCE_S = 0.05  # a shared 2-core box under a parallel test load: scheduler noise, not client error
+EARLY_S = 0.005  # a client cannot see a chunk before the server sends it: the lower bounds are tight
+
+
+def assert_timed(values: list[float], expected_s: float) -> None:
+    """Each measured span is at least what the server scripted (minus clock granularity), and their median is
+    within TOLERANCE_S of it: one request delayed by the box (a GC, another test's process) cannot fail the test, a
+    client that times the wrong chunk (too early, or the whole stream) does."""
+    assert all(v >= expected_s - EARLY_S for v in values), (values, expected_s)
+    assert sorted(values)[len(values) // 2] == pytest.approx(expected_s, abs=TOLERANCE_S), (values, expected_s)
 
 
 def run_cli(server, tmp_path, tokenizer_dir, *extra):
@@ -55,12 +64,12 @@ def test_measured_ttft_and_gaps_match_the_server(tmp_path, byte_tokenizer_dir):
         )
     run = summary["runs"][0]
     assert run["completed"] == 4 and run["failed"] == 0
-    for r in records(tmp_path):
-        assert r["ttft_s"] == pytest.approx(0.2, abs=TOLERANCE_S)
+    rows = records(tmp_path)
+    assert_timed([r["ttft_s"] for r in rows], 0.2)
+    assert_timed([r["e2el_s"] for r in rows], 0.45)
+    assert_timed([r["tpot_s"] for r in rows], 0.05)
+    for r in rows:
         assert len(r["itl_s"]) == 5
-        assert all(g == pytest.approx(0.05, abs=TOLERANCE_S) for g in r["itl_s"])
-        assert r["tpot_s"] == pytest.approx(0.05, abs=TOLERANCE_S / 2)
-        assert r["e2el_s"] == pytest.approx(0.45, abs=TOLERANCE_S)
         assert (r["input_tokens"], r["output_tokens"], r["output_tokens_source"]) == (32, 6, "usage")
     assert run["ttft_ms"]["median"] == pytest.approx(200, abs=1000 * TOLERANCE_S)
     assert run["itl_ms"]["median"] == pytest.approx(50, abs=1000 * TOLERANCE_S)
@@ -177,12 +186,13 @@ def test_chat_multi_token_chunks_timing_and_no_usage(tmp_path, byte_tokenizer_di
     # the scripted server sends " tok" per token: the byte tokenizer counts 4 tokens each, 24 for 6 tokens
     assert run["output_tokens_from_tokenizer"] == 3 and run["total_output_tokens"] == 3 * 24
     assert run["multi_token_chunk_requests"] == 3
-    for r in records(tmp_path):
+    rows = records(tmp_path)
+    for r in rows:
         assert r["content_chunks"] == 3 and len(r["itl_s"]) == 2  # the role-only chunk is not a token
-        assert r["ttft_s"] == pytest.approx(0.05, abs=TOLERANCE_S)
+    assert_timed([r["ttft_s"] for r in rows], 0.05)
     stages = run["server_timing_ms"]
     assert stages["prefill_compute"]["mean"] == pytest.approx(20.0)
-    assert stages["client_minus_server_ttft"]["mean"] == pytest.approx(20.0, abs=1000 * TOLERANCE_S)
+    assert stages["client_minus_server_ttft"]["median"] == pytest.approx(20.0, abs=1000 * TOLERANCE_S)
     assert "ttft_breakdown.png" in summary["plots"]
 
 
@@ -223,6 +233,8 @@ def test_a_non_streamed_answer_is_timed_as_a_whole(tmp_path, byte_tokenizer_dir)
         summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--endpoint-type", "chat", "--num-prompts", "2")
     run = summary["runs"][0]
     assert run["completed"] == 2 and run["total_output_tokens"] == 10
-    for r in records(tmp_path):
-        assert r["ttft_s"] == r["e2el_s"] == pytest.approx(0.1, abs=TOLERANCE_S)
+    rows = records(tmp_path)
+    assert_timed([r["ttft_s"] for r in rows], 0.1)
+    for r in rows:
+        assert r["ttft_s"] == r["e2el_s"]
         assert r["tpot_s"] == 0.0 and r["server_timing"] == {"ttft_s": 0.09}
