@@ -7,6 +7,9 @@ How a run flows, module by module:
 - ``shapes``: sends those requests on a schedule (open-loop Poisson/gamma arrivals with optional ramp-up, or a
   closed loop at a concurrency), with warm-up first, and stops at the count or duration bound, cancelling whatever
   is still outstanding.
+- ``conversations`` and ``multiturn`` (``--dataset-name multi-turn``): conversations whose every turn sends the whole
+  history with the server's own answers, with think times between turns; played instead of single requests under
+  the same load options (rate and concurrency bound apply to conversations) and summarized by turn.
 - ``client``: one streamed request, timed at the client with ``time.perf_counter``; ``sse`` parses the stream.
 - ``metrics``: per-request figures to a run summary (percentiles, throughput, goodput, SLO attainment, server-side
   stage timings) and a sweep's highest rate that meets the SLOs.

@@ -4,6 +4,8 @@
 ``vllm bench serve`` where they mean the same); ``run(args)`` builds the workload once, runs each rate (``--rates``,
 else ``--request-rate``), writes the results folder, prints the table to stderr and returns the summary dict.
 ``bench/compare_modes.py`` (``pdserve bench compare``) reuses ``prepare`` and ``execute`` for its two modes.
+``--dataset-name multi-turn`` plays conversations instead of single requests (``conversations``, ``multiturn``): the
+same options, rates and results folder, one record per turn, and a ``multi_turn`` section in each run's summary.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.loadtest import metrics, output
+from bench.loadtest import metrics, multiturn, output
 from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec
+from bench.loadtest.conversations import ConversationSettings, ConversationSpec, build_conversations
 from bench.loadtest.options import DEFAULT_SLOS_NOTE, PDSERVE_DEFAULT_SLOS_MS
 from bench.loadtest.options import add_arguments as add_arguments  # re-exported: `python -m bench.loadtest`, tests
 from bench.loadtest.options import add_workload_arguments as add_workload_arguments
@@ -45,17 +48,39 @@ class Plan:
     progress: bool
     slo_target_pct: float
     tokenizer: object = None  # counts output tokens when a server sends no usage
+    conversations: list[ConversationSpec] | None = None  # multi-turn: played instead of ``specs``
+    conversation_settings: ConversationSettings | None = None
 
 
 def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos: dict | None = None) -> Plan:
-    """Validate options and build the workload once (prompt building happens here, not while timing)."""
+    """Validate options and build the workload once (prompt building happens here, not while timing).
+
+    ``args.endpoint_type`` left unset is resolved here (chat for multi-turn, else completions) and written back."""
+    multi_turn = args.dataset_name == "multi-turn"
+    if args.endpoint_type is None:
+        args.endpoint_type = "chat" if multi_turn else "completions"
+    conversation_settings = None
+    if multi_turn:
+        conversation_settings = ConversationSettings(
+            num_conversations=args.num_conversations,
+            num_turns=args.num_turns,
+            num_turns_range_ratio=args.num_turns_range_ratio,
+            think_time_s=args.think_time_s,
+            think_time_dist=args.think_time_dist,
+        )
+        conversation_settings.validate()
+        if not args.num_conversations and args.duration is None:
+            raise ValueError("a multi-turn run needs a bound: --num-conversations or --duration")
+        if not args.num_conversations and math.isinf(args.request_rate) and args.max_concurrency is None:
+            raise ValueError("--request-rate inf with no --num-conversations needs --max-concurrency")
     rates = metrics.parse_list(args.rates, "--rates") or [args.request_rate]
+    count = args.num_conversations if multi_turn else args.num_prompts
     shapes = [
         LoadShape(
             request_rate=rate,
             burstiness=args.burstiness,
             max_concurrency=args.max_concurrency,
-            num_prompts=args.num_prompts or None,
+            num_prompts=count or None,
             duration_s=args.duration,
             ramp_up_s=args.ramp_up_s,
             num_warmups=args.num_warmups,
@@ -91,7 +116,12 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
     tokenizer = load_tokenizer(args.tokenizer, tokenizer_model)
     builder = PromptBuilder(tokenizer, args.endpoint_type, seed=args.seed)
     n = args.num_warmups + _pool_size(shapes)
-    specs = build_requests(workload, builder, n)
+    conversations = None
+    if conversation_settings is not None:
+        conversations = build_conversations(conversation_settings, workload, builder, n)
+        specs = []
+    else:
+        specs = build_requests(workload, builder, n)
     plan = Plan(
         specs,
         workload,
@@ -109,6 +139,8 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
         not args.disable_tqdm,
         args.slo_target_pct,
         tokenizer,
+        conversations,
+        conversation_settings,
     )
     return plan
 
@@ -148,9 +180,19 @@ def execute(
     for shape in plan.shapes:
         rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
         label = f"{mode + ' ' if mode else ''}rate {rate_label}"
-        results, duration_s, client_stats = asyncio.run(
-            run_phase(plan.specs, shape, settings, seed=plan.seed, progress=plan.progress, label=label)
-        )
+        conversations = None
+        if plan.conversations is not None:
+            conversations, duration_s, client_stats = asyncio.run(
+                multiturn.run_conversations(
+                    plan.conversations, shape, settings, seed=plan.seed, progress=plan.progress, label=label
+                )
+            )
+            multiturn.fill_expected_input_tokens(conversations, plan.tokenizer)
+            results = multiturn.turn_results(conversations)
+        else:
+            results, duration_s, client_stats = asyncio.run(
+                run_phase(plan.specs, shape, settings, seed=plan.seed, progress=plan.progress, label=label)
+            )
         _fill_counts(results, plan.tokenizer)
         measured = [r for r in results if not r.warmup]
         warm = [r for r in results if r.warmup]
@@ -162,6 +204,8 @@ def execute(
             "closed_loop": shape.closed_loop,
         }
         run |= metrics.summarize(measured, duration_s, plan.slos, plan.percentiles, plan.percentile_metrics)
+        if conversations is not None:
+            run["multi_turn"] = multiturn.summarize_conversations(conversations, plan.percentiles)
         run["warmups"] = {"requests": len(warm), "failed": sum(not r.success for r in warm)}
         run["client"] = client_stats
         output.write_requests(folder / "requests.jsonl", results, {"mode": mode} if mode else None)
@@ -185,16 +229,22 @@ def _fill_counts(results: list[RequestResult], tokenizer) -> None:
 
 def benchmark_settings(args: argparse.Namespace, plan: Plan) -> dict:
     keep = {k: v for k, v in vars(args).items() if k not in ("func", "api_key") and not callable(v)}
-    return output.clean_json(
-        keep
-        | {
-            "slo_ms": plan.slos,
-            "slo_source": plan.slo_source,
-            "workload": asdict(plan.workload),
+    settings = {"slo_ms": plan.slos, "slo_source": plan.slo_source, "workload": asdict(plan.workload)}
+    if plan.conversations is not None and plan.conversation_settings is not None:
+        convs = plan.conversations
+        turns = sum(c.turns for c in convs)
+        settings |= {
+            "multi_turn": asdict(plan.conversation_settings),
+            "turns_per_conversation_mean": turns / len(convs),
+            "user_tokens_mean": sum(sum(c.user_tokens) for c in convs) / turns,
+            "output_tokens_mean": sum(sum(c.output_tokens) for c in convs) / turns,
+        }
+    else:
+        settings |= {
             "input_tokens_mean": sum(s.input_tokens for s in plan.specs) / len(plan.specs),
             "output_tokens_mean": sum(s.output_tokens for s in plan.specs) / len(plan.specs),
         }
-    )
+    return output.clean_json(keep | settings)
 
 
 def result_folder(args: argparse.Namespace) -> Path:

@@ -11,7 +11,8 @@
   may carry several tokens; ``content_chunks`` against ``output_tokens`` shows when it did.
 - end-to-end latency: the read that delivered ``[DONE]`` (or the end of the body for a non-streamed answer).
 - token counts: from the server's ``usage``; when a server sends none, the runner counts the generated text with
-  the tokenizer afterwards (``output_tokens_source`` says which).
+  the tokenizer afterwards (``output_tokens_source`` says which). ``usage.prompt_tokens_details.cached_tokens``
+  (the prompt tokens the server served from its prefix cache), when a server reports it, goes to ``cached_tokens``.
 - server stage timings: a ``timing`` object in any chunk (top level or inside the choice), the last one kept.
 
 Every request ends as a success or as a failure with one reason: ``http_<status>``, ``timeout``, ``cancelled``,
@@ -47,7 +48,8 @@ TIMING_FIELDS = (
 
 @dataclass(slots=True)
 class RequestSpec:
-    """What to send. ``system`` is a chat system message, or for completions a text put before ``prompt``."""
+    """What to send. ``system`` is a chat system message, or for completions a text put before ``prompt``.
+    ``messages`` (chat only), when given, is the whole conversation to send instead (a multi-turn chat's history)."""
 
     index: int
     prompt: str
@@ -55,6 +57,7 @@ class RequestSpec:
     input_tokens: int  # what our tokenizer counts for the prompt as sent (templated for chat)
     system: str | None = None
     group: int | None = None  # shared-prefix group
+    messages: list[dict] | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +95,9 @@ class RequestResult:
     finish_reason: str | None = None
     server_timing: dict | None = None
     group: int | None = None
+    conversation: int | None = None  # multi-turn: which conversation, and which turn of it (from 1)
+    turn: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     generated_text: str = ""  # kept for counting when usage is absent; not written out
 
     @property
@@ -118,7 +124,9 @@ def build_body(spec: RequestSpec, settings: RequestSettings) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if settings.endpoint_type == "chat":
+    if settings.endpoint_type == "chat" and spec.messages is not None:
+        body["messages"] = spec.messages
+    elif settings.endpoint_type == "chat":
         messages = []
         if spec.system is not None:
             messages.append({"role": "system", "content": spec.system})
@@ -160,6 +168,9 @@ class _StreamState:
             if usage.get("completion_tokens") is not None:
                 result.output_tokens = int(usage["completion_tokens"])
                 result.output_tokens_source = "usage"
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                result.cached_tokens = details["cached_tokens"]
         if isinstance(obj.get("timing"), dict):
             result.server_timing = obj["timing"]
         for choice in obj.get("choices") or []:

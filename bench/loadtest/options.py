@@ -12,7 +12,8 @@ import argparse
 import math
 
 LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
-DATASETS = ("random", "jsonl", "sharegpt", "shared-prefix")
+DATASETS = ("random", "jsonl", "sharegpt", "shared-prefix", "multi-turn")
+THINK_TIME_DISTS = ("fixed", "exponential")
 
 PDSERVE_DEFAULT_MODEL = "smollm2-135m-instruct"  # the name of pdserve's built-in model (engine.model_loader)
 PDSERVE_DEFAULT_SLOS_MS = {"ttft": 2000.0, "tpot": 200.0}  # pdserve's default SLOs (cluster.config.SLOSection)
@@ -22,7 +23,12 @@ DEFAULT_SLOS_NOTE = "cluster.config SLOSection defaults (no --goodput given)"
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Everything but the target: shared by ``bench serve`` and ``bench compare``."""
     p = parser
-    p.add_argument("--endpoint-type", choices=["completions", "chat"], default="completions")
+    p.add_argument(
+        "--endpoint-type",
+        choices=["completions", "chat"],
+        default=None,
+        help="default: chat for --dataset-name multi-turn, else completions",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -47,9 +53,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "--random-input-len",
         type=int,
         default=256,
-        help="prompt tokens as the server counts them (templated for chat); shared-prefix: question tokens",
+        help="prompt tokens as the server counts them (templated for chat); shared-prefix: question tokens; "
+        "multi-turn: each user message's own tokens",
     )
-    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-output-len", type=int, default=64, help="output tokens (multi-turn: per turn)")
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="uniform lengths within ±ratio")
     p.add_argument(
         "--length-dist",
@@ -60,6 +67,26 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--length-cv", type=float, default=0.25, help="std/mean for normal and lognormal lengths")
     p.add_argument("--shared-prefix-groups", type=int, default=4)
     p.add_argument("--shared-prefix-len", type=int, default=512)
+    p.add_argument(
+        "--num-conversations",
+        type=int,
+        default=16,
+        help="multi-turn: conversations per rate (0: only --duration bounds); --request-rate is then their "
+        "arrival rate and --max-concurrency the most conversations open at once",
+    )
+    p.add_argument(
+        "--num-turns",
+        type=int,
+        default=None,
+        help="multi-turn: user turns per conversation (default 3; with --dataset-path: the file's, cut to this)",
+    )
+    p.add_argument(
+        "--num-turns-range-ratio", type=float, default=0.0, help="multi-turn: turns drawn uniformly within ±ratio"
+    )
+    p.add_argument(
+        "--think-time-s", type=float, default=0.0, help="multi-turn: mean seconds between an answer and the next turn"
+    )
+    p.add_argument("--think-time-dist", choices=THINK_TIME_DISTS, default="fixed")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true so outputs run to max_tokens")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")

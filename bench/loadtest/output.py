@@ -32,6 +32,12 @@ for _metric in ("ttft", "tpot", "itl", "e2el"):
     for _stat in ("mean", "median", "p90", "p99"):
         CSV_FIELDS.append((f"{_metric}_{_stat}_ms", lambda s, m=_metric, k=_stat: (s.get(f"{m}_ms") or {}).get(k)))
 
+for _part, _key in (("turn1", "ttft_ms_first_turn"), ("later_turns", "ttft_ms_later_turns")):
+    for _stat in ("median", "p90"):  # multi-turn runs only; empty for the others
+        CSV_FIELDS.append(
+            (f"ttft_{_part}_{_stat}_ms", lambda s, k=_key, st=_stat: ((s.get("multi_turn") or {}).get(k) or {}).get(st))
+        )
+
 STAGES_TTFT = ("router_queue", "prefill_queue", "prefill_compute", "first_token_delivery")
 STAGES_SECOND = ("kv_after_prefill", "decode_queue")  # kv_transfer_s spans the prefill too
 
@@ -117,7 +123,24 @@ def format_table(runs: Sequence[dict]) -> str:
     failures = [f"{s.get('mode', '')} rate {s['rate']}: {s['failures']}" for s in runs if s["failures"]]
     if failures:
         lines.append("failures by reason: " + "; ".join(failures))
+    lines += [_multi_turn_line(s) for s in runs if s.get("multi_turn")]
     return "\n".join(lines)
+
+
+def _multi_turn_line(run: dict) -> str:
+    m = run["multi_turn"]
+    first, later = m["ttft_ms_first_turn"], m["ttft_ms_later_turns"]
+    cached = m.get("cached_tokens")
+    hit = (
+        f", cached prompt tokens {_fmt(100.0 * cached['hit_rate'])}%"
+        if cached and cached["hit_rate"] is not None
+        else ""
+    )
+    return (
+        f"{_run_label(run)}: conversations {m['completed']} completed / {m['failed']} failed / {m['unfinished']} "
+        f"unfinished; TTFT p50/p90 turn 1 {_fmt(first.get('median'))}/{_fmt(first.get('p90'))} ms, later turns "
+        f"{_fmt(later.get('median'))}/{_fmt(later.get('p90'))} ms{hit}"
+    )
 
 
 def _run_label(run: dict) -> str:

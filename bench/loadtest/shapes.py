@@ -88,7 +88,7 @@ def make_client(settings: RequestSettings, connections: int | None = None) -> ht
     )
 
 
-class _LagMonitor:
+class LagMonitor:
     """How late the client's event loop wakes up: if this grows, the client itself is skewing the figures."""
 
     def __init__(self, period_s: float = 0.01) -> None:
@@ -100,6 +100,10 @@ class _LagMonitor:
             before = time.perf_counter()
             await asyncio.sleep(self.period_s)
             self.lags.append(max(0.0, time.perf_counter() - before - self.period_s))
+
+    def stats(self) -> dict:
+        lags = np.asarray(self.lags or [0.0]) * 1000.0
+        return {"loop_lag_ms_p99": float(np.percentile(lags, 99)), "loop_lag_ms_max": float(lags.max())}
 
 
 async def run_phase(
@@ -130,8 +134,8 @@ async def run_phase(
             await asyncio.gather(*(warm_one(r, next(spec_iter)) for r in warm))
             results.extend(warm)
         measured: list[RequestResult] = []
-        bar = _progress(shape, progress, label)
-        monitor = _LagMonitor()
+        bar = progress_bar(shape.num_prompts, progress, label)
+        monitor = LagMonitor()
         lag_task = asyncio.create_task(monitor.run())
         start = time.perf_counter()
         try:
@@ -146,18 +150,17 @@ async def run_phase(
             if bar is not None:
                 bar.close()
         results.extend(measured)
-    lags = np.asarray(monitor.lags or [0.0]) * 1000.0
-    stats = {"loop_lag_ms_p99": float(np.percentile(lags, 99)), "loop_lag_ms_max": float(lags.max())}
-    return results, end - start, stats
+    return results, end - start, monitor.stats()
 
 
-def _progress(shape: LoadShape, enabled: bool, label: str):
+def progress_bar(total: int | None, enabled: bool, label: str):
+    """A tqdm bar on stderr over ``total`` requests (None: unknown), or None when disabled."""
     if not enabled:
         return None
     from tqdm import tqdm
 
     return tqdm(
-        total=shape.num_prompts or None,
+        total=total or None,
         desc=label or "requests",
         unit="req",
         file=sys.stderr,
@@ -166,11 +169,11 @@ def _progress(shape: LoadShape, enabled: bool, label: str):
     )
 
 
-def _remaining(start: float, shape: LoadShape) -> float | None:
+def remaining_s(start: float, shape: LoadShape) -> float | None:
     return None if shape.duration_s is None else start + shape.duration_s - time.perf_counter()
 
 
-async def _finish(tasks: list[asyncio.Task], driver: asyncio.Task, start: float, shape: LoadShape) -> None:
+async def finish_within_bound(tasks: list[asyncio.Task], driver: asyncio.Task, start: float, shape: LoadShape) -> None:
     """Wait for ``driver`` (which creates ``tasks``) and every task, up to the duration bound; then cancel."""
 
     async def everything() -> None:
@@ -183,7 +186,7 @@ async def _finish(tasks: list[asyncio.Task], driver: asyncio.Task, start: float,
 
     waiter = asyncio.create_task(everything())
     try:
-        await asyncio.wait({waiter}, timeout=_remaining(start, shape))
+        await asyncio.wait({waiter}, timeout=remaining_s(start, shape))
     finally:
         leftovers = [t for t in [waiter, driver, *tasks] if not t.done()]
         for task in leftovers:
@@ -226,7 +229,7 @@ async def _open_loop(client, spec_iter, shape, settings, measured, start, rate_l
             measured.append(result)
             tasks.append(asyncio.create_task(one(result, next(spec_iter))))
 
-    await _finish(tasks, asyncio.create_task(dispatch()), start, shape)
+    await finish_within_bound(tasks, asyncio.create_task(dispatch()), start, shape)
 
 
 async def _closed_loop(client, spec_iter, shape, settings, measured, start, rate_label, bar) -> None:
@@ -240,7 +243,7 @@ async def _closed_loop(client, spec_iter, shape, settings, measured, start, rate
             seq = next(counter)
             if shape.num_prompts and seq >= shape.num_prompts:
                 return
-            remaining = _remaining(start, shape)
+            remaining = remaining_s(start, shape)
             if remaining is not None and remaining <= 0:
                 return
             now = time.perf_counter() - start
@@ -257,5 +260,5 @@ async def _closed_loop(client, spec_iter, shape, settings, measured, start, rate
     async def driver() -> None:
         await asyncio.gather(*senders)
 
-    await _finish(senders, asyncio.create_task(driver()), start, shape)
+    await finish_within_bound(senders, asyncio.create_task(driver()), start, shape)
     measured.sort(key=lambda r: r.index)

@@ -3,7 +3,8 @@
 A raw asyncio HTTP/1.1 server in its own thread on 127.0.0.1 (port 0). Each request gets a ``Script`` from the
 test's ``script(body, n)`` function (``n`` counts requests from 0): the status, the delay to the first chunk, the gap
 between chunks, how many tokens and how many per chunk, whether to cut the stream or send an error event, and an
-optional server ``timing`` object put in the chunk that carries ``finish_reason``. Responses use chunked
+optional server ``timing`` object put in the chunk that carries ``finish_reason``, the text of each token and the
+cached prompt tokens to report in ``usage``. Responses use chunked
 transfer encoding, so a cut (closing without the final empty chunk) is visible to the client as a broken body.
 """
 
@@ -28,6 +29,8 @@ class Script:
     timing: dict | None = None
     role_chunk: bool = True  # chat: an empty role-only chunk first
     stream: bool = True  # False: one JSON body after ttft_s, as a server that ignores stream: true
+    token_text: str = " tok"  # the text of each token (a multi-turn test tells answers apart by it)
+    cached_tokens: int | None = None  # reported as usage.prompt_tokens_details.cached_tokens
     extra: dict = field(default_factory=dict)
 
 
@@ -112,9 +115,9 @@ class ScriptedServer:
             tokens = s.tokens if s.tokens is not None else int(body.get("max_tokens", 16))
             choice = {"index": 0, "finish_reason": "length"}
             if chat:
-                choice["message"] = {"role": "assistant", "content": " tok" * tokens}
+                choice["message"] = {"role": "assistant", "content": s.token_text * tokens}
             else:
-                choice["text"] = " tok" * tokens
+                choice["text"] = s.token_text * tokens
             payload = json.dumps(
                 {
                     "id": "x",
@@ -164,23 +167,22 @@ class ScriptedServer:
                 await send({"error": {"message": "scripted error", "type": "server_error"}})
                 break
             last = i == chunks - 1
-            obj = chunk(" tok" * min(s.tokens_per_chunk, tokens - i * s.tokens_per_chunk), "length" if last else None)
+            obj = chunk(
+                s.token_text * min(s.tokens_per_chunk, tokens - i * s.tokens_per_chunk), "length" if last else None
+            )
             if last and s.timing is not None:
                 obj["timing"] = s.timing
             await send(obj)
         else:
             if s.usage:
-                await send(
-                    {
-                        "id": "x",
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": s.extra.get("prompt_tokens", 7),
-                            "completion_tokens": tokens,
-                            "total_tokens": tokens + 7,
-                        },
-                    }
-                )
+                usage = {
+                    "prompt_tokens": s.extra.get("prompt_tokens", 7),
+                    "completion_tokens": tokens,
+                    "total_tokens": tokens + 7,
+                }
+                if s.cached_tokens is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": s.cached_tokens}
+                await send({"id": "x", "choices": [], "usage": usage})
         await send("[DONE]")
         writer.write(b"0\r\n\r\n")
         await writer.drain()
