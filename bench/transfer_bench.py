@@ -7,8 +7,13 @@ layers, 3 kv heads, head_dim 64, block_size 16: 368,640 bytes per block over all
 piece per layer (K and V frames). Time runs from the sender's first send_layer (perf_counter is
 system-wide monotonic on Linux, so the two processes share a clock) to the receiver's DONE event. The
 receiver's sink copies each piece into a preallocated cache, and so does the raw reference: both land
-the bytes where decode needs them; the raw reference has no header, checksum, handshake or ack.
-`local` runs both sides in this process. Each figure is the median of --reps after one warm-up.
+the bytes where decode needs them; the raw reference has no header, checksum, handshake or ack. The sender process
+makes each size's payload once (in the warm-up): generating 64 MiB of random KV right before each timed send left
+torch's OpenMP threads spinning on the cores the transfer needed (on the 2-core box at 64 MiB: shm 0.6 GB/s that
+way, 2.2-2.8 GB/s with OMP_WAIT_POLICY=PASSIVE, which also stops the spinning; zmq-ipc 0.5 against 1.4-1.8).
+`local` runs both sides in this process; `shm` sends through the receiver's shared-memory ring (control over a
+Unix socket; transfer/shm_backend.py). Each figure is the median of --reps after one warm-up; every row also has
+its ratio to this run's memcpy of the same size (`ratio_vs_memcpy`: the bar for same-node transfers).
 
     python -m bench.transfer_bench            # prints one JSON object
     python -m bench.transfer_bench --overlap  # plus the served-cluster overlap and int8 figures (minutes):
@@ -51,12 +56,13 @@ def _child(conn: Any, checksum: bool) -> None:
     senders: dict[str, Any] = {}
     ctx = zmq.Context()
     raw: dict[str, zmq.Socket] = {}
+    payloads: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     while True:
         msg = conn.recv()
         if msg is None:
             break
         backend, address, n, tid = msg
-        kv = _kv(n)
+        kv = payloads.get(n) or payloads.setdefault(n, _kv(n))
         if backend.startswith("raw"):
             sock = raw.get(address)
             if sock is None:
@@ -74,7 +80,7 @@ def _child(conn: Any, checksum: bool) -> None:
             continue
         s = senders.get(backend)
         if s is None:
-            name = "gloo" if backend == "gloo" else "zmq"
+            name = backend if backend in ("gloo", "shm") else "zmq"
             s = senders[backend] = make_sender(name, FP, TransferConfig(checksum=checksum))
         t0 = time.perf_counter()
         s.begin(tid, address)
@@ -206,8 +212,11 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
                     out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes, "gbps": round(gbps, 3)})
                     continue
                 cache = _Cache(n)
-                addr = f"ipc://{tmp}/{backend}-{n}.ipc" if backend == "zmq-ipc" else "tcp://127.0.0.1:0"
-                name = "gloo" if backend == "gloo" else "zmq"
+                addr = {
+                    "zmq-ipc": f"ipc://{tmp}/{backend}-{n}.ipc",
+                    "shm": f"shm+ipc://{tmp}/{backend}-{n}.ipc",  # control over a Unix socket, payload in /dev/shm
+                }.get(backend, "tcp://127.0.0.1:0")
+                name = backend if backend in ("gloo", "shm") else "zmq"
                 r = make_receiver(name, FP, cache.sink, addr, TransferConfig(checksum=not args.no_checksum))
                 raw = _RawReceiver(zctx, backend, tmp, n) if backend.startswith("zmq") else None
                 times, raw_times = [], []
@@ -239,6 +248,7 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
             raw = out["raw_zmq_gbps"].get(row["backend"], {}).get(str(row["mib"]))
             if raw:
                 row["ratio_vs_raw_zmq"] = round(row["gbps"] / raw, 3)
+            row["ratio_vs_memcpy"] = round(row["gbps"] / out["memcpy_gbps"][str(row["mib"])], 3)
     finally:
         parent.send(None)
         proc.join(10)

@@ -118,12 +118,24 @@ class LimitsSection(_Strict):
     max_json_depth: int = Field(default=32, gt=0)
 
 
+class KvAwareSection(_Strict):
+    """The kv_aware policy's cost (cluster/policies.py): prefix_weight * matched / prompt tokens - load_weight * load."""
+
+    prefix_weight: float = Field(default=2.0, ge=0)  # a whole prompt cached is worth this many queued requests
+    load_weight: float = Field(default=1.0, ge=0)
+
+
 class RouterSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
-    prefill_policy: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
-    decode_policy: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
+    prefill_policy: Literal["round_robin", "least_loaded", "power_of_two", "kv_aware"] = "least_loaded"
+    # decode_policy also orders colocated workers (where kv_aware weighs their prefix caches)
+    decode_policy: Literal["round_robin", "least_loaded", "power_of_two", "kv_aware"] = "least_loaded"
+    kv_aware: KvAwareSection = KvAwareSection()
     queue_size: int = Field(default=256, ge=0)  # requests waiting for decode KV before 429
+    # conditional disaggregation: a prompt whose part the chosen decode worker does not hold in its prefix cache is
+    # at most this many tokens is prefilled on that decode worker, with no transfer; 0: every prompt goes to prefill
+    local_prefill_max_tokens: int = Field(default=0, ge=0)
     api_key: str | None = None
     allow_unauthenticated: bool = False  # serve a non-loopback address without api_key, deliberately
     request_timeout_s: float = Field(default=300.0, gt=0)

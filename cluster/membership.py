@@ -3,6 +3,10 @@
 A worker is alive from registration until its heartbeats stop (``HEARTBEAT_TIMEOUT_S``), its command queue fills,
 or Ray reports its process gone; then ``on_dead`` tells the router, which fails or retries what the worker held.
 A restarted worker registers again under the same name with new addresses and is alive again.
+
+It also keeps what each worker's prefix cache holds (``prefix_index``, fed by the workers' ``KvEvents``): a worker's
+view is dropped whenever it (re-)registers or is marked dead, since a new process starts with an empty cache and a
+dead one serves nothing; a worker revived after a stall starts from empty and is refilled by its next snapshot.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import zmq
 import zmq.asyncio
 
 from cluster.metrics import RouterMetrics
-from worker.messages import Command, Stats
+from cluster.prefix_index import PrefixIndex
+from worker.messages import Command, KvEvents, Stats
 from worker.protocol import MAX_FRAME_BYTES, Channel, Signer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class Membership:
         self._signers: dict[str, Signer] = {}  # per worker command address
         self._on_dead = on_dead
         self.workers: dict[str, WorkerHandle] = {}
+        self.prefix_index = PrefixIndex()
 
     def add(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
         sock = self._ctx.socket(zmq.PUSH)
@@ -80,6 +86,7 @@ class Membership:
         if old is not None:
             old.socket.close(0)
         self.workers[name] = WorkerHandle(name, role, command_address, sock, kv_address)
+        self.forget_prefixes(name)  # a (re-)registered process starts with an empty prefix cache
         self._update_gauge()
         if old is not None and old.alive and old.command_address != command_address:
             # restarted before its death was noticed: what the old process held is gone with it
@@ -102,6 +109,7 @@ class Membership:
             return
         worker.alive = False
         logger.warning("worker %s marked dead: %s", name, reason)
+        self.forget_prefixes(name)
         self._update_gauge()
         self._on_dead(name, reason)
 
@@ -148,6 +156,23 @@ class Membership:
                 self._metrics.worker_revivals.inc()
                 self._update_gauge()
         return worker
+
+    def on_kv_events(self, event: KvEvents, worker: WorkerHandle | None) -> None:
+        """Apply a worker's prefix-cache changes, if they come from the registered incarnation of a worker."""
+        if worker is None or event.address != worker.command_address or not worker.alive:
+            return  # an old process's events, or a dead worker's: its view was dropped and stays so
+        index = self.prefix_index
+        if index.apply(worker.name, event.seq, event.stored, event.removed, event.reset):
+            self._metrics.kv_events.labels("reset" if event.reset else "delta").inc()
+        else:
+            self._metrics.kv_events.labels("gap").inc()
+        self._metrics.prefix_index_blocks.labels(worker.name, worker.role).set(index.blocks_held(worker.name))
+
+    def forget_prefixes(self, name: str) -> None:
+        self.prefix_index.forget(name)
+        worker = self.workers.get(name)
+        if worker is not None:
+            self._metrics.prefix_index_blocks.labels(name, worker.role).set(0)
 
     def close(self) -> None:
         for worker in self.workers.values():

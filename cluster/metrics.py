@@ -85,6 +85,37 @@ class RouterMetrics:
         self.worker_revivals = Counter(
             "pdserve_worker_revivals", "Workers marked dead that were heard from again", registry=r
         )
+        # prefix-aware routing (cluster/policies.py, cluster/prefix_index.py), per pool (prefill, colocated): the
+        # prefix hit rate the router predicted is matched / routed prompt tokens
+        self.routing_decisions = Counter(
+            "pdserve_routing_decisions",
+            "Prefill/colocated picks by what decided them: prefix (the chosen worker holds more of the prompt than "
+            "another candidate) or load",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.routed_prompt_tokens = Counter(
+            "pdserve_routed_prompt_tokens", "Prompt tokens routed to prefill/colocated workers", ["pool"], registry=r
+        )
+        self.prefix_matched_tokens = Counter(
+            "pdserve_prefix_matched_tokens",
+            "Routed prompt tokens the chosen worker held in its prefix cache (router's view, engine's reuse rule)",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "pdserve_kv_events",
+            "Workers' KvEvents messages applied: delta, reset (a snapshot), gap (a missed message: view dropped)",
+            ["kind"],
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "pdserve_prefix_index_blocks",
+            "Prefix-cache blocks the router knows a worker holds",
+            ["worker", "pool"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.workers_alive = Gauge(
             "pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r, multiprocess_mode="mostrecent"
         )
@@ -102,6 +133,20 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.prefill_path = Counter(
+            "pdserve_prefill_path",
+            "Disaggregated requests by where their prompt was computed: remote (a prefill worker, KV transferred) or "
+            "local (the decode worker itself: router.local_prefill_max_tokens)",
+            ["path"],
+            registry=r,
+        )
+        self.decode_cached_tokens = Counter(
+            "pdserve_decode_cached_prompt_tokens",
+            "Prompt tokens the chosen decode worker already held (prefix cache): not reserved anew, not transferred",
+            registry=r,
+        )
+        for path in ("remote", "local"):
+            self.prefill_path.labels(path)  # both show, at 0, from the start
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens generated", registry=r)
         # workers detokenize and send text, so the router spends no time on it: kept at 0 for benchmarks to show it

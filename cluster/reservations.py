@@ -24,7 +24,7 @@ from cluster.config import ClusterConfig
 from cluster.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.membership import WorkerHandle
 from cluster.metrics import RouterMetrics
-from cluster.policies import LeastLoaded, PowerOfTwo, RoundRobin
+from cluster.policies import Policy, PrefixMatch
 from engine.blocks import reserved_blocks
 from engine.request import SamplingParams
 from worker.messages import Command, ErrorCode, ErrorEvent, Reserve, Reserved, Unreserve
@@ -38,7 +38,7 @@ class DecodeReservations:
     def __init__(
         self,
         config: ClusterConfig,
-        policy: RoundRobin | LeastLoaded | PowerOfTwo,
+        policy: Policy,
         metrics: RouterMetrics,
         admission: Admission,
         send: Callable[[WorkerHandle, Command], None],
@@ -97,8 +97,13 @@ class DecodeReservations:
         prompt: list[int],
         params: SamplingParams,
         deadline: float,
+        match: PrefixMatch | None = None,
     ) -> tuple[WorkerHandle, Reserved]:
-        """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise."""
+        """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise.
+
+        ``match``: what each decode worker holds of the prompt (the router's prefix index). With ``kv_aware`` the
+        worker that holds a chat's history is asked first, so the next turn reserves (and receives) only the blocks
+        it lacks; the other policies ignore it."""
         needed = self.blocks_needed(len(prompt), params.max_tokens)
         queued = False
         try:
@@ -107,7 +112,7 @@ class DecodeReservations:
                 if not workers:
                     raise NoWorkers("no live decode worker")
                 fits = [w for w in workers if w.stats is None or w.stats.load.free_blocks >= needed]
-                for worker in self._policy.order(fits)[:MAX_WORKERS_TRIED]:
+                for worker in self._policy.order(fits, match)[:MAX_WORKERS_TRIED]:
                     reply = await self._try(worker, wire_rid, prompt, params)
                     if isinstance(reply, Reserved) and reply.ok:
                         return worker, reply

@@ -7,7 +7,11 @@ each event handled by its type (``_dispatch``). Tokens never pass through Ray.
 Disaggregated request (``generate``):
 1. Reserve decode KV (``cluster/reservations.py``): the first decode worker in policy order that has room reserves
    blocks; otherwise the request waits in a bounded queue (429 when full, 503 with no live decode worker).
-2. Dispatch the prompt to a prefill worker with the decode worker's KV address and reserved block ids.
+2. Dispatch the prompt to a prefill worker with the decode worker's KV address and reserved block ids; when that
+   decode worker already holds the prompt's first blocks (``reserved.cached_tokens``: its prefix cache, e.g. a chat's
+   history it just decoded), only the blocks after them are computed for it and sent. When what it lacks is at most
+   ``router.local_prefill_max_tokens``, it gets ``prefill_here`` instead: it computes that part itself, no transfer,
+   and its first token comes with its ``tokens`` events (conditional disaggregation).
 3. Prefill's ``first_token`` event is streamed to the client at once and forwarded to the decode worker (``start``);
    decode's ``tokens`` events follow until a finish reason. Workers send text (they detokenize, in the engine); the
    router only relays it, through each stream's coalescing buffer (``cluster/streams.py``).
@@ -34,9 +38,10 @@ from cluster.config import ClusterConfig
 from cluster.errors import NoWorkers, RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
-from cluster.policies import make_policy
+from cluster.policies import PrefixMatch, decision_reason, make_policy
 from cluster.reservations import DecodeReservations
 from cluster.streams import Stream, TokenEvent
+from engine.blocks import prompt_block_hashes, reusable_prefix_tokens
 from engine.request import SamplingParams
 from worker.messages import (
     Abort,
@@ -47,8 +52,10 @@ from worker.messages import (
     Event,
     FirstToken,
     Generate,
+    KvEvents,
     Ping,
     Prefill,
+    PrefillHere,
     PrefillTiming,
     Reserved,
     Start,
@@ -77,9 +84,9 @@ class Router:
         self.streams: dict[str, Stream] = {}
         self.last_timing: OrderedDict[str, dict] = OrderedDict()  # finished requests' timing, for the response
         self._policies = {
-            "prefill": make_policy(config.router.prefill_policy),
-            "decode": make_policy(config.router.decode_policy),
-            "colocated": make_policy(config.router.decode_policy),
+            "prefill": make_policy(config.router.prefill_policy, **config.router.kv_aware.model_dump()),
+            "decode": make_policy(config.router.decode_policy, **config.router.kv_aware.model_dump()),
+            "colocated": make_policy(config.router.decode_policy, **config.router.kv_aware.model_dump()),
         }
         self._ctx = zmq.asyncio.Context()
         self._events = self._ctx.socket(zmq.PULL)
@@ -102,6 +109,7 @@ class Router:
             FirstToken: self._on_first_token,
             Tokens: self._on_tokens,
             ErrorEvent: self._on_error,
+            KvEvents: self.members.on_kv_events,
         }
 
     # ---- membership (cluster/membership.py) --------------------------------------------------------------------
@@ -374,28 +382,70 @@ class Router:
         role = "colocated" if self.config.mode == "colocated" else "decode"
         self.reservations.check_fits(self.live(role), role, len(prompt), params.max_tokens)
         if self.config.mode == "colocated":
-            worker = self._pick("colocated")
+            worker = self._pick("colocated", prompt)
             stream.decode = worker.name
             worker.inflight += 1
             self._send(worker, Generate(stream.wire_rid, prompt, params))
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             return
+        match = self.prefix_match(prompt)  # decode workers hold the chats they decoded: kv_aware asks those first
         decode, reply = await self.reservations.reserve(
-            lambda: self.live("decode"), stream.wire_rid, prompt, params, deadline
+            lambda: self.live("decode"), stream.wire_rid, prompt, params, deadline, match
         )
+        self._count_decision("decode", decode, self.live("decode"), match)
         stream.decode = decode.name
         decode.inflight += 1
-        prefill = self._pick("prefill")
+        stream.timing["decode_cached_tokens"] = float(reply.cached_tokens)
+        self.metrics.decode_cached_tokens.inc(reply.cached_tokens)
+        local_max = self.config.router.local_prefill_max_tokens  # 0: off (at least one token is always uncached)
+        if local_max and len(prompt) - reply.cached_tokens <= local_max:
+            # conditional disaggregation: what the decode worker lacks is short, so it computes it itself (no
+            # prefill worker, no transfer); its first token comes in its ``tokens`` events like the rest
+            self._send(decode, PrefillHere(stream.wire_rid))
+            self.metrics.prefill_path.labels("local").inc()
+            stream.timing["prefill_local"] = 1.0
+            stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
+            return
+        prefill = self._pick("prefill", prompt)
         stream.prefill = prefill.name
         prefill.inflight += 1
-        self._send(prefill, Prefill(stream.wire_rid, prompt, params, reply.kv_address, reply.blocks))
+        command = Prefill(
+            stream.wire_rid, prompt, params, reply.kv_address, reply.blocks, cached_tokens=reply.cached_tokens
+        )
+        self._send(prefill, command)
+        self.metrics.prefill_path.labels("remote").inc()
         stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
 
-    def _pick(self, role: str) -> WorkerHandle:
-        candidates = self._policies[role].order(self.live(role))
+    def _pick(self, role: str, prompt: list[int] | None = None) -> WorkerHandle:
+        """The worker a prompt goes to (prefill or colocated): the policy's first, given what each worker holds of
+        the prompt (only kv_aware weighs it); the decision and the prefix it found are counted in /metrics."""
+        live, policy = self.live(role), self._policies[role]
+        match = self.prefix_match(prompt) if prompt is not None else None
+        candidates = policy.order(live, match)
         if not candidates:
             raise NoWorkers(f"no live {role} worker")
-        return candidates[0]
+        chosen = candidates[0]
+        if match is not None:
+            self._count_decision(role, chosen, live, match)
+        return chosen
+
+    def _count_decision(self, role: str, chosen: WorkerHandle, live: list[WorkerHandle], match: PrefixMatch) -> None:
+        """/metrics: why the policy chose this worker (prefix or load), and how much of the prompt it already holds."""
+        metrics = self.metrics
+        metrics.routing_decisions.labels(role, decision_reason(self._policies[role], chosen, live, match)).inc()
+        metrics.routed_prompt_tokens.labels(role).inc(match.num_prompt_tokens)
+        metrics.prefix_matched_tokens.labels(role).inc(match.tokens(chosen.name))
+
+    def prefix_match(self, prompt: list[int]) -> PrefixMatch:
+        """Per worker, the prompt tokens its prefix cache would spare (the router's view, from KV events): the
+        prompt's full blocks hashed once with the engine's own function, matched against the index, and cut by the
+        engine's rule that at least one prompt token is computed."""
+        block_size, index = self.config.transfer.block_size, self.members.prefix_index
+        if not len(index):  # no worker reports a cached block (prefix caching off, or nothing computed yet)
+            return PrefixMatch(len(prompt))
+        blocks = index.match(prompt_block_hashes(prompt, block_size))
+        tokens = {name: reusable_prefix_tokens(n, len(prompt), block_size) for name, n in blocks.items()}
+        return PrefixMatch(len(prompt), {name: n for name, n in tokens.items() if n > 0})
 
     def status(self) -> dict:
         return {

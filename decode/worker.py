@@ -5,7 +5,11 @@ is the engine's ``Request`` (status WAITING_FOR_REMOTE_KV until the scheduler ad
 for its stamps), so this file keeps no table of requests. A request's path:
 1. ``reserve`` from the router: the engine reserves blocks for the prompt, the first token and the headroom
    (``engine.blocks.reserved_blocks``, the count the router plans with), or refuses at once when they are not free
-   (memory is never overcommitted), and the receiver is told to expect the KV into the prompt's blocks.
+   (memory is never overcommitted), and the receiver is told to expect the KV into the prompt's blocks. The prompt's
+   leading full blocks that this engine's prefix cache holds (a chat's history it just decoded) are shared, not
+   reserved anew: ``reserved`` says how many tokens they cover (``cached_tokens``), and only the missing blocks are
+   expected, sent and written. ``prefill_here`` instead (the router's choice for a short uncached part) has the
+   engine compute the rest itself: no transfer, and the first token comes from here, in the ``tokens`` events.
 2. While prefill computes, the receiver (polled without blocking, between steps) checks each arriving layer piece
    and writes it through ``engine.write_remote_kv``, which only writes into that request's reserved prompt blocks.
 3. ``start`` from the router brings the first token that prefill sampled (``remote_first_token``); the receiver's
@@ -30,7 +34,6 @@ import tempfile
 import time
 import uuid
 
-from engine.blocks import blocks_for_tokens
 from engine.kv_connector import RemoteKV
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestOutput, RequestStatus, RequestTiming, SamplingParams
@@ -42,6 +45,8 @@ from worker.messages import (
     Command,
     DecodeTiming,
     ErrorCode,
+    PrefillHere,
+    PrefillTiming,
     Reserve,
     Reserved,
     Start,
@@ -51,7 +56,7 @@ from worker.messages import (
     WorkerCounters,
     WorkerLoad,
 )
-from worker.role import Emit, Role
+from worker.role import Emit, Role, prefill_timing
 from worker.runtime import WorkerRuntime
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 
@@ -130,6 +135,8 @@ class DecodeRole(Role):
                 raise KeyError(f"request {command.rid!r} has no reservation here")
             self.engine.remote_first_token(command.rid, command.first_token)  # admitted by the next step
             self._attempts.pop(command.rid, None)
+        elif isinstance(command, PrefillHere):
+            self._prefill_here(command.rid)
         else:
             super().handle(command, arrival_s)
 
@@ -140,26 +147,40 @@ class DecodeRole(Role):
             # new reservation replaces it, KV expected again
             self.engine.abort(rid)
             held = None
-        if held is not None and held.prompt_token_ids == prompt:
-            # the router asks again after our answer came too late: answer again with the same blocks (idempotent)
-            blocks: list[int] | None = list(held.block_ids)
-        else:
-            blocks = self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens)
-            if blocks is not None:
-                num_prompt_blocks = blocks_for_tokens(
-                    self.engine.requests[rid].num_prompt_tokens, self.engine.kv_spec.block_size
-                )
-                self.receiver.expect(rid, blocks[:num_prompt_blocks], num_layers=self.engine.kv_spec.num_layers)
-        if blocks is None:
-            self.counters.reservations_refused += 1
-            self.emit(Reserved(rid=rid, worker=self.name, ok=False, attempt=attempt, reason="kv_full"))
-            return
+        if held is None or held.prompt_token_ids != prompt:  # (else the router asks again after our answer came
+            # too late: the same reservation is answered again, idempotent)
+            if self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens, prefix_cache=True) is None:
+                self.counters.reservations_refused += 1
+                self.emit(Reserved(rid=rid, worker=self.name, ok=False, attempt=attempt, reason="kv_full"))
+                return
+            held = self.engine.requests[rid]
+            missing = self.engine.missing_prompt_blocks(held)  # the prefix-cached blocks are shared, not written
+            self.receiver.expect(rid, missing, num_layers=self.engine.kv_spec.num_layers)
         self._attempts[rid] = attempt
+        first = held.num_cached_tokens // self.engine.kv_spec.block_size
         self.emit(
             Reserved(
-                rid=rid, worker=self.name, ok=True, attempt=attempt, blocks=blocks, kv_address=self.receiver.address
+                rid=rid,
+                worker=self.name,
+                ok=True,
+                attempt=attempt,
+                blocks=held.block_ids[first:],
+                kv_address=self.receiver.address,
+                cached_tokens=held.num_cached_tokens,
             )
         )
+
+    def _prefill_here(self, rid: str) -> None:
+        """The router has this reservation computed here: no KV will come, so the receiver stops expecting it (its
+        end, reported by ``poll``, finds the request no longer waiting and is ignored), and the engine prefills
+        the missing tokens and samples the first token itself."""
+        request = self._reservation(rid)
+        if request is None:
+            raise KeyError(f"request {rid!r} has no open reservation here")
+        self.engine.prefill_here(rid)  # raises, changing nothing, for a reservation already taking its KV
+        self.receiver.abort(rid, "prefilled on the decode worker")
+        self._attempts.pop(rid, None)  # an unreserve can no longer apply: it is running
+        self.counters.local_prefills += 1
 
     def _reservation(self, rid: str) -> Request | None:
         """The request if it is an open reservation: waiting for its KV or first token, not yet queued to join."""
@@ -236,9 +257,13 @@ class DecodeRole(Role):
                 continue
             # the timing goes with the first decoded token (the second of the request; the first was the prefill
             # worker's) and with the finish, not every step; an admission's output has no token of its own (its text,
-            # if any, continues the first token's)
-            timing = None
-            if output.finished or output.num_output_tokens == 2:
+            # if any, continues the first token's). A request prefilled here (no ``remote``) reports as a colocated
+            # worker does: its prefill's timing with its first token, which it sampled itself, and with the finish
+            timing: PrefillTiming | DecodeTiming | None = None
+            if output.timing is not None and output.timing.remote is None:
+                if output.finished or output.num_output_tokens == 1:
+                    timing = prefill_timing(output.timing)
+            elif output.finished or output.num_output_tokens == 2:
                 timing = decode_timing(output.timing)
             if output.new_token_ids or output.text_delta or output.finished:
                 items.append(
@@ -288,11 +313,17 @@ def _remote(request: Request) -> RemoteKV:
 
 
 def receiver_address(spec: WorkerSpec) -> str:
-    """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name."""
+    """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name. ``shm`` and ``auto``
+    mark the address ``shm+`` (the receiver offers its node's senders a shared-memory ring; transfer/shm_backend.py):
+    ``shm`` (one node) with the control channel on a Unix socket, ``auto`` on TCP, so that senders on other nodes
+    reach it too and send inline, as zmq. The sender reads the scheme: ``shm+`` or plain zmq."""
     if spec.transfer_backend == "local":
         return f"local://{spec.name}-{uuid.uuid4().hex[:8]}"
-    if spec.zmq_transport == "ipc":
-        return f"ipc://{tempfile.gettempdir()}/pdserve-{spec.name}-{uuid.uuid4().hex[:8]}.sock"
+    if spec.transfer_backend == "auto":
+        return f"shm+tcp://{spec.runtime.host}:0"
+    if spec.transfer_backend == "shm" or spec.zmq_transport == "ipc":
+        scheme = "shm+" if spec.transfer_backend == "shm" else ""
+        return f"{scheme}ipc://{tempfile.gettempdir()}/pdserve-{spec.name}-{uuid.uuid4().hex[:8]}.sock"
     return f"tcp://{spec.runtime.host}:0"
 
 

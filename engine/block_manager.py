@@ -7,6 +7,15 @@ the free list in LRU order: it can be revived by a later request with the same p
 
 The rule the engine relies on: ``allocate`` either gets every block a request needs now or changes nothing, so a
 request never holds half an allocation, and decode memory is never overcommitted.
+
+KV events: the router routes by which worker holds a prompt's leading blocks (``cluster/prefix_index.py``), so this
+manager records every change to what its prefix cache can serve: a hash *stored* (a full block enters the lookup
+table) and a hash *removed* (its block is handed out for something else, or the cache is reset). The worker drains
+them once per loop turn (``drain_kv_events``) and publishes them. Pending changes are kept as the net difference from
+what was last drained (a hash stored and removed again between two drains cancels out), so a batch is two disjoint
+sets the router may apply in any order. The buffer is bounded: when it would overflow, or the cache is reset, it
+collapses into one *reset* whose batch is a snapshot of every hash held (at most one per block), so a reader that
+never drains (a bare engine) costs nothing and a reader that does never drifts.
 """
 
 from __future__ import annotations
@@ -14,10 +23,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
-import xxhash
+from engine.blocks import blocks_for_tokens, chain_hash, reusable_prefix_tokens
 
-from engine.blocks import blocks_for_tokens
+__all__ = ["Block", "BlockManager", "KvEventBatch", "chain_hash"]
+
+DEFAULT_KV_EVENT_CAPACITY = 4096  # pending stored + removed hashes before the buffer collapses into a reset
 
 
 @dataclass(slots=True)
@@ -28,15 +38,28 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)  # kept to rule out hash collisions
 
 
-def chain_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    prefix = (prev_hash if prev_hash is not None else 0).to_bytes(8, "little")
-    return xxhash.xxh3_64_intdigest(prefix + np.asarray(token_ids, dtype=np.int64).tobytes())
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    """What changed in the prefix cache since the last drain. ``reset``: forget everything held before; ``stored``
+    is then the whole snapshot. Otherwise ``stored`` and ``removed`` are disjoint (apply in any order)."""
+
+    stored: list[int]
+    removed: list[int]
+    reset: bool = False
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_event_capacity: int = DEFAULT_KV_EVENT_CAPACITY,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if kv_event_capacity <= 0:
+            raise ValueError(f"kv_event_capacity must be positive, got {kv_event_capacity}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -44,6 +67,11 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        # KV events since the last drain, as the net change (dicts: ordered sets); a pending reset supersedes them
+        self.kv_event_capacity = kv_event_capacity
+        self._stored: dict[int, None] = {}  # held now, not held at the last drain
+        self._removed: dict[int, None] = {}  # held at the last drain, not held now
+        self._reset_pending = False
 
     @property
     def num_blocks(self) -> int:
@@ -82,8 +110,7 @@ class BlockManager:
         needed: a prompt made only of cached blocks recomputes its last block.
         """
         cached = self._cached_prefix(token_ids) if use_prefix_cache else []
-        if cached and len(cached) * self.block_size >= len(token_ids):
-            cached.pop()
+        del cached[reusable_prefix_tokens(len(cached), len(token_ids), self.block_size) // self.block_size :]
         num_new = self.blocks_for(num_tokens) - len(cached)
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         if self.num_free_blocks - revived < num_new:
@@ -105,6 +132,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
             del self._hash_to_block[block.block_hash]
+            self._note_removed(block.block_hash)
         block.block_hash = None
         block.token_ids = ()
         block.ref_count = 1
@@ -133,7 +161,9 @@ class BlockManager:
             if block.block_hash is None:
                 block.block_hash = chain_hash(prev, chunk)
                 block.token_ids = chunk
-                self._hash_to_block.setdefault(block.block_hash, block.block_id)
+                if block.block_hash not in self._hash_to_block:  # a duplicate of a held block stays unlisted
+                    self._hash_to_block[block.block_hash] = block.block_id
+                    self._note_stored(block.block_hash)
             prev = block.block_hash
         return max(num_hashed, num_full)
 
@@ -153,6 +183,52 @@ class BlockManager:
             self.blocks[block_id].block_hash = None
             self.blocks[block_id].token_ids = ()
         self._hash_to_block = {h: b for h, b in self._hash_to_block.items() if self.blocks[b].ref_count > 0}
+        self.resync_kv_events()  # the readers learn what is left in one snapshot, not hash by hash
+
+    # ---- KV events ---------------------------------------------------------------------------------------------
+
+    def _note_stored(self, block_hash: int) -> None:
+        if self._reset_pending:
+            return  # the snapshot at the next drain covers it
+        if block_hash in self._removed:
+            del self._removed[block_hash]  # held at the last drain and held again: no change
+        else:
+            self._stored[block_hash] = None
+            self._check_capacity()
+
+    def _note_removed(self, block_hash: int) -> None:
+        if self._reset_pending:
+            return
+        if block_hash in self._stored:
+            del self._stored[block_hash]  # stored since the last drain and gone again: no change
+        else:
+            self._removed[block_hash] = None
+            self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        if len(self._stored) + len(self._removed) > self.kv_event_capacity:
+            self.resync_kv_events()
+
+    def resync_kv_events(self) -> None:
+        """Make the next drain a reset with a snapshot of every hash held (after an overflow or a reset of the
+        cache; the worker also asks for one when it could not deliver a batch, or now and then to repair a reader
+        that missed one)."""
+        self._reset_pending = True
+        self._stored.clear()
+        self._removed.clear()
+
+    def drain_kv_events(self) -> KvEventBatch | None:
+        """The prefix cache's changes since the last drain (None: nothing changed). A reset's ``stored`` is the
+        snapshot: every hash held, at most one per block."""
+        if self._reset_pending:
+            self._reset_pending = False
+            return KvEventBatch(stored=list(self._hash_to_block), removed=[], reset=True)
+        if not self._stored and not self._removed:
+            return None
+        batch = KvEventBatch(stored=list(self._stored), removed=list(self._removed))
+        self._stored.clear()
+        self._removed.clear()
+        return batch
 
     def check_all_free(self) -> None:
         """Raise if any block is still referenced: the leak check every test ends with."""

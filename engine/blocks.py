@@ -9,9 +9,19 @@ A reservation for a request whose KV arrives from a prefill worker covers the pr
 prefill worker samples it; its KV is computed by the first decode step here) and ``headroom_tokens`` more, capped at
 what the request can still generate (``max_tokens - 1`` after the first token, and the room left under
 ``max_model_len``). Within the reservation, decoding never has to ask for a block.
+
+The prefix cache's block hash lives here for the same reason: the router predicts which worker holds a prompt's
+leading blocks from the hashes workers report (``cluster/prefix_index.py``), so it must hash a prompt exactly as the
+engine does. ``chain_hash`` is the engine's own function, not a copy; ``prompt_block_hashes`` chains it over a
+prompt's full blocks.
 """
 
 from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -42,9 +52,42 @@ def reserved_blocks(
     return blocks_for_tokens(reserved_tokens(num_prompt_tokens, max_tokens, headroom_tokens, max_model_len), block_size)
 
 
+def reusable_prefix_tokens(num_cached_blocks: int, num_prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens whose KV a prefix cache holding its first ``num_cached_blocks`` full blocks spares computing: at
+    least one prompt token is always computed, because its logits are needed (a prompt cached whole recomputes its
+    last block). The block manager's ``allocate`` and the router's hit-rate estimate both use this."""
+    usable = min(num_cached_blocks, (num_prompt_tokens - 1) // block_size)
+    return max(0, usable) * block_size
+
+
 def complete_prompt_blocks(num_computed_tokens: int, num_prompt_tokens: int, block_size: int) -> int:
     """Leading blocks of a prompt whose KV is final once ``num_computed_tokens`` positions are computed: the full
     blocks, and the partial last block as soon as the whole prompt is (the KV export's rule)."""
     if num_computed_tokens >= num_prompt_tokens:
         return blocks_for_tokens(num_prompt_tokens, block_size)
     return num_computed_tokens // block_size
+
+
+def chain_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
+    """A full block's prefix-cache key: xxh3_64 of the previous block's key (0 for the first block, 8 bytes little
+    endian) and the block's token ids as native int64. Chained, so one key names the whole prefix up to its block:
+    two sequences share a key only if they share every token before it (collisions are ruled out by the engine,
+    which compares the tokens too)."""
+    prefix = (prev_hash if prev_hash is not None else 0).to_bytes(8, "little")
+    return xxhash.xxh3_64_intdigest(prefix + array("q", token_ids).tobytes())
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained keys of a sequence's full blocks, in order (a partial last block has none): what the engine
+    registers for them once they are computed."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    # ``chain_hash`` unrolled over one int64 buffer of the whole sequence (the router runs this per request)
+    data = array("q", token_ids).tobytes()
+    step = block_size * 8
+    hashes: list[int] = []
+    prev = 0
+    for offset in range(0, len(token_ids) // block_size * step, step):
+        prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + data[offset : offset + step])
+        hashes.append(prev)
+    return hashes

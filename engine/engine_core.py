@@ -123,18 +123,29 @@ class EngineCore:
         arrival_s: float | None = None,
         kv_sink: KVSink | None = None,
         stream_kv: bool = True,
+        export_from_token: int = 0,
     ) -> str:
         """Queue a request; ``arrival_s`` (time.monotonic) backdates it to when it reached the worker.
 
         ``kv_sink`` (prefill-only requests): where its KV goes, as ``KVBlocksReady`` reports (``engine.kv_connector``):
         with ``stream_kv``, from inside each forward as blocks complete; without, every layer of the prompt once it is
         done, before ``step`` returns the first token. What the sink raises fails the request(s) of that step.
+        ``export_from_token``: the receiver already holds the prompt's first tokens up to here (whole blocks, fewer
+        than the prompt: the last token is always computed for the first token's logits); only the blocks from
+        there on are reported. Those tokens are still computed here unless this engine's prefix cache has them.
         """
         if kv_sink is not None and not prefill_only:
             raise ValueError("kv_sink is for prefill-only requests (their KV is exported, then released)")
+        if export_from_token and kv_sink is None:
+            raise ValueError("export_from_token needs a kv_sink")
         request = self._new_request(prompt, params, request_id, prefill_only, arrival_s)
+        if export_from_token % self.config.block_size or not 0 <= export_from_token < request.num_prompt_tokens:
+            raise ValueError(
+                f"export_from_token must be a multiple of the block size ({self.config.block_size}) below the "
+                f"prompt's {request.num_prompt_tokens} tokens, got {export_from_token}"
+            )
         if kv_sink is not None:
-            request.kv_export = KVExport(kv_sink, stream_kv)
+            request.kv_export = KVExport(kv_sink, stream_kv, first_block=export_from_token // self.config.block_size)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id

@@ -11,7 +11,10 @@ worker walking the attention batch (vLLM's KV connector idea, in our own code):
   last block when the chunk reaches the end of the prompt; every layer of one forward reports the same range, so the
   transfer overlaps the layers still computing. Unstreamed, every layer of the whole prompt is reported once the
   prompt is done, before ``step`` returns the first token. ``KVExport.num_blocks_reported`` (on the Request) is how
-  far it got; a preempted and recomputed prompt does not report its blocks twice.
+  far it got; a preempted and recomputed prompt does not report its blocks twice. When the receiver already holds
+  the prompt's leading blocks (its own prefix cache: a multi-turn chat's history it just decoded), the export starts
+  at ``KVExport.first_block``: the engine still computes those tokens (the later ones attend to them) unless its own
+  prefix cache has them, but never reports them, so only the missing blocks travel.
 - **Import (decode side).** ``RemoteKV`` (on the Request, via its timing) is the state of a request whose KV comes
   from elsewhere: blocks reserved, the first token (sampled by the prefill worker), KV complete or failed, and the
   stamps of each. The scheduler admits it once the first token and the KV (or the decision to recompute it) are in.
@@ -55,11 +58,21 @@ KVSink = Callable[[KVBlocksReady], None]
 
 @dataclass(slots=True)
 class KVExport:
-    """Prefill side: where a request's KV goes and how many of its logical blocks have been reported (every layer)."""
+    """Prefill side: where a request's KV goes and how many of its logical blocks have been reported (every layer).
+
+    ``first_block``: the receiver holds the blocks before it already; reporting starts there (``num_blocks_reported``
+    begins at it), so every later rule (streamed or not, chunked, preempted) clips the same way.
+    """
 
     sink: KVSink
     stream: bool
+    first_block: int = 0
     num_blocks_reported: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
+        self.num_blocks_reported = max(self.num_blocks_reported, self.first_block)
 
 
 @dataclass(slots=True)

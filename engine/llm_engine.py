@@ -10,7 +10,11 @@ Three ways in:
   ``remote_first_token`` and ``remote_kv_done`` in either order: the scheduler admits the request at the next
   ``step``, whose output for it continues the text from the first token. ``remote_kv_failed`` ends it, or has it
   prefilled here with that first token (recompute); ``expire_remote`` frees reservations whose first token never
-  came: the decode worker's path.
+  came: the decode worker's path. With ``prefix_cache=True`` the reservation reuses the full prompt blocks this
+  engine already holds (a chat's history it just decoded: generated tokens are cached too) and only the missing
+  blocks are new and written (``Request.num_cached_tokens`` says where they start). ``prefill_here`` turns a
+  reservation into a request computed here (its missing tokens, then its first token sampled here): conditional
+  disaggregation, for prompts whose uncached part is short.
 
 ``set_layer_hook`` is for fault injection only (tests slow or fail a forward with it): the KV hand-off never needs it.
 
@@ -44,6 +48,7 @@ class LLMEngine(EngineCore):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         headroom_tokens: int = 0,
+        prefix_cache: bool = False,
     ) -> list[int] | None:
         """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if the blocks are not free now.
 
@@ -52,19 +57,51 @@ class LLMEngine(EngineCore):
         far without asking for blocks: ``engine.blocks.reserved_blocks`` blocks, the count the router plans with.
         The prompt's KV goes into the first ``blocks_for_tokens(len(prompt), block_size)`` of the returned ids.
         The request waits (WAITING_FOR_REMOTE_KV) for ``remote_first_token`` and ``remote_kv_done``.
+
+        ``prefix_cache``: the leading full prompt blocks this engine's prefix cache holds are shared, not reserved
+        anew (never the whole prompt: one token is always left to compute, for the first token's logits); their
+        count in tokens is ``requests[id].num_cached_tokens`` (a multiple of the block size), and only the blocks
+        from there on are expected (``write_remote_kv``). Off by default: a caller that sends every block (the
+        engine tests' own hand-offs) must not have some of them refused.
         """
         request = self._new_request(prompt, params, request_id, prefill_only=False)
         num_tokens = reserved_tokens(
             request.num_prompt_tokens, request.params.max_tokens, headroom_tokens, self.max_model_len
         )
-        allocation = self.block_manager.allocate(request.prompt_token_ids, num_tokens, use_prefix_cache=False)
+        allocation = self.block_manager.allocate(request.prompt_token_ids, num_tokens, use_prefix_cache=prefix_cache)
         if allocation is None:
             return None
-        request.block_ids = allocation[0]
+        request.block_ids, request.num_cached_tokens = allocation
+        request.num_hashed_blocks = request.num_cached_tokens // self.config.block_size  # shared blocks: hashed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.timing.remote = RemoteKV(expected_s=time.monotonic())
         self.requests[request.request_id] = request
         return list(request.block_ids)
+
+    def missing_prompt_blocks(self, request: Request) -> list[int]:
+        """The physical blocks a reservation's imported KV goes into: its prompt's, after those it shares from the
+        prefix cache (what the receiver expects and the prefill worker sends)."""
+        block_size = self.config.block_size
+        first = request.num_cached_tokens // block_size
+        return request.block_ids[first : blocks_for_tokens(request.num_prompt_tokens, block_size)]
+
+    def prefill_here(self, request_id: str) -> None:
+        """Compute a reservation's prompt here instead of importing it (conditional disaggregation: the router sends
+        short uncached parts no prefill worker). It becomes an ordinary running request on its reserved blocks:
+        the next steps compute the tokens after its cached prefix, sample its first token here (its output carries
+        it, with its text) and decode on. ``Request.remote`` is dropped: nothing comes from elsewhere any more.
+
+        Raises KeyError for an unknown request and ValueError unless it is an untouched reservation (waiting, no
+        first token, its transfer not ended).
+        """
+        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
+        remote = _remote(request)
+        if remote.first_token_id is not None or remote.kv_done_s is not None or remote.kv_failed:
+            raise ValueError(f"request {request_id!r} is already taking its KV from a prefill worker")
+        request.timing.remote = None
+        request.num_computed_tokens = request.num_cached_tokens
+        request.timing.scheduled_s = time.monotonic()  # admitted now: its queue time is the wait for the router
+        self.scheduler.add_running(request)
 
     def remote_first_token(self, request_id: str, token_id: int) -> None:
         """The first token, sampled (and its text sent) by the prefill worker, reached this worker.
@@ -89,15 +126,14 @@ class LLMEngine(EngineCore):
         signature, the transfer id being the request id).
 
         Raises (so the receiver fails that transfer, and nothing is written) unless the request is waiting for its KV
-        and ``block_ids`` are among the blocks reserved for its prompt: a late or stray piece never lands in blocks
-        that another request holds now.
+        and ``block_ids`` are among the blocks reserved for its prompt and missing here: a late or stray piece never
+        lands in blocks that another request holds now, nor in the prefix-cached blocks this request shares.
         """
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         remote = _remote(request)
         if remote.kv_done_s is not None or remote.kv_failed:
             raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
-        prompt_blocks = request.block_ids[: blocks_for_tokens(request.num_prompt_tokens, self.config.block_size)]
-        if not set(block_ids) <= set(prompt_blocks):
+        if not set(block_ids) <= set(self.missing_prompt_blocks(request)):
             raise ValueError(f"blocks {block_ids} are not reserved for the prompt of request {request_id!r}")
         self.kv_cache.write_blocks(layer, block_ids, k, v)
 

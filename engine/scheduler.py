@@ -16,7 +16,9 @@ WAITING_FOR_REMOTE_KV and is not scheduled. ``remote_progress`` is told when its
 transfer fails, to be recomputed); once both halves are in, it joins ``remote_ready``, and ``admit_remote`` (called by
 the engine at the start of a step, so between steps) takes it: into the running batch with its prompt KV complete, or,
 to recompute, into the waiting queue, where it is prefilled like any request. Its blocks are already reserved, so
-admission asks for none and is not held back by ``max_num_seqs`` (a cap would only idle reserved memory).
+admission asks for none and is not held back by ``max_num_seqs`` (a cap would only idle reserved memory). A
+reservation the router has prefilled here instead (``LLMEngine.prefill_here``) joins the running batch the same way,
+its computed count at its cached prefix: the running loop computes the rest in chunks, as for a resumed request.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
-        """A request whose KV is already complete (imported from a prefill worker) joins between steps."""
+        """A request on blocks it already holds joins between steps: its KV imported from a prefill worker, or (a
+        reservation prefilled here) its cached prefix, the rest computed by the next steps."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

@@ -4,6 +4,8 @@ A thin adapter between the engine's KV connector, the transfer sender and the co
 complete, and when, is the engine's business (``engine.kv_connector``), not this file's. A request's path:
 1. ``prefill`` from the router: the request (prompt, sampling params, the decode worker's KV address and the block ids
    it reserved) enters the engine as a prefill-only request with a KV sink, and a transfer to that address begins.
+   When the decode worker already holds the prompt's first ``cached_tokens`` (its prefix cache: a chat's history it
+   just decoded), the engine exports only the blocks after them, and ``dst_blocks`` names only those.
 2. The engine batches it with other prompts (ragged; chunked when longer than ``max_batch_tokens``) and reports its
    completed blocks to the sink, layer by layer inside the forward (``stream_layers``; else every layer once the
    prompt is done). The sink maps the request's logical blocks onto the decode worker's and hands them to the
@@ -69,17 +71,20 @@ class PrefillRole(Role):
             return super().handle(command, arrival_s)
         rid, params = command.rid, command.params
         params.max_tokens = 1
+        block_size = self.engine.kv_spec.block_size
+        first_block = command.cached_tokens // block_size  # the engine refuses a count that is not whole blocks
         self.engine.add_request(
             command.prompt,
             params,
             rid,
             prefill_only=True,
             arrival_s=arrival_s,
-            kv_sink=self._sink(rid, list(command.dst_blocks)),
+            kv_sink=self._sink(rid, list(command.dst_blocks), first_block),
             stream_kv=self.stream_kv,
+            export_from_token=command.cached_tokens,
         )
         num_prompt_tokens = self.engine.requests[rid].num_prompt_tokens
-        if len(command.dst_blocks) < blocks_for_tokens(num_prompt_tokens, self.engine.kv_spec.block_size):
+        if len(command.dst_blocks) < blocks_for_tokens(num_prompt_tokens, block_size) - first_block:
             self.engine.abort(rid)
             raise ValueError(f"decode reserved {len(command.dst_blocks)} blocks, the prompt needs more")
         try:
@@ -88,12 +93,14 @@ class PrefillRole(Role):
             self.engine.abort(rid)
             raise
 
-    def _sink(self, rid: str, dst_blocks: list[int]) -> KVSink:
-        """The request's KV sink: its logical blocks [first, end) go to the decode worker's reserved blocks."""
+    def _sink(self, rid: str, dst_blocks: list[int], first_block: int) -> KVSink:
+        """The request's KV sink: its logical blocks [first, end) go to the decode worker's reserved blocks, which
+        start at logical block ``first_block`` (the engine reports none before it)."""
         sender = self.sender
 
         def send(ready: KVBlocksReady) -> None:
-            sender.send_layer(rid, ready.layer, dst_blocks[ready.first_block : ready.end_block], ready.k, ready.v)
+            dst = dst_blocks[ready.first_block - first_block : ready.end_block - first_block]
+            sender.send_layer(rid, ready.layer, dst, ready.k, ready.v)
 
         return send
 

@@ -172,12 +172,16 @@ _SENDERS = {
     "nccl": "transfer.dist_backend:DistSender",
     "gloo": "transfer.dist_backend:DistSender",
     "local": "transfer.local_backend:LocalSender",
+    "shm": "transfer.shm_backend:ShmSender",  # one node: payload through /dev/shm, control over ZeroMQ
+    "auto": "transfer.shm_backend:ShmSender",  # the same classes: shm with senders on the node, inline zmq otherwise
 }
 _RECEIVERS = {
     "zmq": "transfer.zmq_receiver:ZmqReceiver",
     "nccl": "transfer.dist_backend:DistReceiver",
     "gloo": "transfer.dist_backend:DistReceiver",
     "local": "transfer.local_backend:LocalReceiver",
+    "shm": "transfer.shm_backend:ShmReceiver",
+    "auto": "transfer.shm_backend:ShmReceiver",
 }
 BACKENDS = tuple(_SENDERS)
 

@@ -9,17 +9,20 @@ the protocol always used; a ``tokens`` item is a positional array (compact: one 
 Router -> worker (commands; ``Membership.send`` stamps ``router`` (its index) and ``sent_at`` (wall clock)):
     reserve   {rid, prompt, params, attempt}            decode: reserve KV blocks, expect the transfer
     unreserve {rid, attempt}                            decode: undo a reservation whose answer came too late
-    prefill   {rid, prompt, params, kv_address, dst_blocks}   prefill: compute, stream KV, sample the first token
+    prefill   {rid, prompt, params, kv_address, dst_blocks, cached_tokens}   prefill: compute, stream the missing KV,
+                                                        sample the first token
+    prefill_here {rid}                                  decode: compute the reservation's prompt here (no transfer)
     start     {rid, first_token}                        decode: the first token (KV may still be arriving)
     generate  {rid, prompt, params}                     colocated: both phases here
     abort     {rid}                                     any: free whatever the request holds
     ping      {}                                        any: the router is alive
 Worker -> router (events):
-    reserved    {rid, worker, ok, attempt, blocks, kv_address, reason}
+    reserved    {rid, worker, ok, attempt, blocks, kv_address, reason, cached_tokens}
     first_token {rid, worker, token, text, timing: PrefillTiming}
     tokens      {worker, items: [TokenItem, ...]}        one per step
     error       {rid, worker, message, code: ErrorCode}
     stats       {worker, role, address, load: WorkerLoad, counters: WorkerCounters, degraded, loop_age_s}
+    kv_events   {worker, address, seq, stored, removed, reset}   to every router: prefix-cache hashes stored/evicted
 
 Bounds: a body larger than ``MAX_MESSAGE_BYTES`` is refused before it is decoded; every field has one type (map keys
 can only be the Structs' own field names, so strings), unknown fields and unknown kinds are refused, so a message
@@ -116,6 +119,7 @@ class WorkerCounters(msgspec.Struct):
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0  # prefill: time its sender spent on finished transfers
     reservations_refused: int = 0
+    local_prefills: int = 0  # decode: reservations prefilled here (``prefill_here``: no prefill worker, no transfer)
     recomputes: int = 0
     reservations_expired: int = 0
     kv_rejected: int = 0  # decode: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
@@ -150,7 +154,15 @@ class Unreserve(_RequestCommand, tag="unreserve"):
 
 class Prefill(_PromptCommand, tag="prefill"):
     kv_address: str  # the decode worker's KV receiver
-    dst_blocks: list[int]  # the block ids it reserved, in order
+    dst_blocks: list[int]  # the block ids it reserved for the KV, in order, from block cached_tokens // block_size on
+    # the decode worker holds the prompt's first tokens up to here already (whole blocks; Reserved.cached_tokens):
+    # only the blocks after them are sent
+    cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class PrefillHere(_RequestCommand, tag="prefill_here"):
+    """Decode: compute the reserved prompt's uncached part here and sample its first token (conditional
+    disaggregation); its tokens, the first included, come back in ``tokens`` events."""
 
 
 class Start(_RequestCommand, tag="start"):
@@ -169,7 +181,7 @@ class Ping(_Command, tag="ping"):
     pass
 
 
-Command = Reserve | Unreserve | Prefill | Start | Generate | Abort | Ping
+Command = Reserve | Unreserve | Prefill | PrefillHere | Start | Generate | Abort | Ping
 RequestCommand = _RequestCommand  # every command about one request (all but ping)
 PromptCommand = _PromptCommand  # the commands that bring a prompt and its sampling parameters
 
@@ -185,9 +197,10 @@ class Reserved(_Event, tag="reserved"):
     rid: str
     ok: bool
     attempt: int = -1
-    blocks: list[int] = []  # ok: the reserved block ids (prompt, first token, headroom)
+    blocks: list[int] = []  # ok: the reserved block ids the KV goes into (missing prompt blocks, first token, headroom)
     kv_address: str = ""  # ok: where the prefill worker sends the KV
     reason: RefusalReason | None = None  # not ok: why
+    cached_tokens: int = 0  # ok: the prompt's leading tokens the worker already holds (whole blocks, prefix cache)
 
 
 class FirstToken(_Event, tag="first_token"):
@@ -228,7 +241,23 @@ class Stats(_Event, tag="stats"):
     loop_age_s: float = 0.0  # how long ago the worker's loop last came round (slow vs stuck)
 
 
-Event = Reserved | FirstToken | Tokens | ErrorEvent | Stats
+MAX_KV_EVENT_HASHES = 2048  # hashes (stored + removed) in one KvEvents message; a larger batch is split
+
+
+class KvEvents(_Event, tag="kv_events"):
+    """What the worker's prefix cache gained and lost (engine/block_manager.py ``drain_kv_events``), to every router,
+    batched once per loop turn and split at ``MAX_KV_EVENT_HASHES``. ``reset``: forget everything held before and
+    take ``stored`` (and the messages after it) as the snapshot. ``seq`` counts this incarnation's messages from 0, so
+    a reader that misses one knows (cluster/prefix_index.py drops that worker's view until the next snapshot)."""
+
+    address: str  # the worker's command address: which incarnation these hashes belong to
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    stored: Annotated[list[int], msgspec.Meta(max_length=MAX_KV_EVENT_HASHES)] = []
+    removed: Annotated[list[int], msgspec.Meta(max_length=MAX_KV_EVENT_HASHES)] = []
+    reset: bool = False
+
+
+Event = Reserved | FirstToken | Tokens | ErrorEvent | Stats | KvEvents
 
 
 # ---- encoding --------------------------------------------------------------------------------------------------

@@ -20,6 +20,12 @@ router's address) and sends its heartbeats to all of them. Every command carries
 it; the worker remembers which router owns each request and sends every event about a request only there (a
 ``tokens`` message is split per router). A router that is silent for ``router_timeout_s`` loses its own requests
 only: the others keep theirs.
+
+KV events: once per loop turn the loop drains what its prefix cache stored and evicted (the block manager's net
+change since the last turn) and sends it to every router as ``KvEvents`` (at most ``MAX_KV_EVENT_HASHES`` hashes a
+message), so routers know which prompts' leading blocks each worker holds. A batch a router could not take makes the
+next one a full snapshot, and one is sent every ``KV_RESYNC_INTERVAL_S`` anyway, so a router that missed a message
+(it drops that worker's view on a gap in ``seq``) is whole again soon.
 """
 
 from __future__ import annotations
@@ -32,7 +38,20 @@ import msgspec
 import zmq
 
 from engine.llm_engine import LLMEngine
-from worker.messages import Abort, Command, ErrorCode, Event, Ping, PromptCommand, Stats, Tokens, WorkerCounters, kind
+from worker.messages import (
+    MAX_KV_EVENT_HASHES,
+    Abort,
+    Command,
+    ErrorCode,
+    Event,
+    KvEvents,
+    Ping,
+    PromptCommand,
+    Stats,
+    Tokens,
+    WorkerCounters,
+    kind,
+)
 from worker.protocol import (
     MAX_FRAME_BYTES,
     AuthError,
@@ -52,6 +71,7 @@ DEGRADED_AFTER_FAILURES = 3  # loop failures within DEGRADED_WINDOW_S that make 
 DEGRADED_WINDOW_S = 30.0  # ... and a degraded worker with no failure for this long is healthy again
 OWNER_PRUNE_INTERVAL_S = 5.0  # how often the owners of requests no longer held are forgotten
 OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command about them
+KV_RESYNC_INTERVAL_S = 30.0  # a full snapshot of the prefix cache's hashes to every router this often
 
 
 class WorkerRuntime:
@@ -96,6 +116,8 @@ class WorkerRuntime:
         self._last_router_s = [time.monotonic()] * len(self._routers)  # per router: when it was last heard
         self._failures_s: list[float] = []  # when the loop last failed (within DEGRADED_WINDOW_S)
         self._loop_problem = ""  # why the loop made this worker degraded; "" while it is healthy
+        self._kv_seq = 0  # KvEvents messages sent by this incarnation (each router checks for gaps)
+        self._next_kv_resync_s = time.monotonic() + KV_RESYNC_INTERVAL_S
         try:
             self.role = role_class.from_spec(spec, self.engine, self.emit)
         except BaseException:
@@ -194,6 +216,7 @@ class WorkerRuntime:
             if now >= self._next_owner_prune_s:
                 self._next_owner_prune_s = now + OWNER_PRUNE_INTERVAL_S
                 self._prune_owners(now)
+            self._publish_kv_events(now)
             self._loop_seen = now
             self._snapshot = self.stats()  # a few len() calls: cheap enough to keep the heartbeat's view current
 
@@ -335,6 +358,36 @@ class WorkerRuntime:
                 self._send_event(index, Tokens(worker=event.worker, items=items))
         else:
             self._send_event(self.owner(event.rid), event)  # type: ignore[union-attr]  # stats go by _beat
+
+    def _publish_kv_events(self, now: float) -> None:
+        """Send the prefix cache's changes since the last turn to every router (nothing when nothing changed)."""
+        blocks = self.engine.block_manager
+        if now >= self._next_kv_resync_s:
+            self._next_kv_resync_s = now + KV_RESYNC_INTERVAL_S
+            blocks.resync_kv_events()
+        batch = blocks.drain_kv_events()
+        if batch is None or self._dead.is_set():
+            return
+        changes = [(h, True) for h in batch.stored] + [(h, False) for h in batch.removed]
+        delivered = True
+        for start in range(0, max(1, len(changes)), MAX_KV_EVENT_HASHES):  # a reset with nothing held is one message
+            part = changes[start : start + MAX_KV_EVENT_HASHES]
+            event = KvEvents(
+                worker=self.name,
+                address=self.command_address,
+                seq=self._kv_seq,
+                stored=[h for h, stored in part if stored],
+                removed=[h for h, stored in part if not stored],
+                reset=batch.reset and start == 0,
+            )
+            self._kv_seq += 1
+            for sock, signer in self._events:
+                try:
+                    sock.send(signer.seal(event), zmq.NOBLOCK)
+                except zmq.ZMQError:  # full (Again) or closing: never the loop's end
+                    delivered = False  # that router's view would drift: the next batch is a snapshot for all
+        if not delivered:
+            blocks.resync_kv_events()
 
     def _send_event(self, index: int, event: Event) -> None:
         sock, signer = self._events[index]

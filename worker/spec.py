@@ -28,7 +28,9 @@ import torch
 from engine.config import EngineConfig
 from transfer.base import TransferConfig
 
-TransferBackend = Literal["zmq", "nccl", "gloo", "local"]  # gloo: the nccl code on the CPU (how it is tested)
+# gloo: the nccl code on the CPU (how it is tested); shm: one node, payload through /dev/shm; auto: shm with senders on
+# the receiver's node, zmq over TCP with the others
+TransferBackend = Literal["zmq", "nccl", "gloo", "local", "shm", "auto"]
 ZmqTransport = Literal["tcp", "ipc"]  # ipc: Unix sockets, only when prefill and decode share a node
 FailurePolicy = Literal["fail", "recompute"]  # a lost transfer fails the request, or decode prefills it itself
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from engine.blocks import reserved_blocks
 from engine.request import RequestStatus
 from tests.helpers.engine import random_prompts
 from tests.helpers.roles import greedy
-from worker.messages import DecodeTiming, ErrorEvent, FirstToken, Start, Tokens, Unreserve
+from worker.messages import DecodeTiming, ErrorEvent, FirstToken, PrefillTiming, Start, Tokens, Unreserve
 
 
 def _drop_layer(pair, layer: int) -> None:
@@ -291,4 +292,119 @@ def test_fail_all_frees_every_decode_request(role_pair):
     assert sorted(pair.decode_events.errors()) == [(rid, "worker_error") for rid in ("decoding", "kv_done", "reserved")]
     pair.settle()
     assert len(pair.decode_events.errors()) == 3
+    pair.check_no_leaks()
+
+
+# ---- prefix reuse and prefill on the decode worker (conditional disaggregation) -----------------------------------
+
+
+def _next_turn(pair, rid: str, history: list[int], user: list[int], params) -> list[int]:
+    """The prompt of a chat's next turn: the last prompt, the reply the client got for it, the user's new tokens."""
+    return history + pair.client_view(rid)[0] + user
+
+
+def test_a_chats_next_turn_reserves_and_receives_only_the_missing_blocks(role_pair):
+    pair = role_pair(headroom_tokens=8)
+    history, user = random_prompts(2, 40, 40, seed=64)
+    params = greedy(30)
+    pair.handoff("t1", history, params)
+    pair.settle()
+    bytes_t1 = pair.decode.counters.transfer_bytes
+    prompt = _next_turn(pair, "t1", history, user[:5], params)  # 75 tokens: 5 blocks, the first 4 held here
+    reserved = pair.reserve("t2", prompt, params)
+    assert reserved.ok and reserved.cached_tokens == (40 + 30 - 1) // 16 * 16 == 64
+    assert len(reserved.blocks) == reserved_blocks(len(prompt), 30, 8, 16) - 4  # only the new blocks are reserved
+    assert pair.decode.receiver.pending_transfers() == ["t2"]
+    assert pair.reserve("t2", prompt, params, attempt=2) == msgspec.structs.replace(reserved, attempt=2)  # again
+    pair.send_prefill("t2", prompt, params, reserved)
+    pair.start("t2", pair.wait_first_token("t2"))
+    pair.run_until(lambda: pair.finished("t2"), what="t2 finished")
+    assert pair.client_view("t2") == pair.expected(prompt, params)
+    pair.settle()
+    bytes_t2 = pair.decode.counters.transfer_bytes - bytes_t1
+    # 1 block instead of 3 (the bytes per block are the same: the wire adds a fixed header per piece)
+    assert 0 < bytes_t2 < bytes_t1 / 2 and pair.prefill.counters.transfer_bytes == bytes_t1 + bytes_t2
+    assert pair.decode.counters.transfers_ok == 2 and pair.decode_events.errors() == []
+    pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("max_batch_tokens", [2048, 8], ids=["whole", "chunked"])
+def test_prefill_here_decodes_on_the_decode_worker_with_no_transfer(role_pair, max_batch_tokens):
+    pair = role_pair(decode_engine={"max_batch_tokens": max_batch_tokens})
+    history, cold, user = random_prompts(3, 35, 35, seed=65)
+    params = greedy(12)
+    pair.handoff("t1", history, params)
+    pair.settle()
+    counters_before = msgspec.structs.replace(pair.decode.counters)
+    warm = _next_turn(pair, "t1", history, user[:6], params)
+    for rid, prompt in (("cold", cold), ("warm", warm)):
+        reserved = pair.local(rid, prompt, params)
+        assert reserved.cached_tokens == (0 if rid == "cold" else (35 + 12 - 1) // 16 * 16)
+        assert pair.client_view(rid) == pair.expected(prompt, params), rid
+        items = pair.decode_events.items(rid)
+        assert items[0].token_ids and isinstance(items[0].timing, PrefillTiming)  # the first token is its own
+        assert items[0].timing.compute_s > 0 and isinstance(items[-1].timing, PrefillTiming)
+    pair.settle()
+    assert pair.prefill_events.of(FirstToken, "cold") == [] and not pair.prefill.engine.block_manager.prefix_hit_tokens
+    counters = pair.decode.counters
+    assert counters.local_prefills == 2 and counters.transfer_bytes == counters_before.transfer_bytes
+    assert counters.transfers_ok == counters_before.transfers_ok and counters.transfers_failed == 0
+    assert pair.decode_events.errors() == []
+    pair.check_no_leaks()
+
+
+def test_prefill_here_is_refused_unless_the_reservation_is_open(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 40, 40, seed=66)
+    params = greedy(6)
+    with pytest.raises(KeyError, match="no open reservation"):  # the runtime answers invalid_request
+        pair.prefill_here("nobody")
+    reserved = pair.reserve("x", prompt, params)
+    pair.send_prefill("x", prompt, params, reserved)
+    first = pair.wait_first_token("x", decode_too=False)
+    pair.start("x", first)
+    with pytest.raises(ValueError, match="already taking its KV"):  # its first token came from a prefill worker
+        pair.prefill_here("x")
+    pair.run_until(lambda: pair.finished("x"))  # nothing changed: the hand-off goes on
+    assert pair.client_view("x") == pair.expected(prompt, params)
+    assert pair.decode.counters.local_prefills == 0
+    pair.settle()
+    pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("end", ["abort_prefilling", "abort_decoding", "fail_all", "past_the_start_deadline"])
+def test_the_local_path_frees_everything_however_it_ends(role_pair, end):
+    pair = role_pair(decode_engine={"max_batch_tokens": 16})
+    history, user = random_prompts(2, 60, 60, seed=67)
+    params = greedy(20)
+    pair.handoff("t1", history, params)
+    pair.settle()
+    pair.decode.start_deadline_s = 0.2  # a reservation without a first token expires after this (a short test)
+    prompt = _next_turn(pair, "t1", history, user, params)  # 140 tokens, 64 cached: five chunks of 16 here
+    reserved = pair.reserve("x", prompt, params)
+    assert reserved.cached_tokens == 64
+    pair.prefill_here("x")
+    request = pair.decode.engine.requests["x"]
+    if end == "abort_prefilling":
+        pair.tick()
+        assert 64 < request.num_computed_tokens < len(prompt) and not pair.decode_events.items("x")
+        pair.decode.abort("x")
+    elif end == "abort_decoding":
+        pair.run_until(lambda: len(pair.decode_events.items("x")) >= 3, what="decoding")
+        pair.decode.abort("x")
+    elif end == "fail_all":
+        pair.tick()
+        pair.decode.fail_all("worker step failed")
+        assert pair.decode_events.errors() == [("x", "worker_error")]
+    else:  # a running request is no reservation: the expiry of reservations without a first token leaves it be
+        time.sleep(0.6)  # past the deadline and the interval of the expiry check: the next tick checks
+        pair.run_until(lambda: pair.finished("x"))
+        assert pair.client_view("x") == pair.expected(prompt, params)
+        assert pair.decode.counters.reservations_expired == 0
+    pair.settle()
+    assert pair.decode.counters.transfers_failed == 0 and pair.prefill.engine.requests == {}
+    if end != "fail_all":
+        assert pair.decode_events.errors() == []
+    if end.startswith("abort"):
+        assert not pair.finished("x")
     pair.check_no_leaks()

@@ -462,3 +462,132 @@ def test_reserved_blocks_is_what_reserve_remote_allocates(tiny_llama_path, make_
     assert reserved_blocks(20, 4, 64, BLOCK) == blocks_for_tokens(20 + 4, BLOCK) == 2
     assert [engine.block_manager.blocks_for(n) for n in range(50)] == [blocks_for_tokens(n, BLOCK) for n in range(50)]
     no_leaks(engine)
+
+
+# ---- prefix reuse across the hand-off, and prefill on the decode engine ----------------------------------------------
+
+
+def _turn(prefill, decode, prompt: list[int], params: SamplingParams, rid: str, stream: bool = True):
+    """One hand-off in which the decode engine reuses what its prefix cache holds: the reservation shares those blocks,
+    the prefill engine reports only the blocks after them. Returns (what the client gets, the wire, cached tokens)."""
+    dst = decode.reserve_remote(prompt, copy(params), rid, prefix_cache=True)
+    cached = decode.requests[rid].num_cached_tokens
+    wire = Wire(decode, dst)
+    prefill.add_request(
+        prompt, prefill_params(params), rid, prefill_only=True, kv_sink=wire, stream_kv=stream, export_from_token=cached
+    )
+    [first] = prefill_all(prefill, [rid]).values()
+    prefill.release(rid)
+    decode.remote_first_token(rid, first.new_token_ids[0])
+    assert decode.remote_kv_done(rid)
+    return client_view(first, drain(decode), rid), wire, cached
+
+
+@pytest.mark.parametrize("max_batch_tokens", [2048, 24], ids=["whole", "chunked"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unstreamed"])
+def test_a_chats_next_turn_reuses_the_decode_engines_history(tiny_llama_path, make_engine, stream, max_batch_tokens):
+    single = make_engine(tiny_llama_path)
+    prefill = make_engine(tiny_llama_path, max_batch_tokens=max_batch_tokens)
+    decode = make_engine(tiny_llama_path)
+    num_layers = prefill.kv_spec.num_layers
+    history, *user_turns = random_prompts(3, 21, 41, seed=60)
+    params = greedy(23)
+    for turn, user in enumerate([[], *user_turns]):
+        prompt = history + user
+        got, wire, cached = _turn(prefill, decode, prompt, params, f"turn{turn}", stream)
+        assert got == expected(single, prompt, params), turn
+        # the decode engine held every full block of the history it decoded (its generated tokens too, all but the
+        # last, whose KV is never computed); the prefill engine held only the prompts it computed
+        assert cached == (0 if turn == 0 else (len(history) - 1) // BLOCK * BLOCK)
+        first, end = cached // BLOCK, blocks_for_tokens(len(prompt), BLOCK)
+        assert first < end if turn == 0 else 0 < first < end  # later turns: fewer blocks travel, never none
+        for layer in range(num_layers):  # only the missing blocks travel, each once per layer
+            covered = sorted(b for lyr, a, z in wire.reports if lyr == layer for b in range(a, z))
+            assert covered == list(range(first, end)), (turn, layer)
+        history = prompt + got[0]
+    assert decode.block_manager.prefix_hit_tokens > 0
+    no_leaks(single, prefill, decode)
+
+
+def test_write_remote_kv_refuses_the_shared_prefix_blocks(tiny_llama_path, make_engine):
+    decode = make_engine(tiny_llama_path)
+    history = random_prompts(1, 40, 40, seed=61)[0]
+    [done] = decode.generate([history], greedy(30))  # its blocks stay cached, generated tokens included
+    prompt = history + done.token_ids + [5, 6, 7]
+    dst = decode.reserve_remote(prompt, greedy(), "x", prefix_cache=True)
+    cached = decode.requests["x"].num_cached_tokens
+    assert cached == (40 + 30 - 1) // BLOCK * BLOCK == 64  # never the whole prompt: its last block is computed
+    assert decode.missing_prompt_blocks(decode.requests["x"]) == dst[4:5]
+    shape = (1, *decode.kv_cache.k[0].shape[1:])
+    before = decode.kv_cache.k[0][dst[0]].clone()
+    with pytest.raises(ValueError, match="not reserved"):  # shared with the cache: another request may read it
+        decode.write_remote_kv("x", 0, [dst[0]], torch.ones(shape), torch.ones(shape))
+    assert torch.equal(decode.kv_cache.k[0][dst[0]], before)
+    decode.write_remote_kv("x", 0, [dst[4]], torch.ones(shape), torch.ones(shape))
+    assert decode.abort("x")
+    # without prefix_cache (the default): every block is reserved anew, as before
+    assert decode.reserve_remote(prompt, greedy(), "y") is not None and decode.requests["y"].num_cached_tokens == 0
+    assert decode.abort("y")
+    no_leaks(decode)
+
+
+def test_export_from_token_must_be_whole_blocks_inside_the_prompt(tiny_llama_path, make_engine):
+    prefill = make_engine(tiny_llama_path)
+    prompt = list(range(1, 41))
+    for bad in (8, 40, 48, -16):
+        with pytest.raises(ValueError, match="export_from_token"):
+            prefill.add_request(
+                prompt, greedy(1), "x", prefill_only=True, kv_sink=lambda r: None, export_from_token=bad
+            )
+    with pytest.raises(ValueError, match="needs a kv_sink"):
+        prefill.add_request(prompt, greedy(1), "x", prefill_only=True, export_from_token=16)
+    assert not prefill.requests
+    no_leaks(prefill)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [2048, 8], ids=["whole", "chunked"])
+def test_prefill_here_computes_a_reservation_on_the_decode_engine(tiny_llama_path, make_engine, max_batch_tokens):
+    single = make_engine(tiny_llama_path)
+    decode = make_engine(tiny_llama_path, max_batch_tokens=max_batch_tokens)
+    history, other = random_prompts(2, 35, 35, seed=62)
+    [done] = decode.generate([history], greedy(20))
+    params = greedy(9)
+    decode.add_request(other, greedy(20), "other")  # decoding already: the local prefills join the running batch
+    outputs = decode.step()
+    for rid, prompt in (("cold", list(reversed(other))), ("warm", history + done.token_ids + [9, 8, 7])):
+        decode.reserve_remote(prompt, copy(params), rid, prefix_cache=True)
+        request = decode.requests[rid]
+        assert request.num_cached_tokens == (0 if rid == "cold" else (35 + 20 - 1) // BLOCK * BLOCK)
+        decode.prefill_here(rid)
+        assert request.status == RequestStatus.RUNNING and request.remote is None
+        assert request.num_computed_tokens == request.num_cached_tokens
+        outputs += drain(decode)
+        mine = [o for o in outputs if o.request_id == rid]
+        # the first token is sampled here: its output carries it and its text, like any request's
+        assert mine[0].new_token_ids and mine[0].num_output_tokens == 1
+        assert client_view(mine[0], mine[1:], rid) == expected(single, prompt, params), rid
+        assert mine[0].timing.queue_s >= 0 and mine[0].timing.compute_s > 0 and mine[0].timing.remote is None
+    theirs = [o for o in outputs if o.request_id == "other"]
+    assert client_view(theirs[0], theirs[1:], "other") == expected(single, other, greedy(20))
+    no_leaks(single, decode)
+
+
+def test_prefill_here_only_for_an_untouched_reservation_and_abort_frees_it(tiny_llama_path, make_engine):
+    decode = make_engine(tiny_llama_path, max_batch_tokens=16)
+    [prompt] = random_prompts(1, 60, 60, seed=63)
+    with pytest.raises(KeyError):
+        decode.prefill_here("nobody")
+    decode.reserve_remote(prompt, greedy(), "started")
+    decode.remote_first_token("started", 3)  # its KV comes from a prefill worker: too late to compute it here
+    with pytest.raises(ValueError, match="already taking its KV"):
+        decode.prefill_here("started")
+    assert decode.requests["started"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    decode.reserve_remote(prompt, greedy(), "local")
+    decode.prefill_here("local")
+    with pytest.raises(ValueError):
+        decode.prefill_here("local")  # no longer a reservation
+    decode.step()  # one chunk of four
+    assert decode.requests["local"].num_computed_tokens == 16
+    assert decode.abort("local") and decode.abort("started")
+    assert decode.step() == [] and not decode.has_unfinished()
+    no_leaks(decode)

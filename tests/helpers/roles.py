@@ -3,7 +3,8 @@
 The tests in tests/prefill and tests/decode play the router by hand: they build typed commands (``Reserve``,
 ``Prefill``, ``Start``, ``Unreserve``), hand them to a role's ``handle``, turn the roles' loops by calling ``tick``,
 and read the typed events each role emitted. Nothing here decides what a role does: ``RolePair`` only holds the two
-roles, their engines and event logs, and a few steps every hand-off test takes (reserve, prefill, start).
+roles, their engines and event logs, and a few steps every hand-off test takes (reserve, prefill, start; or, for
+conditional disaggregation, ``prefill_here`` on the decode role).
 """
 
 from __future__ import annotations
@@ -21,7 +22,18 @@ from prefill.worker import PrefillRole
 from transfer.base import TransferConfig
 from transfer.local_backend import LocalHub, LocalReceiver, LocalSender
 from transfer.wire import ModelFingerprint
-from worker.messages import DecodeTiming, ErrorEvent, Event, FirstToken, Prefill, Reserve, Reserved, Start, Tokens
+from worker.messages import (
+    DecodeTiming,
+    ErrorEvent,
+    Event,
+    FirstToken,
+    Prefill,
+    PrefillHere,
+    Reserve,
+    Reserved,
+    Start,
+    Tokens,
+)
 
 
 class EventLog:
@@ -124,6 +136,7 @@ class RolePair:
             params=copy_params(params),
             kv_address=reserved.kv_address,
             dst_blocks=list(reserved.blocks),
+            cached_tokens=reserved.cached_tokens,
         )
         self.prefill.handle(command, time.monotonic() if arrival_s is None else arrival_s)
 
@@ -156,18 +169,33 @@ class RolePair:
         self.run_until(lambda: self.finished(rid), what=f"{rid} finished")
         return first, self.decode_events.items(rid)
 
+    def prefill_here(self, rid: str) -> None:
+        """The router's other choice after a reservation: the decode role computes the prompt itself."""
+        self.decode.handle(PrefillHere(rid=rid), time.monotonic())
+
+    def local(self, rid: str, prompt: list[int], params: SamplingParams) -> Reserved:
+        """The whole local path for one request: reserve, ``prefill_here``, decode to the finish."""
+        reserved = self.reserve(rid, prompt, params)
+        assert reserved.ok, reserved
+        self.prefill_here(rid)
+        self.run_until(lambda: self.finished(rid), what=f"{rid} finished")
+        return reserved
+
     def finished(self, rid: str) -> bool:
         return any(item.finish_reason is not None for item in self.decode_events.items(rid))
 
     # ---- what the client gets, and what it should get ----------------------------------------------------------
 
     def client_view(self, rid: str) -> tuple[list[int], str, str]:
-        """The prefill role's first token and text, then the decode role's tokens and texts: (ids, text, reason)."""
-        [first] = self.prefill_events.of(FirstToken, rid)
+        """The prefill role's first token and text (none: prefilled on the decode role), then the decode role's
+        tokens and texts: (ids, text, reason)."""
+        firsts = self.prefill_events.of(FirstToken, rid)
+        assert len(firsts) <= 1
         items = self.decode_events.items(rid)
         assert items and items[-1].finish_reason is not None and all(i.finish_reason is None for i in items[:-1])
-        ids = [first.token] + [t for item in items for t in item.token_ids]
-        return ids, first.text + "".join(item.text for item in items), items[-1].finish_reason.value
+        ids = [first.token for first in firsts] + [t for item in items for t in item.token_ids]
+        text = "".join(first.text for first in firsts) + "".join(item.text for item in items)
+        return ids, text, items[-1].finish_reason.value
 
     def expected(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
         """One engine's ``generate``: what the hand-off must give, token for token and character for character."""

@@ -177,3 +177,71 @@ def test_fail_all_frees_every_prefill_request(role_pair):
     pair.settle()
     assert sorted(pair.prefill_events.errors()) == [("a", "worker_error"), ("b", "worker_error")]
     pair.check_no_leaks()
+
+
+# ---- prefix reuse: only the blocks the decode worker lacks ---------------------------------------------------------
+
+
+def _record_sends(pair) -> list[tuple[str, int, list[int]]]:
+    """Every piece the prefill role hands its sender: (transfer id, layer, destination blocks); still sent."""
+    sender, sent = pair.prefill.sender, []
+    original = sender.send_layer
+
+    def send_layer(tid, layer, dst, k, v):
+        sent.append((tid, layer, list(dst)))
+        return original(tid, layer, dst, k, v)
+
+    sender.send_layer = send_layer
+    return sent
+
+
+@pytest.mark.parametrize("max_batch_tokens", [2048, 24], ids=["whole", "chunked"])
+@pytest.mark.parametrize("stream_kv", [True, False], ids=["streamed", "unstreamed"])
+def test_only_the_blocks_after_cached_tokens_are_computed_for_the_decode_worker_and_sent(
+    role_pair, stream_kv, max_batch_tokens
+):
+    pair = role_pair(stream_kv=stream_kv, prefill_engine={"max_batch_tokens": max_batch_tokens})
+    history, user = random_prompts(2, 50, 50, seed=48)
+    params = greedy(20)
+    pair.handoff("t1", history, params)
+    pair.settle()
+    sent = _record_sends(pair)
+    # the next turn: the decode role holds the history it decoded (4 blocks), this engine only the prompt (3)
+    prompt = history + pair.client_view("t1")[0] + user[:20]  # 90 tokens: 6 blocks
+    reserved = pair.reserve("t2", prompt, params)
+    assert reserved.cached_tokens == 64 and reserved.ok
+    pair.send_prefill("t2", prompt, params, reserved)
+    pair.start("t2", pair.wait_first_token("t2"))
+    pair.run_until(lambda: pair.finished("t2"))
+    assert pair.client_view("t2") == pair.expected(prompt, params)
+    missing = pair.decode.engine.block_manager.blocks_for(len(prompt)) - 4
+    assert {tid for tid, _, _ in sent} == {"t2"}
+    for layer in range(pair.prefill.engine.kv_spec.num_layers):
+        blocks = [b for _, lyr, dst in sent if lyr == layer for b in dst]
+        assert blocks == reserved.blocks[:missing], layer  # each missing block once, in order
+    # this engine computed everything after what it held itself (the decode worker's cache saves it nothing)
+    assert pair.prefill.engine.block_manager.prefix_hit_tokens == 48
+    pair.settle()
+    pair.check_no_leaks()
+
+
+def test_cached_tokens_must_be_whole_blocks_inside_the_prompt(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 40, 40, seed=49)
+    reserved = pair.reserve("x", prompt, greedy())
+    for cached, match in ((8, "multiple of the block size"), (48, "multiple of the block size"), (32, "needs more")):
+        bad = Prefill(
+            rid="x",
+            prompt=prompt,
+            params=greedy(),
+            kv_address=reserved.kv_address,
+            dst_blocks=[] if cached == 32 else reserved.blocks,
+            cached_tokens=cached,
+        )
+        with pytest.raises(ValueError, match=match):  # the runtime answers invalid_request
+            pair.prefill.handle(bad, time.monotonic())
+        assert not pair.prefill.engine.requests and pair.prefill.sender.active_transfers() == []
+    pair.decode.abort("x")
+    pair.settle()
+    assert pair.prefill_events.events == [] and pair.decode_events.errors() == []
+    pair.check_no_leaks()

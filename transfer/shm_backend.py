@@ -1,0 +1,215 @@
+"""`shm` backend (and `auto`): KV payload through a shared-memory ring, everything else exactly as the zmq backend.
+
+The classes subclass ZmqSender / ZmqReceiver and replace only how payload frames travel, so the hello/welcome handshake
+(cluster secret, session keys, sequence numbers), the wire header (fingerprint, transfer id, layer, destination blocks,
+dtypes, shapes, byte counts, xxh3_64), the receiver's checks, leases, deadlines, session and outbox bounds, acks, nacks
+and aborts are the same code. Data flow:
+
+    address    "shm+ipc://path" or "shm+tcp://host:port": a zmq control address the receiver binds, marked as
+               offering shared memory; a plain "tcp://" or "ipc://" address is a zmq receiver (spoken to as zmq)
+    hello      S->R transport "shm" and the sender's node id (transfer/shm_ring.py node_id)
+    welcome    R->S on the same node: `shm` [name, size, token] of a ring the receiver just created for this session
+               (transfer/shm_ring.py); another node, no room in /dev/shm, or `max_rings` reached: no ring
+    sender     maps the ring (name pattern, owner, size and token checked), unlinks its name; per piece: encode (xxh3
+               over the source, as zmq), wait for room (the receiver's tail in the ring), copy the frames in, send the
+               sealed header alone with `shm` [positions..., end]
+    receiver   admit the header (all zmq checks) -> check the positions against its own ring (shm_ring.check_positions)
+               -> views over the ring -> length and xxh3 checks -> sink -> release the region (tail = end)
+A piece larger than the whole ring, or any piece of a session without a ring, travels inline as zmq frames over the
+same session, so `auto` is zmq across nodes and shared memory within one. The ring is per session: its name is
+unlinked as soon as the sender mapped it, and again (if still there) when the session ends on the receiver
+(done, expiry, close); a sender drops its mapping with the peer (send timeout, lease expiry, close).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from transfer.base import TransferConfig
+from transfer.errors import ProtocolError
+from transfer.inbound import Sink
+from transfer.outbox import Outgoing, Peer, check_peer_frame_bound
+from transfer.sessions import Session
+from transfer.shm_ring import (
+    MAX_RING_BYTES,
+    MIN_RING_BYTES,
+    RingOwner,
+    RingWriter,
+    ShmUnavailable,
+    node_id,
+    sweep_stale,
+)
+from transfer.wire import ModelFingerprint, PieceHeader, pack_header
+from transfer.zmq_receiver import ZmqReceiver
+from transfer.zmq_sender import ZmqSender
+
+log = logging.getLogger(__name__)
+
+SCHEME = "shm+"
+DEFAULT_RING_BYTES = 32 << 20  # per sender session: pieces up to this size go through it, larger ones inline
+DEFAULT_MAX_RINGS = 16  # per receiver: at most this many sessions hold a ring (16 x 32 MiB of /dev/shm)
+RING_POLL_S = 5e-5  # the sender's first nap while the ring is full: the receiver frees room as fast as it copies
+
+
+def control_address(address: str) -> str:
+    """The ZeroMQ address behind a shm address ("shm+tcp://h:p" -> "tcp://h:p"); plain addresses are unchanged."""
+    return address[len(SCHEME) :] if address.startswith(SCHEME) else address
+
+
+class ShmSender(ZmqSender):
+    """ZmqSender whose pieces go through the receiver's ring when it announced one (see module docstring)."""
+
+    transport = "shm"
+
+    def __init__(self, fingerprint: ModelFingerprint, config: TransferConfig | None = None) -> None:
+        self._ring_full = False  # set by _send (I/O thread) when a piece waits for room
+        self._ring_nap = RING_POLL_S  # doubles while the ring stays full (up to 2 ms), back to 50 µs once it moves
+        self.shm_pieces = 0  # pieces that went through a ring (the rest went inline)
+        super().__init__(fingerprint, config)
+
+    def _connect(self, address: str) -> Peer:
+        """A socket to the control address; the peer stays keyed by the full address its leases name."""
+        target = control_address(address)
+        if target == address:
+            return super()._connect(address)
+        plain = self._peers.get(target)  # a zmq receiver at the same control address: keep it
+        peer = super()._connect(target)
+        if plain is not None:
+            self._peers[target] = plain
+        else:
+            del self._peers[target]
+        peer.address = address
+        self._peers[address] = peer
+        return peer
+
+    def _hello_fields(self, peer: Peer) -> dict[str, Any]:
+        fields = super()._hello_fields(peer)
+        if peer.address.startswith(SCHEME):
+            fields["node"] = node_id()
+        else:
+            fields["transport"] = "zmq"  # a plain zmq receiver: speak zmq to it
+        return fields
+
+    def _on_welcome(self, peer: Peer, h: dict[str, Any]) -> None:
+        announced = h.get("shm")
+        if announced is None:
+            if peer.address.startswith(SCHEME):
+                log.info("receiver %s gave no shared-memory ring (another node?): KV goes inline", peer.address)
+            return
+        try:
+            peer.link = RingWriter.open(announced)  # closed with the peer (ZmqSender._close_peer)
+        except (ShmUnavailable, OSError) as e:
+            log.warning("KV to %s goes inline over ZeroMQ: %s", peer.address, e)
+
+    def _drain_commands(self, budget: int = 64) -> bool:
+        """A few commands at a time, so that encoding (the sender's checksum pass) and ring copies interleave and the
+        receiver starts on the first piece at once."""
+        return super()._drain_commands(min(budget, 2))
+
+    def _send(self, peer: Peer, out: Outgoing) -> None:
+        ring: RingWriter | None = peer.link
+        if out.piece is None or ring is None:
+            super()._send(peer, out)
+            return
+        check_peer_frame_bound(peer, out.piece)
+        sizes = [f.nbytes for f in out.piece.frames]
+        if not ring.fits(sizes):
+            super()._send(peer, out)  # larger than the whole ring: inline frames
+            return
+        if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            raise zmq.Again()  # copy only what can leave now
+        where = ring.reserve(sizes)
+        if where is None:
+            self._ring_full = True
+            raise zmq.Again()  # the receiver has not freed room yet: stuck logic, send_timeout_s as for a full HWM
+        for pos, t in zip(where, out.tensors):
+            ring.write(pos, t)
+        header = self._seal(peer, pack_header({**out.piece.to_wire(peer.session), "shm": where}))
+        peer.sock.send(header, zmq.NOBLOCK)  # raises zmq.Again: nothing committed, the next try rewrites it
+        ring.commit(where[-1])
+        self.shm_pieces += 1
+        self._ring_nap = RING_POLL_S
+
+    def _idle_wait(self) -> None:
+        if self._ring_full:
+            self._ring_full = False
+            self._stop.wait(self._ring_nap)
+            self._ring_nap = min(2 * self._ring_nap, 0.002)
+            return
+        super()._idle_wait()
+
+
+class ShmReceiver(ZmqReceiver):
+    """ZmqReceiver that gives each sender session on its node a ring and reads pieces from it (module docstring)."""
+
+    transport = "shm"
+
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint,
+        sink: Sink,
+        address: str,
+        config: TransferConfig | None = None,
+        *,
+        ring_bytes: int = DEFAULT_RING_BYTES,
+        max_rings: int = DEFAULT_MAX_RINGS,
+    ) -> None:
+        if not MIN_RING_BYTES <= ring_bytes <= MAX_RING_BYTES or max_rings < 0:
+            raise ValueError(f"ring_bytes must be in [{MIN_RING_BYTES}, {MAX_RING_BYTES}] and max_rings >= 0")
+        self.ring_bytes, self.max_rings = ring_bytes, max_rings
+        self._header: dict[str, Any] | None = None  # the authenticated header being handled (see _decode)
+        self.shm_pieces = 0  # pieces read from a ring (the rest came inline)
+        swept = sweep_stale()
+        if swept:
+            log.info("unlinked %d shared-memory rings of dead receivers", swept)
+        super().__init__(fingerprint, sink, control_address(address), config)
+        self.address = SCHEME + self.address
+
+    def rings(self) -> int:
+        """Sessions that hold a ring now."""
+        return sum(1 for s in self._sessions.values() if s.link is not None)
+
+    def _welcome_extra(self, session: bytes, key: bytes, h: dict[str, Any]) -> dict[str, Any]:
+        if h.get("node") != node_id():
+            return {}  # another node (or a sender that cannot map): inline frames
+        if self.rings() >= self.max_rings:
+            log.warning("%d sender sessions hold a ring already: this one goes inline", self.max_rings)
+            return {}
+        try:
+            ring = RingOwner(self.ring_bytes)
+        except (ShmUnavailable, OSError) as e:
+            log.warning("no shared-memory ring for a sender session, KV goes inline: %s", e)
+            return {}
+        return {"shm": ring.announce(), "_link": ring}
+
+    def _decode(self, body: memoryview) -> dict[str, Any] | None:
+        """Keep the header _handle is about to act on: its `shm` positions are read in _on_piece / _on_bad_piece."""
+        self._header = super()._decode(body)
+        return self._header
+
+    def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+        where = self._header.get("shm") if self._header is not None else None
+        if where is None:
+            super()._on_piece(sess, piece, bufs)  # inline frames, checked as on zmq
+            return
+        ring: RingOwner | None = sess.link
+        if ring is None or bufs:
+            raise ProtocolError("shm positions in a session without a ring, or with inline frames as well")
+        sizes: Sequence[int] = [f.nbytes for f in piece.frames]  # checked by admit against our own fingerprint
+        views, end = ring.views(where, sizes)
+        try:
+            self._table.complete(piece, views)  # lengths, xxh3, sink (which copies out)
+        finally:
+            del views
+            ring.release(end)
+        self.shm_pieces += 1
+
+    def _on_bad_piece(self, sess: Session, session: bytes, h: dict[str, Any]) -> None:
+        """A refused piece's region is free again at once (its positions' end, if it is a sane one)."""
+        where = h.get("shm")
+        if sess.link is not None and isinstance(where, list) and where:
+            sess.link.release(where[-1])
