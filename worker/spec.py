@@ -72,7 +72,7 @@ class WorkerSpec:
     engine: EngineConfig  # its ``device`` is decided in the worker process (``resolve_spec``), from ``gpus``
     runtime: RuntimeOptions
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    transfer_backend: TransferBackend = "zmq"
+    transfer_backend: TransferBackend = "auto"  # shared memory with senders on this node, zmq over TCP with others
     zmq_transport: ZmqTransport = "tcp"
     stream_layers: bool = True  # prefill: send each layer's KV as it is computed (False: after the whole prompt)
     failure_policy: FailurePolicy = "fail"  # decode: what a failed transfer does to its request

@@ -18,8 +18,15 @@ BLOCK_BYTES = 16 * 2 * 3 * 2 * 16 * 4  # tokens x (K,V) x layers x kv heads x he
 
 @pytest.mark.parametrize(
     "backend, transport, stream_layers",
-    [("zmq", "tcp", True), ("zmq", "ipc", True), ("gloo", "tcp", True), ("zmq", "tcp", False)],
-    ids=["zmq-tcp", "zmq-ipc", "gloo", "zmq-tcp-unstreamed"],
+    [
+        ("zmq", "tcp", True),
+        ("zmq", "ipc", True),
+        ("gloo", "tcp", True),
+        ("zmq", "tcp", False),
+        ("shm", "tcp", True),
+        ("auto", "tcp", True),
+    ],
+    ids=["zmq-tcp", "zmq-ipc", "gloo", "zmq-tcp-unstreamed", "shm", "auto"],
 )
 def test_two_process_handoff_is_token_exact(ray_local, tiny_llama_path, backend, transport, stream_layers):
     config = tiny_cluster_config(
