@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.loadtest.options import PDSERVE_DEFAULT_MODEL, add_workload_arguments
 
-TRANSFER_BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo", "local")
+TRANSFER_BACKENDS = ("zmq-tcp", "zmq-ipc", "shm", "gloo", "local")
 COMPARE_MODES = ("colocated", "disaggregated")
 LOCAL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
@@ -85,3 +85,60 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="cluster YAML (configs/local.yaml)")
     parser.add_argument("--modes", default=",".join(COMPARE_MODES), help="which modes to run, in order")
     add_workload_arguments(parser)
+
+
+def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench routing`` (``bench/routing_bench.py``): kv_aware routing and prefix reuse against the old
+    behaviour (least_loaded, no decode-side reuse), on shared-prefix and multi-turn workloads."""
+    parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
+    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument("--workload", choices=("shared-prefix", "multi-turn", "both"), default="both")
+    parser.add_argument(
+        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=2,
+        help="closed loop: requests (multi-turn: conversations) in flight; default: one per prefill worker",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the same requests, in the same order, in both runs")
+    group = parser.add_argument_group("shared-prefix workload")
+    group.add_argument("--prefix-groups", type=int, default=4, help="groups, each with its own shared prefix")
+    group.add_argument("--prefix-len", type=int, default=768, help="tokens of each group's prefix")
+    group.add_argument("--question-len", type=int, default=32, help="tokens each request adds to its prefix")
+    group.add_argument("--num-prompts", type=int, default=32)
+    group.add_argument("--output-len", type=int, default=8, help="output tokens per request (ignore_eos)")
+    group.add_argument(
+        "--prefill-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per prefill worker; default: the prefixes of half the groups plus room for the requests "
+        "in flight (so all the prefixes do not fit one worker, half of them do)",
+    )
+    group = parser.add_argument_group("multi-turn workload")
+    group.add_argument("--num-conversations", type=int, default=8)
+    group.add_argument("--num-turns", type=int, default=4)
+    group.add_argument("--user-len", type=int, default=128, help="tokens of each user message on its own")
+    group.add_argument("--turn-output-len", type=int, default=32, help="max_tokens of each answer")
+    group.add_argument(
+        "--think-time-s",
+        type=float,
+        default=1.0,
+        help="mean seconds between an answer and the next turn (exponential: users out of step, as in life)",
+    )
+    parser.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="router.local_prefill_max_tokens of the kv_aware run (conditional disaggregation); the baseline has 0",
+    )
+    parser.add_argument(
+        "--prefix-weight", type=float, default=None, help="router.kv_aware.prefix_weight of the kv_aware run"
+    )
+    parser.add_argument(
+        "--load-weight", type=float, default=None, help="router.kv_aware.load_weight of the kv_aware run"
+    )
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--result-dir", default=None, help="per-request records; default: results/<timestamp>")
+    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")

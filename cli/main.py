@@ -55,6 +55,13 @@ BENCHMARKS: list[tuple[str, str, str, str, str]] = [
         "bench.compare_modes",
     ),
     (
+        "routing",
+        "kv_aware routing and prefix reuse vs least_loaded: TTFT, KV bytes per request, prefix hit rate",
+        "bench.options",
+        "add_routing_bench_arguments",
+        "bench.routing_bench",
+    ),
+    (
         "chaos",
         "load while killing workers: lost requests and held KV must be 0",
         "bench.options",

@@ -229,6 +229,9 @@ class Router:
         if stream is None or event.worker != stream.prefill:
             return  # not (or no longer) this worker's request: a stale or lying event
         stream.timing.update(response_timing(event.timing))
+        if stream.first_token_s is None and worker is not None:
+            # the prefill worker is done with it: its load (what the policies weigh) no longer counts the request
+            worker.inflight = max(0, worker.inflight - 1)
         decode = self.members.get(stream.decode)
         if decode is not None:
             self._send(decode, Start(stream.wire_rid, event.token))
@@ -344,7 +347,9 @@ class Router:
             self.last_timing.popitem(last=False)
 
     def _unassign(self, stream: Stream) -> None:
-        for name in {stream.prefill, stream.decode} - {None}:
+        # a prefill worker stops counting a request at its first token (``_on_first_token``), a decode worker at its end
+        holders = [stream.decode] + ([stream.prefill] if stream.first_token_s is None else [])
+        for name in set(holders) - {None}:
             worker = self.members.get(name)
             if worker is not None:
                 worker.inflight = max(0, worker.inflight - 1)

@@ -125,3 +125,23 @@ def test_decode_reservations_go_to_the_decode_worker_that_holds_the_prefix(serve
     url = handle.base_url
     assert metric_value(url, "pdserve_routing_decisions_total", pool="decode", reason="prefix") == 4
     assert metric_value(url, "pdserve_prefix_matched_tokens_total", pool="decode") == 4 * len(PREFIX)
+
+
+def test_a_prefill_worker_stops_counting_a_request_at_its_first_token(serve):
+    """Load the policies weigh: a prefill worker's in-flight count covers its prefills only, not the decode after."""
+    handle = serve(pools=_pools(1), router={"port": 0, "prefill_policy": "kv_aware"})
+    members = handle.router.members
+    body = {
+        "model": handle.config.served_model_name,
+        "prompt": PREFIX,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the first token reached the client
+        assert members.get("prefill-0").inflight == 0 and members.get("decode-0").inflight == 1
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    wait_until(lambda: members.get("decode-0").inflight == 0, timeout_s=10)

@@ -1,0 +1,433 @@
+"""``pdserve bench routing``: KV-aware routing and prefix reuse against the old behaviour, in the same invocation.
+
+Why: the router used to weigh load only and the decode worker reused nothing it held, so a prompt whose prefix one
+worker had just computed went to whichever worker was least loaded, and the decode worker received every block of
+every prompt, a chat's whole history included. This bench measures what prefix-aware routing and reuse across the
+hand-off change, on the served cluster (Ray, or threads with ``--in-process``) with 2 prefill workers and 1 decode
+worker, for each workload two runs one after the other, each on a fresh cluster, with the same requests in the same
+order (same seed):
+
+- ``baseline`` (the old behaviour): ``router.prefill_policy`` and ``decode_policy`` least_loaded, the decode pool's
+  ``enable_prefix_caching`` false (it reuses nothing and receives every block), ``local_prefill_max_tokens`` 0;
+- ``kv_aware`` (the new one): both policies kv_aware, decode prefix caching on, ``local_prefill_max_tokens`` from
+  ``--local-prefill-max-tokens`` (default 0: every prompt still goes to a prefill worker).
+
+Workloads (the load tester's own, ``bench/loadtest``), closed loop at ``--max-concurrency`` (default 2, one request
+per prefill worker; with more, a prefix hit mostly waits behind a miss on its worker, docs/benchmarks.md section 8):
+
+- ``shared-prefix``: ``--prefix-groups`` groups, each a ``--prefix-len``-token prefix, each request one prefix and a
+  ``--question-len``-token question, in a shuffled order (the load tester assigns groups in turn; a fixed cycle
+  would let least_loaded's alternation partition the groups by accident). Each prefill worker's KV cache is sized
+  (``--prefill-kv-blocks``, default computed and reported) to hold the prefixes of half the groups plus the requests
+  in flight, not all of them: routing by prefix lets the two workers together keep every prefix, routing by load
+  makes each worker cycle through all of them.
+- ``multi-turn``: ``--num-conversations`` chats of ``--num-turns`` turns, each turn sending the whole history
+  (``--user-len``-token user messages, ``--turn-output-len``-token answers), exponential think times of mean
+  ``--think-time-s`` (chats in lockstep would let least_loaded send each one back to the same worker by accident);
+  the prefill pool keeps the config's KV.
+
+Per run: TTFT p50/p90 (multi-turn: also first turn against later turns, and by turn), TPOT p50, requests completed
+and failed; KV bytes per request (the decode workers' ``transfer_bytes`` received in the run / completed requests;
+the prefill workers' sent bytes too); the prefix hit rate the router saw (prefill pool: matched / routed prompt
+tokens, ``pdserve_prefix_matched_tokens_total`` over ``pdserve_routed_prompt_tokens_total``; decode: cached /
+reserved prompt tokens), its routing decisions by reason, where prompts were prefilled (remote or local), the
+engines' prefix hit tokens, and the KV blocks and requests still held after the run (must be 0). Then the ratios
+kv_aware / baseline (TTFT p50 and p90, bytes per request) and the issue's goal: TTFT p50 ratio <= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from bench.loadtest.cli import Plan, execute, prepare, result_folder
+from bench.loadtest.options import add_workload_arguments
+from bench.options import add_routing_bench_arguments as add_arguments  # re-exported: `python -m`, tests
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
+
+RUNS = ("baseline", "kv_aware")
+WORKLOADS = ("shared-prefix", "multi-turn")
+GOAL_TTFT_P50_RATIO = 0.5
+MIB = 1024 * 1024
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+# ---- the cluster configs ---------------------------------------------------------------------------------------
+
+
+def base_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config every run starts from: disaggregated, 2 prefill workers (prefix caching on), 1 decode worker."""
+    from cluster.config import load_config
+
+    given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file
+    config = (given if given is not None else load_config(args.config)).model_copy(deep=True)
+    if args.model:
+        config.model.name = args.model
+    config.mode = "disaggregated"
+    config.router.port = 0
+    config.pools.prefill.replicas = 2
+    config.pools.decode.replicas = 1
+    config.pools.prefill.enable_prefix_caching = True
+    return config
+
+
+def run_config(base: ClusterConfig, run: str, args: argparse.Namespace, prefill_kv_blocks: int | None) -> ClusterConfig:
+    """One run's config: the old behaviour (``baseline``) or the new one (``kv_aware``), otherwise the same."""
+    config = base.model_copy(deep=True)
+    new = run == "kv_aware"
+    config.router.prefill_policy = "kv_aware" if new else "least_loaded"
+    config.router.decode_policy = "kv_aware" if new else "least_loaded"
+    config.pools.decode.enable_prefix_caching = new
+    config.router.local_prefill_max_tokens = args.local_prefill_max_tokens if new else 0
+    if new and args.prefix_weight is not None:
+        config.router.kv_aware.prefix_weight = args.prefix_weight
+    if new and args.load_weight is not None:
+        config.router.kv_aware.load_weight = args.load_weight
+    if prefill_kv_blocks is not None:
+        config.pools.prefill.kv_blocks = prefill_kv_blocks
+    return config
+
+
+def run_settings(config: ClusterConfig) -> dict[str, Any]:
+    """What differs between the runs, read back from the config each one starts with."""
+    router = config.router
+    return {
+        "prefill_policy": router.prefill_policy,
+        "decode_policy": router.decode_policy,
+        "decode_prefix_caching": config.pools.decode.enable_prefix_caching,
+        "local_prefill_max_tokens": router.local_prefill_max_tokens,
+        "kv_aware_weights": router.kv_aware.model_dump(),
+    }
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def prefill_sizing(plan: Plan, args: argparse.Namespace, block_size: int, bytes_per_token: int) -> dict[str, Any]:
+    """The prefill workers' KV for the shared-prefix workload: half the groups' prefixes, plus every request in
+    flight's own blocks (the question and the partial block after the prefix), so that all the prefixes do not fit
+    one worker and half of them do."""
+    tokenizer = plan.tokenizer
+    prefix_tokens = max(len(tokenizer(s.system or "", add_special_tokens=True)["input_ids"]) for s in plan.specs)
+    prefix_blocks = prefix_tokens // block_size  # the full blocks every request of a group shares
+    request_blocks = max(math.ceil(s.input_tokens / block_size) for s in plan.specs)
+    headroom = args.max_concurrency * (request_blocks - prefix_blocks)
+    kv_blocks = args.prefill_kv_blocks or max(
+        request_blocks, math.ceil(args.prefix_groups / 2) * prefix_blocks + headroom
+    )
+    return {
+        "prefix_tokens": prefix_tokens,
+        "prefix_blocks": prefix_blocks,
+        "request_blocks": request_blocks,
+        "in_flight_headroom_blocks": headroom,
+        "kv_blocks": kv_blocks,
+        "kv_memory_mb": round(kv_blocks * block_size * bytes_per_token / MIB, 1),
+        "all_prefixes_blocks": args.prefix_groups * prefix_blocks,
+        "prefixes_one_worker_holds": kv_blocks // prefix_blocks if prefix_blocks else None,
+        "all_prefixes_fit_one_worker": args.prefix_groups * prefix_blocks + headroom <= kv_blocks,
+        "half_the_prefixes_fit_one_worker": math.ceil(args.prefix_groups / 2) * prefix_blocks <= kv_blocks,
+    }
+
+
+# ---- the workloads ---------------------------------------------------------------------------------------------
+
+
+def workload_plan(args: argparse.Namespace, workload: str, tokenizer_model: str) -> Plan:
+    """The load tester's plan for one workload, through its own options (defaults and checks stay its own)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_workload_arguments(parser)
+    argv = ["--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed), "--disable-tqdm"]
+    argv += ["--request-timeout-s", str(args.request_timeout_s), "--metric-percentiles", "50,90,99"]
+    if workload == "shared-prefix":
+        argv += ["--dataset-name", "shared-prefix", "--shared-prefix-groups", str(args.prefix_groups)]
+        argv += ["--shared-prefix-len", str(args.prefix_len), "--random-input-len", str(args.question_len)]
+        argv += ["--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--ignore-eos"]
+    else:
+        argv += ["--dataset-name", "multi-turn", "--num-conversations", str(args.num_conversations)]
+        argv += ["--num-turns", str(args.num_turns), "--random-input-len", str(args.user_len)]
+        argv += ["--random-output-len", str(args.turn_output_len), "--think-time-s", str(args.think_time_s)]
+        argv += ["--think-time-dist", "exponential"]
+    plan = prepare(parser.parse_args(argv), tokenizer_model)
+    if workload == "shared-prefix":
+        random.Random(args.seed).shuffle(plan.specs)  # groups in a random order, the same in both runs
+    return plan
+
+
+# ---- what the cluster reports ----------------------------------------------------------------------------------
+
+
+def router_samples(base_url: str) -> Samples:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def settle(base_url: str, timeout_s: float = 30.0) -> dict:
+    """``/status`` once every worker is idle with nothing held, in a heartbeat sent after this call began (worker
+    counters travel in heartbeats); ``settled`` False if that did not happen within ``timeout_s``."""
+    started = time.monotonic()
+    status: dict = {"workers": [], "inflight": None}
+    while time.monotonic() - started < timeout_s:
+        status = httpx.get(f"{base_url}/status", timeout=10).json()
+        workers = [w for w in status["workers"] if w["alive"]]
+        fresh = all(w.get("stats_age_s") is not None and w["stats_age_s"] < time.monotonic() - started for w in workers)
+        idle = all(
+            w.get("requests", 0) == 0
+            and w.get("awaiting_kv", 0) == 0
+            and w.get("leased_transfers", 0) == 0
+            and w.get("free_blocks") == w.get("total_blocks")
+            for w in workers
+        )
+        if workers and fresh and idle and status["inflight"] == 0:
+            return status | {"settled": True}
+        time.sleep(0.1)
+    return status | {"settled": False}
+
+
+def worker_total(status: dict, role: str, key: str) -> int:
+    return int(sum(w.get(key, 0) or 0 for w in status["workers"] if w["role"] == role))
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 4) if num is not None and den else None
+
+
+def _ms(described: dict, key: str) -> float | None:
+    value = described.get(key)
+    return None if value is None else round(value, 1)
+
+
+def run_figures(summary: dict, before: tuple[Samples, dict], after: tuple[Samples, dict]) -> dict[str, Any]:
+    """One run's figures from the load tester's summary and the cluster's counters before and after it."""
+    (m0, s0), (m1, s1) = before, after
+
+    def delta(name: str, **labels: str) -> int:
+        return int(sample(m1, name, **labels) - sample(m0, name, **labels))
+
+    def worker_delta(role: str, key: str) -> int:
+        return worker_total(s1, role, key) - worker_total(s0, role, key)
+
+    completed = summary["completed"]
+    received = worker_delta("decode", "transfer_bytes")
+    routed = delta("pdserve_routed_prompt_tokens_total", pool="prefill")
+    matched = delta("pdserve_prefix_matched_tokens_total", pool="prefill")
+    reserved = delta("pdserve_routed_prompt_tokens_total", pool="decode")
+    cached = delta("pdserve_decode_cached_prompt_tokens_total")
+    out: dict[str, Any] = {
+        "requests": summary["requests"],
+        "completed": completed,
+        "failed": summary["failed"],
+        "failures": summary["failures"],
+        "duration_s": round(summary["duration_s"], 2),
+        "ttft_ms": {"p50": _ms(summary["ttft_ms"], "p50"), "p90": _ms(summary["ttft_ms"], "p90")},
+        "tpot_ms": {"p50": _ms(summary["tpot_ms"], "p50")},
+        "kv_bytes": {
+            "received_by_decode": received,
+            "sent_by_prefill": worker_delta("prefill", "transfer_bytes"),
+            "per_request": round(received / completed) if completed else None,
+        },
+        "prefix_hit_rate": {"prefill_router": _ratio(matched, routed), "decode": _ratio(cached, reserved)},
+        "router": {
+            "prefill_routed_prompt_tokens": routed,
+            "prefill_prefix_matched_tokens": matched,
+            "decode_reserved_prompt_tokens": reserved,
+            "decode_cached_prompt_tokens": cached,
+            "prefill_decisions": {
+                r: delta("pdserve_routing_decisions_total", pool="prefill", reason=r) for r in ("prefix", "load")
+            },
+            "prefill_path": {p: delta("pdserve_prefill_path_total", path=p) for p in ("remote", "local")},
+        },
+        "engine_prefix_hit_tokens": {
+            "prefill": worker_delta("prefill", "prefix_hit_tokens"),
+            "decode": worker_delta("decode", "prefix_hit_tokens"),
+        },
+        "held_after": {
+            "settled": s1["settled"],
+            "kv_blocks": sum((w.get("total_blocks") or 0) - (w.get("free_blocks") or 0) for w in s1["workers"]),
+            "requests": sum(w.get("requests", 0) or 0 for w in s1["workers"]) + (s1.get("inflight") or 0),
+        },
+    }
+    turns = summary.get("multi_turn")
+    if turns:
+        first, later = turns["ttft_ms_first_turn"], turns["ttft_ms_later_turns"]
+        out["turns"] = {
+            "conversations_completed": turns["completed"],
+            "ttft_ms_first_turn": {"p50": _ms(first, "p50"), "p90": _ms(first, "p90")},
+            "ttft_ms_later_turns": {"p50": _ms(later, "p50"), "p90": _ms(later, "p90")},
+            "ttft_ms_p50_by_turn": {k: _ms(v["ttft_ms"], "p50") for k, v in turns["by_turn"].items()},
+            "input_tokens_mean_by_turn": {
+                k: None if v["input_tokens_mean"] is None else round(v["input_tokens_mean"], 1)
+                for k, v in turns["by_turn"].items()
+            },
+        }
+    return out
+
+
+def compare(runs: dict[str, dict]) -> dict[str, Any]:
+    base, new = runs["baseline"], runs["kv_aware"]
+    ratios = {
+        "ttft_p50": _ratio(new["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
+        "ttft_p90": _ratio(new["ttft_ms"]["p90"], base["ttft_ms"]["p90"]),
+        "kv_bytes_per_request": _ratio(new["kv_bytes"]["per_request"], base["kv_bytes"]["per_request"]),
+    }
+    if "turns" in new:
+        ratios["ttft_p50_later_turns"] = _ratio(
+            new["turns"]["ttft_ms_later_turns"]["p50"], base["turns"]["ttft_ms_later_turns"]["p50"]
+        )
+    met = ratios["ttft_p50"] is not None and ratios["ttft_p50"] <= GOAL_TTFT_P50_RATIO
+    return {"ratios": ratios, "goal": {"ttft_p50_ratio_at_most": GOAL_TTFT_P50_RATIO, "met": met}}
+
+
+# ---- the runs --------------------------------------------------------------------------------------------------
+
+
+def _one_run(config: ClusterConfig, plan: Plan, label: str, folder, in_process: bool) -> dict[str, Any]:
+    from cluster.launch import start_serving
+
+    print(f"routing bench: {label}: starting the cluster", file=sys.stderr)
+    handle = start_serving(config, in_process=in_process)
+    try:
+        before = (router_samples(handle.base_url), settle(handle.base_url))
+        [summary], _, _ = execute(plan, handle.base_url, config.served_model_name, folder, mode=label)
+        status = settle(handle.base_url)
+        after = (router_samples(handle.base_url), status)
+    finally:
+        handle.stop()
+    figures = run_figures(summary, before, after)
+    print(
+        f"routing bench: {label}: {figures['completed']}/{figures['requests']} completed, "
+        f"TTFT p50 {figures['ttft_ms']['p50']} ms, {figures['kv_bytes']['per_request']} KV bytes/request",
+        file=sys.stderr,
+    )
+    return figures
+
+
+def _workload_settings(args: argparse.Namespace, workload: str, plan: Plan) -> dict[str, Any]:
+    if workload == "shared-prefix":
+        return {
+            "prefix_groups": args.prefix_groups,
+            "prefix_len": args.prefix_len,
+            "question_len": args.question_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "order": "groups shuffled with the seed",
+            "input_tokens_mean": round(sum(s.input_tokens for s in plan.specs) / len(plan.specs), 1),
+        }
+    return {
+        "num_conversations": args.num_conversations,
+        "num_turns": args.num_turns,
+        "user_len": args.user_len,
+        "turn_output_len": args.turn_output_len,
+        "think_time_s": args.think_time_s,
+        "think_time_dist": "exponential",
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from engine.model_loader import resolve_model_path
+
+    for name in ("max_concurrency", "prefix_groups", "prefix_len", "question_len", "num_prompts", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    base = base_config(args)
+    model_path = str(resolve_model_path(base.model.name))
+    per_token = kv_bytes_per_token(model_path, base.model.dtype)
+    block_size = base.transfer.block_size
+    workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    folder = result_folder(args)
+    out: dict[str, Any] = {
+        "configuration": {
+            "model": base.model.name,
+            "dtype": base.model.dtype,
+            "block_size": block_size,
+            "kv_bytes_per_token": per_token,
+            "pools": {"prefill": 2, "decode": 1},
+            "torch_threads": {"prefill": base.pools.prefill.torch_threads, "decode": base.pools.decode.torch_threads},
+            "prefill_kv_blocks_config": base.pools.prefill.kv_blocks,
+            "prefill_kv_memory_mb_config": base.pools.prefill.kv_memory_mb,
+            "decode_kv_blocks": base.pools.decode.kv_blocks,
+            "decode_kv_memory_mb": base.pools.decode.kv_memory_mb,
+            "transfer_backend": base.transfer.backend,
+            "max_concurrency": args.max_concurrency,
+            "load": "closed loop",
+            "seed": args.seed,
+            "in_process": args.in_process,
+            "cpu_count": os.cpu_count(),
+        },
+        "runs_compared": {name: run_settings(run_config(base, name, args, None)) for name in RUNS},
+        "workloads": {},
+        "result_dir": str(folder),
+    }
+    started_ray = False
+    if not args.in_process and not ray.is_initialized():
+        # address="local": a fresh Ray, never another one on this machine; the 3 workers' CPU shares are logical
+        needed = sum(p.replicas * p.cpus_per_replica for p in (base.pools.prefill, base.pools.decode))
+        ray.init(
+            address="local",
+            num_cpus=max(math.ceil(needed), os.cpu_count() or 1),
+            namespace=base.ray.namespace,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+        started_ray = True
+    t_start = time.monotonic()
+    try:
+        for workload in workloads:
+            plan = workload_plan(args, workload, model_path)
+            entry: dict[str, Any] = {"workload": _workload_settings(args, workload, plan)}
+            kv_blocks = None
+            if workload == "shared-prefix":
+                entry["prefill_kv"] = prefill_sizing(plan, args, block_size, per_token)
+                kv_blocks = entry["prefill_kv"]["kv_blocks"]
+            runs = {}
+            for name in RUNS:
+                config = run_config(base, name, args, kv_blocks)
+                runs[name] = _one_run(config, plan, f"{workload} {name}", folder, args.in_process)
+            entry |= runs
+            entry |= compare(runs)
+            out["workloads"][workload] = entry
+    finally:
+        if started_ray:
+            ray.shutdown()
+    out["wall_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.loadtest.cli import run_main
+
+    return run_main("python -m bench.routing_bench", __doc__.splitlines()[0], add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
