@@ -32,6 +32,8 @@ def test_pools_land_on_their_nodes_and_kv_crosses_over_tcp(three_nodes, tiny_lla
     _, prefill_node, decode_node = three_nodes
     config = tiny_cluster_config(
         tiny_llama_path,
+        # zmq by name: the fake "nodes" share this host's /dev/shm, where the default (auto) would use shared memory
+        transfer={"backend": "zmq"},
         pools={
             "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64, "resources": {"prefill_node": 1}},
             "decode": {
