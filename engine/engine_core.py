@@ -368,7 +368,7 @@ class EngineCore:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("params must be one SamplingParams or one per prompt")
-        ids = [self.add_request(p, _copy(sp)) for p, sp in zip(prompts, params_list)]
+        ids = [self.add_request(p, sp.copy()) for p, sp in zip(prompts, params_list)]
         requests = {rid: self.requests[rid] for rid in ids}
         while any(not r.is_finished for r in requests.values()):
             self.step()
@@ -405,19 +405,6 @@ def _completion(request: Request) -> CompletionResult:
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
         error=request.error,
-    )
-
-
-def _copy(params: SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
     )
 
 

@@ -8,6 +8,7 @@ values are properties, never stored copies, so they cannot go stale.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+
+    def copy(self) -> SamplingParams:
+        """An independent copy (its lists too): each request owns its parameters, as each worker's decoded ones do."""
+        return dataclasses.replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

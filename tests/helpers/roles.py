@@ -68,16 +68,7 @@ def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
 
 def copy_params(params: SamplingParams) -> SamplingParams:
     """What msgspec decodes on each worker: its own copy (the prefill role sets ``max_tokens`` to 1 on its own)."""
-    return SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
+    return params.copy()
 
 
 @dataclass
