@@ -386,14 +386,16 @@ class Router:
     ) -> None:
         role = "colocated" if self.config.mode == "colocated" else "decode"
         self.reservations.check_fits(self.live(role), role, len(prompt), params.max_tokens)
+        hashes = prompt_block_hashes(prompt, self.config.transfer.block_size)  # once: each pick matches them anew
         if self.config.mode == "colocated":
-            worker = self._pick("colocated", prompt)
+            worker = self._pick("colocated", prompt, hashes)
             stream.decode = worker.name
             worker.inflight += 1
             self._send(worker, Generate(stream.wire_rid, prompt, params))
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             return
-        match = self.prefix_match(prompt)  # decode workers hold the chats they decoded: kv_aware asks those first
+        # decode workers hold the chats they decoded: kv_aware asks those first
+        match = self.prefix_match(prompt, hashes)
         decode, reply = await self.reservations.reserve(
             lambda: self.live("decode"), stream.wire_rid, prompt, params, deadline, match
         )
@@ -411,7 +413,7 @@ class Router:
             stream.timing["prefill_local"] = 1.0
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             return
-        prefill = self._pick("prefill", prompt)
+        prefill = self._pick("prefill", prompt, hashes)
         stream.prefill = prefill.name
         prefill.inflight += 1
         command = Prefill(
@@ -421,17 +423,16 @@ class Router:
         self.metrics.prefill_path.labels("remote").inc()
         stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
 
-    def _pick(self, role: str, prompt: list[int] | None = None) -> WorkerHandle:
+    def _pick(self, role: str, prompt: list[int], hashes: list[int]) -> WorkerHandle:
         """The worker a prompt goes to (prefill or colocated): the policy's first, given what each worker holds of
         the prompt (only kv_aware weighs it); the decision and the prefix it found are counted in /metrics."""
         live, policy = self.live(role), self._policies[role]
-        match = self.prefix_match(prompt) if prompt is not None else None
+        match = self.prefix_match(prompt, hashes)
         candidates = policy.order(live, match)
         if not candidates:
             raise NoWorkers(f"no live {role} worker")
         chosen = candidates[0]
-        if match is not None:
-            self._count_decision(role, chosen, live, match)
+        self._count_decision(role, chosen, live, match)
         return chosen
 
     def _count_decision(self, role: str, chosen: WorkerHandle, live: list[WorkerHandle], match: PrefixMatch) -> None:
@@ -441,14 +442,14 @@ class Router:
         metrics.routed_prompt_tokens.labels(role).inc(match.num_prompt_tokens)
         metrics.prefix_matched_tokens.labels(role).inc(match.tokens(chosen.name))
 
-    def prefix_match(self, prompt: list[int]) -> PrefixMatch:
+    def prefix_match(self, prompt: list[int], hashes: list[int]) -> PrefixMatch:
         """Per worker, the prompt tokens its prefix cache would spare (the router's view, from KV events): the
-        prompt's full blocks hashed once with the engine's own function, matched against the index, and cut by the
-        engine's rule that at least one prompt token is computed."""
+        prompt's full-block hashes (``engine.blocks.prompt_block_hashes``, the engine's own function) matched
+        against the index, and cut by the engine's rule that at least one prompt token is computed."""
         block_size, index = self.config.transfer.block_size, self.members.prefix_index
         if not len(index):  # no worker reports a cached block (prefix caching off, or nothing computed yet)
             return PrefixMatch(len(prompt))
-        blocks = index.match(prompt_block_hashes(prompt, block_size))
+        blocks = index.match(hashes)
         tokens = {name: reusable_prefix_tokens(n, len(prompt), block_size) for name, n in blocks.items()}
         return PrefixMatch(len(prompt), {name: n for name, n in tokens.items() if n > 0})
 
