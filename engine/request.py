@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -41,6 +41,32 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request's own fault (non-finite logits) or a failed forward step: ``error`` says which
 
 
+GuidedKind = Literal["json_object", "json_schema", "regex", "ebnf"]
+
+
+@dataclass(slots=True)
+class GuidedDecoding:
+    """A grammar every output token must keep the text inside (xgrammar, ``engine/structured.py``).
+
+    It travels with the sampling parameters, so the prefill worker (first token) and the decode worker (the rest)
+    compile the same grammar; the decode side replays the tokens already sampled to reach the same state.
+    """
+
+    kind: GuidedKind
+    spec: str = ""  # json_schema: the schema as JSON text; regex: the pattern; ebnf: the grammar; json_object: ""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One position's log probabilities: the chosen token's and the ``top`` most likely (token id, logprob), most
+    likely first. Values are the model's own distribution (``log_softmax`` of the raw logits, before temperature,
+    penalties, bias or grammar), as vLLM and OpenAI report them."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """OpenAI-style sampling and stopping parameters. ``validate`` names the bad field in its ValueError."""
@@ -53,10 +79,22 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely one's (0: off)
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens were generated
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from a token that occurs in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # CTRL / transformers: tokens of the prompt and output, logit / p if > 0 else * p
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # per generated token: its logprob and this many top ones (0: its own only)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed on prefill)
+    skip_special_tokens: bool = True  # drop special tokens from the text (the ids still count and still stop)
+    guided: GuidedDecoding | None = None  # structured output: the grammar the text must match
 
     def copy(self) -> SamplingParams:
         """An independent copy (its lists too): each request owns its parameters, as each worker's decoded ones do."""
-        return dataclasses.replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+        return dataclasses.replace(
+            self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), logit_bias=dict(self.logit_bias)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -245,6 +283,11 @@ class RequestOutput:
     error: str | None = None  # finish_reason ERROR: what went wrong, for the client
     error_code: str | None = None  # finish_reason ERROR: "sampling_error" (this request's logits) or "worker_error"
     timing: RequestTiming | None = None  # the request's stamps (the live object, not a copy)
+    # params.logprobs set: one entry per token of new_token_ids (an admission's output, which has none, has none)
+    logprobs: list[TokenLogprob] | None = None
+    # params.prompt_logprobs set: with the request's first token, one entry per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from this engine's prefix cache (not computed)
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine.request import FinishReason, SamplingParams
+from engine.request import FinishReason, SamplingParams, TokenLogprob
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -208,16 +208,24 @@ class FirstToken(_Event, tag="first_token"):
     token: int
     text: str  # the first token's text; the decode worker's texts continue from it
     timing: PrefillTiming
+    logprobs: TokenLogprob | None = None  # params.logprobs set: the first token's
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs set: per prompt token
+    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held (not computed)
 
 
 class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One request's share of a step: ``[rid, token ids, text, finish reason, timing]`` on the wire."""
+    """One request's share of a step: ``[rid, token ids, text, finish reason, timing, logprobs, prompt logprobs,
+    cached tokens]`` on the wire (nil for the absent ones: three bytes)."""
 
     rid: str
     token_ids: list[int]
     text: str  # what the tokens add to the output, ready to send (held-back characters come later)
     finish_reason: FinishReason | None = None
     timing: PrefillTiming | DecodeTiming | None = None  # with its first and its last item only
+    logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per token id
+    # with the request's first sampled token (colocated, or prefilled on the decode worker): as in FirstToken
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int | None = None
 
 
 class Tokens(_Event, tag="tokens"):
