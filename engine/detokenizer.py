@@ -10,7 +10,8 @@ How (the prefix and read offsets of vLLM's detokenizer): only a short window ``i
 whatever a decoder does to the first token of a sequence cancels out. The window advances only when its text grew and
 does not end in U+FFFD (half a UTF-8 character); its next start is where the emitted text ended, a character boundary.
 
-Exactness: the concatenated deltas equal ``tokenizer.decode(ids, skip_special_tokens=True)``, because
+Exactness: the concatenated deltas equal ``tokenizer.decode(ids, skip_special_tokens=True)`` (or ``False``, when the
+request keeps special tokens' text: then only ids outside the vocabulary are dropped), because
 - special tokens and ids outside the vocabulary are dropped before decoding, as ``skip_special_tokens`` drops them
   (same text; they never widen a window). A window always holds the token whose text was emitted last, so a decoder's
   first-token rule applies to the same token in both decodes even after dropped tokens;
@@ -119,8 +120,8 @@ class CleanUpStream:
 class TokenizerInfo:
     """What incremental decoding needs to know about one tokenizer, worked out once (``tokenizer_info``)."""
 
-    decode: Callable[[list[int]], str]  # ids -> text, special tokens skipped, no clean-up
-    is_kept: Callable[[int], bool]  # False for ids that skip_special_tokens drops or the vocabulary lacks
+    decode: Callable[[list[int]], str]  # ids -> text, special tokens skipped (unless kept), no clean-up
+    is_kept: Callable[[int], bool]  # False for ids that skip_special_tokens drops (when set) or the vocabulary lacks
     byte_ids: frozenset[int]  # byte-fallback tokens ("<0x41>") when the decoder merges them, else empty
     cleanup: bool  # whether tokenizer.decode applies clean_up_tokenization
 
@@ -129,26 +130,32 @@ _INFO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def tokenizer_info(tokenizer: Any) -> TokenizerInfo:
-    """Cached per tokenizer object (it must not gain tokens afterwards)."""
+def tokenizer_info(tokenizer: Any, skip_special_tokens: bool = True) -> TokenizerInfo:
+    """Cached per tokenizer object and ``skip_special_tokens`` (the tokenizer must not gain tokens afterwards)."""
     try:
-        return _INFO[tokenizer]
+        infos = _INFO[tokenizer]
     except KeyError:
-        pass
+        infos = _INFO[tokenizer] = {}
     except TypeError:  # not weak-referenceable or hashable: work it out every time
-        return _build_info(tokenizer)
-    info = _INFO[tokenizer] = _build_info(tokenizer)
+        return _build_info(tokenizer, skip_special_tokens)
+    info = infos.get(skip_special_tokens)
+    if info is None:
+        info = infos[skip_special_tokens] = _build_info(tokenizer, skip_special_tokens)
     return info
 
 
-def _build_info(tokenizer: Any) -> TokenizerInfo:
+def _build_info(tokenizer: Any, skip_special_tokens: bool = True) -> TokenizerInfo:
+    """``skip_special_tokens=False`` keeps special tokens' text (``tokenizer.decode(ids, skip_special_tokens=False)``):
+    nothing is dropped but ids the vocabulary lacks."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "id_to_token"):  # a fast (Rust `tokenizers`) tokenizer
-        special = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False))
+        special: frozenset[int] = frozenset()
+        if skip_special_tokens:
+            special = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False))
         id_to_token = backend.id_to_token
 
         def decode(ids: list[int]) -> str:
-            return backend.decode(ids, skip_special_tokens=True)
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
         def is_kept(token_id: int) -> bool:
             return token_id >= 0 and token_id not in special and id_to_token(token_id) is not None
@@ -158,26 +165,26 @@ def _build_info(tokenizer: Any) -> TokenizerInfo:
             vocab = backend.get_vocab(with_added_tokens=False)
             byte_ids = frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
     else:
-        special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        special = frozenset(getattr(tokenizer, "all_special_ids", ())) if skip_special_tokens else frozenset()
         size = len(tokenizer)
 
         def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
         def is_kept(token_id: int) -> bool:
             return 0 <= token_id < size and token_id not in special
 
         byte_ids = frozenset()
-    return TokenizerInfo(decode, is_kept, byte_ids, _cleans_up(tokenizer, decode))
+    return TokenizerInfo(decode, is_kept, byte_ids, _cleans_up(tokenizer, decode, skip_special_tokens))
 
 
-def _cleans_up(tokenizer: Any, raw_decode: Callable[[list[int]], str]) -> bool:
+def _cleans_up(tokenizer: Any, raw_decode: Callable[[list[int]], str], skip_special_tokens: bool = True) -> bool:
     """Whether ``tokenizer.decode`` cleans up: asked of the tokenizer itself (transformers versions differ on BPE)."""
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
     try:
         ids = list(tokenizer.encode(_PROBE, add_special_tokens=False))
-        raw, full = raw_decode(ids), tokenizer.decode(ids, skip_special_tokens=True)
+        raw, full = raw_decode(ids), tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     except Exception:  # noqa: BLE001 - a tokenizer that cannot take the probe: trust its setting
         return True
     if clean_up(raw) == raw:  # the probe's patterns did not survive encoding: nothing to tell
@@ -223,12 +230,12 @@ class IncrementalDetokenizer:
     """One output stream's text: ``add`` token ids as they come, get back the text that is safe to show now.
 
     ``text`` is all text settled so far (cut at a stop string), ``stopped`` says a stop string was found. After
-    ``add(..., final=True)`` the deltas joined equal ``tokenizer.decode(ids, skip_special_tokens=True)``, cut where
+    ``add(..., final=True)`` the deltas joined equal ``tokenizer.decode(ids, skip_special_tokens=...)``, cut where
     the first stop string to be completed starts.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
-        info = tokenizer_info(tokenizer)
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        info = tokenizer_info(tokenizer, skip_special_tokens)
         self._window = _Window(info)
         self._cleanup = CleanUpStream() if info.cleanup else None
         self.stop = tuple(s for s in stop if s)

@@ -39,8 +39,9 @@ from engine.request import (
     RequestStatus,
     RequestTiming,
     SamplingParams,
+    TokenLogprob,
 )
-from engine.sampler import SampleResult, make_generator, sample
+from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.kv_exporter = KVExporter(self.kv_cache)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.vocab_size = int(self.runner.lm_head.out_features)  # the logits' width (may exceed the tokenizer's)
+        self.sampler = Sampler(self.eos_token_ids, config.device)
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
@@ -97,7 +100,9 @@ class EngineCore:
         arrival_s: float | None = None,
     ) -> Request:
         params = params or SamplingParams()
-        params.validate()
+        params.validate(prefill_only=prefill_only)
+        if any(token_id >= self.vocab_size for token_id in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids below the vocabulary size {self.vocab_size}")
         token_ids = self.tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -110,8 +115,11 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         timing = RequestTiming(arrival_s or time.monotonic())
         request = Request(request_id, token_ids, params, timing, prefill_only=prefill_only)
-        if not params.greedy:
-            request.generator = make_generator(params.seed, self.config.device)
+        if params.guided is not None:  # a spec that does not compile is this request's ValueError (GrammarError)
+            from engine.structured import GrammarState, compile_grammar  # xgrammar: only for guided requests
+
+            compiled = compile_grammar(self.tokenizer, self.vocab_size, params.guided, sorted(self.eos_token_ids))
+            request.grammar = GrammarState(compiled)
         return request
 
     def add_request(
@@ -174,7 +182,7 @@ class EngineCore:
         self.runner.layer_hook = self.kv_exporter.layer_hook_for(chunks)
         try:
             logits, stats = self.runner.execute(chunks)
-            result = sample(logits, [c.request for c in sampling]) if sampling else SampleResult([], [])
+            result = self.sampler.sample(logits, [c.request for c in sampling], self.runner.score_prompts(chunks))
         except Exception as exc:  # whatever the forward raised, these requests cannot go on
             self.kv_exporter.discard()
             logger.exception("forward step failed; failing its %d requests", len(chunks))
@@ -187,11 +195,16 @@ class EngineCore:
             if chunk.request.request_id not in failed:  # a failed row's KV may be what went wrong: never cache it
                 chunk.request.num_computed_tokens = chunk.end
                 self._register_full_blocks(chunk.request)
-        rows = zip(sampling, result.token_ids, result.errors)
-        outputs = [self._sampled(chunk.request, token, error) for chunk, token, error in rows]
+                entries = result.prompt_logprobs.get(chunk.request.request_id)
+                if entries:
+                    chunk.request.prompt_logprobs = (chunk.request.prompt_logprobs or [None]) + entries
+        rows = zip(sampling, result.token_ids, result.errors, result.logprobs)
+        outputs = [self._sampled(chunk.request, token, error, logprob) for chunk, token, error, logprob in rows]
         return _merge(admitted, outputs) if admitted else outputs
 
-    def _sampled(self, request: Request, token_id: int | None, error: str | None) -> RequestOutput:
+    def _sampled(
+        self, request: Request, token_id: int | None, error: str | None, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         """A row of this step's sample: the request gains its token, or fails with the row's error."""
         if token_id is None:
             return self._fail(request, error or "sampling failed", "sampling_error")
@@ -205,7 +218,7 @@ class EngineCore:
         remote = request.timing.remote
         if remote is not None and remote.admitted_s is not None and remote.first_decode_s is None:
             remote.first_decode_s = time.monotonic()
-        return self._append_token(request, token_id)
+        return self._append_token(request, token_id, logprob=logprob)
 
     def _admit_remote(self) -> dict[str, RequestOutput]:
         """The scheduler's remote admissions: each gains the first token the prefill worker sampled (its text already
@@ -240,6 +253,7 @@ class EngineCore:
             error=error,
             error_code=code,
             timing=request.timing,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _register_full_blocks(self, request: Request) -> None:
@@ -252,12 +266,19 @@ class EngineCore:
                 request.num_hashed_blocks,
             )
 
-    def _append_token(self, request: Request, token_id: int, text_sent: bool = False) -> RequestOutput:
+    def _append_token(
+        self, request: Request, token_id: int, text_sent: bool = False, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         """Add a sampled token, detokenize it (O(new tokens)) and finish the request if it is done.
 
         ``text_sent``: the token's text was already sent by a prefill worker, which ran exactly this non-final
-        ``add`` on a fresh detokenizer; only what a finish adds beyond it is new.
+        ``add`` on a fresh detokenizer; only what a finish adds beyond it is new. Its grammar state (fresh: a decode
+        side's request has accepted nothing before its first token) accepts the token here all the same, so the
+        constraint continues from the prefill worker's first token.
         """
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
+            return self._fail(request, f"token {token_id} does not match the request's grammar", "sampling_error")
         request.output_token_ids.append(token_id)
         if request.timing.first_token_s is None:
             request.timing.first_token_s = time.monotonic()
@@ -270,11 +291,13 @@ class EngineCore:
             reason = FinishReason.PREFILLED
         elif (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in stop_ids:
             reason = FinishReason.STOP
+        elif grammar is not None and grammar.is_terminated():  # the grammar is complete and took its EOS
+            reason = FinishReason.STOP
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         detokenizer = request.detokenizer
         if detokenizer is None:
-            detokenizer = request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detokenizer = request.detokenizer = self._make_detokenizer(request)
         # a prefill-only request's first token is not flushed: its delta is what decoding continues from
         final = reason is not None and not request.prefill_only
         if text_sent:
@@ -296,15 +319,30 @@ class EngineCore:
             text=request.output_text,
             text_delta=delta,
             timing=request.timing,
+            logprobs=None if logprob is None else [logprob],
+            prompt_logprobs=self._prompt_logprobs_out(request, text_sent),
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _detokenize(self, request: Request, final: bool) -> IncrementalDetokenizer:
         """Give the request's incremental detokenizer (made on first use) the tokens it has not seen yet."""
         detokenizer = request.detokenizer
         if detokenizer is None:
-            detokenizer = request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+            detokenizer = request.detokenizer = self._make_detokenizer(request)
         detokenizer.add(request.output_token_ids[detokenizer.num_tokens :], final=final)
         return detokenizer
+
+    @staticmethod
+    def _prompt_logprobs_out(request: Request, text_sent: bool) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs go with the first token sampled here (a decode side's admission had them sent by the
+        prefill worker, with that token); a one-token prompt has only entry 0."""
+        if request.params.prompt_logprobs is None or text_sent or len(request.output_token_ids) != 1:
+            return None
+        return request.prompt_logprobs or [None]
+
+    def _make_detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        params = request.params
+        return IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)

@@ -68,7 +68,10 @@ class LLMEngine(EngineCore):
         num_tokens = reserved_tokens(
             request.num_prompt_tokens, request.params.max_tokens, headroom_tokens, self.max_model_len
         )
-        allocation = self.block_manager.allocate(request.prompt_token_ids, num_tokens, use_prefix_cache=prefix_cache)
+        # a request that wants prompt logprobs shares nothing: prefill_here must compute its whole prompt (the
+        # prefill worker computes it anyway, and exports every block)
+        use_cache = prefix_cache and request.params.prompt_logprobs is None
+        allocation = self.block_manager.allocate(request.prompt_token_ids, num_tokens, use_prefix_cache=use_cache)
         if allocation is None:
             return None
         request.block_ids, request.num_cached_tokens = allocation

@@ -4,6 +4,8 @@ A step is a list of ``ScheduledChunk``: for each request, how many of its next t
 continued chunks of a long prompt and single decode tokens all pack into one ragged row (no padding): their
 positions, cache slots and context lengths go to the paged attention in an ``AttentionBatch``. Only the last token of a
 chunk that reaches the end of its request is projected to the vocabulary; that saves the lm_head over the whole prompt.
+The exception is a request that asked for prompt logprobs: ``score_prompts`` projects every position of its chunks
+(from the hidden states the last forward kept for it, in slices, reduced at once to the logprobs it needs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from transformers import PreTrainedModel
 from engine.attention import AttentionBatch, DecodeGroup, LayerHook, PrefillSeq
 from engine.kv_cache import KVCache
 from engine.request import Request
+from engine.sampler import PromptScores, logprob_summary
+
+PROMPT_SCORE_ROWS = 256  # positions projected to the vocabulary at a time: bounds the [rows, vocab] float32 logits
 
 
 @dataclass(slots=True)
@@ -33,6 +38,16 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when this chunk computes the request's last known token, so its logits give the next token."""
         return self.end == self.request.num_tokens
+
+    @property
+    def prompt_score_positions(self) -> range:
+        """Positions of this chunk whose logits score a prompt token (position p scores token p + 1) that the
+        request's ``prompt_logprobs`` still lacks; empty unless it wants them."""
+        request = self.request
+        if not request.wants_prompt_logprobs:
+            return range(0)
+        have = len(request.prompt_logprobs) if request.prompt_logprobs is not None else 1  # entry 0 is None
+        return range(max(self.start, have - 1), min(self.end, request.num_prompt_tokens - 1))
 
 
 @dataclass(slots=True)
@@ -53,6 +68,9 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.device = next(model.parameters()).device
         self.layer_hook: LayerHook | None = None
+        # the last forward's hidden states [tokens, hidden] and each chunk's first row, kept only when some chunk
+        # wants prompt logprobs (``score_prompts``); dropped by the next forward
+        self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
 
     def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
@@ -130,11 +148,14 @@ class ModelRunner:
         input_ids, position_ids, batch = self.build_batch(chunks)
         hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch)
         hidden = hidden.last_hidden_state[0]
-        rows, offset = [], 0
+        rows, starts, offset = [], [], 0
         for chunk in chunks:
+            starts.append(offset)
             offset += chunk.num_tokens
             if chunk.samples:
                 rows.append(offset - 1)
+        wanted = any(chunk.request.wants_prompt_logprobs for chunk in chunks)
+        self._kept_hidden = (hidden, starts) if wanted else None
         logits = self.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]).float()
         num_decode = 0 if batch.decode is None else len(batch.decode.block_table)
         stats = StepStats(
@@ -145,6 +166,35 @@ class ModelRunner:
             duration_s=time.perf_counter() - started,
         )
         return logits, stats
+
+    @torch.inference_mode()
+    def score_prompts(self, chunks: list[ScheduledChunk]) -> list[PromptScores]:
+        """The prompt logprobs the last ``execute`` (of these chunks) makes computable: for each chunk that wants
+        them, the log-softmax of its positions' logits at the next prompt token, and its top ``prompt_logprobs``
+        (on the device; the sampler brings them to the host with the step's tokens)."""
+        kept, self._kept_hidden = self._kept_hidden, None
+        if kept is None:
+            return []
+        hidden, starts = kept
+        scores: list[PromptScores] = []
+        for chunk, start in zip(chunks, starts):
+            positions = chunk.prompt_score_positions
+            if not positions:
+                continue
+            request = chunk.request
+            k = request.params.prompt_logprobs or 0
+            targets = torch.tensor(
+                request.prompt_token_ids[positions.start + 1 : positions.stop + 1], dtype=torch.long, device=self.device
+            )
+            first_row = start + positions.start - chunk.start
+            parts = []
+            for lo in range(0, len(positions), PROMPT_SCORE_ROWS):
+                hi = min(lo + PROMPT_SCORE_ROWS, len(positions))
+                logits = self.lm_head(hidden[first_row + lo : first_row + hi]).float()
+                parts.append(logprob_summary(torch.log_softmax(logits, dim=-1), targets[lo:hi], k))
+            chosen, values, ids = (torch.cat(column) for column in zip(*parts))
+            scores.append(PromptScores(request, positions.start + 1, chosen, values, ids))
+        return scores
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

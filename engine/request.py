@@ -12,9 +12,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import torch
+from typing import Any, Literal, get_args
 
 from engine.kv_connector import KVExport, RemoteKV
 
@@ -42,6 +40,8 @@ class FinishReason(str, enum.Enum):
 
 
 GuidedKind = Literal["json_object", "json_schema", "regex", "ebnf"]
+GUIDED_KINDS: tuple[str, ...] = get_args(GuidedKind)
+MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit; vLLM's default max_logprobs is 20)
 
 
 @dataclass(slots=True)
@@ -100,23 +100,65 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
-    def validate(self) -> None:
+    def validate(self, prefill_only: bool = False) -> None:
+        """Raise ValueError naming the first bad field (its first word). ``prefill_only``: the prefill worker's copy,
+        whose max_tokens is 1 by construction while min_tokens is the whole request's (it still masks EOS there)."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not prefill_only and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not (
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
+        ):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a map of token ids to numbers, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {value!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
+        guided = self.guided
+        if guided is not None:
+            if not isinstance(guided, GuidedDecoding) or guided.kind not in GUIDED_KINDS:
+                kind = getattr(guided, "kind", guided)
+                raise ValueError(f"guided kind must be one of {list(GUIDED_KINDS)}, got {kind!r}")
+            if not isinstance(guided.spec, str) or (guided.kind != "json_object" and not guided.spec):
+                raise ValueError(f"guided spec must be a non-empty string for kind {guided.kind!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
@@ -208,7 +250,10 @@ class Request:
     output_text: str = ""  # detokenized output, cut at a stop string
     detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made with the first token
     stop_token_set: frozenset[int] | None = None  # params.stop_token_ids as a set, made on first use
-    generator: torch.Generator | None = None  # per-request RNG for seeded sampling
+    grammar: Any = None  # engine.structured.GrammarState of params.guided: what the next token may be
+    # params.prompt_logprobs: entry j scores prompt token j (entry 0 None), filled chunk by chunk as the prompt is
+    # computed, handed out with the first token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why it ended with FinishReason.ERROR
     kv_export: KVExport | None = None  # prefill side: where its KV goes, and how many blocks were reported
 
@@ -262,6 +307,12 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to be computed here: asked for, and no token yet (a decode-side request
+        gets its first token from the prefill worker, which computed them; a recompute has output tokens)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
 
 @dataclass(slots=True)

@@ -122,7 +122,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
-            allocation = self.block_manager.allocate(tokens, len(tokens))
+            # prompt logprobs need every prompt position computed: no prefix-cache hit for them (as in vLLM)
+            allocation = self.block_manager.allocate(
+                tokens, len(tokens), use_prefix_cache=not req.wants_prompt_logprobs
+            )
             if allocation is None:
                 break
             self.waiting.popleft()

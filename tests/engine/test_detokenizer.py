@@ -347,3 +347,20 @@ def test_engine_checks_stop_token_ids_as_a_set(tiny_llama_path, make_engine):
     assert request.finish_reason.value == "stop"
     assert request.output_token_ids == free.token_ids[: free.token_ids.index(stopper) + 1]
     assert _CountingList.contains_calls == 0  # no linear scan of the list per token
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_streamed_text_keeps_special_tokens_when_asked(name, request):
+    """skip_special_tokens=False: the deltas join to ``tokenizer.decode(ids, skip_special_tokens=False)``."""
+    tokenizer = get_tokenizer(name, request)
+    rng = random.Random(f"special-{name}")
+    kept = 0
+    for _ in range(100):
+        ids = random_sequence(tokenizer, rng)
+        expected = tokenizer.decode(ids, skip_special_tokens=False)
+        for chunks in (None, rng):
+            detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+            assert stream(detokenizer, ids, chunks, expected) == expected
+            assert detokenizer.text == expected
+        kept += expected != tokenizer.decode(ids, skip_special_tokens=True)
+    assert kept > 10  # special tokens were there, and their text stayed
