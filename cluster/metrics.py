@@ -89,8 +89,8 @@ class RouterMetrics:
         # prefix hit rate the router predicted is matched / routed prompt tokens
         self.routing_decisions = Counter(
             "pdserve_routing_decisions",
-            "Prefill/colocated picks by what decided them: prefix (the chosen worker holds more of the prompt than "
-            "another candidate) or load",
+            "Worker picks by what decided them: prefix (the chosen worker holds more of the prompt than another "
+            "candidate), load, or affinity (an earlier request's worker, asked for: n > 1 choices)",
             ["pool", "reason"],
             registry=r,
         )

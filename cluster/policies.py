@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -35,7 +36,7 @@ class Candidate(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """What the router knows of one prompt's cached prefix on each worker (``Router.prefix_match``)."""
+    """What the router knows of one prompt's cached prefix on each worker (``Dispatcher.prefix_match``, cluster/dispatch.py)."""
 
     num_prompt_tokens: int
     matched_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable leading tokens
@@ -48,7 +49,8 @@ class Policy(Protocol):
     def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]: ...
 
 
-DecisionReason = Literal["prefix", "load"]
+# "affinity": not a policy's choice, the router's (an earlier request's worker, asked for by the request)
+DecisionReason = Literal["prefix", "load", "affinity"]
 
 
 def decision_reason(
@@ -121,6 +123,38 @@ class KvAware:
 
     def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
         return sorted(workers, key=lambda w: (-self.score(w, match), load_score(w), self._rng.random()))
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request was dispatched: its prefill and decode workers (disaggregated; no prefill worker when the decode
+    worker prefilled it itself), or its colocated worker (as ``decode``, like ``Stream.decode``)."""
+
+    prefill: str | None
+    decode: str | None
+
+
+class Placements:
+    """Where recent requests went, by client request id (their last dispatch), so that a later request can ask for
+    the same workers (the router's ``affinity``: an n > 1 request's later choices find the prompt in those workers'
+    prefix caches). Bounded: the oldest record goes first, so a client that never refers back cannot grow it."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._records: OrderedDict[str, Placement] = OrderedDict()
+
+    def record(self, rid: str, prefill: str | None, decode: str | None) -> None:
+        records = self._records
+        records[rid] = Placement(prefill, decode)
+        records.move_to_end(rid)
+        if len(records) > self.capacity:
+            records.popitem(last=False)
+
+    def get(self, rid: str) -> Placement | None:
+        return self._records.get(rid)
+
+    def __len__(self) -> int:
+        return len(self._records)
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo, "kv_aware": KvAware}

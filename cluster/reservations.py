@@ -98,12 +98,14 @@ class DecodeReservations:
         params: SamplingParams,
         deadline: float,
         match: PrefixMatch | None = None,
+        prefer: str | None = None,
     ) -> tuple[WorkerHandle, Reserved]:
         """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise.
 
         ``match``: what each decode worker holds of the prompt (the router's prefix index). With ``kv_aware`` the
         worker that holds a chat's history is asked first, so the next turn reserves (and receives) only the blocks
-        it lacks; the other policies ignore it."""
+        it lacks; the other policies ignore it. ``prefer``: a worker asked before the policy's order whenever it is
+        live and has room (an earlier request's, the router's ``affinity``); without room, the policy's order."""
         needed = self.blocks_needed(len(prompt), params.max_tokens)
         queued = False
         try:
@@ -112,7 +114,7 @@ class DecodeReservations:
                 if not workers:
                     raise NoWorkers("no live decode worker")
                 fits = [w for w in workers if w.stats is None or w.stats.load.free_blocks >= needed]
-                for worker in self._policy.order(fits, match)[:MAX_WORKERS_TRIED]:
+                for worker in self._order(fits, match, prefer)[:MAX_WORKERS_TRIED]:
                     reply = await self._try(worker, wire_rid, prompt, params)
                     if isinstance(reply, Reserved) and reply.ok:
                         return worker, reply
@@ -137,6 +139,14 @@ class DecodeReservations:
                 self._admission.leave()
                 self.queue_depth -= 1
                 self._metrics.queue_depth.set(self.queue_depth)
+
+    def _order(self, fits: list[WorkerHandle], match: PrefixMatch | None, prefer: str | None) -> list[WorkerHandle]:
+        """The policy's order, with the preferred worker first when it is among those with room."""
+        order = self._policy.order(fits, match)
+        if prefer is None:
+            return order
+        preferred = [w for w in order if w.name == prefer]
+        return preferred + [w for w in order if w.name != prefer]
 
     async def _try(
         self, worker: WorkerHandle, rid: str, prompt: list[int], params: SamplingParams

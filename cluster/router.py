@@ -18,6 +18,12 @@ Disaggregated request (``generate``):
 4. Any exit that is not a normal finish (client gone, timeout, worker error) sends ``abort`` to every worker that
    holds state for the request. Every request ends with a finish or an explicit error.
 Colocated requests skip 1-3: one worker gets ``generate`` and streams every token.
+
+Log probabilities and the prefix-cache hit travel with the tokens (``FirstToken`` and ``TokenItem`` fields) into the
+stream, which hands them out with the tokens they belong to. Each request's placement (its prefill and decode
+workers, or its colocated one) is remembered for a while (``placements``), so that a later request can ask for the
+same workers (``generate(..., affinity=<earlier request id>)``): the API's n > 1 choices after the first land where
+the prompt is already in the prefix cache, so it is computed once.
 """
 
 from __future__ import annotations
@@ -35,14 +41,14 @@ import zmq.asyncio
 
 from cluster.admission import Admission
 from cluster.config import ClusterConfig
-from cluster.errors import NoWorkers, RequestFailed
+from cluster.dispatch import Dispatcher
+from cluster.errors import RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
-from cluster.policies import PrefixMatch, decision_reason, make_policy
+from cluster.policies import Placements, make_policy
 from cluster.reservations import DecodeReservations
 from cluster.streams import Stream, TokenEvent
-from engine.blocks import prompt_block_hashes, reusable_prefix_tokens
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprob
 from worker.messages import (
     Abort,
     Command,
@@ -51,11 +57,8 @@ from worker.messages import (
     ErrorEvent,
     Event,
     FirstToken,
-    Generate,
     KvEvents,
     Ping,
-    Prefill,
-    PrefillHere,
     PrefillTiming,
     Reserved,
     Start,
@@ -68,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 2  # re-dispatches of a request whose worker died before its first token
 PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while free everything they hold
+MAX_RECORDS = 10_000  # finished requests' timing and recent requests' placements kept (oldest dropped first)
 
 
 class Router:
@@ -83,7 +87,7 @@ class Router:
         self.metrics = RouterMetrics(multiprocess=config.router.processes > 1)
         self.streams: dict[str, Stream] = {}
         self.last_timing: OrderedDict[str, dict] = OrderedDict()  # finished requests' timing, for the response
-        self._policies = {
+        policies = {
             "prefill": make_policy(config.router.prefill_policy, **config.router.kv_aware.model_dump()),
             "decode": make_policy(config.router.decode_policy, **config.router.kv_aware.model_dump()),
             "colocated": make_policy(config.router.decode_policy, **config.router.kv_aware.model_dump()),
@@ -101,8 +105,13 @@ class Router:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of, index)
         self.reservations = DecodeReservations(
-            config, self._policies["decode"], self.metrics, admission or Admission(config.router.queue_size), self._send
+            config, policies["decode"], self.metrics, admission or Admission(config.router.queue_size), self._send
         )
+        self.dispatcher = Dispatcher(
+            config, policies, self.members, self.reservations, self.metrics, self._send, Placements(MAX_RECORDS)
+        )
+        self.placements = self.dispatcher.placements  # where recent requests went, for later requests' ``affinity``
+        self._policies = policies
         self._handlers = {
             Stats: self._on_stats,
             Reserved: self._on_reserved,
@@ -235,7 +244,8 @@ class Router:
         decode = self.members.get(stream.decode)
         if decode is not None:
             self._send(decode, Start(stream.wire_rid, event.token))
-        self._push(stream, 1, event.text, None)
+        logprobs = None if event.logprobs is None else [event.logprobs]
+        self._push(stream, 1, event.text, None, logprobs, event.prompt_logprobs, event.cached_tokens)
 
     def _on_tokens(self, event: Tokens, worker: WorkerHandle | None) -> None:
         name, streams = event.worker, self.streams
@@ -246,7 +256,15 @@ class Router:
             if item.timing is not None:
                 stream.timing.update(response_timing(item.timing))
             finish = item.finish_reason
-            self._push(stream, len(item.token_ids), item.text, None if finish is None else finish.value)
+            self._push(
+                stream,
+                len(item.token_ids),
+                item.text,
+                None if finish is None else finish.value,
+                item.logprobs,
+                item.prompt_logprobs,
+                item.cached_tokens,
+            )
 
     def _on_error(self, error: ErrorEvent, worker: WorkerHandle | None) -> None:
         if self.reservations.on_error(error):  # the decode worker could not even try to reserve
@@ -256,9 +274,19 @@ class Router:
             status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
             stream.fail(RequestFailed(error.message, error.code.value, status))
 
-    def _push(self, stream: Stream, num_tokens: int, text: str, finish_reason: str | None) -> None:
+    def _push(
+        self,
+        stream: Stream,
+        num_tokens: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
         first = stream.first_token_s is None
-        if stream.push(num_tokens, text, finish_reason) and first and stream.first_token_s is not None:
+        pushed = stream.push(num_tokens, text, finish_reason, logprobs, prompt_logprobs, cached_tokens)
+        if pushed and first and stream.first_token_s is not None:
             self.metrics.ttft.observe(stream.first_token_s - stream.started_s)
 
     def _wake(self) -> None:
@@ -270,12 +298,15 @@ class Router:
     # ---- requests ----------------------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None, affinity: str | None = None
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's text; raises RequestFailed (with its HTTP status) when it cannot be served.
 
         Each event is everything that arrived since the caller last asked (``Stream.take``): a caller that is slow
-        to come back (its client reads slowly) gets one larger event, not a backlog of small ones."""
+        to come back (its client reads slowly) gets one larger event, not a backlog of small ones. ``affinity``: the
+        client request id of an earlier request whose workers this one should go to when they are live and routable
+        (and, for the decode worker, have room): an n > 1 request's later choices reuse the prompt the first one
+        computed. An id the router no longer remembers (or never knew) is no preference."""
         rid = request_id or uuid.uuid4().hex
         stream = Stream(rid, len(prompt), wire_rid=rid)
         self.streams[rid] = stream
@@ -287,7 +318,7 @@ class Router:
         )
         attempt = 0
         try:
-            await self._dispatch_request(stream, prompt, params, deadline)
+            await self.dispatcher.dispatch(stream, prompt, params, deadline, affinity)
             while True:
                 event = stream.take()
                 if event is None:
@@ -299,7 +330,7 @@ class Router:
                         attempt += 1  # nothing reached the client yet: dispatch again, transparently
                         self.metrics.errors.labels("retried_after_worker_death").inc()
                         self._redispatch(stream, f"{rid}.retry{attempt}")
-                        await self._dispatch_request(stream, prompt, params, deadline)
+                        await self.dispatcher.dispatch(stream, prompt, params, deadline, affinity)
                         continue
                     raise error
                 if event.finish_reason is not None:
@@ -343,7 +374,7 @@ class Router:
         if "kv_transfer_s" in stream.timing:
             self.metrics.kv_transfer.observe(stream.timing["kv_transfer_s"])
         self.last_timing[stream.rid] = stream.timing
-        while len(self.last_timing) > 10_000:  # a client that never collects its timing cannot grow this
+        while len(self.last_timing) > MAX_RECORDS:  # a client that never collects its timing cannot grow this
             self.last_timing.popitem(last=False)
 
     def _unassign(self, stream: Stream) -> None:
@@ -380,78 +411,6 @@ class Router:
             worker = self.members.get(name)
             if worker is not None:
                 self._send(worker, Abort(wire_rid))
-
-    async def _dispatch_request(
-        self, stream: Stream, prompt: list[int], params: SamplingParams, deadline: float
-    ) -> None:
-        role = "colocated" if self.config.mode == "colocated" else "decode"
-        self.reservations.check_fits(self.live(role), role, len(prompt), params.max_tokens)
-        hashes = prompt_block_hashes(prompt, self.config.transfer.block_size)  # once: each pick matches them anew
-        if self.config.mode == "colocated":
-            worker = self._pick("colocated", prompt, hashes)
-            stream.decode = worker.name
-            worker.inflight += 1
-            self._send(worker, Generate(stream.wire_rid, prompt, params))
-            stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
-            return
-        # decode workers hold the chats they decoded: kv_aware asks those first
-        match = self.prefix_match(prompt, hashes)
-        decode, reply = await self.reservations.reserve(
-            lambda: self.live("decode"), stream.wire_rid, prompt, params, deadline, match
-        )
-        self._count_decision("decode", decode, self.live("decode"), match)
-        stream.decode = decode.name
-        decode.inflight += 1
-        stream.timing["decode_cached_tokens"] = float(reply.cached_tokens)
-        self.metrics.decode_cached_tokens.inc(reply.cached_tokens)
-        local_max = self.config.router.local_prefill_max_tokens  # 0: off (at least one token is always uncached)
-        if local_max and len(prompt) - reply.cached_tokens <= local_max:
-            # conditional disaggregation: what the decode worker lacks is short, so it computes it itself (no
-            # prefill worker, no transfer); its first token comes in its ``tokens`` events like the rest
-            self._send(decode, PrefillHere(stream.wire_rid))
-            self.metrics.prefill_path.labels("local").inc()
-            stream.timing["prefill_local"] = 1.0
-            stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
-            return
-        prefill = self._pick("prefill", prompt, hashes)
-        stream.prefill = prefill.name
-        prefill.inflight += 1
-        command = Prefill(
-            stream.wire_rid, prompt, params, reply.kv_address, reply.blocks, cached_tokens=reply.cached_tokens
-        )
-        self._send(prefill, command)
-        self.metrics.prefill_path.labels("remote").inc()
-        stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
-
-    def _pick(self, role: str, prompt: list[int], hashes: list[int]) -> WorkerHandle:
-        """The worker a prompt goes to (prefill or colocated): the policy's first, given what each worker holds of
-        the prompt (only kv_aware weighs it); the decision and the prefix it found are counted in /metrics."""
-        live, policy = self.live(role), self._policies[role]
-        match = self.prefix_match(prompt, hashes)
-        candidates = policy.order(live, match)
-        if not candidates:
-            raise NoWorkers(f"no live {role} worker")
-        chosen = candidates[0]
-        self._count_decision(role, chosen, live, match)
-        return chosen
-
-    def _count_decision(self, role: str, chosen: WorkerHandle, live: list[WorkerHandle], match: PrefixMatch) -> None:
-        """/metrics: why the policy chose this worker (prefix or load), and how much of the prompt it already holds."""
-        metrics = self.metrics
-        metrics.routing_decisions.labels(role, decision_reason(self._policies[role], chosen, live, match)).inc()
-        metrics.routed_prompt_tokens.labels(role).inc(match.num_prompt_tokens)
-        metrics.prefix_matched_tokens.labels(role).inc(match.tokens(chosen.name))
-
-    def prefix_match(self, prompt: list[int], hashes: list[int]) -> PrefixMatch:
-        """Per worker, the prompt tokens its prefix cache would spare (the router's view, from KV events): the
-        prompt's full-block hashes (``engine.blocks.prompt_block_hashes``, the engine's own function) matched
-        against the index, and cut by the engine's rule that at least one prompt token is computed."""
-        block_size, index = self.config.transfer.block_size, self.members.prefix_index
-        if not len(index):  # no worker reports a cached block (prefix caching off, or nothing computed yet)
-            return PrefixMatch(len(prompt))
-        blocks = index.match(hashes)
-        tokens = {name: reusable_prefix_tokens(n, len(prompt), block_size) for name, n in blocks.items()}
-        return PrefixMatch(len(prompt), {name: n for name, n in tokens.items() if n > 0})
 
     def status(self) -> dict:
         return {

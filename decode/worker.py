@@ -16,7 +16,8 @@ for its stamps), so this file keeps no table of requests. A request's path:
    DONE is ``remote_kv_done``. In whichever order they come, the scheduler admits the request at the next step
    (continuous batching).
 4. Each step sends the new tokens of every running request, with their text (detokenized by the engine, continuing
-   from the first token's text that the prefill worker sent), to the router in one message; a request's timing
+   from the first token's text that the prefill worker sent) and their logprobs if asked for, to the router in one
+   message (the first token's logprobs and the prompt's went with the prefill worker's first token); a request's timing
    (``DecodeTiming``, from the engine's record) goes with its first decoded token and with its finish. A request that
    finishes frees its blocks; an abort frees them whatever the state; a failed transfer fails the request
    (``failure_policy: fail``) or, with ``recompute``, has it prefilled here (``remote_kv_failed``), counted either
@@ -46,7 +47,6 @@ from worker.messages import (
     DecodeTiming,
     ErrorCode,
     PrefillHere,
-    PrefillTiming,
     Reserve,
     Reserved,
     Start,
@@ -56,7 +56,7 @@ from worker.messages import (
     WorkerCounters,
     WorkerLoad,
 )
-from worker.role import Emit, Role, prefill_timing
+from worker.role import Emit, Role, computed_here_item
 from worker.runtime import WorkerRuntime
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 
@@ -255,20 +255,24 @@ class DecodeRole(Role):
                 self.counters.errors += 1
                 self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
                 continue
+            if not (output.new_token_ids or output.text_delta or output.finished):
+                continue
+            if output.timing is not None and output.timing.remote is None:
+                # prefilled here (``prefill_here``): it reports as a colocated worker does (its prefill's timing,
+                # the prompt's logprobs and prefix-cache hit with the first token, which it sampled itself)
+                items.append(computed_here_item(output))
+                continue
             # the timing goes with the first decoded token (the second of the request; the first was the prefill
             # worker's) and with the finish, not every step; an admission's output has no token of its own (its text,
-            # if any, continues the first token's). A request prefilled here (no ``remote``) reports as a colocated
-            # worker does: its prefill's timing with its first token, which it sampled itself, and with the finish
-            timing: PrefillTiming | DecodeTiming | None = None
-            if output.timing is not None and output.timing.remote is None:
-                if output.finished or output.num_output_tokens == 1:
-                    timing = prefill_timing(output.timing)
-            elif output.finished or output.num_output_tokens == 2:
-                timing = decode_timing(output.timing)
-            if output.new_token_ids or output.text_delta or output.finished:
-                items.append(
-                    TokenItem(output.request_id, output.new_token_ids, output.text_delta, output.finish_reason, timing)
+            # if any, continues the first token's), so no logprobs either: the first token's went with FirstToken,
+            # as did the prompt's (a recompute here after a failed transfer reports none of them again)
+            timing = decode_timing(output.timing) if output.finished or output.num_output_tokens == 2 else None
+            logprobs = output.logprobs if output.new_token_ids else None
+            items.append(
+                TokenItem(
+                    output.request_id, output.new_token_ids, output.text_delta, output.finish_reason, timing, logprobs
                 )
+            )
         if items:
             self.emit(Tokens(worker=self.name, items=items))
 

@@ -11,7 +11,8 @@ complete, and when, is the engine's business (``engine.kv_connector``), not this
    prompt is done). The sink maps the request's logical blocks onto the decode worker's and hands them to the
    sender, so the bytes move while the remaining layers compute.
 3. The step that finishes the prompt samples the first token; it goes to the router at once with its text (the TTFT
-   point, not waiting for the transfer), and the transfer is marked finished.
+   point, not waiting for the transfer), its logprobs and the prompt's when asked for, and the prompt tokens this
+   engine's prefix cache held; the transfer is marked finished.
 4. The blocks stay held (PREFILLED) until the decode worker acknowledges the KV, or the lease runs out, or either side
    aborts: the sender's ``poll`` reports each of those once, and that is where the engine lets the request go.
 
@@ -120,10 +121,19 @@ class PrefillRole(Role):
             timing = prefill_timing(output.timing)
             # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
             timing.end_mono = output.timing.first_token_s if output.timing is not None else None
-            # text: the first token's text; the decode worker continues from it
+            # text: the first token's text; the decode worker continues from it. Its logprobs and the prompt's
+            # (params.logprobs / prompt_logprobs: computed here, where the prompt's logits are) go with it, and so
+            # does the prefix-cache hit (the prompt tokens this engine did not compute: the response's cached_tokens)
             self.emit(
                 FirstToken(
-                    rid=rid, worker=self.name, token=output.new_token_ids[0], text=output.text_delta, timing=timing
+                    rid=rid,
+                    worker=self.name,
+                    token=output.new_token_ids[0],
+                    text=output.text_delta,
+                    timing=timing,
+                    logprobs=output.logprobs[0] if output.logprobs else None,
+                    prompt_logprobs=output.prompt_logprobs,
+                    cached_tokens=output.num_cached_tokens,
                 )
             )
         for event in self.sender.poll():

@@ -2,13 +2,14 @@
 
 It is the baseline disaggregation must beat, served through the same router, API and protocol: the router sends
 ``generate``; every step's new tokens and their text (detokenized here, by the engine) for all requests go back in
-one ``tokens`` message.
+one ``tokens`` message, with their logprobs when a request asked for them; a request's first token also carries the
+prompt's logprobs and how many prompt tokens the prefix cache held.
 """
 
 from __future__ import annotations
 
-from worker.messages import Command, ErrorCode, Generate, TokenItem, Tokens
-from worker.role import Role, prefill_timing
+from worker.messages import Command, ErrorCode, Generate, Tokens
+from worker.role import Role, computed_here_item
 from worker.runtime import WorkerRuntime
 from worker.spec import WorkerRole, WorkerSpec
 
@@ -30,12 +31,7 @@ class ColocatedRole(Role):
                 self.counters.errors += 1
                 self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
                 continue
-            timing = None  # the prefill's timing (the router names it prefill_*), with the first token and the last
-            if output.num_output_tokens == 1 or output.finished:
-                timing = prefill_timing(output.timing)
-            items.append(
-                TokenItem(output.request_id, output.new_token_ids, output.text_delta, output.finish_reason, timing)
-            )
+            items.append(computed_here_item(output))
         if items:
             self.emit(Tokens(worker=self.name, items=items))
 

@@ -18,8 +18,9 @@ Router -> worker (commands; ``Membership.send`` stamps ``router`` (its index) an
     ping      {}                                        any: the router is alive
 Worker -> router (events):
     reserved    {rid, worker, ok, attempt, blocks, kv_address, reason, cached_tokens}
-    first_token {rid, worker, token, text, timing: PrefillTiming}
-    tokens      {worker, items: [TokenItem, ...]}        one per step
+    first_token {rid, worker, token, text, timing: PrefillTiming, logprobs, prompt_logprobs, cached_tokens}
+    tokens      {worker, items: [TokenItem, ...]}        one per step (an item: ids, text, logprobs; the first
+                                                        sampled token's also the prompt's logprobs and cached tokens)
     error       {rid, worker, message, code: ErrorCode}
     stats       {worker, role, address, load: WorkerLoad, counters: WorkerCounters, degraded, loop_age_s}
     kv_events   {worker, address, seq, stored, removed, reset}   to every router: prefix-cache hashes stored/evicted

@@ -20,8 +20,18 @@ from typing import ClassVar
 import msgspec
 
 from engine.llm_engine import LLMEngine
-from engine.request import RequestTiming
-from worker.messages import Command, ErrorCode, ErrorEvent, Event, PrefillTiming, WorkerCounters, WorkerLoad, kind
+from engine.request import RequestOutput, RequestTiming
+from worker.messages import (
+    Command,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    PrefillTiming,
+    TokenItem,
+    WorkerCounters,
+    WorkerLoad,
+    kind,
+)
 from worker.spec import WorkerRole, WorkerSpec
 
 Emit = Callable[[Event], None]  # where a role's events go (the runtime's socket to the owning router, or a test)
@@ -111,3 +121,21 @@ def prefill_timing(timing: RequestTiming | None) -> PrefillTiming:
     if timing is None:
         return PrefillTiming()
     return PrefillTiming(queue_s=timing.queue_s, compute_s=timing.compute_s)
+
+
+def computed_here_item(output: RequestOutput) -> TokenItem:
+    """A request's share of a step on the worker that computed its prompt and samples its first token (colocated, or
+    the decode worker's ``prefill_here``): the prefill's timing (the router names it prefill_*) with the first token
+    and the last; the tokens' logprobs when the request asked for them; and with the first sampled token only, the
+    prompt's logprobs and how many prompt tokens the prefix cache held (the response's ``cached_tokens``)."""
+    first = output.num_output_tokens == 1 and bool(output.new_token_ids)
+    return TokenItem(
+        output.request_id,
+        output.new_token_ids,
+        output.text_delta,
+        output.finish_reason,
+        prefill_timing(output.timing) if output.num_output_tokens == 1 or output.finished else None,
+        output.logprobs,
+        output.prompt_logprobs if first else None,
+        output.num_cached_tokens if first else None,
+    )

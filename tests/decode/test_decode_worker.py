@@ -17,7 +17,7 @@ import pytest
 from engine.blocks import reserved_blocks
 from engine.request import RequestStatus
 from tests.helpers.engine import random_prompts
-from tests.helpers.roles import greedy
+from tests.helpers.roles import assert_same_logprobs, greedy
 from worker.messages import DecodeTiming, ErrorEvent, FirstToken, PrefillTiming, Start, Tokens, Unreserve
 
 
@@ -407,4 +407,49 @@ def test_the_local_path_frees_everything_however_it_ends(role_pair, end):
         assert pair.decode_events.errors() == []
     if end.startswith("abort"):
         assert not pair.finished("x")
+    pair.check_no_leaks()
+
+
+# ---- logprobs and the prefix-cache hit (issue 14: need the engine's logprobs) -------------------------------------
+
+
+def test_prefill_here_sends_the_prompts_logprobs_and_cache_hit_with_its_own_first_token(role_pair):
+    pair = role_pair()
+    [prompt] = random_prompts(1, 40, 40, seed=67)
+    # the second finds the first's full blocks in this engine's prefix cache (it asks for no prompt logprobs, which
+    # an engine may compute only for the tokens it computes)
+    cases = (("cold", 0, greedy(6, logprobs=2, prompt_logprobs=1)), ("warm", 32, greedy(6, logprobs=2)))
+    for rid, cached, params in cases:
+        reserved = pair.local(rid, prompt, params)
+        assert reserved.cached_tokens == cached
+        expected = pair.expected_outputs(prompt, params)
+        first, *rest = pair.decode_events.items(rid)
+        assert len(first.token_ids) == 1 and first.cached_tokens == cached
+        if params.prompt_logprobs is None:
+            assert first.prompt_logprobs is None
+        else:
+            assert_same_logprobs(first.prompt_logprobs, expected[0].prompt_logprobs)
+        assert all(item.prompt_logprobs is None and item.cached_tokens is None for item in rest)
+        assert_same_logprobs(pair.client_logprobs(rid), [lp for output in expected for lp in output.logprobs or []])
+    pair.settle()
+    pair.check_no_leaks()
+
+
+def test_a_recompute_after_a_failed_transfer_sends_no_prompt_figures_again(role_pair):
+    """The prefill role's first token already brought the prompt's logprobs; the decode role's recompute of the
+    prompt adds none, and its tokens' logprobs continue the first token's."""
+    pair = role_pair(failure_policy="recompute")
+    [prompt] = random_prompts(1, 45, 45, seed=68)
+    params = greedy(8, logprobs=1, prompt_logprobs=0)
+    _drop_layer(pair, layer=0)
+    pair.send_prefill("x", prompt, params, pair.reserve("x", prompt, params))
+    first = pair.wait_first_token("x")
+    assert first.prompt_logprobs is not None and first.cached_tokens == 0
+    pair.start("x", first)
+    pair.run_until(lambda: pair.finished("x"))
+    assert pair.decode.totals().recomputes == 1
+    expected = pair.expected_outputs(prompt, params)
+    assert all(item.prompt_logprobs is None and item.cached_tokens is None for item in pair.decode_events.items("x"))
+    assert_same_logprobs(pair.client_logprobs("x"), [lp for output in expected for lp in output.logprobs or []])
+    pair.settle()
     pair.check_no_leaks()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from decode.worker import DecodeRole
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from prefill.worker import PrefillRole
 from transfer.base import TransferConfig
 from transfer.local_backend import LocalHub, LocalReceiver, LocalSender
@@ -195,6 +195,31 @@ class RolePair:
         [result] = self._reference.generate([prompt], copy_params(params))
         return result.token_ids, result.text, result.finish_reason
 
+    def expected_outputs(self, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+        """One engine's outputs for the request, step by step (its logprobs, the prompt's, its prefix-cache hit): what
+        the hand-off's events must carry. Run on the reference engine, whose prefix cache this request may warm."""
+        if self._reference is None:
+            self._reference = build_engine(self.model)
+        engine, rid = self._reference, f"reference-{uuid.uuid4().hex[:8]}"
+        engine.add_request(list(prompt), copy_params(params), rid)
+        outputs: list[RequestOutput] = []
+        while not (outputs and outputs[-1].finished):
+            outputs += [output for output in engine.step() if output.request_id == rid]
+        return outputs
+
+    def client_logprobs(self, rid: str) -> list[TokenLogprob]:
+        """Every output token's logprobs as the router would stream them: the prefill role's first token's, then the
+        decode role's, item by item (each item's must be one per token id; none when it has no token)."""
+        firsts = self.prefill_events.of(FirstToken, rid)
+        out = [first.logprobs for first in firsts if first.logprobs is not None]
+        for item in self.decode_events.items(rid):
+            if not item.token_ids:
+                assert item.logprobs is None, item
+                continue
+            assert item.logprobs is not None and len(item.logprobs) == len(item.token_ids), item
+            out += item.logprobs
+        return out
+
     def decode_timings(self, rid: str) -> list[DecodeTiming | None]:
         return [item.timing for item in self.decode_events.items(rid)]
 
@@ -273,3 +298,20 @@ class RolePairs:
     def __exit__(self, *exc) -> None:
         for pair in self.pairs:
             pair.close()
+
+
+def assert_same_logprobs(ours: list, theirs: list, tolerance: float = 1e-4) -> None:
+    """Two lists of ``TokenLogprob`` (None entries allowed, as a prompt's first) hold the same figures: the chosen
+    token and its logprob, the top values, and the top ids (where two values are tied their order may differ)."""
+    assert len(ours) == len(theirs), (len(ours), len(theirs))
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        if a is None or b is None:
+            assert a is None and b is None, index
+            continue
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= tolerance, (index, a, b)
+        assert len(a.top) == len(b.top), (index, a, b)
+        values = [value for _, value in a.top]
+        for j, ((id_a, value_a), (id_b, value_b)) in enumerate(zip(a.top, b.top)):
+            assert abs(value_a - value_b) <= tolerance, (index, a, b)
+            tied = any(k != j and abs(v - value_a) <= tolerance for k, v in enumerate(values))
+            assert id_a == id_b or tied, (index, a, b)

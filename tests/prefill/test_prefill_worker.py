@@ -16,7 +16,7 @@ import pytest
 from engine.blocks import blocks_for_tokens
 from engine.request import RequestStatus
 from tests.helpers.engine import random_prompts
-from tests.helpers.roles import greedy
+from tests.helpers.roles import assert_same_logprobs, greedy
 from worker.messages import DecodeTiming, ErrorEvent, FirstToken, Prefill, PrefillTiming, Reserved, Tokens
 
 
@@ -244,4 +244,28 @@ def test_cached_tokens_must_be_whole_blocks_inside_the_prompt(role_pair):
     pair.decode.abort("x")
     pair.settle()
     assert pair.prefill_events.events == [] and pair.decode_events.errors() == []
+    pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("stream_kv", [True, False], ids=["streamed", "unstreamed"])
+def test_the_first_token_carries_its_logprobs_the_prompts_and_the_prefix_cache_hit(role_pair, stream_kv):
+    """Needs the engine's logprobs (issue 14). The prefill role computes the prompt, so the prompt's logprobs and
+    the first token's come from here, with the prompt tokens its own prefix cache spared; the decode role sends one
+    entry per later token and none of the prompt's: together, one engine's figures."""
+    pair = role_pair(stream_kv=stream_kv)
+    [prompt] = random_prompts(1, 40, 40, seed=50)  # two full blocks of 16 and a partial one
+    params = greedy(6, logprobs=3, prompt_logprobs=2)
+    first, items = pair.handoff("a", prompt, params)
+    expected = pair.expected_outputs(prompt, params)
+    assert first.logprobs is not None and first.logprobs.token_id == first.token and len(first.logprobs.top) == 3
+    assert first.prompt_logprobs[0] is None and [lp.token_id for lp in first.prompt_logprobs[1:]] == prompt[1:]
+    assert_same_logprobs(first.prompt_logprobs, expected[0].prompt_logprobs)
+    assert first.cached_tokens == 0
+    assert_same_logprobs(pair.client_logprobs("a"), [lp for output in expected for lp in output.logprobs or []])
+    assert all(item.prompt_logprobs is None and item.cached_tokens is None for item in items)
+    # the same prompt again, without logprobs: its full blocks come from this engine's prefix cache
+    first, items = pair.handoff("b", prompt, greedy(4))
+    assert (first.logprobs, first.prompt_logprobs, first.cached_tokens) == (None, None, 32)
+    assert all(item.logprobs is None for item in items)
+    pair.settle()
     pair.check_no_leaks()

@@ -17,7 +17,7 @@ from cluster.membership import heartbeat_status
 from cluster.metrics import GAUGE_KEYS, TOTAL_KEYS, RouterMetrics
 from cluster.router import response_timing
 from engine.config import EngineConfig
-from engine.request import FinishReason, SamplingParams
+from engine.request import FinishReason, SamplingParams, TokenLogprob
 from tests.helpers.engine import random_prompts
 from worker.messages import (
     MAX_MESSAGE_BYTES,
@@ -87,9 +87,29 @@ EVENTS = [
             TokenItem("r1", [1, 2], "ab"),
             TokenItem("r2", [], "", FinishReason.STOP, DecodeTiming(kv_done_mono=1.0, decode_queue_s=0.01)),
             TokenItem("r3", [9], "z", FinishReason.LENGTH, PrefillTiming(queue_s=0.5)),
+            TokenItem(
+                "r4",
+                [5],
+                "q",
+                None,
+                None,
+                [TokenLogprob(5, -0.25, [(5, -0.25), (6, -1.5)])],
+                [None, TokenLogprob(3, -2.0)],
+                16,
+            ),
         ],
     ),
     ErrorEvent(rid="r1", worker="prefill-0", message="boom", code=ErrorCode.KV_TRANSFER_FAILED),
+    FirstToken(
+        rid="r2",
+        worker="prefill-0",
+        token=7,
+        text="x",
+        timing=PrefillTiming(),
+        logprobs=TokenLogprob(7, -0.5, [(7, -0.5)]),
+        prompt_logprobs=[None, TokenLogprob(1, -3.0, [(2, -0.1)])],
+        cached_tokens=32,
+    ),
     _stats(waiting=1, running=2, requests=3, free_blocks=4, total_blocks=5, awaiting_kv=6, leased_transfers=7),
 ]
 
@@ -107,13 +127,20 @@ def test_every_event_round_trips_as_itself(message):
 
 
 def test_a_tokens_item_is_a_positional_array_on_the_wire():
+    """[rid, token ids, text, finish reason, timing, logprobs, prompt logprobs, cached tokens]: nil when absent."""
     wire = msgpack.unpackb(encode(EVENTS[3]))
-    assert wire["items"][0] == ["r1", [1, 2], "ab", None, None]
+    assert wire["items"][0] == ["r1", [1, 2], "ab", None, None, None, None, None]
     assert wire["items"][1][3] == "stop" and wire["items"][1][4] == {
         "phase": "decode",
         "kv_done_mono": 1.0,
         "decode_queue_s": 0.01,
     }
+    assert wire["items"][1][5:] == [None, None, None]
+    first = wire["items"][3]  # a first sampled token: its logprobs, the prompt's, and the prefix-cache hit
+    assert first[:5] == ["r4", [5], "q", None, None]
+    assert first[5] == [{"token_id": 5, "logprob": -0.25, "top": [[5, -0.25], [6, -1.5]]}]
+    assert first[6] == [None, {"token_id": 3, "logprob": -2.0, "top": []}]
+    assert first[7] == 16
 
 
 def _raw(**fields) -> bytes:
