@@ -2,29 +2,28 @@
 
 Every refusal is an OpenAI-style error body with the right status (400 bad input, 401 no key, 404 unknown model
 or route, 413 body too large, 429 overloaded with Retry-After, 503 no workers) whose ``param`` names the field;
-nothing reaches the client as a traceback. What a body may hold is checked in ``cluster/openai_schema.py``; the
-size limit is counted while reading, so it holds for chunked bodies too. The API key, when set, guards every route
-but ``/health`` (load balancers probe it).
+nothing reaches the client as a traceback. What a body may hold is checked in ``cluster/openai_schema.py``, what
+depends on the model in ``cluster/request_params.py`` (vocabulary, generation_config defaults), chat messages are
+rendered in ``cluster/chat_template.py`` and response_format / tools become a grammar in ``cluster/guided.py``.
+The size limit is counted while reading, so it holds for chunked bodies too. The API key, when set, guards every
+route but ``/health`` (load balancers probe it).
 
-A client that disconnects cancels its request wherever it is: mid-stream (the response generator is cancelled),
-while waiting for the first token, or while a non-streaming answer is being collected (a watcher on the ASGI
-``http.disconnect`` message). Either way the router's generator is closed and its cleanup aborts the request on
-every worker that holds it. Each response carries ``usage`` and ``timing`` (where the time went, seconds).
-
-The text comes detokenized from the workers (cluster/streams.py); this module only frames it: one SSE chunk per
-router event (everything that arrived since the last chunk was written), from per-request templates (``SSEChunks``).
+A request fans out to one router request per choice (``n``, and the prompts of a completions list:
+``cluster/choices.py``); the answer is assembled in ``cluster/responses.py``. A client that disconnects cancels
+every choice wherever it is: mid-stream (the response generator is cancelled), while waiting for the first token,
+or while a non-streaming answer is being collected (a watcher on the ASGI ``http.disconnect`` message). Either way
+the router's generators are closed and their cleanup aborts each request on every worker that holds it. Each
+response carries ``usage`` (with ``prompt_tokens_details.cached_tokens``), ``system_fingerprint`` and ``timing``
+(where the time went, seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from json.encoder import encode_basestring  # what json.dumps(str, ensure_ascii=False) does, without the rest
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +31,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from cluster.api_format import TokenText, system_fingerprint
+from cluster.chat_template import render
+from cluster.chat_tools import chat_tools, model_vocab_size
+from cluster.choices import ChoicePlan, choice_id, fan_out
 from cluster.config import ClusterConfig
 from cluster.errors import RequestFailed
 from cluster.openai_schema import (
@@ -41,12 +44,22 @@ from cluster.openai_schema import (
     check_token_ids,
     parse_body,
     parse_json,
-    sampling_params,
 )
+from cluster.request_params import GenerationDefaults, for_choice, prompts, sampling_params
+from cluster.responses import ResponseShape, collect, http_error, stream
 from cluster.router import Router
 
 
-def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: int) -> FastAPI:
+def create_app(
+    router: Router,
+    tokenizer,
+    config: ClusterConfig,
+    max_model_len: int,
+    generation_defaults: GenerationDefaults | None = None,
+) -> FastAPI:
+    """``generation_defaults``: the sampling values a request leaves unset; default: the generation_config.json of
+    the tokenizer's model folder (where the tokenizer was loaded from), as vLLM takes them."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await router.start()
@@ -57,6 +70,10 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
     model_name = config.served_model_name
     limits = config.router.limits
     vocab_size = len(tokenizer)
+    defaults = generation_defaults or GenerationDefaults.from_model_dir(getattr(tokenizer, "name_or_path", None))
+    fingerprint = system_fingerprint(model_name, config.mode)
+    token_text = TokenText(tokenizer)
+    model_vocab = model_vocab_size(tokenizer)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -115,15 +132,17 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
                 404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model", "model_not_found"
             )
 
-    def budget(prompt_ids: list[int], asked: int | None, default: int | None, param: str = "max_tokens") -> int:
+    def budget(
+        prompt_ids: list[int], asked: int | None, default: int | None, param: str = "max_tokens", prompt_field="prompt"
+    ) -> int:
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty", "prompt")
+            raise APIError(400, "the prompt is empty", prompt_field)
         room = max_model_len - len(prompt_ids)
         if room <= 0:
             raise APIError(
                 400,
                 f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}",
-                "prompt",
+                prompt_field,
                 "context_length_exceeded",
             )
         if asked is None:
@@ -143,113 +162,98 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
     async def completions(request: Request):
         body = parse_body(CompletionRequest, await read_json(request), limits)
         check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", "prompt", "unsupported_parameter")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = tokenizer(prompt, add_special_tokens=True).input_ids if prompt else []
-        else:
-            prompt_ids = list(prompt)
-            check_token_ids(prompt_ids, vocab_size, "prompt")
-        params = sampling_params(body, budget(prompt_ids, body.max_tokens, 16), vocab_size)
-        return await respond(request, body, prompt_ids, params, chat=False)
+        items = prompts(body.prompt)
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo else None
+        prompt_ids, echo, params = [], [], []
+        for i, prompt in enumerate(items):
+            field = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = tokenizer(prompt, add_special_tokens=True).input_ids if prompt else []
+                echo.append(prompt)
+            else:
+                ids = list(prompt)
+                check_token_ids(ids, vocab_size, field)
+                echo.append(tokenizer.decode(ids) if body.echo else "")
+            max_tokens = budget(ids, body.max_tokens, 16, prompt_field=field)
+            prompt_ids.append(ids)
+            params.append(
+                sampling_params(
+                    body, max_tokens, vocab_size, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+                )
+            )
+        shape = _shape(body, prompt_ids, params, chat=False)
+        shape.logprobs, shape.echo = logprobs, echo if body.echo else None
+        return await respond(request, body, shape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_body(ChatRequest, await read_json(request), limits)
         check_model(body.model)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
-        try:
-            prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # a template that rejects the conversation is the client's error
-            raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
-            prompt_ids = prompt_ids["input_ids"]
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        tools = None
+        if body.tools is not None or body.response_format is not None or body.tool_choice is not None:
+            tools = await asyncio.to_thread(chat_tools, body, tokenizer, model_vocab)  # may compile: off the loop
+        prompt_ids = render(tokenizer, body, tools.template_tools if tools else None)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, budget(list(prompt_ids), asked, None, param), vocab_size)
-        return await respond(request, body, list(prompt_ids), params, chat=True)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(
+            body,
+            budget(prompt_ids, asked, None, param),
+            vocab_size,
+            defaults,
+            logprobs=logprobs,
+            guided=tools.guided if tools else None,
+        )
+        shape = _shape(body, [prompt_ids], [params], chat=True)
+        shape.logprobs, shape.tools = logprobs, tools.reader if tools else None
+        return await respond(request, body, shape)
 
-    async def respond(request: Request, body, prompt_ids: list[int], params, chat: bool):
+    def _shape(body, prompt_ids: list[list[int]], params: list, chat: bool) -> ResponseShape:
+        """One plan per choice: prompt p's choice j is index p * n + j, seeded seed + j, led by its choice 0."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        events = router.generate(prompt_ids, params, rid)
+        n = body.n or 1
+        plans = []
+        for p, (ids, base) in enumerate(zip(prompt_ids, params)):
+            for j in range(n):
+                index = p * n + j
+                leader = None if j == 0 else p * n
+                plans.append(ChoicePlan(index, p, ids, for_choice(base, j), choice_id(rid, index), leader))
+        options = body.stream_options
+        return ResponseShape(
+            rid=rid,
+            created=int(time.time()),
+            chat=chat,
+            model=model_name,
+            fingerprint=fingerprint,
+            plans=plans,
+            prompt_tokens=sum(len(ids) for ids in prompt_ids),
+            token_text=token_text,
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+        )
+
+    async def respond(request: Request, body, shape: ResponseShape):
+        events = fan_out(router, shape.plans)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             try:  # errors before the first token are still a proper HTTP status
                 first = await _unless_disconnected(request, _first_event(events))
             except _ClientGone:
                 await events.aclose()
                 return Response(status_code=499)
             return StreamingResponse(
-                _sse(SSEChunks(rid, created, chat, model_name, include_usage), len(prompt_ids), events, first),
+                stream(router, shape, events, first),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-
-        async def collect() -> tuple[str, str | None, int]:
-            parts, finish, completion_tokens = [], None, 0
-            async for event in events:  # the workers' text, as it is: they detokenized it and cut stop strings
-                completion_tokens += event.num_tokens
-                parts.append(event.text)
-                finish = event.finish_reason
-            return "".join(parts), finish, completion_tokens
-
         try:
-            text, finish, completion_tokens = await _unless_disconnected(request, collect())
+            return await _unless_disconnected(request, collect(router, shape, events))
         except RequestFailed as exc:
-            raise _http_error(exc) from None
-        except _ClientGone:  # nobody to answer; the router's cleanup has aborted the request on its workers
+            raise http_error(exc) from None
+        except _ClientGone:  # nobody to answer; the router's cleanup has aborted every choice on its workers
             return Response(status_code=499)
-        finally:
-            await events.aclose()
-        usage = _usage(len(prompt_ids), completion_tokens)
-        choice = {"index": 0, "finish_reason": _finish(finish), "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [choice],
-            "usage": usage,
-            "timing": router.last_timing.pop(rid, {}),
-        }
-
-    async def _sse(chunks: SSEChunks, num_prompt_tokens: int, events, first) -> AsyncIterator[str]:
-        """One chunk per event: an event holds everything that arrived since the last one was written, so a client
-        that reads slowly (this generator waits on its socket) gets fewer, larger chunks."""
-        completion_tokens = 0
-        finish = None
-        try:
-            if chunks.chat:
-                yield chunks.role()
-            event = first
-            if event is not None:
-                completion_tokens += event.num_tokens
-                if event.text:
-                    yield chunks.text(event.text)
-                finish = event.finish_reason
-            if finish is None and first is not None:
-                async for event in events:
-                    completion_tokens += event.num_tokens
-                    if event.text:
-                        yield chunks.text(event.text)
-                    if event.finish_reason is not None:
-                        finish = event.finish_reason
-                        break
-            yield chunks.finish(_finish(finish), router.last_timing.pop(chunks.rid, {}))
-            if chunks.include_usage:
-                yield chunks.usage(_usage(num_prompt_tokens, completion_tokens))
-            yield "data: [DONE]\n\n"
-        except RequestFailed as exc:
-            yield f"data: {json.dumps(_http_error(exc).body())}\n\n"
-            yield "data: [DONE]\n\n"
         finally:
             await events.aclose()
 
@@ -297,52 +301,6 @@ def create_app(router: Router, tokenizer, config: ClusterConfig, max_model_len: 
     return app
 
 
-class SSEChunks:
-    """The SSE events of one response, as ``json.dumps(payload, ensure_ascii=False)`` of the OpenAI chunk would give
-    them, byte for byte. A text chunk is a prefix and a suffix made once per request around the JSON string of the
-    delta (``encode_basestring``): per chunk, no dict is built and no generic encoder runs."""
-
-    _MARK = "\x00pdserve-delta\x00"  # its JSON form, with its quotes, cannot occur elsewhere in the payload
-
-    def __init__(self, rid: str, created: int, chat: bool, model: str, include_usage: bool) -> None:
-        self.rid, self.chat, self.include_usage = rid, chat, include_usage
-        self._head = {
-            "id": rid,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created,
-            "model": model,
-        }
-        prefix, mark, suffix = self._event(self._choice(self._MARK, None)).partition(encode_basestring(self._MARK))
-        assert mark and encode_basestring(self._MARK) not in suffix
-        self._prefix, self._suffix = prefix, suffix
-
-    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-
-    def _event(self, choice: dict, extra: dict | None = None) -> str:
-        payload = {**self._head, "choices": [choice]}
-        if self.include_usage:
-            payload["usage"] = None
-        if extra:
-            payload.update(extra)
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    def text(self, text: str) -> str:
-        return self._prefix + encode_basestring(text) + self._suffix
-
-    def role(self) -> str:
-        return self._event(self._choice(None, None, role=True))
-
-    def finish(self, reason: str, timing: dict) -> str:
-        return self._event(self._choice(None, reason), {"timing": timing})
-
-    def usage(self, usage: dict) -> str:
-        return f"data: {json.dumps({**self._head, 'choices': [], 'usage': usage})}\n\n"
-
-
 class _ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
 
@@ -380,24 +338,4 @@ async def _first_event(events):
         return None
     except RequestFailed as exc:
         await events.aclose()
-        raise _http_error(exc) from None
-
-
-def _http_error(exc: RequestFailed) -> APIError:
-    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None  # overloaded, or a worker restarting
-    err_type = (
-        "server_error" if exc.status >= 500 else "rate_limit_error" if exc.status == 429 else "invalid_request_error"
-    )
-    return APIError(exc.status, str(exc), code=exc.code, err_type=err_type, headers=headers)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _finish(reason: str | None) -> str:
-    return {"stop": "stop", "length": "length"}.get(reason or "", reason or "stop")
+        raise http_error(exc) from None

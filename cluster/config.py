@@ -116,6 +116,7 @@ class LimitsSection(_Strict):
     max_messages: int = Field(default=1024, gt=0)
     max_content_parts: int = Field(default=256, gt=0)  # per message
     max_json_depth: int = Field(default=32, gt=0)
+    max_choices: int = Field(default=256, gt=0)  # prompts x n: the requests one body fans out to
 
 
 class KvAwareSection(_Strict):

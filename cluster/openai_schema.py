@@ -6,12 +6,15 @@ Everything a client sends is checked here, at the edge, before it is tokenized o
    parsing, so a 100k-deep ``[[[[`` never reaches the recursive parser), with no ``NaN`` / ``Infinity`` literals,
    no integer literal longer than any field could hold, and no lone UTF-16 surrogate (which no tokenizer or
    msgpack can encode). A refusal names the field it found the problem in.
-2. ``parse_body``: the caps of ``router.limits`` (stop strings, stop ids, logit_bias, messages, content parts), then
-   the pydantic model: unknown fields are refused (as OpenAI does: "Unrecognized request argument"), integers that
-   travel to workers are int64, floats are finite, bools are real bools. Fields we know but do not support
-   (``n`` > 1, ``logprobs``, penalties, tools...) are refused by name unless they carry their neutral value, so a
-   client never silently gets something other than what it asked for.
-3. ``sampling_params``: what depends on the model (token ids and ``top_k`` against the vocabulary).
+2. ``parse_body``: the caps of ``router.limits`` (stop strings, stop ids, logit_bias, messages, content parts,
+   choices), then the pydantic model: unknown fields are refused (as OpenAI does: "Unrecognized request argument"),
+   integers that travel to workers are int64, floats are finite, bools are real bools, and ``null`` is accepted for
+   every optional field (it means "unset", as in the OpenAI spec). Fields of the OpenAI API we know but do not
+   support (``store``, ``audio``, ``functions``, ``suffix``...: ``UNSUPPORTED``) are refused by name unless they
+   carry their neutral value, so a client never silently gets something other than what it asked for.
+3. What depends on the model (token ids against the vocabulary, defaults from its generation_config) is checked in
+   ``cluster/request_params.py``; the chat messages are rendered in ``cluster/chat_template.py``; response_format
+   and tools become a grammar in ``cluster/guided.py``.
 
 Every refusal is an ``APIError`` whose ``param`` names the field the way a client wrote it (``messages[3].content``).
 """
@@ -19,14 +22,12 @@ Every refusal is an ``APIError`` whose ``param`` names the field the way a clien
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from cluster.config import LimitsSection
-from engine.request import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_INT_DIGITS = 40  # longer integer literals fit no field (int64 has 19 digits) and cost quadratic time to convert
@@ -38,7 +39,7 @@ def _clean(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
 
@@ -192,92 +193,141 @@ def parse_json(body: bytes, limits: LimitsSection) -> Any:
 
 # ---- 2. the request models -------------------------------------------------------------------------------------
 
-# fields we know and accept only at their neutral value
-NEUTRAL = {
-    "n": 1,
-    "best_of": 1,
-    "logprobs": None,
-    "top_logprobs": None,
-    "echo": False,
-    "suffix": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": None,
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
-    "function_call": None,
-    "response_format": None,
-    "parallel_tool_calls": None,
+MAX_N = 128  # choices per prompt (``n``); router.limits.max_choices caps prompts x n
+MAX_TOP_LOGPROBS = 20  # chat ``top_logprobs`` (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions ``logprobs`` (OpenAI's limit)
+
+# fields of the OpenAI API this server does not implement: accepted only at these (neutral) values, else a 400 that
+# names them. Identifiers with no effect on the output (``user``, ``safety_identifier``, ``prompt_cache_key``) are
+# plain accepted fields; everything else a client may send is in the models below (or refused as unrecognized).
+UNSUPPORTED: dict[str, tuple] = {
+    "suffix": (None, ""),
+    "functions": (None,),
+    "function_call": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+    "moderation": (None,),
+    "prompt_cache_retention": (None,),
+    "prompt_cache_options": (None,),
 }
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's range for presence/frequency penalties
+Choices = Annotated[int, Field(ge=1, le=MAX_N)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
+    include_usage: StrictBool | None = None  # a last chunk with the usage (choices [])
+    continuous_usage_stats: StrictBool | None = None  # every chunk carries the usage so far (vLLM)
+    include_obfuscation: StrictBool | None = None  # refused when true: no obfuscation padding here
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False, allow_inf_nan=False)
     model: str
     max_tokens: Count | None = None
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: Int64 = 0
+    # unset (or null): the model's generation_config.json, else OpenAI's default (cluster/request_params.py)
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Int64 | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=INT64_MAX)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     seed: Int64 | None = None
+    n: Choices | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
-    ignore_eos: StrictBool = False
-    stream: StrictBool = False
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    # known, accepted only when neutral (checked in parse_body)
-    n: Annotated[int, Field(ge=1, le=128)] | None = 1
-    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: StrictBool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user identifier: no effect on the output
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]  # token ids are checked against the vocabulary by the API
+    # a string, a list of strings, a list of token ids or a list of token-id lists (``prompts`` checks which)
+    prompt: Any
+    best_of: Choices | None = None  # only equal to n (no server-side ranking)
+    echo: StrictBool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: str | None = None
 
 
 class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are served (``cluster/chat_template.py`` names the others)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # null only where the spec allows it (chat_template.py checks)
     name: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # assistant: only null (a refusal cannot be rendered by a template)
+    function_call: Any = None  # deprecated: only null
+    audio: Any = None  # only null
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # checked and turned into a grammar by cluster/guided.py, which names the bad field
+    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool | None = None  # default: true
+    continue_final_message: StrictBool | None = None
+    safety_identifier: str | None = None  # identifiers: no effect on the output
+    prompt_cache_key: str | None = None
+    # refused unless neutral (UNSUPPORTED)
+    functions: list | None = None
+    function_call: str | dict | None = None
+    store: StrictBool | None = None
+    metadata: dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    web_search_options: dict | None = None
+    verbosity: str | None = None
+    moderation: dict | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
 
 
 def _check_caps(data: dict, limits: LimitsSection) -> None:
@@ -309,9 +359,15 @@ def _check_caps(data: dict, limits: LimitsSection) -> None:
         for i, message in enumerate(messages):
             if isinstance(message, dict) and isinstance(message.get("content"), list):
                 cap(f"messages[{i}].content", len(message["content"]), limits.max_content_parts, "content parts")
+    n = data.get("n")
+    prompt = data.get("prompt")
+    if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_N:
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+        name = "prompt" if prompts > 1 else "n"
+        cap(name, prompts * n, limits.max_choices, "choices (prompts x n)")
 
 
-def parse_body(model: type[_Common], data: Any, limits: LimitsSection) -> _Common:
+def parse_body(model: type[_Common], data: Any, limits: LimitsSection) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_caps(data, limits)
@@ -326,18 +382,23 @@ def parse_body(model: type[_Common], data: Any, limits: LimitsSection) -> _Commo
         if first["type"] == "missing":
             raise APIError(400, f"'{field}' is a required property", field) from None
         raise APIError(400, f"{field}: {first['msg']}", field) from None
-    for name, neutral in NEUTRAL.items():
+    for name, neutral in UNSUPPORTED.items():
         value = getattr(request, name, None)
-        if value is not None and value != neutral and not (neutral is None and value in (False, 0, {})):
-            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-                continue
-            raise APIError(
-                400, f"'{name}' = {_short(value)} is not supported by this server", name, "unsupported_parameter"
-            )
+        if not any(value == ok and type(value) is type(ok) for ok in neutral):
+            _unsupported(name, value)
+    if request.stream_options is not None:
+        if not request.stream:  # as OpenAI: options of a stream that is not one would be silently ignored
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        if request.stream_options.include_obfuscation:
+            _unsupported("stream_options.include_obfuscation", True)
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of != (request.n or 1):
+        raise APIError(400, f"best_of={best_of} must equal n={request.n or 1}: choices are not ranked here", "best_of")
     return request
 
 
-# ---- 3. what depends on the model ------------------------------------------------------------------------------
+def _unsupported(name: str, value: Any) -> None:
+    raise APIError(400, f"'{name}' = {short(value)} is not supported by this server", name, "unsupported_parameter")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
@@ -346,29 +407,3 @@ def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
             raise APIError(
                 400, f"{field}[{i}]: token id {token} is not in the vocabulary [0, {vocab_size})", f"{field}[{i}]"
             )
-
-
-def sampling_params(request: _Common, max_tokens: int, vocab_size: int) -> SamplingParams:
-    for name in ("temperature", "top_p"):  # the model already refuses these; kept as the contract of this function
-        if not math.isfinite(getattr(request, name)):
-            raise APIError(400, f"{name} must be a finite number", name)
-    if request.top_k not in (-1, 0) and not 1 <= request.top_k <= vocab_size:
-        raise APIError(400, f"top_k must be -1 or 0 (off) or in [1, {vocab_size}], got {request.top_k}", "top_k")
-    stop_token_ids = list(request.stop_token_ids or [])
-    check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        seed=request.seed,
-        stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
-        stop_token_ids=stop_token_ids,
-        ignore_eos=request.ignore_eos,
-    )
-    try:
-        params.validate()
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise APIError(400, str(exc), field) from None
-    return params

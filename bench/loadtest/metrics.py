@@ -10,6 +10,9 @@ Definitions (all times from the client's ``time.perf_counter``; reported in ms):
 - throughput: successful requests, their usage input tokens and output tokens, each divided by duration.
 - goodput: successful requests meeting every given SLO (``ttft``, ``tpot``, ``e2el``, in ms, ``<=``) / duration.
 - SLO attainment: those requests / all measured requests, failed ones included, in %.
+- cached tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the server served from its prefix
+  cache) over the successful requests whose server reported it: total, mean per request, and the fraction of those
+  requests' prompt tokens; ``None`` when no request reported it (a server that does not send it is not a 0 % hit).
 - sweep: the highest rate whose attainment is at least ``target`` (90% by default, DistServe's goodput), and that
   rate divided by the number of workers.
 """
@@ -142,6 +145,7 @@ def summarize(
             None,
         )
     summary["server_timing_ms"] = server_timing_summary(ok)
+    summary["cached_tokens"] = cached_tokens_summary(ok)
     summary["input_tokens_mismatch"] = sum(
         1
         for r in ok
@@ -161,6 +165,25 @@ def summarize(
     )
     summary["output_tokens_from_tokenizer"] = sum(1 for r in ok if r.output_tokens_source == "tokenizer")
     return summary
+
+
+def cached_tokens_summary(results: Sequence[RequestResult]) -> dict | None:
+    """Prompt tokens served from the server's prefix cache, over the requests that reported a figure.
+
+    Requests without one are left out of every figure (not counted as 0): with a server that reports it on some
+    answers only, the fraction is still cached / prompt tokens of the same requests."""
+    reporting = [r for r in results if r.cached_tokens is not None]
+    if not reporting:
+        return None
+    total = sum(r.cached_tokens or 0 for r in reporting)
+    prompt = sum(r.input_tokens or 0 for r in reporting)
+    return {
+        "requests_reporting": len(reporting),
+        "total": total,
+        "mean": total / len(reporting),
+        "prompt_tokens": prompt,
+        "fraction": total / prompt if prompt else None,
+    }
 
 
 def server_timing_summary(results: Sequence[RequestResult]) -> dict:

@@ -38,6 +38,9 @@ for _part, _key in (("turn1", "ttft_ms_first_turn"), ("later_turns", "ttft_ms_la
             (f"ttft_{_part}_{_stat}_ms", lambda s, k=_key, st=_stat: ((s.get("multi_turn") or {}).get(k) or {}).get(st))
         )
 
+for _stat in ("total", "mean", "fraction"):  # empty when the server reports no cached tokens
+    CSV_FIELDS.append((f"cached_tokens_{_stat}", lambda s, st=_stat: (s.get("cached_tokens") or {}).get(st)))
+
 STAGES_TTFT = ("router_queue", "prefill_queue", "prefill_compute", "first_token_delivery")
 STAGES_SECOND = ("kv_after_prefill", "decode_queue")  # kv_transfer_s spans the prefill too
 
@@ -123,8 +126,18 @@ def format_table(runs: Sequence[dict]) -> str:
     failures = [f"{s.get('mode', '')} rate {s['rate']}: {s['failures']}" for s in runs if s["failures"]]
     if failures:
         lines.append("failures by reason: " + "; ".join(failures))
+    lines += [_cached_line(s) for s in runs if s.get("cached_tokens") and not s.get("multi_turn")]
     lines += [_multi_turn_line(s) for s in runs if s.get("multi_turn")]
     return "\n".join(lines)
+
+
+def _cached_line(run: dict) -> str:
+    c = run["cached_tokens"]
+    share = "-" if c["fraction"] is None else _fmt(100.0 * c["fraction"])
+    return (
+        f"{_run_label(run)}: cached prompt tokens {c['total']} ({share}% of the prompt tokens, mean "
+        f"{_fmt(c['mean'])} per request, {c['requests_reporting']} requests reporting)"
+    )
 
 
 def _multi_turn_line(run: dict) -> str:

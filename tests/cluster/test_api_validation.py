@@ -72,8 +72,11 @@ def _chat(messages) -> dict:
     return {"messages": messages, "max_tokens": 2}
 
 
-def _parts(count: int) -> list[dict]:
-    return [{"type": "text", "text": "a"} for _ in range(count)]
+def _parts(count: int, text: str = "a") -> list[dict]:
+    return [{"type": "text", "text": text} for _ in range(count)]
+
+
+USER = [{"role": "user", "content": "x"}]
 
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -165,6 +168,92 @@ CASES = [
         400,
         "messages[1].content",
     ),
+    # supported fields, out of their range or against the model
+    ("logit_bias-not-a-token-id", C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias.abc"),
+    ("logit_bias-value-over-100", C, {"prompt": "x", "logit_bias": {"5": 100.5}}, 400, "logit_bias.5"),
+    ("top_logprobs-21", CHAT, {**_chat(USER), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("top_logprobs-without-logprobs", CHAT, {**_chat(USER), "top_logprobs": 2}, 400, "top_logprobs"),
+    ("logprobs-as-int-in-chat", CHAT, {**_chat(USER), "logprobs": 1}, 400, "logprobs"),
+    ("completion-logprobs-6", C, {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ("best_of-not-n", C, {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+    ("n-0", C, {"prompt": "x", "n": 0}, 400, "n"),
+    ("choices-over-the-cap", C, {"prompt": ["a"] * 3, "n": 100}, 400, "prompt"),
+    ("prompt-list-mixed", C, {"prompt": ["a", [1, 2]]}, 400, "prompt[1]"),
+    ("prompt-list-empty-item", C, {"prompt": ["a", ""]}, 400, "prompt[1]"),
+    ("prompt-ids-in-a-list-past-the-vocab", C, lambda h: {"prompt": [[1], [2, h.vocab]]}, 400, "prompt[1][1]"),
+    ("min_tokens-over-max_tokens", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    ("min_p-over-1", C, {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("presence_penalty-over-2", C, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("repetition_penalty-0", C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (
+        "image-part",
+        CHAT,
+        _chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]),
+        400,
+        "messages[0].content[0]",
+    ),
+    ("tool-message-without-call-id", CHAT, _chat([{"role": "tool", "content": "r"}]), 400, "messages[0].tool_call_id"),
+    ("user-without-content", CHAT, _chat([{"role": "user", "content": None}]), 400, "messages[0].content"),
+    (
+        "assistant-refusal",
+        CHAT,
+        _chat(USER + [{"role": "assistant", "content": "a", "refusal": "no"}]),
+        400,
+        "messages[1].refusal",
+    ),
+    (
+        "continue-and-generation-prompt",
+        CHAT,
+        {
+            **_chat(USER + [{"role": "assistant", "content": "a"}]),
+            "continue_final_message": True,
+            "add_generation_prompt": True,
+        },
+        400,
+        "continue_final_message",
+    ),
+    ("continue-a-user-message", CHAT, {**_chat(USER), "continue_final_message": True}, 400, "continue_final_message"),
+    (
+        "chat_template_kwargs-tokenize",
+        CHAT,
+        {**_chat(USER), "chat_template_kwargs": {"tokenize": False}},
+        400,
+        "chat_template_kwargs.tokenize",
+    ),
+    (
+        "response_format-bad-type",
+        CHAT,
+        {**_chat(USER), "response_format": {"type": "yaml"}},
+        400,
+        "response_format.type",
+    ),
+    (
+        "tool_choice-unknown-function",
+        CHAT,
+        {
+            **_chat(USER),
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice.function.name",
+    ),
+    # fields of the OpenAI API this server refuses unless neutral
+    ("functions", CHAT, {**_chat(USER), "functions": [{"name": "f"}]}, 400, "functions"),
+    ("function_call", CHAT, {**_chat(USER), "function_call": "auto"}, 400, "function_call"),
+    ("store-true", CHAT, {**_chat(USER), "store": True}, 400, "store"),
+    ("audio", CHAT, {**_chat(USER), "audio": {"voice": "alloy"}}, 400, "audio"),
+    ("modalities-audio", CHAT, {**_chat(USER), "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("suffix", C, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    (
+        "include_obfuscation",
+        C,
+        {"prompt": "x", "stream": True, "stream_options": {"include_obfuscation": True}},
+        400,
+        "stream_options.include_obfuscation",
+    ),
+    ("echo-in-chat", CHAT, {**_chat(USER), "echo": True}, 400, "echo"),
+    ("chat_template-field", CHAT, {**_chat(USER), "chat_template": "{{ x }}"}, 400, "chat_template"),
 ]
 
 
@@ -227,11 +316,22 @@ def test_extremes_that_are_valid_are_served(server):
         {"stop_token_ids": [server.vocab - 1]},
         {"stop": [f"q{i}" for i in range(16)]},
         {"stop": "z" * 256},
+        {"n": 2, "best_of": 2, "temperature": 0.7},
+        {"logit_bias": {"0": -100, str(server.vocab - 1): 100}},
+        {"suffix": "", "echo": False, "best_of": 1},
     ):
         response = _post(server, C, {"prompt": "x", "max_tokens": 3, **extra})
         assert response.status_code == 200, (extra, response.text[:300])
-    parts = _chat([{"role": "user", "content": _parts(256)}])
+    parts = _chat([{"role": "user", "content": _parts(256, "")}])  # joined by "\n": 255 tokens
     assert _post(server, CHAT, parts).status_code == 200
+    neutral = {**_chat(USER), "store": False, "metadata": {}, "service_tier": "auto", "modalities": ["text"]}
+    assert _post(server, CHAT, neutral).status_code == 200
+
+
+def test_a_logit_bias_key_past_the_vocabulary_is_refused_by_its_name(server):
+    key = str(server.vocab)
+    response = _post(server, C, {"prompt": "x", "logit_bias": {"1": 2, key: 1}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == f"logit_bias.{key}"
 
 
 def test_unknown_routes_and_methods_get_an_openai_error(server):

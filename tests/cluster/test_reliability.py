@@ -167,7 +167,7 @@ BAD_BODIES = [
     (json.dumps({"model": "M", "prompt": "x", "temperature": "hot"}).encode(), 400),
     (json.dumps({"model": "M", "prompt": "x", "top_k": -7}).encode(), 400),
     (json.dumps({"model": "M", "prompt": "x", "stop": [""]}).encode(), 400),
-    (json.dumps({"model": "M", "prompt": "x", "logprobs": 3}).encode(), 400),
+    (json.dumps({"model": "M", "prompt": "x", "logprobs": 6}).encode(), 400),  # completions allow 0..5
     (json.dumps({"model": "other", "prompt": "x"}).encode(), 404),
     (json.dumps({"model": "M", "prompt": "x" * 2_000_000}).encode(), 413),
 ]

@@ -66,6 +66,7 @@ def test_completions_match_transformers(server, reference, tokenizer):
             "prompt_tokens": len(prompt),
             "completion_tokens": len(expected),
             "total_tokens": len(prompt) + len(expected),
+            "prompt_tokens_details": {"cached_tokens": data["usage"]["prompt_tokens_details"]["cached_tokens"]},
         }
         assert data["object"] == "text_completion" and data["id"].startswith("cmpl-")
         assert data["timing"]["ttft_s"] > 0
@@ -101,6 +102,7 @@ def test_streamed_chat_matches_transformers_and_is_framed_exactly(server, refere
         "prompt_tokens": len(prompt),
         "completion_tokens": len(expected),
         "total_tokens": len(prompt) + len(expected),
+        "prompt_tokens_details": {"cached_tokens": usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"]},
     }
     assert all(c["usage"] is None for c in chunks[:-1])
 
@@ -166,7 +168,7 @@ def test_models_health_metrics(server):
     [
         ({"prompt": "x"}, 400, "model"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 129}, 400, "n"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),

@@ -118,14 +118,10 @@ class ScriptedServer:
                 choice["message"] = {"role": "assistant", "content": s.token_text * tokens}
             else:
                 choice["text"] = s.token_text * tokens
-            payload = json.dumps(
-                {
-                    "id": "x",
-                    "choices": [choice],
-                    "timing": s.timing,
-                    "usage": {"prompt_tokens": 7, "completion_tokens": tokens},
-                }
-            ).encode()
+            usage = {"prompt_tokens": s.extra.get("prompt_tokens", 7), "completion_tokens": tokens}
+            if s.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": s.cached_tokens}
+            payload = json.dumps({"id": "x", "choices": [choice], "timing": s.timing, "usage": usage}).encode()
             writer.write(
                 f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                 f"{len(payload)}\r\nConnection: close\r\n\r\n".encode()
