@@ -2,7 +2,8 @@
 
 Each choice is its own request (``Router.generate``), with its own request id, so everything the router does per
 request (reservation, retries, abort, timing) holds per choice. Why the order: a prompt's first choice is
-dispatched at once; its other choices only after the first one's first event (its first token, or its end), with
+dispatched at once; its other choices only after the first one's first token (disaggregated: its second, which
+proves the decode worker admitted it and cached the prompt's blocks), or its end, with
 ``affinity`` = the first choice's id, so they land on the workers that just computed the prompt and find it in
 their prefix caches: the prompt is computed once and its KV blocks shared, however large n is. Prompts of a list
 are independent and all start at once. Choice ``prompt_index * n + j`` is the j-th choice of that prompt, as in
@@ -52,6 +53,10 @@ async def fan_out(router: Router, plans: list[ChoicePlan]) -> AsyncIterator[tupl
         return
     by_index = {plan.index: plan for plan in plans}
     released = {plan.index: asyncio.Event() for plan in plans}
+    # disaggregated: the decode worker registers the prompt's blocks in its prefix cache when it admits the leader,
+    # which its second token proves; followers released then reserve only their own tail there, so the prompt's KV
+    # is neither computed nor shipped again (released at the first token, each would get its own copy)
+    tokens_to_release = 2 if router.config.mode == "disaggregated" else 1
     # bounded: a choice waits while the client is behind, so its stream at the router keeps coalescing
     queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue(maxsize=len(plans))
 
@@ -61,9 +66,12 @@ async def fan_out(router: Router, plans: list[ChoicePlan]) -> AsyncIterator[tupl
             await released[plan.leader].wait()
             affinity = by_index[plan.leader].request_id
         events = router.generate(plan.prompt, plan.params, plan.request_id, affinity=affinity)
+        num_tokens = 0
         try:
             async for event in events:
-                released[plan.index].set()
+                num_tokens += event.num_tokens
+                if num_tokens >= tokens_to_release or event.finish_reason is not None:
+                    released[plan.index].set()
                 await queue.put((plan.index, event, None))
             await queue.put((plan.index, None, None))
         except asyncio.CancelledError:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.helpers.cluster import metric_value, wait_all_kv_free
+from tests.helpers.cluster import metric_value, wait_all_kv_free, wait_until
 from tests.helpers.engine import Reference
 from tests.helpers.openai_api import MODES, Clusters, client, model_folder, model_name
 
@@ -395,7 +395,19 @@ def test_later_choices_go_where_the_first_one_computed_the_prompt(server):
             for p in pools
         )
 
-    before = affinity_picks()
-    _create(server, prompt="a shared prompt. " * 16, n=3, max_tokens=4, temperature=1.0)
-    roles = 2 if server.config.mode == "disaggregated" else 1  # prefill and decode picks, or the colocated one
-    assert affinity_picks() - before == 2 * roles
+    def prefix_hits(pool: str) -> float:
+        workers = server.router.members.workers.values()
+        return sum(w.stats.counters.prefix_hit_tokens for w in workers if w.role == pool and w.stats is not None)
+
+    pools = ("prefill", "decode") if server.config.mode == "disaggregated" else ("colocated",)
+    before, hits_before = affinity_picks(), {pool: prefix_hits(pool) for pool in pools}
+    prompt = "a shared prompt, never sent before. " * 8
+    response = _create(server, prompt=prompt, n=3, max_tokens=4, temperature=1.0)
+    assert affinity_picks() - before == 2 * len(pools)  # prefill and decode picks, or the colocated one
+    # the prompt was computed once: the two later choices found its full blocks in the prefix cache of every worker
+    # that holds it (disaggregated: the decode worker too, so their KV was not shipped again)
+    block_size = server.config.transfer.block_size
+    reusable = (response.usage.prompt_tokens - 1) // block_size * block_size
+    for pool in pools:
+        wait_until(lambda pool=pool: prefix_hits(pool) - hits_before[pool] >= 2 * reusable, timeout_s=5)
+        assert prefix_hits(pool) - hits_before[pool] == 2 * reusable, pool
