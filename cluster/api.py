@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,7 +38,7 @@ from cluster.api_format import TokenText, system_fingerprint
 from cluster.chat_template import render
 from cluster.chat_tools import chat_tools, model_vocab_size
 from cluster.choices import ChoicePlan, choice_id, fan_out
-from cluster.config import ClusterConfig
+from cluster.config import MIB, ClusterConfig, pool_layout
 from cluster.errors import RequestFailed
 from cluster.openai_schema import (
     APIError,
@@ -48,6 +51,9 @@ from cluster.openai_schema import (
 from cluster.request_params import GenerationDefaults, for_choice, prompts, sampling_params
 from cluster.responses import ResponseShape, collect, http_error, stream
 from cluster.router import Router
+from engine.kv_cache import DTYPE_BYTES, kv_blocks_for, kv_bytes_per_token, kv_shape_from_config
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(
@@ -74,6 +80,7 @@ def create_app(
     fingerprint = system_fingerprint(model_name, config.mode)
     token_text = TokenText(tokenizer)
     model_vocab = model_vocab_size(tokenizer)
+    kv_status = model_kv_status(config, getattr(tokenizer, "name_or_path", None))  # config.json read once
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -291,7 +298,7 @@ def create_app(
     @app.get("/status")
     async def status(request: Request):
         check_api_key(request)
-        return router.status()
+        return {**router.status(), "kv": kv_status}
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -299,6 +306,40 @@ def create_app(
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None:
+    """/status's ``kv``: the served model's KV bytes per token (engine.kv_cache's formula, from its config.json and
+    the configured dtype) and, per pool, the blocks and tokens each replica's cache holds, by the rule the engine
+    allocates with (``kv_blocks`` if set, else whole blocks of ``kv_memory_mb``). None when config.json is
+    unreadable (a tokenizer not loaded from a model folder)."""
+    path = Path(model_dir or "") / "config.json"
+    try:
+        layers, kv_heads, head_dim = kv_shape_from_config(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        logger.warning("no KV sizing in /status: %s: %s", path, exc)
+        return None
+    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, DTYPE_BYTES[config.model.dtype])
+    block_size = config.transfer.block_size
+    pools = {}
+    for name, role, pool in pool_layout(config):
+        blocks = kv_blocks_for(pool.kv_memory_mb * MIB, per_token * block_size, pool.kv_blocks)
+        pools[name] = {
+            "role": role.value,
+            "replicas": pool.replicas,
+            "kv_memory_mb": pool.kv_memory_mb,
+            "kv_blocks": pool.kv_blocks,
+            "blocks": blocks,  # per replica
+            "tokens": blocks * block_size,
+            "kv_bytes": blocks * block_size * per_token,
+        }
+    return {
+        "dtype": config.model.dtype,
+        "bytes_per_token": per_token,
+        "tokens_per_gib": (1 << 30) // per_token,
+        "block_size": block_size,
+        "pools": pools,
+    }
 
 
 class _ClientGone(Exception):

@@ -1,0 +1,375 @@
+"""KV sizing from a model's shape: bytes per token, tokens per GiB, and how many requests of a context fit a GPU.
+
+Why from config.json and nothing else: sizing is asked before anything is downloaded or served (which GPU, which
+``kv_memory_mb``, how many concurrent requests), so a model is its attention shape (layers, KV heads, head dim) and,
+for the weights to subtract from the GPU's memory, the parameter count that shape implies. The KV formula is the
+engine's own (``engine.kv_cache.kv_bytes_per_token``, which ``KVSpec`` uses), so the figure printed here is the one
+a worker allocates by. The parameter count is computed from the same fields for the architectures pdserve serves
+(Llama, Mistral, Qwen2, Qwen3: dense SwiGLU decoders); for the presets it reproduces each model's published count
+exactly (tests/planner/test_kv_sizing.py).
+
+What the budget leaves out: activations, CUDA graphs, the framework's own allocations and fragmentation, which is
+what ``--gpu-memory-utilization`` (default 0.9, as vLLM's) is for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.kv_cache import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
+from engine.model_loader import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, cache_dir
+
+GIB = 1 << 30
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+# Published shapes: the fields of each model's config.json on the Hugging Face Hub (the repository named in
+# ``source``), copied verbatim; the parameter count is derived from them (``ModelShape.parameters``).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-3.2-1b": (
+        "meta-llama/Llama-3.2-1B config.json",
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 131072,
+        },
+    ),
+    "llama-3.1-8b": (
+        "meta-llama/Llama-3.1-8B config.json",
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "vocab_size": 128256,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 131072,
+        },
+    ),
+    "llama-3.1-70b": (
+        "meta-llama/Llama-3.1-70B config.json",
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "vocab_size": 128256,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 131072,
+        },
+    ),
+    "qwen2.5-7b": (
+        "Qwen/Qwen2.5-7B config.json",
+        {
+            "model_type": "qwen2",
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "vocab_size": 152064,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 131072,
+        },
+    ),
+    "mistral-7b": (
+        "mistralai/Mistral-7B-v0.3 config.json",
+        {
+            "model_type": "mistral",
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "vocab_size": 32768,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 32768,
+        },
+    ),
+    "smollm2-135m": (
+        "HuggingFaceTB/SmolLM2-135M config.json",
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 8192,
+        },
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What sizing needs of a model: its attention shape and the fields its parameter count follows from."""
+
+    name: str
+    source: str  # where the fields came from: a preset's config.json, or a folder's
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int | None
+
+    @classmethod
+    def from_config(cls, name: str, source: str, config: dict[str, Any]) -> ModelShape:
+        model_type = str(config.get("model_type", ""))
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: architecture {model_type!r} is not one pdserve serves ({', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        layers, kv_heads, head_dim = kv_shape_from_config(config)
+        try:
+            return cls(
+                name=name,
+                source=source,
+                model_type=model_type,
+                num_layers=layers,
+                num_attention_heads=int(config["num_attention_heads"]),
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                hidden_size=int(config["hidden_size"]),
+                intermediate_size=int(config["intermediate_size"]),
+                vocab_size=int(config["vocab_size"]),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=bool(config.get("attention_bias", False)),
+                mlp_bias=bool(config.get("mlp_bias", False)),
+                max_position_embeddings=config.get("max_position_embeddings"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: lacks a usable field {exc}") from exc
+
+    @property
+    def parameters(self) -> int:
+        """Weights of a dense SwiGLU decoder with this shape, as transformers builds the architecture: embeddings,
+        per layer q/k/v/o, gate/up/down and two RMSNorms (plus Qwen2's q/k/v biases, Qwen3's q/k norms and any
+        ``attention_bias`` / ``mlp_bias``), the final norm, and the LM head unless tied to the embeddings."""
+        hidden = self.hidden_size
+        q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
+        if self.model_type == "qwen2":  # q, k and v always carry a bias there; o does not
+            attention += q_width + 2 * kv_width
+        elif self.attention_bias:
+            attention += q_width + 2 * kv_width + hidden
+        if self.model_type == "qwen3":  # RMSNorm over each head's q and k
+            attention += 2 * self.head_dim
+        mlp = 3 * hidden * self.intermediate_size
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + hidden
+        per_layer = attention + mlp + 2 * hidden
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + hidden
+
+
+def normalize_dtype(name: str) -> str:
+    """A dtype the engine serves in, from its name or a common alias (bf16, fp16, fp32)."""
+    dtype = DTYPE_ALIASES.get(name.lower(), name.lower())
+    if dtype not in DTYPE_BYTES:
+        choices = sorted(DTYPE_BYTES) + sorted(DTYPE_ALIASES)
+        raise ValueError(f"dtype must be one of {', '.join(choices)}, got {name!r}")
+    return dtype
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{str(folder)!r} holds no config.json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(path)!r} is not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} is not a JSON object")
+    return data
+
+
+def load_shape(model: str) -> ModelShape:
+    """A preset name, the built-in default model, or a model folder (its config.json only: no weights, no hub).
+
+    The default model's folder exists once it has been converted (the first ``pdserve serve``); before that, its
+    shape is the smollm2-135m preset's, which is the same architecture (the instruct model is a fine-tune)."""
+    if model.lower() in PRESETS:
+        source, config = PRESETS[model.lower()]
+        return ModelShape.from_config(model.lower(), f"preset: {source}", config)
+    if model == DEFAULT_MODEL:
+        folder = cache_dir() / "models" / DEFAULT_MODEL
+        if (folder / "config.json").is_file():
+            return ModelShape.from_config(model, f"{folder / 'config.json'}", _read_config(folder))
+        source, config = PRESETS["smollm2-135m"]
+        return ModelShape.from_config(model, f"preset: {source} (the default model is not converted yet)", config)
+    folder = Path(model).expanduser()
+    if not folder.exists():
+        raise ValueError(
+            f"{model!r} is neither a preset ({', '.join(PRESETS)}), the default model {DEFAULT_MODEL!r}, "
+            "nor an existing folder"
+        )
+    return ModelShape.from_config(str(folder), str(folder / "config.json"), _read_config(folder))
+
+
+@dataclass(frozen=True, slots=True)
+class KVSizing:
+    """The answer of ``pdserve plan kv`` (``--json`` prints it as is); GPU and context fields are None when not
+    asked. Every "fit" figure is a floor: a request that does not wholly fit is not counted."""
+
+    model: str
+    source: str
+    dtype: str
+    dtype_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    tokens_per_gib: int
+    parameters: int
+    weight_bytes: int
+    gpu_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    usable_bytes: int | None = None  # gpu memory x utilization
+    kv_budget_bytes: int | None = None  # usable - weights, 0 when the weights alone do not fit
+    kv_budget_tokens: int | None = None
+    kv_budget_blocks: int | None = None
+    weights_fit: bool | None = None
+    context_tokens: int | None = None
+    kv_bytes_per_request: int | None = None  # context tokens x bytes per token
+    blocks_per_request: int | None = None  # what the engine allocates: whole blocks
+    requests_fit: int | None = None  # budget tokens // context
+    requests_fit_blocks: int | None = None  # budget blocks // blocks per request (what a worker can really hold)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def size_kv(
+    shape: ModelShape,
+    dtype: str,
+    block_size: int,
+    gpu_memory_gib: float | None = None,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    context_tokens: int | None = None,
+) -> KVSizing:
+    dtype = normalize_dtype(dtype)
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    dtype_bytes = DTYPE_BYTES[dtype]
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_bytes)
+    per_block = per_token * block_size
+    weight_bytes = shape.parameters * dtype_bytes
+    fields: dict[str, Any] = {}
+    if gpu_memory_gib is not None:
+        memory = int(gpu_memory_gib * GIB)
+        usable = int(memory * gpu_memory_utilization)
+        budget = max(0, usable - weight_bytes)
+        fields |= {
+            "gpu_memory_bytes": memory,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "usable_bytes": usable,
+            "kv_budget_bytes": budget,
+            "kv_budget_tokens": budget // per_token,
+            "kv_budget_blocks": budget // per_block,
+            "weights_fit": weight_bytes <= usable,
+        }
+    if context_tokens is not None:
+        blocks = math.ceil(context_tokens / block_size)
+        fields |= {
+            "context_tokens": context_tokens,
+            "kv_bytes_per_request": context_tokens * per_token,
+            "blocks_per_request": blocks,
+        }
+        if gpu_memory_gib is not None:
+            fields["requests_fit"] = fields["kv_budget_tokens"] // context_tokens
+            fields["requests_fit_blocks"] = fields["kv_budget_blocks"] // blocks
+    return KVSizing(
+        model=shape.name,
+        source=shape.source,
+        dtype=dtype,
+        dtype_bytes=dtype_bytes,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        block_size=block_size,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_block=per_block,
+        tokens_per_gib=GIB // per_token,
+        parameters=shape.parameters,
+        weight_bytes=weight_bytes,
+        **fields,
+    )
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n:,} B ({n / size:,.2f} {unit})"
+    return f"{n:,} B"
+
+
+def format_table(s: KVSizing) -> str:
+    """Two columns for a human: what was asked, then what fits."""
+    rows = [
+        ("model", f"{s.model} ({s.source})"),
+        ("dtype", f"{s.dtype} ({s.dtype_bytes} bytes per value)"),
+        ("shape", f"{s.num_layers} layers x {s.num_kv_heads} KV heads x {s.head_dim} head dim"),
+        (
+            "KV per token",
+            f"{_bytes(s.kv_bytes_per_token)} = 2 x {s.num_layers} x {s.num_kv_heads} x {s.head_dim} x {s.dtype_bytes}",
+        ),
+        ("tokens per GiB", f"{s.tokens_per_gib:,}"),
+        ("KV per block", f"{_bytes(s.kv_bytes_per_block)} ({s.block_size} tokens)"),
+        ("weights", f"{s.parameters / 1e9:,.3f} B parameters = {_bytes(s.weight_bytes)}"),
+    ]
+    if s.gpu_memory_bytes is not None:
+        rows += [
+            (
+                "GPU memory",
+                f"{_bytes(s.gpu_memory_bytes)} x {s.gpu_memory_utilization} = {_bytes(s.usable_bytes or 0)}",
+            ),
+            (
+                "KV budget",
+                f"{_bytes(s.kv_budget_bytes or 0)} = {s.kv_budget_tokens:,} tokens = {s.kv_budget_blocks:,} blocks",
+            ),
+        ]
+    if s.context_tokens is not None:
+        rows.append(
+            (
+                "per request",
+                f"{s.context_tokens:,} tokens = {s.blocks_per_request:,} blocks = "
+                f"{_bytes(s.kv_bytes_per_request or 0)}",
+            )
+        )
+    if s.requests_fit is not None:
+        rows.append(("requests that fit", f"{s.requests_fit_blocks:,} in whole blocks ({s.requests_fit:,} by tokens)"))
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    if s.weights_fit is False:
+        lines.append("warning: the weights alone exceed the usable GPU memory; no KV fits")
+    lines.append("not counted: activations, CUDA graphs, framework overhead (what the utilization leaves room for)")
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""``pdserve plan kv`` as a user runs it: JSON for a preset and for a model folder, the table, and bad flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cli.main import main
+from tests.cli.test_startup import BELOW_CLI, HEAVY, run_cli, top_level
+from tests.helpers.imports import ROOT
+
+GIB = 1 << 30
+
+
+def _json(capsys, *argv: str) -> dict:
+    assert main(["plan", "kv", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_preset_json_by_hand(capsys):
+    out = _json(capsys, "--model", "llama-3.1-8b", "--dtype", "bf16", "--gpu-memory-gb", "80", "--context", "8192")
+    per_token = 2 * 32 * 8 * 128 * 2  # layers x KV heads x head dim x bf16, K and V
+    budget = int(80 * GIB * 0.9) - 8_030_261_248 * 2  # 90% of 80 GiB less the bf16 weights
+    assert out["kv_bytes_per_token"] == per_token == 131072 and out["tokens_per_gib"] == 8192
+    assert out["dtype"] == "bfloat16" and out["block_size"] == 16 and out["kv_bytes_per_block"] == per_token * 16
+    assert out["kv_budget_bytes"] == budget and out["kv_budget_tokens"] == budget // per_token
+    assert out["blocks_per_request"] == 8192 // 16
+    assert out["requests_fit_blocks"] == (budget // (per_token * 16)) // 512 == 57
+    assert out["requests_fit"] == budget // (8192 * per_token)
+    assert "meta-llama/Llama-3.1-8B config.json" in out["source"]
+
+
+def test_model_folder_json_reads_its_config(capsys, tiny_llama_path):
+    out = _json(capsys, "--model", str(tiny_llama_path), "--dtype", "float32", "--block-size", "32")
+    config = json.loads((tiny_llama_path / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    assert out["kv_bytes_per_token"] == per_token == 2 * 3 * 2 * 16 * 4
+    assert out["tokens_per_gib"] == GIB // per_token and out["kv_bytes_per_block"] == per_token * 32
+    assert out["source"] == str(tiny_llama_path / "config.json")
+    assert out["kv_budget_bytes"] is None and out["requests_fit"] is None  # no GPU asked
+    utilization = _json(
+        capsys, "--model", str(tiny_llama_path), "--dtype", "fp16", "--gpu-memory-gb", "1",
+        "--gpu-memory-utilization", "0.5", "--context", "100",
+    )  # fmt: skip
+    budget = GIB // 2 - utilization["parameters"] * 2
+    assert utilization["kv_bytes_per_token"] == per_token // 2 and utilization["kv_budget_bytes"] == budget
+    assert utilization["requests_fit_blocks"] == budget // (per_token // 2 * 16) // 7  # 100 tokens: 7 blocks
+
+
+def test_table_for_humans(capsys):
+    assert main(["plan", "kv", "--model", "llama-3.1-70b", "--dtype", "bfloat16", "--gpu-memory-gb", "80",
+                 "--context", "4096"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "327,680 B" in out and "= 2 x 80 x 8 x 128 x 2" in out  # 70B: 80 layers
+    assert "requests that fit  0" in out and "weights alone exceed" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtype", "bf16"], "--model is required"),
+        (["--model", "llama-3.1-8b"], "--dtype is required"),
+        (["--model", "llama-3.1-8b", "--dtype", "int3"], "--dtype: dtype must be one of"),
+        (["--model", "/nonexistent/model", "--dtype", "bf16"], "--model: '/nonexistent/model' is neither a preset"),
+        (["--model", "llama-3.1-8b", "--dtype", "bf16", "--gpu-memory-gb", "0"], "--gpu-memory-gb must be positive"),
+        (["--model", "llama-3.1-8b", "--dtype", "bf16", "--context", "-5"], "--context must be a positive"),
+        (["--model", "llama-3.1-8b", "--dtype", "bf16", "--block-size", "0"], "--block-size must be a positive"),
+        (
+            ["--model", "llama-3.1-8b", "--dtype", "bf16", "--gpu-memory-gb", "80", "--gpu-memory-utilization", "1.5"],
+            "--gpu-memory-utilization must be in (0, 1]",
+        ),
+        (["--model", "llama-3.1-8b", "--dtype", "bf16", "--gpu-memory-utilization", "0.8"], "needs --gpu-memory-gb"),
+    ],
+)
+def test_bad_flags_name_the_flag(capsys, argv, message):
+    assert main(["plan", "kv", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+def test_folder_without_config_names_the_flag(capsys, tmp_path):
+    assert main(["plan", "kv", "--model", str(tmp_path), "--dtype", "bf16"]) == 2
+    assert "--model:" in capsys.readouterr().err
+
+
+def test_as_a_user_runs_it_and_help_is_light(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "plan", "kv", "--model", "qwen2.5-7b", "--dtype", "bf16", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2  # 3584 / 28 heads = 128 head dim
+    help_proc, modules = run_cli(tmp_path, "plan", "kv", "--help")
+    assert help_proc.returncode == 0 and "--gpu-memory-utilization" in help_proc.stdout
+    assert not top_level(modules) & (HEAVY | BELOW_CLI)
