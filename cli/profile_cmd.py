@@ -1,0 +1,36 @@
+"""``pdserve profile --config F``: measure prefill, decode and KV transfer times here; write the profile JSON.
+
+The standard library only at module level (``pdserve --help`` must not import torch); the measuring is
+``planner/profiler.py``, imported when the command runs. A config that cannot be loaded is a ValueError (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default="local", help="cluster config: a YAML path or a shipped config's name (default: local)"
+    )
+    parser.add_argument("--out", default="profile.json", help="where to write the profile (default: profile.json)")
+    parser.add_argument("--quick", action="store_true", help="fewer points and repeats (tests, a first look)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.config import load_config
+    from planner.profiler import profile_cluster
+
+    config = load_config(args.config)  # ConfigError is a ValueError: main prints it, exit 2
+    profile = profile_cluster(config, quick=args.quick, progress=not args.no_progress, seed=args.seed)
+    profile.save(args.out)
+    summary = (
+        f"wrote {args.out}: {profile.model} ({profile.dtype}) on {profile.device}, backend {profile.backend}, "
+        f"{len(profile.prefill_points)} prefill / {len(profile.decode_points)} decode / "
+        f"{len(profile.transfer_points)} transfer points\n{profile.notes}"
+    )
+    print(summary, file=sys.stderr)
+    return 0

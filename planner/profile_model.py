@@ -1,0 +1,127 @@
+"""What a profile holds and how the simulator reads it: measured step times and the curves fitted to them.
+
+Why a file of its own: ``pdserve profile`` (planner/profiler.py) writes this and ``pdserve plan``
+(planner/simulator.py) reads it, on different machines and days. A profile therefore records what it was measured
+on (model, dtype, device, backend, date) next to the points, and the simulator only ever asks the three questions
+below, answered from least-squares fits so that it can ask about batch sizes and prompt lengths that were not
+measured:
+
+- ``prefill_s(tokens, context)``: one forward over ``tokens`` new prompt tokens whose KV sits after ``context``
+  cached ones (chunked prefill: the later chunks of a prompt);
+- ``decode_step_s(batch, context_tokens)``: one decode step for ``batch`` requests holding ``context_tokens`` tokens
+  of KV in total;
+- ``transfer_s(num_bytes)``: moving one request's KV from a prefill to a decode worker on the configured backend.
+
+A colocated step that mixes a prefill chunk with decodes costs ``mixed_step_s``: the sum of both, less one fixed
+overhead (one forward, not two), which is how a mixed batch behaves on a CPU or a GPU that is not saturated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROFILE_VERSION = 1
+
+
+@dataclass(slots=True)
+class PrefillPoint:
+    tokens: int  # new prompt tokens in the forward
+    context: int  # tokens already in the KV cache before them (0 for a prompt's first chunk)
+    seconds: float
+
+
+@dataclass(slots=True)
+class DecodePoint:
+    batch: int  # requests decoded in the step
+    context_tokens: int  # their KV, in total
+    seconds: float
+
+
+@dataclass(slots=True)
+class TransferPoint:
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class Fit:
+    """``seconds = sum(coef_i * feature_i)`` over the features named in ``features`` (``1`` is the constant)."""
+
+    features: list[str]
+    coefficients: list[float]
+
+    def __call__(self, **values: float) -> float:
+        total = 0.0
+        for name, coef in zip(self.features, self.coefficients):
+            total += coef * (1.0 if name == "1" else _feature(name, values))
+        return max(total, 0.0)
+
+
+def _feature(name: str, values: dict[str, float]) -> float:
+    """A feature is a variable (``tokens``) or a product of variables (``tokens*context``)."""
+    result = 1.0
+    for part in name.split("*"):
+        result *= values[part]
+    return result
+
+
+@dataclass(slots=True)
+class Profile:
+    model: str
+    dtype: str
+    device: str  # "cpu", or the GPU's name
+    backend: str  # the transfer backend measured (zmq, shm, gloo, nccl, local)
+    date: str  # ISO 8601, when it was measured
+    block_size: int
+    kv_bytes_per_token: int
+    max_batch_tokens: int  # the prefill pool's chunk size when measured
+    max_num_seqs: int  # the decode pool's batch bound when measured
+    prefill_points: list[PrefillPoint] = field(default_factory=list)
+    decode_points: list[DecodePoint] = field(default_factory=list)
+    transfer_points: list[TransferPoint] = field(default_factory=list)
+    prefill_fit: Fit | None = None  # features of tokens and context
+    decode_fit: Fit | None = None  # features of batch and context_tokens
+    transfer_fit: Fit | None = None  # features of num_bytes
+    notes: str = ""  # how it was measured (threads, repeats), shown with every plan made from it
+    version: int = PROFILE_VERSION
+
+    def prefill_s(self, tokens: int, context: int = 0) -> float:
+        assert self.prefill_fit is not None, "profile has no prefill fit"
+        return self.prefill_fit(tokens=tokens, context=context)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        assert self.decode_fit is not None, "profile has no decode fit"
+        return self.decode_fit(batch=batch, context_tokens=context_tokens)
+
+    def transfer_s(self, num_bytes: int) -> float:
+        if self.transfer_fit is None:  # a colocated-only profile
+            return 0.0
+        return self.transfer_fit(num_bytes=num_bytes)
+
+    def mixed_step_s(self, prefill_tokens: int, prefill_context: int, batch: int, context_tokens: int) -> float:
+        """A step with a prefill chunk and ``batch`` decodes (colocated): both parts, one forward's fixed cost."""
+        if prefill_tokens == 0:
+            return self.decode_step_s(batch, context_tokens)
+        if batch == 0:
+            return self.prefill_s(prefill_tokens, prefill_context)
+        overhead = self.decode_step_s(0, 0)
+        return self.prefill_s(prefill_tokens, prefill_context) + self.decode_step_s(batch, context_tokens) - overhead
+
+    # ---- files -----------------------------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"{path}: profile version {data.get('version')!r}, this pdserve reads {PROFILE_VERSION}")
+        for name, kind in (("prefill_points", PrefillPoint), ("decode_points", DecodePoint)):
+            data[name] = [kind(**p) for p in data.get(name, [])]
+        data["transfer_points"] = [TransferPoint(**p) for p in data.get("transfer_points", [])]
+        for name in ("prefill_fit", "decode_fit", "transfer_fit"):
+            data[name] = Fit(**data[name]) if data.get(name) else None
+        return cls(**data)

@@ -1,0 +1,97 @@
+"""The transfer part of ``pdserve profile``: one request's KV, sender to receiver, on the configured backend.
+
+Why in-process: a sender and a receiver of one backend in one process move the KV through the same sockets, rings
+and copies as two workers on one node (the receiver writes into a real engine's KV cache), without starting
+workers. ``auto`` is resolved as two workers on one node resolve it: shared memory (``decode.worker.receiver_address``
+gives the receiver the same ``shm+tcp`` address a decode worker binds). ``nccl`` needs two GPUs in two processes, so
+it is not measured here: shared memory is, the profile records ``shm`` as its backend and the notes say why.
+The gather of the source blocks is not timed (the prefill worker does it inside its forward); the first transfer of
+each size is not kept (it opens the session: handshake and ring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from decode.worker import receiver_address
+from engine.llm_engine import LLMEngine
+from planner.profile_model import TransferPoint
+from transfer.base import make_receiver, make_sender
+from transfer.state import TransferState
+from transfer.wire import ModelFingerprint
+from worker.spec import WorkerSpec
+
+
+def transfer_backend(spec: WorkerSpec) -> tuple[WorkerSpec, str, str]:
+    """(spec to measure with, backend name to record, a note): ``auto`` between two workers on one node is shm."""
+    backend = spec.transfer_backend
+    if backend == "auto":
+        return spec, "shm", "transfer: backend auto, measured as two workers on one node resolve it (shm)"
+    if backend == "nccl":
+        note = "transfer: nccl needs two GPUs in two processes, not measured here; shm measured instead"
+        return dataclasses.replace(spec, transfer_backend="shm"), "shm", note
+    return spec, backend, f"transfer: backend {backend}"
+
+
+def measure_transfer(
+    engine: LLMEngine, spec: WorkerSpec, blocks: list[int], repeats: int, tick: Callable[[], object]
+) -> tuple[str, str, list[TransferPoint]]:
+    """(backend recorded, note, one point per block count in ``blocks``: the median of ``repeats`` transfers)."""
+    spec, backend, note = transfer_backend(spec)
+    config = dataclasses.replace(spec.transfer, secret=spec.transfer.secret or secrets.token_hex(16))
+    fingerprint = ModelFingerprint.from_spec(engine.kv_spec)
+    cache = engine.kv_cache
+
+    def sink(_tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        cache.write_blocks(layer, blocks, k, v)
+
+    receiver = make_receiver(spec.transfer_backend, fingerprint, sink, receiver_address(spec), config)
+    sender = make_sender(spec.transfer_backend, fingerprint, config)
+    points = []
+    try:
+        for count in blocks:
+            source, destination = list(range(count)), list(range(count, 2 * count))
+            layers = [cache.read_blocks(layer, source) for layer in range(fingerprint.num_layers)]
+            times = [
+                _one_transfer(sender, receiver, f"profile-{count}-{i}", destination, layers, config.deadline_s)
+                for i in range(repeats + 1)
+            ][1:]  # the first one opens the session (handshake, ring): not a steady-state transfer
+            points.append(TransferPoint(count * engine.kv_spec.bytes_per_block, statistics.median(times)))
+            tick()
+    finally:
+        sender.close()
+        receiver.close()
+    return backend, note, points
+
+
+def _one_transfer(sender, receiver, tid: str, destination: list[int], layers, timeout_s: float) -> float:
+    """Seconds from ``begin`` until the receiver holds every layer; then waits (untimed) for the sender's ack."""
+    receiver.expect(tid, destination)
+    start = time.perf_counter()
+    sender.begin(tid, receiver.address)
+    for layer, (k, v) in enumerate(layers):
+        if not sender.send_layer(tid, layer, destination, k, v):
+            raise RuntimeError(f"transfer {tid}: the sender refused layer {layer}")
+    sender.finish(tid)
+    elapsed = _wait_for(receiver.poll, tid, timeout_s) - start
+    _wait_for(sender.poll, tid, timeout_s)
+    return elapsed
+
+
+def _wait_for(poll: Callable[[], list], tid: str, timeout_s: float) -> float:
+    """Poll until ``tid`` ends; returns when (perf_counter). RuntimeError if it failed or took over ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in poll():
+            if event.transfer_id == tid:
+                if event.state != TransferState.DONE:
+                    raise RuntimeError(f"transfer {tid} failed: {event.error!r}")
+                return time.perf_counter()
+        time.sleep(0.0002)
+    raise RuntimeError(f"transfer {tid} did not end within {timeout_s} s")

@@ -1,0 +1,343 @@
+"""``pdserve profile``: measure prefill, decode and KV transfer times on this machine, with a config's engines.
+
+Why the engine directly (no Ray, no HTTP): the simulator needs the cost of one forward and of one transfer, not of
+the control plane around them, and a profile must be quick enough to rerun whenever the model or the hardware
+changes. The engines are built from the config's own ``WorkerSpec``\\ s (``ClusterConfig.worker_specs``, device
+picked by ``resolve_spec`` as a worker picks it), so the model, dtype, device, torch threads, block size, chunk size
+and batch bound are the workers' own.
+
+What is measured (each point the median of ``repeats`` timings, more for steps so short that a scheduler hiccup
+would be a large share of them: ``samples_needed``; after an untimed warm-up):
+
+- prefill (the prefill pool's engine): one step over a prefill-only request of ``tokens`` new prompt tokens, first
+  with nothing cached, then after ``context`` tokens already in the prefix cache (the later chunks of a chunked
+  prefill, and prompts that share a prefix). The context is put there the way a real one is: an earlier request with
+  that prefix, prefilled and released; the point records the cache hit the engine reports, not the one intended.
+- decode (the decode pool's engine): one step of ``batch`` decoding requests holding ``context_tokens`` tokens of KV
+  in total. A batch is built once per context length at its largest size, every request sharing one prompt through
+  the prefix cache (so 64 requests of 1024 tokens cost one prefill, not 64), then shrunk by aborting requests, timing
+  steps at each size of a geometric grid. Attention still reads every request's KV: sharing the blocks saves only
+  the prefills.
+- transfer: one request's KV (every layer of ``n`` blocks, as the prefill worker sends it) from a sender to a receiver
+  of the configured backend, in this process, written into the decode engine's KV cache: from ``begin`` until the
+  receiver reports the KV complete (planner/profile_transfer.py).
+
+Then ``planner.fit`` fits the curves the simulator reads (``Profile.prefill_s``, ``decode_step_s``, ``transfer_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from cluster.config import ClusterConfig
+from engine.blocks import blocks_for_tokens
+from engine.llm_engine import LLMEngine
+from engine.model_loader import resolve_model_path
+from engine.request import RequestStatus, SamplingParams
+from planner.fit import FitQuality, fit_points
+from planner.profile_model import DecodePoint, PrefillPoint, Profile, TransferPoint
+from planner.profile_transfer import measure_transfer
+from worker.spec import WorkerSpec, resolve_spec
+
+PREFILL_FEATURES = ["1", "tokens", "tokens*context", "tokens*tokens"]
+DECODE_FEATURES = ["1", "batch", "context_tokens"]
+TRANSFER_FEATURES = ["1", "num_bytes"]
+MAX_TRANSFER_BYTES = 64 * 1024 * 1024
+MIN_SAMPLED_S = 0.05  # keep timing a point until its samples add up to this (or MAX_SAMPLES)
+MAX_SAMPLES = 15
+
+
+def samples_needed(times: list[float], repeats: int) -> bool:
+    """Whether a point needs another timing: fewer than ``repeats``, or all of them together still so short (a tiny
+    model's millisecond steps) that the median of a few would be at the mercy of one descheduling."""
+    return len(times) < repeats or (sum(times) < MIN_SAMPLED_S and len(times) < MAX_SAMPLES)
+
+
+Tick = Callable[..., object]  # tqdm's update: tick() or tick(n)
+
+
+@dataclass(slots=True)
+class Grid:
+    """Which points to measure; ``plan_grid`` sizes it from the engines' limits."""
+
+    prefill_tokens: list[int]  # first chunks (nothing cached)
+    prefill_context: list[tuple[int, int]]  # (context, tokens): a chunk after cached tokens
+    decode_contexts: list[int]  # per request
+    decode_batches: list[int]  # at most max_num_seqs (and what the KV cache holds, checked per context)
+    transfer_blocks: list[int]
+    repeats: int
+
+    @property
+    def num_measurements(self) -> int:
+        decode = len(self.decode_contexts) * len(self.decode_batches)
+        return len(self.prefill_tokens) + len(self.prefill_context) + decode + len(self.transfer_blocks)
+
+
+def geometric(low: int, high: int, count: int) -> list[int]:
+    """``count`` integers from ``low`` to ``high`` (both included), evenly spaced on a log scale, without repeats."""
+    if high <= low or count <= 1:
+        return [max(low, high)]
+    ratio = (high / low) ** (1 / (count - 1))
+    return sorted({min(high, round(low * ratio**i)) for i in range(count)} | {high})
+
+
+def _round_down(value: int, multiple: int) -> int:
+    return max(multiple, value // multiple * multiple)
+
+
+def plan_grid(prefill: LLMEngine, decode: LLMEngine, quick: bool) -> Grid:
+    """The measurement grid for these engines: chunk sizes up to the prefill pool's ``max_batch_tokens`` (within the
+    model length and the KV cache), contexts that fit beside them, batches up to the decode pool's ``max_num_seqs``."""
+    block = prefill.config.block_size
+    prefill_tokens_cap = prefill.block_manager.num_blocks * block - block
+    longest = min(prefill.config.max_batch_tokens, prefill.max_model_len - 1, prefill_tokens_cap)
+    tokens = geometric(16, longest, 4 if quick else 5)
+    room = min(prefill.max_model_len - 1, prefill_tokens_cap)  # context + chunk must fit both
+    chunks = [min(32, longest)] if quick else [min(128, longest), min(512, longest)]
+    contexts = (
+        [_round_down(room // 4, block)] if quick else [_round_down(room // 8, block), _round_down(room // 3, block)]
+    )
+    context_points = [(c, t) for c in contexts for t in chunks if c + t <= room]
+    decode_room = min(decode.max_model_len - 64, decode.block_manager.num_blocks * block // 2)
+    decode_contexts = [16, 64] if quick else [32, max(64, decode_room // 16), max(128, decode_room // 4)]
+    max_seqs = decode.config.max_num_seqs
+    batches = geometric(1, max_seqs, 3 if quick else max(2, max_seqs.bit_length()))
+    bytes_per_block = decode.kv_spec.bytes_per_block
+    largest = max(1, min(MAX_TRANSFER_BYTES // bytes_per_block, decode.block_manager.num_blocks // 2))
+    smallest = min(largest, max(1, 256 // block))  # one short request's KV
+    transfer = geometric(smallest, largest, 3 if quick else 4)
+    return Grid(tokens, context_points, decode_contexts, batches, transfer, repeats=3)
+
+
+# ---- the engines -------------------------------------------------------------------------------------------------
+
+
+def pool_specs(config: ClusterConfig) -> tuple[WorkerSpec, WorkerSpec]:
+    """The (prefill, decode) workers' specs as their processes resolve them; colocated: one pool stands for both."""
+    model_path = str(resolve_model_path(config.model.name))
+    specs = config.worker_specs(model_path, ["tcp://127.0.0.1:1"], "127.0.0.1")  # router never contacted
+    by_pool = {spec.pool: resolve_spec(spec) for spec in reversed(specs)}  # the first replica of each pool
+    prefill = by_pool.get("prefill") or by_pool["decode"]
+    decode = by_pool.get("decode") or by_pool["prefill"]
+    return prefill, decode
+
+
+def measuring_engine(spec: WorkerSpec) -> LLMEngine:
+    """The worker's engine, with prefix caching on: the context points and shared decode batches are built with it
+    (it changes no forward's cost), and every prompt not meant to share is random, so nothing else hits the cache."""
+    engine = LLMEngine(dataclasses.replace(spec.engine, enable_prefix_caching=True))
+    engine.warm_up()
+    return engine
+
+
+def device_name(engine: LLMEngine) -> str:
+    device = engine.config.device
+    return "cpu" if device == "cpu" else torch.cuda.get_device_name(torch.device(device))
+
+
+def _prompt(rng: random.Random, engine: LLMEngine, length: int) -> list[int]:
+    vocab = engine.model.config.vocab_size
+    return [rng.randrange(min(100, vocab // 2), vocab) for _ in range(length)]
+
+
+# ---- prefill -----------------------------------------------------------------------------------------------------
+
+
+def _prefill_step(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+    """Time the one step that prefills ``prompt``; returns (seconds, tokens the prefix cache supplied)."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+    start = time.perf_counter()
+    outputs = engine.step()
+    elapsed = time.perf_counter() - start
+    request = engine.requests.get(rid)
+    cached = request.num_cached_tokens if request is not None else 0
+    done = request is not None and request.status == RequestStatus.PREFILLED
+    engine.abort(rid)
+    if not done:
+        errors = [o.error for o in outputs if o.error]
+        raise RuntimeError(f"a {len(prompt)}-token prefill did not finish in one step: {errors or 'chunked'}")
+    return elapsed, cached
+
+
+def _prefill_whole(engine: LLMEngine, prompt: list[int]) -> None:
+    """Prefill a prompt in as many chunks as it takes, then release it: its full blocks stay in the prefix cache."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+    while engine.requests[rid].status != RequestStatus.PREFILLED:
+        if not engine.step():
+            raise RuntimeError("the context prefill stalled (KV cache too small?)")
+    engine.release(rid)
+
+
+def measure_prefill(engine: LLMEngine, grid: Grid, rng: random.Random, tick: Tick) -> list[PrefillPoint]:
+    _prefill_step(engine, _prompt(rng, engine, grid.prefill_tokens[len(grid.prefill_tokens) // 2]))  # warm-up
+    points = []
+    for tokens in grid.prefill_tokens:
+        times: list[float] = []
+        while samples_needed(times, grid.repeats):
+            times.append(_prefill_step(engine, _prompt(rng, engine, tokens))[0])
+        points.append(PrefillPoint(tokens=tokens, context=0, seconds=statistics.median(times)))
+        tick()
+    for context, tokens in grid.prefill_context:
+        prefix = _prompt(rng, engine, context)
+        _prefill_whole(engine, prefix)
+        runs: list[tuple[float, int]] = []
+        while samples_needed([t for t, _ in runs], grid.repeats):
+            runs.append(_prefill_step(engine, prefix + _prompt(rng, engine, tokens)))
+        cached = min(hit for _, hit in runs)  # what the engine reused, whatever was intended
+        computed = context + tokens - cached
+        points.append(PrefillPoint(tokens=computed, context=cached, seconds=statistics.median(t for t, _ in runs)))
+        tick()
+    engine.block_manager.reset_prefix_cache()
+    return points
+
+
+# ---- decode ------------------------------------------------------------------------------------------------------
+
+
+def _batch_cap(engine: LLMEngine, context: int, steps: int) -> int:
+    """How many requests of ``context`` tokens sharing one prompt can decode ``steps`` tokens without preemption."""
+    block = engine.config.block_size
+    shared = (context - 1) // block  # full blocks the prefix cache shares (never the prompt's last token)
+    own = blocks_for_tokens(context + steps, block) - shared
+    return max(1, (engine.block_manager.num_blocks - shared) // own)
+
+
+def measure_decode(engine: LLMEngine, grid: Grid, rng: random.Random, tick: Tick) -> list[DecodePoint]:
+    points = []
+    steps = (
+        len(grid.decode_batches) * (max(grid.repeats, MAX_SAMPLES) + 1) + 8
+    )  # tokens each request must be able to decode
+    for context in grid.decode_contexts:
+        context = min(context, engine.max_model_len - steps - 1)
+        cap = _batch_cap(engine, context, steps)
+        batches = sorted({b for b in grid.decode_batches if b < cap} | {min(cap, max(grid.decode_batches))})
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        prompt = _prompt(rng, engine, context)
+        first = engine.add_request(prompt, params.copy())
+        while not engine.requests[first].output_token_ids:  # its blocks cached before the others arrive
+            engine.step()
+        ids = [first] + [engine.add_request(prompt, params.copy()) for _ in range(max(batches) - 1)]
+        while any(not engine.requests[rid].output_token_ids for rid in ids):
+            engine.step()
+        preemptions = engine.scheduler.num_preemptions
+        for batch in sorted(batches, reverse=True):
+            for rid in ids[batch:]:
+                engine.abort(rid)
+            ids = ids[:batch]
+            engine.step()  # warm-up at this size
+            times: list[float] = []
+            contexts: list[int] = []
+            while samples_needed(times, grid.repeats):
+                contexts.append(sum(engine.requests[rid].num_tokens for rid in ids))
+                start = time.perf_counter()
+                outputs = engine.step()
+                times.append(time.perf_counter() - start)
+                if len(outputs) != batch or any(o.error for o in outputs):
+                    raise RuntimeError(f"a decode step of {batch} requests returned {len(outputs)} outputs")
+            point = DecodePoint(batch=batch, context_tokens=round(statistics.mean(contexts)), seconds=0.0)
+            point.seconds = statistics.median(times)
+            points.append(point)
+            tick()
+        if engine.scheduler.num_preemptions != preemptions:
+            raise RuntimeError("the decode batch was preempted while timed: the KV cache is too small for the grid")
+        for rid in ids:
+            engine.abort(rid)
+        tick(len(grid.decode_batches) - len(batches))  # sizes the KV cache cannot hold at this context
+    engine.block_manager.reset_prefix_cache()
+    return points
+
+
+# ---- the whole profile -------------------------------------------------------------------------------------------
+
+
+def profile_cluster(config: ClusterConfig, quick: bool = False, progress: bool = True, seed: int = 0) -> Profile:
+    """Measure this machine with ``config``'s workers and fit the curves; the caller saves the ``Profile``."""
+    started = time.monotonic()
+    rng = random.Random(seed)
+    prefill_spec, decode_spec = pool_specs(config)
+    prefill_engine = measuring_engine(prefill_spec)
+    decode_engine = measuring_engine(decode_spec)
+    grid = plan_grid(prefill_engine, decode_engine, quick)
+    with tqdm(total=grid.num_measurements, desc="profiling", unit="point", disable=not progress) as bar:
+        prefill = measure_prefill(prefill_engine, grid, rng, bar.update)
+        prefill_engine.check_no_leaks()
+        decode = measure_decode(decode_engine, grid, rng, bar.update)
+        backend, transfer_note = "none", "transfer: colocated, no KV moves"
+        transfer: list[TransferPoint] = []
+        if config.mode == "disaggregated":
+            blocks, repeats = grid.transfer_blocks, grid.repeats
+            backend, transfer_note, transfer = measure_transfer(decode_engine, decode_spec, blocks, repeats, bar.update)
+        else:
+            bar.update(len(grid.transfer_blocks))
+        decode_engine.check_no_leaks()
+    prefill_fit, prefill_q = fit_points(
+        PREFILL_FEATURES, [_row(p, "tokens", "context") for p in prefill], [p.seconds for p in prefill]
+    )
+    decode_fit, decode_q = fit_points(
+        DECODE_FEATURES, [_row(p, "batch", "context_tokens") for p in decode], [p.seconds for p in decode]
+    )
+    transfer_fit, transfer_q = None, None
+    if transfer:
+        transfer_fit, transfer_q = fit_points(
+            TRANSFER_FEATURES, [_row(p, "num_bytes") for p in transfer], [p.seconds for p in transfer]
+        )
+    notes = _notes(prefill_spec, decode_spec, grid, prefill_q, decode_q, transfer_q, transfer_note, started)
+    return Profile(
+        model=config.model.name,
+        dtype=config.model.dtype,
+        device=device_name(prefill_engine),
+        backend=backend,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        block_size=prefill_engine.config.block_size,
+        kv_bytes_per_token=prefill_engine.kv_spec.bytes_per_token,
+        max_batch_tokens=prefill_engine.config.max_batch_tokens,
+        max_num_seqs=decode_engine.config.max_num_seqs,
+        prefill_points=prefill,
+        decode_points=decode,
+        transfer_points=transfer,
+        prefill_fit=prefill_fit,
+        decode_fit=decode_fit,
+        transfer_fit=transfer_fit,
+        notes=notes,
+    )
+
+
+def _row(point: object, *names: str) -> dict[str, float]:
+    return {name: float(getattr(point, name)) for name in names}
+
+
+def _notes(
+    prefill: WorkerSpec,
+    decode: WorkerSpec,
+    grid: Grid,
+    prefill_q: FitQuality,
+    decode_q: FitQuality,
+    transfer_q: FitQuality | None,
+    transfer_note: str,
+    started: float,
+) -> str:
+    threads = f"torch threads prefill {prefill.engine.torch_threads or 'default'}, decode {decode.engine.torch_threads or 'default'}"
+    devices = f"devices prefill {prefill.engine.device}, decode {decode.engine.device}"
+    fits = [f"prefill fit: {prefill_q.describe()}", f"decode fit: {decode_q.describe()}"]
+    if transfer_q is not None:
+        fits.append(f"transfer fit: {transfer_q.describe()}")
+    took = time.monotonic() - started
+    return "; ".join(
+        [
+            f"measured by pdserve profile in {took:.0f} s",
+            threads,
+            devices,
+            f"median of >= {grid.repeats} timings per point",
+            *fits,
+            transfer_note,
+        ]
+    )
