@@ -1,0 +1,244 @@
+"""``pdserve plan``: simulate colocated and every P:D split of N workers on a workload; recommend one for an SLO.
+
+Every figure it prints is simulated (planner/simulator.py) from a measured profile, and says so with the profile's
+model, device and date: none is a measurement of a cluster. The workload is a JSONL trace (``{"arrival_s",
+"input_tokens", "output_tokens"}`` per line; its arrival pattern is kept and scaled in time) or a synthetic spec with
+the load tester's distributions (``bench.loadtest.workloads.draw_lengths``, so ``pdserve bench serve`` and the
+planner draw lengths alike) and Poisson arrivals:
+
+    fixed:IN:OUT    uniform:IN:OUT[:RANGE_RATIO]    normal:IN:OUT[:CV]    lognormal:IN:OUT[:CV]
+    shared-prefix:GROUPS:PREFIX:IN:OUT   (GROUPS system prompts of PREFIX tokens, then a question of IN tokens)
+
+The standard library only at module level (``pdserve --help`` imports nothing heavy). ``pdserve plan kv`` and
+``pdserve plan validate`` share this parser, so its options are checked in ``run``, not by argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_RANGE_RATIO = 0.5  # uniform: lengths within ±50% of the mean
+DEFAULT_CV = 0.25  # normal, lognormal: the load tester's --length-cv default
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default=None, help="a profile JSON written by `pdserve profile`")
+    parser.add_argument(
+        "--workload",
+        default=None,
+        metavar="W",
+        help="a JSONL trace, or fixed:IN:OUT, uniform:IN:OUT[:RATIO], normal|lognormal:IN:OUT[:CV], "
+        "shared-prefix:GROUPS:PREFIX:IN:OUT",
+    )
+    parser.add_argument(
+        "--slo", nargs="+", default=None, metavar="KIND:MS", help="ttft:MS tpot:MS (default: the config's slo)"
+    )
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="workers to split (prefill + decode)")
+    parser.add_argument(
+        "--config", default="local", help="base cluster config: a YAML path or a shipped config's name (default: local)"
+    )
+    parser.add_argument("--out", default=None, help="write the recommended layout's config YAML here")
+    parser.add_argument(
+        "--num-requests", type=int, default=300, metavar="K", help="requests per simulation (default 300)"
+    )
+    parser.add_argument(
+        "--min-duration",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="each simulated run spans at least S seconds (the workload repeated), so a large cluster is measured in "
+        "steady state, not on one burst (default 60)",
+    )
+    parser.add_argument(
+        "--split-step",
+        type=int,
+        default=1,
+        metavar="K",
+        help="try 1, 1+K, 1+2K... prefill workers (and N-1); default 1: every split",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and arrivals")
+    parser.add_argument(
+        "--tolerance", type=float, default=0.02, help="goodput bisection stops within this share (default 0.02)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="plot goodput against the split (PNG)")
+
+
+def parse_slo(items: list[str] | None, default_ttft_s: float, default_tpot_s: float) -> tuple[float, float]:
+    """``["ttft:500", "tpot:100"]`` (milliseconds) -> seconds; a kind not given keeps the config's."""
+    values = {"ttft": default_ttft_s, "tpot": default_tpot_s}
+    for item in items or []:
+        kind, _, ms = item.partition(":")
+        if kind not in values or not ms:
+            raise ValueError(f"--slo: {item!r} is not ttft:MS or tpot:MS")
+        try:
+            seconds = float(ms) / 1000
+        except ValueError:
+            raise ValueError(f"--slo: {item!r}: {ms!r} is not a number of milliseconds") from None
+        if seconds <= 0:
+            raise ValueError(f"--slo: {item!r} must be positive")
+        values[kind] = seconds
+    return values["ttft"], values["tpot"]
+
+
+def _ints(spec: str, parts: list[str], count: int) -> list[int]:
+    try:
+        values = [int(p) for p in parts[:count]]
+    except ValueError:
+        raise ValueError(f"--workload: {spec!r}: lengths must be whole numbers") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"--workload: {spec!r}: lengths must be at least 1")
+    return values
+
+
+def build_workload(spec: str, num_requests: int, seed: int):
+    """A ``planner.trace.Workload`` from a trace file or a synthetic spec (the module docstring)."""
+    import numpy as np
+
+    from bench.loadtest.workloads import draw_lengths
+    from planner.trace import TraceRequest, load_jsonl, poisson_workload
+
+    if num_requests < 2:
+        raise ValueError("--num-requests must be at least 2")
+    if Path(spec).is_file():
+        return load_jsonl(spec, limit=num_requests)
+    kind, *parts = spec.split(":")
+    rng = np.random.default_rng(seed)
+    if kind == "shared-prefix":
+        if len(parts) != 4:
+            raise ValueError(f"--workload: {spec!r} is not shared-prefix:GROUPS:PREFIX:IN:OUT")
+        groups, prefix, question, output = _ints(spec, parts, 4)
+        shapes = [
+            TraceRequest(0.0, prefix + question, output, prefix_id=i % groups, prefix_tokens=prefix)
+            for i in range(num_requests)
+        ]
+        return poisson_workload(spec, shapes, seed)
+    if kind not in ("fixed", "uniform", "normal", "lognormal") or len(parts) not in (2, 3):
+        raise ValueError(
+            f"--workload: {spec!r} is neither a file nor one of fixed:IN:OUT, uniform:IN:OUT[:RATIO], "
+            "normal:IN:OUT[:CV], lognormal:IN:OUT[:CV], shared-prefix:GROUPS:PREFIX:IN:OUT"
+        )
+    mean_in, mean_out = _ints(spec, parts, 2)
+    spread = float(parts[2]) if len(parts) == 3 else (DEFAULT_RANGE_RATIO if kind == "uniform" else DEFAULT_CV)
+    inputs = draw_lengths(mean_in, num_requests, kind, rng, range_ratio=spread, cv=spread)
+    outputs = draw_lengths(mean_out, num_requests, kind, rng, range_ratio=spread, cv=spread)
+    return poisson_workload(spec, [TraceRequest(0.0, i, o) for i, o in zip(inputs, outputs)], seed)
+
+
+def describe_profile(profile) -> str:
+    return f"profile {profile.model} {profile.dtype} on {profile.device} ({profile.backend}), measured {profile.date}"
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--profile", args.profile), ("--workload", args.workload), ("--workers", args.workers)):
+        if value is None:
+            raise ValueError(f"pdserve plan needs {flag} (see pdserve plan --help)")
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if not Path(args.profile).is_file():
+        raise ValueError(f"--profile: {args.profile!r} is not a file (write one with `pdserve profile`)")
+    from cluster.config import load_config
+    from planner.goodput import SLO
+    from planner.profile_model import Profile
+    from planner.recommend import best, best_disaggregated, evaluate, plan_config, write_config
+    from planner.simulator import SimSettings
+
+    profile = Profile.load(args.profile)
+    base = load_config(args.config)
+    ttft_s, tpot_s = parse_slo(args.slo, base.slo.ttft_s, base.slo.tpot_s)
+    slo = SLO(ttft_s, tpot_s)
+    workload = build_workload(args.workload, args.num_requests, args.seed)
+    settings = SimSettings.from_config(base, profile)
+    settings.seed = args.seed
+    quiet = args.json
+
+    def progress(result) -> None:
+        if not quiet:
+            print(f"  simulated {result.layout.label}: {result.goodput.rate:.3f} req/s", file=sys.stderr, flush=True)
+
+    results = evaluate(
+        profile, workload, args.workers, settings, slo, args.tolerance, progress, args.min_duration, args.split_step
+    )
+    chosen = best(results, args.tolerance)
+    split = best_disaggregated(results)
+    colocated = results[0]
+    label = f"SIMULATED, not measured: {describe_profile(profile)}"
+    if args.out:
+        header = (
+            f"pdserve plan: {chosen.layout.label} for {args.workload}, SLO ttft {ttft_s * 1000:g} ms tpot "
+            f"{tpot_s * 1000:g} ms\nsimulated goodput {chosen.goodput.rate:.3f} req/s; {label}"
+        )
+        write_config(plan_config(base, chosen.layout), args.out, header)
+    if args.plot:
+        _plot(results, args.plot, label, args.workload, ttft_s, tpot_s)
+    if args.json:
+        print(json.dumps(_as_json(results, chosen, profile, args, ttft_s, tpot_s), indent=1))
+        return 0
+    print(label)
+    print(
+        f"workload {workload.name}: {len(workload.shapes)} requests, mean input {workload.mean_input:.0f}, "
+        f"mean output {workload.mean_output:.0f} tokens; SLO ttft {ttft_s * 1000:g} ms, tpot {tpot_s * 1000:g} ms, "
+        f">= 90% of requests"
+    )
+    print(f"{'layout':<16}{'goodput req/s':>15}{'per worker':>12}{'attainment':>12}")
+    for r in results:
+        mark = "  <- recommended" if r is chosen else ""
+        print(f"{r.layout.label:<16}{r.goodput.rate:>15.3f}{r.per_worker:>12.3f}{r.goodput.attainment:>12.2f}{mark}")
+    if split is not None and colocated.goodput.rate > 0:
+        print(
+            f"best split {split.layout.label}: {split.goodput.rate / colocated.goodput.rate:.2f}x colocated (simulated)"
+        )
+    if args.out:
+        print(f"wrote {args.out} ({chosen.layout.label}); run it with: pdserve serve --config {args.out}")
+    return 0
+
+
+def _as_json(results, chosen, profile, args, ttft_s: float, tpot_s: float) -> dict:
+    return {
+        "simulated": True,
+        "profile": {k: getattr(profile, k) for k in ("model", "dtype", "device", "backend", "date")},
+        "workload": args.workload,
+        "workers": args.workers,
+        "min_duration_s": args.min_duration,
+        "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s, "attainment": 0.9},
+        "results": [
+            {
+                "layout": r.layout.label,
+                "mode": r.layout.mode,
+                "prefill": r.layout.prefill,
+                "decode": r.layout.decode,
+                "goodput_rps": r.goodput.rate,
+                "attainment": r.goodput.attainment,
+                "probes": len(r.goodput.probes),
+            }
+            for r in results
+        ],
+        "recommended": chosen.layout.label,
+        "config": args.out,
+    }
+
+
+def _plot(results, path: str, label: str, workload: str, ttft_s: float, tpot_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    split = [r for r in results if r.layout.mode == "disaggregated"]
+    colocated = results[0]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if split:
+        ax.plot([r.layout.prefill for r in split], [r.goodput.rate for r in split], "o-", label="P:D split")
+    ax.axhline(colocated.goodput.rate, color="gray", linestyle="--", label=f"colocated {colocated.layout.decode}")
+    ax.set_xlabel(f"prefill workers (of {colocated.layout.workers}; the rest decode)")
+    ax.set_ylabel("goodput, req/s (simulated)")
+    two_lines = label.replace(": ", ":\n", 1)  # "SIMULATED, not measured:" above the profile's name
+    title = f"{workload}, SLO ttft {ttft_s * 1000:g} ms tpot {tpot_s * 1000:g} ms\n{two_lines}"
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
