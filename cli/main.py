@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd  # the standard library only at import
 from cli import status as status_command  # the standard library only: `pdserve status` is one HTTP GET
 
 Command = Callable[[argparse.Namespace], int]
@@ -198,6 +199,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=_call("cluster.demo", "run_demo"))
+
+    profile = sub.add_parser(
+        "profile", help="measure prefill, decode and KV transfer times on this hardware (the input of `plan`)"
+    )
+    profile_cmd.add_arguments(profile)
+    profile.set_defaults(func=_call("cli.profile_cmd", "run"))
+
+    plan = sub.add_parser(
+        "plan", help="simulate colocated and every P:D split for an SLO and recommend one (plan kv: KV sizing)"
+    )
+    plan_cmd.add_arguments(plan)
+    plan.set_defaults(func=_call("cli.plan_cmd", "run"))
+    plan_sub = plan.add_subparsers(dest="plan_command", required=False)
+    plan_kv = plan_sub.add_parser("kv", help="KV bytes per token, tokens per GiB, requests that fit")
+    plan_kv_cmd.add_arguments(plan_kv)
+    plan_kv.set_defaults(func=_call("cli.plan_kv_cmd", "run"))
+    validate = plan_sub.add_parser(
+        "validate", help="run a workload on the local cluster and through the simulator; print both side by side"
+    )
+    plan_validate_cmd.add_arguments(validate)
+    validate.set_defaults(func=_call("cli.plan_validate_cmd", "run"))
 
     return parser
 

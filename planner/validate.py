@@ -1,0 +1,232 @@
+"""Measured against simulated: the comparison behind ``pdserve plan validate``.
+
+Why a module of its own, apart from the command: the command (cli/plan_validate_cmd.py) needs the load tester and
+a running cluster, while the comparison is plain arithmetic on per-request records that tests can write by hand.
+The planner layer may not import bench, so the load tester's records arrive here as the dicts it writes to
+``requests.jsonl`` (``RequestResult.to_record()``), read by key.
+
+What is compared, and why that way:
+
+- The simulator replays exactly the requests the load tester sent: each one's actual send offset (``sent_s``, not
+  the planned one, so client lateness is not blamed on the model) and the token counts the server reported (input
+  from ``usage``, output as generated). Failed requests are left out of both sides and counted.
+- TTFT and TPOT p50/p90, in milliseconds, with percentiles by linear interpolation between closest ranks (what the
+  load tester reports, ``numpy.percentile``'s default). TPOT only over requests with more than one output token:
+  the load tester counts a one-token answer's TPOT as 0 and the simulator has none, and neither is a decode step.
+- The ratio is simulated / measured: 1.0 is exact, 0.8 means the simulator is 20% optimistic. The issue's goal is
+  every ratio within ``GOAL_TOLERANCE`` of 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from planner.trace import TraceRequest
+
+GOAL_TOLERANCE = 0.20  # issue 12: simulated within 20% of measured
+METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+LABELS = {"ttft_p50": "TTFT p50", "ttft_p90": "TTFT p90", "tpot_p50": "TPOT p50", "tpot_p90": "TPOT p90"}
+
+
+class Latencies(Protocol):
+    """A measured request (``MeasuredRequest``) or a simulated one (``planner.simulator.SimRecord``)."""
+
+    output_tokens: int
+    ttft_s: float
+    tpot_s: float | None
+
+
+@dataclass(slots=True)
+class MeasuredRequest:
+    """One request the load tester completed, in the simulator's terms."""
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    ttft_s: float
+    tpot_s: float | None
+
+
+@dataclass(slots=True)
+class Replay:
+    """What one measured run gives the simulator (``trace``) and the comparison (``measured``), in the same order."""
+
+    trace: list[TraceRequest]
+    measured: list[MeasuredRequest]
+    failed: int  # requests that did not complete: in neither list
+
+
+def replay_from_records(records: Iterable[dict], prefix_tokens: dict[int, int] | None = None) -> Replay:
+    """The trace the load tester actually sent, from its per-request records (warm-ups skipped).
+
+    ``prefix_tokens`` maps a shared-prefix group to the tokens its requests share (their common system text): such
+    requests get ``prefix_id`` = group so that the simulator can model prefix-cache hits."""
+    rows = sorted((r for r in records if not r.get("warmup")), key=lambda r: (r["sent_s"] is None, r["sent_s"] or 0))
+    trace: list[TraceRequest] = []
+    measured: list[MeasuredRequest] = []
+    failed = 0
+    for r in rows:
+        if not r.get("success") or r.get("ttft_s") is None or r.get("sent_s") is None:
+            failed += 1
+            continue
+        inputs = int(r["input_tokens"] if r.get("input_tokens") is not None else r["expected_input_tokens"])
+        outputs = int(r["output_tokens"])
+        group = r.get("group")
+        shared = min((prefix_tokens or {}).get(group, 0), inputs) if group is not None else 0
+        trace.append(
+            TraceRequest(
+                arrival_s=float(r["sent_s"]),
+                input_tokens=inputs,
+                output_tokens=outputs,
+                prefix_id=group if shared else None,
+                prefix_tokens=shared,
+            )
+        )
+        measured.append(MeasuredRequest(float(r["sent_s"]), inputs, outputs, float(r["ttft_s"]), r.get("tpot_s")))
+    return Replay(trace, measured, failed)
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Linear interpolation between closest ranks (``numpy.percentile``'s default); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    if rank == low or ordered[high] == ordered[low]:  # also keeps inf (an unfinished request) from giving nan
+        return ordered[low]
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(slots=True)
+class LatencySummary:
+    """Percentiles in ms. A simulated request that never got its first token (rejected, or unfinished when the
+    simulation ended) counts as an infinite TTFT, so that it raises the percentiles as a timeout would, and is
+    counted in ``unfinished``; JSON shows an infinite percentile as null."""
+
+    requests: int
+    ttft_p50: float | None  # ms
+    ttft_p90: float | None
+    tpot_p50: float | None  # ms, over requests with more than one output token
+    tpot_p90: float | None
+    unfinished: int = 0
+
+
+def summarize(requests: Sequence[Latencies]) -> LatencySummary:
+    ttft = [r.ttft_s * 1000.0 for r in requests]
+    tpot = [r.tpot_s * 1000.0 for r in requests if r.output_tokens > 1 and r.tpot_s is not None]
+    unfinished = sum(not math.isfinite(r.ttft_s) or getattr(r, "rejected", False) for r in requests)
+    return LatencySummary(
+        len(requests),
+        percentile(ttft, 50),
+        percentile(ttft, 90),
+        percentile(tpot, 50),
+        percentile(tpot, 90),
+        unfinished,
+    )
+
+
+def ratio(simulated: float | None, measured: float | None) -> float | None:
+    if simulated is None or measured is None or measured <= 0 or not math.isfinite(measured):
+        return None
+    return simulated / measured  # inf when the simulator never finished what the cluster did
+
+
+@dataclass(slots=True)
+class Comparison:
+    """One mode at one rate: the measured run and its simulated replay."""
+
+    mode: str
+    rate: float
+    measured: LatencySummary
+    simulated: LatencySummary
+    failed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def ratios(self) -> dict[str, float | None]:
+        return {m: ratio(getattr(self.simulated, m), getattr(self.measured, m)) for m in METRICS}
+
+    def within_goal(self, tolerance: float = GOAL_TOLERANCE) -> dict[str, bool | None]:
+        return {m: None if r is None else abs(r - 1.0) <= tolerance for m, r in self.ratios().items()}
+
+    def to_json(self) -> dict:
+        """Plain JSON: an infinite figure or ratio is null (the ``unfinished`` counts say why)."""
+        return _finite(asdict(self) | {"ratios": self.ratios(), "within_goal": self.within_goal()})
+
+
+def compare(
+    mode: str, rate: float, replay: Replay, simulated: Sequence[Latencies], notes: Iterable[str] = ()
+) -> Comparison:
+    if len(simulated) != len(replay.trace):
+        raise ValueError(f"the simulator returned {len(simulated)} records for a trace of {len(replay.trace)}")
+    return Comparison(mode, rate, summarize(replay.measured), summarize(simulated), replay.failed, list(notes))
+
+
+def goal_summary(comparisons: Sequence[Comparison], tolerance: float = GOAL_TOLERANCE) -> dict:
+    """How many of the figures are within the goal, and the worst one."""
+    checked = [(c, m, r) for c in comparisons for m, r in c.ratios().items() if r is not None]
+    worst = max(checked, key=lambda t: abs(t[2] - 1.0), default=None)
+    return _finite(
+        {
+            "tolerance": tolerance,
+            "within": sum(abs(r - 1.0) <= tolerance for _, _, r in checked),
+            "figures": len(checked),
+            "worst": None
+            if worst is None
+            else {"mode": worst[0].mode, "rate": worst[0].rate, "metric": worst[1], "ratio": worst[2]},
+        }
+    )
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_table(comparisons: Sequence[Comparison], tolerance: float = GOAL_TOLERANCE) -> str:
+    """One row per mode, rate and figure: measured ms, simulated ms, simulated / measured, within the goal."""
+    header = ("mode", "rate/s", "n", "figure", "measured ms", "simulated ms", "sim/meas", f"within {tolerance:.0%}")
+    rows = [header]
+    for c in comparisons:
+        ratios, within = c.ratios(), c.within_goal(tolerance)
+        for m in METRICS:
+            rows.append(
+                (
+                    c.mode,
+                    f"{c.rate:g}",
+                    str(c.measured.requests),
+                    LABELS[m],
+                    _ms(getattr(c.measured, m)),
+                    _ms(getattr(c.simulated, m)),
+                    "-" if ratios[m] is None else f"{ratios[m]:.2f}",
+                    {True: "yes", False: "NO", None: "-"}[within[m]],
+                )
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    for c in comparisons:
+        if c.simulated.unfinished:
+            lines.append(f"{c.mode} at {c.rate:g}/s: {c.simulated.unfinished} simulated requests got no first token")
+    if any(c.failed for c in comparisons):
+        lines.append(
+            "failed requests (left out of both sides): "
+            + ", ".join(f"{c.mode} at {c.rate:g}/s: {c.failed}" for c in comparisons if c.failed)
+        )
+    return "\n".join(lines)
