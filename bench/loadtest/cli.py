@@ -15,7 +15,7 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.loadtest import metrics, multiturn, output
@@ -50,6 +50,14 @@ class Plan:
     tokenizer: object = None  # counts output tokens when a server sends no usage
     conversations: list[ConversationSpec] | None = None  # multi-turn: played instead of ``specs``
     conversation_settings: ConversationSettings | None = None
+    # the requests of the rates after the first (``specs`` is the first's): each rate draws its own prompts (seed +
+    # its index), so a later rate on the same server does not measure prefix-cache hits on the earlier rate's prompts
+    later_specs: list[list[RequestSpec]] | None = None
+
+    def specs_for(self, rate_index: int) -> list[RequestSpec]:
+        if rate_index == 0 or not self.later_specs:
+            return self.specs
+        return self.later_specs[rate_index - 1]
 
 
 def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos: dict | None = None) -> Plan:
@@ -122,6 +130,16 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
         specs = []
     else:
         specs = build_requests(workload, builder, n)
+    later_specs = None
+    if conversation_settings is None and len(shapes) > 1:
+        later_specs = [
+            build_requests(
+                replace(workload, seed=args.seed + i),
+                PromptBuilder(tokenizer, args.endpoint_type, seed=args.seed + i),
+                n,
+            )
+            for i in range(1, len(shapes))
+        ]
     plan = Plan(
         specs,
         workload,
@@ -141,6 +159,7 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
         tokenizer,
         conversations,
         conversation_settings,
+        later_specs,
     )
     return plan
 
@@ -177,7 +196,7 @@ def execute(
         request_timeout_s=plan.request_timeout_s,
     )
     runs, all_results = [], []
-    for shape in plan.shapes:
+    for rate_index, shape in enumerate(plan.shapes):
         rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
         label = f"{mode + ' ' if mode else ''}rate {rate_label}"
         conversations = None
@@ -191,7 +210,9 @@ def execute(
             results = multiturn.turn_results(conversations)
         else:
             results, duration_s, client_stats = asyncio.run(
-                run_phase(plan.specs, shape, settings, seed=plan.seed, progress=plan.progress, label=label)
+                run_phase(
+                    plan.specs_for(rate_index), shape, settings, seed=plan.seed, progress=plan.progress, label=label
+                )
             )
         _fill_counts(results, plan.tokenizer)
         measured = [r for r in results if not r.warmup]

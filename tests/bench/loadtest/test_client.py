@@ -220,6 +220,21 @@ def test_sweep_reports_max_rate_per_worker(tmp_path, byte_tokenizer_dir):
     assert len(csv_rows) == 3
 
 
+def test_each_rate_of_a_sweep_sends_its_own_prompts(tmp_path, byte_tokenizer_dir):
+    """A later rate on the same server must not be measured on the earlier rate's prompts (prefix-cache hits)."""
+    prompts: list[str] = []
+
+    def script(body, n):
+        prompts.append(body["prompt"])
+        return Script(ttft_s=0.01, gap_s=0.01, tokens=2)
+
+    with ScriptedServer(script) as server:
+        summary = run_cli(server, tmp_path, byte_tokenizer_dir, "--num-prompts", "4", "--rates", "20,40")
+    assert [r["completed"] for r in summary["runs"]] == [4, 4]
+    assert len(prompts) == 8
+    assert not set(prompts[:4]) & set(prompts[4:])
+
+
 def test_unreachable_server_fails_cleanly(tmp_path, byte_tokenizer_dir):
     class Gone:
         base_url = "http://127.0.0.1:9"  # discard port: nothing listens
