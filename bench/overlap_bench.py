@@ -122,17 +122,6 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
-
-
 def _ordinary_ids(tokenizer, model_path: str) -> list[int]:
     """Token ids that are not special tokens (and exist in the model's embedding table)."""
     from transformers import AutoConfig
@@ -293,7 +282,9 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
 
     model_path = str(resolve_model_path(base.model.name))
     tokenizer = load_tokenizer(model_path)
-    per_token = _kv_bytes_per_token(model_path, base.model.dtype)
+    from engine.blocks import model_kv_bytes_per_token  # in run(): this module is imported to declare options
+
+    per_token = model_kv_bytes_per_token(model_path, base.model.dtype)
     ids = _ordinary_ids(tokenizer, model_path)
     prompts = CHAT_PROMPTS[: max(1, min(len(CHAT_PROMPTS), getattr(args, "int8_prompts", 20)))]
     int8_tokens = getattr(args, "int8_tokens", 64)

@@ -51,6 +51,7 @@ import httpx
 from bench.loadtest.cli import Plan, execute, prepare, result_folder
 from bench.loadtest.options import add_workload_arguments
 from bench.options import add_routing_bench_arguments as add_arguments  # re-exported: `python -m`, tests
+from engine.blocks import model_kv_bytes_per_token
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
@@ -109,16 +110,6 @@ def run_settings(config: ClusterConfig) -> dict[str, Any]:
         "local_prefill_max_tokens": router.local_prefill_max_tokens,
         "kv_aware_weights": router.kv_aware.model_dump(),
     }
-
-
-def kv_bytes_per_token(model_path: str, dtype: str) -> int:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
 def prefill_sizing(plan: Plan, args: argparse.Namespace, block_size: int, bytes_per_token: int) -> dict[str, Any]:
@@ -360,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     base = base_config(args)
     model_path = str(resolve_model_path(base.model.name))
-    per_token = kv_bytes_per_token(model_path, base.model.dtype)
+    per_token = model_kv_bytes_per_token(model_path, base.model.dtype)
     block_size = base.transfer.block_size
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     folder = result_folder(args)

@@ -51,7 +51,7 @@ from cluster.openai_schema import (
 from cluster.request_params import GenerationDefaults, for_choice, prompts, sampling_params
 from cluster.responses import ResponseShape, collect, http_error, stream
 from cluster.router import Router
-from engine.kv_cache import DTYPE_BYTES, kv_blocks_for, kv_bytes_per_token, kv_shape_from_config
+from engine.blocks import DTYPE_BYTES, kv_blocks_for, kv_bytes_per_token, kv_shape_from_config
 
 logger = logging.getLogger(__name__)
 

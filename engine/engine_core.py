@@ -24,7 +24,7 @@ import torch
 
 from engine.attention import register_paged_attention
 from engine.block_manager import BlockManager
-from engine.blocks import blocks_for_tokens
+from engine.blocks import blocks_for_tokens, kv_blocks_for
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, KVSpec
@@ -63,7 +63,7 @@ class EngineCore:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
             block_size=config.block_size,
         )
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // self.kv_spec.bytes_per_block)
+        num_blocks = kv_blocks_for(config.kv_cache_memory_bytes, self.kv_spec.bytes_per_block, config.num_kv_blocks)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)

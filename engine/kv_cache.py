@@ -8,41 +8,11 @@ exporting a request's KV is a gather of whole blocks. The transfer layer sees on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-# bytes per K/V value of each dtype name the engine serves in (engine.model_loader.DTYPES); a name, not a
-# torch.dtype, so that sizing (``pdserve plan kv``, the router's /status) needs no model and no tensor
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes per value: the one formula for what a token's KV costs.
-
-    Torch-free on purpose: the planner and the router size KV from a model's config.json, and ``KVSpec`` (the
-    engine's live cache) calls this too, so the figure they print is the one the engine allocates by."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
-def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) from a model's config.json fields, read the way ``EngineCore`` reads them from
-    the loaded model's config: KV heads default to the attention heads (no GQA), head dim to hidden / heads."""
-    try:
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        return int(config["num_hidden_layers"]), kv_heads, head_dim
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ValueError(f"model config lacks a usable attention shape field: {exc!r}") from exc
-
-
-def kv_blocks_for(memory_bytes: int, bytes_per_block: int, explicit_blocks: int | None = None) -> int:
-    """How many KV blocks a worker allocates: an explicit count, else as many whole blocks as its memory holds
-    (at least one); the rule ``EngineCore`` applies to ``num_kv_blocks`` / ``kv_cache_memory_bytes``."""
-    return explicit_blocks or max(1, memory_bytes // bytes_per_block)
+from engine.blocks import kv_bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.kv_cache import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
+from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
 from engine.model_loader import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, cache_dir
 
 GIB = 1 << 30

@@ -9,7 +9,8 @@ import httpx
 import pytest
 import torch
 
-from engine.kv_cache import DTYPE_BYTES, KVSpec, kv_bytes_per_token
+from engine.blocks import DTYPE_BYTES, kv_bytes_per_token
+from engine.kv_cache import KVSpec
 from planner.kv_sizing import GIB, PRESETS, load_shape, normalize_dtype, size_kv
 from tests.cluster.conftest import serve  # noqa: F401  (the in-process cluster fixture)
 from tests.helpers.cluster import wait_all_kv_free

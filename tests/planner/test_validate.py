@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from bench.loadtest.options import add_workload_arguments
-from bench.routing_bench import kv_bytes_per_token
 from cli.main import main
 from cli.plan_validate_cmd import workload_argv
+from engine.blocks import model_kv_bytes_per_token
 from planner.profile_model import Fit, Profile
 from planner.validate import (
     Comparison,
@@ -180,7 +180,7 @@ def tiny_profile(model_path) -> Profile:
         backend="zmq",
         date="2026-01-01T00:00:00+00:00",
         block_size=16,
-        kv_bytes_per_token=kv_bytes_per_token(str(model_path), "float32"),
+        kv_bytes_per_token=model_kv_bytes_per_token(model_path, "float32"),
         max_batch_tokens=512,
         max_num_seqs=64,
         prefill_fit=Fit(["1", "tokens"], [0.003, 2e-5]),
