@@ -52,6 +52,15 @@ def format_status(data: dict[str, Any]) -> str:
             f"router process {router['index']} of {router['processes']} (pid {router['pid']}); queued in "
             f"all: {router.get('queue_depth_all', '?')}"
         )
+    kv = data.get("kv")
+    if kv:  # the served model's KV sizing (routers before issue 12 do not send it)
+        pools = "; ".join(
+            f"{name} {p['blocks']} blocks = {p['tokens']:,} tokens per replica" for name, p in kv["pools"].items()
+        )
+        lines.append(
+            f"kv: {kv['bytes_per_token']:,} B/token ({kv['dtype']}), {kv['tokens_per_gib']:,} tokens/GiB, "
+            f"blocks of {kv['block_size']}; {pools}"
+        )
     lines.append(WORKER_HEADER)
     for w in data["workers"]:
         kv = f"{w.get('free_blocks', '?')}/{w.get('total_blocks', '?')}"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from cli.main import main
-from tests.helpers.status_server import canned_status
+from tests.helpers.status_server import StatusServer, canned_status
 
 
 def test_status_prints_the_routers_totals_and_one_line_per_worker(status_server, capsys, monkeypatch):
@@ -97,3 +97,24 @@ def test_status_without_a_server_is_a_clear_error():
         timeout=60,
     )
     assert result.returncode == 2 and "no pdserve router answers" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_status_prints_the_served_models_kv_sizing(capsys, monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    payload = canned_status()
+    payload["kv"] = {
+        "dtype": "bfloat16",
+        "bytes_per_token": 131072,
+        "tokens_per_gib": 8192,
+        "block_size": 16,
+        "pools": {"prefill": {"blocks": 100, "tokens": 1600}, "decode": {"blocks": 400, "tokens": 6400}},
+    }
+    with StatusServer(payload) as server:
+        assert main(["status", "--url", server.url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    kv_line = next(line for line in lines if line.startswith("kv:"))
+    assert kv_line == (
+        "kv: 131,072 B/token (bfloat16), 8,192 tokens/GiB, blocks of 16; "
+        "prefill 100 blocks = 1,600 tokens per replica; decode 400 blocks = 6,400 tokens per replica"
+    )
+    assert lines.index(kv_line) + 1 == next(i for i, line in enumerate(lines) if line.startswith("worker"))
