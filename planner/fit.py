@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.profile_model import Fit
+from planner.profile_model import Fit, feature_value
 
 
 @dataclass(slots=True)
@@ -41,7 +41,7 @@ def fit_points(
     y = np.asarray(seconds, dtype=np.float64)
     if np.any(y <= 0):
         raise ValueError("measured times must be > 0")
-    design = np.array([[_value(name, row) for name in features] for row in rows], dtype=np.float64)
+    design = np.array([[feature_value(name, row) for name in features] for row in rows], dtype=np.float64)
     weighted = design / y[:, None]  # relative least squares: each row divided by its measured time
     target = np.ones_like(y)
     active = list(range(len(features)))
@@ -59,12 +59,3 @@ def fit_points(
 def quality(fit: Fit, rows: Sequence[Mapping[str, float]], seconds: Sequence[float]) -> FitQuality:
     errors = [abs(fit(**row) - measured) / measured for row, measured in zip(rows, seconds)]
     return FitQuality(float(np.mean(errors)), float(np.max(errors)), len(errors))
-
-
-def _value(name: str, row: Mapping[str, float]) -> float:
-    if name == "1":
-        return 1.0
-    result = 1.0
-    for part in name.split("*"):
-        result *= float(row[part])
-    return result

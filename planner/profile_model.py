@@ -19,6 +19,7 @@ overhead (one forward, not two), which is how a mixed batch behaves on a CPU or 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,15 +56,17 @@ class Fit:
     def __call__(self, **values: float) -> float:
         total = 0.0
         for name, coef in zip(self.features, self.coefficients):
-            total += coef * (1.0 if name == "1" else _feature(name, values))
+            total += coef * feature_value(name, values)
         return max(total, 0.0)
 
 
-def _feature(name: str, values: dict[str, float]) -> float:
-    """A feature is a variable (``tokens``) or a product of variables (``tokens*context``)."""
+def feature_value(name: str, values: Mapping[str, float]) -> float:
+    """A feature is the constant ``1``, a variable (``tokens``) or a product of variables (``tokens*context``)."""
+    if name == "1":
+        return 1.0
     result = 1.0
     for part in name.split("*"):
-        result *= values[part]
+        result *= float(values[part])
     return result
 
 

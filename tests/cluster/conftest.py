@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
+from tests.helpers.openai_api import TOOL_TEMPLATE, Clusters, model_folder
 
 
 @pytest.fixture
@@ -25,3 +26,17 @@ def serve(tiny_llama_path):
             assert not handle.router.streams
         finally:
             handle.stop()
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    """In-process clusters shared by one test module (one per model folder and mode), leak-checked at its end."""
+    pool = Clusters()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def tool_model_folder(tiny_llama_path, tmp_path_factory):
+    """The tiny model with a chat template that renders tools, tool calls and names (Qwen3's shape)."""
+    return model_folder(tiny_llama_path, tmp_path_factory.mktemp("tool-template") / "model", TOOL_TEMPLATE)

@@ -13,31 +13,19 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.helpers.openai_api import MODES, TOOL_TEMPLATE, Clusters, client, model_folder, model_name
+from tests.helpers.openai_api import MODES, client, model_name
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def folder(tiny_llama_path, tmp_path_factory):
-    return model_folder(tiny_llama_path, tmp_path_factory.mktemp("tool-template") / "model", TOOL_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def clusters():
-    pool = Clusters()
-    yield pool
-    pool.close()
-
-
 @pytest.fixture(scope="module", params=MODES)
-def server(request, clusters, folder):
-    return clusters.get(folder, request.param, model={"max_model_len": 1024})
+def server(request, clusters, tool_model_folder):
+    return clusters.get(tool_model_folder, request.param, model={"max_model_len": 1024})
 
 
 @pytest.fixture(scope="module")
-def tokenizer(folder):
-    return AutoTokenizer.from_pretrained(folder)
+def tokenizer(tool_model_folder):
+    return AutoTokenizer.from_pretrained(tool_model_folder)
 
 
 def _template_len(tokenizer, messages, **kwargs) -> int:

@@ -21,18 +21,11 @@ from transformers import AutoTokenizer
 
 from tests.helpers.cluster import metric_value, wait_all_kv_free, wait_until
 from tests.helpers.engine import Reference
-from tests.helpers.openai_api import MODES, Clusters, client, model_folder, model_name
+from tests.helpers.openai_api import MODES, client, model_folder, model_name
 
 pytestmark = pytest.mark.timeout(300)
 
 TOL = 1e-4  # float32 engine vs float32 transformers
-
-
-@pytest.fixture(scope="module")
-def clusters():
-    pool = Clusters()
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module", params=MODES)

@@ -14,7 +14,7 @@ from enum import Enum
 import pytest
 from pydantic import BaseModel
 
-from tests.helpers.openai_api import MODES, TOOL_TEMPLATE, Clusters, client, model_folder, model_name
+from tests.helpers.openai_api import MODES, client, model_name
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,21 +54,9 @@ TOOLS = [
 WEATHER = {"type": "function", "function": {"name": "weather"}}
 
 
-@pytest.fixture(scope="module")
-def folder(tiny_llama_path, tmp_path_factory):
-    return model_folder(tiny_llama_path, tmp_path_factory.mktemp("structured") / "model", TOOL_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def clusters():
-    pool = Clusters()
-    yield pool
-    pool.close()
-
-
 @pytest.fixture(scope="module", params=MODES)
-def server(request, clusters, folder):
-    return clusters.get(folder, request.param, model={"max_model_len": 1024})
+def server(request, clusters, tool_model_folder):
+    return clusters.get(tool_model_folder, request.param, model={"max_model_len": 1024})
 
 
 def _chat(handle, **kwargs):
