@@ -284,7 +284,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     tokenizer = load_tokenizer(model_path)
     from engine.blocks import model_kv_bytes_per_token  # in run(): this module is imported to declare options
 
-    per_token = model_kv_bytes_per_token(model_path, base.model.dtype)
+    per_token = model_kv_bytes_per_token(model_path, base.served_dtype)
     ids = _ordinary_ids(tokenizer, model_path)
     prompts = CHAT_PROMPTS[: max(1, min(len(CHAT_PROMPTS), getattr(args, "int8_prompts", 20)))]
     int8_tokens = getattr(args, "int8_tokens", 64)
@@ -292,7 +292,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {
         "configuration": {
             "model": base.model.name,
-            "dtype": base.model.dtype,
+            "dtype": base.served_dtype,
             "backend": base.transfer.backend,
             "zmq_transport": base.transfer.zmq_transport,
             "block_size": base.transfer.block_size,
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
                     "raw_wire_bytes": raw_bytes,
                     "int8_wire_bytes": int8_bytes,
                     "wire_bytes_ratio": round(int8_bytes / raw_bytes, 4) if raw_bytes else None,
-                    "kv_dtype": base.model.dtype,
+                    "kv_dtype": base.served_dtype,
                 }
             )
             out["int8"] = cmp

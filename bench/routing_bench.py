@@ -351,14 +351,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     base = base_config(args)
     model_path = str(resolve_model_path(base.model.name))
-    per_token = model_kv_bytes_per_token(model_path, base.model.dtype)
+    per_token = model_kv_bytes_per_token(model_path, base.served_dtype)
     block_size = base.transfer.block_size
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     folder = result_folder(args)
     out: dict[str, Any] = {
         "configuration": {
             "model": base.model.name,
-            "dtype": base.model.dtype,
+            "dtype": base.served_dtype,
             "block_size": block_size,
             "kv_bytes_per_token": per_token,
             "pools": {"prefill": 2, "decode": 1},

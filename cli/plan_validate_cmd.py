@@ -272,8 +272,8 @@ def _profile_notes(profile, config) -> list[str]:
     notes = []
     if Path(str(profile.model)).name != Path(str(config.model.name)).name:
         notes.append(f"the profile is of {profile.model}, the config serves {config.model.name}")
-    if profile.dtype != config.model.dtype:
-        notes.append(f"the profile was measured in {profile.dtype}, the config serves {config.model.dtype}")
+    if profile.dtype != config.served_dtype:
+        notes.append(f"the profile was measured in {profile.dtype}, the config serves {config.served_dtype}")
     return notes
 
 

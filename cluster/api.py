@@ -38,7 +38,7 @@ from cluster.api_format import TokenText, system_fingerprint
 from cluster.chat_template import render
 from cluster.chat_tools import chat_tools, model_vocab_size
 from cluster.choices import ChoicePlan, choice_id, fan_out
-from cluster.config import MIB, ClusterConfig, pool_layout
+from cluster.config import ClusterConfig, pool_layout
 from cluster.errors import RequestFailed
 from cluster.openai_schema import (
     APIError,
@@ -319,22 +319,28 @@ def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None
     except (OSError, ValueError) as exc:
         logger.warning("no KV sizing in /status: %s: %s", path, exc)
         return None
-    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, DTYPE_BYTES[config.model.dtype])
+    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, DTYPE_BYTES[config.served_dtype])
     block_size = config.transfer.block_size
     pools = {}
     for name, role, pool in pool_layout(config):
-        blocks = kv_blocks_for(pool.kv_memory_mb * MIB, per_token * block_size, pool.kv_blocks)
+        kv_bytes = config.pool_kv_bytes(pool)
+        blocks = (
+            None
+            if kv_bytes is None and not pool.kv_blocks
+            else kv_blocks_for(kv_bytes or 0, per_token * block_size, pool.kv_blocks)
+        )
         pools[name] = {
             "role": role.value,
             "replicas": pool.replicas,
             "kv_memory_mb": pool.kv_memory_mb,
             "kv_blocks": pool.kv_blocks,
-            "blocks": blocks,  # per replica
-            "tokens": blocks * block_size,
-            "kv_bytes": blocks * block_size * per_token,
+            # per replica; None: a GPU pool sizes its cache from measured free memory at start (gpu_memory_utilization)
+            "blocks": blocks,
+            "tokens": None if blocks is None else blocks * block_size,
+            "kv_bytes": None if blocks is None else blocks * block_size * per_token,
         }
     return {
-        "dtype": config.model.dtype,
+        "dtype": config.served_dtype,
         "bytes_per_token": per_token,
         "tokens_per_gib": (1 << 30) // per_token,
         "block_size": block_size,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_BYTES, AttentionBackendName, EngineConfig, resolve_dtype
 from engine.model_loader import DEFAULT_MODEL
 from transfer.base import TransferConfig
 from worker.spec import FailurePolicy, RuntimeOptions, TransferBackend, WorkerRole, WorkerSpec, ZmqTransport
@@ -62,7 +62,7 @@ class _Strict(BaseModel):
 
 class ModelSection(_Strict):
     name: str = DEFAULT_MODEL  # the built-in default, or a local folder of a Llama-family model
-    dtype: Literal["float32", "bfloat16", "float16"] = _default(EngineConfig, "dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _default(EngineConfig, "dtype")  # auto: bf16 on GPU
     max_model_len: int | None = Field(default=None, gt=0)
 
 
@@ -72,7 +72,12 @@ class PoolSection(_Strict):
     cpus_per_replica: float = Field(default=1, gt=0)  # Ray CPU share (also used on GPU nodes)
     torch_threads: int | None = Field(default=None, gt=0)
     kv_blocks: int | None = Field(default=None, gt=0)  # explicit; otherwise from kv_memory_mb
-    kv_memory_mb: int = Field(default=_default(EngineConfig, "kv_cache_memory_bytes") // MIB, gt=0)
+    # explicit KV budget; null: DEFAULT_CPU_KV_BYTES on the CPU, on a GPU what gpu_memory_utilization leaves after the
+    # weights and a profiling forward
+    kv_memory_mb: int | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float = Field(default=_default(EngineConfig, "gpu_memory_utilization"), gt=0, le=1)
+    attention_backend: AttentionBackendName = _default(EngineConfig, "attention_backend")
+    cuda_graphs: bool = _default(EngineConfig, "cuda_graphs")  # GPU decode steps replay captured graphs
     max_batch_tokens: int = Field(default=_default(EngineConfig, "max_batch_tokens"), gt=0)
     max_num_seqs: int = Field(default=_default(EngineConfig, "max_num_seqs"), gt=0)
     enable_prefix_caching: bool = _default(EngineConfig, "enable_prefix_caching")
@@ -206,7 +211,10 @@ class ClusterConfig(_Strict):
             dtype=self.model.dtype,
             block_size=self.transfer.block_size,
             num_kv_blocks=pool.kv_blocks,
-            kv_cache_memory_bytes=pool.kv_memory_mb * MIB,
+            kv_cache_memory_bytes=None if pool.kv_memory_mb is None else pool.kv_memory_mb * MIB,
+            gpu_memory_utilization=pool.gpu_memory_utilization,
+            attention_backend=pool.attention_backend,
+            cuda_graphs=pool.cuda_graphs,
             max_model_len=self.model.max_model_len,
             max_batch_tokens=pool.max_batch_tokens,
             max_num_seqs=pool.max_num_seqs,
@@ -261,6 +269,26 @@ class ClusterConfig(_Strict):
     @property
     def served_model_name(self) -> str:
         return self.router.served_model_name or self.model.name
+
+    @staticmethod
+    def pool_kv_bytes(pool: PoolSection) -> int | None:
+        """A pool's KV budget per replica as the engine will size it: ``kv_memory_mb`` when set, the engine's CPU
+        default on a CPU pool, and None on a GPU pool (each worker measures its free memory at start)."""
+        if pool.kv_memory_mb is not None:
+            return pool.kv_memory_mb * MIB
+        return None if pool.gpus_per_replica > 0 else DEFAULT_CPU_KV_BYTES
+
+    def pool_dtype(self, pool: PoolSection) -> str:
+        """The dtype a pool's workers run (``model.dtype``, with ``auto`` resolved as in each worker: bfloat16 on a
+        GPU pool, float32 on a CPU one)."""
+        return resolve_dtype(self.model.dtype, "cuda" if pool.gpus_per_replica > 0 else "cpu")
+
+    @property
+    def served_dtype(self) -> str:
+        """The dtype of the cluster's KV (that of its first pool with replicas; every pool shares it or the transfer
+        handshake refuses the pair)."""
+        pools = [pool for _, _, pool in pool_layout(self) if pool.replicas] or [self.pools.prefill]
+        return self.pool_dtype(pools[0])
 
 
 def pool_layout(config: ClusterConfig) -> list[tuple[str, WorkerRole, PoolSection]]:

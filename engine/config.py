@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from engine.model_loader import DEFAULT_MODEL, DTYPES
+
+# auto: the fastest one importable on the device (flashinfer on CUDA when installed, else sdpa); sdpa: gather the
+# paged context, then torch's scaled_dot_product_attention (the CPU path); flex: torch FlexAttention with a paged block
+# mask; flashinfer: FlashInfer's paged prefill/decode kernels (CUDA only)
+AttentionBackendName = Literal["auto", "sdpa", "flex", "flashinfer"]
+DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024  # the KV budget of a CPU engine given neither blocks nor bytes
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``"auto"``: bfloat16 on CUDA (half the bytes of float32 to load, hold and ship, at full speed on tensor cores),
+    float32 on the CPU (where bfloat16 matmuls are slow and token-exactness against transformers is checked)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU (resolved where the device is known: resolve_dtype)
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit block count; otherwise from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    # explicit KV budget; None: DEFAULT_CPU_KV_BYTES on the CPU, and on CUDA what gpu_memory_utilization leaves after
+    # the weights and a profiling forward at the largest batch (measured free memory, as vLLM does)
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: the fraction of the GPU's memory this engine may use, all included
+    attention_backend: AttentionBackendName = "auto"
+    cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured per batch-size bucket; ignored on the CPU
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_batch_tokens: int = 2048  # tokens per forward: longer prompts are prefilled in chunks
     max_num_seqs: int = 64  # requests in the running batch
@@ -22,15 +42,21 @@ class EngineConfig:
     torch_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("block_size", "max_batch_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+        if self.attention_backend not in get_args(AttentionBackendName):
+            raise ValueError(
+                f"attention_backend must be one of {list(get_args(AttentionBackendName))}, got {self.attention_backend!r}"
+            )
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_blocks", "max_model_len", "torch_threads"):
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "torch_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or null, got {value!r}")

@@ -14,6 +14,7 @@ Every request leaves through ``_finish``, which frees its blocks exactly once; `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ import torch
 from engine.attention import register_paged_attention
 from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens, kv_blocks_for
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, KVSpec
 from engine.kv_connector import KVExport, KVExporter, KVSink
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        if config.dtype == "auto":
+            config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.config = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -63,7 +66,8 @@ class EngineCore:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
             block_size=config.block_size,
         )
-        num_blocks = kv_blocks_for(config.kv_cache_memory_bytes, self.kv_spec.bytes_per_block, config.num_kv_blocks)
+        kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        num_blocks = kv_blocks_for(kv_bytes, self.kv_spec.bytes_per_block, config.num_kv_blocks)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)

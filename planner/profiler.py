@@ -293,7 +293,7 @@ def profile_cluster(config: ClusterConfig, quick: bool = False, progress: bool =
     notes = _notes(prefill_spec, decode_spec, grid, prefill_q, decode_q, transfer_q, transfer_note, started)
     return Profile(
         model=config.model.name,
-        dtype=config.model.dtype,
+        dtype=prefill_engine.config.dtype,
         device=device_name(prefill_engine),
         backend=backend,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -31,7 +31,7 @@ from typing import Literal
 
 import simpy
 
-from cluster.config import MIB, ClusterConfig
+from cluster.config import ClusterConfig
 from cluster.policies import Policy, PrefixMatch, make_policy
 from cluster.prefix_index import PrefixIndex
 from cluster.reservations import MAX_WORKERS_TRIED
@@ -94,7 +94,14 @@ class SimSettings:
         bytes_per_block = max(1, profile.kv_bytes_per_token * block_size)
 
         def blocks(pool) -> int:
-            return pool.kv_blocks or max(1, pool.kv_memory_mb * MIB // bytes_per_block)
+            kv_bytes = config.pool_kv_bytes(pool)
+            if pool.kv_blocks:
+                return pool.kv_blocks
+            if kv_bytes is None:
+                raise ValueError(
+                    "pools: a GPU pool sizes its KV from free memory at start; set kv_memory_mb or kv_blocks to plan it"
+                )
+            return max(1, kv_bytes // bytes_per_block)
 
         pools, router = config.pools, config.router
         return cls(

@@ -25,7 +25,7 @@ from typing import Literal, get_args
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_dtype
 from transfer.base import TransferConfig
 
 # gloo: the nccl code on the CPU (how it is tested); shm: one node, payload through /dev/shm; auto: shm with senders on
@@ -135,6 +135,6 @@ def resolve_spec(spec: WorkerSpec) -> WorkerSpec:
     transfer_device = device if spec.transfer_backend == "nccl" else "cpu"
     return dataclasses.replace(
         spec,
-        engine=dataclasses.replace(spec.engine, device=device),
+        engine=dataclasses.replace(spec.engine, device=device, dtype=resolve_dtype(spec.engine.dtype, device)),
         transfer=dataclasses.replace(spec.transfer, device=transfer_device),
     )

@@ -55,7 +55,7 @@ def test_the_cli_writes_a_profile_that_loads(profiled, tiny_llama_path) -> None:
     profile = Profile.load(out)
     model = json.loads((tiny_llama_path / "config.json").read_text())
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
-    assert profile.model == config.model.name and profile.dtype == config.model.dtype == "float32"
+    assert profile.model == config.model.name and profile.dtype == config.served_dtype == "float32"
     assert profile.device == "cpu" and profile.backend == "shm"  # auto, two workers on one node
     assert profile.kv_bytes_per_token == 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * head_dim * 4
     assert profile.block_size == config.transfer.block_size
