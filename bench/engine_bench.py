@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=256,
             kv_cache_memory_bytes=1 << 30,
             enable_prefix_caching=False,  # repeated prompts must be recomputed, not served from cache
+            attention_backend=getattr(args, "attention_backend", "auto"),
         )
     )
     hf = (
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model,
         "dtype": args.dtype,
         "device": args.device,
+        "attention_backend": engine.runner.backend.name,
         "torch_threads": torch.get_num_threads(),
         "input_len": args.input_len,
         "output_len": args.output_len,

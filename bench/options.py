@@ -34,6 +34,7 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flex", "flashinfer"])
 
 
 def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,8 +120,16 @@ def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multi-turn workload")
     group.add_argument("--num-conversations", type=int, default=8)
     group.add_argument("--num-turns", type=int, default=4)
-    group.add_argument("--user-len", type=int, default=128, help="tokens of each user message on its own")
-    group.add_argument("--turn-output-len", type=int, default=32, help="max_tokens of each answer")
+    group.add_argument(
+        "--system-len",
+        type=int,
+        default=256,
+        help="tokens of a system prompt every conversation starts with (0: none; the pre-2026-11-30 shape)",
+    )
+    group.add_argument(
+        "--user-len", type=int, default=32, help="tokens of each user message on its own (old shape: 128)"
+    )
+    group.add_argument("--turn-output-len", type=int, default=96, help="max_tokens of each answer (old shape: 32)")
     group.add_argument(
         "--think-time-s",
         type=float,
@@ -130,8 +139,9 @@ def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--local-prefill-max-tokens",
         type=int,
-        default=0,
-        help="router.local_prefill_max_tokens of the kv_aware run (conditional disaggregation); the baseline has 0",
+        default=None,
+        help="router.local_prefill_max_tokens of the kv_aware run (conditional disaggregation); default: 128 for "
+        "multi-turn, 0 for shared-prefix (so that its prefill routing is what is measured); the baseline has 0",
     )
     parser.add_argument(
         "--prefix-weight", type=float, default=None, help="router.kv_aware.prefix_weight of the kv_aware run"

@@ -23,13 +23,15 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.attention import register_paged_attention
+from engine.attention import register_paged_attention, select_backend
 from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens, kv_blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
+from engine.decode_graphs import decode_graphs_for, scratch_bytes_for
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, KVSpec
 from engine.kv_connector import KVExport, KVExporter, KVSink
+from engine.memory import KVMemoryPlanner
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, StepStats
 from engine.request import (
@@ -55,6 +57,7 @@ class EngineCore:
         self.config = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
+        planner = KVMemoryPlanner.start(config)  # CUDA, no explicit KV budget: measure from here (engine.memory)
         self.model, self.tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention())
         hf_config = self.model.config
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -66,12 +69,22 @@ class EngineCore:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
             block_size=config.block_size,
         )
+        graphs = config.cuda_graphs and config.device.startswith("cuda")  # their gather storage comes out of the KV
+        graph_scratch = scratch_bytes_for(self.kv_spec, config.max_num_seqs, self.max_model_len) if graphs else 0
+        self.memory_plan = (
+            planner.plan(self.model, self.kv_spec, self.max_model_len, graph_scratch) if planner else None
+        )
         kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         num_blocks = kv_blocks_for(kv_bytes, self.kv_spec.bytes_per_block, config.num_kv_blocks)
+        if self.memory_plan is not None:
+            num_blocks = self.memory_plan.num_blocks
         self.kv_cache = KVCache(self.kv_spec, num_blocks, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        backend = select_backend(config.attention_backend, config.device, self.model.dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend)
+        self.runner.decode_graphs = decode_graphs_for(self.runner, config, self.max_model_len)
+        self.runner.limit_scratch(config.max_num_seqs, self.max_model_len)  # the bound the KV plan counted
         self.kv_exporter = KVExporter(self.kv_cache)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.vocab_size = int(self.runner.lm_head.out_features)  # the logits' width (may exceed the tokenizer's)

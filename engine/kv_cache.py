@@ -37,12 +37,19 @@ class KVSpec:
 
 
 class KVCache:
+    """``num_blocks`` blocks that the block manager hands out (ids ``0 .. num_blocks - 1``), plus one more that it
+    never sees: ``padding_sink_block``. A CUDA-graph decode step (``engine.decode_graphs``) pads its batch up to a
+    captured size; the padding rows must write their (meaningless) K/V somewhere, and attend to something, without
+    touching any request's blocks: they use this block. Its contents are garbage by design and never read for a
+    real request."""
+
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.num_blocks = num_blocks
+        self.padding_sink_block = num_blocks  # outside the block manager's ids: padding rows write and read only here
         # K and V of a layer live in one tensor [2, blocks, block_size, kv_heads, head_dim], so that writing a step's
         # new tokens and gathering a decode batch's context are one indexing op each instead of two
-        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.k = [kv[0] for kv in self.kv]
         self.v = [kv[1] for kv in self.kv]

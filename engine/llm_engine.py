@@ -50,7 +50,8 @@ class LLMEngine(EngineCore):
         headroom_tokens: int = 0,
         prefix_cache: bool = False,
     ) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if the blocks are not free now.
+        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if the blocks are not free now, or
+        this engine already holds ``max_num_seqs`` requests (``at_seq_limit``).
 
         The reservation covers the prompt, the first generated token and ``headroom_tokens`` more (capped at what
         the request can generate), so the request can start decoding the moment its KV is complete and grow that
@@ -65,6 +66,8 @@ class LLMEngine(EngineCore):
         engine tests' own hand-offs) must not have some of them refused.
         """
         request = self._new_request(prompt, params, request_id, prefill_only=False)
+        if self.at_seq_limit():
+            return None
         num_tokens = reserved_tokens(
             request.num_prompt_tokens, request.params.max_tokens, headroom_tokens, self.max_model_len
         )
@@ -80,6 +83,12 @@ class LLMEngine(EngineCore):
         request.timing.remote = RemoteKV(expected_s=time.monotonic())
         self.requests[request.request_id] = request
         return list(request.block_ids)
+
+    def at_seq_limit(self) -> bool:
+        """True when this engine holds ``max_num_seqs`` requests: a further reservation is refused, so a decode
+        step never has more rows than the configured batch (the decode gather buffer and the KV plan are bounded by
+        it; vLLM caps its running batch the same way). The router tries another decode worker or queues."""
+        return len(self.requests) >= self.config.max_num_seqs
 
     def missing_prompt_blocks(self, request: Request) -> list[int]:
         """The physical blocks a reservation's imported KV goes into: its prompt's, after those it shares from the

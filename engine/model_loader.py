@@ -102,10 +102,16 @@ def load_tokenizer(model: str):
 
 
 def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
-    """Load (model, tokenizer) with transformers' Auto classes; errors name the field and the cause."""
+    """Load (model, tokenizer) with transformers' Auto classes; errors name the field and the cause.
+
+    The weights are read from their files straight onto ``device`` in ``dtype`` (a ``device_map`` naming that one
+    device): a 16 GB model is never built in host RAM and copied over, nor held in float32 on the way, so a GPU node
+    needs no host memory for the weights and the load costs one pass over the files."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
+    target = torch.device(device)
     path = resolve_model_path(model)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -117,10 +123,17 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_imp
         )
     try:
         hf_model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn_implementation
+            path, dtype=torch_dtype, attn_implementation=attn_implementation, device_map=target
         )
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model: could not load {str(path)!r}: {exc}") from exc
-    hf_model.to(device).eval()
+    hf_model.eval()
+    misplaced = [
+        name
+        for name, param in hf_model.named_parameters()
+        if param.device.type != target.type or (param.is_floating_point() and param.dtype != torch_dtype)
+    ]
+    if misplaced:  # a checkpoint that forces modules elsewhere (offload, fp32-pinned layers): not what we serve
+        raise ValueError(f"model: {len(misplaced)} weights did not load onto {target} in {dtype}, e.g. {misplaced[0]}")
     return hf_model, tokenizer

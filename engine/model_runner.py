@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionBatch, DecodeGroup, LayerHook, PrefillSeq
+from engine.attention import AttentionBackend, AttentionBatch, DecodeGroup, LayerHook, PrefillSeq, SdpaBackend
+from engine.attention.metadata import DecodeSpans, MetadataPacker, build_layout, slot_list
+from engine.attention.metadata import layout_spans as layout_spans_for
 from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.sampler import PromptScores, logprob_summary
+
+if TYPE_CHECKING:
+    from engine.decode_graphs import DecodeGraphs
 
 PROMPT_SCORE_ROWS = 256  # positions projected to the vocabulary at a time: bounds the [rows, vocab] float32 logits
 
@@ -60,7 +66,7 @@ class StepStats:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
+    def __init__(self, model: PreTrainedModel, kv_cache: KVCache, backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
@@ -68,96 +74,176 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.device = next(model.parameters()).device
         self.layer_hook: LayerHook | None = None
+        self.backend: AttentionBackend = backend or SdpaBackend()  # engine.attention.select_backend picks it
+        self.decode_graphs: DecodeGraphs | None = None  # decode-only steps on CUDA graphs (engine.decode_graphs)
         # the last forward's hidden states [tokens, hidden] and each chunk's first row, kept only when some chunk
         # wants prompt logprobs (``score_prompts``); dropped by the next forward
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
+        self._gather_limit: tuple[int, int, int] | None = None  # (blocks, max_num_seqs, max_model_len): limit_scratch
+
+    def scratch_bytes_bound(self, max_num_seqs: int, max_model_len: int) -> int:
+        """The most device memory this runner keeps between steps: the backend's workspace, plus (for backends that
+        gather) the decode gather buffer of ``max_num_seqs`` rows of ``max_model_len`` context, one layer's K and V.
+        The engine's KV budget counts this (``engine.memory``)."""
+        workspace = self.backend.workspace_bytes()
+        if not self.backend.needs_groups:
+            return workspace
+        spec = self.kv_cache.spec
+        blocks = max_num_seqs * -(-max_model_len // spec.block_size)
+        return workspace + 2 * blocks * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+
+    def limit_scratch(self, max_num_seqs: int, max_model_len: int) -> int:
+        """Cap the gather buffer at ``scratch_bytes_bound`` (the engine's configured batch); returns that bound."""
+        self._gather_limit = (max_num_seqs * -(-max_model_len // self.block_size), max_num_seqs, max_model_len)
+        return self.scratch_bytes_bound(max_num_seqs, max_model_len)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device memory this runner keeps between steps now (gather storage and backend workspace)."""
+        return self._gather_storage.numel() * self._gather_storage.element_size() + self.backend.workspace_bytes()
 
     def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
-        """A contiguous [2, num_blocks, *block shape] view of storage kept across steps (grown, never shrunk)."""
+        """A contiguous [2, num_blocks, *block shape] view of storage kept across steps (grown, never shrunk, and
+        never past ``limit_scratch``'s bound: a batch over it is an error, not an unbudgeted allocation)."""
         spec = self.kv_cache.spec
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         numel = 2 * num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim
         if self._gather_storage.numel() < numel:
-            self._gather_storage = torch.empty(numel * 5 // 4, dtype=spec.dtype, device=self.device)
+            grown = numel * 5 // 4
+            if self._gather_limit is not None:
+                max_blocks, max_num_seqs, max_model_len = self._gather_limit
+                if num_blocks > max_blocks:
+                    raise RuntimeError(
+                        f"a decode batch needs a gather buffer of {num_blocks} blocks, over the bound of {max_blocks} "
+                        f"(max_num_seqs={max_num_seqs} x max_model_len={max_model_len}) that the KV budget counts"
+                    )
+                grown = min(grown, 2 * max_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim)
+            self._gather_storage = torch.empty(grown, dtype=spec.dtype, device=self.device)
         return self._gather_storage[:numel].view(shape)
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        return table[positions // bs] * bs + positions % bs
-
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        input_ids, position_ids, batch, _ = self._build(chunks)
+        return input_ids, position_ids, batch
+
+    def _build(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+        """The step's inputs, attention metadata and the rows to project to the vocabulary. Every integer the
+        device needs (token ids, positions, slots, block tables, context lengths, decode token index, chunked
+        prefills' context slots, sampled rows) is listed on the host into one int64 tensor (pinned on CUDA) and moved
+        with ONE non-blocking copy; the pieces are views of it (``engine.attention.metadata``)."""
+        backend = self.backend
+        bs = self.block_size
         token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
-        prefills: list[PrefillSeq] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        packed = MetadataPacker()
+        prefill_spans: list[tuple[int, int, int, slice | None]] = []  # q_start, q_len, context_len, context slots
         decode_index: list[int] = []
         decode_chunks: list[ScheduledChunk] = []
         offset = 0
         for chunk in chunks:
             req = chunk.request
             token_ids.extend(req.token_slice(chunk.start, chunk.end))
-            positions.append(torch.arange(chunk.start, chunk.end))
-            slot_mapping.append(self._slots(req.block_ids, chunk.start, chunk.end))
+            positions.extend(range(chunk.start, chunk.end))
+            slots.extend(slot_list(req.block_ids, chunk.start, chunk.end, bs))
             if chunk.num_tokens == 1 and chunk.start > 0:
                 decode_index.append(offset)
                 decode_chunks.append(chunk)
-            else:
-                context_slots = None if chunk.start == 0 else self._slots(req.block_ids, 0, chunk.end)
-                prefills.append(PrefillSeq(offset, chunk.num_tokens, chunk.end, _to(context_slots, self.device)))
+            elif backend.needs_groups:
+                span = None if chunk.start == 0 else packed.add(slot_list(req.block_ids, 0, chunk.end, bs))
+                prefill_spans.append((offset, chunk.num_tokens, chunk.end, span))
             offset += chunk.num_tokens
-        decode = self._decode_group(decode_index, decode_chunks, offset) if decode_chunks else None
+        ids_span, pos_span, slot_span = packed.add(token_ids), packed.add(positions), packed.add(slots)
+        rows_span = packed.add(_sample_rows(chunks))
+        decode_spans = self._decode_spans(packed, decode_index, decode_chunks, offset) if backend.needs_groups else None
+        layout_spans = (
+            layout_spans_for(
+                packed,
+                [c.num_tokens for c in chunks],
+                [c.end for c in chunks],
+                [c.request.block_ids for c in chunks],
+                bs,
+            )
+            if backend.needs_layout
+            else None
+        )
+        host, device = packed.transfer(self.device)
+
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.cat(slot_mapping).to(self.device),
-            prefills=prefills,
-            decode=decode,
+            slot_mapping=device[slot_span],
+            prefills=[
+                PrefillSeq(q_start, q_len, context_len, None if span is None else device[span])
+                for q_start, q_len, context_len, span in prefill_spans
+            ],
+            decode=None if decode_spans is None else self._decode_group(device, decode_spans),
             layer_hook=self.layer_hook,
             chunks=chunks,
+            layout=None if layout_spans is None else build_layout(layout_spans, host, device),
+            backend=backend,
         )
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
-        return input_ids, position_ids, batch
+        backend.prepare(batch)
+        input_ids = device[ids_span].view(1, -1)
+        position_ids = device[pos_span].view(1, -1)
+        return input_ids, position_ids, batch, device[rows_span]
 
-    def _decode_group(self, token_index: list[int], chunks: list[ScheduledChunk], num_tokens: int) -> DecodeGroup:
-        context_lens = torch.tensor([c.end for c in chunks], dtype=torch.long)
+    def _decode_spans(
+        self, packed: MetadataPacker, token_index: list[int], chunks: list[ScheduledChunk], num_tokens: int
+    ) -> DecodeSpans | None:
+        if not chunks:
+            return None
+        context_lens = [c.end for c in chunks]
         max_blocks = max(len(c.request.block_ids) for c in chunks)
-        table = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-        for row, chunk in enumerate(chunks):
-            table[row, : len(chunk.request.block_ids)] = torch.tensor(chunk.request.block_ids, dtype=torch.long)
-        max_context = int(context_lens.max())
-        equal_lengths = bool(context_lens.min() == max_context)  # no padding: SDPA's faster unmasked path
-        mask = None
-        if not equal_lengths:
-            mask = (torch.arange(max_context).unsqueeze(0) < context_lens.unsqueeze(1)).view(len(chunks), 1, 1, -1)
+        table: list[int] = []
+        for chunk in chunks:
+            ids = chunk.request.block_ids
+            table.extend(ids)
+            table.extend([0] * (max_blocks - len(ids)))
         whole_row = len(token_index) == num_tokens  # decode tokens only, so they fill the packed row in order
+        return DecodeSpans(
+            table=packed.add(table),
+            rows=len(chunks),
+            context_lens=packed.add(context_lens),
+            max_context=max(context_lens),
+            equal_lengths=min(context_lens) == max(context_lens),  # no padding: SDPA's faster unmasked path
+            token_index=None if whole_row else packed.add(token_index),
+        )
+
+    def _decode_group(self, device: torch.Tensor, spans: DecodeSpans) -> DecodeGroup:
+        table = device[spans.table].view(spans.rows, -1)
+        mask = None
+        if not spans.equal_lengths:
+            context_lens = device[spans.context_lens]
+            keys = torch.arange(spans.max_context, device=self.device)
+            mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(spans.rows, 1, 1, -1)
         return DecodeGroup(
-            token_index=None if whole_row else torch.tensor(token_index, dtype=torch.long, device=self.device),
-            block_table=table.to(self.device),
-            max_context=max_context,
+            token_index=None if spans.token_index is None else device[spans.token_index],
+            block_table=table,
+            max_context=spans.max_context,
             gather_buffer=self._gather_buffer(table.numel()),
-            mask=None if mask is None else mask.to(self.device),
+            mask=mask,
         )
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
         """Run one forward; returns float32 logits ``[n, vocab]`` for the chunks whose ``samples`` is True."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
+            self._kept_hidden = None  # can_run refuses steps with prompt-logprob requests
+            return self.decode_graphs.execute(chunks)
         started = time.perf_counter()
-        input_ids, position_ids, batch = self.build_batch(chunks)
+        input_ids, position_ids, batch, rows = self._build(chunks)
         hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch)
         hidden = hidden.last_hidden_state[0]
-        rows, starts, offset = [], [], 0
+        starts, offset = [], 0
         for chunk in chunks:
             starts.append(offset)
             offset += chunk.num_tokens
-            if chunk.samples:
-                rows.append(offset - 1)
         wanted = any(chunk.request.wants_prompt_logprobs for chunk in chunks)
         self._kept_hidden = (hidden, starts) if wanted else None
-        logits = self.lm_head(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]).float()
-        num_decode = 0 if batch.decode is None else len(batch.decode.block_table)
+        logits = self.lm_head(hidden[rows]).float()
+        num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1 and chunk.start > 0)
+        if self.device.type == "cuda":  # kernels run asynchronously: the step ends when the device is done
+            torch.cuda.synchronize(self.device)
         stats = StepStats(
             num_tokens=input_ids.shape[1],
             num_seqs=len(chunks),
@@ -197,5 +283,11 @@ class ModelRunner:
         return scores
 
 
-def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)
+def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """Rows of the packed row whose hidden state goes to the lm_head: the last token of each chunk that samples."""
+    rows, offset = [], 0
+    for chunk in chunks:
+        offset += chunk.num_tokens
+        if chunk.samples:
+            rows.append(offset - 1)
+    return rows

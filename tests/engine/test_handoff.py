@@ -63,6 +63,20 @@ def test_reservation_refused_when_blocks_are_short(tiny_llama_path, make_engine)
     assert decode.num_free_blocks == 8
 
 
+def test_reservation_refused_at_max_num_seqs(tiny_llama_path, make_engine):
+    """A decode engine holds at most max_num_seqs requests, so no decode step has more rows than the batch the gather
+    buffer and the KV plan are sized for; a freed slot takes the next reservation."""
+    decode = make_engine(tiny_llama_path, max_num_seqs=2)
+    assert decode.reserve_remote([1, 2, 3], SamplingParams(), "a") is not None
+    assert decode.reserve_remote([4, 5, 6], SamplingParams(), "b") is not None
+    assert decode.at_seq_limit()
+    assert decode.reserve_remote([7, 8, 9], SamplingParams(), "c") is None
+    assert "c" not in decode.requests
+    assert decode.abort("a")
+    assert decode.reserve_remote([7, 8, 9], SamplingParams(), "c") is not None
+    assert decode.abort("b") and decode.abort("c")
+
+
 def test_layer_hook_sees_every_layer_in_order(tiny_llama_path, make_engine):
     engine = make_engine(tiny_llama_path)
     seen: list[tuple[int, int]] = []

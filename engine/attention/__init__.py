@@ -1,0 +1,72 @@
+"""Paged attention plugged into transformers' attention interface, with interchangeable backends.
+
+transformers keeps the model code (projections, rotary embedding, MLP); we replace only the attention call. For each
+layer ``paged_attention_forward``:
+
+1. writes the new tokens' K/V into their cache slots (so the KV is in the paged store the moment the layer runs),
+2. tells the layer hook, if one is installed (the prefill worker streams that layer's KV out while the forward goes
+   on),
+3. hands the attention itself to the step's backend (``AttentionBatch.backend``; see ``backend.py`` for the
+   interface and ``select_backend`` for the rule that picks one): gather + SDPA (``sdpa.py``, the CPU path),
+   FlexAttention (``flex.py``) or FlashInfer's paged kernels (``flashinfer_backend.py``).
+
+Registered under the name ``pdserve_paged``; there is no mask function for it, so transformers builds no mask.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from transformers import AttentionInterface
+
+from engine.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend
+from engine.attention.batch import AttentionBatch, DecodeGroup, LayerHook, PrefillSeq, SeqLayout
+from engine.attention.sdpa import SdpaBackend
+
+__all__ = [
+    "ATTENTION_NAME",
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionBatch",
+    "DecodeGroup",
+    "LayerHook",
+    "PrefillSeq",
+    "SdpaBackend",
+    "SeqLayout",
+    "paged_attention_forward",
+    "register_paged_attention",
+    "select_backend",
+]
+
+ATTENTION_NAME = "pdserve_paged"
+_DEFAULT_BACKEND = SdpaBackend()  # for batches built without one (CUDA-graph decode steps build their own)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    pd_batch: AttentionBatch | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    if pd_batch is None:
+        raise RuntimeError("pdserve_paged attention called without an AttentionBatch (pd_batch)")
+    layer = cast(int, module.layer_idx)  # set by transformers on every attention module
+    new_k = key[0].transpose(0, 1)  # [T, kv_heads, d]
+    new_v = value[0].transpose(0, 1)
+    pd_batch.kv_cache.write_slots(layer, pd_batch.slot_mapping, new_k, new_v)
+    if pd_batch.layer_hook is not None:
+        pd_batch.layer_hook(layer, pd_batch)
+    backend = pd_batch.backend or _DEFAULT_BACKEND
+    return backend.forward(layer, query, key, value, pd_batch, scaling), None
+
+
+def register_paged_attention() -> str:
+    """Make ``pdserve_paged`` a valid ``attn_implementation``; idempotent."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

@@ -1,0 +1,75 @@
+"""What one forward step tells the attention: where the new tokens go and what each sequence attends to.
+
+The runner packs every scheduled sequence into one row of ``T`` tokens (ragged, no padding) and passes an
+``AttentionBatch`` through the model's ``**kwargs``. Two views of the same step live in it, because the backends
+read the paged cache differently:
+
+- ``prefills`` and ``decode`` (``PrefillSeq``, ``DecodeGroup``): what the gather + SDPA backend needs (slot ids of a
+  chunked prefill's context, the decode rows' block table and a reusable gather buffer). CUDA-graph decode steps
+  build a static ``DecodeGroup`` of their own.
+- ``layout`` (``SeqLayout``): every sequence in packed-row order with its query length, context length and block
+  table, for backends that read the paged cache directly (FlashInfer) or build one mask for the whole row (flex).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from engine.attention.backend import AttentionBackend
+
+# layer_hook(layer_index, batch): called after a layer's new KV is in the cache.
+LayerHook = Callable[[int, "AttentionBatch"], None]
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    q_start: int  # offset of this chunk's first token in the packed row
+    q_len: int
+    context_len: int  # tokens of KV this chunk attends to, its own included
+    context_slots: torch.Tensor | None  # [context_len] slot ids; None when the chunk is its whole context
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    token_index: torch.Tensor | None  # [B] positions of the decode tokens in the packed row; None: the whole row
+    block_table: torch.Tensor  # [B, max_blocks] physical block ids (padding points at block 0 and is masked)
+    max_context: int
+    gather_buffer: torch.Tensor  # [2, B * max_blocks, block_size, kvH, d], reused by every layer of the step
+    mask: torch.Tensor | None  # [B, 1, 1, max_context] True where a key is attended; None: equal lengths
+
+
+@dataclass(slots=True)
+class SeqLayout:
+    """Every sequence of the step in packed-row order. Device tensors for the kernels; the host copies (the values
+    before the one packed host->device transfer) let a backend plan without waiting on the device."""
+
+    q_lens: list[int]  # query tokens of each sequence in this step
+    context_lens: list[int]  # tokens of KV each sequence attends to, this step's included
+    query_start_loc: torch.Tensor  # [N + 1] offsets of each sequence's first token in the packed row
+    seq_context_lens: torch.Tensor  # [N] context_lens on the device
+    block_table: torch.Tensor  # [N, max_blocks] physical block ids, padded with 0 past each sequence's blocks
+    host_block_table: torch.Tensor  # the same table on the host
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    decode: DecodeGroup | None = None
+    layer_hook: LayerHook | None = None
+    chunks: list = field(default_factory=list)  # the scheduled chunks, for the layer hook
+    layout: SeqLayout | None = None  # built when the backend asks for it (``AttentionBackend.needs_layout``)
+    backend: AttentionBackend | None = None  # None: the gather + SDPA backend
+    plan: object | None = None  # the backend's per-step state (a block mask, a FlashInfer plan), from ``prepare``

@@ -1,0 +1,168 @@
+"""FlashInfer's paged attention kernels, reading our KV cache in place (no gather).
+
+Our layout per layer is K and V stacked, ``[2, num_blocks, block_size, kv_heads, head_dim]``: ``kv[0]`` and ``kv[1]``
+are each ``[num_pages, page_size, kv_heads, head_dim]``, FlashInfer's ``NHD`` layout, so the cache is handed over as
+the tuple ``(k, v)``. A page is one of our blocks. FlashInfer describes a batch in CSR form:
+
+- ``qo_indptr[i]``: offset of sequence i's first query token in the packed row (our chunks are contiguous in it),
+- ``kv_indptr[i]``: offset of sequence i's first page in ``kv_indices``, the concatenated block ids in use,
+- ``kv_last_page_len[i]``: tokens in sequence i's last page (1..block_size).
+
+``paged_kv_metadata`` computes these on the host from the step's block tables (pure tensor arithmetic, tested on the
+CPU). ``prepare`` does that once per step; the first layer's ``forward`` plans the wrapper (it needs the query's
+heads, dtype and scale), and every layer then only runs. A decode-only step uses the decode wrapper (tensor cores
+when a KV head serves 4 or more query heads, as vLLM does); any step with a prompt chunk uses the prefill wrapper,
+whose causal mask is aligned to the end of each sequence's KV: exactly "attend to the cached tokens and the ones
+before me in this chunk".
+
+Status: written against FlashInfer's documented Python API; FlashInfer is not installed on the development machine
+and this module has not run on a GPU. Only the metadata arithmetic and the selection rules are tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.batch import AttentionBatch
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
+TENSOR_CORE_GROUP = 4  # query heads per KV head from which the decode kernel uses tensor cores
+
+
+@dataclass(slots=True)
+class PagedKVMetadata:
+    """FlashInfer's description of a batch (int32, on the host: ``plan`` copies it to the device itself)."""
+
+    qo_indptr: torch.Tensor  # [N + 1]
+    kv_indptr: torch.Tensor  # [N + 1]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]]
+    kv_last_page_len: torch.Tensor  # [N]
+
+
+def paged_kv_metadata(
+    q_lens: list[int], context_lens: list[int], block_table: torch.Tensor, block_size: int
+) -> PagedKVMetadata:
+    """CSR page lists from a padded block table ``[N, max_blocks]``: sequence i uses its first
+    ``ceil(context_lens[i] / block_size)`` blocks, the last of them holding ``(context_len - 1) % block_size + 1``
+    tokens. Blocks past that (allocated ahead, or table padding) are left out."""
+    if len(q_lens) != len(context_lens) or block_table.shape[0] != len(context_lens):
+        raise ValueError("q_lens, context_lens and block_table must describe the same sequences")
+    context = torch.tensor(context_lens, dtype=torch.int32)
+    if bool((context <= 0).any()):
+        raise ValueError("every sequence needs at least one token of context")
+    pages = (context + block_size - 1) // block_size
+    if bool((pages > block_table.shape[1]).any()):
+        raise ValueError("a sequence's context is longer than its block table row")
+    kv_indptr = torch.zeros(len(context_lens) + 1, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    qo_indptr = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
+    used = torch.arange(block_table.shape[1]).unsqueeze(0) < pages.unsqueeze(1)  # [N, max_blocks]
+    kv_indices = block_table.cpu()[used].to(torch.int32)  # row-major: sequence after sequence, blocks in order
+    last_page_len = (context - 1) % block_size + 1
+    return PagedKVMetadata(qo_indptr, kv_indptr, kv_indices, last_page_len)
+
+
+@dataclass(slots=True)
+class FlashInferStep:
+    metadata: PagedKVMetadata
+    decode_only: bool
+    planned_for: tuple | None = None  # (heads, kv_heads, head_dim, scale, dtype) the wrapper was planned with
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    needs_layout = True
+
+    def __init__(self, device: torch.device | str) -> None:
+        import flashinfer  # imported here: select_backend checks it is importable, and the CPU never loads it
+
+        self._flashinfer: Any = flashinfer
+        self.device = torch.device(device)
+        # zeroed: FlashInfer requires it for the workspace's first use
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode: dict[bool, Any] = {}  # by use_tensor_cores, made on first use
+
+    def workspace_bytes(self) -> int:
+        return WORKSPACE_BYTES
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        layout = batch.layout
+        if layout is None:
+            raise RuntimeError("the flashinfer attention backend needs the batch's SeqLayout")
+        metadata = paged_kv_metadata(
+            layout.q_lens, layout.context_lens, layout.host_block_table, batch.kv_cache.spec.block_size
+        )
+        batch.plan = FlashInferStep(metadata, decode_only=all(q == 1 for q in layout.q_lens))
+
+    def _decode_wrapper(self, use_tensor_cores: bool) -> Any:
+        if use_tensor_cores not in self._decode:
+            self._decode[use_tensor_cores] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=use_tensor_cores
+            )
+        return self._decode[use_tensor_cores]
+
+    def _plan(self, step: FlashInferStep, signature: tuple, kv_dtype: torch.dtype, block_size: int) -> None:
+        heads, kv_heads, head_dim, scale, q_dtype = signature
+        m = step.metadata
+        if step.decode_only:
+            wrapper = self._decode_wrapper(heads // kv_heads >= TENSOR_CORE_GROUP)
+            wrapper.plan(
+                m.kv_indptr,
+                m.kv_indices,
+                m.kv_last_page_len,
+                heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                pos_encoding_mode="NONE",  # the model applied rotary embeddings already
+                sm_scale=scale,
+                q_data_type=q_dtype,
+                kv_data_type=kv_dtype,
+            )
+        else:
+            self._prefill.plan(
+                m.qo_indptr,
+                m.kv_indptr,
+                m.kv_indices,
+                m.kv_last_page_len,
+                heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                causal=True,
+                sm_scale=scale,
+                q_data_type=q_dtype,
+                kv_data_type=kv_dtype,
+            )
+        step.planned_for = signature
+
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch: AttentionBatch,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        step = batch.plan
+        if not isinstance(step, FlashInferStep):
+            raise RuntimeError("flashinfer attention called before FlashInferBackend.prepare")
+        heads, head_dim = query.shape[1], query.shape[3]
+        scale = scaling if scaling is not None else head_dim**-0.5
+        signature = (heads, key.shape[1], head_dim, float(scale), query.dtype)
+        cache = batch.kv_cache.kv[layer]
+        if step.planned_for != signature:  # the first layer of the step (every later one has the same shapes)
+            self._plan(step, signature, cache.dtype, batch.kv_cache.spec.block_size)
+        q = query[0].transpose(0, 1).contiguous()  # [T, H, d]
+        wrapper = (
+            self._decode_wrapper(heads // key.shape[1] >= TENSOR_CORE_GROUP) if step.decode_only else self._prefill
+        )
+        out = wrapper.run(q, (cache[0], cache[1]))  # [T, H, d]
+        return out.unsqueeze(0)

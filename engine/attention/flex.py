@@ -1,0 +1,101 @@
+"""FlexAttention over the step's gathered context: one call per layer for the whole packed row.
+
+Per step (``prepare``), every sequence's context slots are listed one after another (``S`` = the sum of the context
+lengths) and a block mask is built once from a ``mask_mod``: query token ``q`` may see key ``k`` when both belong to
+the same sequence and the key's position is not after the query's (the causal mask offset by what was cached). Per
+layer (``forward``), the K/V of those slots is gathered (one ``index_select``) and one ``flex_attention`` call attends
+prefills, chunked prefills and decodes alike. Block sparsity skips the other sequences' keys on a GPU; eager on the
+CPU, flex materialises the ``T x S`` score matrix, so this backend is opt-in (``attention_backend: flex``).
+
+On CUDA ``flex_attention`` is compiled (``dynamic=True``, so new step shapes do not each recompile); that path has not
+run on a GPU. On the CPU it runs eagerly: torch warns that the unfused path is used, which is the point here, so that
+one warning is silenced around the call and nothing else.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.batch import AttentionBatch, SeqLayout
+
+_EAGER_WARNING = "flex_attention called without torch.compile"
+
+
+@dataclass(slots=True)
+class FlexPlan:
+    kv_slots: torch.Tensor  # [S] cache slots of every sequence's context, sequence after sequence
+    block_mask: BlockMask
+
+
+def context_index(layout: SeqLayout, block_size: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
+    """For the concatenated contexts: each key's sequence, position and cache slot; for the packed row: each query's
+    sequence and position. Pure tensor arithmetic on the layout's device tensors (no host sync)."""
+    device = layout.block_table.device
+    context_lens = layout.seq_context_lens
+    q_lens = layout.query_start_loc[1:] - layout.query_start_loc[:-1]
+    total = sum(layout.context_lens)
+    seq_ids = torch.arange(layout.num_seqs, device=device)
+    kv_seq = torch.repeat_interleave(seq_ids, context_lens, output_size=total)
+    kv_start = torch.cumsum(context_lens, 0) - context_lens
+    kv_pos = torch.arange(total, device=device) - kv_start[kv_seq]
+    kv_slots = layout.block_table[kv_seq, kv_pos // block_size] * block_size + kv_pos % block_size
+    q_seq = torch.repeat_interleave(seq_ids, q_lens, output_size=num_tokens)
+    first_pos = context_lens - q_lens  # position of each sequence's first query token
+    q_pos = first_pos[q_seq] + torch.arange(num_tokens, device=device) - layout.query_start_loc[:-1][q_seq]
+    return kv_seq, kv_pos, kv_slots, q_seq, q_pos
+
+
+def _same_sequence_causal(q_seq: torch.Tensor, q_pos: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_seq[q_idx] == kv_seq[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+
+    return mask_mod
+
+
+class FlexBackend(AttentionBackend):
+    name = "flex"
+    needs_layout = True
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._flex: Callable[..., torch.Tensor] = flex_attention
+        if self.device.type == "cuda":
+            self._flex = torch.compile(flex_attention, dynamic=True)  # type: ignore[assignment]
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        layout = batch.layout
+        if layout is None:
+            raise RuntimeError("the flex attention backend needs the batch's SeqLayout")
+        num_tokens = int(batch.slot_mapping.shape[0])
+        kv_seq, kv_pos, kv_slots, q_seq, q_pos = context_index(layout, batch.kv_cache.spec.block_size, num_tokens)
+        mask_mod = _same_sequence_causal(q_seq, q_pos, kv_seq, kv_pos)
+        block_mask = create_block_mask(
+            mask_mod, None, None, num_tokens, int(kv_slots.shape[0]), device=layout.block_table.device
+        )
+        batch.plan = FlexPlan(kv_slots, block_mask)
+
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch: AttentionBatch,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        plan = batch.plan
+        if not isinstance(plan, FlexPlan):
+            raise RuntimeError("flex attention called before FlexBackend.prepare")
+        kv = batch.kv_cache.flat(layer).index_select(1, plan.kv_slots)  # [2, S, kvH, d]
+        kv = kv.transpose(1, 2).unsqueeze(1).to(query.dtype)  # [2, 1, kvH, S, d]
+        gqa = query.shape[1] != key.shape[1]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_EAGER_WARNING)
+            out = self._flex(query, kv[0], kv[1], block_mask=plan.block_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2)  # [1, T, H, d]

@@ -1,0 +1,357 @@
+"""CUDA graphs for decode-only steps: one graph per (batch bucket, context bucket), replayed over static buffers.
+
+A decode step of the eager path launches a few hundred small kernels (per layer: norms, projections, rotary, the KV
+write, the gather, SDPA, the MLP) from Python; at batch 1 on a GPU the launches, not the arithmetic, bound the step.
+A CUDA graph records those launches once and replays them with one call. A graph is fixed in everything but the
+contents of its input tensors, so this module makes a decode step static-shaped:
+
+1. Buckets. The batch is padded up to the next batch bucket (powers of two up to ``max_num_seqs``, which is the last
+   bucket), and the gather width of the gather+SDPA attention (blocks of context per row) up to the next context
+   bucket (powers of two of blocks up to ``max_model_len / block_size``). A (batch, context) pair is a *key*; each
+   key whose gather buffer fits ``max_gather_bytes`` may get one graph, and at most ``max_graphs`` exist.
+2. Static inputs. Input ids, positions, slot mapping, context lengths and block table of a key live in one packed
+   int64 device buffer (one host->device copy per step, from a pinned host staging buffer); the attention mask is
+   computed from the context lengths inside the graph; the gather buffer is one device storage shared by all keys.
+3. Padding rows (batch rows past the real requests) get token 0 at position 0, write their K/V into the KV cache's
+   ``padding_sink_block`` (a block outside the block manager's ids), attend to that block only, and their hidden
+   states are dropped before the lm_head. Real rows' block-table padding also points at the sink (masked).
+4. The step function ``_forward_static(key)`` reads only the static buffers and returns the hidden states of the
+   padded batch. On CUDA it is captured into a ``torch.cuda.CUDAGraph`` the first time its key is used (warm-up on
+   a side stream, then capture into a memory pool shared by every graph) and replayed after; with ``capture=False``
+   it is simply called (the same static-shape arithmetic, eagerly), which is how the CPU tests and the GPU check's
+   comparison exercise everything except the capture itself.
+
+Lazy capture, not at start: the number of keys is the product of the two bucket lists (tens), most of which a given
+workload never meets; capturing all of them would add seconds to every worker's start, and a prefill worker never
+decodes at all. The price is one capture (a few warm-up forwards) the first time a key is met.
+
+Not graphed (``fallback_reason`` says why; the runner then runs its eager path): prefill or mixed steps, a batch
+over the largest bucket, a key whose gather buffer exceeds ``max_gather_bytes``, a key not yet captured once
+``max_graphs`` exist, requests wanting prompt logprobs (they need every position's hidden state), and steps with a
+layer hook (streaming KV export runs Python per layer, which a graph cannot).
+
+Attention: a graphed step always uses the gather + SDPA backend, whichever backend the runner's eager steps use
+(FlashInfer's decode kernels would need their own graph wrapper with static index buffers; not done). Both read and
+write the same paged KV layout, so prefill with one and decode with the other is consistent.
+
+Status: the static padded path (``capture=False``) is tested on CPU against the eager engine; the CUDA capture and
+replay code (``_capture``) follows PyTorch's documented pattern but has not run on a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBatch, DecodeGroup, SdpaBackend
+from engine.blocks import blocks_for_tokens
+from engine.config import EngineConfig
+from engine.kv_cache import KVSpec
+from engine.model_runner import ModelRunner, ScheduledChunk, StepStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_GRAPHS = 96  # more than the keys of max_num_seqs=128 x 8k context at the default gather budget (74)
+DEFAULT_MAX_GATHER_BYTES = 512 * 1024 * 1024  # the static gather buffer: one layer's K+V of batch x context blocks
+WARMUP_STEPS = 2  # eager runs on the capture stream before capture (lazy inits, cuBLAS workspaces, autotuning)
+NUM_STATIC_VECTORS = 4  # input ids, positions, slot mapping, context lengths: each [batch] in the packed buffer
+
+
+class Fallback(enum.Enum):
+    """Why a step runs eagerly instead of on a decode graph."""
+
+    NOT_DECODE = "prefill or mixed step"
+    BATCH_TOO_LARGE = "batch over the largest bucket"
+    GATHER_TOO_WIDE = "batch x context over max_gather_bytes"
+    GRAPH_LIMIT = "max_graphs graphs exist and this key has none"
+    PROMPT_LOGPROBS = "a request wants prompt logprobs"
+    LAYER_HOOK = "a layer hook is installed (streaming KV export)"
+    CAPTURE_FAILED = "a capture failed; graphs are off for this engine"
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two below ``max_num_seqs``, then ``max_num_seqs`` itself: 64 -> [1, 2, 4, 8, 16, 32, 64]."""
+    buckets = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return [*buckets, max_num_seqs]
+
+
+def context_buckets(max_model_len: int, block_size: int) -> list[int]:
+    """Gather widths in blocks: powers of two below the blocks of ``max_model_len``, then that count."""
+    return batch_buckets(blocks_for_tokens(max_model_len, block_size))
+
+
+def bucket_for(value: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds ``value``; None when the largest does not."""
+    index = bisect.bisect_left(buckets, value)
+    return buckets[index] if index < len(buckets) else None
+
+
+def plan_keys(
+    max_num_seqs: int, max_model_len: int, block_size: int, gather_block_bytes: int, max_gather_bytes: int
+) -> list[tuple[int, int]]:
+    """Every (batch bucket, context bucket) whose gather buffer (``batch x blocks x gather_block_bytes``, one layer's
+    K and V) fits ``max_gather_bytes``: the keys that may get a graph."""
+    return [
+        (batch, blocks)
+        for batch in batch_buckets(max_num_seqs)
+        for blocks in context_buckets(max_model_len, block_size)
+        if batch * blocks * gather_block_bytes <= max_gather_bytes
+    ]
+
+
+def scratch_bytes_for(
+    spec: KVSpec, max_num_seqs: int, max_model_len: int, max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES
+) -> int:
+    """Device memory ``DecodeGraphs`` holds outside the graph pool (its gather storage and packed input buffer),
+    known before the KV cache is sized, so that the sizing can leave room for it."""
+    gather_block_bytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+    largest = batch_buckets(max_num_seqs)[-1] * context_buckets(max_model_len, spec.block_size)[-1]
+    gather_blocks = min(max_gather_bytes // gather_block_bytes, largest)
+    return gather_blocks * gather_block_bytes + (NUM_STATIC_VECTORS * max_num_seqs + gather_blocks) * 8
+
+
+@dataclass(slots=True)
+class _Key:
+    batch: int  # rows, real and padding
+    blocks: int  # gather width per row, in blocks
+
+
+@dataclass(slots=True)
+class _Entry:
+    graph: torch.cuda.CUDAGraph | None  # None in capture=False mode: the step function is called instead
+    hidden: torch.Tensor | None  # the graph's static output [batch, hidden]; None without a graph
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of a ``ModelRunner`` over static, padded buffers (CUDA graphs when ``capture``)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: bool = True,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+        max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES,
+    ) -> None:
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graph capture needs a CUDA device, the model is on {runner.device}")
+        self.runner = runner
+        self.capture = capture
+        self.max_graphs = max_graphs
+        kv_cache = runner.kv_cache
+        spec = kv_cache.spec
+        self.block_size = spec.block_size
+        self.sink = kv_cache.padding_sink_block
+        self.batch_buckets = batch_buckets(max_num_seqs)
+        self.context_buckets = context_buckets(max_model_len, spec.block_size)
+        block_elems = self._block_elems = spec.block_size * spec.num_kv_heads * spec.head_dim
+        self.gather_block_bytes = 2 * block_elems * spec.dtype.itemsize
+        self.max_gather_blocks = min(
+            max_gather_bytes // self.gather_block_bytes, self.batch_buckets[-1] * self.context_buckets[-1]
+        )
+        device = runner.device
+        # allocated once at their largest: a captured graph holds these addresses for its whole life
+        self._gather_storage = torch.empty(2 * self.max_gather_blocks * block_elems, dtype=spec.dtype, device=device)
+        width = NUM_STATIC_VECTORS * self.batch_buckets[-1] + self.max_gather_blocks
+        self._inputs = torch.zeros(width, dtype=torch.long, device=device)
+        self._staging = torch.zeros(width, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._attention = SdpaBackend()  # a static gather width is what makes a graph possible (see the docstring)
+        self._key_positions = torch.arange(self.context_buckets[-1] * spec.block_size, device=device)
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._stream = torch.cuda.Stream(device) if capture else None
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last staging copy is done
+        self._broken = False  # a capture failed: every later step runs eagerly
+        self.num_replays = 0
+        self.steps: Counter[tuple[int, int]] = Counter()  # static steps run per (batch, context blocks) key
+        self.fallbacks: Counter[Fallback] = Counter()  # eager steps per reason
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device memory held outside the graph pool: the gather storage and the packed input buffer."""
+        return self._gather_storage.numel() * self._gather_storage.element_size() + self._inputs.numel() * 8
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(1 for entry in self._entries.values() if entry.graph is not None)
+
+    # ---- which steps run here ----------------------------------------------------------------------------------
+
+    def key_for(self, chunks: list[ScheduledChunk]) -> _Key | None:
+        """The bucket of a decode-only batch; None when the batch or its context is over the largest bucket."""
+        batch = bucket_for(len(chunks), self.batch_buckets)
+        needed = max(blocks_for_tokens(chunk.end, self.block_size) for chunk in chunks)
+        blocks = bucket_for(needed, self.context_buckets)
+        return None if batch is None or blocks is None else _Key(batch, blocks)
+
+    def fallback_reason(self, chunks: list[ScheduledChunk]) -> Fallback | None:
+        """None when this step can run on a graph (or, without ``capture``, on the static path); else why not."""
+        if self._broken:
+            return Fallback.CAPTURE_FAILED
+        if not chunks or any(chunk.num_tokens != 1 or chunk.start == 0 for chunk in chunks):
+            return Fallback.NOT_DECODE
+        if self.runner.layer_hook is not None:
+            return Fallback.LAYER_HOOK
+        if any(chunk.request.wants_prompt_logprobs for chunk in chunks):
+            return Fallback.PROMPT_LOGPROBS
+        key = self.key_for(chunks)
+        if key is None:
+            return Fallback.BATCH_TOO_LARGE
+        if key.batch * key.blocks > self.max_gather_blocks:
+            return Fallback.GATHER_TOO_WIDE
+        if self.capture and (key.batch, key.blocks) not in self._entries and self.num_graphs >= self.max_graphs:
+            return Fallback.GRAPH_LIMIT
+        return None
+
+    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
+        reason = self.fallback_reason(chunks)
+        if reason is not None:
+            self.fallbacks[reason] += 1
+        return reason is None
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
+        """Same contract as ``ModelRunner.execute`` (float32 logits of the chunks that sample), for a step that
+        ``can_run`` accepted. Call under ``torch.inference_mode()`` (the runner's ``execute`` is)."""
+        started = time.perf_counter()
+        key = self.key_for(chunks)
+        assert key is not None  # can_run checked it
+        entry = self._entries.get((key.batch, key.blocks))
+        if entry is None:
+            entry = self._entries[(key.batch, key.blocks)] = self._capture(key) if self.capture else _Entry(None, None)
+        self._fill(chunks, key)
+        self.steps[(key.batch, key.blocks)] += 1
+        if entry.graph is not None and entry.hidden is not None:
+            entry.graph.replay()
+            hidden = entry.hidden
+            self.num_replays += 1
+        else:
+            hidden = self._forward_static(key)
+        rows = [row for row, chunk in enumerate(chunks) if chunk.samples]
+        real = hidden[: len(chunks)] if len(rows) == len(chunks) else hidden[torch.tensor(rows, device=hidden.device)]
+        logits = self.runner.lm_head(real).float()  # padding rows dropped before the vocabulary projection
+        stats = StepStats(
+            num_tokens=len(chunks),
+            num_seqs=len(chunks),
+            num_prefill_tokens=0,
+            num_decode_tokens=len(chunks),
+            duration_s=time.perf_counter() - started,
+        )
+        return logits, stats
+
+    def _views(self, key: _Key) -> tuple[torch.Tensor, ...]:
+        """The key's layout in the packed buffer: ids, positions, slots, context lengths [batch], table [batch, w]."""
+        b = key.batch
+        vectors = [self._inputs[i * b : (i + 1) * b] for i in range(NUM_STATIC_VECTORS)]
+        end = NUM_STATIC_VECTORS * b
+        table = self._inputs[end : end + b * key.blocks].view(b, key.blocks)
+        return (*vectors, table)
+
+    def _fill(self, chunks: list[ScheduledChunk] | None, key: _Key) -> None:
+        """Write a step's inputs in the key's layout on the host, then one host->device copy. ``chunks=None``: every
+        row is padding (the warm-up and capture runs, which must not write any request's KV).
+
+        The copy is asynchronous (pinned memory); before the host buffer is overwritten, the previous step's copy
+        must have left it: the event makes sure (normally long done, since each step's sampler reads its tokens)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        b, w, bs, sink = key.batch, key.blocks, self.block_size, self.sink
+        size = NUM_STATIC_VECTORS * b + b * w
+        host = self._staging[:size].numpy()
+        ids, positions, slots, lens = (host[i * b : (i + 1) * b] for i in range(NUM_STATIC_VECTORS))
+        table = host[NUM_STATIC_VECTORS * b :].reshape(b, w)
+        ids[:] = 0
+        positions[:] = 0
+        slots[:] = sink * bs
+        lens[:] = 1
+        table[:] = sink
+        for row, chunk in enumerate(chunks or ()):
+            request, position = chunk.request, chunk.start
+            ids[row] = request.token_slice(position, position + 1)[0]
+            positions[row] = position
+            slots[row] = request.block_ids[position // bs] * bs + position % bs
+            lens[row] = chunk.end
+            needed = blocks_for_tokens(chunk.end, bs)
+            table[row, :needed] = request.block_ids[:needed]
+        self._inputs[:size].copy_(self._staging[:size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _forward_static(self, key: _Key) -> torch.Tensor:
+        """The function a graph captures: the decoder over the padded batch, reading only static buffers; returns
+        the hidden states ``[batch, hidden]``. Padding rows attend only to the sink block's first slot."""
+        ids, positions, slots, lens, table = self._views(key)
+        width = key.blocks * self.block_size
+        mask = (self._key_positions[:width].unsqueeze(0) < lens.unsqueeze(1)).view(key.batch, 1, 1, width)
+        spec = self.runner.kv_cache.spec
+        gather = self._gather_storage[: 2 * key.batch * key.blocks * self._block_elems]
+        group = DecodeGroup(
+            token_index=None,
+            block_table=table,
+            max_context=width,
+            gather_buffer=gather.view(2, key.batch * key.blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            mask=mask,
+        )
+        batch = AttentionBatch(kv_cache=self.runner.kv_cache, slot_mapping=slots, decode=group, backend=self._attention)
+        out = self.runner.decoder(
+            input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), use_cache=False, pd_batch=batch
+        )
+        return out.last_hidden_state[0]
+
+    def _capture(self, key: _Key) -> _Entry:
+        """Warm up on the capture stream, then record ``_forward_static(key)`` into a graph in the shared pool.
+
+        Runs with every row padding, so the warm-up forwards write only the sink block. ``thread_local`` capture
+        mode: a transfer thread's CUDA calls (a cudaMalloc, a sync) during capture do not invalidate it. A capture
+        that fails turns graphs off for this engine (the step, and every later one, runs eagerly) rather than
+        failing requests: eager is always correct."""
+        assert self._stream is not None
+        device = self.runner.device
+        started = time.perf_counter()
+        self._fill(None, key)
+        try:
+            torch.cuda.synchronize(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                for _ in range(WARMUP_STEPS):
+                    self._forward_static(key)
+            torch.cuda.current_stream(device).wait_stream(self._stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                hidden = self._forward_static(key)
+            torch.cuda.synchronize(device)
+        except Exception:
+            logger.exception("CUDA graph capture of decode bucket %s failed; decode runs eagerly from now on", key)
+            self._broken = True
+            return _Entry(None, None)
+        logger.info(
+            "captured decode graph batch=%d context_blocks=%d in %.3f s (%d graphs)",
+            key.batch,
+            key.blocks,
+            time.perf_counter() - started,
+            self.num_graphs + 1,
+        )
+        return _Entry(graph, hidden)
+
+    def close(self) -> None:
+        """Drop every graph and its pool memory (the one cleanup path; the engine calls it when it shuts down)."""
+        self._entries.clear()
+        self._pool = None
+
+
+def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
+    """The engine's decode graphs: on CUDA when ``config.cuda_graphs``; None otherwise (on the CPU a graph would
+    save nothing: there is no launch overhead to hide)."""
+    if not config.cuda_graphs or runner.device.type != "cuda":
+        return None
+    if runner.backend.name != SdpaBackend.name:
+        logger.info("decode graphs attend with gather+SDPA; eager steps use %s", runner.backend.name)
+    return DecodeGraphs(runner, config.max_num_seqs, max_model_len)

@@ -1,0 +1,333 @@
+"""How many KV blocks a GPU engine allocates: measured, not guessed (vLLM's rule, our code).
+
+A KV block budget written by hand is either too small (the GPU idles half empty) or too large (the first long batch
+runs out of memory mid-step and fails every request in it). So on CUDA, unless the user gave ``num_kv_blocks`` or
+``kv_cache_memory_bytes`` (``kv_memory_mb`` in the cluster file), the engine measures:
+
+1. ``KVMemoryPlanner.start`` takes a snapshot of the device before the weights load (free and total memory, and what
+   torch's caching allocator holds), and refuses at once when ``total x gpu_memory_utilization`` is more than is free:
+   the utilization is this engine's share of the whole GPU, so two engines on one GPU each ask for their own share
+   (0.45 + 0.45), as in vLLM.
+2. ``plan`` runs after loading. Weights are what torch allocated during loading. It then runs the largest steps the
+   scheduler can make through a real ``ModelRunner`` on a small temporary KV cache: one chunk of ``max_batch_tokens``
+   prompt tokens at the end of a ``max_model_len`` context (with prompt logprobs, the widest prefill path), and one
+   decode step of ``max_num_seqs`` requests at ``max_model_len`` context followed by the sampler over their rows (top-p
+   and logprobs, its widest path). The peak that torch allocated above what it held before each step is the
+   activation peak. The block ids of these fake requests repeat, so the temporary cache needs only
+   ``max_batch_tokens`` tokens of blocks, whatever ``max_model_len`` is.
+3. What grew outside torch since the start snapshot (the CUDA context's lazily loaded kernels, cuBLAS/NCCL handles)
+   is non-torch memory; the runner's decode gather buffer, which persists between steps, is counted at its bound
+   (``ModelRunner.scratch_bytes_bound``), not at what the profile happened to touch.
+4. ``kv = total x utilization - weights - peak activation - non-torch - scratch``; blocks are whole blocks of it, less
+   the blocks the KV cache allocates beyond what the block manager hands out (its padding sink). A budget that holds
+   less than one ``max_model_len`` request is an error that names the knobs and the numbers.
+
+The arithmetic (``plan_kv_blocks``) is pure, and the device is read through the small ``DeviceMemory`` protocol, so
+tests drive the whole path on the CPU with a real model and fake readings; ``CudaMemory`` is the real one.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention import select_backend
+from engine.blocks import blocks_for_tokens
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, KVSpec
+from engine.model_runner import ModelRunner, ScheduledChunk
+from engine.request import MAX_LOGPROBS, Request, RequestTiming, SamplingParams
+from engine.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+# more non-torch growth than the CUDA context, cuBLAS and NCCL take (about 1 GiB together) suggests another process on
+# the same GPU allocated while this engine loaded and profiled, which the budget cannot tell from its own
+NON_TORCH_WARN_BYTES = 2 * GIB
+
+
+class MemoryPlanError(ValueError):
+    """The measured memory cannot hold a usable KV cache; the message names the setting to change."""
+
+
+class DeviceMemory(Protocol):
+    """The readings the planner needs, for one device (``torch.cuda``'s functions of the same names)."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the whole device, every process included."""
+        ...
+
+    def memory_allocated(self) -> int: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+    def memory_reserved(self) -> int: ...
+
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def empty_cache(self) -> None: ...
+
+
+class CudaMemory:
+    """``DeviceMemory`` of one CUDA device."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    free_bytes: int
+    total_bytes: int
+    allocated_bytes: int  # torch tensors alive
+    reserved_bytes: int  # torch's caching allocator's segments (allocated plus cached)
+
+    @property
+    def non_torch_bytes(self) -> int:
+        """Device memory in use that torch's allocator does not hold (CUDA context, libraries, other processes)."""
+        return self.total_bytes - self.free_bytes - self.reserved_bytes
+
+
+def take_snapshot(memory: DeviceMemory) -> MemorySnapshot:
+    """A reading after the device is idle and torch has returned its cached, unused segments to the driver."""
+    memory.synchronize()
+    gc.collect()
+    memory.empty_cache()
+    free, total = memory.mem_get_info()
+    return MemorySnapshot(free, total, memory.memory_allocated(), memory.memory_reserved())
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Where one engine's share of the GPU goes; every figure in bytes."""
+
+    total_bytes: int  # the device's memory
+    utilization: float  # gpu_memory_utilization: this engine's share of total_bytes
+    weights_bytes: int
+    peak_activation_bytes: int  # the largest step's transient tensors (forward and sampler)
+    non_torch_bytes: int  # grown outside torch since the engine started (CUDA context, cuBLAS, NCCL)
+    scratch_bytes: int  # buffers kept between steps, at their bound (the decode gather buffer)
+    kv_bytes: int  # what is left for the KV cache
+    bytes_per_block: int
+    num_blocks: int  # blocks the block manager hands out
+    extra_blocks: int  # blocks the KV cache allocates beyond those (the padding sink)
+
+    @property
+    def requested_bytes(self) -> int:
+        return int(self.total_bytes * self.utilization)
+
+    def summary(self) -> str:
+        """One log line: the whole budget at a glance."""
+
+        def gib(value: int) -> str:
+            return f"{value / GIB:.2f}"
+
+        return (
+            f"KV memory plan: {gib(self.requested_bytes)} GiB = {self.utilization:g} x {gib(self.total_bytes)} GiB; "
+            f"weights {gib(self.weights_bytes)}, peak activation {gib(self.peak_activation_bytes)}, "
+            f"non-torch {gib(self.non_torch_bytes)}, scratch {gib(self.scratch_bytes)}, KV {gib(self.kv_bytes)} GiB "
+            f"-> {self.num_blocks} blocks of {self.bytes_per_block} bytes"
+        )
+
+    def as_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+def check_share(total_bytes: int, free_bytes: int, utilization: float) -> int:
+    """This engine's share of the GPU (``total x utilization``) in bytes; an error when that much is not free."""
+    requested = int(total_bytes * utilization)
+    if free_bytes < requested:
+        raise MemoryPlanError(
+            f"gpu_memory_utilization={utilization:g} asks for {requested / GIB:.2f} GiB of the GPU's "
+            f"{total_bytes / GIB:.2f} GiB, but only {free_bytes / GIB:.2f} GiB were free when this engine "
+            "started (other processes hold the rest): lower gpu_memory_utilization, or set kv_memory_mb"
+        )
+    return requested
+
+
+def plan_kv_blocks(
+    *,
+    total_bytes: int,
+    free_at_start_bytes: int,
+    utilization: float,
+    weights_bytes: int,
+    peak_activation_bytes: int,
+    non_torch_bytes: int,
+    scratch_bytes: int,
+    bytes_per_block: int,
+    min_blocks: int,
+    extra_blocks: int = 0,
+) -> MemoryPlan:
+    """The budget arithmetic. ``min_blocks``: what one ``max_model_len`` request needs; fewer is an error, since such
+    an engine would refuse the requests its own config admits."""
+    requested = check_share(total_bytes, free_at_start_bytes, utilization)
+    kv_bytes = requested - weights_bytes - peak_activation_bytes - non_torch_bytes - scratch_bytes
+    num_blocks = kv_bytes // bytes_per_block - extra_blocks if kv_bytes > 0 else 0
+    if num_blocks < min_blocks:
+        raise MemoryPlanError(
+            f"no room for the KV cache: gpu_memory_utilization={utilization:g} x {total_bytes / GIB:.2f} GiB = "
+            f"{requested / GIB:.2f} GiB, less weights {weights_bytes / GIB:.2f}, peak activation "
+            f"{peak_activation_bytes / GIB:.2f}, non-torch {non_torch_bytes / GIB:.2f} and scratch "
+            f"{scratch_bytes / GIB:.2f} GiB leaves {kv_bytes / GIB:.2f} GiB = {max(num_blocks, 0)} blocks of "
+            f"{bytes_per_block} bytes, fewer than the {min_blocks} one max_model_len request needs: raise "
+            "gpu_memory_utilization, lower max_model_len / max_num_seqs / max_batch_tokens, or set kv_memory_mb"
+        )
+    return MemoryPlan(
+        total_bytes=total_bytes,
+        utilization=utilization,
+        weights_bytes=weights_bytes,
+        peak_activation_bytes=peak_activation_bytes,
+        non_torch_bytes=non_torch_bytes,
+        scratch_bytes=scratch_bytes,
+        kv_bytes=kv_bytes,
+        bytes_per_block=bytes_per_block,
+        num_blocks=num_blocks,
+        extra_blocks=extra_blocks,
+    )
+
+
+def needs_measured_budget(config: EngineConfig) -> bool:
+    """A CUDA engine given neither ``num_kv_blocks`` nor ``kv_cache_memory_bytes``: explicit settings always win."""
+    return config.device.startswith("cuda") and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None
+
+
+class KVMemoryPlanner:
+    """Measures one engine's memory: ``start`` before the weights load, ``plan`` after."""
+
+    def __init__(self, config: EngineConfig, memory: DeviceMemory) -> None:
+        self.config = config
+        self.memory = memory
+        self.at_start = take_snapshot(memory)
+        # fail before spending minutes loading weights
+        check_share(self.at_start.total_bytes, self.at_start.free_bytes, config.gpu_memory_utilization)
+
+    @classmethod
+    def start(cls, config: EngineConfig, memory: DeviceMemory | None = None) -> KVMemoryPlanner | None:
+        """A planner when this engine sizes its KV from measured memory (``needs_measured_budget``), else None."""
+        if not needs_measured_budget(config):
+            return None
+        return cls(config, memory if memory is not None else CudaMemory(config.device))
+
+    def plan(
+        self, model: PreTrainedModel, spec: KVSpec, max_model_len: int, extra_scratch_bytes: int = 0
+    ) -> MemoryPlan:
+        """Profile the loaded model and budget the rest; logs the plan in one line. ``extra_scratch_bytes``: other
+        buffers the engine will keep between steps (counted like the runner's gather buffer)."""
+        memory, config = self.memory, self.config
+        memory.synchronize()
+        weights = memory.memory_allocated() - self.at_start.allocated_bytes
+        try:
+            peak, extra_blocks, scratch_bound = self._profile(model, spec, max_model_len)
+        except torch.OutOfMemoryError as exc:
+            raise MemoryPlanError(
+                f"the profiling step ({config.max_batch_tokens} tokens at max_model_len={max_model_len}, "
+                f"{config.max_num_seqs} decode rows) ran out of GPU memory after the weights took "
+                f"{weights / GIB:.2f} GiB: lower max_model_len, max_batch_tokens or max_num_seqs ({exc})"
+            ) from exc
+        after = take_snapshot(memory)
+        # torch memory the profile left behind once its runner and cache are gone (cuBLAS workspaces, allocated on
+        # first use and kept): the engine's first steps will allocate it too
+        peak += max(0, after.allocated_bytes - self.at_start.allocated_bytes - weights)
+        non_torch = max(0, after.non_torch_bytes - self.at_start.non_torch_bytes)
+        if non_torch > NON_TORCH_WARN_BYTES:
+            logger.warning(
+                "memory outside torch grew by %.2f GiB while this engine loaded and profiled; if another process on "
+                "this GPU allocated meanwhile, it was counted against this engine's KV: start engines that share a "
+                "GPU one at a time, or set kv_memory_mb",
+                non_torch / GIB,
+            )
+        plan = plan_kv_blocks(
+            total_bytes=self.at_start.total_bytes,
+            free_at_start_bytes=self.at_start.free_bytes,
+            utilization=config.gpu_memory_utilization,
+            weights_bytes=weights,
+            peak_activation_bytes=peak,
+            non_torch_bytes=non_torch,
+            scratch_bytes=scratch_bound + extra_scratch_bytes,
+            bytes_per_block=spec.bytes_per_block,
+            min_blocks=blocks_for_tokens(max_model_len, spec.block_size),
+            extra_blocks=extra_blocks,
+        )
+        logger.info("%s", plan.summary())
+        return plan
+
+    def _profile(self, model: PreTrainedModel, spec: KVSpec, max_model_len: int) -> tuple[int, int, int]:
+        """(peak activation bytes, the KV cache's extra blocks, the runner's scratch bound) of the largest steps."""
+        config = self.config
+        rows = min(config.max_num_seqs, config.max_batch_tokens)  # a decode row is one token of the step's budget
+        prefill_tokens = min(config.max_batch_tokens, max_model_len)
+        cache = KVCache(spec, blocks_for_tokens(prefill_tokens, spec.block_size) + 1, config.device)
+        extra_blocks = cache.kv[0].shape[1] - cache.num_blocks
+        runner = ModelRunner(model, cache, select_backend(config.attention_backend, config.device, model.dtype))
+        scratch_bound = runner.limit_scratch(config.max_num_seqs, max_model_len)
+        sampler = Sampler((), runner.device)
+        context = _fake_tokens(max_model_len, int(runner.lm_head.out_features))
+        table = [i % cache.num_blocks for i in range(blocks_for_tokens(max_model_len, spec.block_size))]
+        prefill = _fake_request(context, table, SamplingParams(max_tokens=1, prompt_logprobs=MAX_LOGPROBS))
+        decode_params = SamplingParams(max_tokens=1, top_p=0.9, logprobs=MAX_LOGPROBS)
+        steps = [
+            [ScheduledChunk(prefill, max_model_len - prefill_tokens, prefill_tokens)],
+            [ScheduledChunk(_fake_request(context, table, decode_params), max_model_len - 1, 1) for _ in range(rows)],
+        ]
+        peak = 0
+        for chunks in steps:
+            peak = max(peak, self._measure_step(runner, sampler, chunks))
+        del runner, cache, sampler, steps
+        return peak, extra_blocks, scratch_bound
+
+    def _measure_step(self, runner: ModelRunner, sampler: Sampler, chunks: list[ScheduledChunk]) -> int:
+        """Torch's peak in this step above what it holds once the step is over: the step's transient tensors. What
+        the step leaves allocated (the runner's gather buffer, counted at its bound instead; cuBLAS workspaces,
+        counted by ``plan``) is not in it. Runs the step as ``EngineCore.step`` does: forward, prompt scores,
+        sampler."""
+        memory = self.memory
+        memory.synchronize()
+        memory.reset_peak_memory_stats()
+        logits, _ = runner.execute(chunks)
+        result = sampler.sample(logits, [c.request for c in chunks if c.samples], runner.score_prompts(chunks))
+        del logits, result
+        memory.synchronize()
+        return max(0, memory.max_memory_allocated() - memory.memory_allocated())
+
+
+def _fake_tokens(length: int, vocab_size: int) -> list[int]:
+    """Token ids of a profiling request: the values do not matter to memory, only the length."""
+    return [(i * 7919) % vocab_size for i in range(length)]
+
+
+def _fake_request(token_ids: list[int], block_ids: list[int], params: SamplingParams) -> Request:
+    """A request as the scheduler would hand one over, its prompt fully allocated (on repeated block ids)."""
+    request = Request(f"memory-profile-{uuid.uuid4().hex[:8]}", token_ids, params, RequestTiming(0.0))
+    request.block_ids = block_ids
+    return request
