@@ -30,6 +30,7 @@ told the client why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import time
@@ -102,7 +103,7 @@ class DecodeRole(Role):
             ModelFingerprint.from_spec(engine.kv_spec),
             engine.write_remote_kv,
             receiver_address(spec),
-            spec.transfer,
+            dataclasses.replace(spec.transfer, kv_device=engine.config.device),  # GPU cache: side-stream writes
         )
         return cls(
             spec.name,
@@ -151,7 +152,8 @@ class DecodeRole(Role):
             # too late: the same reservation is answered again, idempotent)
             if self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens, prefix_cache=True) is None:
                 self.counters.reservations_refused += 1
-                self.emit(Reserved(rid=rid, worker=self.name, ok=False, attempt=attempt, reason="kv_full"))
+                reason = "max_num_seqs" if self.engine.at_seq_limit() else "kv_full"
+                self.emit(Reserved(rid=rid, worker=self.name, ok=False, attempt=attempt, reason=reason))
                 return
             held = self.engine.requests[rid]
             missing = self.engine.missing_prompt_blocks(held)  # the prefix-cached blocks are shared, not written

@@ -47,6 +47,10 @@ class TransferConfig:
     # (the sender closes its side after half of it, so it never sends into one)
     max_sessions: int = 1024  # receiver: sender sessions held at once; a hello past it is rejected
     max_outbox_bytes: int = 1 << 30  # sender: payload bytes queued towards receivers; full: stop taking commands
+    staging_bytes: int = 256 << 20  # sender: pinned host buffers for device->host staging (zmq/shm paths, CUDA KV)
+    kv_device: str = "cpu"  # receiver: where the KV cache lives; "cuda...": the sink writes on a side stream
+    gpu_uuid: str | None = None  # nccl: this worker's GPU (None: read from torch.cuda when device is cuda); the
+    # handshake compares both ends' and a pair on one GPU takes the same-node path, as NCCL refuses two ranks on one
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -62,7 +66,7 @@ class TransferConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        for name in ("hwm", "queue_size", "max_frame_bytes", "max_sessions", "max_outbox_bytes"):
+        for name in ("hwm", "queue_size", "max_frame_bytes", "max_sessions", "max_outbox_bytes", "staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

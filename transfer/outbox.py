@@ -34,6 +34,7 @@ class Outgoing:
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     piece: PieceHeader | None = None  # "kv" messages only
+    ready: Any = None  # nccl: the torch.cuda.Event recorded on the compute stream when the tensors were handed over
 
     @property
     def cost(self) -> int:

@@ -18,12 +18,23 @@ keys and race to join), so a group whose peer cannot prove the key is broken bef
 thread executes jobs in order: a job is the frames of one piece, sent (rank 1) or received into fresh buffers
 (rank 0) with one tag per frame, each wait bounded by group_timeout_s. gloo's RecvWork only completes inside
 wait(), so waiting happens here, never in the caller. Any failure breaks the link: its queued jobs fail with
-PeerGone. Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
+PeerGone, and the group is aborted (`pg.abort()`: NCCL's communicator is torn down with ncclCommAbort, gloo's
+connections are closed), so an op stuck on a dead or frozen peer never outlives the link and never takes the process
+down; the owner drops the session or peer, and the next transfer handshakes a fresh pair.
+
+NCCL (device tensors): every op runs under the link's own CUDA stream, which first waits on the job's `ready` event
+(sender: recorded on the compute stream when the KV was handed over; receiver: recorded on the consumer's stream when
+the receive buffers were allocated), so the transfer is ordered after the KV write and the compute stream never waits
+on the network. A receive ends by recording a new `ready` event on the link's stream, which the consumer's stream
+waits on before it uses the data (transfer/dist_backend.py). NCCL's own watchdog would tear the whole process down on
+a timed-out op (TORCH_NCCL_ASYNC_ERROR_HANDLING defaults to 3); pair groups are built with it at 0, because the link
+bounds and aborts its own ops. Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
 way and is reported to the link's owner (`on_crash`), whose io_problem() then makes its worker degraded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hmac
 import logging
@@ -44,6 +55,8 @@ from transfer.errors import AuthError, PeerGone, TransferError
 
 log = logging.getLogger(__name__)
 PROOF_TAG = (1 << 30) + 1  # beyond every job tag (next_tags wraps at 2**30)
+_ENV_LOCK = threading.Lock()  # NCCL reads its error-handling mode from the environment when a group is built
+ABORTS = {"count": 0}  # pair groups aborted after a failed or timed-out op (process-wide, for logs and tests)
 
 
 @dataclass(slots=True)
@@ -52,6 +65,9 @@ class LinkJob:
     tensors: list[torch.Tensor]
     tags: tuple[int, ...]
     piece: Any = None  # receiver: the PieceHeader these tensors complete
+    ready: Any = (
+        None  # torch.cuda.Event the link's stream waits on first; after a receive, the one the consumer waits on
+    )
 
 
 def host_of(address: str) -> str:
@@ -118,10 +134,13 @@ class PairLink:
         auth_key: bytes,
         store: dist.Store | None = None,
         on_crash: Callable[[str], None] | None = None,
+        device: str = "cpu",
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"pair group backend must be gloo or nccl, not {backend!r}")
         self.backend, self.rank, self.key = backend, rank, key
+        self.device = _link_device(backend, device)
+        self.aborted = False  # the group was aborted after a failed or timed-out op
         self._auth_key = auth_key
         self._store_addr = (store_host, store_port)
         self._store = store
@@ -178,11 +197,20 @@ class PairLink:
             raise RuntimeError("this torch build has no NCCL")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = self._timeout
-        return dist.ProcessGroupNCCL(prefixed, self.rank, 2, opts)
+        with _ENV_LOCK:  # the link bounds and aborts its own ops: NCCL's watchdog must not kill the process
+            before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+            try:
+                return dist.ProcessGroupNCCL(prefixed, self.rank, 2, opts)
+            finally:
+                if before is None:
+                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+                else:
+                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
 
     def _prove(self, pg: Any) -> None:
         """Exchange proofs of the session key (rank 0 receives first, so NCCL's ordered p2p cannot deadlock)."""
-        device = "cuda" if self.backend == "nccl" else "cpu"
+        device = self.device
         mine = torch.tensor(list(pair_proof(self._auth_key, self.rank)), dtype=torch.uint8, device=device)
         theirs = torch.zeros(len(mine), dtype=torch.uint8, device=device)
         peer = 1 - self.rank
@@ -203,6 +231,10 @@ class PairLink:
                 self._on_crash(self.crashed)
 
     def _serve(self) -> None:
+        stream = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's ops (and NCCL's communicator) on the worker's GPU
+            stream = torch.cuda.Stream(device=self.device)
         try:
             pg = self._build()
         except Exception as e:  # noqa: BLE001 - reported as a typed transfer failure
@@ -211,9 +243,11 @@ class PairLink:
         try:
             self._prove(pg)
         except AuthError as e:
+            self._abort(pg, str(e))
             self._break(e)
             return
         except Exception as e:  # noqa: BLE001
+            self._abort(pg, str(e))
             self._break(
                 PeerGone(f"{self.backend} pair group: no proof of the session key from the peer: {str(e)[:300]}")
             )
@@ -226,20 +260,50 @@ class PairLink:
             except queue.Empty:
                 continue
             try:
-                op = pg.send if self.rank == 1 else pg.recv
-                works = [op([t], peer, tag) for t, tag in zip(job.tensors, job.tags)]
-                for w in works:
-                    w.wait(self._timeout)
-                if self.rank == 0 and job.tensors and job.tensors[0].is_cuda:
-                    torch.cuda.current_stream(job.tensors[0].device).synchronize()
-            except Exception as e:  # noqa: BLE001
+                self._exchange(pg, job, peer, stream)
+            except Exception as e:  # noqa: BLE001 - a dead, frozen or lying peer: this pair only
                 err = PeerGone(f"{self.backend} p2p with the peer failed: {str(e)[:300]}")
+                self._abort(pg, str(e))
+                self.broken = self.broken or err  # first: whoever sees the failed job sees the link broken too
                 self._done.append((job, err))
                 self._break(err)
                 return
             self._done.append((job, None))
-        del pg
+        self._shutdown(pg)
         self._break(PeerGone("pair link closed"))
+
+    def _exchange(self, pg: Any, job: LinkJob, peer: int, stream: Any) -> None:
+        """One job's sends (rank 1) or receives (rank 0), each wait bounded. On CUDA under the link's stream, after
+        the job's `ready` event; a receive leaves a new `ready` event for the consumer."""
+        op = pg.send if self.rank == 1 else pg.recv
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None and job.ready is not None:
+                stream.wait_event(job.ready)
+            works = [op([t], peer, tag) for t, tag in zip(job.tensors, job.tags)]
+            for w in works:
+                w.wait(self._timeout)
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+                job.ready = done if self.rank == 0 else None
+
+    def _abort(self, pg: Any, why: str) -> None:
+        """Tear the group down after a failed op: nothing of it may keep waiting on the peer (see module docstring)."""
+        self.aborted = True
+        ABORTS["count"] += 1
+        log.warning("aborting the %s pair group %s after a failed op: %s", self.backend, self.key[-8:], why[:200])
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - the group is dropped either way
+            log.exception("aborting a %s pair group", self.backend)
+
+    def _shutdown(self, pg: Any) -> None:
+        """Orderly end of a healthy group (NCCL frees its communicator here rather than at interpreter exit)."""
+        if self.backend == "nccl":
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - a group that cannot shut down cleanly is aborted instead
+                self._abort(pg, "shutdown failed")
 
     def _break(self, err: TransferError) -> None:
         self.broken = self.broken or err
@@ -248,3 +312,13 @@ class PairLink:
                 self._done.append((self._jobs.get_nowait(), self.broken))
             except queue.Empty:
                 return
+
+
+def _link_device(backend: str, device: str) -> torch.device:
+    """gloo moves host tensors; NCCL the worker's GPU ("cuda" without an index: the current device)."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    dev = torch.device(device if device.startswith("cuda") else "cuda")
+    if dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev

@@ -39,6 +39,7 @@ from transfer.errors import (
 from transfer.inbound import InboundTable, Sink
 from transfer.sessions import Session, SessionTable
 from transfer.sockets import bind_address, configure
+from transfer.staging import SideStreamSink
 from transfer.state import Inbound, TransferEvent
 from transfer.wire import MAX_HEADER_BYTES, ModelFingerprint, PieceHeader, pack_header, unpack_header
 
@@ -56,7 +57,9 @@ class ZmqReceiver(KVReceiver):
     ) -> None:
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
-        self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
+        # a KV cache on a GPU is written on a side stream, fenced into the consumer's stream when a transfer is DONE
+        self._sink = SideStreamSink(sink, self.cfg.kv_device)
+        self._table = InboundTable(fingerprint, self._sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
         self._sessions = SessionTable(self.cfg.max_sessions, self.cfg.idle_session_s)
         self._hs_key = handshake_key(self.cfg.secret)
         self._nonces = NonceCache()
@@ -100,7 +103,10 @@ class ZmqReceiver(KVReceiver):
                     self._handle(frames)
             self._poll_payloads()
             self._renew_and_expire()
-        return self._table.drain()
+        events = self._table.drain()
+        if any(ev.ok for ev in events):
+            self._sink.fence()  # what the engine admits next is ordered after the side stream's writes
+        return events
 
     def wait(self, timeout_s: float) -> bool:
         if self._closed:

@@ -2,6 +2,8 @@
 
 Data flow:
     caller thread: begin / send_layer / finish / abort  --bounded queue.Queue-->  I/O thread
+                   (device KV: send_layer starts its copy to pinned host buffers on a copy stream, after an event on
+                   the caller's stream; the I/O thread waits on the copy, bounded: transfer/staging.py)
     I/O thread:    per receiver address one DEALER socket; handshake first (hello -> welcome with a
                    session token, or reject; both sides prove the cluster secret, see transfer/auth.py),
                    then for each piece: encode (int8 optional, xxh3 per frame) and send [sealed header,
@@ -43,6 +45,7 @@ from transfer.errors import (
 )
 from transfer.outbox import FrameTooLargeForPeer, Meter, Outbox, Outgoing, Peer, check_peer_frame_bound, discard_rest
 from transfer.sockets import configure
+from transfer.staging import StagedTensors, Stager
 from transfer.state import LeaseTable, TransferEvent
 from transfer.wire import MAX_HEADER_BYTES, ModelFingerprint, encode_piece, frame_view, pack_header, unpack_header
 from transfer.wire import field as hfield
@@ -71,6 +74,7 @@ class ZmqSender(KVSender):
         self._stop = threading.Event()
         self._crash: BaseException | None = None
         self._link_problem = ""  # nccl backend: a pair-link thread died of a bug
+        self._stager = Stager(self.cfg.staging_bytes)  # device KV -> pinned host buffers on a copy stream
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -88,7 +92,15 @@ class ZmqSender(KVSender):
         check_layer_args(self.fp, layer, dst_block_ids, k, v)
         if self._leases.get(transfer_id) is None:
             return False  # already failed/aborted: its event is (or was) in poll()
-        return self._put(transfer_id, ("kv", transfer_id, layer, list(dst_block_ids), k, v))
+        return self._put(transfer_id, ("kv", transfer_id, layer, list(dst_block_ids), self._handover(k, v)))
+
+    def _handover(self, k: torch.Tensor, v: torch.Tensor) -> StagedTensors:
+        """In the caller's thread, when the KV is handed over: device tensors start their copy to pinned host memory
+        on the copy stream, ordered after the caller's (compute) stream by an event (transfer/staging.py); host ones
+        pass through. Overridden by nccl, which moves device tensors as they are."""
+        if k.is_cuda or v.is_cuda:
+            return self._stager.stage([k, v])
+        return StagedTensors([k, v])
 
     def finish(self, transfer_id: str) -> None:
         if self._leases.get(transfer_id) is not None:
@@ -222,11 +234,17 @@ class ZmqSender(KVSender):
         if kind == "begin":
             self._pieces[tid] = 0
         elif kind == "kv":
-            _, _, layer, blocks, k, v = cmd
+            _, _, layer, blocks, staged = cmd
+            try:
+                k, v = staged.wait(self.cfg.send_timeout_s)  # the staging copy (device KV), bounded
+            except TransferError as e:
+                self._fail_transfer(peer, tid, e)
+                return
             header, tensors = encode_piece(
                 self.fp, tid, layer, blocks, self._stage(k), self._stage(v), self.cfg.wire_dtype, self.cfg.checksum
             )
-            peer.outbox.append(Outgoing(tid, {}, tensors, sum(f.nbytes for f in header.frames), header))
+            nbytes = sum(f.nbytes for f in header.frames)
+            peer.outbox.append(Outgoing(tid, {}, tensors, nbytes, header, ready=staged.ready))
             self._pieces[tid] = self._pieces.get(tid, 0) + 1
         elif kind == "finish":
             peer.outbox.append(Outgoing(tid, {"kind": "finish", "tid": tid, "pieces": self._pieces.pop(tid, 0)}))

@@ -1,0 +1,240 @@
+"""Host staging of device KV for the ZeroMQ and shared-memory paths: a bounded pool of pinned buffers and a copy
+stream, so the device->host copy of a layer overlaps the layers still computing.
+
+Why: the zmq and shm paths move bytes from host memory. A plain `k.to("cpu")` on a CUDA tensor is a synchronous copy
+into pageable memory on whatever stream the calling thread has: it serialises with the compute stream and stalls the
+thread that called it (inside the forward, when KV is streamed per layer). Here instead, when a CUDA tensor is handed
+over (`Stager.stage`, in the caller's thread):
+    1. an event is recorded on the caller's current stream (the compute stream: the KV gather is queued there);
+    2. the copy stream waits on that event (the device waits, never the host) and copies each tensor into a pinned
+       buffer of the pool, `non_blocking`; the device tensors are `record_stream`ed on the copy stream so the caching
+       allocator does not hand their memory out before the copy read it;
+    3. an event is recorded on the copy stream; the sender's I/O thread waits on it (`StagedTensors.wait`, bounded)
+       before it reads the host bytes (checksum, send).
+The compute stream never waits on anything of the transfer's.
+
+Pool bounds and reuse (`PinnedPool`): at most `max_bytes` of host memory is held. A buffer is taken per tensor and goes
+back to the pool when the last tensor viewing it is gone (the host tensor is built by `torch.frombuffer` over a fresh
+numpy view of the buffer, and a finaliser on that view returns the buffer: ZeroMQ's zero-copy send, the outbox and
+the ring copy all keep it alive exactly as long as they need it, with no bookkeeping on their side). Free buffers are
+reused smallest-fit; when a request does not fit the bound even after freeing idle buffers, `acquire` returns None and
+the caller falls back to an ordinary (pageable, synchronous) copy, counted in `fallbacks`.
+
+On a CPU-only build (no CUDA) nothing is pinned (`torch.empty(pin_memory=True)` needs CUDA) and `Stager.stage` passes
+CPU tensors through untouched; the pool itself works the same way on ordinary memory, which is how its bounds and
+reuse are tested here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from transfer.errors import TransferTimeout
+
+MIN_BUFFER_BYTES = 64 << 10  # buffers are sized in powers of two from here, so a few sizes serve every piece
+
+
+def _round_up(nbytes: int) -> int:
+    size = MIN_BUFFER_BYTES
+    while size < nbytes:
+        size *= 2
+    return size
+
+
+def can_pin() -> bool:
+    """Pinned host memory needs a CUDA runtime; a CPU-only build (or a host without a GPU) has none."""
+    return torch.cuda.is_available()
+
+
+@dataclass(slots=True)
+class _Buffer:
+    data: torch.Tensor  # uint8, pinned when the pool pins
+    array: Any  # data.numpy(): what each loan views
+    in_use: bool = False
+
+
+class PinnedPool:
+    """Bounded, reused host buffers (pinned when `pin`); thread-safe: loans end in whatever thread drops them."""
+
+    def __init__(self, max_bytes: int, *, pin: bool | None = None) -> None:
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be > 0")
+        self.max_bytes = max_bytes
+        self.pin = can_pin() if pin is None else pin
+        self._lock = threading.Lock()
+        self._buffers: list[_Buffer] = []
+        self.held_bytes = 0  # host memory the pool holds now (free or lent)
+        self.allocations = 0  # buffers ever allocated (pinning is slow: reuse keeps this small)
+        self.reuses = 0  # loans served by a buffer allocated earlier
+        self.fallbacks = 0  # requests refused at the bound (the caller copied without the pool)
+
+    def acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 host tensor of `nbytes` over a pool buffer, lent until every view of it is gone; None at the bound."""
+        with self._lock:
+            buf = self._take(nbytes)
+            if buf is None:
+                self.fallbacks += 1
+                return None
+            buf.in_use = True
+        view = buf.array[:nbytes]  # a fresh object per loan: its death ends the loan
+        weakref.finalize(view, self._give_back, buf)
+        return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def _take(self, nbytes: int) -> _Buffer | None:
+        free = [b for b in self._buffers if not b.in_use and b.data.numel() >= nbytes]
+        if free:
+            self.reuses += 1
+            return min(free, key=lambda b: b.data.numel())
+        size = _round_up(nbytes)
+        if size > self.max_bytes:
+            return None
+        while self.held_bytes + size > self.max_bytes:  # make room: drop idle buffers, largest first
+            idle = [b for b in self._buffers if not b.in_use]
+            if not idle:
+                return None
+            victim = max(idle, key=lambda b: b.data.numel())
+            self._buffers.remove(victim)
+            self.held_bytes -= victim.data.numel()
+        data = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        buf = _Buffer(data, data.numpy())
+        self._buffers.append(buf)
+        self.held_bytes += size
+        self.allocations += 1
+        return buf
+
+    def _give_back(self, buf: _Buffer) -> None:
+        with self._lock:
+            buf.in_use = False
+
+    @property
+    def lent(self) -> int:
+        """Buffers lent out now (0 once every staged piece has been sent or dropped)."""
+        with self._lock:
+            return sum(b.in_use for b in self._buffers)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "held_bytes": self.held_bytes,
+                "buffers": len(self._buffers),
+                "lent": sum(b.in_use for b in self._buffers),
+                "allocations": self.allocations,
+                "reuses": self.reuses,
+                "fallbacks": self.fallbacks,
+            }
+
+
+@dataclass(slots=True)
+class StagedTensors:
+    """Host copies of device tensors, valid once `done` (an event on the copy stream) has completed."""
+
+    host: list[torch.Tensor]
+    done: Any = None  # torch.cuda.Event, or None: the host tensors are ready now
+    sources: list[torch.Tensor] = field(default_factory=list)  # kept until the copy is known done
+    ready: Any = None  # nccl: event recorded on the compute stream at hand-over (the tensors stay on the device)
+
+    def wait(self, timeout_s: float) -> list[torch.Tensor]:
+        """Block the calling thread (the sender's I/O thread, never the compute one) until the copy is done."""
+        if self.done is not None:
+            end = time.monotonic() + timeout_s
+            nap = 2e-5
+            while not self.done.query():
+                if time.monotonic() > end:
+                    raise TransferTimeout(f"device->host staging copy not done within {timeout_s}s")
+                time.sleep(nap)
+                nap = min(2 * nap, 1e-3)
+            self.done = None
+            self.sources = []
+        return self.host
+
+
+class Stager:
+    """Copies device tensors to pooled host buffers on a copy stream, ordered after the caller's stream (see module
+    docstring). One per sender; `stage` is called from the thread that hands the tensors over."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.pool = PinnedPool(max_bytes)
+        self._streams: dict[int, Any] = {}
+        self.staged = 0  # tensors copied through the copy stream
+
+    def stage(self, tensors: Sequence[torch.Tensor], after: Any = None) -> StagedTensors:
+        """Host versions of `tensors`. CPU tensors pass through (made contiguous). CUDA ones are copied on the copy
+        stream, after `after` (an event) if given, else after the caller's current stream."""
+        if not any(t.is_cuda for t in tensors):
+            return StagedTensors([t.detach().contiguous() for t in tensors])
+        device = next(t.device for t in tensors if t.is_cuda)
+        stream = self._stream(device)
+        if after is None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(device))
+        host: list[torch.Tensor] = []
+        with torch.cuda.stream(stream):
+            stream.wait_event(after)
+            for t in tensors:
+                if not t.is_cuda:
+                    host.append(t.detach().contiguous())
+                    continue
+                src = t.detach().contiguous()  # on the copy stream, after the event: a copy only if strided
+                dst = self._host_like(src)
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+                host.append(dst)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.staged += len(tensors)
+        return StagedTensors(host, done, list(tensors))
+
+    def _host_like(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        raw = self.pool.acquire(nbytes)
+        if raw is None:  # at the bound: pageable memory (the copy still runs on the copy stream)
+            return torch.empty(t.shape, dtype=t.dtype)
+        return raw.view(t.dtype).view(t.shape)
+
+    def _stream(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+
+class SideStreamSink:
+    """The receiver's sink, run on a side stream: host->device writes of arrived KV never queue behind (or block)
+    the decode step on the compute stream. `fence()` (called when a transfer is DONE, before the engine may admit
+    the request) makes the consumer's current stream wait on everything written so far: the decode step that
+    first reads those blocks is ordered after their writes, and the host never waits."""
+
+    def __init__(self, sink: Any, device: str) -> None:
+        self.sink = sink
+        self.device = torch.device(device)
+        self._stream: Any = None
+        self.writes = 0
+
+    @property
+    def active(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __call__(self, tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.active:
+            self.sink(tid, layer, blocks, k, v)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        # after what the consumer's stream has queued: inputs made there (an nccl receive it waited on), and kernels
+        # still reading blocks freed before they were reserved for this transfer
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self.sink(tid, layer, blocks, k, v)
+        self.writes += 1
+
+    def fence(self) -> None:
+        if self.active and self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
