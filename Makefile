@@ -34,3 +34,21 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# One command on a GPU machine (docs/gpu.md): no venv, the machine's own python3 with CUDA torch and transformers.
+# Wheels that image lacks (pyzmq, for the shm transfer's control socket) come from `make gpu-wheels`, run where pip
+# can reach PyPI; they are installed into .whl/site, outside the system's packages.
+.PHONY: gpu-check gpu-wheels
+GPU_WHEELS ?= pyzmq==27.3.0
+GPU_WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
+	manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
+
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl; \
+	fi; \
+	PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) bench/gpu_check.py --out gpu-check.json
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_WHEEL_PLATFORMS) -d .whl $(GPU_WHEELS)
