@@ -24,6 +24,7 @@ unlinked as soon as the sender mapped it, and again (if still there) when the se
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,8 @@ SCHEME = "shm+"
 DEFAULT_RING_BYTES = 32 << 20  # per sender session: pieces up to this size go through it, larger ones inline
 DEFAULT_MAX_RINGS = 16  # per receiver: at most this many sessions hold a ring (16 x 32 MiB of /dev/shm)
 RING_POLL_S = 5e-5  # the sender's first nap while the ring is full: the receiver frees room as fast as it copies
+RING_NAP_MAX_S = 5e-4  # naps double up to this while the ring stays full (a 2 MiB piece is copied out in ~0.3 ms)
+RING_WAIT_S = 2e-3  # at most this long in one wait for room, then the I/O loop looks at commands and replies again
 
 
 def control_address(address: str) -> str:
@@ -66,8 +69,7 @@ class ShmSender(ZmqSender):
     transport = "shm"
 
     def __init__(self, fingerprint: ModelFingerprint, config: TransferConfig | None = None) -> None:
-        self._ring_full = False  # set by _send (I/O thread) when a piece waits for room
-        self._ring_nap = RING_POLL_S  # doubles while the ring stays full (up to 2 ms), back to 50 µs once it moves
+        self._ring_wait: tuple[RingWriter, int] | None = None  # set by _send (I/O thread): a piece waits for room
         self.shm_pieces = 0  # pieces that went through a ring (the rest went inline)
         super().__init__(fingerprint, config)
 
@@ -124,7 +126,7 @@ class ShmSender(ZmqSender):
             raise zmq.Again()  # copy only what can leave now
         where = ring.reserve(sizes)
         if where is None:
-            self._ring_full = True
+            self._ring_wait = (ring, ring.end_of(sizes))
             raise zmq.Again()  # the receiver has not freed room yet: stuck logic, send_timeout_s as for a full HWM
         for pos, t in zip(where, out.tensors):
             ring.write(pos, t)
@@ -132,15 +134,25 @@ class ShmSender(ZmqSender):
         peer.sock.send(header, zmq.NOBLOCK)  # raises zmq.Again: nothing committed, the next try rewrites it
         ring.commit(where[-1])
         self.shm_pieces += 1
-        self._ring_nap = RING_POLL_S
+
+    def _read_replies(self) -> bool:
+        """Ask the sockets whether a reply waits (~1 µs each) before reading: the I/O loop turns once or twice per
+        piece, and a read that finds nothing raises zmq.Again (~20 µs of Python on this box, 1.3 ms per 64 MiB)."""
+        if not any(int(p.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN for p in self._peers.values()):
+            return False
+        return super()._read_replies()
 
     def _idle_wait(self) -> None:
-        if self._ring_full:
-            self._ring_full = False
-            self._stop.wait(self._ring_nap)
-            self._ring_nap = min(2 * self._ring_nap, 0.002)
+        """A piece waits for room: nap and look at the ring's tail only (a few µs), not the whole I/O loop (tens of
+        µs of Python per turn, on the core the receiver needs to free the room), for up to RING_WAIT_S."""
+        if self._ring_wait is None:
+            super()._idle_wait()
             return
-        super()._idle_wait()
+        ring, end = self._ring_wait
+        self._ring_wait = None
+        nap, until = RING_POLL_S, time.monotonic() + RING_WAIT_S
+        while not self._stop.wait(nap) and not ring.has_room(end) and time.monotonic() < until:
+            nap = min(2 * nap, RING_NAP_MAX_S)
 
 
 class ShmReceiver(ZmqReceiver):

@@ -270,8 +270,18 @@ class RingWriter:
     def reserve(self, sizes: Sequence[int]) -> list[int] | None:
         """Positions for the frames (then their end), or None while the receiver has not freed enough room."""
         where = place(self.head, sizes, self.size)
-        tail = min(_U64.unpack_from(self._mm, TAIL_AT)[0], self.head)
-        return where if where[-1] - tail <= self.size else None
+        return where if self.has_room(where[-1]) else None
+
+    def end_of(self, sizes: Sequence[int]) -> int:
+        """Where frames of these sizes written now would end (what has_room is asked about while the ring is full)."""
+        return place(self.head, sizes, self.size)[-1]
+
+    def has_room(self, end: int) -> bool:
+        """Whether the receiver has released enough for a region ending at `end` (reads only its tail); a closed ring
+        (its peer dropped meanwhile) answers yes, so that nobody waits on it."""
+        if self._data is None:
+            return True
+        return end - min(_U64.unpack_from(self._mm, TAIL_AT)[0], self.head) <= self.size
 
     def write(self, pos: int, t: torch.Tensor) -> None:
         """One frame's bytes into the ring: a single-threaded memcpy that releases the GIL (numpy), because torch's

@@ -177,6 +177,12 @@ def _count(x: Any) -> bool:
     return _int(x) and x >= 0
 
 
+def _counts(xs: list[Any]) -> bool:
+    """Every item a non-negative int, checked in C: a piece's block ids (hundreds per piece, 130 us per piece as a
+    generator of _count calls on this loaded box, 7 us so; msgpack decodes exact ints, never subclasses)."""
+    return set(map(type, xs)) == {int} and min(xs) >= 0
+
+
 @dataclass(frozen=True, slots=True)
 class FrameSpec:
     """Declared layout of one payload frame: the receiver trusts none of it before checking."""
@@ -269,7 +275,7 @@ class PieceHeader:
         if len(layers) != 2 or not all(_count(x) for x in layers) or layers[1] != layers[0] + 1:
             raise ProtocolError(f"layer range {layers!r:.50} must be [l, l+1]")
         blocks = field(h, "blocks", list)
-        if not blocks or not all(_count(b) for b in blocks):
+        if not blocks or not _counts(blocks):
             raise ProtocolError("blocks must be a non-empty list of non-negative ints")
         frames = tuple(FrameSpec.from_wire(f) for f in field(h, "frames", list))
         tags = h.get("tags")
@@ -372,4 +378,4 @@ def encode_piece(
     else:
         raise ValueError(f"unknown wire dtype {wire!r}")
     specs = tuple(spec_of(t, with_checksum) for t in tensors)
-    return PieceHeader(transfer_id, layer, tuple(int(b) for b in blocks), wire, specs, fp), tensors
+    return PieceHeader(transfer_id, layer, tuple(map(int, blocks)), wire, specs, fp), tensors

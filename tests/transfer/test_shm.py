@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+import torch
 import zmq
 
 from tests.helpers import transfer_peers as procs
@@ -27,6 +28,7 @@ from transfer.shm_ring import (
     PREFIX,
     SHM_DIR,
     STALE_AGE_S,
+    RingOwner,
     RingWriter,
     ShmUnavailable,
     check_positions,
@@ -126,6 +128,35 @@ def test_bit_exact_through_a_ring_that_wraps(dtype, n, closing) -> None:
     assert r.shm_pieces == s.shm_pieces == 3 * fp.num_layers  # every piece went through the ring
     assert r.rings() == 1  # one ring for the session, reused
     assert _segments() - before == set()  # its name is gone as soon as the sender mapped it
+
+
+def test_the_sink_reads_the_ring_in_place_and_the_region_is_freed_when_it_returns(closing) -> None:
+    """The receiver copies nothing: the sink's k and v lie inside the session's ring (its copy into the KV cache is the
+    only one on this side), the region stays the sink's until it returns (the tail has not passed it), and once the
+    transfer is done every region is released (the receiver's tail is the sender's head)."""
+    fp, cache, r, s = _pair(closing, "float32")
+    seen: list[tuple[int, int, int, int]] = []  # (k ptr, v ptr, ring tail during the call, layer)
+
+    def sink(tid, layer, blocks, k, v):
+        ring = next(sess.link for sess in r._sessions.values() if sess.link is not None)
+        seen.append((k.data_ptr(), v.data_ptr(), ring.tail, layer))
+        cache.sink(tid, layer, blocks, k, v)
+
+    r._sink.sink = sink
+    dst = list(range(56, 8, -1))  # 48 blocks, 6 KiB frames, 48 KiB per transfer: the 64 KiB ring wraps
+    for i in range(2):
+        _transfer(r, s, fp, cache, f"t{i}", dst, seed=i + 3)
+    ring = next(sess.link for sess in r._sessions.values() if sess.link is not None)
+    base = torch.frombuffer(ring._data, dtype=torch.uint8).data_ptr()  # the view is dropped at once
+    frame = len(dst) * fp.block_size * fp.num_kv_heads * fp.head_dim * 4
+    assert len(seen) == 2 * fp.num_layers
+    for kp, vp, _, _ in seen:
+        assert base <= kp and kp + frame <= base + ring.size and base <= vp and vp + frame <= base + ring.size
+    tails = [t for _, _, t, _ in seen]
+    assert tails == sorted(tails) and len(set(tails)) == len(tails)  # each piece released before the next one
+    writer = next(p.link for p in s._peers.values() if p.link is not None)
+    assert ring.tail == writer.head > ring.size  # all released, after more than one lap
+    assert r.shm_pieces == s.shm_pieces == 2 * fp.num_layers
 
 
 def test_chunked_pieces_and_auto_backend(tmp_path, closing) -> None:
@@ -426,6 +457,32 @@ def test_forged_replayed_and_lying_pieces_are_refused(closing) -> None:
     nacks: list[dict] = []
     assert _until(lambda: len(nacks) >= 2, 3, lambda: nacks.extend(h for h in peer.replies() if h["kind"] == "nack"))
     assert [h["tid"] for h in nacks] == ["t", "u"] and {h["code"] for h in nacks} == {"protocol"}
+
+
+def test_the_sender_waits_for_room_by_the_receivers_tail_alone() -> None:
+    """What the sender's wait for room reads: has_room flips when the receiver releases, and a ring closed meanwhile
+    (its peer dropped) never holds the I/O thread."""
+    owner = RingOwner(MIN_RING_BYTES)
+    writer = RingWriter.open(owner.announce())
+    try:
+        half = [MIN_RING_BYTES // 2 - 64]
+        ends = []
+        for _ in range(2):
+            where = writer.reserve(half)
+            assert where is not None
+            writer.commit(where[-1])
+            ends.append(where[-1])
+        assert writer.reserve(half) is None  # full: the receiver has released nothing
+        end = writer.end_of(half)
+        assert end == MIN_RING_BYTES + half[0] and not writer.has_room(end)  # the next lap's start, then its size
+        owner.release(ends[0] - 64)  # not quite the first piece
+        assert not writer.has_room(end)
+        owner.release(ends[0])  # the first piece is copied out
+        assert writer.has_room(end) and writer.reserve(half) == [MIN_RING_BYTES, end]
+    finally:
+        writer.close()
+        owner.close()
+    assert writer.has_room(end + MIN_RING_BYTES)
 
 
 def test_positions_are_checked_against_the_ring() -> None:

@@ -51,6 +51,14 @@ def test_header_round_trip_and_strictness() -> None:
         PieceHeader.from_wire(bad)
 
 
+@pytest.mark.parametrize("blocks", [[], [0, -1, 2], [0, True, 2], [0, 1.0, 2], [0, "1", 2], [0, None]])
+def test_block_ids_must_be_non_negative_ints(blocks) -> None:
+    h = unpack_header(pack_header(_piece(fingerprint())[0].to_wire(b"s" * 16)))
+    with pytest.raises(ProtocolError, match="blocks"):
+        PieceHeader.from_wire(dict(h, blocks=blocks))
+    assert PieceHeader.from_wire(dict(h, blocks=[0, 2**40, 5])).blocks == (0, 2**40, 5)
+
+
 def test_check_piece_sizes_fingerprint_and_bound() -> None:
     fp = fingerprint("float16")
     piece, _ = _piece(fp)

@@ -1,0 +1,33 @@
+"""`pdserve bench transfer` on the shm backend, small: every row carries its own memcpy reference (timed rep by rep
+with the transfers), its ratio to it and the CPU time of each side; the transfers are checked DONE by the bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import transfer_bench
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_shm_rows_carry_an_interleaved_memcpy_reference_and_cpu_times() -> None:
+    ap = argparse.ArgumentParser()
+    transfer_bench.add_arguments(ap)
+    out = transfer_bench.run(ap.parse_args(["--backends", "shm", "--sizes-mib", "0.5", "--reps", "2"]))
+    json.dumps(out)  # what the command prints
+    (row,) = out["results"]
+    assert row["backend"] == "shm" and row["bytes"] == transfer_bench._blocks(0.5) * transfer_bench.BLOCK_BYTES
+    assert row["gbps"] > 0 and row["memcpy_gbps"] > 0
+    assert row["ratio_vs_memcpy"] == pytest.approx(row["gbps"] / row["memcpy_gbps"], rel=0.05, abs=2e-3)
+    assert row["cpu_ms"]["sender"] > 0 and row["cpu_ms"]["receiver"] > 0
+    assert out["memcpy_gbps"]["0.5"] > 0 and out["checksum"] is True
+
+
+def test_the_sink_copy_lands_the_bytes() -> None:
+    cache = transfer_bench._Cache(3)
+    k, v = transfer_bench._kv(3)[0]
+    cache.sink("t", 0, [0, 1, 2], k, v)
+    assert cache.k[0].equal(k) and cache.v[0].equal(v)
