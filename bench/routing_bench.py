@@ -10,7 +10,9 @@ order (same seed):
 - ``baseline`` (the old behaviour): ``router.prefill_policy`` and ``decode_policy`` least_loaded, the decode pool's
   ``enable_prefix_caching`` false (it reuses nothing and receives every block), ``local_prefill_max_tokens`` 0;
 - ``kv_aware`` (the new one): both policies kv_aware, decode prefix caching on, ``local_prefill_max_tokens`` from
-  ``--local-prefill-max-tokens`` (default 0: every prompt still goes to a prefill worker).
+  ``--local-prefill-max-tokens`` (default: 128 for multi-turn, where a later turn's uncached part on the decode worker
+  that holds the chat is its new user message; 0 for shared-prefix, so that every prompt goes to a prefill worker and
+  the prefill routing is what is measured).
 
 Workloads (the load tester's own, ``bench/loadtest``), closed loop at ``--max-concurrency`` (default 2, one request
 per prefill worker; with more, a prefix hit mostly waits behind a miss on its worker, docs/benchmarks.md section 8):
@@ -21,8 +23,10 @@ per prefill worker; with more, a prefix hit mostly waits behind a miss on its wo
   (``--prefill-kv-blocks``, default computed and reported) to hold the prefixes of half the groups plus the requests
   in flight, not all of them: routing by prefix lets the two workers together keep every prefix, routing by load
   makes each worker cycle through all of them.
-- ``multi-turn``: ``--num-conversations`` chats of ``--num-turns`` turns, each turn sending the whole history
-  (``--user-len``-token user messages, ``--turn-output-len``-token answers), exponential think times of mean
+- ``multi-turn``: ``--num-conversations`` chats of ``--num-turns`` turns, each turn sending the whole history:
+  a ``--system-len``-token system prompt every chat shares (a deployment's instructions; 0: none),
+  ``--user-len``-token user messages and ``--turn-output-len``-token answers (the default shape, and why it changed
+  from the first one, in docs/benchmarks.md section 8), with exponential think times of mean
   ``--think-time-s`` (chats in lockstep would let least_loaded send each one back to the same worker by accident);
   the prefill pool keeps the config's KV.
 
@@ -50,6 +54,7 @@ import httpx
 
 from bench.loadtest.cli import Plan, execute, prepare, result_folder
 from bench.loadtest.options import add_workload_arguments
+from bench.loadtest.workloads import PromptBuilder
 from bench.options import add_routing_bench_arguments as add_arguments  # re-exported: `python -m`, tests
 from engine.blocks import model_kv_bytes_per_token
 
@@ -59,6 +64,8 @@ if TYPE_CHECKING:
 RUNS = ("baseline", "kv_aware")
 WORKLOADS = ("shared-prefix", "multi-turn")
 GOAL_TTFT_P50_RATIO = 0.5
+# the kv_aware run's local_prefill_max_tokens unless --local-prefill-max-tokens says otherwise (module docstring)
+LOCAL_PREFILL_DEFAULT = {"shared-prefix": 0, "multi-turn": 128}
 MIB = 1024 * 1024
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -83,14 +90,23 @@ def base_config(args: argparse.Namespace) -> ClusterConfig:
     return config
 
 
-def run_config(base: ClusterConfig, run: str, args: argparse.Namespace, prefill_kv_blocks: int | None) -> ClusterConfig:
+def local_prefill_max_tokens(args: argparse.Namespace, workload: str) -> int:
+    """The kv_aware run's conditional-disaggregation threshold: the flag's, else the workload's default."""
+    if args.local_prefill_max_tokens is not None:
+        return args.local_prefill_max_tokens
+    return LOCAL_PREFILL_DEFAULT[workload]
+
+
+def run_config(
+    base: ClusterConfig, run: str, args: argparse.Namespace, prefill_kv_blocks: int | None, workload: str
+) -> ClusterConfig:
     """One run's config: the old behaviour (``baseline``) or the new one (``kv_aware``), otherwise the same."""
     config = base.model_copy(deep=True)
     new = run == "kv_aware"
     config.router.prefill_policy = "kv_aware" if new else "least_loaded"
     config.router.decode_policy = "kv_aware" if new else "least_loaded"
     config.pools.decode.enable_prefix_caching = new
-    config.router.local_prefill_max_tokens = args.local_prefill_max_tokens if new else 0
+    config.router.local_prefill_max_tokens = local_prefill_max_tokens(args, workload) if new else 0
     if new and args.prefix_weight is not None:
         config.router.kv_aware.prefix_weight = args.prefix_weight
     if new and args.load_weight is not None:
@@ -159,6 +175,11 @@ def workload_plan(args: argparse.Namespace, workload: str, tokenizer_model: str)
     plan = prepare(parser.parse_args(argv), tokenizer_model)
     if workload == "shared-prefix":
         random.Random(args.seed).shuffle(plan.specs)  # groups in a random order, the same in both runs
+    elif args.system_len:
+        # one system prompt for every chat, as a deployment has: computed once per worker, then a cached prefix
+        system = PromptBuilder(plan.tokenizer, "chat", seed=args.seed).build_system(args.system_len)
+        for conversation in plan.conversations or []:
+            conversation.system = system
     return plan
 
 
@@ -334,6 +355,7 @@ def _workload_settings(args: argparse.Namespace, workload: str, plan: Plan) -> d
     return {
         "num_conversations": args.num_conversations,
         "num_turns": args.num_turns,
+        "system_len": args.system_len,
         "user_len": args.user_len,
         "turn_output_len": args.turn_output_len,
         "think_time_s": args.think_time_s,
@@ -349,6 +371,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("max_concurrency", "prefix_groups", "prefix_len", "question_len", "num_prompts", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.system_len < 0 or (args.local_prefill_max_tokens or 0) < 0:
+        raise ValueError("--system-len and --local-prefill-max-tokens cannot be negative")
     base = base_config(args)
     model_path = str(resolve_model_path(base.model.name))
     per_token = model_kv_bytes_per_token(model_path, base.served_dtype)
@@ -374,7 +398,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "in_process": args.in_process,
             "cpu_count": os.cpu_count(),
         },
-        "runs_compared": {name: run_settings(run_config(base, name, args, None)) for name in RUNS},
         "workloads": {},
         "result_dir": str(folder),
     }
@@ -395,14 +418,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for workload in workloads:
             plan = workload_plan(args, workload, model_path)
-            entry: dict[str, Any] = {"workload": _workload_settings(args, workload, plan)}
+            entry: dict[str, Any] = {
+                "workload": _workload_settings(args, workload, plan),
+                "runs_compared": {name: run_settings(run_config(base, name, args, None, workload)) for name in RUNS},
+            }
             kv_blocks = None
             if workload == "shared-prefix":
                 entry["prefill_kv"] = prefill_sizing(plan, args, block_size, per_token)
                 kv_blocks = entry["prefill_kv"]["kv_blocks"]
             runs = {}
             for name in RUNS:
-                config = run_config(base, name, args, kv_blocks)
+                config = run_config(base, name, args, kv_blocks, workload)
                 runs[name] = _one_run(config, plan, f"{workload} {name}", folder, args.in_process)
             entry |= runs
             entry |= compare(runs)

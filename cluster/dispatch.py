@@ -7,6 +7,11 @@ disaggregation); a colocated request goes to one worker. Each pick is the routin
 (``cluster/policies.py``), unless the request names an earlier one (``affinity``) whose workers are live and
 routable: the API's n > 1 choices after the first land where the prompt is already cached. Every decision is
 counted in /metrics with its reason, and every placement is recorded (``Placements``) for later affinity.
+
+Each chosen worker whose pool caches prefixes is also recorded in the router's prefix index as (tentatively) holding
+the prompt's blocks, at dispatch (``PrefixIndex.expect``): a follow-up that comes before the worker's KV events
+(a chat's next turn, a shared prefix's second request while the first is still computing) finds where its prefix is
+going to be. The decode worker is recorded too: it keeps what it receives (and what it computes itself).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Dispatcher:
             worker = self.pick("colocated", prompt, hashes, prefer.decode if prefer else None)
             stream.decode = worker.name
             worker.inflight += 1
+            self._expect(worker, hashes)
             self._send(worker, Generate(stream.wire_rid, prompt, params))
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
             self.placements.record(stream.rid, stream.prefill, stream.decode)
@@ -70,6 +76,7 @@ class Dispatcher:
         self.count_decision("decode", decode, self.members.routable("decode"), match, prefer_decode)
         stream.decode = decode.name
         decode.inflight += 1
+        self._expect(decode, hashes)
         stream.timing["decode_cached_tokens"] = float(reply.cached_tokens)
         self.metrics.decode_cached_tokens.inc(reply.cached_tokens)
         local_max = self.config.router.local_prefill_max_tokens  # 0: off (at least one token is always uncached)
@@ -85,6 +92,7 @@ class Dispatcher:
         prefill = self.pick("prefill", prompt, hashes, prefer.prefill if prefer else None)
         stream.prefill = prefill.name
         prefill.inflight += 1
+        self._expect(prefill, hashes)
         command = Prefill(
             stream.wire_rid, prompt, params, reply.kv_address, reply.blocks, cached_tokens=reply.cached_tokens
         )
@@ -92,6 +100,17 @@ class Dispatcher:
         self.metrics.prefill_path.labels("remote").inc()
         stream.timing["router_queue_s"] = time.monotonic() - stream.started_s
         self.placements.record(stream.rid, stream.prefill, stream.decode)
+
+    def _expect(self, worker: WorkerHandle, hashes: list[int]) -> None:
+        """The worker will hold the prompt's blocks once it has them (its prefix cache, if its pool has one on)."""
+        pools = self.config.pools
+        caching = {
+            "prefill": pools.prefill.enable_prefix_caching,
+            "decode": pools.decode.enable_prefix_caching,
+            "colocated": pools.prefill.enable_prefix_caching and pools.decode.enable_prefix_caching,
+        }
+        if caching.get(worker.role, False):
+            self.members.prefix_index.expect(worker.name, hashes)
 
     def pick(self, role: str, prompt: list[int], hashes: list[int], prefer: str | None = None) -> WorkerHandle:
         """The worker a prompt goes to (prefill or colocated): ``prefer`` (an earlier request's worker, ``affinity``)

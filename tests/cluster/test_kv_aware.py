@@ -13,6 +13,7 @@ import pytest
 from engine.blocks import prompt_block_hashes
 from tests.helpers.cluster import metric_value, wait_until
 from tests.helpers.engine import random_prompts
+from worker.messages import KvEvents
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,6 +84,36 @@ def test_shared_prefix_requests_go_to_the_worker_that_holds_it(serve):
     least_loaded = serve(pools=_pools(2), router={"port": 0, "prefill_policy": "least_loaded"})
     assert [_complete(least_loaded, PREFIX + suffix) for suffix in SUFFIXES] == texts
     assert metric_value(least_loaded.base_url, "pdserve_routing_decisions_total", pool="prefill", reason="load") == 5
+
+
+def test_a_follow_up_sent_before_the_kv_events_arrive_goes_to_the_same_worker(serve):
+    """The router records at dispatch that the chosen workers will hold the prompt (``PrefixIndex.expect``): with the
+    workers' KV events held back (as if late), later requests with the same prefix still go to the prefill worker
+    that computed it, whose engine reuses it; when the events arrive they confirm those entries."""
+    handle = serve(pools=_pools(2), router={"port": 0, "prefill_policy": "kv_aware"})
+    router, index = handle.router, handle.router.members.prefix_index
+    held: list = []
+    router._handlers[KvEvents] = lambda event, worker: held.append((event, worker))  # events delayed, not lost
+    _complete(handle, PREFIX + SUFFIXES[0])
+    [holder] = [name for name, n in index.match(prompt_block_hashes(PREFIX, BLOCK)).items() if name.startswith("pre")]
+    assert index.tentative_blocks(holder) >= 8  # known from the dispatch alone
+    before = _prefix_hits(handle)
+    for suffix in SUFFIXES[1:3]:
+        _complete(handle, PREFIX + suffix)
+    wait_until(lambda: _prefix_hits(handle)[holder] - before[holder] == 2 * len(PREFIX), timeout_s=10)
+    assert all(hits == before[name] for name, hits in _prefix_hits(handle).items() if name != holder)
+    url = handle.base_url
+    assert metric_value(url, "pdserve_routing_decisions_total", pool="prefill", reason="prefix") == 2
+    assert metric_value(url, "pdserve_kv_events_total", kind="delta") in (None, 0)  # none applied so far
+
+    def deliver() -> None:
+        router._handlers[KvEvents] = router.members.on_kv_events
+        for event, worker in held:
+            router.members.on_kv_events(event, worker)
+
+    router._call_threadsafe(deliver)
+    wait_until(lambda: index.tentative_blocks(holder) == 0, timeout_s=10)  # every dispatched block was stored
+    assert index.match(prompt_block_hashes(PREFIX, BLOCK))[holder] == 8
 
 
 def test_colocated_workers_are_chosen_by_prefix_too(serve):

@@ -159,3 +159,53 @@ def test_router_hashes_equal_the_engines_for_random_prompts(tiny_llama_path):
             assert blocks.prefix_hit_tokens - hits_before == expected
             publish()
     engine.check_no_leaks()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_blocks_expected_at_dispatch_count_until_an_event_confirms_or_they_expire():
+    """A prompt dispatched to a worker is found there before its KV events arrive; the worker's ``stored`` event
+    confirms it (it no longer expires), and what no event confirms is gone after the bound."""
+    clock = Clock()
+    index = PrefixIndex(tentative_ttl_s=5.0, clock=clock)
+    full = hashes(SHARED)
+    assert index.expect("a", full) == 4
+    assert index.match(full) == {"a": 4} and index.tentative_blocks("a") == 4
+    index.apply("a", 0, full[:3], [])  # the worker stored three of them (the fourth is still computing)
+    assert index.tentative_blocks("a") == 1 and index.blocks_held("a") == 4
+    index.expect("b", full)  # sent to b too, but b never reports it
+    clock.now += 5.0
+    assert index.match(full) == {"a": 3}  # b's and a's unconfirmed block expired; a's confirmed ones stay
+    assert index.blocks_held("b") == 0 and index.tentative_blocks("a") == 0 and len(index) == 3
+    assert index.expect("a", full) == 1  # only the block not held is new; confirmed ones stay confirmed
+    assert index.tentative_blocks("a") == 1
+
+
+def test_a_removed_event_or_a_restart_drops_expected_blocks_and_a_snapshot_keeps_them():
+    clock = Clock()
+    index = PrefixIndex(tentative_ttl_s=5.0, clock=clock)
+    full = hashes(SHARED)
+    index.expect("a", full)
+    index.apply("a", 0, [], [full[3]])  # evicted (it was stored and evicted before this event was sent)
+    assert index.match(full) == {"a": 3} and index.tentative_blocks("a") == 3
+    index.apply("a", 1, [], [], reset=True)  # a snapshot of what is computed: the dispatched blocks stay
+    assert index.match(full) == {"a": 3}
+    index.forget("a")  # restarted or dead: nothing of it is known
+    assert index.match(full) == {} and index.tentative_blocks("a") == 0 and len(index) == 0
+
+
+def test_expected_blocks_are_bounded_per_worker():
+    index = PrefixIndex(tentative_ttl_s=60.0, max_tentative=3)
+    first, second = hashes(SHARED), hashes([7] * 8)
+    index.expect("a", first)
+    assert index.tentative_blocks("a") == 3 and index.match(first) == {}  # the oldest (block 0) went first
+    index.expect("a", second)
+    assert index.tentative_blocks("a") == 3 and index.blocks_held("a") == 3
+    assert index.match(second) == {"a": 2}
+    assert PrefixIndex(max_tentative=0).expect("a", first) == 0  # 0: no tentative entries at all

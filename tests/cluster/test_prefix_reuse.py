@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from tests.helpers.cluster import metric_value, wait_until, worker_named
 from tests.helpers.engine import random_prompts
-from worker.messages import PrefillHere
+from worker.messages import KvEvents, PrefillHere
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -108,6 +108,47 @@ def test_short_uncached_parts_are_prefilled_on_the_decode_worker(serve, referenc
     assert metric_value(handle.base_url, "pdserve_prefill_path_total", path="remote") == 1
     time.sleep(0.3)  # one more heartbeat reaches the router's gauges
     assert metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key="local_prefills") == 2
+
+
+def test_a_chats_next_turn_finds_its_decode_worker_before_the_kv_events_and_is_prefilled_there(serve, reference):
+    """Two decode workers, kv_aware: the router records at dispatch that the chosen decode worker will hold the prompt
+    (``PrefixIndex.expect``), so with every KV event held back (late), each later turn still reserves on the worker
+    that decoded the chat; what that worker lacks (the user's new tokens, not the answer it generated) is short, so it
+    prefills it itself: no prefill worker, no transfer, token-exact."""
+    worker = {"torch_threads": 1, "kv_blocks": 160}
+    pools = {"prefill": {"replicas": 1, **worker}, "decode": {"replicas": 2, **worker}}
+    router_section = {"decode_policy": "kv_aware", "prefill_policy": "kv_aware", "local_prefill_max_tokens": 24}
+    handle = serve(pools=pools, router=router_section)
+    router = handle.router
+    held: list = []
+    router._handlers[KvEvents] = lambda event, worker: held.append((event, worker))  # events delayed, not lost
+    decoders = [worker_named(handle, f"decode-{i}") for i in range(2)]
+    history, *users = random_prompts(3, 60, 60, seed=74)
+    prompt, ids, cached = history, [], []
+    for turn in range(3):
+        if turn:
+            prompt = prompt + ids + users[turn - 1][:8]
+        ids, text = _expected(reference, prompt)
+        response = _complete(handle, prompt)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["text"] == text, turn
+        assert body["timing"].get("prefill_local") == (1.0 if turn else None), turn
+        cached.append(int(body["timing"]["decode_cached_tokens"]))
+    url = handle.base_url
+    assert held and metric_value(url, "pdserve_kv_events_total", kind="delta") in (None, 0)  # none applied yet
+    [holder] = [d for d in decoders if d.role.counters.transfers_ok]
+    assert holder.role.counters.local_prefills == 2  # both later turns on the worker that holds the chat
+    assert sum(d.role.counters.local_prefills + d.role.counters.transfers_ok for d in decoders) == 3
+    assert cached == [0, (60 + MAX_TOKENS - 1) // 16 * 16, (88 + MAX_TOKENS - 1) // 16 * 16]
+    assert metric_value(url, "pdserve_routing_decisions_total", pool="decode", reason="prefix") == 2
+
+    def deliver() -> None:
+        router._handlers[KvEvents] = router.members.on_kv_events
+        for event, sender in held:
+            router.members.on_kv_events(event, sender)
+
+    router._call_threadsafe(deliver)
 
 
 def test_a_local_stream_sends_its_first_token_from_the_decode_worker(serve, reference):
