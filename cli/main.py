@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd  # the standard library only at import
+from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd  # the standard library only
 from cli import status as status_command  # the standard library only: `pdserve status` is one HTTP GET
 
 Command = Callable[[argparse.Namespace], int]
@@ -188,11 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="require this key on /v1, /metrics and /status (default: $PDSERVE_API_KEY, else the "
         "config's router.api_key)",
     )
-    serve.set_defaults(func=_call("cluster.serve", "serve"))
+    serve.set_defaults(func=_call("cli.serve_cmd", "run"))
 
     status = sub.add_parser("status", help="pools, workers and their load, from a running router")
     status_command.add_arguments(status, default_api_key=api_key)
     status.set_defaults(func=status_command.status)
+
+    scale = sub.add_parser("scale", help="resize a pool of a running cluster (new workers join, removed ones drain)")
+    scale_cmd.add_arguments(scale, default_api_key=api_key)
+    scale.set_defaults(func=_call("cli.scale_cmd", "run"))
 
     demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
     demo.add_argument("--config", default=None, help="default: the shipped local config (configs/local.yaml)")

@@ -61,6 +61,9 @@ def format_status(data: dict[str, Any]) -> str:
             f"kv: {kv['bytes_per_token']:,} B/token ({kv['dtype']}), {kv['tokens_per_gib']:,} tokens/GiB, "
             f"blocks of {kv['block_size']}; {pools}"
         )
+    for name, pool in (data.get("pools") or {}).items():  # routers before live resizing do not send it
+        draining = f", draining: {', '.join(pool['draining'])}" if pool.get("draining") else ""
+        lines.append(f"pool {name}: {pool['replicas']} replicas{draining}")
     lines.append(WORKER_HEADER)
     for w in data["workers"]:
         kv = f"{w.get('free_blocks', '?')}/{w.get('total_blocks', '?')}"
@@ -68,6 +71,7 @@ def format_status(data: dict[str, Any]) -> str:
             f"{w['name']:<14}{w['role']:<11}{str(w['alive']):<7}{w.get('waiting', 0):>8}"
             f"{w.get('running', 0):>8}{kv:>12}{int(w.get('transfers_ok', 0)):>11}"
             f"{int(w.get('transfer_bytes', 0)):>12}"
+            + ("  draining" if w.get("state") == "draining" else "")  # being removed (pdserve scale)
         )
     return "\n".join(lines)
 

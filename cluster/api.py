@@ -51,6 +51,7 @@ from cluster.openai_schema import (
 from cluster.request_params import GenerationDefaults, for_choice, prompts, sampling_params
 from cluster.responses import ResponseShape, collect, http_error, stream
 from cluster.router import Router
+from cluster.scaling import ScaleError
 from engine.blocks import DTYPE_BYTES, kv_blocks_for, kv_bytes_per_token, kv_shape_from_config
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,24 @@ def create_app(
     async def status(request: Request):
         check_api_key(request)
         return {**router.status(), "kv": kv_status}
+
+    @app.post("/admin/scale")
+    async def admin_scale(request: Request):
+        """Live resizing (cluster/scaling.py): ``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the
+        pools' membership once the new workers serve (removed ones listed as draining until they have drained)."""
+        body = await read_json(request)  # checks the API key first
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - {"pool", "replicas", "drain_timeout_s"})
+        if unknown:
+            raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+        scaler = router.scaler
+        if scaler is None:
+            raise APIError(503, "this router cannot resize its pools", err_type="server_error")
+        try:
+            return await scaler.scale_async(body.get("pool"), body.get("replicas"), body.get("drain_timeout_s"))
+        except ScaleError as exc:
+            raise APIError(400, str(exc), exc.param) from None
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import DEFAULT_CPU_KV_BYTES, AttentionBackendName, EngineConfig, resolve_dtype
 from engine.model_loader import DEFAULT_MODEL
@@ -168,6 +168,42 @@ class RaySection(_Strict):
     max_restarts: int = Field(default=3, ge=-1)  # Ray restarts of a dead worker (-1: forever)
 
 
+class AutoscalePoolBounds(_Strict):
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalePoolBounds:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is over max_replicas ({self.max_replicas})")
+        return self
+
+
+class AutoscaleSection(_Strict):
+    """The optional autoscaling policy (cluster/autoscale.py): off unless ``enabled``."""
+
+    enabled: bool = False
+    interval_s: float = Field(default=10.0, gt=0)  # how often live metrics are read
+    breaches: int = Field(default=3, ge=1)  # consecutive intervals a condition must hold before acting
+    cooldown_s: float = Field(default=60.0, ge=0)  # after a pool is resized, no other change to it this long
+    queue_per_replica: float = Field(default=4.0, gt=0)  # decode: queued requests per replica that mean "too few"
+    scale_down_fraction: float = Field(default=0.5, gt=0, lt=1)  # p90s under this share of the SLO: "too many"
+    min_requests: int = Field(default=5, ge=1)  # an interval with fewer finished requests says nothing on latency
+    prefill: AutoscalePoolBounds = AutoscalePoolBounds()
+    decode: AutoscalePoolBounds = AutoscalePoolBounds()
+    # a `pdserve profile` JSON: `pdserve serve` sizes pools with the planner's model of it (planner/autoscale_model.py)
+    # instead of the threshold rule; a relative path is from the directory `pdserve serve` runs in
+    profile: str | None = None
+    target_utilization: float = Field(default=0.7, gt=0, le=1)  # the model keeps each pool's busy share under this
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_exists(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"no such profile file: {value} (write one with `pdserve profile`)")
+        return value
+
+
 class ClusterConfig(_Strict):
     model: ModelSection = ModelSection()
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -176,6 +212,7 @@ class ClusterConfig(_Strict):
     router: RouterSection = RouterSection()
     slo: SLOSection = SLOSection()
     ray: RaySection = RaySection()
+    autoscale: AutoscaleSection = AutoscaleSection()
 
     @model_validator(mode="after")
     def _pools_can_serve(self) -> ClusterConfig:

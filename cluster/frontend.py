@@ -15,8 +15,10 @@ Start-up (``cluster/launch.py`` ``start_serving``):
    each router's commands carry its index, and a worker sends a request's events only to the router that owns it.
 4. Each router process gets ``("workers", [...])``, registers them, binds its own ``SO_REUSEPORT`` socket on the port,
    runs uvicorn and answers ``("ready",)``.
-Afterwards the pool monitor's news (a worker restarted by Ray, a worker dead) reaches every router process over its
-pipe, which each polls from an asyncio task. Admission (``router.queue_size``) is one shared limit
+Afterwards the pool monitor's news (a worker restarted by Ray, a worker dead) and live resizing's (a worker added,
+draining, removed: cluster/scaling.py) reach every router process over its pipe, which each polls from an asyncio
+task. ``POST /admin/scale`` on a router process goes the other way: ``("scale", id, pool, replicas, drain)`` to the
+main process, which owns the pools, and its answer comes back as ``("scale_result", id, status, body)``. Admission (``router.queue_size``) is one shared limit
 (``cluster/admission.py``); ``/metrics`` on any process renders all of them (``cluster/metrics.py``).
 
 Shutdown: ``("stop",)`` on each pipe, then SIGKILL for what has not exited in time; all within the caller's budget.
@@ -118,6 +120,7 @@ def _serve_router(spec: RouterProcessSpec, conn, slots) -> None:
         return  # told to stop, or the main process is gone, before serving
     for name, role, command_address, kv_address in message[1]:
         router.add_worker(name, role, command_address, kv_address)
+    router.scaler = RemoteScaler(conn)  # POST /admin/scale: the main process owns the pools
     app = create_app(router, tokenizer, config, spec.max_model_len)
     sock = reuseport_socket(spec.http_host, spec.http_port)
     server = uvicorn.Server(
@@ -164,6 +167,12 @@ async def _control(server, router, conn, parent_pid: int) -> None:
                     router.add_worker(*message[1:])
                 elif message[0] == "mark_dead":
                     router.mark_dead(*message[1:])
+                elif message[0] == "drain_worker":
+                    router.drain_worker(*message[1:])
+                elif message[0] == "remove_worker":
+                    router.remove_worker(*message[1:])
+                elif message[0] == "scale_result":
+                    router.scaler.answer(*message[1:])
                 elif message[0] == "stop":
                     server.should_exit = True
                     break
@@ -180,6 +189,38 @@ async def _control(server, router, conn, parent_pid: int) -> None:
             timer.start()
             return
         await asyncio.sleep(CONTROL_POLL_S)
+
+
+class RemoteScaler:
+    """A router process's stand-in for the main process's ``Scaler``: asks over the pipe, awaits the answer."""
+
+    TIMEOUT_S = 600.0  # starting workers on a cluster that must grow first can take minutes
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._waiting: dict[str, asyncio.Future] = {}
+
+    async def scale_async(self, pool, replicas, drain_timeout_s=None) -> dict:
+        from cluster.scaling import ScaleError
+
+        request_id = os.urandom(8).hex()
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        try:
+            self._conn.send(("scale", request_id, pool, replicas, drain_timeout_s))
+            status, body = await asyncio.wait_for(future, self.TIMEOUT_S)
+        finally:
+            self._waiting.pop(request_id, None)
+        if status == 400:
+            raise ScaleError(body["param"], body["message"])
+        if status != 200:
+            raise RuntimeError(body["message"])
+        return body
+
+    def answer(self, request_id: str, status: int, body: dict) -> None:
+        future = self._waiting.get(request_id)
+        if future is not None and not future.done():
+            future.set_result((status, body))
 
 
 # ---- the main process's side -----------------------------------------------------------------------------------
@@ -305,6 +346,44 @@ class RouterProcesses:
 
     def mark_dead_threadsafe(self, name: str, reason: str) -> None:
         self._broadcast(("mark_dead", name, reason))
+
+    # live resizing (cluster/scaling.py) calls these
+    def drain_worker_threadsafe(self, name: str, deadline_s: float) -> None:
+        self._broadcast(("drain_worker", name, deadline_s))
+
+    def remove_worker_threadsafe(self, name: str) -> None:
+        self._broadcast(("remove_worker", name))
+
+    def serve_scaling(self, scaler) -> None:
+        """Answer the router processes' ``("scale", ...)`` requests with ``scaler`` (cluster/scaling.py)."""
+        threading.Thread(
+            target=self._scale_requests, args=(scaler,), name="pdserve-scale-requests", daemon=True
+        ).start()
+
+    def _scale_requests(self, scaler) -> None:
+        while not self._stopping.wait(CONTROL_POLL_S):
+            for index, conn in enumerate(self._conns):
+                try:
+                    while conn.poll():
+                        message = conn.recv()
+                        if message[0] == "scale":
+                            threading.Thread(
+                                target=self._scale, args=(scaler, index, *message[1:]), daemon=True
+                            ).start()
+                except (EOFError, OSError):
+                    continue  # that router process is gone: _watch reports it
+
+    def _scale(self, scaler, index: int, request_id: str, pool, replicas, drain_timeout_s) -> None:
+        from cluster.scaling import ScaleError
+
+        try:
+            result: tuple = (200, scaler.scale(pool, replicas, drain_timeout_s))
+        except ScaleError as exc:
+            result = (400, {"param": exc.param, "message": str(exc)})
+        except Exception as exc:  # the router process answers 500 with it rather than waiting forever
+            logger.exception("scale request failed")
+            result = (500, {"param": None, "message": f"{type(exc).__name__}: {exc}"})
+        self._send(index, ("scale_result", request_id, *result))
 
     def _watch(self) -> None:
         """A router process that dies is logged, and the queue places it held are given back; the others go on (its

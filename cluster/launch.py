@@ -19,9 +19,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cluster.autoscale import Autoscaler, CapacityModel
 from cluster.config import ClusterConfig, check_network_exposure, pool_layout
 from cluster.frontend import RouterProcesses, reuseport_socket
 from cluster.pools import LocalPools, RayPools, WorkerRecord
+from cluster.scaling import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class ServeHandle:
     server: object | None  # uvicorn's server and its thread (None with several router processes)
     thread: threading.Thread | None
     frontends: RouterProcesses | None = None
+    scaler: Scaler | None = None  # live resizing (cluster/scaling.py)
+    autoscaler: Autoscaler | None = None  # the ``autoscale:`` policy's thread, when enabled
 
     @property
     def router_pids(self) -> list[int]:
@@ -62,6 +66,10 @@ class ServeHandle:
         should exit the process at once (Ray's exit handlers would hang the same way).
         """
         deadline = time.monotonic() + timeout_s
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+        if self.scaler is not None:
+            self.scaler.close()
         if self.frontends is not None:
             self.frontends.stop(max(0.0, min(3.0, deadline - time.monotonic())))
         else:
@@ -149,7 +157,10 @@ def start_serving(
     host: str | None = None,
     port: int | None = None,
     in_process: bool = False,
+    capacity_model: CapacityModel | None = None,
 ) -> ServeHandle:
+    """``capacity_model``: the autoscaler's model of ``autoscale.profile`` (built by ``pdserve serve``, which may
+    import the planner; this layer may not)."""
     check_network_exposure(config, host)  # before anything starts: no unauthenticated non-loopback bind
     config = with_cluster_secret(config)
     import uvicorn
@@ -175,9 +186,13 @@ def start_serving(
         frontends, pools, http_port = _start_router_processes(
             config, model_path, max_model_len, bind_host, http_host, http_port, worker_host, in_process, started_ray
         )
-        return ServeHandle(
-            config, f"http://{url_host}:{http_port}", frontends, pools, started_ray, None, None, frontends
+        scaler = Scaler(config, pools, frontends)
+        frontends.serve_scaling(scaler)
+        handle = ServeHandle(
+            config, f"http://{url_host}:{http_port}", frontends, pools, started_ray, None, None, frontends, scaler
         )
+        handle.autoscaler = Autoscaler.start_if_enabled(config, scaler, handle.base_url, capacity_model)
+        return handle
     router = Router(config, host=bind_host)
     try:
         pools = (LocalPools if in_process else RayPools)(config, model_path, [router.event_address], worker_host)
@@ -202,7 +217,11 @@ def start_serving(
             raise RuntimeError("the HTTP server did not start")
         time.sleep(0.02)
     pools.start_monitor(router)
-    return ServeHandle(config, f"http://{url_host}:{http_port}", router, pools, started_ray, server, thread)
+    scaler = router.scaler = Scaler(config, pools, router)
+    handle = ServeHandle(config, f"http://{url_host}:{http_port}", router, pools, started_ray, server, thread)
+    handle.scaler = scaler
+    handle.autoscaler = Autoscaler.start_if_enabled(config, scaler, handle.base_url, capacity_model)
+    return handle
 
 
 def _start_router_processes(

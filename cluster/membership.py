@@ -7,10 +7,16 @@ A restarted worker registers again under the same name with new addresses and is
 It also keeps what each worker's prefix cache holds (``prefix_index``, fed by the workers' ``KvEvents``): a worker's
 view is dropped whenever it (re-)registers or is marked dead, since a new process starts with an empty cache and a
 dead one serves nothing; a worker revived after a stall starts from empty and is refilled by its next snapshot.
+
+Live resizing (cluster/scaling.py): a worker being removed is first ``DRAINING`` (``drain``): no new request goes
+there (``routable`` leaves it out, so do the dispatcher's prefill, decode-reservation, colocated and affinity
+choices), while the requests it holds go on streaming and it still gets pings. ``remove`` forgets it once the pool
+has stopped it.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +28,7 @@ import zmq.asyncio
 
 from cluster.metrics import RouterMetrics
 from cluster.prefix_index import PrefixIndex
-from worker.messages import Command, KvEvents, Stats
+from worker.messages import Command, Drain, KvEvents, Stats
 from worker.protocol import MAX_FRAME_BYTES, Channel, Signer
 
 logger = logging.getLogger(__name__)
@@ -30,6 +36,13 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_TIMEOUT_S = 2.0  # ten missed heartbeats (a worker's heartbeat thread sends one every 0.2 s)
 STALL_TIMEOUT_S = 300.0  # heartbeats still come but the worker's loop has not come round: stuck, not slow
 ROLES = ("prefill", "decode", "colocated")
+
+
+class WorkerState(str, enum.Enum):
+    """Where a registered worker is in its life as the pool sees it (``alive`` says whether it answers)."""
+
+    ACTIVE = "active"  # takes new requests (when alive and not degraded)
+    DRAINING = "draining"  # being removed: finishes what it holds, gets nothing new
 
 
 @dataclass(slots=True)
@@ -44,6 +57,7 @@ class WorkerHandle:
     stats_seen: float | None = None  # its last heartbeat (what ``stats`` says is that old)
     alive: bool = True
     inflight: int = 0
+    state: WorkerState = WorkerState.ACTIVE
 
     @property
     def degraded(self) -> str:
@@ -86,6 +100,8 @@ class Membership:
         if old is not None:
             old.socket.close(0)
         self.workers[name] = WorkerHandle(name, role, command_address, sock, kv_address)
+        if old is not None:  # restarted by Ray while draining: it is still being removed
+            self.workers[name].state = old.state
         self.forget_prefixes(name)  # a (re-)registered process starts with an empty prefix cache
         self._update_gauge()
         if old is not None and old.alive and old.command_address != command_address:
@@ -100,8 +116,32 @@ class Membership:
         return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
 
     def routable(self, role: str) -> list[WorkerHandle]:
-        """Live workers that may get new requests: not those that report themselves degraded."""
-        return [w for w in self.live(role) if not w.degraded]
+        """Live workers that may get new requests: not those that report themselves degraded, nor draining ones."""
+        return [w for w in self.live(role) if not w.degraded and w.state is WorkerState.ACTIVE]
+
+    def drain(self, name: str, deadline_s: float) -> bool:
+        """Route nothing new to the worker, and tell it (``Drain``) so it knows when it is idle; False if unknown."""
+        worker = self.workers.get(name)
+        if worker is None:
+            return False
+        if worker.state is not WorkerState.DRAINING:
+            logger.info("worker %s draining", name)
+        worker.state = WorkerState.DRAINING
+        self.send(worker, Drain(deadline_s=deadline_s))
+        return True
+
+    def remove(self, name: str) -> WorkerHandle | None:
+        """Forget a worker the pool has stopped: its socket, its prefix-cache view, its signer."""
+        worker = self.workers.pop(name, None)
+        if worker is None:
+            return None
+        worker.alive = False
+        worker.socket.close(0)
+        self.prefix_index.forget(name)
+        self._signers.pop(worker.command_address, None)
+        self._metrics.prefix_index_blocks.labels(name, worker.role).set(0)
+        self._update_gauge()
+        return worker
 
     def mark_dead(self, name: str, reason: str) -> None:
         worker = self.workers.get(name)
@@ -178,6 +218,18 @@ class Membership:
         for worker in self.workers.values():
             worker.socket.close(0)
 
+    def pools(self) -> dict[str, dict]:
+        """Per pool (a worker's name is ``<pool>-<index>``): how many replicas serve and which ones drain."""
+        out: dict[str, dict] = {}
+        for w in self.workers.values():
+            pool = out.setdefault(w.name.rsplit("-", 1)[0], {"replicas": 0, "workers": [], "draining": []})
+            if w.state is WorkerState.DRAINING:
+                pool["draining"].append(w.name)
+            else:
+                pool["replicas"] += 1
+                pool["workers"].append(w.name)
+        return out
+
     def status(self) -> list[dict]:
         now = time.monotonic()
         return [
@@ -185,6 +237,7 @@ class Membership:
                 "name": w.name,
                 "role": w.role,
                 "alive": w.alive,
+                "state": w.state.value,
                 "inflight": w.inflight,
                 "last_seen_s": round(now - w.last_seen, 3),
                 "stats_age_s": None if w.stats_seen is None else round(now - w.stats_seen, 3),

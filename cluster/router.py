@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -111,6 +112,7 @@ class Router:
             config, policies, self.members, self.reservations, self.metrics, self._send, Placements(MAX_RECORDS)
         )
         self.placements = self.dispatcher.placements  # where recent requests went, for later requests' ``affinity``
+        self.scaler = None  # POST /admin/scale: cluster/scaling.py's Scaler, or a router process's RemoteScaler
         self._policies = policies
         self._handlers = {
             Stats: self._on_stats,
@@ -127,11 +129,8 @@ class Router:
         self.members.add(name, role, command_address, kv_address)
 
     def add_worker_threadsafe(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
-        """Register from another thread (the monitor that sees Ray restart a worker)."""
-        if self.loop is None:
-            self.add_worker(name, role, command_address, kv_address)
-        else:
-            self.loop.call_soon_threadsafe(self.add_worker, name, role, command_address, kv_address)
+        """Register from another thread (the monitor that sees Ray restart a worker; live resizing)."""
+        self._call_threadsafe(self.add_worker, name, role, command_address, kv_address)
 
     def mark_dead(self, name: str, reason: str = "worker died") -> None:
         self.members.mark_dead(name, reason)
@@ -139,6 +138,47 @@ class Router:
     def mark_dead_threadsafe(self, name: str, reason: str) -> None:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.mark_dead, name, reason)
+
+    def drain_worker(self, name: str, deadline_s: float) -> None:
+        """Live resizing (cluster/scaling.py): route nothing new to the worker; it finishes what it holds."""
+        self.members.drain(name, deadline_s)
+
+    def remove_worker(self, name: str) -> None:
+        """Forget a worker the pool stopped after its drain. A request it still held (it was stopped at the drain
+        deadline) gets an explicit error, or a transparent retry if nothing reached its client yet."""
+        self._fail_streams_of(name, "worker removed by scale-down")
+        self.members.remove(name)
+        self._wake()
+
+    def drain_worker_threadsafe(self, name: str, deadline_s: float) -> None:
+        self._call_threadsafe(self.drain_worker, name, deadline_s)
+
+    def remove_worker_threadsafe(self, name: str) -> None:
+        self._call_threadsafe(self.remove_worker, name)
+
+    def _call_threadsafe(self, function, *args, wait_s: float = 5.0) -> None:
+        """Run ``function`` on the router's loop and wait (bounded) until it has: a membership change made from
+        another thread is in effect when this returns (the next request sees it)."""
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if self.loop is None or on_loop:
+            function(*args)
+            return
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                function(*args)
+            finally:
+                done.set()
+
+        try:
+            self.loop.call_soon_threadsafe(call)
+        except RuntimeError:  # the loop is closed: the router is gone, and so is what it would change
+            return
+        done.wait(wait_s)
 
     def live(self, role: str) -> list[WorkerHandle]:
         """The workers new requests may go to: alive and not degraded."""
@@ -425,6 +465,7 @@ class Router:
                 "queue_depth_all": self.reservations.queue_depth_all,
                 "requests_finished": self.metrics.local_value("pdserve_requests_total", outcome="finished"),
             },
+            "pools": self.members.pools(),
             "workers": self.members.status(),
         }
 

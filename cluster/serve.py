@@ -6,13 +6,18 @@ import argparse
 import os
 import signal
 import threading
+from collections.abc import Callable
 
-from cluster.config import load_config
+from cluster.autoscale import CapacityModel
+from cluster.config import ClusterConfig, load_config
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(
+    args: argparse.Namespace, capacity_model: Callable[[ClusterConfig], CapacityModel | None] | None = None
+) -> int:
     """``--config``: a YAML path, or the name of a shipped config (``local``, ``gpu-node``), wherever pdserve is
-    installed (``cluster.config.find_config``)."""
+    installed (``cluster.config.find_config``). ``capacity_model``: builds the autoscaler's model from the final
+    config (cli/serve_cmd.py passes the planner's; this layer may not import it)."""
     from cluster.launch import start_serving
 
     config = load_config(args.config)
@@ -24,8 +29,9 @@ def serve(args: argparse.Namespace) -> int:
         config.router.processes = args.router_processes  # validated on assignment (1..64)
     if getattr(args, "api_key", None):  # from the environment: the key need not be written in the config file
         config.router.api_key = args.api_key
+    model = capacity_model(config) if capacity_model is not None and config.autoscale.enabled else None
     stop = threading.Event()
-    handle = start_serving(config, address=args.address)
+    handle = start_serving(config, address=args.address, capacity_model=model)
 
     def on_signal(*_) -> None:
         if stop.is_set():  # a second Ctrl-C: do not wait for the orderly shutdown

@@ -16,13 +16,14 @@ Router -> worker (commands; ``Membership.send`` stamps ``router`` (its index) an
     generate  {rid, prompt, params}                     colocated: both phases here
     abort     {rid}                                     any: free whatever the request holds
     ping      {}                                        any: the router is alive
+    drain     {deadline_s}                              any: take no new work; fail what is left after deadline_s
 Worker -> router (events):
     reserved    {rid, worker, ok, attempt, blocks, kv_address, reason, cached_tokens}
     first_token {rid, worker, token, text, timing: PrefillTiming, logprobs, prompt_logprobs, cached_tokens}
     tokens      {worker, items: [TokenItem, ...]}        one per step (an item: ids, text, logprobs; the first
                                                         sampled token's also the prompt's logprobs and cached tokens)
     error       {rid, worker, message, code: ErrorCode}
-    stats       {worker, role, address, load: WorkerLoad, counters: WorkerCounters, degraded, loop_age_s}
+    stats       {worker, role, address, load: WorkerLoad, counters: WorkerCounters, degraded, loop_age_s, draining}
     kv_events   {worker, address, seq, stored, removed, reset}   to every router: prefix-cache hashes stored/evicted
 
 Bounds: a body larger than ``MAX_MESSAGE_BYTES`` is refused before it is decoded; every field has one type (map keys
@@ -44,7 +45,7 @@ from engine.request import FinishReason, SamplingParams, TokenLogprob
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 Role = Literal["prefill", "decode", "colocated"]
-RefusalReason = Literal["kv_full"]  # why a decode worker refused a reservation (ok=False)
+RefusalReason = Literal["kv_full", "max_num_seqs"]  # why a decode worker refused a reservation (ok=False)
 
 
 class ProtocolError(ValueError):
@@ -182,8 +183,17 @@ class Ping(_Command, tag="ping"):
     pass
 
 
-Command = Reserve | Unreserve | Prefill | PrefillHere | Start | Generate | Abort | Ping
-RequestCommand = _RequestCommand  # every command about one request (all but ping)
+class Drain(_Command, tag="drain"):
+    """The worker is being removed (``pdserve scale``, cluster/scaling.py): every router sends it once it routes
+    nothing new there. The worker finishes what it holds; once every router has sent it and nothing is left, it says
+    ``drained`` (the pool then stops it). What it still holds ``deadline_s`` after the first one is failed with an
+    explicit error, never dropped."""
+
+    deadline_s: Annotated[float, msgspec.Meta(gt=0)]
+
+
+Command = Reserve | Unreserve | Prefill | PrefillHere | Start | Generate | Abort | Ping | Drain
+RequestCommand = _RequestCommand  # every command about one request (all but ping and drain)
 PromptCommand = _PromptCommand  # the commands that bring a prompt and its sampling parameters
 
 
@@ -248,6 +258,7 @@ class Stats(_Event, tag="stats"):
     counters: WorkerCounters
     degraded: str = ""  # why the worker should get no new work ("" when healthy)
     loop_age_s: float = 0.0  # how long ago the worker's loop last came round (slow vs stuck)
+    draining: bool = False  # a router sent ``drain``: it is being removed
 
 
 MAX_KV_EVENT_HASHES = 2048  # hashes (stored + removed) in one KvEvents message; a larger batch is split

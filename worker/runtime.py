@@ -26,6 +26,12 @@ change since the last turn) and sends it to every router as ``KvEvents`` (at mos
 message), so routers know which prompts' leading blocks each worker holds. A batch a router could not take makes the
 next one a full snapshot, and one is sent every ``KV_RESYNC_INTERVAL_S`` anyway, so a router that missed a message
 (it drops that worker's view on a gap in ``seq``) is whole again soon.
+
+Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/scaling.py): the routers
+send it nothing new after it, so the worker finishes what it holds. Once every router has sent it (a command sent
+before ``drain`` by the same router arrives before it) and nothing is held, ``info()["drained"]`` is true and the pool
+stops it. Whatever is still held ``deadline_s`` after the first ``drain`` is failed, each request with an error event
+its client sees.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from worker.messages import (
     MAX_KV_EVENT_HASHES,
     Abort,
     Command,
+    Drain,
     ErrorCode,
     Event,
     KvEvents,
@@ -118,6 +125,10 @@ class WorkerRuntime:
         self._loop_problem = ""  # why the loop made this worker degraded; "" while it is healthy
         self._kv_seq = 0  # KvEvents messages sent by this incarnation (each router checks for gaps)
         self._next_kv_resync_s = time.monotonic() + KV_RESYNC_INTERVAL_S
+        self._drain_from: set[int] = set()  # the routers that sent ``drain``
+        self._drain_deadline: float | None = None  # monotonic; None: not draining
+        self._drained = False  # set by the loop thread (info() reads it from another)
+        self._drain_failed = False  # the deadline passed and what was held was failed
         try:
             self.role = role_class.from_spec(spec, self.engine, self.emit)
         except BaseException:
@@ -187,6 +198,8 @@ class WorkerRuntime:
             "role": self.role.kind.value,
             "command_address": self.command_address,
             "degraded": self.degraded,
+            "draining": self._drain_deadline is not None,
+            "drained": self.drained,
             **self.role.info(),
         }
 
@@ -217,8 +230,40 @@ class WorkerRuntime:
                 self._next_owner_prune_s = now + OWNER_PRUNE_INTERVAL_S
                 self._prune_owners(now)
             self._publish_kv_events(now)
+            if self._drain_deadline is not None:
+                self._drain_turn(now)
             self._loop_seen = now
             self._snapshot = self.stats()  # a few len() calls: cheap enough to keep the heartbeat's view current
+
+    # ---- draining ----------------------------------------------------------------------------------------------
+
+    def _begin_drain(self, router: int, deadline_s: float) -> None:
+        if self._drain_deadline is None:
+            logger.info("%s: draining (deadline %.1f s)", self.name, deadline_s)
+            self._drain_deadline = time.monotonic() + deadline_s
+        self._drain_from.add(router)
+
+    def holds_requests(self) -> bool:
+        """Anything a request still needs from this worker: engine requests (decode reservations included), steps
+        or transfers in flight, exported KV a decode worker has not confirmed."""
+        load = self.role.load()
+        return self.has_work() or bool(load.requests or load.awaiting_kv or load.leased_transfers)
+
+    @property
+    def drained(self) -> bool:
+        """Draining, told so by every router (none can still send it work) or past the deadline, and idle."""
+        return self._drained
+
+    def _drain_turn(self, now: float) -> None:
+        """Once per loop turn while draining: fail what is left after the deadline, then say whether it is idle."""
+        assert self._drain_deadline is not None
+        past = now > self._drain_deadline
+        if past and not self._drain_failed and self.holds_requests():
+            self._drain_failed = True
+            logger.warning("%s: drain deadline passed; failing the requests it still holds", self.name)
+            self.fail_all("worker removed by scale-down: its drain deadline passed before the request finished")
+        told = len(self._drain_from) == len(self._routers) or past
+        self._drained = told and not self.holds_requests()
 
     def _free_orphans(self, index: int) -> None:
         """Router ``index`` has been silent for ``router_timeout_s`` (it died or restarted): free its requests."""
@@ -326,6 +371,9 @@ class WorkerRuntime:
             self._last_router_s[router] = now
             if isinstance(command, Ping):
                 continue
+            if isinstance(command, Drain):
+                self._begin_drain(router, command.deadline_s)
+                continue
             rid = command.rid
             if len(self._routers) > 1:  # one router owns everything: nothing to remember
                 self._owners[rid] = (router, now)
@@ -405,6 +453,7 @@ class WorkerRuntime:
             load=self.role.load(),
             counters=self.role.totals(),
             degraded=self.degraded,
+            draining=self._drain_deadline is not None,
         )
 
     # ---- the role: the loop calls these (tests replace ``tick`` to break a worker) -----------------------------

@@ -3,25 +3,20 @@
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import yaml
 
+from tests.helpers.serve_process import serve_process
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_path, tmp_path):
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
     config = tmp_path / "tiny.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -34,22 +29,7 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
             }
         )
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        url, deadline, seen = None, time.monotonic() + 120, []
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            seen.append(line)
-            match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            url = match.group(1) if match else None
-        assert url, "".join(seen)
+    with serve_process(config) as (proc, url):
         body = {"model": str(tiny_llama_path), "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
@@ -63,7 +43,3 @@ def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_pat
         assert "shutting down" in proc.stdout.read()
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)

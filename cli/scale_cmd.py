@@ -1,0 +1,92 @@
+"""``pdserve scale --pool decode --replicas N``: resize a pool of a running cluster (one ``POST /admin/scale``).
+
+A client of the router's HTTP API, like ``pdserve status``: the standard library only, so it starts at once on a
+machine without torch or Ray. The cluster does the work (cluster/scaling.py): new workers join without a restart,
+removed ones drain their requests first. ``--wait`` polls ``/status`` until no worker of the pool is draining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from cli.status import fetch_status
+
+
+def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) -> None:
+    parser.add_argument("--pool", required=True, choices=["prefill", "decode"])
+    parser.add_argument("--replicas", type=int, required=True, metavar="N", help="the pool's new number of workers")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a removed worker may take to finish its requests; what is left then fails with an error "
+        "(default: the server's, 60)",
+    )
+    parser.add_argument("--wait", action="store_true", help="return only once the removed workers have drained")
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the answer (new workers load a model)"
+    )
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--api-key", default=default_api_key, help="the router's API key (default: $PDSERVE_API_KEY)")
+
+
+def post_scale(
+    url: str, pool: str, replicas: int, drain_timeout_s: float | None, timeout_s: float, api_key: str | None
+) -> dict[str, Any]:
+    """The router's answer (the pools' membership); ValueError (a message for the user) when refused."""
+    body: dict[str, Any] = {"pool": pool, "replicas": replicas}
+    if drain_timeout_s is not None:
+        body["drain_timeout_s"] = drain_timeout_s
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/admin/scale", data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            data: dict[str, Any] = json.load(response)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        hint = " (pass --api-key or set PDSERVE_API_KEY)" if exc.code == 401 else ""
+        raise ValueError(f"the router at {url} refused: HTTP {exc.code}: {message}{hint}") from None
+    except OSError as exc:
+        raise ValueError(f"no pdserve router answers at {url}: {exc}") from None
+    return data
+
+
+def format_membership(data: dict[str, Any]) -> str:
+    lines = []
+    for name, pool in data["pools"].items():
+        line = f"{name}: {pool['replicas']} replicas ({', '.join(pool['workers']) or 'none'})"
+        if pool.get("pending"):
+            line += f"; starting: {', '.join(pool['pending'])}"
+        if pool.get("draining"):
+            line += f"; draining: {', '.join(pool['draining'])}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas < 0:
+        raise ValueError(f"--replicas must be >= 0, got {args.replicas}")
+    deadline = time.monotonic() + args.timeout
+    data = post_scale(args.url, args.pool, args.replicas, args.drain_timeout, args.timeout, args.api_key)
+    if args.wait:
+        while True:
+            pools = fetch_status(args.url, 5.0, args.api_key).get("pools", {})
+            if not pools.get(args.pool, {}).get("draining"):
+                break
+            if time.monotonic() > deadline:
+                raise ValueError(f"workers still draining after {args.timeout:.0f} s: {pools[args.pool]['draining']}")
+            time.sleep(0.5)
+    print(json.dumps(data, indent=2) if args.json else format_membership(data))
+    return 0
