@@ -2,7 +2,8 @@
 
 It lives in the HTTP server's event loop and talks to workers over ZeroMQ (typed messages, ``worker/messages.py``,
 sealed by ``worker/protocol.py``): one PUSH socket per worker for commands, one PULL socket for every worker's events,
-each event handled by its type (``_dispatch``). Tokens never pass through Ray.
+each event handled by its type (``_dispatch``). Tokens never pass through Ray. The requests in flight, and what each
+one leaves behind at its end (metrics, timing, its workers' load), are kept in ``cluster/request_table.py``.
 
 Disaggregated request (``generate``):
 1. Reserve decode KV (``cluster/reservations.py``): the first decode worker in policy order that has room reserves
@@ -34,7 +35,6 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import zmq
@@ -47,20 +47,18 @@ from cluster.errors import RequestFailed
 from cluster.membership import Membership, WorkerHandle
 from cluster.metrics import RouterMetrics
 from cluster.policies import Placements, make_policy
+from cluster.request_table import MAX_RECORDS, RequestTable, response_timing
 from cluster.reservations import DecodeReservations
-from cluster.streams import Stream, TokenEvent
-from engine.request import SamplingParams, TokenLogprob
+from cluster.streams import TokenEvent
+from engine.request import SamplingParams
 from worker.messages import (
-    Abort,
     Command,
-    DecodeTiming,
     ErrorCode,
     ErrorEvent,
     Event,
     FirstToken,
     KvEvents,
     Ping,
-    PrefillTiming,
     Reserved,
     Start,
     Stats,
@@ -72,7 +70,6 @@ logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 2  # re-dispatches of a request whose worker died before its first token
 PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while free everything they hold
-MAX_RECORDS = 10_000  # finished requests' timing and recent requests' placements kept (oldest dropped first)
 
 
 class Router:
@@ -86,8 +83,6 @@ class Router:
         self.host = host
         self.index = index
         self.metrics = RouterMetrics(multiprocess=config.router.processes > 1)
-        self.streams: dict[str, Stream] = {}
-        self.last_timing: OrderedDict[str, dict] = OrderedDict()  # finished requests' timing, for the response
         policies = {
             "prefill": make_policy(config.router.prefill_policy, **config.router.kv_aware.model_dump()),
             "decode": make_policy(config.router.decode_policy, **config.router.kv_aware.model_dump()),
@@ -108,6 +103,9 @@ class Router:
         self.reservations = DecodeReservations(
             config, policies["decode"], self.metrics, admission or Admission(config.router.queue_size), self._send
         )
+        self.requests = RequestTable(self.metrics, self.members, self._send, self._wake)
+        self.streams = self.requests.streams  # by wire id: the requests in flight
+        self.last_timing = self.requests.last_timing  # finished requests' timing, for the response
         self.dispatcher = Dispatcher(
             config, policies, self.members, self.reservations, self.metrics, self._send, Placements(MAX_RECORDS)
         )
@@ -285,7 +283,7 @@ class Router:
         if decode is not None:
             self._send(decode, Start(stream.wire_rid, event.token))
         logprobs = None if event.logprobs is None else [event.logprobs]
-        self._push(stream, 1, event.text, None, logprobs, event.prompt_logprobs, event.cached_tokens)
+        self.requests.push(stream, 1, event.text, None, logprobs, event.prompt_logprobs, event.cached_tokens)
 
     def _on_tokens(self, event: Tokens, worker: WorkerHandle | None) -> None:
         name, streams = event.worker, self.streams
@@ -296,7 +294,7 @@ class Router:
             if item.timing is not None:
                 stream.timing.update(response_timing(item.timing))
             finish = item.finish_reason
-            self._push(
+            self.requests.push(
                 stream,
                 len(item.token_ids),
                 item.text,
@@ -313,21 +311,6 @@ class Router:
         if stream is not None and error.worker in (stream.prefill, stream.decode):
             status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
             stream.fail(RequestFailed(error.message, error.code.value, status))
-
-    def _push(
-        self,
-        stream: Stream,
-        num_tokens: int,
-        text: str,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob] | None = None,
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
-        cached_tokens: int | None = None,
-    ) -> None:
-        first = stream.first_token_s is None
-        pushed = stream.push(num_tokens, text, finish_reason, logprobs, prompt_logprobs, cached_tokens)
-        if pushed and first and stream.first_token_s is not None:
-            self.metrics.ttft.observe(stream.first_token_s - stream.started_s)
 
     def _wake(self) -> None:
         self.reservations.wake()
@@ -348,9 +331,7 @@ class Router:
         (and, for the decode worker, have room): an n > 1 request's later choices reuse the prompt the first one
         computed. An id the router no longer remembers (or never knew) is no preference."""
         rid = request_id or uuid.uuid4().hex
-        stream = Stream(rid, len(prompt), wire_rid=rid)
-        self.streams[rid] = stream
-        self.metrics.inflight.inc()
+        stream = self.requests.open(rid, len(prompt))
         deadline = stream.started_s + self.config.router.request_timeout_s
         # one timer per request, not one per wait: the wait below runs once per token
         timer = asyncio.get_running_loop().call_at(
@@ -369,13 +350,13 @@ class Router:
                     if error.code == "worker_died" and stream.num_output_tokens == 0 and attempt < MAX_RETRIES:
                         attempt += 1  # nothing reached the client yet: dispatch again, transparently
                         self.metrics.errors.labels("retried_after_worker_death").inc()
-                        self._redispatch(stream, f"{rid}.retry{attempt}")
+                        self.requests.redispatch(stream, f"{rid}.retry{attempt}")
                         await self.dispatcher.dispatch(stream, prompt, params, deadline, affinity)
                         continue
                     raise error
                 if event.finish_reason is not None:
                     stream.finished = True
-                    self._record_finish(stream)
+                    self.requests.record_finish(stream)
                 yield event
                 if stream.finished:
                     return
@@ -392,65 +373,11 @@ class Router:
             timer.cancel()
             if not stream.finished:
                 self.abort(stream.wire_rid)
-            self._release(stream)
-
-    def _record_finish(self, stream: Stream) -> None:
-        now = time.monotonic()
-        self.metrics.requests.labels("finished").inc()
-        self.metrics.e2e.observe(now - stream.started_s)
-        self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
-        self.metrics.generated_tokens.inc(stream.num_output_tokens)
-        if stream.first_token_s is not None and stream.num_output_tokens > 1:
-            self.metrics.tpot.observe((now - stream.first_token_s) / (stream.num_output_tokens - 1))
-        stream.timing["ttft_s"] = (stream.first_token_s or now) - stream.started_s
-        stream.timing["e2e_s"] = now - stream.started_s
-        known = sum(stream.timing.get(k, 0.0) for k in ("router_queue_s", "prefill_queue_s", "prefill_compute_s"))
-        stream.timing["first_token_delivery_s"] = max(0.0, stream.timing["ttft_s"] - known)
-        # same-host monotonic stamps: how long after the prefill ended the decode side had the whole KV
-        prefill_end, kv_done = stream.timing.pop("prefill_end_mono", None), stream.timing.pop("kv_done_mono", None)
-        if prefill_end is not None and kv_done is not None:
-            stream.timing["kv_after_prefill_s"] = kv_done - prefill_end
-            self.metrics.kv_after_prefill.observe(kv_done - prefill_end)
-        if "kv_transfer_s" in stream.timing:
-            self.metrics.kv_transfer.observe(stream.timing["kv_transfer_s"])
-        self.last_timing[stream.rid] = stream.timing
-        while len(self.last_timing) > MAX_RECORDS:  # a client that never collects its timing cannot grow this
-            self.last_timing.popitem(last=False)
-
-    def _unassign(self, stream: Stream) -> None:
-        # a prefill worker stops counting a request at its first token (``_on_first_token``), a decode worker at its end
-        holders = [stream.decode] + ([stream.prefill] if stream.first_token_s is None else [])
-        for name in set(holders) - {None}:
-            worker = self.members.get(name)
-            if worker is not None:
-                worker.inflight = max(0, worker.inflight - 1)
-        stream.prefill = stream.decode = None
-
-    def _redispatch(self, stream: Stream, wire_rid: str) -> None:
-        """Free the old dispatch everywhere and give the request a new id on the wire."""
-        self.abort(stream.wire_rid)
-        self._unassign(stream)
-        self.streams.pop(stream.wire_rid, None)
-        stream.wire_rid = wire_rid
-        self.streams[wire_rid] = stream
-        stream.reset()
-
-    def _release(self, stream: Stream) -> None:
-        self.streams.pop(stream.wire_rid, None)
-        self.metrics.inflight.dec()
-        self._unassign(stream)
-        self._wake()
+            self.requests.release(stream)
 
     def abort(self, wire_rid: str) -> None:
-        """Tell every worker that holds state for the request to free it, those marked dead too: one that was only
-        cut off (and is revived when heard from again) must not keep the request."""
-        stream = self.streams.get(wire_rid)
-        if stream is None:
-            return
-        for name in {stream.prefill, stream.decode} - {None}:
-            worker = self.members.get(name)
-            if worker is not None:
-                self._send(worker, Abort(wire_rid))
+        """Tell every worker that holds state for the request to free it (``RequestTable.abort``)."""
+        self.requests.abort(wire_rid)
 
     def status(self) -> dict:
         return {
@@ -468,16 +395,3 @@ class Router:
             "pools": self.members.pools(),
             "workers": self.members.status(),
         }
-
-
-def response_timing(timing: PrefillTiming | DecodeTiming) -> dict[str, float]:
-    """A worker's timing as the response's ``timing`` map names it (the one place that converts): a prefill's fields
-    as ``prefill_<field>``, the decode worker's under their own names, ``recomputed`` as 1.0; fields the worker did
-    not reach (None, or recomputed False) are left out."""
-    prefix = "prefill_" if isinstance(timing, PrefillTiming) else ""
-    out = {}
-    for name in timing.__struct_fields__:
-        value = getattr(timing, name)
-        if value is not None and value is not False:
-            out[prefix + name] = 1.0 if value is True else value
-    return out

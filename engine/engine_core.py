@@ -2,7 +2,8 @@
 
 ``LLMEngine`` (``engine.llm_engine``) is what a worker runs: this core plus the decode side's remote-KV API. Split so
 that each file holds one idea: here the step loop (admission, forward, sampling, text, finish); there how a request
-whose KV comes from elsewhere enters and leaves.
+whose KV comes from elsewhere enters and leaves. The parts it steps (model, KV cache, runner, sampler) are built on
+the device by ``engine.engine_parts``.
 
 Every output carries ``text_delta``, the text its tokens add, made here by the request's incremental detokenizer in
 time proportional to the new tokens, so workers stream text and the router only relays it. The first token's text is
@@ -14,26 +15,19 @@ Every request leaves through ``_finish``, which frees its blocks exactly once; `
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
 
-import torch
-
-from engine.attention import register_paged_attention, select_backend
 from engine.block_manager import BlockManager
-from engine.blocks import blocks_for_tokens, kv_blocks_for
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
-from engine.decode_graphs import decode_graphs_for, scratch_bytes_for
+from engine.blocks import blocks_for_tokens
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCache, KVSpec
+from engine.engine_parts import build_engine_parts
 from engine.kv_connector import KVExport, KVExporter, KVSink
-from engine.memory import KVMemoryPlanner
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, StepStats
+from engine.model_runner import StepStats
 from engine.request import (
     CompletionResult,
     FinishReason,
@@ -44,7 +38,6 @@ from engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -52,43 +45,15 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        if config.dtype == "auto":
-            config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
-        self.config = config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        planner = KVMemoryPlanner.start(config)  # CUDA, no explicit KV budget: measure from here (engine.memory)
-        self.model, self.tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention())
-        hf_config = self.model.config
-        self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-        self.kv_spec = KVSpec(
-            architecture=hf_config.model_type,
-            dtype=self.model.dtype,
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=hf_config.num_key_value_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-            block_size=config.block_size,
-        )
-        graphs = config.cuda_graphs and config.device.startswith("cuda")  # their gather storage comes out of the KV
-        graph_scratch = scratch_bytes_for(self.kv_spec, config.max_num_seqs, self.max_model_len) if graphs else 0
-        self.memory_plan = (
-            planner.plan(self.model, self.kv_spec, self.max_model_len, graph_scratch) if planner else None
-        )
-        kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-        num_blocks = kv_blocks_for(kv_bytes, self.kv_spec.bytes_per_block, config.num_kv_blocks)
-        if self.memory_plan is not None:
-            num_blocks = self.memory_plan.num_blocks
-        self.kv_cache = KVCache(self.kv_spec, num_blocks, config.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        parts = build_engine_parts(config)  # the model and what runs it, on the device (engine.engine_parts)
+        self.config, self.model, self.tokenizer = parts.config, parts.model, parts.tokenizer
+        self.max_model_len, self.kv_spec, self.memory_plan = parts.max_model_len, parts.kv_spec, parts.memory_plan
+        self.kv_cache, self.runner, self.sampler = parts.kv_cache, parts.runner, parts.sampler
+        self.eos_token_ids, self.vocab_size = parts.eos_token_ids, parts.vocab_size
+        config = self.config
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
-        backend = select_backend(config.attention_backend, config.device, self.model.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend)
-        self.runner.decode_graphs = decode_graphs_for(self.runner, config, self.max_model_len)
-        self.runner.limit_scratch(config.max_num_seqs, self.max_model_len)  # the bound the KV plan counted
         self.kv_exporter = KVExporter(self.kv_cache)
-        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
-        self.vocab_size = int(self.runner.lm_head.out_features)  # the logits' width (may exceed the tokenizer's)
-        self.sampler = Sampler(self.eos_token_ids, config.device)
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
@@ -461,16 +426,3 @@ def _completion(request: Request) -> CompletionResult:
         num_cached_tokens=request.num_cached_tokens,
         error=request.error,
     )
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

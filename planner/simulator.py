@@ -89,7 +89,7 @@ class SimSettings:
     @classmethod
     def from_config(cls, config: ClusterConfig, profile: Profile) -> SimSettings:
         """The settings a cluster with this config would run with; KV blocks per worker from ``kv_blocks`` or
-        ``kv_memory_mb`` over the profile's KV bytes per block (the engine's rule, engine/engine_core.py)."""
+        ``kv_memory_mb`` over the profile's KV bytes per block (the engine's rule, engine/engine_parts.py)."""
         block_size = config.transfer.block_size
         bytes_per_block = max(1, profile.kv_bytes_per_token * block_size)
 

@@ -16,10 +16,8 @@ raises fails every request the worker holds (each gets an error event, each free
 them hanging.
 
 Several routers (``router.processes`` > 1): the worker has one event socket per router (each sealed for that
-router's address) and sends its heartbeats to all of them. Every command carries the index of the router that sent
-it; the worker remembers which router owns each request and sends every event about a request only there (a
-``tokens`` message is split per router). A router that is silent for ``router_timeout_s`` loses its own requests
-only: the others keep theirs.
+router's address) and sends its heartbeats to all of them. Which router owns each request, which are alive and which
+have said ``drain`` is ``RouterBook``'s (worker/routers.py); the loop acts on it.
 
 KV events: once per loop turn the loop drains what its prefix cache stored and evicted (the block manager's net
 change since the last turn) and sends it to every router as ``KvEvents`` (at most ``MAX_KV_EVENT_HASHES`` hashes a
@@ -27,11 +25,8 @@ message), so routers know which prompts' leading blocks each worker holds. A bat
 next one a full snapshot, and one is sent every ``KV_RESYNC_INTERVAL_S`` anyway, so a router that missed a message
 (it drops that worker's view on a gap in ``seq``) is whole again soon.
 
-Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/scaling.py): the routers
-send it nothing new after it, so the worker finishes what it holds. Once every router has sent it (a command sent
-before ``drain`` by the same router arrives before it) and nothing is held, ``info()["drained"]`` is true and the pool
-stops it. Whatever is still held ``deadline_s`` after the first ``drain`` is failed, each request with an error event
-its client sees.
+Draining (``drain`` from every router, worker/routers.py): the worker finishes what it holds, reports
+``info()["drained"]`` and fails whatever is left at the deadline.
 """
 
 from __future__ import annotations
@@ -55,7 +50,6 @@ from worker.messages import (
     Ping,
     PromptCommand,
     Stats,
-    Tokens,
     WorkerCounters,
     kind,
 )
@@ -70,14 +64,13 @@ from worker.protocol import (
     Verifier,
 )
 from worker.role import Role
+from worker.routers import RouterBook
 from worker.spec import WorkerSpec, resolve_spec
 
 logger = logging.getLogger(__name__)
 
 DEGRADED_AFTER_FAILURES = 3  # loop failures within DEGRADED_WINDOW_S that make a worker degraded
 DEGRADED_WINDOW_S = 30.0  # ... and a degraded worker with no failure for this long is healthy again
-OWNER_PRUNE_INTERVAL_S = 5.0  # how often the owners of requests no longer held are forgotten
-OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command about them
 KV_RESYNC_INTERVAL_S = 30.0  # a full snapshot of the prefix cache's hashes to every router this often
 
 
@@ -112,23 +105,17 @@ class WorkerRuntime:
             sock = self._socket(zmq.PUSH)
             sock.connect(address)
             self._events.append((sock, Signer(options.secret, Channel.EVENTS, address)))
-        self._owners: dict[str, tuple[int, float]] = {}  # rid -> (owning router's index, when it last sent a command)
-        self._next_owner_prune_s = 0.0
+        self._book = RouterBook(self.name, len(self._routers), options.router_timeout_s)
         self._stop = threading.Event()
         self._dead = threading.Event()  # kill(): nothing leaves this worker any more
         self._thread: threading.Thread | None = None
         self._heartbeat: threading.Thread | None = None
         self._loop_seen = time.monotonic()
         self._snapshot: Stats | None = None
-        self._last_router_s = [time.monotonic()] * len(self._routers)  # per router: when it was last heard
         self._failures_s: list[float] = []  # when the loop last failed (within DEGRADED_WINDOW_S)
         self._loop_problem = ""  # why the loop made this worker degraded; "" while it is healthy
         self._kv_seq = 0  # KvEvents messages sent by this incarnation (each router checks for gaps)
         self._next_kv_resync_s = time.monotonic() + KV_RESYNC_INTERVAL_S
-        self._drain_from: set[int] = set()  # the routers that sent ``drain``
-        self._drain_deadline: float | None = None  # monotonic; None: not draining
-        self._drained = False  # set by the loop thread (info() reads it from another)
-        self._drain_failed = False  # the deadline passed and what was held was failed
         try:
             self.role = role_class.from_spec(spec, self.engine, self.emit)
         except BaseException:
@@ -198,7 +185,7 @@ class WorkerRuntime:
             "role": self.role.kind.value,
             "command_address": self.command_address,
             "degraded": self.degraded,
-            "draining": self._drain_deadline is not None,
+            "draining": self._book.draining,
             "drained": self.drained,
             **self.role.info(),
         }
@@ -222,26 +209,17 @@ class WorkerRuntime:
                 self._note_failure(exc)
                 self.fail_all("worker step failed")
             now = time.monotonic()
-            for index, last in enumerate(self._last_router_s):
-                if now - last > self.options.router_timeout_s:
-                    self._last_router_s[index] = now
-                    self._free_orphans(index)
-            if now >= self._next_owner_prune_s:
-                self._next_owner_prune_s = now + OWNER_PRUNE_INTERVAL_S
-                self._prune_owners(now)
+            for rid in self._book.orphans(now, self.engine.requests):  # a silent router's requests: freed
+                self.abort(rid)
+                self.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
+            self._book.prune(now, self.engine.requests)
             self._publish_kv_events(now)
-            if self._drain_deadline is not None:
-                self._drain_turn(now)
+            if self._book.draining:
+                self._book.drain_turn(now, self.holds_requests, self.fail_all)
             self._loop_seen = now
             self._snapshot = self.stats()  # a few len() calls: cheap enough to keep the heartbeat's view current
 
     # ---- draining ----------------------------------------------------------------------------------------------
-
-    def _begin_drain(self, router: int, deadline_s: float) -> None:
-        if self._drain_deadline is None:
-            logger.info("%s: draining (deadline %.1f s)", self.name, deadline_s)
-            self._drain_deadline = time.monotonic() + deadline_s
-        self._drain_from.add(router)
 
     def holds_requests(self) -> bool:
         """Anything a request still needs from this worker: engine requests (decode reservations included), steps
@@ -252,49 +230,11 @@ class WorkerRuntime:
     @property
     def drained(self) -> bool:
         """Draining, told so by every router (none can still send it work) or past the deadline, and idle."""
-        return self._drained
-
-    def _drain_turn(self, now: float) -> None:
-        """Once per loop turn while draining: fail what is left after the deadline, then say whether it is idle."""
-        assert self._drain_deadline is not None
-        past = now > self._drain_deadline
-        if past and not self._drain_failed and self.holds_requests():
-            self._drain_failed = True
-            logger.warning("%s: drain deadline passed; failing the requests it still holds", self.name)
-            self.fail_all("worker removed by scale-down: its drain deadline passed before the request finished")
-        told = len(self._drain_from) == len(self._routers) or past
-        self._drained = told and not self.holds_requests()
-
-    def _free_orphans(self, index: int) -> None:
-        """Router ``index`` has been silent for ``router_timeout_s`` (it died or restarted): free its requests."""
-        owned = [rid for rid in self.engine.requests if self.owner(rid) == index]
-        if not owned:
-            return
-        router = f"router {index}" if len(self._routers) > 1 else "the router"
-        logger.warning(
-            "%s: no word from %s for %.0f s; freeing its %d requests",
-            self.name,
-            router,
-            self.options.router_timeout_s,
-            len(owned),
-        )
-        for rid in owned:
-            self.abort(rid)
-            self.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
+        return self._book.drained
 
     def owner(self, rid: str | None) -> int:
         """The index of the router that sent this request's commands (0 when unknown: the only router, usually)."""
-        entry = self._owners.get(rid) if rid is not None else None
-        return 0 if entry is None else entry[0]
-
-    def _prune_owners(self, now: float) -> None:
-        """Forget the owners of requests this worker no longer holds. Kept ``OWNER_GRACE_S`` after the last command,
-        for what may still be reported about a request the engine has let go (its KV transfer's end, on the prefill
-        side, comes after the engine failed it)."""
-        requests = self.engine.requests
-        stale = [rid for rid, (_, seen) in self._owners.items() if rid not in requests and now - seen > OWNER_GRACE_S]
-        for rid in stale:
-            del self._owners[rid]
+        return self._book.owner(rid)
 
     def _note_failure(self, exc: Exception) -> None:
         """Count a loop failure; several close together make the worker degraded (the engine's own step already
@@ -368,15 +308,14 @@ class WorkerRuntime:
                 self.counters.control_rejected += 1  # sealed with our secret, so a bug, not an attack
                 self._rejections.note(AuthError(Rejection.MALFORMED, f"router index {router!r}"))
                 continue
-            self._last_router_s[router] = now
+            self._book.heard(router, now)
             if isinstance(command, Ping):
                 continue
             if isinstance(command, Drain):
-                self._begin_drain(router, command.deadline_s)
+                self._book.begin_drain(router, command.deadline_s)
                 continue
             rid = command.rid
-            if len(self._routers) > 1:  # one router owns everything: nothing to remember
-                self._owners[rid] = (router, now)
+            self._book.claim(rid, router, now)
             # how long the command sat in the socket while a step ran (same-host clocks; 0 if unknown)
             waited = 0.0 if command.sent_at is None else max(0.0, time.time() - command.sent_at)
             arrival_s = time.monotonic() - waited
@@ -396,16 +335,8 @@ class WorkerRuntime:
         """Send an event to the router that owns its request; a ``tokens`` message goes out split per router."""
         if self._dead.is_set():
             return
-        if len(self._events) == 1:
-            self._send_event(0, event)
-        elif isinstance(event, Tokens):
-            by_router: dict[int, list] = {}
-            for item in event.items:
-                by_router.setdefault(self.owner(item.rid), []).append(item)
-            for index, items in by_router.items():
-                self._send_event(index, Tokens(worker=event.worker, items=items))
-        else:
-            self._send_event(self.owner(event.rid), event)  # type: ignore[union-attr]  # stats go by _beat
+        for index, part in self._book.route(event):
+            self._send_event(index, part)
 
     def _publish_kv_events(self, now: float) -> None:
         """Send the prefix cache's changes since the last turn to every router (nothing when nothing changed)."""
@@ -453,7 +384,7 @@ class WorkerRuntime:
             load=self.role.load(),
             counters=self.role.totals(),
             degraded=self.degraded,
-            draining=self._drain_deadline is not None,
+            draining=self._book.draining,
         )
 
     # ---- the role: the loop calls these (tests replace ``tick`` to break a worker) -----------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.engine_core as engine_core
+import engine.engine_parts as engine_parts
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.memory import KVMemoryPlanner, MemoryPlanError, needs_measured_budget, plan_kv_blocks
@@ -76,7 +76,7 @@ def fake_gpu(monkeypatch):
 
     def install(memory: FakeMemory, weights: int, non_torch: int) -> list[str]:
         monkeypatch.setattr(KVMemoryPlanner, "start", classmethod(lambda cls, config: cls(config, memory)))
-        real_load = engine_core.load_model
+        real_load = engine_parts.load_model
 
         def load(*args, **kwargs):
             loads.append(args[0])
@@ -85,7 +85,7 @@ def fake_gpu(monkeypatch):
             memory.grow_non_torch(non_torch)
             return result
 
-        monkeypatch.setattr(engine_core, "load_model", load)
+        monkeypatch.setattr(engine_parts, "load_model", load)
         return loads
 
     return install

@@ -15,7 +15,7 @@ import zmq
 
 from cluster.membership import heartbeat_status
 from cluster.metrics import GAUGE_KEYS, TOTAL_KEYS, RouterMetrics
-from cluster.router import response_timing
+from cluster.request_table import response_timing
 from engine.config import EngineConfig
 from engine.request import FinishReason, SamplingParams, TokenLogprob
 from tests.helpers.engine import random_prompts

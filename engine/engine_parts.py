@@ -1,0 +1,101 @@
+"""The engine's parts on its device: the model and what runs it, built once, in the one order that works.
+
+``EngineCore`` (``engine.engine_core``) is the step loop: it takes these parts and never builds one. Building is
+its own module because its order is the memory plan's: the planner starts measuring before the model loads, the KV
+spec comes from the loaded model's config, the decode graphs' scratch is counted before the cache is sized, and the
+runner's scratch is then limited to the bound the plan counted (``engine.memory``, ``engine.decode_graphs``). None of
+it concerns a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention import register_paged_attention, select_backend
+from engine.blocks import kv_blocks_for
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
+from engine.decode_graphs import decode_graphs_for, scratch_bytes_for
+from engine.kv_cache import KVCache, KVSpec
+from engine.memory import KVMemoryPlanner, MemoryPlan
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+
+
+@dataclass(slots=True)
+class EngineParts:
+    config: EngineConfig  # with ``dtype: auto`` resolved for the device
+    model: Any
+    tokenizer: Any
+    max_model_len: int
+    kv_spec: KVSpec
+    memory_plan: MemoryPlan | None  # None unless measured (CUDA, no explicit KV budget)
+    kv_cache: KVCache
+    runner: ModelRunner
+    eos_token_ids: set[int]
+    vocab_size: int  # the logits' width (may exceed the tokenizer's)
+    sampler: Sampler
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.dtype == "auto":
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    planner = KVMemoryPlanner.start(config)  # CUDA, no explicit KV budget: measure from here (engine.memory)
+    model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention())
+    hf_config = model.config
+    max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    kv_spec = KVSpec(
+        architecture=hf_config.model_type,
+        dtype=model.dtype,
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        block_size=config.block_size,
+    )
+    graphs = config.cuda_graphs and config.device.startswith("cuda")  # their gather storage comes out of the KV
+    graph_scratch = scratch_bytes_for(kv_spec, config.max_num_seqs, max_model_len) if graphs else 0
+    memory_plan = planner.plan(model, kv_spec, max_model_len, graph_scratch) if planner else None
+    kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+    num_blocks = kv_blocks_for(kv_bytes, kv_spec.bytes_per_block, config.num_kv_blocks)
+    if memory_plan is not None:
+        num_blocks = memory_plan.num_blocks
+    kv_cache = KVCache(kv_spec, num_blocks, config.device)
+    backend = select_backend(config.attention_backend, config.device, model.dtype)
+    runner = ModelRunner(model, kv_cache, backend)
+    runner.decode_graphs = decode_graphs_for(runner, config, max_model_len)
+    runner.limit_scratch(config.max_num_seqs, max_model_len)  # the bound the KV plan counted
+    eos_token_ids = _eos_ids(model, tokenizer)
+    vocab_size = int(runner.lm_head.out_features)
+    sampler = Sampler(eos_token_ids, config.device)
+    return EngineParts(
+        config,
+        model,
+        tokenizer,
+        max_model_len,
+        kv_spec,
+        memory_plan,
+        kv_cache,
+        runner,
+        eos_token_ids,
+        vocab_size,
+        sampler,
+    )
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

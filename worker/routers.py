@@ -1,0 +1,137 @@
+"""The worker's book of its routers: which are alive, which owns each request, and which have said ``drain``.
+
+Its own module because it is one idea the runtime (worker/runtime.py) only consults: plain bookkeeping with no
+socket, thread or engine in it, fed by the loop thread (every command, once per loop turn) and read by it. The runtime
+acts on what it says: frees the requests ``orphans`` names, sends each event where ``route`` says, fails what is left at
+the drain deadline.
+
+Several routers (``router.processes`` > 1): every command carries the index of the router that sent it; the worker
+remembers which router owns each request and sends every event about a request only there (a ``tokens`` message is
+split per router). A router that is silent for ``router_timeout_s`` loses its own requests only: the others keep
+theirs.
+
+Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/scaling.py): the routers
+send it nothing new after it, so the worker finishes what it holds. Once every router has sent it (a command sent
+before ``drain`` by the same router arrives before it) and nothing is held, ``info()["drained"]`` is true and the pool
+stops it. Whatever is still held ``deadline_s`` after the first ``drain`` is failed, each request with an error event
+its client sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Container, Iterable, Iterator
+
+from worker.messages import Event, Tokens
+
+logger = logging.getLogger(__name__)
+
+OWNER_PRUNE_INTERVAL_S = 5.0  # how often the owners of requests no longer held are forgotten
+OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command about them
+
+
+class RouterBook:
+    """Per router: when it was last heard and whether it said ``drain``; per request: the router that owns it.
+
+    Used by the loop thread only, except ``drained`` and ``draining`` (plain reads, from ``info()``)."""
+
+    def __init__(self, name: str, count: int, router_timeout_s: float) -> None:
+        self.name = name  # the worker's, for its log lines
+        self.count = count
+        self.router_timeout_s = router_timeout_s
+        self._owners: dict[str, tuple[int, float]] = {}  # rid -> (owning router's index, when it last sent a command)
+        self._next_owner_prune_s = 0.0
+        self._last_router_s = [time.monotonic()] * count  # per router: when it was last heard
+        self._drain_from: set[int] = set()  # the routers that sent ``drain``
+        self._drain_deadline: float | None = None  # monotonic; None: not draining
+        self._drained = False  # set by the loop thread (info() reads it from another)
+        self._drain_failed = False  # the deadline passed and what was held was failed
+
+    # ---- liveness and ownership --------------------------------------------------------------------------------
+
+    def heard(self, router: int, now: float) -> None:
+        """Router ``router`` sent a command (any command, a ping included)."""
+        self._last_router_s[router] = now
+
+    def claim(self, rid: str, router: int, now: float) -> None:
+        """Router ``router`` sent a command about ``rid``: it owns the request."""
+        if self.count > 1:  # one router owns everything: nothing to remember
+            self._owners[rid] = (router, now)
+
+    def owner(self, rid: str | None) -> int:
+        """The index of the router that sent this request's commands (0 when unknown: the only router, usually)."""
+        entry = self._owners.get(rid) if rid is not None else None
+        return 0 if entry is None else entry[0]
+
+    def orphans(self, now: float, held: Iterable[str]) -> Iterator[str]:
+        """The ``held`` requests of every router silent for ``router_timeout_s`` (it died or restarted), for the
+        runtime to free; each such router's clock starts again. Lazy: router by router, as the runtime frees them."""
+        for index, last in enumerate(self._last_router_s):
+            if now - last <= self.router_timeout_s:
+                continue
+            self._last_router_s[index] = now
+            owned = [rid for rid in held if self.owner(rid) == index]
+            if not owned:
+                continue
+            router = f"router {index}" if self.count > 1 else "the router"
+            logger.warning(
+                "%s: no word from %s for %.0f s; freeing its %d requests",
+                self.name,
+                router,
+                self.router_timeout_s,
+                len(owned),
+            )
+            yield from owned
+
+    def prune(self, now: float, held: Container[str]) -> None:
+        """Every ``OWNER_PRUNE_INTERVAL_S``: forget the owners of requests not ``held``. Kept ``OWNER_GRACE_S`` after
+        the last command, for what may still be reported about a request the engine has let go (its KV transfer's
+        end, on the prefill side, comes after the engine failed it)."""
+        if now < self._next_owner_prune_s:
+            return
+        self._next_owner_prune_s = now + OWNER_PRUNE_INTERVAL_S
+        stale = [rid for rid, (_, seen) in self._owners.items() if rid not in held and now - seen > OWNER_GRACE_S]
+        for rid in stale:
+            del self._owners[rid]
+
+    def route(self, event: Event) -> Iterator[tuple[int, Event]]:
+        """Where an event goes: the router that owns its request; a ``tokens`` message split per router."""
+        if self.count == 1:
+            yield 0, event
+        elif isinstance(event, Tokens):
+            by_router: dict[int, list] = {}
+            for item in event.items:
+                by_router.setdefault(self.owner(item.rid), []).append(item)
+            for index, items in by_router.items():
+                yield index, Tokens(worker=event.worker, items=items)
+        else:
+            yield self.owner(event.rid), event  # type: ignore[union-attr]  # stats go by the heartbeat
+
+    # ---- draining ----------------------------------------------------------------------------------------------
+
+    def begin_drain(self, router: int, deadline_s: float) -> None:
+        if self._drain_deadline is None:
+            logger.info("%s: draining (deadline %.1f s)", self.name, deadline_s)
+            self._drain_deadline = time.monotonic() + deadline_s
+        self._drain_from.add(router)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    @property
+    def drained(self) -> bool:
+        """Draining, told so by every router (none can still send it work) or past the deadline, and idle."""
+        return self._drained
+
+    def drain_turn(self, now: float, holds_requests: Callable[[], bool], fail_all: Callable[[str], None]) -> None:
+        """Once per loop turn while draining: fail what is left after the deadline, then say whether it is idle."""
+        assert self._drain_deadline is not None
+        past = now > self._drain_deadline
+        if past and not self._drain_failed and holds_requests():
+            self._drain_failed = True
+            logger.warning("%s: drain deadline passed; failing the requests it still holds", self.name)
+            fail_all("worker removed by scale-down: its drain deadline passed before the request finished")
+        told = len(self._drain_from) == self.count or past
+        self._drained = told and not holds_requests()
