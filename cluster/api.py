@@ -52,7 +52,7 @@ from cluster.request_params import GenerationDefaults, for_choice, prompts, samp
 from cluster.responses import ResponseShape, collect, http_error, stream
 from cluster.router import Router
 from cluster.scaling import ScaleError
-from engine.blocks import DTYPE_BYTES, kv_blocks_for, kv_bytes_per_token, kv_shape_from_config
+from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -342,12 +342,7 @@ def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None
     block_size = config.transfer.block_size
     pools = {}
     for name, role, pool in pool_layout(config):
-        kv_bytes = config.pool_kv_bytes(pool)
-        blocks = (
-            None
-            if kv_bytes is None and not pool.kv_blocks
-            else kv_blocks_for(kv_bytes or 0, per_token * block_size, pool.kv_blocks)
-        )
+        blocks = config.pool_kv_blocks(pool, per_token * block_size)
         pools[name] = {
             "role": role.value,
             "replicas": pool.replicas,

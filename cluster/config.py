@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.blocks import kv_blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, AttentionBackendName, EngineConfig, resolve_dtype
 from engine.model_loader import DEFAULT_MODEL
 from transfer.base import TransferConfig
@@ -314,6 +315,14 @@ class ClusterConfig(_Strict):
         if pool.kv_memory_mb is not None:
             return pool.kv_memory_mb * MIB
         return None if pool.gpus_per_replica > 0 else DEFAULT_CPU_KV_BYTES
+
+    def pool_kv_blocks(self, pool: PoolSection, bytes_per_block: int) -> int | None:
+        """A pool's KV blocks per replica by the engine's rule (``engine.blocks.kv_blocks_for``: ``kv_blocks``, else
+        whole blocks of ``pool_kv_bytes``); None on a GPU pool that sizes its cache from measured memory at start."""
+        kv_bytes = self.pool_kv_bytes(pool)
+        if kv_bytes is None and not pool.kv_blocks:
+            return None
+        return kv_blocks_for(kv_bytes or 0, bytes_per_block, pool.kv_blocks)
 
     def pool_dtype(self, pool: PoolSection) -> str:
         """The dtype a pool's workers run (``model.dtype``, with ``auto`` resolved as in each worker: bfloat16 on a

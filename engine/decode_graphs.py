@@ -110,10 +110,20 @@ def scratch_bytes_for(
 ) -> int:
     """Device memory ``DecodeGraphs`` holds outside the graph pool (its gather storage and packed input buffer),
     known before the KV cache is sized, so that the sizing can leave room for it."""
-    gather_block_bytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
-    largest = batch_buckets(max_num_seqs)[-1] * context_buckets(max_model_len, spec.block_size)[-1]
-    gather_blocks = min(max_gather_bytes // gather_block_bytes, largest)
+    gather_block_bytes = _gather_block_bytes(spec)
+    gather_blocks = _max_gather_blocks(spec, max_num_seqs, max_model_len, max_gather_bytes)
     return gather_blocks * gather_block_bytes + (NUM_STATIC_VECTORS * max_num_seqs + gather_blocks) * 8
+
+
+def _gather_block_bytes(spec: KVSpec) -> int:
+    """One block of one layer's K and V: what the gather storage holds per gathered block."""
+    return 2 * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+
+
+def _max_gather_blocks(spec: KVSpec, max_num_seqs: int, max_model_len: int, max_gather_bytes: int) -> int:
+    """Blocks the shared gather storage holds: the largest (batch, context) bucket's, capped by ``max_gather_bytes``."""
+    largest = batch_buckets(max_num_seqs)[-1] * context_buckets(max_model_len, spec.block_size)[-1]
+    return min(max_gather_bytes // _gather_block_bytes(spec), largest)
 
 
 @dataclass(slots=True)
@@ -152,10 +162,8 @@ class DecodeGraphs:
         self.batch_buckets = batch_buckets(max_num_seqs)
         self.context_buckets = context_buckets(max_model_len, spec.block_size)
         block_elems = self._block_elems = spec.block_size * spec.num_kv_heads * spec.head_dim
-        self.gather_block_bytes = 2 * block_elems * spec.dtype.itemsize
-        self.max_gather_blocks = min(
-            max_gather_bytes // self.gather_block_bytes, self.batch_buckets[-1] * self.context_buckets[-1]
-        )
+        self.gather_block_bytes = _gather_block_bytes(spec)
+        self.max_gather_blocks = _max_gather_blocks(spec, max_num_seqs, max_model_len, max_gather_bytes)
         device = runner.device
         # allocated once at their largest: a captured graph holds these addresses for its whole life
         self._gather_storage = torch.empty(2 * self.max_gather_blocks * block_elems, dtype=spec.dtype, device=device)
@@ -347,10 +355,21 @@ class DecodeGraphs:
         self._pool = None
 
 
+def uses_decode_graphs(config: EngineConfig) -> bool:
+    """Decode graphs run on CUDA when ``config.cuda_graphs``; never on the CPU (a graph would save nothing there:
+    there is no launch overhead to hide)."""
+    return config.cuda_graphs and config.device.startswith("cuda")
+
+
+def graph_scratch_bytes(config: EngineConfig, spec: KVSpec, max_model_len: int) -> int:
+    """What the engine's decode graphs will hold outside their pool (``scratch_bytes_for``), 0 without graphs: the
+    KV plan leaves room for it before the graphs exist."""
+    return scratch_bytes_for(spec, config.max_num_seqs, max_model_len) if uses_decode_graphs(config) else 0
+
+
 def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
-    """The engine's decode graphs: on CUDA when ``config.cuda_graphs``; None otherwise (on the CPU a graph would
-    save nothing: there is no launch overhead to hide)."""
-    if not config.cuda_graphs or runner.device.type != "cuda":
+    """The engine's decode graphs (``uses_decode_graphs``), else None."""
+    if not uses_decode_graphs(config):
         return None
     if runner.backend.name != SdpaBackend.name:
         logger.info("decode graphs attend with gather+SDPA; eager steps use %s", runner.backend.name)

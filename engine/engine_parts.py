@@ -18,7 +18,7 @@ import torch
 from engine.attention import register_paged_attention, select_backend
 from engine.blocks import kv_blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
-from engine.decode_graphs import decode_graphs_for, scratch_bytes_for
+from engine.decode_graphs import decode_graphs_for, graph_scratch_bytes
 from engine.kv_cache import KVCache, KVSpec
 from engine.memory import KVMemoryPlanner, MemoryPlan
 from engine.model_loader import load_model
@@ -58,13 +58,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         block_size=config.block_size,
     )
-    graphs = config.cuda_graphs and config.device.startswith("cuda")  # their gather storage comes out of the KV
-    graph_scratch = scratch_bytes_for(kv_spec, config.max_num_seqs, max_model_len) if graphs else 0
+    graph_scratch = graph_scratch_bytes(config, kv_spec, max_model_len)  # comes out of the KV budget
     memory_plan = planner.plan(model, kv_spec, max_model_len, graph_scratch) if planner else None
-    kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-    num_blocks = kv_blocks_for(kv_bytes, kv_spec.bytes_per_block, config.num_kv_blocks)
     if memory_plan is not None:
         num_blocks = memory_plan.num_blocks
+    else:
+        kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        num_blocks = kv_blocks_for(kv_bytes, kv_spec.bytes_per_block, config.num_kv_blocks)
     kv_cache = KVCache(kv_spec, num_blocks, config.device)
     backend = select_backend(config.attention_backend, config.device, model.dtype)
     runner = ModelRunner(model, kv_cache, backend)

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from engine.attention import AttentionBackend, AttentionBatch, DecodeGroup, LayerHook, PrefillSeq, SdpaBackend
 from engine.attention.metadata import DecodeSpans, MetadataPacker, build_layout, slot_list
 from engine.attention.metadata import layout_spans as layout_spans_for
+from engine.blocks import blocks_for_tokens
 from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.sampler import PromptScores, logprob_summary
@@ -81,6 +82,8 @@ class ModelRunner:
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
         self._gather_limit: tuple[int, int, int] | None = None  # (blocks, max_num_seqs, max_model_len): limit_scratch
+        spec = kv_cache.spec
+        self._block_elems = spec.block_size * spec.num_kv_heads * spec.head_dim  # one block of one layer's K (or V)
 
     def scratch_bytes_bound(self, max_num_seqs: int, max_model_len: int) -> int:
         """The most device memory this runner keeps between steps: the backend's workspace, plus (for backends that
@@ -89,13 +92,16 @@ class ModelRunner:
         workspace = self.backend.workspace_bytes()
         if not self.backend.needs_groups:
             return workspace
-        spec = self.kv_cache.spec
-        blocks = max_num_seqs * -(-max_model_len // spec.block_size)
-        return workspace + 2 * blocks * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        blocks = max_num_seqs * blocks_for_tokens(max_model_len, self.block_size)
+        return workspace + 2 * blocks * self._block_elems * self.kv_cache.spec.dtype.itemsize
 
     def limit_scratch(self, max_num_seqs: int, max_model_len: int) -> int:
         """Cap the gather buffer at ``scratch_bytes_bound`` (the engine's configured batch); returns that bound."""
-        self._gather_limit = (max_num_seqs * -(-max_model_len // self.block_size), max_num_seqs, max_model_len)
+        self._gather_limit = (
+            max_num_seqs * blocks_for_tokens(max_model_len, self.block_size),
+            max_num_seqs,
+            max_model_len,
+        )
         return self.scratch_bytes_bound(max_num_seqs, max_model_len)
 
     @property
@@ -108,7 +114,7 @@ class ModelRunner:
         never past ``limit_scratch``'s bound: a batch over it is an error, not an unbudgeted allocation)."""
         spec = self.kv_cache.spec
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        numel = 2 * num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim
+        numel = 2 * num_blocks * self._block_elems
         if self._gather_storage.numel() < numel:
             grown = numel * 5 // 4
             if self._gather_limit is not None:
@@ -118,7 +124,7 @@ class ModelRunner:
                         f"a decode batch needs a gather buffer of {num_blocks} blocks, over the bound of {max_blocks} "
                         f"(max_num_seqs={max_num_seqs} x max_model_len={max_model_len}) that the KV budget counts"
                     )
-                grown = min(grown, 2 * max_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim)
+                grown = min(grown, 2 * max_blocks * self._block_elems)
             self._gather_storage = torch.empty(grown, dtype=spec.dtype, device=self.device)
         return self._gather_storage[:numel].view(shape)
 

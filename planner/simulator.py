@@ -94,14 +94,12 @@ class SimSettings:
         bytes_per_block = max(1, profile.kv_bytes_per_token * block_size)
 
         def blocks(pool) -> int:
-            kv_bytes = config.pool_kv_bytes(pool)
-            if pool.kv_blocks:
-                return pool.kv_blocks
-            if kv_bytes is None:
+            count = config.pool_kv_blocks(pool, bytes_per_block)
+            if count is None:
                 raise ValueError(
                     "pools: a GPU pool sizes its KV from free memory at start; set kv_memory_mb or kv_blocks to plan it"
                 )
-            return max(1, kv_bytes // bytes_per_block)
+            return count
 
         pools, router = config.pools, config.router
         return cls(
