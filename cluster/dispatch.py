@@ -74,8 +74,7 @@ class Dispatcher:
             lambda: self.members.routable("decode"), stream.wire_rid, prompt, params, deadline, match, prefer_decode
         )
         self.count_decision("decode", decode, self.members.routable("decode"), match, prefer_decode)
-        stream.decode = decode.name
-        decode.inflight += 1
+        stream.decode = decode.name  # ``reserve`` counted it in the worker's inflight
         self._expect(decode, hashes)
         stream.timing["decode_cached_tokens"] = float(reply.cached_tokens)
         self.metrics.decode_cached_tokens.inc(reply.cached_tokens)

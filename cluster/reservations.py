@@ -101,6 +101,7 @@ class DecodeReservations:
         prefer: str | None = None,
     ) -> tuple[WorkerHandle, Reserved]:
         """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise.
+        The worker returned already counts the request in its ``inflight``.
 
         ``match``: what each decode worker holds of the prompt (the router's prefix index). With ``kv_aware`` the
         worker that holds a chat's history is asked first, so the next turn reserves (and receives) only the blocks
@@ -114,9 +115,22 @@ class DecodeReservations:
                 if not workers:
                     raise NoWorkers("no live decode worker")
                 fits = [w for w in workers if w.stats is None or w.stats.load.free_blocks >= needed]
-                for worker in self._order(fits, match, prefer)[:MAX_WORKERS_TRIED]:
-                    reply = await self._try(worker, wire_rid, prompt, params)
-                    if isinstance(reply, Reserved) and reply.ok:
+                for _ in range(min(MAX_WORKERS_TRIED, len(fits))):
+                    # ordered anew before each attempt: the load other requests' attempts added meanwhile counts
+                    worker = self._order(fits, match, prefer)[0]
+                    fits.remove(worker)
+                    # the attempt counts as the worker's load while it is asked, so concurrent picks (which order
+                    # the workers before either reply comes back) see each other; it stays if the worker reserved
+                    worker.inflight += 1
+                    reserved = False
+                    try:
+                        reply = await self._try(worker, wire_rid, prompt, params)
+                        reserved = isinstance(reply, Reserved) and reply.ok
+                    finally:
+                        if not reserved:
+                            worker.inflight = max(0, worker.inflight - 1)
+                    if reserved:
+                        assert isinstance(reply, Reserved)
                         return worker, reply
                     if isinstance(reply, ErrorEvent) and reply.code is ErrorCode.INVALID_REQUEST:
                         # refused for what the request is, not for lack of room: no other worker or wait helps

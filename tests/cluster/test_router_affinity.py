@@ -162,6 +162,32 @@ def test_without_room_the_preferred_decode_worker_gives_way_to_the_policy():
     assert _reserve(workers, "d2") == ("d0", ["d0"])
     # it looked free but refused (kv_full): the policy's order next
     workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 50)]
-    assert _reserve(workers, "d2", full={"d2"}) == ("d0", ["d2", "d0"])
+    chosen, asked = _reserve(workers, "d2", full={"d2"})
+    assert asked == ["d2", chosen] and chosen in ("d0", "d1")  # round robin picks anew among the rest
     # not live at all (not in the live list): no preference
     assert _reserve(workers[:2], "d2") == ("d0", ["d0"])
+
+
+def test_concurrent_reservations_see_each_other_and_spread_over_the_decode_workers():
+    """Two requests ordered before either reply comes back: the first attempt counts as load at once, so
+    least_loaded sends the second elsewhere (it used to pick at random between equal workers: both could land on
+    one). A refused attempt leaves no load behind; a granted one stays counted until the request ends."""
+
+    async def run() -> tuple[list[str], dict[str, int]]:
+        workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 50)]
+        decoders = _Decoders({"d2"})
+        config = tiny_cluster_config("unused-model")
+        reservations = DecodeReservations(
+            config, make_policy("least_loaded"), RouterMetrics(), Admission(8), decoders.send
+        )
+        decoders.reservations = reservations
+        deadline = time.monotonic() + 5
+        picks = await asyncio.gather(
+            *(reservations.reserve(lambda: workers, f"r{i}", [1] * 20, PARAMS, deadline) for i in range(2))
+        )
+        return sorted(chosen.name for chosen, _ in picks), {w.name: w.inflight for w in workers}
+
+    for _ in range(20):  # the tie between equal workers breaks at random: many draws
+        chosen, inflight = asyncio.run(run())
+        assert chosen in (["d0", "d1"],), chosen  # d2 refuses (kv_full): never chosen, never left counted
+        assert inflight == {"d0": 1, "d1": 1, "d2": 0}
