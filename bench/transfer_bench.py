@@ -16,6 +16,8 @@ Unix socket; transfer/shm_backend.py). Each figure is the median of --reps after
 its ratio to memcpy of the same size (`ratio_vs_memcpy`: the bar for same-node transfers), memcpy being timed right
 after each of that row's transfers (the row's `memcpy_gbps`), so that the load of a shared box hits both alike. The
 sinks copy single-threaded (`_copy`); memcpy is the faster of torch's copy_ (both cores) and a single-threaded copy.
+With `shm`, a `ring-ceiling` row per size runs the same two copies and xxh3 passes with no protocol at all
+(bench/ring_ceiling.py), and the shm row's `ratio_vs_ceiling` says how much of that ceiling the backend reaches.
 `cpu_ms` is the CPU time of one transfer on each side (sender process, receiver thread), medians too.
 
     python -m bench.transfer_bench            # prints one JSON object
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 import zmq
 
+from bench import ring_ceiling
 from bench.options import add_transfer_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.wire import ModelFingerprint
@@ -285,7 +288,15 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
                     out["raw_zmq_gbps"].setdefault(backend, {})[str(mib)] = round(
                         nbytes / statistics.median(raw_times[1:]) / 1e9, 3
                     )
+            if "shm" in args.backends:
+                # the bare two copies and xxh3 passes, no protocol: the most shm's design can give on this box
+                frame = nbytes // (2 * FP.num_layers)
+                ceiling = ring_ceiling.measure(nbytes, frame, args.reps, checksum=not args.no_checksum)
+                out["results"].append({"backend": "ring-ceiling", "mib": mib, "bytes": nbytes, **ceiling})
+        ceilings = {r["mib"]: r["gbps"] for r in out["results"] if r["backend"] == "ring-ceiling"}
         for row in out["results"]:
+            if row["backend"] == "shm" and ceilings.get(row["mib"]):
+                row["ratio_vs_ceiling"] = round(row["gbps"] / ceilings[row["mib"]], 3)
             raw = out["raw_zmq_gbps"].get(row["backend"], {}).get(str(row["mib"]))
             if raw:
                 row["ratio_vs_raw_zmq"] = round(row["gbps"] / raw, 3)

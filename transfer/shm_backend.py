@@ -44,7 +44,7 @@ from transfer.shm_ring import (
     node_id,
     sweep_stale,
 )
-from transfer.wire import ModelFingerprint, PieceHeader, pack_header
+from transfer.wire import ModelFingerprint, PieceHeader, frame_view, pack_header, with_checksums
 from transfer.zmq_receiver import ZmqReceiver
 from transfer.zmq_sender import ZmqSender
 
@@ -114,13 +114,16 @@ class ShmSender(ZmqSender):
 
     def _send(self, peer: Peer, out: Outgoing) -> None:
         ring: RingWriter | None = peer.link
-        if out.piece is None or ring is None:
+        if out.piece is None:
             super()._send(peer, out)
+            return
+        if ring is None:
+            self._send_inline(peer, out)
             return
         check_peer_frame_bound(peer, out.piece)
         sizes = [f.nbytes for f in out.piece.frames]
         if not ring.fits(sizes):
-            super()._send(peer, out)  # larger than the whole ring: inline frames
+            self._send_inline(peer, out)  # larger than the whole ring
             return
         if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             raise zmq.Again()  # copy only what can leave now
@@ -128,12 +131,25 @@ class ShmSender(ZmqSender):
         if where is None:
             self._ring_wait = (ring, ring.end_of(sizes))
             raise zmq.Again()  # the receiver has not freed room yet: stuck logic, send_timeout_s as for a full HWM
-        for pos, t in zip(where, out.tensors):
-            ring.write(pos, t)
-        header = self._seal(peer, pack_header({**out.piece.to_wire(peer.session), "shm": where}))
+        copies = [ring.write(pos, t) for pos, t in zip(where, out.tensors)]
+        # xxh3 over the ring's copy, just written and still in cache (a second pass over the source would read it
+        # from memory again): the receiver checks the very bytes it reads
+        piece = with_checksums(out.piece, copies) if self.cfg.checksum else out.piece
+        header = self._seal(peer, pack_header({**piece.to_wire(peer.session), "shm": where}))
         peer.sock.send(header, zmq.NOBLOCK)  # raises zmq.Again: nothing committed, the next try rewrites it
         ring.commit(where[-1])
         self.shm_pieces += 1
+
+    @property
+    def _checksum_early(self) -> bool:
+        return False  # _send checksums the ring's copy, or the source just before a piece goes inline
+
+    def _send_inline(self, peer: Peer, out: Outgoing) -> None:
+        """A piece as zmq payload frames (no ring, or larger than it), checksummed over its source first."""
+        assert out.piece is not None
+        if self.cfg.checksum and any(f.xxh3 is None for f in out.piece.frames):
+            out.piece = with_checksums(out.piece, [frame_view(t) for t in out.tensors])  # once, even if it waits
+        super()._send(peer, out)
 
     def _read_replies(self) -> bool:
         """Ask the sockets whether a reply waits (~1 µs each) before reading: the I/O loop turns once or twice per

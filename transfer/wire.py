@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -228,6 +228,13 @@ def spec_of(t: torch.Tensor, with_checksum: bool) -> FrameSpec:
     nbytes = t.numel() * t.element_size()
     xx = checksum(frame_view(t)) if with_checksum and t.device.type == "cpu" else None
     return FrameSpec(dtype_name(t.dtype), tuple(t.shape), nbytes, xx)
+
+
+def with_checksums(p: PieceHeader, bufs: Sequence[Any]) -> PieceHeader:
+    """The header with each frame's xxh3 taken over `bufs` (the bytes as they will be read: a sender that checksums
+    late, over its copy in a shared-memory ring while that copy is still in cache, instead of over the source)."""
+    frames = tuple(replace(spec, xxh3=checksum(buf)) for spec, buf in zip(p.frames, bufs, strict=True))
+    return replace(p, frames=frames)
 
 
 def tensor_over(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

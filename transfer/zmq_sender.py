@@ -241,13 +241,19 @@ class ZmqSender(KVSender):
                 self._fail_transfer(peer, tid, e)
                 return
             header, tensors = encode_piece(
-                self.fp, tid, layer, blocks, self._stage(k), self._stage(v), self.cfg.wire_dtype, self.cfg.checksum
+                self.fp, tid, layer, blocks, self._stage(k), self._stage(v), self.cfg.wire_dtype, self._checksum_early
             )
             nbytes = sum(f.nbytes for f in header.frames)
             peer.outbox.append(Outgoing(tid, {}, tensors, nbytes, header, ready=staged.ready))
             self._pieces[tid] = self._pieces.get(tid, 0) + 1
         elif kind == "finish":
             peer.outbox.append(Outgoing(tid, {"kind": "finish", "tid": tid, "pieces": self._pieces.pop(tid, 0)}))
+
+    @property
+    def _checksum_early(self) -> bool:
+        """Whether pieces are checksummed as they are encoded (zmq: the frames leave as they are); a transport that
+        copies the frames first (shm) checksums the copy instead, in its _send."""
+        return self.cfg.checksum
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         """Where payload tensors must live for this transport: host memory for ZeroMQ."""

@@ -19,6 +19,7 @@ import zmq
 
 from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
+from transfer import shm_backend
 from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.errors import AuthError, ChecksumError, PeerGone, ProtocolError, TransferAborted, TransferTimeout
@@ -37,7 +38,7 @@ from transfer.shm_ring import (
     sweep_stale,
 )
 from transfer.state import TransferState
-from transfer.wire import encode_piece, pack_header, unpack_header
+from transfer.wire import encode_piece, pack_header, unpack_header, with_checksums
 
 pytestmark = pytest.mark.timeout(60)
 FAST = dict(deadline_s=2.0, lease_s=1.0, connect_timeout_s=1.0, send_timeout_s=1.0)
@@ -226,20 +227,22 @@ def test_a_shm_sender_speaks_zmq_to_a_zmq_receiver(closing) -> None:
 
 def test_a_checksum_mismatch_fails_the_transfer_and_frees_the_region(closing, monkeypatch) -> None:
     fp, cache, r, s = _pair(closing, "bfloat16")
-    write = RingWriter.write
+    hashed = []
 
-    def corrupt(self, pos, t):  # the bytes change in the ring after the sender hashed them
-        write(self, pos, t)
-        self._data[pos % self.size] ^= 0xFF
+    def corrupt(piece, copies):  # the bytes change in the ring after the sender hashed its copy there
+        header = with_checksums(piece, copies)
+        hashed.append(copies[0])
+        copies[0][0] ^= 0xFF
+        return header
 
-    monkeypatch.setattr(RingWriter, "write", corrupt)
+    monkeypatch.setattr(shm_backend, "with_checksums", corrupt)
     r.expect("t", [1, 2])
     s.begin("t", r.address)
     _send_all(s, fp, "t", [1, 2], seed=1)
     rev, sev = _by_side(r, s)
     assert isinstance(_one_failure(rev), ChecksumError) and isinstance(_one_failure(sev), ChecksumError)
-    assert cache.writes == 0
-    monkeypatch.setattr(RingWriter, "write", write)
+    assert cache.writes == 0 and hashed  # the checksum was taken over the ring's copy, and it caught the change
+    monkeypatch.setattr(shm_backend, "with_checksums", with_checksums)
     _transfer(r, s, fp, cache, "next", [1, 2], seed=2)  # the session and its ring still serve
 
 
