@@ -8,7 +8,8 @@ Data flow:
                    session token, or reject; both sides prove the cluster secret, see transfer/auth.py),
                    then for each piece: encode (int8 optional, xxh3 per frame) and send [sealed header,
                    k bytes, v bytes] zero-copy, NOBLOCK; replies (ack, nack, renew), MAC-checked before
-                   they are decoded, update the lease table.
+                   they are decoded, update the lease table (this inward half, and the timeouts below,
+                   live in transfer/sender_replies.py).
     caller thread: poll() -> released leases (free the source blocks).
 Bounded everywhere: a full queue fails the transfer after enqueue_timeout_s, a handshake has
 connect_timeout_s, a message that cannot leave (HWM reached, peer gone) fails its peer after
@@ -32,28 +33,20 @@ from typing import Any
 import torch
 import zmq
 
-from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, handshake_key, seal, session_key, split, verify
+from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, handshake_key, seal
 from transfer.base import KVSender, TransferConfig, check_layer_args
-from transfer.errors import (
-    AuthError,
-    PeerGone,
-    ProtocolError,
-    TransferAborted,
-    TransferError,
-    TransferTimeout,
-    error_from_code,
-)
-from transfer.outbox import FrameTooLargeForPeer, Meter, Outbox, Outgoing, Peer, check_peer_frame_bound, discard_rest
+from transfer.errors import PeerGone, TransferAborted, TransferError, TransferTimeout
+from transfer.outbox import FrameTooLargeForPeer, Meter, Outbox, Outgoing, Peer, check_peer_frame_bound
+from transfer.sender_replies import SenderReplies
 from transfer.sockets import configure
 from transfer.staging import StagedTensors, Stager
 from transfer.state import LeaseTable, TransferEvent
-from transfer.wire import MAX_HEADER_BYTES, ModelFingerprint, encode_piece, frame_view, pack_header, unpack_header
-from transfer.wire import field as hfield
+from transfer.wire import MAX_HEADER_BYTES, ModelFingerprint, encode_piece, frame_view, pack_header
 
 log = logging.getLogger(__name__)
 
 
-class ZmqSender(KVSender):
+class ZmqSender(SenderReplies, KVSender):
     """See module docstring. Thread-safe API; all sockets live in one I/O thread."""
 
     transport = "zmq"
@@ -321,152 +314,6 @@ class ZmqSender(KVSender):
     def _fail_transfer(self, peer: Peer, tid: str, error: TransferError) -> None:
         if self._leases.release(tid, error):
             peer.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid, "reason": str(error)}))
-
-    def _read_replies(self) -> bool:
-        got = False
-        for peer in list(self._peers.values()):
-            for _ in range(256):
-                try:
-                    data = peer.sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                got = True
-                try:
-                    if peer.sock.getsockopt(zmq.RCVMORE):
-                        discard_rest(peer.sock)
-                        raise AuthError("a multipart reply (replies are one frame)")
-                    self._on_reply(peer, self._open(peer, data))
-                except TransferError as e:
-                    self.rejected += isinstance(e, AuthError)
-                    log.warning("bad reply from %s: %s", peer.address, e)
-                if peer.address not in self._peers:
-                    break
-        return got
-
-    def _open(self, peer: Peer, data: bytes) -> dict[str, Any]:
-        """Check a reply's MAC (constant time), then decode it. Under the handshake key only a welcome (to our
-        hello) or a reject can come; under the session key, ack/nack/renew in increasing sequence."""
-        _, session, seq, body = split(data)
-        if session == NO_SESSION:
-            if not verify(self._hs_key, data):
-                error = AuthError("unauthenticated reply")
-                if peer.state == "hello_sent":  # the receiver answered our hello but cannot prove the secret
-                    error = AuthError(
-                        f"receiver {peer.address} refused or did not authenticate the handshake: "
-                        "a different cluster secret?"
-                    )
-                    self._drop_peer(peer, error)
-                raise error
-            h = unpack_header(body)
-            if h["kind"] == "reject" or h["kind"] == "welcome" and peer.state == "hello_sent":
-                return h
-            raise AuthError(f"unexpected {h['kind']!r:.20} under the handshake key")
-        if not peer.key or session != peer.session or not verify(peer.key, data):
-            raise AuthError("reply not authenticated for this session")
-        if seq <= peer.seq_in:
-            raise AuthError(f"replayed reply (sequence {seq} <= {peer.seq_in})")
-        peer.seq_in = seq
-        h = unpack_header(body)
-        if h["kind"] not in ("ack", "nack", "renew"):
-            raise ProtocolError(f"unexpected {h['kind']!r:.20} from the receiver")
-        return h
-
-    def _on_reply(self, peer: Peer, h: dict[str, Any]) -> None:
-        kind = h["kind"]
-        if kind == "welcome":
-            if hfield(h, "nonce", bytes) != peer.nonce:
-                raise AuthError("a welcome that does not answer our hello (replayed?)")
-            session, rnonce = hfield(h, "session", bytes), hfield(h, "rnonce", bytes)
-            if len(session) != len(NO_SESSION) or session == NO_SESSION or len(rnonce) != NONCE_BYTES:
-                raise ProtocolError("malformed welcome")
-            peer.session = session
-            peer.key = session_key(self._hs_key, peer.nonce, rnonce, session)
-            peer.max_frame_bytes = hfield(h, "max_frame_bytes", int)
-            self._on_welcome(peer, h)
-            peer.state = "ready"
-            peer.last_sent = time.monotonic()  # the receiver's idle clock for this session starts about now
-        elif kind == "reject":
-            self._drop_peer(
-                peer,
-                error_from_code(
-                    str(h.get("code")), f"receiver {peer.address} refused the handshake: {h.get('reason')}"
-                ),
-            )
-        elif kind == "ack":
-            self._leases.release(hfield(h, "tid", str))
-        elif kind == "nack":
-            err = error_from_code(str(h.get("code")), f"receiver: {h.get('reason')}")
-            self._leases.release(hfield(h, "tid", str), err)
-            if h.get("code") == "peer_gone":  # receiver no longer knows our session: start over
-                self._drop_peer(peer, err)
-        elif kind == "renew":
-            self._leases.renew(hfield(h, "tid", str))
-
-    def _on_welcome(self, peer: Peer, h: dict[str, Any]) -> None:
-        """Hook for the nccl backend (forms the pair process group)."""
-
-    def _check_timeouts(self) -> None:
-        now = time.monotonic()
-        for peer in list(self._peers.values()):
-            if peer.state != "ready" and now - peer.created > self.cfg.connect_timeout_s:
-                self._drop_peer(
-                    peer,
-                    PeerGone(
-                        f"no handshake with {peer.address} within {self.cfg.connect_timeout_s}s (receiver not running?)"
-                    ),
-                )
-            elif peer.stuck_since is not None and now - peer.stuck_since > self.cfg.send_timeout_s:
-                self._drop_peer(
-                    peer,
-                    PeerGone(
-                        f"could not send to {peer.address} for {self.cfg.send_timeout_s}s (receiver gone or stalled)"
-                    ),
-                )
-        for tid, address in self._leases.due_keepalives(self._keepalive_s):
-            kept = self._peers.get(address)
-            if kept is not None and kept.state == "ready":  # tells the receiver we are alive
-                kept.outbox.append(Outgoing(tid, {"kind": "renew", "tid": tid}))
-        for tid, address in self._leases.expire():
-            self._pieces.pop(tid, None)
-            expired = self._peers.get(address)
-            if expired is not None:
-                expired.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid, "reason": "sender lease expired"}))
-        if now >= self._next_sweep:
-            self._next_sweep = now + min(0.05, self.cfg.idle_session_s / 8)
-            self._sweep(now)
-
-    def _sweep(self, now: float) -> None:
-        """Close peers that carry no lease and sent nothing for idle_session_s / 2 (the receiver drops its side
-        after idle_session_s: closing first, we never send into a dropped session); when the outboxes are full,
-        drop what they hold for transfers that ended meanwhile, so the live ones can move again."""
-        busy = self._leases.peers()
-        for peer in list(self._peers.values()):
-            if (
-                peer.state == "ready"
-                and not peer.outbox
-                and peer.address not in busy
-                and now - peer.last_sent > self.cfg.idle_session_s / 2
-            ):
-                log.debug("closing idle kv peer %s", peer.address)
-                self._close_peer(peer)
-                self._peers.pop(peer.address, None)
-        if not self._has_room():
-            for peer in self._peers.values():
-                peer.outbox.discard(
-                    lambda o: o.fields.get("kind") != "abort" and self._leases.get(o.transfer_id) is None
-                )
-
-    def _drop_peer(self, peer: Peer, error: TransferError) -> None:
-        self._close_peer(peer)
-        self._peers.pop(peer.address, None)
-        for tid in self._leases.release_peer(peer.address, error):
-            self._pieces.pop(tid, None)
-
-    def _close_peer(self, peer: Peer) -> None:
-        peer.outbox.clear()
-        if peer.link is not None:
-            peer.link.close()
-        peer.sock.close(linger=0)
 
     def _note_link_crash(self, what: str) -> None:
         """Called from a pair-link thread whose top level caught an unexpected exception (transfer/pairgroup.py)."""
