@@ -1,14 +1,10 @@
 """The core of the engine: requests in, one forward per ``step``, outputs out, and every request's one way out.
 
 ``LLMEngine`` (``engine.llm_engine``) is what a worker runs: this core plus the decode side's remote-KV API. Split so
-that each file holds one idea: here the step loop (admission, forward, sampling, text, finish); there how a request
+that each file holds one idea: here the step loop (admission, forward, sampling, finish); there how a request
 whose KV comes from elsewhere enters and leaves. The parts it steps (model, KV cache, runner, sampler) are built on
-the device by ``engine.engine_parts``.
-
-Every output carries ``text_delta``, the text its tokens add, made here by the request's incremental detokenizer in
-time proportional to the new tokens, so workers stream text and the router only relays it. The first token's text is
-sent by the prefill worker; the decode side runs the same deterministic detokenizer over the same tokens, so it
-drops its own delta for that token and its later deltas continue exactly where the prefill worker's ended.
+the device by ``engine.engine_parts``; what a sampled token makes of its request (finish reason, ``text_delta``,
+the ``RequestOutput``) is ``engine.outputs``.
 
 Every request leaves through ``_finish``, which frees its blocks exactly once; ``abort`` works in every state.
 """
@@ -24,10 +20,10 @@ from collections.abc import Iterable
 from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_parts import build_engine_parts
 from engine.kv_connector import KVExport, KVExporter, KVSink
 from engine.model_runner import StepStats
+from engine.outputs import add_token, completion, detokenize, error_output, merge_outputs, token_output
 from engine.request import (
     CompletionResult,
     FinishReason,
@@ -169,7 +165,7 @@ class EngineCore:
             self.kv_exporter.discard()
             logger.exception("forward step failed; failing its %d requests", len(chunks))
             message = f"forward step failed: {type(exc).__name__}: {exc}"
-            return _merge(admitted, [self._fail(c.request, message, "worker_error") for c in chunks])
+            return merge_outputs(admitted, [self._fail(c.request, message, "worker_error") for c in chunks])
         self.kv_exporter.commit()
         self.step_stats.append(stats)
         failed = {c.request.request_id for c, error in zip(sampling, result.errors) if error is not None}
@@ -182,7 +178,7 @@ class EngineCore:
                     chunk.request.prompt_logprobs = (chunk.request.prompt_logprobs or [None]) + entries
         rows = zip(sampling, result.token_ids, result.errors, result.logprobs)
         outputs = [self._sampled(chunk.request, token, error, logprob) for chunk, token, error, logprob in rows]
-        return _merge(admitted, outputs) if admitted else outputs
+        return merge_outputs(admitted, outputs) if admitted else outputs
 
     def _sampled(
         self, request: Request, token_id: int | None, error: str | None, logprob: TokenLogprob | None = None
@@ -224,19 +220,7 @@ class EngineCore:
         logger.warning("request %s failed: %s", request.request_id, error)
         request.error = error
         self._finish(request, FinishReason.ERROR)
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            finished=True,
-            finish_reason=FinishReason.ERROR,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            text=request.output_text,
-            error=error,
-            error_code=code,
-            timing=request.timing,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return error_output(request, error, code)
 
     def _register_full_blocks(self, request: Request) -> None:
         """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
@@ -251,7 +235,7 @@ class EngineCore:
     def _append_token(
         self, request: Request, token_id: int, text_sent: bool = False, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
-        """Add a sampled token, detokenize it (O(new tokens)) and finish the request if it is done.
+        """Add a sampled token, detokenize it (O(new tokens)) and finish the request if it is done (``engine.outputs``).
 
         ``text_sent``: the token's text was already sent by a prefill worker, which ran exactly this non-final
         ``add`` on a fresh detokenizer; only what a finish adds beyond it is new. Its grammar state (fresh: a decode
@@ -261,74 +245,15 @@ class EngineCore:
         grammar = request.grammar
         if grammar is not None and not grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
             return self._fail(request, f"token {token_id} does not match the request's grammar", "sampling_error")
-        request.output_token_ids.append(token_id)
-        if request.timing.first_token_s is None:
-            request.timing.first_token_s = time.monotonic()
-        params = request.params
-        stop_ids = request.stop_token_set
-        if stop_ids is None:  # a set, made once: the check runs for every token
-            stop_ids = request.stop_token_set = frozenset(params.stop_token_ids)
-        reason: FinishReason | None = None
-        if request.prefill_only:
-            reason = FinishReason.PREFILLED
-        elif (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in stop_ids:
-            reason = FinishReason.STOP
-        elif grammar is not None and grammar.is_terminated():  # the grammar is complete and took its EOS
-            reason = FinishReason.STOP
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        detokenizer = request.detokenizer
-        if detokenizer is None:
-            detokenizer = request.detokenizer = self._make_detokenizer(request)
-        # a prefill-only request's first token is not flushed: its delta is what decoding continues from
-        final = reason is not None and not request.prefill_only
-        if text_sent:
-            detokenizer.add((token_id,), final=False)
-            delta = detokenizer.add((), final=True) if final and not detokenizer.finished else ""
-        else:
-            delta = detokenizer.add((token_id,), final=final)
-        if detokenizer.stopped and not request.prefill_only:
-            reason = FinishReason.STOP  # a stop string, cut from the text (over LENGTH when both, as checked first)
+        reason, delta = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.max_model_len, text_sent)
         if reason is not None:
             self._finish(request, reason)
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[token_id],
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            text=request.output_text,
-            text_delta=delta,
-            timing=request.timing,
-            logprobs=None if logprob is None else [logprob],
-            prompt_logprobs=self._prompt_logprobs_out(request, text_sent),
-            num_cached_tokens=request.num_cached_tokens,
-        )
-
-    def _detokenize(self, request: Request, final: bool) -> IncrementalDetokenizer:
-        """Give the request's incremental detokenizer (made on first use) the tokens it has not seen yet."""
-        detokenizer = request.detokenizer
-        if detokenizer is None:
-            detokenizer = request.detokenizer = self._make_detokenizer(request)
-        detokenizer.add(request.output_token_ids[detokenizer.num_tokens :], final=final)
-        return detokenizer
-
-    @staticmethod
-    def _prompt_logprobs_out(request: Request, text_sent: bool) -> list[TokenLogprob | None] | None:
-        """The prompt logprobs go with the first token sampled here (a decode side's admission had them sent by the
-        prefill worker, with that token); a one-token prompt has only entry 0."""
-        if request.params.prompt_logprobs is None or text_sent or len(request.output_token_ids) != 1:
-            return None
-        return request.prompt_logprobs or [None]
-
-    def _make_detokenizer(self, request: Request) -> IncrementalDetokenizer:
-        params = request.params
-        return IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
+        return token_output(request, token_id, reason, delta, logprob, text_sent)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)
-        request.output_text = self._detokenize(request, final=True).text  # the whole text, cut at a stop string
+        # the whole text, cut at a stop string
+        request.output_text = detokenize(request, self.tokenizer, final=True).text
         request.finish_reason = reason
         request.timing.finished_s = time.monotonic()
         if reason == FinishReason.PREFILLED:
@@ -392,7 +317,7 @@ class EngineCore:
         requests = {rid: self.requests[rid] for rid in ids}
         while any(not r.is_finished for r in requests.values()):
             self.step()
-        return [_completion(r) for r in requests.values()]
+        return [completion(r) for r in requests.values()]
 
     @property
     def num_free_blocks(self) -> int:
@@ -403,26 +328,3 @@ class EngineCore:
         if self.requests or self.scheduler.has_work():
             raise AssertionError(f"requests left: {sorted(self.requests)[:10]}")
         self.block_manager.check_all_free()
-
-
-def _merge(admitted: dict[str, RequestOutput], outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per request and step: an admission's text (non-empty only when it finished, and then the request
-    computed nothing this step) goes before what the request's forward added."""
-    for output in outputs:
-        first = admitted.pop(output.request_id, None)
-        if first is not None:
-            output.text_delta = first.text_delta + output.text_delta
-    return [*admitted.values(), *outputs]
-
-
-def _completion(request: Request) -> CompletionResult:
-    if request.finish_reason is None:
-        raise RuntimeError(f"request {request.request_id!r} has not finished")
-    return CompletionResult(
-        text=request.output_text,
-        token_ids=list(request.output_token_ids),
-        finish_reason=request.finish_reason.value,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-        error=request.error,
-    )

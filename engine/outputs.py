@@ -1,0 +1,157 @@
+"""What a sampled token makes of a request: its finish reason, its text, and the ``RequestOutput`` a worker streams.
+
+``EngineCore`` (``engine.engine_core``) steps the model and owns each request's blocks; this module is the output
+path it calls once per sampled token and once per finish, and none of it touches the scheduler or the KV cache. Its
+own module because it is the part of a step that concerns text: stop conditions, detokenization, logprobs and the
+shapes handed back (``RequestOutput`` per step, ``CompletionResult`` for ``generate``).
+
+Every output carries ``text_delta``, the text its tokens add, made here by the request's incremental detokenizer in
+time proportional to the new tokens, so workers stream text and the router only relays it. The first token's text is
+sent by the prefill worker; the decode side runs the same deterministic detokenizer over the same tokens, so it
+drops its own delta for that token and its later deltas continue exactly where the prefill worker's ended.
+
+The tokenizer is passed to each call (the engine's current one), never kept here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Set
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import CompletionResult, FinishReason, Request, RequestOutput, TokenLogprob
+
+
+def add_token(
+    request: Request,
+    token_id: int,
+    tokenizer: Any,
+    eos_token_ids: Set[int],
+    max_model_len: int,
+    text_sent: bool = False,
+) -> tuple[FinishReason | None, str]:
+    """Add a sampled token (its grammar already accepted it), detokenize it (O(new tokens)); returns why the request
+    is done (None if it goes on) and the text the token adds. The caller finishes the request when it is done.
+
+    ``text_sent``: the token's text was already sent by a prefill worker, which ran exactly this non-final ``add`` on
+    a fresh detokenizer; only what a finish adds beyond it is new.
+    """
+    request.output_token_ids.append(token_id)
+    if request.timing.first_token_s is None:
+        request.timing.first_token_s = time.monotonic()
+    params = request.params
+    stop_ids = request.stop_token_set
+    if stop_ids is None:  # a set, made once: the check runs for every token
+        stop_ids = request.stop_token_set = frozenset(params.stop_token_ids)
+    grammar = request.grammar
+    reason: FinishReason | None = None
+    if request.prefill_only:
+        reason = FinishReason.PREFILLED
+    elif (token_id in eos_token_ids and not params.ignore_eos) or token_id in stop_ids:
+        reason = FinishReason.STOP
+    elif grammar is not None and grammar.is_terminated():  # the grammar is complete and took its EOS
+        reason = FinishReason.STOP
+    elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        reason = FinishReason.LENGTH
+    detokenizer = request.detokenizer
+    if detokenizer is None:
+        detokenizer = request.detokenizer = _make_detokenizer(request, tokenizer)
+    # a prefill-only request's first token is not flushed: its delta is what decoding continues from
+    final = reason is not None and not request.prefill_only
+    if text_sent:
+        detokenizer.add((token_id,), final=False)
+        delta = detokenizer.add((), final=True) if final and not detokenizer.finished else ""
+    else:
+        delta = detokenizer.add((token_id,), final=final)
+    if detokenizer.stopped and not request.prefill_only:
+        reason = FinishReason.STOP  # a stop string, cut from the text (over LENGTH when both, as checked first)
+    return reason, delta
+
+
+def token_output(
+    request: Request,
+    token_id: int,
+    reason: FinishReason | None,
+    delta: str,
+    logprob: TokenLogprob | None = None,
+    text_sent: bool = False,
+) -> RequestOutput:
+    """The output of a request that gained ``token_id`` (made after the request was finished, when it was)."""
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[token_id],
+        finished=reason is not None,
+        finish_reason=reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=len(request.output_token_ids),
+        text=request.output_text,
+        text_delta=delta,
+        timing=request.timing,
+        logprobs=None if logprob is None else [logprob],
+        prompt_logprobs=_prompt_logprobs_out(request, text_sent),
+        num_cached_tokens=request.num_cached_tokens,
+    )
+
+
+def error_output(request: Request, error: str, code: str) -> RequestOutput:
+    """The finished output of a request that failed (made after it was finished with FinishReason.ERROR)."""
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason=FinishReason.ERROR,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=len(request.output_token_ids),
+        text=request.output_text,
+        error=error,
+        error_code=code,
+        timing=request.timing,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+
+
+def detokenize(request: Request, tokenizer: Any, final: bool) -> IncrementalDetokenizer:
+    """Give the request's incremental detokenizer (made on first use) the tokens it has not seen yet."""
+    detokenizer = request.detokenizer
+    if detokenizer is None:
+        detokenizer = request.detokenizer = _make_detokenizer(request, tokenizer)
+    detokenizer.add(request.output_token_ids[detokenizer.num_tokens :], final=final)
+    return detokenizer
+
+
+def _make_detokenizer(request: Request, tokenizer: Any) -> IncrementalDetokenizer:
+    params = request.params
+    return IncrementalDetokenizer(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
+
+
+def _prompt_logprobs_out(request: Request, text_sent: bool) -> list[TokenLogprob | None] | None:
+    """The prompt logprobs go with the first token sampled here (a decode side's admission had them sent by the
+    prefill worker, with that token); a one-token prompt has only entry 0."""
+    if request.params.prompt_logprobs is None or text_sent or len(request.output_token_ids) != 1:
+        return None
+    return request.prompt_logprobs or [None]
+
+
+def merge_outputs(admitted: dict[str, RequestOutput], outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request and step: an admission's text (non-empty only when it finished, and then the request
+    computed nothing this step) goes before what the request's forward added."""
+    for output in outputs:
+        first = admitted.pop(output.request_id, None)
+        if first is not None:
+            output.text_delta = first.text_delta + output.text_delta
+    return [*admitted.values(), *outputs]
+
+
+def completion(request: Request) -> CompletionResult:
+    """A finished request as ``generate`` returns it."""
+    if request.finish_reason is None:
+        raise RuntimeError(f"request {request.request_id!r} has not finished")
+    return CompletionResult(
+        text=request.output_text,
+        token_ids=list(request.output_token_ids),
+        finish_reason=request.finish_reason.value,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        error=request.error,
+    )
