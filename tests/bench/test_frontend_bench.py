@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import frontend_bench
-from bench.frontend_bench import process_running
+from bench.serve_process import process_running
 
 pytestmark = pytest.mark.timeout(240)
 
