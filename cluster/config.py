@@ -5,8 +5,9 @@ replicas, GPUs or a CPU share, KV cache size, batching limits), ``transfer`` (KV
 failure policy), ``router`` (HTTP bind, routing policies, queue bound, API key, request limits), ``slo`` (targets
 the load test and planner use) and ``ray`` (which cluster to join). ``docs/configuration.md`` documents every field.
 
-``check_network_exposure`` runs on the final config at start-up (after command-line overrides): a server or worker
-reachable from other machines without an API key is refused unless the config says so explicitly.
+``check_network_exposure`` (``cluster/network_exposure.py``) runs on the final config at start-up (after
+command-line overrides): a server or worker reachable from other machines without an API key is refused unless the
+config says so explicitly.
 
 The config is translated once: ``ClusterConfig.worker_specs`` builds every worker's ``WorkerSpec`` (engine, transfer
 and control-plane settings, worker/spec.py) here and nowhere else. Defaults live once, in the dataclasses the specs
@@ -15,31 +16,29 @@ The device is not chosen here: the process that reads the config may have no GPU
 picks its own in its process (``worker.spec.resolve_device``).
 
 ``load_config`` takes a path or the name of a config shipped inside the package (``local``, ``gpu-node.yaml``):
-``configs/`` is package data, found through importlib.resources, so an installed wheel works outside the source tree.
+``cluster/config_files.py`` finds and reads the file (``configs/`` is package data, found through importlib.resources,
+so an installed wheel works outside the source tree), ``parse_config`` validates it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# moved to their own modules; re-exported because very many callers import them from cluster.config (neither
+# module imports this one at run time, so there is no cycle)
+from cluster.config_files import ConfigError, find_config, read_config_file  # noqa: F401
+from cluster.network_exposure import check_network_exposure  # noqa: F401
 from engine.blocks import kv_blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, AttentionBackendName, EngineConfig, resolve_dtype
 from engine.model_loader import DEFAULT_MODEL
 from transfer.base import TransferConfig
 from worker.spec import FailurePolicy, RuntimeOptions, TransferBackend, WorkerRole, WorkerSpec, ZmqTransport
 
-if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
-
 MIB = 1024 * 1024
-SHIPPED_CONFIGS = "configs"  # the package that holds the shipped YAML files (package data)
 
 
 def _default(cls: type, name: str):
@@ -51,10 +50,6 @@ def _default(cls: type, name: str):
             if callable(item.default_factory):
                 return item.default_factory()
     raise AttributeError(f"{cls.__name__} has no field {name!r} with a default")
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be used; the message names the file and the field."""
 
 
 class _Strict(BaseModel):
@@ -347,30 +342,6 @@ def pool_layout(config: ClusterConfig) -> list[tuple[str, WorkerRole, PoolSectio
     return [("prefill", WorkerRole.PREFILL, config.pools.prefill), ("decode", WorkerRole.DECODE, config.pools.decode)]
 
 
-def is_loopback(host: str) -> bool:
-    """Only literal loopback addresses and ``localhost`` count; any other name may resolve to a public address."""
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name, "auto", "" or "*": reachable from elsewhere for all we know
-
-
-def check_network_exposure(config: ClusterConfig, http_host: str | None = None) -> None:
-    """Refuse to bind the HTTP server (``http_host`` overrides ``router.host``) or the workers to a non-loopback
-    address without ``router.api_key``, unless ``router.allow_unauthenticated`` says that is meant."""
-    if config.router.api_key or config.router.allow_unauthenticated:
-        return
-    for field, host in (("router.host", http_host or config.router.host), ("ray.worker_host", config.ray.worker_host)):
-        if not is_loopback(host):
-            raise ConfigError(
-                f"{field}: {host!r} is reachable from other machines, and router.api_key is not set: anyone who can "
-                "reach it could use the cluster. Set router.api_key, bind a loopback address, or set "
-                "router.allow_unauthenticated: true to serve without a key deliberately"
-            )
-
-
 def _format_error(source: str, error: ValidationError) -> str:
     lines = []
     for item in error.errors():
@@ -386,36 +357,7 @@ def parse_config(data: dict | None, source: str = "<config>") -> ClusterConfig:
         raise ConfigError(_format_error(source, exc)) from None
 
 
-def shipped_configs() -> list[str]:
-    """The names of the YAML files shipped in the ``configs`` package."""
-    return sorted(entry.name for entry in resources.files(SHIPPED_CONFIGS).iterdir() if entry.name.endswith(".yaml"))
-
-
-def find_config(name_or_path: str | Path) -> Path | Traversable:
-    """A config file: ``name_or_path`` when it is a file, else the shipped config of that name (``local`` or
-    ``local.yaml``), found through importlib.resources wherever the package is installed. ConfigError if neither."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    name = str(name_or_path)
-    if name and "/" not in name and "\\" not in name:  # a bare name: look among the shipped configs
-        shipped = resources.files(SHIPPED_CONFIGS)
-        for candidate in (name, f"{name}.yaml"):
-            entry = shipped.joinpath(candidate)
-            if candidate.endswith(".yaml") and entry.is_file():
-                return entry
-    raise ConfigError(
-        f"{name_or_path}: config file not found (shipped configs, by name: {', '.join(shipped_configs())})"
-    )
-
-
 def load_config(name_or_path: str | Path) -> ClusterConfig:
     """Load and validate a config file, given by path or by a shipped config's name (``find_config``)."""
-    source = find_config(name_or_path)
-    try:
-        data = yaml.safe_load(source.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-    if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    return parse_config(data, str(source))
+    data, source = read_config_file(name_or_path)
+    return parse_config(data, source)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from cluster.autoscale import Autoscaler, CapacityModel
 from cluster.config import ClusterConfig, check_network_exposure, pool_layout
-from cluster.frontend import RouterProcesses, reuseport_socket
+from cluster.frontend import RouterProcesses
 from cluster.pools import LocalPools, RayPools, WorkerRecord
+from cluster.router_process import reuseport_socket
 from cluster.scaling import Scaler
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import pytest
 import yaml
 import zmq
 
-from bench.frontend_bench import process_running
+from bench.serve_process import process_running
 from engine.config import EngineConfig
 from engine.request import SamplingParams
 from tests.helpers.cluster import metric_value, wait_all_kv_free
@@ -372,7 +372,8 @@ def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
 ROUTERS_ONLY_SCRIPT = textwrap.dedent("""
     import sys, time
     from cluster.config import parse_config
-    from cluster.frontend import RouterProcesses, reuseport_socket
+    from cluster.frontend import RouterProcesses
+    from cluster.router_process import reuseport_socket
     from cluster.launch import with_cluster_secret
 
     config = with_cluster_secret(parse_config({"model": {"name": sys.argv[1], "max_model_len": 256},

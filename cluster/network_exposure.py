@@ -1,0 +1,41 @@
+"""Who may reach the server: refuse an unauthenticated bind that other machines can reach.
+
+``check_network_exposure`` runs on the final config at start-up (after command-line overrides, ``cluster/launch.py``):
+a server or worker reachable from other machines without an API key is refused unless the config says so
+explicitly (``router.allow_unauthenticated``). Why its own module: it is a start-up policy over the config, not part
+of what a valid config is (``cluster/config.py``, which re-exports it); it needs only the config's values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TYPE_CHECKING
+
+from cluster.config_files import ConfigError
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
+
+
+def is_loopback(host: str) -> bool:
+    """Only literal loopback addresses and ``localhost`` count; any other name may resolve to a public address."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name, "auto", "" or "*": reachable from elsewhere for all we know
+
+
+def check_network_exposure(config: ClusterConfig, http_host: str | None = None) -> None:
+    """Refuse to bind the HTTP server (``http_host`` overrides ``router.host``) or the workers to a non-loopback
+    address without ``router.api_key``, unless ``router.allow_unauthenticated`` says that is meant."""
+    if config.router.api_key or config.router.allow_unauthenticated:
+        return
+    for field, host in (("router.host", http_host or config.router.host), ("ray.worker_host", config.ray.worker_host)):
+        if not is_loopback(host):
+            raise ConfigError(
+                f"{field}: {host!r} is reachable from other machines, and router.api_key is not set: anyone who can "
+                "reach it could use the cluster. Set router.api_key, bind a loopback address, or set "
+                "router.allow_unauthenticated: true to serve without a key deliberately"
+            )
