@@ -28,7 +28,7 @@ from cluster.reservations import DecodeReservations
 from cluster.streams import Stream
 from engine.blocks import prompt_block_hashes, reusable_prefix_tokens
 from engine.request import SamplingParams
-from worker.messages import Command, Generate, Prefill, PrefillHere
+from worker.messages import Command, Generate, Prefill
 
 
 class Dispatcher:
@@ -74,15 +74,18 @@ class Dispatcher:
             lambda: self.members.routable("decode"), stream.wire_rid, prompt, params, deadline, match, prefer_decode
         )
         self.count_decision("decode", decode, self.members.routable("decode"), match, prefer_decode)
-        stream.decode = decode.name  # ``reserve`` counted it in the worker's inflight
+        if stream.decode != decode.name:
+            # made the stream's as its reply came (``Router._on_reserved``), unless the router no longer lists the
+            # worker that sent it (removed meanwhile): the stream is still its, so that an abort reaches it
+            stream.decode = decode.name
+            decode.inflight += 1
         self._expect(decode, hashes)
         stream.timing["decode_cached_tokens"] = float(reply.cached_tokens)
         self.metrics.decode_cached_tokens.inc(reply.cached_tokens)
-        local_max = self.config.router.local_prefill_max_tokens  # 0: off (at least one token is always uncached)
-        if local_max and len(prompt) - reply.cached_tokens <= local_max:
-            # conditional disaggregation: what the decode worker lacks is short, so it computes it itself (no
-            # prefill worker, no transfer); its first token comes in its ``tokens`` events like the rest
-            self._send(decode, PrefillHere(stream.wire_rid))
+        if reply.prefill_local:
+            # conditional disaggregation: what the decode worker lacks (``len(prompt) - reply.cached_tokens``) is at
+            # most ``router.local_prefill_max_tokens``, so it computes it itself, started with the reservation (no
+            # prefill worker, no transfer, no second command); its first token comes in ``tokens`` events
             self.metrics.prefill_path.labels("local").inc()
             stream.timing["prefill_local"] = 1.0
             stream.timing["router_queue_s"] = time.monotonic() - stream.started_s

@@ -101,7 +101,7 @@ class DecodeReservations:
         prefer: str | None = None,
     ) -> tuple[WorkerHandle, Reserved]:
         """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise.
-        The worker returned already counts the request in its ``inflight``.
+        The reply was accepted as it came (``on_reserved``): the router has already made that worker the stream's.
 
         ``match``: what each decode worker holds of the prompt (the router's prefix index). With ``kv_aware`` the
         worker that holds a chat's history is asked first, so the next turn reserves (and receives) only the blocks
@@ -119,18 +119,8 @@ class DecodeReservations:
                     # ordered anew before each attempt: the load other requests' attempts added meanwhile counts
                     worker = self._order(fits, match, prefer)[0]
                     fits.remove(worker)
-                    # the attempt counts as the worker's load while it is asked, so concurrent picks (which order
-                    # the workers before either reply comes back) see each other; it stays if the worker reserved
-                    worker.inflight += 1
-                    reserved = False
-                    try:
-                        reply = await self._try(worker, wire_rid, prompt, params)
-                        reserved = isinstance(reply, Reserved) and reply.ok
-                    finally:
-                        if not reserved:
-                            worker.inflight = max(0, worker.inflight - 1)
-                    if reserved:
-                        assert isinstance(reply, Reserved)
+                    reply = await self._try(worker, wire_rid, prompt, params)
+                    if isinstance(reply, Reserved) and reply.ok:
                         return worker, reply
                     if isinstance(reply, ErrorEvent) and reply.code is ErrorCode.INVALID_REQUEST:
                         # refused for what the request is, not for lack of room: no other worker or wait helps
@@ -169,23 +159,31 @@ class DecodeReservations:
         self._attempts += 1
         key = (rid, worker.name, self._attempts)
         self._pending[key] = future
+        # the attempt counts as the worker's load while it is asked, so that concurrent picks (which order the
+        # workers before either reply comes back) see each other; a granted reservation counts from its reply on
+        worker.inflight += 1
         try:
-            self._send(worker, Reserve(rid, prompt, params, attempt=self._attempts))
+            local_max = self.config.router.local_prefill_max_tokens  # the worker applies the rule (dispatch.py)
+            self._send(worker, Reserve(rid, prompt, params, attempt=self._attempts, local_prefill_max_tokens=local_max))
             return await asyncio.wait_for(future, timeout=self.config.router.worker_timeout_s)
         except asyncio.TimeoutError:
             logger.warning("decode worker %s did not answer a reservation in time", worker.name)
             return None
         finally:
             self._pending.pop(key, None)
+            worker.inflight = max(0, worker.inflight - 1)
 
-    def on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> None:
-        """A decode worker's ``reserved`` reply."""
+    def on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> bool:
+        """A decode worker's ``reserved`` reply; True when it answers an attempt still waiting for it (an ``ok``
+        one is then the request's reservation: the caller makes that worker the stream's at once)."""
         future = self._pending.get((reply.rid, reply.worker, reply.attempt))
         if future is not None and not future.done():
             future.set_result(reply)
-        elif reply.ok and worker is not None:
+            return True
+        if reply.ok and worker is not None:
             # a reply that came after we gave up: undo that attempt (a later one on the same worker stays)
             self._send(worker, Unreserve(reply.rid, attempt=reply.attempt))
+        return False
 
     def on_worker_dead(self, worker_name: str) -> None:
         """A worker marked dead answers none of its pending reservations: try the next worker now, not after

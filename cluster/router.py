@@ -269,7 +269,14 @@ class Router:
         self._wake()
 
     def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> None:
-        self.reservations.on_reserved(reply, worker)
+        if not (self.reservations.on_reserved(reply, worker) and reply.ok and worker is not None):
+            return
+        stream = self.streams.get(reply.rid)
+        if stream is not None:
+            # the stream's decode worker from this reply on, not from when its dispatch resumes: what the worker
+            # sends next may come in the same read (a local prefill's first token), and an abort must reach it
+            stream.decode = worker.name
+            worker.inflight += 1  # until the request ends there (``RequestTable._unassign``)
 
     def _on_first_token(self, event: FirstToken, worker: WorkerHandle | None) -> None:
         stream = self.streams.get(event.rid)

@@ -95,6 +95,9 @@ class DecodeRole(Role):
         # unreserve can no longer apply), when the request ends here (abort, failed transfer, expiry), and in any
         # case with the expiry check once the engine no longer holds the request.
         self._attempts: dict[str, int] = {}
+        # reservations this worker prefills itself because the reservation said so (``Reserve.local_prefill_
+        # max_tokens``), before the router has the answer: an ``unreserve`` of their attempt still aborts them
+        self._local: set[str] = set()
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> DecodeRole:
@@ -122,15 +125,15 @@ class DecodeRole(Role):
 
     def handle(self, command: Command, arrival_s: float) -> None:
         if isinstance(command, Reserve):
-            self._reserve(command.rid, command.prompt, command.params, command.attempt)
+            self._reserve(
+                command.rid, command.prompt, command.params, command.attempt, command.local_prefill_max_tokens
+            )
         elif isinstance(command, Unreserve):  # our answer to that attempt came too late; a later attempt's stays
+            if self._attempts.get(command.rid) != command.attempt:
+                return
             request = self._reservation(command.rid)
-            if (
-                request is not None
-                and _remote(request).first_token_id is None
-                and self._attempts.get(command.rid) == command.attempt
-            ):
-                self.abort(command.rid)
+            if (request is not None and _remote(request).first_token_id is None) or command.rid in self._local:
+                self.abort(command.rid)  # (a local prefill that attempt started: the router sent it elsewhere)
         elif isinstance(command, Start):
             if command.rid not in self.engine.requests:
                 raise KeyError(f"request {command.rid!r} has no reservation here")
@@ -141,13 +144,19 @@ class DecodeRole(Role):
         else:
             super().handle(command, arrival_s)
 
-    def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = -1) -> None:
+    def _reserve(
+        self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = -1, local_max_tokens: int = 0
+    ) -> None:
         held = self._reservation(rid)
         if held is not None and _remote(held).kv_failed:
             # its KV failed (recompute policy) before its first token came, and the router reserves it anew: the
             # new reservation replaces it, KV expected again
             self.engine.abort(rid)
             held = None
+        if held is None and rid in self._local:
+            # a local prefill an earlier attempt started, whose answer the router gave up on (it asks again): the
+            # new reservation replaces it
+            self.abort(rid)
         if held is None or held.prompt_token_ids != prompt:  # (else the router asks again after our answer came
             # too late: the same reservation is answered again, idempotent)
             if self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens, prefix_cache=True) is None:
@@ -160,6 +169,11 @@ class DecodeRole(Role):
             self.receiver.expect(rid, missing, num_layers=self.engine.kv_spec.num_layers)
         self._attempts[rid] = attempt
         first = held.num_cached_tokens // self.engine.kv_spec.block_size
+        # what this worker lacks is short: it computes it now, in this turn of its loop (the router's rule, applied
+        # where the cache is, without a second command to wait for); never a reservation already taking its KV
+        remote = _remote(held)
+        untouched = remote.first_token_id is None and remote.kv_done_s is None and not remote.kv_failed
+        local = untouched and 0 < len(prompt) - held.num_cached_tokens <= local_max_tokens
         self.emit(
             Reserved(
                 rid=rid,
@@ -169,19 +183,27 @@ class DecodeRole(Role):
                 blocks=held.block_ids[first:],
                 kv_address=self.receiver.address,
                 cached_tokens=held.num_cached_tokens,
+                prefill_local=local,
             )
         )
+        if local:
+            self._prefill_here(rid, keep_attempt=True)
 
-    def _prefill_here(self, rid: str) -> None:
-        """The router has this reservation computed here: no KV will come, so the receiver stops expecting it (its
-        end, reported by ``poll``, finds the request no longer waiting and is ignored), and the engine prefills
-        the missing tokens and samples the first token itself."""
+    def _prefill_here(self, rid: str, keep_attempt: bool = False) -> None:
+        """This reservation is computed here: no KV will come, so the receiver stops expecting it (its end,
+        reported by ``poll``, finds the request no longer waiting and is ignored), and the engine prefills the
+        missing tokens and samples the first token itself. ``keep_attempt``: started by the reservation itself,
+        before the router has its answer: an ``unreserve`` of that attempt (the answer came too late) still aborts
+        it; after a ``prefill_here`` command the router has it, and none can come."""
         request = self._reservation(rid)
         if request is None:
             raise KeyError(f"request {rid!r} has no open reservation here")
         self.engine.prefill_here(rid)  # raises, changing nothing, for a reservation already taking its KV
         self.receiver.abort(rid, "prefilled on the decode worker")
-        self._attempts.pop(rid, None)  # an unreserve can no longer apply: it is running
+        if keep_attempt:
+            self._local.add(rid)
+        else:
+            self._attempts.pop(rid, None)  # an unreserve can no longer apply: it is running
         self.counters.local_prefills += 1
 
     def _reservation(self, rid: str) -> Request | None:
@@ -196,6 +218,7 @@ class DecodeRole(Role):
         if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.receiver.abort(rid, "aborted by router")  # its sender is told, and releases its lease
         self._attempts.pop(rid, None)
+        self._local.discard(rid)
         self.engine.abort(rid)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -249,6 +272,7 @@ class DecodeRole(Role):
             )
         for rid in [rid for rid in self._attempts if rid not in self.engine.requests]:
             del self._attempts[rid]
+        self._local.intersection_update(self.engine.requests)
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         items = []

@@ -148,6 +148,10 @@ class _PromptCommand(_RequestCommand):
 
 class Reserve(_PromptCommand, tag="reserve"):
     attempt: int = -1  # the router's attempt number: the reply answers this attempt only
+    # conditional disaggregation, decided where the cache is: when what this worker lacks of the prompt (after its
+    # prefix cache) is at most this many tokens, it computes it itself at once (``Reserved.prefill_local``), with
+    # no further round trip; 0: never (the KV comes from a prefill worker)
+    local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Unreserve(_RequestCommand, tag="unreserve"):
@@ -164,7 +168,9 @@ class Prefill(_PromptCommand, tag="prefill"):
 
 class PrefillHere(_RequestCommand, tag="prefill_here"):
     """Decode: compute the reserved prompt's uncached part here and sample its first token (conditional
-    disaggregation); its tokens, the first included, come back in ``tokens`` events."""
+    disaggregation); its tokens, the first included, come back in ``tokens`` events. The router asks for it in the
+    reservation itself (``Reserve.local_prefill_max_tokens``), which saves a round trip; this command does the same
+    for a reservation already answered."""
 
 
 class Start(_RequestCommand, tag="start"):
@@ -212,6 +218,7 @@ class Reserved(_Event, tag="reserved"):
     kv_address: str = ""  # ok: where the prefill worker sends the KV
     reason: RefusalReason | None = None  # not ok: why
     cached_tokens: int = 0  # ok: the prompt's leading tokens the worker already holds (whole blocks, prefix cache)
+    prefill_local: bool = False  # ok: the worker computes the rest itself (Reserve.local_prefill_max_tokens): no KV
 
 
 class FirstToken(_Event, tag="first_token"):

@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from tests.helpers.cluster import metric_value, wait_until, worker_named
 from tests.helpers.engine import random_prompts
-from worker.messages import KvEvents, PrefillHere
+from worker.messages import KvEvents, Reserved
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -172,14 +172,15 @@ def test_a_local_stream_sends_its_first_token_from_the_decode_worker(serve, refe
     assert metric_value(handle.base_url, "pdserve_ttft_seconds_count") == 1
 
 
-@pytest.mark.parametrize("end", ["client_gone", "decode_marked_dead", "prefill_here_lost"])
+@pytest.mark.parametrize("end", ["client_gone", "decode_marked_dead", "answer_lost"])
 def test_the_local_path_frees_everything_however_it_ends(serve, end):
-    handle = serve(router={"local_prefill_max_tokens": 64}, transfer={"deadline_s": 1, "lease_s": 20})
+    router_section = {"local_prefill_max_tokens": 64, "worker_timeout_s": 1}
+    handle = serve(router=router_section, transfer={"deadline_s": 1, "lease_s": 20})
     decode = worker_named(handle, "decode-0")
-    if end == "prefill_here_lost":  # the command never reaches the worker: its reservation expires
-        original = decode.handle
-        decode.handle = lambda command, arrival_s: (
-            None if isinstance(command, PrefillHere) else original(command, arrival_s)
+    if end == "answer_lost":  # the worker started prefilling with its answer, which never reaches the router
+        on_reserved, lost = handle.router._handlers[Reserved], []
+        handle.router._handlers[Reserved] = lambda event, worker: (
+            lost.append(event) if not lost else on_reserved(event, worker)
         )
     [prompt] = random_prompts(1, 30, 30, seed=73)
     body = {
@@ -202,13 +203,15 @@ def test_the_local_path_frees_everything_however_it_ends(serve, end):
     if end == "decode_marked_dead":  # tokens were streamed: an error event ends the stream, no retry
         errors = [json.loads(e)["error"] for e in lines if e != "[DONE]" and "error" in json.loads(e)]
         assert [e["code"] for e in errors] == ["worker_died"] and lines[-1] == "[DONE]", lines
-    elif end == "prefill_here_lost":  # nothing was streamed yet: the error is the response. The reservation's
-        # expected KV misses its deadline first (the receiver's, transfer.deadline_s), or its start does (the same)
-        code = json.loads("".join(raw))["error"]["code"]
-        assert response.status_code == 500 and code in ("kv_transfer_failed", "reservation_expired"), raw
+    elif end == "answer_lost":  # after worker_timeout_s the router asks again: the worker's new reservation
+        # replaces the local prefill the lost answer started, and the client gets one whole completion
+        assert response.status_code == 200 and lines[-1] == "[DONE]", raw
+        events = [json.loads(e) for e in lines[:-1]]
+        assert not [e for e in events if "error" in e] and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(lost) == 1 and lost[0].prefill_local
     wait_until(lambda: not decode.engine.requests, 5)  # the worker freed it (the fixture checks every block)
     if end == "decode_marked_dead":
         wait_until(lambda: handle.router.members.workers["decode-0"].alive, 3)  # its next heartbeat revives it
     counters = decode.role.counters
-    assert counters.local_prefills == (0 if end == "prefill_here_lost" else 1)
-    assert counters.transfers_failed + counters.reservations_expired == (1 if end == "prefill_here_lost" else 0)
+    assert counters.local_prefills == (2 if end == "answer_lost" else 1)
+    assert counters.transfers_failed + counters.reservations_expired == 0

@@ -171,7 +171,8 @@ def test_without_room_the_preferred_decode_worker_gives_way_to_the_policy():
 def test_concurrent_reservations_see_each_other_and_spread_over_the_decode_workers():
     """Two requests ordered before either reply comes back: the first attempt counts as load at once, so
     least_loaded sends the second elsewhere (it used to pick at random between equal workers: both could land on
-    one). A refused attempt leaves no load behind; a granted one stays counted until the request ends."""
+    one). An attempt counts while it is asked; a granted one counts for its stream from its reply on (what
+    ``Router._on_reserved`` does, played here), a refused one not at all."""
 
     async def run() -> tuple[list[str], dict[str, int]]:
         workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 50)]
@@ -181,6 +182,13 @@ def test_concurrent_reservations_see_each_other_and_spread_over_the_decode_worke
             config, make_policy("least_loaded"), RouterMetrics(), Admission(8), decoders.send
         )
         decoders.reservations = reservations
+        accept = reservations.on_reserved
+
+        def on_reserved(reply, worker):  # the router's acceptance: the stream counts on its worker from here
+            if accept(reply, worker) and reply.ok:
+                worker.inflight += 1
+
+        reservations.on_reserved = on_reserved  # type: ignore[method-assign]
         deadline = time.monotonic() + 5
         picks = await asyncio.gather(
             *(reservations.reserve(lambda: workers, f"r{i}", [1] * 20, PARAMS, deadline) for i in range(2))
@@ -190,4 +198,4 @@ def test_concurrent_reservations_see_each_other_and_spread_over_the_decode_worke
     for _ in range(20):  # the tie between equal workers breaks at random: many draws
         chosen, inflight = asyncio.run(run())
         assert chosen in (["d0", "d1"],), chosen  # d2 refuses (kv_full): never chosen, never left counted
-        assert inflight == {"d0": 1, "d1": 1, "d2": 0}
+        assert inflight == {"d0": 1, "d1": 1, "d2": 0}  # one stream each; no attempt left counted

@@ -410,6 +410,60 @@ def test_the_local_path_frees_everything_however_it_ends(role_pair, end):
     pair.check_no_leaks()
 
 
+def test_a_reservation_whose_uncached_rest_is_short_is_prefilled_at_once_with_no_second_command(role_pair):
+    """``Reserve.local_prefill_max_tokens``: the worker applies the router's rule where the cache is, answers
+    ``prefill_local`` and starts computing in the same turn (no ``prefill_here`` round trip); a longer rest is an
+    ordinary reservation that waits for its KV. Token-exact either way."""
+    pair = role_pair()
+    history, user, other = random_prompts(3, 35, 35, seed=68)
+    params = greedy(10)
+    pair.handoff("t1", history, params)
+    pair.settle()
+    warm = _next_turn(pair, "t1", history, user[:6], params)  # 35 + 9 + 6 tokens, 32 of them cached here
+    reserved = pair.reserve("warm", warm, params, local_max=24)
+    assert reserved.ok and reserved.prefill_local and reserved.cached_tokens == 32
+    assert pair.decode.engine.requests["warm"].status != RequestStatus.WAITING_FOR_REMOTE_KV  # running already
+    long_rest = pair.reserve("cold", other, params, local_max=24)  # 35 uncached tokens: more than 24
+    assert long_rest.ok and not long_rest.prefill_local
+    pair.run_until(lambda: pair.finished("warm"), what="warm finished")
+    assert pair.client_view("warm") == pair.expected(warm, params)
+    pair.send_prefill("cold", other, params, long_rest)
+    first = pair.wait_first_token("cold")
+    pair.start("cold", first)
+    pair.run_until(lambda: pair.finished("cold"), what="cold finished")
+    assert pair.client_view("cold") == pair.expected(other, params)
+    assert pair.decode.counters.local_prefills == 1 and pair.decode_events.errors() == []
+    pair.settle()
+    pair.check_no_leaks()
+
+
+def test_a_late_answer_undoes_the_local_prefill_it_started_and_a_new_attempt_replaces_it(role_pair):
+    """The router gave up waiting for the answer (its ``unreserve`` of that attempt comes): the local prefill that
+    the reservation started is aborted, its blocks freed. A router that asks again (a later attempt) before the
+    unreserve comes gets a fresh reservation in place of the running one, never two."""
+    pair = role_pair()
+    [prompt] = random_prompts(1, 20, 20, seed=69)
+    params = greedy(30)
+    assert pair.reserve("x", prompt, params, attempt=1, local_max=32).prefill_local
+    pair.tick()
+    pair.decode.handle(Unreserve(rid="x", attempt=2), time.monotonic())  # another attempt's: changes nothing
+    assert "x" in pair.decode.engine.requests
+    pair.decode.handle(Unreserve(rid="x", attempt=1), time.monotonic())
+    assert "x" not in pair.decode.engine.requests and not pair.finished("x")
+    assert pair.reserve("y", prompt, params, attempt=3, local_max=32).prefill_local
+    pair.tick()
+    before = len(pair.decode_events.items("y"))  # what the first run sent came before the answer that replaces it
+    again = pair.reserve("y", prompt, params, attempt=4, local_max=32)  # asked again: replaces the running one
+    assert again.ok and again.attempt == 4 and again.prefill_local
+    pair.run_until(lambda: pair.finished("y"), what="y finished")
+    items = pair.decode_events.items("y")[before:]
+    ids, reason = [t for item in items for t in item.token_ids], items[-1].finish_reason.value
+    assert (ids, reason) == pair.expected(prompt, params)[::2]  # one request's tokens, from its first on
+    assert pair.decode_events.errors() == []
+    pair.settle()
+    pair.check_no_leaks()
+
+
 # ---- logprobs and the prefix-cache hit (issue 14: need the engine's logprobs) -------------------------------------
 
 

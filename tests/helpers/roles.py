@@ -112,10 +112,18 @@ class RolePair:
 
     # ---- the router's steps, by hand ---------------------------------------------------------------------------
 
-    def reserve(self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = 1) -> Reserved:
-        self.decode.handle(
-            Reserve(rid=rid, prompt=list(prompt), params=copy_params(params), attempt=attempt), time.monotonic()
+    def reserve(
+        self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = 1, local_max: int = 0
+    ) -> Reserved:
+        """``local_max``: the router's ``local_prefill_max_tokens`` (the worker prefills a short rest at once)."""
+        command = Reserve(
+            rid=rid,
+            prompt=list(prompt),
+            params=copy_params(params),
+            attempt=attempt,
+            local_prefill_max_tokens=local_max,
         )
+        self.decode.handle(command, time.monotonic())
         return self.decode_events.of(Reserved, rid)[-1]
 
     def send_prefill(
