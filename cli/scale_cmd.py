@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.error
 import urllib.request
 from typing import Any
 
-from cli.status import fetch_status
+from cli.status import call_router, fetch_status
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) -> None:
@@ -48,19 +47,7 @@ def post_scale(
     request = urllib.request.Request(
         f"{url.rstrip('/')}/admin/scale", data=json.dumps(body).encode(), headers=headers, method="POST"
     )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            data: dict[str, Any] = json.load(response)
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.load(exc)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = exc.reason
-        hint = " (pass --api-key or set PDSERVE_API_KEY)" if exc.code == 401 else ""
-        raise ValueError(f"the router at {url} refused: HTTP {exc.code}: {message}{hint}") from None
-    except OSError as exc:
-        raise ValueError(f"no pdserve router answers at {url}: {exc}") from None
-    return data
+    return call_router(url, request, timeout_s)
 
 
 def format_membership(data: dict[str, Any]) -> str:

@@ -26,19 +26,28 @@ def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) 
     parser.add_argument("--api-key", default=default_api_key, help="the router's API key (default: $PDSERVE_API_KEY)")
 
 
-def fetch_status(url: str, timeout_s: float, api_key: str | None) -> dict[str, Any]:
-    """The router's ``/status`` as a dict; ValueError (a message for the user) when it cannot be had."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    request = urllib.request.Request(f"{url.rstrip('/')}/status", headers=headers)
+def call_router(url: str, request: urllib.request.Request, timeout_s: float) -> dict[str, Any]:
+    """One call to a running router's HTTP API (``pdserve status``, ``pdserve scale``), its JSON answer as a dict;
+    ValueError (a message for the user, with the router's own error message when it sent one) otherwise."""
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             data: dict[str, Any] = json.load(response)
     except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
         hint = " (pass --api-key or set PDSERVE_API_KEY)" if exc.code == 401 else ""
-        raise ValueError(f"the router at {url} refused: HTTP {exc.code} {exc.reason}{hint}") from None
+        raise ValueError(f"the router at {url} refused: HTTP {exc.code}: {message}{hint}") from None
     except OSError as exc:
         raise ValueError(f"no pdserve router answers at {url}: {exc}") from None
     return data
+
+
+def fetch_status(url: str, timeout_s: float, api_key: str | None) -> dict[str, Any]:
+    """The router's ``/status`` as a dict; ValueError (a message for the user) when it cannot be had."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return call_router(url, urllib.request.Request(f"{url.rstrip('/')}/status", headers=headers), timeout_s)
 
 
 def format_status(data: dict[str, Any]) -> str:
