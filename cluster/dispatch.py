@@ -74,11 +74,7 @@ class Dispatcher:
             lambda: self.members.routable("decode"), stream.wire_rid, prompt, params, deadline, match, prefer_decode
         )
         self.count_decision("decode", decode, self.members.routable("decode"), match, prefer_decode)
-        if stream.decode != decode.name:
-            # made the stream's as its reply came (``Router._on_reserved``), unless the router no longer lists the
-            # worker that sent it (removed meanwhile): the stream is still its, so that an abort reaches it
-            stream.decode = decode.name
-            decode.inflight += 1
+        # the stream's decode worker is ``decode`` already: made so as its reply was read (``Router._granted``)
         self._expect(decode, hashes)
         stream.timing["decode_cached_tokens"] = float(reply.cached_tokens)
         self.metrics.decode_cached_tokens.inc(reply.cached_tokens)

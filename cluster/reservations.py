@@ -42,15 +42,23 @@ class DecodeReservations:
         metrics: RouterMetrics,
         admission: Admission,
         send: Callable[[WorkerHandle, Command], None],
+        on_granted: Callable[[str, WorkerHandle], None] | None = None,
     ) -> None:
+        """``on_granted(wire rid, worker)``: called as an ``ok`` reply to a waiting attempt is read, before ``reserve``
+        returns, so that the caller makes the worker the request's at once (what the worker sends next may come in
+        the same read, and an abort must reach it); the request counts in the worker's ``inflight`` from then on."""
         self.config = config
         self.block_size = config.transfer.block_size
         self._policy = policy
         self._metrics = metrics
         self._admission = admission
         self._send = send
-        # (wire rid, worker, attempt) -> the reply: Reserved, an ErrorEvent, or None (the worker was marked dead)
-        self._pending: dict[tuple[str, str, int], asyncio.Future[Reserved | ErrorEvent | None]] = {}
+        self._on_granted = on_granted
+        # (wire rid, worker, attempt) -> the worker asked, and the future of its reply: Reserved, an ErrorEvent, or
+        # None (the worker was marked dead)
+        self._pending: dict[
+            tuple[str, str, int], tuple[WorkerHandle, asyncio.Future[Reserved | ErrorEvent | None]]
+        ] = {}
         self._attempts = 0
         self._capacity = asyncio.Event()
         self.queue_depth = 0  # this router's requests waiting for decode KV
@@ -101,7 +109,7 @@ class DecodeReservations:
         prefer: str | None = None,
     ) -> tuple[WorkerHandle, Reserved]:
         """The decode worker that reserved, and its reply (blocks, KV address); raises RequestFailed otherwise.
-        The reply was accepted as it came (``on_reserved``): the router has already made that worker the stream's.
+        ``on_granted`` has been called for it already, as its reply was read.
 
         ``match``: what each decode worker holds of the prompt (the router's prefix index). With ``kv_aware`` the
         worker that holds a chat's history is asked first, so the next turn reserves (and receives) only the blocks
@@ -158,7 +166,7 @@ class DecodeReservations:
         future = asyncio.get_running_loop().create_future()
         self._attempts += 1
         key = (rid, worker.name, self._attempts)
-        self._pending[key] = future
+        self._pending[key] = (worker, future)
         # the attempt counts as the worker's load while it is asked, so that concurrent picks (which order the
         # workers before either reply comes back) see each other; a granted reservation counts from its reply on
         worker.inflight += 1
@@ -173,28 +181,27 @@ class DecodeReservations:
             self._pending.pop(key, None)
             worker.inflight = max(0, worker.inflight - 1)
 
-    def on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> bool:
-        """A decode worker's ``reserved`` reply; True when it answers an attempt still waiting for it (an ``ok``
-        one is then the request's reservation: the caller makes that worker the stream's at once)."""
-        future = self._pending.get((reply.rid, reply.worker, reply.attempt))
-        if future is not None and not future.done():
+    def on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> None:
+        """A decode worker's ``reserved`` reply."""
+        asked, future = self._pending.get((reply.rid, reply.worker, reply.attempt), (None, None))
+        if asked is not None and future is not None and not future.done():
+            if reply.ok and self._on_granted is not None:
+                self._on_granted(reply.rid, asked)
             future.set_result(reply)
-            return True
-        if reply.ok and worker is not None:
+        elif reply.ok and worker is not None:
             # a reply that came after we gave up: undo that attempt (a later one on the same worker stays)
             self._send(worker, Unreserve(reply.rid, attempt=reply.attempt))
-        return False
 
     def on_worker_dead(self, worker_name: str) -> None:
         """A worker marked dead answers none of its pending reservations: try the next worker now, not after
         ``worker_timeout_s`` (if it answers after all, its late ``ok`` is undone like any other)."""
-        for (_, name, _), future in list(self._pending.items()):
+        for (_, name, _), (_, future) in list(self._pending.items()):
             if name == worker_name and not future.done():
                 future.set_result(None)  # no answer: the next worker is tried, as after a timeout
 
     def on_error(self, error: ErrorEvent) -> bool:
         """An ``error`` event that answers a pending reservation (the worker could not even try); True if it did."""
-        future = next((f for (r, w, _), f in self._pending.items() if r == error.rid and w == error.worker), None)
+        future = next((f for (r, w, _), (_, f) in self._pending.items() if r == error.rid and w == error.worker), None)
         if future is None or future.done():
             return False
         future.set_result(error)

@@ -101,7 +101,12 @@ class Router:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.members = Membership(self._ctx, self.metrics, config.transfer.secret, self._fail_streams_of, index)
         self.reservations = DecodeReservations(
-            config, policies["decode"], self.metrics, admission or Admission(config.router.queue_size), self._send
+            config,
+            policies["decode"],
+            self.metrics,
+            admission or Admission(config.router.queue_size),
+            self._send,
+            on_granted=self._granted,
         )
         self.requests = RequestTable(self.metrics, self.members, self._send, self._wake)
         self.streams = self.requests.streams  # by wire id: the requests in flight
@@ -114,7 +119,7 @@ class Router:
         self._policies = policies
         self._handlers = {
             Stats: self._on_stats,
-            Reserved: self._on_reserved,
+            Reserved: self.reservations.on_reserved,
             FirstToken: self._on_first_token,
             Tokens: self._on_tokens,
             ErrorEvent: self._on_error,
@@ -268,13 +273,11 @@ class Router:
             self.metrics.observe_worker(stats)
         self._wake()
 
-    def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None) -> None:
-        if not (self.reservations.on_reserved(reply, worker) and reply.ok and worker is not None):
-            return
-        stream = self.streams.get(reply.rid)
+    def _granted(self, wire_rid: str, worker: WorkerHandle) -> None:
+        """The stream's decode worker from its reservation's reply on, not from when its dispatch resumes: what the
+        worker sends next may come in the same read (a local prefill's first token), and an abort must reach it."""
+        stream = self.streams.get(wire_rid)
         if stream is not None:
-            # the stream's decode worker from this reply on, not from when its dispatch resumes: what the worker
-            # sends next may come in the same read (a local prefill's first token), and an abort must reach it
             stream.decode = worker.name
             worker.inflight += 1  # until the request ends there (``RequestTable._unassign``)
 

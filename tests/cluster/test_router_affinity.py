@@ -172,23 +172,21 @@ def test_concurrent_reservations_see_each_other_and_spread_over_the_decode_worke
     """Two requests ordered before either reply comes back: the first attempt counts as load at once, so
     least_loaded sends the second elsewhere (it used to pick at random between equal workers: both could land on
     one). An attempt counts while it is asked; a granted one counts for its stream from its reply on (what
-    ``Router._on_reserved`` does, played here), a refused one not at all."""
+    ``Router._granted`` does, played here), a refused one not at all."""
 
     async def run() -> tuple[list[str], dict[str, int]]:
         workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 50)]
         decoders = _Decoders({"d2"})
         config = tiny_cluster_config("unused-model")
+
+        def granted(rid, worker):  # the router's part: the stream counts on its worker from its reply on
+            worker.inflight += 1
+
+        policy = make_policy("least_loaded")
         reservations = DecodeReservations(
-            config, make_policy("least_loaded"), RouterMetrics(), Admission(8), decoders.send
+            config, policy, RouterMetrics(), Admission(8), decoders.send, on_granted=granted
         )
         decoders.reservations = reservations
-        accept = reservations.on_reserved
-
-        def on_reserved(reply, worker):  # the router's acceptance: the stream counts on its worker from here
-            if accept(reply, worker) and reply.ok:
-                worker.inflight += 1
-
-        reservations.on_reserved = on_reserved  # type: ignore[method-assign]
         deadline = time.monotonic() + 5
         picks = await asyncio.gather(
             *(reservations.reserve(lambda: workers, f"r{i}", [1] * 20, PARAMS, deadline) for i in range(2))
