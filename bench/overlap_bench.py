@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
@@ -263,6 +262,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
 
     from cluster.config import load_config
     from cluster.launch import start_serving
+    from cluster.ray_cluster import init_local_ray
     from engine.model_loader import load_tokenizer, resolve_model_path
 
     given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file
@@ -309,15 +309,7 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     }
     started_ray = False
     if not ray.is_initialized():
-        # address="local": always a fresh local Ray, never attach to another one running on this machine
-        ray.init(
-            address="local",
-            num_cpus=max(2, os.cpu_count() or 1),
-            namespace=base.ray.namespace,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        init_local_ray(max(2, os.cpu_count() or 1), base.ray.namespace)
         started_ray = True
     t_start = time.monotonic()
     raw_texts: list[str] | None = None

@@ -43,7 +43,6 @@ are made in ``bench/routing_figures.py``; this module builds the configs and wor
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import random
@@ -229,6 +228,7 @@ def _workload_settings(args: argparse.Namespace, workload: str, plan: Plan) -> d
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
+    from cluster.ray_cluster import init_local_ray
     from engine.model_loader import resolve_model_path
 
     for name in ("max_concurrency", "prefix_groups", "prefix_len", "question_len", "num_prompts", "output_len"):
@@ -266,16 +266,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     started_ray = False
     if not args.in_process and not ray.is_initialized():
-        # address="local": a fresh Ray, never another one on this machine; the 3 workers' CPU shares are logical
+        # the 3 workers' CPU shares are logical
         needed = sum(p.replicas * p.cpus_per_replica for p in (base.pools.prefill, base.pools.decode))
-        ray.init(
-            address="local",
-            num_cpus=max(math.ceil(needed), os.cpu_count() or 1),
-            namespace=base.ray.namespace,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        init_local_ray(max(math.ceil(needed), os.cpu_count() or 1), base.ray.namespace)
         started_ray = True
     t_start = time.monotonic()
     try:

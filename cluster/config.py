@@ -162,6 +162,7 @@ class RaySection(_Strict):
     start_timeout_s: float = Field(default=120.0, gt=0)
     worker_host: str = "127.0.0.1"  # where workers and the router bind data-plane sockets; "auto": the node's IP
     max_restarts: int = Field(default=3, ge=-1)  # Ray restarts of a dead worker (-1: forever)
+    allow_unauthenticated: bool = False  # join a Ray cluster without token authentication, deliberately
 
 
 class AutoscalePoolBounds(_Strict):

@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 
 from cluster.autoscale import Autoscaler, CapacityModel
-from cluster.config import ClusterConfig, check_network_exposure, pool_layout
+from cluster.config import ClusterConfig, check_network_exposure
 from cluster.frontend import RouterProcesses
 from cluster.pools import LocalPools, RayPools, WorkerRecord
+from cluster.ray_cluster import connect_ray
 from cluster.router_process import reuseport_socket
 from cluster.scaling import Scaler
 
@@ -102,28 +103,6 @@ def call_with_timeout(function, timeout_s: float) -> bool:
     return not thread.is_alive()
 
 
-def _ensure_ray(config: ClusterConfig, address: str | None) -> bool:
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = address or config.ray.address
-    if address:
-        ray.init(address=address, namespace=config.ray.namespace, logging_level=logging.WARNING)
-        return True
-    needed = sum(pool.replicas * pool.cpus_per_replica for _, _, pool in pool_layout(config))
-    # log_to_driver=False: workers log to Ray's session files, and commands that print JSON keep stdout clean
-    ray.init(
-        address="local",
-        num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
-        namespace=config.ray.namespace,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
-    return True
-
-
 def with_cluster_secret(config: ClusterConfig) -> ClusterConfig:
     """The config with its cluster secret: the configured one, or 32 random bytes made here (zero configuration).
 
@@ -180,7 +159,7 @@ def start_serving(
     url_host = f"[{http_host}]" if ":" in http_host else http_host
     # several router processes each load their own tokenizer
     tokenizer = load_tokenizer(model_path) if config.router.processes == 1 else None
-    started_ray = False if in_process else _ensure_ray(config, address)
+    started_ray = False if in_process else connect_ray(config, address)
     bind_host = _bind_host(config, in_process)
     worker_host = bind_host if in_process else config.ray.worker_host
     if config.router.processes > 1:

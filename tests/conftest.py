@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
 from pathlib import Path
@@ -37,18 +36,13 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A fresh local Ray for one test module (never attaching to another cluster on the machine)."""
+    """A fresh local Ray for one test module, on loopback (never attaching to another cluster on the machine)."""
     import ray
+
+    from cluster.ray_cluster import init_local_ray
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}",
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+    init_local_ray(4, f"pdserve-test-{uuid.uuid4().hex[:8]}")
     yield
     ray.shutdown()

@@ -16,6 +16,9 @@ def three_nodes():
     import ray
     from ray.cluster_utils import Cluster
 
+    from cluster.ray_cluster import keep_ray_on_loopback
+
+    keep_ray_on_loopback()  # three "nodes" of this machine, each on 127.0.0.1
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})

@@ -21,6 +21,7 @@ CLUSTER_YAML = REPO / "configs" / "cluster.yaml"
 GPU_NODE_YAML = REPO / "configs" / "gpu-node.yaml"
 GPU_DOC = REPO / "docs" / "gpu.md"
 GIB = 1024**3
+TOKEN_FILE = "~/.ray/auth_token"  # Ray's default token path, where `ray get-auth-token --generate` writes it
 
 # Per-GPU memory as nvidia-smi reports it (MiB), and GPUs per instance: AWS's instance pages.
 INSTANCE_GPUS = {
@@ -104,6 +105,9 @@ def test_every_file_mount_is_the_repo_or_a_path_the_user_is_told_to_fill():
         if local == ".":
             assert remote == "/home/ubuntu/pdserve"
             continue
+        if local == TOKEN_FILE:
+            assert remote == "/home/ubuntu/.ray/auth_token"
+            continue
         index = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{remote}:"))
         assert any("FILL" in line for line in lines[max(0, index - 3) : index]), f"{remote}: no FILL note above it"
         assert remote in doc and "file_mounts" in doc, f"docs/gpu.md does not tell the user to fill {remote}"
@@ -160,3 +164,14 @@ def test_setup_installs_what_each_node_needs():
     pdserve_at = next(i for i, c in enumerate(cluster["setup_commands"]) if "-e /home/ubuntu/pdserve" in c)
     assert torch_at < pdserve_at  # else pip resolves pdserve's unpinned torch from PyPI first
     assert any("cuda.is_available" in c for c in cluster["worker_setup_commands"])
+
+
+def test_every_node_starts_ray_with_token_auth_and_the_one_token():
+    cluster = _cluster()
+    for command in [*cluster["head_start_ray_commands"], *cluster["worker_start_ray_commands"]]:
+        if "ray start" in command:
+            assert re.search(r"(^|\s)RAY_AUTH_MODE=token\s.*\bray start\b", command), command
+    assert cluster["file_mounts"]["/home/ubuntu/.ray/auth_token"] == TOKEN_FILE  # made once, never in the repo
+    assert any("export RAY_AUTH_MODE=token" in c for c in cluster["setup_commands"])  # drivers and `ray exec`
+    assert "ray get-auth-token --generate" in CLUSTER_YAML.read_text() and "ray get-auth-token" in GPU_DOC.read_text()
+    assert "ray.allow_unauthenticated" in GPU_DOC.read_text()

@@ -17,9 +17,11 @@ URL_PATTERN = re.compile(r"at (http://127\.0\.0\.1:\d+)/v1")
 
 
 @contextmanager
-def serve_process(config: Path, start_timeout_s: float = 120.0) -> Iterator[tuple[subprocess.Popen, str]]:
+def serve_process(
+    config: Path, start_timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """Yield (the process, its base URL) once it prints where it serves; a process that exits or stays silent
-    fails the test with everything it printed."""
+    fails the test with everything it printed. It leads a session of its own, so Ray's processes are in it too."""
     import ray
 
     if ray.is_initialized():  # the serve process starts its own local Ray; this one must not hold one
@@ -29,6 +31,8 @@ def serve_process(config: Path, start_timeout_s: float = 120.0) -> Iterator[tupl
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,
+        start_new_session=True,
     )
     try:
         assert proc.stdout is not None

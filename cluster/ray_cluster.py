@@ -1,0 +1,118 @@
+"""Starting or joining Ray, so that nobody else can use it: a local Ray on loopback, a real cluster only with tokens.
+
+Without an address pdserve starts its own Ray. Ray binds its gRPC servers (GCS, raylet, object manager, agents,
+every worker) to all interfaces unless the node's address is loopback, and it takes the node's address from the
+route to the internet; its own rule for laptops (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) keeps a node on
+127.0.0.1. ``init_local_ray`` applies that rule to this process and every process Ray starts from it, and checks it.
+
+With an address (``--address auto`` on a ``ray up`` cluster) pdserve joins only a cluster that refuses callers
+without its token (``RAY_AUTH_MODE=token`` on every node): an unauthenticated Ray runs any code anyone who reaches it
+submits. ``check_ray_auth`` asks the GCS once without a token, from a child process that has none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+from cluster.config import ClusterConfig, ConfigError, pool_layout
+from cluster.network_exposure import is_loopback
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+AUTH_PROBE_TIMEOUT_S = 30.0
+
+# Run in a child with RAY_AUTH_MODE=disabled and no token: it prints "open" if the GCS answers anyway.
+_AUTH_PROBE = """
+import sys
+from ray._raylet import GcsClient
+from ray.exceptions import AuthenticationError
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_get(b"pdserve", namespace=None, timeout=10)
+except AuthenticationError:
+    print("token")
+else:
+    print("open")
+"""
+
+
+def keep_ray_on_loopback() -> None:
+    """Make every Ray node started from this process (and its children) take 127.0.0.1 as its address.
+
+    Call it before the first local Ray starts; it also holds when ``ray`` was already imported."""
+    os.environ.update(LOOPBACK_ENV)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # the module read the variable when it was imported
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def init_local_ray(num_cpus: int, namespace: str) -> None:
+    """A fresh local Ray on loopback (``address="local"``: never another Ray running on this machine)."""
+    import ray
+
+    keep_ray_on_loopback()
+    # log_to_driver=False: workers log to Ray's session files, and commands that print JSON keep stdout clean
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        namespace=namespace,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+    node_ip = ray.util.get_node_ip_address()
+    if not is_loopback(node_ip):
+        ray.shutdown()
+        raise RuntimeError(f"the local Ray took {node_ip} as its address, not loopback: it would listen beyond it")
+
+
+def check_ray_auth(config: ClusterConfig, gcs_address: str, timeout_s: float = AUTH_PROBE_TIMEOUT_S) -> None:
+    """Refuse a Ray cluster that answers callers without its token, unless ``ray.allow_unauthenticated``."""
+    if config.ray.allow_unauthenticated:
+        return
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", _AUTH_PROBE, gcs_address],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        answer = probe.stdout.strip().splitlines()[-1:] or [probe.stderr.strip()[-300:]]
+    except subprocess.TimeoutExpired:
+        answer = [f"no answer within {timeout_s:.0f} s"]
+    if answer == ["token"]:
+        return
+    found = (
+        "answers callers that have no token (its RAY_AUTH_MODE is not token)"
+        if answer == ["open"]
+        else f"could not be checked for token authentication ({answer[0]})"
+    )
+    raise ConfigError(
+        f"ray.address: the Ray cluster at {gcs_address} {found}: anyone who can reach it can run code on it. "
+        "Start every node with RAY_AUTH_MODE=token and one shared token (docs/gpu.md, configs/cluster.yaml), or set "
+        "ray.allow_unauthenticated: true to use this cluster deliberately"
+    )
+
+
+def connect_ray(config: ClusterConfig, address: str | None) -> bool:
+    """Join the configured cluster, or start a local one; True if Ray was started (and must be shut down) here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or config.ray.address
+    if not address:
+        needed = sum(pool.replicas * pool.cpus_per_replica for _, _, pool in pool_layout(config))
+        init_local_ray(max(int(needed + 0.999), os.cpu_count() or 1), config.ray.namespace)
+        return True
+    ray.init(address=address, namespace=config.ray.namespace, logging_level=logging.WARNING)
+    try:
+        check_ray_auth(config, ray.get_runtime_context().gcs_address)
+    except BaseException:
+        ray.shutdown()
+        raise
+    return True
