@@ -181,7 +181,7 @@ def _metric(base_url: str, name: str, **labels: str) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
 
     config = load_config(args.config)
     if args.model:

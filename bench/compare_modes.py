@@ -5,7 +5,7 @@ It lives in bench/, not in bench/loadtest/, because it starts pdserve's cluster:
 HTTP and a tokenizer and imports nothing of the server, so it can test any OpenAI-compatible one.
 
 For each mode it starts the cluster from a copy of the config (``mode`` set, ``router.port`` 0 for a free port)
-with ``cluster.launch.start_serving(config)``, which returns a handle with ``base_url``, ``num_workers`` and
+with ``cluster.run.launch.start_serving(config)``, which returns a handle with ``base_url``, ``num_workers`` and
 ``stop()``; runs every rate (``--rates``, else ``--request-rate``) against ``handle.base_url``; stops it. The SLOs
 are ``--goodput`` if given, else the config's ``slo`` section. The per-worker rate uses ``handle.num_workers``
 (``--num-workers`` overrides it).
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _start(config, mode: str):
-    from cluster.launch import start_serving  # lazily: the launcher needs Ray and the workers
+    from cluster.run.launch import start_serving  # lazily: the launcher needs Ray and the workers
 
     copy = config.model_copy(deep=True)
     copy.mode = mode

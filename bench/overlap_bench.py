@@ -261,8 +261,8 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     import ray
 
     from cluster.config import load_config
-    from cluster.launch import start_serving
-    from cluster.ray_cluster import init_local_ray
+    from cluster.run.launch import start_serving
+    from cluster.run.ray_cluster import init_local_ray
     from engine.model_loader import load_tokenizer, resolve_model_path
 
     given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file

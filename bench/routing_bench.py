@@ -183,7 +183,7 @@ def workload_plan(args: argparse.Namespace, workload: str, tokenizer_model: str)
 
 
 def _one_run(config: ClusterConfig, plan: Plan, label: str, folder, in_process: bool) -> dict[str, Any]:
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
 
     print(f"routing bench: {label}: starting the cluster", file=sys.stderr)
     handle = start_serving(config, in_process=in_process)
@@ -228,7 +228,7 @@ def _workload_settings(args: argparse.Namespace, workload: str, plan: Plan) -> d
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from cluster.ray_cluster import init_local_ray
+    from cluster.run.ray_cluster import init_local_ray
     from engine.model_loader import resolve_model_path
 
     for name in ("max_concurrency", "prefix_groups", "prefix_len", "question_len", "num_prompts", "output_len"):

@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default=None, help="default: the shipped local config (configs/local.yaml)")
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-tokens", type=int, default=48)
-    demo.set_defaults(func=_call("cluster.demo", "run_demo"))
+    demo.set_defaults(func=_call("cluster.run.demo", "run_demo"))
 
     profile = sub.add_parser(
         "profile", help="measure prefill, decode and KV transfer times on this hardware (the input of `plan`)"

@@ -152,7 +152,7 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
     """Every mode: start the cluster, run every rate, stop it; then replay each run through the simulator."""
     from bench.loadtest.cli import execute
     from cluster.config import load_config
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
     from planner.profile_model import Profile
     from planner.simulator import SimSettings, simulate
     from planner.validate import compare, format_table, goal_summary, replay_from_records

@@ -2,7 +2,7 @@
 
 It lives in cli/, not in cluster/, because it is a client of the router's HTTP API and nothing more: it imports the
 standard library only, so it starts in a fraction of a second on a machine without torch or Ray, and it works
-against a router of any version that serves the same ``/status`` shape (``cluster/router.py``, ``status()``).
+against a router of any version that serves the same ``/status`` shape (``cluster/routing/router.py``, ``status()``).
 """
 
 from __future__ import annotations

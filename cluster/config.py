@@ -121,7 +121,7 @@ class LimitsSection(_Strict):
 
 
 class KvAwareSection(_Strict):
-    """The kv_aware policy's cost (cluster/policies.py): prefix_weight * matched / prompt tokens - load_weight * load."""
+    """The kv_aware policy's cost (cluster/routing/policies.py): prefix_weight * matched / prompt tokens - load_weight * load."""
 
     prefix_weight: float = Field(default=2.0, ge=0)  # a whole prompt cached is worth this many queued requests
     load_weight: float = Field(default=1.0, ge=0)
@@ -177,7 +177,7 @@ class AutoscalePoolBounds(_Strict):
 
 
 class AutoscaleSection(_Strict):
-    """The optional autoscaling policy (cluster/autoscale.py): off unless ``enabled``."""
+    """The optional autoscaling policy (cluster/run/autoscale.py): off unless ``enabled``."""
 
     enabled: bool = False
     interval_s: float = Field(default=10.0, gt=0)  # how often live metrics are read

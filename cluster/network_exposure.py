@@ -1,6 +1,6 @@
 """Who may reach the server: refuse an unauthenticated bind that other machines can reach.
 
-``check_network_exposure`` runs on the final config at start-up (after command-line overrides, ``cluster/launch.py``):
+``check_network_exposure`` runs on the final config at start-up (after command-line overrides, ``cluster/run/launch.py``):
 a server or worker reachable from other machines without an API key is refused unless the config says so
 explicitly (``router.allow_unauthenticated``). Why its own module: it is a start-up policy over the config, not part
 of what a valid config is (``cluster/config.py``, which re-exports it); it needs only the config's values.

@@ -8,7 +8,7 @@ the free list in LRU order: it can be revived by a later request with the same p
 The rule the engine relies on: ``allocate`` either gets every block a request needs now or changes nothing, so a
 request never holds half an allocation, and decode memory is never overcommitted.
 
-KV events: the router routes by which worker holds a prompt's leading blocks (``cluster/prefix_index.py``), so this
+KV events: the router routes by which worker holds a prompt's leading blocks (``cluster/routing/prefix_index.py``), so this
 manager records every change to what its prefix cache can serve: a hash *stored* (a full block enters the lookup
 table) and a hash *removed* (its block is handed out for something else, or the cache is reset). The worker drains
 them once per loop turn (``drain_kv_events``) and publishes them. Pending changes are kept as the net difference from

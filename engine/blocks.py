@@ -11,7 +11,7 @@ what the request can still generate (``max_tokens - 1`` after the first token, a
 ``max_model_len``). Within the reservation, decoding never has to ask for a block.
 
 The prefix cache's block hash lives here for the same reason: the router predicts which worker holds a prompt's
-leading blocks from the hashes workers report (``cluster/prefix_index.py``), so it must hash a prompt exactly as the
+leading blocks from the hashes workers report (``cluster/routing/prefix_index.py``), so it must hash a prompt exactly as the
 engine does. ``chain_hash`` is the engine's own function, not a copy; ``prompt_block_hashes`` chains it over a
 prompt's full blocks.
 

@@ -19,7 +19,7 @@ one replica do within the SLO?
 Each pool's figure (busy replicas) is divided by ``autoscale.target_utilization`` (headroom: queueing delay grows
 without bound as a server nears 100% busy, and TTFT is mostly queueing) and rounded up; at least one replica per
 pool, as a pool with none cannot take the next request. Queued requests (waiting for decode KV) count as arrivals
-to serve within the next interval. The policy (cluster/autoscale.py) clamps the answer to the pool's bounds and
+to serve within the next interval. The policy (cluster/run/autoscale.py) clamps the answer to the pool's bounds and
 applies hysteresis.
 """
 
@@ -29,8 +29,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from cluster.autoscale import LiveLoad
 from cluster.config import ClusterConfig
+from cluster.run.autoscale import LiveLoad
 from planner.profile_model import Profile
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Estimate:
 
 @dataclass(slots=True)
 class ProfileCapacityModel:
-    """``CapacityModel`` (cluster/autoscale.py) from a ``Profile``: see the module docstring for the arithmetic."""
+    """``CapacityModel`` (cluster/run/autoscale.py) from a ``Profile``: see the module docstring for the arithmetic."""
 
     profile: Profile
     mode: str  # "disaggregated" or "colocated"

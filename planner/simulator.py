@@ -1,8 +1,8 @@
 """A discrete-event simulation (simpy) of one pdserve cluster serving a trace: what ``pdserve plan`` sizes pools with.
 
 The parts that decide where work goes and when it runs are the real ones where they can be: the router's routing
-policies (``cluster.policies.make_policy``, ordering ``SimWorker``s shaped like the router's ``WorkerHandle``: a name,
-``inflight`` and a ``Stats`` heartbeat), its prefix index (``cluster.prefix_index.PrefixIndex``, fed with one hash per
+policies (``cluster.routing.policies.make_policy``, ordering ``SimWorker``s shaped like the router's ``WorkerHandle``: a name,
+``inflight`` and a ``Stats`` heartbeat), its prefix index (``cluster.routing.prefix_index.PrefixIndex``, fed with one hash per
 shared-prefix block), its block arithmetic (``engine.blocks``) and ``MAX_WORKERS_TRIED``; the engine's scheduler
 rules are mirrored step by step in planner/sim_engine.py. Times come from a measured ``Profile``.
 
@@ -32,9 +32,9 @@ from typing import Literal
 import simpy
 
 from cluster.config import ClusterConfig
-from cluster.policies import Policy, PrefixMatch, make_policy
-from cluster.prefix_index import PrefixIndex
-from cluster.reservations import MAX_WORKERS_TRIED
+from cluster.routing.policies import Policy, PrefixMatch, make_policy
+from cluster.routing.prefix_index import PrefixIndex
+from cluster.routing.reservations import MAX_WORKERS_TRIED
 from engine.blocks import blocks_for_tokens, reserved_blocks, reusable_prefix_tokens
 from planner.profile_model import Profile
 from planner.sim_engine import SimEngine, SimRequest
@@ -156,7 +156,7 @@ class _Flight:
 
 @dataclass(slots=True, eq=False)
 class SimWorker:
-    """What the routing policies read of a worker (``cluster.policies.Candidate``, as ``WorkerHandle`` has it)."""
+    """What the routing policies read of a worker (``cluster.routing.policies.Candidate``, as ``WorkerHandle`` has it)."""
 
     name: str
     role: Literal["prefill", "decode", "colocated"]

@@ -39,7 +39,7 @@ def ray_local():
     """A fresh local Ray for one test module, on loopback (never attaching to another cluster on the machine)."""
     import ray
 
-    from cluster.ray_cluster import init_local_ray
+    from cluster.run.ray_cluster import init_local_ray
 
     if ray.is_initialized():
         ray.shutdown()

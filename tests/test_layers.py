@@ -12,14 +12,16 @@ Rules (a package may import itself and anything in a lower layer):
 - layers, top to bottom: cli; bench, planner; cluster; prefill, decode; worker; engine, transfer;
 - two packages of one layer never import each other (prefill/decode, engine/transfer, bench/planner);
 - nothing imports cli (it is the top layer);
-- engine, transfer, worker, prefill and decode never import Ray (they run and are tested without it).
+- engine, transfer, worker, prefill and decode never import Ray (they run and are tested without it);
+- inside cluster/, wings top to bottom: run (pools, launch, scaling); openai (the HTTP surface); routing (the router
+  core); the config modules at cluster/'s top level.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers.imports import ROOT, Import, imports_of, package_files, resolve_relative
+from tests.helpers.imports import ROOT, Import, imports_of, module_name, package_files, resolve_relative
 
 LAYERS: list[tuple[str, ...]] = [  # top first
     ("cli",),
@@ -50,12 +52,36 @@ def violation(importer: str, imp: Import) -> str | None:
     return None
 
 
+CLUSTER_WINGS = ["run", "openai", "routing", ""]  # top first; "": cluster/config*.py and network_exposure.py
+WING_LEVEL = {wing: len(CLUSTER_WINGS) - i for i, wing in enumerate(CLUSTER_WINGS)}
+
+
+def wing_of(module: str) -> str | None:
+    """The cluster wing a module name is in ("" for the top level), None outside cluster/."""
+    parts = module.split(".")
+    if parts[0] != "cluster":
+        return None
+    return parts[1] if len(parts) > 2 and parts[1] in WING_LEVEL else ""
+
+
+def wing_violation(importer_module: str, imp: Import) -> str | None:
+    """Why a cluster module may not import another cluster module (a wing above its own); None when it may."""
+    mine, theirs = wing_of(importer_module), wing_of(imp.module)
+    if mine is None or theirs is None or mine == theirs or imp.module == "cluster":
+        return None
+    if WING_LEVEL[theirs] > WING_LEVEL[mine]:
+        return f"cluster/{mine or '(top)'} imports cluster/{theirs or '(top)'}, a wing above it"
+    return None
+
+
 def all_violations() -> list[str]:
     problems = []
     for package in LEVEL:
         for path in package_files(package):
             for imp in imports_of(path):
-                why = violation(package, imp)
+                why = violation(package, imp) or (
+                    wing_violation(module_name(path), imp) if package == "cluster" else None
+                )
                 if why:
                     problems.append(f"{imp}  ({why})")
     return sorted(set(problems))
@@ -120,7 +146,7 @@ def test_an_upward_import_is_reported_with_file_line_and_statement(package, sour
 @pytest.mark.parametrize(
     ("package", "source"),
     [
-        ("cli", "def run():\n    from bench import engine_bench\n    import cluster.serve\n"),
+        ("cli", "def run():\n    from bench import engine_bench\n    import cluster.run.serve\n"),
         ("bench", "from cluster.config import load_config\nfrom engine.request import SamplingParams\n"),
         ("cluster", "from prefill.worker import PrefillWorker\nimport ray\n"),
         ("decode", "from worker.runtime import WorkerRuntime\nfrom transfer.base import make_receiver\n"),
@@ -137,3 +163,19 @@ def test_relative_imports_are_resolved_against_the_file():
     assert resolve_relative(ROOT / "bench" / "loadtest" / "cli.py", 2, "chaos") == "bench.chaos"
     assert resolve_relative(ROOT / "bench" / "loadtest" / "__init__.py", 1, "cli") == "bench.loadtest.cli"
     assert resolve_relative(ROOT / "prefill" / "worker.py", 2, "cluster") == "cluster"
+
+
+@pytest.mark.parametrize(
+    ("importer", "module", "allowed"),
+    [
+        ("cluster.run.launch", "cluster.openai.api", True),
+        ("cluster.openai.api", "cluster.routing.router", True),
+        ("cluster.routing.core", "cluster.config", True),
+        ("cluster.routing.router", "cluster.openai.choices", False),
+        ("cluster.openai.api", "cluster.run.scaling", False),
+        ("cluster.config", "cluster.routing.errors", False),
+    ],
+)
+def test_cluster_wings_import_downward_only(importer, module, allowed):
+    imp = Import(ROOT / "cluster" / "probe.py", 1, module, f"import {module}")
+    assert (wing_violation(importer, imp) is None) is allowed

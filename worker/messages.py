@@ -190,7 +190,7 @@ class Ping(_Command, tag="ping"):
 
 
 class Drain(_Command, tag="drain"):
-    """The worker is being removed (``pdserve scale``, cluster/scaling.py): every router sends it once it routes
+    """The worker is being removed (``pdserve scale``, cluster/run/scaling.py): every router sends it once it routes
     nothing new there. The worker finishes what it holds; once every router has sent it and nothing is left, it says
     ``drained`` (the pool then stops it). What it still holds ``deadline_s`` after the first one is failed with an
     explicit error, never dropped."""
@@ -275,7 +275,7 @@ class KvEvents(_Event, tag="kv_events"):
     """What the worker's prefix cache gained and lost (engine/block_manager.py ``drain_kv_events``), to every router,
     batched once per loop turn and split at ``MAX_KV_EVENT_HASHES``. ``reset``: forget everything held before and
     take ``stored`` (and the messages after it) as the snapshot. ``seq`` counts this incarnation's messages from 0, so
-    a reader that misses one knows (cluster/prefix_index.py drops that worker's view until the next snapshot)."""
+    a reader that misses one knows (cluster/routing/prefix_index.py drops that worker's view until the next snapshot)."""
 
     address: str  # the worker's command address: which incarnation these hashes belong to
     seq: Annotated[int, msgspec.Meta(ge=0)]

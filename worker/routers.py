@@ -10,7 +10,7 @@ remembers which router owns each request and sends every event about a request o
 split per router). A router that is silent for ``router_timeout_s`` loses its own requests only: the others keep
 theirs.
 
-Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/scaling.py): the routers
+Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): the routers
 send it nothing new after it, so the worker finishes what it holds. Once every router has sent it (a command sent
 before ``drain`` by the same router arrives before it) and nothing is held, ``info()["drained"]`` is true and the pool
 stops it. Whatever is still held ``deadline_s`` after the first ``drain`` is failed, each request with an error event

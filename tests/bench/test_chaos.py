@@ -88,7 +88,7 @@ def test_in_process_chaos_with_spare_replicas_loses_nothing(tiny_llama_path, tmp
 
 def test_a_prefill_death_fails_no_stream_already_decoding_elsewhere(tiny_llama_path):
     """Once its first token is out, a request no longer needs its prefill worker: the decode worker has the KV."""
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
     from tests.helpers.cluster import tiny_cluster_config
 
     pools = {

@@ -10,7 +10,7 @@ from tests.helpers.openai_api import TOOL_TEMPLATE, Clusters, model_folder
 def serve(tiny_llama_path):
     """``serve(**sections)``: an in-process cluster on the tiny model (the real router, API, workers and transfer, as
     threads); at teardown every block must be free, no request held, and no stream left at the router."""
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
 
     handles = []
 

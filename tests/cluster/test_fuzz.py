@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from cluster.launch import start_serving
+from cluster.run.launch import start_serving
 from engine.model_loader import load_tokenizer
 from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from cluster.launch import start_serving
+from cluster.run.launch import start_serving
 from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv_free
 
 pytestmark = pytest.mark.timeout(240)

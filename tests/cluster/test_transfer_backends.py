@@ -7,7 +7,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.launch import start_serving
+from cluster.run.launch import start_serving
 from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 from tests.helpers.engine import Reference, random_prompts
 

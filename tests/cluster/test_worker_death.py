@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster.launch import start_serving
+from cluster.run.launch import start_serving
 from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv_free, wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster.config import parse_config
-from cluster.pools import LocalPools
+from cluster.run.pools import LocalPools
 from engine.config import EngineConfig
 from transfer.base import TransferConfig
 from worker.spec import RuntimeOptions, WorkerRole, WorkerSpec, resolve_device, resolve_spec

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from cluster.errors import RequestFailed
-from cluster.launch import start_serving
-from cluster.streams import Stream
+from cluster.routing.errors import RequestFailed
+from cluster.routing.streams import Stream
+from cluster.run.launch import start_serving
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams

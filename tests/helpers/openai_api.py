@@ -60,7 +60,7 @@ class Clusters:
         self.handles: dict[tuple[str, str], object] = {}
 
     def get(self, model_path: Path, mode: str, **sections):
-        from cluster.launch import start_serving
+        from cluster.run.launch import start_serving
 
         key = (str(model_path), mode)
         if key not in self.handles:

@@ -1,5 +1,5 @@
 """What the autoscaler tests drive it with: a clock the test moves, and a scaler that records each resize and
-changes the replica counts the autoscaler reads back (``pools.active``), as ``cluster.scaling.Scaler`` does."""
+changes the replica counts the autoscaler reads back (``pools.active``), as ``cluster.run.scaling.Scaler`` does."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A stand-in for a running router's ``GET /status``: a canned answer over real HTTP, for testing ``pdserve status``
-without starting a cluster (the real router's answer is tested in tests/cluster/test_serve_cli.py)."""
+without starting a cluster (the real router's answer is tested in tests/cluster/run/test_serve_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 
 def canned_status() -> dict[str, Any]:
-    """A ``/status`` answer shaped like ``cluster/router.py`` ``status()``: one worker with heartbeat figures, one that
+    """A ``/status`` answer shaped like ``cluster/routing/router.py`` ``status()``: one worker with heartbeat figures, one that
     has not sent its first heartbeat yet (so it has no load fields), two router processes."""
     return {
         "mode": "disaggregated",

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.autoscale import Autoscaler, LiveLoad, MetricsWindow
 from cluster.config import ConfigError, parse_config
-from cluster.metrics import RouterMetrics
+from cluster.routing.metrics import RouterMetrics
+from cluster.run.autoscale import Autoscaler, LiveLoad, MetricsWindow
 from planner.autoscale_model import ProfileCapacityModel, capacity_model_for
 from planner.profile_model import Fit, Profile
 from tests.helpers.scaling import Clock, RecordingScaler
@@ -102,7 +102,7 @@ def test_queued_requests_count_as_arrivals_idle_needs_one_each_unknown_mix_no_an
 
 
 def serve_requests(metrics: RouterMetrics, n: int, ttft_s: float, tpot_s: float, prompt: int = 100, out: int = 21):
-    """What the router records for ``n`` requests that came in and finished (cluster/router.py's order)."""
+    """What the router records for ``n`` requests that came in and finished (cluster/routing/router.py's order)."""
     for _ in range(n):
         metrics.inflight.inc()
         metrics.requests.labels("finished").inc()
@@ -210,7 +210,7 @@ def test_a_missing_profile_file_is_a_config_error_naming_the_field(tmp_path):
 def test_a_live_cluster_is_resized_by_the_model(tiny_llama_path, tmp_path):
     """``start_serving`` with the model ``pdserve serve`` builds: its thread reads /metrics over HTTP; with no
     traffic the model needs one replica per pool, so decode goes 2 -> 1 by itself."""
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
     from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free, wait_until
 
     path = tmp_path / "profile.json"
@@ -234,9 +234,9 @@ def test_a_live_cluster_is_resized_by_the_model(tiny_llama_path, tmp_path):
 
 
 def test_pdserve_serve_hands_the_cluster_the_model_of_the_configured_profile(tmp_path, monkeypatch):
-    """The wiring alone (cli/serve_cmd.py -> cluster/serve.py -> start_serving): the cluster start is replaced by one
+    """The wiring alone (cli/serve_cmd.py -> cluster/run/serve.py -> start_serving): the cluster start is replaced by one
     that records what it was given and stops there; what it is given is the real model of the real file."""
-    import cluster.launch
+    import cluster.run.launch
     from cli.main import build_parser
 
     profile = tmp_path / "profile.json"
@@ -252,7 +252,7 @@ def test_pdserve_serve_hands_the_cluster_the_model_of_the_configured_profile(tmp
         given.update(kwargs, config=config)
         raise Started
 
-    monkeypatch.setattr(cluster.launch, "start_serving", start_serving)
+    monkeypatch.setattr(cluster.run.launch, "start_serving", start_serving)
     args = build_parser().parse_args(["serve", "--config", str(path)])
     with pytest.raises(Started):
         args.func(args)

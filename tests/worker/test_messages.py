@@ -13,9 +13,9 @@ import msgspec
 import pytest
 import zmq
 
-from cluster.membership import heartbeat_status
-from cluster.metrics import GAUGE_KEYS, TOTAL_KEYS, RouterMetrics
-from cluster.request_table import response_timing
+from cluster.routing.membership import heartbeat_status
+from cluster.routing.metrics import GAUGE_KEYS, TOTAL_KEYS, RouterMetrics
+from cluster.routing.request_table import response_timing
 from engine.config import EngineConfig
 from engine.request import FinishReason, SamplingParams, TokenLogprob
 from tests.helpers.engine import random_prompts

@@ -95,7 +95,7 @@ def test_a_server_without_cached_tokens_gets_null_not_zero(tmp_path, byte_tokeni
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_pdserve_reports_its_prefix_cache_hits_to_the_load_test(tiny_llama_path, tmp_path, mode):
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
     from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 
     prefix_len, block = 64, tiny_cluster_config(tiny_llama_path).transfer.block_size

@@ -1,4 +1,4 @@
-"""``bench compare`` (bench/compare_modes.py) against a fake ``cluster.launch.start_serving`` that serves the scripted server."""
+"""``bench compare`` (bench/compare_modes.py) against a fake ``cluster.run.launch.start_serving`` that serves the scripted server."""
 
 import argparse
 import sys
@@ -40,9 +40,9 @@ def test_compare_runs_both_modes_and_writes_table_and_plots(tmp_path, byte_token
             self.server.stop()
             self.stopped = True
 
-    fake = types.ModuleType("cluster.launch")
+    fake = types.ModuleType("cluster.run.launch")
     fake.start_serving = Handle
-    monkeypatch.setitem(sys.modules, "cluster.launch", fake)
+    monkeypatch.setitem(sys.modules, "cluster.run.launch", fake)
 
     config_path = tmp_path / "cluster.yaml"
     config_path.write_text(

@@ -420,7 +420,7 @@ def test_summary_by_hand():
 
 @pytest.mark.timeout(180)
 def test_two_conversations_of_three_turns_on_a_real_cluster(tiny_llama_path, tmp_path):
-    from cluster.launch import start_serving
+    from cluster.run.launch import start_serving
     from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 
     config = tiny_cluster_config(tiny_llama_path)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.loadtest import cli
-from cluster.launch import start_serving
+from cluster.run.launch import start_serving
 from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
 
 pytestmark = pytest.mark.timeout(180)

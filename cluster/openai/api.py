@@ -1,0 +1,401 @@
+"""The OpenAI-compatible HTTP API over a ``Router``: completions and chat, streaming (SSE) and not.
+
+Every refusal is an OpenAI-style error body with the right status (400 bad input, 401 no key, 404 unknown model
+or route, 413 body too large, 429 overloaded with Retry-After, 503 no workers) whose ``param`` names the field;
+nothing reaches the client as a traceback. What a body may hold is checked in ``cluster/openai/openai_schema.py``, what
+depends on the model in ``cluster/openai/request_params.py`` (vocabulary, generation_config defaults), chat messages are
+rendered in ``cluster/openai/chat_template.py`` and response_format / tools become a grammar in ``cluster/openai/guided.py``.
+The size limit is counted while reading, so it holds for chunked bodies too. The API key, when set, guards every
+route but ``/health`` (load balancers probe it).
+
+A request fans out to one router request per choice (``n``, and the prompts of a completions list:
+``cluster/openai/choices.py``); the answer is assembled in ``cluster/openai/responses.py``. A client that disconnects cancels
+every choice wherever it is: mid-stream (the response generator is cancelled), while waiting for the first token,
+or while a non-streaming answer is being collected (a watcher on the ASGI ``http.disconnect`` message). Either way
+the router's generators are closed and their cleanup aborts each request on every worker that holds it. Each
+response carries ``usage`` (with ``prompt_tokens_details.cached_tokens``), ``system_fingerprint`` and ``timing``
+(where the time went, seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from cluster.config import ClusterConfig, pool_layout
+from cluster.openai.api_format import TokenText, system_fingerprint
+from cluster.openai.chat_template import render
+from cluster.openai.chat_tools import chat_tools, model_vocab_size
+from cluster.openai.choices import ChoicePlan, choice_id, fan_out
+from cluster.openai.openai_schema import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    check_token_ids,
+    parse_body,
+    parse_json,
+)
+from cluster.openai.request_params import GenerationDefaults, for_choice, prompts, sampling_params
+from cluster.openai.responses import ResponseShape, collect, http_error, stream
+from cluster.routing.errors import RequestFailed, ScaleError
+from cluster.routing.router import Router
+from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    router: Router,
+    tokenizer,
+    config: ClusterConfig,
+    max_model_len: int,
+    generation_defaults: GenerationDefaults | None = None,
+) -> FastAPI:
+    """``generation_defaults``: the sampling values a request leaves unset; default: the generation_config.json of
+    the tokenizer's model folder (where the tokenizer was loaded from), as vLLM takes them."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    model_name = config.served_model_name
+    limits = config.router.limits
+    vocab_size = len(tokenizer)
+    defaults = generation_defaults or GenerationDefaults.from_model_dir(getattr(tokenizer, "name_or_path", None))
+    fingerprint = system_fingerprint(model_name, config.mode)
+    token_text = TokenText(tokenizer)
+    model_vocab = model_vocab_size(tokenizer)
+    kv_status = model_kv_status(config, getattr(tokenizer, "name_or_path", None))  # config.json read once
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method: the same error body as the rest
+    async def _http_error_body(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail), err_type=err_type).body(),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", err_type="server_error").body(), 500)
+
+    expected_auth = None if config.router.api_key is None else f"Bearer {config.router.api_key}".encode()
+
+    def check_api_key(request: Request) -> None:
+        if expected_auth is None:
+            return
+        given = request.headers.get("authorization", "").encode("latin-1")  # the raw bytes (ASGI decodes latin-1)
+        if not hmac.compare_digest(given, expected_auth):
+            raise APIError(
+                401,
+                "missing or wrong API key (Authorization: Bearer ...)",
+                err_type="authentication_error",
+                code="invalid_api_key",
+            )
+
+    async def read_json(request: Request):
+        check_api_key(request)
+        limit = config.router.max_body_bytes
+        # the server discards the rest of the body (up to its keep-alive timeout) rather than closing at once: a
+        # close with unread data resets the connection, and the client might never see this answer
+        too_large = APIError(413, f"request body over {limit} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():  # counted as it arrives: chunked bodies have no Content-Length
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError(400, "the client disconnected while sending the body") from None
+        return parse_json(b"".join(chunks), limits)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(
+                404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model", "model_not_found"
+            )
+
+    def budget(
+        prompt_ids: list[int], asked: int | None, default: int | None, param: str = "max_tokens", prompt_field="prompt"
+    ) -> int:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", prompt_field)
+        room = max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}",
+                prompt_field,
+                "context_length_exceeded",
+            )
+        if asked is None:
+            return min(default, room) if default else room
+        if asked <= 0:
+            raise APIError(400, f"{param} must be at least 1, got {asked}", param)
+        if asked > room:
+            raise APIError(
+                400,
+                f"{param}={asked} plus the prompt's {len(prompt_ids)} tokens exceeds max_model_len {max_model_len}",
+                param,
+                "context_length_exceeded",
+            )
+        return asked
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_body(CompletionRequest, await read_json(request), limits)
+        check_model(body.model)
+        items = prompts(body.prompt)
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo else None
+        prompt_ids, echo, params = [], [], []
+        for i, prompt in enumerate(items):
+            field = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = tokenizer(prompt, add_special_tokens=True).input_ids if prompt else []
+                echo.append(prompt)
+            else:
+                ids = list(prompt)
+                check_token_ids(ids, vocab_size, field)
+                echo.append(tokenizer.decode(ids) if body.echo else "")
+            max_tokens = budget(ids, body.max_tokens, 16, prompt_field=field)
+            prompt_ids.append(ids)
+            params.append(
+                sampling_params(
+                    body, max_tokens, vocab_size, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+                )
+            )
+        shape = _shape(body, prompt_ids, params, chat=False)
+        shape.logprobs, shape.echo = logprobs, echo if body.echo else None
+        return await respond(request, body, shape)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse_body(ChatRequest, await read_json(request), limits)
+        check_model(body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        tools = None
+        if body.tools is not None or body.response_format is not None or body.tool_choice is not None:
+            tools = await asyncio.to_thread(chat_tools, body, tokenizer, model_vocab)  # may compile: off the loop
+        prompt_ids = render(tokenizer, body, tools.template_tools if tools else None)
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(
+            body,
+            budget(prompt_ids, asked, None, param),
+            vocab_size,
+            defaults,
+            logprobs=logprobs,
+            guided=tools.guided if tools else None,
+        )
+        shape = _shape(body, [prompt_ids], [params], chat=True)
+        shape.logprobs, shape.tools = logprobs, tools.reader if tools else None
+        return await respond(request, body, shape)
+
+    def _shape(body, prompt_ids: list[list[int]], params: list, chat: bool) -> ResponseShape:
+        """One plan per choice: prompt p's choice j is index p * n + j, seeded seed + j, led by its choice 0."""
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        n = body.n or 1
+        plans = []
+        for p, (ids, base) in enumerate(zip(prompt_ids, params)):
+            for j in range(n):
+                index = p * n + j
+                leader = None if j == 0 else p * n
+                plans.append(ChoicePlan(index, p, ids, for_choice(base, j), choice_id(rid, index), leader))
+        options = body.stream_options
+        return ResponseShape(
+            rid=rid,
+            created=int(time.time()),
+            chat=chat,
+            model=model_name,
+            fingerprint=fingerprint,
+            plans=plans,
+            prompt_tokens=sum(len(ids) for ids in prompt_ids),
+            token_text=token_text,
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+        )
+
+    async def respond(request: Request, body, shape: ResponseShape):
+        events = fan_out(router, shape.plans)
+        if body.stream:
+            try:  # errors before the first token are still a proper HTTP status
+                first = await _unless_disconnected(request, _first_event(events))
+            except _ClientGone:
+                await events.aclose()
+                return Response(status_code=499)
+            return StreamingResponse(
+                stream(router, shape, events, first),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            return await _unless_disconnected(request, collect(router, shape, events))
+        except RequestFailed as exc:
+            raise http_error(exc) from None
+        except _ClientGone:  # nobody to answer; the router's cleanup has aborted every choice on its workers
+            return Response(status_code=499)
+        finally:
+            await events.aclose()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_api_key(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health():
+        """200 while every role has a worker that takes requests (503 otherwise, so a load balancer moves on);
+        ``status`` is "degraded" as soon as any worker is dead or reports itself degraded, and says which."""
+        roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
+        serving = all(router.live(role) for role in roles)
+        workers = router.members.workers.values()
+        unhealthy = {w.name: w.degraded if w.alive else "dead" for w in workers if not w.alive or w.degraded}
+        body = {
+            "status": "ok" if serving and not unhealthy else "degraded",
+            "mode": config.mode,
+            "unhealthy_workers": unhealthy,
+        }
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    @app.get("/status")
+    async def status(request: Request):
+        check_api_key(request)
+        return {**router.status(), "kv": kv_status}
+
+    @app.post("/admin/scale")
+    async def admin_scale(request: Request):
+        """Live resizing (cluster/run/scaling.py): ``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the
+        pools' membership once the new workers serve (removed ones listed as draining until they have drained)."""
+        body = await read_json(request)  # checks the API key first
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - {"pool", "replicas", "drain_timeout_s"})
+        if unknown:
+            raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+        scaler = router.scaler
+        if scaler is None:
+            raise APIError(503, "this router cannot resize its pools", err_type="server_error")
+        try:
+            return await scaler.scale_async(body.get("pool"), body.get("replicas"), body.get("drain_timeout_s"))
+        except ScaleError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        check_api_key(request)
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None:
+    """/status's ``kv``: the served model's KV bytes per token (engine.kv_cache's formula, from its config.json and
+    the configured dtype) and, per pool, the blocks and tokens each replica's cache holds, by the rule the engine
+    allocates with (``kv_blocks`` if set, else whole blocks of ``kv_memory_mb``). None when config.json is
+    unreadable (a tokenizer not loaded from a model folder)."""
+    path = Path(model_dir or "") / "config.json"
+    try:
+        layers, kv_heads, head_dim = kv_shape_from_config(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        logger.warning("no KV sizing in /status: %s: %s", path, exc)
+        return None
+    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, DTYPE_BYTES[config.served_dtype])
+    block_size = config.transfer.block_size
+    pools = {}
+    for name, role, pool in pool_layout(config):
+        blocks = config.pool_kv_blocks(pool, per_token * block_size)
+        pools[name] = {
+            "role": role.value,
+            "replicas": pool.replicas,
+            "kv_memory_mb": pool.kv_memory_mb,
+            "kv_blocks": pool.kv_blocks,
+            # per replica; None: a GPU pool sizes its cache from measured free memory at start (gpu_memory_utilization)
+            "blocks": blocks,
+            "tokens": None if blocks is None else blocks * block_size,
+            "kv_bytes": None if blocks is None else blocks * block_size * per_token,
+        }
+    return {
+        "dtype": config.served_dtype,
+        "bytes_per_token": per_token,
+        "tokens_per_gib": (1 << 30) // per_token,
+        "block_size": block_size,
+        "pools": pools,
+    }
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the ASGI server reports the client gone (only call once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Await ``awaitable``, unless the client disconnects first: then cancel it (so whatever it was iterating, the
+    router's generator, is closed and aborts the request on every worker) and raise ``_ClientGone``."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done and watcher.exception() is not None:  # cannot tell: the client may be there, so wait
+            await asyncio.wait({work})
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})  # its cleanup (the abort) has run when this returns
+    if work.cancelled():
+        raise _ClientGone()
+    return work.result()
+
+
+async def _first_event(events):
+    """Wait for the first event so an error before any token becomes an HTTP error, not a broken stream."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    except RequestFailed as exc:
+        await events.aclose()
+        raise http_error(exc) from None

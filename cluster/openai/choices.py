@@ -1,0 +1,99 @@
+"""One response, several requests through the router: ``n`` choices per prompt, and the prompts of a list.
+
+Each choice is its own request (``Router.generate``), with its own request id, so everything the router does per
+request (reservation, retries, abort, timing) holds per choice. Why the order: a prompt's first choice is
+dispatched at once; its other choices only after the first one's first token (disaggregated: its second, which
+proves the decode worker admitted it and cached the prompt's blocks), or its end, with
+``affinity`` = the first choice's id, so they land on the workers that just computed the prompt and find it in
+their prefix caches: the prompt is computed once and its KV blocks shared, however large n is. Prompts of a list
+are independent and all start at once. Choice ``prompt_index * n + j`` is the j-th choice of that prompt, as in
+OpenAI's responses.
+
+``fan_out`` yields ``(choice index, TokenEvent)`` in arrival order. One choice failing fails the response (as vLLM
+does): its error is raised and every other choice is aborted. Closing the iterator (the client went away) aborts
+every choice too: each choice's generator is closed, and the router's cleanup aborts it on its workers. A single
+choice is iterated directly, with no task or queue in between (the common case costs nothing extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cluster.routing.router import Router
+from cluster.routing.streams import TokenEvent
+from engine.request import SamplingParams
+
+
+@dataclass(slots=True)
+class ChoicePlan:
+    index: int  # in the response: prompt_index * n + j
+    prompt_index: int
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+    leader: int | None = None  # the choice whose first event releases this one (its prompt's first choice)
+
+
+def choice_id(rid: str, index: int) -> str:
+    """The router's id of choice ``index``: the response's own id for choice 0 (its timing, its logs)."""
+    return rid if index == 0 else f"{rid}-{index}"
+
+
+async def fan_out(router: Router, plans: list[ChoicePlan]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    if len(plans) == 1:
+        plan = plans[0]
+        events = router.generate(plan.prompt, plan.params, plan.request_id)
+        try:
+            async for event in events:
+                yield plan.index, event
+        finally:
+            await events.aclose()
+        return
+    by_index = {plan.index: plan for plan in plans}
+    released = {plan.index: asyncio.Event() for plan in plans}
+    # disaggregated: the decode worker registers the prompt's blocks in its prefix cache when it admits the leader,
+    # which its second token proves; followers released then reserve only their own tail there, so the prompt's KV
+    # is neither computed nor shipped again (released at the first token, each would get its own copy)
+    tokens_to_release = 2 if router.config.mode == "disaggregated" else 1
+    # bounded: a choice waits while the client is behind, so its stream at the router keeps coalescing
+    queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue(maxsize=len(plans))
+
+    async def run(plan: ChoicePlan) -> None:
+        affinity = None
+        if plan.leader is not None:
+            await released[plan.leader].wait()
+            affinity = by_index[plan.leader].request_id
+        events = router.generate(plan.prompt, plan.params, plan.request_id, affinity=affinity)
+        num_tokens = 0
+        try:
+            async for event in events:
+                num_tokens += event.num_tokens
+                if num_tokens >= tokens_to_release or event.finish_reason is not None:
+                    released[plan.index].set()
+                await queue.put((plan.index, event, None))
+            await queue.put((plan.index, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # RequestFailed, or anything else: the response fails with it
+            await queue.put((plan.index, None, exc))
+        finally:
+            released[plan.index].set()  # followers go on even when the leader failed: the response ends anyway
+            await events.aclose()
+
+    tasks = [asyncio.create_task(run(plan)) for plan in plans]
+    try:
+        remaining = len(plans)
+        while remaining:
+            index, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is None:
+                remaining -= 1
+                continue
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # every choice's abort has been sent

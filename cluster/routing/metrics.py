@@ -1,0 +1,179 @@
+"""Prometheus metrics of one router, in a registry of its own (several routers can live in one test process).
+
+Latency histograms come from the router's view of each request; per-worker gauges and transfer counters come from
+the workers' heartbeats, so ``/metrics`` answers "was the KV actually transferred?" and "how full is each pool?".
+
+Several router processes (``router.processes`` > 1) use prometheus_client's multiprocess mode: the launcher sets
+``PROMETHEUS_MULTIPROC_DIR`` to a fresh folder before it starts them, every process writes its values to files
+there, and ``/metrics`` on any of them renders all: counters and histograms summed, the router's own gauges (in
+flight, queued) summed over live processes, and the gauges copied from worker heartbeats (which every router
+process hears) as the most recent value, not multiplied by the number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from worker.messages import Stats, WorkerCounters, WorkerLoad
+from worker.protocol import Rejection
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# the heartbeat's fields, exported under their own names: load as gauges (``pdserve_worker{key=...}``), counters as
+# the worker's monotonic totals (``pdserve_worker_total{key=...}``); a field added to either Struct shows up here
+GAUGE_KEYS: tuple[str, ...] = WorkerLoad.__struct_fields__
+TOTAL_KEYS: tuple[str, ...] = WorkerCounters.__struct_fields__
+
+
+class RouterMetrics:
+    def __init__(self, multiprocess: bool = False) -> None:
+        # only where the launcher set the folder up before prometheus_client was imported (cluster/run/frontend.py)
+        self.multiprocess = multiprocess and bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "pdserve_tpot_seconds", "Time per output token after the first", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.e2e = Histogram("pdserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS)
+        self.kv_transfer = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Decode reservation to complete KV (spans the prefill)",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.kv_after_prefill = Histogram(
+            "pdserve_kv_after_prefill_seconds",
+            "KV complete minus first token sampled (<= 0: transfer fully hidden)",
+            registry=r,
+            buckets=(-1, -0.1, -0.01, 0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+        )
+        self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.errors = Counter("pdserve_errors", "Failed or aborted requests by reason", ["reason"], registry=r)
+        self.queue_depth = Gauge(
+            "pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r, multiprocess_mode="livesum"
+        )
+        self.inflight = Gauge(
+            "pdserve_router_inflight", "Requests in flight at the router", registry=r, multiprocess_mode="livesum"
+        )
+        self.control_rejected = Counter(
+            "pdserve_control_rejected",
+            "Worker events dropped unread by the router: bad or missing MAC, replayed, multipart, malformed",
+            ["reason"],
+            registry=r,
+        )
+        for reason in Rejection:
+            self.control_rejected.labels(reason.value)  # every reason shows, at 0, from the start
+        self.task_restarts = Counter(
+            "pdserve_router_task_restarts",
+            "Router background tasks that crashed and were restarted",
+            ["task"],
+            registry=r,
+        )
+        self.worker_degraded = Gauge(
+            "pdserve_worker_degraded",
+            "1 while a worker reports itself degraded (its loop or a "
+            "transfer thread keeps failing); it gets no new requests",
+            ["worker", "pool"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.worker_revivals = Counter(
+            "pdserve_worker_revivals", "Workers marked dead that were heard from again", registry=r
+        )
+        # prefix-aware routing (cluster/routing/policies.py, cluster/routing/prefix_index.py), per pool (prefill, colocated): the
+        # prefix hit rate the router predicted is matched / routed prompt tokens
+        self.routing_decisions = Counter(
+            "pdserve_routing_decisions",
+            "Worker picks by what decided them: prefix (the chosen worker holds more of the prompt than another "
+            "candidate), load, or affinity (an earlier request's worker, asked for: n > 1 choices)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.routed_prompt_tokens = Counter(
+            "pdserve_routed_prompt_tokens", "Prompt tokens routed to prefill/colocated workers", ["pool"], registry=r
+        )
+        self.prefix_matched_tokens = Counter(
+            "pdserve_prefix_matched_tokens",
+            "Routed prompt tokens the chosen worker held in its prefix cache (router's view, engine's reuse rule)",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "pdserve_kv_events",
+            "Workers' KvEvents messages applied: delta, reset (a snapshot), gap (a missed message: view dropped)",
+            ["kind"],
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "pdserve_prefix_index_blocks",
+            "Prefix-cache blocks the router knows a worker holds",
+            ["worker", "pool"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.workers_alive = Gauge(
+            "pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r, multiprocess_mode="mostrecent"
+        )
+        self.worker_gauge = Gauge(
+            "pdserve_worker",
+            "Per-worker load from heartbeats",
+            ["worker", "pool", "key"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.worker_total = Gauge(
+            "pdserve_worker_total",
+            "Per-worker counters from heartbeats",
+            ["worker", "pool", "key"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.prefill_path = Counter(
+            "pdserve_prefill_path",
+            "Disaggregated requests by where their prompt was computed: remote (a prefill worker, KV transferred) or "
+            "local (the decode worker itself: router.local_prefill_max_tokens)",
+            ["path"],
+            registry=r,
+        )
+        self.decode_cached_tokens = Counter(
+            "pdserve_decode_cached_prompt_tokens",
+            "Prompt tokens the chosen decode worker already held (prefix cache): not reserved anew, not transferred",
+            registry=r,
+        )
+        for path in ("remote", "local"):
+            self.prefill_path.labels(path)  # both show, at 0, from the start
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
+        self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens generated", registry=r)
+        # workers detokenize and send text, so the router spends no time on it: kept at 0 for benchmarks to show it
+        # (``pdserve bench frontend`` reports its share of the router's CPU time)
+        self.detokenize_seconds = Counter(
+            "pdserve_router_detokenize_seconds",
+            "CPU time the router process spent detokenizing (0: the workers send text)",
+            registry=r,
+        )
+
+    def observe_worker(self, stats: Stats) -> None:
+        worker, pool, load, counters = stats.worker, stats.role, stats.load, stats.counters
+        for key in GAUGE_KEYS:
+            self.worker_gauge.labels(worker, pool, key).set(getattr(load, key))
+        for key in TOTAL_KEYS:
+            self.worker_total.labels(worker, pool, key).set(getattr(counters, key))
+        self.worker_degraded.labels(worker, pool).set(1 if stats.degraded else 0)
+
+    def render(self) -> bytes:
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()  # a fresh one per scrape, as prometheus_client's multiprocess docs do
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+    def local_value(self, name: str, **labels: str) -> float:
+        """One sample of this process alone (with several router processes, /metrics shows their sum)."""
+        return self.registry.get_sample_value(name, labels) or 0.0

@@ -1,0 +1,171 @@
+"""Routing policies: the order in which a pool's workers are tried for a request.
+
+Load weighs in every policy except plain round robin, and ties break at random, so a burst does not pile onto the
+worker that happens to sort first (Dynamo #589, #7836). Load is what the worker last reported (queue, running, KV
+use) plus what the router has sent it since (``inflight``), so back-to-back picks see each other.
+
+``kv_aware`` also weighs how much of the prompt a worker already holds in its prefix cache (the router's
+``cluster/routing/prefix_index.py``, fed by the workers' KV events): a worker that holds the prompt's leading blocks skips
+computing them. Its cost, per worker (higher is better):
+
+    score = prefix_weight * matched_tokens / prompt_tokens - load_weight * load_score(worker)
+
+so with the default weights (2 and 1) a worker holding the whole prompt is preferred until it has two more requests
+queued or in flight than another: the trade SGLang's cache-aware router makes with its balance threshold, as one
+linear cost like Dynamo's KV router. Ties go to the lower load, then at random. Every policy takes the request's
+``PrefixMatch`` (``order(workers, match)``); the others ignore it, and kv_aware without one orders by load alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from worker.messages import Stats
+
+
+class Candidate(Protocol):
+    name: str
+    inflight: int
+    stats: Stats | None  # its last heartbeat (None before the first)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What the router knows of one prompt's cached prefix on each worker (``Dispatcher.prefix_match``, cluster/routing/dispatch.py)."""
+
+    num_prompt_tokens: int
+    matched_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable leading tokens
+
+    def tokens(self, worker: str) -> int:
+        return self.matched_tokens.get(worker, 0)
+
+
+class Policy(Protocol):
+    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]: ...
+
+
+# "affinity": not a policy's choice, the router's (an earlier request's worker, asked for by the request)
+DecisionReason = Literal["prefix", "load", "affinity"]
+
+
+def decision_reason(
+    policy: Policy, chosen: Candidate, candidates: Sequence[Candidate], match: PrefixMatch | None
+) -> DecisionReason:
+    """Why a worker was chosen, for ``/metrics``: ``prefix`` when a policy that weighs prefixes (kv_aware) chose one
+    that holds more of the prompt than another candidate (the prefix term separated them), ``load`` otherwise (no
+    cached prefix anywhere, the same on every worker, or a policy that looks at load only)."""
+    if match is None or not isinstance(policy, KvAware):
+        return "load"
+    mine = match.tokens(chosen.name)
+    return "prefix" if any(match.tokens(w.name) < mine for w in candidates) else "load"
+
+
+def load_score(worker: Candidate) -> float:
+    if worker.stats is None:  # not heard from yet: only what the router sent it counts
+        return float(worker.inflight)
+    load = worker.stats.load
+    kv_used = 1.0 - load.free_blocks / load.total_blocks if load.total_blocks > 0 else 0.0
+    return load.waiting + load.awaiting_kv + worker.inflight + kv_used
+
+
+class RoundRobin:
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._counter = itertools.count()
+
+    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+        if not workers:
+            return []
+        start = next(self._counter) % len(workers)
+        return list(workers[start:]) + list(workers[:start])
+
+
+class LeastLoaded:
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+        return sorted(workers, key=lambda w: (load_score(w), self._rng.random()))
+
+
+class PowerOfTwo:
+    """Two random workers, the less loaded first; the rest after them as fallbacks."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+        pool = list(workers)
+        self._rng.shuffle(pool)
+        head = sorted(pool[:2], key=load_score)
+        return head + pool[2:]
+
+
+class KvAware:
+    """Cached-prefix overlap against load (the cost in the module docstring); ties by load, then at random."""
+
+    def __init__(self, rng: random.Random | None = None, prefix_weight: float = 2.0, load_weight: float = 1.0) -> None:
+        if prefix_weight < 0 or load_weight < 0:
+            raise ValueError("kv_aware weights must be >= 0")
+        self._rng = rng or random.Random()
+        self.prefix_weight = prefix_weight
+        self.load_weight = load_weight
+
+    def score(self, worker: Candidate, match: PrefixMatch | None) -> float:
+        overlap = 0.0
+        if match is not None and match.num_prompt_tokens > 0:
+            overlap = match.tokens(worker.name) / match.num_prompt_tokens
+        return self.prefix_weight * overlap - self.load_weight * load_score(worker)
+
+    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+        return sorted(workers, key=lambda w: (-self.score(w, match), load_score(w), self._rng.random()))
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request was dispatched: its prefill and decode workers (disaggregated; no prefill worker when the decode
+    worker prefilled it itself), or its colocated worker (as ``decode``, like ``Stream.decode``)."""
+
+    prefill: str | None
+    decode: str | None
+
+
+class Placements:
+    """Where recent requests went, by client request id (their last dispatch), so that a later request can ask for
+    the same workers (the router's ``affinity``: an n > 1 request's later choices find the prompt in those workers'
+    prefix caches). Bounded: the oldest record goes first, so a client that never refers back cannot grow it."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._records: OrderedDict[str, Placement] = OrderedDict()
+
+    def record(self, rid: str, prefill: str | None, decode: str | None) -> None:
+        records = self._records
+        records[rid] = Placement(prefill, decode)
+        records.move_to_end(rid)
+        if len(records) > self.capacity:
+            records.popitem(last=False)
+
+    def get(self, rid: str) -> Placement | None:
+        return self._records.get(rid)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo, "kv_aware": KvAware}
+
+
+def make_policy(
+    name: str, rng: random.Random | None = None, prefix_weight: float = 2.0, load_weight: float = 1.0
+) -> Policy:
+    """``prefix_weight`` and ``load_weight``: kv_aware's (``router.kv_aware``); the other policies have none."""
+    if name not in POLICIES:
+        raise ValueError(f"routing policy must be one of {sorted(POLICIES)}, got {name!r}")
+    if name == "kv_aware":
+        return KvAware(rng, prefix_weight, load_weight)
+    return POLICIES[name](rng)

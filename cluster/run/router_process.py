@@ -1,0 +1,208 @@
+"""One router process of several serving one HTTP port (``router.processes: N`` > 1): the child side.
+
+Why its own module: this is the code that runs inside a spawned router process, and none of it runs in the main
+``pdserve serve`` process, whose handle on the N processes is ``cluster/run/frontend.py`` (``RouterProcesses``; the
+start-up and shutdown protocol is described there). ``multiprocessing`` spawns ``run_router_process`` by its module
+path, so it stays a top-level function here.
+
+Inside a router process:
+1. ``run_router_process`` loads the tokenizer, builds the ``Router`` (which binds its event socket) and sends
+   ``("router", event address, pid)`` on its pipe.
+2. It waits for ``("workers", [...])``, registers them, binds its own ``SO_REUSEPORT`` socket on the port
+   (``reuseport_socket``, which the main process also uses for its probe), runs uvicorn and sends ``("ready",)``.
+3. An asyncio task (``_control``) applies what the main process sends afterwards: pool news (``add_worker``,
+   ``mark_dead``, ``drain_worker``, ``remove_worker``), answers to ``POST /admin/scale`` (``RemoteScaler``) and
+   ``("stop",)``. A router process whose main process is gone (its pipe closes, or its parent pid changes) stops by
+   itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from cluster.config import ClusterConfig
+from cluster.routing.admission import Admission
+
+logger = logging.getLogger(__name__)
+
+CONTROL_POLL_S = 0.1  # how often a router process looks at its pipe and at its parent (the main process's too)
+ORPHAN_EXIT_S = 5.0  # a router process whose parent is gone exits this long after starting to stop, at the latest
+GRACEFUL_SHUTDOWN_S = 2  # uvicorn's wait for open streams when a router process stops
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port that other SO_REUSEPORT sockets of this user may bind too (not listening)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class RouterProcessSpec:
+    """What a router process needs to start (picklable: it crosses to a spawned process)."""
+
+    index: int
+    config: dict  # ClusterConfig.model_dump(), the cluster secret and command-line overrides included
+    model_path: str
+    max_model_len: int
+    event_host: str  # where the router binds its event socket (the workers connect to it)
+    http_host: str
+    http_port: int
+    parent_pid: int
+    start_timeout_s: float
+    log_level: int
+
+
+def run_router_process(spec: RouterProcessSpec, conn, slots) -> None:
+    """The body of one router process (the target of a spawned ``multiprocessing.Process``)."""
+    logging.basicConfig(level=spec.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
+    code = 1
+    try:
+        _serve_router(spec, conn, slots)
+        code = 0
+    except BaseException:
+        logger.exception("router process %d failed", spec.index)
+    finally:
+        # everything is closed (the app's lifespan closed the router); skip the interpreter's teardown of torch and
+        # transformers, which takes seconds on a busy host and would eat the main process's shutdown budget
+        conn.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_router(spec: RouterProcessSpec, conn, slots) -> None:
+    import uvicorn
+
+    from cluster.openai.api import create_app
+    from cluster.routing.router import Router
+    from engine.model_loader import load_tokenizer
+
+    config = ClusterConfig.model_validate(spec.config)
+    tokenizer = load_tokenizer(spec.model_path)
+    admission = Admission(config.router.queue_size, slots, spec.index)
+    router = Router(config, host=spec.event_host, index=spec.index, admission=admission)
+    conn.send(("router", router.event_address, os.getpid()))
+    # the main process starts the pools meanwhile (placement, then every worker's start-up: each bounded there)
+    message = _receive(conn, 4 * spec.start_timeout_s, spec.parent_pid)
+    if message is None or message[0] != "workers":
+        return  # told to stop, or the main process is gone, before serving
+    for name, role, command_address, kv_address in message[1]:
+        router.add_worker(name, role, command_address, kv_address)
+    router.scaler = RemoteScaler(conn)  # POST /admin/scale: the main process owns the pools
+    app = create_app(router, tokenizer, config, spec.max_model_len)
+    sock = reuseport_socket(spec.http_host, spec.http_port)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    )
+    asyncio.run(_serve(server, sock, router, conn, spec.parent_pid))
+
+
+def _receive(conn, timeout_s: float, parent_pid: int):
+    """The next message from the main process; None when it is gone or says nothing within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and os.getppid() == parent_pid:
+        try:
+            if conn.poll(CONTROL_POLL_S):
+                return conn.recv()
+        except (EOFError, OSError):
+            return None
+    return None
+
+
+async def _serve(server, sock: socket.socket, router, conn, parent_pid: int) -> None:
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if serving.done():  # it could not start: the main process sees this process exit
+        await serving
+        return
+    conn.send(("ready",))
+    control = asyncio.create_task(_control(server, router, conn, parent_pid))
+    try:
+        await serving
+    finally:
+        control.cancel()
+
+
+async def _control(server, router, conn, parent_pid: int) -> None:
+    """Apply what the main process sends (pool news, stop); stop when it is gone."""
+    while not server.should_exit:
+        try:
+            gone = os.getppid() != parent_pid
+            while not gone and conn.poll():
+                message = conn.recv()
+                if message[0] == "add_worker":
+                    router.add_worker(*message[1:])
+                elif message[0] == "mark_dead":
+                    router.mark_dead(*message[1:])
+                elif message[0] == "drain_worker":
+                    router.drain_worker(*message[1:])
+                elif message[0] == "remove_worker":
+                    router.remove_worker(*message[1:])
+                elif message[0] == "scale_result":
+                    router.scaler.answer(*message[1:])
+                elif message[0] == "stop":
+                    server.should_exit = True
+                    break
+        except (EOFError, OSError):
+            gone = True
+        except Exception:  # one odd message must not end the control task (the router would stop hearing news)
+            logger.exception("router %d: bad message from the main process", router.index)
+            gone = False
+        if gone:
+            logger.error("router %d: the main pdserve process is gone; stopping", router.index)
+            server.should_exit = True
+            timer = threading.Timer(ORPHAN_EXIT_S, os._exit, args=(1,))  # if the orderly stop hangs
+            timer.daemon = True
+            timer.start()
+            return
+        await asyncio.sleep(CONTROL_POLL_S)
+
+
+class RemoteScaler:
+    """A router process's stand-in for the main process's ``Scaler``: asks over the pipe, awaits the answer."""
+
+    TIMEOUT_S = 600.0  # starting workers on a cluster that must grow first can take minutes
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._waiting: dict[str, asyncio.Future] = {}
+
+    async def scale_async(self, pool, replicas, drain_timeout_s=None) -> dict:
+        from cluster.routing.errors import ScaleError
+
+        request_id = os.urandom(8).hex()
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        try:
+            self._conn.send(("scale", request_id, pool, replicas, drain_timeout_s))
+            status, body = await asyncio.wait_for(future, self.TIMEOUT_S)
+        finally:
+            self._waiting.pop(request_id, None)
+        if status == 400:
+            raise ScaleError(body["param"], body["message"])
+        if status != 200:
+            raise RuntimeError(body["message"])
+        return body
+
+    def answer(self, request_id: str, status: int, body: dict) -> None:
+        future = self._waiting.get(request_id)
+        if future is not None and not future.done():
+            future.set_result((status, body))

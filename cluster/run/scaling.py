@@ -1,0 +1,161 @@
+"""Live resizing: ``pdserve scale --pool decode --replicas N`` and ``POST /admin/scale`` on a running cluster.
+
+Why here, in the main process: the pools (Ray actors or threads) live there, and so does the pool monitor; the
+routers (this process's, or each router process's, cluster/run/frontend.py) only hear membership news.
+
+Growing a pool: ``pools.add_replica`` starts a worker under the pool's next unused name; once it has reported its
+addresses every router registers it (``add_worker``) and it takes requests at once. No restart of anything else.
+
+Shrinking a pool (the newest replicas go first):
+1. the pool moves the worker to ``draining``; every router marks it ``DRAINING`` (cluster/routing/membership.py), so nothing
+   new goes there, and sends it ``drain`` (worker/messages.py) with the deadline;
+2. it finishes what it holds; its streams go on as before;
+3. a background thread here polls ``pools.drained`` (the worker says so once every router has sent ``drain`` and it
+   holds nothing) until the deadline plus ``DRAIN_GRACE_S``; at the deadline the worker itself fails what it still
+   holds, each request with an error its client sees;
+4. every router forgets it (``remove_worker``: a request somehow still on it fails explicitly, or is retried if
+   nothing reached its client) and the pool stops it.
+
+``scale`` returns once the new workers serve and the removed ones drain: its answer is the pools' membership, with
+the draining workers listed; ``wait_idle`` waits until no removal is left. One scale at a time (a lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Protocol
+
+from cluster.config import ClusterConfig
+from cluster.routing.errors import ScaleError
+from cluster.run.pools import LocalPools, RayPools, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+POOLS = ("prefill", "decode")
+MAX_REPLICAS = 1024  # a bound on one request, not a recommendation
+DRAIN_TIMEOUT_S = 60.0  # default: how long a removed worker may take to finish what it holds
+DRAIN_GRACE_S = 10.0  # after the deadline: for the worker to fail what it held and end its KV leases
+POLL_S = 0.1
+
+
+class MembershipSink(Protocol):
+    """Who hears membership news: the in-process ``Router`` or ``RouterProcesses`` (every router process)."""
+
+    def add_worker_threadsafe(
+        self, name: str, role: str, command_address: str, kv_address: str | None = None
+    ) -> None: ...
+
+    def drain_worker_threadsafe(self, name: str, deadline_s: float) -> None: ...
+
+    def remove_worker_threadsafe(self, name: str) -> None: ...
+
+
+class Scaler:
+    def __init__(self, config: ClusterConfig, pools: LocalPools | RayPools, routers: MembershipSink) -> None:
+        self.config = config
+        self.pools = pools
+        self.routers = routers
+        self._lock = threading.Lock()
+        self._removals: list[threading.Thread] = []
+        self._closing = threading.Event()
+
+    def check(self, pool: object, replicas: object, drain_timeout_s: object = None) -> None:
+        """ScaleError naming the field when the request is not one that can be done."""
+        if pool not in POOLS:
+            raise ScaleError("pool", f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= MAX_REPLICAS:
+            raise ScaleError("replicas", f"replicas must be an integer from 0 to {MAX_REPLICAS}, got {replicas!r}")
+        if drain_timeout_s is not None and (
+            not isinstance(drain_timeout_s, int | float) or isinstance(drain_timeout_s, bool) or drain_timeout_s <= 0
+        ):
+            raise ScaleError("drain_timeout_s", f"drain_timeout_s must be a number > 0, got {drain_timeout_s!r}")
+        if self.config.mode == "disaggregated" and replicas < 1:
+            raise ScaleError("replicas", f"disaggregated mode needs at least one {pool} replica")
+        other = next(p for p in POOLS if p != pool)
+        if self.config.mode == "colocated" and replicas + len(self.pools.active(other)) < 1:
+            raise ScaleError("replicas", "colocated mode needs at least one worker")
+
+    def scale(self, pool: str, replicas: int, drain_timeout_s: float | None = None) -> dict:
+        """Resize ``pool`` to ``replicas`` serving workers; the membership after it (removals still draining)."""
+        self.check(pool, replicas, drain_timeout_s)
+        deadline_s = float(drain_timeout_s or DRAIN_TIMEOUT_S)
+        with self._lock:
+            current = self.pools.active(pool)
+            for _ in range(replicas - len(current)):
+                record = self.pools.add_replica(pool, self._register)
+                logger.info("scale: %s started (%s)", record.name, "serving" if record.info else "pending")
+            for record in reversed(current[replicas:]):  # the newest first
+                self._begin_removal(record, deadline_s)
+        return self.membership()
+
+    async def scale_async(self, pool: str, replicas: int, drain_timeout_s: float | None = None) -> dict:
+        """``scale`` off the event loop (starting a worker takes seconds)."""
+        return await asyncio.to_thread(self.scale, pool, replicas, drain_timeout_s)
+
+    def membership(self) -> dict:
+        """Per pool: the serving workers, those still starting (Ray: not placed yet), those draining."""
+        pools = self.pools
+        return {
+            "pools": {
+                name: {
+                    "replicas": len(pools.active(name)),
+                    "workers": [r.name for r in pools.workers if r.pool == name],
+                    "pending": [r.name for r in pools.pending if r.pool == name],
+                    "draining": [r.name for r in pools.draining if r.pool == name],
+                }
+                for name in POOLS
+            }
+        }
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every removal has finished; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for thread in list(self._removals):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._removals)
+
+    def close(self) -> None:
+        """Stop waiting for drains (the cluster is stopping: the pools stop every worker, draining ones too)."""
+        self._closing.set()
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _register(self, record: WorkerRecord) -> None:
+        info = record.info
+        self.routers.add_worker_threadsafe(record.name, record.role, info["command_address"], info.get("kv_address"))
+
+    def _begin_removal(self, record: WorkerRecord, deadline_s: float) -> None:
+        if record in self.pools.pending:  # never started: nothing to drain
+            self.pools.stop_replica(record)
+            return
+        self.pools.begin_removal(record)
+        self.routers.drain_worker_threadsafe(record.name, deadline_s)
+        thread = threading.Thread(
+            target=self._finish_removal, args=(record, deadline_s), name=f"pdserve-drain-{record.name}", daemon=True
+        )
+        self._removals = [t for t in self._removals if t.is_alive()] + [thread]
+        thread.start()
+
+    def _finish_removal(self, record: WorkerRecord, deadline_s: float) -> None:
+        """Wait for the worker to drain (bounded), then take it out of every router and stop it."""
+        started = time.monotonic()
+        give_up = started + deadline_s + DRAIN_GRACE_S
+        drained = False
+        while not self._closing.is_set() and time.monotonic() < give_up:
+            try:
+                drained = self.pools.drained(record)
+            except Exception:  # its thread or process is gone: nothing left to wait for
+                drained = True
+            if drained:
+                break
+            self._closing.wait(POLL_S)
+        if self._closing.is_set():
+            return
+        if not drained:
+            logger.error("scale: %s did not drain within %.0f s; stopping it", record.name, deadline_s)
+        self.routers.remove_worker_threadsafe(record.name)
+        self.pools.stop_replica(record)
+        logger.info("scale: %s removed after %.1f s", record.name, time.monotonic() - started)

@@ -1,0 +1,130 @@
+"""Who can reach a cluster's Ray: a local one listens on loopback only; a joined one must require Ray's token."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cluster.config import ConfigError, parse_config
+from cluster.run.ray_cluster import LOOPBACK_ENV, check_ray_auth
+from tests.helpers.serve_process import serve_process
+from tests.helpers.sockets import listening_sockets
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _tiny_config_file(tmp_path: Path, model_path: Path) -> Path:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": str(model_path), "max_model_len": 512},
+                "pools": {
+                    "prefill": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
+                    "decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 64},
+                },
+            }
+        )
+    )
+    return config
+
+
+def _env_without_loopback_rule() -> dict[str, str]:
+    """This test process's environment without the rule the suite's own Ray runs under: pdserve must set it."""
+    return {k: v for k, v in os.environ.items() if k not in LOOPBACK_ENV}
+
+
+def test_pdserve_serve_listens_on_loopback_only(tiny_llama_path, tmp_path):
+    config = _tiny_config_file(tmp_path, tiny_llama_path)
+    with serve_process(config, env=_env_without_loopback_rule()) as (proc, url):
+        workers_line = proc.stdout.readline()  # "pdserve: workers: prefill-0 (pid N), decode-0 (pid M)"
+        worker_pids = {int(pid) for pid in re.findall(r"\(pid (\d+)\)", workers_line)}
+        assert len(worker_pids) == 2, workers_line
+        body = {"model": str(tiny_llama_path), "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200  # the KV went from prefill to decode: the data plane is open
+        listeners = listening_sockets(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    # Ray's own servers, both workers and the router's process were all found listening (the check is not empty)
+    assert {"gcs_server", "raylet"} <= {listener.process for listener in listeners}
+    assert worker_pids | {proc.pid} <= {listener.pid for listener in listeners}
+    beyond = [listener for listener in listeners if not listener.loopback]
+    assert not beyond, beyond
+
+
+_RAY_HEAD = """
+import os, sys
+from cluster.run.ray_cluster import init_local_ray
+import ray
+init_local_ray(1, "pdserve-auth-test")
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the test closes our stdin
+ray.shutdown()
+"""
+
+
+@contextmanager
+def _ray_head(auth_mode: str) -> Iterator[str]:
+    """A local Ray in a child process with ``RAY_AUTH_MODE=auth_mode``; yields its GCS address."""
+    env = {**os.environ, **LOOPBACK_ENV, "RAY_AUTH_MODE": auth_mode}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RAY_HEAD],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        address = proc.stdout.readline().strip()
+        assert address, "the Ray head did not start"
+        yield address
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def test_joining_a_ray_cluster_without_token_auth_is_refused_with_the_field_to_set(tiny_llama_path, tmp_path):
+    config = _tiny_config_file(tmp_path, tiny_llama_path)
+    with _ray_head("disabled") as address:
+        run = subprocess.run(
+            [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0", "--address", address],
+            cwd=REPO,
+            env={**os.environ, **LOOPBACK_ENV},  # this driver's node is the head's: 127.0.0.1
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert "ray.allow_unauthenticated" in run.stderr and "RAY_AUTH_MODE=token" in run.stderr
+        assert "Traceback" not in run.stderr
+        check_ray_auth(parse_config({"ray": {"allow_unauthenticated": True}}), address)  # deliberately: accepted
+
+
+def test_a_ray_cluster_with_token_auth_is_accepted():
+    with _ray_head("token") as address:
+        check_ray_auth(parse_config({}), address)
+
+
+def test_an_address_where_no_ray_answers_is_refused_not_waited_on():
+    with pytest.raises(ConfigError, match="could not be checked"):
+        check_ray_auth(parse_config({}), "127.0.0.1:9", timeout_s=3.0)
