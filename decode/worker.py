@@ -1,31 +1,14 @@
 """The decode worker: reserves KV for requests, imports their KV from prefill workers, decodes them in one batch.
 
-A thin adapter between the engine's remote-KV API, the transfer receiver and the control plane. A request's state
-is the engine's ``Request`` (status WAITING_FOR_REMOTE_KV until the scheduler admits it; ``RequestTiming.remote``
-for its stamps), so this file keeps no table of requests. A request's path:
-1. ``reserve`` from the router: the engine reserves blocks for the prompt, the first token and the headroom
-   (``engine.blocks.reserved_blocks``, the count the router plans with), or refuses at once when they are not free
-   (memory is never overcommitted), and the receiver is told to expect the KV into the prompt's blocks. The prompt's
-   leading full blocks that this engine's prefix cache holds (a chat's history it just decoded) are shared, not
-   reserved anew: ``reserved`` says how many tokens they cover (``cached_tokens``), and only the missing blocks are
-   expected, sent and written. ``prefill_here`` instead (the router's choice for a short uncached part) has the
-   engine compute the rest itself: no transfer, and the first token comes from here, in the ``tokens`` events.
-2. While prefill computes, the receiver (polled without blocking, between steps) checks each arriving layer piece
-   and writes it through ``engine.write_remote_kv``, which only writes into that request's reserved prompt blocks.
-3. ``start`` from the router brings the first token that prefill sampled (``remote_first_token``); the receiver's
-   DONE is ``remote_kv_done``. In whichever order they come, the scheduler admits the request at the next step
-   (continuous batching).
-4. Each step sends the new tokens of every running request, with their text (detokenized by the engine, continuing
-   from the first token's text that the prefill worker sent) and their logprobs if asked for, to the router in one
-   message (the first token's logprobs and the prompt's went with the prefill worker's first token); a request's timing
-   (``DecodeTiming``, from the engine's record) goes with its first decoded token and with its finish. A request that
-   finishes frees its blocks; an abort frees them whatever the state; a failed transfer fails the request
-   (``failure_policy: fail``) or, with ``recompute``, has it prefilled here (``remote_kv_failed``), counted either
-   way. A reservation whose first token never comes expires (``expire_remote``).
-
-Who reports a failed transfer: this side reports its own failures (``kv_transfer_failed``, policy ``fail``); one the
-prefill worker aborted on purpose (``SenderAborted``) stays silent here, since that worker or the router already
-told the client why.
+A request's state is the engine's ``Request`` (WAITING_FOR_REMOTE_KV until admitted); this role keeps no table.
+1. ``reserve``: the engine reserves blocks for the prompt, the first token and the headroom, sharing the leading
+   blocks its prefix cache holds (``cached_tokens``), or refuses at once; the receiver expects the missing blocks.
+   When what it lacks is at most ``local_prefill_max_tokens``, it computes that part itself, no transfer.
+2. Arriving KV pieces are checked and written into the reserved blocks (``engine.write_remote_kv``), between steps.
+3. ``start`` brings the first token; with the KV complete too, the next step admits the request.
+4. Each step sends every running request's new tokens and text in one ``tokens`` event. A failed transfer fails the
+   request (``failure_policy: fail``) or has it prefilled here (``recompute``); a reservation whose first token
+   never comes expires. A transfer the prefill worker aborted on purpose is reported by that side, not here.
 """
 
 from __future__ import annotations
@@ -36,29 +19,14 @@ import tempfile
 import time
 import uuid
 
-from engine.kv_connector import RemoteKV
 from engine.llm_engine import LLMEngine
-from engine.request import Request, RequestOutput, RequestStatus, RequestTiming, SamplingParams
+from engine.request import RemoteKV, Request, RequestStatus, SamplingParams
 from transfer.base import KVReceiver, make_receiver
 from transfer.errors import SenderAborted
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
-from worker.messages import (
-    Command,
-    DecodeTiming,
-    ErrorCode,
-    PrefillHere,
-    Reserve,
-    Reserved,
-    Start,
-    TokenItem,
-    Tokens,
-    Unreserve,
-    WorkerCounters,
-    WorkerLoad,
-)
-from worker.role import Emit, Role, computed_here_item
-from worker.runtime import WorkerRuntime
+from worker.messages import Command, ErrorCode, Reserve, Reserved, Start, WorkerCounters, WorkerLoad
+from worker.role import Emit, Role
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -86,18 +54,9 @@ class DecodeRole(Role):
         self.receiver = receiver
         self.failure_policy = failure_policy
         self.headroom_tokens = headroom_tokens
-        # a reservation whose first token (``start``) has not come this long after it was made is freed: the
-        # router lost it or died; the transfer's own deadline bounds the KV, this bounds the rest
+        # a reservation whose first token has not come this long after it was made is freed: the router lost it
         self.start_deadline_s = start_deadline_s
         self._next_expiry_check_s = 0.0
-        # the router's attempt that each open reservation answers last (``unreserve`` undoes that attempt only): the
-        # one fact about a request the engine does not hold. An entry leaves when the first token comes (an
-        # unreserve can no longer apply), when the request ends here (abort, failed transfer, expiry), and in any
-        # case with the expiry check once the engine no longer holds the request.
-        self._attempts: dict[str, int] = {}
-        # reservations this worker prefills itself because the reservation said so (``Reserve.local_prefill_
-        # max_tokens``), before the router has the answer: an ``unreserve`` of their attempt still aborts them
-        self._local: set[str] = set()
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> DecodeRole:
@@ -125,100 +84,46 @@ class DecodeRole(Role):
 
     def handle(self, command: Command, arrival_s: float) -> None:
         if isinstance(command, Reserve):
-            self._reserve(
-                command.rid, command.prompt, command.params, command.attempt, command.local_prefill_max_tokens
-            )
-        elif isinstance(command, Unreserve):  # our answer to that attempt came too late; a later attempt's stays
-            if self._attempts.get(command.rid) != command.attempt:
-                return
-            request = self._reservation(command.rid)
-            if (request is not None and _remote(request).first_token_id is None) or command.rid in self._local:
-                self.abort(command.rid)  # (a local prefill that attempt started: the router sent it elsewhere)
+            self._reserve(command.rid, command.prompt, command.params, command.local_prefill_max_tokens)
         elif isinstance(command, Start):
             if command.rid not in self.engine.requests:
                 raise KeyError(f"request {command.rid!r} has no reservation here")
             self.engine.remote_first_token(command.rid, command.first_token)  # admitted by the next step
-            self._attempts.pop(command.rid, None)
-        elif isinstance(command, PrefillHere):
-            self._prefill_here(command.rid)
         else:
             super().handle(command, arrival_s)
 
-    def _reserve(
-        self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = -1, local_max_tokens: int = 0
-    ) -> None:
-        held = self._reservation(rid)
-        if held is not None and _remote(held).kv_failed:
-            # its KV failed (recompute policy) before its first token came, and the router reserves it anew: the
-            # new reservation replaces it, KV expected again
-            self.engine.abort(rid)
-            held = None
-        if held is None and rid in self._local:
-            # a local prefill an earlier attempt started, whose answer the router gave up on (it asks again): the
-            # new reservation replaces it
-            self.abort(rid)
-        if held is None or held.prompt_token_ids != prompt:  # (else the router asks again after our answer came
-            # too late: the same reservation is answered again, idempotent)
-            if self.engine.reserve_remote(prompt, params, rid, self.headroom_tokens, prefix_cache=True) is None:
-                self.counters.reservations_refused += 1
-                reason = "max_num_seqs" if self.engine.at_seq_limit() else "kv_full"
-                self.emit(Reserved(rid=rid, worker=self.name, ok=False, attempt=attempt, reason=reason))
-                return
-            held = self.engine.requests[rid]
-            missing = self.engine.missing_prompt_blocks(held)  # the prefix-cached blocks are shared, not written
-            self.receiver.expect(rid, missing, num_layers=self.engine.kv_spec.num_layers)
-        self._attempts[rid] = attempt
-        first = held.num_cached_tokens // self.engine.kv_spec.block_size
-        # what this worker lacks is short: it computes it now, in this turn of its loop (the router's rule, applied
-        # where the cache is, without a second command to wait for); never a reservation already taking its KV
-        remote = _remote(held)
-        untouched = remote.first_token_id is None and remote.kv_done_s is None and not remote.kv_failed
-        local = untouched and 0 < len(prompt) - held.num_cached_tokens <= local_max_tokens
+    def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, local_max_tokens: int = 0) -> None:
+        engine = self.engine
+        if engine.reserve_remote(prompt, params, rid, self.headroom_tokens, prefix_cache=True) is None:
+            self.counters.reservations_refused += 1
+            reason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
+            self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason=reason))
+            return
+        held = engine.requests[rid]
+        uncached = len(prompt) - held.num_cached_tokens
+        local = 0 < uncached <= local_max_tokens
+        if not local:
+            self.receiver.expect(rid, engine.missing_prompt_blocks(held), num_layers=engine.kv_spec.num_layers)
+        first = held.num_cached_tokens // engine.kv_spec.block_size
         self.emit(
             Reserved(
                 rid=rid,
                 worker=self.name,
                 ok=True,
-                attempt=attempt,
                 blocks=held.block_ids[first:],
                 kv_address=self.receiver.address,
                 cached_tokens=held.num_cached_tokens,
                 prefill_local=local,
             )
         )
-        if local:
-            self._prefill_here(rid, keep_attempt=True)
-
-    def _prefill_here(self, rid: str, keep_attempt: bool = False) -> None:
-        """This reservation is computed here: no KV will come, so the receiver stops expecting it (its end,
-        reported by ``poll``, finds the request no longer waiting and is ignored), and the engine prefills the
-        missing tokens and samples the first token itself. ``keep_attempt``: started by the reservation itself,
-        before the router has its answer: an ``unreserve`` of that attempt (the answer came too late) still aborts
-        it; after a ``prefill_here`` command the router has it, and none can come."""
-        request = self._reservation(rid)
-        if request is None:
-            raise KeyError(f"request {rid!r} has no open reservation here")
-        self.engine.prefill_here(rid)  # raises, changing nothing, for a reservation already taking its KV
-        self.receiver.abort(rid, "prefilled on the decode worker")
-        if keep_attempt:
-            self._local.add(rid)
-        else:
-            self._attempts.pop(rid, None)  # an unreserve can no longer apply: it is running
-        self.counters.local_prefills += 1
-
-    def _reservation(self, rid: str) -> Request | None:
-        """The request if it is an open reservation: waiting for its KV or first token, not yet queued to join."""
-        request = self.engine.requests.get(rid)
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-            return None
-        return request if _remote(request).ready_s is None else None
+        if local:  # computed now, in this turn of the loop; its first token comes in the tokens events
+            engine.prefill_here(rid)
+            self.counters.local_prefills += 1
 
     def abort(self, rid: str) -> None:
         request = self.engine.requests.get(rid)
         if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.receiver.abort(rid, "aborted by router")  # its sender is told, and releases its lease
-        self._attempts.pop(rid, None)
-        self._local.discard(rid)
         self.engine.abort(rid)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -228,7 +133,7 @@ class DecodeRole(Role):
         for event in self.receiver.poll():
             self._transfer_ended(event)
         if self.engine.has_unfinished():
-            self._send(self.engine.step())
+            self.emit_outputs(self.engine.step())
 
     def _transfer_ended(self, event: TransferEvent) -> None:
         rid = event.transfer_id
@@ -248,11 +153,9 @@ class DecodeRole(Role):
             self.engine.remote_kv_failed(rid, recompute=True)
             return
         self.engine.remote_kv_failed(rid, recompute=False)  # ends it, no output: the cause is reported here or not
-        self._attempts.pop(rid, None)
         if not isinstance(event.error, SenderAborted):
             self.emit_error(rid, f"KV transfer failed: {event.error}", ErrorCode.KV_TRANSFER_FAILED)
-        # else the prefill worker gave up on purpose and tells the router why itself (its own error, or the
-        # router's abort): reporting the transfer too would race its cause to the client
+        # else the prefill worker gave up on purpose and tells the router why itself
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
@@ -270,37 +173,6 @@ class DecodeRole(Role):
                 f"no first token reached the decode worker within {self.start_deadline_s:.0f} s",
                 ErrorCode.RESERVATION_EXPIRED,
             )
-        for rid in [rid for rid in self._attempts if rid not in self.engine.requests]:
-            del self._attempts[rid]
-        self._local.intersection_update(self.engine.requests)
-
-    def _send(self, outputs: list[RequestOutput]) -> None:
-        items = []
-        for output in outputs:
-            if output.error is not None:  # finish_reason ERROR (blocks already freed): an error for that request only
-                self.counters.errors += 1
-                self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
-                continue
-            if not (output.new_token_ids or output.text_delta or output.finished):
-                continue
-            if output.timing is not None and output.timing.remote is None:
-                # prefilled here (``prefill_here``): it reports as a colocated worker does (its prefill's timing,
-                # the prompt's logprobs and prefix-cache hit with the first token, which it sampled itself)
-                items.append(computed_here_item(output))
-                continue
-            # the timing goes with the first decoded token (the second of the request; the first was the prefill
-            # worker's) and with the finish, not every step; an admission's output has no token of its own (its text,
-            # if any, continues the first token's), so no logprobs either: the first token's went with FirstToken,
-            # as did the prompt's (a recompute here after a failed transfer reports none of them again)
-            timing = decode_timing(output.timing) if output.finished or output.num_output_tokens == 2 else None
-            logprobs = output.logprobs if output.new_token_ids else None
-            items.append(
-                TokenItem(
-                    output.request_id, output.new_token_ids, output.text_delta, output.finish_reason, timing, logprobs
-                )
-            )
-        if items:
-            self.emit(Tokens(worker=self.name, items=items))
 
     # ---- health and load ---------------------------------------------------------------------------------------
 
@@ -322,20 +194,6 @@ class DecodeRole(Role):
         self.receiver.close()
 
 
-def decode_timing(timing: RequestTiming | None) -> DecodeTiming:
-    """Where a request's time went here before its first decoded token, from the engine's record (None: not
-    reached; a recomputed request has no KV figures)."""
-    if timing is None:
-        return DecodeTiming()
-    return DecodeTiming(
-        kv_done_mono=timing.kv_done_mono,
-        kv_transfer_s=timing.kv_transfer_s,
-        kv_wait_after_first_token_s=timing.kv_wait_after_first_token_s,
-        decode_queue_s=timing.decode_queue_s,
-        recomputed=timing.recomputed,
-    )
-
-
 def _remote(request: Request) -> RemoteKV:
     remote = request.remote
     assert remote is not None  # every WAITING_FOR_REMOTE_KV request has one (LLMEngine.reserve_remote)
@@ -355,16 +213,3 @@ def receiver_address(spec: WorkerSpec) -> str:
         scheme = "shm+" if spec.transfer_backend == "shm" else ""
         return f"{scheme}ipc://{tempfile.gettempdir()}/pdserve-{spec.name}-{uuid.uuid4().hex[:8]}.sock"
     return f"tcp://{spec.runtime.host}:0"
-
-
-class DecodeWorker(WorkerRuntime):
-    """The decode role in a worker process (sockets, loop, heartbeat)."""
-
-    role: DecodeRole
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec, DecodeRole)
-
-    @property
-    def receiver(self) -> KVReceiver:
-        return self.role.receiver

@@ -53,7 +53,8 @@ from engine.attention import AttentionBatch, DecodeGroup, SdpaBackend
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.kv_cache import KVSpec
-from engine.model_runner import ModelRunner, ScheduledChunk, StepStats
+from engine.model_runner import ModelRunner, StepStats
+from engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

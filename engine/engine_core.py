@@ -21,12 +21,13 @@ from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.engine_parts import build_engine_parts
-from engine.kv_connector import KVExport, KVExporter, KVSink
+from engine.kv_connector import KVExporter, KVSink
 from engine.model_runner import StepStats
 from engine.outputs import add_token, completion, detokenize, error_output, merge_outputs, token_output
 from engine.request import (
     CompletionResult,
     FinishReason,
+    KVExport,
     Request,
     RequestOutput,
     RequestStatus,
@@ -172,7 +173,7 @@ class EngineCore:
         for chunk in chunks:
             if chunk.request.request_id not in failed:  # a failed row's KV may be what went wrong: never cache it
                 chunk.request.num_computed_tokens = chunk.end
-                self._register_full_blocks(chunk.request)
+                self.scheduler.register_full_blocks(chunk.request)
                 entries = result.prompt_logprobs.get(chunk.request.request_id)
                 if entries:
                     chunk.request.prompt_logprobs = (chunk.request.prompt_logprobs or [None]) + entries
@@ -209,7 +210,7 @@ class EngineCore:
             if remote.recompute:
                 self.num_recomputes += 1
             else:
-                self._register_full_blocks(request)
+                self.scheduler.register_full_blocks(request)
             output = self._append_token(request, remote.first_token_id, text_sent=True)
             output.new_token_ids = []
             outputs[request.request_id] = output
@@ -221,16 +222,6 @@ class EngineCore:
         request.error = error
         self._finish(request, FinishReason.ERROR)
         return error_output(request, error, code)
-
-    def _register_full_blocks(self, request: Request) -> None:
-        """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
-        if request.num_computed_tokens // self.config.block_size > request.num_hashed_blocks:
-            request.num_hashed_blocks = self.block_manager.register_full_blocks(
-                request.block_ids,
-                request.token_slice(0, request.num_computed_tokens),
-                request.num_computed_tokens,
-                request.num_hashed_blocks,
-            )
 
     def _append_token(
         self, request: Request, token_id: int, text_sent: bool = False, logprob: TokenLogprob | None = None

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.blocks import blocks_for_tokens, complete_prompt_blocks
+from engine.request import KVExport
 
 if TYPE_CHECKING:  # annotations only: model_runner and attention import request, which imports this module
     from engine.attention import AttentionBatch, LayerHook
     from engine.kv_cache import KVCache
-    from engine.model_runner import ScheduledChunk
     from engine.request import Request
+    from engine.scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,52 +55,6 @@ class KVBlocksReady:
 # The one callback of an exported request. Streamed, it runs inside the forward: what it raises fails every request
 # of that step (their KV is incomplete), as a failing forward does.
 KVSink = Callable[[KVBlocksReady], None]
-
-
-@dataclass(slots=True)
-class KVExport:
-    """Prefill side: where a request's KV goes and how many of its logical blocks have been reported (every layer).
-
-    ``first_block``: the receiver holds the blocks before it already; reporting starts there (``num_blocks_reported``
-    begins at it), so every later rule (streamed or not, chunked, preempted) clips the same way.
-    """
-
-    sink: KVSink
-    stream: bool
-    first_block: int = 0
-    num_blocks_reported: int = 0
-
-    def __post_init__(self) -> None:
-        if self.first_block < 0:
-            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
-        self.num_blocks_reported = max(self.num_blocks_reported, self.first_block)
-
-
-@dataclass(slots=True)
-class RemoteKV:
-    """Decode side: a request whose KV comes from a prefill worker (status WAITING_FOR_REMOTE_KV until admitted).
-
-    Stamps are ``time.monotonic`` seconds. ``ready`` is the join the scheduler waits for: the first token is in, and
-    the KV is complete or, after a failed transfer, will be recomputed here.
-    """
-
-    expected_s: float  # blocks reserved; the KV is expected from now on
-    first_token_id: int | None = None  # sampled by the prefill worker, brought by the router
-    first_token_arrived_s: float | None = None
-    kv_done_s: float | None = None  # the transfer layer wrote every layer of every block
-    kv_failed_s: float | None = None  # the transfer failed (the reserved blocks were freed then)
-    recompute: bool = False  # after the failure: prefill the prompt and the first token here
-    ready_s: float | None = None  # the join: queued for admission
-    admitted_s: float | None = None  # the scheduler took it: into the running batch (or, to recompute, the queue)
-    first_decode_s: float | None = None  # end of the first step that computed a token for it here
-
-    @property
-    def kv_failed(self) -> bool:
-        return self.kv_failed_s is not None
-
-    @property
-    def ready(self) -> bool:
-        return self.first_token_id is not None and (self.kv_done_s is not None or self.recompute)
 
 
 @dataclass(slots=True)

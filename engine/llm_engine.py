@@ -30,9 +30,9 @@ import torch
 from engine.attention import LayerHook
 from engine.blocks import blocks_for_tokens, reserved_tokens
 from engine.engine_core import EngineCore
-from engine.kv_connector import RemoteKV
 from engine.request import (
     FinishReason,
+    RemoteKV,
     Request,
     RequestStatus,
     SamplingParams,
@@ -74,13 +74,8 @@ class LLMEngine(EngineCore):
         # a request that wants prompt logprobs shares nothing: prefill_here must compute its whole prompt (the
         # prefill worker computes it anyway, and exports every block)
         use_cache = prefix_cache and request.params.prompt_logprobs is None
-        allocation = self.block_manager.allocate(request.prompt_token_ids, num_tokens, use_prefix_cache=use_cache)
-        if allocation is None:
+        if not self.scheduler.reserve_remote(request, num_tokens, use_cache):
             return None
-        request.block_ids, request.num_cached_tokens = allocation
-        request.num_hashed_blocks = request.num_cached_tokens // self.config.block_size  # shared blocks: hashed
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.timing.remote = RemoteKV(expected_s=time.monotonic())
         self.requests[request.request_id] = request
         return list(request.block_ids)
 
@@ -110,10 +105,7 @@ class LLMEngine(EngineCore):
         remote = _remote(request)
         if remote.first_token_id is not None or remote.kv_done_s is not None or remote.kv_failed:
             raise ValueError(f"request {request_id!r} is already taking its KV from a prefill worker")
-        request.timing.remote = None
-        request.num_computed_tokens = request.num_cached_tokens
-        request.timing.scheduled_s = time.monotonic()  # admitted now: its queue time is the wait for the router
-        self.scheduler.add_running(request)
+        self.scheduler.prefill_here(request)
 
     def remote_first_token(self, request_id: str, token_id: int) -> None:
         """The first token, sampled (and its text sent) by the prefill worker, reached this worker.

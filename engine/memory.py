@@ -41,9 +41,10 @@ from engine.attention import select_backend
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVSpec
-from engine.model_runner import ModelRunner, ScheduledChunk
+from engine.model_runner import ModelRunner
 from engine.request import MAX_LOGPROBS, Request, RequestTiming, SamplingParams
 from engine.sampler import Sampler
+from engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

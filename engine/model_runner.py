@@ -22,39 +22,13 @@ from engine.attention.metadata import DecodeSpans, MetadataPacker, build_layout,
 from engine.attention.metadata import layout_spans as layout_spans_for
 from engine.blocks import blocks_for_tokens
 from engine.kv_cache import KVCache
-from engine.request import Request
 from engine.sampler import PromptScores, logprob_summary
+from engine.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
     from engine.decode_graphs import DecodeGraphs
 
 PROMPT_SCORE_ROWS = 256  # positions projected to the vocabulary at a time: bounds the [rows, vocab] float32 logits
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # first position computed in this step (== request.num_computed_tokens when scheduled)
-    num_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk computes the request's last known token, so its logits give the next token."""
-        return self.end == self.request.num_tokens
-
-    @property
-    def prompt_score_positions(self) -> range:
-        """Positions of this chunk whose logits score a prompt token (position p scores token p + 1) that the
-        request's ``prompt_logprobs`` still lacks; empty unless it wants them."""
-        request = self.request
-        if not request.wants_prompt_logprobs:
-            return range(0)
-        have = len(request.prompt_logprobs) if request.prompt_logprobs is not None else 1  # entry 0 is None
-        return range(max(self.start, have - 1), min(self.end, request.num_prompt_tokens - 1))
 
 
 @dataclass(slots=True)

@@ -25,10 +25,36 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
-from engine.model_runner import ScheduledChunk
-from engine.request import Request, RequestStatus
+from engine.request import RemoteKV, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed in this step (== request.num_computed_tokens when scheduled)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk computes the request's last known token, so its logits give the next token."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def prompt_score_positions(self) -> range:
+        """Positions of this chunk whose logits score a prompt token (position p scores token p + 1) that the
+        request's ``prompt_logprobs`` still lacks; empty unless it wants them."""
+        request = self.request
+        if not request.wants_prompt_logprobs:
+            return range(0)
+        have = len(request.prompt_logprobs) if request.prompt_logprobs is not None else 1  # entry 0 is None
+        return range(max(self.start, have - 1), min(self.end, request.num_prompt_tokens - 1))
 
 
 class Scheduler:
@@ -43,6 +69,39 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def reserve_remote(self, request: Request, num_tokens: int, use_prefix_cache: bool) -> bool:
+        """Hold blocks for ``num_tokens`` of a request whose prompt's KV comes from elsewhere (WAITING_FOR_REMOTE_KV);
+        with ``use_prefix_cache`` its leading full blocks this cache holds are shared (``num_cached_tokens``). False
+        when the blocks are not free now: memory is never overcommitted."""
+        allocation = self.block_manager.allocate(
+            request.prompt_token_ids, num_tokens, use_prefix_cache=use_prefix_cache
+        )
+        if allocation is None:
+            return False
+        request.block_ids, request.num_cached_tokens = allocation
+        request.num_hashed_blocks = request.num_cached_tokens // self.block_manager.block_size  # shared: hashed
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.timing.remote = RemoteKV(expected_s=time.monotonic())
+        return True
+
+    def prefill_here(self, request: Request) -> None:
+        """A reservation computed here instead (conditional disaggregation): it runs from its cached prefix on."""
+        request.timing.remote = None
+        request.num_computed_tokens = request.num_cached_tokens
+        request.timing.scheduled_s = time.monotonic()  # admitted now: its queue time is the wait for the router
+        self.add_running(request)
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
+        block_size = self.block_manager.block_size
+        if request.num_computed_tokens // block_size > request.num_hashed_blocks:
+            request.num_hashed_blocks = self.block_manager.register_full_blocks(
+                request.block_ids,
+                request.token_slice(0, request.num_computed_tokens),
+                request.num_computed_tokens,
+                request.num_hashed_blocks,
+            )
 
     def add_running(self, request: Request) -> None:
         """A request on blocks it already holds joins between steps: its KV imported from a prefill worker, or (a

@@ -33,9 +33,8 @@ from engine.request import FinishReason
 from transfer.base import KVSender, make_sender
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
-from worker.messages import Command, ErrorCode, FirstToken, Prefill, WorkerCounters, WorkerLoad
-from worker.role import Emit, Role, prefill_timing
-from worker.runtime import WorkerRuntime
+from worker.messages import Command, ErrorCode, Prefill, Tokens, WorkerCounters, WorkerLoad
+from worker.role import Emit, Role, token_item
 from worker.spec import WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -106,6 +105,7 @@ class PrefillRole(Role):
         return send
 
     def tick(self) -> None:
+        first_tokens = []
         for output in self.engine.step():
             rid = output.request_id
             if output.error is not None:  # finish_reason ERROR: the engine has already freed the request's blocks
@@ -115,27 +115,11 @@ class PrefillRole(Role):
                 self.emit_error(rid, output.error, ErrorCode.from_engine(output.error_code))
                 self._abort_transfer(rid, output.error)
                 continue
-            if output.finish_reason is not FinishReason.PREFILLED:
-                continue
-            self.sender.finish(rid)  # every layer of every block went to the sink before step() returned
-            timing = prefill_timing(output.timing)
-            # end_mono: when the first token was sampled, the same point whether the KV was streamed or not
-            timing.end_mono = output.timing.first_token_s if output.timing is not None else None
-            # text: the first token's text; the decode worker continues from it. Its logprobs and the prompt's
-            # (params.logprobs / prompt_logprobs: computed here, where the prompt's logits are) go with it, and so
-            # does the prefix-cache hit (the prompt tokens this engine did not compute: the response's cached_tokens)
-            self.emit(
-                FirstToken(
-                    rid=rid,
-                    worker=self.name,
-                    token=output.new_token_ids[0],
-                    text=output.text_delta,
-                    timing=timing,
-                    logprobs=output.logprobs[0] if output.logprobs else None,
-                    prompt_logprobs=output.prompt_logprobs,
-                    cached_tokens=output.num_cached_tokens,
-                )
-            )
+            if output.finish_reason is FinishReason.PREFILLED:
+                self.sender.finish(rid)  # every layer of every block went to the sink before step() returned
+                first_tokens.append(token_item(output))
+        if first_tokens:  # to the router at once (the TTFT point), which forwards each token to its decode worker
+            self.emit(Tokens(worker=self.name, items=first_tokens))
         for event in self.sender.poll():
             self._transfer_ended(event)
 
@@ -177,16 +161,3 @@ class PrefillRole(Role):
 
     def close(self) -> None:
         self.sender.close()
-
-
-class PrefillWorker(WorkerRuntime):
-    """The prefill role in a worker process (sockets, loop, heartbeat)."""
-
-    role: PrefillRole
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec, PrefillRole)
-
-    @property
-    def sender(self) -> KVSender:
-        return self.role.sender

@@ -1,36 +1,11 @@
-"""Every control message between the router and the workers, one msgspec Struct per kind, encoded as msgpack.
+"""Every control message between the router and the workers: one msgspec Struct per kind, msgpack on the wire.
 
-Why: messages used to be plain dicts and positional lists, so a timing key or a counter name had to be spelled the
-same in five files and a missing key surfaced as a KeyError deep in a handler. Here each kind is a typed Struct;
-``decode_command`` and ``decode_event`` return the typed object or raise ``MalformedMessage``, and handlers dispatch
-on the type. On the wire a message is a msgpack map whose ``type`` key names the kind (``tag_field``), the names
-the protocol always used; a ``tokens`` item is a positional array (compact: one per request per step).
-
-Router -> worker (commands; ``Membership.send`` stamps ``router`` (its index) and ``sent_at`` (wall clock)):
-    reserve   {rid, prompt, params, attempt}            decode: reserve KV blocks, expect the transfer
-    unreserve {rid, attempt}                            decode: undo a reservation whose answer came too late
-    prefill   {rid, prompt, params, kv_address, dst_blocks, cached_tokens}   prefill: compute, stream the missing KV,
-                                                        sample the first token
-    prefill_here {rid}                                  decode: compute the reservation's prompt here (no transfer)
-    start     {rid, first_token}                        decode: the first token (KV may still be arriving)
-    generate  {rid, prompt, params}                     colocated: both phases here
-    abort     {rid}                                     any: free whatever the request holds
-    ping      {}                                        any: the router is alive
-    drain     {deadline_s}                              any: take no new work; fail what is left after deadline_s
-Worker -> router (events):
-    reserved    {rid, worker, ok, attempt, blocks, kv_address, reason, cached_tokens}
-    first_token {rid, worker, token, text, timing: PrefillTiming, logprobs, prompt_logprobs, cached_tokens}
-    tokens      {worker, items: [TokenItem, ...]}        one per step (an item: ids, text, logprobs; the first
-                                                        sampled token's also the prompt's logprobs and cached tokens)
-    error       {rid, worker, message, code: ErrorCode}
-    stats       {worker, role, address, load: WorkerLoad, counters: WorkerCounters, degraded, loop_age_s, draining}
-    kv_events   {worker, address, seq, stored, removed, reset}   to every router: prefix-cache hashes stored/evicted
-
-Bounds: a body larger than ``MAX_MESSAGE_BYTES`` is refused before it is decoded; every field has one type (map keys
-can only be the Structs' own field names, so strings), unknown fields and unknown kinds are refused, so a message
-cannot make the receiver build anything but these objects. Sampling parameters travel as the engine's own
-``SamplingParams`` (msgspec decodes its dataclass, checking each field's type) and the worker ``validate()``s them
-on receipt: a bad value answers the request with an ``invalid_request`` error, as before.
+A message is a map whose ``type`` names its kind; ``decode_command`` / ``decode_event`` return the typed object or
+raise ``MalformedMessage`` (undecodable, unknown kind or field, wrong type, out of bounds, too large), so a receiver
+never builds anything but these objects. Commands go router -> worker (``Membership`` stamps ``router`` and
+``sent_at``), events worker -> router. Every request message names the request by its wire id: a fresh one per
+reservation attempt and per retry, so a late answer can only concern an attempt the router gave up on.
+The request flow that sends them: docs/request-lifecycle.md.
 """
 
 from __future__ import annotations
@@ -79,22 +54,43 @@ class ErrorCode(str, enum.Enum):
 # ---- timing and counters ---------------------------------------------------------------------------------------
 
 
-class PrefillTiming(msgspec.Struct, tag_field="phase", tag="prefill", omit_defaults=True):
-    """Where a request's prefill time went in the worker that computed it (seconds; None: not reached)."""
+class Timing(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Where a request's time went (seconds; None: not reached): what workers report and what the response shows.
 
-    queue_s: float | None = None  # added to the engine until first scheduled
-    compute_s: float | None = None  # first scheduled until the first token was sampled
-    end_mono: float | None = None  # monotonic stamp of the first token (prefill worker; same-host comparisons)
+    Each side fills its own fields; the router merges them and adds its own. ``*_mono`` are monotonic stamps
+    compared on one host (``kv_after_prefill_s``) and left out of the response."""
 
+    router_queue_s: float | None = None  # the router: arrival to the dispatch of its prompt
+    prefill_queue_s: float | None = None  # the worker that computed the prompt: added until first scheduled
+    prefill_compute_s: float | None = None  # ... first scheduled until the first token was sampled
+    prefill_end_mono: float | None = None  # ... when the first token was sampled
+    prefill_local: bool = False  # the decode worker computed the prompt itself (conditional disaggregation)
+    decode_cached_tokens: int | None = None  # prompt tokens the decode worker held already (its prefix cache)
+    kv_done_mono: float | None = None  # the decode worker: when the imported KV was complete
+    kv_transfer_s: float | None = None  # ... reservation until the complete KV (spans the prefill)
+    kv_wait_after_first_token_s: float | None = None  # ... first token here until the complete KV (0: KV first)
+    decode_queue_s: float | None = None  # ... admitted until its first decode step ran
+    recomputed: bool = False  # ... its KV transfer failed and it was prefilled here (failure_policy: recompute)
+    ttft_s: float | None = None  # the router, at the finish: arrival to first token
+    e2e_s: float | None = None  # ... arrival to the last token
+    first_token_delivery_s: float | None = None  # ... TTFT less router queue and prefill (the first token's trip)
+    kv_after_prefill_s: float | None = None  # ... KV complete minus first token sampled (<= 0: fully hidden)
 
-class DecodeTiming(msgspec.Struct, tag_field="phase", tag="decode", omit_defaults=True):
-    """Where a request's time went in the decode worker before its first decoded token (seconds)."""
+    def merge(self, other: Timing) -> None:
+        """Take every field ``other`` has set."""
+        for name in other.__struct_fields__:
+            value = getattr(other, name)
+            if value is not None and value is not False:
+                setattr(self, name, value)
 
-    kv_done_mono: float | None = None  # monotonic stamp of the complete KV
-    kv_transfer_s: float | None = None  # reservation until the complete KV (spans the prefill)
-    kv_wait_after_first_token_s: float | None = None  # first token here until the complete KV (0: KV was first)
-    decode_queue_s: float | None = None  # admitted until its first decode step ran
-    recomputed: bool = False  # its KV transfer failed and it was prefilled here (failure_policy: recompute)
+    def response(self) -> dict[str, float]:
+        """The response's ``timing`` map: set fields only, flags as 1.0, no monotonic stamps."""
+        out = {}
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is not None and value is not False and not name.endswith("_mono"):
+                out[name] = float(value)
+        return out
 
 
 class WorkerLoad(msgspec.Struct):
@@ -121,7 +117,7 @@ class WorkerCounters(msgspec.Struct):
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0  # prefill: time its sender spent on finished transfers
     reservations_refused: int = 0
-    local_prefills: int = 0  # decode: reservations prefilled here (``prefill_here``: no prefill worker, no transfer)
+    local_prefills: int = 0  # decode: reservations prefilled here (no prefill worker, no transfer)
     recomputes: int = 0
     reservations_expired: int = 0
     kv_rejected: int = 0  # decode: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
@@ -147,15 +143,9 @@ class _PromptCommand(_RequestCommand):
 
 
 class Reserve(_PromptCommand, tag="reserve"):
-    attempt: int = -1  # the router's attempt number: the reply answers this attempt only
     # conditional disaggregation, decided where the cache is: when what this worker lacks of the prompt (after its
-    # prefix cache) is at most this many tokens, it computes it itself at once (``Reserved.prefill_local``), with
-    # no further round trip; 0: never (the KV comes from a prefill worker)
+    # prefix cache) is at most this many tokens, it computes it itself at once (``Reserved.prefill_local``); 0: never
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-class Unreserve(_RequestCommand, tag="unreserve"):
-    attempt: int  # undo this attempt's reservation (a later attempt's on the same worker stays)
 
 
 class Prefill(_PromptCommand, tag="prefill"):
@@ -164,13 +154,6 @@ class Prefill(_PromptCommand, tag="prefill"):
     # the decode worker holds the prompt's first tokens up to here already (whole blocks; Reserved.cached_tokens):
     # only the blocks after them are sent
     cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-class PrefillHere(_RequestCommand, tag="prefill_here"):
-    """Decode: compute the reserved prompt's uncached part here and sample its first token (conditional
-    disaggregation); its tokens, the first included, come back in ``tokens`` events. The router asks for it in the
-    reservation itself (``Reserve.local_prefill_max_tokens``), which saves a round trip; this command does the same
-    for a reservation already answered."""
 
 
 class Start(_RequestCommand, tag="start"):
@@ -198,7 +181,7 @@ class Drain(_Command, tag="drain"):
     deadline_s: Annotated[float, msgspec.Meta(gt=0)]
 
 
-Command = Reserve | Unreserve | Prefill | PrefillHere | Start | Generate | Abort | Ping | Drain
+Command = Reserve | Prefill | Start | Generate | Abort | Ping | Drain
 RequestCommand = _RequestCommand  # every command about one request (all but ping and drain)
 PromptCommand = _PromptCommand  # the commands that bring a prompt and its sampling parameters
 
@@ -213,7 +196,6 @@ class _Event(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fiel
 class Reserved(_Event, tag="reserved"):
     rid: str
     ok: bool
-    attempt: int = -1
     blocks: list[int] = []  # ok: the reserved block ids the KV goes into (missing prompt blocks, first token, headroom)
     kv_address: str = ""  # ok: where the prefill worker sends the KV
     reason: RefusalReason | None = None  # not ok: why
@@ -221,27 +203,19 @@ class Reserved(_Event, tag="reserved"):
     prefill_local: bool = False  # ok: the worker computes the rest itself (Reserve.local_prefill_max_tokens): no KV
 
 
-class FirstToken(_Event, tag="first_token"):
-    rid: str
-    token: int
-    text: str  # the first token's text; the decode worker's texts continue from it
-    timing: PrefillTiming
-    logprobs: TokenLogprob | None = None  # params.logprobs set: the first token's
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs set: per prompt token
-    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held (not computed)
-
-
 class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One request's share of a step: ``[rid, token ids, text, finish reason, timing, logprobs, prompt logprobs,
-    cached tokens]`` on the wire (nil for the absent ones: three bytes)."""
+    """One request's share of a step (``worker.role.token_item``): ``[rid, token ids, text, finish reason, timing,
+    logprobs, prompt logprobs, cached tokens]`` on the wire (nil for the absent ones). A prefill worker's first token
+    is one too: the router forwards it to the decode worker (``Start``)."""
 
     rid: str
     token_ids: list[int]
     text: str  # what the tokens add to the output, ready to send (held-back characters come later)
     finish_reason: FinishReason | None = None
-    timing: PrefillTiming | DecodeTiming | None = None  # with its first and its last item only
+    timing: Timing | None = None  # with the request's first token here, its first decoded one, and its last
     logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per token id
-    # with the request's first sampled token (colocated, or prefilled on the decode worker): as in FirstToken
+    # with the first token sampled where the prompt was computed: per prompt token (entry 0 None), and the prompt
+    # tokens that worker's prefix cache held
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int | None = None
 
@@ -284,7 +258,7 @@ class KvEvents(_Event, tag="kv_events"):
     reset: bool = False
 
 
-Event = Reserved | FirstToken | Tokens | ErrorEvent | Stats | KvEvents
+Event = Reserved | Tokens | ErrorEvent | Stats | KvEvents
 
 
 # ---- encoding --------------------------------------------------------------------------------------------------

@@ -1,15 +1,9 @@
 """A worker's role: what it does with each typed command and each tick, apart from sockets, threads and routers.
 
-Why split from the runtime (worker/runtime.py): the role is where the request logic lives (which command does what
-to the engine and the transfer layer, which events come out), and it is testable only if it can be driven without a
-socket. A ``Role`` takes its engine, its transfer endpoint (a sender, a receiver, or none) and an ``emit`` callback
-for the events it produces; tests hand it typed commands and read the typed events it emits (tests/prefill,
-tests/decode), the way vLLM tests its scheduler with hand-built outputs. The runtime owns one role and adds the rest:
-the loop thread, the heartbeat, the sockets and which router owns each request.
-
-A role keeps no request table of its own: a request's state is the engine's ``Request`` (its status, its
-``RequestTiming``, its KV export or import). What a role does keep is named where it is (the prefill role's set of
-transfers the router already knows have ended; the decode role's map of the router's reservation attempts).
+A ``Role`` takes its engine, its transfer endpoint and an ``emit`` callback for the events it produces, so tests hand
+it typed commands and read the events it emits (tests/prefill, tests/decode). The runtime (worker/runtime.py) owns
+one role and adds the loop thread, the heartbeat, the sockets and which router owns each request. A request's state
+is the engine's ``Request``; a role keeps no table of its own.
 """
 
 from __future__ import annotations
@@ -20,14 +14,15 @@ from typing import ClassVar
 import msgspec
 
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput, RequestTiming
+from engine.request import FinishReason, RequestOutput, RequestTiming
 from worker.messages import (
     Command,
     ErrorCode,
     ErrorEvent,
     Event,
-    PrefillTiming,
+    Timing,
     TokenItem,
+    Tokens,
     WorkerCounters,
     WorkerLoad,
     kind,
@@ -94,6 +89,18 @@ class Role:
     def emit_error(self, rid: str, message: str, code: ErrorCode) -> None:
         self.emit(ErrorEvent(rid=rid, worker=self.name, message=message, code=code))
 
+    def emit_outputs(self, outputs: list[RequestOutput]) -> None:
+        """One ``tokens`` event for a step's outputs; a failed request gets its own error event instead."""
+        items = []
+        for output in outputs:
+            if output.error is not None:  # finish_reason ERROR (blocks already freed): an error for that request only
+                self.counters.errors += 1
+                self.emit_error(output.request_id, output.error, ErrorCode.from_engine(output.error_code))
+            elif output.new_token_ids or output.text_delta or output.finished:
+                items.append(token_item(output))
+        if items:
+            self.emit(Tokens(worker=self.name, items=items))
+
     def load(self) -> WorkerLoad:
         """The gauges of the heartbeat (a fresh object: never changed once sent)."""
         engine = self.engine
@@ -116,26 +123,40 @@ class Role:
         )
 
 
-def prefill_timing(timing: RequestTiming | None) -> PrefillTiming:
-    """Where a request's prefill time went in this worker (seconds; None: not reached), from the engine's record."""
-    if timing is None:
-        return PrefillTiming()
-    return PrefillTiming(queue_s=timing.queue_s, compute_s=timing.compute_s)
+def wire_timing(timing: RequestTiming) -> Timing:
+    """Where a request's time went on this worker, from the engine's record: the prefill's figures where the prompt
+    was computed here, the KV import's where it came from a prefill worker."""
+    remote = timing.remote
+    if remote is None:
+        return Timing(
+            prefill_queue_s=timing.queue_s, prefill_compute_s=timing.compute_s, prefill_end_mono=timing.first_token_s
+        )
+    return Timing(
+        kv_done_mono=timing.kv_done_mono,
+        kv_transfer_s=timing.kv_transfer_s,
+        kv_wait_after_first_token_s=timing.kv_wait_after_first_token_s,
+        decode_queue_s=timing.decode_queue_s,
+        recomputed=timing.recomputed,
+    )
 
 
-def computed_here_item(output: RequestOutput) -> TokenItem:
-    """A request's share of a step on the worker that computed its prompt and samples its first token (colocated, or
-    the decode worker's ``prefill_here``): the prefill's timing (the router names it prefill_*) with the first token
-    and the last; the tokens' logprobs when the request asked for them; and with the first sampled token only, the
-    prompt's logprobs and how many prompt tokens the prefix cache held (the response's ``cached_tokens``)."""
-    first = output.num_output_tokens == 1 and bool(output.new_token_ids)
+def token_item(output: RequestOutput) -> TokenItem:
+    """A request's share of a step, on every worker: its tokens, text and logprobs; its timing with its first token
+    here (its first decoded one, when the prompt's KV came from elsewhere) and its last; the prompt's logprobs and
+    prefix-cache hit with the first token sampled where the prompt was computed. A prefill worker's first token
+    (finish PREFILLED) is not a finish for the client."""
+    timing = output.timing
+    imported = timing is not None and timing.remote is not None
+    first_here = output.num_output_tokens == 1 and bool(output.new_token_ids) and not imported
+    reports = output.finished or output.num_output_tokens == (2 if imported else 1)
+    finish = None if output.finish_reason is FinishReason.PREFILLED else output.finish_reason
     return TokenItem(
         output.request_id,
         output.new_token_ids,
         output.text_delta,
-        output.finish_reason,
-        prefill_timing(output.timing) if output.num_output_tokens == 1 or output.finished else None,
-        output.logprobs,
-        output.prompt_logprobs if first else None,
-        output.num_cached_tokens if first else None,
+        finish,
+        wire_timing(timing) if reports and timing is not None else None,
+        output.logprobs if output.new_token_ids else None,
+        output.prompt_logprobs if first_here else None,
+        output.num_cached_tokens if first_here else None,
     )

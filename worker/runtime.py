@@ -48,7 +48,6 @@ from worker.messages import (
     Event,
     KvEvents,
     Ping,
-    PromptCommand,
     Stats,
     WorkerCounters,
     kind,
@@ -201,21 +200,21 @@ class WorkerRuntime:
             try:
                 # no wait while the engine has a step to run; a short one while only transfers are pending
                 # (spinning there would take a core from the forward on a small box); a longer one when idle
-                wait_ms = 0 if self.engine.has_unfinished() else 1 if self.has_work() else 5
+                wait_ms = 0 if self.engine.has_unfinished() else 1 if self.role.has_work() else 5
                 self._drain_commands(timeout_ms=wait_ms)
-                self.tick()
+                self.role.tick()
             except Exception as exc:  # the loop must survive anything one step throws
                 logger.exception("%s: step failed; failing the requests it held", self.name)
                 self._note_failure(exc)
-                self.fail_all("worker step failed")
+                self.role.fail_all("worker step failed")
             now = time.monotonic()
             for rid in self._book.orphans(now, self.engine.requests):  # a silent router's requests: freed
-                self.abort(rid)
-                self.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
+                self.role.abort(rid)
+                self.role.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
             self._book.prune(now, self.engine.requests)
             self._publish_kv_events(now)
             if self._book.draining:
-                self._book.drain_turn(now, self.holds_requests, self.fail_all)
+                self._book.drain_turn(now, self.holds_requests, self.role.fail_all)
             self._loop_seen = now
             self._snapshot = self.stats()  # a few len() calls: cheap enough to keep the heartbeat's view current
 
@@ -225,7 +224,7 @@ class WorkerRuntime:
         """Anything a request still needs from this worker: engine requests (decode reservations included), steps
         or transfers in flight, exported KV a decode worker has not confirmed."""
         load = self.role.load()
-        return self.has_work() or bool(load.requests or load.awaiting_kv or load.leased_transfers)
+        return self.role.has_work() or bool(load.requests or load.awaiting_kv or load.leased_transfers)
 
     @property
     def drained(self) -> bool:
@@ -261,7 +260,7 @@ class WorkerRuntime:
         (a dead transfer I/O thread) fails. The router stops routing to it; under Ray the pool restarts it."""
         if self._loop_problem and self._failures_s and time.monotonic() - self._failures_s[-1] > DEGRADED_WINDOW_S:
             self._loop_problem = ""  # quiet for a whole window: healthy again
-        return self._loop_problem or self.health_problem()
+        return self._loop_problem or self.role.health_problem()
 
     def _beat(self) -> None:
         """Every router hears every heartbeat (each router process keeps its own view of the pool)."""
@@ -322,14 +321,12 @@ class WorkerRuntime:
             try:
                 if isinstance(command, Abort):
                     self.counters.aborts += 1
-                    self.abort(rid)
+                    self.role.abort(rid)
                     continue
-                if isinstance(command, PromptCommand):
-                    command.params.validate()  # a bad value answers the request (below), as the engine's checks do
-                self.handle(command, arrival_s)
+                self.role.handle(command, arrival_s)
             except (ValueError, KeyError, ProtocolError) as exc:
                 self.counters.errors += 1
-                self.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
+                self.role.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
 
     def emit(self, event: Event) -> None:
         """Send an event to the router that owns its request; a ``tokens`` message goes out split per router."""
@@ -386,26 +383,3 @@ class WorkerRuntime:
             degraded=self.degraded,
             draining=self._book.draining,
         )
-
-    # ---- the role: the loop calls these (tests replace ``tick`` to break a worker) -----------------------------
-
-    def has_work(self) -> bool:
-        return self.role.has_work()
-
-    def handle(self, command: Command, arrival_s: float) -> None:
-        self.role.handle(command, arrival_s)
-
-    def abort(self, rid: str) -> None:
-        self.role.abort(rid)
-
-    def tick(self) -> None:
-        self.role.tick()
-
-    def fail_all(self, reason: str) -> None:
-        self.role.fail_all(reason)
-
-    def health_problem(self) -> str:
-        return self.role.health_problem()
-
-    def emit_error(self, rid: str, message: str, code: ErrorCode) -> None:
-        self.role.emit_error(rid, message, code)

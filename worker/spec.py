@@ -23,8 +23,6 @@ import socket
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-import torch
-
 from engine.config import EngineConfig, resolve_dtype
 from transfer.base import TransferConfig
 
@@ -113,6 +111,8 @@ def resolve_device(spec: WorkerSpec) -> str:
     GPUs and this process sees one, "cpu" when it asked for none; a RuntimeError when it asked and sees none."""
     if spec.gpus <= 0:
         return "cpu"
+    import torch  # here, in the worker's process: the cluster config imports this module and needs no torch
+
     if torch.cuda.is_available():
         return "cuda"
     raise RuntimeError(

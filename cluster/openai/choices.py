@@ -21,8 +21,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from cluster.routing.flow import TokenEvent
 from cluster.routing.router import Router
-from cluster.routing.streams import TokenEvent
 from engine.request import SamplingParams
 
 

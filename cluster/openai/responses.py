@@ -30,8 +30,8 @@ from cluster.openai.api_format import (
 from cluster.openai.choices import ChoicePlan
 from cluster.openai.openai_schema import APIError
 from cluster.routing.errors import RequestFailed
+from cluster.routing.flow import TokenEvent
 from cluster.routing.router import Router
-from cluster.routing.streams import TokenEvent
 
 
 class ToolStream(Protocol):

@@ -1,17 +1,10 @@
-"""Which workers the router knows, which are alive, and the command socket to each.
+"""Which workers the router knows, which are alive, what each last reported, and which flows count as its load.
 
-A worker is alive from registration until its heartbeats stop (``HEARTBEAT_TIMEOUT_S``), its command queue fills,
-or Ray reports its process gone; then ``on_dead`` tells the router, which fails or retries what the worker held.
-A restarted worker registers again under the same name with new addresses and is alive again.
-
-It also keeps what each worker's prefix cache holds (``prefix_index``, fed by the workers' ``KvEvents``): a worker's
-view is dropped whenever it (re-)registers or is marked dead, since a new process starts with an empty cache and a
-dead one serves nothing; a worker revived after a stall starts from empty and is refilled by its next snapshot.
-
-Live resizing (cluster/run/scaling.py): a worker being removed is first ``DRAINING`` (``drain``): no new request goes
-there (``routable`` leaves it out, so do the dispatcher's prefill, decode-reservation, colocated and affinity
-choices), while the requests it holds go on streaming and it still gets pings. ``remove`` forgets it once the pool
-has stopped it.
+A worker is alive from registration until its heartbeats stop (the live router's ``expired``), its command queue
+fills, or Ray reports its process gone. A restarted worker registers again under its name with new addresses. Its
+prefix-cache view (``prefix_index``, from its ``KvEvents``) is dropped whenever it (re-)registers or dies. A worker
+being removed is ``DRAINING``: ``routable`` leaves it out while the requests it holds go on. No socket here: the
+live router keeps one per worker (cluster/routing/router.py), the planner's simulator none.
 """
 
 from __future__ import annotations
@@ -21,15 +14,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.prefix_index import PrefixIndex
-from worker.messages import Command, Drain, KvEvents, Stats
-from worker.protocol import MAX_FRAME_BYTES, Channel, Signer
+from worker.messages import KvEvents, Stats
+
+if TYPE_CHECKING:
+    from cluster.routing.flow import Flow
 
 logger = logging.getLogger(__name__)
 
@@ -39,25 +33,27 @@ ROLES = ("prefill", "decode", "colocated")
 
 
 class WorkerState(str, enum.Enum):
-    """Where a registered worker is in its life as the pool sees it (``alive`` says whether it answers)."""
-
     ACTIVE = "active"  # takes new requests (when alive and not degraded)
     DRAINING = "draining"  # being removed: finishes what it holds, gets nothing new
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class WorkerHandle:
     name: str
     role: str
     command_address: str
-    socket: zmq.asyncio.Socket
     kv_address: str | None = None
     stats: Stats | None = None  # its last heartbeat (None until the first)
-    last_seen: float = field(default_factory=time.monotonic)  # any event from it
+    last_seen: float = 0.0  # any event from it
     stats_seen: float | None = None  # its last heartbeat (what ``stats`` says is that old)
     alive: bool = True
-    inflight: int = 0
     state: WorkerState = WorkerState.ACTIVE
+    flows: set[Flow] = field(default_factory=set)  # the flows it holds (``Flow.holders``)
+
+    @property
+    def inflight(self) -> int:
+        """Its load as the router knows it before a heartbeat says more: the flows it holds."""
+        return len(self.flows)
 
     @property
     def degraded(self) -> str:
@@ -66,48 +62,25 @@ class WorkerHandle:
 
 
 class Membership:
-    def __init__(
-        self,
-        ctx: zmq.asyncio.Context,
-        metrics: RouterMetrics,
-        secret: str | None,
-        on_dead: Callable[[str, str], None],
-        router_index: int = 0,
-    ) -> None:
-        self._ctx = ctx
-        self._router_index = router_index  # in every command: workers send a request's events to its own router
+    def __init__(self, metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the prefix index's, for its tentative entries' lifetime (simulated time in the planner)."""
         self._metrics = metrics
-        if not secret:
-            raise ValueError("the router needs the cluster secret (transfer.secret; start_serving makes one)")
-        self._secret = secret  # commands are sealed with keys derived from it (worker/protocol.py)
-        self._signers: dict[str, Signer] = {}  # per worker command address
-        self._on_dead = on_dead
         self.workers: dict[str, WorkerHandle] = {}
-        self.prefix_index = PrefixIndex()
+        self.prefix_index = PrefixIndex(clock=clock)
 
-    def add(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
-        # MAXMSGSIZE too, though a PUSH socket receives nothing: every socket has it, so none can be forgotten
-        for option, value in (
-            (zmq.LINGER, 0),
-            (zmq.SNDHWM, 100_000),
-            (zmq.SNDTIMEO, 1000),
-            (zmq.MAXMSGSIZE, MAX_FRAME_BYTES),
-        ):
-            sock.setsockopt(option, value)
-        sock.connect(command_address)
-        old = self.workers.pop(name, None)
+    def add(self, name: str, role: str, command_address: str, kv_address: str | None, now: float) -> bool:
+        """Register a worker (again, after a restart: its new addresses); True when the old process was still
+        thought alive, so what it held is gone with it."""
+        old = self.workers.get(name)
+        worker = self.workers[name] = WorkerHandle(name, role, command_address, kv_address, last_seen=now)
         if old is not None:
-            old.socket.close(0)
-        self.workers[name] = WorkerHandle(name, role, command_address, sock, kv_address)
-        if old is not None:  # restarted by Ray while draining: it is still being removed
-            self.workers[name].state = old.state
+            worker.state, worker.flows = old.state, old.flows  # draining stays draining; its flows are failed
         self.forget_prefixes(name)  # a (re-)registered process starts with an empty prefix cache
         self._update_gauge()
-        if old is not None and old.alive and old.command_address != command_address:
-            # restarted before its death was noticed: what the old process held is gone with it
+        restarted = old is not None and old.alive and old.command_address != command_address
+        if restarted:
             logger.warning("worker %s came back as a new process before its death was seen", name)
-            self._on_dead(name, "worker restarted")
+        return restarted
 
     def get(self, name: str | None) -> WorkerHandle | None:
         return self.workers.get(name or "")
@@ -119,82 +92,67 @@ class Membership:
         """Live workers that may get new requests: not those that report themselves degraded, nor draining ones."""
         return [w for w in self.live(role) if not w.degraded and w.state is WorkerState.ACTIVE]
 
-    def drain(self, name: str, deadline_s: float) -> bool:
-        """Route nothing new to the worker, and tell it (``Drain``) so it knows when it is idle; False if unknown."""
+    def drain(self, name: str) -> bool:
+        """Route nothing new to the worker; False if unknown."""
         worker = self.workers.get(name)
         if worker is None:
             return False
         if worker.state is not WorkerState.DRAINING:
             logger.info("worker %s draining", name)
         worker.state = WorkerState.DRAINING
-        self.send(worker, Drain(deadline_s=deadline_s))
         return True
 
     def remove(self, name: str) -> WorkerHandle | None:
-        """Forget a worker the pool has stopped: its socket, its prefix-cache view, its signer."""
+        """Forget a worker the pool has stopped, and its prefix-cache view."""
         worker = self.workers.pop(name, None)
         if worker is None:
             return None
         worker.alive = False
-        worker.socket.close(0)
         self.prefix_index.forget(name)
-        self._signers.pop(worker.command_address, None)
         self._metrics.prefix_index_blocks.labels(name, worker.role).set(0)
         self._update_gauge()
         return worker
 
-    def mark_dead(self, name: str, reason: str) -> None:
+    def mark_dead(self, name: str, reason: str) -> bool:
+        """True if the worker was alive until now."""
         worker = self.workers.get(name)
         if worker is None or not worker.alive:
-            return
+            return False
         worker.alive = False
         logger.warning("worker %s marked dead: %s", name, reason)
         self.forget_prefixes(name)
         self._update_gauge()
-        self._on_dead(name, reason)
+        return True
 
-    def expire(self, now: float) -> None:
-        for worker in list(self.workers.values()):
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        """Live workers not heard from for ``HEARTBEAT_TIMEOUT_S``, or whose loop is stuck, and why."""
+        out = []
+        for worker in self.workers.values():
             if worker.alive and now - worker.last_seen > HEARTBEAT_TIMEOUT_S:
-                self.mark_dead(worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
+                out.append((worker.name, f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s"))
             elif worker.alive and worker.stats is not None and worker.stats.loop_age_s > STALL_TIMEOUT_S:
-                self.mark_dead(worker.name, f"worker loop stalled for {worker.stats.loop_age_s:.0f} s")
+                out.append((worker.name, f"worker loop stalled for {worker.stats.loop_age_s:.0f} s"))
+        return out
 
-    def send(self, worker: WorkerHandle, message: Command) -> None:
-        """Seal and send a command, stamped with this router's index and the time (the message is changed)."""
-        signer = self._signers.get(worker.command_address)
-        if signer is None:  # a new worker, or a restarted one (new address): forget the replaced ones' signers
-            live = {w.command_address for w in self.workers.values()}
-            for address in [a for a in self._signers if a not in live]:
-                del self._signers[address]
-            signer = self._signers[worker.command_address] = Signer(
-                self._secret, Channel.COMMANDS, worker.command_address
-            )
-        message.router, message.sent_at = self._router_index, time.time()
-        try:
-            worker.socket.send(signer.seal(message), zmq.NOBLOCK)
-        except zmq.Again:
-            self.mark_dead(worker.name, "command queue full")
-
-    def heard_from(self, name: str, heartbeat: Stats | None = None) -> WorkerHandle | None:
+    def heard_from(self, name: str, now: float, heartbeat: Stats | None = None) -> WorkerHandle | None:
         """Note an authenticated event from a worker; None when it comes from another incarnation of that worker.
 
-        ``heartbeat`` (the event, when it is one) carries its worker's command address, which tells incarnations
-        apart: a heartbeat queued by a process that has since died, or sent by its Ray-restarted successor before the
-        pool re-registers it, neither refreshes nor revives the registered entry. A heartbeat from the registered
-        process when it was marked dead revives it: it was slow or cut off (a long stall, a full queue, a monitor
-        timeout), not gone; what it held was failed or retried when it was marked dead, and the router's aborts free
-        those requests."""
+        A heartbeat carries its worker's command address, which tells incarnations apart: one queued by a process
+        that has since died, or sent by its restarted successor before the pool re-registers it, neither refreshes
+        nor revives the entry. A heartbeat from the registered process when it was marked dead revives it: it was
+        slow or cut off, not gone (what it held was failed or retried then)."""
         worker = self.workers.get(name)
         if worker is not None and heartbeat is not None and heartbeat.address != worker.command_address:
             return None
         if worker is not None:
-            worker.last_seen = time.monotonic()
-            if not worker.alive and heartbeat is not None and heartbeat.loop_age_s <= STALL_TIMEOUT_S:
-                worker.alive = True
-                logger.warning("worker %s is heard from again; back in the pool", worker.name)
-                self._metrics.worker_revivals.inc()
-                self._update_gauge()
+            worker.last_seen = now
+            if heartbeat is not None:
+                worker.stats, worker.stats_seen = heartbeat, now
+                if not worker.alive and heartbeat.loop_age_s <= STALL_TIMEOUT_S:
+                    worker.alive = True
+                    logger.warning("worker %s is heard from again; back in the pool", worker.name)
+                    self._metrics.worker_revivals.inc()
+                    self._update_gauge()
         return worker
 
     def on_kv_events(self, event: KvEvents, worker: WorkerHandle | None) -> None:
@@ -214,10 +172,6 @@ class Membership:
         if worker is not None:
             self._metrics.prefix_index_blocks.labels(name, worker.role).set(0)
 
-    def close(self) -> None:
-        for worker in self.workers.values():
-            worker.socket.close(0)
-
     def pools(self) -> dict[str, dict]:
         """Per pool (a worker's name is ``<pool>-<index>``): how many replicas serve and which ones drain."""
         out: dict[str, dict] = {}
@@ -230,8 +184,7 @@ class Membership:
                 pool["workers"].append(w.name)
         return out
 
-    def status(self) -> list[dict]:
-        now = time.monotonic()
+    def status(self, now: float) -> list[dict]:
         return [
             {
                 "name": w.name,

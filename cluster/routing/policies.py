@@ -36,7 +36,7 @@ class Candidate(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """What the router knows of one prompt's cached prefix on each worker (``Dispatcher.prefix_match``, cluster/routing/dispatch.py)."""
+    """What the router knows of one prompt's cached prefix on each worker (``Placer.prefix_match``)."""
 
     num_prompt_tokens: int
     matched_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable leading tokens

@@ -8,8 +8,27 @@ are only for set-up and inspection: ``info`` (addresses, pid, node), ``snapshot`
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from worker.spec import WorkerRole, WorkerSpec
+
+if TYPE_CHECKING:
+    from worker.role import Role
+
+
+def role_class(role: WorkerRole) -> type[Role]:
+    """The request logic a worker of this kind runs (imported here: each pulls in its transfer side)."""
+    if role is WorkerRole.PREFILL:
+        from prefill.worker import PrefillRole
+
+        return PrefillRole
+    if role is WorkerRole.DECODE:
+        from decode.worker import DecodeRole
+
+        return DecodeRole
+    from worker.colocated import ColocatedRole
+
+    return ColocatedRole
 
 
 class WorkerActor:
@@ -21,18 +40,9 @@ class WorkerActor:
         if spec.runtime.host == "auto":  # each worker binds its own node's address
             spec = spec.with_host(ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        if spec.role is WorkerRole.PREFILL:
-            from prefill.worker import PrefillWorker
+        from worker.runtime import WorkerRuntime  # the engine and torch: in the worker's process only
 
-            self.worker = PrefillWorker(spec)
-        elif spec.role is WorkerRole.DECODE:
-            from decode.worker import DecodeWorker
-
-            self.worker = DecodeWorker(spec)
-        else:
-            from worker.colocated import ColocatedWorker
-
-            self.worker = ColocatedWorker(spec)
+        self.worker = WorkerRuntime(spec, role_class(spec.role))
         self.worker.start()
 
     def info(self) -> dict:

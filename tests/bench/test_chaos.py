@@ -116,7 +116,7 @@ def test_a_prefill_death_fails_no_stream_already_decoding_elsewhere(tiny_llama_p
                 if line.startswith("data: "):
                     events.append(line[6:])
                 if len(events) == 5:  # decoding on a decode worker: kill the prefill worker that computed the prompt
-                    victim = next(iter(handle.router.streams.values())).prefill
+                    victim = next(iter(handle.router.flows.values())).prefill
                     next(r for r in handle.workers if r.name == victim).actor.kill()
         assert victim not in [w.name for w in handle.router.live("prefill")]  # noticed while the stream ran
         chunks = [json.loads(e) for e in events[:-1]]

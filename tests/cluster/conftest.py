@@ -23,7 +23,7 @@ def serve(tiny_llama_path):
     for handle in handles:
         try:
             wait_all_kv_free(handle.base_url, api_key=handle.config.router.api_key)
-            assert not handle.router.streams
+            assert not handle.router.flows
         finally:
             handle.stop()
 

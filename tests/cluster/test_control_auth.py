@@ -104,7 +104,7 @@ def _stream(handle, after_first_token) -> tuple[str, str | None]:
             finish = choice.get("finish_reason") or finish
             if not fired:
                 fired = True
-                (wire_rid,) = list(handle.router.streams)
+                (wire_rid,) = list(handle.router.flows)
                 after_first_token(wire_rid)
     return "".join(text), finish
 
@@ -129,8 +129,8 @@ def test_zero_configuration_makes_a_secret_and_every_worker_gets_it(serve, tiny_
     for record in handle.workers:
         worker = record.actor.worker
         assert worker.options.secret == secret
-    assert _worker(handle, "prefill").actor.worker.sender.cfg.secret == secret
-    assert _worker(handle, "decode").actor.worker.receiver.cfg.secret == secret
+    assert _worker(handle, "prefill").actor.worker.role.sender.cfg.secret == secret
+    assert _worker(handle, "decode").actor.worker.role.receiver.cfg.secret == secret
     assert _reference(handle)  # and it serves
 
 
@@ -226,7 +226,7 @@ def test_the_secret_never_goes_on_the_wire(serve, sent):
     assert handle.config.transfer.secret == secret
     _reference(handle)
     _stream(handle, lambda rid: None)
-    wanted = {"reserve", "prefill", "start", "ping", "reserved", "first_token", "tokens", "stats"}
+    wanted = {"reserve", "prefill", "start", "ping", "reserved", "tokens", "stats"}
     kinds: set = set()
     deadline = time.monotonic() + 5  # the router pings once a second: the requests may all finish before one
     while not wanted <= kinds and time.monotonic() < deadline:

@@ -454,9 +454,9 @@ def check_case(cluster, case: Case) -> None:
 def check_nothing_held(handle) -> None:
     wait_all_kv_free(handle.base_url, timeout_s=20)
     deadline = time.monotonic() + 5
-    while handle.router.streams and time.monotonic() < deadline:
+    while handle.router.flows and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not handle.router.streams, list(handle.router.streams)
+    assert not handle.router.flows, list(handle.router.flows)
 
 
 # ---- the tests ---------------------------------------------------------------------------------------------------

@@ -51,13 +51,13 @@ def _complete(handle, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra) 
 
 def _spy_commands(worker) -> list:
     """Every command the worker's loop handles from now on (it still handles them)."""
-    seen, original = [], worker.handle
+    seen, original = [], worker.role.handle
 
     def handle(command, arrival_s):
         seen.append(command)
         return original(command, arrival_s)
 
-    worker.handle = handle
+    worker.role.handle = handle
     return seen
 
 
@@ -121,7 +121,8 @@ def test_a_chats_next_turn_finds_its_decode_worker_before_the_kv_events_and_is_p
     handle = serve(pools=pools, router=router_section)
     router = handle.router
     held: list = []
-    router._handlers[KvEvents] = lambda event, worker: held.append((event, worker))  # events delayed, not lost
+    original = router.on_event
+    router.on_event = lambda event: held.append(event) if isinstance(event, KvEvents) else original(event)  # delayed
     decoders = [worker_named(handle, f"decode-{i}") for i in range(2)]
     history, *users = random_prompts(3, 60, 60, seed=74)
     prompt, ids, cached = history, [], []
@@ -144,9 +145,9 @@ def test_a_chats_next_turn_finds_its_decode_worker_before_the_kv_events_and_is_p
     assert metric_value(url, "pdserve_routing_decisions_total", pool="decode", reason="prefix") == 2
 
     def deliver() -> None:
-        router._handlers[KvEvents] = router.members.on_kv_events
-        for event, sender in held:
-            router.members.on_kv_events(event, sender)
+        router.on_event = original
+        for event in held:
+            original(event)
 
     router._call_threadsafe(deliver)
 
@@ -178,9 +179,9 @@ def test_the_local_path_frees_everything_however_it_ends(serve, end):
     handle = serve(router=router_section, transfer={"deadline_s": 1, "lease_s": 20})
     decode = worker_named(handle, "decode-0")
     if end == "answer_lost":  # the worker started prefilling with its answer, which never reaches the router
-        on_reserved, lost = handle.router._handlers[Reserved], []
-        handle.router._handlers[Reserved] = lambda event, worker: (
-            lost.append(event) if not lost else on_reserved(event, worker)
+        on_event, lost = handle.router.on_event, []
+        handle.router.on_event = lambda event: (
+            lost.append(event) if isinstance(event, Reserved) and not lost else on_event(event)
         )
     [prompt] = random_prompts(1, 30, 30, seed=73)
     body = {

@@ -36,12 +36,12 @@ def _complete(handle, prompt="hello there", max_tokens=8, **extra) -> httpx.Resp
 
 def _drop_layer(prefill, layer: int) -> None:
     """Lose every KV piece of one layer on its way to the decode worker."""
-    original = prefill.sender.send_layer
+    original = prefill.role.sender.send_layer
 
     def send_layer(tid, lyr, dst, k, v):
         return True if lyr == layer else original(tid, lyr, dst, k, v)
 
-    prefill.sender.send_layer = send_layer
+    prefill.role.sender.send_layer = send_layer
 
 
 def test_lost_transfer_fails_the_request_within_the_deadline(serve):

@@ -42,7 +42,7 @@ def test_decode_death_mid_stream_is_an_error_event_then_the_worker_rejoins(ray_l
             for line in response.iter_lines():
                 lines.append(line)
                 if len(lines) == 6:  # a few tokens streamed: kill the decode worker that runs it
-                    victim = next(iter(handle.router.streams.values())).decode  # where the router sent it
+                    victim = next(iter(handle.router.flows.values())).decode  # where the router sent it
                     os.kill(_pid(handle, victim), signal.SIGKILL)
                     killed = time.monotonic()
         events = [line[6:] for line in lines if line.startswith("data: ")]
@@ -71,7 +71,7 @@ def _break_the_loop(actor) -> None:
     def failing_tick() -> None:
         raise RuntimeError("injected: the device is gone")
 
-    actor.worker.tick = failing_tick
+    actor.worker.role.tick = failing_tick
 
 
 def test_a_degraded_worker_is_restarted_by_ray_and_serves_again(ray_local, tiny_llama_path):
@@ -120,7 +120,7 @@ def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_p
         load.start()
         # kill prefill-0 while requests sit in its queue (long prompts, 8-token chunks: it is busy for a while)
         wait_until(
-            lambda: any(s.prefill == "prefill-0" for s in list(handle.router.streams.values())),
+            lambda: any(s.prefill == "prefill-0" for s in list(handle.router.flows.values())),
             timeout_s=30,
             step_s=0.005,
         )

@@ -92,11 +92,12 @@ def test_a_spec_survives_pickling_as_ray_ships_it():
 
 
 def test_a_role_refuses_another_roles_spec(tiny_llama_path):
-    from prefill.worker import PrefillWorker
+    from prefill.worker import PrefillRole
+    from worker.runtime import WorkerRuntime
 
     spec = dataclasses.replace(_spec(role="decode"), engine=EngineConfig(model=str(tiny_llama_path)))
     with pytest.raises(ValueError, match="decode spec given to the prefill role"):
-        PrefillWorker(spec)
+        WorkerRuntime(spec, PrefillRole)
 
 
 def test_workers_fail_in_their_own_process_when_their_gpu_is_missing(tiny_llama_path, no_gpu):

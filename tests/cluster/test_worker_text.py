@@ -17,12 +17,13 @@ import httpx
 import pytest
 
 from cluster.routing.errors import RequestFailed
-from cluster.routing.streams import Stream
+from cluster.routing.flow import Flow
 from cluster.run.launch import start_serving
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.request import FinishReason, SamplingParams
 from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv_free
+from worker.messages import TokenItem
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -164,10 +165,10 @@ def test_a_slow_reader_gets_fewer_larger_chunks_and_its_stream_one_buffer(handle
         deadline = time.monotonic() + 120
         most_pending, stream = 0, None
         while time.monotonic() < deadline:
-            streams = list(handle.router.streams.values())
+            streams = list(handle.router.flows.values())
             if streams:
                 [stream] = streams
-                assert isinstance(stream, Stream) and not hasattr(stream, "queue")
+                assert isinstance(stream, Flow) and not hasattr(stream, "queue")
                 assert type(stream.pending_text) is bytearray  # one buffer, whatever it holds
                 assert len(stream.pending_text) <= len(expected.text.encode())
                 most_pending = max(most_pending, stream.pending_tokens)
@@ -191,16 +192,21 @@ def test_a_slow_reader_gets_fewer_larger_chunks_and_its_stream_one_buffer(handle
     assert metric_value(handle.base_url, "pdserve_router_detokenize_seconds_total") == 0.0
 
 
+def _flow(rid: str) -> Flow:
+    return Flow(rid, [1, 2, 3], SamplingParams(), [], started_s=0.0, deadline_s=60.0)
+
+
 def test_an_error_comes_after_the_text_before_it_and_ends_the_stream():
-    stream = Stream("r", 3)
-    assert stream.push(1, "héllo", None) and stream.push(2, " wörld", None)
-    stream.fail(RequestFailed("worker died", "worker_died", 503))
-    assert not stream.push(1, "late", None) and not stream.push(0, "", "length")  # nothing after an error counts
-    event = stream.take()
+    flow = _flow("r")
+    assert flow.push(TokenItem("r", [1], "héllo"), 0.1) and flow.push(TokenItem("r", [2, 3], " wörld"), 0.2)
+    flow.fail(RequestFailed("worker died", "worker_died", 503))
+    assert not flow.push(TokenItem("r", [4], "late"), 0.3)  # nothing after an error counts
+    assert not flow.push(TokenItem("r", [], "", FinishReason.LENGTH), 0.3)
+    event = flow.take()
     assert (event.text, event.num_tokens, event.finish_reason) == ("héllo wörld", 3, None)
-    assert stream.take() is None and stream.error.code == "worker_died"
-    finished = Stream("f", 3)
-    finished.push(1, "a", "stop")
+    assert flow.take() is None and flow.error.code == "worker_died"
+    finished = _flow("f")
+    finished.push(TokenItem("f", [1], "a", FinishReason.STOP), 0.1)
     finished.fail(RequestFailed("too late", "worker_died", 503))  # a finish already came: it stands
     event = finished.take()
     assert (event.text, event.finish_reason) == ("a", "stop") and finished.error is None

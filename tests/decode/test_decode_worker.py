@@ -1,7 +1,7 @@
 """The decode role, driven directly: typed commands in, typed events out, KV over the local transfer backend.
 
 The router is played by hand (tests/helpers/roles.py). Covered here: reservations (refused when the blocks are not
-free, never overcommitted; idempotent when asked again; undone by ``unreserve`` for its own attempt only), the first
+free, never overcommitted; each attempt under its own wire id, undone by an ``abort`` of that id only), the first
 token and the KV arriving in either order, a failed transfer under each failure policy, the router's abort in every
 decode-side state, a reservation whose first token never comes, and failing everything at once. Every test ends with
 no block, request or transfer left on either side.
@@ -18,7 +18,7 @@ from engine.blocks import reserved_blocks
 from engine.request import RequestStatus
 from tests.helpers.engine import random_prompts
 from tests.helpers.roles import assert_same_logprobs, greedy
-from worker.messages import DecodeTiming, ErrorEvent, FirstToken, PrefillTiming, Start, Tokens, Unreserve
+from worker.messages import ErrorEvent, Start, Timing, Tokens
 
 
 def _drop_layer(pair, layer: int) -> None:
@@ -53,48 +53,30 @@ def test_a_reservation_is_refused_when_the_blocks_are_not_free(role_pair):
     pair.check_no_leaks()
 
 
-def test_reserving_again_is_idempotent_and_unreserve_undoes_only_its_attempt(role_pair):
+def test_each_attempt_is_a_reservation_of_its_own_and_an_abort_undoes_only_its_own(role_pair):
+    """The router asks again under a new wire id when an answer came too late; the late one's ``abort`` frees its
+    blocks only, never the reservation the router went on with."""
     pair = role_pair()
     [prompt] = random_prompts(1, 40, 40, seed=51)
-    first = pair.reserve("x", prompt, greedy(), attempt=1)
-    free = pair.decode.engine.num_free_blocks
-    again = pair.reserve("x", prompt, greedy(), attempt=2)  # the router asks again: our answer came too late
-    assert again.ok and again.blocks == first.blocks and again.attempt == 2
-    assert pair.decode.engine.num_free_blocks == free and pair.decode.receiver.pending_transfers() == ["x"]
-    pair.decode.handle(Unreserve(rid="x", attempt=1), time.monotonic())  # the late answer to attempt 1 is undone...
-    assert "x" in pair.decode.engine.requests  # ...which leaves attempt 2's reservation alone
-    with pytest.raises(ValueError, match="already in use"):  # the same id for another prompt is a router bug
-        pair.reserve("x", prompt[:20], greedy(), attempt=3)
-    pair.decode.handle(Unreserve(rid="x", attempt=2), time.monotonic())
-    assert "x" not in pair.decode.engine.requests and pair.decode.receiver.pending_transfers() == []
+    first = pair.reserve("x", prompt, greedy())
+    again = pair.reserve("x.1", prompt, greedy())  # the router asks again: our answer came too late
+    assert first.ok and again.ok and set(first.blocks).isdisjoint(again.blocks)
+    assert sorted(pair.decode.receiver.pending_transfers()) == ["x", "x.1"]
+    pair.decode.abort("x")  # (the runtime's answer to Abort) the late answer to the first attempt is undone...
+    assert "x" not in pair.decode.engine.requests and "x.1" in pair.decode.engine.requests  # ...the second stays
+    with pytest.raises(ValueError, match="already in use"):  # one id for two reservations is a router bug
+        pair.reserve("x.1", prompt[:20], greedy())
+    pair.decode.abort("x.1")
     pair.settle()
     assert pair.decode_events.errors() == []
     pair.check_no_leaks()
 
 
-def test_reserving_again_after_the_kv_came_keeps_it_and_unreserve_after_start_does_nothing(role_pair):
-    pair = role_pair()
-    [prompt] = random_prompts(1, 40, 40, seed=52)
-    params = greedy(8)
-    reserved = pair.reserve("x", prompt, params, attempt=1)
-    pair.send_prefill("x", prompt, params, reserved)
-    first = pair.wait_first_token("x")
-    pair.run_until(lambda: pair.decode.engine.requests["x"].remote.kv_done_s is not None, what="KV done")
-    assert pair.reserve("x", prompt, params, attempt=2).blocks == reserved.blocks  # KV kept, nothing expected anew
-    assert pair.decode.receiver.pending_transfers() == []
-    pair.start("x", first)
-    pair.decode.handle(Unreserve(rid="x", attempt=2), time.monotonic())  # too late: it has its first token
-    pair.run_until(lambda: pair.finished("x"))
-    assert pair.client_view("x") == pair.expected(prompt, params)
-    pair.settle()
-    pair.check_no_leaks()
-
-
-def test_a_start_or_unreserve_for_no_reservation(role_pair):
+def test_a_start_or_an_abort_for_no_reservation(role_pair):
     pair = role_pair()
     with pytest.raises(KeyError, match="no reservation"):  # the runtime answers invalid_request
         pair.decode.handle(Start(rid="nobody", first_token=1), time.monotonic())
-    pair.decode.handle(Unreserve(rid="nobody", attempt=1), time.monotonic())  # nothing to undo
+    pair.decode.abort("nobody")  # nothing to undo
     assert pair.decode_events.events == []
     pair.check_no_leaks()
 
@@ -128,7 +110,7 @@ def test_start_and_kv_in_either_order_is_token_exact(role_pair, order):
     assert pair.client_view("x") == pair.expected(prompt, params)
     assert pair.client_view("other") == pair.expected(other, greedy(30))
     timing = pair.decode_timings("x")[0]
-    assert isinstance(timing, DecodeTiming) and timing.kv_transfer_s > 0 and not timing.recomputed
+    assert isinstance(timing, Timing) and timing.kv_transfer_s > 0 and not timing.recomputed
     if order == "kv_first":
         assert timing.kv_wait_after_first_token_s == 0.0
     else:
@@ -143,7 +125,7 @@ def test_a_request_that_finishes_with_its_first_token(role_pair):
     [prompt] = random_prompts(1, 33, 33, seed=54)
     _, items = pair.handoff("one", prompt, greedy(1))
     assert [(i.token_ids, i.finish_reason.value) for i in items] == [([], "length")]  # no token of its own
-    assert isinstance(items[0].timing, DecodeTiming)
+    assert items[0].timing is not None and items[0].timing.kv_transfer_s > 0
     assert pair.client_view("one") == pair.expected(prompt, greedy(1))
     pair.settle()
     pair.check_no_leaks()
@@ -249,7 +231,7 @@ def test_a_decode_side_abort_alone_stops_the_prefill(role_pair):
     pair.tick()  # one chunk of four computed and streamed
     pair.decode.abort("x")  # the receiver NACKs the transfer: the prefill side stops computing, silently
     pair.settle()
-    assert pair.prefill_events.of(FirstToken) == [] and pair.prefill_events.errors() == []
+    assert pair.prefill_events.of(Tokens) == [] and pair.prefill_events.errors() == []
     assert pair.decode_events.errors() == [] and pair.prefill.counters.transfers_failed == 1
     pair.check_no_leaks()
 
@@ -315,7 +297,6 @@ def test_a_chats_next_turn_reserves_and_receives_only_the_missing_blocks(role_pa
     assert reserved.ok and reserved.cached_tokens == (40 + 30 - 1) // 16 * 16 == 64
     assert len(reserved.blocks) == reserved_blocks(len(prompt), 30, 8, 16) - 4  # only the new blocks are reserved
     assert pair.decode.receiver.pending_transfers() == ["t2"]
-    assert pair.reserve("t2", prompt, params, attempt=2) == msgspec.structs.replace(reserved, attempt=2)  # again
     pair.send_prefill("t2", prompt, params, reserved)
     pair.start("t2", pair.wait_first_token("t2"))
     pair.run_until(lambda: pair.finished("t2"), what="t2 finished")
@@ -329,7 +310,7 @@ def test_a_chats_next_turn_reserves_and_receives_only_the_missing_blocks(role_pa
 
 
 @pytest.mark.parametrize("max_batch_tokens", [2048, 8], ids=["whole", "chunked"])
-def test_prefill_here_decodes_on_the_decode_worker_with_no_transfer(role_pair, max_batch_tokens):
+def test_a_local_prefill_decodes_on_the_decode_worker_with_no_transfer(role_pair, max_batch_tokens):
     pair = role_pair(decode_engine={"max_batch_tokens": max_batch_tokens})
     history, cold, user = random_prompts(3, 35, 35, seed=65)
     params = greedy(12)
@@ -342,33 +323,14 @@ def test_prefill_here_decodes_on_the_decode_worker_with_no_transfer(role_pair, m
         assert reserved.cached_tokens == (0 if rid == "cold" else (35 + 12 - 1) // 16 * 16)
         assert pair.client_view(rid) == pair.expected(prompt, params), rid
         items = pair.decode_events.items(rid)
-        assert items[0].token_ids and isinstance(items[0].timing, PrefillTiming)  # the first token is its own
-        assert items[0].timing.compute_s > 0 and isinstance(items[-1].timing, PrefillTiming)
+        assert items[0].token_ids and items[0].timing.prefill_compute_s > 0  # the first token is its own
+        assert items[-1].timing.prefill_compute_s > 0 and items[-1].timing.kv_transfer_s is None
     pair.settle()
-    assert pair.prefill_events.of(FirstToken, "cold") == [] and not pair.prefill.engine.block_manager.prefix_hit_tokens
+    assert pair.prefill_events.items("cold") == [] and not pair.prefill.engine.block_manager.prefix_hit_tokens
     counters = pair.decode.counters
     assert counters.local_prefills == 2 and counters.transfer_bytes == counters_before.transfer_bytes
     assert counters.transfers_ok == counters_before.transfers_ok and counters.transfers_failed == 0
     assert pair.decode_events.errors() == []
-    pair.check_no_leaks()
-
-
-def test_prefill_here_is_refused_unless_the_reservation_is_open(role_pair):
-    pair = role_pair()
-    [prompt] = random_prompts(1, 40, 40, seed=66)
-    params = greedy(6)
-    with pytest.raises(KeyError, match="no open reservation"):  # the runtime answers invalid_request
-        pair.prefill_here("nobody")
-    reserved = pair.reserve("x", prompt, params)
-    pair.send_prefill("x", prompt, params, reserved)
-    first = pair.wait_first_token("x", decode_too=False)
-    pair.start("x", first)
-    with pytest.raises(ValueError, match="already taking its KV"):  # its first token came from a prefill worker
-        pair.prefill_here("x")
-    pair.run_until(lambda: pair.finished("x"))  # nothing changed: the hand-off goes on
-    assert pair.client_view("x") == pair.expected(prompt, params)
-    assert pair.decode.counters.local_prefills == 0
-    pair.settle()
     pair.check_no_leaks()
 
 
@@ -381,9 +343,8 @@ def test_the_local_path_frees_everything_however_it_ends(role_pair, end):
     pair.settle()
     pair.decode.start_deadline_s = 0.2  # a reservation without a first token expires after this (a short test)
     prompt = _next_turn(pair, "t1", history, user, params)  # 140 tokens, 64 cached: five chunks of 16 here
-    reserved = pair.reserve("x", prompt, params)
-    assert reserved.cached_tokens == 64
-    pair.prefill_here("x")
+    reserved = pair.reserve("x", prompt, params, local_max=len(prompt))
+    assert reserved.cached_tokens == 64 and reserved.prefill_local
     request = pair.decode.engine.requests["x"]
     if end == "abort_prefilling":
         pair.tick()
@@ -412,8 +373,8 @@ def test_the_local_path_frees_everything_however_it_ends(role_pair, end):
 
 def test_a_reservation_whose_uncached_rest_is_short_is_prefilled_at_once_with_no_second_command(role_pair):
     """``Reserve.local_prefill_max_tokens``: the worker applies the router's rule where the cache is, answers
-    ``prefill_local`` and starts computing in the same turn (no ``prefill_here`` round trip); a longer rest is an
-    ordinary reservation that waits for its KV. Token-exact either way."""
+    ``prefill_local`` and starts computing in the same turn; a longer rest is an ordinary reservation that waits for
+    its KV. Token-exact either way."""
     pair = role_pair()
     history, user, other = random_prompts(3, 35, 35, seed=68)
     params = greedy(10)
@@ -437,26 +398,19 @@ def test_a_reservation_whose_uncached_rest_is_short_is_prefilled_at_once_with_no
     pair.check_no_leaks()
 
 
-def test_a_late_answer_undoes_the_local_prefill_it_started_and_a_new_attempt_replaces_it(role_pair):
-    """The router gave up waiting for the answer (its ``unreserve`` of that attempt comes): the local prefill that
-    the reservation started is aborted, its blocks freed. A router that asks again (a later attempt) before the
-    unreserve comes gets a fresh reservation in place of the running one, never two."""
+def test_a_late_answer_undoes_the_local_prefill_it_started_and_a_new_attempt_runs_alone(role_pair):
+    """The router gave up waiting for the answer (its ``abort`` of that attempt's wire id comes): the local prefill
+    that the reservation started is stopped, its blocks freed; the attempt the router went on with is untouched."""
     pair = role_pair()
     [prompt] = random_prompts(1, 20, 20, seed=69)
     params = greedy(30)
-    assert pair.reserve("x", prompt, params, attempt=1, local_max=32).prefill_local
+    assert pair.reserve("x", prompt, params, local_max=32).prefill_local
     pair.tick()
-    pair.decode.handle(Unreserve(rid="x", attempt=2), time.monotonic())  # another attempt's: changes nothing
-    assert "x" in pair.decode.engine.requests
-    pair.decode.handle(Unreserve(rid="x", attempt=1), time.monotonic())
+    assert pair.reserve("x.1", prompt, params, local_max=32).prefill_local  # asked again: a request of its own
+    pair.decode.abort("x")  # what the runtime does with the router's Abort
     assert "x" not in pair.decode.engine.requests and not pair.finished("x")
-    assert pair.reserve("y", prompt, params, attempt=3, local_max=32).prefill_local
-    pair.tick()
-    before = len(pair.decode_events.items("y"))  # what the first run sent came before the answer that replaces it
-    again = pair.reserve("y", prompt, params, attempt=4, local_max=32)  # asked again: replaces the running one
-    assert again.ok and again.attempt == 4 and again.prefill_local
-    pair.run_until(lambda: pair.finished("y"), what="y finished")
-    items = pair.decode_events.items("y")[before:]
+    pair.run_until(lambda: pair.finished("x.1"), what="x.1 finished")
+    items = pair.decode_events.items("x.1")
     ids, reason = [t for item in items for t in item.token_ids], items[-1].finish_reason.value
     assert (ids, reason) == pair.expected(prompt, params)[::2]  # one request's tokens, from its first on
     assert pair.decode_events.errors() == []
@@ -467,7 +421,7 @@ def test_a_late_answer_undoes_the_local_prefill_it_started_and_a_new_attempt_rep
 # ---- logprobs and the prefix-cache hit (issue 14: need the engine's logprobs) -------------------------------------
 
 
-def test_prefill_here_sends_the_prompts_logprobs_and_cache_hit_with_its_own_first_token(role_pair):
+def test_a_local_prefill_sends_the_prompts_logprobs_and_cache_hit_with_its_own_first_token(role_pair):
     pair = role_pair()
     [prompt] = random_prompts(1, 40, 40, seed=67)
     # the second finds the first's full blocks in this engine's prefix cache (it asks for no prompt logprobs, which

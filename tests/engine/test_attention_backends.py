@@ -15,7 +15,7 @@ from engine.attention.flashinfer_backend import paged_kv_metadata
 from engine.attention.metadata import MetadataPacker, build_layout, layout_spans, slot_list
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ScheduledChunk
+from engine.scheduler import ScheduledChunk
 from engine.request import SamplingParams
 from tests.helpers.engine import random_prompts
 

@@ -73,7 +73,7 @@ class Clusters:
         for handle in self.handles.values():
             try:
                 wait_all_kv_free(handle.base_url)
-                assert not handle.router.streams, handle.router.streams
+                assert not handle.router.flows, handle.router.flows
             except AssertionError as exc:
                 errors.append(exc)
             finally:

@@ -1,10 +1,10 @@
 """A prefill role and a decode role wired together by the local transfer backend, driven without sockets or Ray.
 
 The tests in tests/prefill and tests/decode play the router by hand: they build typed commands (``Reserve``,
-``Prefill``, ``Start``, ``Unreserve``), hand them to a role's ``handle``, turn the roles' loops by calling ``tick``,
-and read the typed events each role emitted. Nothing here decides what a role does: ``RolePair`` only holds the two
+``Prefill``, ``Start``, ``Abort``), hand them to a role's ``handle``, turn the roles' loops by calling ``tick``, and
+read the typed events each role emitted. Nothing here decides what a role does: ``RolePair`` only holds the two
 roles, their engines and event logs, and a few steps every hand-off test takes (reserve, prefill, start; or, for
-conditional disaggregation, ``prefill_here`` on the decode role).
+conditional disaggregation, a reservation whose short rest the decode role computes itself).
 """
 
 from __future__ import annotations
@@ -22,18 +22,7 @@ from prefill.worker import PrefillRole
 from transfer.base import TransferConfig
 from transfer.local_backend import LocalHub, LocalReceiver, LocalSender
 from transfer.wire import ModelFingerprint
-from worker.messages import (
-    DecodeTiming,
-    ErrorEvent,
-    Event,
-    FirstToken,
-    Prefill,
-    PrefillHere,
-    Reserve,
-    Reserved,
-    Start,
-    Tokens,
-)
+from worker.messages import ErrorEvent, Event, Prefill, Reserve, Reserved, Start, Timing, TokenItem, Tokens
 
 
 class EventLog:
@@ -51,8 +40,8 @@ class EventLog:
     def errors(self) -> list[tuple[str, str]]:
         return [(e.rid, e.code.value) for e in self.of(ErrorEvent)]
 
-    def items(self, rid: str) -> list:
-        """The decode role's ``tokens`` items for one request, in order."""
+    def items(self, rid: str) -> list[TokenItem]:
+        """A role's ``tokens`` items for one request, in order (a prefill role's: its first token)."""
         return [item for event in self.of(Tokens) for item in event.items if item.rid == rid]
 
 
@@ -112,17 +101,9 @@ class RolePair:
 
     # ---- the router's steps, by hand ---------------------------------------------------------------------------
 
-    def reserve(
-        self, rid: str, prompt: list[int], params: SamplingParams, attempt: int = 1, local_max: int = 0
-    ) -> Reserved:
+    def reserve(self, rid: str, prompt: list[int], params: SamplingParams, local_max: int = 0) -> Reserved:
         """``local_max``: the router's ``local_prefill_max_tokens`` (the worker prefills a short rest at once)."""
-        command = Reserve(
-            rid=rid,
-            prompt=list(prompt),
-            params=copy_params(params),
-            attempt=attempt,
-            local_prefill_max_tokens=local_max,
-        )
+        command = Reserve(rid=rid, prompt=list(prompt), params=copy_params(params), local_prefill_max_tokens=local_max)
         self.decode.handle(command, time.monotonic())
         return self.decode_events.of(Reserved, rid)[-1]
 
@@ -139,7 +120,7 @@ class RolePair:
         )
         self.prefill.handle(command, time.monotonic() if arrival_s is None else arrival_s)
 
-    def wait_first_token(self, rid: str, decode_too: bool = True) -> FirstToken:
+    def wait_first_token(self, rid: str, decode_too: bool = True) -> TokenItem:
         """Tick the prefill role (and the decode role, unless ``decode_too`` is False) until ``rid``'s first token."""
 
         def step() -> None:
@@ -148,17 +129,17 @@ class RolePair:
                 self.decode.tick()
 
         deadline = time.monotonic() + 30
-        while not self.prefill_events.of(FirstToken, rid):
+        while not self.prefill_events.items(rid):
             assert time.monotonic() < deadline and not self.prefill_events.of(ErrorEvent, rid), (
                 self.prefill_events.events
             )
             step()
-        return self.prefill_events.of(FirstToken, rid)[0]
+        return self.prefill_events.items(rid)[0]
 
-    def start(self, rid: str, first: FirstToken) -> None:
-        self.decode.handle(Start(rid=rid, first_token=first.token), time.monotonic())
+    def start(self, rid: str, first: TokenItem) -> None:
+        self.decode.handle(Start(rid=rid, first_token=first.token_ids[0]), time.monotonic())
 
-    def handoff(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[FirstToken, list]:
+    def handoff(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[TokenItem, list]:
         """The whole happy path for one request: reserve, prefill, start, decode to the finish."""
         reserved = self.reserve(rid, prompt, params)
         assert reserved.ok, reserved
@@ -168,15 +149,10 @@ class RolePair:
         self.run_until(lambda: self.finished(rid), what=f"{rid} finished")
         return first, self.decode_events.items(rid)
 
-    def prefill_here(self, rid: str) -> None:
-        """The router's other choice after a reservation: the decode role computes the prompt itself."""
-        self.decode.handle(PrefillHere(rid=rid), time.monotonic())
-
     def local(self, rid: str, prompt: list[int], params: SamplingParams) -> Reserved:
-        """The whole local path for one request: reserve, ``prefill_here``, decode to the finish."""
-        reserved = self.reserve(rid, prompt, params)
-        assert reserved.ok, reserved
-        self.prefill_here(rid)
+        """The whole local path for one request: a reservation the decode role prefills itself, to the finish."""
+        reserved = self.reserve(rid, prompt, params, local_max=len(prompt))
+        assert reserved.ok and reserved.prefill_local, reserved
         self.run_until(lambda: self.finished(rid), what=f"{rid} finished")
         return reserved
 
@@ -188,11 +164,11 @@ class RolePair:
     def client_view(self, rid: str) -> tuple[list[int], str, str]:
         """The prefill role's first token and text (none: prefilled on the decode role), then the decode role's
         tokens and texts: (ids, text, reason)."""
-        firsts = self.prefill_events.of(FirstToken, rid)
-        assert len(firsts) <= 1
+        firsts = self.prefill_events.items(rid)
+        assert len(firsts) <= 1 and all(first.finish_reason is None for first in firsts)
         items = self.decode_events.items(rid)
         assert items and items[-1].finish_reason is not None and all(i.finish_reason is None for i in items[:-1])
-        ids = [first.token for first in firsts] + [t for item in items for t in item.token_ids]
+        ids = [t for first in firsts for t in first.token_ids] + [t for item in items for t in item.token_ids]
         text = "".join(first.text for first in firsts) + "".join(item.text for item in items)
         return ids, text, items[-1].finish_reason.value
 
@@ -218,8 +194,8 @@ class RolePair:
     def client_logprobs(self, rid: str) -> list[TokenLogprob]:
         """Every output token's logprobs as the router would stream them: the prefill role's first token's, then the
         decode role's, item by item (each item's must be one per token id; none when it has no token)."""
-        firsts = self.prefill_events.of(FirstToken, rid)
-        out = [first.logprobs for first in firsts if first.logprobs is not None]
+        firsts = self.prefill_events.items(rid)
+        out = [lp for first in firsts for lp in first.logprobs or []]
         for item in self.decode_events.items(rid):
             if not item.token_ids:
                 assert item.logprobs is None, item
@@ -228,7 +204,7 @@ class RolePair:
             out += item.logprobs
         return out
 
-    def decode_timings(self, rid: str) -> list[DecodeTiming | None]:
+    def decode_timings(self, rid: str) -> list[Timing | None]:
         return [item.timing for item in self.decode_events.items(rid)]
 
     # ---- the end of every test ---------------------------------------------------------------------------------

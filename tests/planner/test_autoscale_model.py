@@ -228,7 +228,7 @@ def test_a_live_cluster_is_resized_by_the_model(tiny_llama_path, tmp_path):
         assert handle.autoscaler.policy.last_needed == {"prefill": 1, "decode": 1}
         assert [(pool, size) for _, pool, size in handle.autoscaler.decisions] == [("decode", 1)]
         wait_all_kv_free(handle.base_url)
-        assert not handle.router.streams
+        assert not handle.router.flows
     finally:
         handle.stop()
 

@@ -17,7 +17,7 @@ from engine.blocks import blocks_for_tokens
 from engine.request import RequestStatus
 from tests.helpers.engine import random_prompts
 from tests.helpers.roles import assert_same_logprobs, greedy
-from worker.messages import DecodeTiming, ErrorEvent, FirstToken, Prefill, PrefillTiming, Reserved, Tokens
+from worker.messages import ErrorEvent, Prefill, Reserved, Tokens
 
 
 @pytest.mark.parametrize("max_batch_tokens", [2048, 24], ids=["whole", "chunked"])
@@ -33,9 +33,9 @@ def test_handoff_is_token_exact(role_pair, stream_kv, max_batch_tokens):
         reserved = pair.reserve(rid, prompt, params)
         assert reserved.ok and len(reserved.blocks) == blocks_for_tokens(len(prompt) + 1, 16)
         pair.send_prefill(rid, prompt, params, reserved)
-    pair.run_until(lambda: all(pair.prefill_events.of(FirstToken, rid) for rid in rids), what="first tokens")
+    pair.run_until(lambda: all(pair.prefill_events.items(rid) for rid in rids), what="first tokens")
     for rid in rids:
-        pair.start(rid, pair.prefill_events.of(FirstToken, rid)[0])
+        pair.start(rid, pair.prefill_events.items(rid)[0])
     pair.run_until(lambda: all(pair.finished(rid) for rid in rids), what="finished")
     for rid, prompt in zip(rids, prompts):
         assert pair.client_view(rid) == pair.expected(prompt, params), rid
@@ -58,10 +58,11 @@ def test_first_token_event_comes_at_once_with_its_text_and_timing(role_pair):
     pair.send_prefill("x", prompt, params, reserved, arrival_s=sent - 0.05)  # it waited 50 ms in the socket
     first = pair.wait_first_token("x", decode_too=False)  # the decode side has not taken a single piece yet
     ids, text, _ = pair.expected(prompt, params)
-    assert first.worker == "prefill-0" and first.token == ids[0] and text.startswith(first.text)
-    assert isinstance(first.timing, PrefillTiming)
-    assert first.timing.queue_s >= 0.05 and first.timing.compute_s > 0
-    assert sent < first.timing.end_mono <= time.monotonic()
+    [event] = [e for e in pair.prefill_events.of(Tokens) if any(item.rid == "x" for item in e.items)]
+    assert event.worker == "prefill-0" and first.token_ids == ids[:1] and text.startswith(first.text)
+    assert first.finish_reason is None  # a prefill worker's first token is no finish for the client
+    assert first.timing.prefill_queue_s >= 0.05 and first.timing.prefill_compute_s > 0
+    assert sent < first.timing.prefill_end_mono <= time.monotonic()
     # the TTFT point: the first token is out while the transfer still holds the prompt's blocks
     assert pair.prefill.engine.requests["x"].status == RequestStatus.PREFILLED
     assert pair.prefill.load().leased_transfers == 1 and pair.prefill.has_work()
@@ -70,10 +71,10 @@ def test_first_token_event_comes_at_once_with_its_text_and_timing(role_pair):
     assert pair.client_view("x") == pair.expected(prompt, params)
     # the decode side's timing goes with its first decoded token and with its finish, not in between
     timings = pair.decode_timings("x")
-    assert isinstance(timings[0], DecodeTiming) and isinstance(timings[-1], DecodeTiming)
+    assert timings[0] is not None and timings[-1] is not None and timings[0].prefill_queue_s is None
     assert all(t is None for t in timings[1:-1]) and len(timings) == 5
     decode_timing = timings[0]
-    assert decode_timing.kv_transfer_s > 0 and decode_timing.kv_done_mono > first.timing.end_mono
+    assert decode_timing.kv_transfer_s > 0 and decode_timing.kv_done_mono > first.timing.prefill_end_mono
     assert decode_timing.kv_wait_after_first_token_s >= 0 and decode_timing.decode_queue_s >= 0
     assert not decode_timing.recomputed
     pair.settle()
@@ -257,7 +258,8 @@ def test_the_first_token_carries_its_logprobs_the_prompts_and_the_prefix_cache_h
     params = greedy(6, logprobs=3, prompt_logprobs=2)
     first, items = pair.handoff("a", prompt, params)
     expected = pair.expected_outputs(prompt, params)
-    assert first.logprobs is not None and first.logprobs.token_id == first.token and len(first.logprobs.top) == 3
+    [logprob] = first.logprobs
+    assert logprob.token_id == first.token_ids[0] and len(logprob.top) == 3
     assert first.prompt_logprobs[0] is None and [lp.token_id for lp in first.prompt_logprobs[1:]] == prompt[1:]
     assert_same_logprobs(first.prompt_logprobs, expected[0].prompt_logprobs)
     assert first.cached_tokens == 0

@@ -15,30 +15,26 @@ import zmq
 
 from cluster.routing.membership import heartbeat_status
 from cluster.routing.metrics import GAUGE_KEYS, TOTAL_KEYS, RouterMetrics
-from cluster.routing.request_table import response_timing
 from engine.config import EngineConfig
 from engine.request import FinishReason, SamplingParams, TokenLogprob
 from tests.helpers.engine import random_prompts
 from worker.messages import (
     MAX_MESSAGE_BYTES,
     Abort,
-    DecodeTiming,
     ErrorCode,
     ErrorEvent,
-    FirstToken,
     Generate,
     MalformedMessage,
     Ping,
     Prefill,
-    PrefillTiming,
     ProtocolError,
     Reserve,
     Reserved,
     Start,
     Stats,
+    Timing,
     TokenItem,
     Tokens,
-    Unreserve,
     WorkerCounters,
     WorkerLoad,
     decode_command,
@@ -69,8 +65,7 @@ def _stats(**load: int) -> Stats:
 
 
 COMMANDS = [
-    Reserve("r1", [1, 2, 3], PARAMS, attempt=4, router=1, sent_at=1234.5),
-    Unreserve("r1", attempt=4),
+    Reserve("r1", [1, 2, 3], PARAMS, local_prefill_max_tokens=64, router=1, sent_at=1234.5),
     Prefill("r1", [1, 2, 3], PARAMS, "tcp://127.0.0.1:9", [7, 8]),
     Start("r1", 42, router=2),
     Generate("r2", [5], SamplingParams()),
@@ -78,15 +73,14 @@ COMMANDS = [
     Ping(router=3),
 ]
 EVENTS = [
-    Reserved(rid="r1", worker="decode-0", ok=True, attempt=4, blocks=[7, 8], kv_address="tcp://127.0.0.1:9"),
-    Reserved(rid="r1", worker="decode-0", ok=False, attempt=5, reason="kv_full"),
-    FirstToken(rid="r1", worker="prefill-0", token=42, text=" hi", timing=PrefillTiming(0.1, 0.2, 3.0)),
+    Reserved(rid="r1", worker="decode-0", ok=True, blocks=[7, 8], kv_address="tcp://127.0.0.1:9"),
+    Reserved(rid="r1", worker="decode-0", ok=False, reason="kv_full"),
     Tokens(
         worker="decode-0",
         items=[
             TokenItem("r1", [1, 2], "ab"),
-            TokenItem("r2", [], "", FinishReason.STOP, DecodeTiming(kv_done_mono=1.0, decode_queue_s=0.01)),
-            TokenItem("r3", [9], "z", FinishReason.LENGTH, PrefillTiming(queue_s=0.5)),
+            TokenItem("r2", [], "", FinishReason.STOP, Timing(kv_done_mono=1.0, decode_queue_s=0.01)),
+            TokenItem("r3", [9], "z", FinishReason.LENGTH, Timing(prefill_queue_s=0.5)),
             TokenItem(
                 "r4",
                 [5],
@@ -100,15 +94,20 @@ EVENTS = [
         ],
     ),
     ErrorEvent(rid="r1", worker="prefill-0", message="boom", code=ErrorCode.KV_TRANSFER_FAILED),
-    FirstToken(
-        rid="r2",
+    Tokens(  # a prefill worker's first token
         worker="prefill-0",
-        token=7,
-        text="x",
-        timing=PrefillTiming(),
-        logprobs=TokenLogprob(7, -0.5, [(7, -0.5)]),
-        prompt_logprobs=[None, TokenLogprob(1, -3.0, [(2, -0.1)])],
-        cached_tokens=32,
+        items=[
+            TokenItem(
+                "r2",
+                [7],
+                "x",
+                None,
+                Timing(prefill_queue_s=0.1, prefill_compute_s=0.2, prefill_end_mono=3.0),
+                [TokenLogprob(7, -0.5, [(7, -0.5)])],
+                [None, TokenLogprob(1, -3.0, [(2, -0.1)])],
+                32,
+            )
+        ],
     ),
     _stats(waiting=1, running=2, requests=3, free_blocks=4, total_blocks=5, awaiting_kv=6, leased_transfers=7),
 ]
@@ -128,13 +127,9 @@ def test_every_event_round_trips_as_itself(message):
 
 def test_a_tokens_item_is_a_positional_array_on_the_wire():
     """[rid, token ids, text, finish reason, timing, logprobs, prompt logprobs, cached tokens]: nil when absent."""
-    wire = msgpack.unpackb(encode(EVENTS[3]))
+    wire = msgpack.unpackb(encode(EVENTS[2]))
     assert wire["items"][0] == ["r1", [1, 2], "ab", None, None, None, None, None]
-    assert wire["items"][1][3] == "stop" and wire["items"][1][4] == {
-        "phase": "decode",
-        "kv_done_mono": 1.0,
-        "decode_queue_s": 0.01,
-    }
+    assert wire["items"][1][3] == "stop" and wire["items"][1][4] == {"kv_done_mono": 1.0, "decode_queue_s": 0.01}
     assert wire["items"][1][5:] == [None, None, None]
     first = wire["items"][3]  # a first sampled token: its logprobs, the prompt's, and the prefix-cache hit
     assert first[:5] == ["r4", [5], "q", None, None]
@@ -246,30 +241,28 @@ def test_status_shows_a_heartbeat_as_one_flat_map():
     assert heartbeat_status(None) == {}
 
 
-def test_response_timing_keeps_its_keys():
-    assert response_timing(PrefillTiming(0.1, 0.2, 3.0)) == {
+def test_the_response_timing_shows_set_fields_flags_as_one_and_no_monotonic_stamps():
+    timing = Timing(prefill_queue_s=0.1, prefill_compute_s=0.2, prefill_end_mono=3.0, decode_cached_tokens=16)
+    timing.merge(Timing(kv_done_mono=4.0, kv_transfer_s=0.5, kv_wait_after_first_token_s=0.0, recomputed=True))
+    assert timing.response() == {
         "prefill_queue_s": 0.1,
         "prefill_compute_s": 0.2,
-        "prefill_end_mono": 3.0,
-    }
-    assert response_timing(PrefillTiming(queue_s=0.1)) == {"prefill_queue_s": 0.1}
-    assert response_timing(DecodeTiming(1.0, 0.5, 0.0, 0.01)) == {
-        "kv_done_mono": 1.0,
+        "decode_cached_tokens": 16.0,
         "kv_transfer_s": 0.5,
         "kv_wait_after_first_token_s": 0.0,
-        "decode_queue_s": 0.01,
-    }
-    assert response_timing(DecodeTiming(recomputed=True, decode_queue_s=0.02)) == {
         "recomputed": 1.0,
-        "decode_queue_s": 0.02,
     }
+    timing.merge(Timing(prefill_queue_s=None, recomputed=False))  # what a later item leaves out stays
+    assert timing.prefill_queue_s == 0.1 and timing.recomputed
+    assert Timing().response() == {}
 
 
 # ---- a worker given malformed commands ---------------------------------------------------------------------------
 
 
 def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny_llama_path):
-    from worker.colocated import ColocatedWorker
+    from worker.colocated import ColocatedRole
+    from worker.runtime import WorkerRuntime
     from worker.spec import RuntimeOptions, WorkerSpec
 
     ctx = zmq.Context()
@@ -284,7 +277,7 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
         engine=engine,
         runtime=RuntimeOptions(router_addresses=[router_address], secret=SECRET),
     )
-    worker = ColocatedWorker(spec)
+    worker = WorkerRuntime(spec, ColocatedRole)
     worker.start()
     commands = ctx.socket(zmq.PUSH)
     commands.setsockopt(zmq.LINGER, 0)

@@ -456,7 +456,7 @@ def test_two_conversations_of_three_turns_on_a_real_cluster(tiny_llama_path, tmp
         )
         summary = cli.run(args)
         wait_all_kv_free(handle.base_url, api_key=handle.config.router.api_key)
-        assert not handle.router.streams
+        assert not handle.router.flows
     finally:
         handle.stop()
     run = summary["runs"][0]

@@ -234,7 +234,7 @@ def server(tiny_llama_path):
     try:
         yield handle
         wait_all_kv_free(handle.base_url)
-        assert not handle.router.streams
+        assert not handle.router.flows
     finally:
         handle.stop()
 

@@ -363,7 +363,7 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_goes_away(server):
         gone = time.monotonic()
         assert len(steps) > 10  # the decode worker was generating when the client left
         wait_all_kv_free(server.base_url, timeout_s=1.5)
-        assert time.monotonic() - gone < 1.5 and not server.router.streams
+        assert time.monotonic() - gone < 1.5 and not server.router.flows
         assert metric_value(server.base_url, "pdserve_errors_total", reason="client_disconnected") == before + 1
         assert len(steps) < 200  # it stopped: nowhere near the 400 steps the request asked for
     finally:
@@ -385,9 +385,9 @@ def test_a_streaming_request_whose_client_leaves_before_the_first_token_is_abort
         with pytest.raises(httpx.ReadTimeout):
             _post(server, C, body, timeout=httpx.Timeout(10, read=0.5))
         gone = time.monotonic()
-        while server.router.streams and time.monotonic() - gone < 1.0:
+        while server.router.flows and time.monotonic() - gone < 1.0:
             time.sleep(0.02)
-        assert not server.router.streams  # the router let go at once, without waiting for a token
+        assert not server.router.flows  # the router let go at once, without waiting for a token
     finally:
         del engine.step
     wait_all_kv_free(server.base_url, timeout_s=5)  # and both workers freed it (prefill after its slow step)

@@ -328,7 +328,7 @@ def test_one_failing_choice_fails_the_response_and_aborts_the_others(server):
         with pytest.raises(openai.BadRequestError, match="injected refusal"):
             _create(server, **body)
         wait_all_kv_free(server.base_url, timeout_s=10)
-        assert not server.router.streams
+        assert not server.router.flows
 
         # streamed: 200 at the first token, then the error as the last event (the official client raises it)
         with pytest.raises(openai.APIError, match="injected refusal"):
@@ -353,7 +353,7 @@ def test_one_failing_choice_fails_the_response_and_aborts_the_others(server):
         for engine in engines:
             del engine.add_request
     wait_all_kv_free(server.base_url, timeout_s=10)
-    assert not server.router.streams
+    assert not server.router.flows
 
 
 def test_a_client_leaving_mid_stream_aborts_every_choice(server):
@@ -365,9 +365,9 @@ def test_a_client_leaving_mid_stream_aborts_every_choice(server):
             break
     stream.close()
     gone = time.monotonic()
-    while server.router.streams and time.monotonic() - gone < 5:
+    while server.router.flows and time.monotonic() - gone < 5:
         time.sleep(0.02)
-    assert not server.router.streams  # all three let go at the router...
+    assert not server.router.flows  # all three let go at the router...
     wait_all_kv_free(server.base_url, timeout_s=10)  # ...and on every worker, long before 400 tokens
 
 

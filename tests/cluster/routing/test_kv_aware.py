@@ -93,7 +93,8 @@ def test_a_follow_up_sent_before_the_kv_events_arrive_goes_to_the_same_worker(se
     handle = serve(pools=_pools(2), router={"port": 0, "prefill_policy": "kv_aware"})
     router, index = handle.router, handle.router.members.prefix_index
     held: list = []
-    router._handlers[KvEvents] = lambda event, worker: held.append((event, worker))  # events delayed, not lost
+    original = router.on_event
+    router.on_event = lambda event: held.append(event) if isinstance(event, KvEvents) else original(event)  # delayed
     _complete(handle, PREFIX + SUFFIXES[0])
     [holder] = [name for name, n in index.match(prompt_block_hashes(PREFIX, BLOCK)).items() if name.startswith("pre")]
     assert index.tentative_blocks(holder) >= 8  # known from the dispatch alone
@@ -107,9 +108,9 @@ def test_a_follow_up_sent_before_the_kv_events_arrive_goes_to_the_same_worker(se
     assert metric_value(url, "pdserve_kv_events_total", kind="delta") in (None, 0)  # none applied so far
 
     def deliver() -> None:
-        router._handlers[KvEvents] = router.members.on_kv_events
-        for event, worker in held:
-            router.members.on_kv_events(event, worker)
+        router.on_event = original
+        for event in held:
+            original(event)
 
     router._call_threadsafe(deliver)
     wait_until(lambda: index.tentative_blocks(holder) == 0, timeout_s=10)  # every dispatched block was stored

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import zmq.asyncio
 
 from cluster.routing.membership import Membership
 from cluster.routing.metrics import RouterMetrics
@@ -86,12 +85,7 @@ def test_forget_clears_one_worker_only():
 
 @pytest.fixture
 def members():
-    ctx = zmq.asyncio.Context()
-    dead: list[str] = []
-    membership = Membership(ctx, RouterMetrics(), "secret", lambda name, reason: dead.append(name))
-    yield membership
-    membership.close()
-    ctx.term()
+    return Membership(RouterMetrics())
 
 
 def kv_events(address: str, seq: int, stored=(), removed=(), reset=False) -> KvEvents:
@@ -100,11 +94,11 @@ def kv_events(address: str, seq: int, stored=(), removed=(), reset=False) -> KvE
 
 def test_a_restarted_worker_starts_empty_and_old_events_are_ignored(members):
     full = hashes(SHARED)
-    members.add("p0", "prefill", "tcp://127.0.0.1:5001")
+    members.add("p0", "prefill", "tcp://127.0.0.1:5001", None, 0.0)
     worker = members.get("p0")
     members.on_kv_events(kv_events("tcp://127.0.0.1:5001", 0, full), worker)
     assert members.prefix_index.match(full) == {"p0": 4}
-    members.add("p0", "prefill", "tcp://127.0.0.1:5002")  # re-registered: a new process, an empty cache
+    members.add("p0", "prefill", "tcp://127.0.0.1:5002", None, 0.0)  # re-registered: a new process, an empty cache
     assert members.prefix_index.match(full) == {}
     worker = members.get("p0")
     members.on_kv_events(kv_events("tcp://127.0.0.1:5001", 1, full), worker)  # queued by the old process
@@ -115,7 +109,7 @@ def test_a_restarted_worker_starts_empty_and_old_events_are_ignored(members):
 
 def test_a_dead_worker_holds_nothing(members):
     full = hashes(SHARED)
-    members.add("p0", "prefill", "tcp://127.0.0.1:5001")
+    members.add("p0", "prefill", "tcp://127.0.0.1:5001", None, 0.0)
     worker = members.get("p0")
     members.on_kv_events(kv_events("tcp://127.0.0.1:5001", 0, full), worker)
     members.mark_dead("p0", "test")

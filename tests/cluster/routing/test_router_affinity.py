@@ -10,21 +10,15 @@ requests over the workers, so landing on the same one is the affinity's doing.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
-from cluster.routing.admission import Admission
-from cluster.routing.membership import WorkerHandle
-from cluster.routing.metrics import RouterMetrics
-from cluster.routing.policies import Placement, Placements, make_policy
-from cluster.routing.reservations import DecodeReservations
+from cluster.routing.policies import Placement, Placements
 from cluster.routing.router import Router
 from engine.request import SamplingParams
-from tests.cluster.routing.test_streams import PROMPT, collect
-from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_until
-from worker.messages import Reserve, Reserved, Stats, WorkerCounters, WorkerLoad
+from tests.cluster.routing.test_flow import PROMPT, collect
+from tests.helpers.cluster import metric_value, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,94 +100,3 @@ def test_placements_are_bounded_and_a_new_dispatch_replaces_its_record():
     placements.record("r2", "p", "w9")  # a retry's dispatch: the record is its latest, and the newest again
     placements.record("r5", None, "w0")
     assert placements.get("r2") == Placement("p", "w9") and placements.get("r3") is None
-
-
-# ---- the decode reservation's preference, without a cluster ------------------------------------------------------
-
-
-def _worker(name: str, free_blocks: int) -> WorkerHandle:
-    load = WorkerLoad(free_blocks=free_blocks, total_blocks=100)
-    stats = Stats(worker=name, role="decode", address="", load=load, counters=WorkerCounters())
-    return WorkerHandle(name, "decode", f"inproc://{name}", socket=None, stats=stats)  # type: ignore[arg-type]
-
-
-class _Decoders:
-    """Plays the decode workers: answers each ``reserve`` with ok, unless the worker is listed as full."""
-
-    def __init__(self, full: set[str]) -> None:
-        self.full = full
-        self.asked: list[str] = []
-        self.reservations: DecodeReservations | None = None
-
-    def send(self, worker: WorkerHandle, message) -> None:
-        assert isinstance(message, Reserve)
-        self.asked.append(worker.name)
-        ok = worker.name not in self.full
-        reply = Reserved(
-            rid=message.rid, worker=worker.name, ok=ok, attempt=message.attempt, reason=None if ok else "kv_full"
-        )
-        asyncio.get_running_loop().call_soon(self.reservations.on_reserved, reply, worker)
-
-
-def _reserve(workers: list[WorkerHandle], prefer: str | None, full: set[str] = frozenset()) -> tuple[str, list[str]]:
-    async def run() -> tuple[str, list[str]]:
-        decoders = _Decoders(set(full))
-        config = tiny_cluster_config("unused-model")
-        policy = make_policy("round_robin")
-        reservations = DecodeReservations(config, policy, RouterMetrics(), Admission(8), decoders.send)
-        decoders.reservations = reservations
-        deadline = time.monotonic() + 5
-        chosen, reply = await reservations.reserve(lambda: workers, "r", [1] * 20, PARAMS, deadline, None, prefer)
-        assert reply.ok
-        return chosen.name, decoders.asked
-
-    return asyncio.run(run())
-
-
-def test_the_preferred_decode_worker_is_asked_first_when_it_has_room():
-    workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 50)]
-    assert _reserve(workers, None) == ("d0", ["d0"])  # round robin's first
-    assert _reserve(workers, "d2") == ("d2", ["d2"])
-
-
-def test_without_room_the_preferred_decode_worker_gives_way_to_the_policy():
-    # its heartbeat shows too few free blocks: not asked at all
-    workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 0)]
-    assert _reserve(workers, "d2") == ("d0", ["d0"])
-    # it looked free but refused (kv_full): the policy's order next
-    workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 50)]
-    chosen, asked = _reserve(workers, "d2", full={"d2"})
-    assert asked == ["d2", chosen] and chosen in ("d0", "d1")  # round robin picks anew among the rest
-    # not live at all (not in the live list): no preference
-    assert _reserve(workers[:2], "d2") == ("d0", ["d0"])
-
-
-def test_concurrent_reservations_see_each_other_and_spread_over_the_decode_workers():
-    """Two requests ordered before either reply comes back: the first attempt counts as load at once, so
-    least_loaded sends the second elsewhere (it used to pick at random between equal workers: both could land on
-    one). An attempt counts while it is asked; a granted one counts for its stream from its reply on (what
-    ``Router._granted`` does, played here), a refused one not at all."""
-
-    async def run() -> tuple[list[str], dict[str, int]]:
-        workers = [_worker("d0", 50), _worker("d1", 50), _worker("d2", 50)]
-        decoders = _Decoders({"d2"})
-        config = tiny_cluster_config("unused-model")
-
-        def granted(rid, worker):  # the router's part: the stream counts on its worker from its reply on
-            worker.inflight += 1
-
-        policy = make_policy("least_loaded")
-        reservations = DecodeReservations(
-            config, policy, RouterMetrics(), Admission(8), decoders.send, on_granted=granted
-        )
-        decoders.reservations = reservations
-        deadline = time.monotonic() + 5
-        picks = await asyncio.gather(
-            *(reservations.reserve(lambda: workers, f"r{i}", [1] * 20, PARAMS, deadline) for i in range(2))
-        )
-        return sorted(chosen.name for chosen, _ in picks), {w.name: w.inflight for w in workers}
-
-    for _ in range(20):  # the tie between equal workers breaks at random: many draws
-        chosen, inflight = asyncio.run(run())
-        assert chosen in (["d0", "d1"],), chosen  # d2 refuses (kv_full): never chosen, never left counted
-        assert inflight == {"d0": 1, "d1": 1, "d2": 0}  # one stream each; no attempt left counted

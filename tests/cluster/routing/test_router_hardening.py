@@ -51,7 +51,7 @@ def test_a_late_reservation_reply_never_resolves_another_workers_reservation(ser
     expected = _complete(handle, prompt="the same prompt").json()["choices"][0]["text"]
     # the next request tries decode-a first; it answers 1.5 s late, while the router waits on decode-b, which
     # answers 2.5 s late: decode-a's late "ok" must not be taken for decode-b's
-    first, second = [w.name for w in handle.router._policies["decode"].order(handle.router.live("decode"))]
+    first, second = [w.name for w in handle.router.core.placer.policies["decode"].order(handle.router.live("decode"))]
     _delay_reservations(worker_named(handle, first), 1.5)
     _delay_reservations(worker_named(handle, second), 2.5)
     response = _complete(handle, prompt="the same prompt")
@@ -106,7 +106,7 @@ def test_a_reservation_whose_start_never_comes_is_freed_and_the_client_told(serv
     handle = serve(transfer={"deadline_s": 2, "lease_s": 20})
     router = handle.router
     original = router._send
-    router._send = lambda worker, message: None if isinstance(message, Start) else original(worker, message)
+    router._send = lambda name, message: True if isinstance(message, Start) else original(name, message)
     started = time.monotonic()
     response = _complete(handle, stream=True, timeout=30)
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
@@ -140,7 +140,7 @@ def test_a_prompt_no_kv_cache_can_hold_is_refused_at_once(serve, mode):
 def test_a_decode_worker_that_refuses_a_request_ends_it_at_once(serve):
     handle = serve(pools={"decode": {"replicas": 1, "torch_threads": 1, "kv_blocks": 8}})
     router = handle.router
-    original = router._dispatch
+    original = router.on_event
 
     def without_cache_size(event):  # the router does not know the cache size: the worker itself must refuse
         original(event)
@@ -148,7 +148,7 @@ def test_a_decode_worker_that_refuses_a_request_ends_it_at_once(serve):
         if isinstance(event, Stats) and worker is not None:  # heard from, its heartbeat forgotten (as before the first)
             worker.stats = None
 
-    router._dispatch = without_cache_size
+    router.on_event = without_cache_size
     try:
         for worker in router.members.workers.values():
             worker.stats = None
@@ -158,7 +158,7 @@ def test_a_decode_worker_that_refuses_a_request_ends_it_at_once(serve):
         assert response.status_code == 400, response.text
         assert "KV cache" in response.json()["error"]["message"]
     finally:
-        router._dispatch = original
+        router.on_event = original
 
 
 def test_a_heartbeat_from_another_incarnation_neither_refreshes_nor_revives(serve):
@@ -175,7 +175,7 @@ def test_a_heartbeat_from_another_incarnation_neither_refreshes_nor_revives(serv
         counters=WorkerCounters(),
         loop_age_s=0.0,
     )
-    router.loop.call_soon_threadsafe(router._dispatch, stale)
+    router.loop.call_soon_threadsafe(router.on_event, stale)
     time.sleep(0.3)
     assert not router.members.workers["decode-0"].alive
     kept = router.members.workers["decode-0"].stats  # the registered process's last heartbeat, if one came: not this
@@ -195,7 +195,7 @@ def test_a_worker_marked_dead_by_mistake_is_revived_when_heard_from(serve):
 def test_a_crashed_background_task_is_restarted_and_counted(serve):
     handle = serve()
     router = handle.router
-    original = router._dispatch
+    original = router.on_event
     crashed = threading.Event()
 
     def crash_once(message):
@@ -204,7 +204,7 @@ def test_a_crashed_background_task_is_restarted_and_counted(serve):
             raise RuntimeError("injected crash in the event loop")
         return original(message)
 
-    router._dispatch = crash_once
+    router.on_event = crash_once
     wait_until(crashed.is_set, 5)
     response = _complete(handle)  # events are still received
     assert response.status_code == 200
@@ -218,7 +218,7 @@ def test_a_worker_whose_loop_keeps_failing_is_degraded_and_gets_no_requests(serv
     def failing_tick():
         raise RuntimeError("injected: the device is gone")
 
-    broken.tick = failing_tick
+    broken.role.tick = failing_tick
     wait_until(lambda: handle.router.members.workers["prefill-0"].degraded, 5)
     health = httpx.get(f"{handle.base_url}/health", timeout=5)
     assert health.status_code == 200  # the other worker still serves
@@ -230,4 +230,4 @@ def test_a_worker_whose_loop_keeps_failing_is_degraded_and_gets_no_requests(serv
     for _ in range(4):  # every request goes to the healthy worker
         assert _complete(handle, max_tokens=3).status_code == 200
     assert broken.engine.requests == {}
-    del broken.tick  # repaired: the class's tick again
+    del broken.role.tick  # repaired: the class's tick again

@@ -119,10 +119,11 @@ def _tokens_by_rid(events: list[Event]) -> dict[str, list]:
 
 
 def test_worker_sends_each_request_events_to_its_own_router(tiny_llama_path):
-    from worker.colocated import ColocatedWorker
+    from worker.colocated import ColocatedRole
+    from worker.runtime import WorkerRuntime
 
     routers = FakeRouters(2)
-    worker = ColocatedWorker(_spec(tiny_llama_path, routers, "colocated"))
+    worker = WorkerRuntime(_spec(tiny_llama_path, routers, "colocated"), ColocatedRole)
     worker.start()
     try:
         routers.connect(worker.command_address)
@@ -156,21 +157,22 @@ def test_worker_sends_each_request_events_to_its_own_router(tiny_llama_path):
 
 
 def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
-    from decode.worker import DecodeWorker
+    from decode.worker import DecodeRole
     from transfer.base import TransferConfig
+    from worker.runtime import WorkerRuntime
 
     routers = FakeRouters(2)
     spec = _spec(
         tiny_llama_path, routers, "decode", transfer=TransferConfig(secret=SECRET, deadline_s=60), router_timeout_s=1.5
     )
-    worker = DecodeWorker(spec)  # zmq over tcp, failure policy "fail", no headroom: the spec's defaults
+    worker = WorkerRuntime(spec, DecodeRole)  # zmq over tcp, failure policy "fail", no headroom: the spec's defaults
     worker.start()
     try:
         routers.connect(worker.command_address)
         prompt = random_prompts(1, 10, 10, seed=4)[0]
         params = SamplingParams(max_tokens=4)
-        routers.send(0, Reserve("d", prompt, params, attempt=1))
-        routers.send(1, Reserve("e", prompt, params, attempt=1))
+        routers.send(0, Reserve("d", prompt, params))
+        routers.send(1, Reserve("e", prompt, params))
         routers.wait_for(lambda: routers.of(0, Reserved) and routers.of(1, Reserved), ping=1)
         assert [(e.rid, e.ok) for e in routers.of(0, Reserved)] == [("d", True)]
         assert [(e.rid, e.ok) for e in routers.of(1, Reserved)] == [("e", True)]

@@ -84,14 +84,14 @@ class Load:
 
 def _decode_of_streams(router) -> set[str]:
     try:
-        return {s.decode for s in list(router.streams.values()) if s.decode}
+        return {s.decode for s in list(router.flows.values()) if s.decode}
     except RuntimeError:  # the dict changed while it was read (another thread): the next look sees it
         return set()
 
 
 def _streaming_on(router, worker: str) -> bool:
     try:
-        return any(s.decode == worker and s.num_output_tokens > 2 for s in list(router.streams.values()))
+        return any(s.decode == worker and s.num_output_tokens > 2 for s in list(router.flows.values()))
     except RuntimeError:
         return False
 
@@ -100,7 +100,7 @@ def test_scale_decode_up_under_load_the_new_worker_gets_traffic(serve):
     handle = serve()
     load = Load(handle.base_url, handle.config.served_model_name, max_tokens=24)
     load.start(4)
-    wait_until(lambda: len(handle.router.streams) >= 2, timeout_s=20)
+    wait_until(lambda: len(handle.router.flows) >= 2, timeout_s=20)
     membership = handle.scaler.scale("decode", 2)  # under load: the first wave still streams from decode-0
     assert membership["pools"]["decode"]["workers"] == ["decode-0", "decode-1"]
     assert "decode-1" in handle.router.members.workers  # registered when scale returns: no restart
@@ -131,7 +131,7 @@ def test_scale_decode_down_under_load_drains_loses_nothing_and_stops_the_worker(
     load.start(6)
     wait_until(lambda: _streaming_on(handle.router, "decode-1"), timeout_s=30)
     membership = handle.scaler.scale("decode", 1, drain_timeout_s=60)
-    held = [s.rid for s in list(handle.router.streams.values()) if s.decode == "decode-1"]
+    held = [s.rid for s in list(handle.router.flows.values()) if s.decode == "decode-1"]
     assert held  # it still streams requests when its drain begins
     assert membership["pools"]["decode"]["draining"] == ["decode-1"]
     assert handle.router.members.workers["decode-1"].state.value == "draining"

@@ -1,8 +1,8 @@
-"""A router stream's log probabilities and prefix-cache hit (cluster/routing/streams.py, cluster/routing/router.py).
+"""A flow's log probabilities and prefix-cache hit (cluster/routing/flow.py), and through the router.
 
-Unit level: a stream coalesces what several worker messages brought into one event, and each event's ``logprobs`` are
-exactly its tokens' (so the API can put a token's logprobs in the chunk that carries its text), the prompt's logprobs
-and cached tokens come once, with the first token, and a request that asked for none gets None everywhere.
+Unit level: a flow coalesces what several worker items brought into one event, each event's ``logprobs`` are exactly
+its tokens' (so the API can put a token's logprobs in the chunk that carries its text), the prompt's logprobs and
+cached tokens come once, with the first token, and a request that asked for none gets None everywhere.
 Through the router (the in-process cluster, both modes): the figures the workers computed reach ``generate``'s
 events, aligned with the tokens and the same in both modes; a request a worker refuses for its parameters is a 400.
 """
@@ -15,68 +15,76 @@ import math
 import pytest
 
 from cluster.routing.errors import RequestFailed
-from cluster.routing.streams import Stream
-from engine.request import GuidedDecoding, SamplingParams, TokenLogprob
+from cluster.routing.flow import Flow
+from engine.request import FinishReason, GuidedDecoding, SamplingParams, TokenLogprob
+from worker.messages import TokenItem
 
-# ---- the stream alone -------------------------------------------------------------------------------------------
+# ---- the flow alone ---------------------------------------------------------------------------------------------
 
 
 def _lp(token: int) -> TokenLogprob:
     return TokenLogprob(token, -0.1 * token, [(token, -0.1 * token)])
 
 
+def _flow() -> Flow:
+    return Flow("r", [1, 2, 3, 4], SamplingParams(), [], started_s=0.0, deadline_s=60.0)
+
+
+def _item(ids, text, finish=None, logprobs=None, prompt_logprobs=None, cached=None) -> TokenItem:
+    return TokenItem("r", ids, text, FinishReason(finish) if finish else None, None, logprobs, prompt_logprobs, cached)
+
+
 def test_coalesced_events_keep_each_tokens_logprobs_with_it():
-    stream = Stream("r", 4)
+    flow = _flow()
     prompt = [None, _lp(100), _lp(101), _lp(102)]
-    assert stream.push(1, "a", None, [_lp(1)], prompt, 16)  # the first token: the prompt's figures with it
-    assert stream.push(2, "bc", None, [_lp(2), _lp(3)])
-    first = stream.take()
-    assert (first.text, first.num_tokens) == ("abc", 3)
+    assert flow.push(_item([1], "a", None, [_lp(1)], prompt, 16), 1.0)  # the first token: the prompt's figures
+    assert flow.push(_item([2, 3], "bc", None, [_lp(2), _lp(3)]), 1.1)
+    first = flow.take()
+    assert (first.text, first.num_tokens) == ("abc", 3) and flow.first_token_s == 1.0
     assert [lp.token_id for lp in first.logprobs] == [1, 2, 3]
     assert first.prompt_logprobs == prompt and first.cached_tokens == 16
-    assert stream.push(0, "", None, [])  # a step that brought no token: no entries, still aligned
-    assert stream.push(1, "d", None, [_lp(4)], [None, _lp(9)], 99)  # not the first token: its prompt figures drop
-    assert stream.push(2, "ef", "length", [_lp(5), _lp(6)])
-    second = stream.take()
-    assert (second.text, second.num_tokens, second.finish_reason) == ("def", 3, "length")
+    assert flow.push(_item([], "", None, []), 1.2)  # a step that brought no token: no entries, still aligned
+    assert flow.push(_item([4], "d", None, [_lp(4)], [None, _lp(9)], 99), 1.3)  # not the first: prompt figures drop
+    assert flow.push(_item([5, 6], "ef", "length", [_lp(5), _lp(6)]), 1.4)
+    second = flow.take()
+    assert (second.text, second.num_tokens, second.finish_reason) == ("def", 3, "length") and flow.finished
     assert [lp.token_id for lp in second.logprobs] == [4, 5, 6]
     assert second.prompt_logprobs is None and second.cached_tokens is None
-    assert stream.take() is None
+    assert flow.take() is None and not flow.push(_item([7], "late"), 1.5)  # nothing after the finish counts
 
 
 def test_an_event_without_tokens_has_no_logprobs_and_a_request_that_asked_none_gets_none():
-    stream = Stream("r", 2)
-    stream.push(1, "x", None, [_lp(7)], None, 0)
-    assert stream.take().logprobs == [_lp(7)]
-    stream.push(0, "held", "stop")  # the held-back text at the finish: no token, so no logprobs ([], not None)
-    event = stream.take()
+    flow = _flow()
+    flow.push(_item([1], "x", None, [_lp(7)], None, 0), 0.1)
+    assert flow.take().logprobs == [_lp(7)]
+    flow.push(_item([], "held", "stop"), 0.2)  # the held-back text at the finish: no token, so no logprobs
+    event = flow.take()
     assert event.text == "held" and event.logprobs == [] and event.cached_tokens is None
-    plain = Stream("p", 2)
-    plain.push(1, "a", None)
-    plain.push(3, "bcd", "stop")
+    plain = _flow()
+    plain.push(_item([1], "a"), 0.1)
+    plain.push(_item([2, 3, 4], "bcd", "stop"), 0.2)
     event = plain.take()
     assert event.num_tokens == 4 and event.logprobs is None and event.prompt_logprobs is None
-    assert event.cached_tokens is None
+    assert event.cached_tokens is None and plain.received_tokens == 4
     assert plain.pending_logprobs is None  # nothing allocated for the request that asked for none
 
 
-def test_logprobs_that_do_not_match_their_tokens_fail_the_stream_after_the_text_before_them():
-    stream = Stream("r", 2)
-    stream.push(1, "a", None, [_lp(1)])
-    assert not stream.push(2, "bc", None, [_lp(2)])  # one entry for two tokens: a worker's bug, never shifted
-    event = stream.take()
+def test_logprobs_that_do_not_match_their_tokens_fail_the_flow_after_the_text_before_them():
+    flow = _flow()
+    flow.push(_item([1], "a", None, [_lp(1)]), 0.1)
+    assert not flow.push(_item([2, 3], "bc", None, [_lp(2)]), 0.2)  # one entry for two tokens: never shifted
+    event = flow.take()
     assert (event.text, [lp.token_id for lp in event.logprobs]) == ("a", [1])
-    assert stream.take() is None and stream.error.code == "worker_error"
+    assert flow.take() is None and flow.error.code == "worker_error"
 
 
 def test_a_new_dispatch_forgets_the_old_ones_logprobs_and_takes_the_new_first_tokens_figures():
-    stream = Stream("r", 2)
-    stream.push(1, "a", None, [_lp(1)], [None, _lp(5)], 0)
-    stream.fail(RequestFailed("worker died", "worker_died", 503))
-    stream.reset()
-    assert stream.pending_logprobs is None and stream.pending_prompt_logprobs is None
-    stream.push(1, "b", "stop", [_lp(2)], [None, _lp(6)], 16)
-    event = stream.take()
+    flow = _flow()
+    flow.push(_item([1], "a", None, [_lp(1)], [None, _lp(5)], 0), 0.1)
+    flow.reset()
+    assert flow.pending_logprobs is None and flow.pending_prompt_logprobs is None and flow.first_token_s is None
+    flow.push(_item([2], "b", "stop", [_lp(2)], [None, _lp(6)], 16), 0.2)
+    event = flow.take()
     assert event.logprobs == [_lp(2)] and event.prompt_logprobs == [None, _lp(6)] and event.cached_tokens == 16
 
 

@@ -1,0 +1,446 @@
+"""The router's request logic with no sockets and no event loop: typed events in, commands and flow updates out.
+
+``submit`` opens a ``Flow``; ``on_event`` takes a worker's event, ``on_tick`` the time; ``mark_dead``, ``drain`` and
+``remove_worker`` change membership; ``release`` ends a flow. Each appends the commands to send to ``outbox`` as
+(worker name, command) and the flows with news to ``updated``, for the caller to deliver: the live router
+(cluster/routing/router.py) over ZeroMQ, the planner's simulator in simulated time. A worker's load is the flows it
+holds (``Flow.holders``), never counted by hand. Disaggregated: reserve on a decode worker (policy order, a fresh wire
+id per attempt, queued when none has room), then prefill on a prefill worker, or on the decode worker when what it
+lacks is short; the prefill worker's first token is forwarded to the decode worker (``Start``). Colocated: one worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+from cluster.config import ClusterConfig
+from cluster.routing.admission import Admission
+from cluster.routing.errors import NoWorkers, Overloaded, RequestFailed
+from cluster.routing.flow import Flow, FlowStatus
+from cluster.routing.membership import Membership, WorkerHandle
+from cluster.routing.metrics import RouterMetrics
+from cluster.routing.placement import Placer
+from cluster.routing.policies import Placements, Policy
+from engine.blocks import prompt_block_hashes
+from engine.request import SamplingParams
+from worker.messages import (
+    Abort,
+    Command,
+    Drain,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    Generate,
+    KvEvents,
+    Prefill,
+    Reserve,
+    Reserved,
+    Start,
+    Stats,
+    Tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORDS = 10_000  # finished requests' timing and recent requests' placements kept (oldest dropped first)
+MAX_RETRIES = 2  # re-dispatches of a request whose worker died before anything reached its client
+MAX_WORKERS_TRIED = 3  # decode workers asked per round before the request waits for capacity
+QUEUE_RETRY_S = 0.5  # a queued request asks again at least this often, heartbeats or not
+
+
+class RouterCore:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        metrics: RouterMetrics,
+        admission: Admission | None = None,
+        members: Membership | None = None,
+        policies: dict[str, Policy] | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.admission = admission or Admission(config.router.queue_size)
+        self.members = members or Membership(metrics)
+        self.placer = Placer(config, self.members, metrics, policies)
+        self.flows: dict[str, Flow] = {}  # by current wire id: the requests in flight
+        self.placements = Placements(MAX_RECORDS)  # where recent requests went, for later ones' ``affinity``
+        self.last_timing: OrderedDict[str, dict[str, float]] = OrderedDict()  # finished requests', for the response
+        self.outbox: deque[tuple[str, Command]] = deque()
+        self.updated: list[Flow] = []
+        self._queue: deque[Flow] = deque()  # waiting for decode KV, oldest first
+        self._next_queue_retry_s = 0.0
+
+    # ---- requests in and out -----------------------------------------------------------------------------------
+
+    def submit(
+        self, rid: str, prompt: list[int], params: SamplingParams, now: float, affinity: str | None = None
+    ) -> Flow:
+        """A new request's flow, already on its way (or FAILED, with the error its client gets)."""
+        config = self.config
+        flow = Flow(
+            rid,
+            prompt,
+            params,
+            prompt_block_hashes(prompt, config.transfer.block_size),
+            started_s=now,
+            deadline_s=now + config.router.request_timeout_s,
+            affinity=affinity,
+        )
+        self.metrics.inflight.inc()
+        self._new_wire_id(flow)
+        try:
+            self.placer.check_fits(self._first_role, len(prompt), params.max_tokens)
+        except RequestFailed as error:
+            self._fail(flow, error)
+            return flow
+        self._place(flow, now)
+        return flow
+
+    def release(self, flow: Flow, now: float) -> None:
+        """The response side is done with the flow (the client got its end, or went away): its one way out."""
+        if not flow.status.ended:  # the client went away, or stopped reading
+            self.metrics.errors.labels("client_disconnected").inc()
+            self.metrics.requests.labels("aborted").inc()
+            self._abort_workers(flow)
+            flow.closed = True
+            flow.status = FlowStatus.FAILED
+            self._sync(flow)
+            self._leave_queue(flow)
+        if self.flows.pop(flow.wire_id, None) is not None:
+            self.metrics.inflight.dec()
+            self._wake(now)
+
+    @property
+    def _first_role(self) -> str:
+        return "colocated" if self.config.mode == "colocated" else "decode"
+
+    def _place(self, flow: Flow, now: float) -> None:
+        """Send the flow to its first worker: the colocated one, or a decode worker asked to reserve."""
+        if self.config.mode != "colocated":
+            self._reserve_next(flow, now)
+            return
+        prefer = self._preferred(flow)
+        try:
+            worker = self.placer.pick("colocated", len(flow.prompt), flow.block_hashes, prefer and prefer.decode)
+        except NoWorkers as error:
+            self._fail(flow, error)
+            return
+        flow.decode, flow.status, flow.wire_used = worker.name, FlowStatus.PREFILLING, True
+        self._dispatched(flow, now)
+        self._send(worker.name, Generate(flow.wire_id, flow.prompt, flow.params))
+
+    def _preferred(self, flow: Flow):
+        return self.placements.get(flow.affinity) if flow.affinity is not None else None
+
+    def _dispatched(self, flow: Flow, now: float) -> None:
+        flow.timing.router_queue_s = now - flow.started_s
+        self.placements.record(flow.rid, flow.prefill, flow.decode)
+        self._sync(flow)
+
+    # ---- decode reservations -----------------------------------------------------------------------------------
+
+    def _reserve_next(self, flow: Flow, now: float) -> None:
+        """Ask the next decode worker with room (policy order, the preferred one first); after ``MAX_WORKERS_TRIED``
+        refusals, or with none that has room, wait in the bounded queue for capacity."""
+        workers = self.members.routable("decode")
+        if not workers:
+            self._fail(flow, NoWorkers("no live decode worker"))
+            return
+        needed = self.placer.blocks_needed(len(flow.prompt), flow.params.max_tokens)
+        fits = [
+            w for w in workers if (w.stats is None or w.stats.load.free_blocks >= needed) and w.name not in flow.tried
+        ]
+        if fits and len(flow.tried) < MAX_WORKERS_TRIED:
+            prefer = self._preferred(flow)
+            match = self.placer.prefix_match(len(flow.prompt), flow.block_hashes)
+            worker = self.placer.order("decode", fits, match, prefer and prefer.decode)[0]
+            if flow.wire_used:  # every attempt has an id of its own: a late answer names the attempt it answers
+                self._retire_wire_id(flow)
+                self._new_wire_id(flow)
+            flow.wire_used = True
+            flow.asking, flow.asked_s, flow.status = worker.name, now, FlowStatus.RESERVING
+            self._sync(flow)
+            local_max = self.config.router.local_prefill_max_tokens
+            self._send(worker.name, Reserve(flow.wire_id, flow.prompt, flow.params, local_prefill_max_tokens=local_max))
+            return
+        flow.tried.clear()  # a new round once capacity may have been freed
+        flow.status = FlowStatus.QUEUED
+        self._sync(flow)
+        if flow.queued:
+            return
+        if not self.admission.enter():  # one limit across every router process
+            self._fail(flow, Overloaded("every decode worker's KV cache is reserved and the queue is full"))
+            return
+        flow.queued = True
+        self._queue.append(flow)
+        self.metrics.queue_depth.set(len(self._queue))
+
+    def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None, now: float) -> None:
+        flow = self.flows.get(reply.rid)
+        if flow is None or flow.status is not FlowStatus.RESERVING or flow.asking != reply.worker:
+            if reply.ok and worker is not None:  # an answer that came after the router gave up: undo it there
+                self._send(worker.name, Abort(reply.rid))
+            return
+        flow.asking = None
+        if not reply.ok:
+            flow.tried.append(reply.worker)
+            self._reserve_next(flow, now)
+            return
+        self._leave_queue(flow)
+        flow.decode = reply.worker
+        flow.timing.decode_cached_tokens = reply.cached_tokens
+        self.metrics.decode_cached_tokens.inc(reply.cached_tokens)
+        placer, decode = self.placer, self.members.get(reply.worker)
+        match = placer.prefix_match(len(flow.prompt), flow.block_hashes)
+        prefer = self._preferred(flow)
+        if decode is not None:
+            placer.count_decision("decode", decode, self.members.routable("decode"), match, prefer and prefer.decode)
+            placer.expect(decode, flow.block_hashes)
+        flow.status = FlowStatus.PREFILLING
+        if reply.prefill_local:  # the decode worker computes what it lacks itself: no prefill worker, no transfer
+            self.metrics.prefill_path.labels("local").inc()
+            flow.timing.prefill_local = True
+            self._dispatched(flow, now)
+            return
+        try:
+            prefill = placer.pick("prefill", len(flow.prompt), flow.block_hashes, prefer and prefer.prefill)
+        except NoWorkers as error:
+            self._fail(flow, error)
+            return
+        flow.prefill = prefill.name
+        self.metrics.prefill_path.labels("remote").inc()
+        self._dispatched(flow, now)
+        command = Prefill(
+            flow.wire_id, flow.prompt, flow.params, reply.kv_address, reply.blocks, cached_tokens=reply.cached_tokens
+        )
+        self._send(prefill.name, command)
+
+    def _leave_queue(self, flow: Flow) -> None:
+        if flow.queued:
+            flow.queued = False
+            self.admission.leave()
+            self._queue.remove(flow)
+            self.metrics.queue_depth.set(len(self._queue))
+
+    def _wake(self, now: float) -> None:
+        """Capacity may have been freed (a heartbeat, a finished request): every queued request asks again."""
+        self._next_queue_retry_s = now + QUEUE_RETRY_S
+        for flow in [f for f in self._queue if f.status is FlowStatus.QUEUED]:
+            self._reserve_next(flow, now)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+
+    def on_event(self, event: Event, now: float) -> None:
+        """One authenticated event (every event names its worker)."""
+        worker = self.members.heard_from(event.worker, now, event if isinstance(event, Stats) else None)
+        if isinstance(event, Tokens):
+            self._on_tokens(event, now)
+        elif isinstance(event, Stats):
+            if worker is not None:
+                self.metrics.observe_worker(event)
+            self._wake(now)
+        elif isinstance(event, Reserved):
+            self._on_reserved(event, worker, now)
+        elif isinstance(event, ErrorEvent):
+            self._on_error(event, now)
+        elif isinstance(event, KvEvents):
+            self.members.on_kv_events(event, worker)
+
+    def _on_tokens(self, event: Tokens, now: float) -> None:
+        name, flows = event.worker, self.flows
+        for item in event.items:
+            flow = flows.get(item.rid)
+            if flow is None:
+                continue
+            if flow.status is FlowStatus.PREFILLING and name == flow.prefill:
+                # the prefill worker's first token: to the client, and to the decode worker, which holds the KV
+                flow.status = FlowStatus.DECODING
+                self._sync(flow)
+                if item.token_ids and flow.decode is not None:
+                    self._send(flow.decode, Start(flow.wire_id, item.token_ids[0]))
+            elif name != flow.decode or flow.status not in (FlowStatus.PREFILLING, FlowStatus.DECODING):
+                continue  # not (or no longer) this worker's request: a stale or lying event
+            elif flow.status is FlowStatus.PREFILLING:  # prefilled where it decodes: its first token
+                flow.status = FlowStatus.DECODING
+                self._sync(flow)
+            first = flow.first_token_s is None
+            if flow.push(item, now):
+                self.updated.append(flow)
+                if first and flow.first_token_s is not None:
+                    self.metrics.ttft.observe(flow.first_token_s - flow.started_s)
+                if item.finish_reason is not None:
+                    self._finish(flow, now)
+            elif flow.error is not None:  # the item failed the flow (a worker's bug)
+                self._fail(flow, flow.error)
+                self.updated.append(flow)
+
+    def _on_error(self, error: ErrorEvent, now: float) -> None:
+        flow = self.flows.get(error.rid)
+        if flow is None:
+            return
+        if flow.status is FlowStatus.RESERVING and error.worker == flow.asking:
+            if error.code is ErrorCode.INVALID_REQUEST:  # refused for what it is: no other worker or wait helps
+                self._fail(flow, RequestFailed(error.message, error.code.value, 400))
+                return
+            flow.asking = None  # the worker could not even try: the next one is asked
+            flow.tried.append(error.worker)
+            self._reserve_next(flow, now)
+        elif error.worker in (flow.prefill, flow.decode):
+            status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
+            self._fail(flow, RequestFailed(error.message, error.code.value, status))
+
+    def on_tick(self, now: float) -> None:
+        """Deadlines: requests past their timeout, reservations not answered in time, queued requests to retry."""
+        worker_timeout_s = self.config.router.worker_timeout_s
+        for flow in list(self.flows.values()):
+            if flow.status.ended:
+                continue
+            if now >= flow.deadline_s:
+                if flow.status in (FlowStatus.QUEUED, FlowStatus.RESERVING):
+                    self._fail(flow, Overloaded("no decode KV became free before the request timed out"))
+                else:
+                    self._fail(flow, RequestFailed("request timed out", "timeout", 504))
+            elif flow.status is FlowStatus.RESERVING and now - flow.asked_s > worker_timeout_s:
+                logger.warning("decode worker %s did not answer a reservation in time", flow.asking)
+                flow.tried.append(flow.asking or "")
+                flow.asking = None
+                self._reserve_next(flow, now)
+        if self._queue and now >= self._next_queue_retry_s:
+            self._wake(now)
+
+    # ---- membership --------------------------------------------------------------------------------------------
+
+    def add_worker(self, name: str, role: str, command_address: str, kv_address: str | None, now: float) -> None:
+        if self.members.add(name, role, command_address, kv_address, now):
+            self._worker_gone(name, "worker restarted", now)  # what the old process held is gone with it
+
+    def mark_dead(self, name: str, reason: str, now: float) -> None:
+        if self.members.mark_dead(name, reason):
+            self._worker_gone(name, reason, now)
+
+    def drain(self, name: str, deadline_s: float) -> None:
+        """Route nothing new to the worker; it finishes what it holds (``Drain`` tells it when it is idle)."""
+        if self.members.drain(name):
+            self._send(name, Drain(deadline_s=deadline_s))
+
+    def remove_worker(self, name: str, now: float) -> None:
+        """Forget a worker the pool stopped after its drain: what it still held gets an error, or a retry."""
+        self._worker_gone(name, "worker removed by scale-down", now)
+        self.members.remove(name)
+        self._wake(now)
+
+    def _worker_gone(self, name: str, reason: str, now: float) -> None:
+        """A dead worker's requests: a reservation it was asked moves on; a request it held is dispatched again if
+        nothing of it reached the client, else fails with an explicit error. A prefill worker's only until their
+        first token: from then on the decode worker holds the KV."""
+        for flow in list(self.flows.values()):
+            if flow.status.ended:
+                continue
+            if flow.status is FlowStatus.RESERVING and flow.asking == name:
+                flow.asking = None
+                flow.tried.append(name)
+                self._reserve_next(flow, now)
+            elif name == flow.decode or (name == flow.prefill and flow.status is FlowStatus.PREFILLING):
+                if flow.num_output_tokens == 0 and flow.retries < MAX_RETRIES:
+                    self._retry(flow, now)
+                else:
+                    self._fail(flow, RequestFailed(f"{reason} ({name})", "worker_died", 503))
+
+    def _retry(self, flow: Flow, now: float) -> None:
+        """Free the old dispatch everywhere and send the request again under a new wire id, transparently."""
+        self._abort_workers(flow)
+        self.metrics.errors.labels("retried_after_worker_death").inc()
+        flow.retries += 1
+        flow.reset()
+        flow.status = FlowStatus.QUEUED
+        self._sync(flow)
+        self._retire_wire_id(flow)
+        self._new_wire_id(flow)
+        self.updated.append(flow)
+        self._place(flow, now)
+
+    # ---- ends --------------------------------------------------------------------------------------------------
+
+    def _finish(self, flow: Flow, now: float) -> None:
+        flow.status = FlowStatus.DONE
+        self._sync(flow)
+        metrics, timing = self.metrics, flow.timing
+        metrics.requests.labels("finished").inc()
+        metrics.e2e.observe(now - flow.started_s)
+        metrics.prompt_tokens.inc(len(flow.prompt))
+        metrics.generated_tokens.inc(flow.received_tokens)
+        first = flow.first_token_s if flow.first_token_s is not None else now
+        if flow.received_tokens > 1:
+            metrics.tpot.observe((now - first) / (flow.received_tokens - 1))
+        timing.ttft_s, timing.e2e_s = first - flow.started_s, now - flow.started_s
+        known = sum(t or 0.0 for t in (timing.router_queue_s, timing.prefill_queue_s, timing.prefill_compute_s))
+        timing.first_token_delivery_s = max(0.0, timing.ttft_s - known)
+        if timing.prefill_end_mono is not None and timing.kv_done_mono is not None:  # same-host monotonic stamps
+            timing.kv_after_prefill_s = timing.kv_done_mono - timing.prefill_end_mono
+            metrics.kv_after_prefill.observe(timing.kv_after_prefill_s)
+        if timing.kv_transfer_s is not None:
+            metrics.kv_transfer.observe(timing.kv_transfer_s)
+        self.last_timing[flow.rid] = timing.response()
+        while len(self.last_timing) > MAX_RECORDS:  # a client that never collects its timing cannot grow this
+            self.last_timing.popitem(last=False)
+
+    def _fail(self, flow: Flow, error: RequestFailed) -> None:
+        """End the flow with an error its client gets; every worker that holds state for it is told to free it."""
+        if flow.status.ended:
+            return
+        self.metrics.errors.labels(error.code).inc()
+        self.metrics.requests.labels("error").inc()
+        self._abort_workers(flow)
+        flow.fail(error)  # (an item the flow refused may have failed it already: that error stands)
+        flow.status = FlowStatus.FAILED
+        self._sync(flow)
+        self._leave_queue(flow)
+        self.updated.append(flow)
+
+    def _abort_workers(self, flow: Flow) -> None:
+        """Every worker that may hold state for the flow frees it, those marked dead too (one only cut off must not
+        keep it)."""
+        for name in {flow.prefill, flow.decode, flow.asking} - {None}:
+            if self.members.get(name) is not None:
+                self._send(name, Abort(flow.wire_id))  # type: ignore[arg-type]
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------------
+
+    def _sync(self, flow: Flow) -> None:
+        """Make the workers' load follow the flow's status and workers (``Flow.holders``)."""
+        holders = flow.holders()
+        if holders == flow.held_by:
+            return
+        for name in flow.held_by - holders:
+            worker = self.members.get(name)
+            if worker is not None:
+                worker.flows.discard(flow)
+        for name in holders - flow.held_by:
+            worker = self.members.get(name)
+            if worker is not None:
+                worker.flows.add(flow)
+        flow.held_by = holders
+
+    def _new_wire_id(self, flow: Flow) -> None:
+        flow.attempts, flow.wire_used = flow.attempts + 1, False
+        flow.wire_id = flow.rid if flow.attempts == 1 else f"{flow.rid}.{flow.attempts - 1}"
+        self.flows[flow.wire_id] = flow
+
+    def _retire_wire_id(self, flow: Flow) -> None:
+        if self.flows.get(flow.wire_id) is flow:
+            del self.flows[flow.wire_id]
+
+    def _send(self, name: str, command: Command) -> None:
+        self.outbox.append((name, command))
+
+    def take_updated(self) -> list[Flow]:
+        updated, self.updated = self.updated, []
+        return updated
+
+    def status(self) -> dict:
+        return {"inflight": len(self.flows), "queue_depth": len(self._queue)}

@@ -1,0 +1,118 @@
+"""Where a prompt goes: the routing policies' order over the routable workers, given what each holds of the prompt.
+
+Each pick is the policy's first (``cluster/routing/policies.py``), unless the request names an earlier one
+(``affinity``) whose worker is routable: the API's n > 1 choices after the first land where the prompt is cached.
+Every decision is counted in /metrics with its reason, and a chosen worker whose pool caches prefixes is recorded in
+the prefix index as tentatively holding the prompt's blocks (``PrefixIndex.expect``), so a follow-up that comes
+before the worker's KV events finds where its prefix is going to be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cluster.config import ClusterConfig
+from cluster.routing.errors import NoWorkers, RequestFailed
+from cluster.routing.membership import Membership, WorkerHandle
+from cluster.routing.metrics import RouterMetrics
+from cluster.routing.policies import DecisionReason, Policy, PrefixMatch, decision_reason, make_policy
+from engine.blocks import reserved_blocks, reusable_prefix_tokens
+
+
+class Placer:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        members: Membership,
+        metrics: RouterMetrics,
+        policies: dict[str, Policy] | None = None,
+    ) -> None:
+        """``policies`` per role (prefill, decode, colocated): the config's, unless given (the simulator's are seeded)."""
+        self.config = config
+        self.members = members
+        self.metrics = metrics
+        weights = config.router.kv_aware.model_dump()
+        self.policies = policies or {
+            "prefill": make_policy(config.router.prefill_policy, **weights),
+            "decode": make_policy(config.router.decode_policy, **weights),
+            "colocated": make_policy(config.router.decode_policy, **weights),
+        }
+        pools = config.pools
+        self._caching = {
+            "prefill": pools.prefill.enable_prefix_caching,
+            "decode": pools.decode.enable_prefix_caching,
+            "colocated": pools.prefill.enable_prefix_caching and pools.decode.enable_prefix_caching,
+        }
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks a decode worker reserves for a request: the engine's own rule (``engine.blocks.reserved_blocks``)."""
+        config = self.config
+        return reserved_blocks(
+            num_prompt_tokens,
+            max_tokens,
+            config.pools.decode.reserve_headroom_tokens,
+            config.transfer.block_size,
+            config.model.max_model_len,
+        )
+
+    def check_fits(self, role: str, num_prompt_tokens: int, max_tokens: int) -> None:
+        """A prompt no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""
+        sizes = [w.stats.load.total_blocks for w in self.members.routable(role) if w.stats is not None]
+        if not sizes:
+            return  # no heartbeat yet: the worker itself refuses what cannot fit
+        needed = self.blocks_needed(num_prompt_tokens, max_tokens)
+        if needed > max(sizes):
+            raise RequestFailed(
+                f"the prompt needs {needed} KV blocks of {self.config.transfer.block_size} tokens; the largest "
+                f"{role} worker's KV cache holds {max(sizes)}",
+                "context_length_exceeded",
+                400,
+            )
+
+    def prefix_match(self, prompt_len: int, hashes: list[int]) -> PrefixMatch:
+        """Per worker, the prompt tokens its prefix cache would spare (the router's view, from KV events), cut by the
+        engine's rule that at least one prompt token is computed."""
+        index, block_size = self.members.prefix_index, self.config.transfer.block_size
+        if not len(index):  # no worker reports a cached block (prefix caching off, or nothing computed yet)
+            return PrefixMatch(prompt_len)
+        tokens = {name: reusable_prefix_tokens(n, prompt_len, block_size) for name, n in index.match(hashes).items()}
+        return PrefixMatch(prompt_len, {name: n for name, n in tokens.items() if n > 0})
+
+    def order(
+        self, role: str, workers: Sequence[WorkerHandle], match: PrefixMatch, prefer: str | None = None
+    ) -> list[WorkerHandle]:
+        """The policy's order, with the preferred worker first when it is among ``workers``."""
+        order = self.policies[role].order(workers, match)
+        if prefer is None:
+            return order  # type: ignore[return-value]
+        return [w for w in order if w.name == prefer] + [w for w in order if w.name != prefer]  # type: ignore[misc]
+
+    def pick(self, role: str, prompt_len: int, hashes: list[int], prefer: str | None = None) -> WorkerHandle:
+        """The worker a prompt goes to (prefill or colocated), counted and expected to hold the prompt."""
+        live = self.members.routable(role)
+        match = self.prefix_match(prompt_len, hashes)
+        candidates = self.order(role, live, match, prefer)
+        if not candidates:
+            raise NoWorkers(f"no live {role} worker")
+        chosen = candidates[0]
+        self.count_decision(role, chosen, live, match, prefer)
+        self.expect(chosen, hashes)
+        return chosen
+
+    def count_decision(
+        self, role: str, chosen: WorkerHandle, live: Sequence[WorkerHandle], match: PrefixMatch, prefer: str | None
+    ) -> None:
+        """/metrics: why this worker was chosen (an earlier request's ``affinity``, else the policy's prefix or load),
+        and how much of the prompt it already holds."""
+        reason: DecisionReason = (
+            "affinity" if chosen.name == prefer else decision_reason(self.policies[role], chosen, live, match)
+        )
+        metrics = self.metrics
+        metrics.routing_decisions.labels(role, reason).inc()
+        metrics.routed_prompt_tokens.labels(role).inc(match.num_prompt_tokens)
+        metrics.prefix_matched_tokens.labels(role).inc(match.tokens(chosen.name))
+
+    def expect(self, worker: WorkerHandle, hashes: list[int]) -> None:
+        """The worker will hold the prompt's blocks once it has them (its prefix cache, if its pool has one on)."""
+        if self._caching.get(worker.role, False):
+            self.members.prefix_index.expect(worker.name, hashes)
