@@ -15,8 +15,8 @@ from engine.attention.flashinfer_backend import paged_kv_metadata
 from engine.attention.metadata import MetadataPacker, build_layout, layout_spans, slot_list
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.scheduler import ScheduledChunk
 from engine.request import SamplingParams
+from engine.scheduler import ScheduledChunk
 from tests.helpers.engine import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
