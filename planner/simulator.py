@@ -1,45 +1,54 @@
 """A discrete-event simulation (simpy) of one pdserve cluster serving a trace: what ``pdserve plan`` sizes pools with.
 
-The parts that decide where work goes and when it runs are the real ones where they can be: the router's routing
-policies (``cluster.routing.policies.make_policy``, ordering ``SimWorker``s shaped like the router's ``WorkerHandle``: a name,
-``inflight`` and a ``Stats`` heartbeat), its prefix index (``cluster.routing.prefix_index.PrefixIndex``, fed with one hash per
-shared-prefix block), its block arithmetic (``engine.blocks``) and ``MAX_WORKERS_TRIED``; the engine's scheduler
-rules are mirrored step by step in planner/sim_engine.py. Times come from a measured ``Profile``.
-
-A request's path, as in docs/request-lifecycle.md:
-
-- colocated: the decode policy picks a worker, which prefills it in chunks mixed with its decodes and decodes it;
-- disaggregated: decode KV is reserved first (policy order, up to ``MAX_WORKERS_TRIED`` with room; none: the request
-  waits in the router's bounded queue until a decode worker frees blocks; full queue: rejected, a 429), then the
-  prefill policy picks a prefill worker; at its first token the KV goes to the decode worker (``profile.transfer_s``
-  of the prompt's KV bytes; one transfer at a time per prefill worker, overlapping its next prefills) while the token
-  goes to the router and on to the decode worker; with both in, the request joins the decode batch.
-
-Every message between router and worker takes ``hop_s``. TTFT: arrival to the first token at the router (prefill end
-+ one hop); TPOT: (e2e - TTFT) / (output - 1). Heartbeats are exact (a worker's ``stats`` is its state now, where the
-real router's is up to 0.2 s old). Not modelled: conditional disaggregation (``local_prefill_max_tokens``), a decode
-worker's own prefix cache, prefix-cache eviction, and failures.
+It runs the real thing in simulated time: the router's own ``RouterCore`` (policies, reservations, queue, prefix
+index, conditional disaggregation) and, for each worker, the engine's own ``Scheduler`` and ``BlockManager`` (chunked
+prefill, admission, preemption, the prefix cache and its eviction). Workers and router talk in the protocol's typed
+messages, each delayed ``hop_s``; a step lasts what the measured ``Profile`` says; a prefill worker ships one KV
+transfer at a time (``profile.transfer_s`` of the bytes the decode worker lacks). Not modelled: failures, stop
+conditions other than the length (a request generates exactly its trace's output tokens), and the text.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import simpy
 
-from cluster.config import ClusterConfig
-from cluster.routing.policies import Policy, PrefixMatch, make_policy
-from cluster.routing.prefix_index import PrefixIndex
-from cluster.routing.reservations import MAX_WORKERS_TRIED
-from engine.blocks import blocks_for_tokens, reserved_blocks, reusable_prefix_tokens
+from cluster.config import ClusterConfig, parse_config
+from cluster.routing.admission import Admission
+from cluster.routing.core import RouterCore
+from cluster.routing.flow import Flow, FlowStatus
+from cluster.routing.membership import Membership
+from cluster.routing.metrics import RouterMetrics
+from cluster.routing.policies import make_policy
+from engine.block_manager import BlockManager
+from engine.blocks import blocks_for_tokens, reserved_tokens
+from engine.request import FinishReason, Request, RequestStatus, RequestTiming, SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler
 from planner.profile_model import Profile
-from planner.sim_engine import SimEngine, SimRequest
 from planner.trace import TraceRequest
-from worker.messages import Stats, WorkerCounters, WorkerLoad
+from worker.messages import (
+    Abort,
+    Command,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    Generate,
+    KvEvents,
+    Prefill,
+    Reserve,
+    Reserved,
+    Start,
+    Stats,
+    TokenItem,
+    Tokens,
+    WorkerCounters,
+    WorkerLoad,
+)
 
 __all__ = ["Layout", "SimRecord", "SimSettings", "TraceRequest", "simulate"]
 
@@ -81,6 +90,7 @@ class SimSettings:
     prefix_weight: float = 2.0
     load_weight: float = 1.0
     prefix_caching: bool = True
+    local_prefill_max_tokens: int = 0  # conditional disaggregation (router.local_prefill_max_tokens)
     queue_size: int = 256  # requests waiting for decode KV before rejection
     hop_s: float = 0.0005  # one router <-> worker message
     request_timeout_s: float = 300.0  # the simulation ends this long after the last arrival
@@ -117,8 +127,29 @@ class SimSettings:
             prefix_weight=router.kv_aware.prefix_weight,
             load_weight=router.kv_aware.load_weight,
             prefix_caching=pools.prefill.enable_prefix_caching and pools.decode.enable_prefix_caching,
+            local_prefill_max_tokens=router.local_prefill_max_tokens,
             queue_size=router.queue_size,
             request_timeout_s=router.request_timeout_s,
+        )
+
+    def cluster_config(self, mode: str) -> ClusterConfig:
+        """The config the router core runs with (the model is never loaded: only its limits are read)."""
+        pool = {"enable_prefix_caching": self.prefix_caching}
+        return parse_config(
+            {
+                "model": {"name": "simulated", "max_model_len": self.max_model_len},
+                "mode": mode,
+                "pools": {"prefill": pool, "decode": {**pool, "reserve_headroom_tokens": self.reserve_headroom_tokens}},
+                "transfer": {"block_size": self.block_size},
+                "router": {
+                    "prefill_policy": self.prefill_policy,
+                    "decode_policy": self.decode_policy,
+                    "kv_aware": {"prefix_weight": self.prefix_weight, "load_weight": self.load_weight},
+                    "local_prefill_max_tokens": self.local_prefill_max_tokens,
+                    "queue_size": self.queue_size,
+                    "request_timeout_s": self.request_timeout_s,
+                },
+            }
         )
 
 
@@ -130,7 +161,7 @@ class SimRecord:
     e2e_s: float  # inf: unfinished
     input_tokens: int
     output_tokens: int
-    rejected: bool = False  # the router's queue was full, or no worker's KV cache can hold it
+    rejected: bool = False  # the router refused it (its queue was full, or no worker's KV cache can hold it)
 
     def meets(self, ttft_s: float, tpot_s: float) -> bool:
         """Both SLOs met (an unfinished or rejected request meets neither)."""
@@ -139,262 +170,345 @@ class SimRecord:
         return self.tpot_s is None or self.tpot_s <= tpot_s
 
 
-@dataclass(slots=True, eq=False)
-class _Flight:
-    """One request at the router: where it went and when its tokens came."""
-
-    index: int
-    trace: TraceRequest
-    first_token_s: float | None = None  # at the worker
-    last_token_s: float | None = None
-    done: bool = False
-    rejected: bool = False
-    prefill: SimWorker | None = None
-    decode: SimWorker | None = None
-    decode_req: SimRequest | None = None
+SHARED_BASE, OWN_BASE, SPAN = 1 << 40, 1 << 50, 1 << 24  # token ids of shared prefixes and of each request's own part
 
 
-@dataclass(slots=True, eq=False)
+def synthetic_prompt(index: int, trace: TraceRequest) -> list[int]:
+    """Token ids that share exactly a trace's shared prefix: equal for one ``prefix_id``, distinct otherwise."""
+    shared = trace.prefix_tokens if trace.prefix_id is not None else 0
+    head = [SHARED_BASE + trace.prefix_id * SPAN + i for i in range(shared)] if shared else []  # type: ignore[operator]
+    return head + [OWN_BASE + index * SPAN + i for i in range(trace.input_tokens - shared)]
+
+
 class SimWorker:
-    """What the routing policies read of a worker (``cluster.routing.policies.Candidate``, as ``WorkerHandle`` has it)."""
+    """One worker in simulated time: it takes the router's commands as its role does, steps the engine's own
+    scheduler for as long as the profile says a step takes, and sends back what a worker would."""
 
-    name: str
-    role: Literal["prefill", "decode", "colocated"]
-    engine: SimEngine
-    inflight: int = 0
-    link: simpy.Resource | None = None  # prefill: its KV sender, one transfer at a time
+    def __init__(
+        self, cluster: SimCluster, name: str, role: str, blocks: int, max_batch_tokens: int, max_num_seqs: int
+    ) -> None:
+        self.cluster, self.name, self.role = cluster, name, role
+        self.env, self.profile = cluster.env, cluster.profile
+        self.blocks = BlockManager(blocks, cluster.settings.block_size, cluster.settings.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_num_seqs)
+        self.max_num_seqs = max_num_seqs
+        self.requests: dict[str, Request] = {}
+        self.transfers: dict[str, tuple[str, int]] = {}  # prefill: rid -> (decode worker, tokens to send)
+        self.link = simpy.Resource(self.env, 1)  # prefill: its KV sender, one transfer at a time
+        self.leased = 0  # prefill: finished prompts whose blocks wait for their transfer
+        self._seq = 0
+        self._wake: simpy.Event | None = None
+        self.env.process(self._loop())
 
-    @property
+    # ---- commands ------------------------------------------------------------------------------------------------
+
+    def handle(self, command: Command) -> None:
+        """A command that reaches the worker; a heartbeat follows when it changed what the worker holds (as the
+        worker's next periodic one would show), never after a refusal, so a queued request does not ask again
+        until something changed."""
+        if isinstance(command, Reserve):
+            if not self._reserve(command):
+                return
+        elif isinstance(command, Prefill):
+            request = self._request(command.rid, command.prompt, command.params, prefill_only=True)
+            self.transfers[command.rid] = (self.cluster.owner_of(command.kv_address), command.cached_tokens)
+            self.scheduler.add(request)
+        elif isinstance(command, Generate):
+            self.scheduler.add(self._request(command.rid, command.prompt, command.params))
+        elif isinstance(command, Start):
+            request = self.requests.get(command.rid)
+            if request is not None and request.remote is not None:
+                request.remote.first_token_id = command.first_token
+                self.scheduler.remote_progress(request)
+        elif isinstance(command, Abort):
+            self._end(command.rid)
+        self.heartbeat()
+        self.notify()
+
+    def _request(self, rid: str, prompt: list[int], params: SamplingParams, prefill_only: bool = False) -> Request:
+        request = Request(rid, prompt, params, RequestTiming(self.env.now), prefill_only=prefill_only)
+        self.requests[rid] = request
+        return request
+
+    def _reserve(self, command: Reserve) -> bool:
+        """What the decode role does with a reservation (decode/worker.py), on the engine's own scheduler; False
+        when it refused."""
+        settings = self.cluster.settings
+        if blocks_for_tokens(len(command.prompt) + 1, settings.block_size) > self.blocks.num_blocks:
+            message = "the prompt needs more than the whole KV cache"
+            self.send(ErrorEvent(rid=command.rid, worker=self.name, message=message, code=ErrorCode.INVALID_REQUEST))
+            return False
+        request = Request(command.rid, command.prompt, command.params, RequestTiming(self.env.now))
+        max_len = settings.max_model_len or (1 << 30)
+        num_tokens = reserved_tokens(
+            len(command.prompt), command.params.max_tokens, settings.reserve_headroom_tokens, max_len
+        )
+        if len(self.requests) >= self.max_num_seqs or not self.scheduler.reserve_remote(request, num_tokens, True):
+            reason = "max_num_seqs" if len(self.requests) >= self.max_num_seqs else "kv_full"
+            self.send(Reserved(rid=command.rid, worker=self.name, ok=False, reason=reason))
+            return False
+        self.requests[command.rid] = request
+        local = 0 < len(command.prompt) - request.num_cached_tokens <= command.local_prefill_max_tokens
+        first = request.num_cached_tokens // settings.block_size
+        reply = Reserved(
+            rid=command.rid,
+            worker=self.name,
+            ok=True,
+            blocks=request.block_ids[first:],
+            kv_address=self.name,
+            cached_tokens=request.num_cached_tokens,
+            prefill_local=local,
+        )
+        self.send(reply)
+        if local:
+            self.scheduler.prefill_here(request)
+        return True
+
+    def kv_arrived(self, rid: str) -> None:
+        """A transfer into this (decode) worker is complete."""
+        request = self.requests.get(rid)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KV and request.remote:
+            request.remote.kv_done_s = self.env.now
+            self.scheduler.remote_progress(request)
+            self.notify()
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+
+    def notify(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _loop(self):
+        while True:
+            items = [self._admitted(r) for r in self.scheduler.admit_remote()]
+            chunks = self.scheduler.schedule()
+            if chunks:
+                yield self.env.timeout(self._step_s(chunks))
+                items += [item for chunk in chunks if (item := self._computed(chunk)) is not None]
+            if items:
+                self.send(Tokens(worker=self.name, items=items))
+                self._publish_kv_events()
+                self.heartbeat()
+            if not chunks:
+                self._wake = self.env.event()
+                yield self._wake
+                self._wake = None
+
+    def _admitted(self, request: Request) -> TokenItem:
+        """A remote request joins the batch with its first token (the prefill worker's): no token of its own."""
+        assert request.remote is not None and request.remote.first_token_id is not None
+        self.scheduler.register_full_blocks(request)
+        return self._append(request, request.remote.first_token_id, own=False)
+
+    def _computed(self, chunk: ScheduledChunk) -> TokenItem | None:
+        request = chunk.request
+        request.num_computed_tokens = chunk.end
+        self.scheduler.register_full_blocks(request)
+        return self._append(request, 1) if chunk.samples else None
+
+    def _append(self, request: Request, token_id: int, own: bool = True) -> TokenItem:
+        request.output_token_ids.append(token_id)
+        finish = None
+        if request.prefill_only:
+            finish = FinishReason.PREFILLED
+        elif len(request.output_token_ids) >= request.params.max_tokens:
+            finish = FinishReason.LENGTH
+        if finish is FinishReason.PREFILLED:
+            self.scheduler.remove(request)
+            request.status = RequestStatus.PREFILLED  # its blocks are leased until the transfer ends
+            self.leased += 1
+            self.env.process(self._transfer(request))
+            finish = None  # the client's request goes on at the decode worker
+        elif finish is not None:
+            self._end(request.request_id)
+        return TokenItem(request.request_id, [token_id] if own else [], "", finish)
+
+    def _transfer(self, request: Request):
+        decode, cached_tokens = self.transfers.pop(request.request_id, ("", 0))
+        num_bytes = (request.num_prompt_tokens - cached_tokens) * self.profile.kv_bytes_per_token
+        with self.link.request() as turn:
+            yield turn
+            yield self.env.timeout(self.profile.transfer_s(num_bytes))
+        self.leased -= 1
+        self._end(request.request_id)
+        target = self.cluster.workers.get(decode)
+        if target is not None:
+            target.kv_arrived(request.request_id)
+        self.heartbeat()
+
+    def _end(self, rid: str) -> None:
+        request = self.requests.pop(rid, None)
+        if request is None:
+            return
+        self.scheduler.remove(request)
+        self.blocks.free(request.block_ids)
+        request.status = RequestStatus.FINISHED
+
+    def _step_s(self, chunks: list[ScheduledChunk]) -> float:
+        """One forward's time. Prompt chunks of several requests cost each its own ``prefill_s`` (attention is per
+        sequence: the fit's quadratic terms must not see their sum as one prompt) less the fixed cost of every
+        forward but one; decodes add ``decode_step_s`` less its fixed cost (``Profile.mixed_step_s``'s rule)."""
+        profile = self.profile
+        prefill, num_chunks, batch, decode_context = 0.0, 0, 0, 0
+        for chunk in chunks:
+            if chunk.num_tokens == 1 and chunk.start >= chunk.request.num_prompt_tokens:  # generating
+                batch += 1
+                decode_context += chunk.start + 1
+            else:
+                prefill += profile.prefill_s(chunk.num_tokens, chunk.start)
+                num_chunks += 1
+        if num_chunks == 0:
+            return profile.decode_step_s(batch, decode_context)
+        prefill -= (num_chunks - 1) * profile.prefill_s(0, 0)
+        if batch == 0:
+            return prefill
+        return prefill + profile.decode_step_s(batch, decode_context) - profile.decode_step_s(0, 0)
+
+    # ---- what it reports -----------------------------------------------------------------------------------------
+
+    def send(self, event: Event) -> None:
+        self.cluster.to_router(event)
+
+    def heartbeat(self) -> None:
+        self.send(self.stats())
+
     def stats(self) -> Stats:
-        e = self.engine
+        scheduler = self.scheduler
+        awaiting = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
         load = WorkerLoad(
-            waiting=len(e.waiting),
-            running=len(e.running),
-            requests=len(e.waiting) + len(e.running) + len(e.awaiting),
-            free_blocks=e.free_blocks,
-            total_blocks=e.total_blocks,
-            awaiting_kv=len(e.awaiting),
-            leased_transfers=e.leased,
+            waiting=len(scheduler.waiting),
+            running=len(scheduler.running),
+            requests=len(self.requests),
+            max_requests=self.max_num_seqs,
+            free_blocks=self.blocks.num_free_blocks,
+            total_blocks=self.blocks.num_blocks,
+            awaiting_kv=awaiting,
+            leased_transfers=self.leased,
         )
         return Stats(worker=self.name, role=self.role, address=self.name, load=load, counters=WorkerCounters())
 
+    def _publish_kv_events(self) -> None:
+        batch = self.blocks.drain_kv_events()
+        if batch is None:
+            return
+        event = KvEvents(
+            worker=self.name,
+            address=self.name,
+            seq=self._seq,
+            stored=list(batch.stored),
+            removed=list(batch.removed),
+            reset=batch.reset,
+        )
+        self._seq += 1
+        self.send(event)
 
-class _Cluster:
+
+class SimCluster:
+    """The router core and the workers, joined by messages that each take ``hop_s``."""
+
     def __init__(self, env: simpy.Environment, profile: Profile, layout: Layout, settings: SimSettings) -> None:
-        self.env, self.profile, self.layout, self.s = env, profile, layout, settings
+        self.env, self.profile, self.layout, self.settings = env, profile, layout, settings
+        config = settings.cluster_config(layout.mode)
         rng = random.Random(settings.seed)
         weights = {"prefix_weight": settings.prefix_weight, "load_weight": settings.load_weight}
-        self.policies: dict[str, Policy] = {
+        policies = {
             "prefill": make_policy(settings.prefill_policy, random.Random(rng.random()), **weights),
             "decode": make_policy(settings.decode_policy, random.Random(rng.random()), **weights),
         }
-        self.index = PrefixIndex()
-        self._index_seq: dict[str, int] = {}
-        self.capacity = env.event()  # fired (and replaced) whenever a decode worker frees blocks
-        self.queued = 0
-        self.finished = 0
-        self.all_done = env.event()
-        self.expected = 0
+        policies["colocated"] = policies["decode"]
+        metrics = RouterMetrics(worker_gauges=False)
+        members = Membership(metrics, clock=lambda: env.now)
+        self.core = RouterCore(config, metrics, Admission(settings.queue_size), members, policies)
+        self.workers: dict[str, SimWorker] = {}
         s = settings
         if layout.mode == "colocated":
-            self.prefill = []
-            self.decode = [
-                self._worker(
-                    f"decode-{i}", "colocated", s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs
-                )
-                for i in range(layout.decode)
-            ]
+            pools = [("colocated", layout.decode, s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs)]
         else:
-            self.prefill = [
-                self._worker(
-                    f"prefill-{i}", "prefill", s.prefill_kv_blocks, s.prefill_max_batch_tokens, s.prefill_max_num_seqs
-                )
-                for i in range(layout.prefill)
+            pools = [
+                ("prefill", layout.prefill, s.prefill_kv_blocks, s.prefill_max_batch_tokens, s.prefill_max_num_seqs),
+                ("decode", layout.decode, s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs),
             ]
-            self.decode = [
-                self._worker(
-                    f"decode-{i}", "decode", s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs
-                )
-                for i in range(layout.decode)
-            ]
+        for role, count, blocks, batch_tokens, num_seqs in pools:
+            for i in range(count):
+                name = f"{role}-{i}"
+                worker = self.workers[name] = SimWorker(self, name, role, blocks, batch_tokens, num_seqs)
+                self.core.add_worker(name, role, name, name, env.now)
+                self.core.on_event(worker.stats(), env.now)  # its first heartbeat, before any request
+        self.records: list[SimRecord] = []  # by trace index
+        self._open: dict[Flow, SimRecord] = {}
+        self._arrived = False
+        self.all_done = env.event()
 
-    def _worker(self, name: str, role: str, blocks: int, batch_tokens: int, num_seqs: int) -> SimWorker:
-        worker = SimWorker(name, role, None, link=simpy.Resource(self.env, 1) if role == "prefill" else None)  # type: ignore[arg-type]
-        worker.engine = SimEngine(
-            self.env,
-            self.profile,
-            role,
-            blocks,
-            self.s.block_size,
-            batch_tokens,
-            num_seqs,
-            self.s.prefix_caching,
-            on_first_token=lambda req, now: self._first_token(worker, req, now),
-            on_finished=lambda req, now: self._finished(worker, req, now),
-            on_capacity=self._capacity if role == "decode" else _nothing,
-            on_prefix_cached=lambda prefix_id, blocks: self._cached(worker, prefix_id, blocks),
-        )
-        return worker
+    def owner_of(self, kv_address: str) -> str:
+        return kv_address  # a simulated worker's KV address is its name
 
-    # ---- the router --------------------------------------------------------------------------------------------------
+    def submit(self, index: int, trace: TraceRequest) -> None:
+        params = SamplingParams(max_tokens=trace.output_tokens, temperature=0.0, ignore_eos=True)
+        record = SimRecord(trace.arrival_s, math.inf, None, math.inf, trace.input_tokens, trace.output_tokens)
+        self.records.append(record)
+        flow = self.core.submit(f"r{index}", synthetic_prompt(index, trace), params, self.env.now)
+        self._open[flow] = record
+        self._flush()
 
-    def arrivals(self, flights: Sequence[_Flight]):
-        for flight in flights:
-            delay = flight.trace.arrival_s - self.env.now
-            if delay > 0:
-                yield self.env.timeout(delay)
-            self.env.process(self._dispatch(flight))
+    def to_router(self, event: Event) -> None:
+        self._later(lambda: self._router_hears(event))
 
-    def _dispatch(self, flight: _Flight):
-        trace, s = flight.trace, self.s
-        match = self._match(trace)
-        if self.layout.mode == "colocated":
-            if blocks_for_tokens(trace.input_tokens + 1, s.block_size) > s.decode_kv_blocks:
-                self._reject(flight)
-                return
-            worker = self.policies["decode"].order(self.decode, match)[0]
-            flight.decode = worker
-            worker.inflight += 1
-            yield self.env.timeout(s.hop_s)
-            worker.engine.add(_engine_request(flight, trace.input_tokens))
+    def _router_hears(self, event: Event) -> None:
+        self.core.on_event(event, self.env.now)
+        self._flush()
+
+    def _later(self, action: Callable[[], None]) -> None:
+        timeout = self.env.timeout(self.settings.hop_s)
+        timeout.callbacks.append(lambda _: action())
+
+    def _flush(self) -> None:
+        core = self.core
+        while core.outbox:
+            name, command = core.outbox.popleft()
+            worker = self.workers.get(name)
+            if worker is not None:
+                self._later(lambda w=worker, c=command: w.handle(c))
+        for flow in core.take_updated():
+            while flow.take() is not None:  # the client reads at once
+                pass
+            if flow.status.ended and flow in self._open:
+                self._record(flow, self._open.pop(flow))
+                core.release(flow, self.env.now)
+        self._check_done()
+
+    def _record(self, flow: Flow, record: SimRecord) -> None:
+        if flow.status is FlowStatus.FAILED:
+            record.rejected = flow.error is not None and flow.error.status in (400, 429, 503)
             return
-        needed = reserved_blocks(
-            trace.input_tokens, trace.output_tokens, s.reserve_headroom_tokens, s.block_size, s.max_model_len
-        )
-        if needed > s.decode_kv_blocks:
-            self._reject(flight)
-            return
-        decode = None
-        while decode is None:
-            order = self.policies["decode"].order(self.decode, PrefixMatch(trace.input_tokens))
-            for worker in [w for w in order if w.engine.free_blocks >= needed][:MAX_WORKERS_TRIED]:
-                req = _engine_request(flight, trace.input_tokens + 1)
-                req.generated = 1  # its first token comes from the prefill worker
-                if worker.engine.reserve(req, needed):
-                    decode, flight.decode_req = worker, req
-                    break
-            if decode is None:
-                if self.queued >= s.queue_size:
-                    self._reject(flight)
-                    return
-                self.queued += 1
-                yield self.capacity
-                self.queued -= 1
-        flight.decode = decode
-        decode.inflight += 1
-        yield self.env.timeout(2 * s.hop_s)  # reserve and its reply
-        prefill = self.policies["prefill"].order(self.prefill, match)[0]
-        flight.prefill = prefill
-        prefill.inflight += 1
-        yield self.env.timeout(s.hop_s)
-        prefill.engine.add(_engine_request(flight, trace.input_tokens))
+        timing = flow.timing
+        record.ttft_s = timing.ttft_s if timing.ttft_s is not None else math.inf
+        record.e2e_s = timing.e2e_s if timing.e2e_s is not None else math.inf
+        if record.output_tokens > 1:
+            record.tpot_s = (record.e2e_s - record.ttft_s) / (record.output_tokens - 1)
 
-    def _match(self, trace: TraceRequest) -> PrefixMatch:
-        """The router's ``Dispatcher.prefix_match``: the prompt's full blocks against the index, cut by the engine's
-        at-least-one-token rule. Only shared-prefix blocks can be held by another request, so only they are hashed."""
-        if trace.prefix_id is None or not len(self.index):
-            return PrefixMatch(trace.input_tokens)
-        blocks = self.index.match(_prefix_hashes(trace.prefix_id, trace.prefix_tokens // self.s.block_size))
-        tokens = {n: reusable_prefix_tokens(b, trace.input_tokens, self.s.block_size) for n, b in blocks.items()}
-        return PrefixMatch(trace.input_tokens, {n: t for n, t in tokens.items() if t > 0})
-
-    def _cached(self, worker: SimWorker, prefix_id: int, blocks: int) -> None:
-        """A worker's KV event: it now holds a prefix's blocks."""
-        seq = self._index_seq.get(worker.name, 0)
-        self._index_seq[worker.name] = seq + 1
-        self.index.apply(worker.name, seq, _prefix_hashes(prefix_id, blocks), [])
-
-    def _reject(self, flight: _Flight) -> None:
-        flight.rejected = True
-        self._count_done()
-
-    def _capacity(self) -> None:
-        event, self.capacity = self.capacity, self.env.event()
-        event.succeed()
-
-    # ---- the workers' events -----------------------------------------------------------------------------------------
-
-    def _first_token(self, worker: SimWorker, req: SimRequest, now: float) -> None:
-        flight: _Flight = req.flight
-        flight.first_token_s = flight.last_token_s = now
-        if worker.role != "prefill":
-            return
-        worker.inflight -= 1
-        decode = flight.decode
-        assert decode is not None and flight.decode_req is not None
-        if flight.trace.output_tokens == 1:  # nothing to decode: the reservation is given up, no KV moves
-            decode.engine.awaiting.remove(flight.decode_req)
-            decode.engine.release(flight.decode_req)
-            worker.engine.transfer_done(req)
-            decode.inflight -= 1
-            flight.done = True
-            self._count_done()
-            return
-        self.env.process(self._start(flight))
-        self.env.process(self._transfer(worker, req, flight))
-
-    def _start(self, flight: _Flight):
-        yield self.env.timeout(2 * self.s.hop_s)  # first token to the router, Start to the decode worker
-        flight.decode_req.token_in = True
-        flight.decode.engine.remote_progress(flight.decode_req)
-
-    def _transfer(self, prefill: SimWorker, req: SimRequest, flight: _Flight):
-        with prefill.link.request() as turn:
-            yield turn
-            yield self.env.timeout(self.profile.transfer_s(flight.trace.input_tokens * self.profile.kv_bytes_per_token))
-        prefill.engine.transfer_done(req)
-        flight.decode_req.kv_in = True
-        flight.decode.engine.remote_progress(flight.decode_req)
-
-    def _finished(self, worker: SimWorker, req: SimRequest, now: float) -> None:
-        if worker.role == "prefill":
-            return  # its lease ends with its transfer
-        flight: _Flight = req.flight
-        flight.last_token_s, flight.done = now, True
-        worker.inflight -= 1
-        self._count_done()
-
-    def _count_done(self) -> None:
-        self.finished += 1
-        if self.finished == self.expected and not self.all_done.triggered:
+    def _check_done(self) -> None:
+        if self._arrived and not self._open and not self.all_done.triggered:
             self.all_done.succeed()
 
-
-def _nothing() -> None:
-    return None
-
-
-def _engine_request(flight: _Flight, num_tokens: int) -> SimRequest:
-    return SimRequest(flight.index, flight.trace, num_tokens, flight=flight)
-
-
-def _prefix_hashes(prefix_id: int, blocks: int) -> list[int]:
-    """Stand-ins for a shared prefix's chained block hashes: equal for equal (prefix, depth), distinct otherwise."""
-    return [hash(("prefix", prefix_id, depth)) for depth in range(blocks)]
+    def arrivals(self, trace: Sequence[TraceRequest]):
+        for index, request in enumerate(trace):
+            delay = request.arrival_s - self.env.now
+            if delay > 0:
+                yield self.env.timeout(delay)
+            self.submit(index, request)
+        self._arrived = True
+        self._check_done()
 
 
 def simulate(profile: Profile, trace: Sequence[TraceRequest], layout: Layout, settings: SimSettings) -> list[SimRecord]:
     """Serve ``trace`` on ``layout``; one record per request, in arrival order. Deterministic for one seed."""
-    env = simpy.Environment()
-    cluster = _Cluster(env, profile, layout, settings)
-    flights = [_Flight(i, t) for i, t in enumerate(sorted(trace, key=lambda t: t.arrival_s))]
-    cluster.expected = len(flights)
-    if not flights:
+    ordered = sorted(trace, key=lambda t: t.arrival_s)
+    if not ordered:
         return []
-    env.process(cluster.arrivals(flights))
-    horizon = flights[-1].trace.arrival_s + settings.request_timeout_s
+    env = simpy.Environment()
+    cluster = SimCluster(env, profile, layout, settings)
+    env.process(cluster.arrivals(ordered))
+    horizon = ordered[-1].arrival_s + settings.request_timeout_s
     env.run(until=env.any_of([cluster.all_done, env.timeout(horizon)]))
-    return [_record(f, settings.hop_s) for f in flights]
-
-
-def _record(flight: _Flight, hop_s: float) -> SimRecord:
-    trace = flight.trace
-    ttft = e2e = math.inf
-    tpot = None
-    if flight.first_token_s is not None:
-        ttft = flight.first_token_s + hop_s - trace.arrival_s
-    if flight.done:
-        e2e = flight.last_token_s + hop_s - trace.arrival_s
-        if trace.output_tokens > 1:
-            tpot = (e2e - ttft) / (trace.output_tokens - 1)
-    return SimRecord(trace.arrival_s, ttft, tpot, e2e, trace.input_tokens, trace.output_tokens, flight.rejected)
+    unfinished = [SimRecord(t.arrival_s, math.inf, None, math.inf, t.input_tokens, t.output_tokens) for t in ordered]
+    return cluster.records + unfinished[len(cluster.records) :]

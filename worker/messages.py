@@ -99,6 +99,7 @@ class WorkerLoad(msgspec.Struct):
     waiting: int = 0
     running: int = 0
     requests: int = 0
+    max_requests: int = 0  # its engine's max_num_seqs: a decode worker holding this many refuses reservations
     free_blocks: int = 0
     total_blocks: int = 0
     awaiting_kv: int = 0  # decode: reservations whose KV or first token has not arrived

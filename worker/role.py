@@ -108,6 +108,7 @@ class Role:
             waiting=len(engine.scheduler.waiting),
             running=len(engine.scheduler.running),
             requests=len(engine.requests),
+            max_requests=engine.config.max_num_seqs,
             free_blocks=engine.num_free_blocks,
             total_blocks=engine.block_manager.num_blocks,
         )

@@ -49,6 +49,27 @@ MAX_WORKERS_TRIED = 3  # decode workers asked per round before the request waits
 QUEUE_RETRY_S = 0.5  # a queued request asks again at least this often, heartbeats or not
 
 
+def _room(stats: Stats | None) -> float:
+    """The blocks a heartbeat says its worker could reserve (none at its request limit; unknown: any)."""
+    if stats is None:
+        return float("inf")
+    load = stats.load
+    return 0 if 0 < load.max_requests <= load.requests else load.free_blocks
+
+
+def _free_blocks(worker: WorkerHandle) -> float:
+    """The blocks a worker could reserve now: its last heartbeat's free blocks less those it is being asked for
+    (none once it holds, or is asked for, as many requests as its engine takes; unknown before its first heartbeat:
+    it answers for itself)."""
+    if worker.stats is None:
+        return float("inf")
+    load = worker.stats.load
+    asked = [f.blocks_needed for f in worker.flows if f.asking == worker.name]
+    if 0 < load.max_requests <= load.requests + len(asked):
+        return 0
+    return load.free_blocks - sum(asked)
+
+
 class RouterCore:
     def __init__(
         self,
@@ -89,6 +110,7 @@ class RouterCore:
         )
         self.metrics.inflight.inc()
         self._new_wire_id(flow)
+        flow.blocks_needed = self.placer.blocks_needed(len(prompt), params.max_tokens)
         try:
             self.placer.check_fits(self._first_role, len(prompt), params.max_tokens)
         except RequestFailed as error:
@@ -147,10 +169,7 @@ class RouterCore:
         if not workers:
             self._fail(flow, NoWorkers("no live decode worker"))
             return
-        needed = self.placer.blocks_needed(len(flow.prompt), flow.params.max_tokens)
-        fits = [
-            w for w in workers if (w.stats is None or w.stats.load.free_blocks >= needed) and w.name not in flow.tried
-        ]
+        fits = [w for w in workers if w.name not in flow.tried and _free_blocks(w) >= flow.blocks_needed]
         if fits and len(flow.tried) < MAX_WORKERS_TRIED:
             prefer = self._preferred(flow)
             match = self.placer.prefix_match(len(flow.prompt), flow.block_hashes)
@@ -173,6 +192,8 @@ class RouterCore:
             self._fail(flow, Overloaded("every decode worker's KV cache is reserved and the queue is full"))
             return
         flow.queued = True
+        if not self._queue:
+            self._next_queue_retry_s = now + QUEUE_RETRY_S
         self._queue.append(flow)
         self.metrics.queue_depth.set(len(self._queue))
 
@@ -226,8 +247,17 @@ class RouterCore:
     def _wake(self, now: float) -> None:
         """Capacity may have been freed (a heartbeat, a finished request): every queued request asks again."""
         self._next_queue_retry_s = now + QUEUE_RETRY_S
-        for flow in [f for f in self._queue if f.status is FlowStatus.QUEUED]:
-            self._reserve_next(flow, now)
+        waiting = [f for f in self._queue if f.status is FlowStatus.QUEUED]
+        if not waiting:
+            return
+        workers = self.members.routable("decode")
+        most_free = max((_free_blocks(w) for w in workers), default=-1)
+        for flow in waiting:
+            if workers and flow.blocks_needed > most_free:
+                continue  # no worker has room for it (a smaller one behind it may fit)
+            self._reserve_next(flow, now)  # (no worker at all: it fails with a 503)
+            if flow.status is FlowStatus.RESERVING:  # that worker's room is less by the ask now
+                most_free = max((_free_blocks(w) for w in workers), default=-1)
 
     @property
     def queue_depth(self) -> int:
@@ -237,19 +267,28 @@ class RouterCore:
 
     def on_event(self, event: Event, now: float) -> None:
         """One authenticated event (every event names its worker)."""
-        worker = self.members.heard_from(event.worker, now, event if isinstance(event, Stats) else None)
+        if isinstance(event, Stats):
+            self._on_stats(event, now)
+            return
+        worker = self.members.heard_from(event.worker, now)
         if isinstance(event, Tokens):
             self._on_tokens(event, now)
-        elif isinstance(event, Stats):
-            if worker is not None:
-                self.metrics.observe_worker(event)
-            self._wake(now)
         elif isinstance(event, Reserved):
             self._on_reserved(event, worker, now)
         elif isinstance(event, ErrorEvent):
             self._on_error(event, now)
         elif isinstance(event, KvEvents):
             self.members.on_kv_events(event, worker)
+
+    def _on_stats(self, stats: Stats, now: float) -> None:
+        before = self.members.get(stats.worker)
+        room_before = _room(before.stats) if before is not None else -1
+        worker = self.members.heard_from(stats.worker, now, stats)
+        if worker is None:
+            return
+        self.metrics.observe_worker(stats)
+        if worker.role == "decode" and _room(stats) > room_before:  # capacity freed there: the queue asks again
+            self._wake(now)
 
     def _on_tokens(self, event: Tokens, now: float) -> None:
         name, flows = event.worker, self.flows

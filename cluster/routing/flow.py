@@ -54,6 +54,7 @@ class Flow:
     started_s: float
     deadline_s: float
     affinity: str | None = None  # an earlier request whose workers this one prefers (``Placements``)
+    blocks_needed: int = 0  # what a decode worker reserves for it (``Placer.blocks_needed``)
     status: FlowStatus = FlowStatus.QUEUED
     wire_id: str = ""  # the id workers know: a fresh one per reservation attempt and per retry
     attempts: int = 0  # wire ids made so far

@@ -28,10 +28,14 @@ TOTAL_KEYS: tuple[str, ...] = WorkerCounters.__struct_fields__
 
 
 class RouterMetrics:
-    def __init__(self, multiprocess: bool = False) -> None:
+    def __init__(self, multiprocess: bool = False, worker_gauges: bool = True) -> None:
+        """``worker_gauges``: copy every heartbeat into ``pdserve_worker`` gauges (the planner's simulator, which
+        nobody scrapes, turns it off)."""
         # only where the launcher set the folder up before prometheus_client was imported (cluster/run/frontend.py)
         self.multiprocess = multiprocess and bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
+        self._worker_children: dict[tuple[str, str], tuple] = {}
+        self.worker_gauges = worker_gauges
         r = self.registry
         self.ttft = Histogram(
             "pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS
@@ -158,12 +162,24 @@ class RouterMetrics:
         )
 
     def observe_worker(self, stats: Stats) -> None:
-        worker, pool, load, counters = stats.worker, stats.role, stats.load, stats.counters
-        for key in GAUGE_KEYS:
-            self.worker_gauge.labels(worker, pool, key).set(getattr(load, key))
-        for key in TOTAL_KEYS:
-            self.worker_total.labels(worker, pool, key).set(getattr(counters, key))
-        self.worker_degraded.labels(worker, pool).set(1 if stats.degraded else 0)
+        """A heartbeat's gauges (each worker's labelled children looked up once: heartbeats come often)."""
+        if not self.worker_gauges:
+            return
+        children = self._worker_children.get((stats.worker, stats.role))
+        if children is None:
+            worker, pool = stats.worker, stats.role
+            children = self._worker_children[(worker, pool)] = (
+                [self.worker_gauge.labels(worker, pool, key) for key in GAUGE_KEYS],
+                [self.worker_total.labels(worker, pool, key) for key in TOTAL_KEYS],
+                self.worker_degraded.labels(worker, pool),
+            )
+        gauges, totals, degraded = children
+        load, counters = stats.load, stats.counters
+        for key, child in zip(GAUGE_KEYS, gauges):
+            child.set(getattr(load, key))
+        for key, child in zip(TOTAL_KEYS, totals):
+            child.set(getattr(counters, key))
+        degraded.set(1 if stats.degraded else 0)
 
     def render(self) -> bytes:
         if not self.multiprocess:

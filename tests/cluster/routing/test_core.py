@@ -14,7 +14,7 @@ import random
 import pytest
 
 from cluster.routing.admission import Admission
-from cluster.routing.core import MAX_RETRIES, MAX_WORKERS_TRIED, RouterCore
+from cluster.routing.core import MAX_RETRIES, MAX_WORKERS_TRIED, QUEUE_RETRY_S, RouterCore
 from cluster.routing.flow import Flow, FlowStatus
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.policies import make_policy
@@ -187,7 +187,9 @@ def test_a_refusal_asks_the_next_worker_under_a_new_wire_id_and_then_the_request
         h.event(Reserved(rid=reserve.rid, worker=name, ok=False, reason="kv_full"))
     assert [rid for _, rid in asked] == ["r", "r.1", "r.2"] and len({n for n, _ in asked}) == MAX_WORKERS_TRIED
     assert flow.status is FlowStatus.QUEUED and h.core.queue_depth == 1 and h.sent() == []
-    h.heartbeat("decode-0")  # capacity may be free: a new round
+    h.heartbeat("decode-0")  # no more room than its last heartbeat showed: nobody is asked again
+    assert h.sent() == []
+    h.heartbeat("decode-0", free_blocks=95)  # blocks were freed there: a new round
     [(name, reserve)] = h.sent(Reserve)
     assert reserve.rid == "r.3" and flow.status is FlowStatus.RESERVING
     h.grant(name, "r.3")
@@ -196,6 +198,32 @@ def test_a_refusal_asks_the_next_worker_under_a_new_wire_id_and_then_the_request
     assert h.sent(Abort) == [(asked[1][0], Abort("r.1"))]
     h.release(flow)
     assert {name for name, _ in h.sent(Abort)} == {name, "prefill-0"}  # the client went: both holders told
+    h.check_no_leaks()
+
+
+def test_a_queued_request_asks_again_after_a_while_without_news():
+    h = Harness(decode=1)
+    flow = h.submit()
+    [(name, reserve)] = h.sent(Reserve)
+    h.event(Reserved(rid=reserve.rid, worker=name, ok=False, reason="kv_full"))
+    assert flow.status is FlowStatus.QUEUED
+    h.tick(0.1)
+    assert h.sent() == []
+    h.tick(QUEUE_RETRY_S)
+    [(_, again)] = h.sent(Reserve)
+    assert again.rid == "r.1"
+    h.release(flow)
+    h.check_no_leaks()
+
+
+def test_a_worker_at_its_request_limit_is_not_asked_though_it_has_blocks():
+    h = Harness(decode=2)
+    load = WorkerLoad(requests=4, max_requests=4, free_blocks=90, total_blocks=96)
+    h.event(Stats(worker="decode-0", role="decode", address="tcp://decode-0", load=load, counters=WorkerCounters()))
+    flows = [h.submit(f"r{i}") for i in range(3)]
+    assert {name for name, _ in h.sent(Reserve)} == {"decode-1"}
+    for flow in flows:
+        h.release(flow)
     h.check_no_leaks()
 
 
