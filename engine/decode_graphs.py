@@ -52,8 +52,9 @@ import torch
 from engine.attention import AttentionBatch, DecodeGroup, SdpaBackend
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
+from engine.host_values import long_tensor
 from engine.kv_cache import KVSpec
-from engine.model_runner import ModelRunner, ScheduledChunk, StepStats
+from engine.model_runner import ModelRunner, ScheduledChunk, StepStats, wait_for_compute
 
 logger = logging.getLogger(__name__)
 
@@ -244,8 +245,9 @@ class DecodeGraphs:
         else:
             hidden = self._forward_static(key)
         rows = [row for row, chunk in enumerate(chunks) if chunk.samples]
-        real = hidden[: len(chunks)] if len(rows) == len(chunks) else hidden[torch.tensor(rows, device=hidden.device)]
+        real = hidden[: len(chunks)] if len(rows) == len(chunks) else hidden[long_tensor(rows, hidden.device)]
         logits = self.runner.lm_head(real).float()  # padding rows dropped before the vocabulary projection
+        wait_for_compute(self.runner.device)
         stats = StepStats(
             num_tokens=len(chunks),
             num_seqs=len(chunks),
