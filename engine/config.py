@@ -40,7 +40,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests in the running batch
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
-    # an engine that only prefills (a prefill worker's): no decode graphs, no decode gather buffer, no decode profile
+    # an engine that only prefills (a prefill worker's): no decode graphs (nor their static gather storage)
     prefill_only: bool = False
     # CUDA, measured KV budget: NCCL pair groups this engine's process will hold (each communicator's buffers live on
     # this GPU), and a fixed reserve for what loads after the profile (lazily loaded kernels, new streams' workspaces)

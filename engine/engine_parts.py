@@ -69,7 +69,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     backend = select_backend(config.attention_backend, config.device, model.dtype)
     runner = ModelRunner(model, kv_cache, backend)
     runner.decode_graphs = decode_graphs_for(runner, config, max_model_len)
-    runner.limit_scratch(0 if config.prefill_only else config.max_num_seqs, max_model_len)  # what the plan counted
+    runner.limit_scratch(config.max_num_seqs, max_model_len)  # the bound the KV plan counted
     eos_token_ids = _eos_ids(model, tokenizer)
     vocab_size = int(runner.lm_head.out_features)
     sampler = Sampler(eos_token_ids, config.device)

@@ -13,7 +13,7 @@ runs out of memory mid-step and fails every request in it). So on CUDA, unless t
    ``max_batch_tokens`` tokens split into prompts of ``max_model_len`` (the scheduler packs several prompts into a
    step; the last one is a chunk at the end of a ``max_model_len`` context), with prompt logprobs, the widest prefill
    path; and one decode step of ``max_num_seqs`` requests at ``max_model_len`` context followed by the sampler over
-   their rows (top-p and logprobs, its widest path), except in a prefill-only engine. The peak that torch allocated
+   their rows (top-p and logprobs, its widest path). The peak that torch allocated
    above what it held before each step is the activation peak. The block ids of these fake requests repeat, so the
    temporary cache stays small, whatever ``max_model_len`` is.
 3. With decode graphs, their memory pool: a captured step allocates in the pool what its eager run allocates, and
@@ -313,15 +313,16 @@ class KVMemoryPlanner:
         """The largest steps the scheduler can build, run on a small temporary cache: a full prefill step of
         ``max_batch_tokens`` tokens in prompts of up to ``max_model_len`` (the last one a chunk at the end of a
         ``max_model_len`` context), with prompt logprobs; a decode step of ``max_num_seqs`` rows at ``max_model_len``
-        context, sampled with top-p and logprobs (not for a prefill-only engine); and, with decode graphs, the
-        graphs' static steps at their largest keys (what a captured graph's pool holds)."""
+        context, sampled with top-p and logprobs (a prefill-only engine runs such rows too: a prompt's last token
+        alone, after its prefix came from the cache or a chunk); and, with decode graphs, the graphs' static steps at
+        their largest keys (what a captured graph's pool holds)."""
         config = self.config
-        decode_rows = 0 if config.prefill_only else min(config.max_num_seqs, config.max_batch_tokens)
+        decode_rows = min(config.max_num_seqs, config.max_batch_tokens)
         cache_tokens = min(config.max_batch_tokens, max_model_len)  # block ids repeat across the fake requests
         cache = KVCache(spec, blocks_for_tokens(cache_tokens, spec.block_size) + 1, config.device)
         extra_blocks = cache.kv[0].shape[1] - cache.num_blocks
         runner = ModelRunner(model, cache, select_backend(config.attention_backend, config.device, model.dtype))
-        scratch_bound = runner.limit_scratch(0 if config.prefill_only else config.max_num_seqs, max_model_len)
+        scratch_bound = runner.limit_scratch(config.max_num_seqs, max_model_len)
         sampler = Sampler((), runner.device)
         context = _fake_tokens(max_model_len, int(runner.lm_head.out_features))
         table = [i % cache.num_blocks for i in range(blocks_for_tokens(max_model_len, spec.block_size))]
@@ -330,11 +331,9 @@ class KVMemoryPlanner:
             ScheduledChunk(_fake_request(context, table, prompt_params), max_model_len - length, length)
             for length in prefill_lengths(config.max_batch_tokens, max_model_len)
         ]
-        steps = [prefill_step]
-        if decode_rows:
-            decode_params = SamplingParams(max_tokens=1, top_p=0.9, logprobs=MAX_LOGPROBS)
-            decode = [_fake_request(context, table, decode_params) for _ in range(decode_rows)]
-            steps.append([ScheduledChunk(request, max_model_len - 1, 1) for request in decode])
+        decode_params = SamplingParams(max_tokens=1, top_p=0.9, logprobs=MAX_LOGPROBS)
+        decode = [_fake_request(context, table, decode_params) for _ in range(decode_rows)]
+        steps = [prefill_step, [ScheduledChunk(request, max_model_len - 1, 1) for request in decode]]
         peak = 0
         for chunks in steps:
             peak = max(peak, self._measure_step(runner, sampler, chunks))

@@ -145,7 +145,7 @@ def resolve_spec(spec: WorkerSpec) -> WorkerSpec:
         spec.engine,
         device=device,
         dtype=resolve_dtype(spec.engine.dtype, device),
-        prefill_only=spec.role is WorkerRole.PREFILL,  # no decode graphs or decode gather buffer
+        prefill_only=spec.role is WorkerRole.PREFILL,  # no decode graphs
         nccl_peers=peers,
     )
     return dataclasses.replace(spec, engine=engine, transfer=dataclasses.replace(spec.transfer, device=transfer_device))

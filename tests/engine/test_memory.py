@@ -8,12 +8,15 @@ through the real runner and sampler, the engine serves on the planned blocks) an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import engine.engine_parts as engine_parts
 import engine.memory as engine_memory
 from engine.config import EngineConfig
+from engine.decode_graphs import uses_decode_graphs
 from engine.llm_engine import LLMEngine
 from engine.memory import (
     SEGMENT_BYTES,
@@ -211,8 +214,11 @@ def test_nccl_peers_are_counted_per_pair_group(tiny_llama_path, fake_gpu, monkey
     assert plan is not None and plan.nccl_bytes == 6 * MIB
 
 
-def test_a_prefill_only_engine_keeps_no_decode_scratch(tiny_llama_path, fake_gpu):
-    memory = FakeMemory(total=64 * MIB, others=0, step_activations=[2 * MIB])
+def test_a_prefill_only_engine_keeps_no_decode_graphs(tiny_llama_path, fake_gpu):
+    """A prefill worker's engine never decodes: no graphs, so no static gather storage and no pool in its plan. It
+    still runs one-token chunks (a prompt's last token after a cached prefix) on the decode path: its runner keeps
+    that bound, and the decode step is profiled."""
+    memory = FakeMemory(total=64 * MIB, others=0, step_activations=[2 * MIB, 1 * MIB])
     fake_gpu(memory, weights=8 * MIB, non_torch=0)
     config = EngineConfig(
         model=str(tiny_llama_path),
@@ -225,8 +231,10 @@ def test_a_prefill_only_engine_keeps_no_decode_scratch(tiny_llama_path, fake_gpu
     )
     engine = LLMEngine(config)
     plan = engine.memory_plan
-    assert plan is not None and memory.steps == 1  # the prefill step only: it never decodes
-    assert plan.scratch_bytes == 0 and plan.graph_pool_bytes == 0 and engine.runner.decode_graphs is None
+    assert plan is not None and memory.steps == 2 and plan.graph_pool_bytes == 0
+    assert plan.scratch_bytes == engine.runner.scratch_bytes_bound(4, 256) and engine.runner.decode_graphs is None
+    assert not uses_decode_graphs(dataclasses.replace(engine.config, device="cuda"))
+    assert uses_decode_graphs(dataclasses.replace(engine.config, device="cuda", prefill_only=False))
     engine.warm_up()  # a prefill, released: nothing left
     with pytest.raises(ValueError, match="only prefills"):
         engine.add_request([1, 2, 3], GREEDY)
