@@ -38,19 +38,27 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # One command on a GPU machine (docs/gpu.md): no venv, the machine's own python3 with CUDA torch and transformers.
-# Wheels that image lacks (pyzmq, for the shm transfer's control socket) come from `make gpu-wheels`, run where pip
-# can reach PyPI; they are installed into .whl/site, outside the system's packages.
-.PHONY: gpu-check gpu-wheels
-GPU_WHEELS ?= pyzmq==27.3.0
-GPU_WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
-	manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
+# Wheels that image lacks (pyzmq, for the shm transfer's control socket; FlashInfer with FLASHINFER=1) come from
+# `make gpu-wheels`, run where pip can reach PyPI (bench/gpu_wheels.py); they are installed into .whl/site, outside
+# the system's packages. gpu-check-quick is the first run (at most 4 minutes on one H200); gpu-check the whole one
+# (at most 8). Each writes its JSON after every section.
+.PHONY: gpu-check gpu-check-quick gpu-wheels
+GPU_SITE = PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}
+
+define gpu_site
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl/site \
+			.whl/*.whl || echo "gpu-check: some wheels of .whl did not install; the JSON names what is missing"; \
+	fi
+endef
 
 gpu-check:
-	if ls .whl/*.whl >/dev/null 2>&1; then \
-		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl; \
-	fi; \
-	PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) bench/gpu_check.py --out gpu-check.json
+	$(gpu_site)
+	$(GPU_SITE) $(PYTHON) bench/gpu_check.py --out gpu-check.json
+
+gpu-check-quick:
+	$(gpu_site)
+	$(GPU_SITE) $(PYTHON) bench/gpu_check.py --quick --out gpu-check-quick.json
 
 gpu-wheels:
-	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(GPU_WHEEL_PLATFORMS) -d .whl $(GPU_WHEELS)
+	$(PYTHON) bench/gpu_wheels.py --dest .whl $(if $(FLASHINFER),--flashinfer)

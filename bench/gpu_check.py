@@ -1,28 +1,40 @@
 """gpu-check: one command that proves the GPU path on a GPU machine, and runs the same code on the CPU in CI.
 
-    python bench/gpu_check.py --out gpu-check.json              # make gpu-check: one GPU, at most 8 minutes
-    python bench/gpu_check.py --device cpu --tiny --out x.json  # the same script on a tiny model (CI, < 1 minute)
+    python bench/gpu_check.py --quick --out gpu-check-quick.json  # make gpu-check-quick: the first run, <= 4 minutes
+    python bench/gpu_check.py --out gpu-check.json                # make gpu-check: everything, <= 8 minutes
+    python bench/gpu_check.py --device cpu --tiny --quick --out x.json  # the same script on a tiny model (CI)
 
-No network, no Ray: random-weight models shaped like Llama-3.2-1B and Llama-3-8B are built in-process
-(bench/gpu_check_models.py), the engine is run directly (bench/gpu_check_engine.py), and the prefill/decode pair runs
-as two processes over the shm transfer backend (bench/gpu_check_pd.py). Prints one JSON object and writes it to
-``--out``. Every figure is compared with a baseline measured in the same run (transformers ``generate`` with a
-static cache, a plain transformers forward, our own eager path, the idle decode loop), and the issue's goals are
-reported as ratios with pass/fail. A section or variant that fails records its error string; the run goes on.
-``--budget-s`` bounds the run: sections not started by then are reported as skipped.
+No network, no Ray: random-weight models shaped like Llama-3.2-1B (and, in the full run, Llama-3-8B) are built
+in-process (bench/gpu_check_models.py), the engine is run directly (bench/gpu_check_engine.py), and the prefill/decode
+pair runs as two processes over the shm transfer backend (bench/gpu_check_pd.py). Every figure is compared with a
+baseline measured in the same run (transformers ``generate`` eager and compiled, a plain transformers forward, our
+own eager path, the idle decode loop), and the GPU path's goals are reported as ratios with pass/fail.
+
+A run tells what it did even when it is cut short. Sections run in order of value, each under its own wall-clock
+cap and the run's budget (``--budget-s``), checked inside every loop; the JSON is written to ``--out`` atomically
+after every section, so a run killed at any moment leaves every finished section. A watchdog thread ends the run at
+``--hard-limit-s`` whatever is running (a compile, a hung kernel): it writes the last finished state with the section
+that was cut and exits with status 3. A section that fails records its error string and the run goes on; what the
+machine lacks (a package, a GPU) is reported in ``dependencies``, not a crash.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import importlib.util
 import json
+import multiprocessing
+import os
 import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,48 +45,54 @@ import torch
 
 from bench import gpu_check_engine as eng
 from bench import gpu_check_models as models
+from bench.gpu_check_kernels import sdpa_kernels
 from bench.gpu_check_pd import run_pair
+from bench.gpu_check_time import Deadline, OutOfTime
 
-GIB = 1024**3
 MIB = 1024**2
+ABORT_STATUS = 3  # the watchdog ended the run
 
 # Section sizes: a GPU run on the real shapes, and the tiny CPU run (CI).
 GPU_SIZES: dict[str, Any] = dict(
     exact_prompts=4, exact_prompt_len=64, exact_tokens=32,
     decode_prompt_len=128, decode_tokens=64, batches=[1, 32, 128],
-    reps=3, prefill_count=8, prefill_len=2048,
-    pd=dict(exact_prompts=4, exact_prompt_len=256, exact_tokens=32, running=32, idle_steps=200,
-            long_prompts=3, long_prompt_len=8192, max_model_len=16384, timeout_s=180),
+    reps=3, prefill_count=8, prefill_len=2048, kernel_prompt_len=512,
+    pd=dict(exact_prompts=4, exact_prompt_len=256, exact_tokens=32, running=32, idle_steps=200, during_steps_max=400,
+            long_prompts=3, long_prompt_len=8192, max_model_len=16384, timeout_s=150),
 )  # fmt: skip
 TINY_SIZES: dict[str, Any] = dict(
     exact_prompts=2, exact_prompt_len=16, exact_tokens=8,
     decode_prompt_len=16, decode_tokens=6, batches=[1, 4], reps=1,
-    prefill_count=2, prefill_len=32,
-    pd=dict(exact_prompts=2, exact_prompt_len=40, exact_tokens=6, running=2, idle_steps=8,
-            long_prompts=1, long_prompt_len=128, max_model_len=512, timeout_s=120),
+    prefill_count=2, prefill_len=32, kernel_prompt_len=48,
+    pd=dict(exact_prompts=2, exact_prompt_len=40, exact_tokens=6, running=2, idle_steps=8, during_steps_max=64,
+            long_prompts=1, long_prompt_len=128, max_model_len=512, timeout_s=150),
 )  # fmt: skip
+# wall-clock caps per section, seconds (the run's budget bounds them all); the quick run's where they differ
+CAPS = dict(
+    model=60, exact_float32=45, decode=90, generate_compiled=150, sdpa_kernels=25, prefill_decode_pair=150,
+    memory=45, prefill=45, decode_other_backends=150, llama_3_8b=200,
+)  # fmt: skip
+QUICK_CAPS = dict(generate_compiled=75, prefill_decode_pair=90, decode_other_backends=60)
+# one H200 in at most 4 minutes, compiles included (the imports before the clock starts take about 10 s)
+QUICK_BUDGET_S, QUICK_HARD_S = 200.0, 220.0
+FULL_BUDGET_S, FULL_HARD_S = 450.0, 475.0  # at most 8 minutes
 GOALS = [  # name, what it divides, target, "ge"/"le"
-    (
-        "decode_b1_vs_eager",
-        "1B-shaped bf16 decode tok/s at batch 1: default config / sdpa without CUDA graphs",
-        3.0,
-        "ge",
-    ),
-    (
-        "decode_b1_vs_generate",
-        "1B-shaped bf16 decode tok/s at batch 1: default config / transformers generate",
-        2.0,
-        "ge",
-    ),
-    (
-        "decode_b128_vs_generate",
-        "1B-shaped bf16 decode tok/s at the largest batch (128): default config / generate",
-        1.5,
-        "ge",
-    ),
+    ("decode_b1_vs_eager", "1B-shaped bf16 decode tok/s at batch 1: default config / sdpa without CUDA graphs", 3.0,
+     "ge"),
+    ("decode_b1_vs_generate", "1B-shaped bf16 decode tok/s at batch 1: default config / the faster transformers "
+     "generate (eager or compiled static cache)", 2.0, "ge"),
+    ("decode_b128_vs_generate", "1B-shaped bf16 decode tok/s at the largest batch (128): default config / the faster "
+     "generate", 1.5, "ge"),
     ("prefill_vs_forward", "1B-shaped bf16 prefill tok/s, 8 x 2048: engine / plain transformers forward", 0.8, "ge"),
     ("itl_p99_during_vs_idle", "decode p99 inter-token latency while KV arrives / idle", 1.2, "le"),
-]
+]  # fmt: skip
+# what the check imports, by import name: the distribution a missing one comes from
+DEPENDENCIES = {
+    "torch": "torch", "transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
+    "tokenizers": "tokenizers", "numpy": "numpy", "msgpack": "msgpack", "xxhash": "xxhash", "zmq": "pyzmq",
+    "flashinfer": "flashinfer-python", "flashinfer_cubin": "flashinfer-cubin",
+    "flashinfer_jit_cache": "flashinfer-jit-cache",
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,16 +100,90 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="gpu-check.json", help="where the JSON object is written (also printed)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and small sizes (the CPU run in CI)")
-    ap.add_argument(
-        "--budget-s", type=float, default=330.0, help="sections not started by then are skipped (8 minutes in all)"
-    )
-    ap.add_argument("--skip-8b", action="store_true", help="only the 1B-shaped model")
+    ap.add_argument("--quick", action="store_true", help="the first run: the 1B shape, sections in order of value")
+    ap.add_argument("--budget-s", type=float, default=None, help="no section runs past this (default: by mode)")
+    ap.add_argument("--hard-limit-s", type=float, default=None, help="the watchdog ends the run here")
+    ap.add_argument("--skip-8b", action="store_true", help="only the 1B-shaped model (the quick run never has 8B)")
     return ap.parse_args(argv)
 
 
-def _variants(device: str) -> list[tuple[str, bool]]:
-    """Every backend with and without CUDA graphs, and the default config (auto, graphs on) first."""
-    return [("auto", True)] + [(b, g) for b in ("sdpa", "flex", "flashinfer") for g in (False, True)]
+# ---- the run: sections, the JSON on disk, the watchdog ---------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """The result being built, written to ``out`` after every section; the run's deadline; the section running."""
+
+    out: Path
+    result: dict[str, Any]
+    deadline: Deadline
+    sizes: dict[str, Any]
+    caps: dict[str, float] = field(default_factory=lambda: dict(CAPS))
+    running: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _written: str = ""  # the JSON text last written: what the watchdog writes again
+    _start: float = field(default_factory=time.monotonic)
+
+    def section(self, name: str, fn: Callable[[Deadline], Any], into: dict[str, Any] | None = None) -> Any:
+        """Run ``fn(deadline)`` as section ``name`` into ``into`` (default: the result) under its cap; an error
+        string instead of a crash; "skipped" past the run's deadline. Writes the JSON afterwards."""
+        target = self.result if into is None else into
+        if self.deadline.passed():
+            target[name] = {"error": "skipped: the run's time budget is spent"}
+            self.write()
+            return None
+        deadline = self.deadline.within(self.caps.get(name, 60), name)
+        self.running = name
+        t0 = time.monotonic()
+        try:
+            target[name] = fn(deadline)
+        except Exception as exc:  # noqa: BLE001 (the JSON says what failed; later sections still run)
+            error = f"out of time: {exc}" if isinstance(exc, OutOfTime) else eng.error_string(exc)
+            partial = target.get(name)  # what the section recorded before it stopped stays
+            if isinstance(partial, list):
+                target[f"{name}_error"] = error
+            else:
+                target[name] = {**(partial or {}), "error": error}
+        seconds = round(time.monotonic() - t0, 1)
+        if isinstance(target[name], dict):
+            target[name]["section_s"] = seconds
+        else:
+            target[f"{name}_section_s"] = seconds
+        self.running = ""
+        self.write()
+        return target[name]
+
+    def write(self, aborted: str | None = None) -> str:
+        """The JSON, with the goals computed from what is there, written atomically (a temporary file renamed)."""
+        with self._lock:
+            if aborted is None:
+                self.result["goals"] = goals(self.result.get("primary") or {}, self.sizes)
+                self.result["exact"] = exact_summary(self.result)
+                self.result["wall_s"] = round(time.monotonic() - self._start, 1)
+                text = json.dumps(self.result)
+                self._written = text
+            else:  # the watchdog: the last complete state, marked; never the dict the main thread may be changing
+                data = json.loads(self._written) if self._written else {"check": "gpu-check"}
+                data["aborted"] = aborted
+                data["wall_s"] = round(time.monotonic() - self._start, 1)
+                text = json.dumps(data)
+            tmp = self.out.with_name(f".{self.out.name}.{os.getpid()}.tmp")
+            tmp.write_text(text + "\n")
+            os.replace(tmp, self.out)
+            return text
+
+    def start_watchdog(self, hard_limit_s: float) -> threading.Timer:
+        def fire() -> None:
+            text = self.write(aborted=f"the hard limit of {hard_limit_s:g} s passed while running {self.running!r}")
+            print(text, flush=True)
+            for child in multiprocessing.active_children():  # the pair's processes: nothing outlives the run
+                child.kill()
+            os._exit(ABORT_STATUS)
+
+        timer = threading.Timer(hard_limit_s, fire)
+        timer.daemon = True
+        timer.start()
+        return timer
 
 
 def _free() -> None:
@@ -100,34 +192,65 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _section(out: dict[str, Any], name: str, deadline: float, fn: Any) -> None:
-    """Run one section into out[name]; its error string, or "skipped" past the deadline, instead of a crash."""
-    if time.monotonic() > deadline:
-        out[name] = {"error": "skipped: the run's time budget is spent"}
-        return
-    t0 = time.monotonic()
-    try:
-        out[name] = fn()
-    except Exception as exc:  # noqa: BLE001 (the JSON says what failed; later sections still run)
-        out[name] = {"error": eng.error_string(exc)}
-    if isinstance(out[name], dict):
-        out[name]["section_s"] = round(time.monotonic() - t0, 1)
+def _reserved() -> int:
+    _free()
+    return int(torch.cuda.memory_reserved()) if torch.cuda.is_available() else 0
 
 
-def primary(shape: models.Shape, device: str, sizes: dict[str, Any], workdir: Path, deadline: float) -> dict:
-    """The 1B-shaped model (or the tiny one): exactness, decode and prefill against transformers, variants, memory,
-    and the prefill/decode pair."""
+def core_variants() -> list[tuple[str, bool]]:
+    """The default config (auto, graphs on) and our eager path (sdpa, no graphs): the goals' two figures."""
+    return [("auto", True), ("sdpa", False)]
+
+
+def other_variants(device: str, quick: bool) -> tuple[list[tuple[str, bool]], dict[str, str]]:
+    """The other (backend, graphs) pairs worth a row, and why each left out is left out. sdpa with graphs is the
+    default config where FlashInfer is not installed (auto resolves to sdpa). FlashInfer: only where it is importable,
+    and in the quick run only with its prebuilt kernels (without them its first use compiles for minutes)."""
+    skipped: dict[str, str] = {}
+    variants: list[tuple[str, bool]] = []
+    flashinfer = importlib.util.find_spec("flashinfer") is not None
+    prebuilt = any(importlib.util.find_spec(m) is not None for m in ("flashinfer_cubin", "flashinfer_jit_cache"))
+    if flashinfer and device.startswith("cuda"):
+        variants.append(("sdpa", True))
+    else:
+        skipped["sdpa+graphs"] = "the default config (auto resolves to sdpa without FlashInfer)"
+    variants += [("flex", False), ("flex", True)]
+    if not flashinfer:
+        skipped["flashinfer"] = "not importable (flashinfer-python is not installed: make gpu-wheels FLASHINFER=1)"
+    elif quick and not prebuilt:
+        skipped["flashinfer"] = "no prebuilt kernels (flashinfer-cubin / flashinfer-jit-cache): it would JIT-compile"
+    else:
+        variants += [("flashinfer", False), ("flashinfer", True)]
+    return variants, skipped
+
+
+def primary(run: Run, shape: models.Shape, device: str, quick: bool, workdir: Path) -> dict[str, Any]:
+    """The 1B-shaped model (or the tiny one), its sections in order of value; each lands in ``out`` as it ends."""
+    sizes = run.sizes
     out: dict[str, Any] = {"model": shape.name, "params": shape.num_params()}
+    run.result["primary"] = out
     vocab = shape.vocab_size
     folder = workdir / shape.name
-    hf, tokenizer = models.build_model(shape, device, torch.float32)
-    out["save_s"] = round(models.save_folder(hf, tokenizer, folder), 2)
-    prompts = models.random_prompts(sizes["exact_prompts"], sizes["exact_prompt_len"], vocab, seed=3)
-    n = sizes["exact_tokens"]
     state: dict[str, Any] = {}
 
-    def exact_fp32() -> dict[str, Any]:
-        reference = models.hf_greedy(hf, prompts, n)
+    def build(deadline: Deadline) -> dict[str, Any]:
+        hf, tokenizer = models.build_model(shape, device, torch.bfloat16)  # the engine's weights: bf16, saved once
+        save_s = models.save_folder(hf, tokenizer, folder)
+        state["hf"] = hf
+        return {"save_s": round(save_s, 2), "weights_dtype": "bfloat16"}
+
+    run.section("model", build, out)
+    if "hf" not in state:
+        return out
+    prompts = models.random_prompts(sizes["exact_prompts"], sizes["exact_prompt_len"], vocab, seed=3)
+    n = sizes["exact_tokens"]
+
+    def exact_fp32(deadline: Deadline) -> dict[str, Any]:
+        hf = state["hf"].float()  # in place: the bf16 weights widened, exactly the engine's float32 weights
+        try:
+            reference = models.hf_greedy(hf, prompts, n)
+        finally:
+            hf.to(torch.bfloat16)
         engine = eng.make_engine(
             str(folder),
             device,
@@ -136,75 +259,151 @@ def primary(shape: models.Shape, device: str, sizes: dict[str, Any], workdir: Pa
             max_model_len=sizes["exact_prompt_len"] + n + 16,
         )
         try:
-            result = eng.exactness(reference, eng.engine_greedy(engine, prompts, n))
+            result = eng.exactness(reference, eng.engine_greedy(engine, prompts, n, deadline))
             result["backend_used"] = eng.backend_name(engine)
         finally:
             eng.close_engine(engine)
         return result
 
-    _section(out, "exact_float32", deadline, exact_fp32)
-    hf.to(torch.bfloat16)
-    prefill_kv = (sizes["prefill_count"] * (sizes["prefill_len"] + 16) + 4096) * shape.kv_bytes_per_token(2)
+    run.section("exact_float32", exact_fp32, out)
 
-    def bf16_engine() -> dict[str, Any]:
-        engine = eng.make_engine(
-            str(folder),
-            device,
-            "bfloat16",
-            kv_cache_memory_bytes=prefill_kv,
-            max_batch_tokens=sizes["prefill_count"] * sizes["prefill_len"],
-            max_model_len=sizes["prefill_len"] + 64,
-        )
-        try:
-            tokens = eng.engine_greedy(engine, prompts, n)
-            agree = [sum(a == b for a, b in zip(models.hf_top1(hf, p, t), t)) for p, t in zip(prompts, tokens)]
-            total = sum(len(t) for t in tokens)
-            state["prefill"] = eng.prefill_tps(
-                engine, sizes["prefill_count"], sizes["prefill_len"], vocab, sizes["reps"]
+    decode_kv = int(
+        max(sizes["batches"])
+        * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48)
+        * shape.kv_bytes_per_token(2)
+        * 1.25
+    )
+    transformers_out: dict[str, Any] = {}
+    out["transformers"] = transformers_out
+
+    def decode(deadline: Deadline) -> list[dict[str, Any]]:
+        transformers_out["generate_eager_tokens_per_s"] = eager = {}
+        for b in sizes["batches"]:  # eager generate: no compile, so it is quick and always there
+            eager[str(b)] = round(
+                models.hf_decode_tps(
+                    state["hf"], b, sizes["decode_prompt_len"], sizes["decode_tokens"], device, vocab, False, deadline
+                ),
+                1,
             )
+        rows: list[dict[str, Any]] = []
+        out["decode"] = rows  # rows land as they are measured: a cut section keeps the finished ones
+        state.pop("hf")  # the engines below get the device to themselves
+        _free()
+        return eng.decode_variants(
+            str(folder), device, "bfloat16", core_variants(), sizes["batches"], sizes["decode_prompt_len"],
+            sizes["decode_tokens"], vocab, decode_kv, deadline, rows,
+        )  # fmt: skip
+
+    run.section("decode", decode, out)
+    state.pop("hf", None)
+    _free()
+
+    def compiled(deadline: Deadline) -> dict[str, Any]:
+        figures: dict[str, float] = {}
+        result: dict[str, Any] = {"compiled": models.generate_compiles(device), "tokens_per_s": figures}
+        transformers_out["generate_compiled"] = result
+        hf = models.load_hf(folder, device, torch.bfloat16)
+        try:  # the goals' batches first: each shape's compile is in its warm-up, never in the timed runs
+            for b in sorted(sizes["batches"], key=lambda b: (b != 1, -b)):
+                figures[str(b)] = round(
+                    models.hf_decode_tps(
+                        hf, b, sizes["decode_prompt_len"], sizes["decode_tokens"], device, vocab, True, deadline
+                    ),
+                    1,
+                )
+        finally:
+            del hf
+            _free()
+        return result
+
+    run.section("generate_compiled", compiled, transformers_out)
+
+    def kernels(deadline: Deadline) -> dict[str, Any]:
+        engine = eng.make_engine(
+            str(folder), device, "bfloat16", attention_backend="sdpa", cuda_graphs=False,
+            kv_cache_memory_bytes=64 * MIB, max_batch_tokens=sizes["kernel_prompt_len"], max_num_seqs=8,
+            max_model_len=4 * sizes["kernel_prompt_len"],
+        )  # fmt: skip
+        try:
+            return sdpa_kernels(engine, sizes["kernel_prompt_len"], deadline)
         finally:
             eng.close_engine(engine)
-        return {"positions": total, "agree": sum(agree), "top1_agreement": round(sum(agree) / max(total, 1), 4)}
 
-    _section(out, "top1_bfloat16", deadline, bf16_engine)
+    run.section("sdpa_kernels", kernels, out)
 
-    def baselines() -> dict[str, Any]:
-        gen = {
-            str(b): round(
-                models.hf_decode_tps(hf, b, sizes["decode_prompt_len"], sizes["decode_tokens"], device, vocab), 1
-            )
-            for b in sizes["batches"]
+    pd = dict(sizes["pd"], folder=str(folder), device=device, kv_bytes=pair_kv_bytes(sizes["pd"], shape))
+
+    def pair(deadline: Deadline) -> dict[str, Any]:
+        return run_pair(dict(pd, timeout_s=max(10.0, min(pd["timeout_s"], deadline.left()))))
+
+    run.section("prefill_decode_pair", pair, out)
+    run.section("memory", lambda d: memory(shape, str(folder), device, sizes, d), out)
+
+    def prefill(deadline: Deadline) -> dict[str, Any]:
+        count, length = sizes["prefill_count"], sizes["prefill_len"]
+        engine = eng.make_engine(
+            str(folder), device, "bfloat16",
+            kv_cache_memory_bytes=(count * (length + 16) + 4096) * shape.kv_bytes_per_token(2),
+            max_batch_tokens=count * length, max_model_len=length + 64,
+        )  # fmt: skip
+        try:
+            ours = eng.prefill_tps(engine, count, length, vocab, sizes["reps"], deadline)
+            tokens = eng.engine_greedy(engine, prompts, n, deadline)
+        finally:
+            eng.close_engine(engine)
+        hf = models.load_hf(folder, device, torch.bfloat16)
+        try:
+            forward = models.hf_prefill_tps(hf, count, length, device, vocab, sizes["reps"], deadline)
+            agree = sum(sum(a == b for a, b in zip(models.hf_top1(hf, p, t), t)) for p, t in zip(prompts, tokens))
+        finally:
+            del hf
+            _free()
+        total = sum(len(t) for t in tokens)
+        return {
+            "prompts": f"{count} x {length}",
+            "engine_tokens_per_s": round(ours, 1),
+            "forward_tokens_per_s": round(forward, 1),
+            "top1_bfloat16": {"positions": total, "agree": agree, "top1_agreement": round(agree / max(total, 1), 4)},
         }
-        fwd = models.hf_prefill_tps(hf, sizes["prefill_count"], sizes["prefill_len"], device, vocab, sizes["reps"])
-        return {"generate_static_tokens_per_s": gen, "forward_prefill_tokens_per_s": round(fwd, 1)}
 
-    _section(out, "transformers", deadline, baselines)
-    out["prefill"] = {
-        "prompts": f"{sizes['prefill_count']} x {sizes['prefill_len']}",
-        "engine_tokens_per_s": round(state["prefill"], 1) if "prefill" in state else None,
-        "forward_tokens_per_s": out["transformers"].get("forward_prefill_tokens_per_s"),
-    }
-    hf = None  # the engines below get the device to themselves
-    _free()
-    decode_kv = (
-        max(sizes["batches"]) * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48) * shape.kv_bytes_per_token(2)
-    )
-    out["decode"] = eng.decode_variants(
-        str(folder), device, "bfloat16", _variants(device), sizes["batches"], sizes["decode_prompt_len"],
-        sizes["decode_tokens"], vocab, int(decode_kv * 1.25), lambda: time.monotonic() > deadline,
-    )  # fmt: skip
-    _section(out, "memory", deadline, lambda: memory(shape, str(folder), device, sizes))
-    pd = dict(sizes["pd"], folder=str(folder), device=device, dtype="bfloat16")
-    pd["kv_bytes"] = (pd["running"] + 4) * pd["max_model_len"] // 4 * shape.kv_bytes_per_token(2) + 2 * pd[
-        "long_prompt_len"
-    ] * shape.kv_bytes_per_token(2)
-    _section(out, "prefill_decode_pair", deadline, lambda: run_pair(pd))
+    run.section("prefill", prefill, out)
+
+    def others(deadline: Deadline) -> dict[str, Any]:
+        variants, skipped = other_variants(device, quick)
+        rows: list[dict[str, Any]] = []
+        result = {"skipped": skipped, "rows": rows}
+        out["decode_other_backends"] = result
+        eng.decode_variants(
+            str(folder), device, "bfloat16", variants, sizes["batches"], sizes["decode_prompt_len"],
+            sizes["decode_tokens"], vocab, decode_kv, deadline, rows,
+        )  # fmt: skip
+        return result
+
+    run.section("decode_other_backends", others, out)
     return out
 
 
-def memory(shape: models.Shape, folder: str, device: str, sizes: dict[str, Any]) -> dict[str, Any]:
-    """Peak memory of an engine that sized its own KV (gpu_memory_utilization; on the CPU: the default budget)
-    through the largest prefill and decode batches of this run, against its budget."""
+def pair_kv_bytes(pd: dict[str, Any], shape: models.Shape) -> dict[str, dict[str, int]]:
+    """KV budgets of the pair's engines by dtype and side: the float32 phase holds only the exactness prompts; in
+    bfloat16 the decode side holds the running decodes and a long prompt, the prefill side two long prompts."""
+    exact_tokens = pd["exact_prompts"] * (pd["exact_prompt_len"] + pd["exact_tokens"] + 64) + 4096
+    running_tokens = (pd["running"] + 4) * pd["max_model_len"] // 4 + 2 * pd["long_prompt_len"]
+    return {
+        "float32": {
+            "decode": exact_tokens * shape.kv_bytes_per_token(4),
+            "prefill": exact_tokens * shape.kv_bytes_per_token(4),
+        },
+        "bfloat16": {
+            "decode": running_tokens * shape.kv_bytes_per_token(2),
+            "prefill": (2 * pd["long_prompt_len"] + 4096) * shape.kv_bytes_per_token(2),
+        },
+    }
+
+
+def memory(shape: models.Shape, folder: str, device: str, sizes: dict[str, Any], deadline: Deadline) -> dict:
+    """An engine that sized its own KV (gpu_memory_utilization 0.3; on the CPU: the default budget) through the
+    largest prefill and decode batches of this run, its peak against its plan term by term."""
+    before = _reserved()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     engine = eng.make_engine(
@@ -217,52 +416,51 @@ def memory(shape: models.Shape, folder: str, device: str, sizes: dict[str, Any])
         max_model_len=sizes["prefill_len"] + 64,
     )
     try:
-        eng.prefill_tps(engine, sizes["prefill_count"], sizes["prefill_len"], shape.vocab_size, reps=1)
-        eng.decode_tps(engine, max(sizes["batches"]), sizes["decode_prompt_len"], 8, shape.vocab_size)
-        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        kv = sum(t.numel() * t.element_size() for t in _kv_tensors(engine))
-        return eng.memory_report(engine, weights, kv)
+        eng.prefill_tps(engine, sizes["prefill_count"], sizes["prefill_len"], shape.vocab_size, 1, deadline)
+        eng.decode_tps(engine, max(sizes["batches"]), sizes["decode_prompt_len"], 8, shape.vocab_size, deadline)
+        return eng.memory_report(engine, before)
     finally:
         eng.close_engine(engine)
 
 
-def _kv_tensors(engine: Any) -> list[torch.Tensor]:
-    cache = engine.kv_cache
-    found = [v for v in vars(cache).values() if isinstance(v, torch.Tensor)] if hasattr(cache, "__dict__") else []
-    for name in ("k", "v", "k_cache", "v_cache", "key_cache", "value_cache"):
-        value = getattr(cache, name, None)
-        if isinstance(value, list):
-            found += [t for t in value if isinstance(t, torch.Tensor)]
-    return found
-
-
-def secondary(shape: models.Shape, device: str, sizes: dict[str, Any], workdir: Path, deadline: float) -> dict:
-    """The 8B-shaped model in bfloat16: decode and prefill against transformers, default config and eager sdpa."""
+def secondary(run: Run, shape: models.Shape, device: str, workdir: Path, deadline: Deadline) -> dict[str, Any]:
+    """The 8B-shaped model in bfloat16 (full run only): generate (eager) and forward baselines, decode tokens/s for
+    the default config and eager sdpa."""
+    sizes = run.sizes
     out: dict[str, Any] = {"model": shape.name, "params": shape.num_params()}
+    run.result["llama_3_8b"] = out
     vocab = shape.vocab_size
     folder = workdir / shape.name
     hf, tokenizer = models.build_model(shape, device, torch.bfloat16)
     out["save_s"] = round(models.save_folder(hf, tokenizer, folder), 2)
-    _section(out, "transformers", deadline, lambda: {
-        "generate_static_tokens_per_s": {
-            str(b): round(models.hf_decode_tps(hf, b, sizes["decode_prompt_len"], sizes["decode_tokens"], device, vocab), 1)
-            for b in sizes["batches"]
-        },
-        "forward_prefill_tokens_per_s": round(
-            models.hf_prefill_tps(hf, sizes["prefill_count"], sizes["prefill_len"], device, vocab), 1
-        ),
-    })  # fmt: skip
-    hf = None  # the engines below get the device to themselves
+    out["generate_eager_tokens_per_s"] = {
+        str(b): round(
+            models.hf_decode_tps(
+                hf, b, sizes["decode_prompt_len"], sizes["decode_tokens"], device, vocab, False, deadline
+            ),
+            1,
+        )
+        for b in sizes["batches"]
+    }
+    out["forward_prefill_tokens_per_s"] = round(
+        models.hf_prefill_tps(hf, sizes["prefill_count"], sizes["prefill_len"], device, vocab, 1, deadline), 1
+    )
+    del hf
     _free()
-    decode_kv = (
-        max(sizes["batches"]) * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48) * shape.kv_bytes_per_token(2)
+    decode_kv = int(
+        max(sizes["batches"])
+        * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48)
+        * shape.kv_bytes_per_token(2)
+        * 1.25
     )
     out["decode"] = eng.decode_variants(
-        str(folder), device, "bfloat16", [("auto", True), ("sdpa", False)], sizes["batches"],
-        sizes["decode_prompt_len"], sizes["decode_tokens"], vocab, int(decode_kv * 1.25),
-        lambda: time.monotonic() > deadline,
+        str(folder), device, "bfloat16", core_variants(), sizes["batches"], sizes["decode_prompt_len"],
+        sizes["decode_tokens"], vocab, decode_kv, deadline,
     )  # fmt: skip
     return out
+
+
+# ---- goals ------------------------------------------------------------------------------------------------------
 
 
 def _tps(rows: list[dict[str, Any]], backend: str, graphs: bool, batch: int) -> float | None:
@@ -272,29 +470,71 @@ def _tps(rows: list[dict[str, Any]], backend: str, graphs: bool, batch: int) -> 
     return None
 
 
+def faster_generate(primary_out: dict[str, Any], batch: int) -> tuple[float | None, str | None]:
+    """The faster of the two generate baselines at ``batch`` (tokens/s, which), from what this run measured."""
+    transformers_out = primary_out.get("transformers") or {}
+    candidates = [
+        ((transformers_out.get("generate_eager_tokens_per_s") or {}).get(str(batch)), "eager"),
+        (((transformers_out.get("generate_compiled") or {}).get("tokens_per_s") or {}).get(str(batch)), "compiled"),
+    ]
+    measured = [(value, name) for value, name in candidates if value]
+    return max(measured) if measured else (None, None)
+
+
 def goals(primary_out: dict[str, Any], sizes: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = primary_out.get("decode") or []
-    gen = (primary_out.get("transformers") or {}).get("generate_static_tokens_per_s") or {}
-    big = str(max(sizes["batches"]))
+    rows = primary_out.get("decode") if isinstance(primary_out.get("decode"), list) else []
+    big = max(sizes["batches"])
     pair = primary_out.get("prefill_decode_pair") or {}
     prefill = primary_out.get("prefill") or {}
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
 
+    gen1, base1 = faster_generate(primary_out, 1)
+    gen_big, base_big = faster_generate(primary_out, big)
     values = {
-        "decode_b1_vs_eager": ratio(_tps(rows, "auto", True, 1), _tps(rows, "sdpa", False, 1)),
-        "decode_b1_vs_generate": ratio(_tps(rows, "auto", True, 1), gen.get("1")),
-        "decode_b128_vs_generate": ratio(_tps(rows, "auto", True, int(big)), gen.get(big)),
-        "prefill_vs_forward": ratio(prefill.get("engine_tokens_per_s"), prefill.get("forward_tokens_per_s")),
-        "itl_p99_during_vs_idle": ratio(pair.get("itl_during_p99_ms"), pair.get("itl_idle_p99_ms")),
+        "decode_b1_vs_eager": (ratio(_tps(rows, "auto", True, 1), _tps(rows, "sdpa", False, 1)), "sdpa eager"),
+        "decode_b1_vs_generate": (ratio(_tps(rows, "auto", True, 1), gen1), base1 and f"generate {base1}"),
+        "decode_b128_vs_generate": (ratio(_tps(rows, "auto", True, big), gen_big), base_big and f"generate {base_big}"),
+        "prefill_vs_forward": (ratio(prefill.get("engine_tokens_per_s"), prefill.get("forward_tokens_per_s")), None),
+        "itl_p99_during_vs_idle": (ratio(pair.get("itl_during_p99_ms"), pair.get("itl_idle_p99_ms")), None),
     }
     out = []
     for name, what, target, op in GOALS:
-        value = values[name]
+        value, baseline = values[name]
         passed = None if value is None else (value >= target if op == "ge" else value <= target)
-        out.append({"goal": name, "what": what, "value": value, "target": target, "op": op, "passed": passed})
+        row = {"goal": name, "what": what, "value": value, "target": target, "op": op, "passed": passed}
+        if baseline:
+            row["baseline"] = baseline
+        out.append(row)
     return out
+
+
+def exact_summary(result: dict[str, Any]) -> dict[str, Any]:
+    primary_out = result.get("primary") or {}
+    pair = primary_out.get("prefill_decode_pair") or {}
+    return {
+        "float32_vs_generate": (primary_out.get("exact_float32") or {}).get("exact"),
+        "prefill_decode_pair_float32_vs_single_engine": (pair.get("exact") or {}).get("exact"),
+        "prefill_decode_pair_bfloat16_top1": (pair.get("bfloat16") or {}).get("top1_agreement"),
+    }
+
+
+# ---- environment ------------------------------------------------------------------------------------------------
+
+
+def dependencies() -> dict[str, str]:
+    """Each package the check can use: its version, or "missing" (then what needs it reports why it did not run)."""
+    found: dict[str, str] = {}
+    for module, dist in DEPENDENCIES.items():
+        if importlib.util.find_spec(module) is None:
+            found[module] = f"missing (pip: {dist})"
+            continue
+        try:
+            found[module] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[module] = "importable"
+    return found
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -305,7 +545,6 @@ def environment(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": device,
-        "flashinfer_importable": importlib.util.find_spec("flashinfer") is not None,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if device.startswith("cuda"):
@@ -314,37 +553,48 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    start = time.monotonic()
-    deadline = start + args.budget_s
+    quick = bool(args.quick)
+    budget = args.budget_s or (QUICK_BUDGET_S if quick else FULL_BUDGET_S)
+    hard = args.hard_limit_s or (QUICK_HARD_S if quick else FULL_HARD_S)
     sizes = TINY_SIZES if args.tiny else GPU_SIZES
-    result: dict[str, Any] = {"check": "gpu-check", "tiny": bool(args.tiny), "environment": environment(device)}
+    result: dict[str, Any] = {
+        "check": "gpu-check",
+        "mode": "quick" if quick else "full",
+        "tiny": bool(args.tiny),
+        "budget_s": budget,
+        "hard_limit_s": hard,
+        "environment": environment(device),
+        "dependencies": dependencies(),
+    }
+    state = Run(
+        Path(args.out), result, Deadline.after(budget, "the run"), sizes, {**CAPS, **(QUICK_CAPS if quick else {})}
+    )
+    state.write()
+    watchdog = state.start_watchdog(hard)
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     try:
         shape = models.SHAPES["tiny" if args.tiny else "llama-3.2-1b"]
-        _section(result, "primary", deadline, lambda: primary(shape, device, sizes, workdir, deadline))
+        try:
+            primary(state, shape, device, quick, workdir)
+        except Exception as exc:  # noqa: BLE001 (a bug of the check itself: still leave the JSON)
+            result["primary_error"] = eng.error_string(exc)
         shutil.rmtree(workdir / shape.name, ignore_errors=True)
-        if not args.tiny and not args.skip_8b:
+        if not quick and not args.tiny and not args.skip_8b:
             big = models.SHAPES["llama-3-8b"]
-            _section(result, "llama_3_8b", deadline, lambda: secondary(big, device, sizes, workdir, deadline))
+            state.section("llama_3_8b", lambda d: secondary(state, big, device, workdir, d))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    result["goals"] = goals(result.get("primary") or {}, sizes)
-    exact = ((result.get("primary") or {}).get("exact_float32") or {}).get("exact")
-    pair_exact = (((result.get("primary") or {}).get("prefill_decode_pair") or {}).get("exact") or {}).get("exact")
-    result["exact"] = {"float32_vs_generate": exact, "prefill_decode_pair_vs_single_engine": pair_exact}
-    result["wall_s"] = round(time.monotonic() - start, 1)
-    return result
+    watchdog.cancel()
+    return json.loads(state.write()), 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    text = json.dumps(result)
-    Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    result, status = run(args)
+    print(json.dumps(result))
+    return status
 
 
 if __name__ == "__main__":

@@ -4,21 +4,39 @@ A variant is an (attention_backend, cuda_graphs) pair of ``EngineConfig``; one t
 not installed, a graph capture that fails) is reported with its error string and the run goes on. Decode tokens/s
 counts only the steps after every request has its first token, so the prompts' forward is not in it (the
 transformers figure it is compared with leaves it out the same way).
+
+Every wait here ends: a request that fails (its forward raised, its row could not be sampled) ends the measurement
+with the engine's error, raised as ``RequestFailed``, and every loop checks the section's ``Deadline``.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import torch
 
 from bench.gpu_check_models import random_prompts, sync
+from bench.gpu_check_time import NEVER, Deadline
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
+
+
+class RequestFailed(RuntimeError):
+    """A request of the measurement failed: the engine's own error."""
+
+
+def _step(engine: LLMEngine, deadline: Deadline, doing: str) -> list[Any]:
+    """One engine step; raises the first failed request's error (a failed request never gets the token a loop
+    would wait for)."""
+    deadline.check(doing)
+    outputs = engine.step()
+    for output in outputs:
+        if output.error is not None:
+            raise RequestFailed(f"request {output.request_id} failed while {doing}: {output.error}")
+    return outputs
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -46,12 +64,19 @@ def close_engine(engine: LLMEngine | None) -> None:
         torch.cuda.empty_cache()
 
 
-def engine_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    results = engine.generate(prompts, greedy(max_tokens))
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise RuntimeError(errors[0])
-    return [r.token_ids for r in results]
+def engine_greedy(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, deadline: Deadline = NEVER
+) -> list[list[int]]:
+    """Greedy token ids of ``prompts``, batched as the scheduler sees fit."""
+    ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    try:
+        while any(rid in engine.requests for rid in ids):
+            for output in _step(engine, deadline, f"greedy decoding of {len(prompts)} prompts"):
+                tokens[output.request_id].extend(output.new_token_ids)
+    finally:
+        _abort_all(engine, ids)
+    return [tokens[rid] for rid in ids]
 
 
 def exactness(reference: list[list[int]], ours: list[list[int]]) -> dict[str, Any]:
@@ -66,29 +91,45 @@ def exactness(reference: list[list[int]], ours: list[list[int]]) -> dict[str, An
     return {"rows": len(reference), "exact_rows": exact, "exact": exact == len(reference), "first_diff": first_diffs}
 
 
-def decode_tps(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+def decode_tps(
+    engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, vocab: int, deadline: Deadline = NEVER
+) -> float:
     """Decode tokens/s of ``batch`` requests: steps after every request's first token, to the last token."""
     device = engine.config.device
     prompts = random_prompts(batch, prompt_len, vocab, seed=1000 + batch)
     ids = [engine.add_request(p, greedy(new_tokens)) for p in prompts]
-    started: set[str] = set()
-    while len(started) < batch:  # the prompts' forward (chunked as the scheduler sees fit) and first tokens
-        for output in engine.step():
-            if output.num_output_tokens >= 1:
-                started.add(output.request_id)
-    sync(device)
-    t0 = time.perf_counter()
-    tokens = 0
-    while any(rid in engine.requests for rid in ids):
-        for output in engine.step():
-            tokens += len(output.new_token_ids)
-    sync(device)
-    elapsed = time.perf_counter() - t0
+    try:
+        started: set[str] = set()
+        while len(started) < batch:  # the prompts' forward (chunked as the scheduler sees fit) and first tokens
+            for output in _step(engine, deadline, f"prefilling a decode batch of {batch}"):
+                if output.num_output_tokens >= 1:
+                    started.add(output.request_id)
+        sync(device)
+        t0 = time.perf_counter()
+        tokens = 0
+        while any(rid in engine.requests for rid in ids):
+            for output in _step(engine, deadline, f"decoding a batch of {batch}"):
+                tokens += len(output.new_token_ids)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    finally:
+        _abort_all(engine, ids)
     engine.check_no_leaks()
     return tokens / max(elapsed, 1e-9)
 
 
-def prefill_tps(engine: LLMEngine, count: int, length: int, vocab: int, reps: int = 3) -> float:
+def _abort_all(engine: LLMEngine, ids: list[str]) -> None:
+    """Leave the engine empty whatever ended the measurement (the next one starts clean)."""
+    for rid in ids:
+        if rid in engine.requests:
+            engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def prefill_tps(
+    engine: LLMEngine, count: int, length: int, vocab: int, reps: int = 3, deadline: Deadline = NEVER
+) -> float:
     """Prompt tokens/s of ``count`` prompts of ``length`` (max_tokens 1: the step that computes them samples their
     first token). Fresh prompts each rep, so the prefix cache serves nothing; median after a warm-up."""
     device = engine.config.device
@@ -97,12 +138,28 @@ def prefill_tps(engine: LLMEngine, count: int, length: int, vocab: int, reps: in
         prompts = random_prompts(count, length, vocab, seed=5000 + rep)
         sync(device)
         t0 = time.perf_counter()
-        engine_greedy(engine, prompts, 1)
+        ids = [engine.add_request(p, greedy(1)) for p in prompts]
+        try:
+            while any(rid in engine.requests for rid in ids):
+                _step(engine, deadline, f"prefilling {count} x {length}")
+        finally:
+            _abort_all(engine, ids)
         sync(device)
         times.append(time.perf_counter() - t0)
     engine.check_no_leaks()
     times = sorted(times[1:])
     return count * length / times[len(times) // 2]
+
+
+def smoke(engine: LLMEngine, deadline: Deadline = NEVER) -> None:
+    """One short prompt prefilled and decoded: a backend whose first forward fails (or compiles past the deadline)
+    is reported before it is measured."""
+    ids = [engine.add_request([1] * 16, greedy(2))]
+    try:
+        while any(rid in engine.requests for rid in ids):
+            _step(engine, deadline, "the smoke forward")
+    finally:
+        _abort_all(engine, ids)
 
 
 def graph_info(engine: LLMEngine) -> dict[str, Any] | None:
@@ -131,15 +188,19 @@ def decode_variants(
     new_tokens: int,
     vocab: int,
     kv_bytes: int,
-    out_of_time: Any,
+    deadline: Deadline,
+    rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Decode tokens/s per (attention_backend, cuda_graphs) and batch; an error string where a variant fails."""
-    rows = []
+    """Decode tokens/s per (attention_backend, cuda_graphs) and batch, appended to ``rows`` as they come (so a
+    partial result can be written); an error string where a variant fails. Each variant first runs one short
+    prompt (``smoke``), then each batch once untimed (lazy graph captures and first launches stay out) and once
+    timed."""
+    rows = [] if rows is None else rows
     for backend, graphs in variants:
         row: dict[str, Any] = {"attention_backend": backend, "cuda_graphs": graphs}
         rows.append(row)
-        if out_of_time():
-            row["error"] = "skipped: the run's time budget is spent"
+        if deadline.passed():
+            row["error"] = "skipped: the section's time is spent"
             continue
         engine = None
         try:
@@ -157,11 +218,14 @@ def decode_variants(
             )
             row["start_s"] = round(time.perf_counter() - t0, 2)
             row["backend_used"] = backend_name(engine)
-            figures = {}
-            for b in batches:  # the same run once untimed first: lazy graph captures and first launches of its
-                decode_tps(engine, b, prompt_len, new_tokens, vocab)  # batch and context buckets stay out of it
-                figures[str(b)] = round(decode_tps(engine, b, prompt_len, new_tokens, vocab), 1)
+            t0 = time.perf_counter()
+            smoke(engine, deadline)
+            row["smoke_s"] = round(time.perf_counter() - t0, 2)
+            figures: dict[str, float] = {}
             row["tokens_per_s"] = figures
+            for b in batches:
+                decode_tps(engine, b, prompt_len, new_tokens, vocab, deadline)
+                figures[str(b)] = round(decode_tps(engine, b, prompt_len, new_tokens, vocab, deadline), 1)
             row["graphs"] = graph_info(engine)
         except Exception as exc:  # noqa: BLE001 (a variant's failure is a result, reported by name)
             row["error"] = error_string(exc)
@@ -170,26 +234,50 @@ def decode_variants(
     return rows
 
 
-def memory_report(engine: LLMEngine, weights_bytes: int, kv_bytes: int) -> dict[str, Any]:
-    """Peak GPU memory of everything this engine ran, against its budget: the measured plan's share of the GPU
-    (``engine.memory_plan``) when the engine sized its KV itself, else weights + KV (a lower bound: no activations)."""
-    out: dict[str, Any] = {"weights_bytes": weights_bytes, "kv_bytes": kv_bytes}
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_report(engine: LLMEngine, reserved_before: int) -> dict[str, Any]:
+    """Peak GPU memory of everything this engine ran, against its plan term by term: each term the plan counted
+    (weights, peak activation, non-torch, scratch, graph pool, NCCL, reserve, KV) beside what was measured where it
+    can be (weights, KV, scratch, the graph pool's segments), and torch's peak (reserved above what was held before
+    the engine) plus the plan's non-torch figure against the requested share."""
+    weights = _bytes(engine.model.parameters())
+    kv = _bytes(engine.kv_cache.kv)
+    graphs = getattr(engine.runner, "decode_graphs", None)
+    scratch = engine.runner.scratch_bytes + (graphs.scratch_bytes if graphs is not None else 0)
+    measured: dict[str, int | None] = {"weights_bytes": weights, "kv_bytes": kv, "scratch_bytes": scratch}
+    out: dict[str, Any] = {"measured": measured}
     if not torch.cuda.is_available() or not engine.config.device.startswith("cuda"):
         out["error"] = "not on a GPU"
         return out
-    plan = getattr(engine, "memory_plan", None)
-    peak = int(torch.cuda.max_memory_reserved())
-    out["peak_reserved_bytes"] = peak
-    out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-    if plan is not None:
-        out["plan"] = plan.as_dict() if hasattr(plan, "as_dict") else (asdict(plan) if is_dataclass(plan) else None)
-        budget = int(getattr(plan, "requested_bytes", 0) or 0)
-        out["budget_source"] = "engine.memory_plan (gpu_memory_utilization x total)"
-        # torch's peak plus what the plan measured outside torch (CUDA context, cuBLAS) must fit the requested share
-        out["within_budget"] = peak + int(getattr(plan, "non_torch_bytes", 0) or 0) <= budget
-    else:
-        budget = weights_bytes + kv_bytes
-        out["budget_source"] = "weights + kv (no memory plan on this engine)"
+    measured["graph_pool_bytes"] = graphs.pool_bytes() if graphs is not None else 0
+    peak = int(torch.cuda.max_memory_reserved()) - reserved_before
+    measured["peak_reserved_bytes"] = peak
+    plan = engine.memory_plan
+    if plan is None:
+        out["error"] = "the engine has no memory plan (an explicit KV budget)"
+        return out
+    planned = plan.as_dict()
+    out["plan"] = planned
+    out["terms"] = [
+        {"term": name, "planned_bytes": planned[name], "measured_bytes": measured.get(name)}
+        for name in (
+            "weights_bytes",
+            "peak_activation_bytes",
+            "non_torch_bytes",
+            "scratch_bytes",
+            "graph_pool_bytes",
+            "nccl_bytes",
+            "reserve_bytes",
+            "kv_bytes",
+        )
+    ]
+    budget = plan.requested_bytes
     out["budget_bytes"] = budget
-    out["peak_over_budget"] = round(peak / budget, 4) if budget else None
+    out["peak_plus_non_torch_bytes"] = peak + plan.non_torch_bytes
+    out["within_budget"] = peak + plan.non_torch_bytes <= budget
+    out["peak_over_budget"] = round((peak + plan.non_torch_bytes) / budget, 4)
+    out["activation_and_other_bytes"] = peak - weights - kv - scratch - (measured["graph_pool_bytes"] or 0)
     return out

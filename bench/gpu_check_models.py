@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from bench.gpu_check_time import NEVER, Deadline
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -56,6 +58,16 @@ SHAPES = {
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def load_hf(folder: Path, device: str, dtype: torch.dtype) -> Any:
+    """The saved model folder as transformers loads it, on ``device`` in ``dtype`` (the baselines' model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def build_model(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
@@ -126,39 +138,81 @@ def hf_top1(model: Any, prompt: list[int], tokens: list[int]) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+class _StopAfter:
+    """A stopping criterion: stop once ``n`` tokens are generated. The generate run that times the prompt's forward
+    stops after 1 token but asks for as many new tokens as the full run, so both use one cache shape (a static
+    cache is sized by max_new_tokens; a new shape is a recompile)."""
+
+    def __init__(self, prompt_len: int, n: int) -> None:
+        self.prompt_len, self.n = prompt_len, n
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        done = input_ids.shape[1] - self.prompt_len >= self.n
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def generate_compiles(device: str) -> bool:
+    """transformers' ``generate`` compiles its decode step by itself for a static cache on CUDA (not on the CPU)."""
+    return device.startswith("cuda")
+
+
 @torch.inference_mode()
-def hf_decode_tps(model: Any, batch: int, prompt_len: int, new_tokens: int, device: str, vocab: int) -> float:
-    """Decode tokens/s of ``generate`` with a static cache: (new_tokens - 1) steps, timed as the difference between a
-    run of new_tokens and a run of 1 token, so the prompt's forward is not counted (as in the engine's figure)."""
+def hf_decode_tps(
+    model: Any,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    device: str,
+    vocab: int,
+    compiled: bool,
+    deadline: Deadline = NEVER,
+    reps: int = 1,
+) -> float:
+    """Decode tokens/s of ``generate``: (new_tokens - 1) steps, timed as the difference between a run of new_tokens
+    and a run stopped after 1 token (same cache shape), so the prompt's forward is not counted (as in the engine's
+    figure). ``compiled``: a static cache, which transformers compiles on CUDA; else eager (``disable_compile``,
+    dynamic cache). Both runs are warmed up first on exactly the shapes that are then timed."""
+    from transformers import StoppingCriteriaList
+
     ids = torch.tensor(random_prompts(batch, prompt_len, vocab, seed=batch), device=device)
     mask = torch.ones_like(ids)
+    cache = {"cache_implementation": "static"} if compiled else {"disable_compile": True}
 
-    def run(n: int) -> float:
+    def run(stop_after: int) -> float:
+        deadline.check(f"generate batch {batch}")
         sync(device)
         t0 = time.perf_counter()
         model.generate(
             ids,
             attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
+            max_new_tokens=new_tokens,
             do_sample=False,
-            cache_implementation="static",
+            stopping_criteria=StoppingCriteriaList([_StopAfter(prompt_len, stop_after)]),
+            **cache,
         )
         sync(device)
         return time.perf_counter() - t0
 
-    run(2)  # warm-up: the static cache's allocation, kernels' first launch
-    full, first = run(new_tokens), run(1)
+    run(new_tokens)  # warm-up of both shapes: the compile (decode step) and the prompt's forward
+    run(1)
+    fulls, firsts = [], []
+    for _ in range(reps):
+        fulls.append(run(new_tokens))
+        firsts.append(run(1))
+    full, first = sorted(fulls)[len(fulls) // 2], sorted(firsts)[len(firsts) // 2]
     return batch * (new_tokens - 1) / max(full - first, 1e-9)
 
 
 @torch.inference_mode()
-def hf_prefill_tps(model: Any, count: int, length: int, device: str, vocab: int, reps: int = 3) -> float:
+def hf_prefill_tps(
+    model: Any, count: int, length: int, device: str, vocab: int, reps: int = 3, deadline: Deadline = NEVER
+) -> float:
     """Prompt tokens/s of one plain forward over ``count`` prompts of ``length`` (no cache; the last position's logits
     only, as the engine projects only the rows that sample). Median of ``reps`` after a warm-up."""
     ids = torch.tensor(random_prompts(count, length, vocab, seed=7), device=device)
     times = []
     for _ in range(reps + 1):
+        deadline.check("the plain forward")
         sync(device)
         t0 = time.perf_counter()
         model(ids, use_cache=False, logits_to_keep=1)

@@ -274,6 +274,11 @@ class ClusterConfig(_Strict):
             router_timeout_s=self.router.orphan_timeout_s,
         )
 
+    def nccl_peers(self, role: str) -> int:
+        """The KV pair groups one worker of this role forms: one per worker of the other pool."""
+        other = {"prefill": self.pools.decode, "decode": self.pools.prefill}.get(role)
+        return other.replicas if other is not None and self.mode == "disaggregated" else 0
+
     def worker_specs(self, model_path: str, router_addresses: list[str], host: str) -> list[WorkerSpec]:
         """Every worker of every pool, in pool order: ``<pool>-<index>``, the pool's role, engine and GPUs."""
         problem = self.transfer_backend_problem()  # also after assignments, which skip the model validator
@@ -296,6 +301,7 @@ class ClusterConfig(_Strict):
                         failure_policy=self.transfer.failure_policy,
                         reserve_headroom_tokens=pool.reserve_headroom_tokens,
                         gpus=pool.gpus_per_replica,
+                        nccl_peers=self.nccl_peers(role),
                     )
                 )
         return specs

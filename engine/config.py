@@ -40,6 +40,12 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests in the running batch
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
+    # an engine that only prefills (a prefill worker's): no decode graphs (nor their static gather storage)
+    prefill_only: bool = False
+    # CUDA, measured KV budget: NCCL pair groups this engine's process will hold (each communicator's buffers live on
+    # this GPU), and a fixed reserve for what loads after the profile (lazily loaded kernels, new streams' workspaces)
+    nccl_peers: int = 0
+    memory_reserve_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -56,6 +62,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("nccl_peers", "memory_reserve_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "torch_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

@@ -52,8 +52,9 @@ import torch
 from engine.attention import AttentionBatch, DecodeGroup, SdpaBackend
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
+from engine.host_values import long_tensor
 from engine.kv_cache import KVSpec
-from engine.model_runner import ModelRunner, StepStats
+from engine.model_runner import ModelRunner, StepStats, wait_for_compute
 from engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,48 @@ class DecodeGraphs:
         """Device memory held outside the graph pool: the gather storage and the packed input buffer."""
         return self._gather_storage.numel() * self._gather_storage.element_size() + self._inputs.numel() * 8
 
+    def planned_keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, context bucket in blocks) that may get a graph (``plan_keys``)."""
+        return [(b, w) for b in self.batch_buckets for w in self.context_buckets if b * w <= self.max_gather_blocks]
+
+    def output_bytes(self, batch: int) -> int:
+        """A graph's static output, the hidden states of its padded batch: what it keeps in the pool."""
+        return batch * int(self.runner.model.config.hidden_size) * self.runner.kv_cache.spec.dtype.itemsize
+
+    @torch.inference_mode()
+    def run_padding_step(self, batch: int, blocks: int) -> None:
+        """The static step of key (batch, blocks), run eagerly with every row padding (only the sink block is
+        written): what the memory plan measures a graph's pool by."""
+        key = _Key(batch, blocks)
+        self._fill(None, key)
+        self._forward_static(key)
+
+    @torch.inference_mode()
+    def warm(self, rows: int, max_context: int) -> int:
+        """Capture now every graph that a decode batch of ``rows`` requests meets while its longest context grows
+        to ``max_context`` tokens (a capture synchronises the whole device, so a measurement must not meet one);
+        returns how many graphs this captured."""
+        batch = bucket_for(rows, self.batch_buckets)
+        needed = bucket_for(blocks_for_tokens(max_context, self.block_size), self.context_buckets)
+        if batch is None or needed is None or not self.capture:
+            return 0
+        made = 0
+        for blocks in self.context_buckets:
+            if blocks > needed or batch * blocks > self.max_gather_blocks or (batch, blocks) in self._entries:
+                continue
+            if self.num_graphs >= self.max_graphs or self._broken:
+                break
+            self._entries[(batch, blocks)] = self._capture(_Key(batch, blocks))
+            made += 1
+        return made
+
+    def pool_bytes(self) -> int | None:
+        """Device memory the graphs' pool holds now (its segments in the allocator's snapshot); None without one."""
+        if self._pool is None or not torch.cuda.is_available():
+            return None
+        pool = tuple(self._pool)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool)
+
     @property
     def num_graphs(self) -> int:
         return sum(1 for entry in self._entries.values() if entry.graph is not None)
@@ -245,8 +288,9 @@ class DecodeGraphs:
         else:
             hidden = self._forward_static(key)
         rows = [row for row, chunk in enumerate(chunks) if chunk.samples]
-        real = hidden[: len(chunks)] if len(rows) == len(chunks) else hidden[torch.tensor(rows, device=hidden.device)]
+        real = hidden[: len(chunks)] if len(rows) == len(chunks) else hidden[long_tensor(rows, hidden.device)]
         logits = self.runner.lm_head(real).float()  # padding rows dropped before the vocabulary projection
+        wait_for_compute(self.runner.device)
         stats = StepStats(
             num_tokens=len(chunks),
             num_seqs=len(chunks),
@@ -358,8 +402,8 @@ class DecodeGraphs:
 
 def uses_decode_graphs(config: EngineConfig) -> bool:
     """Decode graphs run on CUDA when ``config.cuda_graphs``; never on the CPU (a graph would save nothing there:
-    there is no launch overhead to hide)."""
-    return config.cuda_graphs and config.device.startswith("cuda")
+    there is no launch overhead to hide), nor in a prefill-only engine (it never decodes: no gather storage)."""
+    return config.cuda_graphs and config.device.startswith("cuda") and not config.prefill_only
 
 
 def graph_scratch_bytes(config: EngineConfig, spec: KVSpec, max_model_len: int) -> int:

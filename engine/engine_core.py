@@ -78,6 +78,8 @@ class EngineCore:
         prefill_only: bool,
         arrival_s: float | None = None,
     ) -> Request:
+        if self.config.prefill_only and not prefill_only:
+            raise ValueError("this engine only prefills (prefill_only): add requests with prefill_only=True")
         params = params or SamplingParams()
         params.validate(prefill_only=prefill_only)
         if any(token_id >= self.vocab_size for token_id in params.logit_bias):
@@ -285,12 +287,21 @@ class EngineCore:
     # ---- convenience and introspection -------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """One small prefill and decode, so the first real request does not pay for lazy initialisation."""
-        [result] = self.generate(
-            [[0] * min(32, self.max_model_len - 2)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        )
-        if result.error is not None:  # a model that cannot run one forward must not start serving
-            raise RuntimeError(f"warm-up failed: {result.error}")
+        """One small prefill and decode (a prefill-only engine: the prefill), so the first real request does not pay
+        for lazy initialisation."""
+        prompt = [0] * min(32, self.max_model_len - 2)
+        if self.config.prefill_only:
+            rid = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+            error = None
+            while self.has_unfinished():
+                error = next((o.error for o in self.step() if o.error is not None), error)
+            if rid in self.requests:  # prefilled: nobody takes its KV
+                self.release(rid)
+        else:
+            [result] = self.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            error = result.error
+        if error is not None:  # a model that cannot run one forward must not start serving
+            raise RuntimeError(f"warm-up failed: {error}")
         self.block_manager.reset_prefix_cache()
         self.step_stats.clear()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.blocks import kv_bytes_per_token
+from engine.host_values import long_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,15 +63,21 @@ class KVCache:
         """Store new tokens' K/V (``[tokens, kv_heads, head_dim]``) at their slots."""
         self.flat(layer).index_copy_(1, slots, torch.stack((k, v)).to(self.spec.dtype))
 
-    def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A contiguous copy of whole blocks: ``[len(block_ids), block_size, kv_heads, head_dim]`` for K and V."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.k[layer].device)
+    def block_index(self, block_ids: list[int]) -> torch.Tensor:
+        """Block ids as an index on the cache's device (pinned, non-blocking on CUDA): build it once, use it for
+        every layer."""
+        return long_tensor(block_ids, self.kv[0].device)
+
+    def read_blocks(self, layer: int, block_ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A contiguous copy of whole blocks: ``[len(block_ids), block_size, kv_heads, head_dim]`` for K and V.
+        ``block_ids``: a list, or an index from ``block_index``."""
+        index = block_ids if isinstance(block_ids, torch.Tensor) else self.block_index(block_ids)
         return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
 
     def write_blocks(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         expected = (len(block_ids), *self.k[layer].shape[1:])
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             raise ValueError(f"KV blocks for layer {layer} have shape {tuple(k.shape)}, expected {expected}")
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.k[layer].device)
+        index = self.block_index(block_ids)
         self.k[layer].index_copy_(0, index, k.to(self.k[layer].device, self.spec.dtype))
         self.v[layer].index_copy_(0, index, v.to(self.v[layer].device, self.spec.dtype))

@@ -63,7 +63,7 @@ class _PlannedExport:
     export: KVExport
     first_block: int
     end_block: int
-    src_block_ids: list[int]  # physical ids of logical blocks [first_block, end_block)
+    src_index: torch.Tensor  # physical ids of logical blocks [first_block, end_block), on the cache's device
 
 
 class KVExporter:
@@ -89,7 +89,7 @@ class KVExporter:
             end = complete_prompt_blocks(chunk.end, chunk.request.num_prompt_tokens, self.block_size)
             first = export.num_blocks_reported
             if end > first:
-                src = chunk.request.block_ids[first:end]
+                src = self.kv_cache.block_index(chunk.request.block_ids[first:end])  # once per step, not per layer
                 self._planned.append(_PlannedExport(chunk.request, export, first, end, src))
         if not self._planned:
             return self.user_hook
@@ -97,7 +97,7 @@ class KVExporter:
 
     def _on_layer(self, layer: int, batch: AttentionBatch) -> None:
         for planned in self._planned:
-            k, v = self.kv_cache.read_blocks(layer, planned.src_block_ids)
+            k, v = self.kv_cache.read_blocks(layer, planned.src_index)
             rid = planned.request.request_id
             planned.export.sink(KVBlocksReady(rid, layer, planned.first_block, planned.end_block, k, v))
         if self.user_hook is not None:
@@ -119,7 +119,7 @@ class KVExporter:
         first, end = export.num_blocks_reported, blocks_for_tokens(request.num_prompt_tokens, self.block_size)
         if end <= first:
             return
-        src = request.block_ids[first:end]
+        src = self.kv_cache.block_index(request.block_ids[first:end])
         for layer in range(self.kv_cache.spec.num_layers):
             k, v = self.kv_cache.read_blocks(layer, src)
             export.sink(KVBlocksReady(request.request_id, layer, first, end, k, v))

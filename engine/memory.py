@@ -9,18 +9,25 @@ runs out of memory mid-step and fails every request in it). So on CUDA, unless t
    the utilization is this engine's share of the whole GPU, so two engines on one GPU each ask for their own share
    (0.45 + 0.45), as in vLLM.
 2. ``plan`` runs after loading. Weights are what torch allocated during loading. It then runs the largest steps the
-   scheduler can make through a real ``ModelRunner`` on a small temporary KV cache: one chunk of ``max_batch_tokens``
-   prompt tokens at the end of a ``max_model_len`` context (with prompt logprobs, the widest prefill path), and one
-   decode step of ``max_num_seqs`` requests at ``max_model_len`` context followed by the sampler over their rows (top-p
-   and logprobs, its widest path). The peak that torch allocated above what it held before each step is the
-   activation peak. The block ids of these fake requests repeat, so the temporary cache needs only
-   ``max_batch_tokens`` tokens of blocks, whatever ``max_model_len`` is.
-3. What grew outside torch since the start snapshot (the CUDA context's lazily loaded kernels, cuBLAS/NCCL handles)
-   is non-torch memory; the runner's decode gather buffer, which persists between steps, is counted at its bound
-   (``ModelRunner.scratch_bytes_bound``), not at what the profile happened to touch.
-4. ``kv = total x utilization - weights - peak activation - non-torch - scratch``; blocks are whole blocks of it, less
-   the blocks the KV cache allocates beyond what the block manager hands out (its padding sink). A budget that holds
-   less than one ``max_model_len`` request is an error that names the knobs and the numbers.
+   scheduler can make through a real ``ModelRunner`` on a small temporary KV cache: a full prefill step of
+   ``max_batch_tokens`` tokens split into prompts of ``max_model_len`` (the scheduler packs several prompts into a
+   step; the last one is a chunk at the end of a ``max_model_len`` context), with prompt logprobs, the widest prefill
+   path; and one decode step of ``max_num_seqs`` requests at ``max_model_len`` context followed by the sampler over
+   their rows (top-p and logprobs, its widest path). The peak that torch allocated
+   above what it held before each step is the activation peak. The block ids of these fake requests repeat, so the
+   temporary cache stays small, whatever ``max_model_len`` is.
+3. With decode graphs, their memory pool: a captured step allocates in the pool what its eager run allocates, and
+   graphs sharing the pool reuse each other's freed blocks, so the pool is the static step's peak at its largest
+   keys (run eagerly here, every row padding) plus each graph's kept output, rounded up to an allocator segment.
+4. What grew outside torch since the start snapshot (the CUDA context's lazily loaded kernels, cuBLAS handles) is
+   non-torch memory; the runner's decode gather buffer, which persists between steps, is counted at its bound
+   (``ModelRunner.scratch_bytes_bound``), not at what the profile happened to touch. NCCL communicators are made
+   later, one per pair group: ``nccl_peers x NCCL_BYTES_PER_PEER`` (an estimate). A fixed reserve
+   (``memory_reserve_bytes``) covers what loads after the profile (kernels loaded lazily, new streams' workspaces).
+5. ``kv = total x utilization - weights - peak activation - non-torch - scratch - graph pool - NCCL - reserve``;
+   blocks are whole blocks of it, less the blocks the KV cache allocates beyond what the block manager hands out (its
+   padding sink). A budget that holds less than one ``max_model_len`` request is an error that names the knobs and
+   the numbers.
 
 The arithmetic (``plan_kv_blocks``) is pure, and the device is read through the small ``DeviceMemory`` protocol, so
 tests drive the whole path on the CPU with a real model and fake readings; ``CudaMemory`` is the real one.
@@ -40,6 +47,7 @@ from transformers import PreTrainedModel
 from engine.attention import select_backend
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs, uses_decode_graphs
 from engine.kv_cache import KVCache, KVSpec
 from engine.model_runner import ModelRunner
 from engine.request import MAX_LOGPROBS, Request, RequestTiming, SamplingParams
@@ -49,6 +57,10 @@ from engine.scheduler import ScheduledChunk
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
+# NCCL buffers per pair group (2 ranks, p2p channels, SIMPLE/LL/LL128 buffers, with cuMem's 2 MiB granularity): an
+# estimate, to be measured on the GPUs it runs on
+NCCL_BYTES_PER_PEER = 512 * 1024**2
+SEGMENT_BYTES = 2 * 1024**2  # the caching allocator's small-block segment: what one graph's kept output can pin
 # more non-torch growth than the CUDA context, cuBLAS and NCCL take (about 1 GiB together) suggests another process on
 # the same GPU allocated while this engine loaded and profiled, which the budget cannot tell from its own
 NON_TORCH_WARN_BYTES = 2 * GIB
@@ -139,6 +151,9 @@ class MemoryPlan:
     peak_activation_bytes: int  # the largest step's transient tensors (forward and sampler)
     non_torch_bytes: int  # grown outside torch since the engine started (CUDA context, cuBLAS, NCCL)
     scratch_bytes: int  # buffers kept between steps, at their bound (the decode gather buffer)
+    graph_pool_bytes: int  # the decode graphs' memory pool (their captured steps' tensors), estimated by profiling
+    nccl_bytes: int  # NCCL communicators' buffers, per expected pair group
+    reserve_bytes: int  # fixed: what loads after the profile (lazily loaded kernels, new streams' workspaces)
     kv_bytes: int  # what is left for the KV cache
     bytes_per_block: int
     num_blocks: int  # blocks the block manager hands out
@@ -157,8 +172,9 @@ class MemoryPlan:
         return (
             f"KV memory plan: {gib(self.requested_bytes)} GiB = {self.utilization:g} x {gib(self.total_bytes)} GiB; "
             f"weights {gib(self.weights_bytes)}, peak activation {gib(self.peak_activation_bytes)}, "
-            f"non-torch {gib(self.non_torch_bytes)}, scratch {gib(self.scratch_bytes)}, KV {gib(self.kv_bytes)} GiB "
-            f"-> {self.num_blocks} blocks of {self.bytes_per_block} bytes"
+            f"non-torch {gib(self.non_torch_bytes)}, scratch {gib(self.scratch_bytes)}, graph pool "
+            f"{gib(self.graph_pool_bytes)}, NCCL {gib(self.nccl_bytes)}, reserve {gib(self.reserve_bytes)}, "
+            f"KV {gib(self.kv_bytes)} GiB -> {self.num_blocks} blocks of {self.bytes_per_block} bytes"
         )
 
     def as_dict(self) -> dict[str, int | float]:
@@ -189,18 +205,23 @@ def plan_kv_blocks(
     bytes_per_block: int,
     min_blocks: int,
     extra_blocks: int = 0,
+    graph_pool_bytes: int = 0,
+    nccl_bytes: int = 0,
+    reserve_bytes: int = 0,
 ) -> MemoryPlan:
     """The budget arithmetic. ``min_blocks``: what one ``max_model_len`` request needs; fewer is an error, since such
     an engine would refuse the requests its own config admits."""
     requested = check_share(total_bytes, free_at_start_bytes, utilization)
-    kv_bytes = requested - weights_bytes - peak_activation_bytes - non_torch_bytes - scratch_bytes
+    held = weights_bytes + peak_activation_bytes + non_torch_bytes + scratch_bytes
+    kv_bytes = requested - held - graph_pool_bytes - nccl_bytes - reserve_bytes
     num_blocks = kv_bytes // bytes_per_block - extra_blocks if kv_bytes > 0 else 0
     if num_blocks < min_blocks:
         raise MemoryPlanError(
             f"no room for the KV cache: gpu_memory_utilization={utilization:g} x {total_bytes / GIB:.2f} GiB = "
             f"{requested / GIB:.2f} GiB, less weights {weights_bytes / GIB:.2f}, peak activation "
-            f"{peak_activation_bytes / GIB:.2f}, non-torch {non_torch_bytes / GIB:.2f} and scratch "
-            f"{scratch_bytes / GIB:.2f} GiB leaves {kv_bytes / GIB:.2f} GiB = {max(num_blocks, 0)} blocks of "
+            f"{peak_activation_bytes / GIB:.2f}, non-torch {non_torch_bytes / GIB:.2f}, scratch "
+            f"{scratch_bytes / GIB:.2f}, graph pool {graph_pool_bytes / GIB:.2f}, NCCL {nccl_bytes / GIB:.2f} and "
+            f"reserve {reserve_bytes / GIB:.2f} GiB leaves {kv_bytes / GIB:.2f} GiB = {max(num_blocks, 0)} blocks of "
             f"{bytes_per_block} bytes, fewer than the {min_blocks} one max_model_len request needs: raise "
             "gpu_memory_utilization, lower max_model_len / max_num_seqs / max_batch_tokens, or set kv_memory_mb"
         )
@@ -211,6 +232,9 @@ def plan_kv_blocks(
         peak_activation_bytes=peak_activation_bytes,
         non_torch_bytes=non_torch_bytes,
         scratch_bytes=scratch_bytes,
+        graph_pool_bytes=graph_pool_bytes,
+        nccl_bytes=nccl_bytes,
+        reserve_bytes=reserve_bytes,
         kv_bytes=kv_bytes,
         bytes_per_block=bytes_per_block,
         num_blocks=num_blocks,
@@ -249,17 +273,17 @@ class KVMemoryPlanner:
         memory.synchronize()
         weights = memory.memory_allocated() - self.at_start.allocated_bytes
         try:
-            peak, extra_blocks, scratch_bound = self._profile(model, spec, max_model_len)
+            profile = self._profile(model, spec, max_model_len)
         except torch.OutOfMemoryError as exc:
             raise MemoryPlanError(
-                f"the profiling step ({config.max_batch_tokens} tokens at max_model_len={max_model_len}, "
-                f"{config.max_num_seqs} decode rows) ran out of GPU memory after the weights took "
+                f"the profiling step ({config.max_batch_tokens} tokens in prompts of up to max_model_len="
+                f"{max_model_len}, {config.max_num_seqs} decode rows) ran out of GPU memory after the weights took "
                 f"{weights / GIB:.2f} GiB: lower max_model_len, max_batch_tokens or max_num_seqs ({exc})"
             ) from exc
         after = take_snapshot(memory)
         # torch memory the profile left behind once its runner and cache are gone (cuBLAS workspaces, allocated on
         # first use and kept): the engine's first steps will allocate it too
-        peak += max(0, after.allocated_bytes - self.at_start.allocated_bytes - weights)
+        peak = profile.peak + max(0, after.allocated_bytes - self.at_start.allocated_bytes - weights)
         non_torch = max(0, after.non_torch_bytes - self.at_start.non_torch_bytes)
         if non_torch > NON_TORCH_WARN_BYTES:
             logger.warning(
@@ -275,37 +299,75 @@ class KVMemoryPlanner:
             weights_bytes=weights,
             peak_activation_bytes=peak,
             non_torch_bytes=non_torch,
-            scratch_bytes=scratch_bound + extra_scratch_bytes,
+            scratch_bytes=profile.scratch_bound + extra_scratch_bytes,
             bytes_per_block=spec.bytes_per_block,
             min_blocks=blocks_for_tokens(max_model_len, spec.block_size),
-            extra_blocks=extra_blocks,
+            extra_blocks=profile.extra_blocks,
+            graph_pool_bytes=profile.graph_pool,
+            nccl_bytes=config.nccl_peers * NCCL_BYTES_PER_PEER,
+            reserve_bytes=config.memory_reserve_bytes,
         )
         logger.info("%s", plan.summary())
         return plan
 
-    def _profile(self, model: PreTrainedModel, spec: KVSpec, max_model_len: int) -> tuple[int, int, int]:
-        """(peak activation bytes, the KV cache's extra blocks, the runner's scratch bound) of the largest steps."""
+    def _profile(self, model: PreTrainedModel, spec: KVSpec, max_model_len: int) -> _Profile:
+        """The largest steps the scheduler can build, run on a small temporary cache: a full prefill step of
+        ``max_batch_tokens`` tokens in prompts of up to ``max_model_len`` (the last one a chunk at the end of a
+        ``max_model_len`` context), with prompt logprobs; a decode step of ``max_num_seqs`` rows at ``max_model_len``
+        context, sampled with top-p and logprobs (a prefill-only engine runs such rows too: a prompt's last token
+        alone, after its prefix came from the cache or a chunk); and, with decode graphs, the graphs' static steps at
+        their largest keys (what a captured graph's pool holds)."""
         config = self.config
-        rows = min(config.max_num_seqs, config.max_batch_tokens)  # a decode row is one token of the step's budget
-        prefill_tokens = min(config.max_batch_tokens, max_model_len)
-        cache = KVCache(spec, blocks_for_tokens(prefill_tokens, spec.block_size) + 1, config.device)
+        decode_rows = min(config.max_num_seqs, config.max_batch_tokens)
+        cache_tokens = min(config.max_batch_tokens, max_model_len)  # block ids repeat across the fake requests
+        cache = KVCache(spec, blocks_for_tokens(cache_tokens, spec.block_size) + 1, config.device)
         extra_blocks = cache.kv[0].shape[1] - cache.num_blocks
         runner = ModelRunner(model, cache, select_backend(config.attention_backend, config.device, model.dtype))
         scratch_bound = runner.limit_scratch(config.max_num_seqs, max_model_len)
         sampler = Sampler((), runner.device)
         context = _fake_tokens(max_model_len, int(runner.lm_head.out_features))
         table = [i % cache.num_blocks for i in range(blocks_for_tokens(max_model_len, spec.block_size))]
-        prefill = _fake_request(context, table, SamplingParams(max_tokens=1, prompt_logprobs=MAX_LOGPROBS))
-        decode_params = SamplingParams(max_tokens=1, top_p=0.9, logprobs=MAX_LOGPROBS)
-        steps = [
-            [ScheduledChunk(prefill, max_model_len - prefill_tokens, prefill_tokens)],
-            [ScheduledChunk(_fake_request(context, table, decode_params), max_model_len - 1, 1) for _ in range(rows)],
+        prompt_params = SamplingParams(max_tokens=1, prompt_logprobs=MAX_LOGPROBS)
+        prefill_step = [
+            ScheduledChunk(_fake_request(context, table, prompt_params), max_model_len - length, length)
+            for length in prefill_lengths(config.max_batch_tokens, max_model_len)
         ]
+        decode_params = SamplingParams(max_tokens=1, top_p=0.9, logprobs=MAX_LOGPROBS)
+        decode = [_fake_request(context, table, decode_params) for _ in range(decode_rows)]
+        steps = [prefill_step, [ScheduledChunk(request, max_model_len - 1, 1) for request in decode]]
         peak = 0
         for chunks in steps:
             peak = max(peak, self._measure_step(runner, sampler, chunks))
-        del runner, cache, sampler, steps
-        return peak, extra_blocks, scratch_bound
+        graph_pool = self._graph_pool(runner, max_model_len) if uses_decode_graphs(config) else 0
+        del runner, cache, sampler, steps, prefill_step
+        return _Profile(peak, extra_blocks, scratch_bound, graph_pool)
+
+    def _graph_pool(self, runner: ModelRunner, max_model_len: int) -> int:
+        """The decode graphs' pool: a captured step allocates its tensors in the pool in the order its eager run
+        does, and graphs sharing one pool reuse each other's freed blocks; what stays is each graph's output. So:
+        the largest peak of the static step at its extreme keys (run eagerly, all rows padding), plus each graph's
+        output rounded up to an allocator segment."""
+        config, memory = self.config, self.memory
+        graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len, capture=False)
+        keys = graphs.planned_keys()  # (batch, context blocks)
+        widest = max(blocks for _, blocks in keys)
+        largest = max(batch for batch, _ in keys)
+        extremes = {
+            (max(b for b, w in keys if w == widest), widest),
+            (largest, max(w for b, w in keys if b == largest)),
+        }
+        peak = 0
+        for batch, blocks in sorted(extremes):
+            memory.synchronize()
+            memory.reset_peak_memory_stats()
+            before = memory.memory_allocated()
+            graphs.run_padding_step(batch, blocks)
+            memory.synchronize()
+            peak = max(peak, memory.max_memory_allocated() - before)
+        outputs = sorted((graphs.output_bytes(batch) for batch, _ in keys), reverse=True)[: graphs.max_graphs]
+        graphs.close()
+        del graphs
+        return peak + sum(-(-n // SEGMENT_BYTES) * SEGMENT_BYTES for n in outputs)
 
     def _measure_step(self, runner: ModelRunner, sampler: Sampler, chunks: list[ScheduledChunk]) -> int:
         """Torch's peak in this step above what it holds once the step is over: the step's transient tensors. What
@@ -320,6 +382,20 @@ class KVMemoryPlanner:
         del logits, result
         memory.synchronize()
         return max(0, memory.max_memory_allocated() - memory.memory_allocated())
+
+
+def prefill_lengths(max_batch_tokens: int, max_model_len: int) -> list[int]:
+    """A full prefill step's prompts: ``max_batch_tokens`` tokens as prompts of ``max_model_len`` and the rest."""
+    whole, rest = divmod(max_batch_tokens, max_model_len)
+    return [max_model_len] * whole + ([rest] if rest else [])
+
+
+@dataclass(frozen=True, slots=True)
+class _Profile:
+    peak: int  # peak activation bytes of the largest steps
+    extra_blocks: int  # the KV cache's blocks beyond the block manager's
+    scratch_bound: int  # the runner's scratch bound
+    graph_pool: int  # the decode graphs' pool, 0 without graphs
 
 
 def _fake_tokens(length: int, vocab_size: int) -> list[int]:

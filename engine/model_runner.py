@@ -21,6 +21,7 @@ from engine.attention import AttentionBackend, AttentionBatch, DecodeGroup, Laye
 from engine.attention.metadata import DecodeSpans, MetadataPacker, build_layout, slot_list
 from engine.attention.metadata import layout_spans as layout_spans_for
 from engine.blocks import blocks_for_tokens
+from engine.host_values import long_tensor
 from engine.kv_cache import KVCache
 from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
@@ -222,8 +223,7 @@ class ModelRunner:
         self._kept_hidden = (hidden, starts) if wanted else None
         logits = self.lm_head(hidden[rows]).float()
         num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1 and chunk.start > 0)
-        if self.device.type == "cuda":  # kernels run asynchronously: the step ends when the device is done
-            torch.cuda.synchronize(self.device)
+        wait_for_compute(self.device)
         stats = StepStats(
             num_tokens=input_ids.shape[1],
             num_seqs=len(chunks),
@@ -249,9 +249,7 @@ class ModelRunner:
                 continue
             request = chunk.request
             k = request.params.prompt_logprobs or 0
-            targets = torch.tensor(
-                request.prompt_token_ids[positions.start + 1 : positions.stop + 1], dtype=torch.long, device=self.device
-            )
+            targets = long_tensor(request.prompt_token_ids[positions.start + 1 : positions.stop + 1], self.device)
             first_row = start + positions.start - chunk.start
             parts = []
             for lo in range(0, len(positions), PROMPT_SCORE_ROWS):
@@ -261,6 +259,14 @@ class ModelRunner:
             chosen, values, ids = (torch.cat(column) for column in zip(*parts))
             scores.append(PromptScores(request, positions.start + 1, chosen, values, ids))
         return scores
+
+
+def wait_for_compute(device: torch.device) -> None:
+    """The end of a step on CUDA (kernels run asynchronously): this thread's current stream is done. Only that
+    stream: a device-wide synchronize would also wait for pending NCCL receives, the staging copy stream and the
+    KV receiver's side stream, so a slow or dead transfer peer would stall every step."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:

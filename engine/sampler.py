@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.host_values import long_tensor, to_device
 from engine.request import Request, SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -119,13 +120,13 @@ class Sampler:
             if len(sampled) == num_rows:
                 tokens, valid = drawn, valid & ok
             else:
-                index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+                index = long_tensor(sampled, logits.device)
                 tokens = tokens.index_copy(0, index, drawn)
                 valid = valid.index_copy(0, index, valid[index] & ok)
         lp = None
         if raw_logprobs is not None:
             k = max(params[i].logprobs or 0 for i in lp_rows)
-            index = torch.tensor(lp_rows, dtype=torch.long, device=logits.device)
+            index = long_tensor(lp_rows, logits.device)
             lp = logprob_summary(raw_logprobs, tokens[index], k)
         return self._collect(tokens, finite, valid, requests, lp_rows, lp, prompt_scores)
 
@@ -160,12 +161,12 @@ class Sampler:
         device = logits.device
         if bias_rows:
             index = (_long(bias_rows, device), _long(bias_cols, device))
-            logits.index_put_(index, torch.tensor(bias_values, dtype=logits.dtype, device=device), accumulate=True)
+            logits.index_put_(index, to_device(bias_values, logits.dtype, device), accumulate=True)
         if penalized:
             _apply_penalties(logits, [requests[i] for i in penalized], penalized)
         if mask_rows:
             index = (_long(mask_rows, device), _long(mask_cols, device))
-            logits.index_put_(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=device))
+            logits.index_put_(index, logits.new_full((), _NEG_INF))
         if grammar_rows:
             from engine.structured import allocate_bitmask, apply_bitmask  # xgrammar: only for guided requests
 
@@ -184,10 +185,10 @@ class Sampler:
         device = logits.device
         params = [requests[i].params for i in rows]
         scores = logits if len(rows) == len(requests) else logits[_long(rows, device)]
-        temperature = torch.tensor([p.temperature for p in params], dtype=scores.dtype, device=device)
+        temperature = to_device([p.temperature for p in params], scores.dtype, device)
         scores = scores / temperature.unsqueeze(1)  # a new tensor: the processed logits stay as they were
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=scores.dtype, device=device)
+            min_p = to_device([p.min_p for p in params], scores.dtype, device)
             probs = torch.softmax(scores, dim=-1)
             scores.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1), _NEG_INF)
         vocab = scores.shape[-1]
@@ -295,7 +296,7 @@ def _errors(codes: list[int], requests: Sequence[Request]) -> list[str | None]:
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return long_tensor(values, device)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
@@ -310,7 +311,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[i
         seen_ids = [t for r in requests for t in (r.prompt_token_ids + r.output_token_ids)]
         seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)  # column vocab: out-of-range ids
         seen[_long(seen_rows, device), _long(seen_ids, device).clamp_(max=vocab)] = True
-        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype, device=device).unsqueeze(1)
+        penalty = to_device([p.repetition_penalty for p in params], sub.dtype, device).unsqueeze(1)
         sub = torch.where(seen[:, :vocab], torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         out_rows = [i for i, r in enumerate(requests) for _ in r.output_token_ids]
@@ -322,8 +323,8 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[i
                 (_long(out_rows, device), _long(out_ids, device).clamp_(max=vocab)), ones, accumulate=True
             )
         counts = counts[:, :vocab]
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=device).unsqueeze(1)
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=device).unsqueeze(1)
+        presence = to_device([p.presence_penalty for p in params], sub.dtype, device).unsqueeze(1)
+        frequency = to_device([p.frequency_penalty for p in params], sub.dtype, device).unsqueeze(1)
         sub = sub - presence * (counts > 0) - frequency * counts
     logits[index] = sub
 
@@ -347,7 +348,7 @@ def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     probs = torch.softmax(ordered, dim=-1)
     # top_p 1 keeps everything: an infinite bound, so float rounding of the sum never drops a tail token
     bound = [top_p[i] if top_p[i] < 1.0 else float("inf") for i in used]
-    p = torch.tensor(bound, dtype=probs.dtype, device=device).unsqueeze(1)
+    p = to_device(bound, probs.dtype, device).unsqueeze(1)
     dropped = beyond_k | ((probs.cumsum(dim=-1) - probs) >= p)
     threshold = ordered.masked_fill(dropped, float("inf")).amin(dim=-1, keepdim=True)
     sub.masked_fill_(sub < threshold, _NEG_INF)

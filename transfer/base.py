@@ -47,7 +47,8 @@ class TransferConfig:
     # (the sender closes its side after half of it, so it never sends into one)
     max_sessions: int = 1024  # receiver: sender sessions held at once; a hello past it is rejected
     max_outbox_bytes: int = 1 << 30  # sender: payload bytes queued towards receivers; full: stop taking commands
-    staging_bytes: int = 256 << 20  # sender: pinned host buffers for device->host staging (zmq/shm paths, CUDA KV)
+    # pinned host buffers, zmq/shm paths with CUDA KV: the sender's device->host staging, the receiver's host->device
+    staging_bytes: int = 256 << 20
     kv_device: str = "cpu"  # receiver: where the KV cache lives; "cuda...": the sink writes on a side stream
     gpu_uuid: str | None = None  # nccl: this worker's GPU (None: read from torch.cuda when device is cuda); the
     # handshake compares both ends' and a pair on one GPU takes the same-node path, as NCCL refuses two ranks on one

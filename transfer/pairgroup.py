@@ -26,9 +26,9 @@ NCCL (device tensors): every op runs under the link's own CUDA stream, which fir
 (sender: recorded on the compute stream when the KV was handed over; receiver: recorded on the consumer's stream when
 the receive buffers were allocated), so the transfer is ordered after the KV write and the compute stream never waits
 on the network. A receive ends by recording a new `ready` event on the link's stream, which the consumer's stream
-waits on before it uses the data (transfer/dist_backend.py). NCCL's own watchdog would tear the whole process down on
-a timed-out op (TORCH_NCCL_ASYNC_ERROR_HANDLING defaults to 3); pair groups are built with it at 0, because the link
-bounds and aborts its own ops. Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
+waits on before it uses the data (transfer/dist_backend.py). NCCL's own watchdog, heartbeat monitor and dump-on-timeout
+would tear the whole process down after a timed-out op; the link bounds and aborts its own ops, so the process is
+started with them off (transfer/nccl_env.py: set once, at process start, never here while other threads run). Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
 way and is reported to the link's owner (`on_crash`), whose io_problem() then makes its worker degraded.
 """
 
@@ -50,12 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from transfer import nccl_env
 from transfer.auth import pair_proof
 from transfer.errors import AuthError, PeerGone, TransferError
 
 log = logging.getLogger(__name__)
 PROOF_TAG = (1 << 30) + 1  # beyond every job tag (next_tags wraps at 2**30)
-_ENV_LOCK = threading.Lock()  # NCCL reads its error-handling mode from the environment when a group is built
+_WARNED_ENV = threading.Event()  # the missing NCCL settings are logged once per process
 ABORTS = {"count": 0}  # pair groups aborted after a failed or timed-out op (process-wide, for logs and tests)
 
 
@@ -197,16 +198,8 @@ class PairLink:
             raise RuntimeError("this torch build has no NCCL")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = self._timeout
-        with _ENV_LOCK:  # the link bounds and aborts its own ops: NCCL's watchdog must not kill the process
-            before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-            try:
-                return dist.ProcessGroupNCCL(prefixed, self.rank, 2, opts)
-            finally:
-                if before is None:
-                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-                else:
-                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
+        _warn_unless_nccl_env()
+        return dist.ProcessGroupNCCL(prefixed, self.rank, 2, opts)
 
     def _prove(self, pg: Any) -> None:
         """Exchange proofs of the session key (rank 0 receives first, so NCCL's ordered p2p cannot deadlock)."""
@@ -312,6 +305,20 @@ class PairLink:
                 self._done.append((self._jobs.get_nowait(), self.broken))
             except queue.Empty:
                 return
+
+
+def _warn_unless_nccl_env() -> None:
+    """The process was started without pdserve's NCCL settings (transfer/nccl_env.py): say so, once. Never set
+    them here: other threads of this process read the environment."""
+    wrong = nccl_env.missing()
+    if wrong and not _WARNED_ENV.is_set():
+        _WARNED_ENV.set()
+        log.warning(
+            "building an NCCL pair group in a process started without %s: a pair's timed-out op may abort this "
+            "whole process later; start workers through pdserve, or call transfer.nccl_env.set_at_process_start() "
+            "before any thread runs",
+            ", ".join(f"{name}={value}" for name, value in nccl_env.NCCL_PROCESS_ENV.items() if name in wrong),
+        )
 
 
 def _link_device(backend: str, device: str) -> torch.device:

@@ -1,5 +1,6 @@
-"""Host staging of device KV for the ZeroMQ and shared-memory paths: a bounded pool of pinned buffers and a copy
-stream, so the device->host copy of a layer overlaps the layers still computing.
+"""Host staging of device KV for the ZeroMQ and shared-memory paths: bounded pools of pinned buffers and side streams,
+so the sender's device->host copy of a layer overlaps the layers still computing, and the receiver's host->device
+write of arrived KV (`SideStreamSink`) overlaps the decode steps without the polling thread waiting for the GPU.
 
 Why: the zmq and shm paths move bytes from host memory. A plain `k.to("cpu")` on a CUDA tensor is a synchronous copy
 into pageable memory on whatever stream the calling thread has: it serialises with the compute stream and stalls the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,15 +210,30 @@ class Stager:
 
 class SideStreamSink:
     """The receiver's sink, run on a side stream: host->device writes of arrived KV never queue behind (or block)
-    the decode step on the compute stream. `fence()` (called when a transfer is DONE, before the engine may admit
-    the request) makes the consumer's current stream wait on everything written so far: the decode step that
-    first reads those blocks is ordered after their writes, and the host never waits."""
+    the decode step on the compute stream, and never make the thread that polls the receiver wait for the GPU.
 
-    def __init__(self, sink: Any, device: str) -> None:
+    What arrives, and how it reaches the cache (all on the side stream, after what the consumer's stream queued):
+    - device tensors (nccl receive buffers, allocated on the consumer's stream): ``record_stream`` on the side
+      stream, so the caching allocator cannot hand their memory out again before the side stream's write read it;
+    - host tensors (zmq frames, views of the shm ring, valid only during the call): copied into pinned buffers of a
+      bounded pool, then to the device with ``non_blocking=True``; each pinned buffer goes back to the pool once the
+      copy's event has completed. Past the pool's bound a piece is copied from pageable memory (``fallbacks``),
+      which makes this thread wait for that copy.
+
+    ``fence()`` (called when a transfer is DONE, before the engine may admit the request) makes the consumer's
+    current stream wait on everything written so far: the decode step that first reads those blocks is ordered
+    after their writes, and the host never waits."""
+
+    def __init__(self, sink: Any, device: str, staging_bytes: int = 256 << 20) -> None:
         self.sink = sink
         self.device = torch.device(device)
         self._stream: Any = None
+        self._staging_bytes = staging_bytes
+        self.pool: PinnedPool | None = None  # made at the first host piece on CUDA
+        self._in_flight: deque[tuple[Any, list[torch.Tensor]]] = deque()  # (copy event, pinned buffers it reads)
         self.writes = 0
+        self.uploads = 0  # host tensors copied to the device through pinned buffers
+        self.fallbacks = 0  # host tensors copied from pageable memory (the pool at its bound)
 
     @property
     def active(self) -> bool:
@@ -228,13 +245,52 @@ class SideStreamSink:
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
+        self._reclaim()
         # after what the consumer's stream has queued: inputs made there (an nccl receive it waited on), and kernels
         # still reading blocks freed before they were reserved for this transfer
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
+            pinned: list[torch.Tensor] = []
+            k, v = (self._on_device(t, pinned) for t in (k, v))
+            if pinned:
+                done = torch.cuda.Event()
+                done.record(self._stream)
+                self._in_flight.append((done, pinned))
             self.sink(tid, layer, blocks, k, v)
         self.writes += 1
+
+    def _on_device(self, t: torch.Tensor, pinned: list[torch.Tensor]) -> torch.Tensor:
+        """``t`` on the device, under the side stream (the caller's ``with``)."""
+        if t.is_cuda:
+            t.record_stream(self._stream)
+            return t
+        if self.pool is None:
+            self.pool = PinnedPool(self._staging_bytes)
+        raw = self.pool.acquire(t.numel() * t.element_size())
+        if raw is None:
+            self.fallbacks += 1
+            return t.to(self.device)
+        host = raw.view(t.dtype).view(t.shape)
+        host.copy_(t)  # out of the receive buffer (a ring region the sender reuses once this call returns)
+        pinned.append(host)
+        self.uploads += 1
+        return self._upload(host)
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)  # pinned: the copy is queued, the thread goes on
+
+    def _reclaim(self) -> None:
+        """Give back the pinned buffers whose copies are done (the oldest first: the side stream runs in order)."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+
+    @property
+    def in_flight(self) -> int:
+        """Pieces whose pinned host->device copy may still run."""
+        self._reclaim()
+        return len(self._in_flight)
 
     def fence(self) -> None:
         if self.active and self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._reclaim()

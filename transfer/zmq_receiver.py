@@ -58,7 +58,7 @@ class ZmqReceiver(KVReceiver):
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
         # a KV cache on a GPU is written on a side stream, fenced into the consumer's stream when a transfer is DONE
-        self._sink = SideStreamSink(sink, self.cfg.kv_device)
+        self._sink = SideStreamSink(sink, self.cfg.kv_device, self.cfg.staging_bytes)
         self._table = InboundTable(fingerprint, self._sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
         self._sessions = SessionTable(self.cfg.max_sessions, self.cfg.idle_session_s)
         self._hs_key = handshake_key(self.cfg.secret)

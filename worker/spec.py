@@ -33,6 +33,9 @@ ZmqTransport = Literal["tcp", "ipc"]  # ipc: Unix sockets, only when prefill and
 FailurePolicy = Literal["fail", "recompute"]  # a lost transfer fails the request, or decode prefills it itself
 
 
+DEFAULT_NCCL_PEERS = 7  # the other GPUs of an 8-GPU node: the pair groups a worker holds unless told otherwise
+
+
 class WorkerRole(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -76,6 +79,9 @@ class WorkerSpec:
     failure_policy: FailurePolicy = "fail"  # decode: what a failed transfer does to its request
     reserve_headroom_tokens: int = 0  # decode: reserved per request beyond prompt + first token
     gpus: float = 0.0  # what the pool asked for per replica (Ray's num_gpus); 0: a CPU worker
+    # nccl: the pair groups this worker will hold (the other pool's replicas), counted in its KV memory plan;
+    # None: DEFAULT_NCCL_PEERS
+    nccl_peers: int | None = None
     pool: str = ""  # the config's pool it belongs to ("prefill", "decode"); default: its role's name
 
     def __post_init__(self) -> None:
@@ -133,8 +139,13 @@ def resolve_spec(spec: WorkerSpec) -> WorkerSpec:
             "CPU (its pool has gpus_per_replica: 0). Use transfer.backend: gloo for the same code on the CPU"
         )
     transfer_device = device if spec.transfer_backend == "nccl" else "cpu"
-    return dataclasses.replace(
-        spec,
-        engine=dataclasses.replace(spec.engine, device=device, dtype=resolve_dtype(spec.engine.dtype, device)),
-        transfer=dataclasses.replace(spec.transfer, device=transfer_device),
+    pairs = spec.transfer_backend == "nccl" and device != "cpu" and spec.role is not WorkerRole.COLOCATED
+    peers = (DEFAULT_NCCL_PEERS if spec.nccl_peers is None else spec.nccl_peers) if pairs else 0
+    engine = dataclasses.replace(
+        spec.engine,
+        device=device,
+        dtype=resolve_dtype(spec.engine.dtype, device),
+        prefill_only=spec.role is WorkerRole.PREFILL,  # no decode graphs
+        nccl_peers=peers,
     )
+    return dataclasses.replace(spec, engine=engine, transfer=dataclasses.replace(spec.transfer, device=transfer_device))

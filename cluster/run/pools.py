@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import ClusterConfig, ConfigError, pool_layout
 from cluster.run.actors import WorkerActor
+from transfer.nccl_env import NCCL_PROCESS_ENV
 from worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class RayPools(_Resizable):
             num_gpus=spec.gpus,
             resources=pool.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+            runtime_env={"env_vars": dict(NCCL_PROCESS_ENV)},  # in the process before it starts (transfer/nccl_env)
         ).remote(spec)
 
     def add_replica(self, pool_name: str, on_ready: Callable[[WorkerRecord], None]) -> WorkerRecord:

@@ -15,8 +15,10 @@ when a KV head serves 4 or more query heads, as vLLM does); any step with a prom
 whose causal mask is aligned to the end of each sequence's KV: exactly "attend to the cached tokens and the ones
 before me in this chunk".
 
-Status: written against FlashInfer's documented Python API; FlashInfer is not installed on the development machine
-and this module has not run on a GPU. Only the metadata arithmetic and the selection rules are tested.
+Status: written against FlashInfer 0.6's Python API (the wrappers' constructors, ``plan`` and ``run`` as in
+flashinfer-python 0.6.13); this module has not run on a GPU. Tested on the CPU: the metadata arithmetic, the selection
+rules, and that every call binds to 0.6.13's signatures. The first use JIT-compiles the kernels (minutes for the
+fa3 prefill on Hopper) unless FlashInfer's prebuilt kernels (flashinfer-cubin, flashinfer-jit-cache) are installed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import AttentionBatch
 
-WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
+# the float workspace (split-KV partial results), shared by the prefill and decode wrappers (used one after the
+# other); 128 MiB can be short for a few hundred decode rows with split KV, and vLLM uses 256 MiB
+WORKSPACE_BYTES = 256 * 1024 * 1024
 TENSOR_CORE_GROUP = 4  # query heads per KV head from which the decode kernel uses tensor cores
 
 

@@ -7,13 +7,16 @@ layer (``forward``), the K/V of those slots is gathered (one ``index_select``) a
 prefills, chunked prefills and decodes alike. Block sparsity skips the other sequences' keys on a GPU; eager on the
 CPU, flex materialises the ``T x S`` score matrix, so this backend is opt-in (``attention_backend: flex``).
 
-On CUDA ``flex_attention`` is compiled (``dynamic=True``, so new step shapes do not each recompile); that path has not
-run on a GPU. On the CPU it runs eagerly: torch warns that the unfused path is used, which is the point here, so that
-one warning is silenced around the call and nothing else.
+On CUDA ``flex_attention`` and ``create_block_mask`` are both compiled (``dynamic=True``, so new step shapes do not
+each recompile; eager, the mask materialises ``T x S`` booleans every step), once per process and shared by every
+FlexBackend (a new ``torch.compile`` wrapper per engine would compile again); that path has not run on a GPU. On the
+CPU both run eagerly: torch warns that the unfused path is used, which is the point here, so that one warning is
+silenced around the call and nothing else.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +61,15 @@ def _same_sequence_causal(q_seq: torch.Tensor, q_pos: torch.Tensor, kv_seq: torc
     return mask_mod
 
 
+@functools.cache
+def compiled_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., BlockMask]]:
+    """``flex_attention`` and ``create_block_mask`` compiled, once per process (CUDA)."""
+    return (
+        torch.compile(flex_attention, dynamic=True),  # type: ignore[return-value]
+        torch.compile(create_block_mask, dynamic=True),  # type: ignore[return-value]
+    )
+
+
 class FlexBackend(AttentionBackend):
     name = "flex"
     needs_layout = True
@@ -65,8 +77,9 @@ class FlexBackend(AttentionBackend):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._flex: Callable[..., torch.Tensor] = flex_attention
+        self._block_mask: Callable[..., BlockMask] = create_block_mask
         if self.device.type == "cuda":
-            self._flex = torch.compile(flex_attention, dynamic=True)  # type: ignore[assignment]
+            self._flex, self._block_mask = compiled_kernels()
 
     def prepare(self, batch: AttentionBatch) -> None:
         layout = batch.layout
@@ -75,7 +88,7 @@ class FlexBackend(AttentionBackend):
         num_tokens = int(batch.slot_mapping.shape[0])
         kv_seq, kv_pos, kv_slots, q_seq, q_pos = context_index(layout, batch.kv_cache.spec.block_size, num_tokens)
         mask_mod = _same_sequence_causal(q_seq, q_pos, kv_seq, kv_pos)
-        block_mask = create_block_mask(
+        block_mask = self._block_mask(
             mask_mod, None, None, num_tokens, int(kv_slots.shape[0]), device=layout.block_table.device
         )
         batch.plan = FlexPlan(kv_slots, block_mask)

@@ -1,17 +1,39 @@
 """Gather + SDPA: the paged context gathered into a contiguous buffer, then torch's scaled_dot_product_attention.
 
 The CPU path, and the fallback on CUDA when FlashInfer is not installed. Decode sequences (one query token each)
-attend together in one SDPA over their gathered, padded context; prefill chunks attend one by one, with a causal mask
-offset by the tokens already cached (a chunk that is its whole context attends to its own new K/V, no gather).
+attend together in one SDPA over their gathered, padded context; prefill chunks attend one by one, causally, aligned
+to the end of their context (a chunk that is its whole context attends to its own new K/V, no gather).
+
+Every call has a shape that a fused CUDA kernel takes. No fused kernel takes grouped-query attention (``enable_gqa``)
+together with a mask tensor, so the math kernel would run (float32 upcast, K/V repeated per query head). Hence:
+
+- decode folds the query heads that share a KV head into the query-length axis, ``[B, kv_heads, heads / kv_heads,
+  d]`` against ``[B, kv_heads, C, d]``: ordinary attention with no GQA, and the padding mask ``[B, 1, 1, C]``
+  broadcasts over the folded axis (memory-efficient kernel with a mask, flash without one);
+- a prefill chunk with cached context uses a lower-right causal bias (``causal_lower_right``), which runs the flash
+  kernel with GQA and no mask tensor.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import AttentionBatch
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
+    """One query token per row: ``q [B, H, d]`` against ``k, v [B, kvH, C, d]`` (``mask [B, 1, 1, C]`` or None);
+    returns ``[B, H, d]``. Query head ``h`` reads KV head ``h // (H / kvH)``, as transformers' ``repeat_kv``."""
+    rows, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    folded = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(rows, heads, head_dim)
 
 
 class SdpaBackend(AttentionBackend):
@@ -41,15 +63,13 @@ class SdpaBackend(AttentionBackend):
             blocks = group.gather_buffer.view(2, *group.block_table.shape, *cache.shape[2:])
             kv = blocks.flatten(2, 3)[:, :, : group.max_context].permute(0, 1, 3, 2, 4).to(query.dtype)  # [2,B,kvH,C,d]
             if group.token_index is None:  # a decode-only step: the packed row is the batch, in order
-                q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
-                o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scaling, enable_gqa=gqa)
-                return o.transpose(1, 2)  # [B, 1, H, d]: the layer reshapes it to [B, 1, H*d] == [1, T, H*d]
+                o = decode_attention(query[0].transpose(0, 1), kv[0], kv[1], group.mask, scaling)  # [B, H, d]
+                return o.unsqueeze(1)  # [B, 1, H, d]: the layer reshapes it to [B, 1, H*d] == [1, T, H*d]
 
         out = query.new_empty(num_tokens, num_heads, head_dim)
         if group is not None:
-            q = query[0, :, group.token_index].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
-            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scaling, enable_gqa=gqa)
-            out[group.token_index] = o[:, :, 0]
+            q = query[0, :, group.token_index].transpose(0, 1)  # [B, H, d]
+            out[group.token_index] = decode_attention(q, kv[0], kv[1], group.mask, scaling)
 
         for seq in batch.prefills:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]
@@ -61,11 +81,8 @@ class SdpaBackend(AttentionBackend):
                 kv = (
                     kv_flat.index_select(1, seq.context_slots).transpose(1, 2).unsqueeze(1).to(query.dtype)
                 )  # [2,1,kvH,C,d]
-                k, v = kv[0], kv[1]
-                offset = seq.context_len - seq.q_len
-                rows = torch.arange(seq.q_len, device=query.device).unsqueeze(1) + offset
-                mask = torch.arange(seq.context_len, device=query.device).unsqueeze(0) <= rows
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+                causal = causal_lower_right(seq.q_len, seq.context_len)
+                o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=causal, scale=scaling, enable_gqa=gqa)
             out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
 
         return out.unsqueeze(0)

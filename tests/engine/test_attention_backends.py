@@ -4,16 +4,20 @@ FlashInfer kernels themselves need a GPU and are not run here); and the step's m
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
 import torch
+from torch.nn.attention.bias import CausalBias
 
+import engine.attention.sdpa as sdpa
 from engine.attention import SeqLayout, select_backend
 from engine.attention.backend import resolve_backend_name
 from engine.attention.flashinfer_backend import paged_kv_metadata
 from engine.attention.metadata import MetadataPacker, build_layout, layout_spans, slot_list
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.scheduler import ScheduledChunk
@@ -108,6 +112,41 @@ def test_flex_and_sdpa_attend_alike_layer_by_layer(tiny_llama_path):
             engine.step()
         engine.check_no_leaks()
     torch.testing.assert_close(hidden["flex"], hidden["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_calls_have_shapes_a_fused_cuda_kernel_takes(tiny_llama_path, llama_reference, make_engine, monkeypatch):
+    """No fused SDPA kernel takes GQA with a mask tensor (the math kernel would run, in float32). Over uneven decode
+    contexts, chunked and prefix-cached prefills and the static (CUDA-graph) decode step, every SDPA call either has
+    no mask tensor or equal query and KV head counts; decode calls fold the query heads (no ``enable_gqa``); masked
+    prefills use the lower-right causal bias. Outputs stay token-exact."""
+    real = sdpa.F.scaled_dot_product_attention
+    calls: list[dict] = []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+        calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), mask=attn_mask, causal=is_causal, gqa=enable_gqa))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(sdpa, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))  # this module's calls
+    engine = make_engine(tiny_llama_path, max_batch_tokens=32, block_size=4)
+    heads, kv_heads = engine.model.config.num_attention_heads, engine.model.config.num_key_value_heads
+    assert heads > kv_heads  # the tiny llama is a GQA model: the case that matters
+    [prefix] = random_prompts(1, 40, 40, seed=21)
+    prompts = [prefix + [1, 2], prefix + [3], *random_prompts(3, 5, 30, seed=22)]  # uneven lengths, a shared prefix
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = engine.generate(prompts, params)
+    engine.runner.decode_graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs, 256, capture=False)
+    engine.block_manager.reset_prefix_cache()
+    static = engine.generate(prompts, params)
+    for prompt, a, b in zip(prompts, eager, static):
+        assert a.token_ids == b.token_ids == llama_reference.greedy(prompt, 6)
+    lower_right = [c for c in calls if isinstance(c["mask"], CausalBias)]
+    masked = [c for c in calls if isinstance(c["mask"], torch.Tensor) and not isinstance(c["mask"], CausalBias)]
+    folded = [c for c in calls if c["q"][1] == kv_heads and c["q"][2] == heads // kv_heads]
+    assert masked and lower_right  # padded decodes (eager and static), chunked and prefix-cached prefills
+    for call in masked:  # every mask tensor is a decode padding mask, over folded heads
+        assert call["q"][1:3] == (kv_heads, heads // kv_heads) and not call["gqa"] and call["k"][1] == kv_heads
+    assert all(c["gqa"] and c["k"][1] == kv_heads for c in lower_right)
+    assert not any(c["gqa"] for c in folded)
 
 
 # ---- selection ------------------------------------------------------------------------------------------------------

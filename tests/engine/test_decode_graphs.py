@@ -244,3 +244,28 @@ def test_graphs_are_cuda_only(make_engine, tiny_llama_path):
     assert decode_graphs_for(engine.runner, engine.config, engine.max_model_len) is None
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs(engine.runner, 6, 256, capture=True)
+
+
+def test_warm_captures_every_graph_a_growing_batch_meets_and_then_none(make_engine, tiny_llama_path, monkeypatch):
+    """``warm(rows, max_context)`` captures, before a measurement, the graphs of the batch's bucket at every context
+    bucket up to ``max_context``: the measured steps then replay and never capture (a capture syncs the device)."""
+    captured: list[tuple[int, int]] = []
+
+    def fake_capture(self: DecodeGraphs, key: _Key) -> _Entry:
+        self._fill(None, key)
+        graph = _ReplayByCall(self, key)
+        captured.append((key.batch, key.blocks))
+        return _Entry(graph, graph.hidden)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", fake_capture)
+    engine = make_engine(tiny_llama_path, **SETTINGS)  # block 4, max_num_seqs 6, max_model_len 256
+    graphs = _static(engine)
+    graphs.capture = True
+    prompts = random_prompts(3, 10, 10, seed=10)
+    params = [_greedy(30)] * 3  # contexts grow from 11 to 40 tokens: 3 to 10 blocks
+    assert graphs.warm(3, 40) == 5  # batch bucket 4 x every context bucket up to 16 blocks (40 tokens: 10 blocks)
+    assert captured == [(4, 1), (4, 2), (4, 4), (4, 8), (4, 16)]
+    before = list(captured)
+    _run(engine, prompts, params)
+    assert captured == before and graphs.num_replays > 0  # the run met no graph it had to capture
+    assert graphs.warm(3, 40) == 0

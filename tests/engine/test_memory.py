@@ -8,13 +8,24 @@ through the real runner and sampler, the engine serves on the planned blocks) an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import engine.engine_parts as engine_parts
+import engine.memory as engine_memory
 from engine.config import EngineConfig
+from engine.decode_graphs import uses_decode_graphs
 from engine.llm_engine import LLMEngine
-from engine.memory import KVMemoryPlanner, MemoryPlanError, needs_measured_budget, plan_kv_blocks
+from engine.memory import (
+    SEGMENT_BYTES,
+    KVMemoryPlanner,
+    MemoryPlanError,
+    needs_measured_budget,
+    plan_kv_blocks,
+    prefill_lengths,
+)
 from engine.model_loader import load_model
 from engine.request import SamplingParams
 
@@ -121,6 +132,119 @@ def test_plan_errors_name_the_settings_and_the_numbers():
         plan_kv_blocks(**common, free_at_start_bytes=1000, utilization=0.9, bytes_per_block=40, min_blocks=11)
 
 
+def test_plan_counts_the_graph_pool_nccl_peers_and_the_reserve():
+    figures = dict(
+        total_bytes=1000,
+        free_at_start_bytes=950,
+        utilization=0.9,
+        weights_bytes=300,
+        peak_activation_bytes=100,
+        non_torch_bytes=50,
+        scratch_bytes=30,
+        bytes_per_block=40,
+        graph_pool_bytes=60,
+        nccl_bytes=80,
+        reserve_bytes=40,
+    )
+    plan = plan_kv_blocks(**figures, min_blocks=4)
+    # 900 - 300 - 100 - 50 - 30 - 60 - 80 - 40 = 240 bytes = 6 blocks of 40
+    assert (plan.kv_bytes, plan.num_blocks) == (240, 6)
+    assert "graph pool 0.00, NCCL 0.00, reserve 0.00, KV 0.00 GiB -> 6 blocks" in plan.summary()
+    with pytest.raises(MemoryPlanError, match=r"graph pool 0.00, NCCL 0.00 and reserve 0.00 GiB leaves .* 6 blocks"):
+        plan_kv_blocks(**figures, min_blocks=7)
+
+
+def test_the_profile_runs_a_full_prefill_step_of_max_model_len_prompts(tiny_llama_path, fake_gpu, monkeypatch):
+    """The scheduler packs several prompts into one step up to max_batch_tokens, so the profile does too: 160 tokens
+    with max_model_len 64 are two whole prompts and a 32-token chunk at the end of a 64-token context."""
+    assert prefill_lengths(160, 64) == [64, 64, 32] and prefill_lengths(64, 256) == [64]
+    profiled: list[list[tuple[int, int, int]]] = []
+    real = KVMemoryPlanner._measure_step
+
+    def measure(self, runner, sampler, chunks):
+        profiled.append([(c.start, c.num_tokens, c.request.num_tokens) for c in chunks])
+        return real(self, runner, sampler, chunks)
+
+    monkeypatch.setattr(KVMemoryPlanner, "_measure_step", measure)
+    memory = FakeMemory(total=64 * MIB, others=0, step_activations=[4 * MIB, 1 * MIB])
+    fake_gpu(memory, weights=8 * MIB, non_torch=0)
+    config = EngineConfig(
+        model=str(tiny_llama_path),
+        gpu_memory_utilization=0.5,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_batch_tokens=160,
+        memory_reserve_bytes=0,
+    )
+    engine = LLMEngine(config)
+    assert profiled[0] == [(0, 64, 64), (0, 64, 64), (32, 32, 64)]  # 160 tokens in one step
+    assert profiled[1] == [(63, 1, 64)] * 4  # max_num_seqs decode rows at max_model_len context
+    assert engine.memory_plan is not None and engine.memory_plan.peak_activation_bytes == 4 * MIB
+
+
+def test_the_graph_pool_is_profiled_at_the_largest_keys(tiny_llama_path, fake_gpu, monkeypatch):
+    """With decode graphs, the planner runs the graphs' static step at its largest key (batch 4 x 16 blocks here)
+    and counts its peak plus one allocator segment per graph's kept output."""
+    monkeypatch.setattr(engine_memory, "uses_decode_graphs", lambda config: True)  # the CUDA decision, on the CPU
+    memory = FakeMemory(total=128 * MIB, others=0, step_activations=[2 * MIB, 3 * MIB, 5 * MIB])
+    fake_gpu(memory, weights=8 * MIB, non_torch=0)
+    config = EngineConfig(
+        model=str(tiny_llama_path),
+        gpu_memory_utilization=0.5,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_batch_tokens=64,
+        memory_reserve_bytes=0,
+    )
+    engine = LLMEngine(config)
+    plan = engine.memory_plan
+    assert plan is not None and memory.steps == 3  # prefill, decode, the static step at key (4, 16)
+    # batch buckets 1, 2, 4 x context buckets 1, 2, 4, 8, 16 blocks: 15 graphs, each output under one 2 MiB segment
+    assert plan.graph_pool_bytes == 5 * MIB + 15 * SEGMENT_BYTES
+    assert plan.peak_activation_bytes == 3 * MIB  # the static step is the pool's, not the activations'
+    engine.check_no_leaks()
+
+
+def test_nccl_peers_are_counted_per_pair_group(tiny_llama_path, fake_gpu, monkeypatch):
+    monkeypatch.setattr(engine_memory, "NCCL_BYTES_PER_PEER", 2 * MIB)
+    memory = FakeMemory(total=64 * MIB, others=0, step_activations=[1 * MIB, 1 * MIB])
+    fake_gpu(memory, weights=8 * MIB, non_torch=0)
+    base = dict(model=str(tiny_llama_path), gpu_memory_utilization=0.5, max_model_len=256, max_batch_tokens=64)
+    plan = LLMEngine(EngineConfig(**base, max_num_seqs=4, nccl_peers=3, memory_reserve_bytes=0)).memory_plan
+    assert plan is not None and plan.nccl_bytes == 6 * MIB
+
+
+def test_a_prefill_only_engine_keeps_no_decode_graphs(tiny_llama_path, fake_gpu):
+    """A prefill worker's engine never decodes: no graphs, so no static gather storage and no pool in its plan. It
+    still runs one-token chunks (a prompt's last token after a cached prefix) on the decode path: its runner keeps
+    that bound, and the decode step is profiled."""
+    memory = FakeMemory(total=64 * MIB, others=0, step_activations=[2 * MIB, 1 * MIB])
+    fake_gpu(memory, weights=8 * MIB, non_torch=0)
+    config = EngineConfig(
+        model=str(tiny_llama_path),
+        gpu_memory_utilization=0.5,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_batch_tokens=64,
+        memory_reserve_bytes=0,
+        prefill_only=True,
+    )
+    engine = LLMEngine(config)
+    plan = engine.memory_plan
+    assert plan is not None and memory.steps == 2 and plan.graph_pool_bytes == 0
+    assert plan.scratch_bytes == engine.runner.scratch_bytes_bound(4, 256) and engine.runner.decode_graphs is None
+    assert not uses_decode_graphs(dataclasses.replace(engine.config, device="cuda"))
+    assert uses_decode_graphs(dataclasses.replace(engine.config, device="cuda", prefill_only=False))
+    engine.warm_up()  # a prefill, released: nothing left
+    with pytest.raises(ValueError, match="only prefills"):
+        engine.add_request([1, 2, 3], GREEDY)
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), prefill_only=True)
+    [out] = engine.step()
+    assert out.error is None and len(out.new_token_ids) == 1
+    engine.release(rid)
+    engine.check_no_leaks()
+
+
 def test_explicit_budgets_win_over_measuring():
     memory = FakeMemory(total=64 * MIB, others=0, step_activations=[])
     assert needs_measured_budget(EngineConfig(device="cuda"))
@@ -138,7 +262,12 @@ def test_measured_plan_sizes_the_engine(tiny_llama_path, fake_gpu, caplog):
     memory = FakeMemory(total=64 * MIB, others=10 * MIB, step_activations=[2 * MIB, 3 * MIB])
     fake_gpu(memory, weights=8 * MIB, non_torch=1 * MIB)
     config = EngineConfig(
-        model=str(tiny_llama_path), gpu_memory_utilization=0.5, max_model_len=256, max_num_seqs=4, max_batch_tokens=64
+        model=str(tiny_llama_path),
+        gpu_memory_utilization=0.5,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_batch_tokens=64,
+        memory_reserve_bytes=1 * MIB,
     )
     with caplog.at_level("INFO", logger="engine.memory"):
         engine = LLMEngine(config)
@@ -146,7 +275,9 @@ def test_measured_plan_sizes_the_engine(tiny_llama_path, fake_gpu, caplog):
     assert plan is not None and memory.steps == 2  # the prefill step and the decode step were profiled
     # the gather buffer's bound: 4 rows x 16 blocks (256 tokens) x 16 tokens x 2 KV heads x 16 dims x 4 bytes, K and V
     scratch = 2 * 4 * 16 * 16 * 2 * 16 * 4
-    kv = 32 * MIB - 8 * MIB - 3 * MIB - 1 * MIB - scratch  # the larger step's activations; the non-torch growth
+    # the larger step's activations, the non-torch growth, the fixed reserve; no graphs (CPU), no NCCL peers
+    kv = 32 * MIB - 8 * MIB - 3 * MIB - 1 * MIB - scratch - 1 * MIB
+    assert (plan.graph_pool_bytes, plan.nccl_bytes, plan.reserve_bytes) == (0, 0, 1 * MIB)
     assert (plan.weights_bytes, plan.peak_activation_bytes, plan.non_torch_bytes) == (8 * MIB, 3 * MIB, 1 * MIB)
     assert (plan.scratch_bytes, plan.kv_bytes, plan.bytes_per_block) == (scratch, kv, BLOCK_BYTES)
     assert plan.num_blocks + plan.extra_blocks == kv // BLOCK_BYTES
@@ -165,7 +296,13 @@ def test_no_room_for_one_request_is_a_clear_error(tiny_llama_path, fake_gpu):
     # 0.5 x 64 MiB = 32 MiB, less 31 MiB of weights and 1 MiB of activations: nothing left for 16 blocks
     memory = FakeMemory(total=64 * MIB, others=0, step_activations=[1 * MIB, 1 * MIB])
     fake_gpu(memory, weights=31 * MIB, non_torch=0)
-    config = EngineConfig(model=str(tiny_llama_path), gpu_memory_utilization=0.5, max_model_len=256, max_num_seqs=4)
+    config = EngineConfig(
+        model=str(tiny_llama_path),
+        gpu_memory_utilization=0.5,
+        max_model_len=256,
+        max_num_seqs=4,
+        memory_reserve_bytes=0,
+    )
     with pytest.raises(MemoryPlanError, match=r"no room for the KV cache.*fewer than the 16 one max_model_len"):
         LLMEngine(config)
 

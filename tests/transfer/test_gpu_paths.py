@@ -5,6 +5,7 @@ zmq + gloo + shared memory. What needs a GPU to run (streams, events, pinned mem
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -293,3 +294,105 @@ def test_two_nccl_workers_on_one_gpu_use_the_same_node_path(closing) -> None:
     _send_device_kv(s, r, "t", [1, 5], seed=3, fp=fp)
     cache.assert_holds([1, 5], seed=3)
     assert r.same_gpu_sessions == 1 and s.same_gpu_peers == 1 and r._store is None  # NCCL never tried
+
+
+# ---------------------------------------------------------------------------------------------- receiver side stream
+# The stream and event calls are faked (they need CUDA); the pinned pool, the copies out of the receive buffers and
+# the bookkeeping of which buffer a pending copy still reads are the real code.
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name, self.waited_on = name, []
+
+    def wait_stream(self, other) -> None:
+        self.waited_on.append(other.name)
+
+
+class FakeEvent:
+    pending: list = []  # every event recorded and not yet completed, in order
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def record(self, stream) -> None:
+        self.stream = stream
+        FakeEvent.pending.append(self)
+
+    def query(self) -> bool:
+        return self.done
+
+
+class FakeDeviceTensor:
+    """A received nccl buffer: on the device, read by the side stream."""
+
+    is_cuda = True
+
+    def __init__(self) -> None:
+        self.recorded = []
+
+    def record_stream(self, stream) -> None:
+        self.recorded.append(stream.name)
+
+
+@pytest.fixture
+def fake_cuda_streams(monkeypatch):
+    consumer = FakeStream("consumer")
+    made: list[FakeStream] = []
+
+    def new_stream(device=None):
+        made.append(FakeStream(f"side{len(made)}"))
+        return made[-1]
+
+    FakeEvent.pending = []
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    uploads: list[int] = []
+
+    def upload(self, host):
+        uploads.append(host.data_ptr())  # not the tensor: holding it would keep its pinned buffer lent
+        return host.clone()  # what arrives on the device: the bytes of the pinned buffer at copy time
+
+    monkeypatch.setattr(SideStreamSink, "_upload", upload)
+    return SimpleNamespace(consumer=consumer, made=made, uploads=uploads)
+
+
+def test_host_kv_reaches_the_device_through_pinned_buffers_on_the_side_stream(fake_cuda_streams) -> None:
+    got = []
+    sink = SideStreamSink(lambda tid, layer, blocks, k, v: got.append((k, v)), "cuda", staging_bytes=1 << 20)
+    ring = torch.arange(2 * 4 * 2 * 8, dtype=torch.float32).view(2, 4, 2, 8)  # a region of the receive buffer
+    expected = ring.clone()
+    sink("t", 0, [1, 2], ring[0], ring[1])
+    ring.zero_()  # the sender reuses the region as soon as the sink returns
+    k, v = got[0]
+    assert torch.equal(k, expected[0]) and torch.equal(v, expected[1])  # copied out before the region was reused
+    side = fake_cuda_streams.made[0]
+    assert side.waited_on == ["consumer"] and sink.uploads == 2 and sink.fallbacks == 0
+    assert len(fake_cuda_streams.uploads) == 2 and ring.data_ptr() not in fake_cuda_streams.uploads
+    assert sink.pool is not None and sink.pool.lent == 2 and sink.in_flight == 1  # the copy may still read them
+    FakeEvent.pending[0].done = True
+    assert sink.in_flight == 0 and sink.pool.lent == 0  # the copy is done: the buffers are free again
+    sink("t", 1, [1, 2], expected[0], expected[1])
+    assert sink.pool.allocations == 2 and sink.pool.reuses == 2  # the same two buffers, not new pinned memory
+    sink.fence()
+    assert fake_cuda_streams.consumer.waited_on == ["side0"] and sink.writes == 2
+
+
+def test_received_device_buffers_are_recorded_on_the_side_stream(fake_cuda_streams) -> None:
+    got = []
+    sink = SideStreamSink(lambda *args: got.append(args), "cuda")
+    k, v = FakeDeviceTensor(), FakeDeviceTensor()
+    sink("t", 3, [7], k, v)
+    assert got == [("t", 3, [7], k, v)] and k.recorded == v.recorded == ["side0"]
+    assert sink.uploads == 0 and sink.pool is None and sink.in_flight == 0  # nothing staged on the host
+
+
+def test_a_piece_past_the_pinned_bound_is_still_written(fake_cuda_streams, monkeypatch) -> None:
+    got = []
+    sink = SideStreamSink(lambda tid, layer, blocks, k, v: got.append(k), "cuda", staging_bytes=MIN_BUFFER_BYTES)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: self.clone())  # the pageable copy, faked
+    big = torch.ones(MIN_BUFFER_BYTES // 4 + 1)  # one float over the pool's only buffer
+    sink("t", 0, [0], big, big)
+    assert sink.fallbacks == 2 and sink.uploads == 0 and torch.equal(got[0], big)
