@@ -1,110 +1,128 @@
 """The cluster's one YAML file, validated on load: unknown keys and bad values are errors naming file and field.
 
-Sections: ``model`` (what to serve), ``mode`` (disaggregated or colocated), ``pools`` (prefill and decode workers:
-replicas, GPUs or a CPU share, KV cache size, batching limits), ``transfer`` (KV backend, block size, deadlines,
-failure policy), ``router`` (HTTP bind, routing policies, queue bound, API key, request limits), ``slo`` (targets
-the load test and planner use) and ``ray`` (which cluster to join). ``docs/configuration.md`` documents every field.
-
-``check_network_exposure`` (``cluster/network_exposure.py``) runs on the final config at start-up (after
-command-line overrides): a server or worker reachable from other machines without an API key is refused unless the
-config says so explicitly.
-
-The config is translated once: ``ClusterConfig.worker_specs`` builds every worker's ``WorkerSpec`` (engine, transfer
-and control-plane settings, worker/spec.py) here and nowhere else. Defaults live once, in the dataclasses the specs
-are made of (``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``); the sections below take theirs from them.
-The device is not chosen here: the process that reads the config may have no GPU (a Ray head node). Each worker
-picks its own in its process (``worker.spec.resolve_device``).
-
-``load_config`` takes a path or the name of a config shipped inside the package (``local``, ``gpu-node.yaml``):
-``cluster/config_files.py`` finds and reads the file (``configs/`` is package data, found through importlib.resources,
-so an installed wheel works outside the source tree), ``parse_config`` validates it.
+Sections: ``model``, ``mode``, ``pools``, ``transfer``, ``router``, ``slo``, ``ray``, ``autoscale``
+(docs/configuration.md documents every field). The fields the workers run with are the worker dataclasses' own
+(``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``, ``WorkerSpec``): their types and defaults are declared
+there, and each section checks its values by building them (``_borrowed``). ``ClusterConfig.worker_specs`` is the
+one translation into what the workers run; each worker picks its device in its own process. ``load_config`` takes
+a path or the name of a config shipped as package data (``local``, ``gpu-node``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-# moved to their own modules; re-exported because very many callers import them from cluster.config (neither
-# module imports this one at run time, so there is no cycle)
-from cluster.config_files import ConfigError, find_config, read_config_file  # noqa: F401
-from cluster.network_exposure import check_network_exposure  # noqa: F401
 from engine.blocks import kv_blocks_for
-from engine.config import DEFAULT_CPU_KV_BYTES, AttentionBackendName, EngineConfig, resolve_dtype
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from engine.model_loader import DEFAULT_MODEL
 from transfer.base import TransferConfig
-from worker.spec import FailurePolicy, RuntimeOptions, TransferBackend, WorkerRole, WorkerSpec, ZmqTransport
+from worker.spec import RuntimeOptions, WorkerRole, WorkerSpec
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 MIB = 1024 * 1024
 
 
-def _default(cls: type, name: str):
-    """The default of field ``name`` of dataclass ``cls``: the one place that number is written."""
-    for item in dataclasses.fields(cls):
-        if item.name == name:
-            if item.default is not dataclasses.MISSING:
-                return item.default
-            if callable(item.default_factory):
-                return item.default_factory()
-    raise AttributeError(f"{cls.__name__} has no field {name!r} with a default")
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the field."""
+
+
+def _borrowed(cls: type, *names: str, **renamed: str) -> dict[str, Any]:
+    """Section fields that are a worker dataclass's own (``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``,
+    ``WorkerSpec``): type and default declared once, there (``renamed``: section name -> the dataclass's). Their
+    values are checked there too: each section's ``_check`` builds the dataclasses."""
+    hints, fields = typing.get_type_hints(cls), {item.name: item for item in dataclasses.fields(cls)}
+    out = {}
+    for section_name, name in [*((n, n) for n in names), *renamed.items()]:
+        item = fields[name]
+        default = item.default if item.default is not dataclasses.MISSING else item.default_factory()  # type: ignore[misc]
+        out[section_name] = (hints[name], default)
+    return out
+
+
+def _subset(values: dict[str, Any], cls: type) -> dict[str, Any]:
+    names = {item.name for item in dataclasses.fields(cls)}
+    return {name: value for name, value in values.items() if name in names}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelSection(_Strict):
+class _ModelBase(_Strict):
     name: str = DEFAULT_MODEL  # the built-in default, or a local folder of a Llama-family model
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _default(EngineConfig, "dtype")  # auto: bf16 on GPU
-    max_model_len: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> _ModelBase:
+        EngineConfig(dtype=self.dtype, max_model_len=self.max_model_len)  # type: ignore[attr-defined]
+        return self
 
 
-class PoolSection(_Strict):
+class _PoolBase(_Strict):
     replicas: int = Field(default=1, ge=0)
     gpus_per_replica: float = Field(default=0, ge=0)  # 0: a CPU worker
     cpus_per_replica: float = Field(default=1, gt=0)  # Ray CPU share (also used on GPU nodes)
-    torch_threads: int | None = Field(default=None, gt=0)
-    kv_blocks: int | None = Field(default=None, gt=0)  # explicit; otherwise from kv_memory_mb
-    # explicit KV budget; null: DEFAULT_CPU_KV_BYTES on the CPU, on a GPU what gpu_memory_utilization leaves after the
-    # weights and a profiling forward
+    # the KV budget (the engine takes bytes); null: DEFAULT_CPU_KV_BYTES on the CPU, on a GPU what
+    # gpu_memory_utilization leaves after the weights and a profiling forward
     kv_memory_mb: int | None = Field(default=None, gt=0)
-    gpu_memory_utilization: float = Field(default=_default(EngineConfig, "gpu_memory_utilization"), gt=0, le=1)
-    attention_backend: AttentionBackendName = _default(EngineConfig, "attention_backend")
-    cuda_graphs: bool = _default(EngineConfig, "cuda_graphs")  # GPU decode steps replay captured graphs
-    max_batch_tokens: int = Field(default=_default(EngineConfig, "max_batch_tokens"), gt=0)
-    max_num_seqs: int = Field(default=_default(EngineConfig, "max_num_seqs"), gt=0)
-    enable_prefix_caching: bool = _default(EngineConfig, "enable_prefix_caching")
-    reserve_headroom_tokens: int = Field(default=0, ge=0)  # decode: reserved per request beyond prompt + 1 token
     resources: dict[str, float] = Field(default_factory=dict)  # extra Ray resources per replica (pin to node types)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+    @model_validator(mode="after")
+    def _check(self) -> _PoolBase:
+        values = self.model_dump()
+        engine = EngineConfig(**_subset(values, EngineConfig))
+        WorkerSpec("check", "decode", engine, RuntimeOptions([]), **_subset(values, WorkerSpec))
+        return self
+
+
+class _TransferBase(_Strict):
+    block_size: int = Field(default=16, gt=0)  # tokens per KV block (the engines' block_size)
+    # the cluster secret: MACs every control message and event and the KV handshake; None: a random one per start
+    secret: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> _TransferBase:
+        TransferConfig(**_subset(self.model_dump(), TransferConfig))
+        return self
+
+
+ENGINE_POOL_FIELDS = (
+    "torch_threads",
+    "kv_blocks",
+    "gpu_memory_utilization",
+    "attention_backend",
+    "cuda_graphs",
+    "max_batch_tokens",
+    "max_num_seqs",
+    "enable_prefix_caching",
+)
+ModelSection = create_model("ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len"))
+PoolSection = create_model(
+    "PoolSection",
+    __base__=_PoolBase,
+    **_borrowed(EngineConfig, *ENGINE_POOL_FIELDS),
+    **_borrowed(WorkerSpec, "reserve_headroom_tokens"),
+)
+TransferSection = create_model(
+    "TransferSection",
+    __base__=_TransferBase,
+    **_borrowed(TransferConfig, "deadline_s", "lease_s", "kv_wire_dtype"),
+    **_borrowed(WorkerSpec, "failure_policy", "zmq_transport", "stream_layers", backend="transfer_backend"),
+)
 
 
 class PoolsSection(_Strict):
     prefill: PoolSection = PoolSection()
     decode: PoolSection = PoolSection()
-
-
-class TransferSection(_Strict):
-    # nccl: KV tensors between GPUs (a pool on the CPU is an error); gloo: the same code on the CPU
-    backend: TransferBackend = _default(WorkerSpec, "transfer_backend")
-    block_size: int = Field(default=_default(EngineConfig, "block_size"), gt=0)
-    # expect -> KV complete, else the request fails
-    deadline_s: float = Field(default=_default(TransferConfig, "deadline_s"), gt=0)
-    # prefill holds exported KV this long without word from decode
-    lease_s: float = Field(default=_default(TransferConfig, "lease_s"), gt=0)
-    failure_policy: FailurePolicy = _default(WorkerSpec, "failure_policy")
-    kv_wire_dtype: Literal["raw", "int8"] = _default(TransferConfig, "wire_dtype")
-    zmq_transport: ZmqTransport = _default(
-        WorkerSpec, "zmq_transport"
-    )  # ipc: only when prefill and decode share a node
-    stream_layers: bool = (
-        True  # False: send the KV after the whole prefill (the baseline the overlap is measured against)
-    )
-    # the cluster secret: MACs every control message and event and the KV handshake; None: a random one per start
-    secret: str | None = None
 
 
 class LimitsSection(_Strict):
@@ -127,7 +145,7 @@ class KvAwareSection(_Strict):
     load_weight: float = Field(default=1.0, ge=0)
 
 
-class RouterSection(_Strict):
+class _RouterBase(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
     prefill_policy: Literal["round_robin", "least_loaded", "power_of_two", "kv_aware"] = "least_loaded"
@@ -142,13 +160,20 @@ class RouterSection(_Strict):
     allow_unauthenticated: bool = False  # serve a non-loopback address without api_key, deliberately
     request_timeout_s: float = Field(default=300.0, gt=0)
     worker_timeout_s: float = Field(default=10.0, gt=0)  # a control call to a worker
-    # workers free every request after this long without the router
-    orphan_timeout_s: float = Field(default=_default(RuntimeOptions, "router_timeout_s"), gt=0)
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     served_model_name: str | None = None  # the name /v1/models reports; default: model.name
     # frontend processes serving the one port (SO_REUSEPORT), each connected to every worker; 1: in this process
     processes: int = Field(default=1, ge=1, le=64)
     limits: LimitsSection = LimitsSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> _RouterBase:
+        RuntimeOptions([], orphan_timeout_s=self.orphan_timeout_s)  # type: ignore[attr-defined]
+        return self
+
+
+# workers free every request after ``orphan_timeout_s`` without the router
+RouterSection = create_model("RouterSection", __base__=_RouterBase, **_borrowed(RuntimeOptions, "orphan_timeout_s"))
 
 
 class SLOSection(_Strict):
@@ -244,7 +269,7 @@ class ClusterConfig(_Strict):
             model=model_path,
             dtype=self.model.dtype,
             block_size=self.transfer.block_size,
-            num_kv_blocks=pool.kv_blocks,
+            kv_blocks=pool.kv_blocks,
             kv_cache_memory_bytes=None if pool.kv_memory_mb is None else pool.kv_memory_mb * MIB,
             gpu_memory_utilization=pool.gpu_memory_utilization,
             attention_backend=pool.attention_backend,
@@ -261,7 +286,7 @@ class ClusterConfig(_Strict):
         return TransferConfig(
             deadline_s=self.transfer.deadline_s,
             lease_s=self.transfer.lease_s,
-            wire_dtype=self.transfer.kv_wire_dtype,
+            kv_wire_dtype=self.transfer.kv_wire_dtype,
             secret=self.transfer.secret,
         )
 
@@ -271,7 +296,7 @@ class ClusterConfig(_Strict):
             router_addresses=list(router_addresses),
             host=host,
             secret=self.transfer.secret,
-            router_timeout_s=self.router.orphan_timeout_s,
+            orphan_timeout_s=self.router.orphan_timeout_s,
         )
 
     def nccl_peers(self, role: str) -> int:
@@ -368,3 +393,44 @@ def load_config(name_or_path: str | Path) -> ClusterConfig:
     """Load and validate a config file, given by path or by a shipped config's name (``find_config``)."""
     data, source = read_config_file(name_or_path)
     return parse_config(data, source)
+
+
+# ---- finding and reading the file ---------------------------------------------------------------------------
+
+SHIPPED_CONFIGS = "configs"  # the package that holds the shipped YAML files (package data)
+
+
+def shipped_configs() -> list[str]:
+    """The names of the YAML files shipped in the ``configs`` package."""
+    return sorted(entry.name for entry in resources.files(SHIPPED_CONFIGS).iterdir() if entry.name.endswith(".yaml"))
+
+
+def find_config(name_or_path: str | Path) -> Path | Traversable:
+    """A config file: ``name_or_path`` when it is a file, else the shipped config of that name (``local`` or
+    ``local.yaml``), found through importlib.resources wherever the package is installed. ConfigError if neither."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    name = str(name_or_path)
+    if name and "/" not in name and "\\" not in name:  # a bare name: look among the shipped configs
+        shipped = resources.files(SHIPPED_CONFIGS)
+        for candidate in (name, f"{name}.yaml"):
+            entry = shipped.joinpath(candidate)
+            if candidate.endswith(".yaml") and entry.is_file():
+                return entry
+    raise ConfigError(
+        f"{name_or_path}: config file not found (shipped configs, by name: {', '.join(shipped_configs())})"
+    )
+
+
+def read_config_file(name_or_path: str | Path) -> tuple[dict | None, str]:
+    """The sections of a config file (``find_config``), not yet validated, and the file's name for error messages.
+    None for an empty file; ConfigError if it is not YAML or its top level is not a mapping."""
+    source = find_config(name_or_path)
+    try:
+        data = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    return data, str(source)

@@ -1,20 +1,14 @@
 """Who may reach the server: refuse an unauthenticated bind that other machines can reach.
 
-``check_network_exposure`` runs on the final config at start-up (after command-line overrides, ``cluster/run/launch.py``):
-a server or worker reachable from other machines without an API key is refused unless the config says so
-explicitly (``router.allow_unauthenticated``). Why its own module: it is a start-up policy over the config, not part
-of what a valid config is (``cluster/config.py``, which re-exports it); it needs only the config's values.
+``check_network_exposure`` runs on the final config at start-up (after command-line overrides): a server or worker
+reachable from other machines without an API key is refused unless ``router.allow_unauthenticated`` says so.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from typing import TYPE_CHECKING
 
-from cluster.config_files import ConfigError
-
-if TYPE_CHECKING:
-    from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 
 
 def is_loopback(host: str) -> bool:

@@ -127,7 +127,7 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
 
 def kv_blocks_for(memory_bytes: int, bytes_per_block: int, explicit_blocks: int | None = None) -> int:
     """How many KV blocks a worker allocates: an explicit count, else as many whole blocks as its memory holds
-    (at least one); the rule ``EngineCore`` applies to ``num_kv_blocks`` / ``kv_cache_memory_bytes``."""
+    (at least one); the rule ``EngineCore`` applies to ``kv_blocks`` / ``kv_cache_memory_bytes``."""
     return explicit_blocks or max(1, memory_bytes // bytes_per_block)
 
 

@@ -28,7 +28,7 @@ class EngineConfig:
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU (resolved where the device is known: resolve_dtype)
     device: str = "cpu"
     block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit block count; otherwise from kv_cache_memory_bytes
+    kv_blocks: int | None = None  # explicit block count; otherwise from kv_cache_memory_bytes
     # explicit KV budget; None: DEFAULT_CPU_KV_BYTES on the CPU, and on CUDA what gpu_memory_utilization leaves after
     # the weights and a profiling forward at the largest batch (measured free memory, as vLLM does)
     kv_cache_memory_bytes: int | None = None
@@ -66,7 +66,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "torch_threads"):
+        for name in ("kv_blocks", "kv_cache_memory_bytes", "max_model_len", "torch_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or null, got {value!r}")

@@ -64,7 +64,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks = memory_plan.num_blocks
     else:
         kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-        num_blocks = kv_blocks_for(kv_bytes, kv_spec.bytes_per_block, config.num_kv_blocks)
+        num_blocks = kv_blocks_for(kv_bytes, kv_spec.bytes_per_block, config.kv_blocks)
     kv_cache = KVCache(kv_spec, num_blocks, config.device)
     backend = select_backend(config.attention_backend, config.device, model.dtype)
     runner = ModelRunner(model, kv_cache, backend)

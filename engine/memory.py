@@ -1,7 +1,7 @@
 """How many KV blocks a GPU engine allocates: measured, not guessed (vLLM's rule, our code).
 
 A KV block budget written by hand is either too small (the GPU idles half empty) or too large (the first long batch
-runs out of memory mid-step and fails every request in it). So on CUDA, unless the user gave ``num_kv_blocks`` or
+runs out of memory mid-step and fails every request in it). So on CUDA, unless the user gave ``kv_blocks`` or
 ``kv_cache_memory_bytes`` (``kv_memory_mb`` in the cluster file), the engine measures:
 
 1. ``KVMemoryPlanner.start`` takes a snapshot of the device before the weights load (free and total memory, and what
@@ -243,8 +243,8 @@ def plan_kv_blocks(
 
 
 def needs_measured_budget(config: EngineConfig) -> bool:
-    """A CUDA engine given neither ``num_kv_blocks`` nor ``kv_cache_memory_bytes``: explicit settings always win."""
-    return config.device.startswith("cuda") and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None
+    """A CUDA engine given neither ``kv_blocks`` nor ``kv_cache_memory_bytes``: explicit settings always win."""
+    return config.device.startswith("cuda") and config.kv_blocks is None and config.kv_cache_memory_bytes is None
 
 
 class KVMemoryPlanner:

@@ -39,7 +39,7 @@ class TransferConfig:
     enqueue_timeout_s: float = 5.0  # sender: send_layer waits this long for queue room, then fails
     max_frame_bytes: int = 1 << 30  # receiver: refuse larger payload frames (also its zmq.MAXMSGSIZE)
     secret: str | None = None  # the cluster secret: proven, never sent, at the handshake (transfer/auth.py)
-    wire_dtype: str = "raw"  # "raw" (bit-exact) or "int8" (per block-and-head scales)
+    kv_wire_dtype: str = "raw"  # "raw" (bit-exact) or "int8" (per block-and-head scales)
     checksum: bool = True  # xxh3_64 per payload frame
     group_timeout_s: float = 30.0  # nccl/gloo: forming the pair process group, and each p2p wait
     device: str = "cpu"  # nccl backend: "cuda" selects NCCL, "cpu" selects gloo
@@ -54,8 +54,8 @@ class TransferConfig:
     # handshake compares both ends' and a pair on one GPU takes the same-node path, as NCCL refuses two ranks on one
 
     def __post_init__(self) -> None:
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, not {self.wire_dtype!r}")
+        if self.kv_wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"kv_wire_dtype must be one of {sorted(WIRE_DTYPES)}, not {self.kv_wire_dtype!r}")
         for name in (
             "deadline_s",
             "lease_s",

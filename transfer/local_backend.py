@@ -199,7 +199,7 @@ class LocalSender(KVSender):
             dst_block_ids,
             k.detach().cpu(),
             v.detach().cpu(),
-            self.cfg.wire_dtype,
+            self.cfg.kv_wire_dtype,
             with_checksum=False,
         )
         route[0].deliver(route[1], "kv", transfer_id, (piece, tensors))

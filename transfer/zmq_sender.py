@@ -234,7 +234,14 @@ class ZmqSender(SenderReplies, KVSender):
                 self._fail_transfer(peer, tid, e)
                 return
             header, tensors = encode_piece(
-                self.fp, tid, layer, blocks, self._stage(k), self._stage(v), self.cfg.wire_dtype, self._checksum_early
+                self.fp,
+                tid,
+                layer,
+                blocks,
+                self._stage(k),
+                self._stage(v),
+                self.cfg.kv_wire_dtype,
+                self._checksum_early,
             )
             nbytes = sum(f.nbytes for f in header.frames)
             peer.outbox.append(Outgoing(tid, {}, tensors, nbytes, header, ready=staged.ready))

@@ -7,7 +7,7 @@ the drain deadline.
 
 Several routers (``router.processes`` > 1): every command carries the index of the router that sent it; the worker
 remembers which router owns each request and sends every event about a request only there (a ``tokens`` message is
-split per router). A router that is silent for ``router_timeout_s`` loses its own requests only: the others keep
+split per router). A router that is silent for ``orphan_timeout_s`` loses its own requests only: the others keep
 theirs.
 
 Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): the routers
@@ -36,10 +36,10 @@ class RouterBook:
 
     Used by the loop thread only, except ``drained`` and ``draining`` (plain reads, from ``info()``)."""
 
-    def __init__(self, name: str, count: int, router_timeout_s: float) -> None:
+    def __init__(self, name: str, count: int, orphan_timeout_s: float) -> None:
         self.name = name  # the worker's, for its log lines
         self.count = count
-        self.router_timeout_s = router_timeout_s
+        self.orphan_timeout_s = orphan_timeout_s
         self._owners: dict[str, tuple[int, float]] = {}  # rid -> (owning router's index, when it last sent a command)
         self._next_owner_prune_s = 0.0
         self._last_router_s = [time.monotonic()] * count  # per router: when it was last heard
@@ -65,10 +65,10 @@ class RouterBook:
         return 0 if entry is None else entry[0]
 
     def orphans(self, now: float, held: Iterable[str]) -> Iterator[str]:
-        """The ``held`` requests of every router silent for ``router_timeout_s`` (it died or restarted), for the
+        """The ``held`` requests of every router silent for ``orphan_timeout_s`` (it died or restarted), for the
         runtime to free; each such router's clock starts again. Lazy: router by router, as the runtime frees them."""
         for index, last in enumerate(self._last_router_s):
-            if now - last <= self.router_timeout_s:
+            if now - last <= self.orphan_timeout_s:
                 continue
             self._last_router_s[index] = now
             owned = [rid for rid in held if self.owner(rid) == index]
@@ -79,7 +79,7 @@ class RouterBook:
                 "%s: no word from %s for %.0f s; freeing its %d requests",
                 self.name,
                 router,
-                self.router_timeout_s,
+                self.orphan_timeout_s,
                 len(owned),
             )
             yield from owned

@@ -104,7 +104,7 @@ class WorkerRuntime:
             sock = self._socket(zmq.PUSH)
             sock.connect(address)
             self._events.append((sock, Signer(options.secret, Channel.EVENTS, address)))
-        self._book = RouterBook(self.name, len(self._routers), options.router_timeout_s)
+        self._book = RouterBook(self.name, len(self._routers), options.orphan_timeout_s)
         self._stop = threading.Event()
         self._dead = threading.Event()  # kill(): nothing leaves this worker any more
         self._thread: threading.Thread | None = None

@@ -53,13 +53,13 @@ class RuntimeOptions:
     send_timeout_ms: int = 2000  # SNDTIMEO / RCVTIMEO on every control socket
     hwm: int = 100_000  # SNDHWM / RCVHWM (messages) on every control socket
     secret: str | None = None  # the cluster secret (required): commands not sealed with it are dropped and counted
-    router_timeout_s: float = 10.0  # no word from a router this long: free its requests (it restarted or died)
+    orphan_timeout_s: float = 10.0  # no word from a router this long: free its requests (it restarted or died)
 
     def __post_init__(self) -> None:
         if isinstance(self.router_addresses, str):
             self.router_addresses = [self.router_addresses]
         self.router_addresses = list(self.router_addresses)
-        for name in ("stats_interval_s", "send_timeout_ms", "hwm", "router_timeout_s"):
+        for name in ("stats_interval_s", "send_timeout_ms", "hwm", "orphan_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

@@ -19,7 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig, check_network_exposure
+from cluster.config import ClusterConfig
+from cluster.network_exposure import check_network_exposure
 from cluster.run.autoscale import Autoscaler, CapacityModel
 from cluster.run.frontend import RouterProcesses
 from cluster.run.pools import LocalPools, RayPools, WorkerRecord

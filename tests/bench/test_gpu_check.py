@@ -208,7 +208,7 @@ def test_the_watchdog_ends_the_run_at_its_hard_limit_and_says_where(tmp_path):
 
 
 def _engine(path):
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64))
+    return LLMEngine(EngineConfig(model=str(path), kv_blocks=64))
 
 
 def test_a_forward_that_raises_ends_the_measurement_with_the_engines_error(tiny_llama_path, monkeypatch):

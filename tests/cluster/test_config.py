@@ -76,7 +76,7 @@ def test_defaults_are_local_and_safe():
 
 
 def test_the_gpu_node_config_needs_an_api_key_to_bind_beyond_loopback():
-    from cluster.config import check_network_exposure
+    from cluster.network_exposure import check_network_exposure
 
     config = load_config(CONFIGS / "gpu-node.yaml")
     with pytest.raises(ConfigError, match="router.host"):
@@ -140,7 +140,7 @@ def test_one_set_of_defaults():
     transfer = config.transfer_config()
     assert transfer.lease_s == TransferConfig().lease_s == config.transfer.lease_s == 30.0
     assert transfer.deadline_s == TransferConfig().deadline_s == config.transfer.deadline_s
-    assert transfer.wire_dtype == TransferConfig().wire_dtype
+    assert transfer.kv_wire_dtype == TransferConfig().kv_wire_dtype
     engine = config.engine_config(config.pools.decode, "/model")
     assert engine == EngineConfig(model="/model", max_model_len=None)  # every engine default untouched
     spec_defaults = WorkerSpec("w", "decode", EngineConfig(), RuntimeOptions(["tcp://127.0.0.1:1"]))
@@ -149,7 +149,7 @@ def test_one_set_of_defaults():
         assert spec.transfer_backend == spec_defaults.transfer_backend
         assert spec.failure_policy == spec_defaults.failure_policy
         assert spec.zmq_transport == spec_defaults.zmq_transport
-        assert spec.runtime.router_timeout_s == RuntimeOptions(["x"]).router_timeout_s
+        assert spec.runtime.orphan_timeout_s == RuntimeOptions(["x"]).orphan_timeout_s
         assert spec.runtime.stats_interval_s == RuntimeOptions(["x"]).stats_interval_s
 
 
@@ -175,7 +175,7 @@ def test_worker_specs_carry_every_setting_of_the_config():
     assert decode.failure_policy == "recompute" and decode.reserve_headroom_tokens == 64
     assert decode.runtime.secret == decode.transfer.secret == "s" * 32
     assert decode.runtime.router_addresses == ["tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001"]
-    assert decode.runtime.host == "auto" and decode.runtime.router_timeout_s == config.router.orphan_timeout_s
+    assert decode.runtime.host == "auto" and decode.runtime.orphan_timeout_s == config.router.orphan_timeout_s
     assert specs[0].engine.max_batch_tokens == config.pools.prefill.max_batch_tokens
     assert specs[0].engine is not specs[1].engine  # no shared mutable parts between workers
     colocated = parse_config({"mode": "colocated", "pools": {"decode": {"replicas": 2}}})

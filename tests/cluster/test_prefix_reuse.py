@@ -28,7 +28,7 @@ MAX_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_llama_path), num_kv_blocks=256))
+    return LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_blocks=256))
 
 
 def _expected(reference: LLMEngine, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:

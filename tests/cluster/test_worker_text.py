@@ -42,7 +42,7 @@ def handle(request, tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
-    return LLMEngine(EngineConfig(model=str(tiny_llama_path), num_kv_blocks=256))
+    return LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_blocks=256))
 
 
 def _reference(engine, prompt: list[int], max_tokens: int, stop: list[str] | None = None):

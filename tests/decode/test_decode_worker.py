@@ -36,7 +36,7 @@ def _drop_layer(pair, layer: int) -> None:
 
 
 def test_a_reservation_is_refused_when_the_blocks_are_not_free(role_pair):
-    pair = role_pair(decode_engine={"num_kv_blocks": 8}, headroom_tokens=16)
+    pair = role_pair(decode_engine={"kv_blocks": 8}, headroom_tokens=16)
     big, small = list(range(100)), list(range(40))
     first = pair.reserve("a", big, greedy(4))  # 100 + 1 + 3 (headroom capped by max_tokens) tokens: 7 blocks
     assert first.ok and len(first.blocks) == reserved_blocks(100, 4, 16, 16) == 7

@@ -23,7 +23,7 @@ def make_engine():
     engines: list[LLMEngine] = []
 
     def factory(model, **overrides) -> LLMEngine:
-        settings = dict(model=str(model), num_kv_blocks=256)
+        settings = dict(model=str(model), kv_blocks=256)
         settings.update(overrides)
         engine = LLMEngine(EngineConfig(**settings))
         engines.append(engine)

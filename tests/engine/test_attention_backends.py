@@ -88,7 +88,7 @@ def test_chunked_prefill_and_cached_prefix_match_transformers(backend, tiny_qwen
 def test_flex_and_sdpa_attend_alike_layer_by_layer(tiny_llama_path):
     """Same weights, same mixed step (a chunked prompt and running decodes): the last hidden states agree."""
     engines = {
-        name: LLMEngine(EngineConfig(model=str(tiny_llama_path), num_kv_blocks=64, attention_backend=name))
+        name: LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_blocks=64, attention_backend=name))
         for name in BACKENDS
     }
     hidden = {}
@@ -180,7 +180,7 @@ def test_flashinfer_where_it_cannot_run_is_an_error_naming_the_field(monkeypatch
 
 def test_engine_refuses_flashinfer_on_cpu(tiny_llama_path):
     with pytest.raises(ValueError, match="attention_backend"):
-        LLMEngine(EngineConfig(model=str(tiny_llama_path), num_kv_blocks=16, attention_backend="flashinfer"))
+        LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_blocks=16, attention_backend="flashinfer"))
 
 
 # ---- FlashInfer's batch description ---------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_prefix_caching_can_be_turned_off(tiny_llama_path, make_engine):
 
 def test_preemption_under_block_pressure_keeps_output_exact(tiny_llama_path, llama_reference, make_engine):
     # 12 blocks of 16 tokens: four 40-token prompts fit, but not their 40 generated tokens each
-    engine = make_engine(tiny_llama_path, num_kv_blocks=12, enable_prefix_caching=False)
+    engine = make_engine(tiny_llama_path, kv_blocks=12, enable_prefix_caching=False)
     prompts = random_prompts(4, 40, 40, seed=7)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     results = engine.generate(prompts, params)

@@ -56,7 +56,7 @@ def test_handoff_of_a_chunked_prompt(tiny_qwen2_path, make_engine):
 
 
 def test_reservation_refused_when_blocks_are_short(tiny_llama_path, make_engine):
-    decode = make_engine(tiny_llama_path, num_kv_blocks=8)
+    decode = make_engine(tiny_llama_path, kv_blocks=8)
     assert decode.reserve_remote(list(range(100)), SamplingParams(), "a") is not None  # 7 blocks
     assert decode.reserve_remote(list(range(40)), SamplingParams(), "b") is None  # never overcommitted
     assert decode.abort("a")
@@ -87,7 +87,7 @@ def test_layer_hook_sees_every_layer_in_order(tiny_llama_path, make_engine):
 
 
 def test_reservation_headroom_is_capped_by_what_the_request_can_generate(tiny_llama_path, make_engine):
-    decode = make_engine(tiny_llama_path, num_kv_blocks=32)
+    decode = make_engine(tiny_llama_path, kv_blocks=32)
     blocks = decode.reserve_remote(list(range(20)), SamplingParams(max_tokens=100), "a", headroom_tokens=64)
     assert len(blocks) == -(-(20 + 1 + 64) // 16)
     short = decode.reserve_remote(list(range(20)), SamplingParams(max_tokens=4), "b", headroom_tokens=64)

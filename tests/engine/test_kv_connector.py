@@ -439,7 +439,7 @@ def test_a_raising_sink_fails_only_its_steps_requests(tiny_llama_path, make_engi
 
 
 def test_reserved_blocks_is_what_reserve_remote_allocates(tiny_llama_path, make_engine):
-    engine = make_engine(tiny_llama_path, max_model_len=80, num_kv_blocks=64)
+    engine = make_engine(tiny_llama_path, max_model_len=80, kv_blocks=64)
     cases = [
         (1, 1, 0),
         (15, 16, 0),

@@ -250,7 +250,7 @@ def test_explicit_budgets_win_over_measuring():
     assert needs_measured_budget(EngineConfig(device="cuda"))
     assert isinstance(KVMemoryPlanner.start(EngineConfig(device="cuda:1"), memory), KVMemoryPlanner)
     for config in (
-        EngineConfig(device="cuda", num_kv_blocks=100),
+        EngineConfig(device="cuda", kv_blocks=100),
         EngineConfig(device="cuda", kv_cache_memory_bytes=8 * MIB),
         EngineConfig(device="cpu"),
     ):

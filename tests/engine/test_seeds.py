@@ -40,7 +40,7 @@ def test_seed_alone_and_in_a_mixed_batch(tiny_llama_path, make_engine):
 
 def test_seed_survives_preemption(tiny_llama_path, make_engine):
     roomy = make_engine(tiny_llama_path)
-    tight = make_engine(tiny_llama_path, num_kv_blocks=10, block_size=16)  # two 60-token requests do not fit
+    tight = make_engine(tiny_llama_path, kv_blocks=10, block_size=16)  # two 60-token requests do not fit
     prompts = random_prompts(3, 40, 60, seed=5)
     params = [_with(SEEDED, max_tokens=40, seed=s) for s in (1, 2, 3)]
     expected = [r.token_ids for r in roomy.generate(prompts, params)]

@@ -108,7 +108,7 @@ def test_deltas_with_sentencepiece_tokenizers(kind, tiny_llama_path, make_engine
 
 
 def test_deltas_with_the_default_model(smollm2_path, make_engine):
-    engine = make_engine(smollm2_path, num_kv_blocks=64)
+    engine = make_engine(smollm2_path, kv_blocks=64)
     tokenizer = engine.tokenizer
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write one sentence about Paris, café and crème brûlée."}],

@@ -46,7 +46,7 @@ class EventLog:
 
 
 def build_engine(model, **overrides) -> LLMEngine:
-    settings = dict(model=str(model), num_kv_blocks=256)
+    settings = dict(model=str(model), kv_blocks=256)
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 

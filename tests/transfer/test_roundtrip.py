@@ -29,7 +29,7 @@ def _run(kind, dtype, tmp_path, closing, cfg=None, chunks=1, seed=3):
     per = len(dst) // chunks
     for c in range(chunks):  # chunked prefill: each chunk streams all layers for its blocks
         for layer in range(fp.num_layers):
-            k, v = make_kv(fp, layer, len(dst), seed, specials=cfg is None or cfg.wire_dtype == "raw")
+            k, v = make_kv(fp, layer, len(dst), seed, specials=cfg is None or cfg.kv_wire_dtype == "raw")
             sl = slice(c * per, (c + 1) * per)
             assert s.send_layer("req-1", layer, dst[sl], k[sl], v[sl])
     s.finish("req-1")
@@ -56,7 +56,7 @@ def test_chunked_pieces(kind: str, tmp_path, closing) -> None:
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_int8_wire(dtype: str, tmp_path, closing) -> None:
-    cfg = TransferConfig(wire_dtype="int8")
+    cfg = TransferConfig(kv_wire_dtype="int8")
     cache, dst, events = _run("tcp", dtype, tmp_path, closing, cfg=cfg)
     cache.assert_holds(dst, seed=3, exact=False, atol=0.05)  # randn: |x| < ~5, step 5/127
     raw_bytes = fingerprint(dtype).num_layers * 2 * len(dst) * 4 * 2 * 8 * DTYPES[dtype].itemsize

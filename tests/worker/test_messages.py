@@ -270,7 +270,7 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
     events_sock.setsockopt(zmq.LINGER, 0)
     router_address = f"tcp://127.0.0.1:{events_sock.bind_to_random_port('tcp://127.0.0.1')}"
     verifier = Verifier(SECRET, Channel.EVENTS, router_address)
-    engine = EngineConfig(model=str(tiny_llama_path), num_kv_blocks=32, torch_threads=1, max_model_len=128)
+    engine = EngineConfig(model=str(tiny_llama_path), kv_blocks=32, torch_threads=1, max_model_len=128)
     spec = WorkerSpec(
         name="colocated-0",
         role="colocated",

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from cli.main import main as cli_main
-from cluster.config import ConfigError, check_network_exposure, parse_config
+from cluster.config import ConfigError, parse_config
+from cluster.network_exposure import check_network_exposure
 from cluster.run.launch import start_serving
 from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv_free
 

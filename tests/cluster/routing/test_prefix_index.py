@@ -120,7 +120,7 @@ def test_a_dead_worker_holds_nothing(members):
 
 def test_router_hashes_equal_the_engines_for_random_prompts(tiny_llama_path):
     """The router's view, built only from the engine's drained events, predicts the engine's own prefix hits."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), num_kv_blocks=256, block_size=BS))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_blocks=256, block_size=BS))
     blocks = engine.block_manager
     index = PrefixIndex()
     seq = 0

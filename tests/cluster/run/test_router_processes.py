@@ -103,7 +103,7 @@ class FakeRouters:
 
 
 def _spec(tiny_llama_path, routers: FakeRouters, role: str, transfer=None, **runtime) -> WorkerSpec:
-    engine = EngineConfig(model=str(tiny_llama_path), num_kv_blocks=64, torch_threads=1, max_model_len=256)
+    engine = EngineConfig(model=str(tiny_llama_path), kv_blocks=64, torch_threads=1, max_model_len=256)
     options = RuntimeOptions(router_addresses=list(routers.addresses), secret=SECRET, **runtime)
     extra = {} if transfer is None else {"transfer": transfer}
     return WorkerSpec(name=f"{role}-0", role=role, engine=engine, runtime=options, **extra)
@@ -163,7 +163,7 @@ def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
 
     routers = FakeRouters(2)
     spec = _spec(
-        tiny_llama_path, routers, "decode", transfer=TransferConfig(secret=SECRET, deadline_s=60), router_timeout_s=1.5
+        tiny_llama_path, routers, "decode", transfer=TransferConfig(secret=SECRET, deadline_s=60), orphan_timeout_s=1.5
     )
     worker = WorkerRuntime(spec, DecodeRole)  # zmq over tcp, failure policy "fail", no headroom: the spec's defaults
     worker.start()
@@ -176,7 +176,7 @@ def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
         routers.wait_for(lambda: routers.of(0, Reserved) and routers.of(1, Reserved), ping=1)
         assert [(e.rid, e.ok) for e in routers.of(0, Reserved)] == [("d", True)]
         assert [(e.rid, e.ok) for e in routers.of(1, Reserved)] == [("e", True)]
-        # router 1 keeps pinging, router 0 says nothing: after router_timeout_s only "d" is freed, at router 0
+        # router 1 keeps pinging, router 0 says nothing: after orphan_timeout_s only "d" is freed, at router 0
         routers.wait_for(lambda: routers.of(0, ErrorEvent), timeout_s=15, ping=1)
         assert [(e.rid, e.message) for e in routers.of(0, ErrorEvent)] == [("d", "router unreachable")]
         started = time.monotonic()
