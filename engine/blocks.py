@@ -114,7 +114,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
 
 def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) from a model's config.json fields, read the way ``EngineCore`` reads them from
+    """(layers, KV heads, head dim) from a model's config.json fields, read the way ``LLMEngine`` reads them from
     the loaded model's config: KV heads default to the attention heads (no GQA), head dim to hidden / heads."""
     try:
         heads = int(config["num_attention_heads"])
@@ -127,7 +127,7 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
 
 def kv_blocks_for(memory_bytes: int, bytes_per_block: int, explicit_blocks: int | None = None) -> int:
     """How many KV blocks a worker allocates: an explicit count, else as many whole blocks as its memory holds
-    (at least one); the rule ``EngineCore`` applies to ``kv_blocks`` / ``kv_cache_memory_bytes``."""
+    (at least one); the rule ``LLMEngine`` applies to ``kv_blocks`` / ``kv_cache_memory_bytes``."""
     return explicit_blocks or max(1, memory_bytes // bytes_per_block)
 
 

@@ -372,7 +372,7 @@ class KVMemoryPlanner:
     def _measure_step(self, runner: ModelRunner, sampler: Sampler, chunks: list[ScheduledChunk]) -> int:
         """Torch's peak in this step above what it holds once the step is over: the step's transient tensors. What
         the step leaves allocated (the runner's gather buffer, counted at its bound instead; cuBLAS workspaces,
-        counted by ``plan``) is not in it. Runs the step as ``EngineCore.step`` does: forward, prompt scores,
+        counted by ``plan``) is not in it. Runs the step as ``LLMEngine.step`` does: forward, prompt scores,
         sampler."""
         memory = self.memory
         memory.synchronize()

@@ -1,6 +1,6 @@
 """What a sampled token makes of a request: its finish reason, its text, and the ``RequestOutput`` a worker streams.
 
-``EngineCore`` (``engine.engine_core``) steps the model and owns each request's blocks; this module is the output
+``LLMEngine`` (``engine.llm_engine``) steps the model and owns each request's blocks; this module is the output
 path it calls once per sampled token and once per finish, and none of it touches the scheduler or the KV cache. Its
 own module because it is the part of a step that concerns text: stop conditions, detokenization, logprobs and the
 shapes handed back (``RequestOutput`` per step, ``CompletionResult`` for ``generate``).

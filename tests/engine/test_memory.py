@@ -81,7 +81,7 @@ class FakeMemory:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Make EngineCore plan its KV on ``memory`` as a CUDA engine would (the model still runs on the CPU); loading
+    """Make LLMEngine plan its KV on ``memory`` as a CUDA engine would (the model still runs on the CPU); loading
     the model allocates ``weights`` bytes on it and ``non_torch`` outside torch. Returns a setter."""
     loads: list[str] = []
 
