@@ -111,7 +111,7 @@ def test_no_warning_when_the_process_was_started_with_them(monkeypatch, caplog):
 
 def test_ray_worker_actors_start_with_them():
     pytest.importorskip("ray")
-    from cluster.pools import RayPools
+    from cluster.run.pools import RayPools
 
     asked: list[dict] = []
 
