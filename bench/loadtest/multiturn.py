@@ -1,27 +1,18 @@
 """Plays multi-turn conversations against a chat server, and summarizes the run by turn.
 
-Each conversation is one task that sends its turns in order: turn k's request (``/v1/chat/completions``, streamed,
-timed like every other request by ``client.send_request``) carries the whole history, every earlier user turn with
-the answer the server actually streamed back, then the next user turn; after an answer it waits its think time
-before the next turn. A turn that fails (any reason) ends its conversation: the failure is counted once under its
-reason in the run's ``failures``, the conversation counts as ``failed`` and its remaining turns are not sent.
-
-Load (the same options as single requests, applied to conversations):
-
-- ``--request-rate R`` finite: conversations *start* at gamma-distributed times (shape ``--burstiness``, mean 1/R;
-  ``--ramp-up-s`` ramps the rate). With ``--max-concurrency N`` at most N conversations are open at once (a slot
-  is held through think times, like N users); a due conversation waits for a slot, and one still waiting at the
-  duration bound is recorded as a cancelled first turn (a visible client-side queue, as for single requests).
-- ``--request-rate inf`` with ``--max-concurrency N``: N conversations open at all times, the next one starting as
-  soon as one ends (sender i starts at ``ramp_up_s * i / N``); without ``--max-concurrency``: all start at once.
-- Bounds: ``--num-conversations`` (0: none) and ``--duration``; at the duration bound every conversation still
-  open is cut: a turn in flight fails as ``cancelled``, and the conversation counts as ``unfinished``.
-- ``--num-warmups``: that many whole conversations first (at most ``--max-concurrency`` at once), flagged
-  ``warmup`` and left out of every figure.
-
-Input tokens per turn (history included) come from the server's ``usage``; our own count (``expected_input_tokens``,
-the templated history) is made after the run, so that tokenizing ever longer histories never stalls the event loop
-that times the streams.
+Each conversation is one task sending its turns in order, each with the whole history and the server's actual
+answers (timed by ``client.send_request``), waiting its think time after each answer. A failed turn ends its
+conversation (``failed``; its reason counted once in ``failures``; later turns not sent). Load options apply to
+conversations:
+- finite ``--request-rate``: conversations start at gamma arrivals (``--burstiness``, ``--ramp-up-s``); with
+  ``--max-concurrency N`` at most N are open (a slot is held through think times, like N users), and one still
+  waiting for a slot at the duration bound is recorded as a cancelled first turn.
+- ``--request-rate inf``: with ``--max-concurrency N``, N open at all times (sender i starts at
+  ``ramp_up_s * i / N``); without, all at once.
+- at the duration bound every open conversation is ``unfinished`` (a turn in flight fails as ``cancelled``);
+  ``--num-warmups`` whole conversations go first and are left out of every figure.
+Input tokens come from the server's ``usage``; our own count (``expected_input_tokens``) is made after the run, so
+tokenizing ever longer histories never stalls the event loop that times the streams.
 """
 
 from __future__ import annotations
@@ -114,7 +105,7 @@ class _Player:
                 async with slot:
                     await self._turns(run)
         except asyncio.CancelledError:
-            if not run.results:  # due, but still waiting for a concurrency slot at the bound
+            if not run.results:
                 result = self._result(run, 0, run.scheduled_s)
                 result.error, result.error_detail = "cancelled", "due, but waiting for a concurrency slot at the bound"
             raise
@@ -158,8 +149,8 @@ async def run_conversations(
     progress: bool = True,
     label: str = "",
 ) -> tuple[list[ConversationRun], float, dict]:
-    """Warm-up conversations, then the measured phase (``shape.num_prompts`` is the number of conversations).
-    Returns (every conversation played, warm-ups first; measured duration in s; client stats)."""
+    """Warm-ups, then the measured phase (``shape.num_prompts`` counts conversations). Returns (every conversation,
+    warm-ups first; measured duration in s; client stats)."""
     shape.validate()
     if settings.endpoint_type != "chat":
         raise ValueError("multi-turn conversations go to the chat endpoint (--endpoint-type chat)")
@@ -204,7 +195,7 @@ async def _measured(player: _Player, pool, shape: LoadShape, measured: list[Conv
         for seq, offset in enumerate(arrival_offsets(shape.request_rate, shape.burstiness, shape.ramp_up_s, rng)):
             if shape.num_prompts and seq >= shape.num_prompts:
                 return
-            if closed:  # the next conversation starts when one ends (sender i ramps in at ramp_up_s * i / N)
+            if closed:
                 assert slot is not None and shape.max_concurrency
                 if shape.ramp_up_s and seq < shape.max_concurrency:
                     offset = shape.ramp_up_s * seq / shape.max_concurrency
