@@ -1,11 +1,9 @@
 """``pdserve bench serve`` / ``python -m bench.loadtest``: options, one run or a rate sweep, the results folder.
 
-Options (``options.py``) are named as in ``vllm bench serve`` where they mean the same. ``run(args)``:
-1. ``prepare``: build the workload once (not while timing);
-2. ``execute``: run each rate (``--rates``, else ``--request-rate``) against the server;
-3. write the results folder, print the table to stderr, return the summary dict.
-``bench/compare_modes.py`` reuses ``prepare`` and ``execute`` for its two modes. Multi-turn runs play conversations:
-one record per turn and a ``multi_turn`` section in each run's summary.
+``run(args)``: ``prepare`` builds the workload once (not while timing), ``execute`` runs each rate (``--rates``, else
+``--request-rate``) against the server, then the results folder is written, the table printed to stderr and the
+summary returned; ``bench/compare_modes.py`` reuses ``prepare`` and ``execute``. Options (``options.py``) are named
+as in ``vllm bench serve`` where they mean the same.
 """
 
 from __future__ import annotations

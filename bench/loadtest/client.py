@@ -1,14 +1,12 @@
-"""One streamed OpenAI request, timed at the client.
+"""One streamed OpenAI request, timed at the client from just before sending (connection set-up included, as in
+``vllm bench serve``).
 
-``send_request`` streams a completions or chat request (``include_usage``) and fills a ``RequestResult``, times
-from ``time.perf_counter()`` just before sending (connection set-up included, as ``vllm bench serve``):
-- TTFT: the read that delivered the first non-empty text (``text``, or ``delta.content``/``reasoning_content``).
-- ITL: gaps between reads that delivered text; a chunk may carry several tokens (``content_chunks`` shows it).
-- E2EL: the read that delivered ``[DONE]``; TPOT ``(e2el - ttft) / (output_tokens - 1)``, 0 for one token (vLLM).
-- token counts and ``cached_tokens`` from the server's ``usage`` (without one, the runner counts the text afterwards:
-  ``output_tokens_source``); server stage timings: the last ``timing`` object in any chunk or choice.
-A failure has one reason: ``http_<status>``, ``timeout``, ``cancelled``, ``connect_error``, ``stream_cut`` (ended
-before ``[DONE]``), ``stream_error`` (an error event or object), ``bad_response`` (unparseable) or ``no_content``.
+TTFT is the read that delivered the first non-empty text (``text``, or ``delta.content``/``reasoning_content``); ITL
+the gaps between reads that delivered text (a chunk may carry several tokens: ``content_chunks``); E2EL the read that
+delivered ``[DONE]``. Token counts and ``cached_tokens`` come from the server's ``usage`` (without one the runner
+counts the text: ``output_tokens_source``), stage timings from the last ``timing`` object. A failure has one reason:
+``http_<status>``, ``timeout``, ``cancelled``, ``connect_error``, ``stream_cut`` (ended before ``[DONE]``),
+``stream_error`` (an error event or object), ``bad_response`` (unparseable) or ``no_content``.
 """
 
 from __future__ import annotations
@@ -92,7 +90,7 @@ class RequestResult:
 
     @property
     def tpot_s(self) -> float | None:
-        """None on failure."""
+        """(e2el - ttft) / (output_tokens - 1); 0 for one token (as vLLM), None on failure."""
         if not self.success or self.ttft_s is None or self.e2el_s is None or not self.output_tokens:
             return None
         if self.output_tokens <= 1:

@@ -1,17 +1,12 @@
 """Multi-turn chat workload (``--dataset-name multi-turn``): the conversations a run plays, built before timing.
 
-A conversation is its user turns, each answer's ``max_tokens`` and the think times between an answer and the next
-turn. Every turn sends the whole history with the server's *actual* answers (``ConversationSpec.messages``), known
-only while ``multiturn.py`` plays it: turn k's prompt is turn k-1's plus the server's own tokens and one more user
-turn, which makes the workload a test of prefix reuse. Sources:
-- synthetic: ``--num-turns`` turns (uniform within ``±--num-turns-range-ratio``, at least 1); each user message
-  exactly ``--random-input-len`` tokens on its own (no template, no history), each answer ``--random-output-len``,
-  both drawn from ``--length-dist``.
-- a ShareGPT-style JSON list or JSONL (``{"conversations": [{"from", "value"}, ...]}`` or ``{"messages": [{"role",
-  "content"}, ...]}``): the human turns in order (cut to ``--num-turns``), each output length the following gpt
-  turn's token count (drawn when absent); shuffled with ``--seed``, cycled when more are asked for.
-Think times (``--think-time-s``, fixed or exponential with that mean) are drawn in advance: a seed replays the same
-schedule.
+A conversation is its user turns, each answer's ``max_tokens`` and the think times after each answer. Every turn
+sends the whole history with the server's *actual* answers (``ConversationSpec.messages``), so turn k's prompt is
+turn k-1's plus the server's own tokens and one more user turn: a test of prefix reuse. Synthetic user messages are
+exactly ``--random-input-len`` tokens on their own (no template, no history); a ShareGPT-style file (JSON list or
+JSONL, ``conversations`` or ``messages``) gives its human turns in order, each output length the following gpt
+turn's token count (drawn when absent), shuffled with ``--seed`` and cycled. Think times are drawn in advance, so a
+seed replays the same schedule.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """From per-request results to a run summary, and from a sweep of runs to the highest rate that meets the SLOs.
 
-Times are the client's ``time.perf_counter``, reported in ms (TTFT, TPOT, E2EL: ``client.py``):
-- ITL: every gap between consecutive text chunks, pooled over all successful requests.
-- percentiles: ``numpy.percentile``'s linear interpolation, as vLLM reports.
-- duration: the measured phase's first send to the end of its last request (or the bound); throughputs divide by it.
-- goodput: successful requests meeting every given SLO (ms, ``<=``) / duration; SLO attainment: those / all
-  measured requests (failed included), in %.
-- cached tokens: over the successful requests that reported them; ``None`` when none did (a server that does not
-  send them is not a 0 % hit).
-- sweep: the highest rate with attainment >= ``target`` (90%: DistServe's goodput), and that rate per worker.
+Times are the client's (``client.py``), reported in ms; percentiles are ``numpy.percentile``'s linear interpolation,
+as vLLM reports. ITL pools every gap of all successful requests. Duration runs from the measured phase's first send
+to the end of its last request (or the bound); throughputs and goodput (successful requests meeting every SLO, ``<=``)
+divide by it. SLO attainment: those / all measured requests, failed included, in %. Cached tokens count only the
+requests that reported them (``None`` when none did: not a 0 % hit). A sweep picks the highest rate with attainment
+>= ``target`` (90%: DistServe's goodput), also per worker.
 """
 
 from __future__ import annotations
@@ -202,8 +199,8 @@ def server_timing_summary(results: Sequence[RequestResult]) -> dict:
 
 
 def pick_max_rate(runs: Sequence[dict], target_pct: float = 90.0, num_workers: int | None = None) -> dict:
-    """The highest swept rate whose SLO attainment is at least ``target_pct``; ``monotonic`` False means a lower
-    rate missed the target (noise, or a server doing better under load): read such a sweep with care."""
+    """The highest swept rate whose attainment is at least ``target_pct``; ``monotonic`` False (a lower rate
+    missed it: noise, or a server doing better under load) says to read the sweep with care."""
     rated = [(r["rate"], r.get("slo_attainment_pct")) for r in runs]
     passing = [rate for rate, pct in rated if pct is not None and pct >= target_pct]
     best = max(passing, key=_rate_value) if passing else None

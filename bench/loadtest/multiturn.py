@@ -1,18 +1,12 @@
 """Plays multi-turn conversations against a chat server, and summarizes the run by turn.
 
-Each conversation is one task sending its turns in order, each with the whole history and the server's actual
-answers (timed by ``client.send_request``), waiting its think time after each answer. A failed turn ends its
-conversation (``failed``; its reason counted once in ``failures``; later turns not sent). Load options apply to
-conversations:
-- finite ``--request-rate``: conversations start at gamma arrivals (``--burstiness``, ``--ramp-up-s``); with
-  ``--max-concurrency N`` at most N are open (a slot is held through think times, like N users), and one still
-  waiting for a slot at the duration bound is recorded as a cancelled first turn.
-- ``--request-rate inf``: with ``--max-concurrency N``, N open at all times (sender i starts at
-  ``ramp_up_s * i / N``); without, all at once.
-- at the duration bound every open conversation is ``unfinished`` (a turn in flight fails as ``cancelled``);
-  ``--num-warmups`` whole conversations go first and are left out of every figure.
-Input tokens come from the server's ``usage``; our own count (``expected_input_tokens``) is made after the run, so
-tokenizing ever longer histories never stalls the event loop that times the streams.
+Each conversation is one task sending its turns in order, each with the whole history, and waiting its think time
+after each answer; a failed turn ends it (``failed``; later turns not sent). The load options apply to
+conversations: a finite ``--request-rate`` starts them at gamma arrivals; ``--max-concurrency N`` bounds the open
+ones (a slot is held through think times, like N users; at rate inf, N are open at all times). At the duration bound
+open conversations are ``unfinished``: a turn in flight, or one still waiting for a slot, fails as ``cancelled``.
+Our own input token count (``expected_input_tokens``) is made after the run, so tokenizing ever longer histories
+never stalls the event loop that times the streams.
 """
 
 from __future__ import annotations
@@ -149,8 +143,8 @@ async def run_conversations(
     progress: bool = True,
     label: str = "",
 ) -> tuple[list[ConversationRun], float, dict]:
-    """Warm-ups, then the measured phase (``shape.num_prompts`` counts conversations). Returns (every conversation,
-    warm-ups first; measured duration in s; client stats)."""
+    """Warm-ups, then the measured phase (``shape.num_prompts`` counts conversations). Returns (all conversations,
+    warm-ups first; measured s; client stats)."""
     shape.validate()
     if settings.endpoint_type != "chat":
         raise ValueError("multi-turn conversations go to the chat endpoint (--endpoint-type chat)")
@@ -266,8 +260,8 @@ def _cached(results: Sequence[RequestResult]) -> dict | None:
 
 
 def summarize_conversations(runs: Sequence[ConversationRun], percentiles: Iterable[float] = BASE_PERCENTILES) -> dict:
-    """The run's ``multi_turn`` section: outcomes, TTFT split by turn (turn 1 against later turns, where reuse of
-    the history's prefix shows), input tokens growing with the history, and the server's cached tokens."""
+    """The run's ``multi_turn`` section: outcomes, TTFT of turn 1 against later turns (where reuse of the history's
+    prefix shows), input tokens by turn, and the server's cached tokens."""
     percentiles = sorted(set(BASE_PERCENTILES) | {float(p) for p in percentiles})
     measured = [r for r in runs if not r.warmup]
     results = [x for run in measured for x in run.results]

@@ -1,15 +1,12 @@
 """Load shapes: when each request is sent, and when a run stops.
 
-- Open loop (finite ``request_rate``, or inf without ``max_concurrency``): gamma arrival gaps of shape
-  ``burstiness`` (1: Poisson; below: burstier) and mean ``1 / rate``, the first at 0; inf sends all at once. With
-  ``max_concurrency`` a due request waits for a slot, and TTFT is timed from the actual send (as vLLM);
-  ``scheduled_s`` / ``sent_s`` show the wait.
+- Open loop (finite ``request_rate``, or inf without ``max_concurrency``): gamma gaps of shape ``burstiness`` (1:
+  Poisson; below: burstier) and mean ``1 / rate``, the first at 0; inf sends all at once. A request due while
+  ``max_concurrency`` are running waits, timed from its actual send (as vLLM; ``scheduled_s`` / ``sent_s``).
 - Closed loop (inf with ``max_concurrency`` N): N senders, each sending its next request when its last one ends.
-- ``ramp_up_s``: open loop, the rate rises linearly from 0 (arrivals drawn in operational time, mapped through the
-  integrated rate); closed loop, sender i starts at ``ramp_up_s * i / N``.
-- Bounds: ``num_prompts`` (0 or None: none) and ``duration_s``, at which every running request is cancelled
-  (``cancelled``); one over ``request_timeout_s`` fails with ``timeout``. So a run always ends.
-- Warm-up: ``num_warmups`` requests first (at most ``max_concurrency`` at once), left out of every figure.
+- ``ramp_up_s``: open loop, the rate rises linearly from 0 (arrivals drawn in operational time); closed loop, sender
+  i starts at ``ramp_up_s * i / N``.
+- At the ``duration_s`` bound running requests are cancelled, and each has ``request_timeout_s``: a run always ends.
 """
 
 from __future__ import annotations
@@ -110,8 +107,7 @@ async def run_phase(
     progress: bool = True,
     label: str = "",
 ) -> tuple[list[RequestResult], float, dict]:
-    """Warm up, then the measured phase, cycling ``specs``. Returns (all results, measured duration in s, client
-    stats)."""
+    """Warm up, then the measured phase, cycling ``specs``. Returns (all results, measured s, client stats)."""
     shape.validate()
     rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
     results: list[RequestResult] = []

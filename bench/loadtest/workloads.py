@@ -1,16 +1,12 @@
 """Workloads: the list of requests a run sends, each prompt built to an exact token count.
 
-Counts are the server's, with the model's tokenizer: completions ``tokenizer(system + prompt)`` with special
-tokens (a BOS counts); chat the templated conversation (``add_generation_prompt=True``; the template's tokens and
-any default system prompt count). ``PromptBuilder`` draws "clean" token ids (their text re-encodes to themselves;
-words with a leading space where the vocabulary has enough), decodes, re-counts, and trims or extends until the
-count is exact, or raises.
-
-Sources (``--dataset-name``): ``random`` (lengths around ``--random-input-len`` / ``--random-output-len`` from
-``--length-dist``); ``jsonl`` (``{"prompt", "output_tokens"}`` per line, the prompt sent as is); ``sharegpt``
-(the first human turn is the prompt, the first gpt turn's token count the output; shuffled with ``--seed``);
-``shared-prefix`` (``--shared-prefix-groups`` system prompts of ``--shared-prefix-len`` tokens, taken in turn, each
-request adding a question drawn as for ``random``). Files are cycled when more requests are asked for.
+Counts are the server's, with the model's tokenizer: completions ``tokenizer(system + prompt)`` with special tokens
+(a BOS counts); chat the templated conversation (template tokens and a default system prompt count).
+``PromptBuilder`` draws "clean" token ids (their text re-encodes to themselves; words with a leading space where the
+vocabulary has enough), decodes, re-counts, and trims or extends until the count is exact, or raises. Sources
+(``--dataset-name``): ``random`` lengths; ``jsonl`` (``{"prompt", "output_tokens"}`` per line, sent as is);
+``sharegpt`` (the first human turn, the first gpt turn's token count; shuffled with ``--seed``); ``shared-prefix``
+(system prompts of ``--shared-prefix-len`` tokens taken in turn, each with a question). Files are cycled.
 """
 
 from __future__ import annotations
