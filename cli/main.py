@@ -22,8 +22,7 @@ from cli import status as status_command
 
 Command = Callable[[argparse.Namespace], int]
 
-# (subcommand, help, options module, its function, module running it); the options module imports nothing heavy
-# at module level (tests/cli/test_startup.py)
+# (subcommand, help, options module, its function, run module); options modules import nothing heavy (test_startup.py)
 BENCHMARKS: list[tuple[str, str, str, str, str]] = [
     (
         "engine",

@@ -1,9 +1,8 @@
 """``pdserve plan``: simulate colocated and every P:D split of N workers on a workload; recommend one for an SLO.
 
-Every figure is simulated (planner/simulator.py) from a measured profile and labelled with its model, device and
-date. The workload is a JSONL trace (``{"arrival_s", "input_tokens", "output_tokens"}`` per line; arrivals kept,
-scaled in time) or a synthetic spec with Poisson arrivals and the load tester's lengths
-(``bench.loadtest.workloads.draw_lengths``):
+Every figure is simulated (planner/simulator.py) from a measured profile, labelled with its model, device and date.
+The workload is a JSONL trace (``{"arrival_s", "input_tokens", "output_tokens"}`` per line; arrivals kept, scaled in
+time) or a synthetic spec, Poisson arrivals and ``bench.loadtest.workloads.draw_lengths``'s lengths:
 
     fixed:IN:OUT    uniform:IN:OUT[:RANGE_RATIO]    normal:IN:OUT[:CV]    lognormal:IN:OUT[:CV]
     shared-prefix:GROUPS:PREFIX:IN:OUT   (GROUPS system prompts of PREFIX tokens, then a question of IN tokens)

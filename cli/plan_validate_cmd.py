@@ -1,14 +1,13 @@
 """``pdserve plan validate``: one workload on the local cluster and through the simulator, side by side.
 
-A plan is only as good as its simulator. For each mode, on the same workers (disaggregated: the config's pools;
-colocated: as many workers as both together):
-1. start the cluster here and run the load tester (bench/loadtest) at each rate: open loop, Poisson, a fixed seed,
-   so both modes get the same requests at the same planned times;
-2. feed the simulator what was sent (actual send offsets, server-reported token counts) with the config's settings
-   and the profile; print TTFT and TPOT p50/p90, measured against simulated (planner/validate.py).
-The goal is every ratio within 20% of 1. ``--workload`` takes ``pdserve plan``'s synthetic specs with the same
-defaults (cli/plan_cmd.py), not a JSONL trace, whose arrival times the load tester cannot replay. Answers run to OUT
-tokens (``ignore_eos``) so both decode the same lengths. Standard library only at module level.
+A plan is only as good as its simulator. Per mode, on the same workers (disaggregated: the config's pools;
+colocated: as many workers as both together), it starts the cluster here and runs the load tester at each rate
+(open loop, Poisson, a fixed seed: both modes get the same requests at the same planned times); then the simulator
+replays what was sent (actual send offsets, server-reported token counts) with the config's settings and the profile,
+and TTFT / TPOT p50 and p90 are printed measured against simulated (planner/validate.py; the goal: every ratio within
+20% of 1). ``--workload`` takes ``pdserve plan``'s synthetic specs (cli/plan_cmd.py), not a trace, whose arrival
+times the load tester cannot replay; answers run to OUT tokens (``ignore_eos``), so both sides decode the same
+lengths. Standard library only at module level.
 """
 
 from __future__ import annotations
@@ -146,8 +145,7 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
     started = time.monotonic()
     config = load_config(args.config)
     profile = Profile.load(args.profile)
-    # one plan per rate, each with its own prompts (seed + i): the same prompts again at the next rate would hit the
-    # cluster's prefix cache and make its TTFT a cache hit's, which the simulator (rightly) does not predict
+    # each rate its own prompts (seed + i): the same prompts again would hit the prefix cache, unlike the simulator
     plans = [_load_plan(args, rate, workload, config, args.seed + i) for i, rate in enumerate(rates)]
     folder = Path(args.result_dir) if args.result_dir else Path(tempfile.mkdtemp(prefix="pdserve-validate-"))
     folder.mkdir(parents=True, exist_ok=True)
