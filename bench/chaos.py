@@ -1,19 +1,12 @@
 """``pdserve bench chaos``: a steady load while a decode worker and a prefill worker are killed.
 
-With Ray (the default) the workers are processes, killed with SIGKILL by PID, and Ray restarts them. With
-``--in-process`` they are threads of this process (``LocalPools``), and a kill is ``WorkerActor.kill()``: the
-worker stops dead, sends nothing more and closes its sockets, so the router sees exactly what it sees when a process
-dies (heartbeats stop) and nothing restarts it. ``--prefill-replicas`` / ``--decode-replicas`` size the pools: with
-spare replicas, a request that had no token yet when its worker died is re-dispatched to a survivor, and only
-streams that were mid-generation on the killed decode worker end with an explicit ``worker_died`` error event.
-
-The load behaves like a polite client: after a 429 or 503 it waits ``Retry-After`` before its next request.
-Every request must end in exactly one of two ways the client can see: a completed stream, or an explicit error
-(an HTTP error status with an OpenAI error body, or an error event in the stream followed by ``[DONE]``). A request
-with no answer, or a stream cut without an error event, is *lost*, and the run reports how many (must be 0). After
-the load, once Ray has restarted the killed workers (or, in-process, on the survivors) and leases have run out, it
-reports the KV blocks and requests still held on any live worker (must be 0), the longest time any request outlived
-its deadline (must be 0), and how many answers were 503 (with a spare replica of each pool: must be 0).
+With Ray, workers are processes, SIGKILLed by PID and restarted by Ray; with ``--in-process`` they are threads and a
+kill is ``WorkerActor.kill()``: the worker stops dead and closes its sockets (to the router, heartbeats stop, as for a
+dead process) and nothing restarts it. With spare replicas a request with no token yet is re-dispatched to a
+survivor; only streams mid-generation on the killed decode worker end with a ``worker_died`` error event. The client
+waits ``Retry-After`` after a 429 or 503. A request that ends in neither a completed stream nor an explicit error
+(an HTTP error with an OpenAI body, or an error event then ``[DONE]``) is *lost*. Must be 0: lost requests, and
+after the load settles, KV blocks and requests held, time past any deadline, and 503s (with a spare of each pool).
 """
 
 from __future__ import annotations
@@ -139,7 +132,7 @@ async def _load(handle, args, model: str, in_process: bool) -> tuple[list[dict],
             next_index += 1
             result = await _one(client, handle.base_url, model, index, args.max_tokens)
             results.append(result)
-            if result.get("retry_after_s"):  # a well-behaved client waits as told before its next request
+            if result.get("retry_after_s"):
                 await asyncio.sleep(result["retry_after_s"])
             while plan and len(results) >= plan[0][0] * args.num_requests:
                 _, role = plan.pop(0)

@@ -1,14 +1,10 @@
 """``pdserve bench compare --config FILE``: the same workload and rates against the cluster in colocated mode and
 in disaggregated mode, on the same workers, into one results folder with one table and the plots.
 
-It lives in bench/, not in bench/loadtest/, because it starts pdserve's cluster: the load tester itself needs only
-HTTP and a tokenizer and imports nothing of the server, so it can test any OpenAI-compatible one.
-
-For each mode it starts the cluster from a copy of the config (``mode`` set, ``router.port`` 0 for a free port)
-with ``cluster.run.launch.start_serving(config)``, which returns a handle with ``base_url``, ``num_workers`` and
-``stop()``; runs every rate (``--rates``, else ``--request-rate``) against ``handle.base_url``; stops it. The SLOs
-are ``--goodput`` if given, else the config's ``slo`` section. The per-worker rate uses ``handle.num_workers``
-(``--num-workers`` overrides it).
+It starts pdserve's cluster, so it is not in bench/loadtest/, which imports nothing of the server. Per mode: start
+the cluster from a copy of the config (``mode`` set, ``router.port`` 0) with ``cluster.run.launch.start_serving``,
+run every rate against ``handle.base_url``, stop it. SLOs: ``--goodput``, else the config's ``slo``; the per-worker
+rate divides by ``handle.num_workers`` unless ``--num-workers`` is given.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import sys
 from bench.loadtest import output
 from bench.loadtest.cli import benchmark_settings, execute, prepare, result_folder
 from bench.options import COMPARE_MODES as MODES
-from bench.options import add_compare_arguments as add_arguments  # re-exported: this module's CLI and tests
+from bench.options import add_compare_arguments as add_arguments
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -1,18 +1,11 @@
-"""``pdserve bench detok``: the detokenizer's cost per token as a stream grows, old method against new.
+"""``pdserve bench detok``: the detokenizer's cost per token as a stream grows, full re-decoding against incremental.
 
-Every token becomes text for the client (in the workers' engines now; the router did it before, and only relays text
-since). The old method (kept here as the baseline, ``FullRedecodeBaseline``) re-decoded the whole output for every
-token, so a token's cost grew with its position and a stream's total was quadratic. The new one
-(``engine.detokenizer.IncrementalDetokenizer``) decodes a window of a few tokens, so the cost per token is flat and the
-total linear.
-
-Each length streams that many tokens one at a time (as the router sees them, ``final`` on the last) through both
-methods, with a stop string that never matches (the router searches for stop strings on every token when a request
-has them). The tokens are a real text (English, accented Latin, CJK, emoji: multi-byte characters over several
-tokens) encoded with the default model's tokenizer (``--tiny``: the tiny test model's byte-level tokenizer, no
-download or conversion needed). Figures are CPU time of the streaming thread (what the router's event loop spends;
-waiting for a core on a busy machine is not counted), each the minimum over ``--repeats`` runs. Both methods must
-produce the same text, equal to ``tokenizer.decode``, or the bench fails.
+``FullRedecodeBaseline`` re-decodes the whole output per token (quadratic in total); the workers' incremental
+detokenizer (``engine.detokenizer``) decodes a window of a few tokens (linear). Each length streams that many tokens
+of a real text (English, accented Latin, CJK, emoji: multi-byte characters over several tokens) one at a time through
+both, with a stop string that never matches (stop strings are searched on every token). Tokenizer: the default
+model's (``--tiny``: the tiny model's byte-level one). Figures: the streaming thread's CPU time (a wait for a core is
+not counted), the minimum over ``--repeats``; both must produce ``tokenizer.decode``'s text, or the bench fails.
 
     pdserve bench detok --json            # {"us_per_token": {"full_redecode": {...}, "incremental": {...}}, ...}
 """
@@ -33,7 +26,7 @@ STOP = ["<never appears in this text>"]
 
 
 class FullRedecodeBaseline:
-    """BASELINE ONLY: the router's old detokenizer, which decoded all tokens so far on every ``add`` (quadratic)."""
+    """BASELINE ONLY: decodes all tokens so far on every ``add`` (quadratic)."""
 
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         self.tokenizer = tokenizer
@@ -74,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def stream_ids(tokenizer: Any, length: int) -> list[int]:
-    """``length`` token ids of ``TEXT`` repeated (so multi-byte characters are split over tokens throughout)."""
+    """``TEXT`` repeated, so multi-byte characters are split over tokens throughout."""
     unit = list(tokenizer.encode(TEXT, add_special_tokens=False))
     return (unit * (length // len(unit) + 1))[:length]
 

@@ -1,9 +1,9 @@
 """``pdserve bench engine``: decode and prefill throughput of the engine against transformers ``generate``.
 
-Both sides run the same prompts (equal lengths, so ``generate`` needs no padding) on the same weights. Decode
-throughput is measured the same way for both: ``(t(N tokens) - t(1 token)) / (batch * (N - 1))`` tokens per second,
-so the prefill and the start-up are subtracted out instead of guessed. Each figure is the median of ``--repeats``
-runs after a warm-up. Figures are ratios against transformers in the same run, because this machine is shared.
+Both sides run the same prompts (equal lengths: ``generate`` needs no padding) on the same weights. Decode tokens/s
+is ``(t(N tokens) - t(1 token)) / (batch * (N - 1))`` for both, so prefill and start-up are subtracted, not guessed.
+Each figure is the median of ``--repeats`` runs after a warm-up, reported as a ratio against transformers in the
+same run because this machine is shared.
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """``pdserve bench frontend``: how many streamed tokens the router delivers per CPU-second it spends.
 
-The workers serve a tiny random-weight Llama (``engine.tiny_model``, built once under ``$PDSERVE_CACHE``), so they
-produce tokens faster than the router can stream them and the router's own cost is what the run measures. For each
-``--router-processes`` N the bench writes a config (disaggregated, one prefill and one decode worker, KV for every
-stream at full length), starts ``pdserve serve --config F --port 0`` as a subprocess (``bench.serve_process``; Ray pools: the workers are Ray
-worker processes, not part of the serve process), and with the load tester's own client (``bench.loadtest``:
-HTTP and a tokenizer, nothing of the server) runs:
-
-1. low load: ``--low-load-requests`` requests one at a time, 32 tokens in and 16 out, after 2 warm-ups:
-   ``ttft_p50_ms`` (a faster router must not make the first token slower);
-2. the load of issue 15: ``--num-prompts`` streams of ``--output-len`` tokens (``ignore_eos``), ``--max-concurrency``
-   at once, closed loop (the same as ``pdserve bench serve --max-concurrency 64 --num-prompts 128
-   --random-input-len 32 --random-output-len 1000 --ignore-eos``).
-
-Figures of the load (per configuration):
-
-- ``streamed_tokens``: output tokens of the completed streams (the server's ``usage``, as the load tester counts);
-- ``wall_s``: the load tester's measured duration;
-- ``router_cpu_s``: user + system CPU time over the load of the router's processes, from ``/proc/<pid>/stat``
-  (psutil where there is no ``/proc``; null when neither works). **The router's processes** are the serve process
-  and its descendants, except Ray's processes and everything below them: a process is Ray's when its command line
-  starts with ``ray::`` or runs a file inside a ``ray`` package folder (``.../ray/...``: raylet, GCS, dashboard,
-  log monitor), and the workers (whose PIDs ``pdserve serve`` prints) are excluded by PID as well. So today it is
-  the serve process alone (its HTTP server, router, and the Ray driver threads in it); with ``router.processes: N``
-  the frontend processes it starts are added. A process that started during the load counts from zero;
-- ``tokens_per_router_cpu_s`` and ``tokens_per_wall_s``;
-- ``detokenize_share``: the delta of the router's ``pdserve_router_detokenize_seconds_total`` (``/metrics``) over
-  ``router_cpu_s``; null when the router does not export that counter.
-
-N > 1 runs only when ``pdserve serve`` has a ``--router-processes`` option (read from its ``--help``); otherwise
-that configuration is reported with ``status: "unsupported"``. Everything is bounded: the start, each request, the
-whole load (``--load-timeout-s``) and the stop (SIGTERM; the process group this bench created is killed if the
-process has not exited after 15 s).
+The workers serve a tiny random-weight Llama (``engine.tiny_model``, built once under ``$PDSERVE_CACHE``), faster than
+the router can stream, so the router's own cost is what is measured. For each ``--router-processes`` N:
+1. write a config (disaggregated, one prefill and one decode worker, KV for every stream at full length) and start
+   ``pdserve serve --port 0`` as a subprocess (``bench.serve_process``);
+2. low load with the load tester: ``--low-load-requests`` one at a time; ``ttft_p50_ms`` must not get worse;
+3. the load: ``--num-prompts`` streams of ``--output-len`` tokens, ``--max-concurrency`` at once, closed loop.
+``router_cpu_s``: user + system CPU over the load (``/proc``, else psutil, else null) of the serve process and its
+descendants, less the workers (by PID) and Ray's processes and all below them (``ray::...`` or a file in a ``ray``
+package folder); one started during the load counts from zero. N > 1 needs ``--router-processes`` (else
+``status: "unsupported"``). Every wait is bounded, the stop too (SIGTERM, then the process group after 15 s).
 """
 
 from __future__ import annotations

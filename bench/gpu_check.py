@@ -4,18 +4,13 @@
     python bench/gpu_check.py --out gpu-check.json                # make gpu-check: everything, <= 8 minutes
     python bench/gpu_check.py --device cpu --tiny --quick --out x.json  # the same script on a tiny model (CI)
 
-No network, no Ray: random-weight models shaped like Llama-3.2-1B (and, in the full run, Llama-3-8B) are built
-in-process (bench/gpu_check_models.py), the engine is run directly (bench/gpu_check_engine.py), and the prefill/decode
-pair runs as two processes over the shm transfer backend (bench/gpu_check_pd.py). Every figure is compared with a
-baseline measured in the same run (transformers ``generate`` eager and compiled, a plain transformers forward, our
-own eager path, the idle decode loop), and the GPU path's goals are reported as ratios with pass/fail.
-
-A run tells what it did even when it is cut short. Sections run in order of value, each under its own wall-clock
-cap and the run's budget (``--budget-s``), checked inside every loop; the JSON is written to ``--out`` atomically
-after every section, so a run killed at any moment leaves every finished section. A watchdog thread ends the run at
-``--hard-limit-s`` whatever is running (a compile, a hung kernel): it writes the last finished state with the section
-that was cut and exits with status 3. A section that fails records its error string and the run goes on; what the
-machine lacks (a package, a GPU) is reported in ``dependencies``, not a crash.
+No network, no Ray: random-weight Llama-shaped models built in-process (bench/gpu_check_models.py), the engine run
+directly (bench/gpu_check_engine.py), a prefill/decode pair over the shm backend (bench/gpu_check_pd.py). Each figure
+is compared with a baseline from the same run; the goals are ratios with pass/fail. Sections run in order of value
+under their caps and ``--budget-s``, and the JSON is rewritten atomically to ``--out`` after each, so a cut run keeps
+every finished section. A watchdog ends the run at ``--hard-limit-s`` (a compile, a hung kernel): it writes the last
+state with the cut section and exits with status 3. A failed section records its error; what the machine lacks is
+listed in ``dependencies``.
 """
 
 from __future__ import annotations
@@ -125,8 +120,8 @@ class Run:
     _start: float = field(default_factory=time.monotonic)
 
     def section(self, name: str, fn: Callable[[Deadline], Any], into: dict[str, Any] | None = None) -> Any:
-        """Run ``fn(deadline)`` as section ``name`` into ``into`` (default: the result) under its cap; an error
-        string instead of a crash; "skipped" past the run's deadline. Writes the JSON afterwards."""
+        """``fn(deadline)`` as section ``name`` under its cap: an error recorded, not raised; "skipped" past the run's
+        deadline. Writes the JSON afterwards."""
         target = self.result if into is None else into
         if self.deadline.passed():
             target[name] = {"error": "skipped: the run's time budget is spent"}
@@ -154,7 +149,7 @@ class Run:
         return target[name]
 
     def write(self, aborted: str | None = None) -> str:
-        """The JSON, with the goals computed from what is there, written atomically (a temporary file renamed)."""
+        """With the goals computed from what is there; atomic (a temporary file renamed)."""
         with self._lock:
             if aborted is None:
                 self.result["goals"] = goals(self.result.get("primary") or {}, self.sizes)
@@ -203,9 +198,8 @@ def core_variants() -> list[tuple[str, bool]]:
 
 
 def other_variants(device: str, quick: bool) -> tuple[list[tuple[str, bool]], dict[str, str]]:
-    """The other (backend, graphs) pairs worth a row, and why each left out is left out. sdpa with graphs is the
-    default config where FlashInfer is not installed (auto resolves to sdpa). FlashInfer: only where it is importable,
-    and in the quick run only with its prebuilt kernels (without them its first use compiles for minutes)."""
+    """The other (backend, graphs) pairs worth a row, and why each missing one is left out: sdpa with graphs is the
+    default config without FlashInfer; FlashInfer needs to be importable, and prebuilt kernels in the quick run."""
     skipped: dict[str, str] = {}
     variants: list[tuple[str, bool]] = []
     flashinfer = importlib.util.find_spec("flashinfer") is not None
@@ -225,7 +219,7 @@ def other_variants(device: str, quick: bool) -> tuple[list[tuple[str, bool]], di
 
 
 def primary(run: Run, shape: models.Shape, device: str, quick: bool, workdir: Path) -> dict[str, Any]:
-    """The 1B-shaped model (or the tiny one), its sections in order of value; each lands in ``out`` as it ends."""
+    """The 1B-shaped model (or the tiny one), its sections in order of value, each in ``out`` as it ends."""
     sizes = run.sizes
     out: dict[str, Any] = {"model": shape.name, "params": shape.num_params()}
     run.result["primary"] = out
@@ -384,8 +378,8 @@ def primary(run: Run, shape: models.Shape, device: str, quick: bool, workdir: Pa
 
 
 def pair_kv_bytes(pd: dict[str, Any], shape: models.Shape) -> dict[str, dict[str, int]]:
-    """KV budgets of the pair's engines by dtype and side: the float32 phase holds only the exactness prompts; in
-    bfloat16 the decode side holds the running decodes and a long prompt, the prefill side two long prompts."""
+    """KV budgets of the pair's engines by dtype and side: in float32 only the exactness prompts; in bfloat16 the
+    decode side holds the running decodes and a long prompt, the prefill side two long prompts."""
     exact_tokens = pd["exact_prompts"] * (pd["exact_prompt_len"] + pd["exact_tokens"] + 64) + 4096
     running_tokens = (pd["running"] + 4) * pd["max_model_len"] // 4 + 2 * pd["long_prompt_len"]
     return {
@@ -401,8 +395,8 @@ def pair_kv_bytes(pd: dict[str, Any], shape: models.Shape) -> dict[str, dict[str
 
 
 def memory(shape: models.Shape, folder: str, device: str, sizes: dict[str, Any], deadline: Deadline) -> dict:
-    """An engine that sized its own KV (gpu_memory_utilization 0.3; on the CPU: the default budget) through the
-    largest prefill and decode batches of this run, its peak against its plan term by term."""
+    """An engine that sized its own KV (gpu_memory_utilization 0.3; on the CPU the default budget) through this run's
+    largest prefill and decode batches: its peak against its plan, term by term."""
     before = _reserved()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -424,8 +418,7 @@ def memory(shape: models.Shape, folder: str, device: str, sizes: dict[str, Any],
 
 
 def secondary(run: Run, shape: models.Shape, device: str, workdir: Path, deadline: Deadline) -> dict[str, Any]:
-    """The 8B-shaped model in bfloat16 (full run only): generate (eager) and forward baselines, decode tokens/s for
-    the default config and eager sdpa."""
+    """The 8B-shaped model in bfloat16 (full run only): the baselines and the core variants' decode tokens/s."""
     sizes = run.sizes
     out: dict[str, Any] = {"model": shape.name, "params": shape.num_params()}
     run.result["llama_3_8b"] = out
@@ -471,7 +464,7 @@ def _tps(rows: list[dict[str, Any]], backend: str, graphs: bool, batch: int) -> 
 
 
 def faster_generate(primary_out: dict[str, Any], batch: int) -> tuple[float | None, str | None]:
-    """The faster of the two generate baselines at ``batch`` (tokens/s, which), from what this run measured."""
+    """(tokens/s, which) of the faster generate baseline at ``batch``."""
     transformers_out = primary_out.get("transformers") or {}
     candidates = [
         ((transformers_out.get("generate_eager_tokens_per_s") or {}).get(str(batch)), "eager"),
@@ -524,7 +517,7 @@ def exact_summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def dependencies() -> dict[str, str]:
-    """Each package the check can use: its version, or "missing" (then what needs it reports why it did not run)."""
+    """Each package's version, or "missing" (what needs it reports why it did not run)."""
     found: dict[str, str] = {}
     for module, dist in DEPENDENCIES.items():
         if importlib.util.find_spec(module) is None:

@@ -1,12 +1,9 @@
 """gpu-check's engine measurements: the engine run directly (no worker, no Ray), one engine per variant.
 
 A variant is an (attention_backend, cuda_graphs) pair of ``EngineConfig``; one that cannot be built or run (a backend
-not installed, a graph capture that fails) is reported with its error string and the run goes on. Decode tokens/s
-counts only the steps after every request has its first token, so the prompts' forward is not in it (the
-transformers figure it is compared with leaves it out the same way).
-
-Every wait here ends: a request that fails (its forward raised, its row could not be sampled) ends the measurement
-with the engine's error, raised as ``RequestFailed``, and every loop checks the section's ``Deadline``.
+not installed, a failed graph capture) is reported with its error string and the run goes on. Decode tokens/s counts
+only the steps after every request has its first token, as the transformers figure it is compared with. Every wait
+ends: a failed request raises ``RequestFailed`` with the engine's error, and every loop checks the ``Deadline``.
 """
 
 from __future__ import annotations
@@ -25,12 +22,11 @@ from engine.request import SamplingParams
 
 
 class RequestFailed(RuntimeError):
-    """A request of the measurement failed: the engine's own error."""
+    """The engine's own error for a request of the measurement."""
 
 
 def _step(engine: LLMEngine, deadline: Deadline, doing: str) -> list[Any]:
-    """One engine step; raises the first failed request's error (a failed request never gets the token a loop
-    would wait for)."""
+    """One engine step; raises the first failed request's error (it would never get the token a loop waits for)."""
     deadline.check(doing)
     outputs = engine.step()
     for output in outputs:
@@ -130,8 +126,8 @@ def _abort_all(engine: LLMEngine, ids: list[str]) -> None:
 def prefill_tps(
     engine: LLMEngine, count: int, length: int, vocab: int, reps: int = 3, deadline: Deadline = NEVER
 ) -> float:
-    """Prompt tokens/s of ``count`` prompts of ``length`` (max_tokens 1: the step that computes them samples their
-    first token). Fresh prompts each rep, so the prefix cache serves nothing; median after a warm-up."""
+    """Prompt tokens/s at max_tokens 1 (the step computing a prompt samples its first token); fresh prompts each rep
+    (no prefix-cache hits); the median after a warm-up."""
     device = engine.config.device
     times = []
     for rep in range(reps + 1):
@@ -152,8 +148,7 @@ def prefill_tps(
 
 
 def smoke(engine: LLMEngine, deadline: Deadline = NEVER) -> None:
-    """One short prompt prefilled and decoded: a backend whose first forward fails (or compiles past the deadline)
-    is reported before it is measured."""
+    """One short prompt, so a backend whose first forward fails (or compiles too long) is reported unmeasured."""
     ids = [engine.add_request([1] * 16, greedy(2))]
     try:
         while any(rid in engine.requests for rid in ids):
@@ -191,10 +186,9 @@ def decode_variants(
     deadline: Deadline,
     rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Decode tokens/s per (attention_backend, cuda_graphs) and batch, appended to ``rows`` as they come (so a
-    partial result can be written); an error string where a variant fails. Each variant first runs one short
-    prompt (``smoke``), then each batch once untimed (lazy graph captures and first launches stay out) and once
-    timed."""
+    """Decode tokens/s per variant and batch, appended to ``rows`` as they come (a partial result can be written), an
+    error string where one fails: ``smoke`` first, then each batch once untimed (lazy captures, first launches) and
+    once timed."""
     rows = [] if rows is None else rows
     for backend, graphs in variants:
         row: dict[str, Any] = {"attention_backend": backend, "cuda_graphs": graphs}
@@ -239,10 +233,8 @@ def _bytes(tensors: Any) -> int:
 
 
 def memory_report(engine: LLMEngine, reserved_before: int) -> dict[str, Any]:
-    """Peak GPU memory of everything this engine ran, against its plan term by term: each term the plan counted
-    (weights, peak activation, non-torch, scratch, graph pool, NCCL, reserve, KV) beside what was measured where it
-    can be (weights, KV, scratch, the graph pool's segments), and torch's peak (reserved above what was held before
-    the engine) plus the plan's non-torch figure against the requested share."""
+    """Peak GPU memory of what this engine ran against its plan term by term (measured where it can be), and torch's
+    peak reserved above what was held before plus the plan's non-torch figure against the requested share."""
     weights = _bytes(engine.model.parameters())
     kv = _bytes(engine.kv_cache.kv)
     graphs = getattr(engine.runner, "decode_graphs", None)

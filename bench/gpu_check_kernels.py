@@ -1,11 +1,10 @@
 """Which SDPA kernel each attention path of the gather + SDPA backend ran, read from the profiler.
 
 A real engine (``attention_backend: sdpa``) runs each path once under ``torch.profiler`` (CPU activity: the ATen op
-each SDPA call dispatched to is recorded on the host, on the CPU and on CUDA alike): a prefill with no cached context,
-a chunk of a prompt with cached context (the lower-right causal path), a decode batch of unequal contexts (masked),
-a single decode (unmasked), and the static decode step the CUDA graphs capture (masked, padded). For each path the
-report names the kernels: ``flash``, ``efficient`` (memory-efficient), ``cudnn``, ``math`` (the unfused one that
-upcasts to float32 and repeats K/V per head), or ``cpu_flash`` (the CPU's fused kernel).
+each SDPA call dispatches to is recorded on the host, on CPU and CUDA alike): a prefill with no cached context, a
+chunk with cached context (the lower-right causal path), a decode batch of unequal contexts (masked), a single
+decode (unmasked), and the static decode step the CUDA graphs capture (masked, padded). Kernels: ``flash``,
+``efficient``, ``cudnn``, ``math`` (unfused: upcasts to float32, repeats K/V per head) or ``cpu_flash``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """gpu-check's models and its transformers baselines: random-weight Llama models built in-process, never downloaded.
 
-Shapes are those of the real checkpoints' config.json (Llama-3.2-1B, Llama-3-8B; rope scaling left out: it changes no
-cost), plus a tiny one for the CPU run in CI. Weights are drawn on the device in the run's dtype and saved once as an
-ordinary model folder with a byte-level tokenizer (engine.tiny_model's), because the engine loads what a worker
-loads: a folder, through the same loader. The tokenizer knows fewer ids than the model's vocabulary; prompts are
-token ids, and an id outside the tokenizer decodes to no text, which changes no token id.
-
-Random weights decode greedily into repeats; that is fine for exactness, which compares token ids. The init range
-is wider than transformers' default so that the logits are well separated and a float32 comparison tests our
-arithmetic, not float ties.
+Shapes are the real checkpoints' (Llama-3.2-1B, Llama-3-8B; rope scaling left out: it changes no cost), plus a tiny
+one for CI. Weights are drawn on the device in the run's dtype and saved once as a model folder with
+engine.tiny_model's byte-level tokenizer, because the engine loads what a worker loads (ids the tokenizer lacks decode
+to no text, which changes no token id). Random weights decode greedily into repeats, fine for comparing token ids; the
+init range is wider than transformers' default so that a float32 comparison tests our arithmetic, not float ties.
 """
 
 from __future__ import annotations
@@ -139,9 +135,8 @@ def hf_top1(model: Any, prompt: list[int], tokens: list[int]) -> list[int]:
 
 
 class _StopAfter:
-    """A stopping criterion: stop once ``n`` tokens are generated. The generate run that times the prompt's forward
-    stops after 1 token but asks for as many new tokens as the full run, so both use one cache shape (a static
-    cache is sized by max_new_tokens; a new shape is a recompile)."""
+    """Stop once ``n`` tokens are generated. The run timing the prompt's forward stops after 1 token but asks for as
+    many new tokens as the full run: a static cache is sized by max_new_tokens, and a new shape is a recompile."""
 
     def __init__(self, prompt_len: int, n: int) -> None:
         self.prompt_len, self.n = prompt_len, n
@@ -168,10 +163,8 @@ def hf_decode_tps(
     deadline: Deadline = NEVER,
     reps: int = 1,
 ) -> float:
-    """Decode tokens/s of ``generate``: (new_tokens - 1) steps, timed as the difference between a run of new_tokens
-    and a run stopped after 1 token (same cache shape), so the prompt's forward is not counted (as in the engine's
-    figure). ``compiled``: a static cache, which transformers compiles on CUDA; else eager (``disable_compile``,
-    dynamic cache). Both runs are warmed up first on exactly the shapes that are then timed."""
+    """Decode tokens/s of ``generate``: a run of new_tokens minus one stopped after 1 token (same cache shape), as the
+    engine's figure. ``compiled``: a static cache (compiled on CUDA), else eager; both warmed up on the timed shapes."""
     from transformers import StoppingCriteriaList
 
     ids = torch.tensor(random_prompts(batch, prompt_len, vocab, seed=batch), device=device)
@@ -193,7 +186,7 @@ def hf_decode_tps(
         sync(device)
         return time.perf_counter() - t0
 
-    run(new_tokens)  # warm-up of both shapes: the compile (decode step) and the prompt's forward
+    run(new_tokens)  # warm-up: the compile (decode step) and the prompt's forward
     run(1)
     fulls, firsts = [], []
     for _ in range(reps):
@@ -207,8 +200,8 @@ def hf_decode_tps(
 def hf_prefill_tps(
     model: Any, count: int, length: int, device: str, vocab: int, reps: int = 3, deadline: Deadline = NEVER
 ) -> float:
-    """Prompt tokens/s of one plain forward over ``count`` prompts of ``length`` (no cache; the last position's logits
-    only, as the engine projects only the rows that sample). Median of ``reps`` after a warm-up."""
+    """Prompt tokens/s of a plain forward (no cache; the last position's logits only, as the engine projects only
+    the rows that sample); the median of ``reps`` after a warm-up."""
     ids = torch.tensor(random_prompts(count, length, vocab, seed=7), device=device)
     times = []
     for _ in range(reps + 1):

@@ -1,27 +1,14 @@
 """gpu-check's prefill/decode pair: two processes on one device over the same-node transfer path (the shm backend).
 
-Each process runs what a worker runs, without its sockets or Ray: an ``LLMEngine`` and a transfer endpoint, glued the
-way prefill/worker.py and decode/worker.py glue them (the prefill side's KV sink maps logical blocks to the decode
-side's reserved ones and calls ``send_layer``; the decode side's receiver writes through ``engine.write_remote_kv``,
-``remote_first_token`` and ``remote_kv_done`` admit the request). The decode process drives; the prefill process
-answers over a multiprocessing pipe. The pair runs twice, each time both processes building their engines anew:
-
-1. **float32, exact**: greedy tokens of prompts prefilled there and decoded here, against the same engine here
-   generating them alone (the colocated path): token-exact, first token included. In bfloat16 the two may differ in
-   the last bits (cuBLAS picks kernels by batch shape, and the two sides batch differently), so exactness is checked
-   where arithmetic is exact.
-2. **bfloat16**: the same prompts' pair tokens, teacher-forced through the engine alone (its prompt logprobs): the
-   share whose token is its argmax (``top1_agreement``); then
-   - **transfer GB/s**: a long prompt's KV bytes over the time from the prefill side's first ``send_layer`` to the
-     receiver's DONE (perf_counter is one clock for both processes on Linux). The KV is sent after the whole prefill
-     (stream_kv off), so the window holds the transfer, not the prefill's compute on the shared device;
-   - **inter-token latency**: ``running`` requests decode here; the intervals between their steps are recorded idle,
-     and again for the steps that overlap a long prompt's KV arriving (first piece written to DONE): p99 of each.
-     Every decode graph those steps can meet is captured before either window (a capture synchronises the device);
-     ``graphs_captured_while_measuring`` says whether any still was.
-
-Every wait is bounded by the time the driving process was given (``timeout_s``); a failure on either side ends the
-pair with that side's error.
+Each process runs a worker's engine and transfer endpoint without its sockets or Ray, glued as prefill/worker.py and
+decode/worker.py glue them; the decode process drives, the prefill one answers over a pipe. Two phases, fresh engines:
+1. **float32**: the pair's tokens against the same engine generating alone, token-exact, first token included
+   (bfloat16 may differ in the last bits: cuBLAS picks kernels by batch shape, and the sides batch differently).
+2. **bfloat16**: the pair's tokens teacher-forced through the engine alone (``top1_agreement``); the GB/s of a long
+   prompt's KV sent after its whole prefill (first ``send_layer`` to DONE: no prefill compute in the window); the p99
+   interval between decode steps of ``running`` requests, idle and while that KV arrives, every decode graph they can
+   meet captured first (a capture synchronises the device; ``graphs_captured_while_measuring``).
+Every wait is bounded by ``timeout_s``; a failure on either side ends the pair with that side's error.
 """
 
 from __future__ import annotations
@@ -62,9 +49,8 @@ def _greedy(max_tokens: int, **extra: Any):
 
 def prefill_main(conn: Any, folder: str, device: str, max_model_len: int) -> None:
     """The prefill process. In: ("engine", dtype, kv_bytes) builds its engine and sender anew (answers ("ready",
-    dtype)),
-    ("request", rid, prompt, dst_blocks, address, stream) prefills one; None ends it. Out: (rid, first token,
-    first send time), or (rid, None, error), or ("error", traceback)."""
+    dtype)); ("request", rid, prompt, dst_blocks, address, stream) prefills one; None ends it. Out: (rid, first token,
+    first send time), (rid, None, error), or ("error", traceback)."""
     from transfer import nccl_env
 
     nccl_env.set_at_process_start()  # as a worker process starts (this pair moves KV over shm, but the rule holds)
@@ -130,8 +116,8 @@ class DecodeSide:
         self.done: dict[str, float] = {}
         self.firsts: dict[str, tuple[int, float]] = {}
         self.tokens: dict[str, list[int]] = {}
-        # while set, first tokens wait here instead of admitting their request: the steps measured while a long
-        # prompt's KV arrives then never include that request's own admission and first decode (a new context size)
+        # while set, first tokens wait here instead of admitting their request, so the steps measured while a long
+        # prompt's KV arrives never include its own admission and first decode (a new context size)
         self.hold_first_tokens = False
         self.held: dict[str, int] = {}
         config = TransferConfig(secret=SECRET, kv_device=engine.config.device)
@@ -192,7 +178,6 @@ class DecodeSide:
             self.tick()
 
     def new_engine(self, dtype: str, kv_bytes: int) -> None:
-        """Ask the prefill process for its engine in ``dtype`` and wait until it is ready."""
         self.conn.send(("engine", dtype, kv_bytes))
         while not self.conn.poll(0.05):
             self.check_time(f"the prefill process's {dtype} engine")
@@ -220,8 +205,7 @@ def _pair_tokens(side: DecodeSide, prompts: list[list[int]], max_tokens: int, ta
 
 
 def top1_agreement(engine: Any, prompts: list[list[int]], pair: list[list[int]]) -> dict[str, Any]:
-    """The share of the pair's tokens that are the engine's own argmax at their position, teacher-forced over the
-    pair's output (one prefill with prompt logprobs per row)."""
+    """The share of the pair's tokens that are the engine's own argmax, teacher-forced (prompt logprobs)."""
     agree = total = 0
     for prompt, tokens in zip(prompts, pair):
         rid = engine.add_request(prompt + tokens, _greedy(1, prompt_logprobs=1))
@@ -343,8 +327,8 @@ def decode_main(conn: Any, result: Any, params: dict[str, Any]) -> None:
 
 
 def run_pair(params: dict[str, Any]) -> dict[str, Any]:
-    """Start the two processes (spawn: CUDA cannot cross a fork), wait for the decode side's figures, at most
-    ``timeout_s``; both processes are gone when this returns."""
+    """Spawn both processes (CUDA cannot cross a fork) and wait at most ``timeout_s`` for the decode side's figures;
+    both processes are gone when this returns."""
     ctx = mp.get_context("spawn")
     prefill_conn, decode_conn = ctx.Pipe()
     result = ctx.Queue()

@@ -3,13 +3,10 @@
     python3 bench/gpu_wheels.py --dest .whl               # pyzmq (the shm transfer's control socket)
     python3 bench/gpu_wheels.py --dest .whl --flashinfer  # and FlashInfer 0.6 with its prebuilt kernels
 
-Every wheel is for the image: CPython 3.12, manylinux x86_64 (``pip download --no-deps`` per wheel, with the target's
-platform tags, so nothing needs the image's own pip to resolve anything). FlashInfer's dependencies are read from
-its wheels' metadata and fetched in turn, except those the image already has (``IMAGE_PROVIDES``: torch and its CUDA
-libraries, numpy, transformers' stack); its prebuilt kernels are ``flashinfer-cubin`` (on PyPI) and, when its index
-answers, ``flashinfer-jit-cache`` for the image's CUDA (13.0). Without them FlashInfer compiles its kernels on first
-use, for minutes, and the quick check skips it. What cannot be fetched is printed, not fatal: the check reports
-what is missing in its JSON.
+Each wheel is ``pip download --no-deps`` with the image's platform tags (CPython 3.12, manylinux x86_64), so the
+image's pip resolves nothing; FlashInfer's dependencies come from its wheels' metadata, less ``IMAGE_PROVIDES``. Its
+prebuilt kernels (``flashinfer-cubin``, and ``flashinfer-jit-cache`` when its index answers) spare minutes of
+compiling on first use; without them the quick check skips it. What cannot be fetched is printed, not fatal.
 """
 
 from __future__ import annotations
@@ -83,9 +80,8 @@ def requirements_of(wheel: Path, extras: set[str] | frozenset[str] = frozenset()
 
 
 def resolve(roots: list[str], download: Callable[[str], Path | None]) -> tuple[list[Path], list[str]]:
-    """Download ``roots`` and, from their metadata, every dependency the image lacks (breadth first, each name
-    once; extras asked for anywhere count). ``download(requirement)``: the wheel fetched, or None. Returns the
-    wheels and what could not be had."""
+    """Download ``roots`` and every dependency the image lacks (breadth first, each name once, extras asked for anywhere
+    counted); ``download(requirement)`` returns the wheel or None. Returns the wheels and what could not be had."""
     wheels: dict[str, Path] = {}
     extras: dict[str, set[str]] = {}
     failed: list[str] = []

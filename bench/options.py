@@ -1,13 +1,8 @@
 """Command-line options of the benchmarks whose modules are heavy to import (torch, the transfer layer, the cluster).
 
-Why apart from the benchmarks: ``pdserve bench engine --help`` and the parser of ``pdserve bench ...`` must not import
-torch, transformers or Ray just to list options (the engine bench's module takes seconds to import). This module
-imports ``argparse`` and ``pathlib`` only; each benchmark re-exports its function as ``add_arguments`` for its own
-``python -m`` entry and for tests. The light benchmarks (``detok_bench``, ``frontend_bench``, ``overlap_bench``,
-``loadtest/options.py``) declare their own options: importing them costs nothing.
-
-Values that pdserve's own packages define (the default model's name) are written here as plain values, and a test
-checks that they still agree (``tests/bench/loadtest/test_imports.py``).
+``pdserve bench ...`` must not import torch, transformers or Ray to list options, so this module imports ``argparse``
+and ``pathlib`` only (light benchmarks such as ``detok_bench`` declare their own); each benchmark imports its function
+as ``add_arguments``. pdserve's own values are plain here, checked by ``tests/bench/loadtest/test_imports.py``.
 """
 
 from __future__ import annotations
@@ -89,8 +84,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench routing`` (``bench/routing_bench.py``): kv_aware routing and prefix reuse against the old
-    behaviour (least_loaded, no decode-side reuse), on shared-prefix and multi-turn workloads."""
+    """``pdserve bench routing`` (``bench/routing_bench.py``)."""
     parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
     parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
     parser.add_argument("--workload", choices=("shared-prefix", "multi-turn", "both"), default="both")

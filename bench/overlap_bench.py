@@ -1,28 +1,14 @@
 """Overlap benchmark: how much of the KV transfer layer-wise streaming hides behind the prefill, and what the int8
 wire does to greedy outputs.
 
-**Overlap.** The served cluster (Ray, one prefill and one decode worker, the HTTP router) runs twice with the same
-config except ``transfer.stream_layers``: streamed (each layer's KV goes to the sender as soon as that layer's forward
-ends) and unstreamed (the baseline: all layers sent after the prefill). Each run sends ``--reps`` requests one at a
-time (after one discarded warm-up request): a ``--prompt-tokens`` prompt of random ordinary token ids, distinct per
-request so the prefix cache never serves it, ``max_tokens`` 4, greedy. From each response's ``timing`` it keeps
-``kv_after_prefill_s`` (same-host monotonic stamps: from the prefill worker's end of the prefill step to the decode
-worker seeing the whole KV; the transfer time *not* hidden behind the prefill), ``prefill_compute_s`` and
-``kv_transfer_s`` (decode reservation to KV complete, prefill included), and as a cross-check that does not depend on
-where the prefill worker stamps its end, ``kv_minus_prefill_s = kv_transfer_s - prefill_queue_s - prefill_compute_s``
-(the router-to-prefill dispatch is in it, alike in both modes). Reported: medians per mode and
+**Overlap.** The served cluster (Ray, one prefill and one decode worker) runs streamed (each layer's KV leaves when its
+forward ends) and unstreamed: ``--reps`` greedy requests one at a time after a warm-up, each a distinct random prompt
+(no prefix-cache hit). ``kv_after_prefill_s`` (same-host stamps from the prefill step's end to the decode worker
+having the whole KV) is the transfer *not* hidden; ``hidden_fraction = 1 - median(streamed) / median(unstreamed)``.
 
-    hidden_fraction = 1 - median(streamed kv_after_prefill) / median(unstreamed kv_after_prefill)
-
-(capped at 1: a negative streamed figure means the KV was complete before the prefill step ended; the uncapped
-value is reported too), plus the KV bytes per request (prompt tokens x 2 x layers x kv heads x head dim x dtype
-bytes; SmolLM2-135M float32: 46,080 B/token) and the unstreamed transfer's achieved GB/s (those bytes / its median kv_after_prefill).
-
-**int8 wire.** ``--int8-check``: N English chat prompts x T greedy tokens (``ignore_eos``) through
-``/v1/chat/completions``, once with ``kv_wire_dtype: raw`` (in the streamed overlap cluster) and once with ``int8``
-(a third cluster). Completions return text, not token ids, so the first differing *token* position is found by
-tokenizing both outputs with the model's tokenizer and comparing (the first differing character is reported too).
-Wire bytes are the decode worker's ``transfer_bytes`` counter (GET /status) before and after the prompts.
+**int8 wire.** ``--int8-check``: N chat prompts x T greedy tokens with ``kv_wire_dtype`` raw, then int8 (a third
+cluster); the first differing token is found by re-tokenizing both texts. Wire bytes: the decode worker's
+``transfer_bytes`` (GET /status).
 
     python -m bench.overlap_bench [--int8-check] [--no-overlap]     # prints one JSON object
     pdserve bench transfer --overlap --json                          # the transfer bench plus these figures
@@ -145,7 +131,7 @@ def _decode_transfer_bytes(base_url: str) -> int:
 
 
 def _wait_stats_settle(base_url: str, timeout_s: float = 3.0) -> int:
-    """The status counters come from heartbeats (every ~0.2 s): read until two reads agree."""
+    """The counters come from heartbeats (every ~0.2 s): read until two reads agree."""
     deadline = time.monotonic() + timeout_s
     last = _decode_transfer_bytes(base_url)
     while time.monotonic() < deadline:

@@ -1,11 +1,10 @@
 """The ceiling of a two-copy shared-memory transfer on this machine: what `shm` could reach with no protocol at all.
 
-Why: issue 13 asks `shm` for 0.5x memcpy at 64 MiB. The backend makes exactly two copies per byte (the sender's into
-the ring, the sink's out of it) and one xxh3 pass on each side. This module runs just that, with nothing else: a
-sender process copies the benchmark's frames into a ring of shared memory and hashes its copy, the receiver hashes
-each frame in the ring and copies it out, and the two meet through two u64 counters (no header, MAC, socket, lease
-or Python object per piece). Its ratio to memcpy, measured in the same run, is the most the backend's design can
-give on this box; the distance between the two rows is what the protocol costs.
+The goal for `shm` is 0.5x memcpy at 64 MiB; the backend makes exactly two copies per byte (the sender's into the
+ring, the sink's out of it) and one xxh3 pass on each side. This runs just that: a sender process copies the frames
+into a shared-memory ring and hashes its copy, the receiver hashes each frame in the ring and copies it out, and the
+two meet through two u64 counters (no header, MAC, socket, lease or Python object per piece). Its ratio to memcpy in
+the same run is the most the design can give on this box; the gap to the shm row is what the protocol costs.
 
     python -m bench.ring_ceiling --mib 64 --reps 9     # prints one JSON object
 """
@@ -44,7 +43,7 @@ def _slot(pos: int, n: int, ring_bytes: int) -> int:
 
 
 def _payload(total_bytes: int) -> np.ndarray:
-    """What the sender sends (the receiver makes the same to check what arrived)."""
+    """What the sender sends; the receiver makes the same to check what arrived."""
     return np.random.default_rng(0).integers(0, 255, total_bytes, dtype=np.uint8)
 
 

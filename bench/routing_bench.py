@@ -1,43 +1,16 @@
-"""``pdserve bench routing``: KV-aware routing and prefix reuse against the old behaviour, in the same invocation.
+"""``pdserve bench routing``: KV-aware routing and prefix reuse against a least-loaded baseline, in one invocation.
 
-Why: the router used to weigh load only and the decode worker reused nothing it held, so a prompt whose prefix one
-worker had just computed went to whichever worker was least loaded, and the decode worker received every block of
-every prompt, a chat's whole history included. This bench measures what prefix-aware routing and reuse across the
-hand-off change, on the served cluster (Ray, or threads with ``--in-process``) with 2 prefill workers and 1 decode
-worker, for each workload two runs one after the other, each on a fresh cluster, with the same requests in the same
-order (same seed):
-
-- ``baseline`` (the old behaviour): ``router.prefill_policy`` and ``decode_policy`` least_loaded, the decode pool's
-  ``enable_prefix_caching`` false (it reuses nothing and receives every block), ``local_prefill_max_tokens`` 0;
-- ``kv_aware`` (the new one): both policies kv_aware, decode prefix caching on, ``local_prefill_max_tokens`` from
-  ``--local-prefill-max-tokens`` (default: 128 for multi-turn, where a later turn's uncached part on the decode worker
-  that holds the chat is its new user message; 0 for shared-prefix, so that every prompt goes to a prefill worker and
-  the prefill routing is what is measured).
-
-Workloads (the load tester's own, ``bench/loadtest``), closed loop at ``--max-concurrency`` (default 2, one request
-per prefill worker; with more, a prefix hit mostly waits behind a miss on its worker, docs/benchmarks.md section 8):
-
-- ``shared-prefix``: ``--prefix-groups`` groups, each a ``--prefix-len``-token prefix, each request one prefix and a
-  ``--question-len``-token question, in a shuffled order (the load tester assigns groups in turn; a fixed cycle
-  would let least_loaded's alternation partition the groups by accident). Each prefill worker's KV cache is sized
-  (``--prefill-kv-blocks``, default computed and reported) to hold the prefixes of half the groups plus the requests
-  in flight, not all of them: routing by prefix lets the two workers together keep every prefix, routing by load
-  makes each worker cycle through all of them.
-- ``multi-turn``: ``--num-conversations`` chats of ``--num-turns`` turns, each turn sending the whole history:
-  a ``--system-len``-token system prompt every chat shares (a deployment's instructions; 0: none),
-  ``--user-len``-token user messages and ``--turn-output-len``-token answers (the default shape, and why it changed
-  from the first one, in docs/benchmarks.md section 8), with exponential think times of mean
-  ``--think-time-s`` (chats in lockstep would let least_loaded send each one back to the same worker by accident);
-  the prefill pool keeps the config's KV.
-
-Per run: TTFT p50/p90 (multi-turn: also first turn against later turns, and by turn), TPOT p50, requests completed
-and failed; KV bytes per request (the decode workers' ``transfer_bytes`` received in the run / completed requests;
-the prefill workers' sent bytes too); the prefix hit rate the router saw (prefill pool: matched / routed prompt
-tokens, ``pdserve_prefix_matched_tokens_total`` over ``pdserve_routed_prompt_tokens_total``; decode: cached /
-reserved prompt tokens), its routing decisions by reason, where prompts were prefilled (remote or local), the
-engines' prefix hit tokens, and the KV blocks and requests still held after the run (must be 0). Then the ratios
-kv_aware / baseline (TTFT p50 and p90, bytes per request) and the issue's goal: TTFT p50 ratio <= 0.5. The figures
-are made in ``bench/routing_figures.py``; this module builds the configs and workloads and runs them.
+On the served cluster (Ray, or threads with ``--in-process``; 2 prefill workers, 1 decode), per workload two runs,
+each on a fresh cluster with the same requests in the same order:
+- ``baseline``: both policies least_loaded, decode prefix caching off, ``local_prefill_max_tokens`` 0: a prompt goes
+  to the least loaded worker whatever it holds, and the decode worker receives every block of every prompt;
+- ``kv_aware``: both policies kv_aware, decode prefix caching on, ``local_prefill_max_tokens`` from the flag (default
+  128 for multi-turn, where a later turn's uncached part is its new user message; 0 for shared-prefix, so that the
+  prefill routing is what is measured).
+Closed loop at ``--max-concurrency`` (default 2, one per prefill worker; with more, a prefix hit mostly waits behind
+a miss, docs/benchmarks.md section 8). Shared-prefix groups are shuffled and multi-turn think times exponential, so
+least_loaded cannot partition them by accident; each prefill worker's KV holds half the groups' prefixes plus the
+requests in flight (``prefill_sizing``). Figures: ``bench/routing_figures.py``; the goal is TTFT p50 ratio <= 0.5.
 """
 
 from __future__ import annotations
@@ -53,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from bench.loadtest.cli import Plan, execute, prepare, result_folder
 from bench.loadtest.options import add_workload_arguments
 from bench.loadtest.workloads import PromptBuilder
-from bench.options import add_routing_bench_arguments as add_arguments  # re-exported: `python -m`, tests
+from bench.options import add_routing_bench_arguments as add_arguments
 from bench.routing_figures import compare, router_samples, run_figures, settle
 from engine.blocks import model_kv_bytes_per_token
 
@@ -62,7 +35,7 @@ if TYPE_CHECKING:
 
 RUNS = ("baseline", "kv_aware")
 WORKLOADS = ("shared-prefix", "multi-turn")
-# the kv_aware run's local_prefill_max_tokens unless --local-prefill-max-tokens says otherwise (module docstring)
+# the kv_aware run's local_prefill_max_tokens without --local-prefill-max-tokens (module docstring)
 LOCAL_PREFILL_DEFAULT = {"shared-prefix": 0, "multi-turn": 128}
 MIB = 1024 * 1024
 
@@ -87,7 +60,6 @@ def base_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def local_prefill_max_tokens(args: argparse.Namespace, workload: str) -> int:
-    """The kv_aware run's conditional-disaggregation threshold: the flag's, else the workload's default."""
     if args.local_prefill_max_tokens is not None:
         return args.local_prefill_max_tokens
     return LOCAL_PREFILL_DEFAULT[workload]
@@ -96,7 +68,7 @@ def local_prefill_max_tokens(args: argparse.Namespace, workload: str) -> int:
 def run_config(
     base: ClusterConfig, run: str, args: argparse.Namespace, prefill_kv_blocks: int | None, workload: str
 ) -> ClusterConfig:
-    """One run's config: the old behaviour (``baseline``) or the new one (``kv_aware``), otherwise the same."""
+    """One run's config: ``baseline`` or ``kv_aware``, otherwise the same."""
     config = base.model_copy(deep=True)
     new = run == "kv_aware"
     config.router.prefill_policy = "kv_aware" if new else "least_loaded"
@@ -113,7 +85,7 @@ def run_config(
 
 
 def run_settings(config: ClusterConfig) -> dict[str, Any]:
-    """What differs between the runs, read back from the config each one starts with."""
+    """What differs between the runs, read back from each run's config."""
     router = config.router
     return {
         "prefill_policy": router.prefill_policy,
@@ -125,9 +97,8 @@ def run_settings(config: ClusterConfig) -> dict[str, Any]:
 
 
 def prefill_sizing(plan: Plan, args: argparse.Namespace, block_size: int, bytes_per_token: int) -> dict[str, Any]:
-    """The prefill workers' KV for the shared-prefix workload: half the groups' prefixes, plus every request in
-    flight's own blocks (the question and the partial block after the prefix), so that all the prefixes do not fit
-    one worker and half of them do."""
+    """The prefill workers' KV for shared-prefix: half the groups' prefixes plus every request in flight's own blocks
+    (its question and the partial block after the prefix), so all the prefixes do not fit one worker and half do."""
     tokenizer = plan.tokenizer
     prefix_tokens = max(len(tokenizer(s.system or "", add_special_tokens=True)["input_ids"]) for s in plan.specs)
     prefix_blocks = prefix_tokens // block_size  # the full blocks every request of a group shares

@@ -1,11 +1,10 @@
 """What ``pdserve bench routing`` reads from the cluster around a run, and the figures it makes of it.
 
-Why its own module: the bench (``bench/routing_bench.py``) starts the clusters and drives the load; this module only
-turns what a cluster reports into the JSON the bench prints. Around each run it takes the router's Prometheus samples
-(``/metrics``) and, once every worker is idle in a fresh heartbeat, its ``/status`` (the workers' counters travel in
-heartbeats); ``run_figures`` makes one run's figures of the load tester's summary and the deltas of those counters
-(KV bytes, prefix hit rates, routing decisions, what is still held), and ``compare`` the kv_aware / baseline ratios
-and the issue's goal.
+``bench/routing_bench.py`` starts the clusters and drives the load; this module turns what a cluster reports into
+JSON. Around each run it takes the router's Prometheus samples (``/metrics``) and, once every worker is idle in a
+fresh heartbeat, its ``/status``; ``run_figures`` makes one run's figures from the load tester's summary and the
+counters' deltas (KV bytes, prefix hit rates, routing decisions, what is still held), ``compare`` the kv_aware /
+baseline ratios and the goal (TTFT p50 ratio <= ``GOAL_TTFT_P50_RATIO``).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ def sample(samples: Samples, name: str, **labels: str) -> float:
 
 def settle(base_url: str, timeout_s: float = 30.0) -> dict:
     """``/status`` once every worker is idle with nothing held, in a heartbeat sent after this call began (worker
-    counters travel in heartbeats); ``settled`` False if that did not happen within ``timeout_s``."""
+    counters travel in heartbeats); ``settled`` False if not within ``timeout_s``."""
     started = time.monotonic()
     status: dict = {"workers": [], "inflight": None}
     while time.monotonic() - started < timeout_s:
@@ -71,7 +70,6 @@ def _ms(described: dict, key: str) -> float | None:
 
 
 def run_figures(summary: dict, before: tuple[Samples, dict], after: tuple[Samples, dict]) -> dict[str, Any]:
-    """One run's figures from the load tester's summary and the cluster's counters before and after it."""
     (m0, s0), (m1, s1) = before, after
 
     def delta(name: str, **labels: str) -> int:

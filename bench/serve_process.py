@@ -1,12 +1,9 @@
 """A ``pdserve serve`` started as a subprocess, for a benchmark that measures a served cluster from outside it.
 
-Why its own module: starting and stopping the server is the same whatever a bench measures, and it is where the
-bounds live. ``ServeProcess.start`` runs ``pdserve serve --config F --port 0`` in a session of its own, drains its
-output on a thread for the whole run (a full pipe would block the server) and waits, bounded, for the lines that
-give the URL and the workers' PIDs. ``ServeProcess.stop`` sends SIGTERM and waits ``STOP_TIMEOUT_S``, past that kills
-the process group the server leads; then it kills by PID any worker the server reported that is still running, and
-whatever of Ray's is left in that group. ``process_running`` is the check the cluster's shutdown tests use too (a
-zombie is not running).
+``ServeProcess.start`` runs ``pdserve serve --config F --port 0`` in its own session, drains its output on a thread
+for the whole run and waits, bounded, for the lines giving the URL and the workers' PIDs. ``ServeProcess.stop``
+sends SIGTERM, waits ``STOP_TIMEOUT_S``, then kills the process group the server leads; then any reported worker
+still running, and whatever of Ray's is left in the group. The cluster's shutdown tests use ``process_running`` too.
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ class ServeProcess:
         return serve
 
     def _read(self) -> None:
-        """Drain the output for the whole run (a full pipe would block the server); parse the start-up lines."""
+        """Drain the output (a full pipe would block the server) and parse the start-up lines."""
         for line in self.proc.stdout:
             self.lines.append(line)
             if self.url is None and (match := re.search(r" at (http://\S+?)/v1\b", line)):
@@ -93,7 +90,7 @@ class ServeProcess:
         stop_s = time.monotonic() - started
         time.sleep(0.5)
         left = [pid for pid in self.worker_pids if process_running(pid)]
-        for pid in left:  # workers the serve process reported; it should have stopped them
+        for pid in left:  # the serve process should have stopped them
             os.kill(pid, signal.SIGKILL)
         _kill_group(self.proc.pid)  # Ray's processes, if any outlived the serve process in the group it led
         return {
@@ -118,5 +115,5 @@ def process_running(pid: int) -> bool:
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
-    except OSError:  # no such group left: nothing to do
+    except OSError:
         pass

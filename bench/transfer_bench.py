@@ -1,28 +1,16 @@
 """Transfer benchmark: achieved GB/s of each KV transfer backend against this machine's references.
 
-Layout (the same for pdserve and the raw ZeroMQ reference): the receiver (decode side) runs in this
-process and polls; the sender (prefill side) runs in one spawned process that keeps its sender (and so
-its connection / pair group) across repetitions. KV is float16 blocks shaped like SmolLM2-135M (30
-layers, 3 kv heads, head_dim 64, block_size 16: 368,640 bytes per block over all layers), sent as one
-piece per layer (K and V frames). Time runs from the sender's first send_layer (perf_counter is
-system-wide monotonic on Linux, so the two processes share a clock) to the receiver's DONE event. The
-receiver's sink copies each piece into a preallocated cache, and so does the raw reference: both land
-the bytes where decode needs them; the raw reference has no header, checksum, handshake or ack. The sender process
-makes each size's payload once (in the warm-up): generating 64 MiB of random KV right before each timed send left
-torch's OpenMP threads spinning on the cores the transfer needed (on the 2-core box at 64 MiB: shm 0.6 GB/s that
-way, 2.2-2.8 GB/s with OMP_WAIT_POLICY=PASSIVE, which also stops the spinning; zmq-ipc 0.5 against 1.4-1.8).
-`local` runs both sides in this process; `shm` sends through the receiver's shared-memory ring (control over a
-Unix socket; transfer/shm_backend.py). Each figure is the median of --reps after one warm-up; every row also has
-its ratio to memcpy of the same size (`ratio_vs_memcpy`: the bar for same-node transfers), memcpy being timed right
-after each of that row's transfers (the row's `memcpy_gbps`), so that the load of a shared box hits both alike. The
-sinks copy single-threaded (`_copy`); memcpy is the faster of torch's copy_ (both cores) and a single-threaded copy.
-With `shm`, a `ring-ceiling` row per size runs the same two copies and xxh3 passes with no protocol at all
-(bench/ring_ceiling.py), and the shm row's `ratio_vs_ceiling` says how much of that ceiling the backend reaches.
-`cpu_ms` is the CPU time of one transfer on each side (sender process, receiver thread), medians too.
+The receiver (decode side) polls in this process; the sender is one spawned process keeping its senders across reps
+(`local`: both here; `shm`: through the receiver's shared-memory ring, transfer/shm_backend.py). KV is float16 blocks
+shaped like SmolLM2-135M, one piece per layer, each size's payload made once in the warm-up (generating it before a
+timed send leaves torch's OpenMP threads spinning on the transfer's cores). Time runs from the first send_layer to
+the receiver's DONE (perf_counter is system-wide on Linux). Sinks copy into a preallocated cache single-threaded, as
+the raw ZeroMQ reference does (no header, checksum, handshake or ack). Figures: medians of --reps after a warm-up;
+memcpy is timed after each of a row's transfers (`ratio_vs_memcpy`: a shared box's load hits both); `ring-ceiling`
+(bench/ring_ceiling.py) is shm's no-protocol ceiling.
 
     python -m bench.transfer_bench            # prints one JSON object
-    python -m bench.transfer_bench --overlap  # plus the served-cluster overlap and int8 figures (minutes):
-                                              # see bench/overlap_bench.py; they land under "overlap"
+    python -m bench.transfer_bench --overlap  # plus bench/overlap_bench.py's figures under "overlap" (minutes)
 """
 
 from __future__ import annotations
@@ -118,9 +106,8 @@ class _Cache:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """One single-threaded memcpy (numpy's, which releases the GIL), as the shm sender's ring copy: torch's
-    intra-op parallel copy_ of a 1 MiB frame waits for its second OpenMP thread, which on the 2-core box is busy with
-    the sender process (measured 0.36 GB/s against numpy's 7-10 GB/s for the same 1.1 MiB frames out of a ring)."""
+    """Single-threaded memcpy (numpy's, GIL released), as the shm sender's: torch's parallel copy_ of a 1 MiB frame
+    waits for a second OpenMP thread that a 2-core box has busy with the sender (0.36 against numpy's 7-10 GB/s)."""
     np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -149,8 +136,8 @@ def _raw_receive(sock: zmq.Socket, cache: _Cache, timeout_s: float = 60) -> None
 
 
 class _Memcpy:
-    """The reference copy of one size: the faster of torch's copy_ of the whole buffer (both cores when they are
-    free) and one single-threaded memcpy (torch's parallel copy loses most under load)."""
+    """The reference copy of one size: the faster of torch's copy_ (both cores when free) and one single-threaded
+    memcpy (torch's parallel copy loses most under load)."""
 
     def __init__(self, nbytes: int) -> None:
         self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
@@ -276,8 +263,7 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
                         "gbps": round(gbps, 3),
                         "memcpy_gbps": round(ref_gbps, 3),  # interleaved with this row's reps
                         "ratio_vs_memcpy": round(gbps / ref_gbps, 3),
-                        # CPU time per transfer (sender process, receiver's polling thread): what a loaded box's
-                        # noise does not change much
+                        # CPU per transfer, sender process and receiver thread: little changed by a busy box's noise
                         "cpu_ms": {
                             "sender": round(1e3 * statistics.median(c[0] for c in cpu[1:]), 2),
                             "receiver": round(1e3 * statistics.median(c[1] for c in cpu[1:]), 2),
@@ -289,7 +275,6 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
                         nbytes / statistics.median(raw_times[1:]) / 1e9, 3
                     )
             if "shm" in args.backends:
-                # the bare two copies and xxh3 passes, no protocol: the most shm's design can give on this box
                 frame = nbytes // (2 * FP.num_layers)
                 ceiling = ring_ceiling.measure(nbytes, frame, args.reps, checksum=not args.no_checksum)
                 out["results"].append({"backend": "ring-ceiling", "mib": mib, "bytes": nbytes, **ceiling})

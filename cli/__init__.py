@@ -1,2 +1,2 @@
-"""The ``pdserve`` command, the top of the import graph: the only package that imports bench (and planner) code,
-and only inside the subcommand that runs it, so ``pdserve --help`` and ``pdserve status`` start without torch."""
+"""The ``pdserve`` command, top of the import graph: it imports bench and planner code only inside the subcommand
+that runs it, so ``pdserve --help`` and ``pdserve status`` start without torch."""

@@ -1,11 +1,9 @@
 """The ``pdserve`` command: one entry point, one subcommand per job.
 
-Why the parser is built the way it is: ``pdserve --help`` and ``pdserve status`` (one HTTP GET) must start in a
-fraction of a second on a machine without torch, so this module imports the standard library only. Each subcommand
-names the module that does its job as a string, imported only when that subcommand runs. A benchmark's options are
-declared by a light module (``bench/options.py``, ``bench/loadtest/options.py`` or the benchmark itself where it is
-light), and only when ``pdserve bench <name>`` is the command being parsed (``LazyOptionsParser``), so no benchmark
-module is imported to build the parser.
+``pdserve --help`` and ``pdserve status`` must start at once without torch, so this module imports the standard
+library only: each subcommand names its module as a string, imported when it runs, and a benchmark's options come
+from a light module (``bench/options.py``, ``bench/loadtest/options.py`` or the benchmark itself), declared only when
+that benchmark is the command being parsed (``LazyOptionsParser``).
 """
 
 from __future__ import annotations
@@ -19,13 +17,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd  # the standard library only
-from cli import status as status_command  # the standard library only: `pdserve status` is one HTTP GET
+from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd
+from cli import status as status_command
 
 Command = Callable[[argparse.Namespace], int]
 
-# (subcommand, help, module declaring its options, that module's function, module running it); the declaring
-# module must import nothing heavy at module level (tests/cli/test_startup.py checks each one)
+# (subcommand, help, options module, its function, run module); options modules import nothing heavy (test_startup.py)
 BENCHMARKS: list[tuple[str, str, str, str, str]] = [
     (
         "engine",
@@ -87,10 +84,8 @@ BENCHMARKS: list[tuple[str, str, str, str, str]] = [
 
 
 class LazyOptionsParser(argparse.ArgumentParser):
-    """A subcommand's parser whose options are declared the first time it parses or prints help.
-
-    argparse hands the remaining arguments to a subcommand's parser only when that subcommand was chosen, so the
-    module declaring its options is imported for the command that runs and for no other."""
+    """A subcommand's parser that declares its options on first parse or help: argparse parses with the chosen
+    subcommand's parser only, so only that one imports its options module."""
 
     def __init__(
         self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
@@ -117,7 +112,7 @@ class LazyOptionsParser(argparse.ArgumentParser):
 
 
 def _call(module_name: str, function: str) -> Command:
-    """A command that imports ``module_name`` only when it runs, and calls ``function(args)``."""
+    """``module_name.function(args)``, imported only when it runs."""
 
     def run(args: argparse.Namespace) -> int:
         return int(getattr(importlib.import_module(module_name), function)(args))
@@ -137,7 +132,7 @@ def _benchmark(module_name: str) -> Command:
 
 
 def _options(module_name: str, function: str) -> Callable[[argparse.ArgumentParser], None]:
-    """Declare a benchmark's options from the light module that holds them (every benchmark takes ``--json``)."""
+    """Every benchmark takes ``--json``, whether or not its options module declares it."""
 
     def declare(parser: argparse.ArgumentParser) -> None:
         getattr(importlib.import_module(module_name), function)(parser)

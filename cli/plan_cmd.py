@@ -1,16 +1,14 @@
 """``pdserve plan``: simulate colocated and every P:D split of N workers on a workload; recommend one for an SLO.
 
-Every figure it prints is simulated (planner/simulator.py) from a measured profile, and says so with the profile's
-model, device and date: none is a measurement of a cluster. The workload is a JSONL trace (``{"arrival_s",
-"input_tokens", "output_tokens"}`` per line; its arrival pattern is kept and scaled in time) or a synthetic spec with
-the load tester's distributions (``bench.loadtest.workloads.draw_lengths``, so ``pdserve bench serve`` and the
-planner draw lengths alike) and Poisson arrivals:
+Every figure is simulated (planner/simulator.py) from a measured profile, labelled with its model, device and date.
+The workload is a JSONL trace (``{"arrival_s", "input_tokens", "output_tokens"}`` per line; arrivals kept, scaled in
+time) or a synthetic spec, Poisson arrivals and ``bench.loadtest.workloads.draw_lengths``'s lengths:
 
     fixed:IN:OUT    uniform:IN:OUT[:RANGE_RATIO]    normal:IN:OUT[:CV]    lognormal:IN:OUT[:CV]
     shared-prefix:GROUPS:PREFIX:IN:OUT   (GROUPS system prompts of PREFIX tokens, then a question of IN tokens)
 
-The standard library only at module level (``pdserve --help`` imports nothing heavy). ``pdserve plan kv`` and
-``pdserve plan validate`` share this parser, so its options are checked in ``run``, not by argparse.
+Standard library only at module level. ``plan kv`` and ``plan validate`` share this parser, so ``run`` checks its
+options, not argparse.
 """
 
 from __future__ import annotations
@@ -95,7 +93,7 @@ def _ints(spec: str, parts: list[str], count: int) -> list[int]:
 
 
 def build_workload(spec: str, num_requests: int, seed: int):
-    """A ``planner.trace.Workload`` from a trace file or a synthetic spec (the module docstring)."""
+    """A ``planner.trace.Workload`` from a trace file or a synthetic spec (see the module docstring)."""
     import numpy as np
 
     from bench.loadtest.workloads import draw_lengths

@@ -1,8 +1,7 @@
 """``pdserve plan kv``: KV bytes per token, tokens per GiB, and how many requests of a context fit a GPU.
 
-The standard library only at module level (``pdserve --help`` must not import torch); the sizing itself is
-``planner/kv_sizing.py``, imported when the command runs. Every bad value is a ValueError naming its flag.
-"""
+Standard library only at module level; the sizing is ``planner/kv_sizing.py``. A bad value is a ValueError naming
+its flag."""
 
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
 """``pdserve plan validate``: one workload on the local cluster and through the simulator, side by side.
 
-Why: a plan is only as good as the simulator behind it. This runs the load tester (``pdserve bench serve``'s
-engine, bench/loadtest) against a real cluster started here, in each mode on the same workers (disaggregated with
-the config's pools, colocated with as many workers as both pools together), at each rate (open loop, Poisson, a
-fixed seed, so both modes get the same requests at the same planned times; each rate its own prompts, seed + i, so
-that a rate does not hit the prefix cache of the one before). Then it feeds the simulator exactly
-what was sent: every request's actual send offset and the token counts the server reported, with the config's
-settings and the given profile, and prints TTFT p50/p90 and TPOT p50/p90 measured against simulated with their
-ratios (planner/validate.py). The goal (issue 12) is every ratio within 20% of 1.
-
-``--workload`` takes the load tester's synthetic datasets in one word:
-
-- ``fixed:IN:OUT``: every prompt IN tokens, every answer OUT tokens;
-- ``uniform:IN:OUT[:RATIO]``: lengths uniform within ±RATIO (default 0.5) of IN and OUT;
-- ``normal:IN:OUT[:CV]``, ``lognormal:IN:OUT[:CV]``: lengths of mean IN and OUT, coefficient of variation CV
-  (default 0.25, the load tester's ``--length-cv``);
-- ``shared-prefix:GROUPS:PREFIX:IN:OUT``: GROUPS system prefixes of PREFIX tokens, each request one of them and
-  an IN-token question.
-
-These are ``pdserve plan``'s synthetic workloads (cli/plan_cmd.py), with the same defaults; a JSONL trace is not
-accepted here, since the load tester cannot replay one's arrival times.
-
-Answers always run to OUT tokens (``ignore_eos``), so the simulator and the cluster decode the same lengths.
-This module imports the standard library only at module level (``pdserve --help`` stays light).
+A plan is only as good as its simulator. Per mode, on the same workers (disaggregated: the config's pools;
+colocated: as many workers as both together), it starts the cluster here and runs the load tester at each rate
+(open loop, Poisson, a fixed seed: both modes get the same requests at the same planned times); then the simulator
+replays what was sent (actual send offsets, server-reported token counts) with the config's settings and the profile,
+and TTFT / TPOT p50 and p90 are printed measured against simulated (planner/validate.py; the goal: every ratio within
+20% of 1). ``--workload`` takes ``pdserve plan``'s synthetic specs (cli/plan_cmd.py), not a trace, whose arrival
+times the load tester cannot replay; answers run to OUT tokens (``ignore_eos``), so both sides decode the same
+lengths. Standard library only at module level.
 """
 
 from __future__ import annotations
@@ -160,8 +145,7 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
     started = time.monotonic()
     config = load_config(args.config)
     profile = Profile.load(args.profile)
-    # one plan per rate, each with its own prompts (seed + i): the same prompts again at the next rate would hit the
-    # cluster's prefix cache and make its TTFT a cache hit's, which the simulator (rightly) does not predict
+    # each rate its own prompts (seed + i): the same prompts again would hit the prefix cache, unlike the simulator
     plans = [_load_plan(args, rate, workload, config, args.seed + i) for i, rate in enumerate(rates)]
     folder = Path(args.result_dir) if args.result_dir else Path(tempfile.mkdtemp(prefix="pdserve-validate-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -278,8 +262,8 @@ def _profile_notes(profile, config) -> list[str]:
 
 
 def _held_after(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> dict:
-    """KV blocks and requests the workers still hold once the runs are over (must be 0), from a heartbeat sent
-    after this call began (worker figures travel in heartbeats)."""
+    """KV blocks and requests the workers still hold after the runs (must be 0), from heartbeats sent after this
+    call began."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -1,8 +1,6 @@
 """``pdserve profile --config F``: measure prefill, decode and KV transfer times here; write the profile JSON.
 
-The standard library only at module level (``pdserve --help`` must not import torch); the measuring is
-``planner/profiler.py``, imported when the command runs. A config that cannot be loaded is a ValueError (exit 2).
-"""
+Standard library only at module level; the measuring is ``planner/profiler.py``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """``pdserve scale --pool decode --replicas N``: resize a pool of a running cluster (one ``POST /admin/scale``).
 
-A client of the router's HTTP API, like ``pdserve status``: the standard library only, so it starts at once on a
-machine without torch or Ray. The cluster does the work (cluster/run/scaling.py): new workers join without a restart,
-removed ones drain their requests first. ``--wait`` polls ``/status`` until no worker of the pool is draining.
+A standard-library client of the router's HTTP API, like ``pdserve status``. The cluster does the work
+(cluster/run/scaling.py): new workers join without a restart, removed ones drain their requests first.
 """
 
 from __future__ import annotations

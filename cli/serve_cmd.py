@@ -1,7 +1,7 @@
-"""``pdserve serve``: the cluster's own ``serve`` (cluster/run/serve.py), given the planner's autoscaling model.
+"""``pdserve serve``: the cluster's ``serve`` (cluster/run/serve.py), given the planner's autoscaling model.
 
-Why here: ``autoscale.profile`` is read by the planner (planner/autoscale_model.py), which the cluster layer may not
-import; the CLI sits above both and hands the cluster a function that builds the model from the final config.
+The cluster may not import the planner (planner/autoscale_model.py reads ``autoscale.profile``), so the CLI, above
+both, hands it the function that builds the model from the final config.
 """
 
 from __future__ import annotations

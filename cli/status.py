@@ -1,8 +1,7 @@
 """``pdserve status``: one HTTP GET of a running router's ``/status``, printed as a table (or the JSON).
 
-It lives in cli/, not in cluster/, because it is a client of the router's HTTP API and nothing more: it imports the
-standard library only, so it starts in a fraction of a second on a machine without torch or Ray, and it works
-against a router of any version that serves the same ``/status`` shape (``cluster/routing/router.py``, ``status()``).
+A standard-library client (it starts at once without torch or Ray) of any router serving this ``/status`` shape
+(``cluster/routing/router.py``, ``status()``); ``kv`` and ``pools`` may be absent.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) 
 
 
 def call_router(url: str, request: urllib.request.Request, timeout_s: float) -> dict[str, Any]:
-    """One call to a running router's HTTP API (``pdserve status``, ``pdserve scale``), its JSON answer as a dict;
-    ValueError (a message for the user, with the router's own error message when it sent one) otherwise."""
+    """A running router's JSON answer; ValueError (a message for the user, with the router's own when sent)."""
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             data: dict[str, Any] = json.load(response)
@@ -62,7 +60,7 @@ def format_status(data: dict[str, Any]) -> str:
             f"all: {router.get('queue_depth_all', '?')}"
         )
     kv = data.get("kv")
-    if kv:  # the served model's KV sizing (routers before issue 12 do not send it)
+    if kv:
         pools = "; ".join(
             f"{name} {p['blocks']} blocks = {p['tokens']:,} tokens per replica" for name, p in kv["pools"].items()
         )
@@ -70,7 +68,7 @@ def format_status(data: dict[str, Any]) -> str:
             f"kv: {kv['bytes_per_token']:,} B/token ({kv['dtype']}), {kv['tokens_per_gib']:,} tokens/GiB, "
             f"blocks of {kv['block_size']}; {pools}"
         )
-    for name, pool in (data.get("pools") or {}).items():  # routers before live resizing do not send it
+    for name, pool in (data.get("pools") or {}).items():
         draining = f", draining: {', '.join(pool['draining'])}" if pool.get("draining") else ""
         lines.append(f"pool {name}: {pool['replicas']} replicas{draining}")
     lines.append(WORKER_HEADER)
@@ -79,8 +77,7 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(
             f"{w['name']:<14}{w['role']:<11}{str(w['alive']):<7}{w.get('waiting', 0):>8}"
             f"{w.get('running', 0):>8}{kv:>12}{int(w.get('transfers_ok', 0)):>11}"
-            f"{int(w.get('transfer_bytes', 0)):>12}"
-            + ("  draining" if w.get("state") == "draining" else "")  # being removed (pdserve scale)
+            f"{int(w.get('transfer_bytes', 0)):>12}" + ("  draining" if w.get("state") == "draining" else "")
         )
     return "\n".join(lines)
 

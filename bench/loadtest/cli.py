@@ -1,11 +1,9 @@
 """``pdserve bench serve`` / ``python -m bench.loadtest``: options, one run or a rate sweep, the results folder.
 
-``add_arguments(parser)`` declares the options (in ``options.py``, which imports nothing heavy; named as in
-``vllm bench serve`` where they mean the same); ``run(args)`` builds the workload once, runs each rate (``--rates``,
-else ``--request-rate``), writes the results folder, prints the table to stderr and returns the summary dict.
-``bench/compare_modes.py`` (``pdserve bench compare``) reuses ``prepare`` and ``execute`` for its two modes.
-``--dataset-name multi-turn`` plays conversations instead of single requests (``conversations``, ``multiturn``): the
-same options, rates and results folder, one record per turn, and a ``multi_turn`` section in each run's summary.
+``run(args)``: ``prepare`` builds the workload once (not while timing), ``execute`` runs each rate (``--rates``, else
+``--request-rate``) against the server, then the results folder is written, the table printed to stderr and the
+summary returned; ``bench/compare_modes.py`` reuses ``prepare`` and ``execute``. Options (``options.py``) are named
+as in ``vllm bench serve`` where they mean the same.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from bench.loadtest import metrics, multiturn, output
 from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec
 from bench.loadtest.conversations import ConversationSettings, ConversationSpec, build_conversations
 from bench.loadtest.options import DEFAULT_SLOS_NOTE, PDSERVE_DEFAULT_SLOS_MS
-from bench.loadtest.options import add_arguments as add_arguments  # re-exported: `python -m bench.loadtest`, tests
+from bench.loadtest.options import add_arguments as add_arguments
 from bench.loadtest.options import add_workload_arguments as add_workload_arguments
 from bench.loadtest.shapes import LoadShape, run_phase
 from bench.loadtest.workloads import PromptBuilder, WorkloadSettings, build_requests, load_tokenizer
@@ -50,8 +48,7 @@ class Plan:
     tokenizer: object = None  # counts output tokens when a server sends no usage
     conversations: list[ConversationSpec] | None = None  # multi-turn: played instead of ``specs``
     conversation_settings: ConversationSettings | None = None
-    # the requests of the rates after the first (``specs`` is the first's): each rate draws its own prompts (seed +
-    # its index), so a later rate on the same server does not measure prefix-cache hits on the earlier rate's prompts
+    # rates after the first draw their own prompts (seed + index): no prefix-cache hits on an earlier rate's prompts
     later_specs: list[list[RequestSpec]] | None = None
 
     def specs_for(self, rate_index: int) -> list[RequestSpec]:
@@ -61,9 +58,7 @@ class Plan:
 
 
 def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos: dict | None = None) -> Plan:
-    """Validate options and build the workload once (prompt building happens here, not while timing).
-
-    ``args.endpoint_type`` left unset is resolved here (chat for multi-turn, else completions) and written back."""
+    """Validate options and build the workload; an unset ``args.endpoint_type`` is resolved and written back."""
     multi_turn = args.dataset_name == "multi-turn"
     if args.endpoint_type is None:
         args.endpoint_type = "chat" if multi_turn else "completions"
@@ -184,8 +179,8 @@ def _pool_size(shapes: list[LoadShape]) -> int:
 def execute(
     plan: Plan, base_url: str, model: str, folder: Path, mode: str | None = None, num_workers: int | None = None
 ) -> tuple[list[dict], list[list[RequestResult]], dict | None]:
-    """Run every rate of the plan against one server; appends to ``requests.jsonl``; returns per-run summaries,
-    per-run results and the sweep pick (None for a single rate)."""
+    """Every rate against one server, appending to ``requests.jsonl``. Returns per-run summaries, per-run results
+    and the sweep pick (None for a single rate)."""
     settings = RequestSettings(
         base_url=base_url,
         model=model,

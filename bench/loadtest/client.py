@@ -1,24 +1,12 @@
-"""One streamed OpenAI request, timed at the client.
+"""One streamed OpenAI request, timed at the client from just before sending (connection set-up included, as in
+``vllm bench serve``).
 
-``send_request`` posts a completions or chat request with ``stream: true`` and
-``stream_options: {"include_usage": true}``, reads the SSE stream and fills a ``RequestResult``:
-
-- ``start`` is ``time.perf_counter()`` just before the request is sent (connection set-up included, as in
-  ``vllm bench serve``); every later time is measured from it.
-- TTFT: the read that delivered the first chunk with non-empty text (``text`` for completions, ``delta.content`` or
-  ``delta.reasoning_content`` for chat). Role-only and empty chunks do not count.
-- ITL: the gap between consecutive reads that delivered text, one gap per content chunk after the first. A chunk
-  may carry several tokens; ``content_chunks`` against ``output_tokens`` shows when it did.
-- end-to-end latency: the read that delivered ``[DONE]`` (or the end of the body for a non-streamed answer).
-- token counts: from the server's ``usage``; when a server sends none, the runner counts the generated text with
-  the tokenizer afterwards (``output_tokens_source`` says which). ``usage.prompt_tokens_details.cached_tokens``
-  (the prompt tokens the server served from its prefix cache), when a server reports it, goes to ``cached_tokens``.
-- server stage timings: a ``timing`` object in any chunk (top level or inside the choice), the last one kept.
-
-Every request ends as a success or as a failure with one reason: ``http_<status>``, ``timeout``, ``cancelled``,
-``connect_error``, ``stream_cut`` (the body ended or broke before ``[DONE]``), ``stream_error`` (an error event or
-an ``error`` object in the stream), ``bad_response`` (unparseable chunk or body) or ``no_content`` (``[DONE]``
-without any text).
+TTFT is the read that delivered the first non-empty text (``text``, or ``delta.content``/``reasoning_content``); ITL
+the gaps between reads that delivered text (a chunk may carry several tokens: ``content_chunks``); E2EL the read that
+delivered ``[DONE]``. Token counts and ``cached_tokens`` come from the server's ``usage`` (without one the runner
+counts the text: ``output_tokens_source``), stage timings from the last ``timing`` object. A failure has one reason:
+``http_<status>``, ``timeout``, ``cancelled``, ``connect_error``, ``stream_cut`` (ended before ``[DONE]``),
+``stream_error`` (an error event or object), ``bad_response`` (unparseable) or ``no_content``.
 """
 
 from __future__ import annotations
@@ -102,7 +90,7 @@ class RequestResult:
 
     @property
     def tpot_s(self) -> float | None:
-        """(e2e - ttft) / (output_tokens - 1); 0 for a single-token answer (as vLLM does), None on failure."""
+        """(e2el - ttft) / (output_tokens - 1); 0 for one token (as vLLM), None on failure."""
         if not self.success or self.ttft_s is None or self.e2el_s is None or not self.output_tokens:
             return None
         if self.output_tokens <= 1:

@@ -1,24 +1,12 @@
 """Multi-turn chat workload (``--dataset-name multi-turn``): the conversations a run plays, built before timing.
 
-A conversation is a list of user turns, each with the output length asked for its answer (``max_tokens``), and the
-think times between an answer and the next turn. What the assistant said is not part of it: every turn sends the
-whole history, the previous user turns with the server's *actual* answers (``ConversationSpec.messages``), which are
-only known while the run plays it (``bench/loadtest/multiturn.py``). That is what makes the workload a test of prefix
-reuse: turn k's prompt is turn k-1's prompt plus the tokens the server itself just produced and one more user turn.
-
-Sources:
-
-- synthetic: ``--num-turns`` turns per conversation (uniform within ``±--num-turns-range-ratio``, at least 1); each
-  user message built to exactly ``--random-input-len`` tokens *on its own* (no template, no history; drawn from
-  ``--length-dist`` as for ``random``), each answer ``--random-output-len`` tokens (drawn the same way).
-- a ShareGPT-style file (``--dataset-path``): a JSON list (or JSONL) of ``{"conversations": [{"from": "human",
-  "value": ...}, {"from": "gpt", ...}, ...]}`` (or ``{"messages": [{"role": "user", "content": ...}, ...]}``); the
-  human turns in order are the user turns (cut to ``--num-turns`` when given), the token count of the gpt turn that
-  follows each one its output length (drawn as above when there is none). Shuffled with ``--seed``; cycled when more
-  conversations are asked for than the file holds.
-
-Think times: ``--think-time-s`` seconds between an answer's end and the next turn, fixed or exponential (a Poisson
-user) with that mean, drawn per gap in advance so that the same seed replays the same schedule.
+A conversation is its user turns, each answer's ``max_tokens`` and the think times after each answer. Every turn
+sends the whole history with the server's *actual* answers (``ConversationSpec.messages``), so turn k's prompt is
+turn k-1's plus the server's own tokens and one more user turn: a test of prefix reuse. Synthetic user messages are
+exactly ``--random-input-len`` tokens on their own (no template, no history); a ShareGPT-style file (JSON list or
+JSONL, ``conversations`` or ``messages``) gives its human turns in order, each output length the following gpt
+turn's token count (drawn when absent), shuffled with ``--seed`` and cycled. Think times are drawn in advance, so a
+seed replays the same schedule.
 """
 
 from __future__ import annotations
@@ -75,8 +63,7 @@ class ConversationSpec:
         return len(self.user_turns)
 
     def messages(self, answers: list[str]) -> list[dict]:
-        """The request of turn ``len(answers)`` (from 0): every earlier user turn followed by the server's answer to
-        it, then the next user turn."""
+        """The request of turn ``len(answers)`` (from 0): each earlier user turn and its answer, then the next turn."""
         k = len(answers)
         if k >= self.turns:
             raise ValueError(f"conversation {self.index} has {self.turns} turns; turn {k + 1} does not exist")
@@ -106,7 +93,6 @@ def draw_think_times(mean_s: float, n: int, dist: str, rng: np.random.Generator)
 def build_conversations(
     settings: ConversationSettings, workload: WorkloadSettings, builder: PromptBuilder, n: int
 ) -> list[ConversationSpec]:
-    """``n`` conversations, synthetic or from ``workload.dataset_path``."""
     settings.validate()
     if n < 1:
         raise ValueError("a run needs at least one conversation")
@@ -185,8 +171,7 @@ def _from_file(
 
 
 def read_conversation_file(path: Path) -> list[list[tuple[str, str | None]]]:
-    """Each conversation as ``[(human text, the assistant's reply to it or None), ...]``; conversations whose turns
-    are not a list are skipped, turns of other roles (system, tool) ignored."""
+    """Each conversation as ``[(human text, the reply or None), ...]``; other roles (system, tool) are ignored."""
     text = path.read_text()
     try:
         data = json.loads(text)

@@ -1,20 +1,11 @@
 """From per-request results to a run summary, and from a sweep of runs to the highest rate that meets the SLOs.
 
-Definitions (all times from the client's ``time.perf_counter``; reported in ms):
-
-- TTFT: request sent to the first chunk with text. E2EL: request sent to ``[DONE]``.
-- TPOT per request: ``(e2el - ttft) / (output_tokens - 1)``; 0 for one-token answers (as vLLM does).
-- ITL: every gap between consecutive text chunks, pooled over all successful requests.
-- Percentiles: linear interpolation between closest ranks (``numpy.percentile``'s default, as vLLM reports).
-- duration: from the first send of the measured phase to the end of its last request (or to the bound).
-- throughput: successful requests, their usage input tokens and output tokens, each divided by duration.
-- goodput: successful requests meeting every given SLO (``ttft``, ``tpot``, ``e2el``, in ms, ``<=``) / duration.
-- SLO attainment: those requests / all measured requests, failed ones included, in %.
-- cached tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the server served from its prefix
-  cache) over the successful requests whose server reported it: total, mean per request, and the fraction of those
-  requests' prompt tokens; ``None`` when no request reported it (a server that does not send it is not a 0 % hit).
-- sweep: the highest rate whose attainment is at least ``target`` (90% by default, DistServe's goodput), and that
-  rate divided by the number of workers.
+Times are the client's (``client.py``), reported in ms; percentiles are ``numpy.percentile``'s linear interpolation,
+as vLLM reports. ITL pools every gap of all successful requests. Duration runs from the measured phase's first send
+to the end of its last request (or the bound); throughputs and goodput (successful requests meeting every SLO, ``<=``)
+divide by it. SLO attainment: those / all measured requests, failed included, in %. Cached tokens count only the
+requests that reported them (``None`` when none did: not a 0 % hit). A sweep picks the highest rate with attainment
+>= ``target`` (90%: DistServe's goodput), also per worker.
 """
 
 from __future__ import annotations
@@ -168,10 +159,7 @@ def summarize(
 
 
 def cached_tokens_summary(results: Sequence[RequestResult]) -> dict | None:
-    """Prompt tokens served from the server's prefix cache, over the requests that reported a figure.
-
-    Requests without one are left out of every figure (not counted as 0): with a server that reports it on some
-    answers only, the fraction is still cached / prompt tokens of the same requests."""
+    """Prompt tokens served from the prefix cache, over only the requests that reported a figure (others not 0)."""
     reporting = [r for r in results if r.cached_tokens is not None]
     if not reporting:
         return None
@@ -187,10 +175,8 @@ def cached_tokens_summary(results: Sequence[RequestResult]) -> dict | None:
 
 
 def server_timing_summary(results: Sequence[RequestResult]) -> dict:
-    """Per stage: mean, median, p90 (ms) over the requests whose server reported that field; {} when none did.
-
-    ``client_minus_server_ttft`` is the client's TTFT minus the server's ``ttft_s``: network, HTTP and the
-    client's own overhead."""
+    """Per stage: mean, median, p90 (ms) over the requests that reported it; {} when none did.
+    ``client_minus_server_ttft`` (client TTFT - server ``ttft_s``) is network, HTTP and client overhead."""
     stages: dict = {}
     for name in TIMING_FIELDS:
         values = [
@@ -213,10 +199,8 @@ def server_timing_summary(results: Sequence[RequestResult]) -> dict:
 
 
 def pick_max_rate(runs: Sequence[dict], target_pct: float = 90.0, num_workers: int | None = None) -> dict:
-    """The highest swept rate whose SLO attainment is at least ``target_pct``.
-
-    ``monotonic`` is False when some lower rate missed the target although a higher one met it (noise, or a
-    server that does better under more load): read such a sweep with care."""
+    """The highest swept rate whose attainment is at least ``target_pct``; ``monotonic`` False (a lower rate
+    missed it: noise, or a server doing better under load) says to read the sweep with care."""
     rated = [(r["rate"], r.get("slo_attainment_pct")) for r in runs]
     passing = [rate for rate, pct in rated if pct is not None and pct >= target_pct]
     best = max(passing, key=_rate_value) if passing else None

@@ -1,27 +1,12 @@
 """Plays multi-turn conversations against a chat server, and summarizes the run by turn.
 
-Each conversation is one task that sends its turns in order: turn k's request (``/v1/chat/completions``, streamed,
-timed like every other request by ``client.send_request``) carries the whole history, every earlier user turn with
-the answer the server actually streamed back, then the next user turn; after an answer it waits its think time
-before the next turn. A turn that fails (any reason) ends its conversation: the failure is counted once under its
-reason in the run's ``failures``, the conversation counts as ``failed`` and its remaining turns are not sent.
-
-Load (the same options as single requests, applied to conversations):
-
-- ``--request-rate R`` finite: conversations *start* at gamma-distributed times (shape ``--burstiness``, mean 1/R;
-  ``--ramp-up-s`` ramps the rate). With ``--max-concurrency N`` at most N conversations are open at once (a slot
-  is held through think times, like N users); a due conversation waits for a slot, and one still waiting at the
-  duration bound is recorded as a cancelled first turn (a visible client-side queue, as for single requests).
-- ``--request-rate inf`` with ``--max-concurrency N``: N conversations open at all times, the next one starting as
-  soon as one ends (sender i starts at ``ramp_up_s * i / N``); without ``--max-concurrency``: all start at once.
-- Bounds: ``--num-conversations`` (0: none) and ``--duration``; at the duration bound every conversation still
-  open is cut: a turn in flight fails as ``cancelled``, and the conversation counts as ``unfinished``.
-- ``--num-warmups``: that many whole conversations first (at most ``--max-concurrency`` at once), flagged
-  ``warmup`` and left out of every figure.
-
-Input tokens per turn (history included) come from the server's ``usage``; our own count (``expected_input_tokens``,
-the templated history) is made after the run, so that tokenizing ever longer histories never stalls the event loop
-that times the streams.
+Each conversation is one task sending its turns in order, each with the whole history, and waiting its think time
+after each answer; a failed turn ends it (``failed``; later turns not sent). The load options apply to
+conversations: a finite ``--request-rate`` starts them at gamma arrivals; ``--max-concurrency N`` bounds the open
+ones (a slot is held through think times, like N users; at rate inf, N are open at all times). At the duration bound
+open conversations are ``unfinished``: a turn in flight, or one still waiting for a slot, fails as ``cancelled``.
+Our own input token count (``expected_input_tokens``) is made after the run, so tokenizing ever longer histories
+never stalls the event loop that times the streams.
 """
 
 from __future__ import annotations
@@ -114,7 +99,7 @@ class _Player:
                 async with slot:
                     await self._turns(run)
         except asyncio.CancelledError:
-            if not run.results:  # due, but still waiting for a concurrency slot at the bound
+            if not run.results:
                 result = self._result(run, 0, run.scheduled_s)
                 result.error, result.error_detail = "cancelled", "due, but waiting for a concurrency slot at the bound"
             raise
@@ -158,8 +143,8 @@ async def run_conversations(
     progress: bool = True,
     label: str = "",
 ) -> tuple[list[ConversationRun], float, dict]:
-    """Warm-up conversations, then the measured phase (``shape.num_prompts`` is the number of conversations).
-    Returns (every conversation played, warm-ups first; measured duration in s; client stats)."""
+    """Warm-ups, then the measured phase (``shape.num_prompts`` counts conversations). Returns (all conversations,
+    warm-ups first; measured s; client stats)."""
     shape.validate()
     if settings.endpoint_type != "chat":
         raise ValueError("multi-turn conversations go to the chat endpoint (--endpoint-type chat)")
@@ -204,7 +189,7 @@ async def _measured(player: _Player, pool, shape: LoadShape, measured: list[Conv
         for seq, offset in enumerate(arrival_offsets(shape.request_rate, shape.burstiness, shape.ramp_up_s, rng)):
             if shape.num_prompts and seq >= shape.num_prompts:
                 return
-            if closed:  # the next conversation starts when one ends (sender i ramps in at ramp_up_s * i / N)
+            if closed:
                 assert slot is not None and shape.max_concurrency
                 if shape.ramp_up_s and seq < shape.max_concurrency:
                     offset = shape.ramp_up_s * seq / shape.max_concurrency
@@ -275,8 +260,8 @@ def _cached(results: Sequence[RequestResult]) -> dict | None:
 
 
 def summarize_conversations(runs: Sequence[ConversationRun], percentiles: Iterable[float] = BASE_PERCENTILES) -> dict:
-    """The run's ``multi_turn`` section: outcomes, TTFT split by turn (turn 1 against later turns, where reuse of
-    the history's prefix shows), input tokens growing with the history, and the server's cached tokens."""
+    """The run's ``multi_turn`` section: outcomes, TTFT of turn 1 against later turns (where reuse of the history's
+    prefix shows), input tokens by turn, and the server's cached tokens."""
     percentiles = sorted(set(BASE_PERCENTILES) | {float(p) for p in percentiles})
     measured = [r for r in runs if not r.warmup]
     results = [x for run in measured for x in run.results]

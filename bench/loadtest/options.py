@@ -1,9 +1,8 @@
 """The load tester's command-line options, declared with ``argparse`` alone.
 
-Why a module of its own: ``pdserve bench serve --help`` (and the parser of every command that embeds these options)
-must not pay for numpy, httpx or a tokenizer, and the load tester must not import pdserve's cluster or engine at all:
-it tests any OpenAI-compatible server. So the two pdserve defaults it needs are plain values here, and tests check
-that they still agree with pdserve's own (``tests/bench/loadtest/test_imports.py``).
+Every parser embedding them must not pay for numpy, httpx or a tokenizer, and the load tester imports no pdserve
+cluster or engine code, so the two pdserve defaults it needs are plain values here, checked against pdserve's own
+by ``tests/bench/loadtest/test_imports.py``.
 """
 
 from __future__ import annotations

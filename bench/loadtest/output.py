@@ -1,9 +1,8 @@
 """The results folder and the printed table.
 
-Files: ``requests.jsonl`` (one record per request, warm-ups flagged, failures with their reason),
-``summary.json`` (what ``run()`` returns), ``summary.csv`` (one row per run), and PNG plots drawn with the Agg
-backend: ``ttft_cdf.png``, ``tpot_itl_cdf.png``, ``latency_vs_rate.png`` (sweeps and comparisons),
-``ttft_breakdown.png`` (only when the server sent stage timings).
+Files: ``requests.jsonl`` (one record per request, warm-ups flagged, failures with their reason), ``summary.json``
+(what ``run()`` returns), ``summary.csv`` (one row per run), and Agg PNG plots: ``ttft_cdf.png``,
+``tpot_itl_cdf.png``, ``latency_vs_rate.png`` (sweeps, comparisons), ``ttft_breakdown.png`` (with server timings).
 """
 
 from __future__ import annotations
@@ -179,7 +178,7 @@ def _cdf(ax, values_ms: Sequence[float], label: str) -> None:
 
 
 def write_plots(folder: Path, runs: Sequence[dict], results_by_run: Sequence[Sequence[RequestResult]]) -> list[str]:
-    """Draw the plots; returns the file names written."""
+    """The file names written."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,20 +1,12 @@
 """Load shapes: when each request is sent, and when a run stops.
 
-- Open loop (``request_rate`` finite, or infinite without ``max_concurrency``): arrival gaps are gamma distributed
-  with shape ``burstiness`` and mean ``1 / rate`` (``burstiness`` 1 is Poisson; below 1 burstier, above 1 more
-  even). The first request goes at 0. ``request_rate`` inf sends them all at once. With ``max_concurrency`` a
-  request that is due waits for a free slot; its TTFT is timed from when it is actually sent (as in vLLM), and
-  ``scheduled_s`` / ``sent_s`` in the per-request records show the wait.
-- Closed loop (``request_rate`` inf with ``max_concurrency`` N): N senders, each sends its next request as soon as
-  its last one ends.
-- Ramp-up ``ramp_up_s``: open loop, the rate rises linearly from 0 to ``request_rate`` over that time (arrivals
-  are drawn in "operational time" and mapped through the integrated rate); closed loop, sender i starts at
-  ``ramp_up_s * i / N``.
-- Bounds: at most ``num_prompts`` requests (0 or None: no count bound) and at most ``duration_s`` seconds. At the
-  duration bound nothing new is sent, and every request still running is cancelled and recorded as failed with
-  reason ``cancelled``; a request over ``request_timeout_s`` fails with ``timeout``. So a run always ends.
-- Warm-up: ``num_warmups`` requests first (at most ``max_concurrency`` at once), recorded with ``warmup: true`` and
-  left out of every figure.
+- Open loop (finite ``request_rate``, or inf without ``max_concurrency``): gamma gaps of shape ``burstiness`` (1:
+  Poisson; below: burstier) and mean ``1 / rate``, the first at 0; inf sends all at once. A request due while
+  ``max_concurrency`` are running waits, timed from its actual send (as vLLM; ``scheduled_s`` / ``sent_s``).
+- Closed loop (inf with ``max_concurrency`` N): N senders, each sending its next request when its last one ends.
+- ``ramp_up_s``: open loop, the rate rises linearly from 0 (arrivals drawn in operational time); closed loop, sender
+  i starts at ``ramp_up_s * i / N``.
+- At the ``duration_s`` bound running requests are cancelled, and each has ``request_timeout_s``: a run always ends.
 """
 
 from __future__ import annotations
@@ -115,9 +107,7 @@ async def run_phase(
     progress: bool = True,
     label: str = "",
 ) -> tuple[list[RequestResult], float, dict]:
-    """Warm up, then run the measured phase. Returns (all results, measured duration in s, client stats).
-
-    ``specs`` are used in order and cycled when the run (bounded by duration) needs more."""
+    """Warm up, then the measured phase, cycling ``specs``. Returns (all results, measured s, client stats)."""
     shape.validate()
     rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
     results: list[RequestResult] = []
@@ -154,7 +144,7 @@ async def run_phase(
 
 
 def progress_bar(total: int | None, enabled: bool, label: str):
-    """A tqdm bar on stderr over ``total`` requests (None: unknown), or None when disabled."""
+    """A tqdm bar on stderr (``total`` None: unknown), or None when disabled."""
     if not enabled:
         return None
     from tqdm import tqdm
@@ -209,7 +199,7 @@ async def _open_loop(client, spec_iter, shape, settings, measured, start, rate_l
                     result.sent_s = time.perf_counter() - start
                     await send_request(client, spec, settings, result)
         except asyncio.CancelledError:
-            if result.error is None:  # never sent: still waiting for a concurrency slot
+            if result.error is None:
                 result.error, result.error_detail = "cancelled", "due, but waiting for a concurrency slot at the bound"
             raise
         finally:

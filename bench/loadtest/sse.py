@@ -1,11 +1,10 @@
 """Incremental Server-Sent Events parser: bytes in, ``(event, data)`` pairs out, in order.
 
-Follows the SSE rules the OpenAI-compatible servers use: lines end in ``\\n``, ``\\r\\n`` or ``\\r``; ``data:`` lines
-(one optional space after the colon) accumulate, joined by ``\\n``; a blank line dispatches the event; lines starting
-with ``:`` are comments (keep-alives); ``event:`` names the event (``None`` when absent). Reads may split anywhere,
-also inside a UTF-8 character or between ``\\r`` and ``\\n``. At the end of the stream a pending event without its
-blank line is still handed out (lenient, like most clients), so a server that omits the last separator is not
-mistaken for a cut stream; whether ``[DONE]`` arrived is the caller's test for a complete stream.
+Lines end in ``\\n``, ``\\r\\n`` or ``\\r``; ``data:`` lines (one optional space after the colon) accumulate, joined
+by ``\\n``; a blank line dispatches the event; ``:`` lines are comments (keep-alives); ``event:`` names the event
+(``None`` when absent). Reads may split anywhere, also inside a UTF-8 character or a ``\\r\\n``. At the end of the
+stream a pending event without its blank line is still handed out (lenient, like most clients); whether ``[DONE]``
+arrived is the caller's test for a complete stream.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Workloads: the list of requests a run sends, each prompt built to an exact token count.
 
-Token counts are what the server will see, counted with the model's tokenizer:
-
-- completions: ``tokenizer(system + prompt)`` with the tokenizer's special tokens (a BOS token counts);
-- chat: the templated conversation, ``apply_chat_template(messages, add_generation_prompt=True)`` (the template's
-  own tokens and any default system prompt count).
-
-``PromptBuilder.build(target)`` draws random "clean" token ids (ids whose text re-encodes to themselves, words with
-a leading space where the vocabulary has enough of them), decodes them, re-counts the whole prompt and trims or
-extends the ids until the count is exactly ``target``. It never returns a prompt of another length: it raises.
-
-Sources (``--dataset-name``):
-
-- ``random``: input and output lengths drawn around ``--random-input-len`` / ``--random-output-len`` from
-  ``--length-dist`` (fixed, uniform within ``±--random-range-ratio``, normal or lognormal with coefficient of
-  variation ``--length-cv``).
-- ``jsonl``: one ``{"prompt": str, "output_tokens": int}`` per line (``output_tokens`` defaults to
-  ``--random-output-len``); the prompt text is sent as it is and counted.
-- ``sharegpt``: a ShareGPT JSON list; the first human turn is the prompt, the first gpt turn's token count is the
-  output length. Shuffled with ``--seed``.
-- ``shared-prefix``: ``--shared-prefix-groups`` groups, each with its own ``--shared-prefix-len``-token system
-  prompt; each request adds a question of about ``--random-input-len`` tokens (drawn as for ``random``) and is
-  assigned to the groups in turn.
-
-File sources are cycled when more requests are asked for than the file holds.
+Counts are the server's, with the model's tokenizer: completions ``tokenizer(system + prompt)`` with special tokens
+(a BOS counts); chat the templated conversation (template tokens and a default system prompt count).
+``PromptBuilder`` draws "clean" token ids (their text re-encodes to themselves; words with a leading space where the
+vocabulary has enough), decodes, re-counts, and trims or extends until the count is exact, or raises. Sources
+(``--dataset-name``): ``random`` lengths; ``jsonl`` (``{"prompt", "output_tokens"}`` per line, sent as is);
+``sharegpt`` (the first human turn, the first gpt turn's token count; shuffled with ``--seed``); ``shared-prefix``
+(system prompts of ``--shared-prefix-len`` tokens taken in turn, each with a question). Files are cycled.
 """
 
 from __future__ import annotations
@@ -52,8 +35,7 @@ def load_tokenizer(tokenizer: str | None = None, model: str | None = None):
             raise ValueError(f"--tokenizer: {str(path)!r} does not exist (a local tokenizer or model folder)")
     elif model and Path(model).expanduser().is_dir():
         path = Path(model).expanduser()
-    else:  # pdserve's own default model: only its engine knows where the converted folder is (this is the load
-        # tester's one import of pdserve code, and only when neither --tokenizer nor a model folder is given)
+    else:  # only pdserve's engine knows the default model's folder: the load tester's one import of pdserve code
         from engine.model_loader import DEFAULT_MODEL, resolve_model_path
 
         path = resolve_model_path(DEFAULT_MODEL)
@@ -106,7 +88,7 @@ class PromptBuilder:
         return self.count("", system)
 
     def random_text(self, n: int) -> str:
-        """Text of about ``n`` tokens on its own (not exact; for system prompts use ``build_system``)."""
+        """About ``n`` tokens (not exact; ``build_system`` is)."""
         return self.tokenizer.decode(self.rng.choice(self.vocab, size=max(n, 0)).tolist())
 
     def build_system(self, n: int) -> str:
@@ -141,8 +123,8 @@ class PromptBuilder:
 def draw_lengths(
     mean: int, n: int, dist: str, rng: np.random.Generator, range_ratio: float = 0.0, cv: float = 0.25, minimum: int = 1
 ) -> list[int]:
-    """``n`` lengths around ``mean``: fixed; uniform in [mean(1-r), mean(1+r)]; normal or lognormal with
-    standard deviation ``cv * mean`` (the lognormal keeps the mean). Clipped below at ``minimum``."""
+    """Uniform lengths lie in [mean(1-r), mean(1+r)]; normal and lognormal have std ``cv * mean`` (the lognormal
+    keeps the mean). Clipped below at ``minimum``."""
     if mean < 1:
         raise ValueError(f"a length must be at least 1 (got {mean})")
     if dist == "fixed":
@@ -181,7 +163,6 @@ class WorkloadSettings:
 
 
 def build_requests(settings: WorkloadSettings, builder: PromptBuilder, n: int) -> list[RequestSpec]:
-    """``n`` request specs from the chosen source."""
     if n < 1:
         raise ValueError("a run needs at least one request")
     rng = np.random.default_rng(settings.seed)
