@@ -118,12 +118,10 @@ def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--system-len",
         type=int,
         default=256,
-        help="tokens of a system prompt every conversation starts with (0: none; the pre-2026-11-30 shape)",
+        help="tokens of a system prompt every conversation starts with (0: none)",
     )
-    group.add_argument(
-        "--user-len", type=int, default=32, help="tokens of each user message on its own (old shape: 128)"
-    )
-    group.add_argument("--turn-output-len", type=int, default=96, help="max_tokens of each answer (old shape: 32)")
+    group.add_argument("--user-len", type=int, default=32, help="tokens of each user message on its own")
+    group.add_argument("--turn-output-len", type=int, default=96, help="max_tokens of each answer")
     group.add_argument(
         "--think-time-s",
         type=float,
