@@ -1,11 +1,8 @@
 """The cluster's one YAML file, validated on load: unknown keys and bad values are errors naming file and field.
 
-Sections: ``model``, ``mode``, ``pools``, ``transfer``, ``router``, ``slo``, ``ray``, ``autoscale``
-(docs/configuration.md documents every field). The fields the workers run with are the worker dataclasses' own
-(``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``, ``WorkerSpec``): their types and defaults are declared
-there, and each section checks its values by building them (``_borrowed``). ``ClusterConfig.worker_specs`` is the
-one translation into what the workers run; each worker picks its device in its own process. ``load_config`` takes
-a path or the name of a config shipped as package data (``local``, ``gpu-node``).
+docs/configuration.md documents every field. Fields the workers run with are borrowed from the worker dataclasses
+(``_borrowed``: type and default declared there), and each section checks its values by building them.
+``ClusterConfig.worker_specs`` is the one translation into what the workers run.
 """
 
 from __future__ import annotations
@@ -32,13 +29,12 @@ MIB = 1024 * 1024
 
 
 class ConfigError(ValueError):
-    """A config file that cannot be used; the message names the file and the field."""
+    """The message names the file and the field."""
 
 
 def _borrowed(cls: type, *names: str, **renamed: str) -> dict[str, Any]:
-    """Section fields that are a worker dataclass's own (``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``,
-    ``WorkerSpec``): type and default declared once, there (``renamed``: section name -> the dataclass's). Their
-    values are checked there too: each section's ``_check`` builds the dataclasses."""
+    """Section fields that are a worker dataclass's own, type and default declared there (``renamed``: section
+    name -> the dataclass's); each section's ``_check`` builds the dataclasses to check the values."""
     hints, fields = typing.get_type_hints(cls), {item.name: item for item in dataclasses.fields(cls)}
     out = {}
     for section_name, name in [*((n, n) for n in names), *renamed.items()]:
@@ -126,7 +122,7 @@ class PoolsSection(_Strict):
 
 
 class LimitsSection(_Strict):
-    """Caps on what one request body may hold, checked at the API before anything is tokenized or sent to a worker."""
+    """Caps on one request body, checked at the API before anything is tokenized or sent to a worker."""
 
     max_stop_strings: int = Field(default=16, gt=0)
     max_stop_string_chars: int = Field(default=256, gt=0)
@@ -139,7 +135,7 @@ class LimitsSection(_Strict):
 
 
 class KvAwareSection(_Strict):
-    """The kv_aware policy's cost (cluster/routing/policies.py): prefix_weight * matched / prompt tokens - load_weight * load."""
+    """The kv_aware policy's weights (cluster/routing/policies.py)."""
 
     prefix_weight: float = Field(default=2.0, ge=0)  # a whole prompt cached is worth this many queued requests
     load_weight: float = Field(default=1.0, ge=0)
@@ -153,8 +149,8 @@ class _RouterBase(_Strict):
     decode_policy: Literal["round_robin", "least_loaded", "power_of_two", "kv_aware"] = "least_loaded"
     kv_aware: KvAwareSection = KvAwareSection()
     queue_size: int = Field(default=256, ge=0)  # requests waiting for decode KV before 429
-    # conditional disaggregation: a prompt whose part the chosen decode worker does not hold in its prefix cache is
-    # at most this many tokens is prefilled on that decode worker, with no transfer; 0: every prompt goes to prefill
+    # conditional disaggregation: a prompt whose part the decode worker's prefix cache lacks is at most this many
+    # tokens is prefilled there, with no transfer; 0: every prompt goes to prefill
     local_prefill_max_tokens: int = Field(default=0, ge=0)
     api_key: str | None = None
     allow_unauthenticated: bool = False  # serve a non-loopback address without api_key, deliberately
@@ -213,8 +209,8 @@ class AutoscaleSection(_Strict):
     min_requests: int = Field(default=5, ge=1)  # an interval with fewer finished requests says nothing on latency
     prefill: AutoscalePoolBounds = AutoscalePoolBounds()
     decode: AutoscalePoolBounds = AutoscalePoolBounds()
-    # a `pdserve profile` JSON: `pdserve serve` sizes pools with the planner's model of it (planner/autoscale_model.py)
-    # instead of the threshold rule; a relative path is from the directory `pdserve serve` runs in
+    # a `pdserve profile` JSON: the planner's model of it sizes pools instead of the threshold rule (relative to the
+    # directory `pdserve serve` runs in)
     profile: str | None = None
     target_utilization: float = Field(default=0.7, gt=0, le=1)  # the model keeps each pool's busy share under this
 
@@ -248,8 +244,8 @@ class ClusterConfig(_Strict):
         return self
 
     def transfer_backend_problem(self) -> str:
-        """Why ``transfer.backend`` cannot work with these pools ("" when it can): nccl moves KV between GPUs, so a
-        disaggregated pool on the CPU would quietly fall back to gloo. Saying gloo is how to ask for that."""
+        """Why ``transfer.backend`` cannot work with these pools ("" when it can): nccl on a CPU pool would quietly
+        fall back to gloo, which has to be asked for by name."""
         if self.transfer.backend != "nccl" or self.mode != "disaggregated":
             return ""  # colocated workers move no KV
         cpu_pools = [name for name, _, pool in pool_layout(self) if pool.replicas and pool.gpus_per_replica == 0]
@@ -264,7 +260,7 @@ class ClusterConfig(_Strict):
     # ---- the one translation into what the workers run -------------------------------------------------------------
 
     def engine_config(self, pool: PoolSection, model_path: str) -> EngineConfig:
-        """One pool's engine settings; ``model_path``: the model folder (the default model converted once)."""
+        """``model_path``: the model folder (the default model converted once)."""
         return EngineConfig(
             model=model_path,
             dtype=self.model.dtype,
@@ -282,7 +278,7 @@ class ClusterConfig(_Strict):
         )
 
     def transfer_config(self) -> TransferConfig:
-        """The transfer layer's limits; its device is set in each worker (``worker.spec.resolve_spec``)."""
+        """Its device is set in each worker (``worker.spec.resolve_spec``)."""
         return TransferConfig(
             deadline_s=self.transfer.deadline_s,
             lease_s=self.transfer.lease_s,
@@ -305,7 +301,7 @@ class ClusterConfig(_Strict):
         return other.replicas if other is not None and self.mode == "disaggregated" else 0
 
     def worker_specs(self, model_path: str, router_addresses: list[str], host: str) -> list[WorkerSpec]:
-        """Every worker of every pool, in pool order: ``<pool>-<index>``, the pool's role, engine and GPUs."""
+        """Every worker of every pool, in pool order, named ``<pool>-<index>``."""
         problem = self.transfer_backend_problem()  # also after assignments, which skip the model validator
         if problem:
             raise ConfigError(problem)
@@ -337,29 +333,25 @@ class ClusterConfig(_Strict):
 
     @staticmethod
     def pool_kv_bytes(pool: PoolSection) -> int | None:
-        """A pool's KV budget per replica as the engine will size it: ``kv_memory_mb`` when set, the engine's CPU
-        default on a CPU pool, and None on a GPU pool (each worker measures its free memory at start)."""
+        """A pool's KV bytes per replica as the engine sizes it; None on a GPU pool (measured at start)."""
         if pool.kv_memory_mb is not None:
             return pool.kv_memory_mb * MIB
         return None if pool.gpus_per_replica > 0 else DEFAULT_CPU_KV_BYTES
 
     def pool_kv_blocks(self, pool: PoolSection, bytes_per_block: int) -> int | None:
-        """A pool's KV blocks per replica by the engine's rule (``engine.blocks.kv_blocks_for``: ``kv_blocks``, else
-        whole blocks of ``pool_kv_bytes``); None on a GPU pool that sizes its cache from measured memory at start."""
+        """A pool's KV blocks per replica by the engine's rule; None on a GPU pool that measures its memory at start."""
         kv_bytes = self.pool_kv_bytes(pool)
         if kv_bytes is None and not pool.kv_blocks:
             return None
         return kv_blocks_for(kv_bytes or 0, bytes_per_block, pool.kv_blocks)
 
     def pool_dtype(self, pool: PoolSection) -> str:
-        """The dtype a pool's workers run (``model.dtype``, with ``auto`` resolved as in each worker: bfloat16 on a
-        GPU pool, float32 on a CPU one)."""
+        """``model.dtype`` with ``auto`` resolved as each worker does (bfloat16 on a GPU pool, float32 on a CPU one)."""
         return resolve_dtype(self.model.dtype, "cuda" if pool.gpus_per_replica > 0 else "cpu")
 
     @property
     def served_dtype(self) -> str:
-        """The dtype of the cluster's KV (that of its first pool with replicas; every pool shares it or the transfer
-        handshake refuses the pair)."""
+        """The KV dtype: the first pool's with replicas (the transfer handshake refuses pools that differ)."""
         pools = [pool for _, _, pool in pool_layout(self) if pool.replicas] or [self.pools.prefill]
         return self.pool_dtype(pools[0])
 
@@ -390,7 +382,6 @@ def parse_config(data: dict | None, source: str = "<config>") -> ClusterConfig:
 
 
 def load_config(name_or_path: str | Path) -> ClusterConfig:
-    """Load and validate a config file, given by path or by a shipped config's name (``find_config``)."""
     data, source = read_config_file(name_or_path)
     return parse_config(data, source)
 
@@ -401,13 +392,12 @@ SHIPPED_CONFIGS = "configs"  # the package that holds the shipped YAML files (pa
 
 
 def shipped_configs() -> list[str]:
-    """The names of the YAML files shipped in the ``configs`` package."""
     return sorted(entry.name for entry in resources.files(SHIPPED_CONFIGS).iterdir() if entry.name.endswith(".yaml"))
 
 
 def find_config(name_or_path: str | Path) -> Path | Traversable:
-    """A config file: ``name_or_path`` when it is a file, else the shipped config of that name (``local`` or
-    ``local.yaml``), found through importlib.resources wherever the package is installed. ConfigError if neither."""
+    """``name_or_path`` when it is a file, else the shipped config of that name (``local`` or ``local.yaml``)
+    wherever the package is installed; ConfigError if neither."""
     path = Path(name_or_path)
     if path.is_file():
         return path
@@ -424,8 +414,7 @@ def find_config(name_or_path: str | Path) -> Path | Traversable:
 
 
 def read_config_file(name_or_path: str | Path) -> tuple[dict | None, str]:
-    """The sections of a config file (``find_config``), not yet validated, and the file's name for error messages.
-    None for an empty file; ConfigError if it is not YAML or its top level is not a mapping."""
+    """The unvalidated sections (None for an empty file) and the file's name for error messages."""
     source = find_config(name_or_path)
     try:
         data = yaml.safe_load(source.read_text())

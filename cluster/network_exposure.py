@@ -1,8 +1,4 @@
-"""Who may reach the server: refuse an unauthenticated bind that other machines can reach.
-
-``check_network_exposure`` runs on the final config at start-up (after command-line overrides): a server or worker
-reachable from other machines without an API key is refused unless ``router.allow_unauthenticated`` says so.
-"""
+"""Who may reach the server: at start-up, on the final config, refuse an unauthenticated bind other machines reach."""
 
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ def is_loopback(host: str) -> bool:
 
 
 def check_network_exposure(config: ClusterConfig, http_host: str | None = None) -> None:
-    """Refuse to bind the HTTP server (``http_host`` overrides ``router.host``) or the workers to a non-loopback
-    address without ``router.api_key``, unless ``router.allow_unauthenticated`` says that is meant."""
+    """Refuse a non-loopback HTTP server (``http_host`` overrides ``router.host``) or workers without
+    ``router.api_key``, unless ``router.allow_unauthenticated``."""
     if config.router.api_key or config.router.allow_unauthenticated:
         return
     for field, host in (("router.host", http_host or config.router.host), ("ray.worker_host", config.ray.worker_host)):

@@ -1,26 +1,14 @@
-"""The planner's model for the live autoscaler: replicas per pool from a measured profile and one interval's load.
+"""The planner's model for the live autoscaler: replicas per pool from a profile and one interval's load.
 
-Why not the simulator: the autoscaler decides every ``interval_s`` inside ``pdserve serve``, from a few live figures
-(arrival rate, mean prompt and output tokens, queue depth); a goodput search is seconds of simulation per layout, and
-the live load is not a trace. So this answers the question the simulator answers at its core, in closed form, with
-the same profile fits (planner/profile_model.py): how much work does this load bring per second, and how much can
-one replica do within the SLO?
-
-- **prefill** (disaggregated): the seconds of prefill a second of arrivals brings, ``rate × prefill(prompt)``, with
-  the prompt chunked as the pool's ``max_batch_tokens`` chunks it (each later chunk after the earlier ones'
-  context). A prefill worker also sends each prompt's KV, one transfer at a time, overlapping its next prefill: the
-  pool needs enough replicas for whichever of the two is busier (``rate × transfer(prompt × kv bytes per token)``).
-- **decode**: tokens per second to generate, ``rate × (output - 1)`` (the first token comes from the prefill), over
-  what one replica generates within the TPOT SLO: the largest batch ``b`` (up to ``max_num_seqs`` and the requests
-  its KV holds) whose step ``decode_step(b, b × (prompt + output / 2))`` is at most ``slo.tpot_s``, giving ``b /
-  step`` tokens/s. (If even one request's step is over the SLO, one request at a time is what a replica does.)
-- **colocated**: one pool does both, so a replica's share of prefill seconds and its share of decode capacity add.
-
-Each pool's figure (busy replicas) is divided by ``autoscale.target_utilization`` (headroom: queueing delay grows
-without bound as a server nears 100% busy, and TTFT is mostly queueing) and rounded up; at least one replica per
-pool, as a pool with none cannot take the next request. Queued requests (waiting for decode KV) count as arrivals
-to serve within the next interval. The policy (cluster/run/autoscale.py) clamps the answer to the pool's bounds and
-applies hysteresis.
+Closed form, not the simulator (a goodput search takes seconds per layout, and a live load is not a trace), with the
+same fits: busy replicas per pool, where ``rate`` counts queued requests as arrivals of the next interval.
+- prefill: ``rate × prefill(prompt)`` in the pool's chunks, or the KV sending ``rate × transfer(prompt bytes)`` if
+  busier (it overlaps the next prefill);
+- decode: ``rate × (output - 1)`` tokens/s over ``b / step``, where ``b`` is the largest batch (within
+  ``max_num_seqs`` and the KV) whose ``decode_step(b, b × (prompt + output / 2))`` meets the TPOT SLO (else 1);
+- colocated: one pool, the two add.
+Each is divided by ``target_utilization`` (queueing delay grows without bound near 100% busy) and rounded up, at
+least 1; cluster/run/autoscale.py clamps it and applies hysteresis.
 """
 
 from __future__ import annotations
@@ -40,7 +28,7 @@ _EPS = 1e-9  # 2.0000000001 busy replicas is 2 (floating-point sums of fitted ti
 
 @dataclass(frozen=True, slots=True)
 class PoolLimits:
-    """What the served config says one replica may do (not the profile's measuring settings)."""
+    """What the served config lets one replica do (not the profile's measuring settings)."""
 
     prefill_chunk_tokens: int  # prefill pool's max_batch_tokens (colocated: the decode pool's)
     decode_max_num_seqs: int
@@ -60,7 +48,7 @@ class Estimate:
 
 @dataclass(slots=True)
 class ProfileCapacityModel:
-    """``CapacityModel`` (cluster/run/autoscale.py) from a ``Profile``: see the module docstring for the arithmetic."""
+    """``CapacityModel`` (cluster/run/autoscale.py) from a ``Profile``."""
 
     profile: Profile
     mode: str  # "disaggregated" or "colocated"
@@ -83,7 +71,7 @@ class ProfileCapacityModel:
         return cls(profile, config.mode, config.slo.tpot_s, config.autoscale.target_utilization, limits)
 
     def prefill_s(self, prompt: int) -> float:
-        """One prompt's prefill, in the served pool's chunks."""
+        """One prompt's prefill, in the served pool's chunks (each after the earlier ones' context)."""
         chunk, total, done = max(1, self.limits.prefill_chunk_tokens), 0.0, 0
         while done < prompt:
             step = min(chunk, prompt - done)
@@ -138,8 +126,7 @@ class ProfileCapacityModel:
 
 
 def capacity_model_for(config: ClusterConfig) -> ProfileCapacityModel | None:
-    """The model ``pdserve serve`` hands the autoscaler: None unless ``autoscale.profile`` names one. A profile
-    measured on another model, dtype or device still loads (a warning says so): its times are then a guess."""
+    """None unless ``autoscale.profile`` names one; a profile of another model or dtype loads with a warning."""
     path = config.autoscale.profile
     if path is None:
         return None

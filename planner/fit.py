@@ -1,13 +1,9 @@
 """Least-squares curves through measured step times: the ``Fit``\\ s a profile carries.
 
-Why relative least squares: measured times span two or three orders of magnitude (a 16-token prefill against a
-2048-token one), and the simulator cares about every size equally. Plain least squares would fit the largest points
-and let the small ones be off by 100%; dividing each row by its measured time minimises the relative error instead.
-
-Why non-negative coefficients: every feature (a constant, tokens, tokens x context, batch, bytes) can only add time.
-A negative coefficient, which noise easily produces for a small quadratic term, would make a longer prompt predict a
-shorter time outside the measured range. So a feature whose coefficient comes out negative is dropped (its
-coefficient set to 0) and the rest refitted, until none is negative: a small active-set NNLS.
+Relative least squares (each row divided by its measured time): times span orders of magnitude and every size
+matters equally, while plain least squares would leave the small ones off by 100%. Coefficients are non-negative
+(every feature can only add time; a negative quadratic term from noise would predict a longer prompt faster outside
+the measured range): a negative feature is dropped and the rest refitted, a small active-set NNLS.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from planner.profile_model import Fit, feature_value
 
 @dataclass(slots=True)
 class FitQuality:
-    """How well a fit reproduces the points it was fitted to (relative errors, |predicted - measured| / measured)."""
+    """How well a fit reproduces its own points (relative errors, |predicted - measured| / measured)."""
 
     mean_rel_error: float
     max_rel_error: float
@@ -42,7 +38,7 @@ def fit_points(
     if np.any(y <= 0):
         raise ValueError("measured times must be > 0")
     design = np.array([[feature_value(name, row) for name in features] for row in rows], dtype=np.float64)
-    weighted = design / y[:, None]  # relative least squares: each row divided by its measured time
+    weighted = design / y[:, None]
     target = np.ones_like(y)
     active = list(range(len(features)))
     coefficients = np.zeros(len(features))

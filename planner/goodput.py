@@ -1,10 +1,8 @@
 """Goodput: the highest request rate at which a layout still meets the SLO for enough requests (DistServe's measure).
 
-Attainment at a rate is the share of requests meeting both SLOs (TTFT and TPOT; a rejected or unfinished request
-meets neither). It falls as the rate rises, because every evaluation uses the same workload compressed in time
-(planner/trace.py) and the same seed. So the search brackets by doubling (from ``start`` up until a rate fails) and
-then bisects the bracket until its width is within ``rel_tol`` of its lower end: the answer is the bracket's lower
-end, a rate that was simulated and passed, never an interpolation.
+Attainment is the share of requests meeting both SLOs (a rejected or unfinished one meets neither); it falls with
+the rate, since every probe runs the same workload compressed in time (planner/trace.py). The search brackets by
+doubling, then bisects to ``rel_tol``: the answer is a rate that was simulated and passed, never an interpolation.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def find_goodput(
     max_rate: float = 1e6,
     target: float = ATTAINMENT,
 ) -> GoodputResult:
-    """``passes(rate)`` returns the attainment at ``rate``; the highest rate with attainment >= ``target``."""
+    """The highest rate whose attainment (``passes(rate)``) is at least ``target``."""
     probes: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
@@ -89,9 +87,8 @@ def layout_goodput(
     start: float | None = None,
     min_duration_s: float = 0.0,
 ) -> GoodputResult:
-    """A layout's goodput on a workload: the simulation run at each probed rate. The first probe, unless given, is a
-    rough capacity guess (workers over one request's service time), so the bracket takes few doublings.
-    ``min_duration_s``: each probe's trace spans at least this long (``Workload.at_rate``)."""
+    """The first probe, unless given, is a rough capacity guess (workers over one request's service time), so the
+    bracket takes few doublings. ``min_duration_s``: each probe's trace spans at least this long."""
     if start is None:
         per_request = profile.prefill_s(int(workload.mean_input)) + workload.mean_output * profile.decode_step_s(
             1, int(workload.mean_input + workload.mean_output / 2)

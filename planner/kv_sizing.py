@@ -1,15 +1,9 @@
 """KV sizing from a model's shape: bytes per token, tokens per GiB, and how many requests of a context fit a GPU.
 
-Why from config.json and nothing else: sizing is asked before anything is downloaded or served (which GPU, which
-``kv_memory_mb``, how many concurrent requests), so a model is its attention shape (layers, KV heads, head dim) and,
-for the weights to subtract from the GPU's memory, the parameter count that shape implies. The KV formula is the
-engine's own (``engine.kv_cache.kv_bytes_per_token``, which ``KVSpec`` uses), so the figure printed here is the one
-a worker allocates by. The parameter count is computed from the same fields for the architectures pdserve serves
-(Llama, Mistral, Qwen2, Qwen3: dense SwiGLU decoders); for the presets it reproduces each model's published count
-exactly (tests/planner/test_kv_sizing.py).
-
-What the budget leaves out: activations, CUDA graphs, the framework's own allocations and fragmentation, which is
-what ``--gpu-memory-utilization`` (default 0.9, as vLLM's) is for.
+From config.json alone, since sizing comes before any download: the attention shape and the parameter count it
+implies (dense SwiGLU decoders; exact for the presets). The KV formula is the engine's own
+(``engine.kv_cache.kv_bytes_per_token``), so the figure is what a worker allocates. Activations, CUDA graphs and
+fragmentation are left to ``--gpu-memory-utilization`` (default 0.9, as in vLLM).
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ GIB = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
-# Published shapes: the fields of each model's config.json on the Hugging Face Hub (the repository named in
-# ``source``), copied verbatim; the parameter count is derived from them (``ModelShape.parameters``).
+# each model's config.json fields on the Hugging Face Hub (the repository in ``source``), copied verbatim
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.2-1b": (
         "meta-llama/Llama-3.2-1B config.json",
@@ -168,9 +161,8 @@ class ModelShape:
 
     @property
     def parameters(self) -> int:
-        """Weights of a dense SwiGLU decoder with this shape, as transformers builds the architecture: embeddings,
-        per layer q/k/v/o, gate/up/down and two RMSNorms (plus Qwen2's q/k/v biases, Qwen3's q/k norms and any
-        ``attention_bias`` / ``mlp_bias``), the final norm, and the LM head unless tied to the embeddings."""
+        """Weights of a dense SwiGLU decoder with this shape, as transformers builds it (Qwen2's q/k/v biases, Qwen3's
+        q/k norms and any ``attention_bias`` / ``mlp_bias`` included; the LM head unless tied)."""
         hidden = self.hidden_size
         q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
@@ -211,10 +203,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 
 def load_shape(model: str) -> ModelShape:
-    """A preset name, the built-in default model, or a model folder (its config.json only: no weights, no hub).
-
-    The default model's folder exists once it has been converted (the first ``pdserve serve``); before that, its
-    shape is the smollm2-135m preset's, which is the same architecture (the instruct model is a fine-tune)."""
+    """A preset name, the built-in default model, or a model folder (its config.json only). Before the default model
+    is converted (the first ``pdserve serve``) its shape is the smollm2-135m preset's: the same architecture."""
     if model.lower() in PRESETS:
         source, config = PRESETS[model.lower()]
         return ModelShape.from_config(model.lower(), f"preset: {source}", config)
@@ -235,8 +225,8 @@ def load_shape(model: str) -> ModelShape:
 
 @dataclass(frozen=True, slots=True)
 class KVSizing:
-    """The answer of ``pdserve plan kv`` (``--json`` prints it as is); GPU and context fields are None when not
-    asked. Every "fit" figure is a floor: a request that does not wholly fit is not counted."""
+    """The answer of ``pdserve plan kv``; GPU and context fields are None when not asked. Every "fit" figure is a
+    floor: a request that does not wholly fit is not counted."""
 
     model: str
     source: str

@@ -1,19 +1,13 @@
 """What a profile holds and how the simulator reads it: measured step times and the curves fitted to them.
 
-Why a file of its own: ``pdserve profile`` (planner/profiler.py) writes this and ``pdserve plan``
-(planner/simulator.py) reads it, on different machines and days. A profile therefore records what it was measured
-on (model, dtype, device, backend, date) next to the points, and the simulator only ever asks the three questions
-below, answered from least-squares fits so that it can ask about batch sizes and prompt lengths that were not
-measured:
-
-- ``prefill_s(tokens, context)``: one forward over ``tokens`` new prompt tokens whose KV sits after ``context``
-  cached ones (chunked prefill: the later chunks of a prompt);
-- ``decode_step_s(batch, context_tokens)``: one decode step for ``batch`` requests holding ``context_tokens`` tokens
-  of KV in total;
-- ``transfer_s(num_bytes)``: moving one request's KV from a prefill to a decode worker on the configured backend.
-
-A colocated step that mixes a prefill chunk with decodes costs ``mixed_step_s``: the sum of both, less one fixed
-overhead (one forward, not two), which is how a mixed batch behaves on a CPU or a GPU that is not saturated.
+``pdserve profile`` (planner/profiler.py) writes it and ``pdserve plan`` reads it, on different machines and days,
+so it records what it was measured on next to the points. The simulator asks only these, from least-squares fits
+(so sizes that were not measured work too):
+- ``prefill_s(tokens, context)``: one forward over ``tokens`` new prompt tokens after ``context`` cached ones;
+- ``decode_step_s(batch, context_tokens)``: one decode step for ``batch`` requests holding that much KV in total;
+- ``transfer_s(num_bytes)``: one request's KV from a prefill to a decode worker;
+- ``mixed_step_s``: a colocated step, prefill chunk plus decodes less one forward's fixed overhead (as a mixed
+  batch behaves on a CPU or an unsaturated GPU).
 """
 
 from __future__ import annotations
@@ -61,7 +55,7 @@ class Fit:
 
 
 def feature_value(name: str, values: Mapping[str, float]) -> float:
-    """A feature is the constant ``1``, a variable (``tokens``) or a product of variables (``tokens*context``)."""
+    """A feature is the constant ``1``, a variable (``tokens``) or a product (``tokens*context``)."""
     if name == "1":
         return 1.0
     result = 1.0
@@ -104,7 +98,6 @@ class Profile:
         return self.transfer_fit(num_bytes=num_bytes)
 
     def mixed_step_s(self, prefill_tokens: int, prefill_context: int, batch: int, context_tokens: int) -> float:
-        """A step with a prefill chunk and ``batch`` decodes (colocated): both parts, one forward's fixed cost."""
         if prefill_tokens == 0:
             return self.decode_step_s(batch, context_tokens)
         if batch == 0:

@@ -1,12 +1,9 @@
 """The transfer part of ``pdserve profile``: one request's KV, sender to receiver, on the configured backend.
 
-Why in-process: a sender and a receiver of one backend in one process move the KV through the same sockets, rings
-and copies as two workers on one node (the receiver writes into a real engine's KV cache), without starting
-workers. ``auto`` is resolved as two workers on one node resolve it: shared memory (``decode.worker.receiver_address``
-gives the receiver the same ``shm+tcp`` address a decode worker binds). ``nccl`` needs two GPUs in two processes, so
-it is not measured here: shared memory is, the profile records ``shm`` as its backend and the notes say why.
-The gather of the source blocks is not timed (the prefill worker does it inside its forward); the first transfer of
-each size is not kept (it opens the session: handshake and ring).
+In one process a sender and receiver move the KV through the same sockets, rings and copies as two workers on one
+node, into a real engine's KV cache. ``auto`` is shm, as between two workers on one node; ``nccl`` needs two GPUs in
+two processes, so shm is measured and recorded instead (the notes say so). The gather of the source blocks is not
+timed (the prefill worker does it inside its forward), nor the first transfer of each size (it opens the session).
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ def measure_transfer(
             times = [
                 _one_transfer(sender, receiver, f"profile-{count}-{i}", destination, layers, config.deadline_s)
                 for i in range(repeats + 1)
-            ][1:]  # the first one opens the session (handshake, ring): not a steady-state transfer
+            ][1:]  # the first one opens the session
             points.append(TransferPoint(count * engine.kv_spec.bytes_per_block, statistics.median(times)))
             tick()
     finally:

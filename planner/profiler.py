@@ -1,28 +1,14 @@
 """``pdserve profile``: measure prefill, decode and KV transfer times on this machine, with a config's engines.
 
-Why the engine directly (no Ray, no HTTP): the simulator needs the cost of one forward and of one transfer, not of
-the control plane around them, and a profile must be quick enough to rerun whenever the model or the hardware
-changes. The engines are built from the config's own ``WorkerSpec``\\ s (``ClusterConfig.worker_specs``, device
-picked by ``resolve_spec`` as a worker picks it), so the model, dtype, device, torch threads, block size, chunk size
-and batch bound are the workers' own.
-
-What is measured (each point the median of ``repeats`` timings, more for steps so short that a scheduler hiccup
-would be a large share of them: ``samples_needed``; after an untimed warm-up):
-
-- prefill (the prefill pool's engine): one step over a prefill-only request of ``tokens`` new prompt tokens, first
-  with nothing cached, then after ``context`` tokens already in the prefix cache (the later chunks of a chunked
-  prefill, and prompts that share a prefix). The context is put there the way a real one is: an earlier request with
-  that prefix, prefilled and released; the point records the cache hit the engine reports, not the one intended.
-- decode (the decode pool's engine): one step of ``batch`` decoding requests holding ``context_tokens`` tokens of KV
-  in total. A batch is built once per context length at its largest size, every request sharing one prompt through
-  the prefix cache (so 64 requests of 1024 tokens cost one prefill, not 64), then shrunk by aborting requests, timing
-  steps at each size of a geometric grid. Attention still reads every request's KV: sharing the blocks saves only
-  the prefills.
-- transfer: one request's KV (every layer of ``n`` blocks, as the prefill worker sends it) from a sender to a receiver
-  of the configured backend, in this process, written into the decode engine's KV cache: from ``begin`` until the
-  receiver reports the KV complete (planner/profile_transfer.py).
-
-Then ``planner.fit`` fits the curves the simulator reads (``Profile.prefill_s``, ``decode_step_s``, ``transfer_s``).
+The engines run directly (no Ray, no HTTP: the simulator needs one forward's cost, not the control plane's), built
+from the config's ``WorkerSpec``\\ s, so every setting is the workers' own. Each point is the median of ``repeats``
+timings after a warm-up (more for very short steps: ``samples_needed``):
+- prefill: one step over ``tokens`` new prompt tokens after ``context`` cached ones, the context put there by an
+  earlier request with that prefix (the point records the hit the engine reports);
+- decode: one step of ``batch`` requests holding ``context_tokens`` KV in total, built once per context at its
+  largest size sharing one prompt through the prefix cache (one prefill, not 64), then shrunk by aborts;
+- transfer: one request's KV over the configured backend, in this process (planner/profile_transfer.py).
+``planner.fit`` then fits the curves the simulator reads.
 """
 
 from __future__ import annotations
@@ -57,8 +43,7 @@ MAX_SAMPLES = 15
 
 
 def samples_needed(times: list[float], repeats: int) -> bool:
-    """Whether a point needs another timing: fewer than ``repeats``, or all of them together still so short (a tiny
-    model's millisecond steps) that the median of a few would be at the mercy of one descheduling."""
+    """Fewer than ``repeats`` timings, or all together still so short that one descheduling would sway the median."""
     return len(times) < repeats or (sum(times) < MIN_SAMPLED_S and len(times) < MAX_SAMPLES)
 
 
@@ -95,8 +80,8 @@ def _round_down(value: int, multiple: int) -> int:
 
 
 def plan_grid(prefill: LLMEngine, decode: LLMEngine, quick: bool) -> Grid:
-    """The measurement grid for these engines: chunk sizes up to the prefill pool's ``max_batch_tokens`` (within the
-    model length and the KV cache), contexts that fit beside them, batches up to the decode pool's ``max_num_seqs``."""
+    """Chunk sizes up to ``max_batch_tokens`` (within the model length and KV cache), contexts that fit beside them,
+    batches up to ``max_num_seqs``."""
     block = prefill.config.block_size
     prefill_tokens_cap = prefill.block_manager.num_blocks * block - block
     longest = min(prefill.config.max_batch_tokens, prefill.max_model_len - 1, prefill_tokens_cap)
@@ -132,8 +117,8 @@ def pool_specs(config: ClusterConfig) -> tuple[WorkerSpec, WorkerSpec]:
 
 
 def measuring_engine(spec: WorkerSpec) -> LLMEngine:
-    """The worker's engine, with prefix caching on: the context points and shared decode batches are built with it
-    (it changes no forward's cost), and every prompt not meant to share is random, so nothing else hits the cache."""
+    """The worker's engine with prefix caching on (it changes no forward's cost), for the context points and shared
+    decode batches; every prompt not meant to share is random."""
     engine = LLMEngine(dataclasses.replace(spec.engine, enable_prefix_caching=True))
     engine.warm_up()
     return engine

@@ -1,10 +1,8 @@
 """For N workers: every layout (colocated N, and each P:D split), its goodput, the one to run, and its config.
 
-The best layout has the highest goodput; on a tie (within the bisection's tolerance the figures are equal) colocated
-wins, as it moves no KV and has one pool to run, then the split with fewer prefill workers. The config written for it
-is the base config with the mode and the pools' replicas changed, validated by ``ClusterConfig`` as ``pdserve serve
---config`` would load it; colocated puts every worker in the decode pool (colocated mode runs both pools' workers
-as colocated ones, so the split between the two does not matter).
+The best has the highest goodput; on a tie (within the bisection's tolerance) colocated wins (no KV moves, one
+pool), then fewer prefill workers. Its config is the base config with mode and replicas changed, validated as a
+loaded file; colocated puts every worker in the decode pool (the split does not matter there).
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ class LayoutResult:
 
 
 def layouts(workers: int, split_step: int = 1) -> list[Layout]:
-    """Colocated, then every split with 1, 1 + step, ... prefill workers (step 1: every split; a larger step keeps a
-    64-worker sweep affordable) and always the one with N - 1."""
+    """Colocated, then the splits with 1, 1 + step, ... and N - 1 prefill workers (a larger step keeps a 64-worker
+    sweep affordable)."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if split_step < 1:
@@ -54,8 +52,7 @@ def evaluate(
     min_duration_s: float = 0.0,
     split_step: int = 1,
 ) -> list[LayoutResult]:
-    """Goodput of every layout of ``workers`` workers. Each search starts at the previous layout's answer (splits
-    next to each other have similar goodput), so most take a few probes."""
+    """Each search starts at the previous layout's answer (neighbouring splits have similar goodput)."""
     results: list[LayoutResult] = []
     start = None
     for layout in layouts(workers, split_step):
@@ -71,7 +68,7 @@ def evaluate(
 
 
 def best(results: list[LayoutResult], rel_tol: float = 0.02) -> LayoutResult:
-    """Highest goodput; rates within ``rel_tol`` of the best count as a tie: colocated first, then fewer prefill."""
+    """Rates within ``rel_tol`` of the best tie: colocated first, then fewer prefill."""
     top = max(r.goodput.rate for r in results)
     tied = [r for r in results if r.goodput.rate >= top * (1 - rel_tol)]
     return min(tied, key=lambda r: (r.layout.mode != "colocated", r.layout.prefill))
@@ -83,7 +80,6 @@ def best_disaggregated(results: list[LayoutResult]) -> LayoutResult | None:
 
 
 def plan_config(base: ClusterConfig, layout: Layout) -> ClusterConfig:
-    """The base config with the layout's mode and replicas, validated as a loaded file is."""
     data = base.model_dump(mode="json")
     data["mode"] = layout.mode
     data["pools"]["prefill"]["replicas"] = layout.prefill
@@ -92,6 +88,6 @@ def plan_config(base: ClusterConfig, layout: Layout) -> ClusterConfig:
 
 
 def write_config(config: ClusterConfig, path: str | Path, header: str) -> None:
-    """YAML that ``load_config`` reads back to the same config; ``header`` becomes a comment block on top."""
+    """YAML that ``load_config`` reads back to the same config, under ``header`` as comments."""
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     Path(path).write_text(comment + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,11 +1,9 @@
 """A discrete-event simulation (simpy) of one pdserve cluster serving a trace: what ``pdserve plan`` sizes pools with.
 
-It runs the real thing in simulated time: the router's own ``RouterCore`` (policies, reservations, queue, prefix
-index, conditional disaggregation) and, for each worker, the engine's own ``Scheduler`` and ``BlockManager`` (chunked
-prefill, admission, preemption, the prefix cache and its eviction). Workers and router talk in the protocol's typed
-messages, each delayed ``hop_s``; a step lasts what the measured ``Profile`` says; a prefill worker ships one KV
-transfer at a time (``profile.transfer_s`` of the bytes the decode worker lacks). Not modelled: failures, stop
-conditions other than the length (a request generates exactly its trace's output tokens), and the text.
+It runs the router's own ``RouterCore`` and, per worker, the engine's own ``Scheduler`` and ``BlockManager`` in
+simulated time, talking in the protocol's typed messages delayed ``hop_s`` each. A step lasts what the ``Profile``
+says; a prefill worker ships one KV transfer at a time. Not modelled: failures, stops other than the length (each
+request generates exactly its trace's output tokens), and the text.
 """
 
 from __future__ import annotations
@@ -98,8 +96,7 @@ class SimSettings:
 
     @classmethod
     def from_config(cls, config: ClusterConfig, profile: Profile) -> SimSettings:
-        """The settings a cluster with this config would run with; KV blocks per worker from ``kv_blocks`` or
-        ``kv_memory_mb`` over the profile's KV bytes per block (the engine's rule, engine/engine_parts.py)."""
+        """KV blocks per worker by the engine's rule, over the profile's KV bytes per block."""
         block_size = config.transfer.block_size
         bytes_per_block = max(1, profile.kv_bytes_per_token * block_size)
 
@@ -181,8 +178,8 @@ def synthetic_prompt(index: int, trace: TraceRequest) -> list[int]:
 
 
 class SimWorker:
-    """One worker in simulated time: it takes the router's commands as its role does, steps the engine's own
-    scheduler for as long as the profile says a step takes, and sends back what a worker would."""
+    """One worker in simulated time: takes the router's commands as its role does, steps the engine's scheduler for
+    the profile's step time, and sends back what a worker would."""
 
     def __init__(
         self, cluster: SimCluster, name: str, role: str, blocks: int, max_batch_tokens: int, max_num_seqs: int
@@ -203,9 +200,8 @@ class SimWorker:
     # ---- commands ------------------------------------------------------------------------------------------------
 
     def handle(self, command: Command) -> None:
-        """A command that reaches the worker; a heartbeat follows when it changed what the worker holds (as the
-        worker's next periodic one would show), never after a refusal, so a queued request does not ask again
-        until something changed."""
+        """A heartbeat follows when the command changed what the worker holds, never after a refusal (so a queued
+        request does not ask again until something changed)."""
         if isinstance(command, Reserve):
             if not self._reserve(command):
                 return
@@ -231,8 +227,7 @@ class SimWorker:
         return request
 
     def _reserve(self, command: Reserve) -> bool:
-        """What the decode role does with a reservation (decode/worker.py), on the engine's own scheduler; False
-        when it refused."""
+        """The decode role's reservation (decode/worker.py) on the engine's scheduler; False when it refused."""
         settings = self.cluster.settings
         if blocks_for_tokens(len(command.prompt) + 1, settings.block_size) > self.blocks.num_blocks:
             message = "the prompt needs more than the whole KV cache"
@@ -345,9 +340,8 @@ class SimWorker:
         request.status = RequestStatus.FINISHED
 
     def _step_s(self, chunks: list[ScheduledChunk]) -> float:
-        """One forward's time. Prompt chunks of several requests cost each its own ``prefill_s`` (attention is per
-        sequence: the fit's quadratic terms must not see their sum as one prompt) less the fixed cost of every
-        forward but one; decodes add ``decode_step_s`` less its fixed cost (``Profile.mixed_step_s``'s rule)."""
+        """One forward's time: each prompt chunk its own ``prefill_s`` (attention is per sequence, so the quadratic
+        terms must not see their sum), less all forwards' fixed cost but one; decodes as ``Profile.mixed_step_s``."""
         profile = self.profile
         prefill, num_chunks, batch, decode_context = 0.0, 0, 0, 0
         for chunk in chunks:

@@ -1,13 +1,9 @@
 """What the simulator is asked to serve: requests with an arrival time, a prompt length and an output length.
 
-A ``Workload`` keeps the request shapes apart from their arrival times, as unit-rate arrivals (one request per second
-on average): ``at_rate(r)`` divides them by ``r``. The goodput search (planner/goodput.py) evaluates one workload at
-many rates, and with one seed the arrivals at a higher rate are the same sequence compressed, so attainment falls
-with the rate as it should instead of jumping with a new random draw at every probe.
-
-Sources: synthetic shapes with Poisson arrivals (``poisson_workload``; the CLI draws the shapes with the load
-tester's length distributions), or a JSONL trace of ``{"arrival_s", "input_tokens", "output_tokens"}`` lines
-(``load_jsonl``), whose arrival pattern (bursts included) is kept and only scaled in time.
+A ``Workload`` holds unit-rate arrivals (one request per second on average); ``at_rate(r)`` divides them by ``r``,
+so every rate the goodput search probes is the same sequence compressed and attainment falls with the rate instead
+of jumping with each random draw. Sources: Poisson arrivals (``poisson_workload``), or a JSONL trace
+(``load_jsonl``) whose arrival pattern, bursts included, is only scaled in time.
 """
 
 from __future__ import annotations
@@ -41,11 +37,10 @@ class Workload:
     shapes: list[TraceRequest]  # arrival_s: unit-rate arrival time (mean gap 1 s)
 
     def at_rate(self, rate: float, min_duration_s: float = 0.0) -> list[TraceRequest]:
-        """The requests arriving at ``rate`` per second on average (the unit-rate times divided by ``rate``).
+        """The requests arriving at ``rate`` per second on average.
 
-        ``min_duration_s``: repeat the workload (each copy after the last, one mean gap later) until it spans that
-        long, so a fast cluster is measured in steady state and not on a burst it absorbs before the trace ends. The
-        first ``len(shapes)`` requests are the same whatever the duration, so results stay monotone in the rate."""
+        ``min_duration_s``: repeat the workload until it spans that long, so a fast cluster is measured in steady
+        state, not on a burst it absorbs; the first ``len(shapes)`` requests stay the same, keeping results monotone."""
         if rate <= 0:
             raise ValueError(f"a request rate must be positive, got {rate}")
         shapes, period = self.shapes, self.shapes[-1].arrival_s + 1.0
@@ -75,7 +70,7 @@ def poisson_workload(name: str, shapes: Sequence[TraceRequest], seed: int = 0) -
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> Workload:
-    """A trace file; its arrivals are shifted to start at 0 and scaled to unit rate ((n - 1) requests over the span)."""
+    """A trace of ``{"arrival_s", "input_tokens", "output_tokens"}`` lines, shifted to start at 0, at unit rate."""
     path = Path(path)
     rows: list[TraceRequest] = []
     for number, line in enumerate(path.read_text().splitlines(), 1):

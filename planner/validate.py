@@ -1,20 +1,13 @@
-"""Measured against simulated: the comparison behind ``pdserve plan validate``.
+"""Measured against simulated: the comparison behind ``pdserve plan validate`` (cli/plan_validate_cmd.py).
 
-Why a module of its own, apart from the command: the command (cli/plan_validate_cmd.py) needs the load tester and
-a running cluster, while the comparison is plain arithmetic on per-request records that tests can write by hand.
-The planner layer may not import bench, so the load tester's records arrive here as the dicts it writes to
-``requests.jsonl`` (``RequestResult.to_record()``), read by key.
-
-What is compared, and why that way:
-
-- The simulator replays exactly the requests the load tester sent: each one's actual send offset (``sent_s``, not
-  the planned one, so client lateness is not blamed on the model) and the token counts the server reported (input
-  from ``usage``, output as generated). Failed requests are left out of both sides and counted.
-- TTFT and TPOT p50/p90, in milliseconds, with percentiles by linear interpolation between closest ranks (what the
-  load tester reports, ``numpy.percentile``'s default). TPOT only over requests with more than one output token:
-  the load tester counts a one-token answer's TPOT as 0 and the simulator has none, and neither is a decode step.
-- The ratio is simulated / measured: 1.0 is exact, 0.8 means the simulator is 20% optimistic. The issue's goal is
-  every ratio within ``GOAL_TOLERANCE`` of 1.
+Plain arithmetic on per-request records; the planner may not import bench, so the load tester's records come as
+the dicts of its ``requests.jsonl``, read by key.
+- The simulator replays the requests as sent: actual send offsets (``sent_s``, so client lateness is not blamed on
+  the model) and the token counts the server reported; failed requests are left out of both sides and counted.
+- TTFT and TPOT p50/p90 in ms, percentiles by linear interpolation (``numpy.percentile``'s default, as the load
+  tester); TPOT only over requests with more than one output token (a one-token answer has no decode step).
+- The ratio is simulated / measured (0.8: the simulator is 20% optimistic); the goal is each within
+  ``GOAL_TOLERANCE`` of 1.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ from typing import Protocol
 
 from planner.trace import TraceRequest
 
-GOAL_TOLERANCE = 0.20  # issue 12: simulated within 20% of measured
+GOAL_TOLERANCE = 0.20  # simulated within 20% of measured
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 LABELS = {"ttft_p50": "TTFT p50", "ttft_p90": "TTFT p90", "tpot_p50": "TPOT p50", "tpot_p90": "TPOT p90"}
 
@@ -41,8 +34,6 @@ class Latencies(Protocol):
 
 @dataclass(slots=True)
 class MeasuredRequest:
-    """One request the load tester completed, in the simulator's terms."""
-
     arrival_s: float
     input_tokens: int
     output_tokens: int
@@ -52,7 +43,7 @@ class MeasuredRequest:
 
 @dataclass(slots=True)
 class Replay:
-    """What one measured run gives the simulator (``trace``) and the comparison (``measured``), in the same order."""
+    """One measured run as the simulator's ``trace`` and the comparison's ``measured``, in the same order."""
 
     trace: list[TraceRequest]
     measured: list[MeasuredRequest]
@@ -60,10 +51,8 @@ class Replay:
 
 
 def replay_from_records(records: Iterable[dict], prefix_tokens: dict[int, int] | None = None) -> Replay:
-    """The trace the load tester actually sent, from its per-request records (warm-ups skipped).
-
-    ``prefix_tokens`` maps a shared-prefix group to the tokens its requests share (their common system text): such
-    requests get ``prefix_id`` = group so that the simulator can model prefix-cache hits."""
+    """The trace the load tester actually sent (warm-ups skipped). ``prefix_tokens``: shared-prefix group -> the
+    tokens its requests share; they get ``prefix_id`` = group, so the simulator models prefix-cache hits."""
     rows = sorted((r for r in records if not r.get("warmup")), key=lambda r: (r["sent_s"] is None, r["sent_s"] or 0))
     trace: list[TraceRequest] = []
     measured: list[MeasuredRequest] = []
@@ -104,9 +93,8 @@ def percentile(values: Sequence[float], p: float) -> float | None:
 
 @dataclass(slots=True)
 class LatencySummary:
-    """Percentiles in ms. A simulated request that never got its first token (rejected, or unfinished when the
-    simulation ended) counts as an infinite TTFT, so that it raises the percentiles as a timeout would, and is
-    counted in ``unfinished``; JSON shows an infinite percentile as null."""
+    """Percentiles in ms. A simulated request with no first token counts as an infinite TTFT (as a timeout would)
+    and in ``unfinished``; JSON shows an infinite percentile as null."""
 
     requests: int
     ttft_p50: float | None  # ms

@@ -1,20 +1,11 @@
 """The OpenAI-compatible HTTP API over a ``Router``: completions and chat, streaming (SSE) and not.
 
-Every refusal is an OpenAI-style error body with the right status (400 bad input, 401 no key, 404 unknown model
-or route, 413 body too large, 429 overloaded with Retry-After, 503 no workers) whose ``param`` names the field;
-nothing reaches the client as a traceback. What a body may hold is checked in ``cluster/openai/openai_schema.py``, what
-depends on the model in ``cluster/openai/request_params.py`` (vocabulary, generation_config defaults), chat messages are
-rendered in ``cluster/openai/chat_template.py`` and response_format / tools become a grammar in ``cluster/openai/guided.py``.
-The size limit is counted while reading, so it holds for chunked bodies too. The API key, when set, guards every
-route but ``/health`` (load balancers probe it).
-
-A request fans out to one router request per choice (``n``, and the prompts of a completions list:
-``cluster/openai/choices.py``); the answer is assembled in ``cluster/openai/responses.py``. A client that disconnects cancels
-every choice wherever it is: mid-stream (the response generator is cancelled), while waiting for the first token,
-or while a non-streaming answer is being collected (a watcher on the ASGI ``http.disconnect`` message). Either way
-the router's generators are closed and their cleanup aborts each request on every worker that holds it. Each
-response carries ``usage`` (with ``prompt_tokens_details.cached_tokens``), ``system_fingerprint`` and ``timing``
-(where the time went, seconds).
+1. ``read_json``: the API key (every route but ``/health``, which load balancers probe), the size limit counted
+   while reading (chunked bodies too), then ``openai_schema.py``'s checks;
+2. ``request_params.py`` (what depends on the model), ``chat_template.py``, ``guided.py`` (response_format / tools);
+3. one router request per choice (``choices.py``), the answer assembled in ``responses.py``.
+Every refusal is an OpenAI error body with its status and the field in ``param``, never a traceback. A client that
+disconnects (mid-stream, or seen by a watcher on ``http.disconnect``) aborts every choice on every worker.
 """
 
 from __future__ import annotations
@@ -63,8 +54,8 @@ def create_app(
     max_model_len: int,
     generation_defaults: GenerationDefaults | None = None,
 ) -> FastAPI:
-    """``generation_defaults``: the sampling values a request leaves unset; default: the generation_config.json of
-    the tokenizer's model folder (where the tokenizer was loaded from), as vLLM takes them."""
+    """``generation_defaults``: for sampling values a request leaves unset (default: the tokenizer folder's
+    generation_config.json)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -116,8 +107,8 @@ def create_app(
     async def read_json(request: Request):
         check_api_key(request)
         limit = config.router.max_body_bytes
-        # the server discards the rest of the body (up to its keep-alive timeout) rather than closing at once: a
-        # close with unread data resets the connection, and the client might never see this answer
+        # the server discards the rest of the body rather than closing at once: a close with unread data resets the
+        # connection, and the client might never see this answer
         too_large = APIError(413, f"request body over {limit} bytes")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
@@ -219,7 +210,7 @@ def create_app(
         return await respond(request, body, shape)
 
     def _shape(body, prompt_ids: list[list[int]], params: list, chat: bool) -> ResponseShape:
-        """One plan per choice: prompt p's choice j is index p * n + j, seeded seed + j, led by its choice 0."""
+        """Prompt p's choice j is index p * n + j, seeded seed + j, led by its choice 0."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         n = body.n or 1
         plans = []
@@ -282,8 +273,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        """200 while every role has a worker that takes requests (503 otherwise, so a load balancer moves on);
-        ``status`` is "degraded" as soon as any worker is dead or reports itself degraded, and says which."""
+        """200 while every role has a worker that takes requests, else 503 (a load balancer moves on); ``status`` is
+        "degraded" while any worker is dead or degraded."""
         roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
         serving = all(router.live(role) for role in roles)
         workers = router.members.workers.values()
@@ -302,8 +293,8 @@ def create_app(
 
     @app.post("/admin/scale")
     async def admin_scale(request: Request):
-        """Live resizing (cluster/run/scaling.py): ``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the
-        pools' membership once the new workers serve (removed ones listed as draining until they have drained)."""
+        """``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the pools once the new workers serve
+        (cluster/run/scaling.py)."""
         body = await read_json(request)  # checks the API key first
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
@@ -327,10 +318,8 @@ def create_app(
 
 
 def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None:
-    """/status's ``kv``: the served model's KV bytes per token (engine.kv_cache's formula, from its config.json and
-    the configured dtype) and, per pool, the blocks and tokens each replica's cache holds, by the rule the engine
-    allocates with (``kv_blocks`` if set, else whole blocks of ``kv_memory_mb``). None when config.json is
-    unreadable (a tokenizer not loaded from a model folder)."""
+    """/status's ``kv``: the model's KV bytes per token and, per pool, what each replica's cache holds (the engine's
+    own rule). None when config.json is unreadable (a tokenizer not loaded from a model folder)."""
     path = Path(model_dir or "") / "config.json"
     try:
         layers, kv_heads, head_dim = kv_shape_from_config(json.loads(path.read_text()))
@@ -366,14 +355,14 @@ class _ClientGone(Exception):
 
 
 async def _wait_for_disconnect(request: Request) -> None:
-    """Returns when the ASGI server reports the client gone (only call once the body has been read)."""
+    """Only call once the body has been read."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
 async def _unless_disconnected(request: Request, awaitable):
-    """Await ``awaitable``, unless the client disconnects first: then cancel it (so whatever it was iterating, the
-    router's generator, is closed and aborts the request on every worker) and raise ``_ClientGone``."""
+    """Await ``awaitable``, unless the client disconnects first: then cancel it (closing the router's generator,
+    which aborts the request on every worker) and raise ``_ClientGone``."""
     work = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -391,7 +380,7 @@ async def _unless_disconnected(request: Request, awaitable):
 
 
 async def _first_event(events):
-    """Wait for the first event so an error before any token becomes an HTTP error, not a broken stream."""
+    """The first event, so that an error before any token is an HTTP error, not a broken stream."""
     try:
         return await events.__anext__()
     except StopAsyncIteration:

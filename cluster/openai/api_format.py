@@ -1,17 +1,11 @@
 """The OpenAI response pieces: log probabilities, usage, the system fingerprint, and the SSE chunks of a stream.
 
-Log probabilities come from the workers as ``TokenLogprob`` (token ids and floats); here they get the shapes
-clients parse. Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``.
+Workers' ``TokenLogprob`` get the shapes clients parse. Chat: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
 Completions (the legacy shape lm-eval-harness reads): ``{tokens, token_logprobs, top_logprobs: [{token: logprob}],
-text_offset}``, where each top map also holds the chosen token (OpenAI: "up to logprobs + 1 elements") and the
-prompt's first token, echoed, has no logprob (None). A token's string is ``tokenizer.decode([id])`` (cached per id)
-and its bytes that string's UTF-8 bytes. A logprob that is not finite (a token the model gives no probability)
-is written as -9999.0, as vLLM does, since JSON has no -Infinity.
-
-A stream's text chunks are the hot path of the router (one per event of every stream): ``SSEChunks`` writes a
-plain text chunk from a prefix and a suffix made once per (request, choice index) around the JSON string of the
-text, so no dict is built and no generic encoder runs; chunks with log probabilities, tool-call deltas or running
-usage are built as dicts.
+text_offset}``; each top map also holds the chosen token (OpenAI: "up to logprobs + 1 elements") and an echoed
+prompt's first token has None. A token's string is ``tokenizer.decode([id])``; a logprob that is not finite is
+-9999.0, as in vLLM (JSON has no -Infinity). Plain text chunks are the router's hot path: ``SSEChunks`` wraps the
+text's JSON string in a prefix and suffix made once per choice, with no dict and no generic encoder.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ NO_PROBABILITY = -9999.0
 
 
 def system_fingerprint(model_name: str, mode: str) -> str:
-    """Stable for one server build and configuration: the version and a hash of what shapes the outputs."""
+    """Stable for one server build and configuration."""
     try:
         version = importlib.metadata.version("pdserve")
     except importlib.metadata.PackageNotFoundError:
@@ -38,7 +32,7 @@ def system_fingerprint(model_name: str, mode: str) -> str:
 
 
 class TokenText:
-    """Token id -> its text (``tokenizer.decode([id])``), decoded once per id: a vocabulary is bounded."""
+    """Token id -> its text, decoded once per id (a vocabulary is bounded)."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
@@ -56,7 +50,6 @@ def _value(logprob: float) -> float:
 
 
 def chat_logprobs(entries: list[TokenLogprob], top_n: int, text: TokenText) -> list[dict]:
-    """Chat ``logprobs.content`` entries, ``top_n`` alternatives each."""
     out = []
     for entry in entries:
         token = text(entry.token_id)
@@ -75,15 +68,14 @@ def chat_logprobs(entries: list[TokenLogprob], top_n: int, text: TokenText) -> l
 
 
 class CompletionLogprobs:
-    """One choice's completions-style logprobs; ``text_offset`` runs on across calls (a stream's chunks continue
-    where the last one ended, the echoed prompt included)."""
+    """One choice's completions-style logprobs; ``text_offset`` runs on across a stream's chunks, echo included."""
 
     def __init__(self, text: TokenText) -> None:
         self._text = text
         self.offset = 0
 
     def piece(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict:
-        """The block for ``token_ids`` (one entry each; None: a prompt's first token, which has no logprob)."""
+        """The block for ``token_ids`` (one entry each; None: a prompt's first token)."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
             token = self._text(token_id)
@@ -109,7 +101,6 @@ class CompletionLogprobs:
 
 
 def join_completion_logprobs(pieces: list[dict]) -> dict:
-    """The pieces of one choice as a single block (the non-streaming answer)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for piece in pieces:
         for key, values in piece.items():
@@ -118,7 +109,7 @@ def join_completion_logprobs(pieces: list[dict]) -> dict:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    """The usage block; with ``cached_tokens`` (the final one) also ``prompt_tokens_details``, as OpenAI sends it."""
+    """The usage block; with ``cached_tokens`` (the final one) also ``prompt_tokens_details``."""
     out: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -134,9 +125,8 @@ def finish_reason(reason: str | None) -> str:
 
 
 class SSEChunks:
-    """The SSE events of one response, each as ``json.dumps(payload, ensure_ascii=False)`` of the OpenAI chunk. Every
-    chunk names its choice (``index``); with ``usage_key`` every chunk has a ``usage`` (null, or the running usage
-    when the client asked for ``continuous_usage_stats``)."""
+    """The SSE events of one response; with ``usage_key`` every chunk has a ``usage`` (null, or the running usage
+    for ``continuous_usage_stats``)."""
 
     _MARK = "\x00pdserve-delta\x00"  # its JSON form, with its quotes, cannot occur elsewhere in the payload
 
@@ -169,7 +159,7 @@ class SSEChunks:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     def text(self, index: int, text: str) -> str:
-        """A plain text chunk (no logprobs, no running usage): the template path."""
+        """A plain text chunk (no logprobs, no running usage), from its template."""
         template = self._templates.get(index)
         if template is None:
             event = self._event(self._choice(index, self._MARK, None, None, None))
@@ -189,7 +179,6 @@ class SSEChunks:
         usage: dict | None = None,
         extra: dict | None = None,
     ) -> str:
-        """Any chunk: text or a chat delta, with this piece's logprobs, a finish reason, the running usage."""
         return self._event(self._choice(index, text, delta, logprobs, finish), usage, extra)
 
     def role(self, index: int, usage: dict | None = None) -> str:

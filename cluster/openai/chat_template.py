@@ -1,12 +1,9 @@
 """Chat messages to prompt tokens, through the model's own chat template (``tokenizer.apply_chat_template``).
 
-What the template sees is what vLLM gives it, so a model renders here as it does there: each message a dict with
-``role`` and ``content`` (a string: text parts joined with "\\n", null content as ""), plus ``name``,
-``tool_calls`` (their ``arguments`` parsed from JSON into a dict when they parse, as templates expect) and
-``tool_call_id`` when given; the tools as ``tools=``; the request's ``chat_template_kwargs`` (e.g.
-``enable_thinking``) as keyword arguments. ``continue_final_message`` renders the last (assistant) message open, with
-no generation prompt, so the model continues it. Everything the template cannot take is refused by name before it
-runs; what the template itself rejects (a ``raise_exception`` in it) is the client's 400 too.
+The template sees what vLLM gives it: per message ``role``, ``content`` (text parts joined with "\\n", null as ""),
+and ``name``, ``tool_calls`` (``arguments`` parsed into a dict) and ``tool_call_id`` when given; ``tools=``; and
+``chat_template_kwargs`` as keyword arguments. ``continue_final_message`` leaves the last assistant message open.
+What the template cannot take is refused by name before it runs; what it rejects itself is a 400 too.
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the template's dicts; every refusal names the message field."""
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"

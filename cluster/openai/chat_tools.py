@@ -1,10 +1,8 @@
-"""A chat request's response_format / tools / tool_choice, for the API: the grammar the workers apply, the tools
-the chat template offers, and the reader that turns the text back into ``tool_calls``.
+"""A chat request's response_format / tools / tool_choice: the grammar, the tools the template offers, the reader.
 
-``cluster/openai/guided.py`` makes the plan and names what is wrong (a ``GuidedRequestError`` becomes the 400 here); the
-grammar is compiled once at the edge, with this server's tokenizer and the model's logits width, so a schema
-xgrammar cannot handle is refused before any worker sees it (the workers find it in their compile cache when they
-share the process, and compile the same spec otherwise). ``cluster/openai/tool_calls.py`` reads the text.
+``cluster/openai/guided.py`` makes the plan (its ``GuidedRequestError`` becomes the 400 here); the grammar is compiled
+once at the edge with this server's tokenizer and the model's logits width, so a schema xgrammar cannot handle is
+refused before any worker sees it. ``cluster/openai/tool_calls.py`` reads the text back into ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ class ChatTools:
 
 
 def model_vocab_size(tokenizer) -> int:
-    """The model's logits width (config.json ``vocab_size``), which may exceed the tokenizer's vocabulary: the
-    grammar's bitmask covers exactly that many ids. The tokenizer's size when the folder says nothing."""
+    """The model's logits width (config.json ``vocab_size``, else the tokenizer's size): the grammar's bitmask
+    covers exactly that many ids, which may be more than the tokenizer has."""
     folder = getattr(tokenizer, "name_or_path", None)
     try:
         config = json.loads((Path(folder) / "config.json").read_text()) if folder else {}
@@ -59,8 +57,7 @@ def chat_tools(body: ChatRequest, tokenizer, vocab_size: int) -> ChatTools:
 
 
 class ToolCallReader:
-    """The text read for tool calls, as ``cluster/openai/responses.py`` asks for it (one parser: streamed and whole answers
-    agree by construction)."""
+    """The text read for tool calls, as ``cluster/openai/responses.py`` asks for it (one parser for both forms)."""
 
     def __init__(self, plan: GuidedPlan) -> None:
         self.plan = plan

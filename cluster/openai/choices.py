@@ -1,18 +1,11 @@
-"""One response, several requests through the router: ``n`` choices per prompt, and the prompts of a list.
+"""One response, several router requests: ``n`` choices per prompt, and the prompts of a list.
 
-Each choice is its own request (``Router.generate``), with its own request id, so everything the router does per
-request (reservation, retries, abort, timing) holds per choice. Why the order: a prompt's first choice is
-dispatched at once; its other choices only after the first one's first token (disaggregated: its second, which
-proves the decode worker admitted it and cached the prompt's blocks), or its end, with
-``affinity`` = the first choice's id, so they land on the workers that just computed the prompt and find it in
-their prefix caches: the prompt is computed once and its KV blocks shared, however large n is. Prompts of a list
-are independent and all start at once. Choice ``prompt_index * n + j`` is the j-th choice of that prompt, as in
-OpenAI's responses.
-
-``fan_out`` yields ``(choice index, TokenEvent)`` in arrival order. One choice failing fails the response (as vLLM
-does): its error is raised and every other choice is aborted. Closing the iterator (the client went away) aborts
-every choice too: each choice's generator is closed, and the router's cleanup aborts it on its workers. A single
-choice is iterated directly, with no task or queue in between (the common case costs nothing extra).
+Each choice is its own request with its own id (reservation, retries, abort, timing hold per choice); choice
+``prompt_index * n + j`` is the j-th of that prompt. A prompt's first choice goes at once; the others follow its
+first token (disaggregated: its second, proving the decode worker cached the prompt's blocks) or its end, with
+``affinity`` = its id, so the prompt is computed once however large n is. Prompts of a list start at once.
+``fan_out`` yields ``(choice index, TokenEvent)`` in arrival order. One choice failing fails the response (as in
+vLLM) and aborts the others; closing the iterator aborts every choice. A single choice is iterated directly.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ class ChoicePlan:
 
 
 def choice_id(rid: str, index: int) -> str:
-    """The router's id of choice ``index``: the response's own id for choice 0 (its timing, its logs)."""
+    """The router's id of choice ``index``: the response's own id for choice 0."""
     return rid if index == 0 else f"{rid}-{index}"
 
 
@@ -53,9 +46,8 @@ async def fan_out(router: Router, plans: list[ChoicePlan]) -> AsyncIterator[tupl
         return
     by_index = {plan.index: plan for plan in plans}
     released = {plan.index: asyncio.Event() for plan in plans}
-    # disaggregated: the decode worker registers the prompt's blocks in its prefix cache when it admits the leader,
-    # which its second token proves; followers released then reserve only their own tail there, so the prompt's KV
-    # is neither computed nor shipped again (released at the first token, each would get its own copy)
+    # disaggregated: the leader's second token proves its decode worker cached the prompt's blocks; followers
+    # released at the first token would each get their own copy
     tokens_to_release = 2 if router.config.mode == "disaggregated" else 1
     # bounded: a choice waits while the client is behind, so its stream at the router keeps coalescing
     queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue(maxsize=len(plans))

@@ -1,18 +1,12 @@
-"""From an OpenAI chat request's ``response_format`` / ``tools`` / ``tool_choice`` to a grammar, and how to read the
-output back (``GuidedPlan``; ``cluster/openai/tool_calls.py`` reads it).
+"""From a chat request's ``response_format`` / ``tools`` / ``tool_choice`` to a grammar and a ``GuidedPlan``.
 
-The fields arrive as the client wrote them (plain JSON values), so every check here names the field the way the
-client spelled it (``tools[2].function.parameters``): a client fixes a 400 by reading its message. The grammar is
-compiled here too, through the caller's ``compile_check`` (the API binds it to its tokenizer and
-``engine.structured.compile_grammar``), so a schema xgrammar cannot handle is refused before any worker sees it;
-the workers compile the same spec again from their own cache.
-
-Tool choices, as vLLM does them:
-- ``none``: no grammar, and the tools are not offered to the chat template;
-- ``auto`` (the default when tools are given): no grammar; the template offers the tools and the text is searched
-  for Hermes-style ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` blocks;
-- ``required``: the text must be a JSON array (at least one item) of ``{"name": <a tool>, "parameters": {..}}``;
-- a named function: the text must be that function's arguments (its ``parameters`` schema).
+The fields arrive as plain JSON, so every refusal names the field as the client spelled it
+(``tools[2].function.parameters``). The caller's ``compile_check`` compiles the grammar, so a schema xgrammar cannot
+handle is refused before any worker sees it. Tool choices, as in vLLM:
+- ``none``: no grammar, and the template is not offered the tools;
+- ``auto`` (the default with tools): no grammar; Hermes ``<tool_call>{..}</tool_call>`` blocks are read as calls;
+- ``required``: a JSON array (at least one item) of ``{"name": <a tool>, "parameters": {..}}``;
+- a named function: that function's arguments (its ``parameters`` schema).
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ _DEFS_KEYS = ("$defs", "definitions")  # where JSON schemas keep the targets of 
 
 
 class GuidedRequestError(ValueError):
-    """A response_format / tools / tool_choice the server refuses: a 400 naming ``param`` as the client wrote it."""
+    """A 400 naming ``param`` as the client wrote it."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
@@ -51,8 +45,7 @@ class ToolMode(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class GuidedPlan:
-    """What a chat request asks for: the grammar (None: free text), the tools the template offers, and how the
-    output is read back (``cluster.openai.tool_calls``)."""
+    """The grammar (None: free text), the tools the template offers, and how the output is read back."""
 
     guided: GuidedDecoding | None = None
     tool_mode: ToolMode = ToolMode.NONE
@@ -62,7 +55,6 @@ class GuidedPlan:
 
     @property
     def calls_tools(self) -> bool:
-        """The output is read as tool calls (finish_reason "tool_calls" when it holds at least one)."""
         return self.tool_mode != ToolMode.NONE
 
 
@@ -74,8 +66,7 @@ def plan_chat(
     parallel_tool_calls: Any = None,
     compile_check: CompileCheck | None = None,
 ) -> GuidedPlan:
-    """The whole plan for a chat request; raises GuidedRequestError. ``None`` means the field was not sent (or was
-    sent as null, which the OpenAI spec allows for all four)."""
+    """Raises GuidedRequestError. ``None``: the field was not sent, or was null (the spec allows it for all four)."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise GuidedRequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     parallel = parallel_tool_calls is not False
@@ -108,8 +99,7 @@ def plan_chat(
 
 
 def response_format_grammar(response_format: Any, compile_check: CompileCheck | None = None) -> GuidedDecoding | None:
-    """``response_format`` -> the grammar (None for text or absent). Accepts what the official client sends for
-    ``chat.completions.parse(response_format=PydanticModel)`` (a strict json_schema)."""
+    """The grammar (None for text or absent); takes what ``chat.completions.parse(response_format=Model)`` sends."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -232,9 +222,8 @@ def _parse_tool_choice(tool_choice: Any, functions: list[_Function]) -> tuple[To
 
 
 def required_schema(functions: list[_Function], parallel: bool = True) -> dict[str, Any]:
-    """tool_choice "required": a JSON array (at least one item) of {"name": one tool, "parameters": its schema}, as
-    vLLM builds it. Each tool's ``$defs`` move to the root, where its "#/$defs/..." references point once the
-    parameters sit inside the array."""
+    """tool_choice "required", as vLLM builds it. Each tool's ``$defs`` move to the root, where its "#/$defs/..."
+    references point once the parameters sit inside the array."""
     defs: dict[str, Any] = {}
     alternatives = []
     for i, function in enumerate(functions):

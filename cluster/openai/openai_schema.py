@@ -1,22 +1,13 @@
-"""OpenAI request bodies: what we accept, what we refuse by name, and the error body every refusal uses.
+"""OpenAI request bodies: what we accept, what we refuse by name, and the ``APIError`` body every refusal uses.
 
-Everything a client sends is checked here, at the edge, before it is tokenized or put on the wire to a worker:
-
-1. ``parse_json``: the body is UTF-8 JSON nested at most ``max_json_depth`` deep (a cheap scan of the text before
-   parsing, so a 100k-deep ``[[[[`` never reaches the recursive parser), with no ``NaN`` / ``Infinity`` literals,
-   no integer literal longer than any field could hold, and no lone UTF-16 surrogate (which no tokenizer or
-   msgpack can encode). A refusal names the field it found the problem in.
-2. ``parse_body``: the caps of ``router.limits`` (stop strings, stop ids, logit_bias, messages, content parts,
-   choices), then the pydantic model: unknown fields are refused (as OpenAI does: "Unrecognized request argument"),
-   integers that travel to workers are int64, floats are finite, bools are real bools, and ``null`` is accepted for
-   every optional field (it means "unset", as in the OpenAI spec). Fields of the OpenAI API we know but do not
-   support (``store``, ``audio``, ``functions``, ``suffix``...: ``UNSUPPORTED``) are refused by name unless they
-   carry their neutral value, so a client never silently gets something other than what it asked for.
-3. What depends on the model (token ids against the vocabulary, defaults from its generation_config) is checked in
-   ``cluster/openai/request_params.py``; the chat messages are rendered in ``cluster/openai/chat_template.py``; response_format
-   and tools become a grammar in ``cluster/openai/guided.py``.
-
-Every refusal is an ``APIError`` whose ``param`` names the field the way a client wrote it (``messages[3].content``).
+Checked at the edge, before anything is tokenized or sent to a worker; ``param`` names the field as the client
+wrote it (``messages[3].content``):
+1. ``parse_json``: UTF-8 JSON at most ``max_json_depth`` deep (scanned before parsing, so a 100k-deep ``[[[[`` never
+   reaches the recursive parser), with no NaN / Infinity, no over-long integer, no lone UTF-16 surrogate;
+2. ``parse_body``: the ``router.limits`` caps, then the pydantic model: unknown fields refused, int64 integers,
+   finite floats, real bools, null as unset. Known but unsupported fields (``UNSUPPORTED``) are refused unless
+   neutral, so a client never silently gets something other than it asked for.
+What depends on the model is checked in ``cluster/openai/request_params.py``.
 """
 
 from __future__ import annotations
@@ -71,16 +62,15 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 
 
 class _BadLiteral:
-    """Stands in for a literal the parser met but we refuse, so the walk afterwards can say which field held it."""
+    """Stands in for a refused literal, so the walk afterwards can say which field held it."""
 
     def __init__(self, what: str) -> None:
         self.what = what
 
 
 def _too_deep(text: str, max_depth: int) -> tuple[bool, str | None]:
-    """(nested deeper than ``max_depth``?, the top-level key it happened under), without recursion.
-
-    Brackets inside string literals do not count; the regex skips each literal whole, at C speed."""
+    """(nested deeper than ``max_depth``?, the top-level key it happened under), without recursion; the regex
+    skips each string literal whole, at C speed."""
     if text.count("[") + text.count("{") <= max_depth:
         return False, None
     depth, key = 0, None
@@ -102,7 +92,7 @@ def _too_deep(text: str, max_depth: int) -> tuple[bool, str | None]:
 
 
 def _find(data: Any, predicate) -> tuple | None:
-    """The path of the first value (or dict key) that satisfies ``predicate``; iterative, any depth."""
+    """The path of the first value (or dict key) that satisfies ``predicate``; iterative."""
     stack: list[tuple[tuple, Any]] = [((), data)]
     while stack:
         path, value = stack.pop()
@@ -127,8 +117,8 @@ def format_path(path: tuple | list) -> str | None:
 
 
 def _error_path(data: Any, error: dict) -> str | None:
-    """The field a pydantic error is about, as the client wrote it: the location is followed through the data itself,
-    which drops the names pydantic adds for the member of a union it tried ('str', 'list[int]')."""
+    """The field a pydantic error is about, as the client wrote it (following the location through the data drops
+    the union member names pydantic adds, like 'list[int]')."""
     path, node = [], data
     for i, part in enumerate(error["loc"]):
         if isinstance(node, dict) and isinstance(part, str) and part in node:
@@ -197,9 +187,7 @@ MAX_N = 128  # choices per prompt (``n``); router.limits.max_choices caps prompt
 MAX_TOP_LOGPROBS = 20  # chat ``top_logprobs`` (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions ``logprobs`` (OpenAI's limit)
 
-# fields of the OpenAI API this server does not implement: accepted only at these (neutral) values, else a 400 that
-# names them. Identifiers with no effect on the output (``user``, ``safety_identifier``, ``prompt_cache_key``) are
-# plain accepted fields; everything else a client may send is in the models below (or refused as unrecognized).
+# OpenAI fields this server does not implement: accepted only at these neutral values, else a 400 naming them
 UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
     "functions": (None,),
@@ -266,7 +254,7 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only text parts are served (``cluster/openai/chat_template.py`` names the others)."""
+    """Only text parts are served (``cluster/openai/chat_template.py`` refuses the others)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -303,7 +291,7 @@ class ChatRequest(_Common):
     max_completion_tokens: Count | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # checked and turned into a grammar by cluster/openai/guided.py, which names the bad field
+    # checked by cluster/openai/guided.py
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -331,7 +319,7 @@ class ChatRequest(_Common):
 
 
 def _check_caps(data: dict, limits: LimitsSection) -> None:
-    """Counts and lengths, on the raw data: a body at the cap costs nothing more to validate than a normal one."""
+    """On the raw data, before pydantic: a body at the cap costs no more to validate than a normal one."""
 
     def cap(name: str, count: int, limit: int, what: str) -> None:
         if count > limit:

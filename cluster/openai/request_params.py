@@ -1,12 +1,9 @@
-"""From a checked request body to the engine's ``SamplingParams``: what depends on the model.
+"""From a checked request body to the engine's ``SamplingParams``: the checks that need the model.
 
-Three things need the model, so they are not in ``cluster/openai/openai_schema.py``: token ids (``stop_token_ids``, the
-keys of ``logit_bias``) are checked against its vocabulary, ``top_k`` against its size, and the sampling fields a
-request leaves unset (or null) take the model's own defaults from its ``generation_config.json`` (temperature,
-top_p, top_k, min_p, repetition_penalty), as vLLM does: a model whose authors recommend temperature 0.6 gets it
-unless the client says otherwise. ``n`` choices get one ``SamplingParams`` each (``for_choice``): choice j of a
-seeded request draws with ``seed + j``, so the choices differ and the whole response is still reproducible.
-``prompts`` reads the four forms of a completions ``prompt`` (a string, strings, token ids, lists of token ids).
+Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked against its vocabulary and ``top_k`` against its
+size; sampling fields left unset take the model's ``generation_config.json`` defaults, as in vLLM. Choice j of a
+seeded request draws with ``seed + j`` (``for_choice``): the choices differ, the response stays reproducible.
+``prompts`` reads the four forms of a completions ``prompt``.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ class GenerationDefaults:
 
     @classmethod
     def from_model_dir(cls, folder: str | Path | None) -> GenerationDefaults:
-        """Only the fields vLLM takes, with sane values; a missing or unreadable file means no defaults."""
+        """The fields vLLM takes, with sane values; a missing or unreadable file means no defaults."""
         if not folder:
             return cls()
         path = Path(folder) / "generation_config.json"
@@ -81,7 +78,7 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     guided: GuidedDecoding | None = None,
 ) -> SamplingParams:
-    """One choice's parameters (``for_choice`` derives the others). Refusals name the field."""
+    """One choice's parameters (``for_choice`` derives the others)."""
     top_k = defaults.get("top_k", request.top_k)
     if top_k not in (-1, 0) and not 1 <= top_k <= vocab_size:
         raise APIError(400, f"top_k must be -1 or 0 (off) or in [1, {vocab_size}], got {top_k}", "top_k")
@@ -119,8 +116,7 @@ def sampling_params(
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
-    """OpenAI's ``{"<token id>": bias}`` as ``{token id: bias}``; a key that is no token id of this model, or a bias
-    outside [-100, 100], is refused as ``logit_bias.<key>``."""
+    """OpenAI's ``{"<token id>": bias}`` as ``{token id: bias}``; refusals name ``logit_bias.<key>``."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         name = f"logit_bias.{key}"
@@ -145,8 +141,8 @@ def for_choice(params: SamplingParams, j: int) -> SamplingParams:
 
 
 def prompts(prompt: Any) -> list[str | list[int]]:
-    """The prompts of a completions request, each a string or a list of token ids (checked against the vocabulary by
-    the caller): a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    """The prompts of a completions request, each a string or token ids (the caller checks them against the
+    vocabulary)."""
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:

@@ -1,14 +1,9 @@
 """A response from its choices' router events: the JSON body (``collect``) or the SSE stream (``stream``).
 
-The events come from ``cluster/openai/choices.py`` as ``(choice index, TokenEvent)``; each choice keeps its own state
-(``_Choice``): its text, token count, finish, the prompt tokens its workers had cached, and its log probabilities in
-the shape of its endpoint (``cluster/openai/api_format.py``). A completions choice with ``echo`` starts with its prompt's
-text (and, with ``logprobs``, the prompt's entries, which come with the first event). A chat choice whose request
-offered tools reads its text for tool calls (``ToolReader``: the whole text when collected, deltas when streamed).
-
-Usage counts each prompt once (however many choices it has) and every choice's tokens; ``cached_tokens`` is the
-sum over prompts of what the prefix caches held for its first choice (the others find the prompt cached because
-the first one computed it: they are not counted again).
+Events come from ``cluster/openai/choices.py``; each ``_Choice`` keeps its text, tokens, finish, cached tokens and
+logprobs in its endpoint's shape (``cluster/openai/api_format.py``). An ``echo`` choice starts with its prompt's text
+(and its entries); a chat choice offered tools reads its text for tool calls (``ToolReader``). Usage counts each
+prompt once; ``cached_tokens`` counts only each prompt's first choice (the others hit what it computed).
 """
 
 from __future__ import annotations
@@ -50,8 +45,6 @@ class ToolReader(Protocol):
 
 @dataclass(slots=True)
 class ResponseShape:
-    """What a response needs to know besides its events."""
-
     rid: str
     created: int
     chat: bool
@@ -83,7 +76,7 @@ class _Choice:
         self.tool_stream = shape.tools.stream() if streaming and shape.tools is not None else None
 
     def take(self, event: TokenEvent) -> tuple[str, Any]:
-        """The text and the logprobs block this event adds to the choice (the echo first, on its first event)."""
+        """The text and the logprobs block this event adds (the echo first, on its first event)."""
         shape, text, block = self.shape, event.text, None
         echo_block = None
         if not self.started:
@@ -170,9 +163,8 @@ async def collect(router: Router, shape: ResponseShape, events: AsyncIterator[tu
 async def stream(
     router: Router, shape: ResponseShape, events: AsyncIterator[tuple[int, TokenEvent]], first
 ) -> AsyncIterator[str]:
-    """The SSE events, one chunk per router event (an event holds everything that arrived since the last chunk of
-    that choice was written, so a client that reads slowly gets fewer, larger chunks); ``first``: the first
-    ``(index, event)``, already taken (so that an error before any token was an HTTP status), or None."""
+    """The SSE events, one chunk per router event; ``first``: the first ``(index, event)``, already taken (so that an
+    error before any token was an HTTP status), or None."""
     chunks = SSEChunks(
         shape.rid,
         shape.created,
@@ -207,7 +199,7 @@ async def stream(
         if first is not None:
             for piece in pieces(*first):
                 yield piece
-            # the hot path (issue 15): a text chunk from its template, nothing else to do per event
+            # the hot path: a text chunk from its template, nothing else per event
             plain = shape.logprobs is None and shape.tools is None and not continuous
             async for index, event in events:
                 choice = choices[index]

@@ -1,20 +1,11 @@
 """Generated text -> OpenAI ``tool_calls``, whole (``parse_output``) or as streamed deltas (``ToolCallStreamParser``).
 
-How the text is read depends on the plan's tool mode (``cluster.openai.guided``):
-- ``named``: the whole text is the arguments of the named function (the grammar made it that function's schema);
-- ``required``: the text is a JSON array of ``{"name": .., "parameters": {..}}``, one call per item;
-- ``auto``: Hermes-style ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` blocks are calls, the text
-  outside them is the content (None when it is only whitespace). A block that is not a call stays in the content.
-
-There is ONE parser: ``parse_output`` feeds the whole text to the streaming parser and joins its deltas. Streaming and
-non-streaming answers therefore agree by construction, and the test that splits a text at every position checks the
-one thing left to check: the parser's output does not depend on where the deltas were cut.
-
-Deltas follow vLLM's shape: ``{"content": ..}`` outside calls; per call first ``{"tool_calls": [{"index", "id",
-"type": "function", "function": {"name", "arguments": ""}}]}`` as soon as the name is known (the block's text
-starts ``{"name": "<n>", "arguments":``), then ``{"tool_calls": [{"index", "function": {"arguments": <fragment>}}]}``
-as the argument text arrives. Fragments are the model's own argument text (not re-serialized), held back only where
-it may still turn out to be the call's closing brace, so no fragment is ever taken back.
+By tool mode: ``named``, the whole text is the function's arguments; ``required``, one call per item of a JSON
+array; ``auto``, Hermes ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` blocks are calls and the rest is
+content (None if only whitespace; a block that is not a call stays in it). ``parse_output`` runs the one streaming
+parser over the whole text, so both answers agree by construction. Deltas have vLLM's shape: per call a head with
+``index``, ``id`` and ``name`` once the name is known, then argument fragments: the model's own text, held back
+only where it may be the call's closing brace, so nothing is ever taken back.
 """
 
 from __future__ import annotations
@@ -29,8 +20,8 @@ from typing import Any
 from cluster.openai.guided import GuidedPlan, ToolMode
 
 START, END = "<tool_call>", "</tool_call>"
-# a call's head: its name and the key of its arguments (Hermes writes "arguments"; the required-mode array and some
-# models write "parameters"). Only accepted when a non-space character follows, so the match cannot grow later.
+# a call's head: its name and "arguments" (Hermes) or "parameters" (required mode, some models); only accepted
+# when a non-space character follows, so the match cannot grow later
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -40,19 +31,15 @@ def new_tool_call_id() -> str:
 
 @dataclass(slots=True)
 class ParsedOutput:
-    """A finished text read as a chat message: ``content`` (None when there is none) and OpenAI ``tool_calls``."""
-
     content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def finish_reason(self, engine_reason: str) -> str:
-        """ "tool_calls" when the text holds a call and ended normally; a cut text ("length") keeps its reason, so a
-        client knows the arguments may be incomplete JSON."""
+        """A cut text ("length") keeps its reason, so a client knows the arguments may be incomplete JSON."""
         return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
 
 
 def parse_output(plan: GuidedPlan, text: str, id_factory: Callable[[], str] = new_tool_call_id) -> ParsedOutput:
-    """The whole generated text as the message the client gets (non-streaming)."""
     if not plan.calls_tools:
         return ParsedOutput(text)
     parser = ToolCallStreamParser(plan, id_factory)
@@ -60,7 +47,6 @@ def parse_output(plan: GuidedPlan, text: str, id_factory: Callable[[], str] = ne
 
 
 def join_deltas(deltas: list[dict[str, Any]]) -> ParsedOutput:
-    """Deltas (as a client would accumulate them) -> the message."""
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
     for delta in deltas:
@@ -80,7 +66,7 @@ def join_deltas(deltas: list[dict[str, Any]]) -> ParsedOutput:
 
 
 class ToolCallStreamParser:
-    """Fed the generated text delta by delta, returns the chat deltas to send for it; ``finish`` flushes the rest."""
+    """Fed the text delta by delta, returns the chat deltas to send; ``finish`` flushes the rest."""
 
     def __init__(self, plan: GuidedPlan, id_factory: Callable[[], str] = new_tool_call_id) -> None:
         self.plan = plan
@@ -245,7 +231,7 @@ class ToolCallStreamParser:
         )
 
     def _args(self, args_text: str) -> None:
-        """Send what ``args_text`` (the call's argument text so far, or in full) adds to what was sent."""
+        """Send what ``args_text`` (the argument text so far) adds to what was sent."""
         call = self._call
         if call is None or call.index < 0 or len(args_text) <= call.sent:
             return
@@ -272,8 +258,7 @@ def _head(text: str) -> tuple[str, int] | None:
 
 
 def _args_so_far(text: str) -> str:
-    """The argument text that cannot change: all but a trailing run of spaces with at most one '}' (which may be
-    the close of the call's object)."""
+    """The argument text that cannot change: all but trailing spaces and one '}' (maybe the call's close)."""
     end = len(text.rstrip())
     if end and text[end - 1] == "}":
         end = len(text[: end - 1].rstrip())
@@ -286,7 +271,7 @@ def _final_args(text: str) -> str:
 
 
 def _json_call(text: str) -> tuple[str, str] | None:
-    """A block whose head did not match the pattern (keys in another order...) but that is a JSON call."""
+    """A block whose head did not match (keys in another order...) but that is a JSON call."""
     try:
         value = json.loads(text)
     except ValueError:
@@ -298,7 +283,7 @@ def _json_call(text: str) -> tuple[str, str] | None:
 
 
 def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that starts ``tag`` (and may become it with the next delta)."""
+    """The length of the longest end of ``text`` that starts ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
             return n

@@ -1,9 +1,8 @@
 """The router's admission bound: how many requests may wait for decode KV (``router.queue_size``) before a 429.
 
-One router process counts in a plain int. Several router processes (``router.processes`` > 1) share one limit: each
-has a slot in a ``multiprocessing.Array`` (shared memory with a lock) that only it writes, and a request is admitted
-while the slots sum to less than the limit. A slot per process, not one shared count, so the main process can zero
-the slot of a router process that died with requests queued, instead of losing that much of the limit for good.
+Several router processes share one limit: each writes only its own slot of a ``multiprocessing.Array``, and a request
+is admitted while the slots sum to less than the limit. A slot per process lets the main process zero a dead router
+process's slot (``release_slot``) instead of losing that share of the limit for good.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ class Admission:
             logger.error("router: the shared admission counter stayed locked for %.0f s; refusing", LOCK_TIMEOUT_S)
             return False
         try:
-            counts = self._slots.get_obj()  # the raw array: the lock is held
+            counts = self._slots.get_obj()
             if sum(counts) >= self.limit:
                 return False
             counts[self._index] += 1
@@ -62,7 +61,6 @@ class Admission:
 
     @property
     def local(self) -> int:
-        """Requests this process has queued."""
         return self._local
 
     @property
@@ -72,7 +70,7 @@ class Admission:
 
 
 def release_slot(slots, index: int) -> None:
-    """Give back every place a router process that is gone had taken (called by the main process)."""
+    """Give back every place a dead router process had taken (the main process calls it)."""
     lock = slots.get_lock()
     if lock.acquire(timeout=LOCK_TIMEOUT_S):
         try:

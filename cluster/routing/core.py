@@ -1,12 +1,12 @@
 """The router's request logic with no sockets and no event loop: typed events in, commands and flow updates out.
 
-``submit`` opens a ``Flow``; ``on_event`` takes a worker's event, ``on_tick`` the time; ``mark_dead``, ``drain`` and
-``remove_worker`` change membership; ``release`` ends a flow. Each appends the commands to send to ``outbox`` as
-(worker name, command) and the flows with news to ``updated``, for the caller to deliver: the live router
-(cluster/routing/router.py) over ZeroMQ, the planner's simulator in simulated time. A worker's load is the flows it
-holds (``Flow.holders``), never counted by hand. Disaggregated: reserve on a decode worker (policy order, a fresh wire
-id per attempt, queued when none has room), then prefill on a prefill worker, or on the decode worker when what it
-lacks is short; the prefill worker's first token is forwarded to the decode worker (``Start``). Colocated: one worker.
+Every entry point (``submit``, ``on_event``, ``on_tick``, membership changes, ``release``) appends (worker, command)
+to ``outbox`` and flows with news to ``updated``, for the caller to deliver: the live router (router.py) over ZeroMQ,
+the planner's simulator in simulated time. A worker's load is the flows it holds (``Flow.holders``). Disaggregated:
+1. reserve on a decode worker (policy order, a fresh wire id per attempt; queued when none has room);
+2. prefill on a prefill worker, or on the decode worker when what it lacks is short;
+3. forward the prefill worker's first token to the decode worker (``Start``), which streams the rest.
+Colocated: one worker does all.
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ def _room(stats: Stats | None) -> float:
 
 
 def _free_blocks(worker: WorkerHandle) -> float:
-    """The blocks a worker could reserve now: its last heartbeat's free blocks less those it is being asked for
-    (none once it holds, or is asked for, as many requests as its engine takes; unknown before its first heartbeat:
-    it answers for itself)."""
+    """The blocks a worker could reserve now: free blocks less those it is being asked for (none at its request
+    limit; unknown before its first heartbeat: it answers for itself)."""
     if worker.stats is None:
         return float("inf")
     load = worker.stats.load
@@ -97,7 +96,7 @@ class RouterCore:
     def submit(
         self, rid: str, prompt: list[int], params: SamplingParams, now: float, affinity: str | None = None
     ) -> Flow:
-        """A new request's flow, already on its way (or FAILED, with the error its client gets)."""
+        """A new request's flow, already on its way (or FAILED)."""
         config = self.config
         flow = Flow(
             rid,
@@ -121,7 +120,7 @@ class RouterCore:
 
     def release(self, flow: Flow, now: float) -> None:
         """The response side is done with the flow (the client got its end, or went away): its one way out."""
-        if not flow.status.ended:  # the client went away, or stopped reading
+        if not flow.status.ended:
             self.metrics.errors.labels("client_disconnected").inc()
             self.metrics.requests.labels("aborted").inc()
             self._abort_workers(flow)
@@ -138,7 +137,6 @@ class RouterCore:
         return "colocated" if self.config.mode == "colocated" else "decode"
 
     def _place(self, flow: Flow, now: float) -> None:
-        """Send the flow to its first worker: the colocated one, or a decode worker asked to reserve."""
         if self.config.mode != "colocated":
             self._reserve_next(flow, now)
             return
@@ -163,8 +161,7 @@ class RouterCore:
     # ---- decode reservations -----------------------------------------------------------------------------------
 
     def _reserve_next(self, flow: Flow, now: float) -> None:
-        """Ask the next decode worker with room (policy order, the preferred one first); after ``MAX_WORKERS_TRIED``
-        refusals, or with none that has room, wait in the bounded queue for capacity."""
+        """Ask the next decode worker with room; after ``MAX_WORKERS_TRIED`` refusals, or none with room, queue."""
         workers = self.members.routable("decode")
         if not workers:
             self._fail(flow, NoWorkers("no live decode worker"))
@@ -245,7 +242,7 @@ class RouterCore:
             self.metrics.queue_depth.set(len(self._queue))
 
     def _wake(self, now: float) -> None:
-        """Capacity may have been freed (a heartbeat, a finished request): every queued request asks again."""
+        """Capacity may have been freed: every queued request that fits somewhere asks again."""
         self._next_queue_retry_s = now + QUEUE_RETRY_S
         waiting = [f for f in self._queue if f.status is FlowStatus.QUEUED]
         if not waiting:
@@ -266,7 +263,6 @@ class RouterCore:
     # ---- events ------------------------------------------------------------------------------------------------
 
     def on_event(self, event: Event, now: float) -> None:
-        """One authenticated event (every event names its worker)."""
         if isinstance(event, Stats):
             self._on_stats(event, now)
             return
@@ -334,7 +330,7 @@ class RouterCore:
             self._fail(flow, RequestFailed(error.message, error.code.value, status))
 
     def on_tick(self, now: float) -> None:
-        """Deadlines: requests past their timeout, reservations not answered in time, queued requests to retry."""
+        """Deadlines: request timeouts, unanswered reservations, queue retries."""
         worker_timeout_s = self.config.router.worker_timeout_s
         for flow in list(self.flows.values()):
             if flow.status.ended:
@@ -363,7 +359,7 @@ class RouterCore:
             self._worker_gone(name, reason, now)
 
     def drain(self, name: str, deadline_s: float) -> None:
-        """Route nothing new to the worker; it finishes what it holds (``Drain`` tells it when it is idle)."""
+        """The worker gets nothing new and finishes what it holds (``Drain``: it says when it is idle)."""
         if self.members.drain(name):
             self._send(name, Drain(deadline_s=deadline_s))
 
@@ -374,9 +370,8 @@ class RouterCore:
         self._wake(now)
 
     def _worker_gone(self, name: str, reason: str, now: float) -> None:
-        """A dead worker's requests: a reservation it was asked moves on; a request it held is dispatched again if
-        nothing of it reached the client, else fails with an explicit error. A prefill worker's only until their
-        first token: from then on the decode worker holds the KV."""
+        """A dead worker's requests: a reservation moves on; a request is retried if nothing reached the client,
+        else fails. A prefill worker's requests only until their first token: then the decode worker holds the KV."""
         for flow in list(self.flows.values()):
             if flow.status.ended:
                 continue
@@ -391,7 +386,6 @@ class RouterCore:
                     self._fail(flow, RequestFailed(f"{reason} ({name})", "worker_died", 503))
 
     def _retry(self, flow: Flow, now: float) -> None:
-        """Free the old dispatch everywhere and send the request again under a new wire id, transparently."""
         self._abort_workers(flow)
         self.metrics.errors.labels("retried_after_worker_death").inc()
         flow.retries += 1
@@ -429,7 +423,6 @@ class RouterCore:
             self.last_timing.popitem(last=False)
 
     def _fail(self, flow: Flow, error: RequestFailed) -> None:
-        """End the flow with an error its client gets; every worker that holds state for it is told to free it."""
         if flow.status.ended:
             return
         self.metrics.errors.labels(error.code).inc()
@@ -442,8 +435,7 @@ class RouterCore:
         self.updated.append(flow)
 
     def _abort_workers(self, flow: Flow) -> None:
-        """Every worker that may hold state for the flow frees it, those marked dead too (one only cut off must not
-        keep it)."""
+        """Abort on every worker that may hold the flow, those marked dead too (one only cut off must not keep it)."""
         for name in {flow.prefill, flow.decode, flow.asking} - {None}:
             if self.members.get(name) is not None:
                 self._send(name, Abort(flow.wire_id))  # type: ignore[arg-type]
@@ -451,7 +443,7 @@ class RouterCore:
     # ---- bookkeeping -------------------------------------------------------------------------------------------
 
     def _sync(self, flow: Flow) -> None:
-        """Make the workers' load follow the flow's status and workers (``Flow.holders``)."""
+        """Make the workers' load follow ``Flow.holders``."""
         holders = flow.holders()
         if holders == flow.held_by:
             return

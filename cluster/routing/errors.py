@@ -4,8 +4,6 @@ from __future__ import annotations
 
 
 class RequestFailed(Exception):
-    """A request that ends with an error the client sees: an HTTP status, an OpenAI error code and a message."""
-
     status = 500
     code = "internal_error"
 

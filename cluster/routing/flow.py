@@ -1,10 +1,8 @@
-"""One request at the router: a ``Flow`` with an explicit status, its workers, its wire id, its timing and the text
-its workers sent that the client has not taken yet.
+"""One request at the router: a ``Flow`` with its status, workers, wire id, timing and the text not yet sent.
 
-QUEUED -> RESERVING -> PREFILLING -> DECODING -> DONE, or FAILED from any of them (``cluster/routing/core.py`` moves
-it). What the workers send is pushed (``push``: one ``TokenItem``) into one pending buffer that the response side
-empties all at once (``take``), so a slow client gets fewer, larger events and its flow holds only what it has not
-been sent. An error is given after the text that came before it; nothing after a finish or an error counts.
+QUEUED -> RESERVING -> PREFILLING -> DECODING -> DONE, or FAILED from any (``cluster/routing/core.py`` moves it).
+Each ``TokenItem`` is ``push``ed into one pending buffer that the response side empties at once (``take``): a slow
+client gets fewer, larger events. An error follows the text before it; nothing after a finish or an error counts.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ class TokenEvent:
     num_tokens: int  # tokens the text covers (for usage)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per token of this event, in order
-    # with the event that brings the first token only: per prompt token (entry 0 None), and the prompt tokens the
-    # worker that computed the prompt found in its prefix cache
+    # first token's event only: one per prompt token (entry 0 None); prompt tokens found in the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int | None = None
 
@@ -75,7 +72,6 @@ class Flow:
     error: RequestFailed | None = None
     closed: bool = False  # a finish or an error was pushed: later items are dropped
     waiter: Any = None  # the live router's wake-up for the response side (an asyncio.Event); the core ignores it
-    # the pending state: one buffer, however many items it gathered
     pending_text: bytearray = field(default_factory=bytearray)
     pending_tokens: int = 0
     pending_finish: str | None = None
@@ -84,8 +80,8 @@ class Flow:
     pending_cached_tokens: int | None = None
 
     def holders(self) -> frozenset[str]:
-        """The workers that count this flow as load: the one asked, the prefill worker until the first token, and
-        the decode (or colocated) worker from its reservation to the end."""
+        """The workers that count this flow as load: the one asked, prefill until the first token, decode from its
+        reservation on."""
         status = self.status
         if status is FlowStatus.RESERVING:
             return frozenset(n for n in (self.asking, self.decode) if n)
@@ -102,7 +98,7 @@ class Flow:
         if self.closed:
             return False
         num_tokens, logprobs = len(item.token_ids), item.logprobs
-        if logprobs is not None:  # first: a count that does not match leaves the pending state as it was
+        if logprobs is not None:  # checked first: a wrong count leaves the pending state as it was
             if len(logprobs) != num_tokens:  # a worker's bug: an explicit error, never logprobs shifted
                 self.fail(RequestFailed(f"{len(logprobs)} logprobs came for {num_tokens} tokens", "worker_error"))
                 return False
@@ -114,7 +110,7 @@ class Flow:
             self.timing.merge(item.timing)
         if num_tokens and self.first_token_s is None:
             self.first_token_s = now
-            # the prompt's figures come with the first token; any other item's are not this dispatch's first
+            # the prompt's figures come with the first token only
             self.pending_prompt_logprobs, self.pending_cached_tokens = item.prompt_logprobs, item.cached_tokens
         self.pending_tokens += num_tokens
         self.received_tokens += num_tokens
@@ -125,7 +121,7 @@ class Flow:
         return True
 
     def fail(self, error: RequestFailed) -> None:
-        """The request ended with an error: given to the client after any text already pending."""
+        """End with an error, given to the client after any text already pending."""
         if not self.closed:
             self.error, self.closed = error, True
 
@@ -146,7 +142,7 @@ class Flow:
         return event
 
     def reset(self) -> None:
-        """A new dispatch of a request nothing of which was taken: forget what the old one left."""
+        """Forget the old dispatch's state before a new one (nothing of it was taken)."""
         self.pending_text, self.pending_tokens, self.pending_finish = bytearray(), 0, None
         self.pending_logprobs = self.pending_prompt_logprobs = self.pending_cached_tokens = None
         self.error, self.closed, self.first_token_s, self.received_tokens = None, False, None, 0

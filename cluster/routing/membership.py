@@ -1,10 +1,9 @@
 """Which workers the router knows, which are alive, what each last reported, and which flows count as its load.
 
-A worker is alive from registration until its heartbeats stop (the live router's ``expired``), its command queue
-fills, or Ray reports its process gone. A restarted worker registers again under its name with new addresses. Its
-prefix-cache view (``prefix_index``, from its ``KvEvents``) is dropped whenever it (re-)registers or dies. A worker
-being removed is ``DRAINING``: ``routable`` leaves it out while the requests it holds go on. No socket here: the
-live router keeps one per worker (cluster/routing/router.py), the planner's simulator none.
+A worker is alive from registration until its heartbeats stop (``expired``), its command queue fills, or Ray reports
+it gone; a restarted one registers again under its name with new addresses. Its prefix-cache view is dropped
+whenever it (re-)registers or dies. A ``DRAINING`` worker is not routable but finishes what it holds. No sockets
+here: the live router (cluster/routing/router.py) keeps them.
 """
 
 from __future__ import annotations
@@ -52,25 +51,23 @@ class WorkerHandle:
 
     @property
     def inflight(self) -> int:
-        """Its load as the router knows it before a heartbeat says more: the flows it holds."""
         return len(self.flows)
 
     @property
     def degraded(self) -> str:
-        """Why the worker says it should get no new work, as of its last heartbeat ("" when healthy or unknown)."""
+        """Why the worker's last heartbeat asks for no new work ("" when healthy or unknown)."""
         return self.stats.degraded if self.stats is not None else ""
 
 
 class Membership:
     def __init__(self, metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: the prefix index's, for its tentative entries' lifetime (simulated time in the planner)."""
+        """``clock``: for the prefix index's tentative entries (simulated time in the planner)."""
         self._metrics = metrics
         self.workers: dict[str, WorkerHandle] = {}
         self.prefix_index = PrefixIndex(clock=clock)
 
     def add(self, name: str, role: str, command_address: str, kv_address: str | None, now: float) -> bool:
-        """Register a worker (again, after a restart: its new addresses); True when the old process was still
-        thought alive, so what it held is gone with it."""
+        """Register a worker (again after a restart); True when the old process was still thought alive."""
         old = self.workers.get(name)
         worker = self.workers[name] = WorkerHandle(name, role, command_address, kv_address, last_seen=now)
         if old is not None:
@@ -89,11 +86,11 @@ class Membership:
         return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
 
     def routable(self, role: str) -> list[WorkerHandle]:
-        """Live workers that may get new requests: not those that report themselves degraded, nor draining ones."""
+        """Live workers that may get new requests: neither degraded nor draining."""
         return [w for w in self.live(role) if not w.degraded and w.state is WorkerState.ACTIVE]
 
     def drain(self, name: str) -> bool:
-        """Route nothing new to the worker; False if unknown."""
+        """False if unknown."""
         worker = self.workers.get(name)
         if worker is None:
             return False
@@ -103,7 +100,6 @@ class Membership:
         return True
 
     def remove(self, name: str) -> WorkerHandle | None:
-        """Forget a worker the pool has stopped, and its prefix-cache view."""
         worker = self.workers.pop(name, None)
         if worker is None:
             return None
@@ -137,10 +133,9 @@ class Membership:
     def heard_from(self, name: str, now: float, heartbeat: Stats | None = None) -> WorkerHandle | None:
         """Note an authenticated event from a worker; None when it comes from another incarnation of that worker.
 
-        A heartbeat carries its worker's command address, which tells incarnations apart: one queued by a process
-        that has since died, or sent by its restarted successor before the pool re-registers it, neither refreshes
-        nor revives the entry. A heartbeat from the registered process when it was marked dead revives it: it was
-        slow or cut off, not gone (what it held was failed or retried then)."""
+        A heartbeat's command address tells incarnations apart: a dead process's, or its successor's before it
+        re-registers, neither refreshes nor revives the entry. One from the registered process marked dead revives
+        it: it was slow or cut off, not gone (what it held was failed or retried then)."""
         worker = self.workers.get(name)
         if worker is not None and heartbeat is not None and heartbeat.address != worker.command_address:
             return None
@@ -156,7 +151,7 @@ class Membership:
         return worker
 
     def on_kv_events(self, event: KvEvents, worker: WorkerHandle | None) -> None:
-        """Apply a worker's prefix-cache changes, if they come from the registered incarnation of a worker."""
+        """Apply a worker's prefix-cache changes, if they come from its registered incarnation."""
         if worker is None or event.address != worker.command_address or not worker.alive:
             return  # an old process's events, or a dead worker's: its view was dropped and stays so
         index = self.prefix_index
@@ -173,7 +168,7 @@ class Membership:
             self._metrics.prefix_index_blocks.labels(name, worker.role).set(0)
 
     def pools(self) -> dict[str, dict]:
-        """Per pool (a worker's name is ``<pool>-<index>``): how many replicas serve and which ones drain."""
+        """Per pool (worker names are ``<pool>-<index>``): how many replicas serve and which ones drain."""
         out: dict[str, dict] = {}
         for w in self.workers.values():
             pool = out.setdefault(w.name.rsplit("-", 1)[0], {"replicas": 0, "workers": [], "draining": []})
@@ -205,8 +200,7 @@ class Membership:
 
 
 def heartbeat_status(stats: Stats | None) -> dict:
-    """A heartbeat as ``/status`` shows it: one flat map (address, degraded, loop_age_s, then every load and counter
-    field under its own name); empty before the first heartbeat."""
+    """A heartbeat as one flat map for ``/status``; empty before the first."""
     if stats is None:
         return {}
     return {

@@ -1,13 +1,9 @@
 """Prometheus metrics of one router, in a registry of its own (several routers can live in one test process).
 
-Latency histograms come from the router's view of each request; per-worker gauges and transfer counters come from
-the workers' heartbeats, so ``/metrics`` answers "was the KV actually transferred?" and "how full is each pool?".
-
-Several router processes (``router.processes`` > 1) use prometheus_client's multiprocess mode: the launcher sets
-``PROMETHEUS_MULTIPROC_DIR`` to a fresh folder before it starts them, every process writes its values to files
-there, and ``/metrics`` on any of them renders all: counters and histograms summed, the router's own gauges (in
-flight, queued) summed over live processes, and the gauges copied from worker heartbeats (which every router
-process hears) as the most recent value, not multiplied by the number of processes.
+Latency histograms come from the router's view of each request; per-worker gauges and transfer counters from the
+workers' heartbeats. Several router processes use prometheus_client's multiprocess mode (the launcher sets
+``PROMETHEUS_MULTIPROC_DIR`` first): ``/metrics`` on any renders all, counters and the router's own gauges summed,
+gauges copied from heartbeats (which every process hears) as the most recent value.
 """
 
 from __future__ import annotations
@@ -21,16 +17,14 @@ from worker.protocol import Rejection
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-# the heartbeat's fields, exported under their own names: load as gauges (``pdserve_worker{key=...}``), counters as
-# the worker's monotonic totals (``pdserve_worker_total{key=...}``); a field added to either Struct shows up here
+# heartbeat fields under their own names: load as ``pdserve_worker{key}``, counters as ``pdserve_worker_total{key}``
 GAUGE_KEYS: tuple[str, ...] = WorkerLoad.__struct_fields__
 TOTAL_KEYS: tuple[str, ...] = WorkerCounters.__struct_fields__
 
 
 class RouterMetrics:
     def __init__(self, multiprocess: bool = False, worker_gauges: bool = True) -> None:
-        """``worker_gauges``: copy every heartbeat into ``pdserve_worker`` gauges (the planner's simulator, which
-        nobody scrapes, turns it off)."""
+        """``worker_gauges``: copy every heartbeat into gauges (off in the planner's simulator: nobody scrapes it)."""
         # only where the launcher set the folder up before prometheus_client was imported (cluster/run/frontend.py)
         self.multiprocess = multiprocess and bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
@@ -89,8 +83,7 @@ class RouterMetrics:
         self.worker_revivals = Counter(
             "pdserve_worker_revivals", "Workers marked dead that were heard from again", registry=r
         )
-        # prefix-aware routing (cluster/routing/policies.py, cluster/routing/prefix_index.py), per pool (prefill, colocated): the
-        # prefix hit rate the router predicted is matched / routed prompt tokens
+        # prefix-aware routing, per pool: the predicted prefix hit rate is matched / routed prompt tokens
         self.routing_decisions = Counter(
             "pdserve_routing_decisions",
             "Worker picks by what decided them: prefix (the chosen worker holds more of the prompt than another "
@@ -153,8 +146,7 @@ class RouterMetrics:
             self.prefill_path.labels(path)  # both show, at 0, from the start
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens generated", registry=r)
-        # workers detokenize and send text, so the router spends no time on it: kept at 0 for benchmarks to show it
-        # (``pdserve bench frontend`` reports its share of the router's CPU time)
+        # workers send text: kept at 0 so that ``pdserve bench frontend`` shows it
         self.detokenize_seconds = Counter(
             "pdserve_router_detokenize_seconds",
             "CPU time the router process spent detokenizing (0: the workers send text)",
@@ -162,7 +154,7 @@ class RouterMetrics:
         )
 
     def observe_worker(self, stats: Stats) -> None:
-        """A heartbeat's gauges (each worker's labelled children looked up once: heartbeats come often)."""
+        """A heartbeat's gauges (labelled children looked up once per worker: heartbeats come often)."""
         if not self.worker_gauges:
             return
         children = self._worker_children.get((stats.worker, stats.role))

@@ -1,10 +1,9 @@
-"""Where a prompt goes: the routing policies' order over the routable workers, given what each holds of the prompt.
+"""Where a prompt goes: the routing policy's first choice (``cluster/routing/policies.py``) among routable workers.
 
-Each pick is the policy's first (``cluster/routing/policies.py``), unless the request names an earlier one
-(``affinity``) whose worker is routable: the API's n > 1 choices after the first land where the prompt is cached.
-Every decision is counted in /metrics with its reason, and a chosen worker whose pool caches prefixes is recorded in
-the prefix index as tentatively holding the prompt's blocks (``PrefixIndex.expect``), so a follow-up that comes
-before the worker's KV events finds where its prefix is going to be.
+A request may name an earlier one (``affinity``) whose routable worker goes first: n > 1 choices land where the
+prompt is cached. Each decision is counted in /metrics with its reason; a chosen worker whose pool caches prefixes is
+recorded as tentatively holding the prompt (``PrefixIndex.expect``), so a follow-up that comes before its KV events
+finds it.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ class Placer:
         metrics: RouterMetrics,
         policies: dict[str, Policy] | None = None,
     ) -> None:
-        """``policies`` per role (prefill, decode, colocated): the config's, unless given (the simulator's are seeded)."""
+        """``policies`` per role: the config's unless given (the simulator seeds its own)."""
         self.config = config
         self.members = members
         self.metrics = metrics
@@ -45,7 +44,7 @@ class Placer:
         }
 
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """KV blocks a decode worker reserves for a request: the engine's own rule (``engine.blocks.reserved_blocks``)."""
+        """KV blocks a decode worker reserves for a request, by the engine's own rule."""
         config = self.config
         return reserved_blocks(
             num_prompt_tokens,
@@ -70,10 +69,9 @@ class Placer:
             )
 
     def prefix_match(self, prompt_len: int, hashes: list[int]) -> PrefixMatch:
-        """Per worker, the prompt tokens its prefix cache would spare (the router's view, from KV events), cut by the
-        engine's rule that at least one prompt token is computed."""
+        """Per worker, the prompt tokens its prefix cache would spare (at least one prompt token is still computed)."""
         index, block_size = self.members.prefix_index, self.config.transfer.block_size
-        if not len(index):  # no worker reports a cached block (prefix caching off, or nothing computed yet)
+        if not len(index):  # prefix caching off, or nothing computed yet
             return PrefixMatch(prompt_len)
         tokens = {name: reusable_prefix_tokens(n, prompt_len, block_size) for name, n in index.match(hashes).items()}
         return PrefixMatch(prompt_len, {name: n for name, n in tokens.items() if n > 0})
@@ -81,7 +79,6 @@ class Placer:
     def order(
         self, role: str, workers: Sequence[WorkerHandle], match: PrefixMatch, prefer: str | None = None
     ) -> list[WorkerHandle]:
-        """The policy's order, with the preferred worker first when it is among ``workers``."""
         order = self.policies[role].order(workers, match)
         if prefer is None:
             return order  # type: ignore[return-value]
@@ -102,8 +99,7 @@ class Placer:
     def count_decision(
         self, role: str, chosen: WorkerHandle, live: Sequence[WorkerHandle], match: PrefixMatch, prefer: str | None
     ) -> None:
-        """/metrics: why this worker was chosen (an earlier request's ``affinity``, else the policy's prefix or load),
-        and how much of the prompt it already holds."""
+        """/metrics: why this worker was chosen (affinity, prefix or load) and how much of the prompt it holds."""
         reason: DecisionReason = (
             "affinity" if chosen.name == prefer else decision_reason(self.policies[role], chosen, live, match)
         )
@@ -113,6 +109,6 @@ class Placer:
         metrics.prefix_matched_tokens.labels(role).inc(match.tokens(chosen.name))
 
     def expect(self, worker: WorkerHandle, hashes: list[int]) -> None:
-        """The worker will hold the prompt's blocks once it has them (its prefix cache, if its pool has one on)."""
+        """Record that the worker will hold the prompt's blocks, if its pool caches prefixes."""
         if self._caching.get(worker.role, False):
             self.members.prefix_index.expect(worker.name, hashes)

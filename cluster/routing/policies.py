@@ -1,19 +1,14 @@
 """Routing policies: the order in which a pool's workers are tried for a request.
 
-Load weighs in every policy except plain round robin, and ties break at random, so a burst does not pile onto the
-worker that happens to sort first (Dynamo #589, #7836). Load is what the worker last reported (queue, running, KV
-use) plus what the router has sent it since (``inflight``), so back-to-back picks see each other.
-
-``kv_aware`` also weighs how much of the prompt a worker already holds in its prefix cache (the router's
-``cluster/routing/prefix_index.py``, fed by the workers' KV events): a worker that holds the prompt's leading blocks skips
-computing them. Its cost, per worker (higher is better):
+Every policy but round robin weighs load, ties broken at random so a burst does not pile onto the worker that sorts
+first. Load is the worker's last report (queue, running, KV use) plus what the router sent it since (``inflight``).
+``kv_aware`` also weighs the prompt's cached prefix (``cluster/routing/prefix_index.py``); higher is better:
 
     score = prefix_weight * matched_tokens / prompt_tokens - load_weight * load_score(worker)
 
-so with the default weights (2 and 1) a worker holding the whole prompt is preferred until it has two more requests
-queued or in flight than another: the trade SGLang's cache-aware router makes with its balance threshold, as one
-linear cost like Dynamo's KV router. Ties go to the lower load, then at random. Every policy takes the request's
-``PrefixMatch`` (``order(workers, match)``); the others ignore it, and kv_aware without one orders by load alone.
+With the default weights (2 and 1) a worker holding the whole prompt wins until it has two more requests than
+another (SGLang's balance threshold as one linear cost, like Dynamo's KV router). Ties go to the lower load, then at
+random. The other policies ignore the ``PrefixMatch``; kv_aware without one orders by load alone.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ class Candidate(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """What the router knows of one prompt's cached prefix on each worker (``Placer.prefix_match``)."""
+    """One prompt's cached prefix per worker, as the router knows it (``Placer.prefix_match``)."""
 
     num_prompt_tokens: int
     matched_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable leading tokens
@@ -56,9 +51,8 @@ DecisionReason = Literal["prefix", "load", "affinity"]
 def decision_reason(
     policy: Policy, chosen: Candidate, candidates: Sequence[Candidate], match: PrefixMatch | None
 ) -> DecisionReason:
-    """Why a worker was chosen, for ``/metrics``: ``prefix`` when a policy that weighs prefixes (kv_aware) chose one
-    that holds more of the prompt than another candidate (the prefix term separated them), ``load`` otherwise (no
-    cached prefix anywhere, the same on every worker, or a policy that looks at load only)."""
+    """Why a worker was chosen, for ``/metrics``: ``prefix`` when kv_aware chose one holding more of the prompt than
+    another candidate, else ``load``."""
     if match is None or not isinstance(policy, KvAware):
         return "load"
     mine = match.tokens(chosen.name)
@@ -106,7 +100,7 @@ class PowerOfTwo:
 
 
 class KvAware:
-    """Cached-prefix overlap against load (the cost in the module docstring); ties by load, then at random."""
+    """Cached-prefix overlap against load (the cost in the module docstring)."""
 
     def __init__(self, rng: random.Random | None = None, prefix_weight: float = 2.0, load_weight: float = 1.0) -> None:
         if prefix_weight < 0 or load_weight < 0:
@@ -127,17 +121,16 @@ class KvAware:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a request was dispatched: its prefill and decode workers (disaggregated; no prefill worker when the decode
-    worker prefilled it itself), or its colocated worker (as ``decode``, like ``Stream.decode``)."""
+    """Where a request was dispatched (no prefill worker when decode prefilled it; colocated: as ``decode``)."""
 
     prefill: str | None
     decode: str | None
 
 
 class Placements:
-    """Where recent requests went, by client request id (their last dispatch), so that a later request can ask for
-    the same workers (the router's ``affinity``: an n > 1 request's later choices find the prompt in those workers'
-    prefix caches). Bounded: the oldest record goes first, so a client that never refers back cannot grow it."""
+    """Where recent requests last went, by client request id, for a later request's ``affinity``.
+
+    Bounded: the oldest record goes first, so a client that never refers back cannot grow it."""
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity

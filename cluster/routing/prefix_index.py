@@ -1,27 +1,13 @@
-"""Which workers hold which prompt prefixes, as the router learns it from their KV events.
+"""Which workers hold which prompt prefixes, as the router learns it from their KV events (``KvEvents``).
 
-Workers report the chained hashes their prefix caches store and evict (``worker.messages.KvEvents``, drained from
-``engine.block_manager.BlockManager``). A chained hash names a whole prefix (the hash of block i covers every token
-before it), so a flat map ``hash -> workers`` already is a radix tree over blocks, with no tree to keep balanced:
-``match`` walks a prompt's hashes in order and stops, per worker, at the first block that worker lacks, which is
-exactly where the engine's own lookup stops. The router hashes a prompt with the engine's function
-(``engine.blocks.prompt_block_hashes``), so the two agree by construction.
-
-Never an over-estimate for long: a worker's view is dropped when it restarts (re-registration), dies, or a message
-of its event stream is missing (a gap in ``seq``); deltas applied to a subset of what the worker holds keep it a
-subset, and the worker's next snapshot (after a reset, a failed send, or every ``KV_RESYNC_INTERVAL_S``) makes it
-whole again. Memory is bounded by the workers' caches: at most one entry per block per worker.
-
-**Tentative entries** (``expect``): the router also records, when it dispatches a prompt, that the chosen workers
-will hold its blocks, before their KV events say so (SGLang's cache-aware router inserts into its tree at dispatch
-too). Without them a follow-up sent while the first request is still computing, or before its events arrive, finds
-no holder and may go elsewhere, and then both workers compute (and keep) the same prefix. A tentative entry is
-confirmed by the worker's ``stored`` event, dropped by its ``removed`` event, and otherwise expires after
-``tentative_ttl_s`` (the prompt was never stored: the request failed, or the worker caches nothing); at most
-``max_tentative`` per worker (the oldest go first), so a router that dispatches to a worker whose events never come
-cannot grow it. An over-estimate therefore lasts at most ``tentative_ttl_s``. A worker's snapshot (``reset``) or a
-gap keeps its tentative entries (they are about requests the worker may not have computed yet); ``forget`` (a
-restart or death) drops them with the rest.
+A chained hash names a whole prefix, so a flat map ``hash -> workers`` (one entry per block per worker) is a radix
+tree: ``match`` stops, per worker, at the first block it lacks, as the engine's lookup does (both hash with
+``engine.blocks.prompt_block_hashes``). Never an over-estimate for long: a worker's view is dropped when it
+re-registers, dies or misses a message (a ``seq`` gap), and its next snapshot makes it whole again.
+Tentative entries (``expect``) record at dispatch that the chosen worker will hold the prompt, so a follow-up finds
+it before the worker's events come (as SGLang's cache-aware router does): a ``stored`` event confirms one,
+``removed`` drops it, else it expires after ``tentative_ttl_s`` (at most ``max_tentative`` per worker). Snapshots
+and gaps keep them (the worker may not have computed them yet); ``forget`` drops them.
 """
 
 from __future__ import annotations
@@ -49,12 +35,11 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = {}  # block hash -> workers that hold it
         self._held: dict[str, set[int]] = {}  # worker -> the hashes it holds (confirmed or tentative)
         self._next_seq: dict[str, int] = {}  # worker -> the seq its next message must carry (absent: any)
-        # worker -> its unconfirmed hashes and when each expires, oldest first (expiry grows with insertion)
+        # worker -> unconfirmed hash -> expiry, oldest first
         self._tentative: dict[str, OrderedDict[int, float]] = {}
 
     def apply(self, worker: str, seq: int, stored: Iterable[int], removed: Iterable[int], reset: bool = False) -> bool:
-        """Take one KvEvents message; False when it shows a missed message (that worker's view was dropped first:
-        what is applied after a gap is a subset of what the worker holds, never more)."""
+        """Take one KvEvents message; False after a gap (that worker's confirmed view is dropped first)."""
         expected = self._next_seq.get(worker)
         in_order = expected is None or seq == expected
         if reset or not in_order:
@@ -73,9 +58,9 @@ class PrefixIndex:
         return in_order or reset
 
     def expect(self, worker: str, block_hashes: Iterable[int]) -> int:
-        """Record at dispatch that ``worker`` will hold these blocks (the prompt sent to it), until its KV events
-        confirm or remove them or ``tentative_ttl_s`` passes; returns how many were new to the index. Hashes it is
-        already known to hold are left as they are (a confirmed entry stays confirmed)."""
+        """Record at dispatch that ``worker`` will hold these blocks; returns how many were new to the index.
+
+        Hashes it is already known to hold stay as they are (a confirmed entry stays confirmed)."""
         if self.max_tentative == 0 or self.tentative_ttl_s == 0:
             return 0
         now = self._clock()
@@ -99,7 +84,7 @@ class PrefixIndex:
         return added
 
     def forget(self, worker: str) -> None:
-        """Drop everything known of a worker (it restarted or died), tentative entries too."""
+        """Drop everything known of a worker (restarted or died), tentative entries too."""
         self._next_seq.pop(worker, None)
         self._tentative.pop(worker, None)
         for block_hash in self._held.pop(worker, set()):
@@ -128,7 +113,6 @@ class PrefixIndex:
                 del self._holders[block_hash]
 
     def _expire(self, now: float) -> None:
-        """Drop the tentative entries whose time is up (oldest first: each worker's are in expiry order)."""
         for worker, tentative in self._tentative.items():
             while tentative:
                 block_hash, expires = next(iter(tentative.items()))
@@ -138,9 +122,7 @@ class PrefixIndex:
                 self._discard(worker, block_hash)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Per worker that holds the first block: how many leading blocks of the prompt it holds (workers that hold
-        none are absent). One pass, stopping when no worker is left. Tentative entries count (expired ones are
-        dropped first)."""
+        """Per worker that holds the first block: how many leading blocks of the prompt it holds (tentative count)."""
         if not block_hashes:
             return {}
         self._expire(self._clock())
@@ -169,10 +151,8 @@ class PrefixIndex:
         return len(self._tentative.get(worker, ()))
 
     def workers(self) -> list[str]:
-        """Workers with at least one block known."""
         return [worker for worker, held in self._held.items() if held]
 
     def __len__(self) -> int:
-        """Distinct hashes held by any worker (tentative ones included; expired ones may linger until the next
-        ``match`` or ``expect``)."""
+        """Distinct hashes held by any worker (expired tentative ones linger until the next ``match`` or ``expect``)."""
         return len(self._holders)

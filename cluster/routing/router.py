@@ -1,9 +1,8 @@
 """The live router: the ``RouterCore`` (cluster/routing/core.py) on the HTTP server's event loop, with its sockets.
 
-It owns what the core has not: one sealed PUSH socket per worker for commands (``worker/protocol.py``), one PULL
-socket for every worker's events (each MAC checked before it is read), pings and heartbeat expiry, and the wake-up of
-each response waiting on its flow. Every call into the core is followed by ``_flush``: the core's commands go out,
-its updated flows wake their responses. ``generate`` is one request as the API streams it.
+It adds a sealed PUSH socket per worker for commands (``worker/protocol.py``), one PULL socket for all events (each
+MAC checked before it is read), pings and heartbeat expiry. Every call into the core is followed by ``_flush``: its
+commands go out, its updated flows wake their responses. ``generate`` is one request as the API streams it.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ class Router:
     def __init__(
         self, config: ClusterConfig, host: str = "127.0.0.1", index: int = 0, admission: Admission | None = None
     ) -> None:
-        """``index``: this router among ``config.router.processes`` router processes (cluster/run/frontend.py); every
-        command carries it, so workers send each request's events to the router that owns it. ``admission``: the
-        queue bound shared by those processes (default: this process's own)."""
+        """``index``: this router among ``config.router.processes``; every command carries it, so workers send each
+        request's events to the router that owns it. ``admission``: the queue bound shared by those processes."""
         if not config.transfer.secret:
             raise ValueError("the router needs the cluster secret (transfer.secret; start_serving makes one)")
         self.config, self.host, self.index = config, host, index
@@ -97,7 +95,6 @@ class Router:
         self._run(self.core.mark_dead, name, reason, time.monotonic())
 
     def drain_worker(self, name: str, deadline_s: float) -> None:
-        """Live resizing (cluster/run/scaling.py): route nothing new to the worker; it finishes what it holds."""
         self._run(self.core.drain, name, deadline_s)
 
     def remove_worker(self, name: str) -> None:
@@ -107,7 +104,6 @@ class Router:
             link[0].close(0)
 
     def add_worker_threadsafe(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
-        """Register from another thread (the monitor that sees Ray restart a worker; live resizing)."""
         self._call_threadsafe(self.add_worker, name, role, command_address, kv_address)
 
     def mark_dead_threadsafe(self, name: str, reason: str) -> None:
@@ -120,8 +116,7 @@ class Router:
         self._call_threadsafe(self.remove_worker, name)
 
     def _call_threadsafe(self, function: Callable, *args, wait_s: float = 5.0) -> None:
-        """Run ``function`` on the router's loop and wait (bounded) until it has: a membership change made from
-        another thread is in effect when this returns (the next request sees it)."""
+        """Run ``function`` on the router's loop and wait (bounded), so the change is in effect on return."""
         try:
             on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:
@@ -144,13 +139,11 @@ class Router:
         done.wait(wait_s)
 
     def live(self, role: str) -> list[WorkerHandle]:
-        """The workers new requests may go to: alive and not degraded."""
         return self.members.routable(role)
 
     # ---- the core's output ---------------------------------------------------------------------------------------
 
     def _run(self, function: Callable, *args) -> None:
-        """Call into the core, then deliver what it produced."""
         function(*args)
         self._flush()
 
@@ -165,7 +158,7 @@ class Router:
                 flow.waiter.set()
 
     def _send(self, name: str, command: Command) -> bool:
-        """Seal and send a command, stamped with this router's index and the time; False when its queue is full."""
+        """Seal and send a command; False when its queue is full."""
         link = self._links.get(name)
         if link is None:
             return True  # removed meanwhile: nothing to tell it
@@ -185,8 +178,8 @@ class Router:
         self._tasks.append(asyncio.create_task(self._supervise("watch_heartbeats", self._watch_heartbeats)))
 
     async def _supervise(self, name: str, body) -> None:
-        """Run one of the router's background loops forever: a crash is logged, counted and the loop restarted (a
-        dead task would stop the router hearing its workers while /health says ok)."""
+        """Run a background loop forever, restarting it after a crash (a dead task would stop the router hearing
+        its workers while /health says ok)."""
         while True:
             try:
                 await body()
@@ -212,8 +205,7 @@ class Router:
         self._ctx.term()
 
     async def _receive_events(self) -> None:
-        """Every event's MAC is checked before it is unpacked; what fails is dropped and counted in
-        ``pdserve_control_rejected_total{reason}``."""
+        """Events failing the MAC check are dropped unread, counted in ``pdserve_control_rejected_total{reason}``."""
         verifier, rejections = self._event_verifier, RejectionLog("router")
         while True:
             data = await self._events.recv()
@@ -255,9 +247,8 @@ class Router:
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's text; raises RequestFailed (with its HTTP status) when it cannot be served.
 
-        Each event is everything that arrived since the caller last asked: a slow reader gets one larger event, not
-        a backlog. ``affinity``: the client id of an earlier request whose workers this one should go to when they
-        are routable (n > 1 choices reuse the prompt the first computed); an id the router no longer knows is none."""
+        Each event is everything that arrived since the last: a slow reader gets one larger event, not a backlog.
+        ``affinity``: an earlier request's client id whose workers this one prefers (unknown ids are ignored)."""
         flow = self.core.submit(request_id or uuid.uuid4().hex, prompt, params, time.monotonic(), affinity)
         flow.waiter = ready = asyncio.Event()
         self._flush()
@@ -277,7 +268,7 @@ class Router:
             self._run(self.core.release, flow, time.monotonic())
 
     def abort(self, wire_id: str) -> None:
-        """Tell every worker that holds state for the request to free it (the flow ends FAILED)."""
+        """Free the request on every worker that holds it (the flow ends FAILED)."""
         flow = self.core.flows.get(wire_id)
         if flow is not None:
             self._run(self.core.release, flow, time.monotonic())

@@ -1,8 +1,7 @@
 """Ray actors for the workers: thin shells around the Ray-free worker classes (also used as-is in-process).
 
-Ray places and restarts them (``max_restarts``); everything they do per request goes over ZeroMQ. Actor methods
-are only for set-up and inspection: ``info`` (addresses, pid, node), ``snapshot`` (load), ``stop``, and
-``kill`` (die abruptly: the in-process chaos bench).
+Ray places and restarts them (``max_restarts``); per-request traffic goes over ZeroMQ, actor methods are only for
+set-up and inspection.
 """
 
 from __future__ import annotations
@@ -33,11 +32,11 @@ def role_class(role: WorkerRole) -> type[Role]:
 
 class WorkerActor:
     def __init__(self, spec: WorkerSpec) -> None:
-        """Runs in the worker's own process: the host "auto" becomes this node's address here, and the worker's
-        constructor picks the device here (``worker.spec.resolve_spec``), where the GPUs Ray gave it are visible."""
+        """Runs in the worker's own process, where the host "auto" resolves to this node's address and the GPUs Ray
+        gave it are visible (``worker.spec.resolve_spec``)."""
         import ray
 
-        if spec.runtime.host == "auto":  # each worker binds its own node's address
+        if spec.runtime.host == "auto":
             spec = spec.with_host(ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         from worker.runtime import WorkerRuntime  # the engine and torch: in the worker's process only

@@ -1,29 +1,13 @@
-"""The optional autoscaling policy (``autoscale: {enabled: true}``; off by default): resize pools from live metrics.
+"""The optional autoscaling policy (``autoscale: {enabled: true}``): resize pools from live metrics.
 
-Every ``interval_s`` it reads the router's own ``/metrics`` (the same text any scraper sees, all router processes
-merged) and looks at the interval just ended: the router's queue depth (requests waiting for decode KV) and the p90
-of TTFT and TPOT over the requests that finished in it (from the histograms' bucket deltas, interpolated as
-Prometheus' ``histogram_quantile`` does). The model, per pool, against ``slo:``:
-
-* decode (colocated: the one pool that takes everything) is too small when TPOT p90 exceeds ``slo.tpot_s`` or more
-  than ``queue_per_replica`` requests per decode replica wait for KV (colocated: also TTFT p90 over ``slo.ttft_s``);
-* prefill is too small when TTFT p90 exceeds ``slo.ttft_s`` while the queue is short (a long queue is decode's
-  shortage showing up in TTFT);
-* a pool is too big when nothing waits and its latency p90 is under ``scale_down_fraction`` of its SLO, or when the
-  interval saw no request at all. An interval with fewer than ``min_requests`` finished requests says nothing about
-  latency (no vote either way, unless the queue speaks).
-
-With ``autoscale.profile`` (``pdserve serve`` loads it and hands this module a ``CapacityModel``: the planner's
-model, planner/autoscale_model.py, which the cluster layer may not import), the vote for each pool it answers for
-comes from the model instead: the ``LiveLoad`` of the interval (arrival rate, mean prompt and output tokens, queue,
-p90s) in, the replicas that load needs out. More than now votes "too small"; so does an SLO breach the model did not
-foresee (the live figure outranks the profile); fewer than now votes "too big" only with nothing queued and the
-pool's p90 (when the interval says anything about it) under ``scale_down_fraction`` of its SLO. A pool the model has
-no answer for (no request has finished yet, so the token mix is unknown) gets the threshold vote.
-
-Hysteresis: a pool changes only after ``breaches`` consecutive intervals vote the same way, by one replica, within
-``[min_replicas, max_replicas]``, and not within ``cooldown_s`` of its last change (a new worker needs time to
-change the figures). It calls the same ``Scaler.scale`` as ``pdserve scale``, so a removal drains as one by hand.
+Every ``interval_s`` it reads the router's own ``/metrics`` and takes the interval's queue depth and TTFT / TPOT p90
+(bucket deltas, as ``histogram_quantile``). Each pool votes against ``slo:`` (``threshold_votes``): decode is too
+small on a TPOT breach or a queue over ``queue_per_replica`` per replica; prefill on a TTFT breach with a short queue
+(a long one is decode's shortage); a pool is too big when nothing waits and its p90 is under
+``scale_down_fraction`` of its SLO, or nothing came. Under ``min_requests`` finished, latency does not vote. With
+``autoscale.profile`` the planner's ``CapacityModel`` votes instead where it answers; an SLO breach it did not
+foresee still votes up. A pool changes by one replica after ``breaches`` like votes, within its bounds, not within
+``cooldown_s`` of its last change, through the same ``Scaler.scale`` as ``pdserve scale``.
 """
 
 from __future__ import annotations
@@ -43,8 +27,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Window:
-    """What one interval of live metrics says."""
-
     queue_depth: float
     requests: int  # requests that finished in the interval
     ttft_p90_s: float | None  # None: no request finished
@@ -73,8 +55,7 @@ class LiveLoad:
 
 
 class CapacityModel(Protocol):
-    """Replicas per pool that a live load needs (planner/autoscale_model.py implements it from a profile). A pool
-    left out of the answer has no model answer this interval: the threshold rule votes for it."""
+    """Replicas per pool a live load needs (planner/autoscale_model.py); a pool left out gets the threshold vote."""
 
     def replicas_needed(self, load: LiveLoad) -> dict[str, int]: ...
 
@@ -86,8 +67,7 @@ SUMMED = ("pdserve_requests_total",)  # labelled counters read as their sum over
 
 
 def read_histograms(text: str | bytes, names: tuple[str, ...]) -> tuple[dict[str, Buckets], dict[str, float]]:
-    """From /metrics text: each named histogram's cumulative buckets, and every unlabelled gauge or counter sample's
-    value (those in ``SUMMED``: also summed over their labels)."""
+    """Each named histogram's cumulative buckets, and every unlabelled sample's value (``SUMMED``: also the sum)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     if isinstance(text, bytes):
@@ -111,8 +91,8 @@ def read_histograms(text: str | bytes, names: tuple[str, ...]) -> tuple[dict[str
 
 
 def window_quantile(before: Buckets, after: Buckets, q: float) -> tuple[float | None, int]:
-    """The q-quantile of what was observed between two readings of a histogram, and how many observations that
-    was; linear within the bucket, as ``histogram_quantile`` (the last finite bound when it falls in +Inf)."""
+    """The q-quantile between two readings of a histogram, and the observation count; as ``histogram_quantile``
+    (the last finite bound when it falls in +Inf)."""
     bounds = sorted(after)
     counts = [after[b] - before.get(b, 0.0) for b in bounds]
     total = counts[-1] if counts else 0.0
@@ -221,8 +201,7 @@ class Policy:
         )
 
     def votes(self, window: Window, replicas: dict[str, int]) -> dict[str, int]:
-        """Per pool: +1 too small, -1 too big, 0 no opinion, for this interval alone: the model's where it answers,
-        the threshold rule's elsewhere."""
+        """Per pool: +1 too small, -1 too big, 0 no opinion, for this interval alone."""
         votes = self.threshold_votes(window, replicas)
         if self.model is None:
             return votes
@@ -242,8 +221,7 @@ class Policy:
         return votes
 
     def _latency_high(self, pool: str, window: Window) -> bool:
-        """The pool's p90 (colocated: either) is at or over ``scale_down_fraction`` of its SLO, in an interval with
-        enough finished requests to say so: no shrinking then, whatever the model thinks."""
+        """The pool's p90 (colocated: either) is at least ``scale_down_fraction`` of its SLO: no shrinking then."""
         if window.requests < self.section.min_requests:
             return False
         pairs = {"prefill": [(window.ttft_p90_s, self.slo.ttft_s)], "decode": [(window.tpot_p90_s, self.slo.tpot_s)]}
@@ -253,7 +231,6 @@ class Policy:
         return any(p90 is not None and p90 >= limit * slo for p90, slo in pairs[pool])
 
     def threshold_votes(self, window: Window, replicas: dict[str, int]) -> dict[str, int]:
-        """The threshold rule: per pool +1, -1 or 0 from the queue and the p90s against the SLO."""
         s, slo = self.section, self.slo
         queued = window.queue_depth > s.queue_per_replica * max(1, replicas.get("decode", 1))
         known = window.requests >= s.min_requests
@@ -272,7 +249,7 @@ class Policy:
         return {"decode": 1 if queued else tpot, "prefill": 0 if queued else ttft}
 
     def decide(self, now: float, window: Window, replicas: dict[str, int]) -> dict[str, int]:
-        """The pools to resize now and their new sizes (after hysteresis, cooldown and bounds)."""
+        """The pools to resize now and their new sizes."""
         changes = {}
         for pool, vote in self.votes(window, replicas).items():
             state = self.state.setdefault(pool, _PoolState())

@@ -1,8 +1,7 @@
-"""``pdserve demo``: a local cluster from the shipped ``local`` config with the default model, used as a client would.
+"""``pdserve demo``: a local cluster from the shipped ``local`` config, used as a client would.
 
-It starts the cluster (Ray, one prefill and one decode worker, the router), streams one chat answer to the terminal,
-sends a few more chat requests concurrently, prints TTFT and TPOT per request and the router's own added latency
-(from the timing fields every response carries), then shuts everything down.
+Streams one chat answer to the terminal, sends a few more concurrently, prints TTFT and TPOT per request and the
+router's own added latency (from each response's timing), then shuts everything down.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
-"""Several router (frontend) processes serving one HTTP port: ``router.processes: N`` > 1.
+"""Several router processes serving one HTTP port (``router.processes`` > 1): the main process's side.
 
-Why: one router process relays every token of every stream, and its CPU caps the cluster long before a GPU decode
-pool does (issue 15). N processes, each a whole router (tokenizer, ``Router``, FastAPI app on uvicorn), share the
-port with ``SO_REUSEPORT``: the kernel spreads new connections over them. The main ``pdserve serve`` process keeps
-Ray, the pools and their monitor, and serves no HTTP itself.
-
-Start-up (``cluster/run/launch.py`` ``start_serving``):
-1. The main process binds a ``SO_REUSEPORT`` probe socket to ``router.host:port`` (port 0: a free one); it holds the
-   port until every router process listens on it, then closes (it never listens, so it takes no connection).
-2. It points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder and spawns the N router processes. Each loads the
-   tokenizer, builds its ``Router`` (which binds its event socket) and reports ``("router", event address, pid)``
-   on its pipe.
-3. The pools start with the list of those event addresses, so every worker has an event socket to every router;
-   each router's commands carry its index, and a worker sends a request's events only to the router that owns it.
-4. Each router process gets ``("workers", [...])``, registers them, binds its own ``SO_REUSEPORT`` socket on the port,
-   runs uvicorn and answers ``("ready",)``.
-Afterwards the pool monitor's news (a worker restarted by Ray, a worker dead) and live resizing's (a worker added,
-draining, removed: cluster/run/scaling.py) reach every router process over its pipe, which each polls from an asyncio
-task. ``POST /admin/scale`` on a router process goes the other way: ``("scale", id, pool, replicas, drain)`` to the
-main process, which owns the pools, and its answer comes back as ``("scale_result", id, status, body)``. Admission (``router.queue_size``) is one shared limit
-(``cluster/routing/admission.py``); ``/metrics`` on any process renders all of them (``cluster/routing/metrics.py``).
-
-Shutdown: ``("stop",)`` on each pipe, then SIGKILL for what has not exited in time; all within the caller's budget.
-A router process whose main process is gone (its pipe closes, or its parent pid changes) stops by itself.
-
-This module is the main process's side (``RouterProcesses``); what runs inside each router process, the target it
-is spawned with included, is ``cluster/run/router_process.py``.
+One router process relays every token of every stream, so its CPU caps the cluster long before a GPU decode pool
+does; N whole routers share the port with ``SO_REUSEPORT``. The main process keeps Ray and the pools, no HTTP.
+1. A ``SO_REUSEPORT`` probe socket holds the port (never listening) until every router process listens on it.
+2. With ``PROMETHEUS_MULTIPROC_DIR`` set, N router processes spawn (``cluster/run/router_process.py``) and report
+   their event addresses; the pools start with all of them, and each worker answers only the router that owns a
+   request (its commands carry its index).
+3. Each router process gets ``("workers", [...])`` and answers ``("ready",)``. Membership news then goes down every
+   pipe; ``("scale", ...)`` comes up to the main process, which owns the pools, and goes back as ``scale_result``.
+Shutdown: ``("stop",)`` on each pipe, then SIGKILL, within the caller's budget.
 """
 
 from __future__ import annotations
@@ -46,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class RouterProcesses:
-    """The main process's handle on its router processes; stands in for the router where the pool monitor reports
-    (``add_worker_threadsafe``, ``mark_dead_threadsafe``)."""
+    """The main process's handle on its router processes; stands in for the router the pool monitor reports to."""
 
     def __init__(
         self,
@@ -60,9 +42,7 @@ class RouterProcesses:
     ) -> None:
         self.count = config.router.processes
         self._ctx = multiprocessing.get_context("spawn")
-        self._slots = self._ctx.Array(
-            "i", self.count
-        )  # admission: one slot per router process (cluster/routing/admission.py)
+        self._slots = self._ctx.Array("i", self.count)  # admission: one slot per router process
         self._timeout_s = config.ray.start_timeout_s
         self._lock = threading.Lock()  # pipes are written from the monitor thread and the main thread
         self._stopping = threading.Event()
@@ -125,7 +105,7 @@ class RouterProcesses:
 
     def _expect(self, index: int, kind: str) -> tuple:
         """The next message of router process ``index``, which must be ``kind``; RuntimeError if it exits or is
-        silent for the start timeout."""
+        silent past the start timeout."""
         conn, proc = self._conns[index], self._procs[index]
         deadline = time.monotonic() + self._timeout_s
         while time.monotonic() < deadline:
@@ -142,7 +122,7 @@ class RouterProcesses:
         raise RuntimeError(f"router process {index} did not start within {self._timeout_s:.0f} s")
 
     def serve(self, workers: list[tuple[str, str, str, str | None]]) -> None:
-        """Give every router process the workers, and wait until each one accepts connections."""
+        """Give every router process the workers, and wait until each accepts connections."""
         for index in range(self.count):
             self._send(index, ("workers", workers))
         for index in range(self.count):
@@ -176,7 +156,6 @@ class RouterProcesses:
         self._broadcast(("remove_worker", name))
 
     def serve_scaling(self, scaler) -> None:
-        """Answer the router processes' ``("scale", ...)`` requests with ``scaler`` (cluster/run/scaling.py)."""
         threading.Thread(
             target=self._scale_requests, args=(scaler,), name="pdserve-scale-requests", daemon=True
         ).start()
@@ -207,8 +186,8 @@ class RouterProcesses:
         self._send(index, ("scale_result", request_id, *result))
 
     def _watch(self) -> None:
-        """A router process that dies is logged, and the queue places it held are given back; the others go on (its
-        listening socket left the port with it; the workers free its requests after ``orphan_timeout_s``)."""
+        """A dead router process's queue places are given back; the others go on (the workers free its requests
+        after ``orphan_timeout_s``)."""
         from prometheus_client import multiprocess
 
         reported: set[int] = set()
@@ -232,7 +211,7 @@ class RouterProcesses:
         return [proc.pid for proc in self._procs if proc.is_alive()]
 
     def stop(self, timeout_s: float) -> bool:
-        """Stop every router process within ``timeout_s``: ask, then SIGKILL what is left. False if any was killed."""
+        """Ask, then SIGKILL what is left after ``timeout_s``; False if any was killed."""
         deadline = time.monotonic() + timeout_s
         self._stopping.set()
         self._broadcast(("stop",))
@@ -248,7 +227,6 @@ class RouterProcesses:
         return clean
 
     def kill(self) -> None:
-        """SIGKILL every router process still running (the last resort; also from a forced exit)."""
         for proc in self._procs:
             if proc.is_alive():
                 logger.warning("killing router process %s", proc.pid)

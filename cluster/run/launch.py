@@ -1,12 +1,9 @@
 """Starting and stopping a served cluster: worker pools, router, HTTP server.
 
-``start_serving(config)`` returns a ``ServeHandle`` once every worker has reported its addresses and the HTTP server
-is accepting connections; ``handle.stop()`` undoes all of it (server, workers, placement groups, and Ray itself when
-it was started here). ``in_process=True`` runs the workers as threads without Ray (development, fast tests).
-With ``router.processes`` > 1 the HTTP side is N router processes on one port (``cluster/run/frontend.py``) instead of
-a router and a server thread in this process; with 1 (the default) nothing else changes.
-Without a configured ``transfer.secret`` it makes a random cluster secret and puts it in every worker's spec:
-the control plane and the KV handshake are authenticated with no configuration at all.
+``start_serving`` returns a ``ServeHandle`` once every worker has reported its addresses and the HTTP server accepts
+connections; ``handle.stop()`` undoes all of it. ``in_process=True`` runs the workers as threads without Ray. With
+``router.processes`` > 1 the HTTP side is N router processes on one port (``cluster/run/frontend.py``). Without a
+``transfer.secret`` a random one is made, so the control plane and KV handshake are authenticated with no setup.
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ class ServeHandle:
 
     @property
     def router_pids(self) -> list[int]:
-        """The processes that route requests: this one, or each router process."""
         return list(self.frontends.pids) if self.frontends is not None else [os.getpid()]
 
     @property
@@ -63,10 +59,9 @@ class ServeHandle:
     def stop(self, timeout_s: float = 8.0) -> bool:
         """Stop the HTTP server, the workers and Ray, within ``timeout_s`` in all; False if Ray had to be abandoned.
 
-        Each phase runs under what is left of the budget: when a process manager sends SIGTERM to the whole process
-        group, Ray's own processes die first and every call into Ray may hang; the workers this handle started on
-        this node are then killed by PID, so none is left behind whatever Ray does. After an unclean stop the caller
-        should exit the process at once (Ray's exit handlers would hang the same way).
+        When SIGTERM reaches the whole process group Ray's own processes die first and any call into Ray may hang,
+        so each phase is bounded and this node's workers are then killed by PID. After an unclean stop the caller
+        should exit at once (Ray's exit handlers would hang too).
         """
         deadline = time.monotonic() + timeout_s
         if self.autoscaler is not None:
@@ -105,11 +100,9 @@ def call_with_timeout(function, timeout_s: float) -> bool:
 
 
 def with_cluster_secret(config: ClusterConfig) -> ClusterConfig:
-    """The config with its cluster secret: the configured one, or 32 random bytes made here (zero configuration).
+    """A copy with the configured cluster secret, or 32 random bytes made here.
 
-    Every worker gets it in its spec (``ClusterConfig.worker_specs``), so it is never needed anywhere else; it
-    only has to be configured to keep the same one across restarts. The caller's config object is not changed.
-    """
+    Every worker gets it in its spec; it only needs configuring to stay the same across restarts."""
     secret = config.transfer.secret
     if secret:
         if len(secret) < 16:
@@ -142,7 +135,7 @@ def start_serving(
 ) -> ServeHandle:
     """``capacity_model``: the autoscaler's model of ``autoscale.profile`` (built by ``pdserve serve``, which may
     import the planner; this layer may not)."""
-    check_network_exposure(config, host)  # before anything starts: no unauthenticated non-loopback bind
+    check_network_exposure(config, host)  # before anything starts
     config = with_cluster_secret(config)
     import uvicorn
     from transformers import AutoConfig
@@ -216,8 +209,7 @@ def _start_router_processes(
     in_process: bool,
     started_ray: bool,
 ):
-    """N router processes on one port (cluster/run/frontend.py): the port is held by a probe socket of this process
-    until all of them listen; the workers get every router's event address."""
+    """N router processes on one port, held by a probe socket until all of them listen (cluster/run/frontend.py)."""
     probe = reuseport_socket(http_host, http_port)
     http_port = probe.getsockname()[1]
     frontends = None

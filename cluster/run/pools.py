@@ -1,26 +1,12 @@
-"""The worker pools behind a router: Ray actors placed in placement groups, or threads in this process.
+"""The worker pools behind a router: Ray actors in placement groups (``RayPools``), or threads (``LocalPools``).
 
-``RayPools`` is the real deployment: each pool gets a placement group built from its section of the config (CPU
-share, GPUs, extra resources, strategy), each replica an actor pinned to a bundle, named ``pdserve-<pool>-<i>`` and
-restarted by Ray up to ``ray.max_restarts`` times. A pool the cluster cannot place is a ``ConfigError`` naming the
-pool and what it asked for. A monitor thread notices dead actors at once (the router stops routing to them) and
-re-registers restarted ones, which come back with new addresses. The "router" it tells is the in-process router, or,
-with several router processes, the group that forwards to each of them (cluster/run/frontend.py).
-
-``LocalPools`` runs the same worker classes as threads of this process, with no Ray: for development and for fast
-tests of the data plane. Everything but placement and restarts behaves the same.
-
-Both start each worker from its ``WorkerSpec`` (``ClusterConfig.worker_specs``, the one translation of the config);
-Ray pickles the spec into the actor, and the worker picks its device there, in its own process.
-
-Live resizing (cluster/run/scaling.py drives it): ``add_replica`` starts one more worker of a pool, named with the pool's
-next unused index (a name is never reused while its old worker may still drain); ``begin_removal`` moves a worker
-out of ``workers`` into ``draining``, ``drained`` asks it whether it is idle, ``stop_replica`` stops it. On Ray an
-added replica takes a bundle a removed replica of its pool freed in the pool's placement group if there is one, else
-a placement group of its own (one bundle): a group the cluster cannot place stays pending, which is the resource
-demand Ray's autoscaler adds nodes for, and the replica joins when it starts (``on_ready``). Per-replica groups,
-not a bigger pool group: a placement group cannot grow, and one that does not fit would hold back the whole pool.
-Removing such a replica frees its group, hence its resources.
+Both start each worker from its ``WorkerSpec`` (``ClusterConfig.worker_specs``). On Ray each pool gets a placement
+group from its config section, each replica an actor pinned to a bundle and restarted up to ``ray.max_restarts``
+times; a monitor thread marks dead actors dead at once and re-registers restarted ones (new addresses). Threads
+behave the same but for placement and restarts. Live resizing (cluster/run/scaling.py): an added replica gets the
+pool's next unused name (never reused while an old one may drain) and a bundle a removed replica freed, else a
+placement group of its own: one that cannot be placed stays pending, the demand Ray's autoscaler adds nodes for (a
+placement group cannot grow, and a bigger pool group that does not fit would hold back the whole pool).
 """
 
 from __future__ import annotations
@@ -55,7 +41,7 @@ class WorkerRecord:
 
 
 class _Resizable:
-    """What both pools share for live resizing: the records of workers being removed, and new workers' specs."""
+    """What both pools share for live resizing."""
 
     def _init_resizing(self, config: ClusterConfig, model_path: str, router_addresses: list[str], host: str) -> None:
         self.config, self._model_path, self._router_addresses, self._host = config, model_path, router_addresses, host
@@ -69,7 +55,7 @@ class _Resizable:
         return [r for r in self.workers + self.pending if r.pool == pool]
 
     def new_spec(self, pool: str) -> WorkerSpec:
-        """The spec of the pool's next worker: the config's own translation, under the next unused name."""
+        """The pool's next worker's spec, under the next unused name."""
         section = getattr(self.config.pools, pool).model_copy(update={"replicas": 1})
         one = self.config.model_copy(update={"pools": self.config.pools.model_copy(update={pool: section})})
         spec = next(s for s in one.worker_specs(self._model_path, self._router_addresses, self._host) if s.pool == pool)
@@ -98,7 +84,7 @@ class LocalPools(_Resizable):
             raise
 
     def add_replica(self, pool: str, on_ready: Callable[[WorkerRecord], None]) -> WorkerRecord:
-        """Start one more worker of ``pool`` (a thread: it is ready when this returns) and tell ``on_ready``."""
+        """A thread: ready, and ``on_ready`` called, when this returns."""
         spec = self.new_spec(pool)
         actor = WorkerActor(spec)
         record = WorkerRecord(spec.name, spec.role.value, actor, actor.info(), pool)
@@ -167,7 +153,6 @@ class RayPools(_Resizable):
             raise
 
     def _start_actor(self, spec, pool, group, index: int):
-        """One worker actor, named ``pdserve-<worker>``, in bundle ``index`` of placement group ``group``."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return self._remote_cls.options(
@@ -180,10 +165,8 @@ class RayPools(_Resizable):
         ).remote(spec)
 
     def add_replica(self, pool_name: str, on_ready: Callable[[WorkerRecord], None]) -> WorkerRecord:
-        """Start one more actor of ``pool_name``: in a bundle a removed replica freed, else in a placement group of
-        its own. ``on_ready`` is called once it has started: before this returns when it starts within
-        ``SCALE_UP_WAIT_S``, else later, from a thread that waits while the record sits in ``pending`` (its group
-        is pending: Ray's autoscaler sees the demand)."""
+        """``on_ready`` is called once the actor has started: before this returns if within ``SCALE_UP_WAIT_S``,
+        else from a thread that waits while the record sits in ``pending``."""
         import ray
 
         spec, pool = self.new_spec(pool_name), getattr(self.config.pools, pool_name)
@@ -228,7 +211,7 @@ class RayPools(_Resizable):
         on_ready(record)
 
     def drained(self, record: WorkerRecord) -> bool:
-        """Whether the worker says it is drained (a pending one holds nothing; a dead one holds nothing more)."""
+        """A pending or dead worker counts as drained."""
         import ray
 
         if not record.info:
@@ -239,7 +222,7 @@ class RayPools(_Resizable):
             return True
 
     def stop_replica(self, record: WorkerRecord, timeout_s: float = 5.0) -> None:
-        """Stop and kill the actor; give back its placement: its own group removed, or its bundle to the pool."""
+        """Stop and kill the actor; its own group is removed, or its bundle given back to the pool."""
         import ray
 
         try:
@@ -264,8 +247,8 @@ class RayPools(_Resizable):
         threading.Thread(target=self._monitor, args=(router, interval_s), name="pdserve-monitor", daemon=True).start()
 
     def _monitor(self, router, interval_s: float) -> None:
-        """Stop routing to a dead actor at once; re-register a restarted one (new addresses); restart a degraded
-        one (Ray counts it against ``ray.max_restarts``)."""
+        """Mark a dead actor dead, re-register a restarted one, restart a degraded one (counts against
+        ``ray.max_restarts``)."""
         import ray
 
         while not self._stop.wait(interval_s):
@@ -289,7 +272,7 @@ class RayPools(_Resizable):
                     ray.kill(record.actor, no_restart=False)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Ask every worker to stop (in parallel, bounded), then kill the actors and free the placement groups."""
+        """Ask every worker to stop (in parallel, bounded), then kill the actors and free their placement groups."""
         import ray
 
         self._stop.set()
@@ -311,7 +294,7 @@ class RayPools(_Resizable):
                 pass
 
     def responsive(self, timeout_s: float) -> bool:
-        """Whether Ray still answers a call to a worker within ``timeout_s`` (it does not once its raylet is gone)."""
+        """Whether Ray answers a call to a worker within ``timeout_s`` (not once its raylet is gone)."""
         import ray
 
         if not self.workers:
@@ -329,11 +312,9 @@ class RayPools(_Resizable):
         return answered.wait(timeout_s)
 
     def kill_local_workers(self, after_clean_stop: bool = False) -> None:
-        """SIGKILL the worker processes this pool started on this node that are still alive (by their PIDs).
+        """SIGKILL this node's worker processes still alive: the last resort when Ray's own processes are gone.
 
-        The last resort of shutdown: with Ray's own processes gone (SIGTERM to the process group), nothing else would
-        end them. Only PIDs our actors reported, on this node, and still running a Ray worker are touched.
-        """
+        Only PIDs our actors reported, on this node, and still running a Ray worker are touched."""
         for record in self.workers + self.draining:
             pid = record.info.get("pid")
             if not isinstance(pid, int) or record.info.get("node_id") != self.node_id:
@@ -353,7 +334,6 @@ class RayPools(_Resizable):
 
 
 def _bundle(pool) -> dict[str, float]:
-    """One replica's share of a placement group: CPU, GPUs, extra resources."""
     bundle = {"CPU": pool.cpus_per_replica, **pool.resources}
     if pool.gpus_per_replica:
         bundle["GPU"] = pool.gpus_per_replica

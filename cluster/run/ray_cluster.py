@@ -1,13 +1,9 @@
 """Starting or joining Ray, so that nobody else can use it: a local Ray on loopback, a real cluster only with tokens.
 
-Without an address pdserve starts its own Ray. Ray binds its gRPC servers (GCS, raylet, object manager, agents,
-every worker) to all interfaces unless the node's address is loopback, and it takes the node's address from the
-route to the internet; its own rule for laptops (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) keeps a node on
-127.0.0.1. ``init_local_ray`` applies that rule to this process and every process Ray starts from it, and checks it.
-
-With an address (``--address auto`` on a ``ray up`` cluster) pdserve joins only a cluster that refuses callers
-without its token (``RAY_AUTH_MODE=token`` on every node): an unauthenticated Ray runs any code anyone who reaches it
-submits. ``check_ray_auth`` asks the GCS once without a token, from a child process that has none.
+Ray binds its gRPC servers to all interfaces unless the node's address is loopback; ``init_local_ray`` applies Ray's
+laptop rule (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, keeping a node on 127.0.0.1) and checks it. A cluster is
+joined only if it refuses callers without its token (an unauthenticated Ray runs any code anyone who reaches it
+submits): ``check_ray_auth`` asks the GCS once from a child process that has no token.
 """
 
 from __future__ import annotations
@@ -38,9 +34,8 @@ else:
 
 
 def keep_ray_on_loopback() -> None:
-    """Make every Ray node started from this process (and its children) take 127.0.0.1 as its address.
-
-    Call it before the first local Ray starts; it also holds when ``ray`` was already imported."""
+    """Make every Ray node started from this process (and its children) take 127.0.0.1; call it before the first
+    local Ray starts (``ray`` may already be imported)."""
     os.environ.update(LOOPBACK_ENV)
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # the module read the variable when it was imported

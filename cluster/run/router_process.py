@@ -1,19 +1,11 @@
-"""One router process of several serving one HTTP port (``router.processes: N`` > 1): the child side.
+"""One router process of several serving one HTTP port (``router.processes`` > 1): the child side.
 
-Why its own module: this is the code that runs inside a spawned router process, and none of it runs in the main
-``pdserve serve`` process, whose handle on the N processes is ``cluster/run/frontend.py`` (``RouterProcesses``; the
-start-up and shutdown protocol is described there). ``multiprocessing`` spawns ``run_router_process`` by its module
-path, so it stays a top-level function here.
-
-Inside a router process:
-1. ``run_router_process`` loads the tokenizer, builds the ``Router`` (which binds its event socket) and sends
-   ``("router", event address, pid)`` on its pipe.
-2. It waits for ``("workers", [...])``, registers them, binds its own ``SO_REUSEPORT`` socket on the port
-   (``reuseport_socket``, which the main process also uses for its probe), runs uvicorn and sends ``("ready",)``.
-3. An asyncio task (``_control``) applies what the main process sends afterwards: pool news (``add_worker``,
-   ``mark_dead``, ``drain_worker``, ``remove_worker``), answers to ``POST /admin/scale`` (``RemoteScaler``) and
-   ``("stop",)``. A router process whose main process is gone (its pipe closes, or its parent pid changes) stops by
-   itself.
+The main process's side, and the start-up and shutdown protocol, are in ``cluster/run/frontend.py``.
+1. ``run_router_process`` loads the tokenizer, builds the ``Router`` and sends ``("router", event address, pid)``;
+2. on ``("workers", [...])`` it registers them, binds its own ``SO_REUSEPORT`` socket on the port, runs uvicorn and
+   sends ``("ready",)``;
+3. ``_control`` applies what the main process sends then: pool news, ``POST /admin/scale`` answers
+   (``RemoteScaler``) and ``("stop",)``. A router process whose main process is gone stops by itself.
 """
 
 from __future__ import annotations
@@ -39,7 +31,8 @@ GRACEFUL_SHUTDOWN_S = 2  # uvicorn's wait for open streams when a router process
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port that other SO_REUSEPORT sockets of this user may bind too (not listening)."""
+    """A TCP socket bound to host:port that other SO_REUSEPORT sockets of this user may bind too (not listening;
+    the main process's probe uses it too)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -53,7 +46,7 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 @dataclass
 class RouterProcessSpec:
-    """What a router process needs to start (picklable: it crosses to a spawned process)."""
+    """Picklable: it crosses to a spawned process."""
 
     index: int
     config: dict  # ClusterConfig.model_dump(), the cluster secret and command-line overrides included
@@ -68,7 +61,7 @@ class RouterProcessSpec:
 
 
 def run_router_process(spec: RouterProcessSpec, conn, slots) -> None:
-    """The body of one router process (the target of a spawned ``multiprocessing.Process``)."""
+    """The target of a spawned ``multiprocessing.Process`` (so a top-level function)."""
     logging.basicConfig(level=spec.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
     code = 1
@@ -78,8 +71,8 @@ def run_router_process(spec: RouterProcessSpec, conn, slots) -> None:
     except BaseException:
         logger.exception("router process %d failed", spec.index)
     finally:
-        # everything is closed (the app's lifespan closed the router); skip the interpreter's teardown of torch and
-        # transformers, which takes seconds on a busy host and would eat the main process's shutdown budget
+        # skip the interpreter's teardown of torch and transformers: it takes seconds on a busy host, out of the main
+        # process's shutdown budget (the app's lifespan closed the router)
         conn.close()
         logging.shutdown()
         sys.stdout.flush()
@@ -115,7 +108,7 @@ def _serve_router(spec: RouterProcessSpec, conn, slots) -> None:
 
 
 def _receive(conn, timeout_s: float, parent_pid: int):
-    """The next message from the main process; None when it is gone or says nothing within ``timeout_s``."""
+    """None when the main process is gone or says nothing within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and os.getppid() == parent_pid:
         try:
@@ -142,7 +135,6 @@ async def _serve(server, sock: socket.socket, router, conn, parent_pid: int) -> 
 
 
 async def _control(server, router, conn, parent_pid: int) -> None:
-    """Apply what the main process sends (pool news, stop); stop when it is gone."""
     while not server.should_exit:
         try:
             gone = os.getppid() != parent_pid
@@ -177,7 +169,7 @@ async def _control(server, router, conn, parent_pid: int) -> None:
 
 
 class RemoteScaler:
-    """A router process's stand-in for the main process's ``Scaler``: asks over the pipe, awaits the answer."""
+    """A router process's stand-in for the main process's ``Scaler``, over the pipe."""
 
     TIMEOUT_S = 600.0  # starting workers on a cluster that must grow first can take minutes
 

@@ -1,23 +1,13 @@
 """Live resizing: ``pdserve scale --pool decode --replicas N`` and ``POST /admin/scale`` on a running cluster.
 
-Why here, in the main process: the pools (Ray actors or threads) live there, and so does the pool monitor; the
-routers (this process's, or each router process's, cluster/run/frontend.py) only hear membership news.
-
-Growing a pool: ``pools.add_replica`` starts a worker under the pool's next unused name; once it has reported its
-addresses every router registers it (``add_worker``) and it takes requests at once. No restart of anything else.
-
-Shrinking a pool (the newest replicas go first):
-1. the pool moves the worker to ``draining``; every router marks it ``DRAINING`` (cluster/routing/membership.py), so nothing
-   new goes there, and sends it ``drain`` (worker/messages.py) with the deadline;
-2. it finishes what it holds; its streams go on as before;
-3. a background thread here polls ``pools.drained`` (the worker says so once every router has sent ``drain`` and it
-   holds nothing) until the deadline plus ``DRAIN_GRACE_S``; at the deadline the worker itself fails what it still
-   holds, each request with an error its client sees;
-4. every router forgets it (``remove_worker``: a request somehow still on it fails explicitly, or is retried if
-   nothing reached its client) and the pool stops it.
-
-``scale`` returns once the new workers serve and the removed ones drain: its answer is the pools' membership, with
-the draining workers listed; ``wait_idle`` waits until no removal is left. One scale at a time (a lock).
+It runs in the main process, which owns the pools; routers only hear membership news. Growing: ``pools.add_replica``
+starts a worker under the pool's next name, and once it reports its addresses every router registers it.
+Shrinking (newest replicas first):
+1. every router marks the worker ``DRAINING`` (nothing new goes there) and sends it ``drain`` with the deadline;
+2. a thread here polls ``pools.drained`` until the deadline plus ``DRAIN_GRACE_S``; at the deadline the worker
+   fails what it still holds, each request with an error its client sees;
+3. every router forgets it (``remove_worker``) and the pool stops it.
+``scale`` returns once the new workers serve, removals still draining; one scale at a time.
 """
 
 from __future__ import annotations
@@ -42,7 +32,7 @@ POLL_S = 0.1
 
 
 class MembershipSink(Protocol):
-    """Who hears membership news: the in-process ``Router`` or ``RouterProcesses`` (every router process)."""
+    """The in-process ``Router``, or ``RouterProcesses`` (every router process)."""
 
     def add_worker_threadsafe(
         self, name: str, role: str, command_address: str, kv_address: str | None = None
@@ -63,7 +53,7 @@ class Scaler:
         self._closing = threading.Event()
 
     def check(self, pool: object, replicas: object, drain_timeout_s: object = None) -> None:
-        """ScaleError naming the field when the request is not one that can be done."""
+        """Raises ScaleError naming the field."""
         if pool not in POOLS:
             raise ScaleError("pool", f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= MAX_REPLICAS:
@@ -79,7 +69,7 @@ class Scaler:
             raise ScaleError("replicas", "colocated mode needs at least one worker")
 
     def scale(self, pool: str, replicas: int, drain_timeout_s: float | None = None) -> dict:
-        """Resize ``pool`` to ``replicas`` serving workers; the membership after it (removals still draining)."""
+        """Returns the membership after it (removals still draining)."""
         self.check(pool, replicas, drain_timeout_s)
         deadline_s = float(drain_timeout_s or DRAIN_TIMEOUT_S)
         with self._lock:
@@ -92,11 +82,10 @@ class Scaler:
         return self.membership()
 
     async def scale_async(self, pool: str, replicas: int, drain_timeout_s: float | None = None) -> dict:
-        """``scale`` off the event loop (starting a worker takes seconds)."""
         return await asyncio.to_thread(self.scale, pool, replicas, drain_timeout_s)
 
     def membership(self) -> dict:
-        """Per pool: the serving workers, those still starting (Ray: not placed yet), those draining."""
+        """Per pool: serving workers, those still starting (Ray: not placed yet), those draining."""
         pools = self.pools
         return {
             "pools": {
@@ -111,7 +100,7 @@ class Scaler:
         }
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until every removal has finished; False after ``timeout_s``."""
+        """False if a removal is still running after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         for thread in list(self._removals):
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -140,7 +129,6 @@ class Scaler:
         thread.start()
 
     def _finish_removal(self, record: WorkerRecord, deadline_s: float) -> None:
-        """Wait for the worker to drain (bounded), then take it out of every router and stop it."""
         started = time.monotonic()
         give_up = started + deadline_s + DRAIN_GRACE_S
         drained = False

@@ -15,9 +15,9 @@ from cluster.run.autoscale import CapacityModel
 def serve(
     args: argparse.Namespace, capacity_model: Callable[[ClusterConfig], CapacityModel | None] | None = None
 ) -> int:
-    """``--config``: a YAML path, or the name of a shipped config (``local``, ``gpu-node``), wherever pdserve is
-    installed (``cluster.config.find_config``). ``capacity_model``: builds the autoscaler's model from the final
-    config (cli/serve_cmd.py passes the planner's; this layer may not import it)."""
+    """``--config``: a YAML path or a shipped config's name (``cluster.config.find_config``). ``capacity_model``:
+    builds the autoscaler's model from the final config (cli/serve_cmd.py passes the planner's; this layer may not
+    import it)."""
     from cluster.run.launch import start_serving
 
     config = load_config(args.config)
@@ -55,8 +55,8 @@ def serve(
             pass
     finally:
         print("pdserve: shutting down", flush=True)
-        # the watchdog bounds everything after this point, Ray's exit handlers included (they hang when Ray's own
-        # processes were killed first, as SIGTERM to the whole process group does)
+        # bounds everything from here, Ray's exit handlers included (they hang when SIGTERM to the process group
+        # killed Ray's own processes first)
         watchdog = threading.Timer(SHUTDOWN_TIMEOUT_S, _force_exit, args=(handle, "shutdown took too long"))
         watchdog.daemon = True
         watchdog.start()
