@@ -121,7 +121,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def finish_reason(reason: str | None) -> str:
-    return {"stop": "stop", "length": "length"}.get(reason or "", reason or "stop")
+    return reason or "stop"
 
 
 class SSEChunks:

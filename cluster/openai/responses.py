@@ -24,6 +24,7 @@ from cluster.openai.api_format import (
 )
 from cluster.openai.choices import ChoicePlan
 from cluster.openai.openai_schema import APIError
+from cluster.openai.tool_calls import tool_finish_reason
 from cluster.routing.errors import RequestFailed
 from cluster.routing.flow import TokenEvent
 from cluster.routing.router import Router
@@ -102,8 +103,7 @@ class _Choice:
         return text, block
 
     def finish_reason(self, called: bool) -> str:
-        reason = finish_reason(self.finish)
-        return "tool_calls" if called and reason == "stop" else reason
+        return tool_finish_reason(finish_reason(self.finish), called)
 
 
 def _cached(choices: dict[int, _Choice]) -> int:

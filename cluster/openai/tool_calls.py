@@ -35,8 +35,7 @@ class ParsedOutput:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def finish_reason(self, engine_reason: str) -> str:
-        """A cut text ("length") keeps its reason, so a client knows the arguments may be incomplete JSON."""
-        return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
+        return tool_finish_reason(engine_reason, bool(self.tool_calls))
 
 
 def parse_output(plan: GuidedPlan, text: str, id_factory: Callable[[], str] = new_tool_call_id) -> ParsedOutput:
@@ -201,7 +200,7 @@ class ToolCallStreamParser:
                 name, self._args_start = head
                 self._start_call(name)
         if self._call is not None:
-            self._args(_final_args(text[self._args_start :]))
+            self._args(_args_so_far(text[self._args_start :]))
         else:
             fallback = _json_call(text)
             if fallback is not None:
@@ -265,11 +264,6 @@ def _args_so_far(text: str) -> str:
     return text[:end]
 
 
-def _final_args(text: str) -> str:
-    """The arguments of a complete call: its text less the call object's closing brace (same cut as above)."""
-    return _args_so_far(text)
-
-
 def _json_call(text: str) -> tuple[str, str] | None:
     """A block whose head did not match (keys in another order...) but that is a JSON call."""
     try:
@@ -288,3 +282,9 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+def tool_finish_reason(engine_reason: str, called: bool) -> str:
+    """``tool_calls`` when the model ended by calling; a cut text ("length") keeps its reason, so a client knows the
+    arguments may be incomplete JSON."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason

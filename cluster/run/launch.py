@@ -178,18 +178,23 @@ def start_serving(
 
     app = create_app(router, tokenizer, config, max_model_len)
     sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((http_host, http_port))
-    http_port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="pdserve-http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pools.stop()
-            raise RuntimeError("the HTTP server did not start")
-        time.sleep(0.02)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((http_host, http_port))
+        http_port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="pdserve-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+    except BaseException:  # a port taken, or a server that never started: nothing it started is left behind
+        sock.close()
+        pools.stop()
+        _shutdown_ray(started_ray)
+        raise
     pools.start_monitor(router)
     scaler = router.scaler = Scaler(config, pools, router)
     handle = ServeHandle(config, f"http://{url_host}:{http_port}", router, pools, started_ray, server, thread)
