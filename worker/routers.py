@@ -1,20 +1,14 @@
 """The worker's book of its routers: which are alive, which owns each request, and which have said ``drain``.
 
-Its own module because it is one idea the runtime (worker/runtime.py) only consults: plain bookkeeping with no
-socket, thread or engine in it, fed by the loop thread (every command, once per loop turn) and read by it. The runtime
-acts on what it says: frees the requests ``orphans`` names, sends each event where ``route`` says, fails what is left at
-the drain deadline.
+Plain bookkeeping, fed and read by the loop thread; the runtime acts on it: frees the requests ``orphans`` names,
+sends each event where ``route`` says, fails what is left at the drain deadline. With several routers
+(``router.processes`` > 1) every command carries its router's index, and every event about a request goes only to
+its owner (a ``tokens`` message is split per router); a router silent for ``orphan_timeout_s`` loses only its own.
 
-Several routers (``router.processes`` > 1): every command carries the index of the router that sent it; the worker
-remembers which router owns each request and sends every event about a request only there (a ``tokens`` message is
-split per router). A router that is silent for ``orphan_timeout_s`` loses its own requests only: the others keep
-theirs.
-
-Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): the routers
-send it nothing new after it, so the worker finishes what it holds. Once every router has sent it (a command sent
-before ``drain`` by the same router arrives before it) and nothing is held, ``info()["drained"]`` is true and the pool
-stops it. Whatever is still held ``deadline_s`` after the first ``drain`` is failed, each request with an error event
-its client sees.
+Draining (``drain``, from every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): routers
+send nothing new after it (commands from one router arrive in order). Once every router has sent it and nothing is
+held, ``drained`` is true and the pool stops the worker; what is still held ``deadline_s`` after the first ``drain``
+is failed, each request with an error event its client sees.
 """
 
 from __future__ import annotations
@@ -32,9 +26,8 @@ OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command a
 
 
 class RouterBook:
-    """Per router: when it was last heard and whether it said ``drain``; per request: the router that owns it.
-
-    Used by the loop thread only, except ``drained`` and ``draining`` (plain reads, from ``info()``)."""
+    """Per router: when it was last heard and whether it said ``drain``; per request: its owner. Loop thread only,
+    except ``drained`` and ``draining`` (plain reads, from ``info()``)."""
 
     def __init__(self, name: str, count: int, orphan_timeout_s: float) -> None:
         self.name = name  # the worker's, for its log lines
@@ -65,8 +58,8 @@ class RouterBook:
         return 0 if entry is None else entry[0]
 
     def orphans(self, now: float, held: Iterable[str]) -> Iterator[str]:
-        """The ``held`` requests of every router silent for ``orphan_timeout_s`` (it died or restarted), for the
-        runtime to free; each such router's clock starts again. Lazy: router by router, as the runtime frees them."""
+        """The ``held`` requests of every router silent for ``orphan_timeout_s`` (died or restarted), router by
+        router as the runtime frees them; each such router's clock starts again."""
         for index, last in enumerate(self._last_router_s):
             if now - last <= self.orphan_timeout_s:
                 continue
@@ -85,9 +78,8 @@ class RouterBook:
             yield from owned
 
     def prune(self, now: float, held: Container[str]) -> None:
-        """Every ``OWNER_PRUNE_INTERVAL_S``: forget the owners of requests not ``held``. Kept ``OWNER_GRACE_S`` after
-        the last command, for what may still be reported about a request the engine has let go (its KV transfer's
-        end, on the prefill side, comes after the engine failed it)."""
+        """Every ``OWNER_PRUNE_INTERVAL_S``, forget the owners of requests not ``held`` ``OWNER_GRACE_S`` after their
+        last command: a request the engine let go may still be reported (on the prefill side, its KV transfer's end)."""
         if now < self._next_owner_prune_s:
             return
         self._next_owner_prune_s = now + OWNER_PRUNE_INTERVAL_S

@@ -1,32 +1,17 @@
 """What every worker shares: an engine, a command socket, an event socket, and one loop thread that owns both.
 
-The runtime owns one role (``worker/role.py``: the request logic of a prefill, decode or colocated worker, testable
-without sockets) and everything around it: the sockets, the loop, the heartbeat and which router owns each request.
-``PrefillWorker(spec)``, ``DecodeWorker(spec)`` and ``ColocatedWorker(spec)`` are this runtime with their role.
+``WorkerRuntime(spec, role_class)`` owns one role (``worker/role.py``, the request logic, testable without sockets;
+cluster/run/actors.py picks it by the spec's role) and everything around it. Only the loop thread touches the engine
+(it is not thread-safe). Per turn it:
 
-The engine is not thread-safe and need not be: only the loop thread touches it. The loop drains commands (without
-blocking while there is work), lets the role do one tick (step the engine, poll transfers) and refreshes a stats
-snapshot. A separate heartbeat thread, with its own socket, sends that snapshot to the router
-every ``stats_interval_s`` even while a long forward holds the loop (a 4k-token prefill on a CPU takes seconds), with
-``loop_age_s`` saying how long ago the loop last came round, so the router can tell slow from stuck. Ray actor
-methods only read ``snapshot()``.
+1. drains commands (without blocking while there is work) and lets the role tick (step the engine, poll transfers);
+2. frees orphaned requests and acts on draining (``RouterBook``, worker/routers.py);
+3. sends the prefix cache's net change to every router as ``KvEvents`` (a full snapshot after an undelivered batch
+   and every ``KV_RESYNC_INTERVAL_S``, so a router that dropped its view on a ``seq`` gap is whole again soon);
+4. refreshes the stats snapshot, which a heartbeat thread sends to every router each ``stats_interval_s`` even while
+   a long forward holds the loop, with ``loop_age_s`` so a router can tell slow from stuck.
 
-A command that fails answers with an ``error`` event for its request and the loop goes on; an engine step that
-raises fails every request the worker holds (each gets an error event, each frees its blocks) rather than leaving
-them hanging.
-
-Several routers (``router.processes`` > 1): the worker has one event socket per router (each sealed for that
-router's address) and sends its heartbeats to all of them. Which router owns each request, which are alive and which
-have said ``drain`` is ``RouterBook``'s (worker/routers.py); the loop acts on it.
-
-KV events: once per loop turn the loop drains what its prefix cache stored and evicted (the block manager's net
-change since the last turn) and sends it to every router as ``KvEvents`` (at most ``MAX_KV_EVENT_HASHES`` hashes a
-message), so routers know which prompts' leading blocks each worker holds. A batch a router could not take makes the
-next one a full snapshot, and one is sent every ``KV_RESYNC_INTERVAL_S`` anyway, so a router that missed a message
-(it drops that worker's view on a gap in ``seq``) is whole again soon.
-
-Draining (``drain`` from every router, worker/routers.py): the worker finishes what it holds, reports
-``info()["drained"]`` and fails whatever is left at the deadline.
+A command that fails answers with an ``error`` event; a tick that raises fails every request the worker holds.
 """
 
 from __future__ import annotations
@@ -77,8 +62,7 @@ class WorkerRuntime:
     """One worker: its engine, its role (``role_class.from_spec``), its sockets and its two threads."""
 
     def __init__(self, spec: WorkerSpec, role_class: type[Role]) -> None:
-        """``spec`` as the cluster config built it; the device is chosen here, in the worker's own process
-        (``resolve_spec``), and ``self.spec`` is the resolved one (what the role is built from)."""
+        """``spec`` as the cluster config built it; ``self.spec`` is resolved here, in the worker's own process."""
         if not spec.runtime.secret:
             raise ValueError(f"worker {spec.name}: no cluster secret (the launcher gives every worker one)")
         if spec.role is not role_class.kind:
@@ -123,7 +107,7 @@ class WorkerRuntime:
 
     @property
     def counters(self) -> WorkerCounters:
-        """Every role's totals (the heartbeat's ``counters``): the role's, which this runtime adds to."""
+        """The heartbeat's ``counters``: the role's, which this runtime adds to."""
         return self.role.counters
 
     def _socket(self, kind: int) -> zmq.Socket:
@@ -153,11 +137,9 @@ class WorkerRuntime:
         self.close()
 
     def kill(self, timeout_s: float = 10.0) -> None:
-        """Die the way a process killed with SIGKILL does, as everyone else sees it (in-process pools, chaos bench).
-
-        From now on nothing leaves this worker: no event, no error, no reservation reply, no heartbeat. The loop and
-        the heartbeat stop at their next turn and every socket closes. Nothing is failed or freed on the way out: the
-        router learns of the death only from the missing heartbeats, and peers only from their own timeouts.
+        """Die as a SIGKILLed process does, as everyone else sees it (in-process pools, chaos bench): nothing leaves
+        this worker any more, the threads stop at their next turn and the sockets close. Nothing is failed or freed:
+        the router learns of the death from the missing heartbeats, peers from their own timeouts.
         """
         self._dead.set()
         self._stop.set()
@@ -198,8 +180,8 @@ class WorkerRuntime:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                # no wait while the engine has a step to run; a short one while only transfers are pending
-                # (spinning there would take a core from the forward on a small box); a longer one when idle
+                # no wait while the engine has a step to run; a short one while only transfers are pending (spinning
+                # would take a core from the forward on a small box); a longer one when idle
                 wait_ms = 0 if self.engine.has_unfinished() else 1 if self.role.has_work() else 5
                 self._drain_commands(timeout_ms=wait_ms)
                 self.role.tick()
@@ -236,8 +218,8 @@ class WorkerRuntime:
         return self._book.owner(rid)
 
     def _note_failure(self, exc: Exception) -> None:
-        """Count a loop failure; several close together make the worker degraded (the engine's own step already
-        fails only the requests a fault belongs to, so a loop that still fails is broken, not unlucky)."""
+        """Count a loop failure; several close together make the worker degraded (the engine's step already fails
+        only the requests a fault belongs to, so a loop that still fails is broken, not unlucky)."""
         now = time.monotonic()
         self.counters.step_failures += 1
         self._failures_s = [t for t in self._failures_s if now - t < DEGRADED_WINDOW_S] + [now]
@@ -256,8 +238,8 @@ class WorkerRuntime:
 
     @property
     def degraded(self) -> str:
-        """Why this worker should get no new work ("" when healthy): its loop keeps failing, or a role's own check
-        (a dead transfer I/O thread) fails. The router stops routing to it; under Ray the pool restarts it."""
+        """Why this worker should get no new work ("" when healthy): its loop keeps failing, or the role's own check
+        (a dead transfer I/O thread). The router stops routing to it; under Ray the pool restarts it."""
         if self._loop_problem and self._failures_s and time.monotonic() - self._failures_s[-1] > DEGRADED_WINDOW_S:
             self._loop_problem = ""  # quiet for a whole window: healthy again
         return self._loop_problem or self.role.health_problem()
