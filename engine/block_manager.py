@@ -1,14 +1,12 @@
 """Paged KV bookkeeping: the free list, reference counts and prefix cache (the tensors are in ``kv_cache.py``).
 
-A full block carries a chained hash of its tokens, so requests whose prompts start alike share physical blocks. A
-freed block keeps its hash in the LRU free list and can be revived until it is handed out again. ``allocate`` gets
-every block a request needs now or changes nothing, so no request holds half an allocation.
-
-KV events, for the router's prefix index (``cluster/routing/prefix_index.py``): every hash *stored* (a full block
-enters the lookup table) or *removed* (its block is handed out again, or the cache reset), kept as the net change
-since the last ``drain_kv_events`` (once per worker loop turn), so a batch is two disjoint sets. On overflow or a
-cache reset the buffer collapses into one *reset* with a snapshot of every hash held: a reader that never drains
-costs nothing, and one that does never drifts.
+A full block carries a chained hash of its tokens, so prompts that start alike share physical blocks; a freed block
+keeps its hash in the LRU free list until handed out again. ``allocate`` gets all it needs now or changes nothing.
+KV events feed the router's prefix index (``cluster/routing/prefix_index.py``): hashes *stored* (a full block enters
+the lookup table) and *removed* (its block reused, or the cache reset), kept as the net change since the last
+``drain_kv_events`` (once per worker loop turn), so a batch is two disjoint sets. On overflow or a cache reset they
+collapse into one *reset* with a snapshot of every hash held, so a reader that never drains costs nothing and one
+that does never drifts.
 """
 
 from __future__ import annotations
@@ -96,10 +94,8 @@ class BlockManager:
     def allocate(
         self, token_ids: list[int], num_tokens: int, use_prefix_cache: bool = True
     ) -> tuple[list[int], int] | None:
-        """Blocks for the first ``num_tokens`` slots of a sequence, reusing cached prefix blocks.
-
-        Returns (block table, tokens whose KV is cached), or None (nothing changed) when free blocks are short.
-        """
+        """Blocks for the first ``num_tokens`` slots of a sequence, reusing cached prefix blocks: (block table,
+        tokens whose KV is cached), or None (nothing changed) when free blocks are short."""
         cached = self._cached_prefix(token_ids) if use_prefix_cache else []
         del cached[reusable_prefix_tokens(len(cached), len(token_ids), self.block_size) // self.block_size :]
         num_new = self.blocks_for(num_tokens) - len(cached)

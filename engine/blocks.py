@@ -1,14 +1,11 @@
 """KV block arithmetic the engine and the router share: reservations, prefix-cache hashes, bytes per token.
 
-The router admits a request to a decode worker by the blocks it will reserve there, and the worker's engine
-allocates exactly that many; the router predicts which worker holds a prompt's leading blocks from the hashes
-workers report (``cluster/routing/prefix_index.py``); the planner (``pdserve plan kv``), /status and the benchmarks
-size KV from a config.json. Each computes with these functions, so none drifts from the engine. Torch-free, because
-the router imports it.
-
-A remote-KV reservation covers the prompt, the first token (sampled by the prefill worker; its KV is computed by the
-first decode step) and ``headroom_tokens`` more, capped at what the request can still generate; within it, decoding
-never asks for a block.
+The router admits a request to a decode worker by the blocks it reserves there (the engine allocates exactly that
+many), predicts from reported hashes which worker holds a prompt's leading blocks (``cluster/routing/prefix_index.py``),
+and, like ``pdserve plan kv`` and the benchmarks, sizes KV from a config.json: all with these functions, so none
+drifts from the engine. Torch-free, because the router imports it. A remote-KV reservation covers the prompt, the
+first token (its KV computed by the first decode step) and ``headroom_tokens`` more, capped at what the request can
+still generate; within it, decoding never asks for a block.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import xxhash
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold ``num_tokens`` tokens' KV (the last one may be partial)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return -(-max(0, num_tokens) // block_size)

@@ -1,21 +1,14 @@
 """CUDA graphs for decode-only steps: one graph per (batch bucket, context bucket), replayed over static buffers.
 
-An eager decode step launches a few hundred small kernels from Python; at batch 1 the launches, not the arithmetic,
-bound it. A graph replays them with one call but fixes everything except its input tensors' contents, so:
-
-1. the batch is padded to a power-of-two bucket up to ``max_num_seqs``, the gather width (blocks of context per row)
-   to one up to ``max_model_len / block_size``; a (batch, context) *key* gets at most one graph, if its gather buffer
-   fits ``max_gather_bytes``, and at most ``max_graphs`` exist;
-2. a key's inputs live in one packed int64 device buffer (one copy per step from pinned staging), the mask is built
-   from the context lengths inside the graph, and one gather storage serves every key;
-3. padding rows (token 0 at position 0) and block-table padding point at the KV cache's ``padding_sink_block``, and
-   padding rows' hidden states are dropped before the lm_head;
-4. ``_forward_static(key)`` is captured the first time its key is met (a workload meets few of the tens of keys, and
-   a prefill worker never decodes), or just called with ``capture=False``, as the CPU tests do.
-
-Other steps run eagerly (``Fallback`` says why). A graphed step always attends with gather + SDPA, whatever the eager
-backend (FlashInfer's decode would need its own static wrapper); the paged layout is shared, so mixing is consistent.
-The static path is tested on the CPU against the eager engine; the capture itself (``_capture``) has not run on a GPU.
+At batch 1 an eager decode step is bound by its few hundred kernel launches; a graph replays them in one call but
+fixes everything except its inputs' contents. So the batch is padded to a power-of-two bucket up to
+``max_num_seqs``, the gather width (context blocks per row) to one up to ``max_model_len / block_size``; each such
+*key* within ``max_gather_bytes`` gets at most one graph (``max_graphs`` in all), captured when first met (a workload
+meets few keys; a prefill worker none). A key's inputs live in one packed int64 buffer (one copy per step), the mask
+is built inside the graph, and padding rows and table padding point at the KV cache's ``padding_sink_block``; their
+hidden states are dropped before the lm_head. Other steps run eagerly (``Fallback``). A graphed step attends with
+gather + SDPA whatever the eager backend (the paged layout is shared). ``capture=False`` runs the same static path
+eagerly, as the CPU tests do; the capture itself (``_capture``) has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -77,8 +70,7 @@ def bucket_for(value: int, buckets: list[int]) -> int | None:
 def plan_keys(
     max_num_seqs: int, max_model_len: int, block_size: int, gather_block_bytes: int, max_gather_bytes: int
 ) -> list[tuple[int, int]]:
-    """Every (batch bucket, context bucket) whose gather buffer (one layer's K and V) fits: the keys that may get a
-    graph."""
+    """The keys that may get a graph: every (batch, context) bucket whose gather buffer (one layer's K, V) fits."""
     return [
         (batch, blocks)
         for batch in batch_buckets(max_num_seqs)
@@ -90,15 +82,13 @@ def plan_keys(
 def scratch_bytes_for(
     spec: KVSpec, max_num_seqs: int, max_model_len: int, max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES
 ) -> int:
-    """Device memory ``DecodeGraphs`` holds outside the graph pool (gather storage, packed inputs), known before the
-    KV cache is sized so that the sizing leaves room for it."""
+    """Device memory ``DecodeGraphs`` holds outside its pool, known before the KV cache is sized to leave room."""
     gather_block_bytes = _gather_block_bytes(spec)
     gather_blocks = _max_gather_blocks(spec, max_num_seqs, max_model_len, max_gather_bytes)
     return gather_blocks * gather_block_bytes + (NUM_STATIC_VECTORS * max_num_seqs + gather_blocks) * 8
 
 
 def _gather_block_bytes(spec: KVSpec) -> int:
-    """One block of one layer's K and V: what the gather storage holds per gathered block."""
     return 2 * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
 
 
@@ -178,17 +168,15 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run_padding_step(self, batch: int, blocks: int) -> None:
-        """The static step of key (batch, blocks), run eagerly with every row padding: what the memory plan measures
-        a graph's pool by."""
+        """A key's static step, every row padding, run eagerly: what the memory plan measures a graph's pool by."""
         key = _Key(batch, blocks)
         self._fill(None, key)
         self._forward_static(key)
 
     @torch.inference_mode()
     def warm(self, rows: int, max_context: int) -> int:
-        """Capture now every graph a decode batch of ``rows`` meets while its longest context grows to
-        ``max_context`` (a capture synchronises the whole device, so a measurement must not meet one); returns how
-        many were captured."""
+        """Capture now every graph a batch of ``rows`` meets while its longest context grows to ``max_context``
+        (a capture synchronises the whole device, so a measurement must not meet one); returns how many."""
         batch = bucket_for(rows, self.batch_buckets)
         needed = bucket_for(blocks_for_tokens(max_context, self.block_size), self.context_buckets)
         if batch is None or needed is None or not self.capture:
@@ -251,8 +239,7 @@ class DecodeGraphs:
     # ---- the step ----------------------------------------------------------------------------------------------
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
-        """Same contract as ``ModelRunner.execute`` (float32 logits of the chunks that sample), for a step that
-        ``can_run`` accepted. Call under ``torch.inference_mode()`` (the runner's ``execute`` is)."""
+        """``ModelRunner.execute`` for a step ``can_run`` accepted; call under ``torch.inference_mode()``."""
         started = time.perf_counter()
         key = self.key_for(chunks)
         assert key is not None  # can_run checked it
@@ -289,9 +276,8 @@ class DecodeGraphs:
         return (*vectors, table)
 
     def _fill(self, chunks: list[ScheduledChunk] | None, key: _Key) -> None:
-        """Write a step's inputs on the host, then one host->device copy. ``chunks=None``: every row is padding (the
-        warm-up and capture runs, which must not write any request's KV). Before the pinned host buffer is
-        overwritten, the event waits for the previous step's asynchronous copy (normally long done)."""
+        """Write a step's inputs on the host (``chunks=None``: all padding, writing no request's KV), then one copy,
+        once the event says the previous step's asynchronous copy has left the pinned buffer (usually long done)."""
         if self._copied is not None:
             self._copied.synchronize()
         b, w, bs, sink = key.batch, key.blocks, self.block_size, self.sink
@@ -378,19 +364,16 @@ class DecodeGraphs:
 
 
 def uses_decode_graphs(config: EngineConfig) -> bool:
-    """On CUDA when ``config.cuda_graphs``; never on the CPU (no launch overhead to hide) nor in a prefill-only
-    engine (it never decodes)."""
+    """On CUDA when ``config.cuda_graphs``; not on the CPU (no launch overhead to hide) nor when prefill-only."""
     return config.cuda_graphs and config.device.startswith("cuda") and not config.prefill_only
 
 
 def graph_scratch_bytes(config: EngineConfig, spec: KVSpec, max_model_len: int) -> int:
-    """What the decode graphs will hold outside their pool, 0 without graphs: the KV plan counts it before they
-    exist."""
+    """What the decode graphs will hold outside their pool (0 without): the KV plan counts it before they exist."""
     return scratch_bytes_for(spec, config.max_num_seqs, max_model_len) if uses_decode_graphs(config) else 0
 
 
 def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
-    """The engine's decode graphs (``uses_decode_graphs``), else None."""
     if not uses_decode_graphs(config):
         return None
     if runner.backend.name != SdpaBackend.name:

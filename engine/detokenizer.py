@@ -64,14 +64,12 @@ _RUN_CAP = max(map(len, _UNSAFE_RUNS)) + 1  # a longer run is safe: remembering 
 
 
 class CleanUpStream:
-    """``clean_up`` (transformers' ``clean_up_tokenization_spaces``) of text arriving in pieces, emitted once it can
-    no longer change.
+    """``clean_up`` (``clean_up_tokenization_spaces``) of text arriving in pieces, emitted once it cannot change.
 
-    Every rewrite deletes the leading space of ``" " + tail`` (tail without spaces) and only deletes spaces, so the
-    text before a cut keeps its trailing non-space run ``w`` through all ten passes. A rewrite can span the cut only
-    if ``w`` is a suffix of a proper prefix of a tail (``_UNSAFE_RUNS``); elsewhere ``clean_up(a + b) == clean_up(a) +
-    clean_up(b)``. Safety depends only on the text before, so each character is examined and cleaned once. Text whose
-    every position could start a rewrite (" n n n ...") is held until a safe cut or the end.
+    Every rewrite deletes the leading space of ``" " + tail`` (tail without spaces) and nothing else, so the text
+    before a cut keeps its trailing non-space run ``w`` through all ten passes, and a rewrite can span the cut only if
+    ``w`` is a suffix of a proper prefix of a tail (``_UNSAFE_RUNS``); elsewhere ``clean_up(a + b) == clean_up(a) +
+    clean_up(b)``. Each character is examined and cleaned once; text like " n n n ..." waits for a safe cut or the end.
     """
 
     def __init__(self) -> None:
@@ -177,11 +175,9 @@ def _cleans_up(tokenizer: Any, raw_decode: Callable[[list[int]], str], skip_spec
 class _Window:
     """The prefix/read offsets over the kept ids: ``push`` returns the raw text the new ids settle.
 
-    Special tokens and ids outside the vocabulary are dropped before decoding (same text, as ``skip_special_tokens``);
-    the window always holds the token emitted last, so a first-token rule still hits the same token in both decodes.
-    A byte-fallback run (``<0xE2>``) is held while open: the decoder turns every byte of a run that is invalid UTF-8
-    as a whole into U+FFFD, even bytes that formed a character alone.
-    """
+    Special tokens and ids outside the vocabulary are dropped before decoding (as ``skip_special_tokens``); the window
+    always holds the token emitted last, so a first-token rule hits the same token in both decodes. A byte-fallback
+    run (``<0xE2>``) is held while open: the decoder makes every byte of a run invalid as a whole into U+FFFD."""
 
     def __init__(self, info: TokenizerInfo) -> None:
         self.info = info

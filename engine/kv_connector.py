@@ -1,15 +1,11 @@
 """The engine's KV connector: the engine says when a request's KV can leave, and takes KV in for a request.
 
-Which blocks are complete, and when, is a fact about the engine's own batches, so it is decided here (vLLM's KV
-connector idea); the worker turns a ``KVBlocksReady`` into a send, and this module never sees the transfer layer.
-
-- Export (prefill side): a request added with a ``KVSink`` gets one ``KVBlocksReady`` per layer and block range.
-  Streamed, inside the forward right after each layer's KV is written, for the blocks that forward completed (full
-  blocks as chunks fill them, the partial last one at the prompt's end), so the transfer overlaps the later layers.
-  Unstreamed, the whole prompt once it is done, before ``step`` returns the first token. ``num_blocks_reported``
-  keeps a recomputed prompt from reporting twice; blocks before ``KVExport.first_block`` (the receiver's own prefix
-  cache) are computed as needed but never sent.
-- Import (decode side): ``RemoteKV`` on the request; the scheduler admits it once first token and KV are in.
+What is complete, and when, is a fact about the engine's own batches, so it is decided here (vLLM's KV connector
+idea); the worker turns each ``KVBlocksReady`` into a send. Export (prefill side): a request with a ``KVSink`` gets
+one per layer and block range, streamed from inside the forward as each layer's KV is written (full blocks as chunks
+fill them, the partial last one at the prompt's end), so the transfer overlaps the later layers; or, unstreamed, the
+whole prompt once it is done. Blocks are reported once, and never those before ``KVExport.first_block`` (the
+receiver has them). Import (decode side): ``RemoteKV`` on the request, admitted once first token and KV are in.
 """
 
 from __future__ import annotations
@@ -56,12 +52,9 @@ class _PlannedExport:
 
 
 class KVExporter:
-    """Reports exported requests' completed blocks to their sinks, inside the forward (streamed) or after it.
-
-    Per step: ``layer_hook_for(chunks)`` plans what this forward completes and returns the runner's hook (None when
-    nothing needs one, so decode-only steps pay nothing); then ``commit`` after a forward that succeeded, or
-    ``discard`` after one that raised.
-    """
+    """Reports exported requests' completed blocks, inside the forward (streamed) or after it. Per step:
+    ``layer_hook_for(chunks)`` plans and returns the runner's hook (None when nothing needs one, so decode-only steps
+    pay nothing), then ``commit`` after a forward that succeeded or ``discard`` after one that raised."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache

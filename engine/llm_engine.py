@@ -1,15 +1,11 @@
 """The engine one worker runs: a model, its paged KV cache, a continuous-batching scheduler and a sampler.
 
 Requests in, one forward per ``step``, outputs out; every request leaves through ``_finish``, which frees its blocks
-exactly once, and ``abort`` works in every state. Three ways in:
-
-1. ``add_request``: prefilled and decoded here;
-2. ``add_request(prefill_only=True, kv_sink=...)`` (prefill worker): the KV connector reports each finished block's
-   KV, then the blocks are held until ``release``;
-3. ``reserve_remote`` (decode worker): blocks reserved, KV written by the transfer layer, ``remote_first_token`` and
-   ``remote_kv_done`` in either order, admitted by the next step; or ``prefill_here`` computes the prompt here.
-
-The parts are built by ``engine.engine_parts``; what a sampled token makes of its request is ``engine.outputs``.
+exactly once, and ``abort`` works in every state. Three ways in: ``add_request`` (computed here);
+``add_request(prefill_only=True, kv_sink=...)`` (prefill worker: each finished block's KV is reported, then the
+blocks are held until ``release``); ``reserve_remote`` (decode worker: blocks reserved, KV written by the transfer
+layer, ``remote_first_token`` and ``remote_kv_done`` in either order, admitted by the next step, or ``prefill_here``).
+Parts come from ``engine.engine_parts``; what a sampled token makes of its request is ``engine.outputs``.
 """
 
 from __future__ import annotations
@@ -123,12 +119,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request; ``arrival_s`` (time.monotonic) backdates it to when it reached the worker.
 
-        ``kv_sink`` (prefill-only requests): where its KV goes (``engine.kv_connector``), from inside each forward
-        with ``stream_kv``, else all at once before ``step`` returns the first token. What it raises fails the
-        request(s) of that step. ``export_from_token``: the receiver already holds the prompt up to here (whole
-        blocks, less than the prompt); only later blocks are reported, though the tokens are still computed here
-        unless this engine's prefix cache has them.
-        """
+        ``kv_sink`` (prefill-only): where its KV goes (``engine.kv_connector``), streamed from inside each forward or
+        all at once before ``step`` returns the first token; what it raises fails the request(s) of that step.
+        ``export_from_token``: the receiver holds the prompt up to here (whole blocks), so only later blocks are
+        reported (the tokens are still computed unless this prefix cache has them)."""
         if kv_sink is not None and not prefill_only:
             raise ValueError("kv_sink is for prefill-only requests (their KV is exported, then released)")
         if export_from_token and kv_sink is None:
@@ -150,12 +144,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward over everything scheduled; returns the requests that gained a token or finished.
 
-        Faults stay with their requests and step() does not raise: a row that cannot be sampled fails its request;
-        a forward that raises (the model, the layer hook, a streamed KV sink) fails every request of the step, their
-        KV being incomplete; an unstreamed sink fails only its own. All come back as finished outputs carrying the
-        error, and nothing of them stays queued. Ready remote requests are admitted first; an admission's output is
-        merged into the request's output of this step, so a request has at most one output per step.
-        """
+        Faults stay with their requests and step() does not raise: an unsamplable row or an unstreamed sink fails its
+        own request; a forward that raises (model, layer hook, streamed sink) fails every request of the step (their
+        KV is incomplete); all come back as finished outputs carrying the error. Ready remote requests are admitted
+        first, their output merged into this step's, so a request has at most one output per step."""
         admitted = self._admit_remote() if self.scheduler.remote_ready else {}
         chunks = self.scheduler.schedule()
         if not chunks:
@@ -187,7 +179,6 @@ class LLMEngine:
     def _sampled(
         self, request: Request, token_id: int | None, error: str | None, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
-        """A row of this step's sample: the request gains its token, or fails with the row's error."""
         if token_id is None:
             return self._fail(request, error or "sampling failed", "sampling_error")
         export = request.kv_export
@@ -228,11 +219,8 @@ class LLMEngine:
     def _append_token(
         self, request: Request, token_id: int, text_sent: bool = False, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
-        """Add a sampled token and finish the request if it is done (``engine.outputs``).
-
-        ``text_sent``: a prefill worker already sent the token's text (see ``add_token``). The grammar (fresh on a
-        decode side) accepts the token all the same, so the constraint continues from the prefill worker's token.
-        """
+        """Add a sampled token and finish the request if it is done (``engine.outputs``). With ``text_sent`` (see
+        ``add_token``) the grammar, fresh on a decode side, accepts the prefill worker's token all the same."""
         grammar = request.grammar
         if grammar is not None and not grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
             return self._fail(request, f"token {token_id} does not match the request's grammar", "sampling_error")
@@ -337,25 +325,20 @@ class LLMEngine:
         headroom_tokens: int = 0,
         prefix_cache: bool = False,
     ) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if the blocks are not free now or
-        this engine is ``at_seq_limit``. The request then waits for ``remote_first_token`` and ``remote_kv_done``.
+        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if they are not free now or this
+        engine is ``at_seq_limit``. The request then waits for ``remote_first_token`` and ``remote_kv_done``.
 
-        The reservation (``engine.blocks.reserved_blocks``, the count the router plans with) covers the prompt, the
-        first token and ``headroom_tokens``, so decoding starts the moment the KV is complete and grows that far
-        without asking for blocks. The prompt's KV goes into the first ``blocks_for_tokens(len(prompt))`` ids.
-
-        ``prefix_cache``: the leading full prompt blocks this prefix cache holds are shared (never the whole prompt),
-        ``requests[id].num_cached_tokens`` of them, and only later blocks are expected. Off by default: a caller that
-        sends every block (the engine tests' hand-offs) must not have some refused.
-        """
+        The reservation (``engine.blocks.reserved_blocks``, as the router plans) covers prompt, first token and
+        ``headroom_tokens``, so decoding needs no block for that long; the prompt's KV goes into the first blocks.
+        ``prefix_cache``: leading full prompt blocks held here are shared (``num_cached_tokens``), never the whole
+        prompt, and only later blocks are expected; off by default, for callers that send every block (the tests)."""
         request = self._new_request(prompt, params, request_id, prefill_only=False)
         if self.at_seq_limit():
             return None
         num_tokens = reserved_tokens(
             request.num_prompt_tokens, request.params.max_tokens, headroom_tokens, self.max_model_len
         )
-        # a request that wants prompt logprobs shares nothing: prefill_here must compute its whole prompt (the
-        # prefill worker computes it anyway, and exports every block)
+        # prompt logprobs: prefill_here must compute the whole prompt (the prefill worker exports every block anyway)
         use_cache = prefix_cache and request.params.prompt_logprobs is None
         if not self.scheduler.reserve_remote(request, num_tokens, use_cache):
             return None
@@ -376,11 +359,8 @@ class LLMEngine:
 
     def prefill_here(self, request_id: str) -> None:
         """Compute a reservation's prompt here instead of importing it (conditional disaggregation: the router sends
-        short uncached parts to no prefill worker). It becomes an ordinary running request on its reserved blocks,
-        samples its first token here and decodes on.
-
-        KeyError for an unknown request, ValueError unless it is an untouched reservation.
-        """
+        short uncached parts to no prefill worker): an ordinary running request on its reserved blocks from now on.
+        KeyError for an unknown request, ValueError unless it is an untouched reservation."""
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         remote = _remote(request)
         if remote.first_token_id is not None or remote.kv_done_s is not None or remote.kv_failed:
@@ -388,11 +368,8 @@ class LLMEngine:
         self.scheduler.prefill_here(request)
 
     def remote_first_token(self, request_id: str, token_id: int) -> None:
-        """The first token, sampled (and its text sent) by the prefill worker, reached this worker.
-
-        KeyError for an unknown request; ValueError when it is not waiting for remote KV, already has its first
-        token, or the id is not in the vocabulary.
-        """
+        """The first token, sampled (and its text sent) by the prefill worker, reached this worker. KeyError for an
+        unknown request; ValueError if it is not waiting for remote KV, has a first token, or the id is out of range."""
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         remote = _remote(request)
         if remote.first_token_id is not None:
@@ -407,10 +384,8 @@ class LLMEngine:
         self, request_id: str, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Write one layer of a request's imported KV (the KV receiver's sink; the transfer id is the request id).
-
-        Raises, writing nothing, unless the request waits for its KV and ``block_ids`` are its missing prompt blocks:
-        a late or stray piece never lands in another request's blocks nor in shared prefix-cached ones.
-        """
+        Raises, writing nothing, unless the request waits for its KV and ``block_ids`` are its missing prompt blocks,
+        so a late or stray piece never lands in another request's blocks nor in shared prefix-cached ones."""
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         remote = _remote(request)
         if remote.kv_done_s is not None or remote.kv_failed:
@@ -433,13 +408,10 @@ class LLMEngine:
         return True
 
     def remote_kv_failed(self, request_id: str, recompute: bool) -> bool:
-        """The request's KV transfer failed; its reserved (partly written) blocks are freed now.
-
-        ``recompute=False``: it ends with FinishReason.ABORT and no output; the caller, which knows the cause and
-        has told the client, reports it. ``recompute=True``: it waits, blockless, for its first token, then is
-        prefilled here with it (``num_recomputes``) and decodes on. False if the request is gone; ValueError if its
-        transfer had already ended.
-        """
+        """The request's KV transfer failed; its reserved (partly written) blocks are freed now. ``recompute=False``:
+        it ends with ABORT and no output (the caller knows the cause and reports it). ``recompute=True``: once its
+        first token is in, it is prefilled here (``num_recomputes``) and decodes on. False if the request is gone;
+        ValueError if its transfer had already ended."""
         request = self.requests.get(request_id)
         if request is None:
             return False

@@ -1,19 +1,12 @@
 """How many KV blocks a GPU engine allocates: measured, not guessed (vLLM's rule, our code).
 
-A hand-written budget is too small (the GPU idles) or too large (a long batch runs out of memory mid-step and fails
+A hand-written budget is too small (the GPU idles) or too large (a long batch runs out of memory mid-step, failing
 every request in it). So on CUDA, unless ``kv_blocks`` or ``kv_cache_memory_bytes`` is given, the engine measures:
-
-1. ``KVMemoryPlanner.start``, before the weights load: a snapshot, and an error at once when ``total x
-   gpu_memory_utilization`` is not free (the utilization is this engine's share: two on one GPU ask 0.45 + 0.45).
-2. ``plan``, after loading: weights are what torch allocated meanwhile; the activation peak comes from running the
-   largest prefill and decode steps the scheduler can build on a small temporary cache (``_profile``), and with
-   decode graphs their pool (``_graph_pool``).
-3. ``kv = total x utilization - weights - peak - non-torch growth - scratch (at its bound) - graph pool - NCCL
-   (estimated per pair group) - reserve (what loads after the profile)``, in whole blocks less the padding sink. Less
-   than one ``max_model_len`` request is an error that names the knobs and the numbers.
-
-The arithmetic (``plan_kv_blocks``) is pure and the device is read through ``DeviceMemory``, so tests drive the whole
-path on the CPU with a real model and fake readings.
+``KVMemoryPlanner.start`` snapshots the device before the weights load (and fails at once when ``total x
+gpu_memory_utilization``, this engine's share, is not free); ``plan`` then profiles the largest steps on a small
+cache (``_profile``, ``_graph_pool``) and ``plan_kv_blocks`` leaves the KV ``total x utilization - weights - peak -
+non-torch growth - scratch - graph pool - NCCL - reserve``, an error naming the knobs if under one max_model_len
+request. The arithmetic is pure and the device is read through ``DeviceMemory``, so tests run it all on the CPU.
 """
 
 from __future__ import annotations
@@ -74,8 +67,6 @@ class DeviceMemory(Protocol):
 
 
 class CudaMemory:
-    """``DeviceMemory`` of one CUDA device."""
-
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
 
@@ -147,7 +138,6 @@ class MemoryPlan:
         return int(self.total_bytes * self.utilization)
 
     def summary(self) -> str:
-        """One log line: the whole budget at a glance."""
 
         def gib(value: int) -> str:
             return f"{value / GIB:.2f}"
@@ -294,11 +284,10 @@ class KVMemoryPlanner:
         return plan
 
     def _profile(self, model: PreTrainedModel, spec: KVSpec, max_model_len: int) -> _Profile:
-        """The largest steps the scheduler can build, on a small temporary cache whose block ids repeat: a full
-        prefill step of ``max_batch_tokens`` in prompts of up to ``max_model_len`` (the last a chunk at the end of a
-        ``max_model_len`` context), with prompt logprobs; a decode step of ``max_num_seqs`` rows at ``max_model_len``,
-        sampled with top-p and logprobs (a prefill-only engine runs such rows too: a prompt's last token after a
-        cached prefix); with decode graphs, their static steps at the largest keys."""
+        """The largest steps the scheduler can build, on a small cache whose block ids repeat: a full prefill step
+        of ``max_batch_tokens`` in prompts of up to ``max_model_len`` with prompt logprobs; a decode step of
+        ``max_num_seqs`` rows at ``max_model_len`` with top-p and logprobs (prefill-only engines run such rows too: a
+        prompt's last token after a cached prefix); with decode graphs, their static steps at the largest keys."""
         config = self.config
         decode_rows = min(config.max_num_seqs, config.max_batch_tokens)
         cache_tokens = min(config.max_batch_tokens, max_model_len)  # block ids repeat across the fake requests
@@ -373,7 +362,7 @@ def prefill_lengths(max_batch_tokens: int, max_model_len: int) -> list[int]:
 class _Profile:
     peak: int  # peak activation bytes of the largest steps
     extra_blocks: int  # the KV cache's blocks beyond the block manager's
-    scratch_bound: int  # the runner's scratch bound
+    scratch_bound: int
     graph_pool: int  # the decode graphs' pool, 0 without graphs
 
 

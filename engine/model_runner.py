@@ -50,8 +50,7 @@ class ModelRunner:
         self.layer_hook: LayerHook | None = None
         self.backend: AttentionBackend = backend or SdpaBackend()  # engine.attention.select_backend picks it
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps on CUDA graphs (engine.decode_graphs)
-        # the last forward's hidden states [tokens, hidden] and each chunk's first row, kept only when some chunk
-        # wants prompt logprobs; dropped by the next forward
+        # the last forward's hidden states [tokens, hidden] and chunk start rows, kept for prompt logprobs only
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
         self._gather_limit: tuple[int, int, int] | None = None  # (blocks, max_num_seqs, max_model_len): limit_scratch
@@ -59,9 +58,8 @@ class ModelRunner:
         self._block_elems = spec.block_size * spec.num_kv_heads * spec.head_dim  # one block of one layer's K (or V)
 
     def scratch_bytes_bound(self, max_num_seqs: int, max_model_len: int) -> int:
-        """The most device memory this runner keeps between steps, which the KV budget counts (``engine.memory``):
-        the backend's workspace, plus (for backends that gather) the decode gather buffer of ``max_num_seqs`` rows
-        of ``max_model_len`` context."""
+        """The most device memory this runner keeps between steps, counted in the KV budget (``engine.memory``): the
+        backend's workspace, plus a gather buffer of ``max_num_seqs`` rows of ``max_model_len`` if it gathers."""
         workspace = self.backend.workspace_bytes()
         if not self.backend.needs_groups:
             return workspace

@@ -1,10 +1,9 @@
 """The output path of a step: what a sampled token makes of a request (finish reason, text, ``RequestOutput``).
 
-``LLMEngine`` calls it once per sampled token and once per finish; nothing here touches the scheduler or the KV
-cache, and the tokenizer is passed to each call, never kept. Every output carries ``text_delta``, made by the
-request's incremental detokenizer in time proportional to the new tokens, so workers stream text and the router only
-relays it. The first token's text is sent by the prefill worker; the decode side runs the same deterministic
-detokenizer over the same tokens and drops its own delta for that token, so its later deltas continue exactly there.
+Called by ``LLMEngine`` once per sampled token and per finish; it never touches the scheduler or the KV cache, nor
+keeps the tokenizer. Every output's ``text_delta`` comes from the request's incremental detokenizer, so workers
+stream text and the router only relays it. The prefill worker sends the first token's text; the decode side runs the
+same deterministic detokenizer over the same tokens and drops its own delta for that token, continuing exactly there.
 """
 
 from __future__ import annotations
@@ -26,11 +25,8 @@ def add_token(
     text_sent: bool = False,
 ) -> tuple[FinishReason | None, str]:
     """Add a sampled token (its grammar already accepted it) and detokenize it; returns why the request is done
-    (None: it goes on) and the text the token adds. The caller finishes the request.
-
-    ``text_sent``: a prefill worker already sent the token's text, having run exactly this non-final ``add`` on a
-    fresh detokenizer; only what a finish adds beyond it is new.
-    """
+    (None: it goes on) and the token's text, for the caller to finish the request. ``text_sent``: a prefill worker
+    sent the text, having run exactly this non-final ``add`` on a fresh detokenizer; only a finish's rest is new."""
     request.output_token_ids.append(token_id)
     if request.timing.first_token_s is None:
         request.timing.first_token_s = time.monotonic()
@@ -138,7 +134,6 @@ def merge_outputs(admitted: dict[str, RequestOutput], outputs: list[RequestOutpu
 
 
 def completion(request: Request) -> CompletionResult:
-    """A finished request as ``generate`` returns it."""
     if request.finish_reason is None:
         raise RuntimeError(f"request {request.request_id!r} has not finished")
     return CompletionResult(

@@ -278,8 +278,7 @@ class Request:
     detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made with the first token
     stop_token_set: frozenset[int] | None = None  # params.stop_token_ids as a set, made on first use
     grammar: Any = None  # engine.structured.GrammarState of params.guided: what the next token may be
-    # params.prompt_logprobs: entry j scores prompt token j (entry 0 None), filled chunk by chunk as the prompt is
-    # computed, handed out with the first token
+    # entry j scores prompt token j (entry 0 None), filled as the prompt is computed, sent with the first token
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why it ended with FinishReason.ERROR
     kv_export: KVExport | None = None  # prefill side: where its KV goes, and how many blocks were reported

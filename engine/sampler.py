@@ -1,17 +1,12 @@
 """Next-token choice for a whole batch at once: logits processing, greedy or sampled tokens, and log probabilities.
 
-Each row's parameters become tensors for the step, so the work is a few batched tensor ops whatever the mix, and a
-stage runs only when some row needs it. Order (vLLM's):
-
-1. logprobs from the RAW logits (the model's own distribution, as OpenAI reports it), for rows that ask;
-2. logit_bias, penalties, min_tokens (EOS and stop ids masked) and the grammar's bitmask: the PROCESSED logits;
-3. greedy rows take the argmax; sampled rows apply temperature, min_p, top-k and top-p and draw with an exponential
-   race, ``argmax(probs / q)`` with ``q ~ Exp(1)``: no cumulative sums, and no device assert on a bad row as
-   ``torch.multinomial`` has. A seeded row's ``q`` comes from (seed, output position) alone, so prefill (position 0)
-   and decode workers together give the text one engine would; unseeded rows share one generator.
-
-A bad row (raw logits with NaN or +inf or all -inf, or a processed distribution that is not finite or leaves nothing)
-gets an error, failing only its own request. All results reach the host in one transfer per step.
+Each row's parameters become tensors, so a step is a few batched ops whatever the mix; a stage runs only when some
+row needs it. In vLLM's order: logprobs from the RAW logits (the model's own distribution, as OpenAI reports it);
+logit_bias, penalties, min_tokens and the grammar make the PROCESSED logits; greedy rows take the argmax, sampled rows
+apply temperature, min_p, top-k, top-p and draw ``argmax(probs / q)``, ``q ~ Exp(1)`` (no cumulative sums, and no
+device assert on a bad row as in ``torch.multinomial``). A seeded row's ``q`` depends on (seed, output position)
+alone, so prefill and decode workers together give the text one engine would. A bad row (NaN or +inf or all -inf
+raw logits, or an unusable processed distribution) fails only its own request; results reach the host in one copy.
 """
 
 from __future__ import annotations
@@ -75,8 +70,6 @@ def logprob_summary(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> tu
 
 
 class Sampler:
-    """The engine's sampler: its EOS ids (for min_tokens) and the generators it draws with."""
-
     def __init__(self, eos_token_ids: Iterable[int] = (), device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.generator = torch.Generator(device=device)  # unseeded rows: one stream for the engine
@@ -120,8 +113,8 @@ class Sampler:
     # ---- logits processing ------------------------------------------------------------------------------------
 
     def _process(self, logits: torch.Tensor, requests: Sequence[Request]) -> bool:
-        """min_tokens, logit_bias, penalties and grammar, in place, for the rows that use them; True if any row was
-        changed (its masks may have left it nothing)."""
+        """min_tokens, logit_bias, penalties and grammar, in place, where used; True if any row changed (then it may
+        have nothing left)."""
         vocab = logits.shape[-1]
         mask_rows: list[int] = []
         mask_cols: list[int] = []
@@ -217,9 +210,8 @@ class Sampler:
         lp: tuple[torch.Tensor, ...] | None,
         prompt_scores: Sequence[PromptScores],
     ) -> SampleResult:
-        """One host transfer: token ids and validity alone when nothing else was asked for, else every figure in one
-        float64 vector (exact for token ids and float32). A failed row's token is -1 (raw logits not finite) or -2
-        (processed distribution unusable)."""
+        """One host transfer: ids and validity alone when that is all, else every figure in one float64 vector (exact
+        for ids and float32). A failed row's token is -1 (raw logits not finite) or -2 (processed ones unusable)."""
         num_rows = len(requests)
         codes = tokens.masked_fill(~valid, -2).masked_fill_(~finite, -1)
         if lp is None and not prompt_scores:
@@ -317,12 +309,9 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[i
 
 def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
     """top-k (0: off; ties at the k-th kept), then top-p over the rest: a token goes when the tokens above it already
-    cover top_p (the most likely always stays). In place.
-
-    Each row keeps the scores at or above one threshold, found in descending order over the largest ``max(top_k)``
-    when every top-p row also has a top-k (``topk``), else the whole vocabulary (a sort: about 100 ms for [32, 49152]
-    on one CPU core, against 2 ms for ``topk`` of 50).
-    """
+    cover top_p (the most likely always stays). In place. Each row keeps the scores above one threshold, found over
+    the largest ``max(top_k)`` (``topk``) when every top-p row has a top-k, else over a sort of the whole vocabulary
+    (about 100 ms for [32, 49152] on one CPU core, against 2 ms for ``topk`` of 50)."""
     device, vocab = scores.device, scores.shape[-1]
     used = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k or p < 1.0]
     sub = scores if len(used) == len(top_k) else scores[_long(used, device)]

@@ -1,20 +1,14 @@
-"""Continuous batching: which requests compute how many tokens in the next forward.
+"""Continuous batching: which requests compute how many tokens in the next forward, within ``max_batch_tokens``.
 
-Each step has a budget of ``max_batch_tokens``:
+1. Running requests first, in arrival order: a decode takes one token, a prefill the next prompt chunk that fits.
+2. Then waiting requests, FIFO, while ``max_num_seqs`` allows and the blocks for the whole prompt can be allocated
+   now (prefix-cached blocks reused): memory is never overcommitted.
+3. A running request that needs a block when none is free preempts the most recently admitted one (maybe itself),
+   which goes back to the front of the queue with its tokens, to be prefilled again (recompute).
 
-1. running requests, in arrival order: a decode takes one token, a prefill the next prompt chunk that fits;
-2. then waiting requests in FIFO order while budget and ``max_num_seqs`` allow, each only if the blocks for its whole
-   prompt can be allocated now (prefix-cached blocks reused). Memory is never overcommitted.
-
-Preemption (recompute): a running request that needs a block when none is free preempts the most recently admitted
-one (possibly itself): its blocks are freed and it goes back to the front of the queue with its generated tokens, to
-be prefilled again (full blocks usually still cached).
-
-Remote KV (decode side): a request whose KV comes from a prefill worker holds reserved blocks, WAITING_FOR_REMOTE_KV.
-Once ``remote_progress`` has seen its first token and its KV (or a failed transfer), ``admit_remote`` takes it at the
-start of a step: running with its prompt KV complete, or waiting, to recompute. Admission asks for no blocks and
-ignores ``max_num_seqs`` (a cap would only idle reserved memory). A reservation prefilled here instead
-(``prefill_here``) joins the running batch at its cached prefix, and the rest is computed in chunks.
+Decode side: a reserved request (WAITING_FOR_REMOTE_KV) is admitted by ``admit_remote`` at the start of a step once
+its first token and KV are in, asking for no blocks and ignoring ``max_num_seqs`` (a cap would only idle reserved
+memory); one prefilled here instead (``prefill_here``) joins the running batch at its cached prefix.
 """
 
 from __future__ import annotations
@@ -115,8 +109,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.remote_ready)
 
     def remote_progress(self, request: Request) -> None:
-        """A remote request's first token or KV came (or its transfer failed): once both are in, queue it for
-        admission."""
+        """A remote request's first token or KV came (or its transfer failed): once both are in, it is queued."""
         remote = request.remote
         if remote is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request.request_id!r} is not waiting for remote KV")

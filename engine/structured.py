@@ -1,18 +1,12 @@
 """Structured output: the grammar a request's text must match, as a per-step token mask (xgrammar, on the CPU).
 
-Per step: each constrained request's ``GrammarState`` fills a bitmask row (one bit per vocabulary id), the batch's
-rows go onto the logits in one ``apply_bitmask``, and the sampled token is fed back (``accept``). The state is just
-the tokens accepted so far, so a decode worker reaches the prefill worker's state by accepting the tokens already
-sampled: no parser state crosses the hand-off.
-
-Compiling is the expensive part (tens to hundreds of ms for a schema against a 150k vocabulary), so there is one
-compiler per (tokenizer, vocab width, stop ids), dropped with the tokenizer (a weak reference), with an LRU of
-compiled grammars by (kind, spec); xgrammar's own cache is off so there is one bound. The API compiles too, through
-its own tokenizer, so a bad schema is a 400 before any worker sees it.
-
-JSON has fixed separators (``any_whitespace=False``: json.dumps' ``", "`` and ``": "``): with free whitespace a model,
-small random ones especially, may emit newlines forever. ``json_object`` is the schema ``{"type": "object"}``, since
-OpenAI promises an object and xgrammar's builtin JSON grammar also allows arrays.
+Per step each constrained request's ``GrammarState`` fills a bitmask row, ``apply_bitmask`` masks the batch's logits,
+and the sampled token is fed back (``accept``). The state is just the tokens accepted, so a decode worker reaches the
+prefill worker's state by accepting the tokens already sampled. Compiling costs tens to hundreds of ms (a schema
+against a 150k vocabulary), so compilers are cached per (tokenizer, vocab width, stop ids), weakly, each with an LRU
+of grammars (xgrammar's own cache is off: one bound). The API compiles too, so a bad schema is a 400 at the door.
+JSON has fixed separators (``any_whitespace=False``): with free whitespace a small model may emit newlines forever.
+``json_object`` is the schema ``{"type": "object"}``: OpenAI promises an object; xgrammar's JSON grammar allows arrays.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Paged attention plugged into transformers' attention interface, registered as ``pdserve_paged``.
 
-transformers keeps the model code; we replace only the attention call. Per layer ``paged_attention_forward``:
-
-1. writes the new tokens' K/V into their cache slots,
-2. calls the layer hook, if any (the prefill worker streams that layer's KV out while the forward goes on),
-3. hands the attention to the step's backend (``backend.py``; ``select_backend`` picks one): gather + SDPA
-   (``sdpa.py``), FlexAttention (``flex.py``) or FlashInfer (``flashinfer_backend.py``).
-
-``pdserve_paged`` has no mask function, so transformers builds no mask.
+transformers keeps the model code; we replace only the attention call. Per layer ``paged_attention_forward`` writes
+the new tokens' K/V into their cache slots, calls the layer hook if any (the prefill worker streams that layer's KV
+out while the forward goes on), then hands the attention to the step's backend (``backend.py``): gather + SDPA
+(``sdpa.py``), FlexAttention (``flex.py``) or FlashInfer (``flashinfer_backend.py``). ``pdserve_paged`` has no mask
+function, so transformers builds no mask.
 """
 
 from __future__ import annotations

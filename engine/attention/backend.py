@@ -74,13 +74,11 @@ def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dty
 
 
 def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
-    """The backend ``attention_backend`` names, on this device.
-
-    ``auto``: FlashInfer on CUDA when importable and the model is float16/bfloat16 (its kernels read the cache in
-    place), else gather + SDPA (so float32 on a GPU, the exactness check, stays on SDPA). Flex is opt-in: eager on
-    the CPU it materialises the whole score matrix, on CUDA it recompiles for new shapes, and it has not measured
-    faster. FlashInfer where it cannot run is an error, not a fallback, so a misconfigured GPU pool fails at start.
-    """
+    """The backend ``attention_backend`` names. ``auto``: FlashInfer on CUDA when importable and the model is
+    float16/bfloat16 (its kernels read the cache in place), else gather + SDPA (so float32 on a GPU, the exactness
+    check, stays on SDPA). Flex is opt-in: eager on the CPU it materialises the whole score matrix, on CUDA it
+    recompiles for new shapes, and it has not measured faster. FlashInfer where it cannot run is an error, not a
+    fallback, so a misconfigured GPU pool fails at start."""
     device = torch.device(device)
     name = resolve_backend_name(name, device, dtype)
     if name == "sdpa":

@@ -1,12 +1,10 @@
 """What one forward step tells the attention: where the new tokens go and what each sequence attends to.
 
-The runner packs every scheduled sequence into one row of ``T`` tokens (ragged, no padding) and passes an
-``AttentionBatch`` through the model's ``**kwargs``, with two views of the step for the backends:
-
-- ``prefills`` and ``decode``: for gather + SDPA (a chunked prefill's context slots, the decode rows' block table and
-  a reusable gather buffer). CUDA-graph decode steps build a static ``DecodeGroup`` of their own.
-- ``layout``: every sequence in packed-row order, for backends that read the paged cache directly (FlashInfer) or
-  build one mask for the whole row (flex).
+The runner packs every scheduled sequence into one ragged row of ``T`` tokens and passes an ``AttentionBatch``
+through the model's ``**kwargs``, with two views of the step: ``prefills`` and ``decode`` for gather + SDPA (a
+chunked prefill's context slots; the decode rows' block table and reusable gather buffer, or the static
+``DecodeGroup`` of a CUDA-graph step), and ``layout``, every sequence in packed-row order, for backends that read the
+paged cache directly (FlashInfer) or build one mask for the whole row (flex).
 """
 
 from __future__ import annotations

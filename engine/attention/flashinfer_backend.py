@@ -1,15 +1,12 @@
 """FlashInfer's paged attention kernels, reading our KV cache in place (no gather).
 
-Each layer's ``kv[0]`` and ``kv[1]`` are ``[num_pages, page_size, kv_heads, head_dim]``, FlashInfer's ``NHD`` layout
-(a page is one of our blocks), handed over as the tuple ``(k, v)``. A batch is described in CSR form
-(``PagedKVMetadata``), computed on the host once per step in ``prepare``; the first layer's ``forward`` plans the
-wrapper (it needs the query's heads, dtype and scale), and later layers only run. A decode-only step uses the decode
-wrapper (tensor cores from 4 query heads per KV head, as vLLM); any step with a prompt chunk uses the prefill wrapper,
-whose causal mask is aligned to the end of each sequence's KV.
-
-Written against flashinfer-python 0.6.13 and not yet run on a GPU; the CPU tests cover the metadata, the selection
-rules and the call signatures. The first use JIT-compiles the kernels (minutes for the fa3 prefill on Hopper) unless
-flashinfer-cubin / flashinfer-jit-cache are installed.
+Each layer's ``kv[0]`` and ``kv[1]`` are FlashInfer's ``NHD`` pages (a page is one of our blocks), handed over as
+``(k, v)``. ``prepare`` describes the batch in CSR form (``PagedKVMetadata``) on the host, once per step; the first
+layer's ``forward`` plans the wrapper (it needs the query's heads, dtype and scale), later layers only run. A
+decode-only step uses the decode wrapper (tensor cores from 4 query heads per KV head, as vLLM), any other the prefill
+wrapper, whose causal mask is aligned to the end of each sequence's KV. Written against flashinfer-python 0.6.13 and
+not yet run on a GPU (the CPU tests cover metadata, selection and call signatures); first use JIT-compiles the kernels
+(minutes for the fa3 prefill on Hopper) unless flashinfer-cubin / flashinfer-jit-cache are installed.
 """
 
 from __future__ import annotations

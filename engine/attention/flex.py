@@ -1,13 +1,10 @@
 """FlexAttention over the step's gathered context: one call per layer for the whole packed row.
 
-``prepare`` lists every sequence's context slots one after another (``S`` = the sum of the context lengths) and
-builds one block mask: query ``q`` sees key ``k`` when both are in the same sequence and the key is not after the
-query. ``forward`` gathers those slots' K/V and attends prefills, chunked prefills and decodes in one call. Block
-sparsity skips other sequences' keys on a GPU; eager on the CPU, flex materialises the ``T x S`` scores, hence opt-in.
-
-On CUDA both kernels are compiled (``dynamic=True``, so new shapes do not each recompile) once per process, shared by
-every FlexBackend; that path has not run on a GPU. On the CPU they run eagerly, and torch's warning about the unfused
-path (intended here) is silenced around the call.
+``prepare`` lists every sequence's context slots one after another (``S`` in all) and builds one block mask: query
+``q`` sees key ``k`` when both are in the same sequence and the key is not after the query; ``forward`` gathers those
+slots' K/V and attends every chunk in one call. Block sparsity skips other sequences' keys on a GPU, where both
+kernels are compiled once per process (``dynamic=True``: new shapes do not each recompile; not yet run on a GPU).
+Eager on the CPU, flex materialises the ``T x S`` scores (hence opt-in), and torch's warning about it is silenced.
 """
 
 from __future__ import annotations
