@@ -87,7 +87,7 @@ class DecodeRole(Role):
         elif isinstance(command, Start):
             if command.rid not in self.engine.requests:
                 raise KeyError(f"request {command.rid!r} has no reservation here")
-            self.engine.remote_first_token(command.rid, command.first_token)  # admitted by the next step
+            self.engine.remote_first_token(command.rid, command.first_token)
         else:
             super().handle(command, arrival_s)
 
@@ -145,10 +145,10 @@ class DecodeRole(Role):
         if event.ok:
             self.counters.transfers_ok += 1
             self.counters.transfer_bytes += event.nbytes
-            self.engine.remote_kv_done(rid)  # admitted by the next step if its first token is here
+            self.engine.remote_kv_done(rid)
             return
         self.counters.transfers_failed += 1
-        if self.failure_policy == "recompute":  # the reserved blocks are freed now; prefilled here once started
+        if self.failure_policy == "recompute":
             self.engine.remote_kv_failed(rid, recompute=True)
             return
         self.engine.remote_kv_failed(rid, recompute=False)  # ends it, no output: the cause is reported here or not

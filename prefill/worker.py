@@ -3,17 +3,15 @@
 A thin adapter between the engine's KV connector (which decides what is complete, and when), the transfer sender and
 the control plane. A request's path:
 
-1. ``prefill`` from the router (prompt, params, the decode worker's KV address and reserved blocks) becomes a
-   prefill-only engine request with a KV sink, and a transfer to that address begins. If the decode worker already
-   holds the first ``cached_tokens`` (its prefix cache), only later blocks are exported and ``dst_blocks`` names those.
-2. The engine reports completed blocks to the sink, layer by layer inside the forward (``stream_layers``), which maps
-   them onto the decode worker's blocks and hands them to the sender while the later layers compute.
-3. The first token goes to the router at once (the TTFT point) with its text, logprobs and prefix-cache hit.
-4. The blocks stay held (PREFILLED) until the sender's ``poll`` reports the lease's end once (acknowledged, expired,
-   aborted): there the engine lets the request go.
+1. ``prefill`` (prompt, params, the decode worker's KV address and reserved blocks; with ``cached_tokens``, the ones
+   it already holds, only later blocks) becomes a prefill-only engine request with a KV sink, and a transfer begins;
+2. the sink maps each completed block range onto the decode worker's blocks and sends it, layer by layer inside the
+   forward (``stream_layers``), while the later layers compute;
+3. the first token goes to the router at once (the TTFT point); the blocks stay held (PREFILLED) until ``poll``
+   reports the lease's end (acknowledged, expired, aborted), where the engine lets the request go.
 
 A failed transfer is reported by the side that decided it (here: decode worker gone, lease expired; there: a NACK),
-and not at all when the router already knows of it (it aborted, or got this worker's own error first).
+and not at all when the router already knows (it aborted, or got this worker's own error first).
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ class PrefillRole(Role):
         super().__init__(name, engine, emit, counters)
         self.sender = sender
         self.stream_kv = stream_kv  # False: every layer's KV once the whole prompt is done (the overlap baseline)
-        # transfers whose end the router already knows of (it aborted them, or got this worker's error first), so
-        # poll() does not report their failure; each entry leaves when poll() reports that end, once per transfer
+        # transfers whose end the router already knows of (it aborted, or got this worker's error first): poll()
+        # does not report their failure, and drops each entry when it reports that transfer's end (once per transfer)
         self._known_to_router: set[str] = set()
 
     @classmethod
@@ -87,8 +85,7 @@ class PrefillRole(Role):
             raise
 
     def _sink(self, rid: str, dst_blocks: list[int], first_block: int) -> KVSink:
-        """The request's KV sink: logical blocks [first, end) onto the decode worker's reserved blocks, which start at
-        logical block ``first_block``."""
+        """Logical blocks [first, end) onto the decode worker's reserved blocks, which start at ``first_block``."""
         sender = self.sender
 
         def send(ready: KVBlocksReady) -> None:
@@ -102,8 +99,7 @@ class PrefillRole(Role):
         for output in self.engine.step():
             rid = output.request_id
             if output.error is not None:  # finish_reason ERROR: the engine has already freed the request's blocks
-                # tell the router first (the client's error names the cause, not the aborted transfer), then abort
-                # the transfer: its lease ends in poll() below, where there is nothing left to free
+                # tell the router first (the error names the cause, not the aborted transfer); the lease ends in poll()
                 self.counters.errors += 1
                 self.emit_error(rid, output.error, ErrorCode.from_engine(output.error_code))
                 self._abort_transfer(rid, output.error)

@@ -1,14 +1,12 @@
 """The worker's book of its routers: which are alive, which owns each request, and which have said ``drain``.
 
-Plain bookkeeping, fed and read by the loop thread; the runtime acts on it: frees the requests ``orphans`` names,
-sends each event where ``route`` says, fails what is left at the drain deadline. With several routers
-(``router.processes`` > 1) every command carries its router's index, and every event about a request goes only to
-its owner (a ``tokens`` message is split per router); a router silent for ``orphan_timeout_s`` loses only its own.
+Plain bookkeeping for the loop thread, which acts on it: frees the requests ``orphans`` names, sends each event where
+``route`` says (with ``router.processes`` > 1, only to the request's owner), fails what is left at the drain deadline.
+A router silent for ``orphan_timeout_s`` loses only its own requests.
 
-Draining (``drain``, from every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): routers
-send nothing new after it (commands from one router arrive in order). Once every router has sent it and nothing is
-held, ``drained`` is true and the pool stops the worker; what is still held ``deadline_s`` after the first ``drain``
-is failed, each request with an error event its client sees.
+Draining (``drain`` from every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): routers
+send nothing new after it, so once every router has sent it and nothing is held, ``drained`` is true and the pool
+stops the worker; what is held ``deadline_s`` after the first ``drain`` is failed with an error event per request.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command a
 
 
 class RouterBook:
-    """Per router: when it was last heard and whether it said ``drain``; per request: its owner. Loop thread only,
-    except ``drained`` and ``draining`` (plain reads, from ``info()``)."""
+    """Per router: last heard, and whether it said ``drain``; per request: its owner. Loop thread only, except
+    ``drained`` and ``draining`` (plain reads, from ``info()``)."""
 
     def __init__(self, name: str, count: int, orphan_timeout_s: float) -> None:
         self.name = name  # the worker's, for its log lines
@@ -35,8 +33,8 @@ class RouterBook:
         self.orphan_timeout_s = orphan_timeout_s
         self._owners: dict[str, tuple[int, float]] = {}  # rid -> (owning router's index, when it last sent a command)
         self._next_owner_prune_s = 0.0
-        self._last_router_s = [time.monotonic()] * count  # per router: when it was last heard
-        self._drain_from: set[int] = set()  # the routers that sent ``drain``
+        self._last_router_s = [time.monotonic()] * count
+        self._drain_from: set[int] = set()
         self._drain_deadline: float | None = None  # monotonic; None: not draining
         self._drained = False  # set by the loop thread (info() reads it from another)
         self._drain_failed = False  # the deadline passed and what was held was failed
@@ -44,7 +42,6 @@ class RouterBook:
     # ---- liveness and ownership --------------------------------------------------------------------------------
 
     def heard(self, router: int, now: float) -> None:
-        """Router ``router`` sent a command (any command, a ping included)."""
         self._last_router_s[router] = now
 
     def claim(self, rid: str, router: int, now: float) -> None:
@@ -58,8 +55,8 @@ class RouterBook:
         return 0 if entry is None else entry[0]
 
     def orphans(self, now: float, held: Iterable[str]) -> Iterator[str]:
-        """The ``held`` requests of every router silent for ``orphan_timeout_s`` (died or restarted), router by
-        router as the runtime frees them; each such router's clock starts again."""
+        """The ``held`` requests of every router silent for ``orphan_timeout_s`` (died or restarted), lazily; each
+        such router's clock starts again."""
         for index, last in enumerate(self._last_router_s):
             if now - last <= self.orphan_timeout_s:
                 continue

@@ -1,17 +1,13 @@
 """What every worker shares: an engine, a command socket, an event socket, and one loop thread that owns both.
 
 ``WorkerRuntime(spec, role_class)`` owns one role (``worker/role.py``, the request logic, testable without sockets;
-cluster/run/actors.py picks it by the spec's role) and everything around it. Only the loop thread touches the engine
-(it is not thread-safe). Per turn it:
-
-1. drains commands (without blocking while there is work) and lets the role tick (step the engine, poll transfers);
-2. frees orphaned requests and acts on draining (``RouterBook``, worker/routers.py);
-3. sends the prefix cache's net change to every router as ``KvEvents`` (a full snapshot after an undelivered batch
-   and every ``KV_RESYNC_INTERVAL_S``, so a router that dropped its view on a ``seq`` gap is whole again soon);
-4. refreshes the stats snapshot, which a heartbeat thread sends to every router each ``stats_interval_s`` even while
-   a long forward holds the loop, with ``loop_age_s`` so a router can tell slow from stuck.
-
-A command that fails answers with an ``error`` event; a tick that raises fails every request the worker holds.
+cluster/run/actors.py picks it) and everything around it. Only the loop thread touches the (not thread-safe) engine.
+Per turn it drains commands (without blocking while there is work) and lets the role tick; frees orphaned requests
+and acts on draining (``RouterBook``, worker/routers.py); sends the prefix cache's net change to every router as
+``KvEvents`` (a full snapshot after an undelivered batch and every ``KV_RESYNC_INTERVAL_S``, so a router that dropped
+its view on a ``seq`` gap is whole again soon); and refreshes the stats, which a heartbeat thread sends every
+``stats_interval_s`` even while a long forward holds the loop (``loop_age_s`` tells slow from stuck). A command that
+fails answers with an ``error`` event; a tick that raises fails every request the worker holds.
 """
 
 from __future__ import annotations
@@ -180,8 +176,7 @@ class WorkerRuntime:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                # no wait while the engine has a step to run; a short one while only transfers are pending (spinning
-                # would take a core from the forward on a small box); a longer one when idle
+                # no spin while only transfers are pending: it would take a core from the forward on a small box
                 wait_ms = 0 if self.engine.has_unfinished() else 1 if self.role.has_work() else 5
                 self._drain_commands(timeout_ms=wait_ms)
                 self.role.tick()
@@ -190,7 +185,7 @@ class WorkerRuntime:
                 self._note_failure(exc)
                 self.role.fail_all("worker step failed")
             now = time.monotonic()
-            for rid in self._book.orphans(now, self.engine.requests):  # a silent router's requests: freed
+            for rid in self._book.orphans(now, self.engine.requests):
                 self.role.abort(rid)
                 self.role.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
             self._book.prune(now, self.engine.requests)
@@ -210,11 +205,9 @@ class WorkerRuntime:
 
     @property
     def drained(self) -> bool:
-        """Draining, told so by every router (none can still send it work) or past the deadline, and idle."""
         return self._book.drained
 
     def owner(self, rid: str | None) -> int:
-        """The index of the router that sent this request's commands (0 when unknown: the only router, usually)."""
         return self._book.owner(rid)
 
     def _note_failure(self, exc: Exception) -> None:
@@ -241,7 +234,7 @@ class WorkerRuntime:
         """Why this worker should get no new work ("" when healthy): its loop keeps failing, or the role's own check
         (a dead transfer I/O thread). The router stops routing to it; under Ray the pool restarts it."""
         if self._loop_problem and self._failures_s and time.monotonic() - self._failures_s[-1] > DEGRADED_WINDOW_S:
-            self._loop_problem = ""  # quiet for a whole window: healthy again
+            self._loop_problem = ""
         return self._loop_problem or self.role.health_problem()
 
     def _beat(self) -> None:
@@ -251,7 +244,7 @@ class WorkerRuntime:
             for address in self._routers:
                 sock = self._socket(zmq.PUSH)
                 sock.connect(address)
-                sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))  # this socket's own
+                sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))
             while not self._stop.wait(self.options.stats_interval_s):
                 snapshot = self._snapshot  # built by the loop thread, never changed after: a copy with the age
                 beat = msgspec.structs.replace(snapshot, loop_age_s=round(time.monotonic() - self._loop_seen, 3))

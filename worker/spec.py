@@ -40,8 +40,7 @@ class WorkerRole(str, enum.Enum):
 
 @dataclass(slots=True)
 class RuntimeOptions:
-    """The worker's place in the control plane (worker/runtime.py): where the routers are, where it binds, how often
-    it reports, how long it waits."""
+    """The worker's place in the control plane (worker/runtime.py)."""
 
     router_addresses: list[str]  # each router process's event socket; index = the router's index
     host: str = "127.0.0.1"  # where this worker binds its sockets ("auto": the node's IP, resolved by the actor)
@@ -66,7 +65,7 @@ class WorkerSpec:
 
     name: str
     role: WorkerRole
-    engine: EngineConfig  # its ``device`` is decided in the worker process (``resolve_spec``), from ``gpus``
+    engine: EngineConfig
     runtime: RuntimeOptions
     transfer: TransferConfig = field(default_factory=TransferConfig)
     transfer_backend: TransferBackend = "auto"
