@@ -1,12 +1,11 @@
 """The decode worker: reserves KV for requests, imports their KV from prefill workers, decodes them in one batch.
 
 A request's state is the engine's ``Request`` (WAITING_FOR_REMOTE_KV until admitted); this role keeps no table.
-1. ``reserve``: the engine reserves blocks for the prompt, the first token and the headroom, sharing the leading
-   blocks its prefix cache holds (``cached_tokens``), or refuses at once; the receiver expects the missing blocks.
-   When what it lacks is at most ``local_prefill_max_tokens``, it computes that part itself, no transfer.
-2. Arriving KV pieces are checked and written into the reserved blocks (``engine.write_remote_kv``), between steps.
-3. ``start`` brings the first token; with the KV complete too, the next step admits the request.
-4. Each step sends every running request's new tokens and text in one ``tokens`` event. A failed transfer fails the
+1. ``reserve``: the engine reserves blocks for the prompt, first token and headroom, sharing the leading blocks its
+   prefix cache holds (``cached_tokens``), or refuses at once. If it lacks at most ``local_prefill_max_tokens``, it
+   computes them itself; else the receiver expects the missing blocks, checked and written between steps.
+2. ``start`` brings the first token; with the KV complete too, the next step admits the request.
+3. Each step sends every running request's new tokens and text in one ``tokens`` event. A failed transfer fails the
    request (``failure_policy: fail``) or has it prefilled here (``recompute``); a reservation whose first token
    never comes expires. A transfer the prefill worker aborted on purpose is reported by that side, not here.
 """
@@ -54,7 +53,7 @@ class DecodeRole(Role):
         self.receiver = receiver
         self.failure_policy = failure_policy
         self.headroom_tokens = headroom_tokens
-        # a reservation whose first token has not come this long after it was made is freed: the router lost it
+        # a reservation still without its first token this long after it was made is freed: the router lost it
         self.start_deadline_s = start_deadline_s
         self._next_expiry_check_s = 0.0
 
@@ -88,7 +87,7 @@ class DecodeRole(Role):
         elif isinstance(command, Start):
             if command.rid not in self.engine.requests:
                 raise KeyError(f"request {command.rid!r} has no reservation here")
-            self.engine.remote_first_token(command.rid, command.first_token)  # admitted by the next step
+            self.engine.remote_first_token(command.rid, command.first_token)
         else:
             super().handle(command, arrival_s)
 
@@ -146,10 +145,10 @@ class DecodeRole(Role):
         if event.ok:
             self.counters.transfers_ok += 1
             self.counters.transfer_bytes += event.nbytes
-            self.engine.remote_kv_done(rid)  # admitted by the next step if its first token is here
+            self.engine.remote_kv_done(rid)
             return
         self.counters.transfers_failed += 1
-        if self.failure_policy == "recompute":  # the reserved blocks are freed now; prefilled here once started
+        if self.failure_policy == "recompute":
             self.engine.remote_kv_failed(rid, recompute=True)
             return
         self.engine.remote_kv_failed(rid, recompute=False)  # ends it, no output: the cause is reported here or not
@@ -201,10 +200,9 @@ def _remote(request: Request) -> RemoteKV:
 
 
 def receiver_address(spec: WorkerSpec) -> str:
-    """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name. ``shm`` and ``auto``
-    mark the address ``shm+`` (the receiver offers its node's senders a shared-memory ring; transfer/shm_backend.py):
-    ``shm`` (one node) with the control channel on a Unix socket, ``auto`` on TCP, so that senders on other nodes
-    reach it too and send inline, as zmq. The sender reads the scheme: ``shm+`` or plain zmq."""
+    """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name. ``shm+`` (read by
+    the sender) offers the node's senders a shared-memory ring (transfer/shm_backend.py): ``shm`` (one node) with its
+    control channel on a Unix socket, ``auto`` on TCP so that senders on other nodes reach it too, inline as zmq."""
     if spec.transfer_backend == "local":
         return f"local://{spec.name}-{uuid.uuid4().hex[:8]}"
     if spec.transfer_backend == "auto":

@@ -1,21 +1,12 @@
-"""Paged KV bookkeeping: which physical block holds which request's tokens, and which blocks can be shared.
+"""Paged KV bookkeeping: the free list, reference counts and prefix cache (the tensors are in ``kv_cache.py``).
 
-No tensors live here (see ``kv_cache.py``); this is the free list, the reference counts and the prefix cache. A full
-block carries a chained hash of its tokens (hash of the previous block's hash and its own token ids), so two requests
-whose prompts start with the same blocks point at the same physical blocks. A freed block keeps its hash and stays in
-the free list in LRU order: it can be revived by a later request with the same prefix until it is handed out again.
-
-The rule the engine relies on: ``allocate`` either gets every block a request needs now or changes nothing, so a
-request never holds half an allocation, and decode memory is never overcommitted.
-
-KV events: the router routes by which worker holds a prompt's leading blocks (``cluster/routing/prefix_index.py``), so this
-manager records every change to what its prefix cache can serve: a hash *stored* (a full block enters the lookup
-table) and a hash *removed* (its block is handed out for something else, or the cache is reset). The worker drains
-them once per loop turn (``drain_kv_events``) and publishes them. Pending changes are kept as the net difference from
-what was last drained (a hash stored and removed again between two drains cancels out), so a batch is two disjoint
-sets the router may apply in any order. The buffer is bounded: when it would overflow, or the cache is reset, it
-collapses into one *reset* whose batch is a snapshot of every hash held (at most one per block), so a reader that
-never drains (a bare engine) costs nothing and a reader that does never drifts.
+A full block carries a chained hash of its tokens, so prompts that start alike share physical blocks; a freed block
+keeps its hash in the LRU free list until handed out again. ``allocate`` gets all it needs now or changes nothing.
+KV events feed the router's prefix index (``cluster/routing/prefix_index.py``): hashes *stored* (a full block enters
+the lookup table) and *removed* (its block reused, or the cache reset), kept as the net change since the last
+``drain_kv_events`` (once per worker loop turn), so a batch is two disjoint sets. On overflow or a cache reset they
+collapse into one *reset* with a snapshot of every hash held, so a reader that never drains costs nothing and one
+that does never drifts.
 """
 
 from __future__ import annotations
@@ -67,7 +58,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
-        # KV events since the last drain, as the net change (dicts: ordered sets); a pending reset supersedes them
+        # KV events since the last drain, as the net change (dicts as ordered sets); a pending reset supersedes them
         self.kv_event_capacity = kv_event_capacity
         self._stored: dict[int, None] = {}  # held now, not held at the last drain
         self._removed: dict[int, None] = {}  # held at the last drain, not held now
@@ -103,12 +94,8 @@ class BlockManager:
     def allocate(
         self, token_ids: list[int], num_tokens: int, use_prefix_cache: bool = True
     ) -> tuple[list[int], int] | None:
-        """Blocks for the first ``num_tokens`` slots of a sequence, reusing cached prefix blocks.
-
-        Returns (block table, number of tokens whose KV is already cached), or None when the free blocks do not
-        suffice (nothing is changed then). At least one token is always left to compute, because its logits are
-        needed: a prompt made only of cached blocks recomputes its last block.
-        """
+        """Blocks for the first ``num_tokens`` slots of a sequence, reusing cached prefix blocks: (block table,
+        tokens whose KV is cached), or None (nothing changed) when free blocks are short."""
         cached = self._cached_prefix(token_ids) if use_prefix_cache else []
         del cached[reusable_prefix_tokens(len(cached), len(token_ids), self.block_size) // self.block_size :]
         num_new = self.blocks_for(num_tokens) - len(cached)
@@ -210,16 +197,14 @@ class BlockManager:
             self.resync_kv_events()
 
     def resync_kv_events(self) -> None:
-        """Make the next drain a reset with a snapshot of every hash held (after an overflow or a reset of the
-        cache; the worker also asks for one when it could not deliver a batch, or now and then to repair a reader
-        that missed one)."""
+        """Make the next drain a reset with a snapshot of every hash held (after an overflow or cache reset; the
+        worker also asks when it could not deliver a batch, and now and then to repair a reader)."""
         self._reset_pending = True
         self._stored.clear()
         self._removed.clear()
 
     def drain_kv_events(self) -> KvEventBatch | None:
-        """The prefix cache's changes since the last drain (None: nothing changed). A reset's ``stored`` is the
-        snapshot: every hash held, at most one per block."""
+        """The changes since the last drain (None: none). A reset's ``stored`` is every hash held, one per block."""
         if self._reset_pending:
             self._reset_pending = False
             return KvEventBatch(stored=list(self._hash_to_block), removed=[], reset=True)

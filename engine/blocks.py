@@ -1,23 +1,11 @@
-"""How many KV blocks a request needs: the one rule the engine and the router share.
+"""KV block arithmetic the engine and the router share: reservations, prefix-cache hashes, bytes per token.
 
-The router decides which decode worker can take a request by the blocks it will reserve there, and the decode
-worker's engine allocates exactly that many; if the two computed it apart, the router would send work a worker then
-refuses (or leave blocks idle). So both call these functions. Pure integer arithmetic: this module imports nothing
-heavy (no torch), because the router imports it.
-
-A reservation for a request whose KV arrives from a prefill worker covers the prompt, the first generated token (the
-prefill worker samples it; its KV is computed by the first decode step here) and ``headroom_tokens`` more, capped at
-what the request can still generate (``max_tokens - 1`` after the first token, and the room left under
-``max_model_len``). Within the reservation, decoding never has to ask for a block.
-
-The prefix cache's block hash lives here for the same reason: the router predicts which worker holds a prompt's
-leading blocks from the hashes workers report (``cluster/routing/prefix_index.py``), so it must hash a prompt exactly as the
-engine does. ``chain_hash`` is the engine's own function, not a copy; ``prompt_block_hashes`` chains it over a
-prompt's full blocks.
-
-What a token's KV costs in bytes, and how many blocks a worker's KV memory holds, live here too: the planner
-(``pdserve plan kv``), the router's /status and the benchmarks size KV from a model's config.json with the formula
-the engine allocates by, without importing torch.
+The router admits a request to a decode worker by the blocks it reserves there (the engine allocates exactly that
+many), predicts from reported hashes which worker holds a prompt's leading blocks (``cluster/routing/prefix_index.py``),
+and, like ``pdserve plan kv`` and the benchmarks, sizes KV from a config.json: all with these functions, so none
+drifts from the engine. Torch-free, because the router imports it. A remote-KV reservation covers the prompt, the
+first token (its KV computed by the first decode step) and ``headroom_tokens`` more, capped at what the request can
+still generate; within it, decoding never asks for a block.
 """
 
 from __future__ import annotations
@@ -32,7 +20,6 @@ import xxhash
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold ``num_tokens`` tokens' KV (the last one may be partial)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return -(-max(0, num_tokens) // block_size)
@@ -55,38 +42,35 @@ def reserved_blocks(
     block_size: int,
     max_model_len: int | None = None,
 ) -> int:
-    """Blocks a decode worker's engine reserves for a request (``LLMEngine.reserve_remote`` allocates exactly these)."""
+    """Blocks a decode worker reserves for a request (``LLMEngine.reserve_remote`` allocates exactly these)."""
     return blocks_for_tokens(reserved_tokens(num_prompt_tokens, max_tokens, headroom_tokens, max_model_len), block_size)
 
 
 def reusable_prefix_tokens(num_cached_blocks: int, num_prompt_tokens: int, block_size: int) -> int:
-    """Prompt tokens whose KV a prefix cache holding its first ``num_cached_blocks`` full blocks spares computing: at
-    least one prompt token is always computed, because its logits are needed (a prompt cached whole recomputes its
-    last block). The block manager's ``allocate`` and the router's hit-rate estimate both use this."""
+    """Prompt tokens a prefix cache holding the first ``num_cached_blocks`` full blocks spares computing. One prompt
+    token is always computed for its logits (a prompt cached whole recomputes its last block)."""
     usable = min(num_cached_blocks, (num_prompt_tokens - 1) // block_size)
     return max(0, usable) * block_size
 
 
 def complete_prompt_blocks(num_computed_tokens: int, num_prompt_tokens: int, block_size: int) -> int:
-    """Leading blocks of a prompt whose KV is final once ``num_computed_tokens`` positions are computed: the full
-    blocks, and the partial last block as soon as the whole prompt is (the KV export's rule)."""
+    """Leading prompt blocks whose KV is final once ``num_computed_tokens`` are computed: the full blocks, and the
+    partial last one once the whole prompt is (the KV export's rule)."""
     if num_computed_tokens >= num_prompt_tokens:
         return blocks_for_tokens(num_prompt_tokens, block_size)
     return num_computed_tokens // block_size
 
 
 def chain_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
-    """A full block's prefix-cache key: xxh3_64 of the previous block's key (0 for the first block, 8 bytes little
-    endian) and the block's token ids as native int64. Chained, so one key names the whole prefix up to its block:
-    two sequences share a key only if they share every token before it (collisions are ruled out by the engine,
-    which compares the tokens too)."""
+    """A full block's prefix-cache key: xxh3_64 of the previous key (0 for the first block, 8 bytes little endian)
+    and the token ids as native int64. Chained, so a key names the whole prefix; the engine also compares tokens,
+    which rules out collisions."""
     prefix = (prev_hash if prev_hash is not None else 0).to_bytes(8, "little")
     return xxhash.xxh3_64_intdigest(prefix + array("q", token_ids).tobytes())
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chained keys of a sequence's full blocks, in order (a partial last block has none): what the engine
-    registers for them once they are computed."""
+    """The chained keys of a sequence's full blocks, in order (a partial last block has none)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     # ``chain_hash`` unrolled over one int64 buffer of the whole sequence (the router runs this per request)
@@ -100,22 +84,18 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
-# bytes per K/V value of each dtype name the engine serves in (engine.model_loader.DTYPES); a name, not a
-# torch.dtype, so that sizing (``pdserve plan kv``, the router's /status) needs no model and no tensor
+# bytes per K/V value of each dtype name the engine serves in (engine.model_loader.DTYPES), so sizing needs no torch
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes per value: the one formula for what a token's KV costs.
-
-    Torch-free on purpose: the planner and the router size KV from a model's config.json, and ``KVSpec`` (the
-    engine's live cache) calls this too, so the figure they print is the one the engine allocates by."""
+    """2 (K and V) x layers x KV heads x head dim x bytes per value; ``KVSpec`` allocates by this too."""
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
 def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) from a model's config.json fields, read the way ``LLMEngine`` reads them from
-    the loaded model's config: KV heads default to the attention heads (no GQA), head dim to hidden / heads."""
+    """(layers, KV heads, head dim) from config.json, as ``engine_parts`` reads the loaded model's config: KV heads
+    default to the attention heads, head dim to hidden / heads."""
     try:
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -126,8 +106,7 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 def kv_blocks_for(memory_bytes: int, bytes_per_block: int, explicit_blocks: int | None = None) -> int:
-    """How many KV blocks a worker allocates: an explicit count, else as many whole blocks as its memory holds
-    (at least one); the rule ``LLMEngine`` applies to ``kv_blocks`` / ``kv_cache_memory_bytes``."""
+    """An explicit count, else as many whole blocks as the memory holds (at least one)."""
     return explicit_blocks or max(1, memory_bytes // bytes_per_block)
 
 

@@ -7,16 +7,15 @@ from typing import Literal, get_args
 
 from engine.model_loader import DEFAULT_MODEL, DTYPES
 
-# auto: the fastest one importable on the device (flashinfer on CUDA when installed, else sdpa); sdpa: gather the
-# paged context, then torch's scaled_dot_product_attention (the CPU path); flex: torch FlexAttention with a paged block
-# mask; flashinfer: FlashInfer's paged prefill/decode kernels (CUDA only)
+# auto: flashinfer on CUDA when installed, else sdpa; sdpa: gather + torch SDPA (the CPU path); flex: FlexAttention
+# with a paged block mask; flashinfer: FlashInfer's paged kernels (CUDA only). See engine/attention/backend.py
 AttentionBackendName = Literal["auto", "sdpa", "flex", "flashinfer"]
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024  # the KV budget of a CPU engine given neither blocks nor bytes
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """``"auto"``: bfloat16 on CUDA (half the bytes of float32 to load, hold and ship, at full speed on tensor cores),
-    float32 on the CPU (where bfloat16 matmuls are slow and token-exactness against transformers is checked)."""
+    """``"auto"``: bfloat16 on CUDA (half the bytes to load, hold and ship, full speed on tensor cores), float32 on
+    the CPU (bfloat16 matmuls are slow there, and token-exactness against transformers is checked there)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") else "float32"
@@ -25,12 +24,12 @@ def resolve_dtype(dtype: str, device: str) -> str:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU (resolved where the device is known: resolve_dtype)
+    dtype: str = "auto"  # resolved where the device is known: resolve_dtype
     device: str = "cpu"
     block_size: int = 16
     kv_blocks: int | None = None  # explicit block count; otherwise from kv_cache_memory_bytes
-    # explicit KV budget; None: DEFAULT_CPU_KV_BYTES on the CPU, and on CUDA what gpu_memory_utilization leaves after
-    # the weights and a profiling forward at the largest batch (measured free memory, as vLLM does)
+    # None: DEFAULT_CPU_KV_BYTES on the CPU; on CUDA what gpu_memory_utilization leaves after the weights and a
+    # profiling forward at the largest batch (measured free memory, as vLLM does)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: the fraction of the GPU's memory this engine may use, all included
     attention_backend: AttentionBackendName = "auto"
@@ -40,10 +39,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests in the running batch
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
-    # an engine that only prefills (a prefill worker's): no decode graphs (nor their static gather storage)
+    # a prefill worker's engine: no decode graphs (nor their static gather storage)
     prefill_only: bool = False
-    # CUDA, measured KV budget: NCCL pair groups this engine's process will hold (each communicator's buffers live on
-    # this GPU), and a fixed reserve for what loads after the profile (lazily loaded kernels, new streams' workspaces)
+    # CUDA, measured KV budget: NCCL pair groups this process will hold (their buffers live on this GPU), and a fixed
+    # reserve for what loads after the profile (lazily loaded kernels, new streams' workspaces)
     nccl_peers: int = 0
     memory_reserve_bytes: int = 1024 * 1024 * 1024
 

@@ -1,41 +1,14 @@
 """CUDA graphs for decode-only steps: one graph per (batch bucket, context bucket), replayed over static buffers.
 
-A decode step of the eager path launches a few hundred small kernels (per layer: norms, projections, rotary, the KV
-write, the gather, SDPA, the MLP) from Python; at batch 1 on a GPU the launches, not the arithmetic, bound the step.
-A CUDA graph records those launches once and replays them with one call. A graph is fixed in everything but the
-contents of its input tensors, so this module makes a decode step static-shaped:
-
-1. Buckets. The batch is padded up to the next batch bucket (powers of two up to ``max_num_seqs``, which is the last
-   bucket), and the gather width of the gather+SDPA attention (blocks of context per row) up to the next context
-   bucket (powers of two of blocks up to ``max_model_len / block_size``). A (batch, context) pair is a *key*; each
-   key whose gather buffer fits ``max_gather_bytes`` may get one graph, and at most ``max_graphs`` exist.
-2. Static inputs. Input ids, positions, slot mapping, context lengths and block table of a key live in one packed
-   int64 device buffer (one host->device copy per step, from a pinned host staging buffer); the attention mask is
-   computed from the context lengths inside the graph; the gather buffer is one device storage shared by all keys.
-3. Padding rows (batch rows past the real requests) get token 0 at position 0, write their K/V into the KV cache's
-   ``padding_sink_block`` (a block outside the block manager's ids), attend to that block only, and their hidden
-   states are dropped before the lm_head. Real rows' block-table padding also points at the sink (masked).
-4. The step function ``_forward_static(key)`` reads only the static buffers and returns the hidden states of the
-   padded batch. On CUDA it is captured into a ``torch.cuda.CUDAGraph`` the first time its key is used (warm-up on
-   a side stream, then capture into a memory pool shared by every graph) and replayed after; with ``capture=False``
-   it is simply called (the same static-shape arithmetic, eagerly), which is how the CPU tests and the GPU check's
-   comparison exercise everything except the capture itself.
-
-Lazy capture, not at start: the number of keys is the product of the two bucket lists (tens), most of which a given
-workload never meets; capturing all of them would add seconds to every worker's start, and a prefill worker never
-decodes at all. The price is one capture (a few warm-up forwards) the first time a key is met.
-
-Not graphed (``fallback_reason`` says why; the runner then runs its eager path): prefill or mixed steps, a batch
-over the largest bucket, a key whose gather buffer exceeds ``max_gather_bytes``, a key not yet captured once
-``max_graphs`` exist, requests wanting prompt logprobs (they need every position's hidden state), and steps with a
-layer hook (streaming KV export runs Python per layer, which a graph cannot).
-
-Attention: a graphed step always uses the gather + SDPA backend, whichever backend the runner's eager steps use
-(FlashInfer's decode kernels would need their own graph wrapper with static index buffers; not done). Both read and
-write the same paged KV layout, so prefill with one and decode with the other is consistent.
-
-Status: the static padded path (``capture=False``) is tested on CPU against the eager engine; the CUDA capture and
-replay code (``_capture``) follows PyTorch's documented pattern but has not run on a GPU.
+At batch 1 an eager decode step is bound by its few hundred kernel launches; a graph replays them in one call but
+fixes everything except its inputs' contents. So the batch is padded to a power-of-two bucket up to
+``max_num_seqs``, the gather width (context blocks per row) to one up to ``max_model_len / block_size``; each such
+*key* within ``max_gather_bytes`` gets at most one graph (``max_graphs`` in all), captured when first met (a workload
+meets few keys; a prefill worker none). A key's inputs live in one packed int64 buffer (one copy per step), the mask
+is built inside the graph, and padding rows and table padding point at the KV cache's ``padding_sink_block``; their
+hidden states are dropped before the lm_head. Other steps run eagerly (``Fallback``). A graphed step attends with
+gather + SDPA whatever the eager backend (the paged layout is shared). ``capture=False`` runs the same static path
+eagerly, as the CPU tests do; the capture itself (``_capture``) has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -72,8 +45,8 @@ class Fallback(enum.Enum):
     BATCH_TOO_LARGE = "batch over the largest bucket"
     GATHER_TOO_WIDE = "batch x context over max_gather_bytes"
     GRAPH_LIMIT = "max_graphs graphs exist and this key has none"
-    PROMPT_LOGPROBS = "a request wants prompt logprobs"
-    LAYER_HOOK = "a layer hook is installed (streaming KV export)"
+    PROMPT_LOGPROBS = "a request wants prompt logprobs"  # they need every position's hidden state
+    LAYER_HOOK = "a layer hook is installed (streaming KV export)"  # Python per layer, which a graph cannot run
     CAPTURE_FAILED = "a capture failed; graphs are off for this engine"
 
 
@@ -97,8 +70,7 @@ def bucket_for(value: int, buckets: list[int]) -> int | None:
 def plan_keys(
     max_num_seqs: int, max_model_len: int, block_size: int, gather_block_bytes: int, max_gather_bytes: int
 ) -> list[tuple[int, int]]:
-    """Every (batch bucket, context bucket) whose gather buffer (``batch x blocks x gather_block_bytes``, one layer's
-    K and V) fits ``max_gather_bytes``: the keys that may get a graph."""
+    """The keys that may get a graph: every (batch, context) bucket whose gather buffer (one layer's K, V) fits."""
     return [
         (batch, blocks)
         for batch in batch_buckets(max_num_seqs)
@@ -110,15 +82,13 @@ def plan_keys(
 def scratch_bytes_for(
     spec: KVSpec, max_num_seqs: int, max_model_len: int, max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES
 ) -> int:
-    """Device memory ``DecodeGraphs`` holds outside the graph pool (its gather storage and packed input buffer),
-    known before the KV cache is sized, so that the sizing can leave room for it."""
+    """Device memory ``DecodeGraphs`` holds outside its pool, known before the KV cache is sized to leave room."""
     gather_block_bytes = _gather_block_bytes(spec)
     gather_blocks = _max_gather_blocks(spec, max_num_seqs, max_model_len, max_gather_bytes)
     return gather_blocks * gather_block_bytes + (NUM_STATIC_VECTORS * max_num_seqs + gather_blocks) * 8
 
 
 def _gather_block_bytes(spec: KVSpec) -> int:
-    """One block of one layer's K and V: what the gather storage holds per gathered block."""
     return 2 * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
 
 
@@ -172,7 +142,7 @@ class DecodeGraphs:
         width = NUM_STATIC_VECTORS * self.batch_buckets[-1] + self.max_gather_blocks
         self._inputs = torch.zeros(width, dtype=torch.long, device=device)
         self._staging = torch.zeros(width, dtype=torch.long, pin_memory=device.type == "cuda")
-        self._attention = SdpaBackend()  # a static gather width is what makes a graph possible (see the docstring)
+        self._attention = SdpaBackend()  # a static gather width is what makes a graph possible
         self._key_positions = torch.arange(self.context_buckets[-1] * spec.block_size, device=device)
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -198,17 +168,15 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run_padding_step(self, batch: int, blocks: int) -> None:
-        """The static step of key (batch, blocks), run eagerly with every row padding (only the sink block is
-        written): what the memory plan measures a graph's pool by."""
+        """A key's static step, every row padding, run eagerly: what the memory plan measures a graph's pool by."""
         key = _Key(batch, blocks)
         self._fill(None, key)
         self._forward_static(key)
 
     @torch.inference_mode()
     def warm(self, rows: int, max_context: int) -> int:
-        """Capture now every graph that a decode batch of ``rows`` requests meets while its longest context grows
-        to ``max_context`` tokens (a capture synchronises the whole device, so a measurement must not meet one);
-        returns how many graphs this captured."""
+        """Capture now every graph a batch of ``rows`` meets while its longest context grows to ``max_context``
+        (a capture synchronises the whole device, so a measurement must not meet one); returns how many."""
         batch = bucket_for(rows, self.batch_buckets)
         needed = bucket_for(blocks_for_tokens(max_context, self.block_size), self.context_buckets)
         if batch is None or needed is None or not self.capture:
@@ -271,8 +239,7 @@ class DecodeGraphs:
     # ---- the step ----------------------------------------------------------------------------------------------
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
-        """Same contract as ``ModelRunner.execute`` (float32 logits of the chunks that sample), for a step that
-        ``can_run`` accepted. Call under ``torch.inference_mode()`` (the runner's ``execute`` is)."""
+        """``ModelRunner.execute`` for a step ``can_run`` accepted; call under ``torch.inference_mode()``."""
         started = time.perf_counter()
         key = self.key_for(chunks)
         assert key is not None  # can_run checked it
@@ -309,11 +276,8 @@ class DecodeGraphs:
         return (*vectors, table)
 
     def _fill(self, chunks: list[ScheduledChunk] | None, key: _Key) -> None:
-        """Write a step's inputs in the key's layout on the host, then one host->device copy. ``chunks=None``: every
-        row is padding (the warm-up and capture runs, which must not write any request's KV).
-
-        The copy is asynchronous (pinned memory); before the host buffer is overwritten, the previous step's copy
-        must have left it: the event makes sure (normally long done, since each step's sampler reads its tokens)."""
+        """Write a step's inputs on the host (``chunks=None``: all padding, writing no request's KV), then one copy,
+        once the event says the previous step's asynchronous copy has left the pinned buffer (usually long done)."""
         if self._copied is not None:
             self._copied.synchronize()
         b, w, bs, sink = key.batch, key.blocks, self.block_size, self.sink
@@ -362,10 +326,9 @@ class DecodeGraphs:
     def _capture(self, key: _Key) -> _Entry:
         """Warm up on the capture stream, then record ``_forward_static(key)`` into a graph in the shared pool.
 
-        Runs with every row padding, so the warm-up forwards write only the sink block. ``thread_local`` capture
-        mode: a transfer thread's CUDA calls (a cudaMalloc, a sync) during capture do not invalidate it. A capture
-        that fails turns graphs off for this engine (the step, and every later one, runs eagerly) rather than
-        failing requests: eager is always correct."""
+        Every row is padding, so warm-up writes only the sink block. ``thread_local`` capture mode: a transfer
+        thread's CUDA calls (a cudaMalloc, a sync) do not invalidate it. A failed capture turns graphs off for this
+        engine rather than failing requests: eager is always correct."""
         assert self._stream is not None
         device = self.runner.device
         started = time.perf_counter()
@@ -395,25 +358,22 @@ class DecodeGraphs:
         return _Entry(graph, hidden)
 
     def close(self) -> None:
-        """Drop every graph and its pool memory (the one cleanup path; the engine calls it when it shuts down)."""
+        """Drop every graph and its pool memory; the engine calls it when it shuts down."""
         self._entries.clear()
         self._pool = None
 
 
 def uses_decode_graphs(config: EngineConfig) -> bool:
-    """Decode graphs run on CUDA when ``config.cuda_graphs``; never on the CPU (a graph would save nothing there:
-    there is no launch overhead to hide), nor in a prefill-only engine (it never decodes: no gather storage)."""
+    """On CUDA when ``config.cuda_graphs``; not on the CPU (no launch overhead to hide) nor when prefill-only."""
     return config.cuda_graphs and config.device.startswith("cuda") and not config.prefill_only
 
 
 def graph_scratch_bytes(config: EngineConfig, spec: KVSpec, max_model_len: int) -> int:
-    """What the engine's decode graphs will hold outside their pool (``scratch_bytes_for``), 0 without graphs: the
-    KV plan leaves room for it before the graphs exist."""
+    """What the decode graphs will hold outside their pool (0 without): the KV plan counts it before they exist."""
     return scratch_bytes_for(spec, config.max_num_seqs, max_model_len) if uses_decode_graphs(config) else 0
 
 
 def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
-    """The engine's decode graphs (``uses_decode_graphs``), else None."""
     if not uses_decode_graphs(config):
         return None
     if runner.backend.name != SdpaBackend.name:

@@ -1,38 +1,15 @@
-"""Incremental detokenization: the text of new tokens in time proportional to the new tokens, not to the output.
+"""Incremental detokenization: the text of new tokens in time proportional to them, not to the output.
 
-Why: re-decoding the whole output for every new token is quadratic in its length (about half the router's CPU with
-64 streams). Decoding each token on its own is wrong instead: byte-level tokenizers split a character over several
-tokens, and SentencePiece decoders treat the first token of a sequence differently (its "▁" is not a space).
+Re-decoding the whole output per token is quadratic (about half the router's CPU with 64 streams); decoding each
+token alone is wrong (byte-level tokenizers split characters over tokens, SentencePiece treats a sequence's first
+token differently). As in vLLM, only a window ``ids[prefix:]`` is decoded: ``decode(ids[prefix:])`` minus
+``decode(ids[prefix:read])`` is what the new tokens add in context, and both decodes start with the same token, so a
+first-token rule cancels out. The window advances when its text grew and does not end in U+FFFD (half a character).
 
-How (the prefix and read offsets of vLLM's detokenizer): only a short window ``ids[prefix:]`` is decoded;
-``ids[prefix:read]`` are the tokens whose text was emitted last, so ``decode(ids[prefix:])`` minus
-``decode(ids[prefix:read])`` is the text the new tokens add *in context*. Both decodes start with the same token, so
-whatever a decoder does to the first token of a sequence cancels out. The window advances only when its text grew and
-does not end in U+FFFD (half a UTF-8 character); its next start is where the emitted text ended, a character boundary.
-
-Exactness: the concatenated deltas equal ``tokenizer.decode(ids, skip_special_tokens=True)`` (or ``False``, when the
-request keeps special tokens' text: then only ids outside the vocabulary are dropped), because
-- special tokens and ids outside the vocabulary are dropped before decoding, as ``skip_special_tokens`` drops them
-  (same text; they never widen a window). A window always holds the token whose text was emitted last, so a decoder's
-  first-token rule applies to the same token in both decodes even after dropped tokens;
-- byte-fallback tokens (``<0xE2>``, Llama/Mistral style) are held while a run of them is open: the decoder turns every
-  byte of a run that is invalid UTF-8 as a whole into U+FFFD, even bytes that formed a character on their own;
-- transformers' ``clean_up_tokenization_spaces`` (" ." -> "." and nine more rewrites of the whole text) is applied
-  here to the raw text in segments cut only where no rewrite can span the cut (``CleanUpStream``).
-Assumed of the decoder, as vLLM assumes it: besides the above, each token's text depends on the tokens before it only
-through the first-token rule. Byte-level BPE (GPT-2, SmolLM2, Qwen), Metaspace and byte-fallback decoders satisfy it.
-
-Stop strings are searched only in the new text plus the ``max(len(stop)) - 1`` characters before it, and those last
-characters are held back from emission until they can no longer start a stop string (what the router always did).
-The text is cut where the first stop string to be completed starts (the earliest end; of two ending together, the
-longer one): what checking after every character finds, so the cut is the same however tokens are grouped into
-calls, in the engine (one token at a time) and in the router (a message's tokens at a time).
-
-Known limits: work per token is bounded by the window, which grows only while its text keeps ending in U+FFFD or adds
-nothing: a run of invalid UTF-8 bytes (rare in a trained model's output unless a logit bias forces it) costs time
-quadratic in the length of that run, bounded by max_tokens.
-With clean-up on, text whose every position could still start a rewrite (" n n n n ...") is held until a safe cut or
-the end. A tokenizer that overrides ``clean_up_tokenization`` gets transformers' standard rules (a warning says so).
+The joined deltas equal ``tokenizer.decode(ids, skip_special_tokens=...)``, assuming (as vLLM does) that a token's
+text depends on earlier tokens only through the first-token rule: true of byte-level BPE (GPT-2, SmolLM2, Qwen),
+Metaspace and byte-fallback decoders. Known limit: a run of invalid UTF-8 bytes (rare unless a logit bias forces it)
+costs time quadratic in its length, bounded by max_tokens.
 """
 
 from __future__ import annotations
@@ -87,14 +64,12 @@ _RUN_CAP = max(map(len, _UNSAFE_RUNS)) + 1  # a longer run is safe: remembering 
 
 
 class CleanUpStream:
-    """``clean_up`` of a text that arrives in pieces, emitted as soon as it can no longer change.
+    """``clean_up`` (``clean_up_tokenization_spaces``) of text arriving in pieces, emitted once it cannot change.
 
-    Every rewrite deletes the leading space of ``" " + tail`` (tail without spaces) and only deletes spaces, so the
-    characters before a cut keep their trailing non-space run ``w`` through all ten passes. A rewrite can span the cut
-    only if the text before it ends with a space followed by a proper prefix of a tail, which must then end with
-    ``w``: when ``w`` is no suffix of such a prefix (``_UNSAFE_RUNS``), no pass can span the cut, every pass works on
-    the two sides independently, and ``clean_up(a + b) == clean_up(a) + clean_up(b)``. Whether a position is a safe
-    cut depends only on the text before it, so each character is examined once and cleaned once.
+    Every rewrite deletes the leading space of ``" " + tail`` (tail without spaces) and nothing else, so the text
+    before a cut keeps its trailing non-space run ``w`` through all ten passes, and a rewrite can span the cut only if
+    ``w`` is a suffix of a proper prefix of a tail (``_UNSAFE_RUNS``); elsewhere ``clean_up(a + b) == clean_up(a) +
+    clean_up(b)``. Each character is examined and cleaned once; text like " n n n ..." waits for a safe cut or the end.
     """
 
     def __init__(self) -> None:
@@ -145,8 +120,7 @@ def tokenizer_info(tokenizer: Any, skip_special_tokens: bool = True) -> Tokenize
 
 
 def _build_info(tokenizer: Any, skip_special_tokens: bool = True) -> TokenizerInfo:
-    """``skip_special_tokens=False`` keeps special tokens' text (``tokenizer.decode(ids, skip_special_tokens=False)``):
-    nothing is dropped but ids the vocabulary lacks."""
+    """``skip_special_tokens=False`` keeps special tokens' text: only ids the vocabulary lacks are dropped."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "id_to_token"):  # a fast (Rust `tokenizers`) tokenizer
         special: frozenset[int] = frozenset()
@@ -179,7 +153,8 @@ def _build_info(tokenizer: Any, skip_special_tokens: bool = True) -> TokenizerIn
 
 
 def _cleans_up(tokenizer: Any, raw_decode: Callable[[list[int]], str], skip_special_tokens: bool = True) -> bool:
-    """Whether ``tokenizer.decode`` cleans up: asked of the tokenizer itself (transformers versions differ on BPE)."""
+    """Whether ``tokenizer.decode`` cleans up, asked of the tokenizer (transformers versions differ on BPE); one
+    that overrides ``clean_up_tokenization`` gets transformers' standard rules."""
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
     try:
@@ -198,7 +173,11 @@ def _cleans_up(tokenizer: Any, raw_decode: Callable[[list[int]], str], skip_spec
 
 
 class _Window:
-    """The prefix/read offsets over the kept ids: ``push`` returns the raw text the new ids settle."""
+    """The prefix/read offsets over the kept ids: ``push`` returns the raw text the new ids settle.
+
+    Special tokens and ids outside the vocabulary are dropped before decoding (as ``skip_special_tokens``); the window
+    always holds the token emitted last, so a first-token rule hits the same token in both decodes. A byte-fallback
+    run (``<0xE2>``) is held while open: the decoder makes every byte of a run invalid as a whole into U+FFFD."""
 
     def __init__(self, info: TokenizerInfo) -> None:
         self.info = info
@@ -229,9 +208,10 @@ class _Window:
 class IncrementalDetokenizer:
     """One output stream's text: ``add`` token ids as they come, get back the text that is safe to show now.
 
-    ``text`` is all text settled so far (cut at a stop string), ``stopped`` says a stop string was found. After
-    ``add(..., final=True)`` the deltas joined equal ``tokenizer.decode(ids, skip_special_tokens=...)``, cut where
-    the first stop string to be completed starts.
+    ``text`` is the text settled so far, ``stopped`` says a stop string was found. Stop strings are searched in the
+    new text plus the ``hold`` characters before it, which are held back until they cannot start one. The cut is
+    where the first stop string to complete starts (of two ending together, the longer), as a per-character check
+    would find, so it is the same however tokens are grouped into calls (the engine's one, the router's many).
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
@@ -265,7 +245,7 @@ class IncrementalDetokenizer:
         if self.stop and new:
             start = max(0, len(self._pending) - self.hold)  # a stop found before would have ended the stream
             hits = [(i + len(s), i) for s in self.stop if (i := region.find(s, start)) >= 0]
-            if hits:  # the first stop string to end (of two ending together, the longer): as if checked per character
+            if hits:  # the first stop string to end; of two ending together, the longer
                 region, self.stopped, final = region[: min(hits)[1]], True, True
         end = len(region) if final else max(0, len(region) - self.hold)
         delta, self._pending = region[:end], region[end:]

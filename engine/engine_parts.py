@@ -1,10 +1,8 @@
-"""The engine's parts on its device: the model and what runs it, built once, in the one order that works.
+"""The engine's parts on its device (model, KV cache, runner, sampler), built once for ``LLMEngine``'s step loop.
 
-``LLMEngine`` (``engine.llm_engine``) is the step loop: it takes these parts and never builds one. Building is
-its own module because its order is the memory plan's: the planner starts measuring before the model loads, the KV
-spec comes from the loaded model's config, the decode graphs' scratch is counted before the cache is sized, and the
-runner's scratch is then limited to the bound the plan counted (``engine.memory``, ``engine.decode_graphs``). None of
-it concerns a request.
+The build order is the memory plan's: the planner measures from before the model loads, the KV spec comes from the
+loaded model's config, the decode graphs' scratch is counted before the cache is sized, and the runner's scratch is
+then limited to the bound the plan counted (``engine.memory``, ``engine.decode_graphs``).
 """
 
 from __future__ import annotations

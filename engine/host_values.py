@@ -1,10 +1,9 @@
 """Small host values (block ids, row indices, per-row sampling parameters) made into device tensors without a stall.
 
-``torch.tensor(values, device="cuda")`` copies from pageable host memory, which blocks the calling thread until the
-stream has reached the copy: inside the forward (the per-layer KV export hook) Python can then no longer run ahead of
-the GPU. ``to_device`` builds the tensor in pinned memory from torch's caching host allocator (which keeps the block
-until the copy that reads it is done) and copies it with ``non_blocking=True`` on the current stream, so the kernels
-that use it are ordered after it and the host goes on at once. On the CPU it is ``torch.tensor``.
+``torch.tensor(values, device="cuda")`` copies from pageable memory and blocks the thread until the stream reaches the
+copy, so inside the forward (the per-layer KV export hook) Python could no longer run ahead of the GPU. ``to_device``
+builds the tensor in pinned memory from torch's caching host allocator (which keeps it until the copy is done) and
+copies it ``non_blocking`` on the current stream, which orders the kernels that use it. On the CPU: ``torch.tensor``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The KV cache tensors: per layer, K and V indexed by physical block id.
 
-Layout per layer: K and V stacked, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
-``block_id * block_size + offset``, so writing a forward's new K/V is one ``index_copy_`` on the flattened view, and
-exporting a request's KV is a gather of whole blocks. The transfer layer sees only ``read_blocks`` and
-``write_blocks``: tensors in, tensors out, with the block ids of each side.
+Layout per layer: K and V stacked in one tensor, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, so writing a
+forward's new K/V (slot ``block_id * block_size + offset``) and gathering a decode batch's context are one indexing op
+each. The transfer layer sees only ``read_blocks`` and ``write_blocks``, with the block ids of each side.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ class KVSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv heads x head dim x bytes per value."""
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype.itemsize)
 
     @property
@@ -38,18 +36,14 @@ class KVSpec:
 
 
 class KVCache:
-    """``num_blocks`` blocks that the block manager hands out (ids ``0 .. num_blocks - 1``), plus one more that it
-    never sees: ``padding_sink_block``. A CUDA-graph decode step (``engine.decode_graphs``) pads its batch up to a
-    captured size; the padding rows must write their (meaningless) K/V somewhere, and attend to something, without
-    touching any request's blocks: they use this block. Its contents are garbage by design and never read for a
-    real request."""
+    """``num_blocks`` blocks that the block manager hands out, plus ``padding_sink_block``, which it never sees: a
+    CUDA-graph decode step (``engine.decode_graphs``) pads its batch to a captured size, and the padding rows write
+    and attend there without touching any request's blocks. Its contents are garbage and never read for a request."""
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        self.padding_sink_block = num_blocks  # outside the block manager's ids: padding rows write and read only here
-        # K and V of a layer live in one tensor [2, blocks, block_size, kv_heads, head_dim], so that writing a step's
-        # new tokens and gathering a decode batch's context are one indexing op each instead of two
+        self.padding_sink_block = num_blocks
         shape = (2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.k = [kv[0] for kv in self.kv]
@@ -64,13 +58,12 @@ class KVCache:
         self.flat(layer).index_copy_(1, slots, torch.stack((k, v)).to(self.spec.dtype))
 
     def block_index(self, block_ids: list[int]) -> torch.Tensor:
-        """Block ids as an index on the cache's device (pinned, non-blocking on CUDA): build it once, use it for
-        every layer."""
+        """Block ids as an index on the cache's device (pinned, non-blocking): build once, use for every layer."""
         return long_tensor(block_ids, self.kv[0].device)
 
     def read_blocks(self, layer: int, block_ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A contiguous copy of whole blocks: ``[len(block_ids), block_size, kv_heads, head_dim]`` for K and V.
-        ``block_ids``: a list, or an index from ``block_index``."""
+        """A contiguous copy of whole blocks, ``[len(block_ids), block_size, kv_heads, head_dim]`` for K and V;
+        ``block_ids`` may be an index from ``block_index``."""
         index = block_ids if isinstance(block_ids, torch.Tensor) else self.block_index(block_ids)
         return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
 

@@ -1,25 +1,11 @@
 """The engine's KV connector: the engine says when a request's KV can leave, and takes KV in for a request.
 
-Disaggregated serving moves a prompt's KV from the engine that computed it (prefill) to the engine that decodes it.
-Which blocks are complete, and when, is a fact about the engine's own batches, so it is decided here, not by the
-worker walking the attention batch (vLLM's KV connector idea, in our own code):
-
-- **Export (prefill side).** A request added with a ``KVSink`` gets one callback per layer and block range:
-  ``KVBlocksReady(request_id, layer, first_block, end_block, k, v)``, logical blocks ``[first, end)`` of the request
-  with their K/V gathered from the cache. Streamed (``stream_kv=True``), it is called inside the forward, right after
-  each layer's KV is written, for the blocks that forward completed: full blocks as chunks fill them, and the partial
-  last block when the chunk reaches the end of the prompt; every layer of one forward reports the same range, so the
-  transfer overlaps the layers still computing. Unstreamed, every layer of the whole prompt is reported once the
-  prompt is done, before ``step`` returns the first token. ``KVExport.num_blocks_reported`` (on the Request) is how
-  far it got; a preempted and recomputed prompt does not report its blocks twice. When the receiver already holds
-  the prompt's leading blocks (its own prefix cache: a multi-turn chat's history it just decoded), the export starts
-  at ``KVExport.first_block``: the engine still computes those tokens (the later ones attend to them) unless its own
-  prefix cache has them, but never reports them, so only the missing blocks travel.
-- **Import (decode side).** ``RemoteKV`` (on the Request, via its timing) is the state of a request whose KV comes
-  from elsewhere: blocks reserved, the first token (sampled by the prefill worker), KV complete or failed, and the
-  stamps of each. The scheduler admits it once the first token and the KV (or the decision to recompute it) are in.
-
-This module knows blocks and layers, never the transfer layer: the worker turns a ``KVBlocksReady`` into a send.
+What is complete, and when, is a fact about the engine's own batches, so it is decided here (vLLM's KV connector
+idea); the worker turns each ``KVBlocksReady`` into a send. Export (prefill side): a request with a ``KVSink`` gets
+one per layer and block range, streamed from inside the forward as each layer's KV is written (full blocks as chunks
+fill them, the partial last one at the prompt's end), so the transfer overlaps the later layers; or, unstreamed, the
+whole prompt once it is done. Blocks are reported once, and never those before ``KVExport.first_block`` (the
+receiver has them). Import (decode side): ``RemoteKV`` on the request, admitted once first token and KV are in.
 """
 
 from __future__ import annotations
@@ -33,7 +19,7 @@ import torch
 from engine.blocks import blocks_for_tokens, complete_prompt_blocks
 from engine.request import KVExport
 
-if TYPE_CHECKING:  # annotations only: model_runner and attention import request, which imports this module
+if TYPE_CHECKING:  # annotations only
     from engine.attention import AttentionBatch, LayerHook
     from engine.kv_cache import KVCache
     from engine.request import Request
@@ -52,8 +38,7 @@ class KVBlocksReady:
     v: torch.Tensor
 
 
-# The one callback of an exported request. Streamed, it runs inside the forward: what it raises fails every request
-# of that step (their KV is incomplete), as a failing forward does.
+# streamed, it runs inside the forward: what it raises fails every request of that step, as a failing forward does
 KVSink = Callable[[KVBlocksReady], None]
 
 
@@ -67,17 +52,14 @@ class _PlannedExport:
 
 
 class KVExporter:
-    """Reports exported requests' completed blocks to their sinks: inside the forward (streamed) or after it.
-
-    Per step: ``layer_hook_for(chunks)`` plans what this forward completes and returns the hook the runner installs
-    for it (None when nothing needs one, so decode-only steps pay nothing); after a forward that succeeded,
-    ``commit`` advances each request's count; after one that raised, ``discard`` drops the plan.
-    """
+    """Reports exported requests' completed blocks, inside the forward (streamed) or after it. Per step:
+    ``layer_hook_for(chunks)`` plans and returns the runner's hook (None when nothing needs one, so decode-only steps
+    pay nothing), then ``commit`` after a forward that succeeded or ``discard`` after one that raised."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
-        self.user_hook: LayerHook | None = None  # ``LLMEngine.set_layer_hook`` (fault injection): after the exports
+        self.user_hook: LayerHook | None = None  # ``LLMEngine.set_layer_hook`` (fault injection), after the exports
         self._planned: list[_PlannedExport] = []
 
     def layer_hook_for(self, chunks: list[ScheduledChunk]) -> LayerHook | None:

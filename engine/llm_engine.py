@@ -1,12 +1,11 @@
 """The engine one worker runs: a model, its paged KV cache, a continuous-batching scheduler and a sampler.
 
 Requests in, one forward per ``step``, outputs out; every request leaves through ``_finish``, which frees its blocks
-exactly once, and ``abort`` works in every state. Three ways in: ``add_request`` (prefilled and decoded here);
-``add_request(prefill_only=True, kv_sink=...)`` (the prefill worker's: the KV connector reports each finished
-block's KV, then the blocks are held until ``release``); ``reserve_remote`` (the decode worker's: blocks reserved,
-KV written by the transfer layer, ``remote_first_token`` and ``remote_kv_done`` in either order, then admitted by the
-next step; ``prefill_here`` computes a short rest here instead). The parts it steps are built by
-``engine.engine_parts``; what a sampled token makes of its request is ``engine.outputs``.
+exactly once, and ``abort`` works in every state. Three ways in: ``add_request`` (computed here);
+``add_request(prefill_only=True, kv_sink=...)`` (prefill worker: each finished block's KV is reported, then the
+blocks are held until ``release``); ``reserve_remote`` (decode worker: blocks reserved, KV written by the transfer
+layer, ``remote_first_token`` and ``remote_kv_done`` in either order, admitted by the next step, or ``prefill_here``).
+Parts come from ``engine.engine_parts``; what a sampled token makes of its request is ``engine.outputs``.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        parts = build_engine_parts(config)  # the model and what runs it, on the device (engine.engine_parts)
+        parts = build_engine_parts(config)
         self.config, self.model, self.tokenizer = parts.config, parts.model, parts.tokenizer
         self.max_model_len, self.kv_spec, self.memory_plan = parts.max_model_len, parts.kv_spec, parts.memory_plan
         self.kv_cache, self.runner, self.sampler = parts.kv_cache, parts.runner, parts.sampler
@@ -120,13 +119,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request; ``arrival_s`` (time.monotonic) backdates it to when it reached the worker.
 
-        ``kv_sink`` (prefill-only requests): where its KV goes, as ``KVBlocksReady`` reports (``engine.kv_connector``):
-        with ``stream_kv``, from inside each forward as blocks complete; without, every layer of the prompt once it is
-        done, before ``step`` returns the first token. What the sink raises fails the request(s) of that step.
-        ``export_from_token``: the receiver already holds the prompt's first tokens up to here (whole blocks, fewer
-        than the prompt: the last token is always computed for the first token's logits); only the blocks from
-        there on are reported. Those tokens are still computed here unless this engine's prefix cache has them.
-        """
+        ``kv_sink`` (prefill-only): where its KV goes (``engine.kv_connector``), streamed from inside each forward or
+        all at once before ``step`` returns the first token; what it raises fails the request(s) of that step.
+        ``export_from_token``: the receiver holds the prompt up to here (whole blocks), so only later blocks are
+        reported (the tokens are still computed unless this prefix cache has them)."""
         if kv_sink is not None and not prefill_only:
             raise ValueError("kv_sink is for prefill-only requests (their KV is exported, then released)")
         if export_from_token and kv_sink is None:
@@ -148,17 +144,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward over everything scheduled; returns the requests that gained a token or finished.
 
-        A fault stays with the requests it concerns, and step() does not raise for it: a row that cannot be sampled
-        (non-finite logits) fails its own request; a forward that raises (the model, or the layer hook) fails every
-        request of this step, since their KV is incomplete; so does a streamed KV sink that raises (it runs inside the
-        forward), while an unstreamed sink that raises fails only its own request. All leave through ``_finish`` with
-        FinishReason.ERROR and come back as finished outputs that carry the error; nothing of them stays queued to
-        fail the next step.
-
-        Remote requests whose KV and first token are in are admitted first (between steps, continuous batching). An
-        admission's output (``_admit_remote``) is merged into the request's output of this step when it has one, so
-        a request has at most one output per step.
-        """
+        Faults stay with their requests and step() does not raise: an unsamplable row or an unstreamed sink fails its
+        own request; a forward that raises (model, layer hook, streamed sink) fails every request of the step (their
+        KV is incomplete); all come back as finished outputs carrying the error. Ready remote requests are admitted
+        first, their output merged into this step's, so a request has at most one output per step."""
         admitted = self._admit_remote() if self.scheduler.remote_ready else {}
         chunks = self.scheduler.schedule()
         if not chunks:
@@ -190,7 +179,6 @@ class LLMEngine:
     def _sampled(
         self, request: Request, token_id: int | None, error: str | None, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
-        """A row of this step's sample: the request gains its token, or fails with the row's error."""
         if token_id is None:
             return self._fail(request, error or "sampling failed", "sampling_error")
         export = request.kv_export
@@ -206,9 +194,8 @@ class LLMEngine:
         return self._append_token(request, token_id, logprob=logprob)
 
     def _admit_remote(self) -> dict[str, RequestOutput]:
-        """The scheduler's remote admissions: each gains the first token the prefill worker sampled (its text already
-        sent there: the output's ``new_token_ids`` is [] and its ``text_delta`` continues after that token's text);
-        it may finish right there (max_tokens=1, EOS)."""
+        """The scheduler's remote admissions, each gaining the prefill worker's first token (its text already sent:
+        ``new_token_ids`` is [] and ``text_delta`` continues after it); it may finish there (max_tokens=1, EOS)."""
         outputs: dict[str, RequestOutput] = {}
         for request in self.scheduler.admit_remote():
             remote = request.remote
@@ -232,13 +219,8 @@ class LLMEngine:
     def _append_token(
         self, request: Request, token_id: int, text_sent: bool = False, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
-        """Add a sampled token, detokenize it (O(new tokens)) and finish the request if it is done (``engine.outputs``).
-
-        ``text_sent``: the token's text was already sent by a prefill worker, which ran exactly this non-final
-        ``add`` on a fresh detokenizer; only what a finish adds beyond it is new. Its grammar state (fresh: a decode
-        side's request has accepted nothing before its first token) accepts the token here all the same, so the
-        constraint continues from the prefill worker's first token.
-        """
+        """Add a sampled token and finish the request if it is done (``engine.outputs``). With ``text_sent`` (see
+        ``add_token``) the grammar, fresh on a decode side, accepts the prefill worker's token all the same."""
         grammar = request.grammar
         if grammar is not None and not grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
             return self._fail(request, f"token {token_id} does not match the request's grammar", "sampling_error")
@@ -343,29 +325,20 @@ class LLMEngine:
         headroom_tokens: int = 0,
         prefix_cache: bool = False,
     ) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if the blocks are not free now, or
-        this engine already holds ``max_num_seqs`` requests (``at_seq_limit``).
+        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if they are not free now or this
+        engine is ``at_seq_limit``. The request then waits for ``remote_first_token`` and ``remote_kv_done``.
 
-        The reservation covers the prompt, the first generated token and ``headroom_tokens`` more (capped at what
-        the request can generate), so the request can start decoding the moment its KV is complete and grow that
-        far without asking for blocks: ``engine.blocks.reserved_blocks`` blocks, the count the router plans with.
-        The prompt's KV goes into the first ``blocks_for_tokens(len(prompt), block_size)`` of the returned ids.
-        The request waits (WAITING_FOR_REMOTE_KV) for ``remote_first_token`` and ``remote_kv_done``.
-
-        ``prefix_cache``: the leading full prompt blocks this engine's prefix cache holds are shared, not reserved
-        anew (never the whole prompt: one token is always left to compute, for the first token's logits); their
-        count in tokens is ``requests[id].num_cached_tokens`` (a multiple of the block size), and only the blocks
-        from there on are expected (``write_remote_kv``). Off by default: a caller that sends every block (the
-        engine tests' own hand-offs) must not have some of them refused.
-        """
+        The reservation (``engine.blocks.reserved_blocks``, as the router plans) covers prompt, first token and
+        ``headroom_tokens``, so decoding needs no block for that long; the prompt's KV goes into the first blocks.
+        ``prefix_cache``: leading full prompt blocks held here are shared (``num_cached_tokens``), never the whole
+        prompt, and only later blocks are expected; off by default, for callers that send every block (the tests)."""
         request = self._new_request(prompt, params, request_id, prefill_only=False)
         if self.at_seq_limit():
             return None
         num_tokens = reserved_tokens(
             request.num_prompt_tokens, request.params.max_tokens, headroom_tokens, self.max_model_len
         )
-        # a request that wants prompt logprobs shares nothing: prefill_here must compute its whole prompt (the
-        # prefill worker computes it anyway, and exports every block)
+        # prompt logprobs: prefill_here must compute the whole prompt (the prefill worker exports every block anyway)
         use_cache = prefix_cache and request.params.prompt_logprobs is None
         if not self.scheduler.reserve_remote(request, num_tokens, use_cache):
             return None
@@ -373,27 +346,21 @@ class LLMEngine:
         return list(request.block_ids)
 
     def at_seq_limit(self) -> bool:
-        """True when this engine holds ``max_num_seqs`` requests: a further reservation is refused, so a decode
-        step never has more rows than the configured batch (the decode gather buffer and the KV plan are bounded by
-        it; vLLM caps its running batch the same way). The router tries another decode worker or queues."""
+        """This engine holds ``max_num_seqs`` requests, so a reservation is refused: a decode step never exceeds the
+        configured batch, which bounds the gather buffer and the KV plan (as vLLM caps its running batch)."""
         return len(self.requests) >= self.config.max_num_seqs
 
     def missing_prompt_blocks(self, request: Request) -> list[int]:
-        """The physical blocks a reservation's imported KV goes into: its prompt's, after those it shares from the
-        prefix cache (what the receiver expects and the prefill worker sends)."""
+        """The physical blocks a reservation's imported KV goes into: its prompt's, after those shared from the
+        prefix cache."""
         block_size = self.config.block_size
         first = request.num_cached_tokens // block_size
         return request.block_ids[first : blocks_for_tokens(request.num_prompt_tokens, block_size)]
 
     def prefill_here(self, request_id: str) -> None:
         """Compute a reservation's prompt here instead of importing it (conditional disaggregation: the router sends
-        short uncached parts no prefill worker). It becomes an ordinary running request on its reserved blocks:
-        the next steps compute the tokens after its cached prefix, sample its first token here (its output carries
-        it, with its text) and decode on. ``Request.remote`` is dropped: nothing comes from elsewhere any more.
-
-        Raises KeyError for an unknown request and ValueError unless it is an untouched reservation (waiting, no
-        first token, its transfer not ended).
-        """
+        short uncached parts to no prefill worker): an ordinary running request on its reserved blocks from now on.
+        KeyError for an unknown request, ValueError unless it is an untouched reservation."""
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         remote = _remote(request)
         if remote.first_token_id is not None or remote.kv_done_s is not None or remote.kv_failed:
@@ -401,11 +368,8 @@ class LLMEngine:
         self.scheduler.prefill_here(request)
 
     def remote_first_token(self, request_id: str, token_id: int) -> None:
-        """The first token, sampled (and its text sent) by the prefill worker, reached this worker.
-
-        Raises KeyError for an unknown request (never reserved here, or already ended) and ValueError when it is not
-        waiting for remote KV, already has its first token, or the id is not in the vocabulary.
-        """
+        """The first token, sampled (and its text sent) by the prefill worker, reached this worker. KeyError for an
+        unknown request; ValueError if it is not waiting for remote KV, has a first token, or the id is out of range."""
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         remote = _remote(request)
         if remote.first_token_id is not None:
@@ -419,13 +383,9 @@ class LLMEngine:
     def write_remote_kv(
         self, request_id: str, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write one layer of a request's imported KV into its reserved blocks: the KV receiver's sink (same
-        signature, the transfer id being the request id).
-
-        Raises (so the receiver fails that transfer, and nothing is written) unless the request is waiting for its KV
-        and ``block_ids`` are among the blocks reserved for its prompt and missing here: a late or stray piece never
-        lands in blocks that another request holds now, nor in the prefix-cached blocks this request shares.
-        """
+        """Write one layer of a request's imported KV (the KV receiver's sink; the transfer id is the request id).
+        Raises, writing nothing, unless the request waits for its KV and ``block_ids`` are its missing prompt blocks,
+        so a late or stray piece never lands in another request's blocks nor in shared prefix-cached ones."""
         request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         remote = _remote(request)
         if remote.kv_done_s is not None or remote.kv_failed:
@@ -435,8 +395,8 @@ class LLMEngine:
         self.kv_cache.write_blocks(layer, block_ids, k, v)
 
     def remote_kv_done(self, request_id: str) -> bool:
-        """Every layer of the request's KV is in its reserved blocks. False if the request is gone (aborted or
-        expired meanwhile: its blocks are already free); ValueError if its transfer had already ended."""
+        """Every layer of the request's KV is in. False if the request is gone (aborted or expired: its blocks are
+        free); ValueError if its transfer had already ended."""
         request = self.requests.get(request_id)
         if request is None:
             return False
@@ -448,14 +408,10 @@ class LLMEngine:
         return True
 
     def remote_kv_failed(self, request_id: str, recompute: bool) -> bool:
-        """The request's KV transfer failed; its reserved blocks (partly written) are freed now.
-
-        ``recompute=False``: the request ends with FinishReason.ABORT and no output: it did nothing wrong, and the
-        caller (which knows whether the peer gave up on purpose and has told the client) reports the cause.
-        ``recompute=True``: it stays, blockless, until its first token is in; then it is prefilled here with that
-        token, as any waiting request (``num_recomputes`` counts it), and decodes on.
-        False if the request is gone (aborted or expired meanwhile); ValueError if its transfer had already ended.
-        """
+        """The request's KV transfer failed; its reserved (partly written) blocks are freed now. ``recompute=False``:
+        it ends with ABORT and no output (the caller knows the cause and reports it). ``recompute=True``: once its
+        first token is in, it is prefilled here (``num_recomputes``) and decodes on. False if the request is gone;
+        ValueError if its transfer had already ended."""
         request = self.requests.get(request_id)
         if request is None:
             return False
@@ -472,8 +428,8 @@ class LLMEngine:
         return True
 
     def expire_remote(self, max_wait_s: float) -> list[str]:
-        """Free the reservations whose first token has not come ``max_wait_s`` after they were made (the router lost
-        them or died); they end with FinishReason.ABORT and no output. Returns their ids, for the caller to report."""
+        """End, with ABORT and no output, the reservations whose first token has not come ``max_wait_s`` after they
+        were made (the router lost them or died); returns their ids, for the caller to report."""
         now = time.monotonic()
         expired = [
             request
@@ -490,10 +446,8 @@ class LLMEngine:
     # ---- fault injection ----------------------------------------------------------------------------------------
 
     def set_layer_hook(self, hook: LayerHook | None) -> None:
-        """For fault injection only: ``hook(layer, batch)`` runs after each layer's KV is written in every forward,
-        after the KV connector's own exports for that layer. What it raises fails that step's requests, as a failing
-        forward does; what it sleeps delays the rest of the forward (tests/cluster slow or fail prefills with it).
-        ``None`` removes it."""
+        """Fault injection: ``hook(layer, batch)`` runs after each layer's KV write, after the KV connector's exports.
+        What it raises fails that step's requests; a sleep delays the forward (tests/cluster); None removes it."""
         self.kv_exporter.user_hook = hook
 
 

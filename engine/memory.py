@@ -1,36 +1,12 @@
 """How many KV blocks a GPU engine allocates: measured, not guessed (vLLM's rule, our code).
 
-A KV block budget written by hand is either too small (the GPU idles half empty) or too large (the first long batch
-runs out of memory mid-step and fails every request in it). So on CUDA, unless the user gave ``kv_blocks`` or
-``kv_cache_memory_bytes`` (``kv_memory_mb`` in the cluster file), the engine measures:
-
-1. ``KVMemoryPlanner.start`` takes a snapshot of the device before the weights load (free and total memory, and what
-   torch's caching allocator holds), and refuses at once when ``total x gpu_memory_utilization`` is more than is free:
-   the utilization is this engine's share of the whole GPU, so two engines on one GPU each ask for their own share
-   (0.45 + 0.45), as in vLLM.
-2. ``plan`` runs after loading. Weights are what torch allocated during loading. It then runs the largest steps the
-   scheduler can make through a real ``ModelRunner`` on a small temporary KV cache: a full prefill step of
-   ``max_batch_tokens`` tokens split into prompts of ``max_model_len`` (the scheduler packs several prompts into a
-   step; the last one is a chunk at the end of a ``max_model_len`` context), with prompt logprobs, the widest prefill
-   path; and one decode step of ``max_num_seqs`` requests at ``max_model_len`` context followed by the sampler over
-   their rows (top-p and logprobs, its widest path). The peak that torch allocated
-   above what it held before each step is the activation peak. The block ids of these fake requests repeat, so the
-   temporary cache stays small, whatever ``max_model_len`` is.
-3. With decode graphs, their memory pool: a captured step allocates in the pool what its eager run allocates, and
-   graphs sharing the pool reuse each other's freed blocks, so the pool is the static step's peak at its largest
-   keys (run eagerly here, every row padding) plus each graph's kept output, rounded up to an allocator segment.
-4. What grew outside torch since the start snapshot (the CUDA context's lazily loaded kernels, cuBLAS handles) is
-   non-torch memory; the runner's decode gather buffer, which persists between steps, is counted at its bound
-   (``ModelRunner.scratch_bytes_bound``), not at what the profile happened to touch. NCCL communicators are made
-   later, one per pair group: ``nccl_peers x NCCL_BYTES_PER_PEER`` (an estimate). A fixed reserve
-   (``memory_reserve_bytes``) covers what loads after the profile (kernels loaded lazily, new streams' workspaces).
-5. ``kv = total x utilization - weights - peak activation - non-torch - scratch - graph pool - NCCL - reserve``;
-   blocks are whole blocks of it, less the blocks the KV cache allocates beyond what the block manager hands out (its
-   padding sink). A budget that holds less than one ``max_model_len`` request is an error that names the knobs and
-   the numbers.
-
-The arithmetic (``plan_kv_blocks``) is pure, and the device is read through the small ``DeviceMemory`` protocol, so
-tests drive the whole path on the CPU with a real model and fake readings; ``CudaMemory`` is the real one.
+A hand-written budget is too small (the GPU idles) or too large (a long batch runs out of memory mid-step, failing
+every request in it). So on CUDA, unless ``kv_blocks`` or ``kv_cache_memory_bytes`` is given, the engine measures:
+``KVMemoryPlanner.start`` snapshots the device before the weights load (and fails at once when ``total x
+gpu_memory_utilization``, this engine's share, is not free); ``plan`` then profiles the largest steps on a small
+cache (``_profile``, ``_graph_pool``) and ``plan_kv_blocks`` leaves the KV ``total x utilization - weights - peak -
+non-torch growth - scratch - graph pool - NCCL - reserve``, an error naming the knobs if under one max_model_len
+request. The arithmetic is pure and the device is read through ``DeviceMemory``, so tests run it all on the CPU.
 """
 
 from __future__ import annotations
@@ -57,12 +33,12 @@ from engine.scheduler import ScheduledChunk
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-# NCCL buffers per pair group (2 ranks, p2p channels, SIMPLE/LL/LL128 buffers, with cuMem's 2 MiB granularity): an
-# estimate, to be measured on the GPUs it runs on
+# NCCL buffers per pair group (2 ranks, p2p channels, SIMPLE/LL/LL128 buffers, cuMem's 2 MiB granularity): an
+# estimate, not yet measured on the GPUs it runs on
 NCCL_BYTES_PER_PEER = 512 * 1024**2
 SEGMENT_BYTES = 2 * 1024**2  # the caching allocator's small-block segment: what one graph's kept output can pin
-# more non-torch growth than the CUDA context, cuBLAS and NCCL take (about 1 GiB together) suggests another process on
-# the same GPU allocated while this engine loaded and profiled, which the budget cannot tell from its own
+# non-torch growth beyond what the CUDA context, cuBLAS and NCCL take (about 1 GiB) suggests another process on the
+# GPU allocated while this engine loaded and profiled, which the budget cannot tell from its own
 NON_TORCH_WARN_BYTES = 2 * GIB
 
 
@@ -91,8 +67,6 @@ class DeviceMemory(Protocol):
 
 
 class CudaMemory:
-    """``DeviceMemory`` of one CUDA device."""
-
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
 
@@ -133,7 +107,7 @@ class MemorySnapshot:
 
 
 def take_snapshot(memory: DeviceMemory) -> MemorySnapshot:
-    """A reading after the device is idle and torch has returned its cached, unused segments to the driver."""
+    """A reading with the device idle and torch's cached, unused segments returned to the driver."""
     memory.synchronize()
     gc.collect()
     memory.empty_cache()
@@ -164,7 +138,6 @@ class MemoryPlan:
         return int(self.total_bytes * self.utilization)
 
     def summary(self) -> str:
-        """One log line: the whole budget at a glance."""
 
         def gib(value: int) -> str:
             return f"{value / GIB:.2f}"
@@ -209,8 +182,8 @@ def plan_kv_blocks(
     nccl_bytes: int = 0,
     reserve_bytes: int = 0,
 ) -> MemoryPlan:
-    """The budget arithmetic. ``min_blocks``: what one ``max_model_len`` request needs; fewer is an error, since such
-    an engine would refuse the requests its own config admits."""
+    """The budget arithmetic. ``min_blocks``: what one ``max_model_len`` request needs; fewer is an error (the engine
+    would refuse requests its own config admits)."""
     requested = check_share(total_bytes, free_at_start_bytes, utilization)
     held = weights_bytes + peak_activation_bytes + non_torch_bytes + scratch_bytes
     kv_bytes = requested - held - graph_pool_bytes - nccl_bytes - reserve_bytes
@@ -243,7 +216,7 @@ def plan_kv_blocks(
 
 
 def needs_measured_budget(config: EngineConfig) -> bool:
-    """A CUDA engine given neither ``kv_blocks`` nor ``kv_cache_memory_bytes``: explicit settings always win."""
+    """A CUDA engine given neither ``kv_blocks`` nor ``kv_cache_memory_bytes`` (explicit settings always win)."""
     return config.device.startswith("cuda") and config.kv_blocks is None and config.kv_cache_memory_bytes is None
 
 
@@ -259,7 +232,7 @@ class KVMemoryPlanner:
 
     @classmethod
     def start(cls, config: EngineConfig, memory: DeviceMemory | None = None) -> KVMemoryPlanner | None:
-        """A planner when this engine sizes its KV from measured memory (``needs_measured_budget``), else None."""
+        """A planner when this engine sizes its KV from measured memory, else None."""
         if not needs_measured_budget(config):
             return None
         return cls(config, memory if memory is not None else CudaMemory(config.device))
@@ -267,8 +240,8 @@ class KVMemoryPlanner:
     def plan(
         self, model: PreTrainedModel, spec: KVSpec, max_model_len: int, extra_scratch_bytes: int = 0
     ) -> MemoryPlan:
-        """Profile the loaded model and budget the rest; logs the plan in one line. ``extra_scratch_bytes``: other
-        buffers the engine will keep between steps (counted like the runner's gather buffer)."""
+        """Profile the loaded model and budget the rest; logs the plan. ``extra_scratch_bytes``: other buffers the
+        engine keeps between steps (counted like the runner's gather buffer)."""
         memory, config = self.memory, self.config
         memory.synchronize()
         weights = memory.memory_allocated() - self.at_start.allocated_bytes
@@ -311,12 +284,10 @@ class KVMemoryPlanner:
         return plan
 
     def _profile(self, model: PreTrainedModel, spec: KVSpec, max_model_len: int) -> _Profile:
-        """The largest steps the scheduler can build, run on a small temporary cache: a full prefill step of
-        ``max_batch_tokens`` tokens in prompts of up to ``max_model_len`` (the last one a chunk at the end of a
-        ``max_model_len`` context), with prompt logprobs; a decode step of ``max_num_seqs`` rows at ``max_model_len``
-        context, sampled with top-p and logprobs (a prefill-only engine runs such rows too: a prompt's last token
-        alone, after its prefix came from the cache or a chunk); and, with decode graphs, the graphs' static steps at
-        their largest keys (what a captured graph's pool holds)."""
+        """The largest steps the scheduler can build, on a small cache whose block ids repeat: a full prefill step
+        of ``max_batch_tokens`` in prompts of up to ``max_model_len`` with prompt logprobs; a decode step of
+        ``max_num_seqs`` rows at ``max_model_len`` with top-p and logprobs (prefill-only engines run such rows too: a
+        prompt's last token after a cached prefix); with decode graphs, their static steps at the largest keys."""
         config = self.config
         decode_rows = min(config.max_num_seqs, config.max_batch_tokens)
         cache_tokens = min(config.max_batch_tokens, max_model_len)  # block ids repeat across the fake requests
@@ -343,10 +314,9 @@ class KVMemoryPlanner:
         return _Profile(peak, extra_blocks, scratch_bound, graph_pool)
 
     def _graph_pool(self, runner: ModelRunner, max_model_len: int) -> int:
-        """The decode graphs' pool: a captured step allocates its tensors in the pool in the order its eager run
-        does, and graphs sharing one pool reuse each other's freed blocks; what stays is each graph's output. So:
-        the largest peak of the static step at its extreme keys (run eagerly, all rows padding), plus each graph's
-        output rounded up to an allocator segment."""
+        """A captured step allocates in the pool what its eager run does, and graphs sharing the pool reuse each
+        other's freed blocks, leaving each graph's output. So: the static step's largest peak at its extreme keys
+        (run eagerly, all rows padding), plus each graph's output rounded up to an allocator segment."""
         config, memory = self.config, self.memory
         graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len, capture=False)
         keys = graphs.planned_keys()  # (batch, context blocks)
@@ -370,10 +340,8 @@ class KVMemoryPlanner:
         return peak + sum(-(-n // SEGMENT_BYTES) * SEGMENT_BYTES for n in outputs)
 
     def _measure_step(self, runner: ModelRunner, sampler: Sampler, chunks: list[ScheduledChunk]) -> int:
-        """Torch's peak in this step above what it holds once the step is over: the step's transient tensors. What
-        the step leaves allocated (the runner's gather buffer, counted at its bound instead; cuBLAS workspaces,
-        counted by ``plan``) is not in it. Runs the step as ``LLMEngine.step`` does: forward, prompt scores,
-        sampler."""
+        """Torch's peak in this step above what it holds after: the transient tensors (what stays, the gather buffer
+        and cuBLAS workspaces, is counted elsewhere). Runs forward, prompt scores and sampler, as ``LLMEngine.step``."""
         memory = self.memory
         memory.synchronize()
         memory.reset_peak_memory_stats()
@@ -394,12 +362,12 @@ def prefill_lengths(max_batch_tokens: int, max_model_len: int) -> list[int]:
 class _Profile:
     peak: int  # peak activation bytes of the largest steps
     extra_blocks: int  # the KV cache's blocks beyond the block manager's
-    scratch_bound: int  # the runner's scratch bound
+    scratch_bound: int
     graph_pool: int  # the decode graphs' pool, 0 without graphs
 
 
 def _fake_tokens(length: int, vocab_size: int) -> list[int]:
-    """Token ids of a profiling request: the values do not matter to memory, only the length."""
+    """Token ids of a profiling request: only the length matters to memory."""
     return [(i * 7919) % vocab_size for i in range(length)]
 
 

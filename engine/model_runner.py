@@ -1,11 +1,9 @@
 """Turns a scheduled step into one forward pass and the logits that need sampling.
 
-A step is a list of ``ScheduledChunk``: for each request, how many of its next tokens to compute. Prefill chunks,
-continued chunks of a long prompt and single decode tokens all pack into one ragged row (no padding): their
-positions, cache slots and context lengths go to the paged attention in an ``AttentionBatch``. Only the last token of a
-chunk that reaches the end of its request is projected to the vocabulary; that saves the lm_head over the whole prompt.
-The exception is a request that asked for prompt logprobs: ``score_prompts`` projects every position of its chunks
-(from the hidden states the last forward kept for it, in slices, reduced at once to the logprobs it needs).
+Every ``ScheduledChunk`` of the step (prefill chunks, continued chunks of a long prompt, single decode tokens) packs
+into one ragged row, with positions, cache slots and context lengths in an ``AttentionBatch``. Only the last token of
+a chunk that reaches its request's end goes through the lm_head, except for prompt logprobs: ``score_prompts``
+projects every position of such chunks, in slices, from the hidden states the last forward kept.
 """
 
 from __future__ import annotations
@@ -52,8 +50,7 @@ class ModelRunner:
         self.layer_hook: LayerHook | None = None
         self.backend: AttentionBackend = backend or SdpaBackend()  # engine.attention.select_backend picks it
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps on CUDA graphs (engine.decode_graphs)
-        # the last forward's hidden states [tokens, hidden] and each chunk's first row, kept only when some chunk
-        # wants prompt logprobs (``score_prompts``); dropped by the next forward
+        # the last forward's hidden states [tokens, hidden] and chunk start rows, kept for prompt logprobs only
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
         self._gather_limit: tuple[int, int, int] | None = None  # (blocks, max_num_seqs, max_model_len): limit_scratch
@@ -61,9 +58,8 @@ class ModelRunner:
         self._block_elems = spec.block_size * spec.num_kv_heads * spec.head_dim  # one block of one layer's K (or V)
 
     def scratch_bytes_bound(self, max_num_seqs: int, max_model_len: int) -> int:
-        """The most device memory this runner keeps between steps: the backend's workspace, plus (for backends that
-        gather) the decode gather buffer of ``max_num_seqs`` rows of ``max_model_len`` context, one layer's K and V.
-        The engine's KV budget counts this (``engine.memory``)."""
+        """The most device memory this runner keeps between steps, counted in the KV budget (``engine.memory``): the
+        backend's workspace, plus a gather buffer of ``max_num_seqs`` rows of ``max_model_len`` if it gathers."""
         workspace = self.backend.workspace_bytes()
         if not self.backend.needs_groups:
             return workspace
@@ -71,7 +67,7 @@ class ModelRunner:
         return workspace + 2 * blocks * self._block_elems * self.kv_cache.spec.dtype.itemsize
 
     def limit_scratch(self, max_num_seqs: int, max_model_len: int) -> int:
-        """Cap the gather buffer at ``scratch_bytes_bound`` (the engine's configured batch); returns that bound."""
+        """Cap the gather buffer at ``scratch_bytes_bound``; returns that bound."""
         self._gather_limit = (
             max_num_seqs * blocks_for_tokens(max_model_len, self.block_size),
             max_num_seqs,
@@ -81,12 +77,12 @@ class ModelRunner:
 
     @property
     def scratch_bytes(self) -> int:
-        """Device memory this runner keeps between steps now (gather storage and backend workspace)."""
+        """Device memory this runner keeps between steps now."""
         return self._gather_storage.numel() * self._gather_storage.element_size() + self.backend.workspace_bytes()
 
     def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
-        """A contiguous [2, num_blocks, *block shape] view of storage kept across steps (grown, never shrunk, and
-        never past ``limit_scratch``'s bound: a batch over it is an error, not an unbudgeted allocation)."""
+        """A [2, num_blocks, *block shape] view of storage kept across steps (grown, never shrunk, never past
+        ``limit_scratch``'s bound: a batch over it is an error, not an unbudgeted allocation)."""
         spec = self.kv_cache.spec
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         numel = 2 * num_blocks * self._block_elems
@@ -108,10 +104,8 @@ class ModelRunner:
         return input_ids, position_ids, batch
 
     def _build(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
-        """The step's inputs, attention metadata and the rows to project to the vocabulary. Every integer the
-        device needs (token ids, positions, slots, block tables, context lengths, decode token index, chunked
-        prefills' context slots, sampled rows) is listed on the host into one int64 tensor (pinned on CUDA) and moved
-        with ONE non-blocking copy; the pieces are views of it (``engine.attention.metadata``)."""
+        """The step's inputs, attention metadata and the rows to project to the vocabulary, every integer moved in
+        ONE non-blocking copy (``engine.attention.metadata``)."""
         backend = self.backend
         bs = self.block_size
         token_ids: list[int] = []
@@ -235,9 +229,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score_prompts(self, chunks: list[ScheduledChunk]) -> list[PromptScores]:
-        """The prompt logprobs the last ``execute`` (of these chunks) makes computable: for each chunk that wants
-        them, the log-softmax of its positions' logits at the next prompt token, and its top ``prompt_logprobs``
-        (on the device; the sampler brings them to the host with the step's tokens)."""
+        """For each chunk of the last ``execute`` that wants them: the log-softmax of its positions' logits at the
+        next prompt token and its top ``prompt_logprobs``, on the device (the sampler brings them to the host)."""
         kept, self._kept_hidden = self._kept_hidden, None
         if kept is None:
             return []
@@ -262,15 +255,14 @@ class ModelRunner:
 
 
 def wait_for_compute(device: torch.device) -> None:
-    """The end of a step on CUDA (kernels run asynchronously): this thread's current stream is done. Only that
-    stream: a device-wide synchronize would also wait for pending NCCL receives, the staging copy stream and the
-    KV receiver's side stream, so a slow or dead transfer peer would stall every step."""
+    """The end of a step on CUDA: this thread's current stream is done. Only that stream: a device-wide synchronize
+    would also wait for NCCL receives and the transfer side streams, so a dead transfer peer would stall every step."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
 def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
-    """Rows of the packed row whose hidden state goes to the lm_head: the last token of each chunk that samples."""
+    """The packed rows whose hidden state goes to the lm_head: the last token of each chunk that samples."""
     rows, offset = [], 0
     for chunk in chunks:
         offset += chunk.num_tokens

@@ -1,16 +1,9 @@
-"""What a sampled token makes of a request: its finish reason, its text, and the ``RequestOutput`` a worker streams.
+"""The output path of a step: what a sampled token makes of a request (finish reason, text, ``RequestOutput``).
 
-``LLMEngine`` (``engine.llm_engine``) steps the model and owns each request's blocks; this module is the output
-path it calls once per sampled token and once per finish, and none of it touches the scheduler or the KV cache. Its
-own module because it is the part of a step that concerns text: stop conditions, detokenization, logprobs and the
-shapes handed back (``RequestOutput`` per step, ``CompletionResult`` for ``generate``).
-
-Every output carries ``text_delta``, the text its tokens add, made here by the request's incremental detokenizer in
-time proportional to the new tokens, so workers stream text and the router only relays it. The first token's text is
-sent by the prefill worker; the decode side runs the same deterministic detokenizer over the same tokens, so it
-drops its own delta for that token and its later deltas continue exactly where the prefill worker's ended.
-
-The tokenizer is passed to each call (the engine's current one), never kept here.
+Called by ``LLMEngine`` once per sampled token and per finish; it never touches the scheduler or the KV cache, nor
+keeps the tokenizer. Every output's ``text_delta`` comes from the request's incremental detokenizer, so workers
+stream text and the router only relays it. The prefill worker sends the first token's text; the decode side runs the
+same deterministic detokenizer over the same tokens and drops its own delta for that token, continuing exactly there.
 """
 
 from __future__ import annotations
@@ -31,12 +24,9 @@ def add_token(
     max_model_len: int,
     text_sent: bool = False,
 ) -> tuple[FinishReason | None, str]:
-    """Add a sampled token (its grammar already accepted it), detokenize it (O(new tokens)); returns why the request
-    is done (None if it goes on) and the text the token adds. The caller finishes the request when it is done.
-
-    ``text_sent``: the token's text was already sent by a prefill worker, which ran exactly this non-final ``add`` on
-    a fresh detokenizer; only what a finish adds beyond it is new.
-    """
+    """Add a sampled token (its grammar already accepted it) and detokenize it; returns why the request is done
+    (None: it goes on) and the token's text, for the caller to finish the request. ``text_sent``: a prefill worker
+    sent the text, having run exactly this non-final ``add`` on a fresh detokenizer; only a finish's rest is new."""
     request.output_token_ids.append(token_id)
     if request.timing.first_token_s is None:
         request.timing.first_token_s = time.monotonic()
@@ -77,7 +67,7 @@ def token_output(
     logprob: TokenLogprob | None = None,
     text_sent: bool = False,
 ) -> RequestOutput:
-    """The output of a request that gained ``token_id`` (made after the request was finished, when it was)."""
+    """The output of a request that gained ``token_id`` (made after finishing the request, if it finished)."""
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=[token_id],
@@ -95,7 +85,7 @@ def token_output(
 
 
 def error_output(request: Request, error: str, code: str) -> RequestOutput:
-    """The finished output of a request that failed (made after it was finished with FinishReason.ERROR)."""
+    """The finished output of a request that failed (made after finishing it with FinishReason.ERROR)."""
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=[],
@@ -126,8 +116,8 @@ def _make_detokenizer(request: Request, tokenizer: Any) -> IncrementalDetokenize
 
 
 def _prompt_logprobs_out(request: Request, text_sent: bool) -> list[TokenLogprob | None] | None:
-    """The prompt logprobs go with the first token sampled here (a decode side's admission had them sent by the
-    prefill worker, with that token); a one-token prompt has only entry 0."""
+    """The prompt logprobs go with the first token sampled here (for a decode-side admission the prefill worker
+    sent them); a one-token prompt has only entry 0."""
     if request.params.prompt_logprobs is None or text_sent or len(request.output_token_ids) != 1:
         return None
     return request.prompt_logprobs or [None]
@@ -144,7 +134,6 @@ def merge_outputs(admitted: dict[str, RequestOutput], outputs: list[RequestOutpu
 
 
 def completion(request: Request) -> CompletionResult:
-    """A finished request as ``generate`` returns it."""
     if request.finish_reason is None:
         raise RuntimeError(f"request {request.request_id!r} has not finished")
     return CompletionResult(

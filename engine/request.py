@@ -1,9 +1,8 @@
 """One object per request: the engine's whole view of a generation.
 
-A request only tracks how many of its tokens have KV in the cache (``num_computed_tokens``) against how many tokens it
-has (prompt plus generated). The scheduler needs nothing else to mix chunked prefill and decode in one step: a request
-whose computed count lags by more than one token is still prefilling, one that lags by exactly one is decoding. Derived
-values are properties, never stored copies, so they cannot go stale.
+A request tracks only how many of its tokens have KV in the cache (``num_computed_tokens``) against how many it has
+(prompt plus generated): lagging by more than one it is prefilling, by exactly one decoding, which is all the scheduler
+needs to mix chunked prefill and decode in one step. Derived values are properties, so they cannot go stale.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status has exactly one way out to FINISHED, which frees its blocks."""
 
     WAITING = 0  # queued for KV blocks and a first prefill chunk
-    # blocks reserved, KV arriving from a prefill worker (``Request.remote``); admitted by the scheduler once the KV
-    # and the first token are in (after a failed transfer to be recomputed: blockless until its first token)
+    # blocks reserved, KV arriving from a prefill worker (``Request.remote``); after a failed transfer, to be recomputed
     WAITING_FOR_REMOTE_KV = 1
     RUNNING = 2  # holds blocks, scheduled every step (prefill chunks, then one token per step)
     PREFILLED = 3  # prefill-only request done: blocks held for export until released
@@ -45,11 +43,9 @@ MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit; vLLM's defa
 
 @dataclass(slots=True)
 class GuidedDecoding:
-    """A grammar every output token must keep the text inside (xgrammar, ``engine/structured.py``).
-
-    It travels with the sampling parameters, so the prefill worker (first token) and the decode worker (the rest)
-    compile the same grammar; the decode side replays the tokens already sampled to reach the same state.
-    """
+    """A grammar every output token must keep the text inside (xgrammar, ``engine/structured.py``). It travels with
+    the sampling parameters, so prefill and decode workers compile the same one; the decode side replays the tokens
+    already sampled to reach the same state."""
 
     kind: GuidedKind
     spec: str = ""  # json_schema: the schema as JSON text; regex: the pattern; ebnf: the grammar; json_object: ""
@@ -57,9 +53,8 @@ class GuidedDecoding:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One position's log probabilities: the chosen token's and the ``top`` most likely (token id, logprob), most
-    likely first. Values are the model's own distribution (``log_softmax`` of the raw logits, before temperature,
-    penalties, bias or grammar), as vLLM and OpenAI report them."""
+    """The chosen token's logprob and the ``top`` (token id, logprob), most likely first: the model's own
+    distribution (``log_softmax`` of the raw logits, before temperature, penalties, bias or grammar), as OpenAI's."""
 
     token_id: int
     logprob: float
@@ -166,11 +161,8 @@ def _is_number(value: object) -> bool:
 
 @dataclass(slots=True)
 class KVExport:
-    """Prefill side: where a request's KV goes and how many of its logical blocks have been reported (every layer).
-
-    ``first_block``: the receiver holds the blocks before it already; reporting starts there (``num_blocks_reported``
-    begins at it), so every later rule (streamed or not, chunked, preempted) clips the same way.
-    """
+    """Prefill side: where a request's KV goes and how many of its logical blocks were reported (every layer).
+    ``first_block``: the receiver already holds the blocks before it, so reporting starts there."""
 
     sink: Callable[[Any], None]  # engine.kv_connector.KVSink: what the KV of each finished block goes to
     stream: bool
@@ -185,11 +177,8 @@ class KVExport:
 
 @dataclass(slots=True)
 class RemoteKV:
-    """Decode side: a request whose KV comes from a prefill worker (status WAITING_FOR_REMOTE_KV until admitted).
-
-    Stamps are ``time.monotonic`` seconds. ``ready`` is the join the scheduler waits for: the first token is in, and
-    the KV is complete or, after a failed transfer, will be recomputed here.
-    """
+    """Decode side: a request whose KV comes from a prefill worker; stamps are ``time.monotonic`` seconds. ``ready``
+    is the join the scheduler waits for: first token in, and KV complete or (after a failure) to be recomputed."""
 
     expected_s: float  # blocks reserved; the KV is expected from now on
     first_token_id: int | None = None  # sampled by the prefill worker, brought by the router
@@ -212,13 +201,8 @@ class RemoteKV:
 
 @dataclass(slots=True)
 class RequestTiming:
-    """When things happened to one request (``time.monotonic`` seconds): the one record of its stamps.
-
-    Every ``RequestOutput`` of the request references this object, so a worker reports from it and keeps no table
-    of its own. The properties give the figures the workers report (None where they do not apply yet): the prefill
-    side's ``queue_s``, ``compute_s`` and ``first_token_s`` (the message key ``end_mono``); the decode side's
-    ``kv_done_mono``, ``kv_transfer_s``, ``kv_wait_after_first_token_s``, ``decode_queue_s`` and ``recomputed``.
-    """
+    """When things happened to one request (``time.monotonic`` seconds), and the figures workers report from them
+    (None where they do not apply yet). Every ``RequestOutput`` references this object, so workers keep no table."""
 
     arrival_s: float  # reached the worker (backdated by the caller to when its message arrived)
     scheduled_s: float | None = None  # first admitted into the running batch from the waiting queue
@@ -242,7 +226,6 @@ class RequestTiming:
     # ---- decode side (remote KV) -----------------------------------------------------------------------------------
     @property
     def kv_done_mono(self) -> float | None:
-        """When the imported KV was complete."""
         return None if self.remote is None else self.remote.kv_done_s
 
     @property
@@ -263,9 +246,8 @@ class RequestTiming:
 
     @property
     def decode_queue_s(self) -> float | None:
-        """From the join (KV, or its recompute decision, and first token both in) to the end of the first step that
-        computed a token for it here (to its admission when it finished at admission): what the second token waits
-        for beyond the KV."""
+        """From the join (KV or its recompute decision, and first token) to the end of the first step computing a
+        token here (or to admission, if it finished there): what the second token waits for beyond the KV."""
         remote = self.remote
         if remote is None or remote.ready_s is None:
             return None
@@ -296,13 +278,11 @@ class Request:
     detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made with the first token
     stop_token_set: frozenset[int] | None = None  # params.stop_token_ids as a set, made on first use
     grammar: Any = None  # engine.structured.GrammarState of params.guided: what the next token may be
-    # params.prompt_logprobs: entry j scores prompt token j (entry 0 None), filled chunk by chunk as the prompt is
-    # computed, handed out with the first token
+    # entry j scores prompt token j (entry 0 None), filled as the prompt is computed, sent with the first token
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why it ended with FinishReason.ERROR
     kv_export: KVExport | None = None  # prefill side: where its KV goes, and how many blocks were reported
 
-    # the stamps live in ``timing`` (one place, which outputs reference); these read them
     @property
     def arrival_s(self) -> float:
         return self.timing.arrival_s
@@ -355,8 +335,8 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """Its prompt's logprobs are still to be computed here: asked for, and no token yet (a decode-side request
-        gets its first token from the prefill worker, which computed them; a recompute has output tokens)."""
+        """Prompt logprobs still to compute here: asked for, and no token yet (a decode-side request's first token
+        comes from the prefill worker, which computed them; a recompute has output tokens)."""
         return self.params.prompt_logprobs is not None and not self.output_token_ids
 
 
@@ -371,10 +351,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     text: str  # the whole output text, set once the request has finished ("" before)
-    # the text safe to send now (engine.detokenizer's rules: half a UTF-8 character and the characters that could
-    # still start a stop string are held back; everything at the finish; cut at a stop string). Joined over every
-    # output of a request they make ``output_text``; a prefill-only request's is the first token's, as decoding would
-    # send it, and the decode side's admission output continues from there
+    # the text safe to send now (engine.detokenizer's rules); joined over a request's outputs it is ``output_text``.
+    # A prefill-only request's is the first token's, as decoding would send it; the decode side continues from there
     text_delta: str = ""
     error: str | None = None  # finish_reason ERROR: what went wrong, for the client
     error_code: str | None = None  # finish_reason ERROR: "sampling_error" (this request's logits) or "worker_error"

@@ -1,23 +1,12 @@
 """Next-token choice for a whole batch at once: logits processing, greedy or sampled tokens, and log probabilities.
 
-Every row's parameters become tensors for the step, so the work is a few batched tensor operations whatever the mix
-of requests; nothing loops over the vocabulary in Python. What a plain batch (no penalties, bias, grammar, min_tokens
-or logprobs) does not use costs it nothing: each stage runs only when some row needs it.
-
-Order (vLLM's): the RAW logits' log-softmax is taken first when some row asked for logprobs (OpenAI and vLLM report
-the model's own distribution); then min_tokens (EOS and stop ids masked), logit_bias, repetition / presence /
-frequency penalties and the grammar's bitmask make the PROCESSED logits. Greedy rows take their argmax. Sampled rows
-divide by their temperature, apply min_p, top-k and top-p, and draw with an exponential race: ``argmax(probs / q)``
-with ``q ~ Exp(1)`` is a draw from ``probs`` (the Gumbel-max trick in another form), needs no cumulative sums, and
-cannot assert on the device for a bad row as ``torch.multinomial`` does.
-
-Seeds: a seeded row draws its ``q`` from a generator seeded by (seed, output position) alone, so its tokens depend
-neither on the batch nor on which engine samples which position: the prefill worker samples position 0 and the decode
-worker the rest, and together they give the text one engine would. Unseeded rows share one engine-wide generator.
-
-Every row is checked, and a bad row fails only its own request: raw logits that hold NaN or +inf (or are all -inf),
-or a processed distribution that is not finite or leaves nothing to draw, give that row an error instead of a token.
-All results (tokens, validity, logprobs, prompt logprobs) reach the host in one transfer per step.
+Each row's parameters become tensors, so a step is a few batched ops whatever the mix; a stage runs only when some
+row needs it. In vLLM's order: logprobs from the RAW logits (the model's own distribution, as OpenAI reports it);
+logit_bias, penalties, min_tokens and the grammar make the PROCESSED logits; greedy rows take the argmax, sampled rows
+apply temperature, min_p, top-k, top-p and draw ``argmax(probs / q)``, ``q ~ Exp(1)`` (no cumulative sums, and no
+device assert on a bad row as in ``torch.multinomial``). A seeded row's ``q`` depends on (seed, output position)
+alone, so prefill and decode workers together give the text one engine would. A bad row (NaN or +inf or all -inf
+raw logits, or an unusable processed distribution) fails only its own request; results reach the host in one copy.
 """
 
 from __future__ import annotations
@@ -37,9 +26,8 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(slots=True)
 class PromptScores:
-    """Prompt logprobs computed by one forward for one request, on the device (``ModelRunner.score_prompts``):
-    entries ``first_entry .. first_entry + len(chosen) - 1`` of its ``prompt_logprobs`` (entry j scores prompt
-    token j given the tokens before it)."""
+    """Prompt logprobs of one request from one forward, on the device (``ModelRunner.score_prompts``): entries
+    ``first_entry ..`` of its ``prompt_logprobs`` (entry j scores prompt token j given the tokens before it)."""
 
     request: Request
     first_entry: int
@@ -50,11 +38,8 @@ class PromptScores:
 
 @dataclass(slots=True)
 class SampleResult:
-    """One entry per row: a token id and no error, or None and the reason that row could not be sampled.
-
-    ``logprobs[row]``: the chosen token's ``TokenLogprob`` when its request asked for logprobs (else None).
-    ``prompt_logprobs``: per request id, the prompt entries this step computed, in order (``PromptScores``).
-    """
+    """Per row a token id and no error, or None and why the row could not be sampled; ``logprobs[row]`` when its
+    request asked for them; ``prompt_logprobs`` by request id, the prompt entries this step computed, in order."""
 
     token_ids: list[int | None]
     errors: list[str | None]
@@ -63,8 +48,7 @@ class SampleResult:
 
 
 def seed_for_position(seed: int, position: int) -> int:
-    """A 63-bit generator seed from (request seed, output position): splitmix64 of both, so neighbouring seeds or
-    positions give unrelated streams."""
+    """A 63-bit generator seed: splitmix64 of both, so neighbouring seeds or positions give unrelated streams."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) & _MASK63
 
 
@@ -76,8 +60,7 @@ def _splitmix64(x: int) -> int:
 
 
 def logprob_summary(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """From float32 logprobs ``[n, vocab]`` (``log_softmax`` of the logits): the targets' values ``[n]`` and the
-    top ``k`` (values and ids ``[n, k]``, most likely first)."""
+    """From float32 logprobs ``[n, vocab]``: the targets' values ``[n]`` and the top ``k`` (values, ids ``[n, k]``)."""
     chosen = logprobs.gather(1, targets.view(-1, 1)).view(-1)
     if k > 0:
         top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
@@ -87,8 +70,6 @@ def logprob_summary(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> tu
 
 
 class Sampler:
-    """The engine's sampler: its EOS ids (for min_tokens) and the generators it draws with."""
-
     def __init__(self, eos_token_ids: Iterable[int] = (), device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.generator = torch.Generator(device=device)  # unseeded rows: one stream for the engine
@@ -99,8 +80,7 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, requests: Sequence[Request], prompt_scores: Sequence[PromptScores] = ()
     ) -> SampleResult:
-        """``logits`` is float32 ``[len(requests), vocab]`` (modified in place); returns a token id or an error per
-        row, the rows' logprobs and the prompt logprobs of ``prompt_scores``, after one host transfer."""
+        """``logits``: float32 ``[len(requests), vocab]``, modified in place. One host transfer."""
         num_rows = len(requests)
         params = [r.params for r in requests]
         if num_rows == 0:  # a step of prompt chunks only: their prompt logprobs, if any
@@ -133,8 +113,8 @@ class Sampler:
     # ---- logits processing ------------------------------------------------------------------------------------
 
     def _process(self, logits: torch.Tensor, requests: Sequence[Request]) -> bool:
-        """min_tokens, logit_bias, penalties and grammar, in place, only for the rows that use them; True if any
-        row was changed (its masks may have left it nothing)."""
+        """min_tokens, logit_bias, penalties and grammar, in place, where used; True if any row changed (then it may
+        have nothing left)."""
         vocab = logits.shape[-1]
         mask_rows: list[int] = []
         mask_cols: list[int] = []
@@ -201,9 +181,8 @@ class Sampler:
         return (probs / self._exponential(probs, [requests[r] for r in rows])).argmax(dim=-1), ok
 
     def _exponential(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """``q ~ Exp(1)`` per row and token, as ``-log(u)`` with ``u ~ U[0, 1)`` (five times cheaper than
-        ``exponential_`` on a CPU; u = 0 gives q = inf, a token that cannot win, which has probability 0 anyway;
-        q is never 0). Seeded rows draw from their (seed, position) generator, the rest from the engine's."""
+        """``q ~ Exp(1)`` as ``-log(u)``, ``u ~ U[0, 1)`` (five times cheaper than ``exponential_`` on a CPU; u = 0
+        gives q = inf, a token that cannot win, which has probability 0 anyway)."""
         seeded = [i for i, r in enumerate(requests) if r.params.seed is not None]
         if not seeded:
             return torch.rand(probs.shape, generator=self.generator, device=probs.device).log_().neg_()
@@ -231,9 +210,8 @@ class Sampler:
         lp: tuple[torch.Tensor, ...] | None,
         prompt_scores: Sequence[PromptScores],
     ) -> SampleResult:
-        """One host transfer for everything: token ids and validity alone when nothing else was asked for, else
-        every figure packed into one float64 vector (token ids and float32 values are exact in it). A failed row's
-        token is -1 (raw logits not finite) or -2 (its processed distribution is unusable)."""
+        """One host transfer: ids and validity alone when that is all, else every figure in one float64 vector (exact
+        for ids and float32). A failed row's token is -1 (raw logits not finite) or -2 (processed ones unusable)."""
         num_rows = len(requests)
         codes = tokens.masked_fill(~valid, -2).masked_fill_(~finite, -1)
         if lp is None and not prompt_scores:
@@ -300,8 +278,8 @@ def _long(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-    """OpenAI presence / frequency penalties on the output tokens' counts and the CTRL repetition penalty on tokens
-    of the prompt and the output (transformers' and vLLM's rule), for ``rows`` of ``logits``, in place."""
+    """OpenAI presence / frequency penalties on the output's counts and the CTRL repetition penalty on prompt and
+    output tokens (transformers' and vLLM's rule), for ``rows`` of ``logits``, in place."""
     device, vocab = logits.device, logits.shape[-1]
     index = _long(rows, device)
     sub = logits[index]
@@ -330,13 +308,10 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[i
 
 
 def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
-    """top-k (0: off; ties at the k-th kept), then top-p over what is left: a token goes when the tokens ranked
-    above it already cover top_p (the most likely always stays). In place.
-
-    Each row keeps the scores at or above one threshold, found on its scores in descending order: only the largest
-    ``max(top_k)`` when every top-p row also has a top-k (``topk``), the whole vocabulary otherwise (a sort: about
-    100 ms for a [32, 49152] batch on one CPU core, against 2 ms for ``topk`` of 50). Rows that use neither keep all.
-    """
+    """top-k (0: off; ties at the k-th kept), then top-p over the rest: a token goes when the tokens above it already
+    cover top_p (the most likely always stays). In place. Each row keeps the scores above one threshold, found over
+    the largest ``max(top_k)`` (``topk``) when every top-p row has a top-k, else over a sort of the whole vocabulary
+    (about 100 ms for [32, 49152] on one CPU core, against 2 ms for ``topk`` of 50)."""
     device, vocab = scores.device, scores.shape[-1]
     used = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k or p < 1.0]
     sub = scores if len(used) == len(top_k) else scores[_long(used, device)]

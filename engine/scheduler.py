@@ -1,24 +1,14 @@
-"""Continuous batching: which requests compute how many tokens in the next forward.
+"""Continuous batching: which requests compute how many tokens in the next forward, within ``max_batch_tokens``.
 
-Every step has a token budget (``max_batch_tokens``). Running requests go first, in arrival order: a decoding request
-takes one token, a request still prefilling takes the next chunk of its prompt that fits. Then waiting requests are
-admitted in FIFO order while budget and ``max_num_seqs`` allow, each only if the KV blocks for its whole prompt can be
-allocated now (reusing prefix-cached blocks). A request that cannot get blocks waits; memory is never overcommitted.
+1. Running requests first, in arrival order: a decode takes one token, a prefill the next prompt chunk that fits.
+2. Then waiting requests, FIFO, while ``max_num_seqs`` allows and the blocks for the whole prompt can be allocated
+   now (prefix-cached blocks reused): memory is never overcommitted.
+3. A running request that needs a block when none is free preempts the most recently admitted one (maybe itself),
+   which goes back to the front of the queue with its tokens, to be prefilled again (recompute).
 
-Preemption (recompute): when a running request needs a new block for its next token and none is free, the most
-recently admitted running request is preempted: its blocks are freed, its computed count is reset and it goes back to
-the front of the waiting queue, keeping the tokens it generated. When it is admitted again its prompt plus those
-tokens are prefilled again (full blocks are usually still in the prefix cache), and generation continues where it
-stopped. If the request itself is the only one left, it is preempted and waits for blocks.
-
-Remote KV (decode side): a request whose KV comes from a prefill worker holds its reserved blocks with status
-WAITING_FOR_REMOTE_KV and is not scheduled. ``remote_progress`` is told when its first token or its KV arrives (or its
-transfer fails, to be recomputed); once both halves are in, it joins ``remote_ready``, and ``admit_remote`` (called by
-the engine at the start of a step, so between steps) takes it: into the running batch with its prompt KV complete, or,
-to recompute, into the waiting queue, where it is prefilled like any request. Its blocks are already reserved, so
-admission asks for none and is not held back by ``max_num_seqs`` (a cap would only idle reserved memory). A
-reservation the router has prefilled here instead (``LLMEngine.prefill_here``) joins the running batch the same way,
-its computed count at its cached prefix: the running loop computes the rest in chunks, as for a resumed request.
+Decode side: a reserved request (WAITING_FOR_REMOTE_KV) is admitted by ``admit_remote`` at the start of a step once
+its first token and KV are in, asking for no blocks and ignoring ``max_num_seqs`` (a cap would only idle reserved
+memory); one prefilled here instead (``prefill_here``) joins the running batch at its cached prefix.
 """
 
 from __future__ import annotations
@@ -71,9 +61,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve_remote(self, request: Request, num_tokens: int, use_prefix_cache: bool) -> bool:
-        """Hold blocks for ``num_tokens`` of a request whose prompt's KV comes from elsewhere (WAITING_FOR_REMOTE_KV);
-        with ``use_prefix_cache`` its leading full blocks this cache holds are shared (``num_cached_tokens``). False
-        when the blocks are not free now: memory is never overcommitted."""
+        """Hold blocks for ``num_tokens`` of a request whose prompt KV comes from elsewhere; with
+        ``use_prefix_cache`` the leading full blocks held here are shared. False when the blocks are not free now."""
         allocation = self.block_manager.allocate(
             request.prompt_token_ids, num_tokens, use_prefix_cache=use_prefix_cache
         )
@@ -104,8 +93,7 @@ class Scheduler:
             )
 
     def add_running(self, request: Request) -> None:
-        """A request on blocks it already holds joins between steps: its KV imported from a prefill worker, or (a
-        reservation prefilled here) its cached prefix, the rest computed by the next steps."""
+        """A request on blocks it already holds joins between steps: KV imported, or a reservation prefilled here."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -121,8 +109,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.remote_ready)
 
     def remote_progress(self, request: Request) -> None:
-        """A WAITING_FOR_REMOTE_KV request's first token or KV came (or its transfer failed, to be recomputed):
-        once both halves are in, it is queued for admission."""
+        """A remote request's first token or KV came (or its transfer failed): once both are in, it is queued."""
         remote = request.remote
         if remote is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request.request_id!r} is not waiting for remote KV")
@@ -131,8 +118,8 @@ class Scheduler:
             self.remote_ready.append(request)
 
     def admit_remote(self) -> list[Request]:
-        """Take the ready remote requests (between steps): KV imported -> RUNNING with the prompt computed;
-        to recompute -> WAITING, at the back of the queue. The caller appends each one's first token."""
+        """Take the ready remote requests: KV imported -> RUNNING with the prompt computed; to recompute ->
+        WAITING, at the back. The caller appends each one's first token."""
         admitted = list(self.remote_ready)
         self.remote_ready.clear()
         now = time.monotonic()

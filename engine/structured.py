@@ -1,26 +1,12 @@
-"""Structured output: the grammar a request's text must match, as a per-step token mask (xgrammar).
+"""Structured output: the grammar a request's text must match, as a per-step token mask (xgrammar, on the CPU).
 
-xgrammar is the grammar engine vLLM and SGLang use. It runs on the CPU: for each request with a grammar the engine
-asks the request's ``GrammarState`` for a bitmask of the tokens that keep the text inside the grammar (one bit per
-vocabulary id, 32 per int32), applies the masks of the whole batch to the logits in one call (``apply_bitmask``),
-samples, and feeds the chosen token back (``GrammarState.accept``). The state is nothing but the tokens accepted so
-far, so a decode worker that receives a request from a prefill worker reaches the same state by accepting the tokens
-already sampled: the constraint holds across the hand-off without shipping any parser state.
-
-Compiling is the expensive part (a schema against a 150k vocabulary takes tens to hundreds of milliseconds), so:
-- one ``xgrammar.TokenizerInfo`` + ``GrammarCompiler`` per (tokenizer, model vocab width, stop ids), made on first
-  use and dropped with the tokenizer (a weak reference: tests build many tokenizers);
-- compiled grammars in a bounded LRU per compiler keyed by (kind, spec): n choices, retries and repeated requests
-  with the same schema (an agent's tool list) compile once. xgrammar's own cache is off so there is one bound.
-
-JSON comes out without free whitespace (``any_whitespace=False``: the separators are json.dumps' ``", "`` and
-``": "``). A grammar that allows any whitespace lets a model, small random ones especially, emit newlines forever;
-fixed separators make every JSON value finish once its content does. ``json_object`` is the schema
-``{"type": "object"}`` (any object: OpenAI promises an object, which xgrammar's builtin JSON grammar, arrays and
-free whitespace included, does not).
-
-This module imports only torch and xgrammar (engine layer): the API validates specs with ``compile_grammar`` too,
-through its own tokenizer, so a bad schema is a 400 before any worker sees the request.
+Per step each constrained request's ``GrammarState`` fills a bitmask row, ``apply_bitmask`` masks the batch's logits,
+and the sampled token is fed back (``accept``). The state is just the tokens accepted, so a decode worker reaches the
+prefill worker's state by accepting the tokens already sampled. Compiling costs tens to hundreds of ms (a schema
+against a 150k vocabulary), so compilers are cached per (tokenizer, vocab width, stop ids), weakly, each with an LRU
+of grammars (xgrammar's own cache is off: one bound). The API compiles too, so a bad schema is a 400 at the door.
+JSON has fixed separators (``any_whitespace=False``): with free whitespace a small model may emit newlines forever.
+``json_object`` is the schema ``{"type": "object"}``: OpenAI promises an object; xgrammar's JSON grammar allows arrays.
 """
 
 from __future__ import annotations
@@ -41,7 +27,7 @@ from engine.request import GuidedDecoding
 
 GRAMMAR_CACHE_SIZE = 128  # compiled grammars kept per compiler (LRU); each holds per-state token masks
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI json_object: any JSON object (not an array, not a scalar)
-# a bounded-length JSON string character as xgrammar 0.2 prints it (it lets control characters through), and the class
+# a bounded-length JSON string character as xgrammar 0.2 prints it (control characters get through), and the class
 # JSON allows (no quote, no backslash, nothing below 0x20), in xgrammar's EBNF spelling
 _BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
@@ -63,10 +49,7 @@ class CompiledGrammar:
 
 
 class GrammarState:
-    """One request's position in its grammar: which tokens may come next, and whether the text may end here.
-
-    Not thread-safe (one request, one engine loop). A fresh state replays a request by ``accept``-ing its tokens.
-    """
+    """One request's position in its grammar; not thread-safe (one request, one engine loop)."""
 
     __slots__ = ("grammar", "_matcher")
 
@@ -75,10 +58,9 @@ class GrammarState:
         self._matcher = xgr.GrammarMatcher(compiled.compiled)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (a CPU tensor from ``allocate_bitmask``). The stop
-        (EOS) tokens are allowed only where the grammar is complete; special tokens never are. After the grammar has
-        ended (a caller that goes on, e.g. with ignore_eos) only the stop tokens are allowed: xgrammar would raise,
-        failing the whole batch's step for one request."""
+        """Write the allowed next tokens into ``bitmask[row]`` (from ``allocate_bitmask``). Stop tokens are allowed
+        only where the grammar is complete, special tokens never. Once the grammar has ended (e.g. ignore_eos) only
+        the stop tokens are: xgrammar would raise, failing the whole batch's step for one request."""
         if not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(bitmask, row)
             return
@@ -89,8 +71,8 @@ class GrammarState:
         bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token. False (state unchanged): the token breaks the grammar, is out of range,
-        is a special non-stop token, or comes after the grammar already ended; the caller ends the request."""
+        """Advance by one sampled token. False (state unchanged): the token breaks the grammar, is out of range, is
+        a special non-stop token, or comes after the grammar ended; the caller ends the request."""
         return bool(self._matcher.accept_token(token_id))
 
     def is_terminated(self) -> bool:
@@ -98,8 +80,7 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
     def allows_eos(self) -> bool:
-        """The text so far is a complete match, so a stop token would be accepted now (e.g. to decide whether a
-        request cut by max_tokens holds a whole value)."""
+        """The text so far is a complete match, so a stop token would be accepted now."""
         return not self._matcher.is_terminated() and bool(self._matcher.is_completed())
 
 
@@ -112,12 +93,8 @@ _cuda_backend = "triton"  # xgrammar's CUDA kernel; falls back to plain torch on
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf, in place, the logits the grammars forbid: bitmask row i masks logits row ``rows[i]``.
-
-    The other rows are untouched (a batch mixes constrained and free requests). Ids past the bitmask's width (a
-    logits tensor wider than the vocabulary the grammar was compiled for) are forbidden too, so a padding id can
-    never be sampled into a constrained text.
-    """
+    """Set to -inf, in place, the logits the grammars forbid: bitmask row i masks logits row ``rows[i]``; other rows
+    are untouched. Ids past the bitmask's width are forbidden too, so a padding id is never sampled."""
     global _cuda_backend
     if not rows:
         return
@@ -145,8 +122,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
 
 class _Compiler:
-    """One tokenizer's xgrammar compiler and its LRU of compiled grammars (thread-safe: the API and the engine may
-    compile from different threads; the compile itself runs outside the lock)."""
+    """One tokenizer's xgrammar compiler and its LRU (thread-safe: the API and the engine compile from different
+    threads; the compile itself runs outside the lock)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
@@ -189,10 +166,9 @@ class _Compiler:
         raise GrammarError(f"guided kind must be json_object, json_schema, regex or ebnf, got {kind!r}")
 
     def _compile_json_schema(self, spec: str) -> Any:
-        """xgrammar 0.2 writes the characters of a length-bounded string (maxLength / minLength) as any character but
-        quote, backslash, CR and LF: raw tabs and other control characters get through, and ``json.loads`` (pydantic
-        too) refuses the result. Such grammars go through their EBNF text with the class JSON allows; any other, or
-        one whose text does not compile back, is compiled as xgrammar made it."""
+        """xgrammar 0.2 lets control characters into length-bounded strings (maxLength / minLength), which
+        ``json.loads`` refuses; such grammars are recompiled from their EBNF text with the class JSON allows (or, if
+        that fails, compiled as xgrammar made them)."""
         grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
         text = str(grammar)
         if _BOUNDED_STRING_CHAR in text:
@@ -228,12 +204,11 @@ _compilers_lock = threading.Lock()
 def compile_grammar(
     tokenizer: Any, vocab_size: int, guided: GuidedDecoding, stop_token_ids: Sequence[int] | None = None
 ) -> CompiledGrammar:
-    """Compile ``guided`` for ``tokenizer`` with a bitmask ``vocab_size`` wide (the MODEL's logits width, which may
+    """Compile ``guided`` for ``tokenizer`` with a bitmask ``vocab_size`` wide (the model's logits width, which may
     exceed the tokenizer's vocabulary). Cached; raises GrammarError naming what is wrong.
 
-    ``stop_token_ids``: the ids that end the text once the grammar is complete (default: the tokenizer's EOS). The
-    engine passes its own EOS set (generation_config's may list several) so the mask allows exactly the tokens that
-    stop it.
+    ``stop_token_ids`` (default: the tokenizer's EOS): the engine passes its own EOS set (generation_config may list
+    several) so the mask allows exactly the tokens that stop it.
     """
     if not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")

@@ -1,8 +1,7 @@
 """A deterministic tiny random-weight model with a byte-level tokenizer, for fast tests.
 
-Same code path as a real model (transformers Llama or Qwen2 classes, a saved folder, a chat template), seconds to
-build. Weights come from a fixed seed with a wide init so that logits are well separated: greedy comparisons against
-transformers then test our arithmetic, not float ties.
+Same code path as a real model (transformers Llama or Qwen2, a saved folder, a chat template), seconds to build. A
+fixed seed and a wide init keep logits well separated, so greedy comparisons test our arithmetic, not float ties.
 """
 
 from __future__ import annotations

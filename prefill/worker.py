@@ -1,25 +1,17 @@
 """The prefill worker: computes prompts, streams their KV to decode workers, sends first tokens.
 
-A thin adapter between the engine's KV connector, the transfer sender and the control plane; which blocks are
-complete, and when, is the engine's business (``engine.kv_connector``), not this file's. A request's path:
-1. ``prefill`` from the router: the request (prompt, sampling params, the decode worker's KV address and the block ids
-   it reserved) enters the engine as a prefill-only request with a KV sink, and a transfer to that address begins.
-   When the decode worker already holds the prompt's first ``cached_tokens`` (its prefix cache: a chat's history it
-   just decoded), the engine exports only the blocks after them, and ``dst_blocks`` names only those.
-2. The engine batches it with other prompts (ragged; chunked when longer than ``max_batch_tokens``) and reports its
-   completed blocks to the sink, layer by layer inside the forward (``stream_layers``; else every layer once the
-   prompt is done). The sink maps the request's logical blocks onto the decode worker's and hands them to the
-   sender, so the bytes move while the remaining layers compute.
-3. The step that finishes the prompt samples the first token; it goes to the router at once with its text (the TTFT
-   point, not waiting for the transfer), its logprobs and the prompt's when asked for, and the prompt tokens this
-   engine's prefix cache held; the transfer is marked finished.
-4. The blocks stay held (PREFILLED) until the decode worker acknowledges the KV, or the lease runs out, or either side
-   aborts: the sender's ``poll`` reports each of those once, and that is where the engine lets the request go.
+A thin adapter between the engine's KV connector (which decides what is complete, and when), the transfer sender and
+the control plane. A request's path:
 
-Who reports a failed transfer: the side that decided it. A failure this side decided (the decode worker is gone,
-the lease ran out) is reported from here as ``kv_transfer_failed``; one the decode side decided (a NACK) is reported
-there; one the router already knows of (it aborted the request, or got this worker's own error first) is not
-reported again. The decode side stays silent about what this sender aborted.
+1. ``prefill`` (prompt, params, the decode worker's KV address and reserved blocks; with ``cached_tokens``, the ones
+   it already holds, only later blocks) becomes a prefill-only engine request with a KV sink, and a transfer begins;
+2. the sink maps each completed block range onto the decode worker's blocks and sends it, layer by layer inside the
+   forward (``stream_layers``), while the later layers compute;
+3. the first token goes to the router at once (the TTFT point); the blocks stay held (PREFILLED) until ``poll``
+   reports the lease's end (acknowledged, expired, aborted), where the engine lets the request go.
+
+A failed transfer is reported by the side that decided it (here: decode worker gone, lease expired; there: a NACK),
+and not at all when the router already knows (it aborted, or got this worker's own error first).
 """
 
 from __future__ import annotations
@@ -56,9 +48,8 @@ class PrefillRole(Role):
         super().__init__(name, engine, emit, counters)
         self.sender = sender
         self.stream_kv = stream_kv  # False: every layer's KV once the whole prompt is done (the overlap baseline)
-        # transfers whose end the router already knows of (it aborted them, or got this worker's error first):
-        # their failure in poll() is not reported again. Added to when this side aborts a transfer; an entry leaves
-        # when poll() reports that transfer's end, which it does exactly once for every transfer begun.
+        # transfers whose end the router already knows of (it aborted, or got this worker's error first): poll()
+        # does not report their failure, and drops each entry when it reports that transfer's end (once per transfer)
         self._known_to_router: set[str] = set()
 
     @classmethod
@@ -94,8 +85,7 @@ class PrefillRole(Role):
             raise
 
     def _sink(self, rid: str, dst_blocks: list[int], first_block: int) -> KVSink:
-        """The request's KV sink: its logical blocks [first, end) go to the decode worker's reserved blocks, which
-        start at logical block ``first_block`` (the engine reports none before it)."""
+        """Logical blocks [first, end) onto the decode worker's reserved blocks, which start at ``first_block``."""
         sender = self.sender
 
         def send(ready: KVBlocksReady) -> None:
@@ -109,8 +99,7 @@ class PrefillRole(Role):
         for output in self.engine.step():
             rid = output.request_id
             if output.error is not None:  # finish_reason ERROR: the engine has already freed the request's blocks
-                # tell the router first (the client's error names the cause, not the aborted transfer), then abort
-                # the transfer: its lease ends in poll() below, where there is nothing left to free
+                # tell the router first (the error names the cause, not the aborted transfer); the lease ends in poll()
                 self.counters.errors += 1
                 self.emit_error(rid, output.error, ErrorCode.from_engine(output.error_code))
                 self._abort_transfer(rid, output.error)
@@ -124,8 +113,7 @@ class PrefillRole(Role):
             self._transfer_ended(event)
 
     def _transfer_ended(self, event: TransferEvent) -> None:
-        """The lease ended (acknowledged, failed or aborted): the engine lets the request go, whatever its state (a
-        request still computing stops: its KV has nowhere to go)."""
+        """The lease ended (acknowledged, failed or aborted): the engine lets the request go, whatever its state."""
         rid = event.transfer_id
         self.engine.abort(rid)  # PREFILLED: released; still computing: aborted; gone: nothing to do
         known = rid in self._known_to_router
@@ -138,8 +126,7 @@ class PrefillRole(Role):
         self.counters.transfers_failed += 1
         logger.info("%s: transfer %s failed: %s", self.name, rid, event.error)
         if not known and not getattr(event.error, "from_peer", False):
-            # a failure this side decided (the decode side stays silent on what the sender aborted; it reports its
-            # own NACKs, under its failure policy): the cause is reported from here
+            # a failure this side decided (the decode side reports only its own NACKs): the cause is reported here
             self.emit_error(rid, f"KV transfer failed: {event.error}", ErrorCode.KV_TRANSFER_FAILED)
 
     def _abort_transfer(self, rid: str, reason: str) -> None:

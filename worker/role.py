@@ -1,9 +1,8 @@
 """A worker's role: what it does with each typed command and each tick, apart from sockets, threads and routers.
 
-A ``Role`` takes its engine, its transfer endpoint and an ``emit`` callback for the events it produces, so tests hand
-it typed commands and read the events it emits (tests/prefill, tests/decode). The runtime (worker/runtime.py) owns
-one role and adds the loop thread, the heartbeat, the sockets and which router owns each request. A request's state
-is the engine's ``Request``; a role keeps no table of its own.
+A ``Role`` gets its engine, transfer endpoint and an ``emit`` callback, so tests hand it commands and read its events
+(tests/prefill, tests/decode); the runtime (worker/runtime.py) adds the loop thread, heartbeat, sockets and request
+ownership. A request's state is the engine's ``Request``; a role keeps no table of its own.
 """
 
 from __future__ import annotations
@@ -45,14 +44,14 @@ class Role:
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> Role:
-        """The role as a worker process runs it: its transfer endpoint and options taken from the (resolved) spec."""
+        """The role as a worker process runs it, its transfer endpoint and options from the (resolved) spec."""
         return cls(spec.name, engine, emit)
 
     # ---- what each role fills in -------------------------------------------------------------------------------
 
     def handle(self, command: Command, arrival_s: float) -> None:
-        """One command about a request (its params already validated); ``arrival_s``: when it was sent, on this
-        worker's monotonic clock. Raising ValueError or KeyError answers the request with ``invalid_request``."""
+        """One command about a request (params already validated); ``arrival_s``: when it was sent, on this worker's
+        monotonic clock. ValueError or KeyError answers the request with ``invalid_request``."""
         raise ValueError(f"{self.kind.value} worker does not take {kind(command)!r} commands")
 
     def tick(self) -> None:
@@ -125,8 +124,7 @@ class Role:
 
 
 def wire_timing(timing: RequestTiming) -> Timing:
-    """Where a request's time went on this worker, from the engine's record: the prefill's figures where the prompt
-    was computed here, the KV import's where it came from a prefill worker."""
+    """Where a request's time went here: the prefill's figures if the prompt was computed here, else the KV import's."""
     remote = timing.remote
     if remote is None:
         return Timing(
@@ -142,10 +140,9 @@ def wire_timing(timing: RequestTiming) -> Timing:
 
 
 def token_item(output: RequestOutput) -> TokenItem:
-    """A request's share of a step, on every worker: its tokens, text and logprobs; its timing with its first token
-    here (its first decoded one, when the prompt's KV came from elsewhere) and its last; the prompt's logprobs and
-    prefix-cache hit with the first token sampled where the prompt was computed. A prefill worker's first token
-    (finish PREFILLED) is not a finish for the client."""
+    """A request's share of a step: tokens, text, logprobs; its timing with its first token here (its first decoded
+    one, if the KV was imported) and its last; prompt logprobs and prefix-cache hit with the first token sampled
+    where the prompt was computed. A prefill worker's finish (PREFILLED) is not a finish for the client."""
     timing = output.timing
     imported = timing is not None and timing.remote is not None
     first_here = output.num_output_tokens == 1 and bool(output.new_token_ids) and not imported

@@ -1,20 +1,12 @@
 """The worker's book of its routers: which are alive, which owns each request, and which have said ``drain``.
 
-Its own module because it is one idea the runtime (worker/runtime.py) only consults: plain bookkeeping with no
-socket, thread or engine in it, fed by the loop thread (every command, once per loop turn) and read by it. The runtime
-acts on what it says: frees the requests ``orphans`` names, sends each event where ``route`` says, fails what is left at
-the drain deadline.
+Plain bookkeeping for the loop thread, which acts on it: frees the requests ``orphans`` names, sends each event where
+``route`` says (with ``router.processes`` > 1, only to the request's owner), fails what is left at the drain deadline.
+A router silent for ``orphan_timeout_s`` loses only its own requests.
 
-Several routers (``router.processes`` > 1): every command carries the index of the router that sent it; the worker
-remembers which router owns each request and sends every event about a request only there (a ``tokens`` message is
-split per router). A router that is silent for ``orphan_timeout_s`` loses its own requests only: the others keep
-theirs.
-
-Draining (``drain``, sent by every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): the routers
-send it nothing new after it, so the worker finishes what it holds. Once every router has sent it (a command sent
-before ``drain`` by the same router arrives before it) and nothing is held, ``info()["drained"]`` is true and the pool
-stops it. Whatever is still held ``deadline_s`` after the first ``drain`` is failed, each request with an error event
-its client sees.
+Draining (``drain`` from every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): routers
+send nothing new after it, so once every router has sent it and nothing is held, ``drained`` is true and the pool
+stops the worker; what is held ``deadline_s`` after the first ``drain`` is failed with an error event per request.
 """
 
 from __future__ import annotations
@@ -32,9 +24,8 @@ OWNER_GRACE_S = 120.0  # ... at least this long after the owner's last command a
 
 
 class RouterBook:
-    """Per router: when it was last heard and whether it said ``drain``; per request: the router that owns it.
-
-    Used by the loop thread only, except ``drained`` and ``draining`` (plain reads, from ``info()``)."""
+    """Per router: last heard, and whether it said ``drain``; per request: its owner. Loop thread only, except
+    ``drained`` and ``draining`` (plain reads, from ``info()``)."""
 
     def __init__(self, name: str, count: int, orphan_timeout_s: float) -> None:
         self.name = name  # the worker's, for its log lines
@@ -42,8 +33,8 @@ class RouterBook:
         self.orphan_timeout_s = orphan_timeout_s
         self._owners: dict[str, tuple[int, float]] = {}  # rid -> (owning router's index, when it last sent a command)
         self._next_owner_prune_s = 0.0
-        self._last_router_s = [time.monotonic()] * count  # per router: when it was last heard
-        self._drain_from: set[int] = set()  # the routers that sent ``drain``
+        self._last_router_s = [time.monotonic()] * count
+        self._drain_from: set[int] = set()
         self._drain_deadline: float | None = None  # monotonic; None: not draining
         self._drained = False  # set by the loop thread (info() reads it from another)
         self._drain_failed = False  # the deadline passed and what was held was failed
@@ -51,7 +42,6 @@ class RouterBook:
     # ---- liveness and ownership --------------------------------------------------------------------------------
 
     def heard(self, router: int, now: float) -> None:
-        """Router ``router`` sent a command (any command, a ping included)."""
         self._last_router_s[router] = now
 
     def claim(self, rid: str, router: int, now: float) -> None:
@@ -65,8 +55,8 @@ class RouterBook:
         return 0 if entry is None else entry[0]
 
     def orphans(self, now: float, held: Iterable[str]) -> Iterator[str]:
-        """The ``held`` requests of every router silent for ``orphan_timeout_s`` (it died or restarted), for the
-        runtime to free; each such router's clock starts again. Lazy: router by router, as the runtime frees them."""
+        """The ``held`` requests of every router silent for ``orphan_timeout_s`` (died or restarted), lazily; each
+        such router's clock starts again."""
         for index, last in enumerate(self._last_router_s):
             if now - last <= self.orphan_timeout_s:
                 continue
@@ -85,9 +75,8 @@ class RouterBook:
             yield from owned
 
     def prune(self, now: float, held: Container[str]) -> None:
-        """Every ``OWNER_PRUNE_INTERVAL_S``: forget the owners of requests not ``held``. Kept ``OWNER_GRACE_S`` after
-        the last command, for what may still be reported about a request the engine has let go (its KV transfer's
-        end, on the prefill side, comes after the engine failed it)."""
+        """Every ``OWNER_PRUNE_INTERVAL_S``, forget the owners of requests not ``held`` ``OWNER_GRACE_S`` after their
+        last command: a request the engine let go may still be reported (on the prefill side, its KV transfer's end)."""
         if now < self._next_owner_prune_s:
             return
         self._next_owner_prune_s = now + OWNER_PRUNE_INTERVAL_S

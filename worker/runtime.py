@@ -1,32 +1,13 @@
 """What every worker shares: an engine, a command socket, an event socket, and one loop thread that owns both.
 
-The runtime owns one role (``worker/role.py``: the request logic of a prefill, decode or colocated worker, testable
-without sockets) and everything around it: the sockets, the loop, the heartbeat and which router owns each request.
-``PrefillWorker(spec)``, ``DecodeWorker(spec)`` and ``ColocatedWorker(spec)`` are this runtime with their role.
-
-The engine is not thread-safe and need not be: only the loop thread touches it. The loop drains commands (without
-blocking while there is work), lets the role do one tick (step the engine, poll transfers) and refreshes a stats
-snapshot. A separate heartbeat thread, with its own socket, sends that snapshot to the router
-every ``stats_interval_s`` even while a long forward holds the loop (a 4k-token prefill on a CPU takes seconds), with
-``loop_age_s`` saying how long ago the loop last came round, so the router can tell slow from stuck. Ray actor
-methods only read ``snapshot()``.
-
-A command that fails answers with an ``error`` event for its request and the loop goes on; an engine step that
-raises fails every request the worker holds (each gets an error event, each frees its blocks) rather than leaving
-them hanging.
-
-Several routers (``router.processes`` > 1): the worker has one event socket per router (each sealed for that
-router's address) and sends its heartbeats to all of them. Which router owns each request, which are alive and which
-have said ``drain`` is ``RouterBook``'s (worker/routers.py); the loop acts on it.
-
-KV events: once per loop turn the loop drains what its prefix cache stored and evicted (the block manager's net
-change since the last turn) and sends it to every router as ``KvEvents`` (at most ``MAX_KV_EVENT_HASHES`` hashes a
-message), so routers know which prompts' leading blocks each worker holds. A batch a router could not take makes the
-next one a full snapshot, and one is sent every ``KV_RESYNC_INTERVAL_S`` anyway, so a router that missed a message
-(it drops that worker's view on a gap in ``seq``) is whole again soon.
-
-Draining (``drain`` from every router, worker/routers.py): the worker finishes what it holds, reports
-``info()["drained"]`` and fails whatever is left at the deadline.
+``WorkerRuntime(spec, role_class)`` owns one role (``worker/role.py``, the request logic, testable without sockets;
+cluster/run/actors.py picks it) and everything around it. Only the loop thread touches the (not thread-safe) engine.
+Per turn it drains commands (without blocking while there is work) and lets the role tick; frees orphaned requests
+and acts on draining (``RouterBook``, worker/routers.py); sends the prefix cache's net change to every router as
+``KvEvents`` (a full snapshot after an undelivered batch and every ``KV_RESYNC_INTERVAL_S``, so a router that dropped
+its view on a ``seq`` gap is whole again soon); and refreshes the stats, which a heartbeat thread sends every
+``stats_interval_s`` even while a long forward holds the loop (``loop_age_s`` tells slow from stuck). A command that
+fails answers with an ``error`` event; a tick that raises fails every request the worker holds.
 """
 
 from __future__ import annotations
@@ -77,8 +58,7 @@ class WorkerRuntime:
     """One worker: its engine, its role (``role_class.from_spec``), its sockets and its two threads."""
 
     def __init__(self, spec: WorkerSpec, role_class: type[Role]) -> None:
-        """``spec`` as the cluster config built it; the device is chosen here, in the worker's own process
-        (``resolve_spec``), and ``self.spec`` is the resolved one (what the role is built from)."""
+        """``spec`` as the cluster config built it; ``self.spec`` is resolved here, in the worker's own process."""
         if not spec.runtime.secret:
             raise ValueError(f"worker {spec.name}: no cluster secret (the launcher gives every worker one)")
         if spec.role is not role_class.kind:
@@ -123,7 +103,7 @@ class WorkerRuntime:
 
     @property
     def counters(self) -> WorkerCounters:
-        """Every role's totals (the heartbeat's ``counters``): the role's, which this runtime adds to."""
+        """The heartbeat's ``counters``: the role's, which this runtime adds to."""
         return self.role.counters
 
     def _socket(self, kind: int) -> zmq.Socket:
@@ -153,11 +133,9 @@ class WorkerRuntime:
         self.close()
 
     def kill(self, timeout_s: float = 10.0) -> None:
-        """Die the way a process killed with SIGKILL does, as everyone else sees it (in-process pools, chaos bench).
-
-        From now on nothing leaves this worker: no event, no error, no reservation reply, no heartbeat. The loop and
-        the heartbeat stop at their next turn and every socket closes. Nothing is failed or freed on the way out: the
-        router learns of the death only from the missing heartbeats, and peers only from their own timeouts.
+        """Die as a SIGKILLed process does, as everyone else sees it (in-process pools, chaos bench): nothing leaves
+        this worker any more, the threads stop at their next turn and the sockets close. Nothing is failed or freed:
+        the router learns of the death from the missing heartbeats, peers from their own timeouts.
         """
         self._dead.set()
         self._stop.set()
@@ -198,8 +176,7 @@ class WorkerRuntime:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                # no wait while the engine has a step to run; a short one while only transfers are pending
-                # (spinning there would take a core from the forward on a small box); a longer one when idle
+                # no spin while only transfers are pending: it would take a core from the forward on a small box
                 wait_ms = 0 if self.engine.has_unfinished() else 1 if self.role.has_work() else 5
                 self._drain_commands(timeout_ms=wait_ms)
                 self.role.tick()
@@ -208,7 +185,7 @@ class WorkerRuntime:
                 self._note_failure(exc)
                 self.role.fail_all("worker step failed")
             now = time.monotonic()
-            for rid in self._book.orphans(now, self.engine.requests):  # a silent router's requests: freed
+            for rid in self._book.orphans(now, self.engine.requests):
                 self.role.abort(rid)
                 self.role.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
             self._book.prune(now, self.engine.requests)
@@ -228,16 +205,14 @@ class WorkerRuntime:
 
     @property
     def drained(self) -> bool:
-        """Draining, told so by every router (none can still send it work) or past the deadline, and idle."""
         return self._book.drained
 
     def owner(self, rid: str | None) -> int:
-        """The index of the router that sent this request's commands (0 when unknown: the only router, usually)."""
         return self._book.owner(rid)
 
     def _note_failure(self, exc: Exception) -> None:
-        """Count a loop failure; several close together make the worker degraded (the engine's own step already
-        fails only the requests a fault belongs to, so a loop that still fails is broken, not unlucky)."""
+        """Count a loop failure; several close together make the worker degraded (the engine's step already fails
+        only the requests a fault belongs to, so a loop that still fails is broken, not unlucky)."""
         now = time.monotonic()
         self.counters.step_failures += 1
         self._failures_s = [t for t in self._failures_s if now - t < DEGRADED_WINDOW_S] + [now]
@@ -256,10 +231,10 @@ class WorkerRuntime:
 
     @property
     def degraded(self) -> str:
-        """Why this worker should get no new work ("" when healthy): its loop keeps failing, or a role's own check
-        (a dead transfer I/O thread) fails. The router stops routing to it; under Ray the pool restarts it."""
+        """Why this worker should get no new work ("" when healthy): its loop keeps failing, or the role's own check
+        (a dead transfer I/O thread). The router stops routing to it; under Ray the pool restarts it."""
         if self._loop_problem and self._failures_s and time.monotonic() - self._failures_s[-1] > DEGRADED_WINDOW_S:
-            self._loop_problem = ""  # quiet for a whole window: healthy again
+            self._loop_problem = ""
         return self._loop_problem or self.role.health_problem()
 
     def _beat(self) -> None:
@@ -269,7 +244,7 @@ class WorkerRuntime:
             for address in self._routers:
                 sock = self._socket(zmq.PUSH)
                 sock.connect(address)
-                sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))  # this socket's own
+                sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))
             while not self._stop.wait(self.options.stats_interval_s):
                 snapshot = self._snapshot  # built by the loop thread, never changed after: a copy with the age
                 beat = msgspec.structs.replace(snapshot, loop_age_s=round(time.monotonic() - self._loop_seen, 3))

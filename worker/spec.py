@@ -1,17 +1,13 @@
 """What one worker is, as one picklable value: ``WorkerSpec`` (name, role, engine, KV transfer, control plane).
 
-Why one value: the cluster config used to be translated three times (dicts, a positional tuple, then each role's
-constructor arguments), each translation with defaults of its own. Now ``cluster/config.py`` builds every worker's
-spec in one place (``worker_specs``), Ray pickles it into the worker actor, and each role's constructor takes it
-whole: ``PrefillWorker(spec)``, ``DecodeWorker(spec)``, ``ColocatedWorker(spec)``. The only defaults are those of
-the dataclasses it is made of (``EngineConfig``, ``TransferConfig``, ``RuntimeOptions``); the config's sections take
-theirs from them.
+``cluster/config.py`` builds every worker's spec (``worker_specs``), Ray pickles it into the worker actor, and each
+role's constructor takes it whole. The only defaults are those of its dataclasses (``EngineConfig``,
+``TransferConfig``, ``RuntimeOptions``), which the config's sections borrow.
 
-Why the spec carries GPUs and not a device: the process that builds it (``pdserve serve``, perhaps on a Ray head
-node without a GPU) cannot know what the worker's process will see. The spec says how many GPUs the pool asked for;
-``resolve_spec`` runs inside the worker process (``WorkerRuntime.__init__``) and picks the device there: a worker
-that asked for GPUs and sees none fails, naming itself, instead of quietly running on the CPU. So does a worker told
-to move KV over ``nccl`` that runs on the CPU: ``gloo`` is the same code on the CPU, chosen by name.
+The spec carries GPUs, not a device: the process that builds it (perhaps a Ray head without a GPU) cannot know what
+the worker will see. ``resolve_spec`` picks the device inside the worker process, so a worker that asked for GPUs and
+sees none fails, naming itself, instead of quietly running on the CPU; so does ``nccl`` on the CPU (``gloo`` is the
+same code there, chosen by name).
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ from typing import Literal, get_args
 from engine.config import EngineConfig, resolve_dtype
 from transfer.base import TransferConfig
 
-# gloo: the nccl code on the CPU (how it is tested); shm: one node, payload through /dev/shm; auto: shm with senders on
-# the receiver's node, zmq over TCP with the others
+# gloo: the nccl code on the CPU (how it is tested); shm: one node, payload through /dev/shm; auto: shm with senders
+# on the receiver's node, zmq over TCP with the others
 TransferBackend = Literal["zmq", "nccl", "gloo", "local", "shm", "auto"]
 ZmqTransport = Literal["tcp", "ipc"]  # ipc: Unix sockets, only when prefill and decode share a node
 FailurePolicy = Literal["fail", "recompute"]  # a lost transfer fails the request, or decode prefills it itself
@@ -44,8 +40,7 @@ class WorkerRole(str, enum.Enum):
 
 @dataclass(slots=True)
 class RuntimeOptions:
-    """The worker's place in the control plane (worker/runtime.py): where the routers are, where it binds, how often
-    it reports, how long it waits."""
+    """The worker's place in the control plane (worker/runtime.py)."""
 
     router_addresses: list[str]  # each router process's event socket; index = the router's index
     host: str = "127.0.0.1"  # where this worker binds its sockets ("auto": the node's IP, resolved by the actor)
@@ -70,17 +65,16 @@ class WorkerSpec:
 
     name: str
     role: WorkerRole
-    engine: EngineConfig  # its ``device`` is decided in the worker process (``resolve_spec``), from ``gpus``
+    engine: EngineConfig
     runtime: RuntimeOptions
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    transfer_backend: TransferBackend = "auto"  # shared memory with senders on this node, zmq over TCP with others
+    transfer_backend: TransferBackend = "auto"
     zmq_transport: ZmqTransport = "tcp"
     stream_layers: bool = True  # prefill: send each layer's KV as it is computed (False: after the whole prompt)
     failure_policy: FailurePolicy = "fail"  # decode: what a failed transfer does to its request
     reserve_headroom_tokens: int = 0  # decode: reserved per request beyond prompt + first token
     gpus: float = 0.0  # what the pool asked for per replica (Ray's num_gpus); 0: a CPU worker
-    # nccl: the pair groups this worker will hold (the other pool's replicas), counted in its KV memory plan;
-    # None: DEFAULT_NCCL_PEERS
+    # nccl: pair groups this worker will hold (the other pool's replicas), in its KV plan; None: DEFAULT_NCCL_PEERS
     nccl_peers: int | None = None
     pool: str = ""  # the config's pool it belongs to ("prefill", "decode"); default: its role's name
 
@@ -113,8 +107,8 @@ def _check_choice(name: str, value: str, choices: object) -> None:
 
 
 def resolve_device(spec: WorkerSpec) -> str:
-    """The device this worker's engine runs on, decided in the worker's own process: "cuda" when its pool asked for
-    GPUs and this process sees one, "cpu" when it asked for none; a RuntimeError when it asked and sees none."""
+    """The engine's device, decided in the worker's own process: "cuda" when its pool asked for GPUs and one is
+    visible, "cpu" when it asked for none; RuntimeError when it asked and sees none."""
     if spec.gpus <= 0:
         return "cpu"
     import torch  # here, in the worker's process: the cluster config imports this module and needs no torch
@@ -130,8 +124,8 @@ def resolve_device(spec: WorkerSpec) -> str:
 
 
 def resolve_spec(spec: WorkerSpec) -> WorkerSpec:
-    """The spec as this process runs it: the engine on ``resolve_device``'s device, and the transfer's device set for
-    the backend (nccl moves device tensors; gloo, zmq and local move host ones). ``nccl`` on a CPU worker fails."""
+    """The spec as this process runs it: the engine on ``resolve_device``'s device, the transfer's device set for the
+    backend (nccl moves device tensors, the others host ones). ``nccl`` on a CPU worker fails."""
     device = resolve_device(spec)
     if spec.transfer_backend == "nccl" and device == "cpu" and spec.role is not WorkerRole.COLOCATED:
         raise RuntimeError(

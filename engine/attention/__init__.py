@@ -1,16 +1,10 @@
-"""Paged attention plugged into transformers' attention interface, with interchangeable backends.
+"""Paged attention plugged into transformers' attention interface, registered as ``pdserve_paged``.
 
-transformers keeps the model code (projections, rotary embedding, MLP); we replace only the attention call. For each
-layer ``paged_attention_forward``:
-
-1. writes the new tokens' K/V into their cache slots (so the KV is in the paged store the moment the layer runs),
-2. tells the layer hook, if one is installed (the prefill worker streams that layer's KV out while the forward goes
-   on),
-3. hands the attention itself to the step's backend (``AttentionBatch.backend``; see ``backend.py`` for the
-   interface and ``select_backend`` for the rule that picks one): gather + SDPA (``sdpa.py``, the CPU path),
-   FlexAttention (``flex.py``) or FlashInfer's paged kernels (``flashinfer_backend.py``).
-
-Registered under the name ``pdserve_paged``; there is no mask function for it, so transformers builds no mask.
+transformers keeps the model code; we replace only the attention call. Per layer ``paged_attention_forward`` writes
+the new tokens' K/V into their cache slots, calls the layer hook if any (the prefill worker streams that layer's KV
+out while the forward goes on), then hands the attention to the step's backend (``backend.py``): gather + SDPA
+(``sdpa.py``), FlexAttention (``flex.py``) or FlashInfer (``flashinfer_backend.py``). ``pdserve_paged`` has no mask
+function, so transformers builds no mask.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The attention backend interface, and the rule that picks one for a device.
 
-Every backend reads and writes the same paged KV layout (``engine/kv_cache.py``: per layer
-``[2, num_blocks, block_size, kv_heads, head_dim]``), so KV transfers, prefix caching and the block manager never
-know which one runs. The shared part of a layer's attention (writing the new tokens' K/V into their slots, then the
-layer hook) happens before ``forward`` in ``engine.attention.paged_attention_forward``; a backend only attends.
-
-A step calls ``prepare`` once (after the runner built the batch), then ``forward`` once per layer: per-step work
-that does not depend on the layer (a block mask, FlashInfer's plan) belongs in ``prepare`` or is cached in
-``batch.plan`` by the first layer.
+Every backend reads and writes the same paged KV layout (``engine/kv_cache.py``), so KV transfers, prefix caching
+and the block manager never know which one runs. ``engine.attention.paged_attention_forward`` writes the new K/V and
+calls the layer hook before ``forward``; a backend only attends. A step calls ``prepare`` once, then ``forward`` once
+per layer: per-step work (a block mask, FlashInfer's plan) belongs in ``prepare`` or in ``batch.plan``.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # its paged kernels have no
 
 class AttentionBackend(abc.ABC):
     name: ClassVar[str]
-    # the runner builds PrefillSeq/DecodeGroup (context slot ids, the decode gather buffer) only for backends that
-    # read them, and the SeqLayout only for those that read it: each costs host work and device memory per step
+    # the runner builds PrefillSeq/DecodeGroup and SeqLayout only for backends that read them: each costs per step
     needs_groups: ClassVar[bool] = False
     needs_layout: ClassVar[bool] = False
 
@@ -45,11 +40,11 @@ class AttentionBackend(abc.ABC):
         batch: AttentionBatch,
         scaling: float | None,
     ) -> torch.Tensor:
-        """The attention output ``[1, T, heads, head_dim]`` (the shape transformers' attention functions return)."""
+        """The attention output ``[1, T, heads, head_dim]``, as transformers' attention functions return it."""
 
     def workspace_bytes(self) -> int:
-        """Device memory the backend holds for its whole life (FlashInfer's workspace), to count in the KV budget.
-        Per-step scratch that scales with the batch (the SDPA decode gather buffer) is the runner's to bound."""
+        """Device memory held for the backend's whole life (FlashInfer's workspace), counted in the KV budget;
+        per-step scratch (the SDPA gather buffer) is the runner's to bound."""
         return 0
 
 
@@ -58,8 +53,7 @@ def flashinfer_importable() -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """The concrete backend ``name`` means on ``device`` for a model in ``dtype`` (``auto`` resolved), or ValueError
-    naming the field. ``dtype`` None: not known yet, assumed half precision."""
+    """The concrete backend ``name`` means (``auto`` resolved), or ValueError. ``dtype`` None: assumed half."""
     device = torch.device(device)
     half = dtype is None or dtype in FLASHINFER_DTYPES
     if name == "auto":
@@ -80,14 +74,11 @@ def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dty
 
 
 def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
-    """The backend ``attention_backend`` names, on this device.
-
-    ``auto``: FlashInfer on CUDA when it is importable (its paged kernels read the cache in place: no per-layer
-    gather) and the model runs in float16/bfloat16, else the gather + SDPA path (float32 on a GPU, the exactness
-    check, stays on SDPA). Flex is opt-in: eager on the CPU it materialises the whole score matrix, and
-    on CUDA it recompiles for new shapes; it has not been measured faster than either. Asking for FlashInfer where it
-    cannot run is an error, not a silent fallback, so a misconfigured GPU pool fails at start.
-    """
+    """The backend ``attention_backend`` names. ``auto``: FlashInfer on CUDA when importable and the model is
+    float16/bfloat16 (its kernels read the cache in place), else gather + SDPA (so float32 on a GPU, the exactness
+    check, stays on SDPA). Flex is opt-in: eager on the CPU it materialises the whole score matrix, on CUDA it
+    recompiles for new shapes, and it has not measured faster. FlashInfer where it cannot run is an error, not a
+    fallback, so a misconfigured GPU pool fails at start."""
     device = torch.device(device)
     name = resolve_backend_name(name, device, dtype)
     if name == "sdpa":

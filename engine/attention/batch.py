@@ -1,14 +1,10 @@
 """What one forward step tells the attention: where the new tokens go and what each sequence attends to.
 
-The runner packs every scheduled sequence into one row of ``T`` tokens (ragged, no padding) and passes an
-``AttentionBatch`` through the model's ``**kwargs``. Two views of the same step live in it, because the backends
-read the paged cache differently:
-
-- ``prefills`` and ``decode`` (``PrefillSeq``, ``DecodeGroup``): what the gather + SDPA backend needs (slot ids of a
-  chunked prefill's context, the decode rows' block table and a reusable gather buffer). CUDA-graph decode steps
-  build a static ``DecodeGroup`` of their own.
-- ``layout`` (``SeqLayout``): every sequence in packed-row order with its query length, context length and block
-  table, for backends that read the paged cache directly (FlashInfer) or build one mask for the whole row (flex).
+The runner packs every scheduled sequence into one ragged row of ``T`` tokens and passes an ``AttentionBatch``
+through the model's ``**kwargs``, with two views of the step: ``prefills`` and ``decode`` for gather + SDPA (a
+chunked prefill's context slots; the decode rows' block table and reusable gather buffer, or the static
+``DecodeGroup`` of a CUDA-graph step), and ``layout``, every sequence in packed-row order, for backends that read the
+paged cache directly (FlashInfer) or build one mask for the whole row (flex).
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from engine.kv_cache import KVCache
 if TYPE_CHECKING:
     from engine.attention.backend import AttentionBackend
 
-# layer_hook(layer_index, batch): called after a layer's new KV is in the cache.
+# called after the layer's new KV is in the cache
 LayerHook = Callable[[int, "AttentionBatch"], None]
 
 
@@ -47,8 +43,7 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class SeqLayout:
-    """Every sequence of the step in packed-row order. Device tensors for the kernels; the host copies (the values
-    before the one packed host->device transfer) let a backend plan without waiting on the device."""
+    """Device tensors for the kernels; the host copies let a backend plan without waiting on the device."""
 
     q_lens: list[int]  # query tokens of each sequence in this step
     context_lens: list[int]  # tokens of KV each sequence attends to, this step's included

@@ -1,24 +1,12 @@
 """FlashInfer's paged attention kernels, reading our KV cache in place (no gather).
 
-Our layout per layer is K and V stacked, ``[2, num_blocks, block_size, kv_heads, head_dim]``: ``kv[0]`` and ``kv[1]``
-are each ``[num_pages, page_size, kv_heads, head_dim]``, FlashInfer's ``NHD`` layout, so the cache is handed over as
-the tuple ``(k, v)``. A page is one of our blocks. FlashInfer describes a batch in CSR form:
-
-- ``qo_indptr[i]``: offset of sequence i's first query token in the packed row (our chunks are contiguous in it),
-- ``kv_indptr[i]``: offset of sequence i's first page in ``kv_indices``, the concatenated block ids in use,
-- ``kv_last_page_len[i]``: tokens in sequence i's last page (1..block_size).
-
-``paged_kv_metadata`` computes these on the host from the step's block tables (pure tensor arithmetic, tested on the
-CPU). ``prepare`` does that once per step; the first layer's ``forward`` plans the wrapper (it needs the query's
-heads, dtype and scale), and every layer then only runs. A decode-only step uses the decode wrapper (tensor cores
-when a KV head serves 4 or more query heads, as vLLM does); any step with a prompt chunk uses the prefill wrapper,
-whose causal mask is aligned to the end of each sequence's KV: exactly "attend to the cached tokens and the ones
-before me in this chunk".
-
-Status: written against FlashInfer 0.6's Python API (the wrappers' constructors, ``plan`` and ``run`` as in
-flashinfer-python 0.6.13); this module has not run on a GPU. Tested on the CPU: the metadata arithmetic, the selection
-rules, and that every call binds to 0.6.13's signatures. The first use JIT-compiles the kernels (minutes for the
-fa3 prefill on Hopper) unless FlashInfer's prebuilt kernels (flashinfer-cubin, flashinfer-jit-cache) are installed.
+Each layer's ``kv[0]`` and ``kv[1]`` are FlashInfer's ``NHD`` pages (a page is one of our blocks), handed over as
+``(k, v)``. ``prepare`` describes the batch in CSR form (``PagedKVMetadata``) on the host, once per step; the first
+layer's ``forward`` plans the wrapper (it needs the query's heads, dtype and scale), later layers only run. A
+decode-only step uses the decode wrapper (tensor cores from 4 query heads per KV head, as vLLM), any other the prefill
+wrapper, whose causal mask is aligned to the end of each sequence's KV. Written against flashinfer-python 0.6.13 and
+not yet run on a GPU (the CPU tests cover metadata, selection and call signatures); first use JIT-compiles the kernels
+(minutes for the fa3 prefill on Hopper) unless flashinfer-cubin / flashinfer-jit-cache are installed.
 """
 
 from __future__ import annotations
@@ -31,8 +19,8 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import AttentionBatch
 
-# the float workspace (split-KV partial results), shared by the prefill and decode wrappers (used one after the
-# other); 128 MiB can be short for a few hundred decode rows with split KV, and vLLM uses 256 MiB
+# the float workspace (split-KV partial results), shared by both wrappers; 128 MiB can be short for a few hundred
+# decode rows with split KV, and vLLM uses 256 MiB
 WORKSPACE_BYTES = 256 * 1024 * 1024
 TENSOR_CORE_GROUP = 4  # query heads per KV head from which the decode kernel uses tensor cores
 
@@ -41,18 +29,17 @@ TENSOR_CORE_GROUP = 4  # query heads per KV head from which the decode kernel us
 class PagedKVMetadata:
     """FlashInfer's description of a batch (int32, on the host: ``plan`` copies it to the device itself)."""
 
-    qo_indptr: torch.Tensor  # [N + 1]
-    kv_indptr: torch.Tensor  # [N + 1]
-    kv_indices: torch.Tensor  # [kv_indptr[-1]]
-    kv_last_page_len: torch.Tensor  # [N]
+    qo_indptr: torch.Tensor  # [N + 1] offset of sequence i's first query token in the packed row
+    kv_indptr: torch.Tensor  # [N + 1] offset of sequence i's first page in kv_indices
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] the block ids in use, sequence after sequence
+    kv_last_page_len: torch.Tensor  # [N] tokens in sequence i's last page (1..block_size)
 
 
 def paged_kv_metadata(
     q_lens: list[int], context_lens: list[int], block_table: torch.Tensor, block_size: int
 ) -> PagedKVMetadata:
     """CSR page lists from a padded block table ``[N, max_blocks]``: sequence i uses its first
-    ``ceil(context_lens[i] / block_size)`` blocks, the last of them holding ``(context_len - 1) % block_size + 1``
-    tokens. Blocks past that (allocated ahead, or table padding) are left out."""
+    ``ceil(context_lens[i] / block_size)`` blocks; blocks past that (allocated ahead, padding) are left out."""
     if len(q_lens) != len(context_lens) or block_table.shape[0] != len(context_lens):
         raise ValueError("q_lens, context_lens and block_table must describe the same sequences")
     context = torch.tensor(context_lens, dtype=torch.int32)
@@ -87,7 +74,7 @@ class FlashInferBackend(AttentionBackend):
 
         self._flashinfer: Any = flashinfer
         self.device = torch.device(device)
-        # zeroed: FlashInfer requires it for the workspace's first use
+        # FlashInfer requires a zeroed workspace for its first use
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode: dict[bool, Any] = {}  # by use_tensor_cores, made on first use

@@ -1,17 +1,10 @@
 """FlexAttention over the step's gathered context: one call per layer for the whole packed row.
 
-Per step (``prepare``), every sequence's context slots are listed one after another (``S`` = the sum of the context
-lengths) and a block mask is built once from a ``mask_mod``: query token ``q`` may see key ``k`` when both belong to
-the same sequence and the key's position is not after the query's (the causal mask offset by what was cached). Per
-layer (``forward``), the K/V of those slots is gathered (one ``index_select``) and one ``flex_attention`` call attends
-prefills, chunked prefills and decodes alike. Block sparsity skips the other sequences' keys on a GPU; eager on the
-CPU, flex materialises the ``T x S`` score matrix, so this backend is opt-in (``attention_backend: flex``).
-
-On CUDA ``flex_attention`` and ``create_block_mask`` are both compiled (``dynamic=True``, so new step shapes do not
-each recompile; eager, the mask materialises ``T x S`` booleans every step), once per process and shared by every
-FlexBackend (a new ``torch.compile`` wrapper per engine would compile again); that path has not run on a GPU. On the
-CPU both run eagerly: torch warns that the unfused path is used, which is the point here, so that one warning is
-silenced around the call and nothing else.
+``prepare`` lists every sequence's context slots one after another (``S`` in all) and builds one block mask: query
+``q`` sees key ``k`` when both are in the same sequence and the key is not after the query; ``forward`` gathers those
+slots' K/V and attends every chunk in one call. Block sparsity skips other sequences' keys on a GPU, where both
+kernels are compiled once per process (``dynamic=True``: new shapes do not each recompile; not yet run on a GPU).
+Eager on the CPU, flex materialises the ``T x S`` scores (hence opt-in), and torch's warning about it is silenced.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """A step's integer metadata, packed on the host and moved to the device in one copy.
 
-A forward needs a dozen small integer tensors (token ids, positions, cache slots, block tables, context lengths, the
-decode token index). Moved one by one, each is a separate host->device copy with its own launch and, from pageable
-memory, its own synchronisation. Here they are listed into one Python list, turned into one int64 tensor (pinned on
-CUDA, from torch's caching host allocator, so the copy is asynchronous and the memory is reused across steps), moved
-with one ``.to(device, non_blocking=True)``, and handed out as views. On the CPU the move is a no-op.
+A forward needs a dozen small integer tensors (token ids, positions, slots, block tables, context lengths); copied one
+by one, each is its own launch and, from pageable memory, its own sync. Here they go into one int64 tensor (pinned on
+CUDA, from torch's caching host allocator, so the copy is asynchronous and reused across steps), moved with one
+``.to(device, non_blocking=True)`` and handed out as views. On the CPU the move is a no-op.
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ from engine.attention.batch import SeqLayout
 
 
 def slot_list(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of positions ``[start, end)`` of a request whose KV lives in ``block_ids`` (one range per block,
-    not one lookup per token)."""
+    """Cache slots of positions ``[start, end)`` of a request whose KV lives in ``block_ids`` (a range per block)."""
     slots: list[int] = []
     pos = start
     while pos < end:
@@ -63,8 +61,8 @@ class LayoutSpans:
 def layout_spans(
     packer: MetadataPacker, q_lens: list[int], context_lens: list[int], block_ids: list[list[int]], block_size: int
 ) -> LayoutSpans:
-    """Add a ``SeqLayout``'s tensors to the packer: each sequence's block table row holds the blocks its context
-    uses (blocks allocated ahead are left out), padded with 0 to the longest row."""
+    """Add a ``SeqLayout``'s tensors: each block table row holds the blocks its context uses (not those allocated
+    ahead), padded with 0 to the longest row."""
     used = [-(-context // block_size) for context in context_lens]
     max_blocks = max(used)
     table: list[int] = []

@@ -1,17 +1,12 @@
 """Gather + SDPA: the paged context gathered into a contiguous buffer, then torch's scaled_dot_product_attention.
 
-The CPU path, and the fallback on CUDA when FlashInfer is not installed. Decode sequences (one query token each)
-attend together in one SDPA over their gathered, padded context; prefill chunks attend one by one, causally, aligned
-to the end of their context (a chunk that is its whole context attends to its own new K/V, no gather).
+The CPU path, and CUDA's fallback without FlashInfer. Decode rows attend together in one SDPA over their gathered,
+padded context; prefill chunks attend one by one, causally, aligned to the end of their context.
 
-Every call has a shape that a fused CUDA kernel takes. No fused kernel takes grouped-query attention (``enable_gqa``)
-together with a mask tensor, so the math kernel would run (float32 upcast, K/V repeated per query head). Hence:
-
-- decode folds the query heads that share a KV head into the query-length axis, ``[B, kv_heads, heads / kv_heads,
-  d]`` against ``[B, kv_heads, C, d]``: ordinary attention with no GQA, and the padding mask ``[B, 1, 1, C]``
-  broadcasts over the folded axis (memory-efficient kernel with a mask, flash without one);
-- a prefill chunk with cached context uses a lower-right causal bias (``causal_lower_right``), which runs the flash
-  kernel with GQA and no mask tensor.
+No fused kernel takes GQA (``enable_gqa``) together with a mask tensor (the math kernel would run: float32 upcast, K/V
+repeated per head), so every call is shaped for a fused one: decode folds the query heads that share a KV head into
+the query-length axis (``[B, kv_heads, heads / kv_heads, d]``: no GQA, and the ``[B, 1, 1, C]`` padding mask
+broadcasts); a prefill chunk with cached context uses ``causal_lower_right`` (flash with GQA, no mask tensor).
 """
 
 from __future__ import annotations
@@ -27,8 +22,8 @@ from engine.attention.batch import AttentionBatch
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
 ) -> torch.Tensor:
-    """One query token per row: ``q [B, H, d]`` against ``k, v [B, kvH, C, d]`` (``mask [B, 1, 1, C]`` or None);
-    returns ``[B, H, d]``. Query head ``h`` reads KV head ``h // (H / kvH)``, as transformers' ``repeat_kv``."""
+    """``q [B, H, d]`` against ``k, v [B, kvH, C, d]`` (``mask [B, 1, 1, C]`` or None) -> ``[B, H, d]``; query head
+    ``h`` reads KV head ``h // (H / kvH)``, as transformers' ``repeat_kv``."""
     rows, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     folded = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
@@ -55,9 +50,8 @@ class SdpaBackend(AttentionBackend):
 
         group = batch.decode
         if group is not None:
-            # gather whole blocks (a few KiB each, not one slot at a time), then view them as each request's context
-            # (index_select over a flat id list is ~2.5x faster than advanced indexing with a 2-D table on CPU)
-            # into one buffer reused by every layer: a fresh multi-MiB tensor per layer costs page faults on CPU
+            # gather whole blocks into one buffer reused by every layer (a fresh multi-MiB tensor per layer costs
+            # page faults on CPU); index_select over a flat id list is ~2.5x faster than 2-D advanced indexing
             cache = batch.kv_cache.kv[layer]  # [2, num_blocks, block_size, kvH, d]
             torch.index_select(cache, 1, group.block_table.flatten(), out=group.gather_buffer)
             blocks = group.gather_buffer.view(2, *group.block_table.shape, *cache.shape[2:])
