@@ -57,7 +57,6 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU: evict first
         self._hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
         # KV events since the last drain, as the net change (dicts as ordered sets); a pending reset supersedes them
         self.kv_event_capacity = kv_event_capacity
         self._stored: dict[int, None] = {}  # held now, not held at the last drain
@@ -111,7 +110,6 @@ class BlockManager:
         num_cached_tokens = len(cached) * self.block_size
         if use_prefix_cache and self.enable_prefix_caching:
             self.prefix_hit_tokens += num_cached_tokens
-            self.prefix_query_tokens += len(token_ids)
         return table, num_cached_tokens
 
     def _take_free_block(self) -> int:

@@ -330,10 +330,6 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_tokens - self.num_computed_tokens > 1
-
-    @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to compute here: asked for, and no token yet (a decode-side request's first token
         comes from the prefill worker, which computed them; a recompute has output tokens)."""

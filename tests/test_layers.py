@@ -148,7 +148,7 @@ def test_an_upward_import_is_reported_with_file_line_and_statement(package, sour
     [
         ("cli", "def run():\n    from bench import engine_bench\n    import cluster.run.serve\n"),
         ("bench", "from cluster.config import load_config\nfrom engine.request import SamplingParams\n"),
-        ("cluster", "from prefill.worker import PrefillWorker\nimport ray\n"),
+        ("cluster", "from prefill.worker import PrefillRole\nimport ray\n"),
         ("decode", "from worker.runtime import WorkerRuntime\nfrom transfer.base import make_receiver\n"),
         ("worker", "from engine.llm_engine import LLMEngine\nfrom transfer.wire import ModelFingerprint\n"),
         ("engine", "from engine.request import Request\nfrom .scheduler import Scheduler\nimport torch\n"),
