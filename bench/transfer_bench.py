@@ -1,7 +1,7 @@
 """Transfer benchmark: achieved GB/s of each KV transfer backend against this machine's references.
 
 The receiver (decode side) polls in this process; the sender is one spawned process keeping its senders across reps
-(`local`: both here; `shm`: through the receiver's shared-memory ring, transfer/shm_backend.py). KV is float16 blocks
+(`local`: both here; `shm`: through the receiver's shared-memory ring, transfer/ring_path.py). KV is float16 blocks
 shaped like SmolLM2-135M, one piece per layer, each size's payload made once in the warm-up (generating it before a
 timed send leaves torch's OpenMP threads spinning on the transfer's cores). Time runs from the first send_layer to
 the receiver's DONE (perf_counter is system-wide on Linux). Sinks copy into a preallocated cache single-threaded, as

@@ -201,7 +201,7 @@ def _remote(request: Request) -> RemoteKV:
 
 def receiver_address(spec: WorkerSpec) -> str:
     """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name. ``shm+`` (read by
-    the sender) offers the node's senders a shared-memory ring (transfer/shm_backend.py): ``shm`` (one node) with its
+    the sender) offers the node's senders a shared-memory ring (transfer/ring_path.py): ``shm`` (one node) with its
     control channel on a Unix socket, ``auto`` on TCP so that senders on other nodes reach it too, inline as zmq."""
     if spec.transfer_backend == "local":
         return f"local://{spec.name}-{uuid.uuid4().hex[:8]}"

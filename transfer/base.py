@@ -7,12 +7,11 @@ Prefill worker (producer):                       Decode worker (consumer):
     s.finish(tid)
     ... each step: for ev in s.poll(): free src blocks of ev.transfer_id (DONE = acked, FAILED = lost)
 Either side may `abort(tid)`; the outcome still comes out of that side's `poll()` exactly once, so each
-worker has a single cleanup path. Backends are imported only when named (nccl needs torch.distributed).
+worker has a single cleanup path.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -172,30 +171,16 @@ class KVReceiver(ABC):
         """Stop I/O; pending transfers are failed (visible to a final poll())."""
 
 
-_SENDERS = {
-    "zmq": "transfer.zmq_sender:ZmqSender",
-    "nccl": "transfer.dist_backend:DistSender",
-    "gloo": "transfer.dist_backend:DistSender",
-    "local": "transfer.local_backend:LocalSender",
-    "shm": "transfer.shm_backend:ShmSender",  # one node: payload through /dev/shm, control over ZeroMQ
-    "auto": "transfer.shm_backend:ShmSender",  # the same classes: shm with senders on the node, inline zmq otherwise
-}
-_RECEIVERS = {
-    "zmq": "transfer.zmq_receiver:ZmqReceiver",
-    "nccl": "transfer.dist_backend:DistReceiver",
-    "gloo": "transfer.dist_backend:DistReceiver",
-    "local": "transfer.local_backend:LocalReceiver",
-    "shm": "transfer.shm_backend:ShmReceiver",
-    "auto": "transfer.shm_backend:ShmReceiver",
-}
-BACKENDS = tuple(_SENDERS)
+# backend -> what its hellos say ("dist": a torch.distributed pair; gloo is the nccl code on CPU tensors); "local" is
+# the in-process hand-off. Every socket backend is one Sender and one Receiver, whose payload path per peer (inline,
+# shm ring, pair) the handshake picks.
+_TRANSPORTS = {"zmq": "zmq", "shm": "shm", "auto": "shm", "nccl": "dist", "gloo": "dist"}
+BACKENDS = (*_TRANSPORTS, "local")
 
 
-def _load(table: dict[str, str], backend: str) -> type:
-    if backend not in table:
-        raise ValueError(f"unknown transfer backend {backend!r}; choose one of {sorted(table)}")
-    module, _, cls = table[backend].partition(":")
-    return getattr(importlib.import_module(module), cls)
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown transfer backend {backend!r}; choose one of {sorted(BACKENDS)}")
 
 
 def _backend_config(backend: str, config: TransferConfig | None) -> TransferConfig:
@@ -206,13 +191,29 @@ def _backend_config(backend: str, config: TransferConfig | None) -> TransferConf
 
 
 def make_sender(backend: str, fingerprint: ModelFingerprint, config: TransferConfig | None = None) -> KVSender:
-    """Create the producer side of `backend` ("zmq", "nccl", "gloo" = nccl code on CPU, "local")."""
-    return _load(_SENDERS, backend)(fingerprint, _backend_config(backend, config))
+    """Create the producer side of `backend` ("zmq", "shm", "auto", "nccl", "gloo" = nccl code on CPU, "local")."""
+    _check_backend(backend)
+    cfg = _backend_config(backend, config)
+    if backend == "local":
+        from transfer.local_backend import LocalSender
+
+        return LocalSender(fingerprint, cfg)
+    from transfer.sender import Sender
+
+    return Sender(fingerprint, cfg, _TRANSPORTS[backend])
 
 
 def make_receiver(
     backend: str, fingerprint: ModelFingerprint, sink: Sink, address: str, config: TransferConfig | None = None
 ) -> KVReceiver:
-    """Create the consumer side bound at `address` (tcp://host:0 picks a free port, ipc://path,
+    """Create the consumer side bound at `address` (tcp://host:0 picks a free port, ipc://path, shm+ either,
     local://name); the actual address to hand to senders is `receiver.address`."""
-    return _load(_RECEIVERS, backend)(fingerprint, sink, address, _backend_config(backend, config))
+    _check_backend(backend)
+    cfg = _backend_config(backend, config)
+    if backend == "local":
+        from transfer.local_backend import LocalReceiver
+
+        return LocalReceiver(fingerprint, sink, address, cfg)
+    from transfer.receiver import Receiver
+
+    return Receiver(fingerprint, sink, address, cfg, _TRANSPORTS[backend])

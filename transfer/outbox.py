@@ -34,7 +34,7 @@ class Outgoing:
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     piece: PieceHeader | None = None  # "kv" messages only
-    ready: Any = None  # nccl: the torch.cuda.Event recorded on the compute stream when the tensors were handed over
+    ready: Any = None  # NCCL: the torch.cuda.Event recorded on the compute stream when the tensors were handed over
 
     @property
     def cost(self) -> int:
@@ -110,11 +110,11 @@ class Peer:
     max_frame_bytes: int = 0
     stuck_since: float | None = None
     last_sent: float = 0.0  # the welcome, then our latest message: a peer idle too long is closed
-    link: Any = None  # nccl backend: the pair process group link
     nonce: bytes = b""  # ours, in the hello; the welcome must echo it
     key: bytes = b""  # the session key (transfer/auth.py), known once welcomed
     seq_out: int = 0  # last sequence number we sealed
     seq_in: int = 0  # last one we accepted from the receiver
+    path: Any = None  # the payload path the welcome chose (transfer/sender.py InlineSend, ring, pair)
 
 
 def discard_rest(sock: zmq.Socket, limit: int = 1 << 16) -> None:

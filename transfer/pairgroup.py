@@ -26,7 +26,7 @@ NCCL (device tensors): every op runs under the link's own CUDA stream, which fir
 (sender: recorded on the compute stream when the KV was handed over; receiver: recorded on the consumer's stream when
 the receive buffers were allocated), so the transfer is ordered after the KV write and the compute stream never waits
 on the network. A receive ends by recording a new `ready` event on the link's stream, which the consumer's stream
-waits on before it uses the data (transfer/dist_backend.py). NCCL's own watchdog, heartbeat monitor and dump-on-timeout
+waits on before it uses the data (transfer/pair_path.py). NCCL's own watchdog, heartbeat monitor and dump-on-timeout
 would tear the whole process down after a timed-out op; the link bounds and aborts its own ops, so the process is
 started with them off (transfer/nccl_env.py: set once, at process start, never here while other threads run). Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
 way and is reported to the link's owner (`on_crash`), whose io_problem() then makes its worker degraded.

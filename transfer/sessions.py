@@ -8,7 +8,7 @@ never be followed by any message, so without bounds the table only grows. Here:
     - at most `max_sessions` exist; a hello past that is refused (transfer/errors.py SessionLimit), never answered
       by evicting a session that may be in use.
 A sender whose session expired handshakes again: the sender closes its own side after idle_s / 2 without sends
-(transfer/zmq_sender.py), so it never sends into a session the receiver has dropped.
+(transfer/sender.py), so it never sends into a session the receiver has dropped.
 Single-threaded: the thread that calls the receiver's `poll()`.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 class Session:
     identity: bytes
     transport: str
-    link: Any = None  # nccl backend: the pair process group link
+    path: Any  # the payload path chosen at the welcome (transfer/receiver.py InlineReceive, ring, pair)
     key: bytes = b""  # the session key both ends derived at the handshake
     token: bytes = b""  # the session token (the key of this entry in the receiver's table)
     seq_in: int = 0  # last sequence number accepted from the sender

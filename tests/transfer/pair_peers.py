@@ -10,41 +10,42 @@ from typing import Any
 
 from tests.helpers.kv import Cache, fingerprint, make_kv
 from transfer.base import TransferConfig
-from transfer.dist_backend import DistReceiver, DistSender
 from transfer.outbox import Outgoing, Peer
-from transfer.pairgroup import PairLink
+from transfer.pair_path import PairSend
+from transfer.receiver import Receiver
+from transfer.sender import Sender
 from transfer.sessions import Session
-from transfer.wire import PieceHeader, pack_header
+from transfer.wire import PieceHeader
 
 
-class HeaderOnlySender(DistSender):
+class HeaderOnlySender(Sender):
     """Sends the headers of layers >= stall_layer without their tensors."""
 
     stall_layer = 1
 
     def _send(self, peer: Peer, out: Outgoing) -> None:
-        if out.piece is None or out.piece.layer < self.stall_layer or not isinstance(peer.link, PairLink):
+        if out.piece is None or out.piece.layer < self.stall_layer or not isinstance(peer.path, PairSend):
             super()._send(peer, out)
             return
         p = out.piece
-        tags = peer.link.next_tags(len(out.tensors))
+        tags = peer.path.link.next_tags(len(out.tensors))
         piece = PieceHeader(p.transfer_id, p.layer, p.blocks, p.wire, p.frames, p.fingerprint, tags)
-        peer.sock.send(self._seal(peer, pack_header(piece.to_wire(peer.session))))
+        peer.sock.send(self.seal_for(peer, piece.to_wire(peer.session)))
 
 
-class NeverReceives(DistReceiver):
+class NeverReceives(Receiver):
     """Admits the headers of layers >= stall_layer but never receives their tensors."""
 
     stall_layer = 1
 
-    def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+    def _on_piece(self, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]) -> None:
         if piece.layer < self.stall_layer:
-            super()._on_piece(sess, piece, bufs)
+            super()._on_piece(sess, piece, h, bufs)
 
 
 def stalling_sender_main(address: str, tid: str, dst: list[int], out) -> None:
     fp = fingerprint("float32")
-    s = HeaderOnlySender(fp, TransferConfig(group_timeout_s=30.0, lease_s=30.0))
+    s = HeaderOnlySender(fp, TransferConfig(group_timeout_s=30.0, lease_s=30.0), "dist")
     s.begin(tid, address)
     for layer in range(fp.num_layers):
         s.send_layer(tid, layer, dst, *make_kv(fp, layer, len(dst), seed=5))
@@ -54,7 +55,9 @@ def stalling_sender_main(address: str, tid: str, dst: list[int], out) -> None:
 
 def stalling_receiver_main(tid: str, dst: list[int], out) -> None:
     fp = fingerprint("float32")
-    r = NeverReceives(fp, Cache(fp).sink, "tcp://127.0.0.1:0", TransferConfig(group_timeout_s=30.0, deadline_s=60.0))
+    r = NeverReceives(
+        fp, Cache(fp).sink, "tcp://127.0.0.1:0", TransferConfig(group_timeout_s=30.0, deadline_s=60.0), "dist"
+    )
     r.expect(tid, dst)
     out.put(r.address)
     end = time.monotonic() + 3600

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
-from transfer import dist_backend
 from transfer.base import TransferConfig, make_receiver, make_sender
-from transfer.dist_backend import DistReceiver, DistSender, gpu_uuid, same_gpu
+from transfer.pair_path import gpu_uuid, same_gpu
+from transfer.receiver import Receiver
+from transfer.sender import Sender
 from transfer.shm_ring import PREFIX, SHM_DIR
 from transfer.staging import MIN_BUFFER_BYTES, PinnedPool, SideStreamSink, Stager
 from transfer.state import TransferState
@@ -75,9 +76,9 @@ def test_same_gpu_pair_uses_the_same_node_path(closing, caplog) -> None:
     cfg = TransferConfig(gpu_uuid="GPU-aaaa", group_timeout_s=10.0)
     r = closing(make_receiver("gloo", fp, cache.sink, "tcp://127.0.0.1:0", cfg))
     s = closing(make_sender("gloo", fp, cfg))
-    assert isinstance(r, DistReceiver) and isinstance(s, DistSender)
+    assert isinstance(r, Receiver) and isinstance(s, Sender) and r.transport == s.transport == "dist"
     assert r.address.startswith("tcp://")  # a plain address: the transport (dist) is in the hello
-    with caplog.at_level("INFO", logger="transfer.dist_backend"):
+    with caplog.at_level("INFO", logger="transfer"):
         _send_all(s, r, "t", [1, 2, 3], seed=4, fp=fp)
     cache.assert_holds([1, 2, 3], seed=4)
     assert r.same_gpu_sessions == 1 and s.same_gpu_peers == 1  # both ends saw the other's UUID over the wire
@@ -110,7 +111,7 @@ def test_the_decision_reads_the_cuda_device_when_no_uuid_is_configured(monkeypat
     """Two workers whose CUDA device reports the same UUID decide 'same GPU' (the real code path, CUDA faked)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(uuid="GPU-same"))
-    assert dist_backend.same_gpu(gpu_uuid(TransferConfig(device="cuda")), gpu_uuid(TransferConfig(device="cuda:0")))
+    assert same_gpu(gpu_uuid(TransferConfig(device="cuda")), gpu_uuid(TransferConfig(device="cuda:0")))
 
 
 # ---------------------------------------------------------------------------------------------- staging

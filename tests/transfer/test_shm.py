@@ -19,11 +19,13 @@ import zmq
 
 from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
-from transfer import shm_backend
+from transfer import ring_path
 from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
 from transfer.base import TransferConfig, make_receiver, make_sender
 from transfer.errors import AuthError, ChecksumError, PeerGone, ProtocolError, TransferAborted, TransferTimeout
-from transfer.shm_backend import ShmReceiver, ShmSender
+from transfer.receiver import Receiver
+from transfer.ring_path import RingReceive, RingSend
+from transfer.sender import Sender
 from transfer.shm_ring import (
     MIN_RING_BYTES,
     PREFIX,
@@ -61,12 +63,14 @@ def _cfg(**kw) -> TransferConfig:
     return TransferConfig(**{**FAST, "secret": SECRET, **kw})
 
 
-def _pair(closing, dtype="float32", ring_bytes=MIN_RING_BYTES, max_rings=4, num_blocks=64, cfg=None, sender=ShmSender):
+def _pair(closing, dtype="float32", ring_bytes=MIN_RING_BYTES, max_rings=4, num_blocks=64, cfg=None, sender=Sender):
     fp = fingerprint(dtype)
     cache = Cache(fp, num_blocks=num_blocks)
     cfg = cfg or _cfg()
-    r = closing(ShmReceiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", cfg, ring_bytes=ring_bytes, max_rings=max_rings))
-    s = closing(sender(fp, cfg))
+    r = closing(
+        Receiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", cfg, "shm", ring_bytes=ring_bytes, max_rings=max_rings)
+    )
+    s = closing(sender(fp, cfg, "shm"))
     return fp, cache, r, s
 
 
@@ -139,7 +143,7 @@ def test_the_sink_reads_the_ring_in_place_and_the_region_is_freed_when_it_return
     seen: list[tuple[int, int, int, int]] = []  # (k ptr, v ptr, ring tail during the call, layer)
 
     def sink(tid, layer, blocks, k, v):
-        ring = next(sess.link for sess in r._sessions.values() if sess.link is not None)
+        ring = next(sess.path.ring for sess in r._sessions.values() if isinstance(sess.path, RingReceive))
         seen.append((k.data_ptr(), v.data_ptr(), ring.tail, layer))
         cache.sink(tid, layer, blocks, k, v)
 
@@ -147,7 +151,7 @@ def test_the_sink_reads_the_ring_in_place_and_the_region_is_freed_when_it_return
     dst = list(range(56, 8, -1))  # 48 blocks, 6 KiB frames, 48 KiB per transfer: the 64 KiB ring wraps
     for i in range(2):
         _transfer(r, s, fp, cache, f"t{i}", dst, seed=i + 3)
-    ring = next(sess.link for sess in r._sessions.values() if sess.link is not None)
+    ring = next(sess.path.ring for sess in r._sessions.values() if isinstance(sess.path, RingReceive))
     base = torch.frombuffer(ring._data, dtype=torch.uint8).data_ptr()  # the view is dropped at once
     frame = len(dst) * fp.block_size * fp.num_kv_heads * fp.head_dim * 4
     assert len(seen) == 2 * fp.num_layers
@@ -155,7 +159,7 @@ def test_the_sink_reads_the_ring_in_place_and_the_region_is_freed_when_it_return
         assert base <= kp and kp + frame <= base + ring.size and base <= vp and vp + frame <= base + ring.size
     tails = [t for _, _, t, _ in seen]
     assert tails == sorted(tails) and len(set(tails)) == len(tails)  # each piece released before the next one
-    writer = next(p.link for p in s._peers.values() if p.link is not None)
+    writer = next(p.path.ring for p in s._peers.values() if isinstance(p.path, RingSend))
     assert ring.tail == writer.head > ring.size  # all released, after more than one lap
     assert r.shm_pieces == s.shm_pieces == 2 * fp.num_layers
 
@@ -188,7 +192,7 @@ def test_a_piece_larger_than_the_ring_goes_inline(closing) -> None:
     assert r.shm_pieces == s.shm_pieces == fp.num_layers
 
 
-class _ElsewhereSender(ShmSender):
+class _ElsewhereSender(Sender):
     """A sender that says it runs on another node."""
 
     def _hello_fields(self, peer):
@@ -198,15 +202,15 @@ class _ElsewhereSender(ShmSender):
 @pytest.mark.parametrize("why", ["another node", "no ring left"])
 def test_without_a_ring_the_kv_goes_inline(why, closing, monkeypatch) -> None:
     created = []
-    orig = ShmReceiver._welcome_extra
+    orig = Receiver._choose_path
 
     def spy(self, *a):
         extra = orig(self, *a)
-        created.append("shm" in extra)
+        created.append("shm" in extra[0])
         return extra
 
-    monkeypatch.setattr(ShmReceiver, "_welcome_extra", spy)
-    sender = _ElsewhereSender if why == "another node" else ShmSender
+    monkeypatch.setattr(Receiver, "_choose_path", spy)
+    sender = _ElsewhereSender if why == "another node" else Sender
     fp, cache, r, s = _pair(closing, "bfloat16", max_rings=0 if why == "no ring left" else 4, sender=sender)
     _transfer(r, s, fp, cache, "t", [5, 1, 2], seed=6)
     assert created == [False] and r.rings() == 0
@@ -235,14 +239,14 @@ def test_a_checksum_mismatch_fails_the_transfer_and_frees_the_region(closing, mo
         copies[0][0] ^= 0xFF
         return header
 
-    monkeypatch.setattr(shm_backend, "with_checksums", corrupt)
+    monkeypatch.setattr(ring_path, "with_checksums", corrupt)
     r.expect("t", [1, 2])
     s.begin("t", r.address)
     _send_all(s, fp, "t", [1, 2], seed=1)
     rev, sev = _by_side(r, s)
     assert isinstance(_one_failure(rev), ChecksumError) and isinstance(_one_failure(sev), ChecksumError)
     assert cache.writes == 0 and hashed  # the checksum was taken over the ring's copy, and it caught the change
-    monkeypatch.setattr(shm_backend, "with_checksums", with_checksums)
+    monkeypatch.setattr(ring_path, "with_checksums", with_checksums)
     _transfer(r, s, fp, cache, "next", [1, 2], seed=2)  # the session and its ring still serve
 
 
@@ -303,7 +307,7 @@ def test_closing_either_side_mid_transfer(closing) -> None:
     assert isinstance(_one_failure(poll_until([r.poll], lambda e: e, 5)), PeerGone)
     assert time.monotonic() - t0 < 2.5 and r.pending_transfers() == []
 
-    s2 = closing(ShmSender(fp, _cfg()))
+    s2 = closing(Sender(fp, _cfg(), "shm"))
     r.expect("b", [3])
     s2.begin("b", r.address)
     s2.send_layer("b", 0, [3], *make_kv(fp, 0, 1, 1))
@@ -373,8 +377,8 @@ def test_a_killed_receiver_fails_the_sender(spawn, closing) -> None:
 
 def test_a_wrong_secret_is_refused_and_gets_no_ring(closing) -> None:
     fp = fingerprint()
-    r = closing(ShmReceiver(fp, Cache(fp).sink, "shm+tcp://127.0.0.1:0", _cfg(secret="s3cret")))
-    s = closing(ShmSender(fp, _cfg(secret="guess")))
+    r = closing(Receiver(fp, Cache(fp).sink, "shm+tcp://127.0.0.1:0", _cfg(secret="s3cret"), "shm"))
+    s = closing(Sender(fp, _cfg(secret="guess"), "shm"))
     s.begin("t", r.address)
     ev = poll_until([r.poll, s.poll], lambda e: e, 3)
     assert isinstance(_one_failure(ev), AuthError) and "secret" in str(ev[0].error)
@@ -434,7 +438,7 @@ class HandPeer:
 def test_forged_replayed_and_lying_pieces_are_refused(closing) -> None:
     fp = fingerprint("float32")
     cache = Cache(fp)
-    r = closing(ShmReceiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", _cfg(), ring_bytes=MIN_RING_BYTES))
+    r = closing(Receiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", _cfg(), "shm", ring_bytes=MIN_RING_BYTES))
     peer = closing(HandPeer(r.address, fp))
     peer.handshake(r)
     ring = closing(RingWriter.open(peer.welcome["shm"]))
@@ -513,7 +517,7 @@ def test_positions_are_checked_against_the_ring() -> None:
 
 def test_a_ring_announcement_is_checked_before_and_after_opening(closing) -> None:
     fp = fingerprint()
-    r = closing(ShmReceiver(fp, Cache(fp).sink, "shm+tcp://127.0.0.1:0", _cfg(), ring_bytes=MIN_RING_BYTES))
+    r = closing(Receiver(fp, Cache(fp).sink, "shm+tcp://127.0.0.1:0", _cfg(), "shm", ring_bytes=MIN_RING_BYTES))
     peer = closing(HandPeer(r.address, fp))
     peer.handshake(r)
     name, size, token = peer.welcome["shm"]
@@ -535,7 +539,9 @@ def test_a_ring_announcement_is_checked_before_and_after_opening(closing) -> Non
 def test_a_ring_nobody_mapped_is_unlinked_when_its_session_ends(closing) -> None:
     fp = fingerprint()
     r = closing(
-        ShmReceiver(fp, Cache(fp).sink, "shm+tcp://127.0.0.1:0", _cfg(idle_session_s=0.5), ring_bytes=MIN_RING_BYTES)
+        Receiver(
+            fp, Cache(fp).sink, "shm+tcp://127.0.0.1:0", _cfg(idle_session_s=0.5), "shm", ring_bytes=MIN_RING_BYTES
+        )
     )
     first = closing(HandPeer(r.address, fp))
     first.handshake(r)

@@ -1,18 +1,15 @@
-"""ZeroMQ KV receiver: the decode side of the `zmq` backend (and the control half of `nccl`).
+"""The KV receiver of every socket backend (zmq, shm, auto, nccl, gloo): the decode side of a transfer.
 
-Data flow (all in the thread that calls `poll()`, never blocking):
-    ROUTER socket <- [identity, sealed header, frames...] from any number of sender DEALERs, read one frame at a
-               time (at most MAX_FRAMES; a longer message is discarded unread), each frame bounded by MAXMSGSIZE
-    header  -> MAC checked in constant time before it is decoded (transfer/auth.py): under the handshake key for
-               a hello, under its session's key (and in increasing sequence) for everything else
-    hello   -> nonce fresh, fingerprint and transport checked -> welcome(session token, MACed) or reject
-    kv      -> session known? -> InboundTable.admit (checks, claims blocks) -> payload:
-               zmq: the frames of this message (viewed in place) -> InboundTable.complete -> sink
-               nccl: handed to the pair link, which receives it by torch.distributed (see dist_backend)
-    finish  -> lost pieces fail now;   abort -> FAILED
-    replies -> ack (DONE), nack (FAILED, with the error's code), renew (keeps the sender's lease alive)
-A malformed message fails only the transfer it names (if any); the receiver keeps serving the others. Sessions are
-bounded in number and idle time (transfer/sessions.py): per-peer state nobody uses expires.
+All in the thread that calls `poll()`, never blocking:
+    ROUTER <- [identity, sealed header, frames...] from any number of senders, at most MAX_FRAMES, each frame
+              bounded by MAXMSGSIZE; the MAC is checked before msgpack sees a byte (transfer/auth.py)
+    hello  -> nonce, fingerprint, transport checked -> welcome (session token, and the session's payload path: inline
+              frames, a shm ring for a sender on this node (transfer/ring_path.py), a torch.distributed pair
+              (transfer/pair_path.py)) or reject
+    kv     -> InboundTable.admit (checks, claims blocks) -> the session's path delivers the payload -> sink
+    finish -> lost pieces fail now; abort -> FAILED; replies: ack (DONE), nack (FAILED, with the error's code), renew
+A malformed message fails only the transfer it names; sessions are bounded in number and idle time
+(transfer/sessions.py).
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import zmq
 
 from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, NonceCache, handshake_key, seal, session_key, split, verify
@@ -37,7 +35,10 @@ from transfer.errors import (
     TransferError,
 )
 from transfer.inbound import InboundTable, Sink
+from transfer.pair_path import PairReceive, gpu_uuid, same_gpu
+from transfer.ring_path import DEFAULT_MAX_RINGS, DEFAULT_RING_BYTES, SCHEME, RingReceive, control_address
 from transfer.sessions import Session, SessionTable
+from transfer.shm_ring import MAX_RING_BYTES, MIN_RING_BYTES, sweep_stale
 from transfer.sockets import bind_address, configure
 from transfer.staging import SideStreamSink
 from transfer.state import Inbound, TransferEvent
@@ -47,16 +48,61 @@ log = logging.getLogger(__name__)
 MAX_FRAMES = 2 + 4  # identity, header, and at most 4 payload frames (int8: k, k scales, v, v scales)
 
 
-class ZmqReceiver(KVReceiver):
-    """See module docstring. Not thread-safe: one thread calls expect/poll/abort."""
+class InlineReceive:
+    """The payload came in the header's message."""
 
-    transport = "zmq"
+    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]):
+        if "shm" in h or piece.tags is not None:
+            raise ProtocolError("shm positions or p2p tags in a session without a ring or a pair group")
+        receiver._table.complete(piece, bufs)
+
+    def on_bad_piece(self, receiver: Receiver, session: bytes, h: dict[str, Any]) -> None:
+        pass
+
+    def poll(self, receiver: Receiver, session: bytes, sess: Session) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return False
+
+    def close(self, join_s: float = 0.0) -> None:
+        pass
+
+
+INLINE = InlineReceive()
+
+
+class Receiver(KVReceiver):
+    """Not thread-safe: one thread calls expect/poll/abort. `transport` is what hellos must say: "zmq", "shm" (its
+    address is "shm+" and the control address) or "dist" (nccl/gloo)."""
 
     def __init__(
-        self, fingerprint: ModelFingerprint, sink: Sink, address: str, config: TransferConfig | None = None
+        self,
+        fingerprint: ModelFingerprint,
+        sink: Sink,
+        address: str,
+        config: TransferConfig | None = None,
+        transport: str = "zmq",
+        *,
+        ring_bytes: int = DEFAULT_RING_BYTES,
+        max_rings: int = DEFAULT_MAX_RINGS,
     ) -> None:
+        if not MIN_RING_BYTES <= ring_bytes <= MAX_RING_BYTES or max_rings < 0:
+            raise ValueError(f"ring_bytes must be in [{MIN_RING_BYTES}, {MAX_RING_BYTES}] and max_rings >= 0")
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
+        self.transport = transport
+        self.ring_bytes, self.max_rings = ring_bytes, max_rings
+        self.shm_pieces = 0  # pieces read from a ring
+        self.same_gpu_sessions = 0  # dist: sender sessions from this GPU (ring or inline, no pair group)
+        self._gpu = gpu_uuid(self.cfg) if transport == "dist" else None
+        self._store: torch.distributed.TCPStore | None = (
+            None  # dist: made at the first pair, idle receivers cost nothing
+        )
+        if transport != "zmq":
+            swept = sweep_stale()
+            if swept:
+                log.info("unlinked %d shared-memory rings of dead receivers", swept)
         # a KV cache on a GPU is written on a side stream, fenced into the consumer's stream when a transfer is DONE
         self._sink = SideStreamSink(sink, self.cfg.kv_device, self.cfg.staging_bytes)
         self._table = InboundTable(fingerprint, self._sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
@@ -72,12 +118,14 @@ class ZmqReceiver(KVReceiver):
             max_msg_bytes=max(self.cfg.max_frame_bytes, MAX_HEADER_BYTES + OVERHEAD),
         )
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to vanished peers error, not vanish
-        self._sock.bind(bind_address(address))
+        self._sock.bind(bind_address(control_address(address)))
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if transport == "shm":
+            self.address = SCHEME + self.address  # senders see that a ring is on offer
         self.dropped = 0  # messages refused before they could be attributed to a transfer
         self.rejected = 0  # of which: bad or missing MAC, replayed, or too many frames
-        self._io_problem = ""  # nccl backend: a pair-link thread died of a bug (see io_problem)
-        self._retired: list[Any] = []  # nccl backend: links of dropped sessions whose thread has not ended yet
+        self._io_problem = ""  # dist: a pair-link thread died of a bug (see io_problem)
+        self._retired: list[Any] = []  # paths of dropped sessions whose link thread has not ended yet
         self._closed = False
 
     # ------------------------------------------------------------------ API
@@ -111,7 +159,13 @@ class ZmqReceiver(KVReceiver):
     def wait(self, timeout_s: float) -> bool:
         if self._closed:
             return False
+        if self.transport == "dist":  # payloads complete in link threads, not on the socket
+            timeout_s = min(timeout_s, 0.001)
         return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
+    def rings(self) -> int:
+        """Sessions that hold a ring now."""
+        return sum(1 for s in self._sessions.values() if isinstance(s.path, RingReceive))
 
     def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
         rec = self._table.abort(transfer_id, reason)
@@ -122,8 +176,7 @@ class ZmqReceiver(KVReceiver):
         return self._table.ids()
 
     def io_problem(self) -> str:
-        """zmq: all I/O happens in poll(), in the caller's thread (its failures are the caller's); nccl: a pair-link
-        thread that died of something other than its peer (recorded by _note_link_crash)."""
+        """A pair-link thread that died of something other than its peer (all other I/O is in poll(), the caller's)."""
         return self._io_problem
 
     def _note_link_crash(self, what: str) -> None:
@@ -137,8 +190,8 @@ class ZmqReceiver(KVReceiver):
         for tid in self._table.ids():
             self._table.fail(tid, PeerGone("receiver closed"))
         end = time.monotonic() + 2.0  # a pair group alive at interpreter exit aborts the process: let them end
-        for link in [s.link for s in self._sessions.values() if s.link is not None] + self._retired:
-            link.close(join_s=max(0.0, end - time.monotonic()))
+        for path in [s.path for s in self._sessions.values()] + self._retired:
+            path.close(join_s=max(0.0, end - time.monotonic()))
         self._sock.close(linger=0)
         self._ctx.destroy(linger=0)
 
@@ -225,7 +278,7 @@ class ZmqReceiver(KVReceiver):
         try:
             if kind == "kv":
                 piece = self._table.admit(session, h)
-                self._on_piece(sess, piece, [f.buffer for f in frames[2:]])
+                self._on_piece(sess, piece, h, [f.buffer for f in frames[2:]])
             elif kind == "finish" and isinstance(h.get("pieces"), int):
                 self._table.on_finish(session, tid, h["pieces"])
             elif kind == "renew":
@@ -238,7 +291,7 @@ class ZmqReceiver(KVReceiver):
                 self.dropped += 1
         except TransferError as e:
             if kind == "kv":
-                self._on_bad_piece(sess, session, h)
+                sess.path.on_bad_piece(self, session, h)
             if rec is not None and rec.session in (None, session):
                 self._fail(tid, e)
             else:
@@ -281,12 +334,12 @@ class ZmqReceiver(KVReceiver):
                 )
             session, rnonce = os.urandom(len(NO_SESSION)), os.urandom(NONCE_BYTES)
             key = session_key(self._hs_key, nonce, rnonce, session)
-            extra = self._welcome_extra(session, key, h)
+            extra, path = self._choose_path(key, h)
         except TransferError as e:
             log.warning("refused handshake: %s", e)
             self._send_hs(identity, {"kind": "reject", "code": e.code, "reason": str(e)})
             return
-        self._sessions.add(Session(identity, self.transport, extra.pop("_link", None), key, session))
+        self._sessions.add(Session(identity, self.transport, path, key, session))
         self._send_hs(
             identity,
             {
@@ -299,19 +352,31 @@ class ZmqReceiver(KVReceiver):
             },
         )
 
-    def _welcome_extra(self, session: bytes, key: bytes, h: dict[str, Any]) -> dict[str, Any]:
-        """Hook for the nccl backend: pair-group rendezvous info (and its link under "_link")."""
-        return {}
+    def _choose_path(self, key: bytes, h: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """The session's payload path and what the welcome says of it: a pair group (dist, unless both ends share a
+        GPU), a ring for a sender on this node (shm, and dist on one GPU), else inline frames."""
+        fields: dict[str, Any] = {}
+        if self.transport == "dist":
+            if not same_gpu(self._gpu, h.get("gpu")):
+                pair = PairReceive.host(self, key)
+                fields = {"store_port": pair.store_port}
+                return ({**fields, "gpu": self._gpu} if self._gpu is not None else fields), pair
+            self.same_gpu_sessions += 1
+            log.info("a KV sender on this GPU (%s): same-node path instead of an NCCL pair", self._gpu)
+            fields = {"same_gpu": True, "gpu": self._gpu}
+        elif self.transport == "zmq":
+            return fields, INLINE
+        ring = RingReceive.offer(h, self.ring_bytes, self.rings(), self.max_rings)
+        if ring is None:
+            return fields, INLINE
+        return {**fields, "shm": ring.ring.announce()}, ring
 
-    def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
-        """zmq: the payload came with the header."""
-        self._table.complete(piece, bufs)
-
-    def _on_bad_piece(self, sess: Session, session: bytes, h: dict[str, Any]) -> None:
-        """Hook for the nccl backend: the refused piece's tensors are still on their way."""
+    def _on_piece(self, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]) -> None:
+        sess.path.on_piece(self, sess, piece, h, bufs)
 
     def _poll_payloads(self) -> None:
-        """Hook for the nccl backend: finish pieces whose tensors arrived by torch.distributed."""
+        for session, sess in list(self._sessions.items()):
+            sess.path.poll(self, session, sess)
 
     # ------------------------------------------------------------------ replies, timers
 
@@ -351,9 +416,18 @@ class ZmqReceiver(KVReceiver):
             self._close_session(sess)
 
     def _close_session(self, sess: Session) -> None:
-        if sess.link is not None:
-            sess.link.close(join_s=0.0)  # from poll(): never wait for a link thread; close() joins what is left
-            self._retired = [link for link in self._retired if link.alive()] + [sess.link]
+        sess.path.close(join_s=0.0)  # from poll(): never wait for a link thread; close() joins what is left
+        self._retired = [path for path in self._retired if path.alive()]
+        if sess.path.alive():
+            self._retired.append(sess.path)
+
+    def _drop_session(self, session: bytes, error: TransferError) -> None:
+        sess = self._sessions.pop(session, None)
+        if sess is not None:
+            self._close_session(sess)  # never waits for a link thread still forming its group
+        for rec in self._table.items():
+            if rec.session == session:
+                self._table.fail(rec.transfer_id, error)
 
     def _renew_and_expire(self) -> None:
         self._expire_sessions()

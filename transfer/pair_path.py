@@ -1,0 +1,189 @@
+"""The torch.distributed payload path (backends `nccl`, and `gloo` = the same code on CPU tensors).
+
+    welcome   the receiver's rendezvous store port; both ends start a PairLink (transfer/pairgroup.py) whose store
+              prefix and first exchange (a proof of the session key each way) come from the session key
+    sender    per piece: the sealed header over ZeroMQ with one p2p tag per frame and no payload frames, then the
+              tensors to the link thread (pg.send, bounded wait)
+    receiver  admit the header -> allocate the frame tensors -> link thread (pg.recv, bounded) -> next poll():
+              checksum (CPU tensors) -> sink -> ack when complete
+Nothing is allocated from a header before `InboundTable.admit` checked it; a refused piece is still received, into
+scratch sized by the same per-frame checks, so the pair's p2p stream stays aligned.
+
+Streams (NCCL): the link's stream waits on an event recorded on the compute stream when the KV was handed over
+(sender) or on the consumer's stream when the buffers were allocated (receiver); the consumer's stream waits on the
+link's event after the receive. No host thread of the engine waits on the network.
+One GPU, two workers: NCCL refuses two ranks on one device, so when the hello's and the welcome's GPU UUIDs are equal
+the receiver welcomes with `same_gpu` and a ring (transfer/ring_path.py) or inline frames instead of a pair.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+
+from transfer.auth import pair_group_key
+from transfer.base import TransferConfig
+from transfer.errors import PeerGone, ProtocolError, TransferError
+from transfer.outbox import Outgoing, Peer
+from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server
+from transfer.sessions import Session
+from transfer.wire import PieceHeader, dtype_from_name, frame_nbytes, frame_view, with_checksums
+
+if TYPE_CHECKING:
+    from transfer.receiver import Receiver
+    from transfer.sender import Sender
+
+log = logging.getLogger(__name__)
+
+
+def _pg_backend(cfg: TransferConfig) -> str:
+    return "nccl" if cfg.device.startswith("cuda") else "gloo"
+
+
+def gpu_uuid(cfg: TransferConfig) -> str | None:
+    """This end's GPU as the handshake names it: the configured UUID, else the CUDA device's; None on the CPU."""
+    if cfg.gpu_uuid is not None:
+        return cfg.gpu_uuid
+    if not cfg.device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(torch.device(cfg.device)).uuid)
+
+
+def same_gpu(mine: str | None, theirs: Any) -> bool:
+    """Both ends on one GPU (both UUIDs known and equal): NCCL would refuse the pair."""
+    return mine is not None and isinstance(theirs, str) and theirs == mine
+
+
+def consumer_event(tensors: list[torch.Tensor]) -> Any:
+    """An event on the current stream of the thread that made `tensors` (CUDA only), for another stream to wait on."""
+    if not tensors or not tensors[0].is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return event
+
+
+class PairSend:
+    def __init__(self, link: PairLink) -> None:
+        self.link = link
+
+    @classmethod
+    def join(cls, cfg: TransferConfig, peer: Peer, store_port: int, on_crash: Callable[[str], None]) -> PairSend:
+        """Rank 1 of the pair, at the store the receiver's welcome names (on the host of its address)."""
+        host = host_of(peer.address)
+        return cls(
+            PairLink(
+                backend=_pg_backend(cfg),
+                rank=1,
+                key=pair_group_key(peer.key),
+                store_host=host,
+                store_port=store_port,
+                local_host=local_ip_towards(host),
+                timeout_s=cfg.group_timeout_s,
+                auth_key=peer.key,
+                on_crash=on_crash,
+                device=cfg.device,
+            )
+        )
+
+    def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
+        assert out.piece is not None
+        if self.link.broken is not None:
+            raise zmq.Again()  # the sender's timeout check drops the peer
+        tags = self.link.next_tags(len(out.tensors))
+        piece = replace(out.piece, tags=tags)
+        if sender.cfg.checksum and not any(t.is_cuda for t in out.tensors):  # gloo: xxh3 as inline; NCCL: none
+            piece = with_checksums(piece, [frame_view(t) for t in out.tensors])
+        header = sender.seal_for(peer, piece.to_wire(peer.session))
+        peer.sock.send(header, zmq.NOBLOCK)
+        # the header left: its tensors must follow, in order, or the pair's p2p stream desynchronizes
+        self.link.submit(LinkJob(out.transfer_id, out.tensors, tags, ready=out.ready))
+
+    def collect(self) -> tuple[TransferError | None, list[tuple[str, TransferError]]]:
+        """(why the link broke, or None; the transfers whose sends failed)."""
+        failed = [(job.transfer_id, err) for job, err in self.link.pop_done() if err is not None]
+        return self.link.broken, failed
+
+    def close(self) -> None:
+        self.link.close()
+
+
+class PairReceive:
+    def __init__(self, link: PairLink, store_port: int) -> None:
+        self.link = link
+        self.store_port = store_port  # what the welcome tells the sender
+
+    @classmethod
+    def host(cls, receiver: Receiver, session_key: bytes) -> PairReceive:
+        """Rank 0 of the pair: the receiver's store listens on its own address only, never on every interface."""
+        host = host_of(receiver.address)
+        if receiver._store is None:
+            receiver._store = make_store_server(host, receiver.cfg.group_timeout_s)
+        return cls(
+            PairLink(
+                backend=_pg_backend(receiver.cfg),
+                rank=0,
+                key=pair_group_key(session_key),
+                store_host=host,
+                store_port=receiver._store.port,
+                local_host=host,
+                timeout_s=receiver.cfg.group_timeout_s,
+                store=receiver._store,
+                auth_key=session_key,
+                on_crash=receiver._note_link_crash,
+                device=receiver.cfg.device,
+            ),
+            receiver._store.port,
+        )
+
+    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]):
+        if bufs or piece.tags is None:
+            raise ProtocolError("dist pieces carry p2p tags and no payload frames")
+        device = receiver.cfg.device
+        tensors = [torch.empty(f.shape, dtype=dtype_from_name(f.dtype), device=device) for f in piece.frames]
+        self.link.submit(LinkJob(piece.transfer_id, tensors, piece.tags, piece, ready=consumer_event(tensors)))
+
+    def on_bad_piece(self, receiver: Receiver, session: bytes, h: dict[str, Any]) -> None:
+        """Still receive a refused piece's tensors (into scratch) so the p2p stream stays aligned; if even its sizes
+        are unusable, the pair is unrecoverable: drop the session and its transfers."""
+        try:
+            piece = PieceHeader.from_wire(h)
+            if piece.tags is None:
+                raise ProtocolError("a dist piece without p2p tags")
+            sizes = [frame_nbytes(f, receiver.cfg.max_frame_bytes) for f in piece.frames]
+            scratch = [torch.empty(n, dtype=torch.uint8, device=receiver.cfg.device) for n in sizes]
+            self.link.submit(LinkJob(piece.transfer_id, scratch, piece.tags, None, ready=consumer_event(scratch)))
+        except TransferError as e:
+            receiver._drop_session(session, PeerGone(f"pair stream unrecoverable: {e}"))
+
+    def poll(self, receiver: Receiver, session: bytes, sess: Session) -> None:
+        """Finish the pieces whose tensors arrived; a broken link drops its session (a new hello pairs anew)."""
+        for job, err in self.link.pop_done():
+            if job.piece is None:
+                continue  # scratch receive of a refused piece
+            tid = job.transfer_id
+            known = receiver._table.get(tid) is not None
+            try:
+                if err is not None:
+                    raise err
+                if job.ready is not None:  # the consumer's stream waits for the receive (the host does not)
+                    torch.cuda.current_stream(job.tensors[0].device).wait_event(job.ready)
+                receiver._table.complete_tensors(job.piece, job.tensors)
+            except TransferError as e:
+                receiver._fail(tid, e)
+                continue
+            if known and receiver._table.get(tid) is None:
+                receiver._reply(sess, {"kind": "ack", "tid": tid})
+        if self.link.broken is not None:
+            receiver._drop_session(session, self.link.broken)
+
+    def alive(self) -> bool:
+        return self.link.alive()
+
+    def close(self, join_s: float = 2.0) -> None:
+        self.link.close(join_s)
