@@ -120,11 +120,10 @@ class InboundTable:
 
     # ------------------------------------------------------------------ pieces
 
-    def admit(self, session: bytes, h: dict[str, Any]) -> PieceHeader:
+    def admit(self, session: bytes, piece: PieceHeader) -> PieceHeader:
         """Check a "kv" header before its payload is used; claims its (layer, block) slots.
 
         Raises TransferError; the caller fails the transfer named in the header (if it is ours)."""
-        piece = PieceHeader.from_wire(h)
         rec = self._tx.get(piece.transfer_id)
         if rec is None:
             raise ProtocolError(f"unknown transfer {piece.transfer_id!r} (not expected, or already ended)")

@@ -117,7 +117,7 @@ class LocalReceiver(KVReceiver):
             try:
                 if kind == "kv":
                     piece, tensors = payload
-                    self._table.admit(session, piece.to_wire(session))
+                    self._table.admit(session, piece)
                     self._table.complete(piece, [frame_view(t) for t in tensors])
                 elif kind == "finish":
                     self._table.on_finish(session, tid, payload)

@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from transfer.errors import FrameTooLarge, TransferError
-from transfer.wire import PieceHeader
+from transfer.wire import Header, PieceHeader
 
 HEADER_COST = 512  # what a message without payload counts against the bound (its header, roughly)
 
@@ -30,11 +30,14 @@ class Outgoing:
     """One queued message: header fields (session added at send time) plus payload tensors."""
 
     transfer_id: str
-    fields: dict[str, Any]
+    message: Header  # a PieceHeader (its tensors follow) or a control message
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
-    piece: PieceHeader | None = None  # "kv" messages only
     ready: Any = None  # NCCL: the torch.cuda.Event recorded on the compute stream when the tensors were handed over
+
+    @property
+    def piece(self) -> PieceHeader | None:
+        return self.message if isinstance(self.message, PieceHeader) else None
 
     @property
     def cost(self) -> int:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 import zmq
 
@@ -32,7 +32,7 @@ from transfer.errors import PeerGone, ProtocolError, TransferError
 from transfer.outbox import Outgoing, Peer
 from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server
 from transfer.sessions import Session
-from transfer.wire import PieceHeader, dtype_from_name, frame_nbytes, frame_view, with_checksums
+from transfer.wire import Ack, Named, PieceHeader, dtype_from_name, frame_nbytes, frame_view, with_checksums
 
 if TYPE_CHECKING:
     from transfer.receiver import Receiver
@@ -96,10 +96,10 @@ class PairSend:
         if self.link.broken is not None:
             raise zmq.Again()  # the sender's timeout check drops the peer
         tags = self.link.next_tags(len(out.tensors))
-        piece = replace(out.piece, tags=tags)
+        piece = msgspec.structs.replace(out.piece, tags=tags)
         if sender.cfg.checksum and not any(t.is_cuda for t in out.tensors):  # gloo: xxh3 as inline; NCCL: none
             piece = with_checksums(piece, [frame_view(t) for t in out.tensors])
-        header = sender.seal_for(peer, piece.to_wire(peer.session))
+        header = sender.seal_for(peer, piece)
         peer.sock.send(header, zmq.NOBLOCK)
         # the header left: its tensors must follow, in order, or the pair's p2p stream desynchronizes
         self.link.submit(LinkJob(out.transfer_id, out.tensors, tags, ready=out.ready))
@@ -141,23 +141,24 @@ class PairReceive:
             receiver._store.port,
         )
 
-    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]):
+    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         if bufs or piece.tags is None:
             raise ProtocolError("dist pieces carry p2p tags and no payload frames")
         device = receiver.cfg.device
         tensors = [torch.empty(f.shape, dtype=dtype_from_name(f.dtype), device=device) for f in piece.frames]
         self.link.submit(LinkJob(piece.transfer_id, tensors, piece.tags, piece, ready=consumer_event(tensors)))
 
-    def on_bad_piece(self, receiver: Receiver, session: bytes, h: dict[str, Any]) -> None:
+    def on_bad_piece(self, receiver: Receiver, session: bytes, h: PieceHeader | Named, error: TransferError) -> None:
         """Still receive a refused piece's tensors (into scratch) so the p2p stream stays aligned; if even its sizes
         are unusable, the pair is unrecoverable: drop the session and its transfers."""
         try:
-            piece = PieceHeader.from_wire(h)
-            if piece.tags is None:
+            if not isinstance(h, PieceHeader):
+                raise error
+            if h.tags is None:
                 raise ProtocolError("a dist piece without p2p tags")
-            sizes = [frame_nbytes(f, receiver.cfg.max_frame_bytes) for f in piece.frames]
+            sizes = [frame_nbytes(f, receiver.cfg.max_frame_bytes) for f in h.frames]
             scratch = [torch.empty(n, dtype=torch.uint8, device=receiver.cfg.device) for n in sizes]
-            self.link.submit(LinkJob(piece.transfer_id, scratch, piece.tags, None, ready=consumer_event(scratch)))
+            self.link.submit(LinkJob(h.transfer_id, scratch, h.tags, None, ready=consumer_event(scratch)))
         except TransferError as e:
             receiver._drop_session(session, PeerGone(f"pair stream unrecoverable: {e}"))
 
@@ -178,7 +179,7 @@ class PairReceive:
                 receiver._fail(tid, e)
                 continue
             if known and receiver._table.get(tid) is None:
-                receiver._reply(sess, {"kind": "ack", "tid": tid})
+                receiver._reply(sess, Ack(tid))
         if self.link.broken is not None:
             receiver._drop_session(session, self.link.broken)
 

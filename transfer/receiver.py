@@ -42,7 +42,24 @@ from transfer.shm_ring import MAX_RING_BYTES, MIN_RING_BYTES, sweep_stale
 from transfer.sockets import bind_address, configure
 from transfer.staging import SideStreamSink
 from transfer.state import Inbound, TransferEvent
-from transfer.wire import MAX_HEADER_BYTES, ModelFingerprint, PieceHeader, pack_header, unpack_header
+from transfer.wire import (
+    MAX_HEADER_BYTES,
+    Abort,
+    Ack,
+    Finish,
+    Header,
+    Hello,
+    ModelFingerprint,
+    Nack,
+    Named,
+    PieceHeader,
+    Reject,
+    Renew,
+    Welcome,
+    named,
+    pack_header,
+    unpack_header,
+)
 
 log = logging.getLogger(__name__)
 MAX_FRAMES = 2 + 4  # identity, header, and at most 4 payload frames (int8: k, k scales, v, v scales)
@@ -51,12 +68,12 @@ MAX_FRAMES = 2 + 4  # identity, header, and at most 4 payload frames (int8: k, k
 class InlineReceive:
     """The payload came in the header's message."""
 
-    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]):
-        if "shm" in h or piece.tags is not None:
+    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+        if piece.shm is not None or piece.tags is not None:
             raise ProtocolError("shm positions or p2p tags in a session without a ring or a pair group")
         receiver._table.complete(piece, bufs)
 
-    def on_bad_piece(self, receiver: Receiver, session: bytes, h: dict[str, Any]) -> None:
+    def on_bad_piece(self, receiver: Receiver, session: bytes, h: PieceHeader | Named, error: TransferError) -> None:
         pass
 
     def poll(self, receiver: Receiver, session: bytes, sess: Session) -> None:
@@ -231,31 +248,26 @@ class Receiver(KVReceiver):
             if not verify(self._hs_key, raw):
                 self._reject_frame("handshake not authenticated (a different cluster secret?)")
                 self._send_hs(
-                    identity,
-                    {
-                        "kind": "reject",
-                        "code": AuthError.code,
-                        "reason": "handshake not authenticated: a different cluster secret?",
-                    },
+                    identity, Reject(AuthError.code, "handshake not authenticated: a different cluster secret?")
                 )
                 return
-            h = self._decode(body)
-            if h is not None and h["kind"] == "hello" and len(frames) == 2:
+            try:
+                h = unpack_header(body)
+            except TransferError as e:  # authenticated, so a bug of its sender: say so if it was a hello
+                self.dropped += 1
+                log.warning("dropped undecodable handshake: %s", e)
+                if named(body).kind == "hello":
+                    self._send_hs(identity, Reject(e.code, str(e)[:1000]))
+                return
+            if isinstance(h, Hello) and len(frames) == 2:
                 self._on_hello(identity, h)
-            elif h is not None:
+            else:
                 self.dropped += 1
             return
         sess = self._sessions.get(session)
         if sess is None:
             self.dropped += 1
-            self._send_hs(
-                identity,
-                {
-                    "kind": "reject",
-                    "code": PeerGone.code,
-                    "reason": "unknown session (receiver restarted?): handshake again",
-                },
-            )
+            self._send_hs(identity, Reject(PeerGone.code, "unknown session (receiver restarted?): handshake again"))
             return
         if not verify(sess.key, raw):
             self._reject_frame("MAC does not match the session key")
@@ -265,66 +277,61 @@ class Receiver(KVReceiver):
             return
         sess.seq_in = seq
         self._sessions.touch(sess)
-        h = self._decode(body)
-        if h is None:
-            return
         sess.identity = identity  # a reconnected DEALER may come back under a new routing id
-        kind = h["kind"]
-        tid = h.get("tid")
-        if not isinstance(tid, str):
+        try:
+            h = unpack_header(body)
+        except TransferError as e:
+            self._refuse(sess, session, named(body), e)
+            return
+        tid = h.transfer_id if isinstance(h, PieceHeader) else getattr(h, "tid", None)
+        if tid is None:
             self.dropped += 1
             return
         rec = self._table.get(tid)
         try:
-            if kind == "kv":
+            if isinstance(h, PieceHeader):
                 piece = self._table.admit(session, h)
-                self._on_piece(sess, piece, h, [f.buffer for f in frames[2:]])
-            elif kind == "finish" and isinstance(h.get("pieces"), int):
-                self._table.on_finish(session, tid, h["pieces"])
-            elif kind == "renew":
+                self._on_piece(sess, piece, [f.buffer for f in frames[2:]])
+            elif isinstance(h, Finish):
+                self._table.on_finish(session, tid, h.pieces)
+            elif isinstance(h, Renew):
                 self._table.heard(tid, session)
                 return
-            elif kind == "abort" and rec is not None and rec.session in (None, session):
-                self._table.fail(tid, SenderAborted(f"sender aborted: {str(h.get('reason'))[:200]}"))
+            elif isinstance(h, Abort) and rec is not None and rec.session in (None, session):
+                self._table.fail(tid, SenderAborted(f"sender aborted: {h.reason[:200]}"))
                 return
             else:
                 self.dropped += 1
         except TransferError as e:
-            if kind == "kv":
-                sess.path.on_bad_piece(self, session, h)
-            if rec is not None and rec.session in (None, session):
-                self._fail(tid, e)
-            else:
-                self.dropped += 1
-                log.warning("dropped message for transfer %r: %s", tid, e)
-                if rec is None:  # not ours (never expected, or already ended): free the sender now
-                    self._reply(sess, {"kind": "nack", "tid": tid, "code": e.code, "reason": str(e)[:1000]})
+            self._refuse(sess, session, h, e)
             return
         if rec is not None and self._table.get(tid) is None:
-            self._reply(sess, {"kind": "ack", "tid": tid})
+            self._reply(sess, Ack(tid))
 
-    def _decode(self, body: memoryview) -> dict[str, Any] | None:
-        """Decode an authenticated header (an undecodable one is a bug of its sender, not an attack)."""
-        try:
-            return unpack_header(body)
-        except TransferError as e:
-            self.dropped += 1
-            log.warning("dropped undecodable message: %s", e)
-            return None
+    def _refuse(self, sess: Session, session: bytes, h: Header | Named, error: TransferError) -> None:
+        """A message that cannot be taken fails the transfer it names, if that is one of this session's; one for a
+        transfer that is not ours is nacked, so its sender frees it now."""
+        tid = h.transfer_id if isinstance(h, PieceHeader) else getattr(h, "tid", None)
+        rec = self._table.get(tid) if isinstance(tid, str) else None
+        if isinstance(h, PieceHeader | Named) and h.kind == "kv":
+            sess.path.on_bad_piece(self, session, h, error)
+        if rec is not None and rec.session in (None, session):
+            self._fail(rec.transfer_id, error)
+            return
+        self.dropped += 1
+        log.warning("dropped message for transfer %r: %s", tid, error)
+        if isinstance(tid, str) and rec is None:  # not ours (never expected, or already ended): free the sender now
+            self._reply(sess, Nack(tid[:1000], error.code, str(error)[:1000]))
 
-    def _on_hello(self, identity: bytes, h: dict[str, Any]) -> None:
+    def _on_hello(self, identity: bytes, h: Hello) -> None:
         try:
-            nonce = h.get("nonce")
-            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-                raise ProtocolError("hello without a nonce")
-            if not self._nonces.add(nonce):
+            if not self._nonces.add(h.nonce):
                 self.rejected += 1
                 raise AuthError("replayed hello")
-            fp = ModelFingerprint.from_wire(h.get("fp"))
-            if fp != self.fp:
-                raise FingerprintMismatch(f"sender model {fp} != receiver model {self.fp}")
-            if h.get("transport") != self.transport:
-                raise ProtocolError(f"sender uses transport {h.get('transport')!r:.20}, receiver {self.transport!r}")
+            if h.fp != self.fp:
+                raise FingerprintMismatch(f"sender model {h.fp} != receiver model {self.fp}")
+            if h.transport != self.transport:
+                raise ProtocolError(f"sender uses transport {h.transport!r}, receiver {self.transport!r}")
             if self._sessions.full():
                 self._expire_sessions(force=True)
             if self._sessions.full():  # never evict a session that may be in use: refuse the newcomer
@@ -333,31 +340,21 @@ class Receiver(KVReceiver):
                     f"(none idle for {self._sessions.idle_s:g} s); try again later"
                 )
             session, rnonce = os.urandom(len(NO_SESSION)), os.urandom(NONCE_BYTES)
-            key = session_key(self._hs_key, nonce, rnonce, session)
-            extra, path = self._choose_path(key, h)
+            key = session_key(self._hs_key, h.nonce, rnonce, session)
+            offer, path = self._choose_path(key, h)
         except TransferError as e:
             log.warning("refused handshake: %s", e)
-            self._send_hs(identity, {"kind": "reject", "code": e.code, "reason": str(e)})
+            self._send_hs(identity, Reject(e.code, str(e)[:1000]))
             return
         self._sessions.add(Session(identity, self.transport, path, key, session))
-        self._send_hs(
-            identity,
-            {
-                "kind": "welcome",
-                "session": session,
-                "nonce": nonce,
-                "rnonce": rnonce,
-                "max_frame_bytes": self.cfg.max_frame_bytes,
-                **extra,
-            },
-        )
+        self._send_hs(identity, Welcome(session, h.nonce, rnonce, self.cfg.max_frame_bytes, **offer))
 
-    def _choose_path(self, key: bytes, h: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def _choose_path(self, key: bytes, h: Hello) -> tuple[dict[str, Any], Any]:
         """The session's payload path and what the welcome says of it: a pair group (dist, unless both ends share a
         GPU), a ring for a sender on this node (shm, and dist on one GPU), else inline frames."""
         fields: dict[str, Any] = {}
         if self.transport == "dist":
-            if not same_gpu(self._gpu, h.get("gpu")):
+            if not same_gpu(self._gpu, h.gpu):
                 pair = PairReceive.host(self, key)
                 fields = {"store_port": pair.store_port}
                 return ({**fields, "gpu": self._gpu} if self._gpu is not None else fields), pair
@@ -371,8 +368,8 @@ class Receiver(KVReceiver):
             return fields, INLINE
         return {**fields, "shm": ring.ring.announce()}, ring
 
-    def _on_piece(self, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]) -> None:
-        sess.path.on_piece(self, sess, piece, h, bufs)
+    def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+        sess.path.on_piece(self, sess, piece, bufs)
 
     def _poll_payloads(self) -> None:
         for session, sess in list(self._sessions.items()):
@@ -388,16 +385,16 @@ class Receiver(KVReceiver):
     def _nack(self, rec: Inbound, code: str, reason: str) -> None:
         sess = self._sessions.get(rec.session) if rec.session else None
         if sess is not None:
-            self._reply(sess, {"kind": "nack", "tid": rec.transfer_id, "code": code, "reason": reason[:1000]})
+            self._reply(sess, Nack(rec.transfer_id, code, reason[:1000]))
 
-    def _reply(self, sess: Session, fields: dict[str, Any]) -> None:
+    def _reply(self, sess: Session, header: Header) -> None:
         """A reply within a session: sealed with its key."""
         self._seq_out += 1
-        self._send(sess.identity, seal(sess.key, sess.token, self._seq_out, pack_header(fields)))
+        self._send(sess.identity, seal(sess.key, sess.token, self._seq_out, pack_header(header)))
 
-    def _send_hs(self, identity: bytes, fields: dict[str, Any]) -> None:
-        """A handshake reply (welcome, reject): sealed with the handshake key."""
-        self._send(identity, seal(self._hs_key, NO_SESSION, 0, pack_header(fields)))
+    def _send_hs(self, identity: bytes, header: Welcome | Reject) -> None:
+        """A handshake reply: sealed with the handshake key."""
+        self._send(identity, seal(self._hs_key, NO_SESSION, 0, pack_header(header)))
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -440,4 +437,4 @@ class Receiver(KVReceiver):
                 rec.last_renew = now
                 sess = self._sessions.get(rec.session)
                 if sess is not None:
-                    self._reply(sess, {"kind": "renew", "tid": rec.transfer_id})
+                    self._reply(sess, Renew(rec.transfer_id))

@@ -18,13 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
-from transfer.errors import ProtocolError
+from transfer.errors import ProtocolError, TransferError
 from transfer.outbox import Outgoing, Peer
 from transfer.sessions import Session
 from transfer.shm_ring import RingOwner, RingWriter, ShmUnavailable, node_id
-from transfer.wire import PieceHeader, with_checksums
+from transfer.wire import Hello, Named, PieceHeader, with_checksums
 
 if TYPE_CHECKING:
     from transfer.receiver import Receiver
@@ -72,7 +73,7 @@ class RingSend:
         copies = [self.ring.write(pos, t) for pos, t in zip(where, out.tensors)]
         # xxh3 over the copy, just written and still in cache: the receiver checks the very bytes it reads
         piece = with_checksums(out.piece, copies) if sender.cfg.checksum else out.piece
-        peer.sock.send(sender.seal_for(peer, {**piece.to_wire(peer.session), "shm": where}), zmq.NOBLOCK)
+        peer.sock.send(sender.seal_for(peer, msgspec.structs.replace(piece, shm=where)), zmq.NOBLOCK)
         self.ring.commit(where[-1])  # after the send: a zmq.Again above commits nothing, the next try rewrites it
         sender.shm_pieces += 1
 
@@ -95,9 +96,9 @@ class RingReceive:
         self.ring = ring
 
     @classmethod
-    def offer(cls, hello: dict[str, Any], ring_bytes: int, rings_held: int, max_rings: int) -> RingReceive | None:
+    def offer(cls, hello: Hello, ring_bytes: int, rings_held: int, max_rings: int) -> RingReceive | None:
         """A ring for a sender on this node, if one can be had (else its KV goes inline)."""
-        if hello.get("node") != node_id():
+        if hello.node != node_id():
             return None  # another node (or a sender that cannot map)
         if rings_held >= max_rings:
             log.warning("%d sender sessions hold a ring already: this one goes inline", max_rings)
@@ -108,8 +109,8 @@ class RingReceive:
             log.warning("no shared-memory ring for a sender session, KV goes inline: %s", e)
             return None
 
-    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]):
-        where = h.get("shm")
+    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+        where = piece.shm
         if piece.tags is not None:
             raise ProtocolError("p2p tags in a session without a pair group")
         if where is None:
@@ -126,9 +127,9 @@ class RingReceive:
             self.ring.release(end)
         receiver.shm_pieces += 1
 
-    def on_bad_piece(self, receiver: Receiver, session: bytes, h: dict[str, Any]) -> None:
+    def on_bad_piece(self, receiver: Receiver, session: bytes, h: PieceHeader | Named, error: TransferError) -> None:
         """A refused piece's region is free again at once (its positions' end, if it is a sane one)."""
-        where = h.get("shm")
+        where = h.shm
         if isinstance(where, list) and where:
             self.ring.release(where[-1])
 

@@ -44,14 +44,22 @@ from transfer.staging import StagedTensors, Stager
 from transfer.state import LeaseTable, TransferEvent
 from transfer.wire import (
     MAX_HEADER_BYTES,
+    Abort,
+    Ack,
+    Finish,
+    Header,
+    Hello,
     ModelFingerprint,
+    Nack,
+    Reject,
+    Renew,
+    Welcome,
     encode_piece,
     frame_view,
     pack_header,
     unpack_header,
     with_checksums,
 )
-from transfer.wire import field as hfield
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +260,7 @@ class Sender(KVSender):
             p = self._peers.get(cmd[3])
             if p is not None:
                 p.outbox.discard(lambda o: o.transfer_id == tid)
-                p.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid, "reason": cmd[2]}))
+                p.outbox.append(Outgoing(tid, Abort(tid, cmd[2][:1000])))
             return
         lease = self._leases.get(tid)
         if lease is None:
@@ -273,10 +281,10 @@ class Sender(KVSender):
                 self.fp, tid, layer, blocks, self._stage(k), self._stage(v), self.cfg.kv_wire_dtype, False
             )
             nbytes = sum(f.nbytes for f in header.frames)
-            peer.outbox.append(Outgoing(tid, {}, tensors, nbytes, header, ready=staged.ready))
+            peer.outbox.append(Outgoing(tid, header, tensors, nbytes, ready=staged.ready))
             self._pieces[tid] = self._pieces.get(tid, 0) + 1
         elif kind == "finish":
-            peer.outbox.append(Outgoing(tid, {"kind": "finish", "tid": tid, "pieces": self._pieces.pop(tid, 0)}))
+            peer.outbox.append(Outgoing(tid, Finish(tid, self._pieces.pop(tid, 0))))
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_cuda and self._payload_device.startswith("cuda"):
@@ -293,27 +301,23 @@ class Sender(KVSender):
         self._peers[address] = peer
         return peer
 
-    def _hello_fields(self, peer: Peer) -> dict[str, Any]:
+    def _hello(self, peer: Peer) -> Hello:
         transport = self.transport
         if transport == "shm" and not peer.address.startswith(SCHEME):
             transport = "zmq"  # a plain zmq receiver: speak zmq to it
-        fields = {"kind": "hello", "fp": self.fp.to_wire(), "transport": transport, "nonce": peer.nonce}
-        fields["node"] = node_id()
-        if self._gpu is not None:
-            fields["gpu"] = self._gpu
-        return fields
+        return Hello(self.fp, transport, peer.nonce, node_id(), self._gpu)
 
-    def seal_for(self, peer: Peer, fields: dict[str, Any]) -> bytes:
+    def seal_for(self, peer: Peer, header: Header) -> bytes:
         """A header of this peer's session: MAC under the session key, next sequence number."""
         peer.seq_out += 1
-        return seal(peer.key, peer.session, peer.seq_out, pack_header(fields))
+        return seal(peer.key, peer.session, peer.seq_out, pack_header(header))
 
     def _pump(self) -> bool:
         sent = False
         for peer in list(self._peers.values()):
             if peer.state == "connecting":
                 try:
-                    hello = seal(self._hs_key, NO_SESSION, 0, pack_header(self._hello_fields(peer)))
+                    hello = seal(self._hs_key, NO_SESSION, 0, pack_header(self._hello(peer)))
                     peer.sock.send(hello, zmq.NOBLOCK)
                     peer.state = "hello_sent"
                 except zmq.Again:
@@ -321,7 +325,7 @@ class Sender(KVSender):
                 continue
             while peer.state == "ready" and peer.outbox:
                 out = peer.outbox.peek()
-                if out.fields.get("kind") != "abort" and self._leases.get(out.transfer_id) is None:
+                if not isinstance(out.message, Abort) and self._leases.get(out.transfer_id) is None:
                     peer.outbox.popleft()  # its transfer ended meanwhile
                     continue
                 try:
@@ -345,7 +349,7 @@ class Sender(KVSender):
     def _send(self, peer: Peer, out: Outgoing) -> None:
         """Send one message by the peer's path (raises zmq.Again when it cannot leave now)."""
         if out.piece is None:
-            peer.sock.send(self.seal_for(peer, {**out.fields, "session": peer.session}), zmq.NOBLOCK)
+            peer.sock.send(self.seal_for(peer, out.message), zmq.NOBLOCK)
             return
         check_peer_frame_bound(peer, out.piece)
         if not isinstance(peer.path, PairSend) and any(t.is_cuda for t in out.tensors):
@@ -358,13 +362,13 @@ class Sender(KVSender):
         """A piece as payload frames after its header, checksummed over its source (once, even if it waits)."""
         assert out.piece is not None
         if self.cfg.checksum and any(f.xxh3 is None for f in out.piece.frames):
-            out.piece = with_checksums(out.piece, [frame_view(t) for t in out.tensors])
-        header = self.seal_for(peer, out.piece.to_wire(peer.session))
+            out.message = with_checksums(out.piece, [frame_view(t) for t in out.tensors])
+        header = self.seal_for(peer, out.message)
         peer.sock.send_multipart([header, *(frame_view(t) for t in out.tensors)], flags=zmq.NOBLOCK, copy=False)
 
     def _fail_transfer(self, peer: Peer, tid: str, error: TransferError) -> None:
         if self._leases.release(tid, error):
-            peer.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid, "reason": str(error)}))
+            peer.outbox.append(Outgoing(tid, Abort(tid, str(error)[:1000])))
 
     def _note_link_crash(self, what: str) -> None:
         """Called from a pair-link thread whose top level caught an unexpected exception (transfer/pairgroup.py)."""
@@ -397,7 +401,7 @@ class Sender(KVSender):
                     break
         return got
 
-    def _open(self, peer: Peer, data: bytes) -> dict[str, Any]:
+    def _open(self, peer: Peer, data: bytes) -> Header:
         """Check a reply's MAC (constant time), then decode it. Under the handshake key only a welcome (to our
         hello) or a reject can come; under the session key, ack/nack/renew in increasing sequence."""
         _, session, seq, body = split(data)
@@ -412,63 +416,58 @@ class Sender(KVSender):
                     self._drop_peer(peer, error)
                 raise error
             h = unpack_header(body)
-            if h["kind"] == "reject" or h["kind"] == "welcome" and peer.state == "hello_sent":
+            if isinstance(h, Reject) or isinstance(h, Welcome) and peer.state == "hello_sent":
                 return h
-            raise AuthError(f"unexpected {h['kind']!r:.20} under the handshake key")
+            raise AuthError(f"unexpected {h.kind!r} under the handshake key")
         if not peer.key or session != peer.session or not verify(peer.key, data):
             raise AuthError("reply not authenticated for this session")
         if seq <= peer.seq_in:
             raise AuthError(f"replayed reply (sequence {seq} <= {peer.seq_in})")
         peer.seq_in = seq
         h = unpack_header(body)
-        if h["kind"] not in ("ack", "nack", "renew"):
-            raise ProtocolError(f"unexpected {h['kind']!r:.20} from the receiver")
+        if not isinstance(h, Ack | Nack | Renew):
+            raise ProtocolError(f"unexpected {h.kind!r} from the receiver")
         return h
 
-    def _on_reply(self, peer: Peer, h: dict[str, Any]) -> None:
-        kind = h["kind"]
-        if kind == "welcome":
-            if hfield(h, "nonce", bytes) != peer.nonce:
+    def _on_reply(self, peer: Peer, h: Header) -> None:
+        if isinstance(h, Welcome):
+            if h.nonce != peer.nonce:
                 raise AuthError("a welcome that does not answer our hello (replayed?)")
-            session, rnonce = hfield(h, "session", bytes), hfield(h, "rnonce", bytes)
-            if len(session) != len(NO_SESSION) or session == NO_SESSION or len(rnonce) != NONCE_BYTES:
+            if h.session == NO_SESSION:
                 raise ProtocolError("malformed welcome")
-            peer.session = session
-            peer.key = session_key(self._hs_key, peer.nonce, rnonce, session)
-            peer.max_frame_bytes = hfield(h, "max_frame_bytes", int)
+            peer.session = h.session
+            peer.key = session_key(self._hs_key, peer.nonce, h.rnonce, h.session)
+            peer.max_frame_bytes = h.max_frame_bytes
             peer.path = self._path_from_welcome(peer, h)
             peer.state = "ready"
             peer.last_sent = time.monotonic()  # the receiver's idle clock for this session starts about now
-        elif kind == "reject":
-            self._drop_peer(
-                peer,
-                error_from_code(
-                    str(h.get("code")), f"receiver {peer.address} refused the handshake: {h.get('reason')}"
-                ),
-            )
-        elif kind == "ack":
-            self._leases.release(hfield(h, "tid", str))
-        elif kind == "nack":
-            err = error_from_code(str(h.get("code")), f"receiver: {h.get('reason')}")
-            self._leases.release(hfield(h, "tid", str), err)
-            if h.get("code") == "peer_gone":  # receiver no longer knows our session: start over
+        elif isinstance(h, Reject):
+            self._drop_peer(peer, error_from_code(h.code, f"receiver {peer.address} refused the handshake: {h.reason}"))
+        elif isinstance(h, Ack):
+            self._leases.release(h.tid)
+        elif isinstance(h, Nack):
+            err = error_from_code(h.code, f"receiver: {h.reason}")
+            self._leases.release(h.tid, err)
+            if h.code == "peer_gone":  # receiver no longer knows our session: start over
                 self._drop_peer(peer, err)
-        elif kind == "renew":
-            self._leases.renew(hfield(h, "tid", str))
+        elif isinstance(h, Renew):
+            self._leases.renew(h.tid)
 
-    def _path_from_welcome(self, peer: Peer, h: dict[str, Any]) -> Any:
+    def _path_from_welcome(self, peer: Peer, h: Welcome) -> Any:
         """The peer's payload path, as the receiver's welcome offers it: a pair group (dist, unless both ends share
         a GPU), else its shm ring, else inline frames."""
-        if h.get("same_gpu") is True:
-            if not same_gpu(self._gpu, h.get("gpu")):
+        if h.same_gpu:
+            if not same_gpu(self._gpu, h.gpu):
                 raise ProtocolError("a same_gpu welcome from a receiver on another GPU")
             self.same_gpu_peers += 1
             log.info(
                 "receiver %s is on this GPU (%s): KV goes the same-node path, no NCCL pair", peer.address, self._gpu
             )
         elif self.transport == "dist":
-            return PairSend.join(self.cfg, peer, hfield(h, "store_port", int), self._note_link_crash)
-        announced = h.get("shm")
+            if h.store_port is None:
+                raise ProtocolError("a dist welcome without the pair group's store port")
+            return PairSend.join(self.cfg, peer, h.store_port, self._note_link_crash)
+        announced = h.shm
         if announced is None:
             if peer.address.startswith(SCHEME):
                 log.info("receiver %s gave no shared-memory ring (another node?): KV goes inline", peer.address)
@@ -507,12 +506,12 @@ class Sender(KVSender):
         for tid, address in self._leases.due_keepalives(self._keepalive_s):
             kept = self._peers.get(address)
             if kept is not None and kept.state == "ready":  # tells the receiver we are alive
-                kept.outbox.append(Outgoing(tid, {"kind": "renew", "tid": tid}))
+                kept.outbox.append(Outgoing(tid, Renew(tid)))
         for tid, address in self._leases.expire():
             self._pieces.pop(tid, None)
             expired = self._peers.get(address)
             if expired is not None:
-                expired.outbox.append(Outgoing(tid, {"kind": "abort", "tid": tid, "reason": "sender lease expired"}))
+                expired.outbox.append(Outgoing(tid, Abort(tid, "sender lease expired")))
         if now >= self._next_sweep:
             self._next_sweep = now + min(0.05, self.cfg.idle_session_s / 8)
             self._sweep(now)
@@ -535,7 +534,7 @@ class Sender(KVSender):
         if not self._has_room():
             for peer in self._peers.values():
                 peer.outbox.discard(
-                    lambda o: o.fields.get("kind") != "abort" and self._leases.get(o.transfer_id) is None
+                    lambda o: not isinstance(o.message, Abort) and self._leases.get(o.transfer_id) is None
                 )
 
     def _drop_peer(self, peer: Peer, error: TransferError) -> None:

@@ -1,20 +1,13 @@
-"""Wire format of KV transfers: one msgpack header plus raw payload frames per message.
+"""Wire format of the KV plane: one sealed msgpack header (a msgspec Struct per kind) plus raw payload frames.
 
-Data flow for one *layer piece* (K and V of `n` blocks of one layer of one transfer):
-
-    sender:   k, v (contiguous CPU tensors)  --encode_piece-->  header dict + payload tensors
-              header -> pack_header -> bytes;  tensors -> frame_view -> memoryview (no copy)
-    wire:     [header bytes, frame 0, frame 1, ...]
-    receiver: unpack_header (strict msgpack limits, version check) -> PieceHeader.from_wire (types)
-              -> check_piece (fingerprint, shapes, byte sizes, frame bound)
-              -> decode_piece (frame lengths, xxh3_64, torch.frombuffer view, int8 dequantize)
-
-Nothing received is unpickled or eval'd: headers are msgpack maps of str/int/bytes/lists only, payload
-frames are bytes that are only ever viewed as tensors of the dtype and shape the header declared and the
-receiver re-derived from its own model fingerprint. bfloat16 travels as its 16-bit pattern (bytes).
-
-Control messages (hello/welcome/reject/finish/abort/ack/nack/renew) are header-only maps; their fields
-are documented in docs/transfer.md.
+    sender:   k, v (contiguous) --encode_piece--> PieceHeader + payload tensors; pack_header -> bytes,
+              frame_view -> memoryview of each tensor (no copy)
+    wire:     [header, frame 0, frame 1, ...] (frames travel inline, through a shm ring, or by a pair group)
+    receiver: unpack_header (size bound, msgspec types and bounds, version) -> check_piece (fingerprint, shapes,
+              byte sizes, frame bound, all re-derived from its own fingerprint) -> decode_frames (lengths, xxh3_64,
+              torch.frombuffer view, int8 dequantize)
+Nothing received is unpickled or eval'd: a header decodes into one of the Structs below or is refused, and payload
+frames are only ever viewed as tensors of the dtype and shape the receiver expects. bfloat16 travels as its bits.
 """
 
 from __future__ import annotations
@@ -22,20 +15,17 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any, Literal, cast
 
-import msgpack
+import msgspec
 import torch
 import xxhash
 
 from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, ProtocolError
 
 PROTOCOL_VERSION = 1
-MAX_HEADER_BYTES = 256 * 1024
-"""Bound on a header's size: ~8k block ids fit; anything larger is refused before msgpack sees it."""
-
-KINDS = frozenset({"hello", "welcome", "reject", "kv", "finish", "abort", "ack", "nack", "renew"})
+MAX_HEADER_BYTES = 256 * 1024  # ~8k block ids fit; a larger header is refused before it is decoded
+MAX_DIMS = 8
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,6 +35,11 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 KV_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 WIRE_DTYPES = frozenset({"raw", "int8"})
+
+Count = Annotated[int, msgspec.Meta(ge=0)]  # a shape entry, byte count, block id, position: never a bool or float
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Wire = Literal["raw", "int8"]
+Token = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]  # session tokens and nonces
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -62,12 +57,11 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ProtocolError(f"unknown dtype {name!r}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class ModelFingerprint:
+class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """What both sides must agree on before KV bytes of one can be written into the other's cache."""
 
-    architecture: str
-    dtype: str
+    architecture: Annotated[str, msgspec.Meta(max_length=256)]
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -101,116 +95,125 @@ class ModelFingerprint:
     def block_shape(self) -> tuple[int, int, int]:
         return (self.block_size, self.num_kv_heads, self.head_dim)
 
-    def to_wire(self) -> list[Any]:
-        return [self.architecture, self.dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size]
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> ModelFingerprint:
-        if not (
-            isinstance(obj, list)
-            and len(obj) == 6
-            and isinstance(obj[0], str)
-            and isinstance(obj[1], str)
-            and all(isinstance(x, int) for x in obj[2:])
-        ):
-            raise ProtocolError(f"malformed fingerprint {obj!r:.200}")
-        try:
-            return cls(*obj)
-        except ValueError as e:
-            raise ProtocolError(f"invalid fingerprint: {e}") from None
+class FrameSpec(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Declared layout of one payload frame: the receiver trusts none of it before `check_piece`."""
+
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    shape: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_DIMS)]
+    nbytes: Count
+    xxh3: int | None  # None: not checksummed (device tensors on NCCL)
 
 
-# ---------------------------------------------------------------------------------------- headers
+class Header(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    v: Annotated[int, msgspec.Meta(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)] = PROTOCOL_VERSION
+
+    @property
+    def kind(self) -> str:
+        return str(self.__struct_config__.tag)
 
 
-def pack_header(fields: dict[str, Any]) -> bytes:
-    """Serialize a header; always stamps the protocol version."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, **fields}, use_bin_type=True)
+class Hello(Header, tag="hello"):  # S->R, sealed under the handshake key
+    fp: ModelFingerprint
+    transport: Annotated[str, msgspec.Meta(max_length=16)]  # "zmq", "shm" or "dist"
+    nonce: Token
+    node: Text | None = None  # transfer/shm_ring.py node_id: a ring is offered to a sender on the same node
+    gpu: Text | None = None  # dist: this end's GPU UUID
 
 
-def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
-    """Strictly decode a header: size bound, msgpack limits, map type, version, known kind."""
+class Welcome(Header, tag="welcome"):  # R->S, under the handshake key; names the session's payload path
+    session: Token
+    nonce: Token  # the hello's, echoed
+    rnonce: Token
+    max_frame_bytes: Count
+    shm: Annotated[list[Any], msgspec.Meta(max_length=3)] | None = None  # a ring: [name, size, token]
+    store_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # dist: the pair group's store
+    same_gpu: bool = False
+    gpu: Text | None = None
+
+
+class Reject(Header, tag="reject"):  # R->S, under the handshake key
+    code: Text
+    reason: Text
+
+
+class PieceHeader(Header, tag="kv"):
+    """K and V of `blocks` (destination ids) for one layer of one transfer."""
+
+    transfer_id: Text = msgspec.field(name="tid")
+    layer: Count
+    blocks: Annotated[tuple[Count, ...], msgspec.Meta(min_length=1, max_length=65536)]
+    wire: Wire
+    frames: Annotated[tuple[FrameSpec, ...], msgspec.Meta(max_length=4)]
+    fingerprint: ModelFingerprint = msgspec.field(name="fp")
+    tags: Annotated[tuple[Count, ...], msgspec.Meta(max_length=4)] | None = None  # pair path: a p2p tag per frame
+    shm: Annotated[list[Any], msgspec.Meta(max_length=5)] | None = None  # ring path: [positions..., end], checked by
+    # shm_ring.check_positions against the ring itself
+
+
+class Finish(Header, tag="finish"):
+    tid: Text
+    pieces: Count
+
+
+class Abort(Header, tag="abort"):
+    tid: Text
+    reason: Text
+
+
+class Ack(Header, tag="ack"):
+    tid: Text
+
+
+class Nack(Header, tag="nack"):
+    tid: Text
+    code: Text
+    reason: Text
+
+
+class Renew(Header, tag="renew"):  # either way: "still here" for one transfer's lease
+    tid: Text
+
+
+AnyHeader = Hello | Welcome | Reject | PieceHeader | Finish | Abort | Ack | Nack | Renew
+_DECODER = msgspec.msgpack.Decoder(AnyHeader)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class Named(msgspec.Struct):
+    """What a refused header names, read leniently: its transfer is failed, a ring region it used is released."""
+
+    kind: Any = None
+    tid: Any = None
+    shm: Any = None
+
+
+def pack_header(header: Header | dict[str, Any]) -> bytes:
+    """A header's bytes (a plain dict gets the protocol version stamped; tests use it to send what no Struct would)."""
+    if isinstance(header, dict):
+        return _ENCODER.encode({"v": PROTOCOL_VERSION, **header})
+    return _ENCODER.encode(header)
+
+
+def unpack_header(data: bytes | memoryview) -> AnyHeader:
+    """Strictly decode a header: size bound, then the Struct of its kind with every type and bound checked."""
     if len(data) > MAX_HEADER_BYTES:
         raise FrameTooLarge(f"header of {len(data)} bytes > {MAX_HEADER_BYTES}")
     try:
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=4096,
-            max_bin_len=4096,
-            max_array_len=65536,
-            max_map_len=64,
-            max_ext_len=0,
-        )
-    except Exception as e:  # msgpack raises several types (ExtraData, ValueError, FormatError, ...)
-        raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("header is not a map")
-    if obj.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {obj.get('v')!r} (want {PROTOCOL_VERSION})")
-    if obj.get("kind") not in KINDS:
-        raise ProtocolError(f"unknown message kind {obj.get('kind')!r:.50}")
-    return obj
+        return _DECODER.decode(data)
+    except msgspec.ValidationError as e:
+        if "`$.v`" in str(e):
+            raise ProtocolError(f"unsupported protocol version (want {PROTOCOL_VERSION}): {e}") from None
+        raise ProtocolError(f"malformed header (not a map of its kind's fields): {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable header: {e}") from None
 
 
-def field(h: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
-    """Typed access to a header field; a missing or mistyped field is a ProtocolError."""
-    val = h.get(key)
-    if not isinstance(val, typ) or isinstance(val, bool) and typ is int:
-        raise ProtocolError(f"header field {key!r} missing or not {typ}")
-    return val
-
-
-# ---------------------------------------------------------------------------------------- frames
-
-MAX_DIMS = 8
-
-
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _count(x: Any) -> bool:
-    """A non-negative int (not a bool): what a shape entry, a byte count or a block id must be."""
-    return _int(x) and x >= 0
-
-
-def _counts(xs: list[Any]) -> bool:
-    """Every item a non-negative int, checked in C: a piece's block ids (hundreds per piece, 130 us per piece as a
-    generator of _count calls on this loaded box, 7 us so; msgpack decodes exact ints, never subclasses)."""
-    return set(map(type, xs)) == {int} and min(xs) >= 0
-
-
-@dataclass(frozen=True, slots=True)
-class FrameSpec:
-    """Declared layout of one payload frame: the receiver trusts none of it before checking."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    xxh3: int | None  # None: not checksummed (device-resident tensors on the nccl backend)
-
-    def to_wire(self) -> list[Any]:
-        return [self.dtype, list(self.shape), self.nbytes, self.xxh3]
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> FrameSpec:
-        """Types and signs only; `check_piece` then compares shape and dtype with what the receiver expects and
-        nbytes with shape x itemsize, before anything is allocated or viewed."""
-        if not (
-            isinstance(obj, list)
-            and len(obj) == 4
-            and isinstance(obj[0], str)
-            and isinstance(obj[1], list)
-            and len(obj[1]) <= MAX_DIMS
-            and all(_count(x) for x in obj[1])
-            and _count(obj[2])
-            and (obj[3] is None or _int(obj[3]))
-        ):
-            raise ProtocolError(f"malformed frame spec {obj!r:.200}")
-        return cls(obj[0], tuple(obj[1]), obj[2], obj[3])
+def named(data: bytes | memoryview) -> Named:
+    try:
+        return msgspec.msgpack.decode(data, type=Named)
+    except msgspec.MsgspecError:
+        return Named()
 
 
 def frame_view(t: torch.Tensor) -> memoryview:
@@ -233,8 +236,8 @@ def spec_of(t: torch.Tensor, with_checksum: bool) -> FrameSpec:
 def with_checksums(p: PieceHeader, bufs: Sequence[Any]) -> PieceHeader:
     """The header with each frame's xxh3 taken over `bufs` (the bytes as they will be read: a sender that checksums
     late, over its copy in a shared-memory ring while that copy is still in cache, instead of over the source)."""
-    frames = tuple(replace(spec, xxh3=checksum(buf)) for spec, buf in zip(p.frames, bufs, strict=True))
-    return replace(p, frames=frames)
+    frames = tuple(msgspec.structs.replace(f, xxh3=checksum(buf)) for f, buf in zip(p.frames, bufs, strict=True))
+    return msgspec.structs.replace(p, frames=frames)
 
 
 def tensor_over(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -244,61 +247,6 @@ def tensor_over(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Ten
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat.view(dtype).view(tuple(shape))
-
-
-# ---------------------------------------------------------------------------------------- pieces
-
-
-@dataclass(frozen=True, slots=True)
-class PieceHeader:
-    """A "kv" message: K and V of `blocks` (destination ids) for one layer of one transfer."""
-
-    transfer_id: str
-    layer: int
-    blocks: tuple[int, ...]
-    wire: str  # "raw" or "int8"
-    frames: tuple[FrameSpec, ...]
-    fingerprint: ModelFingerprint
-    tags: tuple[int, ...] | None = None  # nccl/gloo backend: p2p tags carrying the frames
-
-    def to_wire(self, session: bytes) -> dict[str, Any]:
-        h: dict[str, Any] = {
-            "kind": "kv",
-            "session": session,
-            "tid": self.transfer_id,
-            "layers": [self.layer, self.layer + 1],
-            "blocks": list(self.blocks),
-            "wire": self.wire,
-            "frames": [f.to_wire() for f in self.frames],
-            "fp": self.fingerprint.to_wire(),
-        }
-        if self.tags is not None:
-            h["tags"] = list(self.tags)
-        return h
-
-    @classmethod
-    def from_wire(cls, h: dict[str, Any]) -> PieceHeader:
-        layers = field(h, "layers", list)
-        if len(layers) != 2 or not all(_count(x) for x in layers) or layers[1] != layers[0] + 1:
-            raise ProtocolError(f"layer range {layers!r:.50} must be [l, l+1]")
-        blocks = field(h, "blocks", list)
-        if not blocks or not _counts(blocks):
-            raise ProtocolError("blocks must be a non-empty list of non-negative ints")
-        frames = tuple(FrameSpec.from_wire(f) for f in field(h, "frames", list))
-        tags = h.get("tags")
-        if tags is not None and not (
-            isinstance(tags, list) and len(tags) == len(frames) and all(_count(t) for t in tags)
-        ):
-            raise ProtocolError("tags must be one int per frame")
-        return cls(
-            field(h, "tid", str),
-            layers[0],
-            tuple(blocks),
-            field(h, "wire", str),
-            frames,
-            ModelFingerprint.from_wire(h.get("fp")),
-            tuple(tags) if tags is not None else None,
-        )
 
 
 def expected_frames(fp: ModelFingerprint, wire: str, n: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -385,4 +333,4 @@ def encode_piece(
     else:
         raise ValueError(f"unknown wire dtype {wire!r}")
     specs = tuple(spec_of(t, with_checksum) for t in tensors)
-    return PieceHeader(transfer_id, layer, tuple(map(int, blocks)), wire, specs, fp), tensors
+    return PieceHeader(transfer_id, layer, tuple(map(int, blocks)), cast(Wire, wire), specs, fp), tensors

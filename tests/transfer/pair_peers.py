@@ -30,7 +30,7 @@ class HeaderOnlySender(Sender):
         p = out.piece
         tags = peer.path.link.next_tags(len(out.tensors))
         piece = PieceHeader(p.transfer_id, p.layer, p.blocks, p.wire, p.frames, p.fingerprint, tags)
-        peer.sock.send(self.seal_for(peer, piece.to_wire(peer.session)))
+        peer.sock.send(self.seal_for(peer, piece))
 
 
 class NeverReceives(Receiver):
@@ -38,9 +38,9 @@ class NeverReceives(Receiver):
 
     stall_layer = 1
 
-    def _on_piece(self, sess: Session, piece: PieceHeader, h: dict[str, Any], bufs: list[Any]) -> None:
+    def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         if piece.layer < self.stall_layer:
-            super()._on_piece(sess, piece, h, bufs)
+            super()._on_piece(sess, piece, bufs)
 
 
 def stalling_sender_main(address: str, tid: str, dst: list[int], out) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import socket
 import time
 
+import msgpack
+import msgspec
 import psutil
 import pytest
 import torch
@@ -85,8 +87,8 @@ def test_handshake_never_sends_the_secret(sent, closing) -> None:
     assert [e.state for e in events] == [TransferState.DONE] * 2
     cache.assert_holds([1, 2], seed=1)
     hellos = [m for m in _messages(sent, zmq.DEALER) if split(m[0])[1] == NO_SESSION]
-    assert len(hellos) == 1 and unpack_header(split(hellos[0][0])[3])["kind"] == "hello"
-    assert "secret" not in unpack_header(split(hellos[0][0])[3])
+    assert len(hellos) == 1 and unpack_header(split(hellos[0][0])[3]).kind == "hello"
+    assert "secret" not in msgpack.unpackb(split(hellos[0][0])[3])  # no such field, whatever its name
     wire_bytes = b"".join(raw for _, _, raw in sent)
     assert len(sent) > 2 * fp.num_layers and SECRET.encode() not in wire_bytes
     assert handshake_key(SECRET) not in wire_bytes  # nor the key derived from it
@@ -126,7 +128,7 @@ def test_a_receiver_that_cannot_prove_the_secret_gets_no_kv(zctx, closing) -> No
     welcome = {
         "kind": "welcome",
         "session": b"s" * 16,
-        "nonce": h["nonce"],
+        "nonce": h.nonce,
         "rnonce": b"r" * 16,
         "max_frame_bytes": 1 << 20,
     }
@@ -343,3 +345,24 @@ def test_a_pair_group_peer_must_prove_the_session_key(same_key) -> None:
     finally:
         for link in links:
             link.close()
+
+
+def test_an_authenticated_but_malformed_hello_gets_a_reject_naming_why(zctx, closing) -> None:
+    """A sender with the secret but a bug (here: no nonce) learns at once why, instead of waiting for its timeout."""
+    fp = fingerprint()
+    r = closing(make_receiver("zmq", fp, Cache(fp).sink, "tcp://127.0.0.1:0", TransferConfig(secret=SECRET, **FAST)))
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(r.address)
+    hello = {"kind": "hello", "fp": msgspec.to_builtins(fp), "transport": "zmq"}
+    sock.send(seal(handshake_key(SECRET), NO_SESSION, 0, pack_header(hello)))
+    replies: list = []
+    end = time.monotonic() + 3
+    while not replies and time.monotonic() < end:
+        r.poll()
+        try:
+            replies.append(unpack_header(split(sock.recv(zmq.NOBLOCK))[3]))
+        except zmq.Again:
+            time.sleep(0.005)
+    assert [(h.kind, h.code) for h in replies] == [("reject", "protocol")] and "nonce" in replies[0].reason
+    assert r._sessions == {} and r.dropped == 1

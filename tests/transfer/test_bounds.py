@@ -106,7 +106,7 @@ def test_a_handshake_never_followed_by_a_message_expires(transport, closing) -> 
     stranger = closing(RawPeer(r.address, fp, secret="not-the-secret", transport=transport))
     replies: list[dict] = []
     assert _until(lambda: replies, 2, lambda: (r.poll(), replies.extend(stranger.replies())))
-    assert [h["kind"] for h in replies] == ["reject"] and r.rejected == 1 and not r._sessions
+    assert [h.kind for h in replies] == ["reject"] and r.rejected == 1 and not r._sessions
 
 
 def test_the_session_cap_refuses_new_hellos_until_sessions_expire(closing) -> None:
@@ -144,8 +144,8 @@ def test_hellos_past_the_cap_from_many_senders_get_rejects_not_sessions(closing)
     peers = [closing(RawPeer(r.address, fp, secret=SECRET)) for _ in range(10)]
     replies: list[dict] = []
     assert _until(lambda: len(replies) == 10, 3, lambda: (r.poll(), [replies.extend(p.replies()) for p in peers]))
-    assert sorted(h["kind"] for h in replies) == ["reject"] * 7 + ["welcome"] * 3
-    assert {h.get("code") for h in replies if h["kind"] == "reject"} == {SessionLimit.code}
+    assert sorted(h.kind for h in replies) == ["reject"] * 7 + ["welcome"] * 3
+    assert {h.code for h in replies if h.kind == "reject"} == {SessionLimit.code}
     assert len(r._sessions) == 3
 
 

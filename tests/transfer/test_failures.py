@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -51,7 +52,7 @@ class RawPeer:
         self.sock.connect(address)
         self.fp = fp
         self.hs_key, self.nonce, self.seq, self.key = handshake_key(secret), os.urandom(NONCE_BYTES), 0, b""
-        hello = {"kind": "hello", "fp": fp.to_wire(), "transport": transport, "nonce": self.nonce}
+        hello = {"kind": "hello", "fp": msgspec.to_builtins(fp), "transport": transport, "nonce": self.nonce}
         self.sock.send(seal(self.hs_key, NO_SESSION, 0, pack_header(hello)))
         self.session = b""
 
@@ -61,8 +62,8 @@ class RawPeer:
             r.poll()
             try:
                 h = unpack_header(split(self.sock.recv(zmq.NOBLOCK))[3])
-                self.session = h["session"]
-                self.key = session_key(self.hs_key, self.nonce, h["rnonce"], self.session)
+                self.session = h.session
+                self.key = session_key(self.hs_key, self.nonce, h.rnonce, self.session)
             except zmq.Again:
                 time.sleep(0.001)
         assert self.session
@@ -70,14 +71,14 @@ class RawPeer:
     def piece(self, tid: str, layer: int, dst: list[int]):
         k, v = make_kv(self.fp, layer, len(dst), seed=1)
         header, tensors = encode_piece(self.fp, tid, layer, dst, k, v, "raw", True)
-        return header.to_wire(self.session), [bytes(frame_view(t)) for t in tensors]
+        return msgspec.to_builtins(header), [bytes(frame_view(t)) for t in tensors]
 
-    def send(self, fields: dict, frames: list[bytes]) -> None:
+    def send(self, fields: dict, frames: list[bytes], session: bytes | None = None) -> None:
         self.seq += 1
-        header = seal(self.key, fields.get("session", self.session), self.seq, pack_header(fields))
+        header = seal(self.key, session or self.session, self.seq, pack_header(fields))
         self.sock.send_multipart([header, *frames])
 
-    def replies(self) -> list[dict]:
+    def replies(self) -> list:
         out = []
         while True:
             try:
@@ -117,7 +118,7 @@ def test_corrupted_frame(rx, closing) -> None:
     assert isinstance(err, ChecksumError)
     assert r.pending_transfers() == [] and cache.writes == 0
     time.sleep(0.05)
-    assert any(h["kind"] == "nack" and h["code"] == "checksum" for h in raw.replies())
+    assert any(h.kind == "nack" and h.code == "checksum" for h in raw.replies())
     _serves_next(r, fp, cache)
 
 
@@ -141,7 +142,7 @@ def test_garbage_and_unknown_session_are_dropped(rx, closing) -> None:
     raw.sock.send_multipart([b"\xc1\xc1not msgpack", b"x"])
     raw.sock.send(b"")
     fields, frames = raw.piece("nobody", 0, [1])
-    raw.send(dict(fields, session=b"forged" * 3), frames)
+    raw.send(fields, frames, session=b"forged" * 3)
     poll_until([r.poll], lambda e: False, 0.2)
     assert r.dropped >= 3
     _serves_next(r, fp, cache)

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -195,8 +196,8 @@ def test_a_piece_larger_than_the_ring_goes_inline(closing) -> None:
 class _ElsewhereSender(Sender):
     """A sender that says it runs on another node."""
 
-    def _hello_fields(self, peer):
-        return {**super()._hello_fields(peer), "node": "another-node"}
+    def _hello(self, peer):
+        return msgspec.structs.replace(super()._hello(peer), node="another-node")
 
 
 @pytest.mark.parametrize("why", ["another node", "no ring left"])
@@ -394,8 +395,14 @@ class HandPeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address.removeprefix("shm+"))
         self.fp, self.hs_key, self.nonce = fp, handshake_key(secret), os.urandom(NONCE_BYTES)
-        self.seq, self.key, self.session, self.welcome = 0, b"", b"", {}
-        hello = {"kind": "hello", "fp": fp.to_wire(), "transport": "shm", "nonce": self.nonce, "node": node_id()}
+        self.seq, self.key, self.session, self.welcome = 0, b"", b"", None
+        hello = {
+            "kind": "hello",
+            "fp": msgspec.to_builtins(fp),
+            "transport": "shm",
+            "nonce": self.nonce,
+            "node": node_id(),
+        }
         self.sock.send(seal(self.hs_key, NO_SESSION, 0, pack_header(hello)))
 
     def handshake(self, r) -> None:
@@ -404,15 +411,15 @@ class HandPeer:
             r.poll()
             try:
                 self.welcome = unpack_header(split(self.sock.recv(zmq.NOBLOCK))[3])
-                self.session = self.welcome["session"]
-                self.key = session_key(self.hs_key, self.nonce, self.welcome["rnonce"], self.session)
+                self.session = self.welcome.session
+                self.key = session_key(self.hs_key, self.nonce, self.welcome.rnonce, self.session)
             except zmq.Again:
                 time.sleep(0.001)
         assert self.session
 
     def seal(self, fields: dict, key: bytes | None = None) -> bytes:
         self.seq += 1
-        return seal(key or self.key, self.session, self.seq, pack_header({**fields, "session": self.session}))
+        return seal(key or self.key, self.session, self.seq, pack_header(fields))
 
     def piece(self, ring: RingWriter, tid: str, layer: int, dst: list[int], where=None) -> dict:
         k, v = make_kv(self.fp, layer, len(dst), seed=1)
@@ -421,9 +428,9 @@ class HandPeer:
         for pos, t in zip(placed, tensors):
             ring.write(pos, t)
         ring.commit(placed[-1])
-        return {**header.to_wire(self.session), "shm": placed if where is None else where}
+        return {**msgspec.to_builtins(header), "shm": placed if where is None else where}
 
-    def replies(self) -> list[dict]:
+    def replies(self) -> list:
         out = []
         while True:
             try:
@@ -441,7 +448,7 @@ def test_forged_replayed_and_lying_pieces_are_refused(closing) -> None:
     r = closing(Receiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", _cfg(), "shm", ring_bytes=MIN_RING_BYTES))
     peer = closing(HandPeer(r.address, fp))
     peer.handshake(r)
-    ring = closing(RingWriter.open(peer.welcome["shm"]))
+    ring = closing(RingWriter.open(peer.welcome.shm))
     r.expect("t", [1, 2])
 
     forged = peer.seal(peer.piece(ring, "t", 0, [1, 2]), key=b"k" * 32)  # not the session key
@@ -461,9 +468,9 @@ def test_forged_replayed_and_lying_pieces_are_refused(closing) -> None:
     peer.sock.send(peer.seal(peer.piece(ring, "u", 0, [3], where=[0, 1 << 20, (1 << 20) + 256])))
     ev = poll_until([r.poll], lambda e: e, 3)
     assert isinstance(_one_failure(ev), ProtocolError) and cache.writes == 1
-    nacks: list[dict] = []
-    assert _until(lambda: len(nacks) >= 2, 3, lambda: nacks.extend(h for h in peer.replies() if h["kind"] == "nack"))
-    assert [h["tid"] for h in nacks] == ["t", "u"] and {h["code"] for h in nacks} == {"protocol"}
+    nacks: list = []
+    assert _until(lambda: len(nacks) >= 2, 3, lambda: nacks.extend(h for h in peer.replies() if h.kind == "nack"))
+    assert [h.tid for h in nacks] == ["t", "u"] and {h.code for h in nacks} == {"protocol"}
 
 
 def test_the_sender_waits_for_room_by_the_receivers_tail_alone() -> None:
@@ -520,7 +527,7 @@ def test_a_ring_announcement_is_checked_before_and_after_opening(closing) -> Non
     r = closing(Receiver(fp, Cache(fp).sink, "shm+tcp://127.0.0.1:0", _cfg(), "shm", ring_bytes=MIN_RING_BYTES))
     peer = closing(HandPeer(r.address, fp))
     peer.handshake(r)
-    name, size, token = peer.welcome["shm"]
+    name, size, token = peer.welcome.shm
     assert name in _segments()  # not mapped by anyone yet
     for announced in (
         ["../../etc/passwd", size, token],
@@ -545,14 +552,14 @@ def test_a_ring_nobody_mapped_is_unlinked_when_its_session_ends(closing) -> None
     )
     first = closing(HandPeer(r.address, fp))
     first.handshake(r)
-    assert first.welcome["shm"][0] in _segments()
+    assert first.welcome.shm[0] in _segments()
     assert _until(lambda: r.rings() == 0, 5, r.poll)  # the unfinished handshake expires with its ring
-    assert first.welcome["shm"][0] not in _segments()
+    assert first.welcome.shm[0] not in _segments()
     second = closing(HandPeer(r.address, fp))
     second.handshake(r)
-    assert second.welcome["shm"][0] in _segments()
+    assert second.welcome.shm[0] in _segments()
     r.close()
-    assert second.welcome["shm"][0] not in _segments()
+    assert second.welcome.shm[0] not in _segments()
 
 
 def test_stale_rings_of_dead_receivers_are_swept(spawn) -> None:

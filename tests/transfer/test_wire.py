@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 import torch
 
@@ -11,8 +12,11 @@ from transfer.compress import dequantize_int8, quantize_int8
 from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, ProtocolError
 from transfer.wire import (
     MAX_HEADER_BYTES,
+    Hello,
     ModelFingerprint,
+    Nack,
     PieceHeader,
+    Welcome,
     check_piece,
     decode_frames,
     encode_piece,
@@ -32,8 +36,8 @@ def _piece(fp: ModelFingerprint, wire: str = "raw", n: int = 3):
 def test_header_round_trip_and_strictness() -> None:
     fp = fingerprint()
     piece, _ = _piece(fp)
-    h = unpack_header(pack_header(piece.to_wire(b"s" * 16)))
-    assert PieceHeader.from_wire(h) == piece
+    h = unpack_header(pack_header(piece))
+    assert h == piece
     with pytest.raises(ProtocolError, match="version"):
         unpack_header(msgpack.packb({"v": 99, "kind": "kv"}))
     with pytest.raises(ProtocolError, match="kind"):
@@ -46,17 +50,17 @@ def test_header_round_trip_and_strictness() -> None:
         unpack_header(msgpack.packb({1: 2}))
     with pytest.raises(FrameTooLarge):
         unpack_header(b"\x00" * (MAX_HEADER_BYTES + 1))
-    bad = dict(h, layers=[1, 3])
-    with pytest.raises(ProtocolError, match="layer range"):
-        PieceHeader.from_wire(bad)
+    bad = dict(msgspec.to_builtins(piece), layer=-1)
+    with pytest.raises(ProtocolError, match="layer"):
+        unpack_header(pack_header(bad))
 
 
 @pytest.mark.parametrize("blocks", [[], [0, -1, 2], [0, True, 2], [0, 1.0, 2], [0, "1", 2], [0, None]])
 def test_block_ids_must_be_non_negative_ints(blocks) -> None:
-    h = unpack_header(pack_header(_piece(fingerprint())[0].to_wire(b"s" * 16)))
+    h = msgspec.to_builtins(_piece(fingerprint())[0])
     with pytest.raises(ProtocolError, match="blocks"):
-        PieceHeader.from_wire(dict(h, blocks=blocks))
-    assert PieceHeader.from_wire(dict(h, blocks=[0, 2**40, 5])).blocks == (0, 2**40, 5)
+        unpack_header(pack_header(dict(h, blocks=blocks)))
+    assert unpack_header(pack_header(dict(h, blocks=[0, 2**40, 5]))).blocks == (0, 2**40, 5)
 
 
 def test_check_piece_sizes_fingerprint_and_bound() -> None:
@@ -104,3 +108,39 @@ def test_int8_error_bound(dtype: str) -> None:
     bound = amax / 127 * 0.5 + k.float().abs() * (2**-7 if dtype == "bfloat16" else 2**-10) + 1e-6
     assert bool((err.permute(0, 2, 1, 3) <= bound.permute(0, 2, 1, 3)).all())
     assert q.numel() * 1 + scale.numel() * 4 < k.numel() * k.element_size()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"kind": "ack", "tid": "t", "exec": "rm -rf /"},  # a field no header has
+        {"kind": "ack", "tid": "t" * 5000},  # past a string bound
+        {"kind": "finish", "tid": "t", "pieces": -1},
+        {"kind": "hello", "fp": ["L", "float32", 2, 2, 4, 4], "transport": "zmq", "nonce": b"short"},
+        {"kind": "hello", "fp": ["L", "float64", 2, 2, 4, 4], "transport": "zmq", "nonce": b"n" * 16},
+        {
+            "kind": "welcome",
+            "session": b"s" * 16,
+            "nonce": b"n" * 16,
+            "rnonce": b"r" * 16,
+            "max_frame_bytes": 1,
+            "store_port": 70000,
+        },
+    ],
+)
+def test_every_header_kind_is_a_struct_with_bounds(fields) -> None:
+    """Each message kind decodes into its Struct or is refused as a ProtocolError: unknown fields, strings, byte
+    strings, ports and counts out of bounds, a fingerprint with a dtype the protocol does not carry."""
+    with pytest.raises(ProtocolError):
+        unpack_header(pack_header(fields))
+
+
+def test_control_headers_round_trip_and_know_their_kind() -> None:
+    fp = fingerprint()
+    for header in (
+        Hello(fp, "shm", b"n" * 16, "node-1", None),
+        Welcome(b"s" * 16, b"n" * 16, b"r" * 16, 1 << 20, shm=["pdserve-kv-1-" + "0" * 32, 1 << 16, b"t" * 16]),
+        Nack("t", "checksum", "xxh3 mismatch"),
+    ):
+        back = unpack_header(pack_header(header))
+        assert back == header and back.kind == {Hello: "hello", Welcome: "welcome", Nack: "nack"}[type(header)]
