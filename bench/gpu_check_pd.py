@@ -55,7 +55,8 @@ def prefill_main(conn: Any, folder: str, device: str, max_model_len: int) -> Non
 
     nccl_env.set_at_process_start()  # as a worker process starts (this pair moves KV over shm, but the rule holds)
     from engine.request import FinishReason
-    from transfer.base import TransferConfig, make_sender
+    from transfer.base import make_sender
+    from transfer.config import TransferConfig
     from transfer.wire import ModelFingerprint
 
     sender = engine = None
@@ -108,7 +109,8 @@ class DecodeSide:
     """The decode process's engine and receiver; ``tick`` is one turn of a decode worker's loop."""
 
     def __init__(self, conn: Any, engine: Any, address: str, end: float) -> None:
-        from transfer.base import TransferConfig, make_receiver
+        from transfer.base import make_receiver
+        from transfer.config import TransferConfig
         from transfer.wire import ModelFingerprint
 
         self.conn, self.engine, self.end = conn, engine, end

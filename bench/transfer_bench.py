@@ -30,7 +30,8 @@ import zmq
 
 from bench import ring_ceiling
 from bench.options import add_transfer_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.wire import ModelFingerprint
 
 FP = ModelFingerprint("LlamaForCausalLM", "float16", 30, 3, 64, 16)  # SmolLM2-135M

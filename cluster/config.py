@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from engine.blocks import kv_blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from engine.model_loader import DEFAULT_MODEL
-from transfer.base import TransferConfig
+from transfer.config import TransferConfig
 from worker.spec import RuntimeOptions, WorkerRole, WorkerSpec
 
 if TYPE_CHECKING:

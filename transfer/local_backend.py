@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from transfer.base import KVReceiver, KVSender, TransferConfig, check_layer_args
+from transfer.base import KVReceiver, KVSender, check_layer_args
+from transfer.config import TransferConfig
 from transfer.errors import (
     FingerprintMismatch,
     PeerGone,

@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from transfer.auth import pair_group_key
-from transfer.base import TransferConfig
+from transfer.config import TransferConfig
 from transfer.errors import PeerGone, ProtocolError, TransferError
 from transfer.outbox import Outgoing, Peer
 from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server

@@ -24,7 +24,8 @@ import torch
 import zmq
 
 from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, NonceCache, handshake_key, seal, session_key, split, verify
-from transfer.base import KVReceiver, TransferConfig
+from transfer.base import KVReceiver
+from transfer.config import TransferConfig
 from transfer.errors import (
     AuthError,
     FingerprintMismatch,

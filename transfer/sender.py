@@ -25,7 +25,8 @@ import torch
 import zmq
 
 from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, handshake_key, seal, session_key, split, verify
-from transfer.base import KVSender, TransferConfig, check_layer_args
+from transfer.base import KVSender, check_layer_args
+from transfer.config import TransferConfig
 from transfer.errors import (
     AuthError,
     PeerGone,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zmq
 
-from transfer.base import TransferConfig
+from transfer.config import TransferConfig
 
 
 def configure(sock: zmq.Socket, cfg: TransferConfig, max_msg_bytes: int | None = None) -> zmq.Socket:

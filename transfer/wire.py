@@ -34,7 +34,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
 }
 KV_DTYPES = frozenset({"float32", "bfloat16", "float16"})
-WIRE_DTYPES = frozenset({"raw", "int8"})
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # a shape entry, byte count, block id, position: never a bool or float
 Text = Annotated[str, msgspec.Meta(max_length=4096)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from engine.config import EngineConfig, resolve_dtype
-from transfer.base import TransferConfig
+from transfer.config import TransferConfig
 
 # gloo: the nccl code on the CPU (how it is tested); shm: one node, payload through /dev/shm; auto: shm with senders
 # on the receiver's node, zmq over TCP with the others

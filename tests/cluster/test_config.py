@@ -133,7 +133,7 @@ def test_nccl_on_a_cpu_pool_is_an_error_naming_transfer_backend():
 def test_one_set_of_defaults():
     """The config's defaults are the engine's, the transfer layer's and the worker runtime's own (lease 30 s)."""
     from engine.config import EngineConfig
-    from transfer.base import TransferConfig
+    from transfer.config import TransferConfig
     from worker.spec import RuntimeOptions, WorkerSpec
 
     config = parse_config({})

@@ -13,7 +13,7 @@ import torch
 from cluster.config import parse_config
 from cluster.run.pools import LocalPools
 from engine.config import EngineConfig
-from transfer.base import TransferConfig
+from transfer.config import TransferConfig
 from worker.spec import RuntimeOptions, WorkerRole, WorkerSpec, resolve_device, resolve_spec
 
 SECRET = "worker-spec-test-secret-0123456789abcdef"

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from prefill.worker import PrefillRole
-from transfer.base import TransferConfig
+from transfer.config import TransferConfig
 from transfer.local_backend import LocalHub, LocalReceiver, LocalSender
 from transfer.wire import ModelFingerprint
 from worker.messages import ErrorEvent, Event, Prefill, Reserve, Reserved, Start, Timing, TokenItem, Tokens

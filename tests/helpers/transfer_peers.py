@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 
 
 def sender_main(jobs: list[dict], out, stall_after: int | None = None) -> None:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from tests.helpers.kv import Cache, fingerprint, make_kv
-from transfer.base import TransferConfig
+from transfer.config import TransferConfig
 from transfer.outbox import Outgoing, Peer
 from transfer.pair_path import PairSend
 from transfer.receiver import Receiver

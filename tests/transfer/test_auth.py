@@ -19,7 +19,8 @@ from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from tests.transfer.test_failures import FAST, RawPeer, _failed, _serves_next
 from transfer import wire
 from transfer.auth import NO_SESSION, OVERHEAD, handshake_key, pair_group_key, seal, split
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.errors import AuthError, PeerGone, ProtocolError
 from transfer.pairgroup import PairLink, local_ip_towards, make_store_server
 from transfer.state import TransferState

@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from tests.transfer.test_failures import FAST, RawPeer, _failed
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.errors import PeerGone, SessionLimit, TransferError, TransferTimeout
 from transfer.outbox import HEADER_COST
 from transfer.pairgroup import PairLink

@@ -15,7 +15,8 @@ import zmq
 from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, PeerGone, ProtocolError, TransferAborted
 from transfer.state import TransferState
 from transfer.wire import encode_piece, frame_view, pack_header, unpack_header

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.pair_path import gpu_uuid, same_gpu
 from transfer.receiver import Receiver
 from transfer.sender import Sender

@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.errors import PeerGone, ProtocolError, TransferAborted, TransferTimeout
 from transfer.state import TransferState
 

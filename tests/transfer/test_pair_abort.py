@@ -14,7 +14,8 @@ import torch
 from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from tests.transfer import pair_peers
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.errors import PeerGone
 from transfer.pairgroup import ABORTS, LinkJob, PairLink, make_store_server
 from transfer.state import TransferState

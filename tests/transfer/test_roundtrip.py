@@ -7,7 +7,8 @@ import pytest
 
 from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import DTYPES, Cache, fingerprint, make_kv, poll_until
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.state import TransferState
 
 pytestmark = pytest.mark.timeout(60)

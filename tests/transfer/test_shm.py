@@ -22,7 +22,8 @@ from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from transfer import ring_path
 from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
-from transfer.base import TransferConfig, make_receiver, make_sender
+from transfer.base import make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.errors import AuthError, ChecksumError, PeerGone, ProtocolError, TransferAborted, TransferTimeout
 from transfer.receiver import Receiver
 from transfer.ring_path import RingReceive, RingSend

@@ -158,7 +158,7 @@ def test_worker_sends_each_request_events_to_its_own_router(tiny_llama_path):
 
 def test_a_silent_router_loses_only_its_own_requests(tiny_llama_path):
     from decode.worker import DecodeRole
-    from transfer.base import TransferConfig
+    from transfer.config import TransferConfig
     from worker.runtime import WorkerRuntime
 
     routers = FakeRouters(2)
