@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.serve_process import ServeProcess, serve_supports_router_processes
+from bench.serve_process import ServeProcess
 
 DETOKENIZE_METRIC = "pdserve_router_detokenize_seconds_total"
 BLOCK_SIZE = 16  # transfer.block_size default
@@ -245,15 +245,13 @@ def _empty(n: int, status: str, reason: str | None = None) -> dict:
     return {"router_processes": n, "status": status, "reason": reason} | {k: None for k in FIGURES}
 
 
-def run_configuration(n: int, model: str, args: argparse.Namespace, flag_supported: bool, folder: Path) -> dict:
+def run_configuration(n: int, model: str, args: argparse.Namespace, folder: Path) -> dict:
     import yaml
 
-    if n > 1 and not flag_supported:
-        return _empty(n, "unsupported", "pdserve serve has no --router-processes option")
     config_path = folder / f"frontend-{n}.yaml"
     config_path.write_text(yaml.safe_dump(cluster_config(model, args)))
     print(f"frontend bench: starting pdserve serve (router processes: {n})", file=sys.stderr)
-    serve = ServeProcess.start(config_path, n if flag_supported else None, args.start_timeout_s)
+    serve = ServeProcess.start(config_path, n, args.start_timeout_s)
     result = _empty(n, "ok")
     try:
         url, exclude = serve.url, set(serve.worker_pids)
@@ -313,11 +311,10 @@ def run(args: argparse.Namespace) -> dict:
             "--max-concurrency, --num-prompts, --input-len, --output-len and --low-load-requests must be at least 1"
         )
     model = str(Path(args.model).expanduser()) if args.model else str(tiny_model_path())
-    flag_supported = serve_supports_router_processes()
     configurations = []
     with tempfile.TemporaryDirectory(prefix="frontend-bench-config-") as folder:
         for n in counts:
-            configurations.append(run_configuration(n, model, args, flag_supported, Path(folder)))
+            configurations.append(run_configuration(n, model, args, Path(folder)))
     return {
         "benchmark": {
             "model": model,
@@ -327,7 +324,6 @@ def run(args: argparse.Namespace) -> dict:
             "output_len": args.output_len,
             "low_load": {"requests": args.low_load_requests, "concurrency": 1, "input_len": 32, "output_len": 16},
             "cpu_count": os.cpu_count(),
-            "serve_has_router_processes_option": flag_supported,
             "router_cpu_rule": "serve process + its non-Ray descendants (not the workers), user+system",
         },
         "configurations": configurations,

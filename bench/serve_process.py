@@ -23,17 +23,6 @@ REPO = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 15.0
 
 
-def serve_supports_router_processes(timeout_s: float = 60.0) -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "cli.main", "serve", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    return "--router-processes" in out.stdout
-
-
 @dataclass
 class ServeProcess:
     """A ``pdserve serve`` this bench started: its URL, its workers' PIDs, and the last lines it printed."""
@@ -45,10 +34,9 @@ class ServeProcess:
     ready: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def start(cls, config_path: Path, router_processes: int | None, timeout_s: float) -> ServeProcess:
+    def start(cls, config_path: Path, router_processes: int, timeout_s: float) -> ServeProcess:
         cmd = [sys.executable, "-m", "cli.main", "serve", "--config", str(config_path), "--port", "0"]
-        if router_processes is not None:
-            cmd += ["--router-processes", str(router_processes)]
+        cmd += ["--router-processes", str(router_processes)]
         env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}  # a loopback server of our own
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

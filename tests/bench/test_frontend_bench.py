@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -126,11 +125,3 @@ def test_config_holds_every_stream_at_full_length():
     from cluster.config import parse_config
 
     parse_config(config)  # a valid config file
-
-
-def test_unsupported_router_process_count_is_reported_not_run(tmp_path):
-    args = frontend_bench.argparse.Namespace()
-    result = frontend_bench.run_configuration(2, "/models/tiny", args, flag_supported=False, folder=tmp_path)
-    assert result["status"] == "unsupported" and result["router_processes"] == 2
-    assert result["streamed_tokens"] is None and not list(tmp_path.iterdir())  # nothing was started
-    assert re.search("--router-processes", result["reason"])
