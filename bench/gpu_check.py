@@ -261,12 +261,7 @@ def primary(run: Run, shape: models.Shape, device: str, quick: bool, workdir: Pa
 
     run.section("exact_float32", exact_fp32, out)
 
-    decode_kv = int(
-        max(sizes["batches"])
-        * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48)
-        * shape.kv_bytes_per_token(2)
-        * 1.25
-    )
+    decode_kv = decode_kv_bytes(sizes, shape)
     transformers_out: dict[str, Any] = {}
     out["transformers"] = transformers_out
 
@@ -377,6 +372,12 @@ def primary(run: Run, shape: models.Shape, device: str, quick: bool, workdir: Pa
     return out
 
 
+def decode_kv_bytes(sizes: dict[str, Any], shape: models.Shape) -> int:
+    """bf16 KV for the largest decode batch at its full length, with a quarter to spare."""
+    tokens = max(sizes["batches"]) * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48)
+    return int(tokens * shape.kv_bytes_per_token(2) * 1.25)
+
+
 def pair_kv_bytes(pd: dict[str, Any], shape: models.Shape) -> dict[str, dict[str, int]]:
     """KV budgets of the pair's engines by dtype and side: in float32 only the exactness prompts; in bfloat16 the
     decode side holds the running decodes and a long prompt, the prefill side two long prompts."""
@@ -440,12 +441,7 @@ def secondary(run: Run, shape: models.Shape, device: str, workdir: Path, deadlin
     )
     del hf
     _free()
-    decode_kv = int(
-        max(sizes["batches"])
-        * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48)
-        * shape.kv_bytes_per_token(2)
-        * 1.25
-    )
+    decode_kv = decode_kv_bytes(sizes, shape)
     out["decode"] = eng.decode_variants(
         str(folder), device, "bfloat16", core_variants(), sizes["batches"], sizes["decode_prompt_len"],
         sizes["decode_tokens"], vocab, decode_kv, deadline,
