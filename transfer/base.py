@@ -1,4 +1,4 @@
-"""The one interface every KV transfer backend implements, its config, and the lazy backend registry.
+"""The one interface every KV transfer backend implements, and the registry that makes a sender or receiver by name.
 
 Prefill worker (producer):                       Decode worker (consumer):
     s = make_sender("zmq", fp, cfg)                  r = make_receiver("zmq", fp, sink, "tcp://0.0.0.0:0", cfg)
