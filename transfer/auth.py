@@ -1,12 +1,13 @@
 """Authentication of the KV plane: both sides prove they hold the cluster secret without sending it, and every
-header frame after that carries a MAC keyed per session.
+header frame after that carries a MAC keyed per session. The sealing here (``seal``, ``verify``, ``split``) is the
+control plane's too (worker/protocol.py): there ``ident`` is the sending socket's random id and the key is per socket.
 
 Why: the receiver writes what arrives into a decode worker's KV cache, so a stranger who can reach its port must not
 be able to open a session, and one who can watch the network must learn nothing that lets them open one later (the
 secret used to travel in the hello, in clear).
 
-Every header frame (both directions) is ``tag(32) | session(16) | seq(8, big-endian) | msgpack header``, with
-``tag = HMAC-SHA256(key, session | seq | header)``, checked with ``hmac.compare_digest`` before msgpack sees a byte:
+Every header frame (both directions) is ``tag(32) | ident(16) | seq(8, big-endian) | msgpack header``, with
+``tag = HMAC-SHA256(key, ident | seq | header)`` and ident the session token, checked with ``hmac.compare_digest`` before msgpack sees a byte:
     hello    S->R  session = 0, key = handshake key;  header: fp, transport, nonce_s (16 fresh random bytes)
     welcome  R->S  session = 0, key = handshake key;  header: session, nonce (nonce_s echoed), rnonce, ...
     reject   R->S  session = 0, key = handshake key; a sender that cannot verify it (a different secret) drops
@@ -31,15 +32,20 @@ from collections import OrderedDict
 from transfer.errors import AuthError
 
 TAG_BYTES = 32
-PREFIX = struct.Struct(">16sQ")  # session token, sequence number
+IDENT_BYTES = 16
+PREFIX = struct.Struct(f">{IDENT_BYTES}sQ")  # ident (a session token or a control sender id), sequence number
 OVERHEAD = TAG_BYTES + PREFIX.size
-NO_SESSION = bytes(16)
+NO_SESSION = bytes(IDENT_BYTES)
 NONCE_BYTES = 16
 _LABEL = b"pdserve/v1/kv-handshake"
 
 
+def derive_key(secret: str, label: bytes) -> bytes:
+    return hmac.digest(secret.encode(), label, hashlib.sha256)
+
+
 def handshake_key(secret: str | None) -> bytes:
-    return hmac.digest((secret or "").encode(), _LABEL, hashlib.sha256)
+    return derive_key(secret or "", _LABEL)
 
 
 def session_key(handshake: bytes, nonce_s: bytes, rnonce: bytes, session: bytes) -> bytes:
@@ -62,18 +68,18 @@ def _tag(key: bytes, prefix: bytes | memoryview, body) -> bytes:
     return mac.digest()
 
 
-def seal(key: bytes, session: bytes, seq: int, body: bytes) -> bytes:
-    prefix = PREFIX.pack(session, seq)
+def seal(key: bytes, ident: bytes, seq: int, body: bytes) -> bytes:
+    prefix = PREFIX.pack(ident, seq)
     return b"".join((_tag(key, prefix, body), prefix, body))
 
 
 def split(data) -> tuple[memoryview, bytes, int, memoryview]:
-    """(tag, session, seq, body) of a frame, without trusting any of it; too short is an AuthError."""
+    """(tag, ident, seq, body) of a frame, without trusting any of it; too short is an AuthError."""
     mv = memoryview(data)
     if mv.nbytes < OVERHEAD:
         raise AuthError(f"a {mv.nbytes}-byte frame has no MAC")
-    session, seq = PREFIX.unpack_from(mv, TAG_BYTES)
-    return mv[:TAG_BYTES], session, seq, mv[OVERHEAD:]
+    ident, seq = PREFIX.unpack_from(mv, TAG_BYTES)
+    return mv[:TAG_BYTES], ident, seq, mv[OVERHEAD:]
 
 
 def verify(key: bytes, data) -> bool:

@@ -2,10 +2,13 @@
 
 Every way a transfer can go wrong maps to one subclass of `TransferError`, so the prefill and decode
 workers can count failures by kind (metrics) and free blocks through one cleanup path. Errors travel back
-to the producer by *name* inside a NACK header (`error_from_name`), never as pickled objects.
+to the producer by *name* inside a NACK header (`error_from_code`), never as pickled objects. `ProtocolError` and
+`AuthError` are the control plane's too (worker/messages.py, worker/protocol.py).
 """
 
 from __future__ import annotations
+
+import enum
 
 
 class TransferError(Exception):
@@ -16,15 +19,21 @@ class TransferError(Exception):
 
 
 class ProtocolError(TransferError):
-    """The peer sent something that does not follow the wire format (bad header, sizes, order)."""
+    """The peer sent something that does not follow the wire format (bad header, sizes, order), on either plane."""
 
     code = "protocol"
 
 
 class AuthError(ProtocolError):
-    """A frame whose MAC is missing or wrong, or a replayed one (see transfer/auth.py): dropped before decoding."""
+    """A frame whose MAC is missing or wrong, or a replayed one (see transfer/auth.py): dropped before decoding.
+
+    ``reason``: why the control plane dropped it (worker/protocol.py ``Rejection``); None on the KV plane."""
 
     code = "unauthenticated"
+
+    def __init__(self, *args: object, reason: enum.Enum | None = None) -> None:
+        super().__init__(*args)
+        self.reason = reason
 
 
 class ChecksumError(TransferError):

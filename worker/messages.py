@@ -16,15 +16,12 @@ from typing import Annotated, Literal
 import msgspec
 
 from engine.request import FinishReason, SamplingParams, TokenLogprob
+from transfer.errors import ProtocolError
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 Role = Literal["prefill", "decode", "colocated"]
 RefusalReason = Literal["kv_full", "max_num_seqs"]  # why a decode worker refused a reservation (ok=False)
-
-
-class ProtocolError(ValueError):
-    """A control message that cannot be taken (the sealing layer's AuthError is one too)."""
 
 
 class MalformedMessage(ProtocolError):

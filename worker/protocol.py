@@ -1,51 +1,29 @@
 """Sealing of control-plane messages between the router and the workers: HMAC over msgpack, never pickle.
 
-What the messages are (one typed Struct per kind, commands router -> worker and events worker -> router) is
-``worker/messages.py``; this module authenticates them. Workers detokenize (``engine.detokenizer``, in the engine):
-a ``tokens`` item's text is what the tokens add to the request's output, ready to send to the client; the router
-only relays it.
-
-Every message is sealed (``Signer.seal``) and opened (``Verifier.open``) here and nowhere else. A frame is
-``tag(32) | sender(8) | seq(8) | msgpack body`` with ``tag = HMAC-SHA256(key, sender | seq | body)``; the receiver
-checks the tag with ``hmac.compare_digest`` before msgpack sees a byte, and only then decodes the body into the
-typed message (``decode_command`` or ``decode_event``, by the socket's direction; what does not decode is
-``Rejection.MALFORMED``), so a stranger who can reach a socket cannot make a worker reserve, prefill, generate or
-abort, nor feed the router tokens, finishes or heartbeats. The key is
-derived from the cluster secret, the direction (commands or events) and the address of the receiving socket, so a
-message is valid only at the socket it was sent to: a restarted worker or router binds a new random port, and what
-was captured before is worthless there. ``sender`` is random per sending socket and ``seq`` strictly increases on it
-(one socket delivers in order); the receiver remembers the last ``seq`` of each sender it authenticated, so a replayed
-message is refused too. The secret itself never goes on the wire. What is dropped is counted by reason
-(``Rejection``): a worker's ``control_rejected`` counter, the router's ``pdserve_control_rejected_total``.
+``Signer.seal`` seals a typed message (worker/messages.py) with transfer/auth.py's ``seal``, the KV plane's frame
+``tag(32) | sender(16) | seq(8) | body``; ``Verifier.open`` checks the MAC before msgpack sees a byte, then the order,
+then decodes the body into the socket's direction (commands or events). The key is derived from the cluster secret,
+the direction and the receiving socket's address, so a message is valid only at the socket it was sent to; ``sender``
+is random per sending socket and ``seq`` strictly increases on it, so a replayed message is refused. What is dropped
+is an AuthError with its ``Rejection``, counted by the worker (``control_rejected``) and the router
+(``pdserve_control_rejected_total``).
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import itertools
 import logging
 import os
-import struct
 from collections import OrderedDict
 
-from worker.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
-    Event,
-    MalformedMessage,
-    ProtocolError,
-    decode_command,
-    decode_event,
-    encode,
-)
+from transfer.auth import IDENT_BYTES, OVERHEAD, derive_key, seal, split, verify
+from transfer.errors import AuthError
+from worker.messages import MAX_MESSAGE_BYTES, Command, Event, MalformedMessage, decode_command, decode_event, encode
 
 logger = logging.getLogger(__name__)
 
-TAG_BYTES = 32
-PREFIX = struct.Struct(">8sQ")  # sender id, sequence number
-SEAL_OVERHEAD = TAG_BYTES + PREFIX.size
+SEAL_OVERHEAD = OVERHEAD
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + SEAL_OVERHEAD  # zmq.MAXMSGSIZE of every control socket
 MAX_SENDERS = 4096  # senders whose last sequence number a receiver remembers (least recently heard forgotten first)
 
@@ -63,27 +41,23 @@ class Rejection(str, enum.Enum):
     MALFORMED = "malformed"  # authenticated, but not a valid message (a bug of the sender, not an attack)
 
 
-class AuthError(ProtocolError):
-    """A control message dropped before it was unpacked (or, MALFORMED, after it was authenticated)."""
-
-    def __init__(self, reason: Rejection, detail: str = "") -> None:
-        super().__init__(f"{reason.value}{': ' + detail if detail else ''}")
-        self.reason = reason
+def rejected(reason: Rejection, detail: str = "") -> AuthError:
+    """A control message to drop: before it was unpacked, or (MALFORMED) after it was authenticated."""
+    return AuthError(f"{reason.value}{': ' + detail if detail else ''}", reason=reason)
 
 
-def _key(secret: str | None, channel: Channel, address: str) -> bytes:
+def control_key(secret: str | None, channel: Channel, address: str) -> bytes:
     if not secret:
         raise ValueError("the control plane needs the cluster secret (transfer.secret; the launcher makes one)")
-    label = f"pdserve/v1/control/{channel.value}/{address}".encode()
-    return hmac.digest(secret.encode(), label, hashlib.sha256)
+    return derive_key(secret, f"pdserve/v1/control/{channel.value}/{address}".encode())
 
 
 class Signer:
     """Seals the messages one sending socket sends to `address` (the receiving socket's address)."""
 
     def __init__(self, secret: str | None, channel: Channel, address: str) -> None:
-        self._key = _key(secret, channel, address)
-        self._sender = os.urandom(8)
+        self._key = control_key(secret, channel, address)
+        self._sender = os.urandom(IDENT_BYTES)
         self._seq = itertools.count(1)  # next() is atomic under the GIL
 
     def seal(self, message: Command | Event) -> bytes:
@@ -91,10 +65,7 @@ class Signer:
 
     def seal_body(self, body: bytes) -> bytes:
         """Seal an encoded message as it is (tests use it to send what no Struct encodes to)."""
-        prefix = PREFIX.pack(self._sender, next(self._seq))
-        mac = hmac.new(self._key, prefix, hashlib.sha256)
-        mac.update(body)
-        return b"".join((mac.digest(), prefix, body))
+        return seal(self._key, self._sender, next(self._seq), body)
 
 
 class Verifier:
@@ -102,33 +73,30 @@ class Verifier:
     on a worker's command socket, events on the router's event socket)."""
 
     def __init__(self, secret: str | None, channel: Channel, address: str) -> None:
-        self._key = _key(secret, channel, address)
+        self._key = control_key(secret, channel, address)
         self._last: OrderedDict[bytes, int] = OrderedDict()
         self._decode = decode_command if channel is Channel.COMMANDS else decode_event
 
     def open(self, data: bytes) -> Command | Event:
         """The typed message, or AuthError (with its reason) when it must be dropped."""
         if len(data) < SEAL_OVERHEAD:
-            raise AuthError(Rejection.MISSING_MAC, f"a {len(data)}-byte frame")
+            raise rejected(Rejection.MISSING_MAC, f"a {len(data)}-byte frame")
         if len(data) > MAX_FRAME_BYTES:
-            raise AuthError(Rejection.MALFORMED, f"a {len(data)}-byte frame")
-        view = memoryview(data)
-        mac = hmac.new(self._key, view[TAG_BYTES:SEAL_OVERHEAD], hashlib.sha256)
-        mac.update(view[SEAL_OVERHEAD:])
-        if not hmac.compare_digest(view[:TAG_BYTES], mac.digest()):
-            raise AuthError(Rejection.BAD_MAC)
-        sender, seq = PREFIX.unpack_from(view, TAG_BYTES)
+            raise rejected(Rejection.MALFORMED, f"a {len(data)}-byte frame")
+        if not verify(self._key, data):
+            raise rejected(Rejection.BAD_MAC)
+        _, sender, seq, body = split(data)
         last = self._last.get(sender)
         if last is not None and seq <= last:
-            raise AuthError(Rejection.REPLAYED, f"sequence {seq} <= {last}")
+            raise rejected(Rejection.REPLAYED, f"sequence {seq} <= {last}")
         self._last[sender] = seq
         self._last.move_to_end(sender)
         while len(self._last) > MAX_SENDERS:
             self._last.popitem(last=False)
         try:
-            return self._decode(view[SEAL_OVERHEAD:])
+            return self._decode(body)
         except MalformedMessage as exc:
-            raise AuthError(Rejection.MALFORMED, str(exc)) from None
+            raise rejected(Rejection.MALFORMED, str(exc)) from None
 
 
 class RejectionLog:

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from engine.llm_engine import LLMEngine
+from transfer.errors import AuthError
 from worker.messages import (
     MAX_KV_EVENT_HASHES,
     Abort,
@@ -33,16 +34,7 @@ from worker.messages import (
     WorkerCounters,
     kind,
 )
-from worker.protocol import (
-    MAX_FRAME_BYTES,
-    AuthError,
-    Channel,
-    ProtocolError,
-    Rejection,
-    RejectionLog,
-    Signer,
-    Verifier,
-)
+from worker.protocol import MAX_FRAME_BYTES, Channel, Rejection, RejectionLog, Signer, Verifier, rejected
 from worker.role import Role
 from worker.routers import RouterBook
 from worker.spec import WorkerSpec, resolve_spec
@@ -269,7 +261,7 @@ class WorkerRuntime:
                 if self._commands.getsockopt(zmq.RCVMORE):  # commands are one frame: drop the rest unread
                     while self._commands.getsockopt(zmq.RCVMORE):
                         self._commands.recv(zmq.NOBLOCK, copy=False)
-                    raise AuthError(Rejection.MULTIPART)
+                    raise rejected(Rejection.MULTIPART)
                 # the MAC is checked before anything is decoded; what is left is a typed command
                 command: Command = self._verifier.open(data)  # type: ignore[assignment]
             except AuthError as exc:
@@ -280,7 +272,7 @@ class WorkerRuntime:
             router = command.router
             if router >= len(self._routers):
                 self.counters.control_rejected += 1  # sealed with our secret, so a bug, not an attack
-                self._rejections.note(AuthError(Rejection.MALFORMED, f"router index {router!r}"))
+                self._rejections.note(rejected(Rejection.MALFORMED, f"router index {router!r}"))
                 continue
             self._book.heard(router, now)
             if isinstance(command, Ping):
@@ -299,7 +291,7 @@ class WorkerRuntime:
                     self.role.abort(rid)
                     continue
                 self.role.handle(command, arrival_s)
-            except (ValueError, KeyError, ProtocolError) as exc:
+            except (ValueError, KeyError) as exc:
                 self.counters.errors += 1
                 self.role.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
 

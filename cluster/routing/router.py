@@ -25,8 +25,9 @@ from cluster.routing.flow import Flow, TokenEvent
 from cluster.routing.membership import WorkerHandle
 from cluster.routing.metrics import RouterMetrics
 from engine.request import SamplingParams
+from transfer.errors import AuthError
 from worker.messages import Command, Event, Ping
-from worker.protocol import MAX_FRAME_BYTES, AuthError, Channel, Rejection, RejectionLog, Signer, Verifier
+from worker.protocol import MAX_FRAME_BYTES, Channel, Rejection, RejectionLog, Signer, Verifier, rejected
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class Router:
                 if self._events.getsockopt(zmq.RCVMORE):  # events are one frame: drop the rest unread
                     while self._events.getsockopt(zmq.RCVMORE):
                         await self._events.recv(copy=False)
-                    raise AuthError(Rejection.MULTIPART)
+                    raise rejected(Rejection.MULTIPART)
                 event = verifier.open(data)
             except AuthError as exc:
                 self.metrics.control_rejected.labels(exc.reason.value).inc()

@@ -18,7 +18,7 @@ import zmq
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from tests.transfer.test_failures import FAST, RawPeer, _failed, _serves_next
 from transfer import wire
-from transfer.auth import NO_SESSION, OVERHEAD, handshake_key, pair_group_key, seal, split
+from transfer.auth import NO_SESSION, OVERHEAD, handshake_key, pair_group_key, seal, split, verify
 from transfer.base import make_receiver, make_sender
 from transfer.config import TransferConfig
 from transfer.errors import AuthError, PeerGone, ProtocolError
@@ -77,6 +77,18 @@ def _transfer(r, s, fp, tid: str, dst: list[int], seed: int = 1) -> list:
         s.send_layer(tid, layer, dst, *make_kv(fp, layer, len(dst), seed))
     s.finish(tid)
     return poll_until([r.poll, s.poll], lambda e: len(e) >= 2, 5)
+
+
+def test_a_frame_is_tag_ident_seq_body_and_verifies_only_under_its_key() -> None:
+    key = handshake_key(SECRET)
+    frame = seal(key, b"s" * 16, 7, b"body")
+    assert len(frame) == OVERHEAD + 4 and verify(key, frame) and not verify(handshake_key("other"), frame)
+    tag, ident, seq, body = split(frame)
+    assert (ident, seq, bytes(body)) == (b"s" * 16, 7, b"body") and bytes(tag) == frame[:32]
+    assert not verify(key, frame[:-1] + b"B") and not verify(key, frame[: OVERHEAD - 1])
+    with pytest.raises(AuthError, match="no MAC") as error:
+        split(frame[: OVERHEAD - 1])
+    assert error.value.reason is None and error.value.code == "unauthenticated"
 
 
 def test_handshake_never_sends_the_secret(sent, closing) -> None:

@@ -18,6 +18,7 @@ from cluster.routing.metrics import GAUGE_KEYS, TOTAL_KEYS, RouterMetrics
 from engine.config import EngineConfig
 from engine.request import FinishReason, SamplingParams, TokenLogprob
 from tests.helpers.engine import random_prompts
+from transfer import auth, errors
 from worker.messages import (
     MAX_MESSAGE_BYTES,
     Abort,
@@ -42,7 +43,7 @@ from worker.messages import (
     encode,
     kind,
 )
-from worker.protocol import AuthError, Channel, Rejection, Signer, Verifier
+from worker.protocol import AuthError, Channel, Rejection, Signer, Verifier, control_key
 
 SECRET = "typed-messages-test-secret-0123456789"
 PARAMS = SamplingParams(
@@ -212,6 +213,22 @@ def test_the_mac_is_checked_before_the_body_is_decoded():
     assert verifier.open(signer.seal(COMMANDS[3])) == COMMANDS[3]  # typed, by the channel's decoder
     events = Verifier(SECRET, Channel.EVENTS, address)
     assert events.open(Signer(SECRET, Channel.EVENTS, address).seal(EVENTS[4])) == EVENTS[4]
+
+
+def test_both_planes_seal_with_one_primitive():
+    address = "tcp://127.0.0.1:1"
+    key = control_key(SECRET, Channel.COMMANDS, address)
+    frame = Signer(SECRET, Channel.COMMANDS, address).seal(COMMANDS[3])
+    assert auth.verify(key, frame) and not auth.verify(control_key(SECRET, Channel.EVENTS, address), frame)
+    _, sender, seq, body = auth.split(frame)
+    assert len(sender) == auth.IDENT_BYTES and seq == 1 and auth.seal(key, sender, seq, bytes(body)) == frame
+    verifier = Verifier(SECRET, Channel.COMMANDS, address)
+    assert verifier.open(auth.seal(key, sender, 5, encode(COMMANDS[3]))) == COMMANDS[3]  # the KV plane's seal
+    with pytest.raises(errors.AuthError) as error:  # one AuthError for both planes, with the control plane's reason
+        verifier.open(frame)  # seq 1 <= 5 from the same sender
+    assert error.value.reason is Rejection.REPLAYED and error.value.code == "unauthenticated"
+    assert AuthError is errors.AuthError and issubclass(MalformedMessage, errors.ProtocolError)
+    assert ProtocolError is errors.ProtocolError
 
 
 # ---- the router's names come from the Structs ------------------------------------------------------------------
