@@ -322,7 +322,7 @@ class Receiver(KVReceiver):
         self.dropped += 1
         log.warning("dropped message for transfer %r: %s", tid, error)
         if isinstance(tid, str) and rec is None:  # not ours (never expected, or already ended): free the sender now
-            self._reply(sess, Nack(tid[:1000], error.code, str(error)[:1000]))
+            self._reply(sess, Nack(tid, error.code, str(error)[:1000]))
 
     def _on_hello(self, identity: bytes, h: Hello) -> None:
         try:
@@ -357,8 +357,7 @@ class Receiver(KVReceiver):
         if self.transport == "dist":
             if not same_gpu(self._gpu, h.gpu):
                 pair = PairReceive.host(self, key)
-                fields = {"store_port": pair.store_port}
-                return ({**fields, "gpu": self._gpu} if self._gpu is not None else fields), pair
+                return {"store_port": pair.store_port, "gpu": self._gpu}, pair
             self.same_gpu_sessions += 1
             log.info("a KV sender on this GPU (%s): same-node path instead of an NCCL pair", self._gpu)
             fields = {"same_gpu": True, "gpu": self._gpu}

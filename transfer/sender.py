@@ -449,7 +449,7 @@ class Sender(KVSender):
         elif isinstance(h, Nack):
             err = error_from_code(h.code, f"receiver: {h.reason}")
             self._leases.release(h.tid, err)
-            if h.code == "peer_gone":  # receiver no longer knows our session: start over
+            if h.code == "peer_gone":  # the receiver has forgotten our session: start over
                 self._drop_peer(peer, err)
         elif isinstance(h, Renew):
             self._leases.renew(h.tid)
