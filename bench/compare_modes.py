@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
-from bench.loadtest import output
+from bench.loadtest import output, plots
 from bench.loadtest.cli import benchmark_settings, execute, prepare, result_folder
 from bench.options import COMPARE_MODES as MODES
 from bench.options import add_compare_arguments as add_arguments
@@ -38,12 +39,13 @@ def run(args: argparse.Namespace) -> dict:
         handle = _start(config, mode)
         try:
             workers = args.num_workers or handle.num_workers
+            roles = Counter(info["role"] for info in handle.worker_infos())
             mode_runs, mode_results, sweep = execute(
                 plan, handle.base_url, config.served_model_name, folder, mode=mode, num_workers=workers
             )
         finally:
             handle.stop()
-        per_mode[mode] = {"base_url": handle.base_url, "num_workers": workers, "sweep": sweep}
+        per_mode[mode] = {"base_url": handle.base_url, "num_workers": workers, "roles": roles, "sweep": sweep}
         runs += mode_runs
         results += mode_results
     summary = {
@@ -51,8 +53,9 @@ def run(args: argparse.Namespace) -> dict:
         "modes": per_mode,
         "runs": runs,
         "result_dir": str(folder),
+        "date": plots.today(),
     }
-    summary["plots"] = output.write_plots(folder, runs, results)
+    summary["plots"] = plots.write_plots(folder, runs, results, summary)
     summary = output.clean_json(summary)
     output.write_summary(folder, summary)
     (folder / "table.txt").write_text(output.format_table(runs) + "\n")

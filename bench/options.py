@@ -83,6 +83,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
 
 
+def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench plot`` (``bench/loadtest/plots.py``)."""
+    parser.add_argument("result_dir", help="a folder written by `pdserve bench serve` or `pdserve bench compare`")
+
+
 def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve bench routing`` (``bench/routing_bench.py``)."""
     parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")

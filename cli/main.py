@@ -53,6 +53,13 @@ BENCHMARKS: list[tuple[str, str, str, str, str]] = [
         "bench.compare_modes",
     ),
     (
+        "plot",
+        "redraw a results folder's plots (serve, compare) from its summary.json and requests.jsonl",
+        "bench.options",
+        "add_plot_arguments",
+        "bench.loadtest.plots",
+    ),
+    (
         "routing",
         "kv_aware routing and prefix reuse vs least_loaded: TTFT, KV bytes per request, prefix hit rate",
         "bench.options",

@@ -16,7 +16,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.loadtest import metrics, multiturn, output
+from bench.loadtest import metrics, multiturn, output, plots
 from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec
 from bench.loadtest.conversations import ConversationSettings, ConversationSpec, build_conversations
 from bench.loadtest.options import DEFAULT_SLOS_NOTE, PDSERVE_DEFAULT_SLOS_MS
@@ -274,8 +274,14 @@ def run(args: argparse.Namespace) -> dict:
     plan = prepare(args, args.tokenizer or args.model)
     folder = result_folder(args)
     runs, results, sweep = execute(plan, args.base_url, args.model, folder, num_workers=args.num_workers)
-    summary = {"benchmark": benchmark_settings(args, plan), "runs": runs, "sweep": sweep, "result_dir": str(folder)}
-    summary["plots"] = output.write_plots(folder, runs, results)
+    summary = {
+        "benchmark": benchmark_settings(args, plan),
+        "runs": runs,
+        "sweep": sweep,
+        "result_dir": str(folder),
+        "date": plots.today(),
+    }
+    summary["plots"] = plots.write_plots(folder, runs, results, summary)
     summary = output.clean_json(summary)
     output.write_summary(folder, summary)
     print(output.format_table(runs), file=sys.stderr)

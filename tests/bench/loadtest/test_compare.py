@@ -4,9 +4,11 @@ import argparse
 import sys
 import types
 
+import pytest
 import yaml
 
 from bench import compare_modes as compare
+from bench.loadtest import plots
 from tests.bench.loadtest.scripted_server import Script, ScriptedServer
 
 
@@ -35,6 +37,11 @@ def test_compare_runs_both_modes_and_writes_table_and_plots(tmp_path, byte_token
             self.config = config
             self.stopped = False
             started.append(self)
+
+        def worker_infos(self):
+            if self.config.mode == "disaggregated":
+                return [{"name": "prefill-0", "role": "prefill"}, {"name": "decode-0", "role": "decode"}]
+            return [{"name": f"worker-{i}", "role": "colocated"} for i in range(2)]
 
         def stop(self):
             self.server.stop()
@@ -98,3 +105,23 @@ def test_compare_runs_both_modes_and_writes_table_and_plots(tmp_path, byte_token
         assert (out / name).stat().st_size > 0, name
     assert len((out / "summary.csv").read_text().splitlines()) == 5
     assert '"mode": "disaggregated"' in (out / "requests.jsonl").read_text()
+
+    assert disaggregated["roles"] == {"prefill": 1, "decode": 1} and colocated["roles"] == {"colocated": 2}
+    head, tail = plots.caption(summary).splitlines()
+    assert str(config_path) in head and "random 24 in / 4 out, 4 prompts per rate" in head
+    assert tail.startswith("rates 20.0, 40.0 req/s (poisson)")
+    assert "colocated 2 workers; disaggregated 1 prefill + 1 decode" in tail and summary["date"] in tail
+
+    # the same plots again from the folder alone
+    before = {name: (out / name).stat().st_mtime_ns for name in summary["plots"]}
+    redrawn = plots.run(argparse.Namespace(result_dir=str(out)))
+    assert redrawn["plots"] == summary["plots"]
+    assert all((out / name).stat().st_mtime_ns >= before[name] for name in summary["plots"])
+    loaded, results = plots.load_folder(out)
+    assert [len([r for r in rs if not r.warmup]) for rs in results] == [4, 4, 4, 4]
+    assert all(r.success and r.server_timing for rs in results for r in rs if not r.warmup)
+
+
+def test_plot_command_names_a_folder_that_is_not_a_results_folder(tmp_path):
+    with pytest.raises(ValueError, match="not a results folder"):
+        plots.run(argparse.Namespace(result_dir=str(tmp_path)))
