@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_RANGE_RATIO = 0.5  # uniform: lengths within ±50% of the mean
@@ -228,13 +229,22 @@ def _plot(results, path: str, label: str, workload: str, ttft_s: float, tpot_s: 
     split = [r for r in results if r.layout.mode == "disaggregated"]
     colocated = results[0]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if split:
-        ax.plot([r.layout.prefill for r in split], [r.goodput.rate for r in split], "o-", label="P:D split")
-    ax.axhline(colocated.goodput.rate, color="gray", linestyle="--", label=f"colocated {colocated.layout.decode}")
+    if split:  # the colors of the load-test plots: colocated C0, disaggregated C1
+        ax.plot(
+            [r.layout.prefill for r in split],
+            [r.goodput.rate for r in split],
+            "o-",
+            color="C1",
+            label="disaggregated P:D",
+        )
+    ax.axhline(colocated.goodput.rate, color="C0", linestyle="--", label=f"colocated {colocated.layout.decode}")
     ax.set_xlabel(f"prefill workers (of {colocated.layout.workers}; the rest decode)")
     ax.set_ylabel("goodput, req/s (simulated)")
     two_lines = label.replace(": ", ":\n", 1)  # "SIMULATED, not measured:" above the profile's name
-    title = f"{workload}, SLO ttft {ttft_s * 1000:g} ms tpot {tpot_s * 1000:g} ms\n{two_lines}"
+    title = (
+        f"{workload}, {colocated.layout.workers} workers, SLO ttft {ttft_s * 1000:g} ms tpot {tpot_s * 1000:g} ms, "
+        f"plotted {time.strftime('%Y-%m-%d')}\n{two_lines}"
+    )
     ax.set_title(title, fontsize=8)
     ax.legend()
     fig.tight_layout()
