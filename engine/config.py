@@ -45,6 +45,8 @@ class EngineConfig:
     # reserve for what loads after the profile (lazily loaded kernels, new streams' workspaces)
     nccl_peers: int = 0
     memory_reserve_bytes: int = 1024 * 1024 * 1024
+    # ranks of this engine (engine.tensor_parallel): each holds 1/N of every layer and of the KV heads
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -57,7 +59,7 @@ class EngineConfig:
             )
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_batch_tokens", "max_num_seqs", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

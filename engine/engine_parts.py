@@ -22,6 +22,7 @@ from engine.memory import KVMemoryPlanner, MemoryPlan
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from engine.tensor_parallel import StepChannel, TPGroup, head_split
 
 
 @dataclass(slots=True)
@@ -39,20 +40,30 @@ class EngineParts:
     sampler: Sampler
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> EngineParts:
+    """With a tensor-parallel ``group``: this rank's shard, KV heads and cache; rank 0 announces each step to the
+    others, which project nothing to the vocabulary."""
     if config.dtype == "auto":
         config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     planner = KVMemoryPlanner.start(config)  # CUDA, no explicit KV budget: measure from here (engine.memory)
-    model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention())
+    if (group.size if group else 1) != config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
+    model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
     hf_config = model.config
+    split = head_split(
+        hf_config.num_attention_heads,
+        hf_config.num_key_value_heads,
+        group.size if group else 1,
+        group.rank if group else 0,
+    )
     max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
     kv_spec = KVSpec(
         architecture=hf_config.model_type,
         dtype=model.dtype,
         num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=hf_config.num_key_value_heads,
+        num_kv_heads=split.kv_heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         block_size=config.block_size,
     )
@@ -66,7 +77,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_cache = KVCache(kv_spec, num_blocks, config.device)
     backend = select_backend(config.attention_backend, config.device, model.dtype)
     runner = ModelRunner(model, kv_cache, backend)
-    runner.decode_graphs = decode_graphs_for(runner, config, max_model_len)
+    if group is not None and group.size > 1:
+        runner.step_channel = StepChannel(group) if group.rank == 0 else None
+        runner.projects_logits = group.rank == 0
+    else:  # CUDA graphs are captured without the ranks' all-reduces: one rank only
+        runner.decode_graphs = decode_graphs_for(runner, config, max_model_len)
     runner.limit_scratch(config.max_num_seqs, max_model_len)  # the bound the KV plan counted
     eos_token_ids = _eos_ids(model, tokenizer)
     vocab_size = int(runner.lm_head.out_features)

@@ -39,13 +39,14 @@ from engine.request import (
     TokenLogprob,
 )
 from engine.scheduler import Scheduler
+from engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        parts = build_engine_parts(config)
+    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None) -> None:
+        parts = build_engine_parts(config, tp_group)
         self.config, self.model, self.tokenizer = parts.config, parts.model, parts.tokenizer
         self.max_model_len, self.kv_spec, self.memory_plan = parts.max_model_len, parts.kv_spec, parts.memory_plan
         self.kv_cache, self.runner, self.sampler = parts.kv_cache, parts.runner, parts.sampler
@@ -151,6 +152,8 @@ class LLMEngine:
         admitted = self._admit_remote() if self.scheduler.remote_ready else {}
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.runner.step_channel is not None:
+                self.runner.step_channel.keep_alive()
             return list(admitted.values())
         sampling = [c for c in chunks if c.samples]
         self.runner.layer_hook = self.kv_exporter.layer_hook_for(chunks)

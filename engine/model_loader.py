@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from engine.tensor_parallel import TPGroup
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -100,8 +102,15 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(resolve_model_path(model))
 
 
-def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
-    """Load (model, tokenizer); errors name the field and the cause.
+def load_model(
+    model: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    group: TPGroup | None = None,
+):
+    """Load (model, tokenizer); errors name the field and the cause. With a tensor-parallel ``group`` of more than
+    one rank, the model is this rank's shard (``engine.tensor_parallel.load_shard``).
 
     The weights go from their files straight onto ``device`` in ``dtype`` (``device_map``): never built in host RAM
     nor held in float32 on the way, so a GPU node needs no host memory for them and the load is one pass."""
@@ -120,9 +129,14 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", attn_imp
             f"model: architecture {config.model_type!r} is not supported (use one of {SUPPORTED_ARCHITECTURES})"
         )
     try:
-        hf_model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn_implementation, device_map=target
-        )
+        if group is not None and group.size > 1:
+            from engine.tensor_parallel import load_shard
+
+            hf_model: torch.nn.Module = load_shard(path, torch_dtype, target, attn_implementation, group)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, attn_implementation=attn_implementation, device_map=target
+            )
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model: could not load {str(path)!r}: {exc}") from exc

@@ -23,6 +23,7 @@ from engine.host_values import long_tensor
 from engine.kv_cache import KVCache
 from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
+from engine.tensor_parallel import StepChannel, StepKind, StepMessage
 
 if TYPE_CHECKING:
     from engine.decode_graphs import DecodeGraphs
@@ -50,6 +51,9 @@ class ModelRunner:
         self.layer_hook: LayerHook | None = None
         self.backend: AttentionBackend = backend or SdpaBackend()  # engine.attention.select_backend picks it
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps on CUDA graphs (engine.decode_graphs)
+        # tensor parallelism: rank 0 announces each step to the other ranks, which project nothing to the vocabulary
+        self.step_channel: StepChannel | None = None
+        self.projects_logits = True
         # the last forward's hidden states [tokens, hidden] and chunk start rows, kept for prompt logprobs only
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
@@ -206,6 +210,8 @@ class ModelRunner:
             self._kept_hidden = None  # can_run refuses steps with prompt-logprob requests
             return self.decode_graphs.execute(chunks)
         started = time.perf_counter()
+        if self.step_channel is not None:
+            self.step_channel.send(StepMessage(StepKind.STEP, chunks))
         input_ids, position_ids, batch, rows = self._build(chunks)
         hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch)
         hidden = hidden.last_hidden_state[0]
@@ -215,7 +221,7 @@ class ModelRunner:
             offset += chunk.num_tokens
         wanted = any(chunk.request.wants_prompt_logprobs for chunk in chunks)
         self._kept_hidden = (hidden, starts) if wanted else None
-        logits = self.lm_head(hidden[rows]).float()
+        logits = self.lm_head(hidden[rows]).float() if self.projects_logits else hidden[:0]
         num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1 and chunk.start > 0)
         wait_for_compute(self.device)
         stats = StepStats(

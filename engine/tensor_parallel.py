@@ -1,0 +1,358 @@
+"""Tensor parallelism inside one engine: N ranks, each holding a slice of every layer and its own KV heads.
+
+Megatron's split: q/k/v and gate/up are column-parallel (each rank computes its heads or its slice of the MLP), o and
+down are row-parallel and end in one all-reduce each; the embedding and lm_head are replicated, and only rank 0
+projects to the vocabulary and samples. Rank 0 runs the whole engine (scheduler, block manager, sampler); before
+each forward it broadcasts the step (``StepMessage``: int64 frames, no pickle) and every other rank runs the same
+forward on the same block ids (``TPFollower``). KV heads split like the q heads; when there are fewer KV heads than
+ranks, each rank keeps the one its q heads read, as vLLM does. Every collective waits at most ``timeout_s``; an
+idle rank 0 sends a keep-alive so that a follower that hears nothing knows rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+
+from engine.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.request import Request
+
+logger = logging.getLogger(__name__)
+KEEPALIVE_INTERVAL_S = 1.0  # rank 0, idle, at most this long between messages
+
+
+class TPError(RuntimeError):
+    """A collective failed or timed out: the group is broken and the whole worker must go."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """Which attention heads one rank holds: q heads ``[q_start, q_start + q_heads)``, KV heads likewise."""
+
+    rank: int
+    size: int
+    q_start: int
+    q_heads: int
+    kv_start: int
+    kv_heads: int
+    kv_total: int  # the model's KV heads
+
+    @property
+    def replicated_kv(self) -> bool:
+        """Fewer KV heads than ranks: several ranks hold the same head."""
+        return self.kv_heads * self.size > self.kv_total
+
+
+def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadSplit:
+    """Rank ``rank``'s heads at degree ``size``; ValueError naming ``tensor_parallel_size`` when it cannot split."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {size} and the model's {num_kv_heads} KV heads: one must divide the other"
+        )
+    q_heads = num_heads // size
+    q_start = rank * q_heads
+    if num_kv_heads >= size:
+        kv_heads = num_kv_heads // size
+        kv_start = rank * kv_heads
+    else:  # fewer KV heads than ranks: the one KV head this rank's q heads attend with, replicated
+        kv_heads = 1
+        kv_start = q_start // (num_heads // num_kv_heads)
+    return HeadSplit(rank, size, q_start, q_heads, kv_start, kv_heads, num_kv_heads)
+
+
+def check_degree(hf_config: Any, size: int) -> None:
+    """ValueError naming ``tensor_parallel_size`` when the model cannot be split ``size`` ways."""
+    head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
+    if hf_config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the model's intermediate_size {hf_config.intermediate_size}"
+        )
+
+
+class TPGroup:
+    """One rank's view of its worker's group: all-reduce for the layers, broadcast for the step messages."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, host: str = "127.0.0.1") -> None:
+        self.rank, self.size = rank, size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.broken = ""  # why the group can no longer be used ("" while it can)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: no stub; sets the timeout
+        opts._timeout = self.timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-tp", store), rank, size, opts)
+
+    def _wait(self, work: Any, what: str) -> None:
+        if self.broken:
+            raise TPError(f"tensor-parallel group is broken: {self.broken}")
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            self.broken = f"{what} failed on rank {self.rank}: {exc}"[:300]
+            raise TPError(self.broken) from exc
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place."""
+        if self.broken:
+            raise TPError(f"tensor-parallel group is broken: {self.broken}")
+        self._wait(self._pg.allreduce([tensor]), "all-reduce")
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` onto every rank, in place."""
+        if self.broken:
+            raise TPError(f"tensor-parallel group is broken: {self.broken}")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self._pg.broadcast([tensor], opts), "broadcast")
+        return tensor
+
+    def close(self) -> None:
+        """Drop the group's connections (a peer waiting on it fails instead of hanging)."""
+        try:
+            self._pg.abort()
+        except (RuntimeError, AttributeError):  # already aborted, or a torch without abort on gloo
+            pass
+        self.broken = self.broken or "closed"
+
+
+class RowParallel(torch.nn.Module):
+    """A row-parallel linear: this rank's input slice times its weight columns, summed over the ranks."""
+
+    def __init__(self, linear: torch.nn.Linear, group: TPGroup) -> None:
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.linear(x))
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """Which slice of each split weight this rank keeps, by ``<module>.<param>`` (``q_proj.weight``): (dim, start,
+    stop); a weight not named is replicated. Row-parallel biases stay on rank 0 only, so the sum adds them once."""
+
+    slices: dict[str, tuple[int, int, int]]
+    zero_bias: frozenset[str]
+
+    @staticmethod
+    def key(name: str) -> str:
+        return ".".join(name.split(".")[-2:])
+
+    def cut(self, name: str, tensor: Any) -> torch.Tensor:
+        """This rank's part of the weight ``name`` (a tensor or a safetensors slice); a full weight is read whole."""
+        key = self.key(name)
+        if key in self.zero_bias:
+            return torch.zeros_like(tensor[:])
+        where = self.slices.get(key)
+        if where is None:
+            return tensor[:]
+        dim, start, stop = where
+        return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+
+
+def shard_plan(hf_config: Any, split: HeadSplit) -> ShardPlan:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    q = (split.q_start * head_dim, (split.q_start + split.q_heads) * head_dim)
+    kv = (split.kv_start * head_dim, (split.kv_start + split.kv_heads) * head_dim)
+    per_rank = hf_config.intermediate_size // split.size
+    mlp = (split.rank * per_rank, (split.rank + 1) * per_rank)
+    slices: dict[str, tuple[int, int, int]] = {}
+    for name, (start, stop) in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("gate_proj", mlp), ("up_proj", mlp)):
+        slices[f"{name}.weight"] = slices[f"{name}.bias"] = (0, start, stop)
+    slices["o_proj.weight"], slices["down_proj.weight"] = (1, *q), (1, *mlp)
+    zero_bias = frozenset() if split.rank == 0 else frozenset({"o_proj.bias", "down_proj.bias"})
+    return ShardPlan(slices, zero_bias)
+
+
+SPLIT_LINEARS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("mlp", ("gate_proj", "up_proj", "down_proj")),
+)
+
+
+def _layers(model: torch.nn.Module) -> Any:
+    return getattr(model, cast(Any, model).base_model_prefix).layers
+
+
+def _cut_linear(linear: torch.nn.Linear, name: str, plan: ShardPlan) -> None:
+    linear.weight = torch.nn.Parameter(plan.cut(f"{name}.weight", linear.weight.data).clone(), requires_grad=False)
+    linear.out_features, linear.in_features = linear.weight.shape
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(plan.cut(f"{name}.bias", linear.bias.data).clone(), requires_grad=False)
+
+
+def load_shard(path: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str, group: TPGroup) -> Any:
+    """This rank's shard of the model at ``path``: built on the meta device, cut to the rank's shapes, then filled
+    from the safetensors files slice by slice, so no rank ever holds a whole split weight."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    check_degree(config, group.size)
+    split = head_split(config.num_attention_heads, config.num_key_value_heads, group.size, group.rank)
+    plan = shard_plan(config, split)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        for layer in _layers(model):
+            for part, names in SPLIT_LINEARS:
+                for name in names:
+                    _cut_linear(getattr(getattr(layer, part), name), name, plan)  # meta shapes, no data
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                tensor = plan.cut(name, f.get_slice(name))
+                state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        missing = [m for m in missing if not m.startswith("lm_head.")]
+    if missing or unexpected:
+        raise ValueError(f"model: {path}: weights missing {missing[:3]} or not in the model {unexpected[:3]}")
+    for parent in model.modules():  # non-persistent buffers (rotary inv_freq) are not in the files: rebuild them
+        for child_name, child in parent.named_children():
+            if any(b.is_meta for b in child.buffers(recurse=False)) and hasattr(child, "inv_freq"):
+                with device:
+                    setattr(parent, child_name, type(child)(config=config))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"model: {path}: {len(left)} tensors were not loaded, e.g. {left[0]}")
+    for layer in _layers(model):
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+    model.eval()
+    return model
+
+
+class StepKind(enum.IntEnum):
+    STEP = 1
+    KEEPALIVE = 2
+    STOP = 3
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """What a follower knows of one request in a step: its block table and the step's tokens."""
+
+    block_ids: list[int]
+    start: int
+    token_ids: list[int]
+    num_tokens: int  # end + 1 when the chunk does not sample, so ``ScheduledChunk.samples`` reads the same
+    wants_prompt_logprobs: bool = False
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.token_ids[start - self.start : end - self.start]
+
+
+@dataclass(slots=True)
+class StepMessage:
+    """A step as int64 frames: a header ``[kind, payload length]``, then per chunk
+    ``[start, num_tokens, samples, num_blocks, *block_ids, *token_ids]``."""
+
+    kind: StepKind
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+
+    def encode(self) -> torch.Tensor:
+        payload: list[int] = []
+        for chunk in self.chunks:
+            blocks = chunk.request.block_ids
+            payload += [chunk.start, chunk.num_tokens, int(chunk.samples), len(blocks), *blocks]
+            payload += chunk.request.token_slice(chunk.start, chunk.end)
+        return torch.tensor(payload, dtype=torch.int64)
+
+    @staticmethod
+    def decode(kind: StepKind, payload: torch.Tensor) -> StepMessage:
+        values = payload.tolist()
+        chunks, i = [], 0
+        while i < len(values):
+            start, num_tokens, samples, num_blocks = values[i : i + 4]
+            i += 4
+            blocks = values[i : i + num_blocks]
+            i += num_blocks
+            tokens = values[i : i + num_tokens]
+            i += num_tokens
+            end = start + num_tokens
+            request = StepRequest(blocks, start, tokens, end if samples else end + 1)
+            chunks.append(ScheduledChunk(cast("Request", request), start, num_tokens))
+        return StepMessage(kind, chunks)
+
+
+class StepChannel:
+    """Rank 0 announces each step (or a keep-alive, or the stop); the others receive it, bounded by the group's
+    timeout."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self._header = torch.zeros(2, dtype=torch.int64)
+        self.last_sent_s = time.monotonic()
+
+    def keep_alive(self) -> None:
+        """Rank 0 with nothing to run: tell the followers it is alive, at most every ``KEEPALIVE_INTERVAL_S``."""
+        if time.monotonic() - self.last_sent_s >= KEEPALIVE_INTERVAL_S:
+            self.send(StepMessage(StepKind.KEEPALIVE))
+
+    def stop(self) -> None:
+        """Rank 0 is done: the followers' ``serve`` returns."""
+        if not self.group.broken:
+            self.send(StepMessage(StepKind.STOP))
+
+    def send(self, message: StepMessage) -> None:
+        self.last_sent_s = time.monotonic()
+        payload = message.encode() if message.kind == StepKind.STEP else torch.zeros(0, dtype=torch.int64)
+        self._header[0], self._header[1] = int(message.kind), payload.numel()
+        self.group.broadcast(self._header)
+        if payload.numel():
+            self.group.broadcast(payload)
+
+    def receive(self) -> StepMessage:
+        self.group.broadcast(self._header)
+        kind, length = StepKind(int(self._header[0])), int(self._header[1])
+        payload = torch.zeros(length, dtype=torch.int64)
+        if length:
+            self.group.broadcast(payload)
+        return StepMessage.decode(kind, payload) if kind == StepKind.STEP else StepMessage(kind)
+
+
+class TPFollower:
+    """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure."""
+
+    def __init__(self, runner: ModelRunner, channel: StepChannel) -> None:
+        self.runner = runner
+        self.channel = channel
+        self.steps = 0
+
+    def serve(self) -> str:
+        """Returns why it ended: "stop", or the group's failure (rank 0 gone, a timeout)."""
+        while True:
+            try:
+                message = self.channel.receive()
+                if message.kind == StepKind.STOP:
+                    return "stop"
+                if message.kind == StepKind.STEP:
+                    self.runner.execute(message.chunks)
+                    self.steps += 1
+            except TPError as exc:
+                logger.error("tensor-parallel rank %d stops: %s", self.channel.group.rank, exc)
+                return str(exc)

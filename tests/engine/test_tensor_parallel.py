@@ -1,0 +1,202 @@
+"""Tensor parallelism on the CPU over gloo: N processes, one engine (rank 0) and N - 1 followers.
+
+Exactness: the ranks' partial sums of o_proj and down_proj are added by an all-reduce, a different summation order
+from one matmul, so outputs are compared token for token and the logprobs of every chosen token within 1e-4 (the
+largest gap is printed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tensor_parallel import HeadSplit, StepKind, StepMessage, check_degree, head_split
+
+LOGPROB_TOLERANCE = 1e-4
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
+
+
+def _generate(engine, prompts: list[str], max_tokens: int, prefix_repeat: bool) -> dict:
+    from engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    rounds = [prompts, [p + " and" for p in prompts]] if prefix_repeat else [prompts]
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    cached = 0
+    for round_index, batch in enumerate(rounds):
+        ids = [engine.add_request(p, params.copy(), request_id=f"r{round_index}-{i}") for i, p in enumerate(batch)]
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None, out.error
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.logprobs or [])
+                if out.finished:
+                    cached += out.num_cached_tokens
+        assert set(ids) <= set(tokens)
+    return {"tokens": tokens, "logprobs": logprobs, "cached_tokens": cached}
+
+
+def _rank_main(rank: int, size: int, store_path: str, model: str, run: dict, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        from engine.config import EngineConfig
+        from engine.engine_parts import build_engine_parts
+        from engine.llm_engine import LLMEngine
+        from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
+
+        group = TPGroup(dist.FileStore(store_path, size), rank, size, timeout_s=60.0) if size > 1 else None
+        config = EngineConfig(
+            model=model,
+            dtype="float32",
+            kv_blocks=64,
+            block_size=4,
+            max_batch_tokens=run.get("max_batch_tokens", 2048),
+            tensor_parallel_size=size,
+        )
+        if rank == 0:
+            engine = LLMEngine(config, group)
+            out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False))
+            engine.check_no_leaks()
+            if engine.runner.step_channel is not None:
+                engine.runner.step_channel.stop()
+            out["kv_heads"] = engine.kv_spec.num_kv_heads
+            results.put((rank, out))
+        else:
+            parts = build_engine_parts(config, group)
+            follower = TPFollower(parts.runner, StepChannel(group))
+            ended = follower.serve()
+            results.put((rank, {"ended": ended, "steps": follower.steps, "kv_heads": parts.kv_spec.num_kv_heads}))
+        if group is not None:
+            group.close()
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        results.put((rank, {"error": traceback.format_exc()}))
+
+
+def run_ranks(size: int, model: Path, tmp_path: Path, **run) -> dict[int, dict]:
+    """Every rank in its own process (spawned: no fork of a process with threads), one rank in this one; each
+    result or traceback."""
+    if size == 1:
+        local: queue.Queue = queue.Queue()
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            _rank_main(0, 1, "", str(model), run, local)
+        finally:
+            torch.set_num_threads(threads)
+        rank, value = local.get_nowait()
+        assert "error" not in value, value["error"]
+        return {rank: value}
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    store = tmp_path / f"store-{size}-{len(list(tmp_path.iterdir()))}"
+    procs = [ctx.Process(target=_rank_main, args=(r, size, str(store), str(model), run, results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict] = {}
+    try:
+        while len(out) < size:
+            rank, value = results.get(timeout=240)
+            out[rank] = value
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v["error"] for r, v in out.items() if "error" in v}
+    assert not errors, errors
+    assert len(out) == size, f"ranks that never reported: {set(range(size)) - set(out)}"
+    return out
+
+
+def _compare(one: dict, many: dict) -> float:
+    assert many["tokens"] == one["tokens"]
+    gap = max(
+        abs(a - b) for rid in one["logprobs"] for a, b in zip(one["logprobs"][rid], many["logprobs"][rid], strict=True)
+    )
+    print(f"largest logprob gap against one rank: {gap:.2e}")
+    assert gap < LOGPROB_TOLERANCE
+    return gap
+
+
+def test_head_split_covers_every_head_once_or_replicates_when_kv_heads_are_fewer():
+    splits = [head_split(8, 4, 2, r) for r in range(2)]
+    assert [(s.q_start, s.q_heads, s.kv_start, s.kv_heads) for s in splits] == [(0, 4, 0, 2), (4, 4, 2, 2)]
+    replicated = [head_split(4, 2, 4, r) for r in range(4)]
+    assert [(s.q_start, s.kv_start, s.kv_heads) for s in replicated] == [(0, 0, 1), (1, 0, 1), (2, 1, 1), (3, 1, 1)]
+    assert all(s.replicated_kv for s in replicated) and not splits[0].replicated_kv
+    assert head_split(9, 3, 3, 2) == HeadSplit(2, 3, 6, 3, 2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size", "message"),
+    [(9, 3, 2, "does not divide the model's 9 attention heads"), (8, 4, 8, None), (12, 8, 3, "KV heads")],
+)
+def test_a_degree_that_does_not_split_the_heads_names_the_field(heads, kv_heads, size, message):
+    if message is None:
+        head_split(heads, kv_heads, size, 0)
+        return
+    with pytest.raises(ValueError, match="tensor_parallel_size") as info:
+        head_split(heads, kv_heads, size, 0)
+    assert message in str(info.value)
+
+
+def test_smollm2_cannot_split_two_ways(smollm2_path):
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's 9 attention heads"):
+        check_degree(AutoConfig.from_pretrained(smollm2_path), 2)
+
+
+def test_step_message_round_trips_a_step_with_prefills_and_decodes():
+    from engine.request import Request, RequestTiming, SamplingParams
+    from engine.scheduler import ScheduledChunk
+
+    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(), RequestTiming(0.0))
+    a.block_ids = [7, 3]
+    b = Request("b", [9, 8], SamplingParams(), RequestTiming(0.0))
+    b.output_token_ids = [6]
+    b.block_ids = [5]
+    chunks = [ScheduledChunk(a, 0, 3), ScheduledChunk(b, 2, 1)]
+    decoded = StepMessage.decode(StepKind.STEP, StepMessage(StepKind.STEP, chunks).encode())
+    got = [
+        (c.start, c.num_tokens, c.samples, c.request.block_ids, c.request.token_slice(c.start, c.end))
+        for c in decoded.chunks
+    ]
+    assert got == [(0, 3, False, [7, 3], [1, 2, 3]), (2, 1, True, [5], [6])]
+
+
+@pytest.mark.parametrize("arch_fixture", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_two_ranks_generate_what_one_does(arch_fixture, request, tmp_path):
+    model = request.getfixturevalue(arch_fixture)
+    run = {"prompts": PROMPTS, "max_tokens": 12, "prefix_repeat": True, "max_batch_tokens": 16}
+    one = run_ranks(1, model, tmp_path, **run)[0]
+    two = run_ranks(2, model, tmp_path, **run)
+    _compare(one, two[0])
+    assert two[0]["cached_tokens"] > 0  # the second round reused the first round's prompt blocks on both ranks
+    assert two[1]["ended"] == "stop" and two[1]["steps"] > 0
+    assert one["kv_heads"] == 2 and two[0]["kv_heads"] == two[1]["kv_heads"] == 1  # each rank caches its own head
+
+
+def test_four_ranks_over_two_kv_heads_replicate_them(tiny_llama_path, tmp_path):
+    run = {"prompts": PROMPTS[:2], "max_tokens": 8}
+    one = run_ranks(1, tiny_llama_path, tmp_path, **run)[0]
+    four = run_ranks(4, tiny_llama_path, tmp_path, **run)
+    _compare(one, four[0])
+    assert [four[r]["kv_heads"] for r in range(4)] == [1, 1, 1, 1]
+
+
+def test_smollm2_three_ranks_generate_what_one_does(smollm2_path, tmp_path):
+    run = {"prompts": PROMPTS, "max_tokens": 8}
+    one = run_ranks(1, smollm2_path, tmp_path, **run)[0]
+    three = run_ranks(3, smollm2_path, tmp_path, **run)
+    _compare(one, three[0])
