@@ -8,7 +8,9 @@ largest gap is printed).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import time
 import traceback
 from pathlib import Path
 
@@ -42,6 +44,22 @@ def _generate(engine, prompts: list[str], max_tokens: int, prefix_repeat: bool) 
     return {"tokens": tokens, "logprobs": logprobs, "cached_tokens": cached}
 
 
+def _fail_when_a_follower_dies(engine, run: dict) -> dict:
+    from engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=run["max_tokens"], temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(run["prompts"]):
+        engine.add_request(prompt, params.copy(), request_id=f"r{i}")
+    started, errors = time.monotonic(), {}
+    while engine.has_unfinished() and time.monotonic() - started < 120:
+        for out in engine.step():
+            if out.finished:
+                errors[out.request_id] = out.error_code
+    elapsed = time.monotonic() - started
+    engine.check_no_leaks()
+    return {"errors": errors, "elapsed_s": elapsed, "broken": engine.runner.step_channel.group.broken}
+
+
 def _rank_main(rank: int, size: int, store_path: str, model: str, run: dict, results) -> None:
     torch.set_num_threads(1)
     try:
@@ -52,7 +70,8 @@ def _rank_main(rank: int, size: int, store_path: str, model: str, run: dict, res
         from engine.llm_engine import LLMEngine
         from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
 
-        group = TPGroup(dist.FileStore(store_path, size), rank, size, timeout_s=60.0) if size > 1 else None
+        timeout_s = run.get("timeout_s", 60.0)
+        group = TPGroup(dist.FileStore(store_path, size), rank, size, timeout_s) if size > 1 else None
         config = EngineConfig(
             model=model,
             dtype="float32",
@@ -63,6 +82,15 @@ def _rank_main(rank: int, size: int, store_path: str, model: str, run: dict, res
         )
         if rank == 0:
             engine = LLMEngine(config, group)
+            if run.get("leader_exits"):
+                os._exit(0)  # gone without a word: no stop, no keep-alive
+            idle_until = time.monotonic() + run.get("idle_s", 0.0)
+            while time.monotonic() < idle_until:  # nothing to run: step() sends the keep-alives
+                engine.step()
+                time.sleep(0.05)
+            if run.get("follower_dies_after_steps"):
+                results.put((rank, _fail_when_a_follower_dies(engine, run)))
+                return
             out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False))
             engine.check_no_leaks()
             if engine.runner.step_channel is not None:
@@ -72,15 +100,26 @@ def _rank_main(rank: int, size: int, store_path: str, model: str, run: dict, res
         else:
             parts = build_engine_parts(config, group)
             follower = TPFollower(parts.runner, StepChannel(group))
+            if run.get("follower_dies_after_steps"):
+                execute, limit = parts.runner.execute, run["follower_dies_after_steps"]
+
+                def execute_then_die(chunks):
+                    if follower.steps + 1 >= limit:
+                        os._exit(1)  # SIGKILL-like: no goodbye to the group
+                    return execute(chunks)
+
+                parts.runner.execute = execute_then_die
+            started = time.monotonic()
             ended = follower.serve()
-            results.put((rank, {"ended": ended, "steps": follower.steps, "kv_heads": parts.kv_spec.num_kv_heads}))
+            info = {"ended": ended, "steps": follower.steps, "kv_heads": parts.kv_spec.num_kv_heads}
+            results.put((rank, info | {"served_s": time.monotonic() - started}))
         if group is not None:
             group.close()
     except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
         results.put((rank, {"error": traceback.format_exc()}))
 
 
-def run_ranks(size: int, model: Path, tmp_path: Path, **run) -> dict[int, dict]:
+def run_ranks(size: int, model: Path, tmp_path: Path, expect_missing: frozenset | set = frozenset(), **run) -> dict:
     """Every rank in its own process (spawned: no fork of a process with threads), one rank in this one; each
     result or traceback."""
     if size == 1:
@@ -102,7 +141,7 @@ def run_ranks(size: int, model: Path, tmp_path: Path, **run) -> dict[int, dict]:
         p.start()
     out: dict[int, dict] = {}
     try:
-        while len(out) < size:
+        while len(out) < size - len(expect_missing):
             rank, value = results.get(timeout=240)
             out[rank] = value
     except queue.Empty:
@@ -114,7 +153,7 @@ def run_ranks(size: int, model: Path, tmp_path: Path, **run) -> dict[int, dict]:
                 p.kill()
     errors = {r: v["error"] for r, v in out.items() if "error" in v}
     assert not errors, errors
-    assert len(out) == size, f"ranks that never reported: {set(range(size)) - set(out)}"
+    assert set(out) == set(range(size)) - set(expect_missing), f"ranks that reported: {sorted(out)}"
     return out
 
 
@@ -200,3 +239,22 @@ def test_smollm2_three_ranks_generate_what_one_does(smollm2_path, tmp_path):
     one = run_ranks(1, smollm2_path, tmp_path, **run)[0]
     three = run_ranks(3, smollm2_path, tmp_path, **run)
     _compare(one, three[0])
+
+
+def test_a_follower_that_dies_fails_its_step_and_breaks_the_group(tiny_llama_path, tmp_path):
+    run = {"prompts": PROMPTS, "max_tokens": 8, "follower_dies_after_steps": 3, "timeout_s": 10.0}
+    leader = run_ranks(2, tiny_llama_path, tmp_path, expect_missing={1}, **run)[0]
+    assert leader["errors"] == {f"r{i}": "worker_error" for i in range(len(PROMPTS))}
+    assert leader["elapsed_s"] < 10.0 + 5.0  # within the group's timeout, not a hang
+    assert "all-reduce" in leader["broken"] or "broadcast" in leader["broken"]
+
+
+def test_a_follower_stops_within_the_timeout_when_rank_0_is_gone(tiny_llama_path, tmp_path):
+    follower = run_ranks(2, tiny_llama_path, tmp_path, expect_missing={0}, leader_exits=True, timeout_s=5.0)[1]
+    assert follower["ended"] != "stop" and "broadcast" in follower["ended"]
+    assert follower["served_s"] < 5.0 + 5.0
+
+
+def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path, tmp_path):
+    ranks = run_ranks(2, tiny_llama_path, tmp_path, prompts=PROMPTS[:1], max_tokens=4, idle_s=6.0, timeout_s=3.0)
+    assert ranks[1]["ended"] == "stop" and ranks[0]["tokens"]
