@@ -126,6 +126,8 @@ class LLMEngine:
         reported (the tokens are still computed unless this prefix cache has them)."""
         if kv_sink is not None and not prefill_only:
             raise ValueError("kv_sink is for prefill-only requests (their KV is exported, then released)")
+        if kv_sink is not None:
+            self._check_single_rank("a KV export")
         if export_from_token and kv_sink is None:
             raise ValueError("export_from_token needs a kv_sink")
         request = self._new_request(prompt, params, request_id, prefill_only, arrival_s)
@@ -314,6 +316,11 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    def _check_single_rank(self, what: str) -> None:
+        """A hand-off moves one rank's KV heads; across degrees it is not built yet, so it is refused, not half-done."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size}: {what} carries one rank's KV")
+
     def check_no_leaks(self) -> None:
         """Raise unless every block is free and no request is left: the check every test ends with."""
         if self.requests or self.scheduler.has_work():
@@ -335,6 +342,7 @@ class LLMEngine:
         ``headroom_tokens``, so decoding needs no block for that long; the prompt's KV goes into the first blocks.
         ``prefix_cache``: leading full prompt blocks held here are shared (``num_cached_tokens``), never the whole
         prompt, and only later blocks are expected; off by default, for callers that send every block (the tests)."""
+        self._check_single_rank("a KV import")
         request = self._new_request(prompt, params, request_id, prefill_only=False)
         if self.at_seq_limit():
             return None

@@ -91,7 +91,14 @@ def _rank_main(rank: int, size: int, store_path: str, model: str, run: dict, res
             if run.get("follower_dies_after_steps"):
                 results.put((rank, _fail_when_a_follower_dies(engine, run)))
                 return
+            refused = ""
+            if run.get("try_handoff"):
+                try:
+                    engine.reserve_remote("a prompt whose KV would come from elsewhere")
+                except ValueError as exc:
+                    refused = str(exc)
             out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False))
+            out["handoff_refused"] = refused
             engine.check_no_leaks()
             if engine.runner.step_channel is not None:
                 engine.runner.step_channel.stop()
@@ -256,5 +263,8 @@ def test_a_follower_stops_within_the_timeout_when_rank_0_is_gone(tiny_llama_path
 
 
 def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path, tmp_path):
-    ranks = run_ranks(2, tiny_llama_path, tmp_path, prompts=PROMPTS[:1], max_tokens=4, idle_s=6.0, timeout_s=3.0)
+    run = {"prompts": PROMPTS[:1], "max_tokens": 4, "idle_s": 6.0, "timeout_s": 3.0, "try_handoff": True}
+    ranks = run_ranks(2, tiny_llama_path, tmp_path, **run)
     assert ranks[1]["ended"] == "stop" and ranks[0]["tokens"]
+    # the KV hand-off carries one rank's heads: refused at degree 2 rather than half done
+    assert "tensor_parallel_size 2: a KV import carries one rank's KV" in ranks[0]["handoff_refused"]
