@@ -7,17 +7,15 @@ largest gap is printed).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.tensor_parallel import HeadSplit, StepKind, StepMessage, check_degree, head_split
+from engine.tp_launch import run_ranks as launch_ranks
 
 LOGPROB_TOLERANCE = 1e-4
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
@@ -60,108 +58,76 @@ def _fail_when_a_follower_dies(engine, run: dict) -> dict:
     return {"errors": errors, "elapsed_s": elapsed, "broken": engine.runner.step_channel.group.broken}
 
 
-def _rank_main(rank: int, size: int, store_path: str, model: str, run: dict, results) -> None:
+def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict]) -> dict:
+    import torch.distributed as dist
+
+    from engine.config import EngineConfig
+    from engine.engine_parts import build_engine_parts
+    from engine.llm_engine import LLMEngine
+    from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
+
+    model, run = payload
     torch.set_num_threads(1)
-    try:
-        import torch.distributed as dist
+    timeout_s = run.get("timeout_s", 60.0)
+    group = TPGroup(dist.FileStore(store_path, size), rank, size, timeout_s) if size > 1 else None
+    config = EngineConfig(
+        model=model,
+        dtype="float32",
+        kv_blocks=64,
+        block_size=4,
+        max_batch_tokens=run.get("max_batch_tokens", 2048),
+        tensor_parallel_size=size,
+    )
+    if rank > 0:
+        parts = build_engine_parts(config, group)
+        follower = TPFollower(parts.runner, StepChannel(group))
+        if run.get("follower_dies_after_steps"):
+            execute, limit = parts.runner.execute, run["follower_dies_after_steps"]
 
-        from engine.config import EngineConfig
-        from engine.engine_parts import build_engine_parts
-        from engine.llm_engine import LLMEngine
-        from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
+            def execute_then_die(chunks):
+                if follower.steps + 1 >= limit:
+                    os._exit(1)  # SIGKILL-like: no goodbye to the group
+                return execute(chunks)
 
-        timeout_s = run.get("timeout_s", 60.0)
-        group = TPGroup(dist.FileStore(store_path, size), rank, size, timeout_s) if size > 1 else None
-        config = EngineConfig(
-            model=model,
-            dtype="float32",
-            kv_blocks=64,
-            block_size=4,
-            max_batch_tokens=run.get("max_batch_tokens", 2048),
-            tensor_parallel_size=size,
-        )
-        if rank == 0:
-            engine = LLMEngine(config, group)
-            if run.get("leader_exits"):
-                os._exit(0)  # gone without a word: no stop, no keep-alive
-            idle_until = time.monotonic() + run.get("idle_s", 0.0)
-            while time.monotonic() < idle_until:  # nothing to run: step() sends the keep-alives
-                engine.step()
-                time.sleep(0.05)
-            if run.get("follower_dies_after_steps"):
-                results.put((rank, _fail_when_a_follower_dies(engine, run)))
-                return
-            refused = ""
-            if run.get("try_handoff"):
-                try:
-                    engine.reserve_remote("a prompt whose KV would come from elsewhere")
-                except ValueError as exc:
-                    refused = str(exc)
-            out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False))
-            out["handoff_refused"] = refused
-            engine.check_no_leaks()
-            if engine.runner.step_channel is not None:
-                engine.runner.step_channel.stop()
-            out["kv_heads"] = engine.kv_spec.num_kv_heads
-            results.put((rank, out))
-        else:
-            parts = build_engine_parts(config, group)
-            follower = TPFollower(parts.runner, StepChannel(group))
-            if run.get("follower_dies_after_steps"):
-                execute, limit = parts.runner.execute, run["follower_dies_after_steps"]
-
-                def execute_then_die(chunks):
-                    if follower.steps + 1 >= limit:
-                        os._exit(1)  # SIGKILL-like: no goodbye to the group
-                    return execute(chunks)
-
-                parts.runner.execute = execute_then_die
-            started = time.monotonic()
-            ended = follower.serve()
-            info = {"ended": ended, "steps": follower.steps, "kv_heads": parts.kv_spec.num_kv_heads}
-            results.put((rank, info | {"served_s": time.monotonic() - started}))
-        if group is not None:
-            group.close()
-    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        results.put((rank, {"error": traceback.format_exc()}))
-
-
-def run_ranks(size: int, model: Path, tmp_path: Path, expect_missing: frozenset | set = frozenset(), **run) -> dict:
-    """Every rank in its own process (spawned: no fork of a process with threads), one rank in this one; each
-    result or traceback."""
-    if size == 1:
-        local: queue.Queue = queue.Queue()
-        threads = torch.get_num_threads()
+            parts.runner.execute = execute_then_die
+        started = time.monotonic()
+        ended = follower.serve()
+        group.close()
+        kv_heads = parts.kv_spec.num_kv_heads
+        return {"ended": ended, "steps": follower.steps, "kv_heads": kv_heads, "served_s": time.monotonic() - started}
+    engine = LLMEngine(config, group)
+    if run.get("leader_exits"):
+        os._exit(0)  # gone without a word: no stop, no keep-alive
+    idle_until = time.monotonic() + run.get("idle_s", 0.0)
+    while time.monotonic() < idle_until:  # nothing to run: step() sends the keep-alives
+        engine.step()
+        time.sleep(0.05)
+    if run.get("follower_dies_after_steps"):
+        return _fail_when_a_follower_dies(engine, run)
+    refused = ""
+    if run.get("try_handoff"):
         try:
-            torch.set_num_threads(1)
-            _rank_main(0, 1, "", str(model), run, local)
-        finally:
-            torch.set_num_threads(threads)
-        rank, value = local.get_nowait()
-        assert "error" not in value, value["error"]
-        return {rank: value}
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    store = tmp_path / f"store-{size}-{len(list(tmp_path.iterdir()))}"
-    procs = [ctx.Process(target=_rank_main, args=(r, size, str(store), str(model), run, results)) for r in range(size)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict] = {}
+            engine.reserve_remote("a prompt whose KV would come from elsewhere")
+        except ValueError as exc:
+            refused = str(exc)
+    out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False))
+    engine.check_no_leaks()
+    if engine.runner.step_channel is not None:
+        engine.runner.step_channel.stop()
+    if group is not None:
+        group.close()
+    return out | {"kv_heads": engine.kv_spec.num_kv_heads, "handoff_refused": refused}
+
+
+def run_ranks(size: int, model: Path, expect_missing: frozenset = frozenset(), **run) -> dict:
+    """One rank in this process; more, each in a process of its own."""
+    if size > 1:
+        return launch_ranks(_rank_main, size, (str(model), run), timeout_s=240, expect_missing=expect_missing)
+    threads = torch.get_num_threads()
     try:
-        while len(out) < size - len(expect_missing):
-            rank, value = results.get(timeout=240)
-            out[rank] = value
-    except queue.Empty:
-        pass
+        return {0: _rank_main(0, 1, "", (str(model), run))}
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v["error"] for r, v in out.items() if "error" in v}
-    assert not errors, errors
-    assert set(out) == set(range(size)) - set(expect_missing), f"ranks that reported: {sorted(out)}"
-    return out
+        torch.set_num_threads(threads)
 
 
 def _compare(one: dict, many: dict) -> float:
@@ -222,49 +188,49 @@ def test_step_message_round_trips_a_step_with_prefills_and_decodes():
 
 
 @pytest.mark.parametrize("arch_fixture", ["tiny_llama_path", "tiny_qwen2_path"])
-def test_two_ranks_generate_what_one_does(arch_fixture, request, tmp_path):
+def test_two_ranks_generate_what_one_does(arch_fixture, request):
     model = request.getfixturevalue(arch_fixture)
     run = {"prompts": PROMPTS, "max_tokens": 12, "prefix_repeat": True, "max_batch_tokens": 16}
-    one = run_ranks(1, model, tmp_path, **run)[0]
-    two = run_ranks(2, model, tmp_path, **run)
+    one = run_ranks(1, model, **run)[0]
+    two = run_ranks(2, model, **run)
     _compare(one, two[0])
     assert two[0]["cached_tokens"] > 0  # the second round reused the first round's prompt blocks on both ranks
     assert two[1]["ended"] == "stop" and two[1]["steps"] > 0
     assert one["kv_heads"] == 2 and two[0]["kv_heads"] == two[1]["kv_heads"] == 1  # each rank caches its own head
 
 
-def test_four_ranks_over_two_kv_heads_replicate_them(tiny_llama_path, tmp_path):
+def test_four_ranks_over_two_kv_heads_replicate_them(tiny_llama_path):
     run = {"prompts": PROMPTS[:2], "max_tokens": 8}
-    one = run_ranks(1, tiny_llama_path, tmp_path, **run)[0]
-    four = run_ranks(4, tiny_llama_path, tmp_path, **run)
+    one = run_ranks(1, tiny_llama_path, **run)[0]
+    four = run_ranks(4, tiny_llama_path, **run)
     _compare(one, four[0])
     assert [four[r]["kv_heads"] for r in range(4)] == [1, 1, 1, 1]
 
 
-def test_smollm2_three_ranks_generate_what_one_does(smollm2_path, tmp_path):
+def test_smollm2_three_ranks_generate_what_one_does(smollm2_path):
     run = {"prompts": PROMPTS, "max_tokens": 8}
-    one = run_ranks(1, smollm2_path, tmp_path, **run)[0]
-    three = run_ranks(3, smollm2_path, tmp_path, **run)
+    one = run_ranks(1, smollm2_path, **run)[0]
+    three = run_ranks(3, smollm2_path, **run)
     _compare(one, three[0])
 
 
-def test_a_follower_that_dies_fails_its_step_and_breaks_the_group(tiny_llama_path, tmp_path):
+def test_a_follower_that_dies_fails_its_step_and_breaks_the_group(tiny_llama_path):
     run = {"prompts": PROMPTS, "max_tokens": 8, "follower_dies_after_steps": 3, "timeout_s": 10.0}
-    leader = run_ranks(2, tiny_llama_path, tmp_path, expect_missing={1}, **run)[0]
+    leader = run_ranks(2, tiny_llama_path, expect_missing=frozenset({1}), **run)[0]
     assert leader["errors"] == {f"r{i}": "worker_error" for i in range(len(PROMPTS))}
     assert leader["elapsed_s"] < 10.0 + 5.0  # within the group's timeout, not a hang
     assert "all-reduce" in leader["broken"] or "broadcast" in leader["broken"]
 
 
-def test_a_follower_stops_within_the_timeout_when_rank_0_is_gone(tiny_llama_path, tmp_path):
-    follower = run_ranks(2, tiny_llama_path, tmp_path, expect_missing={0}, leader_exits=True, timeout_s=5.0)[1]
+def test_a_follower_stops_within_the_timeout_when_rank_0_is_gone(tiny_llama_path):
+    follower = run_ranks(2, tiny_llama_path, expect_missing=frozenset({0}), leader_exits=True, timeout_s=5.0)[1]
     assert follower["ended"] != "stop" and "broadcast" in follower["ended"]
     assert follower["served_s"] < 5.0 + 5.0
 
 
-def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path, tmp_path):
+def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path):
     run = {"prompts": PROMPTS[:1], "max_tokens": 4, "idle_s": 6.0, "timeout_s": 3.0, "try_handoff": True}
-    ranks = run_ranks(2, tiny_llama_path, tmp_path, **run)
+    ranks = run_ranks(2, tiny_llama_path, **run)
     assert ranks[1]["ended"] == "stop" and ranks[0]["tokens"]
     # the KV hand-off carries one rank's heads: refused at degree 2 rather than half done
     assert "tensor_parallel_size 2: a KV import carries one rank's KV" in ranks[0]["handoff_refused"]

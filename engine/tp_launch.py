@@ -1,0 +1,66 @@
+"""Running the N ranks of one tensor-parallel engine as processes of this host, for tests and benchmarks.
+
+Each rank is a spawned process (no fork of a process that holds threads) calling ``target(rank, size, store_path,
+payload)``; the ranks meet on a ``torch.distributed.FileStore`` at ``store_path`` (no socket), and each returns a
+picklable result or raises. The results come back over a multiprocessing queue within ``timeout_s``; a rank that
+neither reported nor exited by then is killed, so a broken group never outlives the call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RankTarget = Callable[[int, int, str, Any], Any]
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, or never reported: ``errors`` maps each such rank to its traceback or what is known."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        super().__init__("; ".join(f"rank {r}: {e.strip().splitlines()[-1] if e else ''}" for r, e in errors.items()))
+        self.errors = errors
+
+
+def _main(target: RankTarget, rank: int, size: int, store_path: str, payload: Any, results: Any) -> None:
+    try:
+        results.put((rank, True, target(rank, size, store_path, payload)))
+    except BaseException:  # noqa: BLE001 - sent to the caller, which raises it as RankFailed
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    target: RankTarget, size: int, payload: Any, timeout_s: float = 600.0, expect_missing: frozenset[int] = frozenset()
+) -> dict[int, Any]:
+    """Each rank's result. ``expect_missing``: ranks that may end without reporting (a test that kills one)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="pdserve-tp-") as folder:
+        store = str(Path(folder) / "store")
+        procs = [ctx.Process(target=_main, args=(target, r, size, store, payload, results)) for r in range(size)]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        try:
+            while len(out) + len(errors) < size - len(expect_missing):
+                rank, ok, value = results.get(timeout=timeout_s)
+                (out if ok else errors)[rank] = value
+        except queue.Empty:
+            pass
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    silent = set(range(size)) - set(out) - set(errors) - set(expect_missing)
+    errors |= {r: f"rank {r} never reported within {timeout_s:.0f} s" for r in silent}
+    if errors:
+        raise RankFailed(errors)
+    return out
