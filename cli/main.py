@@ -53,6 +53,13 @@ BENCHMARKS: list[tuple[str, str, str, str, str]] = [
         "bench.compare_modes",
     ),
     (
+        "tp",
+        "prefill and decode step time per tensor-parallel degree, same total threads (CPU: correctness, not speed)",
+        "bench.tp_bench",
+        "add_arguments",
+        "bench.tp_bench",
+    ),
+    (
         "plot",
         "redraw a results folder's plots (serve, compare) from its summary.json and requests.jsonl",
         "bench.options",
