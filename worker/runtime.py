@@ -167,17 +167,21 @@ class WorkerRuntime:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # a router is silent only up to the last look at its socket: a ping that came during a long step is
+            # unread, not missing
+            looked_s = time.monotonic()
             try:
                 # no spin while only transfers are pending: it would take a core from the forward on a small box
                 wait_ms = 0 if self.engine.has_unfinished() else 1 if self.role.has_work() else 5
                 self._drain_commands(timeout_ms=wait_ms)
+                looked_s = time.monotonic()
                 self.role.tick()
             except Exception as exc:  # the loop must survive anything one step throws
                 logger.exception("%s: step failed; failing the requests it held", self.name)
                 self._note_failure(exc)
                 self.role.fail_all("worker step failed")
             now = time.monotonic()
-            for rid in self._book.orphans(now, self.engine.requests):
+            for rid in self._book.orphans(looked_s, self.engine.requests):
                 self.role.abort(rid)
                 self.role.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
             self._book.prune(now, self.engine.requests)

@@ -226,3 +226,31 @@ def test_a_dead_router_strands_no_kv_on_the_workers(tiny_llama_path):
         assert time.monotonic() - gone < 1.0 + 2.0  # the orphan timeout, plus the last ping's age and a loop turn
     finally:
         handle.pools.stop()
+
+
+def test_a_step_longer_than_the_orphan_timeout_orphans_nothing(tiny_llama_path):
+    """Pings that arrive while a step runs wait unread in the socket: the router is not silent, only unheard yet."""
+    config = tiny_cluster_config(
+        tiny_llama_path,
+        mode="colocated",
+        pools={"prefill": {"replicas": 0}},
+        router={"orphan_timeout_s": 1.0, "port": 0},
+    )
+    handle = start_serving(config, in_process=True)
+    try:
+        engine = _worker(handle, "colocated").engine
+        step, slow = engine.step, {"left": 2}
+
+        def slow_step():
+            if slow["left"] and engine.scheduler.has_work():
+                slow["left"] -= 1
+                time.sleep(1.6)  # longer than orphan_timeout_s, while the router keeps pinging
+            return step()
+
+        engine.step = slow_step
+        response = _complete(handle, max_tokens=6)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 6 and slow["left"] == 0
+        wait_all_kv_free(handle.base_url)
+    finally:
+        handle.stop()
