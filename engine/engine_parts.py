@@ -83,6 +83,8 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     else:  # CUDA graphs are captured without the ranks' all-reduces: one rank only
         runner.decode_graphs = decode_graphs_for(runner, config, max_model_len)
     runner.limit_scratch(config.max_num_seqs, max_model_len)  # the bound the KV plan counted
+    if group is not None and group.size > 1:
+        group.barrier()  # every shard loaded before rank 0 announces a first step
     eos_token_ids = _eos_ids(model, tokenizer)
     vocab_size = int(runner.lm_head.out_features)
     sampler = Sampler(eos_token_ids, config.device)

@@ -58,6 +58,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
+        self.tp_group = tp_group
 
     # ---- requests in -------------------------------------------------------------------------------------------
 
@@ -154,8 +155,7 @@ class LLMEngine:
         admitted = self._admit_remote() if self.scheduler.remote_ready else {}
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.runner.step_channel is not None:
-                self.runner.step_channel.keep_alive()
+            self.keep_alive()
             return list(admitted.values())
         sampling = [c for c in chunks if c.samples]
         self.runner.layer_hook = self.kv_exporter.layer_hook_for(chunks)
@@ -298,6 +298,26 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def keep_alive(self) -> None:
+        """Rank 0 of a tensor-parallel engine with nothing to run: tell the other ranks it is alive (bounded rate)."""
+        if self.runner.step_channel is not None and not self.runner.step_channel.group.broken:
+            self.runner.step_channel.keep_alive()
+
+    @property
+    def health_problem(self) -> str:
+        """Why this engine cannot run a step any more ("" while it can): its tensor-parallel group broke."""
+        return self.tp_group.broken if self.tp_group is not None and self.tp_group.broken != "closed" else ""
+
+    def close(self) -> None:
+        """Tell the other ranks to stop and drop the group (nothing to do on one rank)."""
+        if self.tp_group is not None:
+            if self.runner.step_channel is not None:
+                try:
+                    self.runner.step_channel.stop()
+                except Exception:  # noqa: BLE001 - a broken group: the followers end on their own timeout
+                    logger.warning("tensor-parallel stop was not delivered: %s", self.tp_group.broken)
+            self.tp_group.close()
 
     def generate(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 KEEPALIVE_INTERVAL_S = 1.0  # rank 0, idle, at most this long between messages
+TP_TIMEOUT_S = 30.0  # one collective, or a follower's wait for the next message
+TP_START_TIMEOUT_S = 900.0  # every rank's shard loaded: ranks load at their own pace (a large model, a slow disk)
 
 
 class TPError(RuntimeError):
@@ -93,7 +95,8 @@ class TPGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.broken = ""  # why the group can no longer be used ("" while it can)
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: no stub; sets the timeout
-        opts._timeout = self.timeout
+        # the ranks' rendezvous waits as long as their start may take; each collective then waits ``timeout_s``
+        opts._timeout = max(self.timeout, datetime.timedelta(seconds=TP_START_TIMEOUT_S))
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-tp", store), rank, size, opts)
 
@@ -121,6 +124,18 @@ class TPGroup:
         opts.rootRank = 0
         self._wait(self._pg.broadcast([tensor], opts), "broadcast")
         return tensor
+
+    def barrier(self, timeout_s: float = TP_START_TIMEOUT_S) -> None:
+        """Wait until every rank gets here (after loading its shard), at most ``timeout_s``."""
+        if self.broken:
+            raise TPError(f"tensor-parallel group is broken: {self.broken}")
+        opts = dist.BarrierOptions()
+        opts.timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            self._pg.barrier(opts).wait(opts.timeout)
+        except RuntimeError as exc:
+            self.broken = f"start barrier failed on rank {self.rank}: {exc}"[:300]
+            raise TPError(self.broken) from exc
 
     def close(self) -> None:
         """Drop the group's connections (a peer waiting on it fails instead of hanging)."""
