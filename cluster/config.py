@@ -100,6 +100,7 @@ ENGINE_POOL_FIELDS = (
     "max_batch_tokens",
     "max_num_seqs",
     "enable_prefix_caching",
+    "tensor_parallel_size",  # ranks per replica, each with the pool's per-replica CPUs and GPUs
 )
 ModelSection = create_model("ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len"))
 PoolSection = create_model(
@@ -241,6 +242,13 @@ class ClusterConfig(_Strict):
         problem = self.transfer_backend_problem()
         if problem:
             raise ValueError(problem)
+        if self.mode == "disaggregated":
+            for name, _, pool in pool_layout(self):
+                if pool.tensor_parallel_size > 1:
+                    raise ValueError(
+                        f"pools.{name}.tensor_parallel_size: {pool.tensor_parallel_size} in disaggregated mode: the KV "
+                        "hand-off between tensor-parallel workers is not built yet; use mode: colocated, or 1"
+                    )
         return self
 
     def transfer_backend_problem(self) -> str:
@@ -275,6 +283,7 @@ class ClusterConfig(_Strict):
             max_num_seqs=pool.max_num_seqs,
             enable_prefix_caching=pool.enable_prefix_caching,
             torch_threads=pool.torch_threads,
+            tensor_parallel_size=pool.tensor_parallel_size,
         )
 
     def transfer_config(self) -> TransferConfig:

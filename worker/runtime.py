@@ -38,6 +38,7 @@ from worker.protocol import MAX_FRAME_BYTES, Channel, Rejection, RejectionLog, S
 from worker.role import Role
 from worker.routers import RouterBook
 from worker.spec import WorkerSpec, resolve_spec
+from worker.tp_rank import join_group
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,13 @@ class WorkerRuntime:
         self.spec = spec
         self.options = options = spec.runtime
         self.name = spec.name
-        self.engine = LLMEngine(spec.engine)
-        self.engine.warm_up()
+        # rank 0 of a tensor-parallel worker: the other ranks (worker/tp_rank.py) run each step it announces
+        self.engine = LLMEngine(spec.engine, join_group(spec, 0))
+        try:
+            self.engine.warm_up()
+        except BaseException:
+            self.engine.close()
+            raise
         self._ctx = zmq.Context()
         self._commands = self._socket(zmq.PULL)
         port = self._commands.bind_to_random_port(f"tcp://{options.host}")
@@ -143,6 +149,7 @@ class WorkerRuntime:
         role = getattr(self, "role", None)  # absent when the role's own constructor failed
         if role is not None:
             role.close()
+        self.engine.close()
         self._commands.close(0)
         for sock, _ in self._events:
             sock.close(0)
@@ -176,6 +183,7 @@ class WorkerRuntime:
                 self._drain_commands(timeout_ms=wait_ms)
                 looked_s = time.monotonic()
                 self.role.tick()
+                self.engine.keep_alive()  # idle rank 0 of a tensor-parallel worker: its ranks must hear from it
             except Exception as exc:  # the loop must survive anything one step throws
                 logger.exception("%s: step failed; failing the requests it held", self.name)
                 self._note_failure(exc)
@@ -231,7 +239,7 @@ class WorkerRuntime:
         (a dead transfer I/O thread). The router stops routing to it; under Ray the pool restarts it."""
         if self._loop_problem and self._failures_s and time.monotonic() - self._failures_s[-1] > DEGRADED_WINDOW_S:
             self._loop_problem = ""
-        return self._loop_problem or self.role.health_problem()
+        return self._loop_problem or self.engine.health_problem or self.role.health_problem()
 
     def _beat(self) -> None:
         """Every router hears every heartbeat (each router process keeps its own view of the pool)."""

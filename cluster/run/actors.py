@@ -56,3 +56,21 @@ class WorkerActor:
     def kill(self) -> None:
         """Die abruptly, as a SIGKILL'd process would (in-process pools have no process to kill)."""
         self.worker.kill()
+
+
+class TPRankActor:
+    """A rank other than 0 of a tensor-parallel worker (worker/tp_rank.py), in its own process next to rank 0."""
+
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        import ray
+
+        from worker.tp_rank import TPRank  # the engine and torch: in the rank's process only
+
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        self.rank = TPRank(spec, rank)
+
+    def info(self) -> dict:
+        return {**self.rank.info(), "pid": os.getpid(), "node_id": self.node_id}
+
+    def stop(self) -> None:
+        self.rank.stop()

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError, pool_layout
 from cluster.network_exposure import check_network_exposure
 from cluster.run.autoscale import Autoscaler, CapacityModel
 from cluster.run.frontend import RouterProcesses
@@ -125,6 +125,18 @@ def _bind_host(config: ClusterConfig, in_process: bool) -> str:
     return ray.util.get_node_ip_address()
 
 
+def check_tensor_parallel(config: ClusterConfig, hf_config) -> None:
+    """ConfigError naming the pool's field when the model cannot be split ``tensor_parallel_size`` ways."""
+    from engine.tensor_parallel import check_degree
+
+    for name, _, pool in pool_layout(config):
+        if pool.replicas and pool.tensor_parallel_size > 1:
+            try:
+                check_degree(hf_config, pool.tensor_parallel_size)
+            except ValueError as exc:
+                raise ConfigError(f"pools.{name}.tensor_parallel_size: {exc}") from None
+
+
 def start_serving(
     config: ClusterConfig,
     address: str | None = None,
@@ -145,9 +157,9 @@ def start_serving(
     from engine.model_loader import load_tokenizer, resolve_model_path
 
     model_path = str(resolve_model_path(config.model.name))  # converts the default model once, before the workers
-    max_model_len = config.model.max_model_len or int(
-        getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048)
-    )
+    hf_config = AutoConfig.from_pretrained(model_path)
+    check_tensor_parallel(config, hf_config)
+    max_model_len = config.model.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
     http_host = host or config.router.host
     http_port = config.router.port if port is None else port
     url_host = f"[{http_host}]" if ":" in http_host else http_host

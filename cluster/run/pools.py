@@ -11,15 +11,18 @@ placement group cannot grow, and a bigger pool group that does not fit would hol
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import tempfile
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import ClusterConfig, ConfigError, pool_layout
-from cluster.run.actors import WorkerActor
+from cluster.run.actors import TPRankActor, WorkerActor
 from transfer.nccl_env import NCCL_PROCESS_ENV
 from worker.spec import WorkerSpec
 
@@ -37,7 +40,11 @@ class WorkerRecord:
     pool: str = ""
     group: object | None = None  # Ray: the placement group it was placed in
     bundle: int = 0  # ... and its bundle there
-    own_group: bool = False  # Ray: a group of its own (an added replica): removed with it
+    own_group: bool = False  # Ray: a group of its own (an added replica, a tensor-parallel one): removed with it
+    ranks: list = field(default_factory=list)  # tensor_parallel_size > 1: ranks 1..N-1 (``TPRankActor``s)
+    spec: WorkerSpec | None = None  # Ray, tensor-parallel: what a restart of all its ranks starts again
+    restarts: int = 0  # ... and how many times they were restarted together
+    restarting: bool = False
 
 
 class _Resizable:
@@ -77,17 +84,48 @@ class LocalPools(_Resizable):
         self._init_resizing(config, model_path, router_addresses, host)
         try:
             for spec in config.worker_specs(model_path, router_addresses, host):
-                actor = WorkerActor(spec)
-                self.workers.append(WorkerRecord(spec.name, spec.role.value, actor, actor.info(), spec.pool))
+                self.workers.append(self._start(spec, config.ray.start_timeout_s))
         except BaseException:
             self.stop()
             raise
 
+    @staticmethod
+    def _start(spec: WorkerSpec, timeout_s: float) -> WorkerRecord:
+        """Rank 0 here; ranks 1..N-1 of a tensor-parallel worker are built in threads meanwhile (they meet it)."""
+        size = spec.engine.tensor_parallel_size
+        if size == 1:
+            actor = WorkerActor(spec)
+            return WorkerRecord(spec.name, spec.role.value, actor, actor.info(), spec.pool)
+        spec = dataclasses.replace(spec, tp_rendezvous=rendezvous_path())
+        built: dict[int, TPRankActor | BaseException] = {}
+
+        def build(rank: int) -> None:
+            try:
+                built[rank] = TPRankActor(spec, rank)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                built[rank] = exc
+
+        threads = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(1, size)]
+        for thread in threads:
+            thread.start()
+        try:
+            actor = WorkerActor(spec)
+        finally:
+            for thread in threads:
+                thread.join(timeout_s)
+        ranks = [
+            built.get(r, TimeoutError(f"{spec.name}: rank {r} not built within {timeout_s:.0f} s"))
+            for r in range(1, size)
+        ]
+        failed = next((r for r in ranks if isinstance(r, BaseException)), None)
+        if failed is not None:
+            actor.stop()
+            raise failed
+        return WorkerRecord(spec.name, spec.role.value, actor, actor.info(), spec.pool, ranks=ranks)
+
     def add_replica(self, pool: str, on_ready: Callable[[WorkerRecord], None]) -> WorkerRecord:
         """A thread: ready, and ``on_ready`` called, when this returns."""
-        spec = self.new_spec(pool)
-        actor = WorkerActor(spec)
-        record = WorkerRecord(spec.name, spec.role.value, actor, actor.info(), pool)
+        record = self._start(self.new_spec(pool), self.config.ray.start_timeout_s)
         self.workers = self.workers + [record]
         on_ready(record)
         return record
@@ -96,7 +134,7 @@ class LocalPools(_Resizable):
         return bool(record.actor.info().get("drained"))
 
     def stop_replica(self, record: WorkerRecord) -> None:
-        record.actor.stop()
+        _stop_local(record)
         self.forget(record)
 
     def start_monitor(self, router) -> None:
@@ -104,7 +142,7 @@ class LocalPools(_Resizable):
 
     def stop(self) -> None:
         for record in self.workers + self.draining:
-            record.actor.stop()
+            _stop_local(record)
 
     def kill_local_workers(self, after_clean_stop: bool = False) -> None:
         pass  # threads of this process: they end with it
@@ -123,46 +161,96 @@ class RayPools(_Resizable):
         self._stop = threading.Event()
         self.node_id = ray.get_runtime_context().get_node_id()  # where `pdserve serve` runs
         self._remote_cls = ray.remote(max_restarts=config.ray.max_restarts, max_task_retries=0)(WorkerActor)
+        # a tensor-parallel worker's ranks are restarted together, by the monitor, never one by Ray alone
+        self._leader_cls = ray.remote(max_restarts=0, max_task_retries=0)(WorkerActor)
+        self._rank_cls = ray.remote(max_restarts=0, max_task_retries=0)(TPRankActor)
         specs = config.worker_specs(model_path, router_addresses, host)
         try:
             for pool_name, _, pool in pool_layout(config):
                 if pool.replicas == 0:
                     continue
-                bundle = _bundle(pool)
-                group = ray.util.placement_group(
-                    [dict(bundle) for _ in range(pool.replicas)],
-                    strategy=pool.placement_strategy,
-                    name=f"pdserve-{pool_name}",
-                )
-                self.groups.append(group)
-                try:
-                    ray.get(group.ready(), timeout=config.ray.start_timeout_s)
-                except ray.exceptions.GetTimeoutError:
-                    raise ConfigError(
-                        f"pools.{pool_name}: the Ray cluster cannot place {pool.replicas} x {bundle} "
-                        f"(available: {ray.available_resources()})"
-                    ) from None
-                for index, spec in enumerate(s for s in specs if s.pool == pool_name):
-                    actor = self._start_actor(spec, pool, group, index)
-                    self.workers.append(WorkerRecord(spec.name, spec.role.value, actor, {}, pool_name, group, index))
-            infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=config.ray.start_timeout_s)
-            for record, info in zip(self.workers, infos):
-                record.info = info
+                pool_specs = [s for s in specs if s.pool == pool_name]
+                if pool.tensor_parallel_size == 1:  # one group for the pool, a bundle per replica
+                    group = self._placement(pool_name, pool, pool.replicas, pool.placement_strategy, pool_name)
+                    placed = [(spec, group, index, False) for index, spec in enumerate(pool_specs)]
+                else:  # a group per replica: its N ranks on one node
+                    placed = [
+                        (
+                            spec,
+                            self._placement(pool_name, pool, pool.tensor_parallel_size, "STRICT_PACK", spec.name),
+                            0,
+                            True,
+                        )
+                        for spec in pool_specs
+                    ]
+                for spec, group, index, own in placed:
+                    record = WorkerRecord(spec.name, spec.role.value, None, {}, pool_name, group, index, own, spec=spec)
+                    self._start(record, pool)
+                    self.workers.append(record)
+            for record in self.workers:
+                self._await_info(record, config.ray.start_timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def _start_actor(self, spec, pool, group, index: int):
+    def _placement(self, pool_name: str, pool, bundles: int, strategy: str, name: str):
+        """A ready placement group of ``bundles`` x the pool's bundle; ConfigError naming the pool when it cannot be
+        placed within ``ray.start_timeout_s``."""
+        import ray
+
+        bundle = _bundle(pool)
+        group = ray.util.placement_group(
+            [dict(bundle) for _ in range(bundles)], strategy=strategy, name=f"pdserve-{name}"
+        )
+        self.groups.append(group)
+        try:
+            ray.get(group.ready(), timeout=self.config.ray.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            what = f"{pool.replicas} x {bundle}"
+            if pool.tensor_parallel_size > 1:
+                what = f"{pool.tensor_parallel_size} x {bundle} on one node (tensor_parallel_size {pool.tensor_parallel_size})"
+            raise ConfigError(
+                f"pools.{pool_name}: the Ray cluster cannot place {what} (available: {ray.available_resources()})"
+            ) from None
+        return group
+
+    def _start(self, record: WorkerRecord, pool) -> None:
+        """Start the record's actors in its group: one, or a tensor-parallel worker's N ranks meeting at a fresh
+        rendezvous (bundle r for rank r)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return self._remote_cls.options(
-            name=f"pdserve-{spec.name}",
-            num_cpus=pool.cpus_per_replica,
-            num_gpus=spec.gpus,
-            resources=pool.resources or None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-            runtime_env={"env_vars": dict(NCCL_PROCESS_ENV)},  # in the process before it starts (transfer/nccl_env)
-        ).remote(spec)
+        assert record.spec is not None
+        spec, size = record.spec, pool.tensor_parallel_size
+        if size > 1:
+            spec = dataclasses.replace(spec, tp_rendezvous=rendezvous_path())
+
+        def options(name: str, bundle: int) -> dict:
+            return dict(
+                name=name,
+                num_cpus=pool.cpus_per_replica,
+                num_gpus=spec.gpus,
+                resources=pool.resources or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(record.group, placement_group_bundle_index=bundle),
+                runtime_env={"env_vars": dict(NCCL_PROCESS_ENV)},  # in the process before it starts (transfer/nccl_env)
+            )
+
+        if size == 1:
+            record.actor = self._remote_cls.options(**options(f"pdserve-{spec.name}", record.bundle)).remote(spec)
+            return
+        suffix = f"-{record.restarts}" if record.restarts else ""  # a live name may not be reused at once
+        record.ranks = [
+            self._rank_cls.options(**options(f"pdserve-{spec.name}-rank{r}{suffix}", r)).remote(spec, r)
+            for r in range(1, size)
+        ]
+        record.actor = self._leader_cls.options(**options(f"pdserve-{spec.name}{suffix}", 0)).remote(spec)
+
+    def _await_info(self, record: WorkerRecord, timeout_s: float) -> None:
+        """Wait for the worker to start (a tensor-parallel one: every rank), keeping what each reports."""
+        import ray
+
+        record.info = ray.get(record.actor.info.remote(), timeout=timeout_s)
+        if record.ranks:
+            record.info["ranks"] = ray.get([r.info.remote() for r in record.ranks], timeout=timeout_s)
 
     def add_replica(self, pool_name: str, on_ready: Callable[[WorkerRecord], None]) -> WorkerRecord:
         """``on_ready`` is called once the actor has started: before this returns if within ``SCALE_UP_WAIT_S``,
@@ -170,18 +258,20 @@ class RayPools(_Resizable):
         import ray
 
         spec, pool = self.new_spec(pool_name), getattr(self.config.pools, pool_name)
+        size = pool.tensor_parallel_size
         free = self._free_bundles.get(pool_name) or []
-        if free:
+        if free and size == 1:
             (group, index), own = free.pop(), False
-        else:
-            group = ray.util.placement_group([_bundle(pool)], strategy="PACK", name=f"pdserve-{spec.name}")
+        else:  # not waited for: one that cannot be placed stays pending (the autoscaler's demand)
+            strategy = "STRICT_PACK" if size > 1 else "PACK"
+            group = ray.util.placement_group([_bundle(pool)] * size, strategy=strategy, name=f"pdserve-{spec.name}")
             index, own = 0, True
             self.groups.append(group)
-        actor = self._start_actor(spec, pool, group, index)
-        record = WorkerRecord(spec.name, spec.role.value, actor, {}, pool_name, group, index, own)
+        record = WorkerRecord(spec.name, spec.role.value, None, {}, pool_name, group, index, own, spec=spec)
+        self._start(record, pool)
         self.pending = self.pending + [record]
         try:
-            record.info = ray.get(actor.info.remote(), timeout=SCALE_UP_WAIT_S)
+            self._await_info(record, SCALE_UP_WAIT_S)
         except ray.exceptions.GetTimeoutError:
             logger.warning("%s: not placed within %.0f s; it joins when Ray places it", spec.name, SCALE_UP_WAIT_S)
             threading.Thread(target=self._await_start, args=(record, on_ready), daemon=True).start()
@@ -194,7 +284,7 @@ class RayPools(_Resizable):
 
         while not self._stop.is_set() and record in self.pending:
             try:
-                record.info = ray.get(record.actor.info.remote(), timeout=5)
+                self._await_info(record, 5)
             except ray.exceptions.GetTimeoutError:
                 continue
             except Exception:
@@ -222,17 +312,10 @@ class RayPools(_Resizable):
             return True
 
     def stop_replica(self, record: WorkerRecord, timeout_s: float = 5.0) -> None:
-        """Stop and kill the actor; its own group is removed, or its bundle given back to the pool."""
+        """Stop and kill the actors; its own group is removed, or its bundle given back to the pool."""
         import ray
 
-        try:
-            ray.wait([record.actor.stop.remote()], timeout=timeout_s)
-        except Exception:
-            pass
-        try:
-            ray.kill(record.actor, no_restart=True)
-        except Exception:
-            pass
+        self._stop_actors([record], timeout_s)
         if record.own_group:
             try:
                 ray.util.remove_placement_group(record.group)
@@ -243,23 +326,50 @@ class RayPools(_Resizable):
             self._free_bundles.setdefault(record.pool, []).append((record.group, record.bundle))
         self.forget(record)
 
+    @staticmethod
+    def _stop_actors(records: list[WorkerRecord], timeout_s: float) -> None:
+        """Ask each worker to stop (rank 0 first: it tells its ranks), bounded, then kill every actor for good."""
+        import ray
+
+        for actors in ([r.actor for r in records], [rank for r in records for rank in r.ranks]):
+            waits = [actor.stop.remote() for actor in actors]
+            try:
+                ray.wait(waits, num_returns=len(waits), timeout=timeout_s)
+            except Exception:  # a dead worker or a dead Ray: the actors are killed next anyway
+                pass
+        for actor in [a for r in records for a in (r.actor, *r.ranks)]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+
     def start_monitor(self, router, interval_s: float = 0.5) -> None:
         threading.Thread(target=self._monitor, args=(router, interval_s), name="pdserve-monitor", daemon=True).start()
 
     def _monitor(self, router, interval_s: float) -> None:
         """Mark a dead actor dead, re-register a restarted one, restart a degraded one (counts against
-        ``ray.max_restarts``)."""
+        ``ray.max_restarts``); a tensor-parallel worker with any rank gone or its group broken restarts whole."""
         import ray
 
         while not self._stop.wait(interval_s):
             for record in self.workers:
+                if record.restarting:
+                    continue
                 try:
                     info = ray.get(record.actor.info.remote(), timeout=5)
+                    ranks = ray.get([r.info.remote() for r in record.ranks], timeout=5) if record.ranks else []
                 except Exception as exc:
-                    if not self._stop.is_set():
-                        router.mark_dead_threadsafe(record.name, f"worker process gone ({type(exc).__name__})")
+                    if self._stop.is_set():
+                        continue
+                    router.mark_dead_threadsafe(record.name, f"worker process gone ({type(exc).__name__})")
+                    if record.ranks:
+                        self._restart_together(router, record, f"a rank's process is gone ({type(exc).__name__})")
                     continue
-                if info.get("command_address") != record.info.get("command_address"):
+                stopped = next((f"rank {r['rank']}: {r['ended']}" for r in ranks if not r["serving"]), "")
+                if record.ranks and (stopped or info.get("degraded")):
+                    router.mark_dead_threadsafe(record.name, f"degraded: {stopped or info['degraded']}")
+                    self._restart_together(router, record, stopped or info["degraded"])
+                elif info.get("command_address") != record.info.get("command_address"):
                     logger.warning("worker %s restarted (pid %s); re-registering", record.name, info.get("pid"))
                     record.info = info
                     router.add_worker_threadsafe(
@@ -271,22 +381,38 @@ class RayPools(_Resizable):
                     router.mark_dead_threadsafe(record.name, f"degraded: {info['degraded']}")
                     ray.kill(record.actor, no_restart=False)
 
+    def _restart_together(self, router, record: WorkerRecord, why: str) -> None:
+        """Kill all of a tensor-parallel worker's ranks and start them again in the same bundles, at a fresh
+        rendezvous, from a thread (loading takes a while); re-registered once all of them are up."""
+        limit = self.config.ray.max_restarts
+        if limit != -1 and record.restarts >= limit:
+            logger.error("worker %s: all %d restarts used; it stays dead (%s)", record.name, limit, why)
+            record.restarting = True  # for good: the monitor leaves it alone
+            return
+        record.restarting = True
+        logger.error("worker %s: restarting its %d ranks together (%s)", record.name, len(record.ranks) + 1, why)
+
+        def restart() -> None:
+            try:
+                self._stop_actors([record], timeout_s=2.0)
+                record.restarts += 1
+                self._start(record, getattr(self.config.pools, record.pool))
+                self._await_info(record, self.config.ray.start_timeout_s)
+            except Exception:
+                logger.exception("worker %s: restart failed", record.name)
+            else:
+                info = record.info
+                router.add_worker_threadsafe(record.name, record.role, info["command_address"], info.get("kv_address"))
+            record.restarting = False  # a failed restart is retried at the next turn, while restarts are left
+
+        threading.Thread(target=restart, name=f"pdserve-restart-{record.name}", daemon=True).start()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask every worker to stop (in parallel, bounded), then kill the actors and free their placement groups."""
         import ray
 
         self._stop.set()
-        records = self.workers + self.draining + self.pending
-        pending = [record.actor.stop.remote() for record in records]
-        try:
-            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
-        except Exception:  # a dead worker or a dead Ray: the actors are killed next anyway
-            pass
-        for record in records:
-            try:
-                ray.kill(record.actor, no_restart=True)
-            except Exception:
-                pass
+        self._stop_actors(self.workers + self.draining + self.pending, timeout_s)
         for group in self.groups:
             try:
                 ray.util.remove_placement_group(group)
@@ -315,9 +441,9 @@ class RayPools(_Resizable):
         """SIGKILL this node's worker processes still alive: the last resort when Ray's own processes are gone.
 
         Only PIDs our actors reported, on this node, and still running a Ray worker are touched."""
-        for record in self.workers + self.draining:
-            pid = record.info.get("pid")
-            if not isinstance(pid, int) or record.info.get("node_id") != self.node_id:
+        for record, info in [(r, i) for r in self.workers + self.draining for i in (r.info, *r.info.get("ranks", []))]:
+            pid = info.get("pid")
+            if not isinstance(pid, int) or info.get("node_id") != self.node_id:
                 continue
             if _is_ray_worker(pid):
                 try:
@@ -331,6 +457,17 @@ class RayPools(_Resizable):
                     )
                 except OSError:
                     pass
+
+
+def _stop_local(record: WorkerRecord) -> None:
+    record.actor.stop()  # rank 0 tells its ranks to stop
+    for rank in record.ranks:
+        rank.stop()
+
+
+def rendezvous_path() -> str:
+    """A fresh FileStore path for one incarnation of a tensor-parallel worker (its ranks share the node's /tmp)."""
+    return os.path.join(tempfile.gettempdir(), f"pdserve-tp-{uuid.uuid4().hex}")
 
 
 def _bundle(pool) -> dict[str, float]:
