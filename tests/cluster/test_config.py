@@ -15,10 +15,13 @@ from cluster.config import ConfigError, load_config, parse_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "gpu-node.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "local-tp.yaml", "gpu-node.yaml"])
 def test_shipped_serving_configs_load(name):
     config = load_config(CONFIGS / name)
-    assert config.pools.prefill.replicas >= 1 and config.pools.decode.replicas >= 1
+    if config.mode == "disaggregated":
+        assert config.pools.prefill.replicas >= 1 and config.pools.decode.replicas >= 1
+    else:  # local-tp.yaml: one colocated worker of 3 ranks
+        assert config.pools.decode.replicas == 1 and config.pools.decode.tensor_parallel_size == 3
 
 
 def test_gpu_node_config_fills_eight_gpus():
