@@ -54,6 +54,9 @@ class LLMEngine:
         config = self.config
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        # a request ends with "length" at max_model_len or when it alone would fill the whole KV cache: past that
+        # it could only preempt itself, recompute and preempt itself again, forever
+        self.length_limit = min(self.max_model_len, self.block_manager.num_blocks * config.block_size)
         self.kv_exporter = KVExporter(self.kv_cache)
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
@@ -229,7 +232,7 @@ class LLMEngine:
         grammar = request.grammar
         if grammar is not None and not grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
             return self._fail(request, f"token {token_id} does not match the request's grammar", "sampling_error")
-        reason, delta = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.max_model_len, text_sent)
+        reason, delta = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.length_limit, text_sent)
         if reason is not None:
             self._finish(request, reason)
         return token_output(request, token_id, reason, delta, logprob, text_sent)

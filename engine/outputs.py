@@ -21,7 +21,7 @@ def add_token(
     token_id: int,
     tokenizer: Any,
     eos_token_ids: Set[int],
-    max_model_len: int,
+    length_limit: int,  # tokens in all: max_model_len, or less when the KV cache holds fewer
     text_sent: bool = False,
 ) -> tuple[FinishReason | None, str]:
     """Add a sampled token (its grammar already accepted it) and detokenize it; returns why the request is done
@@ -42,7 +42,7 @@ def add_token(
         reason = FinishReason.STOP
     elif grammar is not None and grammar.is_terminated():  # the grammar is complete and took its EOS
         reason = FinishReason.STOP
-    elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+    elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= length_limit:
         reason = FinishReason.LENGTH
     detokenizer = request.detokenizer
     if detokenizer is None:

@@ -138,3 +138,13 @@ def test_smollm2_matches_transformers(smollm2_path, make_engine):
     for prompt, result in zip(token_prompts, results):
         assert result.token_ids == reference.greedy(prompt, len(result.token_ids))
     assert results[0].text.startswith(" Paris")
+
+
+def test_a_request_that_alone_would_fill_the_kv_cache_ends_with_length(tiny_llama_path, make_engine):
+    """Past the whole cache it could only preempt itself and recompute, forever: it stops where the cache is full."""
+    engine = make_engine(tiny_llama_path, kv_blocks=4, enable_prefix_caching=False)  # 4 blocks of 16: 64 tokens
+    prompt = random_prompts(1, 40, 40, seed=3)[0]
+    [result] = engine.generate([prompt], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    assert result.finish_reason == "length" and len(prompt) + len(result.token_ids) == 64
+    assert engine.scheduler.num_preemptions == 0
+    engine.check_no_leaks()
