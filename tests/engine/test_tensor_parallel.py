@@ -73,9 +73,10 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
     config = EngineConfig(
         model=model,
         dtype="float32",
-        kv_blocks=64,
+        kv_blocks=run.get("kv_blocks", 64),
         block_size=4,
         max_batch_tokens=run.get("max_batch_tokens", 2048),
+        attention_backend=run.get("attention_backend", "auto"),
         tensor_parallel_size=size,
     )
     if rank > 0:
@@ -116,7 +117,8 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         engine.runner.step_channel.stop()
     if group is not None:
         group.close()
-    return out | {"kv_heads": engine.kv_spec.num_kv_heads, "handoff_refused": refused}
+    preemptions = engine.scheduler.num_preemptions
+    return out | {"kv_heads": engine.kv_spec.num_kv_heads, "handoff_refused": refused, "preemptions": preemptions}
 
 
 def run_ranks(size: int, model: Path, expect_missing: frozenset = frozenset(), **run) -> dict:
@@ -197,6 +199,16 @@ def test_two_ranks_generate_what_one_does(arch_fixture, request):
     assert two[0]["cached_tokens"] > 0  # the second round reused the first round's prompt blocks on both ranks
     assert two[1]["ended"] == "stop" and two[1]["steps"] > 0
     assert one["kv_heads"] == 2 and two[0]["kv_heads"] == two[1]["kv_heads"] == 1  # each rank caches its own head
+
+
+def test_two_ranks_preempt_and_attend_with_flex_as_one_does(tiny_llama_path):
+    """Few blocks force preemption (a request's blocks freed and its KV recomputed later), on FlexAttention: the ranks
+    follow rank 0's block tables, so they recompute the same blocks."""
+    run = {"prompts": PROMPTS, "max_tokens": 16, "kv_blocks": 12, "attention_backend": "flex"}
+    one = run_ranks(1, tiny_llama_path, **run)[0]
+    two = run_ranks(2, tiny_llama_path, **run)
+    _compare(one, two[0])
+    assert one["preemptions"] > 0 and two[0]["preemptions"] == one["preemptions"]
 
 
 def test_four_ranks_over_two_kv_heads_replicate_them(tiny_llama_path):
