@@ -242,13 +242,6 @@ class ClusterConfig(_Strict):
         problem = self.transfer_backend_problem()
         if problem:
             raise ValueError(problem)
-        if self.mode == "disaggregated":
-            for name, _, pool in pool_layout(self):
-                if pool.tensor_parallel_size > 1:
-                    raise ValueError(
-                        f"pools.{name}.tensor_parallel_size: {pool.tensor_parallel_size} in disaggregated mode: the KV "
-                        "hand-off between tensor-parallel workers is not built yet; use mode: colocated, or 1"
-                    )
         return self
 
     def transfer_backend_problem(self) -> str:

@@ -61,7 +61,7 @@ class DecodeRole(Role):
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> DecodeRole:
         receiver = make_receiver(
             spec.transfer_backend,
-            ModelFingerprint.from_spec(engine.kv_spec),
+            ModelFingerprint.from_spec(engine.handoff_spec),
             engine.write_remote_kv,
             receiver_address(spec),
             dataclasses.replace(spec.transfer, kv_device=engine.config.device),  # GPU cache: side-stream writes

@@ -77,6 +77,7 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     kv_cache = KVCache(kv_spec, num_blocks, config.device)
     backend = select_backend(config.attention_backend, config.device, model.dtype)
     runner = ModelRunner(model, kv_cache, backend)
+    runner.head_split = split
     if group is not None and group.size > 1:
         runner.step_channel = StepChannel(group) if group.rank == 0 else None
         runner.projects_logits = group.rank == 0

@@ -48,22 +48,31 @@ class _PlannedExport:
     export: KVExport
     first_block: int
     end_block: int
-    src_index: torch.Tensor  # physical ids of logical blocks [first_block, end_block), on the cache's device
+
+
+# tensor parallelism: this rank's heads of some blocks' KV, ``[2, blocks, block_size, heads, head_dim]``, in; every
+# head of the model out (on rank 0, gathered from every rank), so the KV that leaves fits any degree on the other side
+HeadGather = Callable[[torch.Tensor], torch.Tensor]
 
 
 class KVExporter:
     """Reports exported requests' completed blocks, inside the forward (streamed) or after it. Per step:
     ``layer_hook_for(chunks)`` plans and returns the runner's hook (None when nothing needs one, so decode-only steps
-    pay nothing), then ``commit`` after a forward that succeeded or ``discard`` after one that raised."""
+    pay nothing), then ``commit`` after a forward that succeeded or ``discard`` after one that raised. With
+    ``gather_heads`` (tensor parallelism) every layer's planned blocks are gathered from the ranks in one collective,
+    the other ranks reading ``planned_block_ids`` in their own forward."""
 
-    def __init__(self, kv_cache: KVCache) -> None:
+    def __init__(self, kv_cache: KVCache, gather_heads: HeadGather | None = None) -> None:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
+        self.gather_heads = gather_heads
         self.user_hook: LayerHook | None = None  # ``LLMEngine.set_layer_hook`` (fault injection), after the exports
         self._planned: list[_PlannedExport] = []
+        self.planned_block_ids: list[int] = []  # physical ids of every planned export's blocks, in plan order
+        self._index: torch.Tensor | None = None  # ... on the cache's device: built once per step, not per layer
 
     def layer_hook_for(self, chunks: list[ScheduledChunk]) -> LayerHook | None:
-        self._planned = []
+        self._planned, self.planned_block_ids = [], []
         for chunk in chunks:
             export = chunk.request.kv_export
             if export is None or not export.stream:
@@ -71,30 +80,41 @@ class KVExporter:
             end = complete_prompt_blocks(chunk.end, chunk.request.num_prompt_tokens, self.block_size)
             first = export.num_blocks_reported
             if end > first:
-                src = self.kv_cache.block_index(chunk.request.block_ids[first:end])  # once per step, not per layer
-                self._planned.append(_PlannedExport(chunk.request, export, first, end, src))
+                self._planned.append(_PlannedExport(chunk.request, export, first, end))
+                self.planned_block_ids += chunk.request.block_ids[first:end]
         if not self._planned:
             return self.user_hook
+        self._index = self.kv_cache.block_index(self.planned_block_ids)
         return self._on_layer
 
     def _on_layer(self, layer: int, batch: AttentionBatch) -> None:
+        assert self._index is not None
+        k, v = self.kv_cache.read_blocks(layer, self._index)
+        if self.gather_heads is not None:
+            k, v = self.gather_heads(torch.stack((k, v))).unbind(0)
+        offset = 0
         for planned in self._planned:
-            k, v = self.kv_cache.read_blocks(layer, planned.src_index)
+            n = planned.end_block - planned.first_block
             rid = planned.request.request_id
-            planned.export.sink(KVBlocksReady(rid, layer, planned.first_block, planned.end_block, k, v))
+            ready = KVBlocksReady(
+                rid, layer, planned.first_block, planned.end_block, k[offset : offset + n], v[offset : offset + n]
+            )
+            planned.export.sink(ready)
+            offset += n
         if self.user_hook is not None:
             self.user_hook(layer, batch)
 
     def commit(self) -> None:
         for planned in self._planned:
             planned.export.num_blocks_reported = max(planned.export.num_blocks_reported, planned.end_block)
-        self._planned = []
+        self.discard()
 
     def discard(self) -> None:
-        self._planned = []
+        self._planned, self.planned_block_ids, self._index = [], [], None
 
     def export_whole_prompt(self, request: Request) -> None:
-        """Unstreamed: every layer of the prompt's blocks not yet reported, once the prompt is done."""
+        """Unstreamed: every layer of the prompt's blocks not yet reported, once the prompt is done (one rank only:
+        the other ranks take part in a gather inside the forward alone)."""
         export = request.kv_export
         if export is None:
             return

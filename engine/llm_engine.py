@@ -10,6 +10,7 @@ Parts come from ``engine.engine_parts``; what a sampled token makes of its reque
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -57,7 +58,19 @@ class LLMEngine:
         # a request ends with "length" at max_model_len or when it alone would fill the whole KV cache: past that
         # it could only preempt itself, recompute and preempt itself again, forever
         self.length_limit = min(self.max_model_len, self.block_manager.num_blocks * config.block_size)
-        self.kv_exporter = KVExporter(self.kv_cache)
+        split = self.runner.head_split
+        self.tp_size = split.size if split is not None else 1
+        # what crosses to another worker holds every KV head, so either side's degree may be anything (one rank's
+        # part would fit only the same split on the other side)
+        self.handoff_spec = dataclasses.replace(self.kv_spec, num_kv_heads=split.kv_total) if split else self.kv_spec
+        gather = None
+        if tp_group is not None and split is not None and self.tp_size > 1:
+            group = tp_group
+
+            def gather(kv: torch.Tensor) -> torch.Tensor:
+                return split.whole_kv(group.gather(kv)).to(kv.device)
+
+        self.kv_exporter = KVExporter(self.kv_cache, gather)
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
@@ -130,8 +143,6 @@ class LLMEngine:
         reported (the tokens are still computed unless this prefix cache has them)."""
         if kv_sink is not None and not prefill_only:
             raise ValueError("kv_sink is for prefill-only requests (their KV is exported, then released)")
-        if kv_sink is not None:
-            self._check_single_rank("a KV export")
         if export_from_token and kv_sink is None:
             raise ValueError("export_from_token needs a kv_sink")
         request = self._new_request(prompt, params, request_id, prefill_only, arrival_s)
@@ -141,6 +152,7 @@ class LLMEngine:
                 f"prompt's {request.num_prompt_tokens} tokens, got {export_from_token}"
             )
         if kv_sink is not None:
+            stream_kv = stream_kv or self.tp_size > 1  # the ranks gather its heads inside the forward
             request.kv_export = KVExport(kv_sink, stream_kv, first_block=export_from_token // self.config.block_size)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
@@ -162,6 +174,7 @@ class LLMEngine:
             return list(admitted.values())
         sampling = [c for c in chunks if c.samples]
         self.runner.layer_hook = self.kv_exporter.layer_hook_for(chunks)
+        self.runner.export_blocks = self.kv_exporter.planned_block_ids  # the other ranks read the same blocks
         try:
             logits, stats = self.runner.execute(chunks)
             result = self.sampler.sample(logits, [c.request for c in sampling], self.runner.score_prompts(chunks))
@@ -339,11 +352,6 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
-    def _check_single_rank(self, what: str) -> None:
-        """A hand-off moves one rank's KV heads; across degrees it is not built yet, so it is refused, not half-done."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size}: {what} carries one rank's KV")
-
     def check_no_leaks(self) -> None:
         """Raise unless every block is free and no request is left: the check every test ends with."""
         if self.requests or self.scheduler.has_work():
@@ -365,7 +373,6 @@ class LLMEngine:
         ``headroom_tokens``, so decoding needs no block for that long; the prompt's KV goes into the first blocks.
         ``prefix_cache``: leading full prompt blocks held here are shared (``num_cached_tokens``), never the whole
         prompt, and only later blocks are expected; off by default, for callers that send every block (the tests)."""
-        self._check_single_rank("a KV import")
         request = self._new_request(prompt, params, request_id, prefill_only=False)
         if self.at_seq_limit():
             return None
@@ -426,7 +433,18 @@ class LLMEngine:
             raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
         if not set(block_ids) <= set(self.missing_prompt_blocks(request)):
             raise ValueError(f"blocks {block_ids} are not reserved for the prompt of request {request_id!r}")
-        self.kv_cache.write_blocks(layer, block_ids, k, v)
+        split, channel = self.runner.head_split, self.runner.step_channel
+        if split is None or channel is None:
+            self.kv_cache.write_blocks(layer, block_ids, k, v)
+            return
+        spec = self.handoff_spec  # every head arrives; each rank keeps its own
+        expected = (len(block_ids), spec.block_size, spec.num_kv_heads, spec.head_dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"KV blocks for layer {layer} have shape {tuple(k.shape)}, expected {expected}")
+        kv = torch.stack((k, v)).to(spec.dtype)
+        channel.send_kv(layer, block_ids, kv)
+        mine = split.local_kv(kv)
+        self.kv_cache.write_blocks(layer, block_ids, mine[0], mine[1])
 
     def remote_kv_done(self, request_id: str) -> bool:
         """Every layer of the request's KV is in. False if the request is gone (aborted or expired: its blocks are

@@ -23,7 +23,7 @@ from engine.host_values import long_tensor
 from engine.kv_cache import KVCache
 from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
-from engine.tensor_parallel import StepChannel, StepKind, StepMessage
+from engine.tensor_parallel import HeadSplit, StepChannel, StepKind, StepMessage
 
 if TYPE_CHECKING:
     from engine.decode_graphs import DecodeGraphs
@@ -54,6 +54,8 @@ class ModelRunner:
         # tensor parallelism: rank 0 announces each step to the other ranks, which project nothing to the vocabulary
         self.step_channel: StepChannel | None = None
         self.projects_logits = True
+        self.head_split: HeadSplit | None = None  # the KV heads this rank's cache holds (build_engine_parts)
+        self.export_blocks: list[int] = []  # rank 0: physical blocks whose KV the step's layer hook exports
         # the last forward's hidden states [tokens, hidden] and chunk start rows, kept for prompt logprobs only
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
@@ -211,7 +213,7 @@ class ModelRunner:
             return self.decode_graphs.execute(chunks)
         started = time.perf_counter()
         if self.step_channel is not None:
-            self.step_channel.send(StepMessage(StepKind.STEP, chunks))
+            self.step_channel.send(StepMessage(StepKind.STEP, chunks, self.export_blocks))
         input_ids, position_ids, batch, rows = self._build(chunks)
         hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch)
         hidden = hidden.last_hidden_state[0]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from engine.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
+    from engine.attention import LayerHook
     from engine.model_runner import ModelRunner
     from engine.request import Request
 
@@ -55,6 +56,20 @@ class HeadSplit:
     def replicated_kv(self) -> bool:
         """Fewer KV heads than ranks: several ranks hold the same head."""
         return self.kv_heads * self.size > self.kv_total
+
+    def local_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of KV holding every head of the model (heads on dim -2)."""
+        return kv[..., self.kv_start : self.kv_start + self.kv_heads, :]
+
+    def whole_kv(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Every head of the model, in order, from each rank's part (rank order; heads on dim -2), each head taken
+        once (from the first rank holding it when they are replicated)."""
+        splits = [head_split(self.q_heads * self.size, self.kv_total, self.size, r) for r in range(self.size)]
+        heads: dict[int, torch.Tensor] = {}
+        for split, part in zip(splits, parts, strict=True):
+            for i in range(split.kv_heads):
+                heads.setdefault(split.kv_start + i, part[..., i : i + 1, :])
+        return torch.cat([heads[h] for h in range(self.kv_total)], dim=-2)
 
 
 def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadSplit:
@@ -124,6 +139,18 @@ class TPGroup:
         opts.rootRank = 0
         self._wait(self._pg.broadcast([tensor], opts), "broadcast")
         return tensor
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (one shape on all) on rank 0, in rank order; [] on the others. gloo gathers host
+        tensors only, so a device tensor goes through the host."""
+        if self.broken:
+            raise TPError(f"tensor-parallel group is broken: {self.broken}")
+        tensor = tensor.cpu()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
+        self._wait(self._pg.gather(outputs, [tensor], opts), "gather")
+        return outputs[0] if outputs else []
 
     def barrier(self, timeout_s: float = TP_START_TIMEOUT_S) -> None:
         """Wait until every rank gets here (after loading its shard), at most ``timeout_s``."""
@@ -265,6 +292,7 @@ class StepKind(enum.IntEnum):
     STEP = 1
     KEEPALIVE = 2
     STOP = 3
+    KV_WRITE = 4  # imported KV for some blocks of one layer, every head: each rank keeps its own
 
 
 @dataclass(slots=True)
@@ -283,14 +311,23 @@ class StepRequest:
 
 @dataclass(slots=True)
 class StepMessage:
-    """A step as int64 frames: a header ``[kind, payload length]``, then per chunk
-    ``[start, num_tokens, samples, num_blocks, *block_ids, *token_ids]``."""
+    """A message to the followers as int64 frames: a header ``[kind, payload length]``, then for a STEP
+    ``[num_export_blocks, *export_blocks]`` and per chunk ``[start, num_tokens, samples, num_blocks, *block_ids,
+    *token_ids]``; for a KV_WRITE ``[layer, *block_ids]``. ``export_blocks``: the physical blocks whose KV leaves
+    this step (read after each layer and gathered on rank 0, every head)."""
 
     kind: StepKind
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    export_blocks: list[int] = field(default_factory=list)
+    layer: int = 0  # KV_WRITE
+    block_ids: list[int] = field(default_factory=list)  # KV_WRITE
 
     def encode(self) -> torch.Tensor:
-        payload: list[int] = []
+        if self.kind == StepKind.KV_WRITE:
+            return torch.tensor([self.layer, *self.block_ids], dtype=torch.int64)
+        if self.kind != StepKind.STEP:
+            return torch.zeros(0, dtype=torch.int64)
+        payload: list[int] = [len(self.export_blocks), *self.export_blocks]
         for chunk in self.chunks:
             blocks = chunk.request.block_ids
             payload += [chunk.start, chunk.num_tokens, int(chunk.samples), len(blocks), *blocks]
@@ -300,7 +337,12 @@ class StepMessage:
     @staticmethod
     def decode(kind: StepKind, payload: torch.Tensor) -> StepMessage:
         values = payload.tolist()
-        chunks, i = [], 0
+        if kind == StepKind.KV_WRITE:
+            return StepMessage(kind, layer=values[0], block_ids=values[1:])
+        if kind != StepKind.STEP:
+            return StepMessage(kind)
+        export_blocks = values[1 : 1 + values[0]]
+        chunks, i = [], 1 + values[0]
         while i < len(values):
             start, num_tokens, samples, num_blocks = values[i : i + 4]
             i += 4
@@ -311,12 +353,12 @@ class StepMessage:
             end = start + num_tokens
             request = StepRequest(blocks, start, tokens, end if samples else end + 1)
             chunks.append(ScheduledChunk(cast("Request", request), start, num_tokens))
-        return StepMessage(kind, chunks)
+        return StepMessage(kind, chunks, export_blocks)
 
 
 class StepChannel:
-    """Rank 0 announces each step (or a keep-alive, or the stop); the others receive it, bounded by the group's
-    timeout."""
+    """Rank 0 announces each step (or a keep-alive, an import's KV, the stop); the others receive it, bounded by the
+    group's timeout."""
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
@@ -335,11 +377,17 @@ class StepChannel:
 
     def send(self, message: StepMessage) -> None:
         self.last_sent_s = time.monotonic()
-        payload = message.encode() if message.kind == StepKind.STEP else torch.zeros(0, dtype=torch.int64)
+        payload = message.encode()
         self._header[0], self._header[1] = int(message.kind), payload.numel()
         self.group.broadcast(self._header)
         if payload.numel():
             self.group.broadcast(payload)
+
+    def send_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """An import's KV for ``block_ids`` of ``layer`` (``[2, blocks, block_size, every head, head_dim]``, the
+        cache's dtype) to every follower, which keeps its heads (``TPFollower``)."""
+        self.send(StepMessage(StepKind.KV_WRITE, layer=layer, block_ids=block_ids))
+        self.group.broadcast(kv.cpu().contiguous())  # received into a host tensor (``TPFollower._write_kv``)
 
     def receive(self) -> StepMessage:
         self.group.broadcast(self._header)
@@ -347,11 +395,12 @@ class StepChannel:
         payload = torch.zeros(length, dtype=torch.int64)
         if length:
             self.group.broadcast(payload)
-        return StepMessage.decode(kind, payload) if kind == StepKind.STEP else StepMessage(kind)
+        return StepMessage.decode(kind, payload)
 
 
 class TPFollower:
-    """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure."""
+    """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure; sends
+    its heads of the blocks a step exports to rank 0, and keeps its heads of the KV rank 0 imports."""
 
     def __init__(self, runner: ModelRunner, channel: StepChannel) -> None:
         self.runner = runner
@@ -366,8 +415,33 @@ class TPFollower:
                 if message.kind == StepKind.STOP:
                     return "stop"
                 if message.kind == StepKind.STEP:
+                    self.runner.layer_hook = self._export_hook(message.export_blocks)
                     self.runner.execute(message.chunks)
                     self.steps += 1
+                elif message.kind == StepKind.KV_WRITE:
+                    self._write_kv(message.layer, message.block_ids)
             except TPError as exc:
                 logger.error("tensor-parallel rank %d stops: %s", self.channel.group.rank, exc)
                 return str(exc)
+
+    def _export_hook(self, export_blocks: list[int]) -> LayerHook | None:
+        if not export_blocks:
+            return None
+        cache, group = self.runner.kv_cache, self.channel.group
+        index = cache.block_index(export_blocks)
+
+        def send_heads(layer: int, _batch: object) -> None:  # rank 0's KVExporter gathers them, layer by layer
+            group.gather(torch.stack(cache.read_blocks(layer, index)))
+
+        return send_heads
+
+    def _write_kv(self, layer: int, block_ids: list[int]) -> None:
+        cache, split = self.runner.kv_cache, self.runner.head_split
+        assert split is not None  # build_engine_parts sets it on every rank
+        spec = cache.spec
+        kv = torch.empty(
+            (2, len(block_ids), spec.block_size, split.kv_total, spec.head_dim), dtype=spec.dtype, device="cpu"
+        )
+        self.channel.group.broadcast(kv)
+        mine = split.local_kv(kv)
+        cache.write_blocks(layer, block_ids, mine[0], mine[1])

@@ -9,6 +9,7 @@ neither reported nor exited by then is killed, so a broken group never outlives 
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import queue
 import tempfile
 import traceback
@@ -29,7 +30,8 @@ class RankFailed(RuntimeError):
 
 def _main(target: RankTarget, rank: int, size: int, store_path: str, payload: Any, results: Any) -> None:
     try:
-        results.put((rank, True, target(rank, size, store_path, payload)))
+        # pickled here, by value: a queue would share a tensor's storage with this process, which is about to end
+        results.put((rank, True, pickle.dumps(target(rank, size, store_path, payload))))
     except BaseException:  # noqa: BLE001 - sent to the caller, which raises it as RankFailed
         results.put((rank, False, traceback.format_exc()))
 
@@ -50,7 +52,7 @@ def run_ranks(
         try:
             while len(out) + len(errors) < size - len(expect_missing):
                 rank, ok, value = results.get(timeout=timeout_s)
-                (out if ok else errors)[rank] = value
+                (out if ok else errors)[rank] = pickle.loads(value) if ok else value
         except queue.Empty:
             pass
         finally:

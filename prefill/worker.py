@@ -54,7 +54,7 @@ class PrefillRole(Role):
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> PrefillRole:
-        sender = make_sender(spec.transfer_backend, ModelFingerprint.from_spec(engine.kv_spec), spec.transfer)
+        sender = make_sender(spec.transfer_backend, ModelFingerprint.from_spec(engine.handoff_spec), spec.transfer)
         return cls(spec.name, engine, sender, emit, stream_kv=spec.stream_layers)
 
     def handle(self, command: Command, arrival_s: float) -> None:

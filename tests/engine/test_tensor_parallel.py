@@ -105,12 +105,6 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         time.sleep(0.05)
     if run.get("follower_dies_after_steps"):
         return _fail_when_a_follower_dies(engine, run)
-    refused = ""
-    if run.get("try_handoff"):
-        try:
-            engine.reserve_remote("a prompt whose KV would come from elsewhere")
-        except ValueError as exc:
-            refused = str(exc)
     out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False))
     engine.check_no_leaks()
     if engine.runner.step_channel is not None:
@@ -118,7 +112,7 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
     if group is not None:
         group.close()
     preemptions = engine.scheduler.num_preemptions
-    return out | {"kv_heads": engine.kv_spec.num_kv_heads, "handoff_refused": refused, "preemptions": preemptions}
+    return out | {"kv_heads": engine.kv_spec.num_kv_heads, "preemptions": preemptions}
 
 
 def run_ranks(size: int, model: Path, expect_missing: frozenset = frozenset(), **run) -> dict:
@@ -241,8 +235,6 @@ def test_a_follower_stops_within_the_timeout_when_rank_0_is_gone(tiny_llama_path
 
 
 def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path):
-    run = {"prompts": PROMPTS[:1], "max_tokens": 4, "idle_s": 6.0, "timeout_s": 3.0, "try_handoff": True}
+    run = {"prompts": PROMPTS[:1], "max_tokens": 4, "idle_s": 6.0, "timeout_s": 3.0}
     ranks = run_ranks(2, tiny_llama_path, **run)
     assert ranks[1]["ended"] == "stop" and ranks[0]["tokens"]
-    # the KV hand-off carries one rank's heads: refused at degree 2 rather than half done
-    assert "tensor_parallel_size 2: a KV import carries one rank's KV" in ranks[0]["handoff_refused"]

@@ -25,6 +25,19 @@ def _config(model_path, tp: int, **sections):
     )
 
 
+def _disaggregated(model_path, prefill_tp: int, decode_tp: int, backend: str):
+    def pool(tp: int) -> dict:
+        return {"replicas": 1, "torch_threads": 1, "kv_blocks": 96, "tensor_parallel_size": tp}
+
+    return tiny_cluster_config(
+        model_path,
+        pools={"prefill": pool(prefill_tp), "decode": pool(decode_tp)},
+        transfer={"backend": backend, "deadline_s": 20, "lease_s": 20},
+        # every request through a prefill worker: none is short enough to be computed on the decode side
+        router={"port": 0, "local_prefill_max_tokens": 0},
+    )
+
+
 def _complete(handle, prompt: str, max_tokens: int = 12) -> tuple[str, list[float]]:
     body = {
         "model": handle.config.served_model_name,
@@ -37,29 +50,38 @@ def _complete(handle, prompt: str, max_tokens: int = 12) -> tuple[str, list[floa
     response = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
+    handle.cached_tokens += response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
-def _serve_all(model_path, tp: int, prompts: list[str]) -> tuple[dict, list[dict]]:
+def _serve_all(config, prompts: list[str]) -> tuple[dict, list[dict], int]:
+    """Each prompt twice (the second time its prefix cached), the ranks' infos and the cached tokens reported."""
     from cluster.run.launch import start_serving
 
-    handle = start_serving(_config(model_path, tp), in_process=True)
+    handle = start_serving(config, in_process=True)
+    handle.cached_tokens = 0
     try:
         outputs = {p: _complete(handle, p) for p in prompts}
         outputs |= {p + " again": _complete(handle, p) for p in prompts}  # the prefix cache reused on every rank
         wait_all_kv_free(handle.base_url)
         assert not handle.router.flows
-        [record] = handle.pools.workers
-        ranks = [rank.rank for rank in record.ranks]
+        ranks = [rank.rank for record in handle.pools.workers for rank in record.ranks]
+        assert all(not record.info.get("error") for record in handle.pools.workers)
     finally:
         handle.stop()
     infos = [rank.info() for rank in ranks]
-    return outputs, infos
+    assert all(info["ended"] == "stop" for info in infos)  # every rank was stopped by its rank 0, none broke
+    return outputs, infos, handle.cached_tokens
 
 
-def test_two_ranks_serve_the_same_tokens_as_one(tiny_llama_path):
-    one, _ = _serve_all(tiny_llama_path, 1, PROMPTS)
-    two, ranks = _serve_all(tiny_llama_path, 2, PROMPTS)
+@pytest.fixture(scope="module")
+def colocated_two_ranks(tiny_llama_path):
+    return _serve_all(_config(tiny_llama_path, 2), PROMPTS)
+
+
+def test_two_ranks_serve_the_same_tokens_as_one(tiny_llama_path, colocated_two_ranks):
+    one, _, _ = _serve_all(_config(tiny_llama_path, 1), PROMPTS)
+    two, ranks, _ = colocated_two_ranks
     gap = 0.0
     for prompt, (text, logprobs) in one.items():
         assert two[prompt][0] == text, prompt
@@ -71,10 +93,23 @@ def test_two_ranks_serve_the_same_tokens_as_one(tiny_llama_path):
     assert rank1["steps"] > 0 and not rank1["serving"] and rank1["ended"] == "stop"  # rank 0's stop ended it
 
 
-def test_disaggregated_pools_refuse_a_degree_above_one(tiny_llama_path):
-    pool = {"replicas": 1, "tensor_parallel_size": 2}
-    with pytest.raises(ConfigError, match=r"pools\.decode\.tensor_parallel_size: 2 in disaggregated mode"):
-        tiny_cluster_config(tiny_llama_path, pools={"decode": pool})
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "backend"), [(2, 1, "zmq"), (1, 2, "shm"), (2, 2, "gloo")])
+def test_disaggregated_degrees_serve_what_colocated_ranks_do(
+    tiny_llama_path, colocated_two_ranks, prefill_tp, decode_tp, backend
+):
+    """Every KV head crosses from the prefill worker's rank 0 (gathered) to the decode worker's (each rank keeps its
+    own), so any two degrees and any transfer backend give the colocated worker's tokens; the repeated prompts reuse
+    the decode worker's prefix cache across the hand-off."""
+    colocated, _, _ = colocated_two_ranks
+    disaggregated, ranks, cached = _serve_all(_disaggregated(tiny_llama_path, prefill_tp, decode_tp, backend), PROMPTS)
+    gap = 0.0
+    for prompt, (text, logprobs) in colocated.items():
+        assert disaggregated[prompt][0] == text, prompt
+        gap = max(gap, max(abs(a - b) for a, b in zip(logprobs, disaggregated[prompt][1])))
+    print(f"({prefill_tp}, {decode_tp}) over {backend}: largest logprob gap against colocated at 2 ranks: {gap:.3g}")
+    assert gap < LOGPROB_TOLERANCE
+    assert len(ranks) == prefill_tp - 1 + decode_tp - 1 and all(rank["steps"] > 0 for rank in ranks)
+    assert cached > 0
 
 
 def test_a_degree_that_does_not_divide_the_heads_is_a_config_error(tiny_llama_path):
