@@ -33,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context", type=int, default=None, metavar="L", help="tokens per request (prompt + output)")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the engine's)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks per worker (pools.<pool>.tensor_parallel_size): the figures are then one rank's GPU (default 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -51,6 +58,8 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError("--gpu-memory-utilization needs --gpu-memory-gb")
     if args.context is not None and args.context <= 0:
         raise ValueError(f"--context must be a positive number of tokens, got {args.context}")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be a positive number of tokens, got {args.block_size}")
 
@@ -68,13 +77,19 @@ def run(args: argparse.Namespace) -> int:
         shape = load_shape(args.model)
     except ValueError as exc:
         raise ValueError(f"--model: {exc}") from None
-    sizing = size_kv(
-        shape,
-        dtype,
-        block_size=args.block_size or EngineConfig().block_size,
-        gpu_memory_gib=args.gpu_memory_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-        context_tokens=args.context,
-    )
+    try:
+        sizing = size_kv(
+            shape,
+            dtype,
+            block_size=args.block_size or EngineConfig().block_size,
+            gpu_memory_gib=args.gpu_memory_gb,
+            gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+            context_tokens=args.context,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except ValueError as exc:
+        if "tensor_parallel_size" in str(exc):
+            raise ValueError(f"--tensor-parallel-size: {exc}") from None
+        raise
     print(json.dumps(sizing.to_dict()) if args.json else format_table(sizing))
     return 0

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engine.blocks import kv_blocks_for
+from engine.blocks import kv_blocks_for, rank_kv_heads
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from engine.model_loader import DEFAULT_MODEL
 from transfer.config import TransferConfig
@@ -340,11 +340,15 @@ class ClusterConfig(_Strict):
             return pool.kv_memory_mb * MIB
         return None if pool.gpus_per_replica > 0 else DEFAULT_CPU_KV_BYTES
 
-    def pool_kv_blocks(self, pool: PoolSection, bytes_per_block: int) -> int | None:
-        """A pool's KV blocks per replica by the engine's rule; None on a GPU pool that measures its memory at start."""
+    def pool_kv_blocks(self, pool: PoolSection, bytes_per_block: int, num_kv_heads: int | None = None) -> int | None:
+        """A pool's KV blocks per replica by the engine's rule; None on a GPU pool that measures its memory at start.
+        ``bytes_per_block``: every KV head's; with the model's ``num_kv_heads``, a tensor-parallel replica's blocks
+        are its ranks' (each rank's budget holds its heads only)."""
         kv_bytes = self.pool_kv_bytes(pool)
         if kv_bytes is None and not pool.kv_blocks:
             return None
+        if num_kv_heads and pool.tensor_parallel_size > 1:
+            bytes_per_block = bytes_per_block * rank_kv_heads(num_kv_heads, pool.tensor_parallel_size) // num_kv_heads
         return kv_blocks_for(kv_bytes or 0, bytes_per_block, pool.kv_blocks)
 
     def pool_dtype(self, pool: PoolSection) -> str:

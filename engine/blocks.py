@@ -93,6 +93,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
+def rank_kv_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """The KV heads one of ``tensor_parallel_size`` ranks caches: its share, or one (replicated) when there are fewer
+    heads than ranks, as vLLM does (``engine.tensor_parallel.head_split``)."""
+    return num_kv_heads // tensor_parallel_size if num_kv_heads >= tensor_parallel_size else 1
+
+
 def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) from config.json, as ``engine_parts`` reads the loaded model's config: KV heads
     default to the attention heads, head dim to hidden / heads."""

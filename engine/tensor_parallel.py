@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from engine.blocks import rank_kv_heads
 from engine.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
@@ -84,11 +85,10 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
         )
     q_heads = num_heads // size
     q_start = rank * q_heads
+    kv_heads = rank_kv_heads(num_kv_heads, size)
     if num_kv_heads >= size:
-        kv_heads = num_kv_heads // size
         kv_start = rank * kv_heads
     else:  # fewer KV heads than ranks: the one KV head this rank's q heads attend with, replicated
-        kv_heads = 1
         kv_start = q_start // (num_heads // num_kv_heads)
     return HeadSplit(rank, size, q_start, q_heads, kv_start, kv_heads, num_kv_heads)
 

@@ -179,6 +179,30 @@ class ModelShape:
         embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + hidden
 
+    def rank_shape(self, tensor_parallel_size: int) -> ModelShape:
+        """What one of ``tensor_parallel_size`` ranks holds (engine.tensor_parallel): 1/N of the q heads and of the MLP,
+        its KV heads (one, replicated, when there are fewer than N), the embedding, LM head and norms whole; so its
+        ``parameters`` are one GPU's weights and its KV heads one GPU's KV. ValueError naming the degree when the
+        model does not split."""
+        if tensor_parallel_size == 1:
+            return self
+        from dataclasses import replace
+
+        from engine.tensor_parallel import head_split
+
+        split = head_split(self.num_attention_heads, self.num_kv_heads, tensor_parallel_size, 0)
+        if self.intermediate_size % tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size {tensor_parallel_size} does not divide the model's intermediate_size "
+                f"{self.intermediate_size}"
+            )
+        return replace(
+            self,
+            num_attention_heads=split.q_heads,
+            num_kv_heads=split.kv_heads,
+            intermediate_size=self.intermediate_size // tensor_parallel_size,
+        )
+
 
 def normalize_dtype(name: str) -> str:
     """A dtype the engine serves in, from its name or a common alias (bf16, fp16, fp32)."""
@@ -241,6 +265,7 @@ class KVSizing:
     tokens_per_gib: int
     parameters: int
     weight_bytes: int
+    tensor_parallel_size: int = 1  # > 1: every figure above and below is one rank's (one GPU's), KV heads included
     gpu_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     usable_bytes: int | None = None  # gpu memory x utilization
@@ -265,8 +290,11 @@ def size_kv(
     gpu_memory_gib: float | None = None,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     context_tokens: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> KVSizing:
+    """``tensor_parallel_size`` N: per GPU of a worker of N ranks (each holds the same tokens, its heads of them)."""
     dtype = normalize_dtype(dtype)
+    shape = shape.rank_shape(tensor_parallel_size)
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
     dtype_bytes = DTYPE_BYTES[dtype]
@@ -311,6 +339,7 @@ def size_kv(
         tokens_per_gib=GIB // per_token,
         parameters=shape.parameters,
         weight_bytes=weight_bytes,
+        tensor_parallel_size=tensor_parallel_size,
         **fields,
     )
 
@@ -336,6 +365,8 @@ def format_table(s: KVSizing) -> str:
         ("KV per block", f"{_bytes(s.kv_bytes_per_block)} ({s.block_size} tokens)"),
         ("weights", f"{s.parameters / 1e9:,.3f} B parameters = {_bytes(s.weight_bytes)}"),
     ]
+    if s.tensor_parallel_size > 1:
+        rows.insert(0, ("per GPU", f"one of {s.tensor_parallel_size} tensor-parallel ranks: its KV heads, its weights"))
     if s.gpu_memory_bytes is not None:
         rows += [
             (

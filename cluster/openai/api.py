@@ -330,10 +330,11 @@ def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None
     block_size = config.transfer.block_size
     pools = {}
     for name, role, pool in pool_layout(config):
-        blocks = config.pool_kv_blocks(pool, per_token * block_size)
+        blocks = config.pool_kv_blocks(pool, per_token * block_size, kv_heads)
         pools[name] = {
             "role": role.value,
             "replicas": pool.replicas,
+            "tensor_parallel_size": pool.tensor_parallel_size,
             "kv_memory_mb": pool.kv_memory_mb,
             "kv_blocks": pool.kv_blocks,
             # per replica; None: a GPU pool sizes its cache from measured free memory at start (gpu_memory_utilization)

@@ -100,3 +100,25 @@ def test_as_a_user_runs_it_and_help_is_light(tmp_path):
     help_proc, modules = run_cli(tmp_path, "plan", "kv", "--help")
     assert help_proc.returncode == 0 and "--gpu-memory-utilization" in help_proc.stdout
     assert not top_level(modules) & (HEAVY | BELOW_CLI)
+
+
+def test_a_tensor_parallel_worker_is_sized_per_gpu(capsys):
+    """Llama-3.1-70B in bf16 on 80 GB GPUs: no KV fits one GPU; at degree 4 each rank holds 2 of the 8 KV heads, a
+    quarter of every layer's attention and MLP, and the whole embedding and LM head (replicated)."""
+    args = ["--model", "llama-3.1-70b", "--dtype", "bf16", "--gpu-memory-gb", "80", "--context", "8192"]
+    one = _json(capsys, *args)
+    four = _json(capsys, *args, "--tensor-parallel-size", "4")
+    assert one["requests_fit_blocks"] == 0 and four["tensor_parallel_size"] == 4
+    assert four["num_kv_heads"] == 2 and four["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 4
+    embeddings = 2 * 128256 * 8192  # vocabulary x hidden, the embedding and the untied LM head
+    assert four["parameters"] - embeddings == pytest.approx((one["parameters"] - embeddings) / 4, rel=1e-4)
+    budget = int(80 * GIB * 0.9) - four["parameters"] * 2
+    assert four["kv_budget_bytes"] == budget and four["requests_fit_blocks"] == budget // (81920 * 16) // 512 == 57
+
+
+def test_a_degree_that_does_not_split_the_model_names_the_flag(capsys):
+    argv = ["plan", "kv", "--model", "llama-3.1-70b", "--dtype", "bf16", "--tensor-parallel-size", "3"]
+    assert main(argv) == 2
+    assert "--tensor-parallel-size: tensor_parallel_size 3 does not divide the model's 64 attention heads" in (
+        capsys.readouterr().err
+    )

@@ -15,22 +15,30 @@ from cluster.config import ConfigError, load_config, parse_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "local-tp.yaml", "gpu-node.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "local-tp.yaml", "gpu-node.yaml", "gpu-node-70b.yaml"])
 def test_shipped_serving_configs_load(name):
     config = load_config(CONFIGS / name)
-    if config.mode == "disaggregated":
-        assert config.pools.prefill.replicas >= 1 and config.pools.decode.replicas >= 1
-    else:  # local-tp.yaml: one colocated worker of 3 ranks
-        assert config.pools.decode.replicas == 1 and config.pools.decode.tensor_parallel_size == 3
+    assert config.mode == "disaggregated"
+    assert config.pools.prefill.replicas >= 1 and config.pools.decode.replicas >= 1
+    if name == "local-tp.yaml":  # prefill over 3 ranks, decode on 1
+        assert (config.pools.prefill.tensor_parallel_size, config.pools.decode.tensor_parallel_size) == (3, 1)
 
 
-def test_gpu_node_config_fills_eight_gpus():
-    config = load_config(CONFIGS / "gpu-node.yaml")
-    pools = config.pools
-    assert (
-        pools.prefill.replicas * pools.prefill.gpus_per_replica + pools.decode.replicas * pools.decode.gpus_per_replica
-        == 8
-    )
+@pytest.mark.parametrize("name", ["gpu-node.yaml", "gpu-node-70b.yaml"])
+def test_gpu_node_configs_fill_eight_gpus(name):
+    pools = load_config(CONFIGS / name).pools
+    gpus = [pool.replicas * pool.gpus_per_replica * pool.tensor_parallel_size for pool in (pools.prefill, pools.decode)]
+    assert sum(gpus) == 8
+
+
+def test_the_70b_config_keeps_each_rank_under_its_planned_kv():
+    """Its kv_memory_mb per rank stays under what `pdserve plan kv` leaves a GPU of 80 GB at that degree."""
+    from planner.kv_sizing import load_shape, size_kv
+
+    config = load_config(CONFIGS / "gpu-node-70b.yaml")
+    for pool in (config.pools.prefill, config.pools.decode):
+        sizing = size_kv(load_shape("llama-3.1-70b"), "bf16", 16, 80, tensor_parallel_size=pool.tensor_parallel_size)
+        assert sizing.weights_fit and 0 < pool.kv_memory_mb * (1 << 20) < sizing.kv_budget_bytes
 
 
 def test_cluster_yaml_passes_rays_own_schema():

@@ -99,13 +99,15 @@ def test_bad_models_and_dtypes_are_clear_errors(tmp_path):
 
 
 def test_status_reports_the_served_models_kv(serve, tiny_llama_path):  # noqa: F811
-    """The prefill pool sizes by an explicit block count, the decode pool by kv_memory_mb: /status's figures equal
-    the formula over the tiny model's config.json, and the workers' own block counts (the engine's allocation)."""
+    """The prefill pool sizes by an explicit block count, the decode pool by kv_memory_mb over 2 tensor-parallel
+    ranks (each holds 1 of the 2 KV heads, so the budget holds twice the blocks): /status's figures equal the formula
+    over the tiny model's config.json, and the workers' own block counts (the engine's allocation)."""
     config = json.loads((tiny_llama_path / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # float32
     assert per_token == 2 * 3 * 2 * 16 * 4
-    handle = serve(pools={"decode": {"replicas": 1, "torch_threads": 1, "kv_memory_mb": 1}})
+    decode = {"replicas": 1, "torch_threads": 1, "kv_memory_mb": 1, "tensor_parallel_size": 2}
+    handle = serve(pools={"decode": decode})
     reply = httpx.post(
         f"{handle.base_url}/v1/completions",
         json={"model": handle.config.served_model_name, "prompt": "hello there", "max_tokens": 4},
@@ -116,10 +118,11 @@ def test_status_reports_the_served_models_kv(serve, tiny_llama_path):  # noqa: F
     kv = httpx.get(f"{handle.base_url}/status", timeout=5).json()["kv"]
     assert kv["dtype"] == "float32" and kv["block_size"] == 16
     assert kv["bytes_per_token"] == per_token and kv["tokens_per_gib"] == GIB // per_token
-    decode_blocks = (1 << 20) // (per_token * 16)
+    decode_blocks = (1 << 20) // (per_token // 2 * 16)
     assert kv["pools"]["prefill"] == {
         "role": "prefill",
         "replicas": 1,
+        "tensor_parallel_size": 1,
         "kv_memory_mb": handle.config.pools.prefill.kv_memory_mb,
         "kv_blocks": 96,
         "blocks": 96,
@@ -129,6 +132,7 @@ def test_status_reports_the_served_models_kv(serve, tiny_llama_path):  # noqa: F
     assert kv["pools"]["decode"] == {
         "role": "decode",
         "replicas": 1,
+        "tensor_parallel_size": 2,
         "kv_memory_mb": 1,
         "kv_blocks": None,
         "blocks": decode_blocks,
