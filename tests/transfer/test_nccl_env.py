@@ -109,11 +109,9 @@ def test_no_warning_when_the_process_was_started_with_them(monkeypatch, caplog):
     assert not [r for r in caplog.records if "started without" in r.message]
 
 
-def test_ray_worker_actors_start_with_them():
-    pytest.importorskip("ray")
-    from cluster.run.pools import RayPools, WorkerRecord
-
-    asked: list[dict] = []
+def _recording_pools(asked: list[dict]):
+    """RayPools with no cluster: every actor class records the options it is started with."""
+    from cluster.run.pools import RayPools
 
     class Remote:
         def options(self, **kwargs):
@@ -122,9 +120,17 @@ def test_ray_worker_actors_start_with_them():
 
     pools = RayPools.__new__(RayPools)
     pools._remote_cls = pools._leader_cls = pools._rank_cls = Remote()
+    return pools
+
+
+def test_ray_worker_actors_start_with_them():
+    pytest.importorskip("ray")
+    from cluster.run.pools import WorkerRecord
+
+    asked: list[dict] = []
     spec = SimpleNamespace(name="decode-0", gpus=1.0)
     record = WorkerRecord("decode-0", "decode", None, spec=spec)
-    pools._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=1))
+    _recording_pools(asked)._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=1))
     assert record.actor == ("actor", "decode-0")
     assert asked[0]["runtime_env"] == {"env_vars": NCCL_PROCESS_ENV}
     assert asked[0]["name"] == "pdserve-decode-0" and asked[0]["num_gpus"] == 1.0
@@ -134,14 +140,7 @@ def test_every_tensor_parallel_rank_starts_with_them():
     pytest.importorskip("ray")
     import dataclasses
 
-    from cluster.run.pools import RayPools, WorkerRecord
-
-    asked: list[dict] = []
-
-    class Remote:
-        def options(self, **kwargs):
-            asked.append(kwargs)
-            return SimpleNamespace(remote=lambda spec, *rank: ("actor", spec.name, *rank))
+    from cluster.run.pools import WorkerRecord
 
     @dataclasses.dataclass
     class Spec:
@@ -149,13 +148,10 @@ def test_every_tensor_parallel_rank_starts_with_them():
         gpus: float
         tp_rendezvous: str = ""
 
-    pools = RayPools.__new__(RayPools)
-    pools._remote_cls = pools._leader_cls = pools._rank_cls = Remote()
+    asked: list[dict] = []
     record = WorkerRecord("prefill-0", "prefill", None, spec=Spec("prefill-0", 1.0))
-    pools._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=3))
-    assert record.actor == ("actor", "prefill-0") and record.ranks == [
-        ("actor", "prefill-0", 1),
-        ("actor", "prefill-0", 2),
-    ]
+    _recording_pools(asked)._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=3))
+    assert record.actor == ("actor", "prefill-0")
+    assert record.ranks == [("actor", "prefill-0", 1), ("actor", "prefill-0", 2)]
     assert [a["name"] for a in asked] == ["pdserve-prefill-0-rank1", "pdserve-prefill-0-rank2", "pdserve-prefill-0"]
     assert all(a["runtime_env"] == {"env_vars": NCCL_PROCESS_ENV} for a in asked)

@@ -74,6 +74,15 @@ def _serve_all(config, prompts: list[str]) -> tuple[dict, list[dict], int]:
     return outputs, infos, handle.cached_tokens
 
 
+def _same_tokens_gap(expected: dict, got: dict) -> float:
+    """Asserts every prompt's text is the same; the largest gap between the chosen tokens' logprobs."""
+    gap = 0.0
+    for prompt, (text, logprobs) in expected.items():
+        assert got[prompt][0] == text, prompt
+        gap = max(gap, max(abs(a - b) for a, b in zip(logprobs, got[prompt][1], strict=True)))
+    return gap
+
+
 @pytest.fixture(scope="module")
 def colocated_two_ranks(tiny_llama_path):
     return _serve_all(_config(tiny_llama_path, 2), PROMPTS)
@@ -82,10 +91,7 @@ def colocated_two_ranks(tiny_llama_path):
 def test_two_ranks_serve_the_same_tokens_as_one(tiny_llama_path, colocated_two_ranks):
     one, _, _ = _serve_all(_config(tiny_llama_path, 1), PROMPTS)
     two, ranks, _ = colocated_two_ranks
-    gap = 0.0
-    for prompt, (text, logprobs) in one.items():
-        assert two[prompt][0] == text, prompt
-        gap = max(gap, max(abs(a - b) for a, b in zip(logprobs, two[prompt][1])))
+    gap = _same_tokens_gap(one, two)
     print(f"largest logprob gap at 2 ranks: {gap:.3g}")
     assert gap < LOGPROB_TOLERANCE
     [rank1] = ranks
@@ -102,10 +108,7 @@ def test_disaggregated_degrees_serve_what_colocated_ranks_do(
     the decode worker's prefix cache across the hand-off."""
     colocated, _, _ = colocated_two_ranks
     disaggregated, ranks, cached = _serve_all(_disaggregated(tiny_llama_path, prefill_tp, decode_tp, backend), PROMPTS)
-    gap = 0.0
-    for prompt, (text, logprobs) in colocated.items():
-        assert disaggregated[prompt][0] == text, prompt
-        gap = max(gap, max(abs(a - b) for a, b in zip(logprobs, disaggregated[prompt][1])))
+    gap = _same_tokens_gap(colocated, disaggregated)
     print(f"({prefill_tp}, {decode_tp}) over {backend}: largest logprob gap against colocated at 2 ranks: {gap:.3g}")
     assert gap < LOGPROB_TOLERANCE
     assert len(ranks) == prefill_tp - 1 + decode_tp - 1 and all(rank["steps"] > 0 for rank in ranks)
