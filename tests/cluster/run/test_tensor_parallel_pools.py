@@ -38,7 +38,9 @@ def _disaggregated(model_path, prefill_tp: int, decode_tp: int, backend: str):
     )
 
 
-def _complete(handle, prompt: str, max_tokens: int = 12) -> tuple[str, list[float]]:
+def _complete(handle, prompt: str, max_tokens: int = 12, cached_tokens: list[int] | None = None) -> tuple[str, list]:
+    """The text and chosen tokens' logprobs; the prompt tokens the server reports cached go to ``cached_tokens``."""
+    cached_tokens = [] if cached_tokens is None else cached_tokens
     body = {
         "model": handle.config.served_model_name,
         "prompt": prompt,
@@ -50,7 +52,7 @@ def _complete(handle, prompt: str, max_tokens: int = 12) -> tuple[str, list[floa
     response = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
-    handle.cached_tokens += response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached_tokens.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
     return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
@@ -59,10 +61,12 @@ def _serve_all(config, prompts: list[str]) -> tuple[dict, list[dict], int]:
     from cluster.run.launch import start_serving
 
     handle = start_serving(config, in_process=True)
-    handle.cached_tokens = 0
+    cached: list[int] = []
     try:
-        outputs = {p: _complete(handle, p) for p in prompts}
-        outputs |= {p + " again": _complete(handle, p) for p in prompts}  # the prefix cache reused on every rank
+        outputs = {p: _complete(handle, p, cached_tokens=cached) for p in prompts}
+        outputs |= {
+            p + " again": _complete(handle, p, cached_tokens=cached) for p in prompts
+        }  # the prefix cache reused on every rank
         wait_all_kv_free(handle.base_url)
         assert not handle.router.flows
         ranks = [rank.rank for record in handle.pools.workers for rank in record.ranks]
@@ -71,7 +75,7 @@ def _serve_all(config, prompts: list[str]) -> tuple[dict, list[dict], int]:
         handle.stop()
     infos = [rank.info() for rank in ranks]
     assert all(info["ended"] == "stop" for info in infos)  # every rank was stopped by its rank 0, none broke
-    return outputs, infos, handle.cached_tokens
+    return outputs, infos, sum(cached)
 
 
 def _same_tokens_gap(expected: dict, got: dict) -> float:
