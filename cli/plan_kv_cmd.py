@@ -78,18 +78,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--model: {exc}") from None
     try:
-        sizing = size_kv(
-            shape,
-            dtype,
-            block_size=args.block_size or EngineConfig().block_size,
-            gpu_memory_gib=args.gpu_memory_gb,
-            gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-            context_tokens=args.context,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+        shape.rank_shape(args.tensor_parallel_size)  # the model splits that many ways
     except ValueError as exc:
-        if "tensor_parallel_size" in str(exc):
-            raise ValueError(f"--tensor-parallel-size: {exc}") from None
-        raise
+        raise ValueError(f"--tensor-parallel-size: {exc}") from None
+    sizing = size_kv(
+        shape,
+        dtype,
+        block_size=args.block_size or EngineConfig().block_size,
+        gpu_memory_gib=args.gpu_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+        context_tokens=args.context,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     print(json.dumps(sizing.to_dict()) if args.json else format_table(sizing))
     return 0

@@ -59,12 +59,11 @@ class LLMEngine:
         # it could only preempt itself, recompute and preempt itself again, forever
         self.length_limit = min(self.max_model_len, self.block_manager.num_blocks * config.block_size)
         split = self.runner.head_split
-        self.tp_size = split.size if split is not None else 1
         # what crosses to another worker holds every KV head, so either side's degree may be anything (one rank's
         # part would fit only the same split on the other side)
         self.handoff_spec = dataclasses.replace(self.kv_spec, num_kv_heads=split.kv_total) if split else self.kv_spec
         gather = None
-        if tp_group is not None and split is not None and self.tp_size > 1:
+        if tp_group is not None and split is not None and tp_group.size > 1:
             group = tp_group
 
             def gather(kv: torch.Tensor) -> torch.Tensor:
@@ -152,7 +151,9 @@ class LLMEngine:
                 f"prompt's {request.num_prompt_tokens} tokens, got {export_from_token}"
             )
         if kv_sink is not None:
-            stream_kv = stream_kv or self.tp_size > 1  # the ranks gather its heads inside the forward
+            stream_kv = (
+                stream_kv or self.config.tensor_parallel_size > 1
+            )  # the ranks gather its heads inside the forward
             request.kv_export = KVExport(kv_sink, stream_kv, first_block=export_from_token // self.config.block_size)
         self.requests[request.request_id] = request
         self.scheduler.add(request)

@@ -63,14 +63,10 @@ class HeadSplit:
         return kv[..., self.kv_start : self.kv_start + self.kv_heads, :]
 
     def whole_kv(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Every head of the model, in order, from each rank's part (rank order; heads on dim -2), each head taken
-        once (from the first rank holding it when they are replicated)."""
-        splits = [head_split(self.q_heads * self.size, self.kv_total, self.size, r) for r in range(self.size)]
-        heads: dict[int, torch.Tensor] = {}
-        for split, part in zip(splits, parts, strict=True):
-            for i in range(split.kv_heads):
-                heads.setdefault(split.kv_start + i, part[..., i : i + 1, :])
-        return torch.cat([heads[h] for h in range(self.kv_total)], dim=-2)
+        """Every head of the model, in order, from each rank's part (rank order; heads on dim -2). Replicated, a head
+        is held by ``size // kv_total`` consecutive ranks (``head_split``): the first of them gives it."""
+        per_head = self.size // self.kv_total if self.replicated_kv else 1
+        return torch.cat(parts[::per_head], dim=-2)
 
 
 def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadSplit:

@@ -8,14 +8,16 @@ neither reported nor exited by then is killed, so a broken group never outlives 
 
 from __future__ import annotations
 
+import io
 import multiprocessing
-import pickle
 import queue
 import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 RankTarget = Callable[[int, int, str, Any], Any]
 
@@ -30,8 +32,10 @@ class RankFailed(RuntimeError):
 
 def _main(target: RankTarget, rank: int, size: int, store_path: str, payload: Any, results: Any) -> None:
     try:
-        # pickled here, by value: a queue would share a tensor's storage with this process, which is about to end
-        results.put((rank, True, pickle.dumps(target(rank, size, store_path, payload))))
+        # serialized here, by value: a queue would share a tensor's storage with this process, which is about to end
+        buffer = io.BytesIO()
+        torch.save(target(rank, size, store_path, payload), buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - sent to the caller, which raises it as RankFailed
         results.put((rank, False, traceback.format_exc()))
 
@@ -52,7 +56,8 @@ def run_ranks(
         try:
             while len(out) + len(errors) < size - len(expect_missing):
                 rank, ok, value = results.get(timeout=timeout_s)
-                (out if ok else errors)[rank] = pickle.loads(value) if ok else value
+                # tensors, containers and plain values only: the loader runs no code from what it reads
+                (out if ok else errors)[rank] = torch.load(io.BytesIO(value), weights_only=True) if ok else value
         except queue.Empty:
             pass
         finally:

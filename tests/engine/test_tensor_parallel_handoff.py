@@ -11,11 +11,13 @@ Checked for (p, d) in (1, 2), (2, 1), (2, 2) and (4, 2) on a model with 2 KV hea
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine.tensor_parallel import HeadSplit
 from engine.tp_launch import run_ranks
 
 LOGPROB_TOLERANCE = 1e-4
@@ -50,7 +52,7 @@ def _follower(rank: int, size: int, store_path: str, model: str) -> dict:
     return {
         "ended": ended,
         "cache": torch.stack(parts.kv_cache.kv),
-        "split": parts.runner.head_split,
+        "split": dataclasses.astuple(parts.runner.head_split),
     }  # [layers, 2, blocks + 1, bs, heads, hd]
 
 
@@ -67,7 +69,7 @@ def _engine(rank: int, size: int, store_path: str, model: str):
 def _finish(engine, out: dict) -> dict:
     engine.check_no_leaks()
     engine.close()  # stops the followers
-    return out | {"cache": torch.stack(engine.kv_cache.kv), "split": engine.runner.head_split}
+    return out | {"cache": torch.stack(engine.kv_cache.kv), "split": dataclasses.astuple(engine.runner.head_split)}
 
 
 def _prefill_main(rank: int, size: int, store_path: str, model: str) -> dict:
@@ -76,14 +78,12 @@ def _prefill_main(rank: int, size: int, store_path: str, model: str) -> dict:
     if rank > 0:
         return _follower(rank, size, store_path, model)
     engine = _engine(rank, size, store_path, model)
-    exported: dict[str, dict[int, list]] = {}
+    exported: dict[str, dict[int, list]] = {}  # per request, per layer: its pieces, in block order as they came
     blocks: dict[str, list[int]] = {}
     first_tokens: dict[str, int] = {}
 
     def sink(ready) -> None:
-        exported.setdefault(ready.request_id, {}).setdefault(ready.layer, []).append(
-            (ready.first_block, ready.k, ready.v)
-        )
+        exported.setdefault(ready.request_id, {}).setdefault(ready.layer, []).append(torch.stack((ready.k, ready.v)))
 
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(prompt, _params(), f"r{i}", prefill_only=True, kv_sink=sink, stream_kv=False)
@@ -93,17 +93,9 @@ def _prefill_main(rank: int, size: int, store_path: str, model: str) -> dict:
             first_tokens[output.request_id] = output.new_token_ids[0]
             blocks[output.request_id] = list(engine.requests[output.request_id].block_ids)
             engine.release(output.request_id)
-    kv = {  # per request, per layer: [2, blocks, bs, every head, hd], the pieces in block order
-        rid: {
-            layer: torch.stack(
-                (
-                    torch.cat([k for _, k, _ in sorted(p, key=lambda x: x[0])]),
-                    torch.cat([v for *_, v in sorted(p, key=lambda x: x[0])]),
-                )
-            )
-            for layer, p in layers.items()
-        }
-        for rid, layers in exported.items()
+    # per request, per layer: [2, blocks, bs, every head, hd]
+    kv = {
+        rid: {layer: torch.cat(pieces, dim=1) for layer, pieces in layers.items()} for rid, layers in exported.items()
     }
     prompts = {f"r{i}": engine.tokenize(p) for i, p in enumerate(PROMPTS)}
     return _finish(engine, {"kv": kv, "blocks": blocks, "first_tokens": first_tokens, "prompts": prompts})
@@ -153,7 +145,7 @@ def _alone_main(rank: int, size: int, store_path: str, model: str) -> dict:
 def _reassembled(ranks: dict[int, dict], block_ids: list[int], num_tokens: int) -> torch.Tensor:
     """Every head of ``block_ids``' first ``num_tokens`` slots, from each rank's cache: [layers, 2, tokens, heads, hd]."""
     parts = [ranks[r]["cache"][:, :, block_ids] for r in range(len(ranks))]
-    return ranks[0]["split"].whole_kv(parts).flatten(2, 3)[:, :, :num_tokens]
+    return HeadSplit(*ranks[0]["split"]).whole_kv(parts).flatten(2, 3)[:, :, :num_tokens]
 
 
 @pytest.fixture(scope="module")
