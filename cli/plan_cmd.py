@@ -1,4 +1,5 @@
-"""``pdserve plan``: simulate colocated and every P:D split of N workers on a workload; recommend one for an SLO.
+"""``pdserve plan``: simulate colocated and every P:D split of N devices on a workload, at every tensor-parallel
+degree profiled (one profile per degree: each pool's (replicas, tensor_parallel_size)); recommend one for an SLO.
 
 Every figure is simulated (planner/simulator.py) from a measured profile, labelled with its model, device and date.
 The workload is a JSONL trace (``{"arrival_s", "input_tokens", "output_tokens"}`` per line; arrivals kept, scaled in
@@ -24,7 +25,12 @@ DEFAULT_CV = 0.25  # normal, lognormal: the load tester's --length-cv default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", default=None, help="a profile JSON written by `pdserve profile`")
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        default=None,
+        help="profile JSONs written by `pdserve profile`, one per tensor-parallel degree to search",
+    )
     parser.add_argument(
         "--workload",
         default=None,
@@ -35,7 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo", nargs="+", default=None, metavar="KIND:MS", help="ttft:MS tpot:MS (default: the config's slo)"
     )
-    parser.add_argument("--workers", type=int, default=None, metavar="N", help="workers to split (prefill + decode)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="devices to split (prefill + decode); a worker of tensor-parallel degree d takes d of them",
+    )
+    parser.add_argument("--gpus", type=int, default=None, metavar="N", help="the same budget on a GPU cluster")
     parser.add_argument(
         "--config", default="local", help="base cluster config: a YAML path or a shipped config's name (default: local)"
     )
@@ -127,31 +140,43 @@ def build_workload(spec: str, num_requests: int, seed: int):
     return poisson_workload(spec, [TraceRequest(0.0, i, o) for i, o in zip(inputs, outputs)], seed)
 
 
-def describe_profile(profile) -> str:
-    return f"profile {profile.model} {profile.dtype} on {profile.device} ({profile.backend}), measured {profile.date}"
+def describe_profile(profiles) -> str:
+    """One profile, or a set of them (one per tensor-parallel degree, of one model)."""
+    one = getattr(profiles, "first", profiles)
+    degrees = getattr(profiles, "degrees", [one.tensor_parallel_size])
+    at = f", tensor-parallel degree {'/'.join(map(str, degrees))}" if degrees != [1] else ""
+    return f"profile {one.model} {one.dtype} on {one.device} ({one.backend}){at}, measured {one.date}"
+
+
+def device_budget(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.gpus is not None and args.workers != args.gpus:
+        raise ValueError(f"--workers {args.workers} and --gpus {args.gpus}: give one budget")
+    devices = args.gpus if args.gpus is not None else args.workers
+    if devices is None:
+        raise ValueError("pdserve plan needs --workers (or --gpus) (see pdserve plan --help)")
+    if devices < 1:
+        raise ValueError(f"--{'gpus' if args.gpus is not None else 'workers'} must be at least 1, got {devices}")
+    return devices
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--profile", args.profile), ("--workload", args.workload), ("--workers", args.workers)):
+    for flag, value in (("--profile", args.profile), ("--workload", args.workload)):
         if value is None:
             raise ValueError(f"pdserve plan needs {flag} (see pdserve plan --help)")
-    if args.workers < 1:
-        raise ValueError("--workers must be at least 1")
-    if not Path(args.profile).is_file():
-        raise ValueError(f"--profile: {args.profile!r} is not a file (write one with `pdserve profile`)")
+    devices = device_budget(args)
+    for path in args.profile:
+        if not Path(path).is_file():
+            raise ValueError(f"--profile: {path!r} is not a file (write one with `pdserve profile`)")
     from cluster.config import load_config
     from planner.goodput import SLO
-    from planner.profile_model import Profile
+    from planner.profile_model import Profile, ProfileSet
     from planner.recommend import best, best_disaggregated, evaluate, plan_config, write_config
-    from planner.simulator import SimSettings
 
-    profile = Profile.load(args.profile)
+    profiles = ProfileSet.of([Profile.load(path) for path in args.profile])
     base = load_config(args.config)
     ttft_s, tpot_s = parse_slo(args.slo, base.slo.ttft_s, base.slo.tpot_s)
     slo = SLO(ttft_s, tpot_s)
     workload = build_workload(args.workload, args.num_requests, args.seed)
-    settings = SimSettings.from_config(base, profile)
-    settings.seed = args.seed
     quiet = args.json
 
     def progress(result) -> None:
@@ -159,12 +184,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"  simulated {result.layout.label}: {result.goodput.rate:.3f} req/s", file=sys.stderr, flush=True)
 
     results = evaluate(
-        profile, workload, args.workers, settings, slo, args.tolerance, progress, args.min_duration, args.split_step
+        profiles, workload, devices, base, slo, args.tolerance, progress, args.min_duration, args.split_step, args.seed
     )
     chosen = best(results, args.tolerance)
     split = best_disaggregated(results)
     colocated = results[0]
-    label = f"SIMULATED, not measured: {describe_profile(profile)}"
+    label = f"SIMULATED, not measured: {describe_profile(profiles)}"
     if args.out:
         header = (
             f"pdserve plan: {chosen.layout.label} for {args.workload}, SLO ttft {ttft_s * 1000:g} ms tpot "
@@ -174,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(results, args.plot, label, args.workload, ttft_s, tpot_s)
     if args.json:
-        print(json.dumps(_as_json(results, chosen, profile, args, ttft_s, tpot_s), indent=1))
+        print(json.dumps(_as_json(results, chosen, profiles, args, devices, ttft_s, tpot_s), indent=1))
         return 0
     print(label)
     print(
@@ -182,10 +207,14 @@ def run(args: argparse.Namespace) -> int:
         f"mean output {workload.mean_output:.0f} tokens; SLO ttft {ttft_s * 1000:g} ms, tpot {tpot_s * 1000:g} ms, "
         f">= 90% of requests"
     )
-    print(f"{'layout':<16}{'goodput req/s':>15}{'per worker':>12}{'attainment':>12}")
+    width = max(16, *(len(r.layout.label) + 2 for r in results))
+    print(f"{'layout':<{width}}{'devices':>8}{'goodput req/s':>15}{'per device':>12}{'attainment':>12}")
     for r in results:
         mark = "  <- recommended" if r is chosen else ""
-        print(f"{r.layout.label:<16}{r.goodput.rate:>15.3f}{r.per_worker:>12.3f}{r.goodput.attainment:>12.2f}{mark}")
+        print(
+            f"{r.layout.label:<{width}}{r.layout.devices:>8}{r.goodput.rate:>15.3f}{r.per_device:>12.3f}"
+            f"{r.goodput.attainment:>12.2f}{mark}"
+        )
     if split is not None and colocated.goodput.rate > 0:
         print(
             f"best split {split.layout.label}: {split.goodput.rate / colocated.goodput.rate:.2f}x colocated (simulated)"
@@ -195,12 +224,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _as_json(results, chosen, profile, args, ttft_s: float, tpot_s: float) -> dict:
+def _as_json(results, chosen, profiles, args, devices: int, ttft_s: float, tpot_s: float) -> dict:
+    profile = profiles.first
     return {
         "simulated": True,
-        "profile": {k: getattr(profile, k) for k in ("model", "dtype", "device", "backend", "date")},
+        "profile": {k: getattr(profile, k) for k in ("model", "dtype", "device", "backend", "date")}
+        | {"tensor_parallel_sizes": profiles.degrees},
         "workload": args.workload,
-        "workers": args.workers,
+        "workers": devices,
         "min_duration_s": args.min_duration,
         "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s, "attainment": 0.9},
         "results": [
@@ -209,6 +240,9 @@ def _as_json(results, chosen, profile, args, ttft_s: float, tpot_s: float) -> di
                 "mode": r.layout.mode,
                 "prefill": r.layout.prefill,
                 "decode": r.layout.decode,
+                "prefill_tensor_parallel_size": r.layout.prefill_tp,
+                "decode_tensor_parallel_size": r.layout.decode_tp,
+                "devices": r.layout.devices,
                 "goodput_rps": r.goodput.rate,
                 "attainment": r.goodput.attainment,
                 "probes": len(r.goodput.probes),
@@ -226,23 +260,34 @@ def _plot(results, path: str, label: str, workload: str, ttft_s: float, tpot_s: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    split = [r for r in results if r.layout.mode == "disaggregated"]
-    colocated = results[0]
+    devices = max(r.layout.devices for r in results)
     fig, ax = plt.subplots(figsize=(7, 4))
-    if split:  # the colors of the load-test plots: colocated C0, disaggregated C1
+    pairs = sorted({(r.layout.prefill_tp, r.layout.decode_tp) for r in results if r.layout.mode == "disaggregated"})
+    colocated = [r for r in results if r.layout.mode == "colocated"]
+    only_degree_1 = pairs in ([], [(1, 1)]) and all(r.layout.decode_tp == 1 for r in colocated)
+    for i, (prefill_tp, decode_tp) in enumerate(pairs):  # the load-test plots' colors: colocated C0, split C1...
+        split = [
+            r
+            for r in results
+            if r.layout.mode == "disaggregated" and (r.layout.prefill_tp, r.layout.decode_tp) == (prefill_tp, decode_tp)
+        ]
+        name = "disaggregated P:D" if only_degree_1 else f"P tp{prefill_tp} : D tp{decode_tp}"
         ax.plot(
-            [r.layout.prefill for r in split],
+            [r.layout.prefill * prefill_tp for r in split],
             [r.goodput.rate for r in split],
             "o-",
-            color="C1",
-            label="disaggregated P:D",
+            color=f"C{1 + i}",
+            label=name,
         )
-    ax.axhline(colocated.goodput.rate, color="C0", linestyle="--", label=f"colocated {colocated.layout.decode}")
-    ax.set_xlabel(f"prefill workers (of {colocated.layout.workers}; the rest decode)")
+    for j, r in enumerate(colocated):
+        style = ["--", ":", "-.", (0, (5, 1))][j % 4]
+        ax.axhline(r.goodput.rate, color="C0", linestyle=style, label=r.layout.label)
+    unit = "workers" if only_degree_1 else "devices"
+    ax.set_xlabel(f"prefill {unit} (of {devices}; the rest decode)")
     ax.set_ylabel("goodput, req/s (simulated)")
     two_lines = label.replace(": ", ":\n", 1)  # "SIMULATED, not measured:" above the profile's name
     title = (
-        f"{workload}, {colocated.layout.workers} workers, SLO ttft {ttft_s * 1000:g} ms tpot {tpot_s * 1000:g} ms, "
+        f"{workload}, {devices} {unit}, SLO ttft {ttft_s * 1000:g} ms tpot {tpot_s * 1000:g} ms, "
         f"plotted {time.strftime('%Y-%m-%d')}\n{two_lines}"
     )
     ax.set_title(title, fontsize=8)

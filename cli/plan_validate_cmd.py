@@ -246,10 +246,13 @@ def _mode_config(config, mode: str):
 def _layout(config):
     from planner.simulator import Layout
 
-    prefill, decode = config.pools.prefill.replicas, config.pools.decode.replicas
-    if config.mode == "colocated":
-        return Layout("colocated", 0, prefill + decode)
-    return Layout("disaggregated", prefill, decode)
+    pools = config.pools
+    prefill, decode = pools.prefill.replicas, pools.decode.replicas
+    if config.mode == "colocated":  # both pools' workers serve whole requests; the simulator gives them one degree
+        return Layout("colocated", 0, prefill + decode, decode_tp=pools.decode.tensor_parallel_size)
+    return Layout(
+        "disaggregated", prefill, decode, pools.prefill.tensor_parallel_size, pools.decode.tensor_parallel_size
+    )
 
 
 def _profile_notes(profile, config) -> list[str]:

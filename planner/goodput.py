@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.profile_model import Profile
-from planner.simulator import Layout, SimRecord, SimSettings, simulate
+from planner.profile_model import Profile, ProfileSet
+from planner.simulator import Layout, SimRecord, SimSettings, as_profile_set, simulate
 from planner.trace import Workload
 
 ATTAINMENT = 0.9  # the share of requests that must meet both SLOs
@@ -78,7 +78,7 @@ def find_goodput(
 
 
 def layout_goodput(
-    profile: Profile,
+    profile: Profile | ProfileSet,
     workload: Workload,
     layout: Layout,
     settings: SimSettings,
@@ -90,7 +90,10 @@ def layout_goodput(
     """The first probe, unless given, is a rough capacity guess (workers over one request's service time), so the
     bracket takes few doublings. ``min_duration_s``: each probe's trace spans at least this long."""
     if start is None:
-        per_request = profile.prefill_s(int(workload.mean_input)) + workload.mean_output * profile.decode_step_s(
+        profiles = as_profile_set(profile)
+        prefill = profiles.at(layout.prefill_tp if layout.mode == "disaggregated" else layout.decode_tp)
+        decode = profiles.at(layout.decode_tp)
+        per_request = prefill.prefill_s(int(workload.mean_input)) + workload.mean_output * decode.decode_step_s(
             1, int(workload.mean_input + workload.mean_output / 2)
         )
         start = max(layout.workers / max(per_request, 1e-6), 1e-3)

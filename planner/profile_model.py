@@ -8,6 +8,7 @@ so it records what it was measured on next to the points. The simulator asks onl
 - ``transfer_s(num_bytes)``: one request's KV from a prefill to a decode worker;
 - ``mixed_step_s``: a colocated step, prefill chunk plus decodes less one forward's fixed overhead (as a mixed
   batch behaves on a CPU or an unsaturated GPU).
+A profile is one tensor-parallel degree's; ``ProfileSet`` holds one per degree for a plan that searches degrees.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class Profile:
     transfer_fit: Fit | None = None  # features of num_bytes
     notes: str = ""  # how it was measured (threads, repeats), shown with every plan made from it
     version: int = PROFILE_VERSION
+    tensor_parallel_size: int = 1  # ranks of the measured worker; its step times are the whole worker's
+    num_kv_heads: int = 0  # the model's (0: not recorded); a tensor-parallel rank holds its share of them
+    kv_blocks: int = 0  # KV blocks the measured worker's engine got (0: not recorded); a GPU pool's from free memory
 
     def prefill_s(self, tokens: int, context: int = 0) -> float:
         assert self.prefill_fit is not None, "profile has no prefill fit"
@@ -121,3 +125,49 @@ class Profile:
         for name in ("prefill_fit", "decode_fit", "transfer_fit"):
             data[name] = Fit(**data[name]) if data.get(name) else None
         return cls(**data)
+
+
+@dataclass(slots=True)
+class ProfileSet:
+    """One profile per tensor-parallel degree of one model, dtype and block size: what a degree search reads."""
+
+    by_degree: dict[int, Profile]
+
+    @classmethod
+    def of(cls, profiles: list[Profile]) -> ProfileSet:
+        if not profiles:
+            raise ValueError("--profile: at least one profile is needed")
+        first = profiles[0]
+        by_degree: dict[int, Profile] = {}
+        for profile in profiles:
+            for name in ("model", "dtype", "block_size", "kv_bytes_per_token"):
+                if getattr(profile, name) != getattr(first, name):
+                    raise ValueError(
+                        f"--profile: the profiles differ in {name} ({getattr(first, name)!r} and "
+                        f"{getattr(profile, name)!r}): a plan compares degrees of one model and KV layout"
+                    )
+            if profile.tensor_parallel_size in by_degree:
+                raise ValueError(f"--profile: two profiles of tensor_parallel_size {profile.tensor_parallel_size}")
+            by_degree[profile.tensor_parallel_size] = profile
+        return cls(dict(sorted(by_degree.items())))
+
+    @property
+    def degrees(self) -> list[int]:
+        return list(self.by_degree)
+
+    def at(self, degree: int) -> Profile:
+        if degree not in self.by_degree:
+            raise ValueError(f"no profile of tensor_parallel_size {degree} (profiled: {self.degrees})")
+        return self.by_degree[degree]
+
+    def transfer_s(self, num_bytes: int) -> float:
+        """One request's whole KV (every head: rank 0 gathers it at any degree), by the lowest degree's transfer fit
+        (``pdserve profile`` measures transfers between two single-rank engines)."""
+        for profile in self.by_degree.values():
+            if profile.transfer_fit is not None:
+                return profile.transfer_s(num_bytes)
+        return 0.0
+
+    @property
+    def first(self) -> Profile:
+        return next(iter(self.by_degree.values()))

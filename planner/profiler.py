@@ -249,6 +249,12 @@ def profile_cluster(config: ClusterConfig, quick: bool = False, progress: bool =
     started = time.monotonic()
     rng = random.Random(seed)
     prefill_spec, decode_spec = pool_specs(config)
+    degrees = {prefill_spec.engine.tensor_parallel_size, decode_spec.engine.tensor_parallel_size}
+    if degrees != {1}:
+        raise ValueError(
+            "pools.<pool>.tensor_parallel_size: pdserve profile measures single-rank workers only (degree "
+            f"{sorted(degrees)} asked); profile degree 1 here, and other degrees as docs/planner.md says"
+        )
     prefill_engine = measuring_engine(prefill_spec)
     decode_engine = measuring_engine(decode_spec)
     grid = plan_grid(prefill_engine, decode_engine, quick)
@@ -283,7 +289,9 @@ def profile_cluster(config: ClusterConfig, quick: bool = False, progress: bool =
         backend=backend,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         block_size=prefill_engine.config.block_size,
-        kv_bytes_per_token=prefill_engine.kv_spec.bytes_per_token,
+        kv_bytes_per_token=prefill_engine.handoff_spec.bytes_per_token,
+        num_kv_heads=prefill_engine.handoff_spec.num_kv_heads,
+        kv_blocks=decode_engine.block_manager.num_blocks,
         max_batch_tokens=prefill_engine.config.max_batch_tokens,
         max_num_seqs=decode_engine.config.max_num_seqs,
         prefill_points=prefill,

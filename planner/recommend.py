@@ -1,13 +1,16 @@
-"""For N workers: every layout (colocated N, and each P:D split), its goodput, the one to run, and its config.
+"""For a budget of N devices: every layout (colocated, and each P:D split, at each profiled tensor-parallel degree of
+each pool), its goodput, the one to run, and its config.
 
-The best has the highest goodput; on a tie (within the bisection's tolerance) colocated wins (no KV moves, one
-pool), then fewer prefill workers. Its config is the base config with mode and replicas changed, validated as a
-loaded file; colocated puts every worker in the decode pool (the split does not matter there).
+A worker of degree d takes d devices (GPUs, or CPU shares on a CPU pool); with degree-1 profiles only, N devices
+are N workers. The best has the highest goodput; on a tie (within the bisection's tolerance) colocated wins (no KV
+moves, one pool), then fewer devices, fewer prefill workers, lower degrees. Each layout is simulated with the
+settings its own config gives (KV blocks per worker at its degrees). Its config is the base config with mode,
+replicas and degrees changed, validated as a loaded file; colocated puts every worker in the decode pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import yaml
 
 from cluster.config import ClusterConfig, parse_config
 from planner.goodput import SLO, GoodputResult, layout_goodput
-from planner.profile_model import Profile
+from planner.profile_model import ProfileSet
 from planner.simulator import Layout, SimSettings
 from planner.trace import Workload
 
@@ -26,39 +29,58 @@ class LayoutResult:
     goodput: GoodputResult
 
     @property
-    def per_worker(self) -> float:
-        return self.goodput.rate / self.layout.workers
+    def per_device(self) -> float:
+        return self.goodput.rate / self.layout.devices
 
 
-def layouts(workers: int, split_step: int = 1) -> list[Layout]:
-    """Colocated, then the splits with 1, 1 + step, ... and N - 1 prefill workers (a larger step keeps a 64-worker
-    sweep affordable)."""
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
+def layouts(devices: int, split_step: int = 1, degrees: Sequence[int] = (1,)) -> list[Layout]:
+    """Per degree d: colocated with devices // d workers. Per (prefill degree, decode degree): 1, 1 + step, ... prefill
+    workers (and the most that leave room for one decode worker), the rest of the devices in decode workers (a larger
+    step keeps a 64-device sweep affordable)."""
+    if devices < 1:
+        raise ValueError(f"--workers / --gpus must be at least 1, got {devices}")
     if split_step < 1:
         raise ValueError(f"--split-step must be at least 1, got {split_step}")
-    prefill = sorted(set(range(1, workers, split_step)) | ({workers - 1} if workers > 1 else set()))
-    return [Layout("colocated", 0, workers)] + [Layout("disaggregated", p, workers - p) for p in prefill]
+    found = [Layout("colocated", 0, devices // d, decode_tp=d) for d in degrees if devices // d >= 1]
+    for prefill_tp in degrees:
+        for decode_tp in degrees:
+            most = (devices - decode_tp) // prefill_tp
+            for prefill in sorted(set(range(1, most + 1, split_step)) | ({most} if most >= 1 else set())):
+                decode = (devices - prefill * prefill_tp) // decode_tp
+                found.append(Layout("disaggregated", prefill, decode, prefill_tp, decode_tp))
+    if not found:
+        raise ValueError(f"{devices} devices hold no worker of the profiled degrees {list(degrees)}")
+    return found
+
+
+def layout_settings(base: ClusterConfig, layout: Layout, profiles: ProfileSet, seed: int = 0) -> SimSettings:
+    settings = SimSettings.from_config(plan_config(base, layout), profiles)
+    settings.seed = seed
+    return settings
 
 
 def evaluate(
-    profile: Profile,
+    profiles: ProfileSet,
     workload: Workload,
-    workers: int,
-    settings: SimSettings,
+    devices: int,
+    base: ClusterConfig,
     slo: SLO,
     rel_tol: float = 0.02,
     progress: Callable[[LayoutResult], None] | None = None,
     min_duration_s: float = 0.0,
     split_step: int = 1,
+    seed: int = 0,
 ) -> list[LayoutResult]:
-    """Each search starts at the previous layout's answer (neighbouring splits have similar goodput)."""
+    """Each search starts at the previous layout's answer when only the split changed (neighbouring splits have
+    similar goodput)."""
     results: list[LayoutResult] = []
-    start = None
-    for layout in layouts(workers, split_step):
-        result = LayoutResult(
-            layout, layout_goodput(profile, workload, layout, settings, slo, rel_tol, start, min_duration_s)
-        )
+    start, degrees = None, None
+    for layout in layouts(devices, split_step, profiles.degrees):
+        if (layout.mode, layout.prefill_tp, layout.decode_tp) != degrees:
+            start, degrees = None, (layout.mode, layout.prefill_tp, layout.decode_tp)
+        settings = layout_settings(base, layout, profiles, seed)
+        goodput = layout_goodput(profiles, workload, layout, settings, slo, rel_tol, start, min_duration_s)
+        result = LayoutResult(layout, goodput)
         if result.goodput.rate > 0:
             start = result.goodput.rate
         results.append(result)
@@ -68,10 +90,20 @@ def evaluate(
 
 
 def best(results: list[LayoutResult], rel_tol: float = 0.02) -> LayoutResult:
-    """Rates within ``rel_tol`` of the best tie: colocated first, then fewer prefill."""
+    """Rates within ``rel_tol`` of the best tie: colocated first, then fewer devices, fewer prefill workers, lower
+    degrees."""
     top = max(r.goodput.rate for r in results)
     tied = [r for r in results if r.goodput.rate >= top * (1 - rel_tol)]
-    return min(tied, key=lambda r: (r.layout.mode != "colocated", r.layout.prefill))
+    return min(
+        tied,
+        key=lambda r: (
+            r.layout.mode != "colocated",
+            r.layout.devices,
+            r.layout.prefill,
+            r.layout.prefill_tp,
+            r.layout.decode_tp,
+        ),
+    )
 
 
 def best_disaggregated(results: list[LayoutResult]) -> LayoutResult | None:
@@ -84,6 +116,9 @@ def plan_config(base: ClusterConfig, layout: Layout) -> ClusterConfig:
     data["mode"] = layout.mode
     data["pools"]["prefill"]["replicas"] = layout.prefill
     data["pools"]["decode"]["replicas"] = layout.decode
+    if layout.mode == "disaggregated":
+        data["pools"]["prefill"]["tensor_parallel_size"] = layout.prefill_tp
+    data["pools"]["decode"]["tensor_parallel_size"] = layout.decode_tp
     return parse_config(data, f"<plan: {layout.label}>")
 
 

@@ -2,7 +2,8 @@
 
 It runs the router's own ``RouterCore`` and, per worker, the engine's own ``Scheduler`` and ``BlockManager`` in
 simulated time, talking in the protocol's typed messages delayed ``hop_s`` each. A step lasts what the ``Profile``
-says; a prefill worker ships one KV transfer at a time. Not modelled: failures, stops other than the length (each
+says (its tensor-parallel degree's profile: a ``ProfileSet`` holds one per degree); a prefill worker ships one KV
+transfer at a time. Not modelled: failures, stops other than the length (each
 request generates exactly its trace's output tokens), and the text.
 """
 
@@ -27,7 +28,7 @@ from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens, reserved_tokens
 from engine.request import FinishReason, Request, RequestStatus, RequestTiming, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
-from planner.profile_model import Profile
+from planner.profile_model import Profile, ProfileSet
 from planner.trace import TraceRequest
 from worker.messages import (
     Abort,
@@ -48,7 +49,7 @@ from worker.messages import (
     WorkerLoad,
 )
 
-__all__ = ["Layout", "SimRecord", "SimSettings", "TraceRequest", "simulate"]
+__all__ = ["Layout", "SimRecord", "SimSettings", "TraceRequest", "as_profile_set", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +57,12 @@ class Layout:
     mode: Literal["colocated", "disaggregated"]
     prefill: int  # colocated: 0
     decode: int  # colocated: every worker
+    prefill_tp: int = 1  # ranks per prefill worker (pools.prefill.tensor_parallel_size)
+    decode_tp: int = 1  # ranks per decode worker, or per colocated one
 
     def __post_init__(self) -> None:
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError(f"a layout's tensor-parallel degrees are at least 1, got {self}")
         if self.mode == "colocated" and (self.prefill != 0 or self.decode < 1):
             raise ValueError(f"a colocated layout has decode >= 1 workers and prefill 0, got {self}")
         if self.mode == "disaggregated" and (self.prefill < 1 or self.decode < 1):
@@ -68,8 +73,18 @@ class Layout:
         return self.prefill + self.decode
 
     @property
+    def devices(self) -> int:
+        """Ranks in all (GPUs on a GPU cluster): a worker of degree N takes N."""
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+
+    @property
     def label(self) -> str:
-        return f"colocated {self.decode}" if self.mode == "colocated" else f"{self.prefill}P:{self.decode}D"
+        def tp(degree: int) -> str:
+            return f"(tp{degree})" if self.prefill_tp > 1 or self.decode_tp > 1 else ""
+
+        if self.mode == "colocated":
+            return f"colocated {self.decode}{tp(self.decode_tp)}"
+        return f"{self.prefill}P{tp(self.prefill_tp)}:{self.decode}D{tp(self.decode_tp)}"
 
 
 @dataclass(slots=True)
@@ -95,16 +110,23 @@ class SimSettings:
     seed: int = 0  # the policies' tie-breaking
 
     @classmethod
-    def from_config(cls, config: ClusterConfig, profile: Profile) -> SimSettings:
-        """KV blocks per worker by the engine's rule, over the profile's KV bytes per block."""
+    def from_config(cls, config: ClusterConfig, profile: Profile | ProfileSet) -> SimSettings:
+        """KV blocks per worker by the engine's rule at each pool's tensor-parallel degree, over the profile's KV
+        bytes per block; a GPU pool (sized from free memory at start) takes what the profile's engine got."""
+        profiles = as_profile_set(profile)
         block_size = config.transfer.block_size
-        bytes_per_block = max(1, profile.kv_bytes_per_token * block_size)
+        bytes_per_block = max(1, profiles.first.kv_bytes_per_token * block_size)
+        num_kv_heads = profiles.first.num_kv_heads or None
 
         def blocks(pool) -> int:
-            count = config.pool_kv_blocks(pool, bytes_per_block)
+            count = config.pool_kv_blocks(pool, bytes_per_block, num_kv_heads)
+            measured = profiles.by_degree.get(pool.tensor_parallel_size)
+            if count is None and measured is not None and measured.kv_blocks > 0:
+                count = measured.kv_blocks
             if count is None:
                 raise ValueError(
-                    "pools: a GPU pool sizes its KV from free memory at start; set kv_memory_mb or kv_blocks to plan it"
+                    "pools: a GPU pool sizes its KV from free memory at start; set kv_memory_mb or kv_blocks to plan "
+                    f"it, or use a profile of tensor_parallel_size {pool.tensor_parallel_size} that records its blocks"
                 )
             return count
 
@@ -179,13 +201,20 @@ def synthetic_prompt(index: int, trace: TraceRequest) -> list[int]:
 
 class SimWorker:
     """One worker in simulated time: takes the router's commands as its role does, steps the engine's scheduler for
-    the profile's step time, and sends back what a worker would."""
+    its degree's profiled step time, and sends back what a worker would."""
 
     def __init__(
-        self, cluster: SimCluster, name: str, role: str, blocks: int, max_batch_tokens: int, max_num_seqs: int
+        self,
+        cluster: SimCluster,
+        name: str,
+        role: str,
+        profile: Profile,
+        blocks: int,
+        max_batch_tokens: int,
+        max_num_seqs: int,
     ) -> None:
         self.cluster, self.name, self.role = cluster, name, role
-        self.env, self.profile = cluster.env, cluster.profile
+        self.env, self.profile = cluster.env, profile
         self.blocks = BlockManager(blocks, cluster.settings.block_size, cluster.settings.prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_num_seqs)
         self.max_num_seqs = max_num_seqs
@@ -323,7 +352,7 @@ class SimWorker:
         num_bytes = (request.num_prompt_tokens - cached_tokens) * self.profile.kv_bytes_per_token
         with self.link.request() as turn:
             yield turn
-            yield self.env.timeout(self.profile.transfer_s(num_bytes))
+            yield self.env.timeout(self.cluster.profiles.transfer_s(num_bytes))
         self.leased -= 1
         self._end(request.request_id)
         target = self.cluster.workers.get(decode)
@@ -400,8 +429,8 @@ class SimWorker:
 class SimCluster:
     """The router core and the workers, joined by messages that each take ``hop_s``."""
 
-    def __init__(self, env: simpy.Environment, profile: Profile, layout: Layout, settings: SimSettings) -> None:
-        self.env, self.profile, self.layout, self.settings = env, profile, layout, settings
+    def __init__(self, env: simpy.Environment, profiles: ProfileSet, layout: Layout, settings: SimSettings) -> None:
+        self.env, self.profiles, self.layout, self.settings = env, profiles, layout, settings
         config = settings.cluster_config(layout.mode)
         rng = random.Random(settings.seed)
         weights = {"prefix_weight": settings.prefix_weight, "load_weight": settings.load_weight}
@@ -415,17 +444,16 @@ class SimCluster:
         self.core = RouterCore(config, metrics, Admission(settings.queue_size), members, policies)
         self.workers: dict[str, SimWorker] = {}
         s = settings
+        decode = profiles.at(layout.decode_tp), s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs
         if layout.mode == "colocated":
-            pools = [("colocated", layout.decode, s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs)]
+            pools = [("colocated", layout.decode, *decode)]
         else:
-            pools = [
-                ("prefill", layout.prefill, s.prefill_kv_blocks, s.prefill_max_batch_tokens, s.prefill_max_num_seqs),
-                ("decode", layout.decode, s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs),
-            ]
-        for role, count, blocks, batch_tokens, num_seqs in pools:
+            prefill = profiles.at(layout.prefill_tp), s.prefill_kv_blocks, s.prefill_max_batch_tokens
+            pools = [("prefill", layout.prefill, *prefill, s.prefill_max_num_seqs), ("decode", layout.decode, *decode)]
+        for role, count, profile, blocks, batch_tokens, num_seqs in pools:
             for i in range(count):
                 name = f"{role}-{i}"
-                worker = self.workers[name] = SimWorker(self, name, role, blocks, batch_tokens, num_seqs)
+                worker = self.workers[name] = SimWorker(self, name, role, profile, blocks, batch_tokens, num_seqs)
                 self.core.add_worker(name, role, name, name, env.now)
                 self.core.on_event(worker.stats(), env.now)  # its first heartbeat, before any request
         self.records: list[SimRecord] = []  # by trace index
@@ -494,13 +522,20 @@ class SimCluster:
         self._check_done()
 
 
-def simulate(profile: Profile, trace: Sequence[TraceRequest], layout: Layout, settings: SimSettings) -> list[SimRecord]:
-    """Serve ``trace`` on ``layout``; one record per request, in arrival order. Deterministic for one seed."""
+def as_profile_set(profile: Profile | ProfileSet) -> ProfileSet:
+    return profile if isinstance(profile, ProfileSet) else ProfileSet.of([profile])
+
+
+def simulate(
+    profile: Profile | ProfileSet, trace: Sequence[TraceRequest], layout: Layout, settings: SimSettings
+) -> list[SimRecord]:
+    """Serve ``trace`` on ``layout`` (each pool's degree needs its profile); one record per request, in arrival
+    order. Deterministic for one seed."""
     ordered = sorted(trace, key=lambda t: t.arrival_s)
     if not ordered:
         return []
     env = simpy.Environment()
-    cluster = SimCluster(env, profile, layout, settings)
+    cluster = SimCluster(env, as_profile_set(profile), layout, settings)
     env.process(cluster.arrivals(ordered))
     horizon = ordered[-1].arrival_s + settings.request_timeout_s
     env.run(until=env.any_of([cluster.all_done, env.timeout(horizon)]))

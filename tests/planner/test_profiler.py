@@ -17,7 +17,7 @@ import yaml
 from cli.main import main
 from planner.fit import fit_points, quality
 from planner.profile_model import Profile
-from planner.profiler import DECODE_FEATURES, PREFILL_FEATURES, geometric
+from planner.profiler import DECODE_FEATURES, PREFILL_FEATURES, geometric, profile_cluster
 from tests.helpers.cluster import tiny_cluster_config
 from transfer.shm_ring import PREFIX, SHM_DIR
 
@@ -61,6 +61,8 @@ def test_the_cli_writes_a_profile_that_loads(profiled, tiny_llama_path) -> None:
     assert profile.block_size == config.transfer.block_size
     assert profile.max_batch_tokens == config.pools.prefill.max_batch_tokens
     assert profile.max_num_seqs == config.pools.decode.max_num_seqs
+    assert profile.tensor_parallel_size == 1 and profile.num_kv_heads == model["num_key_value_heads"]
+    assert profile.kv_blocks == 256  # the decode worker's, as its config sets them
     age = datetime.datetime.now(datetime.timezone.utc) - datetime.datetime.fromisoformat(profile.date)
     assert datetime.timedelta(0) <= age < datetime.timedelta(minutes=10)
     assert leftover == set(), "the transfer measurement left a shared-memory segment behind"
@@ -156,3 +158,9 @@ def test_geometric_grids() -> None:
     assert geometric(1, 64, 7) == [1, 2, 4, 8, 16, 32, 64]
     assert geometric(16, 2048, 5)[0] == 16 and geometric(16, 2048, 5)[-1] == 2048
     assert geometric(8, 8, 4) == [8]
+
+
+def test_a_tensor_parallel_config_is_refused_with_the_field(tiny_llama_path) -> None:
+    config = tiny_cluster_config(tiny_llama_path, pools={"decode": {"replicas": 1, "tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="tensor_parallel_size: pdserve profile measures single-rank workers"):
+        profile_cluster(config, quick=True, progress=False)
