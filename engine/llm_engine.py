@@ -434,6 +434,11 @@ class LLMEngine:
             raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
         if not set(block_ids) <= set(self.missing_prompt_blocks(request)):
             raise ValueError(f"blocks {block_ids} are not reserved for the prompt of request {request_id!r}")
+        self.write_whole_kv(layer, block_ids, k, v)
+
+    def write_whole_kv(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer's KV of every head of the model (``handoff_spec``) into ``block_ids``, unchecked against
+        requests: each rank of a tensor-parallel engine keeps its own heads."""
         split, channel = self.runner.head_split, self.runner.step_channel
         if split is None or channel is None:
             self.kv_cache.write_blocks(layer, block_ids, k, v)

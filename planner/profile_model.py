@@ -160,9 +160,13 @@ class ProfileSet:
             raise ValueError(f"no profile of tensor_parallel_size {degree} (profiled: {self.degrees})")
         return self.by_degree[degree]
 
-    def transfer_s(self, num_bytes: int) -> float:
-        """One request's whole KV (every head: rank 0 gathers it at any degree), by the lowest degree's transfer fit
-        (``pdserve profile`` measures transfers between two single-rank engines)."""
+    def transfer_s(self, num_bytes: int, decode_degree: int = 1) -> float:
+        """One request's whole KV (every head: a prefill rank 0 gathers it at any degree) into a decode worker of
+        ``decode_degree``, whose rank 0 hands each piece on to its ranks: by that degree's transfer fit, else by the
+        lowest degree's that has one (0 if none does: a colocated profile)."""
+        measured = self.by_degree.get(decode_degree)
+        if measured is not None and measured.transfer_fit is not None:
+            return measured.transfer_s(num_bytes)
         for profile in self.by_degree.values():
             if profile.transfer_fit is not None:
                 return profile.transfer_s(num_bytes)

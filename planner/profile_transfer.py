@@ -1,7 +1,7 @@
 """The transfer part of ``pdserve profile``: one request's KV, sender to receiver, on the configured backend.
 
 In one process a sender and receiver move the KV through the same sockets, rings and copies as two workers on one
-node, into a real engine's KV cache. ``auto`` is shm, as between two workers on one node; ``nccl`` needs two GPUs in
+node, into a real engine's KV cache (at tensor-parallel degree N, through rank 0 to every rank, as an import does). ``auto`` is shm, as between two workers on one node; ``nccl`` needs two GPUs in
 two processes, so shm is measured and recorded instead (the notes say so). The gather of the source blocks is not
 timed (the prefill worker does it inside its forward), nor the first transfer of each size (it opens the session).
 """
@@ -42,24 +42,28 @@ def measure_transfer(
     """(backend recorded, note, one point per block count in ``blocks``: the median of ``repeats`` transfers)."""
     spec, backend, note = transfer_backend(spec)
     config = dataclasses.replace(spec.transfer, secret=spec.transfer.secret or secrets.token_hex(16))
-    fingerprint = ModelFingerprint.from_spec(engine.kv_spec)
-    cache = engine.kv_cache
+    kv_spec = engine.handoff_spec  # every head of the model crosses, whatever the degrees
+    fingerprint = ModelFingerprint.from_spec(kv_spec)
 
     def sink(_tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        cache.write_blocks(layer, blocks, k, v)
+        engine.write_whole_kv(layer, blocks, k, v)
 
     receiver = make_receiver(spec.transfer_backend, fingerprint, sink, receiver_address(spec), config)
     sender = make_sender(spec.transfer_backend, fingerprint, config)
     points = []
     try:
         for count in blocks:
-            source, destination = list(range(count)), list(range(count, 2 * count))
-            layers = [cache.read_blocks(layer, source) for layer in range(fingerprint.num_layers)]
+            destination = list(range(count, 2 * count))
+            shape = (count, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
+            layers = [
+                tuple(torch.randn(shape, device=engine.config.device).to(kv_spec.dtype) for _ in "kv")
+                for _ in range(fingerprint.num_layers)
+            ]
             times = [
                 _one_transfer(sender, receiver, f"profile-{count}-{i}", destination, layers, config.deadline_s)
                 for i in range(repeats + 1)
             ][1:]  # the first one opens the session
-            points.append(TransferPoint(count * engine.kv_spec.bytes_per_block, statistics.median(times)))
+            points.append(TransferPoint(count * kv_spec.bytes_per_block, statistics.median(times)))
             tick()
     finally:
         sender.close()

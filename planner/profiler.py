@@ -1,13 +1,16 @@
 """``pdserve profile``: measure prefill, decode and KV transfer times on this machine, with a config's engines.
 
 The engines run directly (no Ray, no HTTP: the simulator needs one forward's cost, not the control plane's), built
-from the config's ``WorkerSpec``\\ s, so every setting is the workers' own. Each point is the median of ``repeats``
+from the config's ``WorkerSpec``\\ s, so every setting is the workers' own; the prefill engine first, then the decode
+engine. A profile is one tensor-parallel degree's: at degree N each engine runs as N local processes
+(``engine.tp_launch``), rank 0 measuring while the others run its steps. Each point is the median of ``repeats``
 timings after a warm-up (more for very short steps: ``samples_needed``):
 - prefill: one step over ``tokens`` new prompt tokens after ``context`` cached ones, the context put there by an
   earlier request with that prefix (the point records the hit the engine reports);
 - decode: one step of ``batch`` requests holding ``context_tokens`` KV in total, built once per context at its
   largest size sharing one prompt through the prefix cache (one prefill, not 64), then shrunk by aborts;
-- transfer: one request's KV over the configured backend, in this process (planner/profile_transfer.py).
+- transfer: one request's KV (every head) over the configured backend into the decode engine, in its process
+  (planner/profile_transfer.py).
 ``planner.fit`` then fits the curves the simulator reads.
 """
 
@@ -23,16 +26,20 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from cluster.config import ClusterConfig
 from engine.blocks import blocks_for_tokens
 from engine.llm_engine import LLMEngine
 from engine.model_loader import resolve_model_path
 from engine.request import RequestStatus, SamplingParams
-from planner.fit import FitQuality, fit_points
+from engine.tensor_parallel import TPGroup, check_degree
+from engine.tp_launch import run_ranks
+from planner.fit import fit_points
 from planner.profile_model import DecodePoint, PrefillPoint, Profile, TransferPoint
 from planner.profile_transfer import measure_transfer
 from worker.spec import WorkerSpec, resolve_spec
+from worker.tp_rank import TPRank, join_group
 
 PREFILL_FEATURES = ["1", "tokens", "tokens*context", "tokens*tokens"]
 DECODE_FEATURES = ["1", "batch", "context_tokens"]
@@ -40,6 +47,7 @@ TRANSFER_FEATURES = ["1", "num_bytes"]
 MAX_TRANSFER_BYTES = 64 * 1024 * 1024
 MIN_SAMPLED_S = 0.05  # keep timing a point until its samples add up to this (or MAX_SAMPLES)
 MAX_SAMPLES = 15
+PART_TIMEOUT_S = 3600.0  # one pool's measurement at degree > 1, its ranks' start included
 
 
 def samples_needed(times: list[float], repeats: int) -> bool:
@@ -51,20 +59,30 @@ Tick = Callable[..., object]  # tqdm's update: tick() or tick(n)
 
 
 @dataclass(slots=True)
-class Grid:
-    """Which points to measure; ``plan_grid`` sizes it from the engines' limits."""
+class PrefillGrid:
+    """Which prefill points to measure; ``prefill_grid`` sizes it from the prefill engine's limits."""
 
-    prefill_tokens: list[int]  # first chunks (nothing cached)
-    prefill_context: list[tuple[int, int]]  # (context, tokens): a chunk after cached tokens
-    decode_contexts: list[int]  # per request
-    decode_batches: list[int]  # at most max_num_seqs (and what the KV cache holds, checked per context)
-    transfer_blocks: list[int]
-    repeats: int
+    tokens: list[int]  # first chunks (nothing cached)
+    context: list[tuple[int, int]]  # (context, tokens): a chunk after cached tokens
+    repeats: int = 3
 
     @property
     def num_measurements(self) -> int:
-        decode = len(self.decode_contexts) * len(self.decode_batches)
-        return len(self.prefill_tokens) + len(self.prefill_context) + decode + len(self.transfer_blocks)
+        return len(self.tokens) + len(self.context)
+
+
+@dataclass(slots=True)
+class DecodeGrid:
+    """Which decode and transfer points to measure; ``decode_grid`` sizes it from the decode engine's limits."""
+
+    contexts: list[int]  # per request
+    batches: list[int]  # at most max_num_seqs (and what the KV cache holds, checked per context)
+    transfer_blocks: list[int]  # empty: colocated, no KV moves
+    repeats: int = 3
+
+    @property
+    def num_measurements(self) -> int:
+        return len(self.contexts) * len(self.batches) + len(self.transfer_blocks)
 
 
 def geometric(low: int, high: int, count: int) -> list[int]:
@@ -79,9 +97,8 @@ def _round_down(value: int, multiple: int) -> int:
     return max(multiple, value // multiple * multiple)
 
 
-def plan_grid(prefill: LLMEngine, decode: LLMEngine, quick: bool) -> Grid:
-    """Chunk sizes up to ``max_batch_tokens`` (within the model length and KV cache), contexts that fit beside them,
-    batches up to ``max_num_seqs``."""
+def prefill_grid(prefill: LLMEngine, quick: bool) -> PrefillGrid:
+    """Chunk sizes up to ``max_batch_tokens`` (within the model length and KV cache), contexts that fit beside them."""
     block = prefill.config.block_size
     prefill_tokens_cap = prefill.block_manager.num_blocks * block - block
     longest = min(prefill.config.max_batch_tokens, prefill.max_model_len - 1, prefill_tokens_cap)
@@ -91,35 +108,56 @@ def plan_grid(prefill: LLMEngine, decode: LLMEngine, quick: bool) -> Grid:
     contexts = (
         [_round_down(room // 4, block)] if quick else [_round_down(room // 8, block), _round_down(room // 3, block)]
     )
-    context_points = [(c, t) for c in contexts for t in chunks if c + t <= room]
+    return PrefillGrid(tokens, [(c, t) for c in contexts for t in chunks if c + t <= room])
+
+
+def decode_grid(decode: LLMEngine, quick: bool, transfers: bool) -> DecodeGrid:
+    """Batches up to ``max_num_seqs``, contexts the KV cache holds; transfers (``transfers``) of every head's KV up to
+    ``MAX_TRANSFER_BYTES`` into half the cache."""
+    block = decode.config.block_size
     decode_room = min(decode.max_model_len - 64, decode.block_manager.num_blocks * block // 2)
-    decode_contexts = [16, 64] if quick else [32, max(64, decode_room // 16), max(128, decode_room // 4)]
+    contexts = [16, 64] if quick else [32, max(64, decode_room // 16), max(128, decode_room // 4)]
     max_seqs = decode.config.max_num_seqs
     batches = geometric(1, max_seqs, 3 if quick else max(2, max_seqs.bit_length()))
-    bytes_per_block = decode.kv_spec.bytes_per_block
+    bytes_per_block = decode.handoff_spec.bytes_per_block
     largest = max(1, min(MAX_TRANSFER_BYTES // bytes_per_block, decode.block_manager.num_blocks // 2))
     smallest = min(largest, max(1, 256 // block))  # one short request's KV
-    transfer = geometric(smallest, largest, 3 if quick else 4)
-    return Grid(tokens, context_points, decode_contexts, batches, transfer, repeats=3)
+    transfer = geometric(smallest, largest, 3 if quick else 4) if transfers else []
+    return DecodeGrid(contexts, batches, transfer)
 
 
 # ---- the engines -------------------------------------------------------------------------------------------------
 
 
-def pool_specs(config: ClusterConfig) -> tuple[WorkerSpec, WorkerSpec]:
-    """The (prefill, decode) workers' specs as their processes resolve them; colocated: one pool stands for both."""
+def pool_specs(config: ClusterConfig, tensor_parallel_size: int | None = None) -> tuple[WorkerSpec, WorkerSpec]:
+    """The (prefill, decode) workers' specs as their processes resolve them, at ``tensor_parallel_size`` (default:
+    the pools' own, which must then agree: a profile is one degree's); colocated: one pool stands for both."""
     model_path = str(resolve_model_path(config.model.name))
+    if tensor_parallel_size is not None:
+        try:
+            check_degree(AutoConfig.from_pretrained(model_path), tensor_parallel_size)
+        except ValueError as exc:
+            raise ValueError(f"--tensor-parallel-size: {exc}") from None
+        degree = {"tensor_parallel_size": tensor_parallel_size}
+        pools = {name: getattr(config.pools, name).model_copy(update=degree) for name in ("prefill", "decode")}
+        config = config.model_copy(update={"pools": config.pools.model_copy(update=pools)})
     specs = config.worker_specs(model_path, ["tcp://127.0.0.1:1"], "127.0.0.1")  # router never contacted
     by_pool = {spec.pool: resolve_spec(spec) for spec in reversed(specs)}  # the first replica of each pool
     prefill = by_pool.get("prefill") or by_pool["decode"]
     decode = by_pool.get("decode") or by_pool["prefill"]
+    degrees = sorted({prefill.engine.tensor_parallel_size, decode.engine.tensor_parallel_size})
+    if len(degrees) > 1:
+        raise ValueError(
+            f"pools.<pool>.tensor_parallel_size: the pools ask for degrees {degrees}, and a profile is one degree's; "
+            "profile each with --tensor-parallel-size N and give `pdserve plan` every file"
+        )
     return prefill, decode
 
 
-def measuring_engine(spec: WorkerSpec) -> LLMEngine:
-    """The worker's engine with prefix caching on (it changes no forward's cost), for the context points and shared
-    decode batches; every prompt not meant to share is random."""
-    engine = LLMEngine(dataclasses.replace(spec.engine, enable_prefix_caching=True))
+def measuring_engine(spec: WorkerSpec, group: TPGroup | None = None) -> LLMEngine:
+    """The worker's engine (rank 0 of ``group`` at degree > 1) with prefix caching on (it changes no forward's cost),
+    for the context points and shared decode batches; every prompt not meant to share is random."""
+    engine = LLMEngine(dataclasses.replace(spec.engine, enable_prefix_caching=True), group)
     engine.warm_up()
     return engine
 
@@ -162,16 +200,16 @@ def _prefill_whole(engine: LLMEngine, prompt: list[int]) -> None:
     engine.release(rid)
 
 
-def measure_prefill(engine: LLMEngine, grid: Grid, rng: random.Random, tick: Tick) -> list[PrefillPoint]:
-    _prefill_step(engine, _prompt(rng, engine, grid.prefill_tokens[len(grid.prefill_tokens) // 2]))  # warm-up
+def measure_prefill(engine: LLMEngine, grid: PrefillGrid, rng: random.Random, tick: Tick) -> list[PrefillPoint]:
+    _prefill_step(engine, _prompt(rng, engine, grid.tokens[len(grid.tokens) // 2]))  # warm-up
     points = []
-    for tokens in grid.prefill_tokens:
+    for tokens in grid.tokens:
         times: list[float] = []
         while samples_needed(times, grid.repeats):
             times.append(_prefill_step(engine, _prompt(rng, engine, tokens))[0])
         points.append(PrefillPoint(tokens=tokens, context=0, seconds=statistics.median(times)))
         tick()
-    for context, tokens in grid.prefill_context:
+    for context, tokens in grid.context:
         prefix = _prompt(rng, engine, context)
         _prefill_whole(engine, prefix)
         runs: list[tuple[float, int]] = []
@@ -196,15 +234,13 @@ def _batch_cap(engine: LLMEngine, context: int, steps: int) -> int:
     return max(1, (engine.block_manager.num_blocks - shared) // own)
 
 
-def measure_decode(engine: LLMEngine, grid: Grid, rng: random.Random, tick: Tick) -> list[DecodePoint]:
+def measure_decode(engine: LLMEngine, grid: DecodeGrid, rng: random.Random, tick: Tick) -> list[DecodePoint]:
     points = []
-    steps = (
-        len(grid.decode_batches) * (max(grid.repeats, MAX_SAMPLES) + 1) + 8
-    )  # tokens each request must be able to decode
-    for context in grid.decode_contexts:
+    steps = len(grid.batches) * (max(grid.repeats, MAX_SAMPLES) + 1) + 8  # tokens each request must be able to decode
+    for context in grid.contexts:
         context = min(context, engine.max_model_len - steps - 1)
         cap = _batch_cap(engine, context, steps)
-        batches = sorted({b for b in grid.decode_batches if b < cap} | {min(cap, max(grid.decode_batches))})
+        batches = sorted({b for b in grid.batches if b < cap} | {min(cap, max(grid.batches))})
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         prompt = _prompt(rng, engine, context)
         first = engine.add_request(prompt, params.copy())
@@ -236,7 +272,7 @@ def measure_decode(engine: LLMEngine, grid: Grid, rng: random.Random, tick: Tick
             raise RuntimeError("the decode batch was preempted while timed: the KV cache is too small for the grid")
         for rid in ids:
             engine.abort(rid)
-        tick(len(grid.decode_batches) - len(batches))  # sizes the KV cache cannot hold at this context
+        tick(len(grid.batches) - len(batches))  # sizes the KV cache cannot hold at this context
     engine.block_manager.reset_prefix_cache()
     return points
 
@@ -244,32 +280,102 @@ def measure_decode(engine: LLMEngine, grid: Grid, rng: random.Random, tick: Tick
 # ---- the whole profile -------------------------------------------------------------------------------------------
 
 
-def profile_cluster(config: ClusterConfig, quick: bool = False, progress: bool = True, seed: int = 0) -> Profile:
-    """Measure this machine with ``config``'s workers and fit the curves; the caller saves the ``Profile``."""
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What one pool's measuring process is asked (picklable: it crosses to the ranks' processes)."""
+
+    spec: WorkerSpec
+    quick: bool
+    seed: int
+    progress: bool
+    transfers: bool = False  # decode: also time KV transfers into this engine (disaggregated)
+
+
+def prefill_part(job: Job, group: TPGroup | None = None) -> dict:
+    """The prefill points and what the profile records of the prefill engine, as plain data."""
+    engine = measuring_engine(job.spec, group)
+    try:
+        grid = prefill_grid(engine, job.quick)
+        with tqdm(total=grid.num_measurements, desc="profiling prefill", unit="point", disable=not job.progress) as bar:
+            points = measure_prefill(engine, grid, random.Random(job.seed), bar.update)
+        engine.check_no_leaks()
+        return {
+            "points": [dataclasses.asdict(p) for p in points],
+            "repeats": grid.repeats,
+            "dtype": engine.config.dtype,
+            "device": device_name(engine),
+            "block_size": engine.config.block_size,
+            "kv_bytes_per_token": engine.handoff_spec.bytes_per_token,
+            "num_kv_heads": engine.handoff_spec.num_kv_heads,
+            "max_batch_tokens": engine.config.max_batch_tokens,
+        }
+    finally:
+        engine.close()
+
+
+def decode_part(job: Job, group: TPGroup | None = None) -> dict:
+    """The decode (and transfer) points and what the profile records of the decode engine, as plain data."""
+    engine = measuring_engine(job.spec, group)
+    try:
+        grid = decode_grid(engine, job.quick, job.transfers)
+        rng = random.Random(job.seed + 1)
+        with tqdm(total=grid.num_measurements, desc="profiling decode", unit="point", disable=not job.progress) as bar:
+            points = measure_decode(engine, grid, rng, bar.update)
+            backend, note, transfer = "none", "transfer: colocated, no KV moves", []
+            if grid.transfer_blocks:
+                backend, note, transfer = measure_transfer(
+                    engine, job.spec, grid.transfer_blocks, grid.repeats, bar.update
+                )
+        engine.check_no_leaks()
+        return {
+            "points": [dataclasses.asdict(p) for p in points],
+            "transfer_points": [dataclasses.asdict(p) for p in transfer],
+            "backend": backend,
+            "transfer_note": note,
+            "kv_blocks": engine.block_manager.num_blocks,
+            "max_num_seqs": engine.config.max_num_seqs,
+        }
+    finally:
+        engine.close()
+
+
+PARTS = {"prefill": prefill_part, "decode": decode_part}
+
+
+def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, Job]) -> dict:
+    """One rank of a measured engine at degree > 1 (``engine.tp_launch``): rank 0 measures; the others serve it."""
+    part, job = payload
+    spec = dataclasses.replace(job.spec, tp_rendezvous=store_path)
+    if rank > 0:
+        return {"ended": TPRank(spec, rank).wait(PART_TIMEOUT_S)}
+    return PARTS[part](dataclasses.replace(job, spec=spec), join_group(spec, 0))
+
+
+def measure_part(part: str, job: Job) -> dict:
+    """``part`` measured here at degree 1; at degree N > 1 by N local processes, rank 0 measuring."""
+    size = job.spec.engine.tensor_parallel_size
+    if size == 1:
+        return PARTS[part](job)
+    return run_ranks(_rank_main, size, (part, job), timeout_s=PART_TIMEOUT_S)[0]
+
+
+def profile_cluster(
+    config: ClusterConfig,
+    quick: bool = False,
+    progress: bool = True,
+    seed: int = 0,
+    tensor_parallel_size: int | None = None,
+) -> Profile:
+    """Measure this machine with ``config``'s workers (at ``tensor_parallel_size``, default the pools') and fit the
+    curves; the caller saves the ``Profile``. The prefill engine is measured, then closed, then the decode engine."""
     started = time.monotonic()
-    rng = random.Random(seed)
-    prefill_spec, decode_spec = pool_specs(config)
-    degrees = {prefill_spec.engine.tensor_parallel_size, decode_spec.engine.tensor_parallel_size}
-    if degrees != {1}:
-        raise ValueError(
-            "pools.<pool>.tensor_parallel_size: pdserve profile measures single-rank workers only (degree "
-            f"{sorted(degrees)} asked); profile degree 1 here, and other degrees as docs/planner.md says"
-        )
-    prefill_engine = measuring_engine(prefill_spec)
-    decode_engine = measuring_engine(decode_spec)
-    grid = plan_grid(prefill_engine, decode_engine, quick)
-    with tqdm(total=grid.num_measurements, desc="profiling", unit="point", disable=not progress) as bar:
-        prefill = measure_prefill(prefill_engine, grid, rng, bar.update)
-        prefill_engine.check_no_leaks()
-        decode = measure_decode(decode_engine, grid, rng, bar.update)
-        backend, transfer_note = "none", "transfer: colocated, no KV moves"
-        transfer: list[TransferPoint] = []
-        if config.mode == "disaggregated":
-            blocks, repeats = grid.transfer_blocks, grid.repeats
-            backend, transfer_note, transfer = measure_transfer(decode_engine, decode_spec, blocks, repeats, bar.update)
-        else:
-            bar.update(len(grid.transfer_blocks))
-        decode_engine.check_no_leaks()
+    prefill_spec, decode_spec = pool_specs(config, tensor_parallel_size)
+    transfers = config.mode == "disaggregated"
+    prefill_run = measure_part("prefill", Job(prefill_spec, quick, seed, progress))
+    decode_run = measure_part("decode", Job(decode_spec, quick, seed, progress, transfers))
+    prefill = [PrefillPoint(**p) for p in prefill_run["points"]]
+    decode = [DecodePoint(**p) for p in decode_run["points"]]
+    transfer = [TransferPoint(**p) for p in decode_run["transfer_points"]]
     prefill_fit, prefill_q = fit_points(
         PREFILL_FEATURES, [_row(p, "tokens", "context") for p in prefill], [p.seconds for p in prefill]
     )
@@ -281,19 +387,34 @@ def profile_cluster(config: ClusterConfig, quick: bool = False, progress: bool =
         transfer_fit, transfer_q = fit_points(
             TRANSFER_FEATURES, [_row(p, "num_bytes") for p in transfer], [p.seconds for p in transfer]
         )
-    notes = _notes(prefill_spec, decode_spec, grid, prefill_q, decode_q, transfer_q, transfer_note, started)
+    fits = [f"prefill fit: {prefill_q.describe()}", f"decode fit: {decode_q.describe()}"]
+    if transfer_q is not None:
+        fits.append(f"transfer fit: {transfer_q.describe()}")
+    degree = prefill_spec.engine.tensor_parallel_size
+    notes = "; ".join(
+        [
+            f"measured by pdserve profile in {time.monotonic() - started:.0f} s",
+            f"tensor_parallel_size {degree}" + (" (ranks as local processes)" if degree > 1 else ""),
+            f"torch threads{' per rank' if degree > 1 else ''} prefill {prefill_spec.engine.torch_threads or 'default'}"
+            f", decode {decode_spec.engine.torch_threads or 'default'}",
+            f"devices prefill {prefill_spec.engine.device}, decode {decode_spec.engine.device}",
+            f"median of >= {prefill_run['repeats']} timings per point",
+            *fits,
+            decode_run["transfer_note"],
+        ]
+    )
     return Profile(
         model=config.model.name,
-        dtype=prefill_engine.config.dtype,
-        device=device_name(prefill_engine),
-        backend=backend,
+        dtype=prefill_run["dtype"],
+        device=prefill_run["device"],
+        backend=decode_run["backend"],
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        block_size=prefill_engine.config.block_size,
-        kv_bytes_per_token=prefill_engine.handoff_spec.bytes_per_token,
-        num_kv_heads=prefill_engine.handoff_spec.num_kv_heads,
-        kv_blocks=decode_engine.block_manager.num_blocks,
-        max_batch_tokens=prefill_engine.config.max_batch_tokens,
-        max_num_seqs=decode_engine.config.max_num_seqs,
+        block_size=prefill_run["block_size"],
+        kv_bytes_per_token=prefill_run["kv_bytes_per_token"],
+        num_kv_heads=prefill_run["num_kv_heads"],
+        kv_blocks=decode_run["kv_blocks"],
+        max_batch_tokens=prefill_run["max_batch_tokens"],
+        max_num_seqs=decode_run["max_num_seqs"],
         prefill_points=prefill,
         decode_points=decode,
         transfer_points=transfer,
@@ -301,36 +422,9 @@ def profile_cluster(config: ClusterConfig, quick: bool = False, progress: bool =
         decode_fit=decode_fit,
         transfer_fit=transfer_fit,
         notes=notes,
+        tensor_parallel_size=degree,
     )
 
 
 def _row(point: object, *names: str) -> dict[str, float]:
     return {name: float(getattr(point, name)) for name in names}
-
-
-def _notes(
-    prefill: WorkerSpec,
-    decode: WorkerSpec,
-    grid: Grid,
-    prefill_q: FitQuality,
-    decode_q: FitQuality,
-    transfer_q: FitQuality | None,
-    transfer_note: str,
-    started: float,
-) -> str:
-    threads = f"torch threads prefill {prefill.engine.torch_threads or 'default'}, decode {decode.engine.torch_threads or 'default'}"
-    devices = f"devices prefill {prefill.engine.device}, decode {decode.engine.device}"
-    fits = [f"prefill fit: {prefill_q.describe()}", f"decode fit: {decode_q.describe()}"]
-    if transfer_q is not None:
-        fits.append(f"transfer fit: {transfer_q.describe()}")
-    took = time.monotonic() - started
-    return "; ".join(
-        [
-            f"measured by pdserve profile in {took:.0f} s",
-            threads,
-            devices,
-            f"median of >= {grid.repeats} timings per point",
-            *fits,
-            transfer_note,
-        ]
-    )

@@ -352,7 +352,7 @@ class SimWorker:
         num_bytes = (request.num_prompt_tokens - cached_tokens) * self.profile.kv_bytes_per_token
         with self.link.request() as turn:
             yield turn
-            yield self.env.timeout(self.cluster.profiles.transfer_s(num_bytes))
+            yield self.env.timeout(self.cluster.profiles.transfer_s(num_bytes, self.cluster.layout.decode_tp))
         self.leased -= 1
         self._end(request.request_id)
         target = self.cluster.workers.get(decode)

@@ -57,6 +57,11 @@ class TPRank:
         self.ended = self.follower.serve()
         self.group.close()
 
+    def wait(self, timeout_s: float = TP_START_TIMEOUT_S) -> str:
+        """Block until serving ends (rank 0 stopped, or the group broke, or ``timeout_s``); why it ended."""
+        self._thread.join(timeout_s)
+        return self.ended
+
     def info(self) -> dict:
         return {
             "name": self.name,

@@ -79,6 +79,16 @@ def test_the_search_picks_the_degree_that_meets_the_slo() -> None:
     assert chosen.layout.decode_tp == 2 and chosen.goodput.rate > 0
 
 
+def test_a_transfer_takes_the_decode_degrees_fit_where_one_was_measured() -> None:
+    two = degree_profile(2)
+    two.transfer_fit = Fit(["1", "num_bytes"], [0.003, 2e-9])  # rank 0 hands every piece on: slower than degree 1
+    profiles = ProfileSet.of([degree_profile(1), two, degree_profile(4)])
+    assert profiles.transfer_s(10**6, decode_degree=1) == pytest.approx(0.001 + 1e-3)
+    assert profiles.transfer_s(10**6, decode_degree=2) == pytest.approx(0.003 + 2e-3)
+    assert profiles.transfer_s(10**6, decode_degree=4) == pytest.approx(0.001 + 1e-3)  # none at 4: the lowest's
+    assert ProfileSet.of([degree_profile(2)]).transfer_s(10**6, decode_degree=2) == 0.0  # colocated: no KV moves
+
+
 def test_profiles_of_different_models_are_refused() -> None:
     with pytest.raises(ValueError, match="differ in model"):
         ProfileSet.of([degree_profile(1), degree_profile(2, model="other")])

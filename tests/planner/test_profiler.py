@@ -160,7 +160,34 @@ def test_geometric_grids() -> None:
     assert geometric(8, 8, 4) == [8]
 
 
-def test_a_tensor_parallel_config_is_refused_with_the_field(tiny_llama_path) -> None:
+def test_pools_of_different_degrees_are_refused_with_the_field(tiny_llama_path) -> None:
     config = tiny_cluster_config(tiny_llama_path, pools={"decode": {"replicas": 1, "tensor_parallel_size": 2}})
-    with pytest.raises(ValueError, match="tensor_parallel_size: pdserve profile measures single-rank workers"):
+    with pytest.raises(ValueError, match=r"pools.<pool>.tensor_parallel_size: the pools ask for degrees \[1, 2\]"):
         profile_cluster(config, quick=True, progress=False)
+
+
+def test_a_degree_the_model_cannot_split_is_refused_with_the_flag(tiny_llama_path) -> None:
+    config = tiny_cluster_config(tiny_llama_path)
+    with pytest.raises(ValueError, match="--tensor-parallel-size: tensor_parallel_size 3 does not divide"):
+        profile_cluster(config, quick=True, progress=False, tensor_parallel_size=3)
+
+
+def test_a_profile_at_degree_two_runs_two_ranks_and_moves_every_head(profiled, tmp_path) -> None:
+    """Each pool's engine as two local processes: the points, fits and KV figures of a degree-2 worker; the transfer
+    carries every KV head (as the hand-off does) into rank 0, which hands each piece on to rank 1."""
+    config, one_path, _ = profiled
+    one = Profile.load(one_path)
+    out = tmp_path / "tp2.json"
+    before = _segments()
+    config_path = one_path.parent / "cluster.yaml"
+    args = ["profile", "--config", str(config_path), "--out", str(out), "--quick", "--no-progress"]
+    assert main([*args, "--tensor-parallel-size", "2"]) == 0
+    two = Profile.load(out)
+    assert _segments() - before == set()
+    assert two.tensor_parallel_size == 2 and one.tensor_parallel_size == 1
+    assert "tensor_parallel_size 2 (ranks as local processes)" in two.notes
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token and two.num_kv_heads == one.num_kv_heads
+    assert two.kv_blocks == one.kv_blocks == 256  # the config's kv_blocks, on every rank (each with half the heads)
+    assert {p.num_bytes for p in two.transfer_points} and two.backend == one.backend == "shm"
+    assert len(two.prefill_points) == len(one.prefill_points) and len(two.decode_points) >= 3
+    assert two.prefill_fit is not None and two.decode_fit is not None and two.transfer_fit is not None
