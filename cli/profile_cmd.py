@@ -24,12 +24,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="profile both pools' workers at this degree (default: the pools' own); `pdserve plan` reads one "
         "profile per degree",
     )
+    parser.add_argument(
+        "--roofline",
+        default=None,
+        metavar="GPU",
+        help="measure nothing: estimate a GPU's profile from --model's shape and the GPU's datasheet "
+        "(h100-sxm, h200, a100-80gb; planner/roofline.py), labelled as an estimate",
+    )
+    parser.add_argument("--model", default=None, help="with --roofline: a preset (llama-3.1-8b, ...) or a model folder")
+    parser.add_argument("--dtype", default="bf16", help="with --roofline: bf16 or fp16 (default bf16)")
 
 
 def run(args: argparse.Namespace) -> int:
     from cluster.config import load_config
     from planner.profiler import profile_cluster
 
+    if args.roofline is not None:
+        profile = _roofline(args)
+        profile.save(args.out)
+        print(
+            f"wrote {args.out}: {profile.model} ({profile.dtype}) on {profile.device}\n{profile.notes}", file=sys.stderr
+        )
+        return 0
+    if args.model is not None:
+        raise ValueError("--model goes with --roofline; a measured profile takes the model of --config")
     config = load_config(args.config)  # ConfigError is a ValueError: main prints it, exit 2
     profile = profile_cluster(
         config,
@@ -47,3 +65,12 @@ def run(args: argparse.Namespace) -> int:
     )
     print(summary, file=sys.stderr)
     return 0
+
+
+def _roofline(args: argparse.Namespace):
+    from planner.kv_sizing import load_shape
+    from planner.roofline import roofline_profile
+
+    if args.model is None:
+        raise ValueError("--roofline needs --model (a preset such as llama-3.1-8b, or a model folder)")
+    return roofline_profile(load_shape(args.model), args.roofline, args.dtype, args.tensor_parallel_size or 1)

@@ -19,6 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 PROFILE_VERSION = 1
+# the fits' features (``feature_value``): what a step's or a transfer's time is linear in
+PREFILL_FEATURES = ["1", "tokens", "tokens*context", "tokens*tokens"]
+DECODE_FEATURES = ["1", "batch", "context_tokens"]
+TRANSFER_FEATURES = ["1", "num_bytes"]
 
 
 @dataclass(slots=True)

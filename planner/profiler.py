@@ -36,14 +36,19 @@ from engine.request import RequestStatus, SamplingParams
 from engine.tensor_parallel import TPGroup, check_degree
 from engine.tp_launch import run_ranks
 from planner.fit import fit_points
-from planner.profile_model import DecodePoint, PrefillPoint, Profile, TransferPoint
+from planner.profile_model import (
+    DECODE_FEATURES,
+    PREFILL_FEATURES,
+    TRANSFER_FEATURES,
+    DecodePoint,
+    PrefillPoint,
+    Profile,
+    TransferPoint,
+)
 from planner.profile_transfer import measure_transfer
 from worker.spec import WorkerSpec, resolve_spec
 from worker.tp_rank import TPRank, join_group
 
-PREFILL_FEATURES = ["1", "tokens", "tokens*context", "tokens*tokens"]
-DECODE_FEATURES = ["1", "batch", "context_tokens"]
-TRANSFER_FEATURES = ["1", "num_bytes"]
 MAX_TRANSFER_BYTES = 64 * 1024 * 1024
 MIN_SAMPLED_S = 0.05  # keep timing a point until its samples add up to this (or MAX_SAMPLES)
 MAX_SAMPLES = 15
