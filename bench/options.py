@@ -53,6 +53,16 @@ def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "hides behind the prefill, and the int8 wire check (takes minutes)",
     )
     overlap_bench.add_arguments(parser, prefix="overlap-")
+    parser.add_argument(
+        "--degrees",
+        default=None,
+        metavar="P:D,...",
+        help="instead: the KV hand-off from a prefill engine of P tensor-parallel ranks to a decode engine of D "
+        "(bench/tp_handoff_bench.py), e.g. 1:1,2:1,1:2,2:2",
+    )
+    parser.add_argument("--handoff-backend", default="zmq", choices=["zmq", "shm", "gloo"], help="with --degrees")
+    parser.add_argument("--requests", type=int, default=4, help="with --degrees: prompts prefilled per step")
+    parser.add_argument("--prompt-len", type=int, default=256, help="with --degrees: tokens per prompt")
 
 
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:

@@ -182,6 +182,10 @@ def _local(n: int, reps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "degrees", None):
+        from bench.tp_handoff_bench import run_degrees
+
+        return run_degrees(args)
     out = _run_transfer(args)
     if getattr(args, "overlap", False):
         from bench import overlap_bench

@@ -37,7 +37,8 @@ def build_byte_tokenizer():
     return tokenizer
 
 
-def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shape: int) -> Path:
+    """``shape``: config fields to change (``num_hidden_layers=30``), e.g. a model shaped for KV bytes, not compute."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -61,7 +62,7 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0) -> Pat
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": None,
         "tie_word_embeddings": False,
-    }
+    } | shape
     torch.manual_seed(seed)
     model: PreTrainedModel
     if arch == "llama":
