@@ -145,7 +145,9 @@ def describe_profile(profiles) -> str:
     one = getattr(profiles, "first", profiles)
     degrees = getattr(profiles, "degrees", [one.tensor_parallel_size])
     at = f", tensor-parallel degree {'/'.join(map(str, degrees))}" if degrees != [1] else ""
-    return f"profile {one.model} {one.dtype} on {one.device} ({one.backend}){at}, measured {one.date}"
+    when = "estimated" if one.backend == "estimate" else "measured"  # planner/roofline.py: no GPU was run
+    backend = "" if one.backend == "estimate" else f" ({one.backend})"
+    return f"profile {one.model} {one.dtype} on {one.device}{backend}{at}, {when} {one.date}"
 
 
 def device_budget(args: argparse.Namespace) -> int:

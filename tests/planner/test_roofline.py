@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cli.main import main
+from cli.plan_cmd import describe_profile
 from planner.kv_sizing import load_shape, size_kv
 from planner.profile_model import Profile, ProfileSet
 from planner.roofline import GPUS, roofline_profile
@@ -57,5 +58,8 @@ def test_the_cli_writes_one_profile_per_degree_that_plan_reads(tmp_path, capsys)
         paths.append(path)
     profiles = ProfileSet.of([Profile.load(p) for p in paths])
     assert profiles.degrees == [1, 2] and profiles.first.device == "H200 141GB (roofline estimate)"
+    label = describe_profile(profiles)  # what every plan made from them prints above its table
+    assert "on H200 141GB (roofline estimate), tensor-parallel degree 1/2, estimated 20" in label
+    assert "measured" not in label
     assert main(["profile", "--model", "llama-3.1-8b", "--out", str(tmp_path / "x.json")]) == 2
     assert "--model goes with --roofline" in capsys.readouterr().err
