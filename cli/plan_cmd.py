@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     )
     chosen = best(results, args.tolerance)
     split = best_disaggregated(results)
-    colocated = results[0]
+    colocated = max((r for r in results if r.layout.mode == "colocated"), key=lambda r: r.goodput.rate)
     label = f"SIMULATED, not measured: {describe_profile(profiles)}"
     if args.out:
         header = (
@@ -219,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if split is not None and colocated.goodput.rate > 0:
         print(
-            f"best split {split.layout.label}: {split.goodput.rate / colocated.goodput.rate:.2f}x colocated (simulated)"
+            f"best split {split.layout.label}: {split.goodput.rate / colocated.goodput.rate:.2f}x the best colocated, "
+            f"{colocated.layout.label} (simulated)"
         )
     if args.out:
         print(f"wrote {args.out} ({chosen.layout.label}); run it with: pdserve serve --config {args.out}")
@@ -263,7 +265,7 @@ def _plot(results, path: str, label: str, workload: str, ttft_s: float, tpot_s: 
     import matplotlib.pyplot as plt
 
     devices = max(r.layout.devices for r in results)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     pairs = sorted({(r.layout.prefill_tp, r.layout.decode_tp) for r in results if r.layout.mode == "disaggregated"})
     colocated = [r for r in results if r.layout.mode == "colocated"]
     only_degree_1 = pairs in ([], [(1, 1)]) and all(r.layout.decode_tp == 1 for r in colocated)
@@ -287,13 +289,13 @@ def _plot(results, path: str, label: str, workload: str, ttft_s: float, tpot_s: 
     unit = "workers" if only_degree_1 else "devices"
     ax.set_xlabel(f"prefill {unit} (of {devices}; the rest decode)")
     ax.set_ylabel("goodput, req/s (simulated)")
-    two_lines = label.replace(": ", ":\n", 1)  # "SIMULATED, not measured:" above the profile's name
+    head, _, profile = label.partition(": ")  # "SIMULATED, not measured:" above the profile's name
     title = (
         f"{workload}, {devices} {unit}, SLO ttft {ttft_s * 1000:g} ms tpot {tpot_s * 1000:g} ms, "
-        f"plotted {time.strftime('%Y-%m-%d')}\n{two_lines}"
+        f"plotted {time.strftime('%Y-%m-%d')}\n{head}:\n" + "\n".join(textwrap.wrap(profile, 100))
     )
     ax.set_title(title, fontsize=8)
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: never over a point
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
