@@ -5,8 +5,10 @@ on a random-weight model shaped for KV bytes rather than compute (30 layers of 4
 float32). Per repeat, decode rank 0 reserves blocks for ``--requests`` prompts and expects their KV on the backend's
 receiver; prefill rank 0 prefills them in one step, streaming each layer's KV (gathered from its ranks) to the sender
 as a prefill worker does, and decode rank 0 hands each piece on to its ranks as an import does. Timed: the prefill
-step, and from its start until decode holds every request's KV (perf_counter is system-wide on Linux). GB/s is the
-KV's bytes over that hand-off time, which holds the forward producing the KV, as a request's does.
+step, and from its start until decode holds every request's KV (perf_counter is system-wide on Linux): the hand-off
+GB/s, whose time holds the forward producing the KV, as a request's does. Then the last repeat's pieces are sent
+again with no forward (``send_only``): the wire and the decode side's hand-on to its ranks, not the prefill side's
+gather, which is inside the forward.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def _decode_main(rank: int, size: int, store_path: str, job: dict) -> dict:
     receiver = make_receiver(job["backend"], fingerprint, engine.write_remote_kv, address, config)
     done_at: list[float] = []
     try:
-        for repeat in range(job["repeats"] + 1):
+        for repeat in range(2 * (job["repeats"] + 1)):  # streamed, then replayed
             rids = [f"r{repeat}-{i}" for i in range(job["requests"])]
             offer = {}
             for rid, prompt in zip(rids, job["prompts"]):
@@ -143,8 +145,19 @@ def _decode_main(rank: int, size: int, store_path: str, job: dict) -> dict:
     return {"done_at": done_at, "kv_bytes": engine.handoff_spec.bytes_per_token * sum(map(len, job["prompts"]))}
 
 
+def _streaming_sink(sender, rid: str, blocks: list[int], kept: list):
+    """A prefill worker's sink (each piece onto the reserved blocks, sent at once) that also keeps a copy."""
+
+    def sink(ready) -> None:
+        sender.send_layer(rid, ready.layer, blocks[ready.first_block : ready.end_block], ready.k, ready.v)
+        kept.append((ready.layer, ready.first_block, ready.end_block, ready.k.clone(), ready.v.clone()))
+
+    return sink
+
+
 def _prefill_main(rank: int, size: int, store_path: str, job: dict) -> dict:
-    """Prefill each repeat's prompts in one step, streaming every layer's KV to the decode engine's blocks."""
+    """Each repeat's prompts prefilled in one step, every layer's KV streamed to the decode engine's blocks; then the
+    last repeat's pieces sent again alone (``replays``), to time the wire and the decode side without the forward."""
     if rank > 0:
         return _follower(rank, size, store_path, job)
     from engine.outputs import FinishReason
@@ -153,19 +166,26 @@ def _prefill_main(rank: int, size: int, store_path: str, job: dict) -> dict:
     from transfer.wire import ModelFingerprint
 
     engine = _engine(rank, size, store_path, job)
-    sender = make_sender(
-        job["backend"], ModelFingerprint.from_spec(engine.handoff_spec), TransferConfig(secret=job["secret"])
-    )
+    config = TransferConfig(secret=job["secret"])
+    sender = make_sender(job["backend"], ModelFingerprint.from_spec(engine.handoff_spec), config)
     steps: list[tuple[float, float]] = []
+    replays: list[float] = []
+    pieces: dict[int, list] = {}  # per prompt: (layer, first block, end block, k, v) of the latest streamed repeat
+
+    def acknowledged(rids) -> None:
+        pending, deadline = set(rids), time.monotonic() + WAIT_S
+        while pending and time.monotonic() < deadline:
+            for event in sender.poll():
+                pending.discard(event.transfer_id)
+                engine.abort(event.transfer_id)  # its lease ended: the blocks go back (nothing, for a replay)
+            time.sleep(0.0002)
+
     try:
         for _ in range(job["repeats"] + 1):
             address, offer = job["offers"].get(timeout=WAIT_S)
-            for rid, prompt in zip(offer, job["prompts"]):
-
-                def sink(ready, rid=rid, blocks=offer[rid]) -> None:
-                    dst = blocks[ready.first_block : ready.end_block]
-                    sender.send_layer(rid, ready.layer, dst, ready.k, ready.v)
-
+            pieces.clear()
+            for i, (rid, prompt) in enumerate(zip(offer, job["prompts"])):
+                sink = _streaming_sink(sender, rid, offer[rid], pieces.setdefault(i, []))
                 engine.add_request(prompt, _params(), rid, prefill_only=True, kv_sink=sink, stream_kv=True)
                 sender.begin(rid, address)
             start = time.perf_counter()
@@ -175,17 +195,21 @@ def _prefill_main(rank: int, size: int, store_path: str, job: dict) -> dict:
                 if output.finish_reason is not FinishReason.PREFILLED:
                     raise RuntimeError(f"{output.request_id} did not prefill in one step: {output.error}")
                 sender.finish(output.request_id)
-            pending, deadline = set(offer), time.monotonic() + WAIT_S
-            while pending and time.monotonic() < deadline:
-                for event in sender.poll():
-                    pending.discard(event.transfer_id)
-                    engine.abort(event.transfer_id)  # its lease ended: the blocks go back
-                time.sleep(0.0002)
+            acknowledged(offer)
+        for _ in range(job["repeats"] + 1):
+            address, offer = job["offers"].get(timeout=WAIT_S)
+            replays.append(time.perf_counter())
+            for i, rid in enumerate(offer):
+                sender.begin(rid, address)
+                for layer, first, end, k, v in pieces[i]:
+                    sender.send_layer(rid, layer, offer[rid][first:end], k, v)
+                sender.finish(rid)
+            acknowledged(offer)
         engine.check_no_leaks()
     finally:
         sender.close()
         engine.close()
-    return {"steps": steps}
+    return {"steps": steps, "replays": replays}
 
 
 def _pair(prefill_degree: int, decode_degree: int, job: dict) -> dict:
@@ -213,15 +237,21 @@ def _pair(prefill_degree: int, decode_degree: int, job: dict) -> dict:
     for name in ("decode", "prefill"):
         if isinstance(results.get(name), BaseException) or name not in results:
             raise RuntimeError(f"({prefill_degree}, {decode_degree}) {name}: {results.get(name, 'never ended')}")
-    steps, done_at = results["prefill"]["steps"][1:], results["decode"]["done_at"][1:]  # the first: warm-up
+    streamed = len(results["prefill"]["steps"])
+    done_at = results["decode"]["done_at"]
+    steps = results["prefill"]["steps"][1:]  # the first of each phase: warm-up
+    replays = results["prefill"]["replays"][1:]
     kv_bytes = results["decode"]["kv_bytes"]
-    handoff_s = statistics.median(done - start for (start, _), done in zip(steps, done_at))
+    handoff_s = statistics.median(done - start for (start, _), done in zip(steps, done_at[1:streamed]))
+    replay_s = statistics.median(done - start for start, done in zip(replays, done_at[streamed + 1 :]))
     return {
         "prefill_step_ms": round(1000 * statistics.median(end - start for start, end in steps), 2),
         "handoff_ms": round(1000 * handoff_s, 2),
-        "after_step_ms": round(1000 * statistics.median(done - end for (_, end), done in zip(steps, done_at)), 2),
+        "after_step_ms": round(1000 * statistics.median(d - end for (_, end), d in zip(steps, done_at[1:streamed])), 2),
         "kv_mib": round(kv_bytes / 2**20, 2),
         "handoff_gb_s": round(kv_bytes / handoff_s / 1e9, 4),
+        "send_only_ms": round(1000 * replay_s, 2),
+        "send_only_gb_s": round(kv_bytes / replay_s / 1e9, 4),
     }
 
 

@@ -22,6 +22,7 @@ def test_a_hand_off_across_degrees_moves_every_heads_kv() -> None:
     for figures in out["pairs"].values():
         assert figures["kv_mib"] == round(32 * per_token / 2**20, 2)
         assert figures["handoff_ms"] > 0 and figures["handoff_gb_s"] > 0 and figures["prefill_step_ms"] > 0
+        assert figures["send_only_ms"] > 0 and figures["send_only_gb_s"] > 0
     assert out["pairs"]["2:2"]["handoff_vs_2:2"] == 1.0
 
 
