@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: test lint demo venv bench clean
+.PHONY: test test-e2e lint demo venv bench clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,12 @@ lint: $(STAMP)
 # The suite runs where only loopback exists (tools/loopback-only: a network namespace with just `lo`), so a test that
 # reached any other interface would fail; where no namespace can be made it says so and runs as it is.
 test: lint
-	tools/loopback-only $(PY) -m pytest tests
+	tools/loopback-only $(PY) -m pytest -m "not e2e" tests
+
+# The long end-to-end runs that `make test` leaves out for its time (marker e2e: a few shutdown signals, two router
+# processes, the overlap, frontend and tensor-parallel hand-off benchmarks' smoke runs); not run by CI.
+test-e2e: $(STAMP)
+	tools/loopback-only $(PY) -m pytest -m e2e tests
 
 demo: $(STAMP)
 	$(VENV)/bin/pdserve demo

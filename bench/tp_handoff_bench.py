@@ -48,16 +48,10 @@ def parse_degrees(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _engine(rank: int, size: int, store_path: str, job: dict):
-    import torch
-    import torch.distributed as dist
-
+def _engine_config(job: dict, size: int):
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.tensor_parallel import TPGroup
 
-    torch.set_num_threads(1)
-    config = EngineConfig(
+    return EngineConfig(
         model=job["model"],
         dtype="float32",
         kv_blocks=job["kv_blocks"],
@@ -65,29 +59,30 @@ def _engine(rank: int, size: int, store_path: str, job: dict):
         enable_prefix_caching=False,  # every repeat moves all of its KV
         tensor_parallel_size=size,
     )
-    group = TPGroup(dist.FileStore(store_path, size), rank, size, 60.0) if size > 1 else None
-    return LLMEngine(config, group)
 
 
-def _follower(rank: int, size: int, store_path: str, job: dict) -> dict:
+def _group(rank: int, size: int, store_path: str):
     import torch
     import torch.distributed as dist
 
-    from engine.config import EngineConfig
-    from engine.engine_parts import build_engine_parts
-    from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
+    from engine.tensor_parallel import TPGroup
 
     torch.set_num_threads(1)
-    group = TPGroup(dist.FileStore(store_path, size), rank, size, 60.0)
-    config = EngineConfig(
-        model=job["model"],
-        dtype="float32",
-        kv_blocks=job["kv_blocks"],
-        max_batch_tokens=job["requests"] * job["prompt_len"],
-        enable_prefix_caching=False,
-        tensor_parallel_size=size,
-    )
-    parts = build_engine_parts(config, group)
+    return TPGroup(dist.FileStore(store_path, size), rank, size, 60.0) if size > 1 else None
+
+
+def _engine(rank: int, size: int, store_path: str, job: dict):
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(_engine_config(job, size), _group(rank, size, store_path))
+
+
+def _follower(rank: int, size: int, store_path: str, job: dict) -> dict:
+    from engine.engine_parts import build_engine_parts
+    from engine.tensor_parallel import StepChannel, TPFollower
+
+    group = _group(rank, size, store_path)
+    parts = build_engine_parts(_engine_config(job, size), group)
     ended = TPFollower(parts.runner, StepChannel(group)).serve()
     group.close()
     return {"ended": ended}

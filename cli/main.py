@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     tiny = model.add_parser("tiny", help="build a deterministic tiny random-weight model for tests")
     tiny.add_argument("out")
-    tiny.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_call("cli.model", "tiny"))
 

@@ -37,15 +37,18 @@ def build_byte_tokenizer():
     return tokenizer
 
 
+# every architecture pdserve serves (engine.model_loader.SUPPORTED_ARCHITECTURES): transformers' config and model
+TINY_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
 def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shape: int) -> Path:
     """``shape``: config fields to change (``num_hidden_layers=30``), e.g. a model shaped for KV bytes, not compute."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedModel,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    import transformers
 
     out = Path(out)
     tokenizer = build_byte_tokenizer()
@@ -63,14 +66,12 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shap
         "bos_token_id": None,
         "tie_word_embeddings": False,
     } | shape
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(TINY_ARCHITECTURES)}, got {arch!r}")
+    config_name, model_name = TINY_ARCHITECTURES[arch]
+    common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])  # Qwen3's default is 128
     torch.manual_seed(seed)
-    model: PreTrainedModel
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**common))
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

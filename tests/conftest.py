@@ -27,6 +27,20 @@ def tiny_qwen2_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_path(tmp_path_factory) -> Path:
+    from engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), arch="mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory) -> Path:
+    from engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3")
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The default model's converted folder (converted on first use into $PDSERVE_CACHE)."""
     from engine.model_loader import DEFAULT_MODEL, resolve_model_path

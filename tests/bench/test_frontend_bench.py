@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_quick_bench_prints_sane_figures_and_stops_its_server(tiny_llama_path):
     out = subprocess.run(
         [

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from tests.helpers.cluster import tiny_cluster_config
 
 
+@pytest.mark.e2e
 def test_overlap_bench_tiny(ray_local, tiny_llama_path):
     from bench import overlap_bench
 

@@ -15,6 +15,7 @@ def _args(*extra: str) -> argparse.Namespace:
     return parser.parse_args(["--requests", "1", "--prompt-len", "32", "--reps", "1", *extra])
 
 
+@pytest.mark.e2e
 def test_a_hand_off_across_degrees_moves_every_heads_kv() -> None:
     out = tp_handoff_bench.run_degrees(_args("--degrees", "2:2"))  # rank 0 gathers, the other rank 0 broadcasts
     assert set(out["pairs"]) == {"2:2"} and out["backend"] == "zmq"

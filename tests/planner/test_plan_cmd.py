@@ -37,7 +37,7 @@ def profile_path(tmp_path):
 def test_plan_end_to_end(tmp_path, profile_path, capsys) -> None:
     out, plot = tmp_path / "plan.yaml", tmp_path / "plan.png"
     argv = ["plan", "--profile", str(profile_path), "--workload", "fixed:100:10", "--slo", "ttft:300", "tpot:40"]
-    argv += ["--workers", "3", "--num-requests", "60", "--out", str(out), "--plot", str(plot)]
+    argv += ["--workers", "3", "--num-requests", "60", "--min-duration", "5", "--out", str(out), "--plot", str(plot)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "SIMULATED, not measured" in text and "tiny-test" in text and "2025-06-01" in text
@@ -59,7 +59,7 @@ def test_plan_end_to_end(tmp_path, profile_path, capsys) -> None:
 
 def test_plan_json_agrees_with_its_recommendation(profile_path, capsys) -> None:
     argv = ["plan", "--profile", str(profile_path), "--workload", "shared-prefix:2:64:32:8", "--workers", "2"]
-    assert main([*argv, "--num-requests", "40", "--slo", "ttft:500", "tpot:50", "--json"]) == 0
+    assert main([*argv, "--num-requests", "40", "--min-duration", "5", "--slo", "ttft:500", "tpot:50", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["simulated"] is True and data["profile"]["device"] == "cpu"
     assert [r["layout"] for r in data["results"]] == ["colocated 2", "1P:1D"]

@@ -220,6 +220,7 @@ def _statuses_of_every_process(base_url: str, count: int) -> dict[int, dict]:
     raise AssertionError(f"only router processes {sorted(seen)} answered 200 connections")
 
 
+@pytest.mark.e2e
 def test_two_router_processes_serve_one_port(tiny_llama_path, tmp_path):
     import ray
 

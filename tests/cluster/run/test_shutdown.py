@@ -22,7 +22,11 @@ from bench.serve_process import process_running
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("how", ["sigint", "sigterm", "sigterm_group"])
+# SIGTERM to the whole group (systemd, docker stop) is the hard case and stays in `make test`; the others: make test-e2e
+@pytest.mark.parametrize(
+    "how",
+    [pytest.param("sigint", marks=pytest.mark.e2e), pytest.param("sigterm", marks=pytest.mark.e2e), "sigterm_group"],
+)
 def test_serve_exits_within_10s_and_leaves_no_worker(how, tiny_llama_path, tmp_path):
     import ray
 
