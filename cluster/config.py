@@ -242,6 +242,13 @@ class ClusterConfig(_Strict):
         problem = self.transfer_backend_problem()
         if problem:
             raise ValueError(problem)
+        prefill = self.pools.prefill
+        if self.mode == "disaggregated" and not self.transfer.stream_layers and prefill.tensor_parallel_size > 1:
+            raise ValueError(
+                f"transfer.stream_layers: false cannot hold with pools.prefill.tensor_parallel_size "
+                f"{prefill.tensor_parallel_size}: its ranks gather each layer's KV inside the forward, so it streams "
+                "anyway; leave it true"
+            )
         return self
 
     def transfer_backend_problem(self) -> str:

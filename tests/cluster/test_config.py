@@ -125,6 +125,16 @@ def test_a_file_path_wins_and_an_unknown_name_lists_the_shipped_ones(tmp_path, m
     assert "local.yaml" in str(info.value) and "gpu-node.yaml" in str(info.value)
 
 
+def test_unstreamed_kv_from_a_tensor_parallel_prefill_pool_is_an_error_naming_stream_layers():
+    pools = {"prefill": {"tensor_parallel_size": 3}}
+    with pytest.raises(ConfigError, match=r"transfer\.stream_layers: false cannot hold with pools\.prefill\.tensor_"):
+        parse_config({"transfer": {"stream_layers": False}, "pools": pools})
+    assert parse_config({"transfer": {"stream_layers": True}, "pools": pools}).transfer.stream_layers
+    assert not parse_config(
+        {"mode": "colocated", "transfer": {"stream_layers": False}, "pools": pools}
+    ).transfer.stream_layers
+
+
 def test_nccl_on_a_cpu_pool_is_an_error_naming_transfer_backend():
     gpus = {"prefill": {"gpus_per_replica": 1}, "decode": {"gpus_per_replica": 1}}
     with pytest.raises(ConfigError, match=r"transfer\.backend.*pools\.prefill and pools\.decode.*gloo"):
