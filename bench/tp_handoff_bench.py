@@ -31,7 +31,6 @@ MODEL_SHAPE = {
     "head_dim": 64,
     "intermediate_size": 128,
 }
-DEFAULT_DEGREES = "1:1,2:1,1:2,2:2"
 WAIT_S = 120.0  # one repeat's KV, or the other side's offer
 
 
@@ -254,6 +253,9 @@ def run_degrees(args: argparse.Namespace) -> dict[str, Any]:
     from engine.tiny_model import build_tiny_model
 
     pairs = parse_degrees(args.degrees)
+    for flag, value in (("--requests", args.requests), ("--prompt-len", args.prompt_len), ("--reps", args.reps)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     block_size = 16
