@@ -31,10 +31,10 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
     import torch.distributed as dist
 
     from engine.config import EngineConfig
-    from engine.engine_parts import build_engine_parts
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
-    from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
+    from engine.tensor_parallel import TPGroup
+    from engine.tp_launch import serve_follower
 
     torch.set_num_threads(max(1, payload["threads"] // size))
     group = TPGroup(dist.FileStore(store_path, size), rank, size, timeout_s=120.0) if size > 1 else None
@@ -46,8 +46,8 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
         tensor_parallel_size=size,
     )
     if rank > 0:
-        parts = build_engine_parts(config, group)
-        return {"ended": TPFollower(parts.runner, StepChannel(group)).serve()}
+        assert group is not None  # size > 1
+        return {"ended": serve_follower(config, group)}
     engine = LLMEngine(config, group)
     params = SamplingParams(max_tokens=payload["output_len"], temperature=0.0, ignore_eos=True)
     runs = []

@@ -77,14 +77,11 @@ def _engine(rank: int, size: int, store_path: str, job: dict):
 
 
 def _follower(rank: int, size: int, store_path: str, job: dict) -> dict:
-    from engine.engine_parts import build_engine_parts
-    from engine.tensor_parallel import StepChannel, TPFollower
+    from engine.tp_launch import serve_follower
 
     group = _group(rank, size, store_path)
-    parts = build_engine_parts(_engine_config(job, size), group)
-    ended = TPFollower(parts.runner, StepChannel(group)).serve()
-    group.close()
-    return {"ended": ended}
+    assert group is not None  # size > 1
+    return {"ended": serve_follower(_engine_config(job, size), group)}
 
 
 def _params():

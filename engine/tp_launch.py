@@ -19,6 +19,10 @@ from typing import Any
 
 import torch
 
+from engine.config import EngineConfig
+from engine.engine_parts import build_engine_parts
+from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
+
 RankTarget = Callable[[int, int, str, Any], Any]
 
 
@@ -71,3 +75,13 @@ def run_ranks(
     if errors:
         raise RankFailed(errors)
     return out
+
+
+def serve_follower(config: EngineConfig, group: TPGroup) -> str:
+    """A rank other than 0 inside a target: its shard of ``config``'s engine runs rank 0's steps until rank 0 stops it
+    or the group breaks; the group is closed after; why serving ended."""
+    parts = build_engine_parts(config, group)
+    try:
+        return TPFollower(parts.runner, StepChannel(group)).serve()
+    finally:
+        group.close()

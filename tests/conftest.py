@@ -12,32 +12,30 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_path(tmp_path_factory) -> Path:
+def _tiny_model(tmp_path_factory, arch: str) -> Path:
     from engine.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> Path:
+    return _tiny_model(tmp_path_factory, "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory) -> Path:
-    from engine.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
+    return _tiny_model(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_mistral_path(tmp_path_factory) -> Path:
-    from engine.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), arch="mistral")
+    return _tiny_model(tmp_path_factory, "mistral")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory) -> Path:
-    from engine.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3")
+    return _tiny_model(tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="session")
