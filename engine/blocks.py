@@ -100,12 +100,16 @@ def rank_kv_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) from config.json, as ``engine_parts`` reads the loaded model's config: KV heads
-    default to the attention heads, head dim to hidden / heads."""
+    """(layers, KV heads, head dim) from config.json, as the engine's probe finds them in the loaded model
+    (``engine.model_probe``): KV heads default to the attention heads, head dim to hidden / heads; with latent
+    attention's decompressed heads (DeepSeek), the wider of the key (nope + rope) and value heads."""
     try:
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        if config.get("kv_lora_rank"):
+            key_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+            head_dim = max(key_dim, int(config["v_head_dim"]))
         return int(config["num_hidden_layers"]), kv_heads, head_dim
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ValueError(f"model config lacks a usable attention shape field: {exc!r}") from exc

@@ -256,7 +256,7 @@ class DecodeGraphs:
             hidden = self._forward_static(key)
         rows = [row for row, chunk in enumerate(chunks) if chunk.samples]
         real = hidden[: len(chunks)] if len(rows) == len(chunks) else hidden[long_tensor(rows, hidden.device)]
-        logits = self.runner.lm_head(real).float()  # padding rows dropped before the vocabulary projection
+        logits = self.runner.project(real)  # padding rows dropped before the vocabulary projection
         wait_for_compute(self.runner.device)
         stats = StepStats(
             num_tokens=len(chunks),
@@ -316,6 +316,7 @@ class DecodeGraphs:
             max_context=width,
             gather_buffer=gather.view(2, key.batch * key.blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
             mask=mask,
+            context_lens=lens,
         )
         batch = AttentionBatch(kv_cache=self.runner.kv_cache, slot_mapping=slots, decode=group, backend=self._attention)
         out = self.runner.decoder(

@@ -20,6 +20,7 @@ from engine.decode_graphs import decode_graphs_for, graph_scratch_bytes
 from engine.kv_cache import KVCache, KVSpec
 from engine.memory import KVMemoryPlanner, MemoryPlan
 from engine.model_loader import load_model
+from engine.model_probe import ModelAttention, probe_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.tensor_parallel import StepChannel, TPGroup, head_split
@@ -32,6 +33,7 @@ class EngineParts:
     tokenizer: Any
     max_model_len: int
     kv_spec: KVSpec
+    attention: ModelAttention  # what each layer's attention needs (engine.model_probe)
     memory_plan: MemoryPlan | None  # None unless measured (CUDA, no explicit KV budget)
     kv_cache: KVCache
     runner: ModelRunner
@@ -52,21 +54,24 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
     model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
     hf_config = model.config
-    split = head_split(
-        hf_config.num_attention_heads,
-        hf_config.num_key_value_heads,
-        group.size if group else 1,
-        group.rank if group else 0,
-    )
+    attention = probe_model(model, hf_config.num_hidden_layers)  # the KV layout and features, from the model itself
+    size = group.size if group else 1
+    if size == 1:  # the heads the layers pass (configs name them differently, or not at all)
+        split = head_split(attention.layers[0].query_heads, attention.num_kv_heads, 1, 0)
+    else:  # a shard of a family whose config names them (engine.tensor_parallel.TP_ARCHITECTURES)
+        assert group is not None
+        split = head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, group.rank)
     max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
     kv_spec = KVSpec(
         architecture=hf_config.model_type,
         dtype=model.dtype,
         num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=split.kv_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
         block_size=config.block_size,
     )
+    if attention.num_kv_heads != split.kv_heads:
+        raise ValueError(f"model: {hf_config.model_type!r} caches {attention.num_kv_heads} KV heads, expected {split}")
     graph_scratch = graph_scratch_bytes(config, kv_spec, max_model_len)  # comes out of the KV budget
     memory_plan = planner.plan(model, kv_spec, max_model_len, graph_scratch) if planner else None
     if memory_plan is not None:
@@ -75,8 +80,9 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         num_blocks = kv_blocks_for(kv_bytes, kv_spec.bytes_per_block, config.kv_blocks)
     kv_cache = KVCache(kv_spec, num_blocks, config.device)
-    backend = select_backend(config.attention_backend, config.device, model.dtype)
+    backend = select_backend(config.attention_backend, config.device, model.dtype, attention.features)
     runner = ModelRunner(model, kv_cache, backend)
+    runner.final_logit_softcap = attention.final_logit_softcap
     runner.head_split = split
     if group is not None and group.size > 1:
         runner.step_channel = StepChannel(group) if group.rank == 0 else None
@@ -95,6 +101,7 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         tokenizer,
         max_model_len,
         kv_spec,
+        attention,
         memory_plan,
         kv_cache,
         runner,

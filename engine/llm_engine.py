@@ -50,6 +50,7 @@ class LLMEngine:
         parts = build_engine_parts(config, tp_group)
         self.config, self.model, self.tokenizer = parts.config, parts.model, parts.tokenizer
         self.max_model_len, self.kv_spec, self.memory_plan = parts.max_model_len, parts.kv_spec, parts.memory_plan
+        self.attention = parts.attention  # what each layer's attention needs (engine.model_probe)
         self.kv_cache, self.runner, self.sampler = parts.kv_cache, parts.runner, parts.sampler
         self.eos_token_ids, self.vocab_size = parts.eos_token_ids, parts.vocab_size
         config = self.config

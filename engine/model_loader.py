@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.model_probe import class_refusal, config_refusal
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,7 +26,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # names only: finding a model (the load tester's tokenizer, the router's config) must not import torch
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -109,8 +110,10 @@ def load_model(
     attn_implementation: str = "sdpa",
     group: TPGroup | None = None,
 ):
-    """Load (model, tokenizer); errors name the field and the cause. With a tensor-parallel ``group`` of more than
-    one rank, the model is this rank's shard (``engine.tensor_parallel.load_shard``).
+    """Load (model, tokenizer); errors name the field and the cause. Any decoder-only causal LM whose attention goes
+    through transformers' attention interface is accepted (``engine.model_probe``); what cannot work is refused
+    with the model type and the reason. With a tensor-parallel ``group`` of more than one rank, the model is this
+    rank's shard (``engine.tensor_parallel.load_shard``).
 
     The weights go from their files straight onto ``device`` in ``dtype`` (``device_map``): never built in host RAM
     nor held in float32 on the way, so a GPU node needs no host memory for them and the load is one pass."""
@@ -124,10 +127,9 @@ def load_model(
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model: {str(path)!r} holds no readable model config: {exc}") from exc
-    if config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model: architecture {config.model_type!r} is not supported (use one of {SUPPORTED_ARCHITECTURES})"
-        )
+    refusal = config_refusal(config.to_dict()) or class_refusal(config)
+    if refusal is not None:
+        raise ValueError(f"model: {refusal}")
     try:
         if group is not None and group.size > 1:
             from engine.tensor_parallel import load_shard

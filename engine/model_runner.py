@@ -21,6 +21,7 @@ from engine.attention.metadata import layout_spans as layout_spans_for
 from engine.blocks import blocks_for_tokens
 from engine.host_values import long_tensor
 from engine.kv_cache import KVCache
+from engine.model_probe import final_logits
 from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
 from engine.tensor_parallel import HeadSplit, StepChannel, StepKind, StepMessage
@@ -56,6 +57,7 @@ class ModelRunner:
         self.projects_logits = True
         self.head_split: HeadSplit | None = None  # the KV heads this rank's cache holds (build_engine_parts)
         self.export_blocks: list[int] = []  # rank 0: physical blocks whose KV the step's layer hook exports
+        self.final_logit_softcap: float | None = None  # the model's (engine.model_probe.ModelAttention)
         # the last forward's hidden states [tokens, hidden] and chunk start rows, kept for prompt logprobs only
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
@@ -193,8 +195,8 @@ class ModelRunner:
     def _decode_group(self, device: torch.Tensor, spans: DecodeSpans) -> DecodeGroup:
         table = device[spans.table].view(spans.rows, -1)
         mask = None
+        context_lens = device[spans.context_lens]
         if not spans.equal_lengths:
-            context_lens = device[spans.context_lens]
             keys = torch.arange(spans.max_context, device=self.device)
             mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(spans.rows, 1, 1, -1)
         return DecodeGroup(
@@ -203,7 +205,12 @@ class ModelRunner:
             max_context=spans.max_context,
             gather_buffer=self._gather_buffer(table.numel()),
             mask=mask,
+            context_lens=context_lens,
         )
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden states, as the model computes them (``engine.model_probe`` checked this)."""
+        return final_logits(self.lm_head(hidden).float(), self.final_logit_softcap)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
@@ -223,7 +230,7 @@ class ModelRunner:
             offset += chunk.num_tokens
         wanted = any(chunk.request.wants_prompt_logprobs for chunk in chunks)
         self._kept_hidden = (hidden, starts) if wanted else None
-        logits = self.lm_head(hidden[rows]).float() if self.projects_logits else hidden[:0]
+        logits = self.project(hidden[rows]) if self.projects_logits else hidden[:0]
         num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1 and chunk.start > 0)
         wait_for_compute(self.device)
         stats = StepStats(
@@ -255,7 +262,7 @@ class ModelRunner:
             parts = []
             for lo in range(0, len(positions), PROMPT_SCORE_ROWS):
                 hi = min(lo + PROMPT_SCORE_ROWS, len(positions))
-                logits = self.lm_head(hidden[first_row + lo : first_row + hi]).float()
+                logits = self.project(hidden[first_row + lo : first_row + hi])
                 parts.append(logprob_summary(torch.log_softmax(logits, dim=-1), targets[lo:hi], k))
             chosen, values, ids = (torch.cat(column) for column in zip(*parts))
             scores.append(PromptScores(request, positions.start + 1, chosen, values, ids))

@@ -89,8 +89,17 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
     return HeadSplit(rank, size, q_start, q_heads, kv_start, kv_heads, num_kv_heads)
 
 
+# the families whose weights ``shard_plan`` knows how to cut (separate q/k/v/o and gate/up/down projections)
+TP_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def check_degree(hf_config: Any, size: int) -> None:
     """ValueError naming ``tensor_parallel_size`` when the model cannot be split ``size`` ways."""
+    if size > 1 and hf_config.model_type not in TP_ARCHITECTURES:
+        raise ValueError(
+            f"tensor_parallel_size {size}: model type {hf_config.model_type!r} is served on one rank only; "
+            f"tensor parallelism cuts the weights of {', '.join(TP_ARCHITECTURES)}"
+        )
     head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
     if hf_config.intermediate_size % size:
         raise ValueError(

@@ -37,22 +37,84 @@ def build_byte_tokenizer():
     return tokenizer
 
 
-# every architecture pdserve serves (engine.model_loader.SUPPORTED_ARCHITECTURES): transformers' config and model
-TINY_ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+# the families the exactness tests cover, as transformers' ``model_type`` and the fields that make each one's tiny
+# model exercise what sets it apart: sliding windows short enough for test prompts to leave them (Gemma 2/3,
+# gpt-oss), soft-capping (Gemma 2), attention sinks (gpt-oss), mixtures of experts (Mixtral, Qwen3-MoE, gpt-oss,
+# DeepSeek-V3), and DeepSeek's latent attention, whose value heads are narrower than its key heads
+TINY_WINDOW = 8
+_ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
+TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "gemma2": (
+        "gemma2",
+        {
+            "sliding_window": TINY_WINDOW,
+            "layer_types": _ALTERNATING,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 10.0,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+    "gemma3": ("gemma3_text", {"sliding_window": TINY_WINDOW, "layer_types": _ALTERNATING}),
+    "phi3": ("phi3", {}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    ),
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": TINY_WINDOW,
+            "layer_types": _ALTERNATING,
+            # YaRN's factor matches the context it stretches to (transformers warns otherwise)
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        },
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 8,
+            "head_dim": 8,  # DeepSeek's rotary width is its config's head_dim: the rope part of a key head
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+        },
+    ),
 }
 
 
-def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shape: int) -> Path:
+def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shape: object) -> Path:
     """``shape``: config fields to change (``num_hidden_layers=30``), e.g. a model shaped for KV bytes, not compute."""
-    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
     tokenizer = build_byte_tokenizer()
-    common = {
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(TINY_ARCHITECTURES)}, got {arch!r}")
+    model_type, family = TINY_ARCHITECTURES[arch]
+    fields: dict[str, object] = {
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -65,13 +127,12 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shap
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": None,
         "tie_word_embeddings": False,
-    } | shape
-    if arch not in TINY_ARCHITECTURES:
-        raise ValueError(f"arch must be one of {', '.join(TINY_ARCHITECTURES)}, got {arch!r}")
-    config_name, model_name = TINY_ARCHITECTURES[arch]
-    common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])  # Qwen3's default is 128
+    }
+    fields |= family
+    fields |= shape
+    fields.setdefault("head_dim", int(fields["hidden_size"]) // int(fields["num_attention_heads"]))  # type: ignore[call-overload]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**common))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
-from engine.model_loader import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, cache_dir
+from engine.model_loader import DEFAULT_MODEL, cache_dir
+from engine.model_probe import config_refusal
 
 GIB = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -134,10 +135,9 @@ class ModelShape:
     @classmethod
     def from_config(cls, name: str, source: str, config: dict[str, Any]) -> ModelShape:
         model_type = str(config.get("model_type", ""))
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{source}: architecture {model_type!r} is not one pdserve serves ({', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        refusal = config_refusal(config)
+        if refusal is not None:
+            raise ValueError(f"{source}: {refusal}")
         layers, kv_heads, head_dim = kv_shape_from_config(config)
         try:
             return cls(

@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend
-from engine.attention.batch import AttentionBatch, DecodeGroup, LayerHook, PrefillSeq, SeqLayout
+from engine.attention.batch import AttentionBatch, DecodeGroup, LayerFeatures, LayerHook, PrefillSeq, SeqLayout
 from engine.attention.sdpa import SdpaBackend
+from engine.model_probe import AttentionProbe
 
 __all__ = [
     "ATTENTION_NAME",
@@ -24,6 +26,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionBatch",
     "DecodeGroup",
+    "LayerFeatures",
     "LayerHook",
     "PrefillSeq",
     "SdpaBackend",
@@ -46,18 +49,38 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     pd_batch: AttentionBatch | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    pd_probe: AttentionProbe | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
+    layer = cast(int, module.layer_idx)  # set by transformers on every attention module
+    if pd_probe is not None:  # engine.model_probe: record what this layer passes, attend to nothing
+        pd_probe.record(layer, query, key, value, sliding_window, softcap, s_aux)
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     if pd_batch is None:
         raise RuntimeError("pdserve_paged attention called without an AttentionBatch (pd_batch)")
-    layer = cast(int, module.layer_idx)  # set by transformers on every attention module
+    features = LayerFeatures(
+        scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,  # of the unpadded width
+        sliding_window=sliding_window or None,
+        softcap=softcap or None,
+        sinks=s_aux,
+    )
+    value_dim = value.shape[-1]
+    width = pd_batch.kv_cache.spec.head_dim
+    if query.shape[-1] != width or value_dim != width:  # narrower heads zero-padded to the cache's width
+        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     new_k = key[0].transpose(0, 1)  # [T, kv_heads, d]
     new_v = value[0].transpose(0, 1)
     pd_batch.kv_cache.write_slots(layer, pd_batch.slot_mapping, new_k, new_v)
     if pd_batch.layer_hook is not None:
         pd_batch.layer_hook(layer, pd_batch)
     backend = pd_batch.backend or _DEFAULT_BACKEND
-    return backend.forward(layer, query, key, value, pd_batch, scaling), None
+    if not features.plain and not backend.supports_features:
+        raise RuntimeError(f"attention backend {backend.name!r} cannot run this layer's {features}")
+    out = backend.forward(layer, query, key, value, pd_batch, features)
+    return (out if value_dim == width else out[..., :value_dim]), None
 
 
 def register_paged_attention() -> str:

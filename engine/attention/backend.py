@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.batch import AttentionBatch
+    from engine.attention.batch import AttentionBatch, LayerFeatures
 
 BACKEND_NAMES = ("sdpa", "flex", "flashinfer")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # its paged kernels have no float32 variant
@@ -26,6 +26,8 @@ class AttentionBackend(abc.ABC):
     # the runner builds PrefillSeq/DecodeGroup and SeqLayout only for backends that read them: each costs per step
     needs_groups: ClassVar[bool] = False
     needs_layout: ClassVar[bool] = False
+    # runs sliding windows, soft-capping and sinks (``LayerFeatures``); a model that uses them needs such a backend
+    supports_features: ClassVar[bool] = False
 
     def prepare(self, batch: AttentionBatch) -> None:  # noqa: B027 (optional hook: most backends need no plan)
         """Per-step work shared by every layer, stored in ``batch.plan``; called once after the batch is built."""
@@ -38,7 +40,7 @@ class AttentionBackend(abc.ABC):
         key: torch.Tensor,  # [1, kv_heads, T, head_dim] (already written into the cache)
         value: torch.Tensor,
         batch: AttentionBatch,
-        scaling: float | None,
+        features: LayerFeatures,
     ) -> torch.Tensor:
         """The attention output ``[1, T, heads, head_dim]``, as transformers' attention functions return it."""
 
@@ -52,14 +54,24 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """The concrete backend ``name`` means (``auto`` resolved), or ValueError. ``dtype`` None: assumed half."""
+def resolve_backend_name(
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None, model_features: list[str] | None = None
+) -> str:
+    """The concrete backend ``name`` means (``auto`` resolved), or ValueError. ``dtype`` None: assumed half.
+    ``model_features``: what the model's attention needs beyond plain causal attention (``engine.model_probe``);
+    only gather + SDPA runs those."""
     device = torch.device(device)
     half = dtype is None or dtype in FLASHINFER_DTYPES
     if name == "auto":
+        if model_features:
+            return "sdpa"
         return "flashinfer" if device.type == "cuda" and half and flashinfer_importable() else "sdpa"
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {['auto', *BACKEND_NAMES]}, got {name!r}")
+    if model_features and name != "sdpa":
+        raise ValueError(
+            f"attention_backend {name!r} cannot run this model's {', '.join(model_features)}; use 'sdpa' or 'auto'"
+        )
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"attention_backend 'flashinfer' needs a CUDA device, the engine runs on {device}")
@@ -73,14 +85,16 @@ def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dty
     return name
 
 
-def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None, model_features: list[str] | None = None
+) -> AttentionBackend:
     """The backend ``attention_backend`` names. ``auto``: FlashInfer on CUDA when importable and the model is
     float16/bfloat16 (its kernels read the cache in place), else gather + SDPA (so float32 on a GPU, the exactness
     check, stays on SDPA). Flex is opt-in: eager on the CPU it materialises the whole score matrix, on CUDA it
     recompiles for new shapes, and it has not measured faster. FlashInfer where it cannot run is an error, not a
     fallback, so a misconfigured GPU pool fails at start."""
     device = torch.device(device)
-    name = resolve_backend_name(name, device, dtype)
+    name = resolve_backend_name(name, device, dtype, model_features)
     if name == "sdpa":
         from engine.attention.sdpa import SdpaBackend
 

@@ -20,6 +20,22 @@ from engine.kv_cache import KVCache
 if TYPE_CHECKING:
     from engine.attention.backend import AttentionBackend
 
+
+@dataclass(frozen=True, slots=True)
+class LayerFeatures:
+    """What one layer's attention does beyond plain causal softmax attention, as the model passes it to transformers'
+    attention interface: every family's variant is one of these, never a per-family branch."""
+
+    scaling: float  # the softmax scale (the model's ``scaling``, else 1/sqrt of its own head width)
+    sliding_window: int | None = None  # a query attends to the last ``sliding_window`` positions, itself included
+    softcap: float | None = None  # scores become ``tanh(score / softcap) * softcap`` before the mask
+    sinks: torch.Tensor | None = None  # [heads] a per-head logit that joins the softmax's denominator only
+
+    @property
+    def plain(self) -> bool:
+        return self.sliding_window is None and self.softcap is None and self.sinks is None
+
+
 # called after the layer's new KV is in the cache
 LayerHook = Callable[[int, "AttentionBatch"], None]
 
@@ -39,6 +55,7 @@ class DecodeGroup:
     max_context: int
     gather_buffer: torch.Tensor  # [2, B * max_blocks, block_size, kvH, d], reused by every layer of the step
     mask: torch.Tensor | None  # [B, 1, 1, max_context] True where a key is attended; None: equal lengths
+    context_lens: torch.Tensor | None = None  # [B], for sliding-window layers' masks; None: unknown (no windows)
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.batch import AttentionBatch
+from engine.attention.batch import AttentionBatch, LayerFeatures
 
 # the float workspace (split-KV partial results), shared by both wrappers; 128 MiB can be short for a few hundred
 # decode rows with split KV, and vLLM uses 256 MiB
@@ -140,13 +140,13 @@ class FlashInferBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         batch: AttentionBatch,
-        scaling: float | None,
+        features: LayerFeatures,
     ) -> torch.Tensor:
         step = batch.plan
         if not isinstance(step, FlashInferStep):
             raise RuntimeError("flashinfer attention called before FlashInferBackend.prepare")
         heads, head_dim = query.shape[1], query.shape[3]
-        scale = scaling if scaling is not None else head_dim**-0.5
+        scale = features.scaling
         signature = (heads, key.shape[1], head_dim, float(scale), query.dtype)
         cache = batch.kv_cache.kv[layer]
         if step.planned_for != signature:  # the first layer of the step (every later one has the same shapes)

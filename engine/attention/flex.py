@@ -18,7 +18,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.batch import AttentionBatch, SeqLayout
+from engine.attention.batch import AttentionBatch, LayerFeatures, SeqLayout
 
 _EAGER_WARNING = "flex_attention called without torch.compile"
 
@@ -93,7 +93,7 @@ class FlexBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         batch: AttentionBatch,
-        scaling: float | None,
+        features: LayerFeatures,
     ) -> torch.Tensor:
         plan = batch.plan
         if not isinstance(plan, FlexPlan):
@@ -103,5 +103,5 @@ class FlexBackend(AttentionBackend):
         gqa = query.shape[1] != key.shape[1]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_EAGER_WARNING)
-            out = self._flex(query, kv[0], kv[1], block_mask=plan.block_mask, scale=scaling, enable_gqa=gqa)
+            out = self._flex(query, kv[0], kv[1], block_mask=plan.block_mask, scale=features.scaling, enable_gqa=gqa)
         return out.transpose(1, 2)  # [1, T, H, d]

@@ -7,6 +7,9 @@ No fused kernel takes GQA (``enable_gqa``) together with a mask tensor (the math
 repeated per head), so every call is shaped for a fused one: decode folds the query heads that share a KV head into
 the query-length axis (``[B, kv_heads, heads / kv_heads, d]``: no GQA, and the ``[B, 1, 1, C]`` padding mask
 broadcasts); a prefill chunk with cached context uses ``causal_lower_right`` (flash with GQA, no mask tensor).
+
+A layer with ``LayerFeatures`` beyond plain attention adds its sliding window to the mask; soft-capping and sinks
+have no SDPA form, so those layers attend in ``math_attention``, the operations of transformers' eager attention.
 """
 
 from __future__ import annotations
@@ -16,24 +19,85 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.batch import AttentionBatch
+from engine.attention.batch import AttentionBatch, DecodeGroup, LayerFeatures
+
+
+def math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    features: LayerFeatures,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``softmax(softcap(q k^T * scale) + mask [, sink]) v`` as transformers' eager attention computes it; ``q``
+    ``[B, h, Tq, d]`` against ``k, v [B, h, C, d]`` (same head count), ``allowed`` broadcastable to ``[B, h, Tq, C]``,
+    ``sinks`` to ``[B, h, Tq, 1]``."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * features.scaling
+    if features.softcap is not None:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the sink joins the softmax as one more column, then is dropped (gpt-oss)
+        combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, features: LayerFeatures
 ) -> torch.Tensor:
     """``q [B, H, d]`` against ``k, v [B, kvH, C, d]`` (``mask [B, 1, 1, C]`` or None) -> ``[B, H, d]``; query head
     ``h`` reads KV head ``h // (H / kvH)``, as transformers' ``repeat_kv``."""
     rows, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     folded = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    if features.softcap is None and features.sinks is None:
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=features.scaling)
+    else:
+        sinks = None if features.sinks is None else features.sinks.view(1, kv_heads, heads // kv_heads, 1)
+        out = math_attention(folded, k, v, mask, features, sinks)
     return out.reshape(rows, heads, head_dim)
+
+
+def decode_mask(group: DecodeGroup, features: LayerFeatures) -> torch.Tensor | None:
+    """The decode rows' mask with the layer's window: row ``b`` (context ``C_b``) attends keys ``[C_b - W, C_b)``."""
+    if features.sliding_window is None or group.context_lens is None:
+        return group.mask
+    keys = torch.arange(group.max_context, device=group.block_table.device).unsqueeze(0)
+    lens = group.context_lens.unsqueeze(1)
+    allowed = (keys < lens) & (keys >= lens - features.sliding_window)
+    return allowed.view(group.block_table.shape[0], 1, 1, -1)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, features: LayerFeatures
+) -> torch.Tensor:
+    """A chunk of ``q [1, H, Tq, d]`` at the end of its ``context_len`` keys ``k, v [1, kvH, C, d]``, causal, with
+    the layer's window, soft-cap and sinks."""
+    heads, q_len = q.shape[1], q.shape[2]
+    query_pos = torch.arange(context_len - q_len, context_len, device=q.device).unsqueeze(1)
+    key_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
+    allowed = key_pos <= query_pos
+    if features.sliding_window is not None:
+        allowed &= key_pos > query_pos - features.sliding_window
+    if features.softcap is None and features.sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=features.scaling, enable_gqa=heads != k.shape[1]
+        )
+    groups = heads // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    sinks = None if features.sinks is None else features.sinks.view(1, heads, 1, 1)
+    return math_attention(q, k, v, allowed, features, sinks)
 
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     needs_groups = True
+    supports_features = True
 
     def forward(
         self,
@@ -42,7 +106,7 @@ class SdpaBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         batch: AttentionBatch,
-        scaling: float | None,
+        features: LayerFeatures,
     ) -> torch.Tensor:
         num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
         kv_flat = batch.kv_cache.flat(layer)  # [2, slots, kv_heads, d]
@@ -56,27 +120,33 @@ class SdpaBackend(AttentionBackend):
             torch.index_select(cache, 1, group.block_table.flatten(), out=group.gather_buffer)
             blocks = group.gather_buffer.view(2, *group.block_table.shape, *cache.shape[2:])
             kv = blocks.flatten(2, 3)[:, :, : group.max_context].permute(0, 1, 3, 2, 4).to(query.dtype)  # [2,B,kvH,C,d]
+            mask = group.mask if features.plain else decode_mask(group, features)
             if group.token_index is None:  # a decode-only step: the packed row is the batch, in order
-                o = decode_attention(query[0].transpose(0, 1), kv[0], kv[1], group.mask, scaling)  # [B, H, d]
-                return o.unsqueeze(1)  # [B, 1, H, d]: the layer reshapes it to [B, 1, H*d] == [1, T, H*d]
+                o = decode_attention(query[0].transpose(0, 1), kv[0], kv[1], mask, features)  # [B, H, d]
+                return o.unsqueeze(0)  # [1, T, H, d], T = B: a view, no copy
 
         out = query.new_empty(num_tokens, num_heads, head_dim)
         if group is not None:
             q = query[0, :, group.token_index].transpose(0, 1)  # [B, H, d]
-            out[group.token_index] = decode_attention(q, kv[0], kv[1], group.mask, scaling)
+            out[group.token_index] = decode_attention(q, kv[0], kv[1], mask, features)
 
         for seq in batch.prefills:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]
             if seq.context_slots is None:
                 k = key[:, :, seq.q_start : seq.q_start + seq.q_len]
                 v = value[:, :, seq.q_start : seq.q_start + seq.q_len]
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
             else:
                 kv = (
                     kv_flat.index_select(1, seq.context_slots).transpose(1, 2).unsqueeze(1).to(query.dtype)
                 )  # [2,1,kvH,C,d]
+                k, v = kv[0], kv[1]
+            if not features.plain:
+                o = prefill_attention(q, k, v, seq.context_len, features)
+            elif seq.context_slots is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=features.scaling, enable_gqa=gqa)
+            else:
                 causal = causal_lower_right(seq.q_len, seq.context_len)
-                o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=causal, scale=scaling, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=features.scaling, enable_gqa=gqa)
             out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
 
         return out.unsqueeze(0)

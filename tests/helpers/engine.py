@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM
 class Reference:
     """transformers' own greedy ``generate``, one prompt at a time (no padding): the ground truth."""
 
-    def __init__(self, path) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    def __init__(self, path, attn_implementation: str = "sdpa") -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation
+        ).eval()
 
     @torch.inference_mode()
     def greedy(self, token_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -1,0 +1,123 @@
+"""Families beyond Llama: token-exact against transformers' eager ``generate`` through every engine path, with no
+family-specific line in the engine; what cannot be served is refused at load, naming the model type and the reason.
+
+The tiny models (``engine.tiny_model``) give Gemma 2/3 and gpt-oss 8-token sliding windows, so every prompt here
+leaves them; Gemma 2 soft-caps its scores and logits, gpt-oss has attention sinks, DeepSeek-V3's value heads are
+narrower than its key heads, and four of them route tokens to experts. The reference is eager attention, the one
+implementation in transformers that runs soft-capping and sinks as the model defines them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.request import SamplingParams
+from tests.helpers.engine import Reference, handoff, random_prompts
+
+FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    from engine.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
+    return request.param, path, Reference(path, attn_implementation="eager")
+
+
+def _assert_exact(reference: Reference, prompts, results, max_tokens: int = 10) -> None:
+    for prompt, result in zip(prompts, results):
+        expected = reference.greedy(prompt, max_tokens)  # stops at EOS; the engine ignores it and goes on
+        assert result.token_ids[: len(expected)] == expected, f"prompt of {len(prompt)}"
+
+
+def test_ragged_chunked_and_prefix_cached_steps_match_transformers(family, make_engine):
+    arch, path, reference = family
+    engine = make_engine(path, max_batch_tokens=48)
+    prompts = random_prompts(4, 3, 90, seed=11)
+    _assert_exact(reference, prompts, engine.generate(prompts, GREEDY))
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in engine.step_stats), "chunks mixed with decodes"
+    shared = prompts[2][:48]  # three full blocks, reused by the next prompts
+    again = [shared + [7, 8, 9], shared + [40, 41]]
+    results = engine.generate(again, GREEDY)
+    assert all(r.num_cached_tokens == 48 for r in results)
+    _assert_exact(reference, again, results)
+
+
+def test_preemption_keeps_output_exact(family, make_engine):
+    arch, path, reference = family
+    engine = make_engine(path, kv_blocks=12, enable_prefix_caching=False)
+    prompts = random_prompts(4, 40, 40, seed=7)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    _assert_exact(reference, prompts, results, 24)
+
+
+def test_prefill_decode_handoff_matches_transformers(family, make_engine):
+    arch, path, reference = family
+    prefill = make_engine(path, prefill_only=True)
+    decode = make_engine(path)
+    for i, prompt in enumerate(random_prompts(2, 20, 70, seed=5)):
+        outputs = handoff(prefill, decode, prompt, GREEDY, f"h{i}")
+        tokens = [t for out in outputs for t in out.new_token_ids]
+        expected = reference.greedy(prompt, 10)
+        assert tokens[: len(expected)] == expected
+
+
+def test_features_come_from_the_model_not_its_family(family, make_engine):
+    """What the probe found is what the tiny model was built with; the KV layout is the widest head."""
+    arch, path, _ = family
+    engine = make_engine(path)
+    attention = engine.attention
+    config = json.loads((path / "config.json").read_text())
+    windows = [layer.sliding_window for layer in attention.layers]
+    expected = [8 if t == "sliding_attention" else None for t in config.get("layer_types") or [None] * 3]
+    assert windows == expected
+    assert any(layer.softcap for layer in attention.layers) == (arch == "gemma2")
+    assert attention.final_logit_softcap == (10.0 if arch == "gemma2" else None)
+    assert all(layer.has_sinks for layer in attention.layers) == (arch == "gpt_oss")
+    if arch == "deepseek_v3":  # nope 16 + rope 8 keys, 16-wide values padded into them
+        assert {(layer.key_dim, layer.value_dim) for layer in attention.layers} == {(24, 16)}
+    assert engine.kv_spec.head_dim == max(max(layer.key_dim, layer.value_dim) for layer in attention.layers)
+
+
+def test_a_backend_that_cannot_run_the_features_is_refused_by_name(tmp_path_factory):
+    from engine.attention import select_backend
+
+    with pytest.raises(ValueError, match="attention_backend 'flex' cannot run this model's sliding windows"):
+        select_backend("flex", "cpu", None, ["sliding windows"])
+    assert select_backend("auto", "cpu", None, ["logit soft-capping"]).name == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "reason"),
+    [
+        ("t5", {}, "encoder-decoder"),
+        ("llava", {}, "multimodal"),
+        ("qwen3_next", {}, "linear_attention layers"),
+        ("mamba", {}, "does not run its attention through transformers' attention interface"),
+        ("llama4_text", {"num_hidden_layers": 4}, "chunked_attention layers"),
+    ],
+)
+def test_models_that_cannot_work_are_refused_naming_the_type_and_reason(tmp_path, model_type, fields, reason):
+    from transformers import AutoConfig
+
+    from engine.model_loader import load_model
+
+    AutoConfig.for_model(model_type, **fields).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"model: model type '{model_type}'.*{reason}"):
+        load_model(str(tmp_path))
+
+
+def test_tensor_parallelism_is_refused_for_families_it_cannot_cut(tmp_path):
+    from transformers import AutoConfig
+
+    from engine.tensor_parallel import check_degree
+
+    config = AutoConfig.for_model("gemma2", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: model type 'gemma2' is served on one rank only"):
+        check_degree(config, 2)
