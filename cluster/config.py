@@ -96,6 +96,7 @@ ENGINE_POOL_FIELDS = (
     "kv_blocks",
     "gpu_memory_utilization",
     "attention_backend",
+    "kv_cache_dtype",  # prefill and decode must agree in disaggregated mode (the KV moves as stored)
     "cuda_graphs",
     "max_batch_tokens",
     "max_num_seqs",
@@ -243,6 +244,18 @@ class ClusterConfig(_Strict):
         if problem:
             raise ValueError(problem)
         prefill = self.pools.prefill
+        decode = self.pools.decode
+        if self.mode == "disaggregated" and prefill.kv_cache_dtype != decode.kv_cache_dtype:
+            raise ValueError(
+                f"pools.decode.kv_cache_dtype {decode.kv_cache_dtype!r} differs from pools.prefill.kv_cache_dtype "
+                f"{prefill.kv_cache_dtype!r}: the KV moves between them as stored, so both pools need the same"
+            )
+        quantized = {prefill.kv_cache_dtype, decode.kv_cache_dtype} - {"auto"}
+        if self.transfer.kv_wire_dtype != "raw" and quantized:
+            raise ValueError(
+                f"transfer.kv_wire_dtype {self.transfer.kv_wire_dtype!r} would compress an already quantized KV cache "
+                f"(kv_cache_dtype {sorted(quantized)[0]!r}); leave it 'raw'"
+            )
         if self.mode == "disaggregated" and not self.transfer.stream_layers and prefill.tensor_parallel_size > 1:
             raise ValueError(
                 f"transfer.stream_layers: false cannot hold with pools.prefill.tensor_parallel_size "
@@ -277,6 +290,7 @@ class ClusterConfig(_Strict):
             kv_cache_memory_bytes=None if pool.kv_memory_mb is None else pool.kv_memory_mb * MIB,
             gpu_memory_utilization=pool.gpu_memory_utilization,
             attention_backend=pool.attention_backend,
+            kv_cache_dtype=pool.kv_cache_dtype,
             cuda_graphs=pool.cuda_graphs,
             max_model_len=self.model.max_model_len,
             max_batch_tokens=pool.max_batch_tokens,

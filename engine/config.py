@@ -10,6 +10,8 @@ from engine.model_loader import DEFAULT_MODEL, DTYPES
 # auto: flashinfer on CUDA when installed, else sdpa; sdpa: gather + torch SDPA (the CPU path); flex: FlexAttention
 # with a paged block mask; flashinfer: FlashInfer's paged kernels (CUDA only). See engine/attention/backend.py
 AttentionBackendName = Literal["auto", "sdpa", "flex", "flashinfer"]
+# the KV cache's storage (vLLM's names): the model's dtype, or 8-bit values with a float32 scale per (token, head)
+KVCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024  # the KV budget of a CPU engine given neither blocks nor bytes
 
 
@@ -33,6 +35,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: the fraction of the GPU's memory this engine may use, all included
     attention_backend: AttentionBackendName = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured per batch-size bucket; ignored on the CPU
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_batch_tokens: int = 2048  # tokens per forward: longer prompts are prefilled in chunks
@@ -56,6 +59,15 @@ class EngineConfig:
         if self.attention_backend not in get_args(AttentionBackendName):
             raise ValueError(
                 f"attention_backend must be one of {list(get_args(AttentionBackendName))}, got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in get_args(KVCacheDtype):
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(get_args(KVCacheDtype))}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype != "auto" and self.attention_backend in ("flex", "flashinfer"):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is read by the sdpa attention backend only, "
+                f"not by attention_backend {self.attention_backend!r}"
             )
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -62,13 +62,14 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         assert group is not None
         split = head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, group.rank)
     max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-    kv_spec = KVSpec(
+    kv_spec = KVSpec.for_model(
         architecture=hf_config.model_type,
-        dtype=model.dtype,
+        model_dtype=model.dtype,
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=attention.num_kv_heads,
         head_dim=attention.head_dim,
         block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     if attention.num_kv_heads != split.kv_heads:
         raise ValueError(f"model: {hf_config.model_type!r} caches {attention.num_kv_heads} KV heads, expected {split}")

@@ -3,6 +3,12 @@
 Layout per layer: K and V stacked in one tensor, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, so writing a
 forward's new K/V (slot ``block_id * block_size + offset``) and gathering a decode batch's context are one indexing op
 each. The transfer layer sees only ``read_blocks`` and ``write_blocks``, with the block ids of each side.
+
+A quantized cache (``kv_cache_dtype: int8 | fp8_e4m3``) stores each (token, head) row as ``head_dim`` 8-bit values
+and the row's float32 scale in 4 more bytes, all one ``uint8`` tensor: blocks stay plain bytes, so the transfer
+ships them quantized with their scales and every backend, header and fingerprint works unchanged (a prefill worker
+and a decode worker that disagree fail the fingerprint check). Values are written quantized and dequantized where
+the attention reads them (``dequantize``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import torch
 from engine.blocks import kv_bytes_per_token
 from engine.host_values import long_tensor
 
+SCALE_BYTES = 4  # a float32 scale per (token, head) row
+# the largest magnitude each quantized format holds: a row's absolute maximum maps to it
+QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+
 
 @dataclass(frozen=True, slots=True)
 class KVSpec:
@@ -23,8 +33,33 @@ class KVSpec:
     dtype: torch.dtype
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # the stored row's width: with ``quantization``, the model's head width plus SCALE_BYTES
     block_size: int
+    quantization: str | None = None  # "int8" or "fp8_e4m3": rows of 8-bit values and a scale, in uint8 storage
+
+    @classmethod
+    def for_model(
+        cls,
+        architecture: str,
+        model_dtype: torch.dtype,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+    ) -> KVSpec:
+        if kv_cache_dtype == "auto":
+            return cls(architecture, model_dtype, num_layers, num_kv_heads, head_dim, block_size)
+        if kv_cache_dtype not in QUANT_MAX:
+            raise ValueError(f"kv_cache_dtype must be one of {['auto', *QUANT_MAX]}, got {kv_cache_dtype!r}")
+        return cls(
+            architecture, torch.uint8, num_layers, num_kv_heads, head_dim + SCALE_BYTES, block_size, kv_cache_dtype
+        )
+
+    @property
+    def model_head_dim(self) -> int:
+        """The width attention computes in (the stored row without its scale)."""
+        return self.head_dim - SCALE_BYTES if self.quantization else self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
@@ -55,7 +90,31 @@ class KVCache:
 
     def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V (``[tokens, kv_heads, head_dim]``) at their slots."""
-        self.flat(layer).index_copy_(1, slots, torch.stack((k, v)).to(self.spec.dtype))
+        self.flat(layer).index_copy_(1, slots, self.quantize(torch.stack((k, v))))
+
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        """Values ``[..., model_head_dim]`` as this cache stores them."""
+        kind = self.spec.quantization
+        if kind is None:
+            return values.to(self.spec.dtype)
+        values = values.float()
+        scale = values.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / QUANT_MAX[kind]
+        scaled = values / scale
+        if kind == "int8":
+            stored = scaled.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        else:
+            stored = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+        return torch.cat((stored, scale.view(torch.uint8)), dim=-1)
+
+    def dequantize(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows as stored ``[..., head_dim]`` back to values ``[..., model_head_dim]`` in ``dtype``."""
+        kind = self.spec.quantization
+        if kind is None:
+            return stored.to(dtype)
+        width = self.spec.model_head_dim
+        scale = stored[..., width:].contiguous().view(torch.float32)
+        values = stored[..., :width].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
+        return (values.to(torch.float32) * scale).to(dtype)
 
     def block_index(self, block_ids: list[int]) -> torch.Tensor:
         """Block ids as an index on the cache's device (pinned, non-blocking): build once, use for every layer."""

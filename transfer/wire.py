@@ -32,8 +32,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int8": torch.int8,
+    "uint8": torch.uint8,
 }
-KV_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+KV_DTYPES = frozenset({"float32", "bfloat16", "float16", "uint8"})  # uint8: a quantized cache's rows, as bytes
+KV_FORMATS = frozenset({"plain", "int8", "fp8_e4m3"})
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # a shape entry, byte count, block id, position: never a bool or float
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -65,10 +67,14 @@ class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
     num_kv_heads: int
     head_dim: int
     block_size: int
+    # how the stored rows read: "plain" values, or 8-bit values and a scale each (the engine's kv_cache_dtype)
+    kv_format: Annotated[str, msgspec.Meta(max_length=16)] = "plain"
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV dtype {self.dtype!r} not in {sorted(KV_DTYPES)}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"KV format {self.kv_format!r} not in {sorted(KV_FORMATS)}")
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if int(getattr(self, f)) <= 0:
                 raise ValueError(f"{f} must be > 0")
@@ -84,6 +90,7 @@ class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
             int(spec.num_kv_heads),
             int(spec.head_dim),
             int(spec.block_size),
+            str(getattr(spec, "quantization", None) or "plain"),
         )
 
     @property

@@ -68,7 +68,7 @@ def paged_attention_forward(
         sinks=s_aux,
     )
     value_dim = value.shape[-1]
-    width = pd_batch.kv_cache.spec.head_dim
+    width = pd_batch.kv_cache.spec.model_head_dim
     if query.shape[-1] != width or value_dim != width:  # narrower heads zero-padded to the cache's width
         query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     new_k = key[0].transpose(0, 1)  # [T, kv_heads, d]

@@ -119,7 +119,8 @@ class SdpaBackend(AttentionBackend):
             cache = batch.kv_cache.kv[layer]  # [2, num_blocks, block_size, kvH, d]
             torch.index_select(cache, 1, group.block_table.flatten(), out=group.gather_buffer)
             blocks = group.gather_buffer.view(2, *group.block_table.shape, *cache.shape[2:])
-            kv = blocks.flatten(2, 3)[:, :, : group.max_context].permute(0, 1, 3, 2, 4).to(query.dtype)  # [2,B,kvH,C,d]
+            stored = blocks.flatten(2, 3)[:, :, : group.max_context].permute(0, 1, 3, 2, 4)
+            kv = batch.kv_cache.dequantize(stored, query.dtype)  # [2, B, kvH, C, d]
             mask = group.mask if features.plain else decode_mask(group, features)
             if group.token_index is None:  # a decode-only step: the packed row is the batch, in order
                 o = decode_attention(query[0].transpose(0, 1), kv[0], kv[1], mask, features)  # [B, H, d]
@@ -136,9 +137,8 @@ class SdpaBackend(AttentionBackend):
                 k = key[:, :, seq.q_start : seq.q_start + seq.q_len]
                 v = value[:, :, seq.q_start : seq.q_start + seq.q_len]
             else:
-                kv = (
-                    kv_flat.index_select(1, seq.context_slots).transpose(1, 2).unsqueeze(1).to(query.dtype)
-                )  # [2,1,kvH,C,d]
+                stored = kv_flat.index_select(1, seq.context_slots).transpose(1, 2).unsqueeze(1)
+                kv = batch.kv_cache.dequantize(stored, query.dtype)  # [2, 1, kvH, C, d]
                 k, v = kv[0], kv[1]
             if not features.plain:
                 o = prefill_attention(q, k, v, seq.context_len, features)

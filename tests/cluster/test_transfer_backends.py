@@ -86,3 +86,53 @@ def test_local_backend_handoff_in_process_is_token_exact(tiny_llama_path):
         assert decode["transfers_ok"] == 1 and decode["transfer_bytes"] == -(-90 // 16) * BLOCK_BYTES
     finally:
         handle.stop()
+
+
+def _completion(handle, config, prompt: list[int], max_tokens: int = 12) -> dict:
+    body = {"model": config.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(f"{handle.base_url}/v1/completions", json={**body, "ignore_eos": True}, timeout=120).json()
+
+
+def test_a_family_with_windows_sinks_and_experts_serves_exactly_across_processes(ray_local, tmp_path_factory):
+    """gpt-oss (8-token sliding windows on alternate layers, attention sinks, a mixture of experts) over HTTP, its
+    KV streamed between two processes over zmq: equal to transformers' eager greedy output."""
+    from engine.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("gpt-oss"), arch="gpt_oss")
+    config = tiny_cluster_config(path, transfer={"backend": "zmq"})
+    reference = Reference(path, attn_implementation="eager")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    handle = start_serving(config)
+    try:
+        for prompt in random_prompts(2, 30, 90, seed=43):
+            text = _completion(handle, config, prompt)["choices"][0]["text"]
+            assert text.startswith(tokenizer.decode(reference.greedy(prompt, 12), skip_special_tokens=True))
+        decode = next(w for w in wait_all_kv_free(handle.base_url)["workers"] if w["role"] == "decode")
+        assert decode["transfers_ok"] == 2 and decode["recomputes"] == 0
+    finally:
+        handle.stop()
+
+
+def test_an_int8_kv_cache_moves_quantized_and_decodes_as_one_engine_would(ray_local, tiny_llama_path):
+    """Both pools on ``kv_cache_dtype: int8``: the wire carries the stored rows (values and scales: 20 bytes per
+    head instead of 64), and the tokens equal one engine with the same cache."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+
+    pools = {
+        p: {"replicas": 1, "torch_threads": 1, "kv_blocks": 96, "kv_cache_dtype": "int8"} for p in ("prefill", "decode")
+    }
+    config = tiny_cluster_config(tiny_llama_path, pools=pools)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_blocks=96, kv_cache_dtype="int8"))
+    prompts = random_prompts(2, 20, 90, seed=44)
+    expected = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    handle = start_serving(config)
+    try:
+        for prompt, result in zip(prompts, expected):
+            assert _completion(handle, config, prompt)["choices"][0]["text"] == result.text
+        decode = next(w for w in wait_all_kv_free(handle.base_url)["workers"] if w["role"] == "decode")
+        blocks = sum(-(-len(p) // 16) for p in prompts)
+        assert decode["transfers_ok"] == 2 and decode["transfer_bytes"] == blocks * 16 * 2 * 3 * 2 * 20
+    finally:
+        handle.stop()
