@@ -58,6 +58,7 @@ class ModelRunner:
         self.head_split: HeadSplit | None = None  # the KV heads this rank's cache holds (build_engine_parts)
         self.export_blocks: list[int] = []  # rank 0: physical blocks whose KV the step's layer hook exports
         self.final_logit_softcap: float | None = None  # the model's (engine.model_probe.ModelAttention)
+        self.sliding_windows: frozenset[int] = frozenset()  # the windows of the model's sliding-window layers
         # the last forward's hidden states [tokens, hidden] and chunk start rows, kept for prompt logprobs only
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
@@ -188,6 +189,7 @@ class ModelRunner:
             rows=len(chunks),
             context_lens=packed.add(context_lens),
             max_context=max(context_lens),
+            min_context=min(context_lens),
             equal_lengths=min(context_lens) == max(context_lens),  # no padding: SDPA's faster unmasked path
             token_index=None if whole_row else packed.add(token_index),
         )
@@ -206,6 +208,9 @@ class ModelRunner:
             gather_buffer=self._gather_buffer(table.numel()),
             mask=mask,
             context_lens=context_lens,
+            window_first_block={
+                window: max(0, spans.min_context - window) // self.block_size for window in self.sliding_windows
+            },
         )
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,8 @@ class DecodeGroup:
     gather_buffer: torch.Tensor  # [2, B * max_blocks, block_size, kvH, d], reused by every layer of the step
     mask: torch.Tensor | None  # [B, 1, 1, max_context] True where a key is attended; None: equal lengths
     context_lens: torch.Tensor | None = None  # [B], for sliding-window layers' masks; None: unknown (no windows)
+    # per sliding window: the first block column any row's window reaches; such layers gather from there on
+    window_first_block: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

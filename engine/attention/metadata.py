@@ -97,5 +97,6 @@ class DecodeSpans:
     table: slice  # [rows * max_blocks]
     context_lens: slice  # [rows]
     max_context: int
+    min_context: int
     equal_lengths: bool
     token_index: slice | None  # None: the decode rows are the whole packed row, in order

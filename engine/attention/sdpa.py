@@ -63,11 +63,12 @@ def decode_attention(
     return out.reshape(rows, heads, head_dim)
 
 
-def decode_mask(group: DecodeGroup, features: LayerFeatures) -> torch.Tensor | None:
-    """The decode rows' mask with the layer's window: row ``b`` (context ``C_b``) attends keys ``[C_b - W, C_b)``."""
+def decode_mask(group: DecodeGroup, features: LayerFeatures, first_key: int = 0) -> torch.Tensor | None:
+    """The decode rows' mask with the layer's window: row ``b`` (context ``C_b``) attends keys ``[C_b - W, C_b)``,
+    of those gathered from position ``first_key`` on."""
     if features.sliding_window is None or group.context_lens is None:
         return group.mask
-    keys = torch.arange(group.max_context, device=group.block_table.device).unsqueeze(0)
+    keys = torch.arange(first_key, group.max_context, device=group.block_table.device).unsqueeze(0)
     lens = group.context_lens.unsqueeze(1)
     allowed = (keys < lens) & (keys >= lens - features.sliding_window)
     return allowed.view(group.block_table.shape[0], 1, 1, -1)
@@ -117,11 +118,17 @@ class SdpaBackend(AttentionBackend):
             # gather whole blocks into one buffer reused by every layer (a fresh multi-MiB tensor per layer costs
             # page faults on CPU); index_select over a flat id list is ~2.5x faster than 2-D advanced indexing
             cache = batch.kv_cache.kv[layer]  # [2, num_blocks, block_size, kvH, d]
-            torch.index_select(cache, 1, group.block_table.flatten(), out=group.gather_buffer)
-            blocks = group.gather_buffer.view(2, *group.block_table.shape, *cache.shape[2:])
-            stored = blocks.flatten(2, 3)[:, :, : group.max_context].permute(0, 1, 3, 2, 4)
+            # a sliding-window layer gathers only the blocks some row's window still reaches
+            first = group.window_first_block.get(features.sliding_window or 0, 0)
+            table = group.block_table[:, first:] if first else group.block_table
+            buffer = group.gather_buffer.view(-1)[: 2 * table.numel() * cache[0, 0].numel()]
+            buffer = buffer.view(2, table.numel(), *cache.shape[2:])
+            torch.index_select(cache, 1, table.flatten(), out=buffer)
+            blocks = buffer.view(2, *table.shape, *cache.shape[2:])
+            first_key = first * cache.shape[2]
+            stored = blocks.flatten(2, 3)[:, :, : group.max_context - first_key].permute(0, 1, 3, 2, 4)
             kv = batch.kv_cache.dequantize(stored, query.dtype)  # [2, B, kvH, C, d]
-            mask = group.mask if features.plain else decode_mask(group, features)
+            mask = group.mask if features.plain else decode_mask(group, features, first_key)
             if group.token_index is None:  # a decode-only step: the packed row is the batch, in order
                 o = decode_attention(query[0].transpose(0, 1), kv[0], kv[1], mask, features)  # [B, H, d]
                 return o.unsqueeze(0)  # [1, T, H, d], T = B: a view, no copy

@@ -121,3 +121,23 @@ def test_tensor_parallelism_is_refused_for_families_it_cannot_cut(tmp_path):
     config = AutoConfig.for_model("gemma2", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     with pytest.raises(ValueError, match="tensor_parallel_size 2: model type 'gemma2' is served on one rank only"):
         check_degree(config, 2)
+
+
+def test_sliding_window_layers_gather_only_blocks_their_windows_reach(tmp_path_factory, make_engine):
+    """Rows at context 90 and 120 with an 8-token window: keys from position 82 on, so window layers gather from
+    block 5 (of 8) while full-attention layers gather all; decoding stays exact (the family tests above)."""
+    from engine.scheduler import ScheduledChunk
+    from engine.tiny_model import build_tiny_model
+
+    engine = make_engine(build_tiny_model(tmp_path_factory.mktemp("gemma3-window"), arch="gemma3"))
+    assert engine.runner.sliding_windows == {8}
+    for i, length in enumerate((89, 119)):
+        engine.add_request(random_prompts(1, length, length, seed=i)[0], GREEDY, f"w{i}")
+    engine.step()  # both prompts prefilled, each with its first token
+    running = list(engine.scheduler.running)
+    chunks = [ScheduledChunk(r, r.num_tokens - 1, 1) for r in running]  # the next decode step
+    assert sorted(c.end for c in chunks) == [90, 120]
+    _, _, batch = engine.runner.build_batch(chunks)
+    assert batch.decode is not None and batch.decode.window_first_block == {8: (90 - 8) // 16}
+    for request in running:
+        engine.abort(request.request_id)
