@@ -12,6 +12,8 @@ import argparse
 import statistics
 import time
 
+from bench.options import add_kv_cache_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
+
 TOPICS = [
     "photosynthesis", "the French revolution", "black holes", "compound interest", "the water cycle",
     "machine learning", "the Roman empire", "vaccines", "plate tectonics", "jazz music", "the stock market",
@@ -22,18 +24,6 @@ TOPICS = [
     "the Silk Road", "penguins", "nuclear fusion", "origami", "the immune system", "deserts", "bread baking",
     "lighthouses", "the periodic table", "hurricanes", "submarines", "mountain climbing", "the metric system",
 ]  # fmt: skip
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.model_loader import DEFAULT_MODEL
-
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtypes", default="int8,fp8_e4m3", help="quantized cache dtypes, compared with auto")
-    parser.add_argument("--prompts", type=int, default=50)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="decode batch of the speed figure")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
 def _generate(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
@@ -109,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
                 model=args.model,
                 dtype="float32",
                 kv_cache_dtype=name,
-                kv_cache_memory_bytes=1 << 30,
+                kv_cache_memory_bytes=1 << 28,
                 max_num_seqs=max(args.prompts, args.batch),
                 enable_prefix_caching=False,
             )

@@ -159,3 +159,43 @@ def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--result-dir", default=None, help="per-request records; default: results/<timestamp>")
     parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
+
+
+def add_model_families_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench models`` (``bench/model_families_bench.py``)."""
+    parser.add_argument(
+        "--families",
+        default=None,
+        metavar="A,B,...",
+        help="tiny-model families (engine/tiny_model.py's TINY_ARCHITECTURES); default: all of them",
+    )
+    parser.add_argument(
+        "--model-types",
+        default="",
+        metavar="T1,T2,...",
+        help="also any other transformers model_type, built with the tiny models' sizes (refusals are rows too)",
+    )
+    parser.add_argument("--prompts", type=int, default=3, help="prompts compared token by token with transformers")
+    parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt, both parts")
+    parser.add_argument("--batch", type=int, default=8, help="equal-length prompts of the decode-speed batch")
+    parser.add_argument("--input-len", type=int, default=32, help="tokens of each prompt of the speed batch")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median reported)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads while it runs: a tiny model gains nothing from more, and on a busy machine threads "
+        "that wait for a core slow every step by orders of magnitude",
+    )
+    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
+
+
+def add_kv_cache_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench kv-cache`` (``bench/kv_quant_bench.py``)."""
+    parser.add_argument("--model", default=PDSERVE_DEFAULT_MODEL)
+    parser.add_argument("--dtypes", default="int8,fp8_e4m3", help="quantized cache dtypes, compared with auto")
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="decode batch of the speed figure")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")

@@ -22,6 +22,11 @@ from cli import status as status_command
 
 Command = Callable[[argparse.Namespace], int]
 
+# ``pdserve model tiny --arch``: engine.tiny_model.TINY_ARCHITECTURES, named here without importing torch (a test
+# keeps the two equal)
+TINY_ARCHITECTURE_NAMES = [
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
+]  # fmt: skip
 # (subcommand, help, options module, its function, run module); options modules import nothing heavy (test_startup.py)
 BENCHMARKS: list[tuple[str, str, str, str, str]] = [
     (
@@ -93,6 +98,20 @@ BENCHMARKS: list[tuple[str, str, str, str, str]] = [
         "bench.frontend_bench",
         "add_arguments",
         "bench.frontend_bench",
+    ),
+    (
+        "models",
+        "every model family on tiny random weights: token-exact vs transformers, features, KV bytes, decode tokens/s",
+        "bench.options",
+        "add_model_families_bench_arguments",
+        "bench.model_families_bench",
+    ),
+    (
+        "kv-cache",
+        "quantized KV cache (int8, fp8_e4m3) against the model's dtype: tokens per GiB, greedy agreement, decode speed",
+        "bench.options",
+        "add_kv_cache_bench_arguments",
+        "bench.kv_quant_bench",
     ),
 ]
 
@@ -173,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     tiny = model.add_parser("tiny", help="build a deterministic tiny random-weight model for tests")
     tiny.add_argument("out")
-    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    tiny.add_argument("--arch", choices=TINY_ARCHITECTURE_NAMES, default="llama")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_call("cli.model", "tiny"))
 

@@ -1,6 +1,6 @@
 """A deterministic tiny random-weight model with a byte-level tokenizer, for fast tests.
 
-Same code path as a real model (transformers Llama or Qwen2, a saved folder, a chat template), seconds to build. A
+Same code path as a real model (transformers model code of the family, a saved folder, a chat template), seconds to build. A
 fixed seed and a wide init keep logits well separated, so greedy comparisons test our arithmetic, not float ties.
 """
 
@@ -114,7 +114,20 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shap
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(TINY_ARCHITECTURES)}, got {arch!r}")
     model_type, family = TINY_ARCHITECTURES[arch]
-    fields: dict[str, object] = {
+    fields = tiny_fields(tokenizer) | family | shape
+    fields.setdefault("head_dim", int(fields["hidden_size"]) // int(fields["num_attention_heads"]))  # type: ignore[call-overload]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tiny_fields(tokenizer) -> dict[str, object]:
+    """The config fields every tiny model shares (any family's config takes them, or ignores what it lacks)."""
+    return {
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -128,13 +141,3 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, **shap
         "bos_token_id": None,
         "tie_word_embeddings": False,
     }
-    fields |= family
-    fields |= shape
-    fields.setdefault("head_dim", int(fields["hidden_size"]) // int(fields["num_attention_heads"]))  # type: ignore[call-overload]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
-    model.eval()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out

@@ -16,6 +16,15 @@ def test_model_tiny_builds_a_loadable_model(tmp_path, capsys):
     assert "qwen2" in (tmp_path / "m" / "config.json").read_text()
 
 
+def test_model_tiny_offers_every_tiny_family(tmp_path):
+    from cli.main import TINY_ARCHITECTURE_NAMES
+    from engine.tiny_model import TINY_ARCHITECTURES
+
+    assert TINY_ARCHITECTURE_NAMES == list(TINY_ARCHITECTURES)
+    assert main(["model", "tiny", str(tmp_path / "m"), "--arch", "gpt_oss"]) == 0
+    assert '"model_type": "gpt_oss"' in (tmp_path / "m" / "config.json").read_text()
+
+
 def test_bad_model_is_a_clear_error_not_a_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "cli.main", "bench", "engine", "--model", str(tmp_path / "nope"), "--json"],

@@ -93,6 +93,7 @@ def _completion(handle, config, prompt: list[int], max_tokens: int = 12) -> dict
     return httpx.post(f"{handle.base_url}/v1/completions", json={**body, "ignore_eos": True}, timeout=120).json()
 
 
+@pytest.mark.e2e
 def test_a_family_with_windows_sinks_and_experts_serves_exactly_across_processes(ray_local, tmp_path_factory):
     """gpt-oss (8-token sliding windows on alternate layers, attention sinks, a mixture of experts) over HTTP, its
     KV streamed between two processes over zmq: equal to transformers' eager greedy output."""
@@ -113,6 +114,7 @@ def test_a_family_with_windows_sinks_and_experts_serves_exactly_across_processes
         handle.stop()
 
 
+@pytest.mark.e2e
 def test_an_int8_kv_cache_moves_quantized_and_decodes_as_one_engine_would(ray_local, tiny_llama_path):
     """Both pools on ``kv_cache_dtype: int8``: the wire carries the stored rows (values and scales: 20 bytes per
     head instead of 64), and the tokens equal one engine with the same cache."""

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+
+from cli.main import build_parser
+
+TINY = ["--prompts", "1", "--max-tokens", "4", "--batch", "2", "--repeats", "1"]
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["bench", "models", *argv])
+
+
+def test_families_are_exact_and_timed_and_a_state_space_model_is_refused():
+    from bench.model_families_bench import run
+
+    result = run(_args("--families", "llama,gemma2", "--model-types", "mamba", *TINY))
+    rows = {row["name"]: row for row in result["families"]}
+    assert list(rows) == ["llama", "gemma2", "mamba"]
+    for name in ("llama", "gemma2"):
+        row = rows[name]
+        assert row["all_exact"] is True and row["exact"] == "1/1", row
+        assert row["pdserve_decode_tokens_per_s"] > 0 and row["transformers_decode_tokens_per_s"] > 0
+        assert row["kv_bytes_per_token"] == 2 * 3 * 2 * 16 * 4  # layers, KV heads, head dim, float32
+    assert rows["gemma2"]["features"] == ["sliding windows", "logit soft-capping"]
+    assert rows["mamba"]["refused"].startswith("model: model type 'mamba'")
+    assert result["summary"] == {"exact": 2, "refused": 1, "inexact": 0, "failed": 0}
+
+
+def test_a_family_that_fails_to_build_is_a_row_with_its_error():
+    from bench.model_families_bench import measure
+
+    def broken(out):
+        raise RuntimeError("no weights today")
+
+    row = measure("broken", "llama", broken, _args(*TINY))
+    assert row == {"name": "broken", "model_type": "llama", "error": "build: RuntimeError: no weights today"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--families", "llama,nope"], "--families: unknown 'nope'"),
+        (["--model-types", "nope"], "--model-types: unknown 'nope'"),
+        (["--max-tokens", "1"], "--max-tokens must be at least 2"),
+        (["--batch", "0"], "--batch must be a positive integer"),
+    ],
+)
+def test_bad_options_are_errors_naming_the_flag(argv, message):
+    from bench.model_families_bench import run
+
+    with pytest.raises(ValueError, match=message):
+        run(_args(*argv))
