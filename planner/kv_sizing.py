@@ -138,7 +138,10 @@ class ModelShape:
         refusal = config_refusal(config)
         if refusal is not None:
             raise ValueError(f"{source}: {refusal}")
-        layers, kv_heads, head_dim = kv_shape_from_config(config)
+        try:  # the Llama-style field names; the engine's probe reads any family from the model itself
+            layers, kv_heads, head_dim = kv_shape_from_config(config)
+        except ValueError as exc:
+            raise ValueError(f"{source}: model type {model_type!r}: {exc}") from None
         try:
             return cls(
                 name=name,

@@ -89,7 +89,10 @@ def test_bad_models_and_dtypes_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="not readable JSON"):
         load_shape(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 12}))
-    with pytest.raises(ValueError, match="architecture 'gpt2'"):
+    with pytest.raises(ValueError, match="model type 'gpt2': model config lacks a usable attention shape field"):
+        load_shape(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
+    with pytest.raises(ValueError, match="model type 't5' is an encoder-decoder model"):
         load_shape(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     with pytest.raises(ValueError, match="attention shape"):
