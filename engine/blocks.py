@@ -100,19 +100,29 @@ def rank_kv_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) from config.json, as the engine's probe finds them in the loaded model
-    (``engine.model_probe``): KV heads default to the attention heads, head dim to hidden / heads; with latent
-    attention's decompressed heads (DeepSeek), the wider of the key (nope + rope) and value heads."""
+    """(layers, KV heads, head dim) of the cache, from config.json, as the engine's probe finds them in the loaded
+    model (``engine.model_probe``): KV heads default to the attention heads, head dim to hidden / heads; latent
+    attention (``kv_lora_rank``: DeepSeek) caches one latent row of ``kv_lora_rank + qk_rope_head_dim`` values,
+    half in each of the K and V planes (``engine.attention.latent``)."""
     try:
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
         if config.get("kv_lora_rank"):
-            key_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
-            head_dim = max(key_dim, int(config["v_head_dim"]))
+            latent_width = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+            return int(config["num_hidden_layers"]), 1, -(-latent_width // 2)
         return int(config["num_hidden_layers"]), kv_heads, head_dim
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ValueError(f"model config lacks a usable attention shape field: {exc!r}") from exc
+
+
+def per_head_kv_values(config: Mapping[str, Any]) -> int | None:
+    """Latent attention only: the values per token and layer its decompressed per-head keys and values would take
+    (heads x (nope + rope key + value widths)), the cache a model without the latent would need; else None."""
+    if not config.get("kv_lora_rank"):
+        return None
+    key_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+    return int(config["num_attention_heads"]) * (key_dim + int(config["v_head_dim"]))
 
 
 def kv_blocks_for(memory_bytes: int, bytes_per_block: int, explicit_blocks: int | None = None) -> int:

@@ -319,9 +319,7 @@ class DecodeGraphs:
             context_lens=lens,
         )
         batch = AttentionBatch(kv_cache=self.runner.kv_cache, slot_mapping=slots, decode=group, backend=self._attention)
-        out = self.runner.decoder(
-            input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), use_cache=False, pd_batch=batch
-        )
+        out = self.runner.run_decoder(ids.view(1, -1), positions.view(1, -1), batch)
         return out.last_hidden_state[0]
 
     def _capture(self, key: _Key) -> _Entry:

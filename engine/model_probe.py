@@ -73,6 +73,7 @@ class LayerAttention:
     sliding_window: int | None
     softcap: float | None
     has_sinks: bool
+    latent_width: int | None = None  # latent attention: the cached latent's width (kv_lora_rank + rotary key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +85,20 @@ class ModelAttention:
     final_logit_softcap: float | None
 
     @property
+    def latent_width(self) -> int | None:
+        return self.layers[0].latent_width
+
+    @property
     def num_kv_heads(self) -> int:
-        return self.layers[0].kv_heads
+        """The cache's heads: the layers' KV heads, or one for a latent split over the K and V planes."""
+        return 1 if self.latent_width else self.layers[0].kv_heads
 
     @property
     def head_dim(self) -> int:
-        """The cache's head width: the widest key or value of any layer (narrower ones are zero-padded into it, which
-        changes no dot product and no weighted sum)."""
+        """The cache's head width: half a latent row (``engine.attention.latent``), or the widest key or value of
+        any layer (narrower ones are zero-padded into it, which changes no dot product and no weighted sum)."""
+        if self.latent_width:
+            return -(-self.latent_width // 2)
         return max(max(layer.key_dim, layer.value_dim) for layer in self.layers)
 
     @property
@@ -103,7 +111,9 @@ class ModelAttention:
             found.append("logit soft-capping")
         if any(layer.has_sinks for layer in self.layers):
             found.append("attention sinks")
-        if any(layer.key_dim != layer.value_dim for layer in self.layers):
+        if self.latent_width:
+            found.append("latent attention")
+        elif any(layer.key_dim != layer.value_dim for layer in self.layers):
             found.append("value heads narrower than key heads")
         return found
 
@@ -112,9 +122,10 @@ class AttentionProbe:
     """Passed to the forward as ``pd_probe``: ``engine.attention.paged_attention_forward`` records each call here
     and returns zeros instead of attending."""
 
-    def __init__(self) -> None:
+    def __init__(self, latent_cache: Any = None) -> None:
         self.calls: dict[int, LayerAttention] = {}
         self.repeated: list[int] = []
+        self.latent_cache = latent_cache  # engine.attention.latent.LatentCache, for latent-attention models
 
     def record(
         self,
@@ -125,6 +136,7 @@ class AttentionProbe:
         sliding_window: int | None,
         softcap: float | None,
         sinks: torch.Tensor | None,
+        latent: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if layer in self.calls:
             self.repeated.append(layer)
@@ -136,6 +148,7 @@ class AttentionProbe:
             sliding_window=int(sliding_window) if sliding_window else None,
             softcap=float(softcap) if softcap else None,
             has_sinks=sinks is not None,
+            latent_width=None if latent is None else int(latent[0].shape[-1] + latent[1].shape[-1]),
         )
 
 
@@ -148,13 +161,19 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
     model_type = model.config.model_type
     device = next(model.parameters()).device
     ids = torch.arange(PROBE_TOKENS, device=device).view(1, -1) % int(model.config.vocab_size)
+    from engine.attention.latent import LatentCache, cache_kwarg, is_latent_model
+
     positions = torch.arange(PROBE_TOKENS, device=device).view(1, -1)
-    probe = AttentionProbe()
+    decoder = getattr(model, model.base_model_prefix)
+    latent = is_latent_model(model)
+    probe = AttentionProbe(LatentCache() if latent else None)
+    decoder_probe = AttentionProbe(LatentCache() if latent else None)
     with torch.inference_mode():
-        out = model(input_ids=ids, position_ids=positions, use_cache=False, pd_probe=probe)
+        extra = {cache_kwarg(model): probe.latent_cache} if latent else {}
+        out = model(input_ids=ids, position_ids=positions, use_cache=False, pd_probe=probe, **extra)
         # the engine's path: the decoder's last hidden state, projected by the runner (engine.model_runner)
-        decoder = getattr(model, model.base_model_prefix)
-        hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, pd_probe=AttentionProbe())
+        extra = {cache_kwarg(decoder): decoder_probe.latent_cache} if latent else {}
+        hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, pd_probe=decoder_probe, **extra)
     missing = sorted(set(range(num_layers)) - set(probe.calls))
     if missing or probe.repeated or len(probe.calls) != num_layers:
         raise ValueError(
@@ -162,6 +181,10 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
             f"(layers not called: {missing[:4]}, called twice: {probe.repeated[:4]}); pdserve cannot page its KV"
         )
     layers = tuple(probe.calls[i] for i in range(num_layers))
+    if len({layer.latent_width for layer in layers}) > 1 or (
+        layers[0].latent_width and any(not layer_plain(layer) for layer in layers)
+    ):
+        raise ValueError(f"model: model type {model_type!r} mixes latent and other attention layers; not supported")
     if len({(layer.kv_heads, layer.query_heads) for layer in layers}) > 1:
         raise ValueError(f"model: model type {model_type!r} has layers with different head counts; not supported")
     softcap = getattr(model.config, "final_logit_softcapping", None) or None
@@ -176,6 +199,10 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
             f"from lm_head of the hidden states by {gap:.3g}); not supported"
         )
     return attention
+
+
+def layer_plain(layer: LayerAttention) -> bool:
+    return layer.sliding_window is None and layer.softcap is None and not layer.has_sinks
 
 
 def final_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
 
 from engine.attention import AttentionBackend, AttentionBatch, DecodeGroup, LayerHook, PrefillSeq, SdpaBackend
+from engine.attention.latent import LatentCache, cache_kwarg, is_latent_model
 from engine.attention.metadata import DecodeSpans, MetadataPacker, build_layout, slot_list
 from engine.attention.metadata import layout_spans as layout_spans_for
 from engine.blocks import blocks_for_tokens
@@ -59,6 +60,8 @@ class ModelRunner:
         self.export_blocks: list[int] = []  # rank 0: physical blocks whose KV the step's layer hook exports
         self.final_logit_softcap: float | None = None  # the model's (engine.model_probe.ModelAttention)
         self.sliding_windows: frozenset[int] = frozenset()  # the windows of the model's sliding-window layers
+        # latent attention (engine.attention.latent): the decoder's cache argument, given a LatentCache each step
+        self.latent_cache_kwarg: str | None = cache_kwarg(self.decoder) if is_latent_model(model) else None
         # the last forward's hidden states [tokens, hidden] and chunk start rows, kept for prompt logprobs only
         self._kept_hidden: tuple[torch.Tensor, list[int]] | None = None
         self._gather_storage = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
@@ -213,6 +216,14 @@ class ModelRunner:
             },
         )
 
+    def run_decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> Any:
+        """The decoder's forward over a step; a latent-attention model also gets the cache its layers hand their
+        latents to."""
+        extra: dict[str, LatentCache] = {}
+        if self.latent_cache_kwarg is not None:
+            batch.latent_cache = extra[self.latent_cache_kwarg] = LatentCache()
+        return self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch, **extra)
+
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of hidden states, as the model computes them (``engine.model_probe`` checked this)."""
         return final_logits(self.lm_head(hidden).float(), self.final_logit_softcap)
@@ -227,7 +238,7 @@ class ModelRunner:
         if self.step_channel is not None:
             self.step_channel.send(StepMessage(StepKind.STEP, chunks, self.export_blocks))
         input_ids, position_ids, batch, rows = self._build(chunks)
-        hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch)
+        hidden = self.run_decoder(input_ids, position_ids, batch)
         hidden = hidden.last_hidden_state[0]
         starts, offset = [], 0
         for chunk in chunks:

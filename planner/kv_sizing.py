@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
+from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config, per_head_kv_values
 from engine.model_loader import DEFAULT_MODEL, cache_dir
 from engine.model_probe import config_refusal
 
@@ -131,6 +131,7 @@ class ModelShape:
     attention_bias: bool
     mlp_bias: bool
     max_position_embeddings: int | None
+    per_head_kv_values: int | None = None  # latent attention: decompressed K+V values per token and layer
 
     @classmethod
     def from_config(cls, name: str, source: str, config: dict[str, Any]) -> ModelShape:
@@ -158,6 +159,7 @@ class ModelShape:
                 attention_bias=bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
                 max_position_embeddings=config.get("max_position_embeddings"),
+                per_head_kv_values=per_head_kv_values(config),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: lacks a usable field {exc}") from exc
@@ -281,6 +283,8 @@ class KVSizing:
     blocks_per_request: int | None = None  # what the engine allocates: whole blocks
     requests_fit: int | None = None  # budget tokens // context
     requests_fit_blocks: int | None = None  # budget blocks // blocks per request (what a worker can really hold)
+    # latent attention: what per-head K and V of every head would take instead (the cache MLA avoids)
+    per_head_equivalent_bytes_per_token: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -318,6 +322,8 @@ def size_kv(
             "kv_budget_blocks": budget // per_block,
             "weights_fit": weight_bytes <= usable,
         }
+    if shape.per_head_kv_values is not None:
+        fields["per_head_equivalent_bytes_per_token"] = shape.num_layers * shape.per_head_kv_values * dtype_bytes
     if context_tokens is not None:
         blocks = math.ceil(context_tokens / block_size)
         fields |= {
@@ -365,6 +371,11 @@ def format_table(s: KVSizing) -> str:
             f"{_bytes(s.kv_bytes_per_token)} = 2 x {s.num_layers} x {s.num_kv_heads} x {s.head_dim} x {s.dtype_bytes}",
         ),
         ("tokens per GiB", f"{s.tokens_per_gib:,}"),
+        *(
+            [("per-head equivalent", f"{_bytes(s.per_head_equivalent_bytes_per_token)} per token without the latent")]
+            if s.per_head_equivalent_bytes_per_token
+            else []
+        ),
         ("KV per block", f"{_bytes(s.kv_bytes_per_block)} ({s.block_size} tokens)"),
         ("weights", f"{s.parameters / 1e9:,.3f} B parameters = {_bytes(s.weight_bytes)}"),
     ]

@@ -9,7 +9,7 @@ function, so transformers builds no mask.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,11 @@ from transformers import AttentionInterface
 
 from engine.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend
 from engine.attention.batch import AttentionBatch, DecodeGroup, LayerFeatures, LayerHook, PrefillSeq, SeqLayout
+from engine.attention.latent import LatentCache, latent_attention_forward
 from engine.attention.sdpa import SdpaBackend
-from engine.model_probe import AttentionProbe
+
+if TYPE_CHECKING:
+    from engine.model_probe import AttentionProbe
 
 __all__ = [
     "ATTENTION_NAME",
@@ -27,6 +30,7 @@ __all__ = [
     "AttentionBatch",
     "DecodeGroup",
     "LayerFeatures",
+    "LatentCache",
     "LayerHook",
     "PrefillSeq",
     "SdpaBackend",
@@ -57,7 +61,8 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     layer = cast(int, module.layer_idx)  # set by transformers on every attention module
     if pd_probe is not None:  # engine.model_probe: record what this layer passes, attend to nothing
-        pd_probe.record(layer, query, key, value, sliding_window, softcap, s_aux)
+        latent = None if pd_probe.latent_cache is None else pd_probe.latent_cache.pending.pop(layer, None)
+        pd_probe.record(layer, query, key, value, sliding_window, softcap, s_aux, latent)
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     if pd_batch is None:
         raise RuntimeError("pdserve_paged attention called without an AttentionBatch (pd_batch)")
@@ -67,6 +72,9 @@ def paged_attention_forward(
         softcap=softcap or None,
         sinks=s_aux,
     )
+    if pd_batch.latent_cache is not None and layer in pd_batch.latent_cache.pending:
+        latent = pd_batch.latent_cache.pending.pop(layer)
+        return latent_attention_forward(module, query, key, value, pd_batch, features, layer, latent), None
     value_dim = value.shape[-1]
     width = pd_batch.kv_cache.spec.model_head_dim
     if query.shape[-1] != width or value_dim != width:  # narrower heads zero-padded to the cache's width

@@ -19,6 +19,7 @@ from engine.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from engine.attention.backend import AttentionBackend
+    from engine.attention.latent import LatentCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +88,4 @@ class AttentionBatch:
     layout: SeqLayout | None = None  # built when the backend asks for it (``AttentionBackend.needs_layout``)
     backend: AttentionBackend | None = None  # None: the gather + SDPA backend
     plan: object | None = None  # the backend's per-step state (a block mask, a FlashInfer plan), from ``prepare``
+    latent_cache: LatentCache | None = None  # a latent-attention model's cache argument (engine.attention.latent)

@@ -33,6 +33,21 @@ def test_preset_json_by_hand(capsys):
     assert "meta-llama/Llama-3.1-8B config.json" in out["source"]
 
 
+def test_a_latent_attention_model_caches_its_latent(capsys, tmp_path):
+    """DeepSeek-V3's config.json: (512 latent + 64 rotary key) x 61 layers x 2 bytes per token in bf16, beside the
+    per-head K and V its 128 heads would take without the latent."""
+    config = {
+        "model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "hidden_size": 7168, "intermediate_size": 18432, "vocab_size": 129280,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = _json(capsys, "--model", str(tmp_path), "--dtype", "bf16")
+    assert out["kv_bytes_per_token"] == (512 + 64) * 61 * 2 == 70_272
+    assert out["per_head_equivalent_bytes_per_token"] == 61 * 128 * (128 + 64 + 128) * 2 == 4_997_120
+    assert (out["num_kv_heads"], out["head_dim"]) == (1, 288)
+
+
 def test_model_folder_json_reads_its_config(capsys, tiny_llama_path):
     out = _json(capsys, "--model", str(tiny_llama_path), "--dtype", "float32", "--block-size", "32")
     config = json.loads((tiny_llama_path / "config.json").read_text())

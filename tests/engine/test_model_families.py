@@ -3,7 +3,7 @@ family-specific line in the engine; what cannot be served is refused at load, na
 
 The tiny models (``engine.tiny_model``) give Gemma 2/3 and gpt-oss 8-token sliding windows, so every prompt here
 leaves them; Gemma 2 soft-caps its scores and logits, gpt-oss has attention sinks, DeepSeek-V3's value heads are
-narrower than its key heads, and four of them route tokens to experts. The reference is eager attention, the one
+narrower than its key heads and it caches its compressed latent, and four of them route tokens to experts. The reference is eager attention, the one
 implementation in transformers that runs soft-capping and sinks as the model defines them.
 """
 
@@ -80,9 +80,14 @@ def test_features_come_from_the_model_not_its_family(family, make_engine):
     assert any(layer.softcap for layer in attention.layers) == (arch == "gemma2")
     assert attention.final_logit_softcap == (10.0 if arch == "gemma2" else None)
     assert all(layer.has_sinks for layer in attention.layers) == (arch == "gpt_oss")
-    if arch == "deepseek_v3":  # nope 16 + rope 8 keys, 16-wide values padded into them
-        assert {(layer.key_dim, layer.value_dim) for layer in attention.layers} == {(24, 16)}
-    assert engine.kv_spec.head_dim == max(max(layer.key_dim, layer.value_dim) for layer in attention.layers)
+    if arch == "deepseek_v3":
+        # the cache holds the 32-wide latent and the 8-wide rotary key, half in each of the K and V planes: 480
+        # bytes per token, against 3 layers x 4 heads x (24 key + 16 value) x 4 bytes = 1,920 decompressed
+        assert {(layer.key_dim, layer.value_dim, layer.latent_width) for layer in attention.layers} == {(24, 16, 40)}
+        assert (engine.kv_spec.num_kv_heads, engine.kv_spec.head_dim, engine.kv_spec.bytes_per_token) == (1, 20, 480)
+        assert attention.features == ["latent attention"]
+    else:
+        assert engine.kv_spec.head_dim == max(max(layer.key_dim, layer.value_dim) for layer in attention.layers)
 
 
 def test_a_backend_that_cannot_run_the_features_is_refused_by_name(tmp_path_factory):
@@ -141,3 +146,19 @@ def test_sliding_window_layers_gather_only_blocks_their_windows_reach(tmp_path_f
     assert batch.decode is not None and batch.decode.window_first_block == {8: (90 - 8) // 16}
     for request in running:
         engine.abort(request.request_id)
+
+
+def test_a_latent_cache_quantizes_and_hands_off_like_any_other(tmp_path_factory, make_engine):
+    """DeepSeek-V3's latent rows in an int8 cache: the hand-off ships them as stored, so the decode side's tokens
+    equal one engine with the same cache."""
+    from engine.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("deepseek-int8"), arch="deepseek_v3")
+    colocated = make_engine(path, kv_cache_dtype="int8")
+    prefill = make_engine(path, kv_cache_dtype="int8", prefill_only=True)
+    decode = make_engine(path, kv_cache_dtype="int8")
+    assert decode.kv_spec.bytes_per_token == 2 * 3 * (20 + 4)  # K and V planes of 20 int8 values and a scale
+    for i, prompt in enumerate(random_prompts(2, 20, 60, seed=12)):
+        [expected] = colocated.generate([prompt], GREEDY)
+        outputs = handoff(prefill, decode, prompt, GREEDY, f"l{i}")
+        assert [t for out in outputs for t in out.new_token_ids] == expected.token_ids

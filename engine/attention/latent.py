@@ -1,0 +1,112 @@
+"""Latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4-MoE-Lite, MiniCPM3…): the cache holds each token's compressed
+latent, not its per-head keys and values.
+
+transformers' MLA models hand their cache the latent before decompressing it: ``cache.update(kv_nope, k_rot,
+layer)`` (the normed ``kv_lora_rank`` latent and the shared rotary key, one "head" each), then ``expand_kv`` turns
+latents into per-head keys and values. ``LatentCache`` is the cache the runner passes such a model: it keeps each
+layer's latent for ``paged_attention_forward``, which stores it in the paged cache and attends by expanding the
+context's latents with the layer's own ``expand_kv``, the same arithmetic transformers runs on its cached latents.
+A latent row of ``kv_lora_rank + qk_rope_head_dim`` values is split across the cache's K and V planes (one head of
+half the width each), so blocks, transfers, quantization and prefix caching need no second layout: DeepSeek-V3 in
+bf16 stores (512 + 64) x 61 x 2 = 70,272 bytes per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from engine.attention.batch import AttentionBatch, LayerFeatures
+
+
+class LatentCache:
+    """Passed as the model's cache; ``update`` keeps the layer's latent and returns it unchanged."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, latent: torch.Tensor, rotary_key: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        self.pending[layer_idx] = (latent, rotary_key)
+        return latent, rotary_key
+
+
+def is_latent_model(model: torch.nn.Module) -> bool:
+    """Attention modules that decompress cached latents (transformers' ``expand_kv`` convention)."""
+    return any(callable(getattr(module, "expand_kv", None)) for module in model.modules())
+
+
+def cache_kwarg(decoder: torch.nn.Module) -> str:
+    """The decoder's name for its cache argument (``cache`` in transformers 5.25, ``past_key_values`` before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def latent_plane_width(latent_width: int) -> int:
+    """Each of the K and V planes holds half a latent row (rounded up)."""
+    return -(-latent_width // 2)
+
+
+def _rows(batch: AttentionBatch, stored: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored planes ``[2, ..., 1, half]`` back to latent rows ``[..., width]``."""
+    planes = batch.kv_cache.dequantize(stored, dtype)
+    return torch.cat((planes[0], planes[1]), dim=-1).squeeze(-2)[..., :width]
+
+
+def latent_attention_forward(
+    module: Any,
+    query: torch.Tensor,  # [1, H, T, dk]
+    key: torch.Tensor,  # [1, H, T, dk]: this step's tokens, expanded by the model
+    value: torch.Tensor,  # [1, H, T, dv]
+    batch: AttentionBatch,
+    features: LayerFeatures,
+    layer: int,
+    latent: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """Store this step's latents, then attend: chunks with no cached context over their own expanded keys (as the
+    model computed them), every other query over its context's latents expanded by ``module.expand_kv``."""
+    nope, rot = latent  # [1, 1, T, lora], [1, 1, T, rope]
+    lora = nope.shape[-1]
+    width = lora + rot.shape[-1]
+    half = batch.kv_cache.spec.model_head_dim
+    rows = torch.cat((nope[0, 0], rot[0, 0]), dim=-1)  # [T, width]
+    if 2 * half != width:
+        rows = F.pad(rows, (0, 2 * half - width))
+    batch.kv_cache.write_slots(layer, batch.slot_mapping, rows[:, None, :half], rows[:, None, half:])
+    if batch.layer_hook is not None:
+        batch.layer_hook(layer, batch)
+
+    def expand(context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, C, width] -> [B, H, C, d]
+        return module.expand_kv(context[:, None, :, :lora], context[:, None, :, lora:])
+
+    num_tokens, heads, value_dim = query.shape[2], query.shape[1], value.shape[-1]
+    out = query.new_empty(num_tokens, heads, value_dim)
+    group = batch.decode
+    if group is not None:
+        cache = batch.kv_cache.kv[layer]  # [2, blocks, block_size, 1, half]
+        stored = cache.index_select(1, group.block_table.flatten())
+        stored = stored.view(2, group.block_table.shape[0], -1, 1, half)[:, :, : group.max_context]
+        k, v = expand(_rows(batch, stored, width, query.dtype))  # [B, H, C, d]
+        index = group.token_index
+        q = (query[0] if index is None else query[0, :, index]).transpose(0, 1).unsqueeze(2)  # [B, H, 1, dk]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=features.scaling)[:, :, 0]
+        if index is None:
+            return o.unsqueeze(0)  # [1, T, H, dv], T = B
+        out[index] = o
+    for seq in batch.prefills:
+        span = slice(seq.q_start, seq.q_start + seq.q_len)
+        q = query[:, :, span]
+        if seq.context_slots is None:
+            o = F.scaled_dot_product_attention(
+                q, key[:, :, span], value[:, :, span], is_causal=True, scale=features.scaling
+            )
+        else:
+            stored = batch.kv_cache.flat(layer).index_select(1, seq.context_slots)  # [2, C, 1, half]
+            k, v = expand(_rows(batch, stored, width, query.dtype).unsqueeze(0))
+            causal = causal_lower_right(seq.q_len, seq.context_len)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=features.scaling)
+        out[span] = o[0].transpose(0, 1)
+    return out.unsqueeze(0)
