@@ -133,7 +133,6 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "device": args.device,
         "attention_backend": engine.runner.backend.name,
-        "kv_bytes_per_token": engine.kv_spec.bytes_per_token,
         "torch_threads": torch.get_num_threads(),
         "input_len": args.input_len,
         "output_len": args.output_len,
