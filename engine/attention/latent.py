@@ -4,8 +4,9 @@ latent, not its per-head keys and values.
 transformers' MLA models hand their cache the latent before decompressing it: ``cache.update(kv_nope, k_rot,
 layer)`` (the normed ``kv_lora_rank`` latent and the shared rotary key, one "head" each), then ``expand_kv`` turns
 latents into per-head keys and values. ``LatentCache`` is the cache the runner passes such a model: it keeps each
-layer's latent for ``paged_attention_forward``, which stores it in the paged cache and attends by expanding the
-context's latents with the layer's own ``expand_kv``, the same arithmetic transformers runs on its cached latents.
+layer's latent for ``paged_attention_forward``, which stores it in the paged cache. Prefill chunks with cached
+context attend by expanding the context's latents with the layer's own ``expand_kv`` (transformers' arithmetic);
+decode attends from the latent itself, W_UK absorbed into the query and W_UV applied after (``absorbed_decode``).
 A latent row of ``kv_lora_rank + qk_rope_head_dim`` values is split across the cache's K and V planes (one head of
 half the width each), so blocks, transfers, quantization and prefix caching need no second layout: DeepSeek-V3 in
 bf16 stores (512 + 64) x 61 x 2 = 70,272 bytes per token.
@@ -56,6 +57,37 @@ def _rows(batch: AttentionBatch, stored: torch.Tensor, width: int, dtype: torch.
     return torch.cat((planes[0], planes[1]), dim=-1).squeeze(-2)[..., :width]
 
 
+def absorbed_weights(module: Any, lora: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``kv_b_proj`` split into W_UK ``[H, nope, lora]`` and W_UV ``[H, dv, lora]`` (DeepSeek's names), or None
+    when the module does not name them (or has a bias), so its ``expand_kv`` is used instead."""
+    proj = getattr(module, "kv_b_proj", None)
+    nope, value_dim = getattr(module, "qk_nope_head_dim", None), getattr(module, "v_head_dim", None)
+    if not isinstance(proj, torch.nn.Linear) or proj.bias is not None or not nope or not value_dim:
+        return None
+    weight = proj.weight.view(-1, nope + value_dim, lora)
+    return weight[:, :nope], weight[:, nope:]
+
+
+def absorbed_decode(
+    q: torch.Tensor,  # [B, H, 1, nope + rope]
+    context: torch.Tensor,  # [B, C, lora + rope]
+    absorbed: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attending from the latent: W_UK folded into the query, so every head reads the one latent row per key
+    (multi-query attention over ``lora + rope`` values), and W_UV applied to the attended latent. The same sums as
+    expanding every key, in another order (the test bounds the gap)."""
+    w_uk, w_uv = absorbed
+    nope = w_uk.shape[1]
+    q_latent = torch.einsum("bhqd,hdl->bhql", q[..., :nope], w_uk)  # [B, H, 1, lora]
+    query = torch.cat((q_latent, q[..., nope:]), dim=-1)  # [B, H, 1, lora + rope]
+    lora = w_uk.shape[2]
+    keys = context.unsqueeze(1)  # [B, 1, C, lora + rope]: one head that every query head reads
+    out = F.scaled_dot_product_attention(query, keys, keys[..., :lora], attn_mask=mask, scale=scale, enable_gqa=True)
+    return torch.einsum("bhl,hdl->bhd", out[:, :, 0], w_uv)  # [B, H, dv]
+
+
 def latent_attention_forward(
     module: Any,
     query: torch.Tensor,  # [1, H, T, dk]
@@ -89,10 +121,15 @@ def latent_attention_forward(
         cache = batch.kv_cache.kv[layer]  # [2, blocks, block_size, 1, half]
         stored = cache.index_select(1, group.block_table.flatten())
         stored = stored.view(2, group.block_table.shape[0], -1, 1, half)[:, :, : group.max_context]
-        k, v = expand(_rows(batch, stored, width, query.dtype))  # [B, H, C, d]
+        context = _rows(batch, stored, width, query.dtype)  # [B, C, width]
         index = group.token_index
         q = (query[0] if index is None else query[0, :, index]).transpose(0, 1).unsqueeze(2)  # [B, H, 1, dk]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=features.scaling)[:, :, 0]
+        absorbed = absorbed_weights(module, lora)
+        if absorbed is not None:
+            o = absorbed_decode(q, context, absorbed, group.mask, features.scaling)
+        else:
+            k, v = expand(context)  # [B, H, C, d]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=features.scaling)[:, :, 0]
         if index is None:
             return o.unsqueeze(0)  # [1, T, H, dv], T = B
         out[index] = o
