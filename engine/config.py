@@ -64,10 +64,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {list(get_args(KVCacheDtype))}, got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype != "auto" and self.attention_backend in ("flex", "flashinfer"):
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flashinfer":
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is read by the sdpa attention backend only, "
-                f"not by attention_backend {self.attention_backend!r}"
+                f"kv_cache_dtype {self.kv_cache_dtype!r} (a scale per token and head) is read by the sdpa and flex "
+                "attention backends, not by attention_backend 'flashinfer' (its kernels take one scale per tensor)"
             )
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

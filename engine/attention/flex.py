@@ -99,7 +99,7 @@ class FlexBackend(AttentionBackend):
         if not isinstance(plan, FlexPlan):
             raise RuntimeError("flex attention called before FlexBackend.prepare")
         kv = batch.kv_cache.flat(layer).index_select(1, plan.kv_slots)  # [2, S, kvH, d]
-        kv = kv.transpose(1, 2).unsqueeze(1).to(query.dtype)  # [2, 1, kvH, S, d]
+        kv = batch.kv_cache.dequantize(kv.transpose(1, 2).unsqueeze(1), query.dtype)  # [2, 1, kvH, S, d]
         gqa = query.shape[1] != key.shape[1]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_EAGER_WARNING)

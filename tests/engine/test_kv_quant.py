@@ -35,27 +35,41 @@ def test_a_round_trip_stays_within_the_format_precision(kind):
     assert spec.head_dim == 20 and spec.model_head_dim == 16 and spec.dtype == torch.uint8
 
 
+def _logprob_gaps(plain, quantized, prompts) -> tuple[list[float], int]:
+    """|Δ logprob| of each greedy token while both engines' contexts are identical, and how many prompts' first
+    tokens agree."""
+    gaps, first_agree = [], 0
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(prompts):
+        outs = {}
+        for name, engine in (("plain", plain), ("quantized", quantized)):
+            engine.add_request(prompt, params.copy(), f"{name}{i}")
+            outs[name] = [o for _ in range(50) if engine.has_unfinished() for o in engine.step()]
+        first_agree += outs["plain"][0].new_token_ids == outs["quantized"][0].new_token_ids
+        for a, b in zip(outs["plain"], outs["quantized"]):
+            gaps.append(abs(a.logprobs[0].logprob - b.logprobs[0].logprob))
+            if a.new_token_ids != b.new_token_ids:
+                break
+    return gaps, first_agree
+
+
 def test_a_quantized_cache_holds_more_tokens_and_stays_close(tiny_llama_path, make_engine):
     plain = make_engine(tiny_llama_path, kv_cache_memory_bytes=1 << 20, kv_blocks=None)
     int8 = make_engine(tiny_llama_path, kv_cache_memory_bytes=1 << 20, kv_blocks=None, kv_cache_dtype="int8")
     # 3 layers x 2 heads x (16 values + 4 scale bytes) x K,V = 240 bytes, against 768 in float32
     assert (int8.kv_spec.bytes_per_token, plain.kv_spec.bytes_per_token) == (240, 768)
     assert int8.num_free_blocks >= 3 * plain.num_free_blocks
-    prompts = random_prompts(6, 20, 80, seed=4)
-    gaps = []
-    for prompt in prompts:
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-        outs = {}
-        for name, engine in (("plain", plain), ("int8", int8)):
-            engine.add_request(prompt, params.copy(), name)
-            outs[name] = [o for _ in range(50) if engine.has_unfinished() for o in engine.step()]
-        first = {name: out[0].new_token_ids[0] for name, out in outs.items()}
-        assert first["plain"] == first["int8"]  # the prompt attended to its own fresh K/V
-        for a, b in zip(outs["plain"], outs["int8"]):
-            gaps.append(abs(a.logprobs[0].logprob - b.logprobs[0].logprob))
-            if a.new_token_ids != b.new_token_ids:
-                break
+    gaps, first_agree = _logprob_gaps(plain, int8, random_prompts(6, 20, 80, seed=4))
+    assert first_agree == 6  # the prompt attended to its own fresh K/V (sdpa)
     assert statistics.mean(gaps) < 0.05, f"mean |logprob gap| {statistics.mean(gaps):.4f}"
+
+
+def test_the_flex_backend_reads_a_quantized_cache(tiny_llama_path, make_engine):
+    """Flex reads every key from the cache, the prompt's own too, so even its first token sees int8 K/V."""
+    plain = make_engine(tiny_llama_path, attention_backend="flex")
+    int8 = make_engine(tiny_llama_path, attention_backend="flex", kv_cache_dtype="int8")
+    gaps, first_agree = _logprob_gaps(plain, int8, random_prompts(6, 20, 80, seed=4))
+    assert first_agree >= 4 and statistics.mean(gaps) < 0.05, (first_agree, statistics.mean(gaps))
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
@@ -99,7 +113,7 @@ def test_bad_cache_dtypes_are_refused_naming_the_field():
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is read by the sdpa attention backend only"):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' .* not by attention_backend 'flashinfer'"):
         EngineConfig(kv_cache_dtype="int8", attention_backend="flashinfer")
     with pytest.raises(ConfigError, match="pools.decode.kv_cache_dtype 'auto' differs from pools.prefill"):
         parse_config({"pools": {"prefill": {"kv_cache_dtype": "int8"}}})
