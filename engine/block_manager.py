@@ -152,9 +152,23 @@ class BlockManager:
             prev = block.block_hash
         return max(num_hashed, num_full)
 
+    @property
+    def released_block_id(self) -> int:
+        """What a block table holds in place of a block it handed back early (``release``): the KV cache's padding
+        sink, past every block this manager hands out, so a read of it is harmless (and masked)."""
+        return len(self.blocks)
+
+    def release(self, table: list[int], index: int) -> None:
+        """Hand back the table's block ``index`` before the rest (it left every layer's sliding window)."""
+        self.free([table[index]])
+        table[index] = self.released_block_id
+
     def free(self, table: list[int]) -> None:
         """Drop one reference to each block; blocks nobody holds go back to the free list (hashes kept)."""
+        released = self.released_block_id
         for block_id in reversed(table):
+            if block_id == released:
+                continue
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of KV block {block_id}")

@@ -56,6 +56,9 @@ class LLMEngine:
         config = self.config
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        windows = [layer.sliding_window for layer in self.attention.layers]
+        if all(windows):  # every layer forgets what is behind its window: those blocks can go back early
+            self.scheduler.release_window = max(w for w in windows if w)
         # a request ends with "length" at max_model_len or when it alone would fill the whole KV cache: past that
         # it could only preempt itself, recompute and preempt itself again, forever
         self.length_limit = min(self.max_model_len, self.block_manager.num_blocks * config.block_size)
@@ -192,6 +195,7 @@ class LLMEngine:
             if chunk.request.request_id not in failed:  # a failed row's KV may be what went wrong: never cache it
                 chunk.request.num_computed_tokens = chunk.end
                 self.scheduler.register_full_blocks(chunk.request)
+                self.scheduler.release_behind_window(chunk.request)
                 entries = result.prompt_logprobs.get(chunk.request.request_id)
                 if entries:
                     chunk.request.prompt_logprobs = (chunk.request.prompt_logprobs or [None]) + entries

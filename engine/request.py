@@ -273,6 +273,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, served from the prefix cache
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    # leading blocks handed back because no layer's sliding window reaches them again (Scheduler.release_behind_window)
+    num_released_blocks: int = 0
     finish_reason: FinishReason | None = None
     output_text: str = ""  # detokenized output, cut at a stop string
     detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made with the first token

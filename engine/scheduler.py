@@ -56,6 +56,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote_ready: deque[Request] = deque()  # remote KV and first token in: admitted at the next step
         self.num_preemptions = 0
+        # a model whose every layer has a sliding window of at most this many tokens: blocks behind it go back early
+        self.release_window: int | None = None
+        self.num_released_blocks = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -91,6 +94,22 @@ class Scheduler:
                 request.num_computed_tokens,
                 request.num_hashed_blocks,
             )
+
+    def release_behind_window(self, request: Request) -> None:
+        """Hand back the blocks no layer's window reaches again: the next query (at ``num_computed_tokens``) and
+        every later one attend keys from ``num_computed_tokens - window + 1`` on. The block the prefix-cache chain
+        continues from is kept. A prefill-only request keeps all (its blocks are exported)."""
+        window = self.release_window
+        if window is None or request.prefill_only:
+            return
+        manager = self.block_manager
+        first_needed = max(0, request.num_computed_tokens - window + 1) // manager.block_size
+        if manager.enable_prefix_caching:
+            first_needed = min(first_needed, request.num_hashed_blocks - 1)
+        for index in range(request.num_released_blocks, first_needed):
+            manager.release(request.block_ids, index)
+            self.num_released_blocks += 1
+        request.num_released_blocks = max(request.num_released_blocks, first_needed)
 
     def add_running(self, request: Request) -> None:
         """A request on blocks it already holds joins between steps: KV imported, or a reservation prefilled here."""
@@ -140,6 +159,7 @@ class Scheduler:
         self.block_manager.free(victim.block_ids)
         victim.num_computed_tokens = 0
         victim.num_hashed_blocks = 0
+        victim.num_released_blocks = 0
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         self.num_preemptions += 1

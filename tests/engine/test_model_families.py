@@ -186,3 +186,21 @@ def test_decode_from_the_latent_equals_expanding_it_within_float32_rounding(tmp_
         absorbed = absorbed_decode(q, context, absorbed_weights(module, 32), mask, module.scaling)
     gap = (absorbed - expanded).abs().max().item()
     assert gap < 1e-5, gap
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_blocks_behind_every_layers_window_go_back_early(tmp_path_factory, make_engine, prefix_caching):
+    """A model whose every layer slides (Mistral with an 8-token window): a long generation holds the few blocks its
+    window still reaches, not its whole context, and stays exact; preemption and prefix caching go on working."""
+    from engine.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("mistral-window"), arch="mistral", sliding_window=8)
+    reference = Reference(path, attn_implementation="eager")
+    engine = make_engine(path, kv_blocks=10, enable_prefix_caching=prefix_caching)
+    assert engine.scheduler.release_window == 8
+    prompts = random_prompts(3, 40, 60, seed=21)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, params)  # 3 x 160 tokens = 30 blocks' worth through a 10-block cache
+    assert all(len(r.token_ids) == 100 for r in results)
+    assert engine.scheduler.num_released_blocks >= 3 * 6
+    _assert_exact(reference, prompts, results, 100)
