@@ -205,6 +205,7 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
             "head_dim": FP.head_dim,
             "block_size": FP.block_size,
             "bytes_per_block": BLOCK_BYTES,
+            "kv_bytes_per_token": BLOCK_BYTES // FP.block_size,
         },
         "checksum": not args.no_checksum,
         "reps": args.reps,
