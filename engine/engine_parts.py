@@ -70,6 +70,7 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         head_dim=attention.head_dim,
         block_size=config.block_size,
         kv_cache_dtype=config.kv_cache_dtype,
+        kv_layout="latent" if attention.latent_width else "heads",
     )
     if attention.num_kv_heads != split.kv_heads:
         raise ValueError(f"model: {hf_config.model_type!r} caches {attention.num_kv_heads} KV heads, expected {split}")

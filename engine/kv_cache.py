@@ -36,6 +36,7 @@ class KVSpec:
     head_dim: int  # the stored row's width: with ``quantization``, the model's head width plus SCALE_BYTES
     block_size: int
     quantization: str | None = None  # "int8" or "fp8_e4m3": rows of 8-bit values and a scale, in uint8 storage
+    kv_layout: str = "heads"  # "heads": per-head K and V; "latent": a latent row split over both (attention.latent)
 
     @classmethod
     def for_model(
@@ -47,13 +48,21 @@ class KVSpec:
         head_dim: int,
         block_size: int,
         kv_cache_dtype: str = "auto",
+        kv_layout: str = "heads",
     ) -> KVSpec:
         if kv_cache_dtype == "auto":
-            return cls(architecture, model_dtype, num_layers, num_kv_heads, head_dim, block_size)
+            return cls(architecture, model_dtype, num_layers, num_kv_heads, head_dim, block_size, None, kv_layout)
         if kv_cache_dtype not in QUANT_MAX:
             raise ValueError(f"kv_cache_dtype must be one of {['auto', *QUANT_MAX]}, got {kv_cache_dtype!r}")
         return cls(
-            architecture, torch.uint8, num_layers, num_kv_heads, head_dim + SCALE_BYTES, block_size, kv_cache_dtype
+            architecture,
+            torch.uint8,
+            num_layers,
+            num_kv_heads,
+            head_dim + SCALE_BYTES,
+            block_size,
+            kv_cache_dtype,
+            kv_layout,
         )
 
     @property

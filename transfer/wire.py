@@ -36,6 +36,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 KV_DTYPES = frozenset({"float32", "bfloat16", "float16", "uint8"})  # uint8: a quantized cache's rows, as bytes
 KV_FORMATS = frozenset({"plain", "int8", "fp8_e4m3"})
+KV_LAYOUTS = frozenset({"heads", "latent"})
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # a shape entry, byte count, block id, position: never a bool or float
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -69,12 +70,16 @@ class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
     block_size: int
     # how the stored rows read: "plain" values, or 8-bit values and a scale each (the engine's kv_cache_dtype)
     kv_format: Annotated[str, msgspec.Meta(max_length=16)] = "plain"
+    # what a row is: one head's K or V ("heads"), or half of a latent-attention row ("latent")
+    kv_layout: Annotated[str, msgspec.Meta(max_length=16)] = "heads"
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV dtype {self.dtype!r} not in {sorted(KV_DTYPES)}")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"KV format {self.kv_format!r} not in {sorted(KV_FORMATS)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"KV layout {self.kv_layout!r} not in {sorted(KV_LAYOUTS)}")
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if int(getattr(self, f)) <= 0:
                 raise ValueError(f"{f} must be > 0")
@@ -91,6 +96,7 @@ class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
             int(spec.head_dim),
             int(spec.block_size),
             str(getattr(spec, "quantization", None) or "plain"),
+            str(getattr(spec, "kv_layout", "heads")),
         )
 
     @property

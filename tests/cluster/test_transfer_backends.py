@@ -94,12 +94,14 @@ def _completion(handle, config, prompt: list[int], max_tokens: int = 12) -> dict
 
 
 @pytest.mark.e2e
-def test_a_family_with_windows_sinks_and_experts_serves_exactly_across_processes(ray_local, tmp_path_factory):
-    """gpt-oss (8-token sliding windows on alternate layers, attention sinks, a mixture of experts) over HTTP, its
-    KV streamed between two processes over zmq: equal to transformers' eager greedy output."""
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+def test_a_family_serves_exactly_across_processes(ray_local, tmp_path_factory, arch):
+    """gpt-oss (8-token sliding windows on alternate layers, attention sinks, a mixture of experts) and DeepSeek-V3
+    (its latent cache, experts) over HTTP, the KV streamed between two processes over zmq: equal to transformers'
+    eager greedy output."""
     from engine.tiny_model import build_tiny_model
 
-    path = build_tiny_model(tmp_path_factory.mktemp("gpt-oss"), arch="gpt_oss")
+    path = build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch)
     config = tiny_cluster_config(path, transfer={"backend": "zmq"})
     reference = Reference(path, attn_implementation="eager")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -86,6 +86,9 @@ def test_features_come_from_the_model_not_its_family(family, make_engine):
         assert {(layer.key_dim, layer.value_dim, layer.latent_width) for layer in attention.layers} == {(24, 16, 40)}
         assert (engine.kv_spec.num_kv_heads, engine.kv_spec.head_dim, engine.kv_spec.bytes_per_token) == (1, 20, 480)
         assert attention.features == ["latent attention"]
+        from transfer.wire import ModelFingerprint
+
+        assert ModelFingerprint.from_spec(engine.kv_spec).kv_layout == "latent"  # a transfer header says so
     else:
         assert engine.kv_spec.head_dim == max(max(layer.key_dim, layer.value_dim) for layer in attention.layers)
 
