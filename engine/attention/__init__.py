@@ -5,6 +5,11 @@ the new tokens' K/V into their cache slots, calls the layer hook if any (the pre
 out while the forward goes on), then hands the attention to the step's backend (``backend.py``): gather + SDPA
 (``sdpa.py``), FlexAttention (``flex.py``) or FlashInfer (``flashinfer_backend.py``). ``pdserve_paged`` has no mask
 function, so transformers builds no mask.
+
+What the model passes beyond q/k/v (its ``scaling``, a layer's ``sliding_window``, ``softcap``, sinks as ``s_aux``)
+becomes the layer's ``LayerFeatures``; narrower heads are zero-padded to the cache's width; a latent-attention
+layer (its latent left in the step's ``LatentCache``) goes to ``latent.py``. With ``pd_probe`` set
+(``engine.model_probe``) the call is only recorded.
 """
 
 from __future__ import annotations
