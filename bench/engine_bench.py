@@ -30,13 +30,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def _interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, float]:
+def interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, float]:
     """Median time of each function, run in turns so that noise from a shared machine hits all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             times[name].append(_timed(fn))
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def decode_rates(times: dict[str, float], names: list[str], tokens: int) -> dict[str, float]:
+    """Decode tokens/s of each name from its ``{name}_full`` and ``{name}_first`` times: prefill and start-up cancel."""
+    return {name: round(tokens / max(times[f"{name}_full"] - times[f"{name}_first"], 1e-9), 1) for name in names}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         batch = prompts(batch_size, args.input_len)
         tokens = batch_size * (args.output_len - 1)
-        t = _interleaved_medians(
+        t = interleaved_medians(
             {
                 "pdserve_full": lambda batch=batch: ours(batch, args.output_len),  # bound: run in this iteration
                 "transformers_full": lambda batch=batch: theirs(batch, args.output_len),
@@ -105,8 +110,8 @@ def run(args: argparse.Namespace) -> dict:
             args.repeats,
         )
         figures = {
-            f"{name}_decode_tokens_per_s": round(tokens / max(t[f"{name}_full"] - t[f"{name}_first"], 1e-9), 1)
-            for name in ("pdserve", "transformers")
+            f"{name}_decode_tokens_per_s": rate
+            for name, rate in decode_rates(t, ["pdserve", "transformers"], tokens).items()
         }
         figures["ratio_vs_transformers"] = round(
             figures["pdserve_decode_tokens_per_s"] / figures["transformers_decode_tokens_per_s"], 3
@@ -125,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     def hf_forward() -> None:
         hf(torch.tensor(prefill_batch, device=args.device), use_cache=False, logits_to_keep=1)
 
-    t = _interleaved_medians({"pdserve": lambda: ours(prefill_batch, 1), "transformers": hf_forward}, args.repeats)
+    t = interleaved_medians({"pdserve": lambda: ours(prefill_batch, 1), "transformers": hf_forward}, args.repeats)
     ours_prefill, hf_prefill = t["pdserve"], t["transformers"]
     engine.check_no_leaks()
     return {

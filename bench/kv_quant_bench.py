@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from bench.options import add_kv_cache_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 
@@ -58,25 +57,17 @@ def _agreement(base: list[tuple[list[int], list[float]]], other: list[tuple[list
 
 
 def _decode_tokens_per_s(engines: dict, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict[str, float]:
+    from bench.engine_bench import decode_rates, interleaved_medians
     from engine.request import SamplingParams
 
-    def run(engine, new_tokens: int) -> float:
-        started = time.perf_counter()
+    def generate(engine, new_tokens: int) -> None:
         engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-        return time.perf_counter() - started
 
-    times: dict[tuple[str, int], list[float]] = {}
-    for _ in range(repeats):  # in turns, so a noisy neighbour slows every dtype alike
-        for name, engine in engines.items():
-            for new_tokens in (max_tokens, 1):
-                times.setdefault((name, new_tokens), []).append(run(engine, new_tokens))
-    tokens = len(prompts) * (max_tokens - 1)
-    return {
-        name: round(
-            tokens / max(statistics.median(times[(name, max_tokens)]) - statistics.median(times[(name, 1)]), 1e-9), 1
-        )
-        for name in engines
-    }
+    runs = {}
+    for name, engine in engines.items():  # in turns, so a noisy neighbour slows every dtype alike
+        runs[f"{name}_full"] = lambda engine=engine: generate(engine, max_tokens)
+        runs[f"{name}_first"] = lambda engine=engine: generate(engine, 1)
+    return decode_rates(interleaved_medians(runs, repeats), list(engines), len(prompts) * (max_tokens - 1))
 
 
 def run(args: argparse.Namespace) -> dict:

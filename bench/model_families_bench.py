@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench import _interleaved_medians
+from bench.engine_bench import decode_rates, interleaved_medians
 from bench.options import add_model_families_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -149,7 +149,7 @@ class _Measured:
 
         ours(new_tokens)  # warm-up, at full length: a tiny model's step is short enough for first calls to show
         theirs(new_tokens)
-        t = _interleaved_medians(
+        t = interleaved_medians(
             {
                 "pdserve_full": lambda: ours(new_tokens),
                 "transformers_full": lambda: theirs(new_tokens),
@@ -158,11 +158,7 @@ class _Measured:
             },
             repeats,
         )
-        tokens = batch_size * (new_tokens - 1)
-        rates = {
-            name: round(tokens / max(t[f"{name}_full"] - t[f"{name}_first"], 1e-9), 1)
-            for name in ("pdserve", "transformers")
-        }
+        rates = decode_rates(t, ["pdserve", "transformers"], batch_size * (new_tokens - 1))
         return {
             "pdserve_decode_tokens_per_s": rates["pdserve"],
             "transformers_decode_tokens_per_s": rates["transformers"],

@@ -75,6 +75,10 @@ class LayerAttention:
     has_sinks: bool
     latent_width: int | None = None  # latent attention: the cached latent's width (kv_lora_rank + rotary key)
 
+    @property
+    def plain(self) -> bool:
+        return self.sliding_window is None and self.softcap is None and not self.has_sinks
+
 
 @dataclass(frozen=True, slots=True)
 class ModelAttention:
@@ -182,7 +186,7 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
         )
     layers = tuple(probe.calls[i] for i in range(num_layers))
     if len({layer.latent_width for layer in layers}) > 1 or (
-        layers[0].latent_width and any(not layer_plain(layer) for layer in layers)
+        layers[0].latent_width and any(not layer.plain for layer in layers)
     ):
         raise ValueError(f"model: model type {model_type!r} mixes latent and other attention layers; not supported")
     if len({(layer.kv_heads, layer.query_heads) for layer in layers}) > 1:
@@ -199,10 +203,6 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
             f"from lm_head of the hidden states by {gap:.3g}); not supported"
         )
     return attention
-
-
-def layer_plain(layer: LayerAttention) -> bool:
-    return layer.sliding_window is None and layer.softcap is None and not layer.has_sinks
 
 
 def final_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -40,7 +40,7 @@ def is_latent_model(model: torch.nn.Module) -> bool:
 
 
 def cache_kwarg(decoder: torch.nn.Module) -> str:
-    """The decoder's name for its cache argument (``cache`` in transformers 5.25, ``past_key_values`` before)."""
+    """The decoder's name for its cache argument: ``cache`` or ``past_key_values``, by transformers version."""
     import inspect
 
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
