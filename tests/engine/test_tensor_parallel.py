@@ -205,6 +205,7 @@ def test_two_ranks_preempt_and_attend_with_flex_as_one_does(tiny_llama_path):
     assert one["preemptions"] > 0 and two[0]["preemptions"] == one["preemptions"]
 
 
+@pytest.mark.e2e
 def test_four_ranks_over_two_kv_heads_replicate_them(tiny_llama_path):
     run = {"prompts": PROMPTS[:2], "max_tokens": 8}
     one = run_ranks(1, tiny_llama_path, **run)[0]
@@ -213,6 +214,7 @@ def test_four_ranks_over_two_kv_heads_replicate_them(tiny_llama_path):
     assert [four[r]["kv_heads"] for r in range(4)] == [1, 1, 1, 1]
 
 
+@pytest.mark.e2e
 def test_smollm2_three_ranks_generate_what_one_does(smollm2_path):
     run = {"prompts": PROMPTS, "max_tokens": 8}
     one = run_ranks(1, smollm2_path, **run)[0]

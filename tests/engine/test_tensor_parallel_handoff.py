@@ -153,7 +153,9 @@ def alone(tiny_llama_path: Path) -> dict:
     return run_ranks(_alone_main, 1, str(tiny_llama_path))[0]
 
 
-@pytest.mark.parametrize(("prefill_degree", "decode_degree"), [(1, 2), (2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize(
+    ("prefill_degree", "decode_degree"), [(1, 2), (2, 1), (2, 2), pytest.param(4, 2, marks=pytest.mark.e2e)]
+)
 def test_kv_crosses_degrees_bit_identical_and_decodes_as_one_engine(
     tiny_llama_path: Path, alone: dict, prefill_degree: int, decode_degree: int
 ):

@@ -128,7 +128,7 @@ def test_a_degree_that_does_not_divide_the_heads_is_a_config_error(tiny_llama_pa
         start_serving(_config(tiny_llama_path, 3), in_process=True)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_on_ray_a_dead_rank_fails_its_step_and_the_ranks_restart_together(tiny_llama_path):
     import ray
