@@ -11,12 +11,14 @@ that does never drifts.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.blocks import blocks_for_tokens, chain_hash, reusable_prefix_tokens
 
-__all__ = ["Block", "BlockManager", "KvEventBatch", "chain_hash"]
+__all__ = ["Block", "BlockManager", "HashEvents", "KvEventBatch", "chain_hash"]
 
 DEFAULT_KV_EVENT_CAPACITY = 4096  # pending stored + removed hashes before the buffer collapses into a reset
 
@@ -39,6 +41,67 @@ class KvEventBatch:
     reset: bool = False
 
 
+class HashEvents:
+    """The net change to a set of block hashes since the last drain (dicts as ordered sets), collapsing into one
+    reset with a snapshot on overflow or when asked; thread-safe, since a KV tier's threads note changes too."""
+
+    def __init__(self, capacity: int = DEFAULT_KV_EVENT_CAPACITY) -> None:
+        if capacity <= 0:
+            raise ValueError(f"kv_event_capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._stored: dict[int, None] = {}  # held now, not held at the last drain
+        self._removed: dict[int, None] = {}  # held at the last drain, not held now
+        self._reset_pending = False
+        self._lock = threading.Lock()
+
+    def stored(self, block_hash: int) -> None:
+        with self._lock:
+            if self._reset_pending:
+                return  # the snapshot at the next drain covers it
+            if block_hash in self._removed:
+                del self._removed[block_hash]  # held at the last drain and held again: no change
+            else:
+                self._stored[block_hash] = None
+                self._check_capacity()
+
+    def removed(self, block_hash: int) -> None:
+        with self._lock:
+            if self._reset_pending:
+                return
+            if block_hash in self._stored:
+                del self._stored[block_hash]  # stored since the last drain and gone again: no change
+            else:
+                self._removed[block_hash] = None
+                self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        if len(self._stored) + len(self._removed) > self.capacity:
+            self._reset_locked()
+
+    def _reset_locked(self) -> None:
+        self._reset_pending = True
+        self._stored.clear()
+        self._removed.clear()
+
+    def resync(self) -> None:
+        """Make the next drain a reset with a snapshot."""
+        with self._lock:
+            self._reset_locked()
+
+    def drain(self, snapshot: Callable[[], list[int]]) -> KvEventBatch | None:
+        """The changes since the last drain (None: none); a pending reset takes ``snapshot()`` (every hash held)."""
+        with self._lock:
+            if self._reset_pending:
+                self._reset_pending = False
+                return KvEventBatch(stored=snapshot(), removed=[], reset=True)
+            if not self._stored and not self._removed:
+                return None
+            batch = KvEventBatch(stored=list(self._stored), removed=list(self._removed))
+            self._stored.clear()
+            self._removed.clear()
+            return batch
+
+
 class BlockManager:
     def __init__(
         self,
@@ -49,19 +112,17 @@ class BlockManager:
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        if kv_event_capacity <= 0:
-            raise ValueError(f"kv_event_capacity must be positive, got {kv_event_capacity}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU: evict first
         self._hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
-        # KV events since the last drain, as the net change (dicts as ordered sets); a pending reset supersedes them
-        self.kv_event_capacity = kv_event_capacity
-        self._stored: dict[int, None] = {}  # held now, not held at the last drain
-        self._removed: dict[int, None] = {}  # held at the last drain, not held now
-        self._reset_pending = False
+        self.events = HashEvents(kv_event_capacity)
+        # with KV tiers below (engine/kv_tiers.py): hashed blocks taken for reuse since the engine last saved them
+        # (hash, tokens, block id), to be copied down before anything overwrites them
+        self.record_evictions = False
+        self.evicted: list[tuple[int, tuple[int, ...], int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -118,6 +179,8 @@ class BlockManager:
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
             del self._hash_to_block[block.block_hash]
             self._note_removed(block.block_hash)
+            if self.record_evictions:
+                self.evicted.append((block.block_hash, block.token_ids, block_id))
         block.block_hash = None
         block.token_ids = ()
         block.ref_count = 1
@@ -187,45 +250,19 @@ class BlockManager:
     # ---- KV events ---------------------------------------------------------------------------------------------
 
     def _note_stored(self, block_hash: int) -> None:
-        if self._reset_pending:
-            return  # the snapshot at the next drain covers it
-        if block_hash in self._removed:
-            del self._removed[block_hash]  # held at the last drain and held again: no change
-        else:
-            self._stored[block_hash] = None
-            self._check_capacity()
+        self.events.stored(block_hash)
 
     def _note_removed(self, block_hash: int) -> None:
-        if self._reset_pending:
-            return
-        if block_hash in self._stored:
-            del self._stored[block_hash]  # stored since the last drain and gone again: no change
-        else:
-            self._removed[block_hash] = None
-            self._check_capacity()
-
-    def _check_capacity(self) -> None:
-        if len(self._stored) + len(self._removed) > self.kv_event_capacity:
-            self.resync_kv_events()
+        self.events.removed(block_hash)
 
     def resync_kv_events(self) -> None:
         """Make the next drain a reset with a snapshot of every hash held (after an overflow or cache reset; the
         worker also asks when it could not deliver a batch, and now and then to repair a reader)."""
-        self._reset_pending = True
-        self._stored.clear()
-        self._removed.clear()
+        self.events.resync()
 
     def drain_kv_events(self) -> KvEventBatch | None:
         """The changes since the last drain (None: none). A reset's ``stored`` is every hash held, one per block."""
-        if self._reset_pending:
-            self._reset_pending = False
-            return KvEventBatch(stored=list(self._hash_to_block), removed=[], reset=True)
-        if not self._stored and not self._removed:
-            return None
-        batch = KvEventBatch(stored=list(self._stored), removed=list(self._removed))
-        self._stored.clear()
-        self._removed.clear()
-        return batch
+        return self.events.drain(lambda: list(self._hash_to_block))
 
     def check_all_free(self) -> None:
         """Raise if any block is still referenced: the leak check every test ends with."""

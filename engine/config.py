@@ -13,6 +13,36 @@ AttentionBackendName = Literal["auto", "sdpa", "flex", "flashinfer"]
 # the KV cache's storage (vLLM's names): the model's dtype, or 8-bit values with a float32 scale per (token, head)
 KVCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024  # the KV budget of a CPU engine given neither blocks nor bytes
+TierName = Literal["host", "disk"]
+KV_TIERS: tuple[TierName, ...] = ("host", "disk")  # below the device, in the order a block falls through them
+
+
+@dataclass(slots=True)
+class KVOffloadConfig:
+    """Where KV blocks that leave the prefix cache go instead of being dropped (engine/kv_tiers.py); each tier is
+    optional. The host tier is shared memory (/dev/shm) shared by this node's workers of the same model under
+    ``host_pool``; the disk tier is a folder that outlives the worker (a restart finds its pages)."""
+
+    host_memory_mb: int = 0  # 0: no host tier; else the node's shared pool holds at most this many MiB
+    disk_dir: str | None = None  # None: no disk tier
+    disk_mb: int = 0  # the disk tier's bound (needed with disk_dir)
+    host_pool: str = "default"  # workers of one model on a node under the same name share their host tier
+
+    def __post_init__(self) -> None:
+        for name in ("host_memory_mb", "disk_mb"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"kv_offload.{name} must be an integer >= 0, got {value!r}")
+        if (self.disk_dir is None) != (self.disk_mb == 0):
+            raise ValueError("kv_offload.disk_dir and kv_offload.disk_mb go together: a disk tier needs both")
+        if not self.host_pool or not all(c.isalnum() or c in "-_." for c in self.host_pool) or self.host_pool[0] == ".":
+            raise ValueError(
+                f"kv_offload.host_pool must be a plain name (letters, digits, - _ .), got {self.host_pool!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_memory_mb or self.disk_dir)
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -50,6 +80,7 @@ class EngineConfig:
     memory_reserve_bytes: int = 1024 * 1024 * 1024
     # ranks of this engine (engine.tensor_parallel): each holds 1/N of every layer and of the KV heads
     tensor_parallel_size: int = 1
+    kv_offload: KVOffloadConfig | None = None  # host and disk tiers below the device KV (None: evicted KV is dropped)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -60,6 +91,15 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {list(get_args(AttentionBackendName))}, got {self.attention_backend!r}"
             )
+        if isinstance(self.kv_offload, dict):  # from YAML or a message
+            self.kv_offload = KVOffloadConfig(**self.kv_offload)
+        if self.kv_offload is not None and self.kv_offload.enabled:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload keeps blocks the prefix cache evicts: it needs enable_prefix_caching")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "kv_offload with tensor_parallel_size > 1 is not supported: each rank holds only its KV heads"
+                )
         if self.kv_cache_dtype not in get_args(KVCacheDtype):
             raise ValueError(
                 f"kv_cache_dtype must be one of {list(get_args(KVCacheDtype))}, got {self.kv_cache_dtype!r}"

@@ -25,6 +25,7 @@ from engine.blocks import blocks_for_tokens, reserved_tokens
 from engine.config import EngineConfig
 from engine.engine_parts import build_engine_parts
 from engine.kv_connector import KVExporter, KVSink
+from engine.kv_tiers import KVTiers, TierLoad, tier_fingerprint
 from engine.model_runner import StepStats
 from engine.outputs import add_token, completion, detokenize, error_output, merge_outputs, token_output
 from engine.request import (
@@ -43,6 +44,7 @@ from engine.scheduler import Scheduler
 from engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
+LOAD_WAIT_S = 0.005  # an engine with only KV-tier loads in flight waits this long for one per step
 
 
 class LLMEngine:
@@ -78,6 +80,12 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
         self.tp_group = tp_group
+        self.kv_tiers: KVTiers | None = None
+        offload = config.kv_offload
+        if offload is not None and offload.enabled:
+            self.kv_tiers = KVTiers(offload, self.kv_cache, tier_fingerprint(self.kv_spec, self.model))
+            self.block_manager.record_evictions = True
+            self.scheduler.tiers = self.kv_tiers
 
     # ---- requests in -------------------------------------------------------------------------------------------
 
@@ -172,9 +180,14 @@ class LLMEngine:
         own request; a forward that raises (model, layer hook, streamed sink) fails every request of the step (their
         KV is incomplete); all come back as finished outputs carrying the error. Ready remote requests are admitted
         first, their output merged into this step's, so a request has at most one output per step."""
+        if self.kv_tiers is not None:
+            self._finish_tier_loads()
         admitted = self._admit_remote() if self.scheduler.remote_ready else {}
         chunks = self.scheduler.schedule()
+        self._save_evicted()
         if not chunks:
+            if self.kv_tiers is not None and self.kv_tiers.has_pending() and not admitted:
+                self.kv_tiers.wait(LOAD_WAIT_S)  # nothing to run until a load is read: no busy loop
             self.keep_alive()
             return list(admitted.values())
         sampling = [c for c in chunks if c.samples]
@@ -202,6 +215,40 @@ class LLMEngine:
         rows = zip(sampling, result.token_ids, result.errors, result.logprobs)
         outputs = [self._sampled(chunk.request, token, error, logprob) for chunk, token, error, logprob in rows]
         return merge_outputs(admitted, outputs) if admitted else outputs
+
+    def _save_evicted(self) -> None:
+        """Blocks that left the prefix cache go down to the KV tiers, copied before anything overwrites them."""
+        evicted = self.block_manager.evicted
+        if evicted and self.kv_tiers is not None:
+            self.kv_tiers.save(evicted)
+        evicted.clear()
+
+    def _finish_tier_loads(self) -> None:
+        """Tier loads that were read: their pages go into the blocks of requests still waiting for them."""
+        assert self.kv_tiers is not None
+        for load in self.kv_tiers.poll():
+            request = self.requests.get(load.request_id)
+            if request is None or not request.num_loading_blocks:
+                continue  # aborted meanwhile (``_finish`` cancels; this guards a reused id)
+            loaded = self.kv_tiers.write(load)
+            if request.status == RequestStatus.LOADING:
+                self.scheduler.finish_load(request, loaded, load.counts_as_cached)
+            else:  # a reservation's tier blocks: the rest of its prompt comes from the prefill worker
+                self._finish_reservation_load(request, load, loaded)
+
+    def _finish_reservation_load(self, request: Request, load: TierLoad, loaded: int) -> None:
+        remote = _remote(request)
+        if loaded < len(load.block_ids):  # some pages went or failed their check: that part is computed here
+            remote.valid_prompt_tokens = (load.first_block + loaded) * self.config.block_size
+        request.num_loading_blocks = 0
+        if remote.ready:
+            self.scheduler.remote_progress(request)
+
+    def _cancel_tier_load(self, request: Request) -> None:
+        """Before a request's blocks are freed: its tier pages, when read, go nowhere."""
+        if request.num_loading_blocks and self.kv_tiers is not None:
+            self.kv_tiers.cancel(request.request_id)
+        request.num_loading_blocks = 0
 
     def _sampled(
         self, request: Request, token_id: int | None, error: str | None, logprob: TokenLogprob | None = None
@@ -258,6 +305,7 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)
+        self._cancel_tier_load(request)
         # the whole text, cut at a stop string
         request.output_text = detokenize(request, self.tokenizer, final=True).text
         request.finish_reason = reason
@@ -319,7 +367,8 @@ class LLMEngine:
         self.step_stats.clear()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Work for ``step``: scheduled requests, or a KV-tier load behind a reservation to take in."""
+        return self.scheduler.has_work() or (self.kv_tiers is not None and self.kv_tiers.has_pending())
 
     def keep_alive(self) -> None:
         """Rank 0 of a tensor-parallel engine with nothing to run: tell the other ranks it is alive (bounded rate)."""
@@ -332,7 +381,9 @@ class LLMEngine:
         return self.tp_group.broken if self.tp_group is not None and self.tp_group.broken != "closed" else ""
 
     def close(self) -> None:
-        """Tell the other ranks to stop and drop the group (nothing to do on one rank)."""
+        """Finish the KV tiers' writes and leave their shared pool; tell the other ranks to stop and drop the group."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         if self.tp_group is not None:
             if self.runner.step_channel is not None:
                 try:
@@ -389,6 +440,7 @@ class LLMEngine:
         use_cache = prefix_cache and request.params.prompt_logprobs is None
         if not self.scheduler.reserve_remote(request, num_tokens, use_cache):
             return None
+        self._save_evicted()
         self.requests[request.request_id] = request
         return list(request.block_ids)
 
@@ -485,6 +537,7 @@ class LLMEngine:
         if not recompute:
             self._finish(request, FinishReason.ABORT)
             return True
+        self._cancel_tier_load(request)
         self.block_manager.free(request.block_ids)  # the prefill here allocates afresh (prefix cache included)
         remote.recompute = True
         self.scheduler.remote_progress(request)

@@ -26,6 +26,9 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 2  # holds blocks, scheduled every step (prefill chunks, then one token per step)
     PREFILLED = 3  # prefill-only request done: blocks held for export until released
     FINISHED = 4  # blocks freed; finish_reason says why
+    # holds blocks for its whole prompt; its prefix is being loaded back from a KV tier (engine/kv_tiers.py), then
+    # RUNNING from the end of what was loaded
+    LOADING = 5
 
 
 class FinishReason(str, enum.Enum):
@@ -186,6 +189,9 @@ class RemoteKV:
     kv_done_s: float | None = None  # the transfer layer wrote every layer of every block
     kv_failed_s: float | None = None  # the transfer failed (the reserved blocks were freed then)
     recompute: bool = False  # after the failure: prefill the prompt and the first token here
+    # a KV-tier load behind the reservation fell short: the prompt's KV is good up to here only; the rest (and the
+    # first token's) is computed at admission
+    valid_prompt_tokens: int | None = None
     ready_s: float | None = None  # the join: queued for admission
     admitted_s: float | None = None  # the scheduler took it: into the running batch (or, to recompute, the queue)
     first_decode_s: float | None = None  # end of the first step that computed a token for it here
@@ -275,6 +281,8 @@ class Request:
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     # leading blocks handed back because no layer's sliding window reaches them again (Scheduler.release_behind_window)
     num_released_blocks: int = 0
+    # blocks after the computed (or device-cached) ones being loaded back from a KV tier now (engine/kv_tiers.py)
+    num_loading_blocks: int = 0
     finish_reason: FinishReason | None = None
     output_text: str = ""  # detokenized output, cut at a stop string
     detokenizer: Any = None  # engine.detokenizer.IncrementalDetokenizer, made with the first token

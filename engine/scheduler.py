@@ -2,7 +2,8 @@
 
 1. Running requests first, in arrival order: a decode takes one token, a prefill the next prompt chunk that fits.
 2. Then waiting requests, FIFO, while ``max_num_seqs`` allows and the blocks for the whole prompt can be allocated
-   now (prefix-cached blocks reused): memory is never overcommitted.
+   now (prefix-cached blocks reused): memory is never overcommitted. When the prefix cache ends before a KV tier's pages do (``engine.kv_tiers``), the
+   request waits in LOADING, holding its blocks, until the tier's blocks are loaded back; then it runs from there.
 3. A running request that needs a block when none is free preempts the most recently admitted one (maybe itself),
    which goes back to the front of the queue with its tokens, to be prefilled again (recompute).
 
@@ -16,9 +17,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.request import RemoteKV, Request, RequestStatus
+
+
+class TierIndex(Protocol):
+    """The KV tiers below the device, as the scheduler asks them (``engine.kv_tiers.KVTiers``)."""
+
+    def lookup(self, token_ids: list[int], first_block: int, max_blocks: int) -> int: ...
+
+    def start_load(
+        self, request: Request, token_ids: list[int], first_block: int, num_blocks: int, counts_as_cached: bool
+    ) -> object: ...
 
 
 @dataclass(slots=True)
@@ -55,6 +67,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote_ready: deque[Request] = deque()  # remote KV and first token in: admitted at the next step
+        self.loading: list[Request] = []  # LOADING: prefix blocks coming back from a KV tier
+        self.tiers: TierIndex | None = None
         self.num_preemptions = 0
         # a model whose every layer has a sliding window of at most this many tokens: blocks behind it go back early
         self.release_window: int | None = None
@@ -75,14 +89,50 @@ class Scheduler:
         request.num_hashed_blocks = request.num_cached_tokens // self.block_manager.block_size  # shared: hashed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.timing.remote = RemoteKV(expected_s=time.monotonic())
+        if use_prefix_cache:  # tier hits count as cached: the prefill worker sends only the blocks after them
+            request.num_cached_tokens += self._start_tier_load(request, request.prompt_token_ids, True)
         return True
 
-    def prefill_here(self, request: Request) -> None:
-        """A reservation computed here instead (conditional disaggregation): it runs from its cached prefix on."""
-        request.timing.remote = None
-        request.num_computed_tokens = request.num_cached_tokens
-        request.timing.scheduled_s = time.monotonic()  # admitted now: its queue time is the wait for the router
+    def _start_tier_load(self, request: Request, token_ids: list[int], counts_as_cached: bool) -> int:
+        """Start loading the blocks of ``token_ids`` that follow the request's computed prefix from a KV tier, as far
+        as the reuse rule allows (one token is always computed); returns the tokens promised (0: none found)."""
+        if self.tiers is None:
+            return 0
+        block_size = self.block_manager.block_size
+        first_block = (request.num_cached_tokens if request.remote else request.num_computed_tokens) // block_size
+        usable_blocks = (len(token_ids) - 1) // block_size
+        found = self.tiers.lookup(token_ids, first_block, usable_blocks - first_block)
+        if found:
+            self.tiers.start_load(request, token_ids, first_block, found, counts_as_cached)
+            request.num_loading_blocks = found
+        return found * block_size
+
+    def finish_load(self, request: Request, loaded_blocks: int, counts_as_cached: bool) -> None:
+        """A LOADING request's tier blocks are in (``loaded_blocks`` of those promised): it runs from there."""
+        self.loading.remove(request)
+        request.num_loading_blocks = 0
+        request.num_computed_tokens += loaded_blocks * self.block_manager.block_size
+        if counts_as_cached:
+            request.num_cached_tokens = request.num_computed_tokens
+        self.register_full_blocks(request)
         self.add_running(request)
+
+    def prefill_here(self, request: Request) -> None:
+        """A reservation computed here instead (conditional disaggregation): it runs from its cached prefix on (after
+        its tier blocks are in, if a load is under way)."""
+        request.timing.remote = None
+        request.timing.scheduled_s = time.monotonic()  # admitted now: its queue time is the wait for the router
+        if request.num_loading_blocks:
+            request.num_computed_tokens = request.num_cached_tokens - request.num_loading_blocks * self.block_size
+            request.status = RequestStatus.LOADING
+            self.loading.append(request)
+            return
+        request.num_computed_tokens = request.num_cached_tokens
+        self.add_running(request)
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
 
     def register_full_blocks(self, request: Request) -> None:
         """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
@@ -123,16 +173,18 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.remote_ready:
             self.remote_ready.remove(request)
+        elif request in self.loading:
+            self.loading.remove(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.remote_ready)
+        return bool(self.waiting or self.running or self.remote_ready or self.loading)
 
     def remote_progress(self, request: Request) -> None:
         """A remote request's first token or KV came (or its transfer failed): once both are in, it is queued."""
         remote = request.remote
         if remote is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request.request_id!r} is not waiting for remote KV")
-        if remote.ready and remote.ready_s is None:
+        if remote.ready and remote.ready_s is None and not request.num_loading_blocks:
             remote.ready_s = time.monotonic()
             self.remote_ready.append(request)
 
@@ -149,8 +201,9 @@ class Scheduler:
             if remote.recompute:
                 request.status = RequestStatus.WAITING
                 self.waiting.append(request)
-            else:
-                request.num_computed_tokens = request.num_prompt_tokens
+            else:  # after a tier load that fell short, the rest of the prompt is computed here
+                valid = remote.valid_prompt_tokens
+                request.num_computed_tokens = request.num_prompt_tokens if valid is None else valid
                 self.add_running(request)
         return admitted
 
@@ -185,21 +238,25 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
             # prompt logprobs need every prompt position computed: no prefix-cache hit for them (as in vLLM)
-            allocation = self.block_manager.allocate(
-                tokens, len(tokens), use_prefix_cache=not req.wants_prompt_logprobs
-            )
+            use_cache = not req.wants_prompt_logprobs
+            allocation = self.block_manager.allocate(tokens, len(tokens), use_prefix_cache=use_cache)
             if allocation is None:
                 break
             self.waiting.popleft()
             req.block_ids, req.num_computed_tokens = allocation
             req.num_hashed_blocks = req.num_computed_tokens // self.block_manager.block_size
-            if req.timing.scheduled_s is None:
+            first_admission = req.timing.scheduled_s is None
+            if first_admission:
                 req.timing.scheduled_s = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens
+            if use_cache and self._start_tier_load(req, tokens, first_admission):
+                req.status = RequestStatus.LOADING
+                self.loading.append(req)
+                continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -121,6 +121,16 @@ class WorkerCounters(msgspec.Struct):
     kv_rejected: int = 0  # decode: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    # KV tiers below the device (engine/kv_tiers.py): prompt tokens loaded back instead of computed, bytes copied
+    # down into each tier and back up from it, and the time requests spent LOADING
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    host_saved_bytes: int = 0
+    disk_saved_bytes: int = 0
+    host_loaded_bytes: int = 0
+    disk_loaded_bytes: int = 0
+    tier_loads: int = 0
+    tier_load_seconds: float = 0.0
 
 
 # ---- commands: router -> worker --------------------------------------------------------------------------------
@@ -254,6 +264,9 @@ class KvEvents(_Event, tag="kv_events"):
     stored: Annotated[list[int], msgspec.Meta(max_length=MAX_KV_EVENT_HASHES)] = []
     removed: Annotated[list[int], msgspec.Meta(max_length=MAX_KV_EVENT_HASHES)] = []
     reset: bool = False
+    # which of the worker's KV tiers the hashes are in; a reset forgets only this tier's view. Device hashes can be
+    # attended now; host and disk ones are loaded back first (engine/kv_tiers.py), from this node's shared pool
+    tier: Literal["device", "host", "disk"] = "device"
 
 
 Event = Reserved | Tokens | ErrorEvent | Stats | KvEvents

@@ -115,12 +115,26 @@ class Role:
     def totals(self) -> WorkerCounters:
         """The counters of the heartbeat (a copy), with those the engine keeps itself."""
         engine = self.engine
-        return msgspec.structs.replace(
+        totals = msgspec.structs.replace(
             self.counters,
             preemptions=engine.scheduler.num_preemptions,
             prefix_hit_tokens=engine.block_manager.prefix_hit_tokens,
             recomputes=engine.num_recomputes,
         )
+        if engine.kv_tiers is not None:
+            stats = engine.kv_tiers.stats
+            totals = msgspec.structs.replace(
+                totals,
+                host_hit_tokens=stats.hit_tokens["host"],
+                disk_hit_tokens=stats.hit_tokens["disk"],
+                host_saved_bytes=stats.saved_bytes["host"],
+                disk_saved_bytes=stats.saved_bytes["disk"],
+                host_loaded_bytes=stats.loaded_bytes["host"],
+                disk_loaded_bytes=stats.loaded_bytes["disk"],
+                tier_loads=stats.loads,
+                tier_load_seconds=stats.load_seconds,
+            )
+        return totals
 
 
 def wire_timing(timing: RequestTiming) -> Timing:

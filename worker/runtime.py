@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Literal
 
 import msgspec
 import zmq
 
+from engine.block_manager import KvEventBatch
 from engine.llm_engine import LLMEngine
 from transfer.errors import AuthError
 from worker.messages import (
@@ -315,14 +317,29 @@ class WorkerRuntime:
             self._send_event(index, part)
 
     def _publish_kv_events(self, now: float) -> None:
-        """Send the prefix cache's changes since the last turn to every router (nothing when nothing changed)."""
-        blocks = self.engine.block_manager
+        """Send the prefix cache's changes since the last turn to every router (nothing when nothing changed), and
+        those of the KV tiers below it, one message per tier."""
+        blocks, tiers = self.engine.block_manager, self.engine.kv_tiers
         if now >= self._next_kv_resync_s:
             self._next_kv_resync_s = now + KV_RESYNC_INTERVAL_S
             blocks.resync_kv_events()
-        batch = blocks.drain_kv_events()
-        if batch is None or self._dead.is_set():
+            if tiers is not None:
+                tiers.resync_events()
+        batches: list[tuple[Literal["device", "host", "disk"], KvEventBatch]] = []
+        if (batch := blocks.drain_kv_events()) is not None:
+            batches.append(("device", batch))
+        if tiers is not None:
+            batches.extend(tiers.drain_events())
+        if not batches or self._dead.is_set():
             return
+        if not all([self._send_kv_batch(tier, batch) for tier, batch in batches]):
+            # that router's view would drift: the next batch is a snapshot for all
+            blocks.resync_kv_events()
+            if tiers is not None:
+                tiers.resync_events()
+
+    def _send_kv_batch(self, tier: Literal["device", "host", "disk"], batch: KvEventBatch) -> bool:
+        """One tier's batch to every router, split at ``MAX_KV_EVENT_HASHES``; False if some router missed it."""
         changes = [(h, True) for h in batch.stored] + [(h, False) for h in batch.removed]
         delivered = True
         for start in range(0, max(1, len(changes)), MAX_KV_EVENT_HASHES):  # a reset with nothing held is one message
@@ -334,15 +351,15 @@ class WorkerRuntime:
                 stored=[h for h, stored in part if stored],
                 removed=[h for h, stored in part if not stored],
                 reset=batch.reset and start == 0,
+                tier=tier,
             )
             self._kv_seq += 1
             for sock, signer in self._events:
                 try:
                     sock.send(signer.seal(event), zmq.NOBLOCK)
                 except zmq.ZMQError:  # full (Again) or closing: never the loop's end
-                    delivered = False  # that router's view would drift: the next batch is a snapshot for all
-        if not delivered:
-            blocks.resync_kv_events()
+                    delivered = False
+        return delivered
 
     def _send_event(self, index: int, event: Event) -> None:
         sock, signer = self._events[index]

@@ -153,7 +153,7 @@ def test_overflow_collapses_into_a_reset_and_a_bounded_snapshot():
     bm = BlockManager(num_blocks=6, block_size=2, kv_event_capacity=3)
     for round_ in range(5):  # never drained (a bare engine): the buffer stays bounded
         bm.free(_fill(bm, [round_ * 100 + i for i in range(12)]))
-        assert len(bm._stored) + len(bm._removed) <= 3
+        assert len(bm.events._stored) + len(bm.events._removed) <= 3
     batch = bm.drain_kv_events()
     assert batch.reset and batch.removed == []
     assert batch.stored == prompt_block_hashes([400 + i for i in range(12)], 2)  # exactly what is held now
