@@ -102,6 +102,7 @@ ENGINE_POOL_FIELDS = (
     "max_num_seqs",
     "enable_prefix_caching",
     "tensor_parallel_size",  # ranks per replica, each with the pool's per-replica CPUs and GPUs
+    "kv_offload",  # host and disk tiers below the device KV (engine/kv_tiers.py)
 )
 ModelSection = create_model("ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len"))
 PoolSection = create_model(
@@ -141,6 +142,10 @@ class KvAwareSection(_Strict):
 
     prefix_weight: float = Field(default=2.0, ge=0)  # a whole prompt cached is worth this many queued requests
     load_weight: float = Field(default=1.0, ge=0)
+    # a host-tier hit saves the prefill but costs a copy to the device: worth this fraction of a device hit
+    host_weight: float = Field(default=0.8, ge=0, le=1)
+    # a disk-tier hit saves the prefill but costs a slower copy: worth this fraction of a device hit
+    disk_weight: float = Field(default=0.5, ge=0, le=1)
 
 
 class _RouterBase(_Strict):
@@ -298,6 +303,7 @@ class ClusterConfig(_Strict):
             enable_prefix_caching=pool.enable_prefix_caching,
             torch_threads=pool.torch_threads,
             tensor_parallel_size=pool.tensor_parallel_size,
+            kv_offload=pool.kv_offload,
         )
 
     def transfer_config(self) -> TransferConfig:

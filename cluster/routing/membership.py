@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from cluster.routing.metrics import RouterMetrics
-from cluster.routing.prefix_index import PrefixIndex
+from cluster.routing.prefix_index import TIERS, PrefixIndex
 from worker.messages import KvEvents, Stats
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class Membership:
             return None
         worker.alive = False
         self.prefix_index.forget(name)
-        self._metrics.prefix_index_blocks.labels(name, worker.role).set(0)
+        self._publish_prefix_blocks(name, worker.role)
         self._update_gauge()
         return worker
 
@@ -154,18 +154,22 @@ class Membership:
         """Apply a worker's prefix-cache changes, if they come from its registered incarnation."""
         if worker is None or event.address != worker.command_address or not worker.alive:
             return  # an old process's events, or a dead worker's: its view was dropped and stays so
-        index = self.prefix_index
-        if index.apply(worker.name, event.seq, event.stored, event.removed, event.reset):
+        if self.prefix_index.apply(worker.name, event.seq, event.stored, event.removed, event.reset, event.tier):
             self._metrics.kv_events.labels("reset" if event.reset else "delta").inc()
         else:
             self._metrics.kv_events.labels("gap").inc()
-        self._metrics.prefix_index_blocks.labels(worker.name, worker.role).set(index.blocks_held(worker.name))
+        self._publish_prefix_blocks(worker.name, worker.role)  # every tier: a gap drops them all
 
     def forget_prefixes(self, name: str) -> None:
         self.prefix_index.forget(name)
         worker = self.workers.get(name)
         if worker is not None:
-            self._metrics.prefix_index_blocks.labels(name, worker.role).set(0)
+            self._publish_prefix_blocks(name, worker.role)
+
+    def _publish_prefix_blocks(self, name: str, role: str) -> None:
+        gauge, index = self._metrics.prefix_index_blocks, self.prefix_index
+        for tier in TIERS:
+            gauge.labels(name, role, tier).set(index.blocks_held(name, tier))
 
     def pools(self) -> dict[str, dict]:
         """Per pool (worker names are ``<pool>-<index>``): how many replicas serve and which ones drain."""

@@ -96,8 +96,16 @@ class RouterMetrics:
         )
         self.prefix_matched_tokens = Counter(
             "pdserve_prefix_matched_tokens",
-            "Routed prompt tokens the chosen worker held in its prefix cache (router's view, engine's reuse rule)",
+            "Routed prompt tokens the chosen worker held on device in its prefix cache (router's view, engine's "
+            "reuse rule)",
             ["pool"],
+            registry=r,
+        )
+        self.tier_matched_tokens = Counter(
+            "pdserve_tier_matched_tokens",
+            "Routed prompt tokens the chosen worker would load back from its host or disk KV tier, after those on "
+            "device (router's view)",
+            ["pool", "tier"],
             registry=r,
         )
         self.kv_events = Counter(
@@ -108,8 +116,8 @@ class RouterMetrics:
         )
         self.prefix_index_blocks = Gauge(
             "pdserve_prefix_index_blocks",
-            "Prefix-cache blocks the router knows a worker holds",
-            ["worker", "pool"],
+            "Prefix-cache blocks the router knows a worker holds, per KV tier (device: dispatched ones included)",
+            ["worker", "pool", "tier"],
             registry=r,
             multiprocess_mode="mostrecent",
         )

@@ -69,12 +69,23 @@ class Placer:
             )
 
     def prefix_match(self, prompt_len: int, hashes: list[int]) -> PrefixMatch:
-        """Per worker, the prompt tokens its prefix cache would spare (at least one prompt token is still computed)."""
+        """Per worker, the prompt tokens its prefix cache would spare, on device and loaded back from its host and
+        disk tiers. The engine's reuse rule cuts the whole chain (at least one prompt token is still computed), so
+        the block it recomputes comes off the deepest tier."""
         index, block_size = self.members.prefix_index, self.config.transfer.block_size
         if not len(index):  # prefix caching off, or nothing computed yet
             return PrefixMatch(prompt_len)
-        tokens = {name: reusable_prefix_tokens(n, prompt_len, block_size) for name, n in index.match(hashes).items()}
-        return PrefixMatch(prompt_len, {name: n for name, n in tokens.items() if n > 0})
+        device: dict[str, int] = {}
+        host: dict[str, int] = {}
+        disk: dict[str, int] = {}
+        for name, blocks in index.match_tiers(hashes).items():
+            left = reusable_prefix_tokens(blocks.total, prompt_len, block_size)
+            for tokens, held in ((device, blocks.device), (host, blocks.host), (disk, blocks.disk)):
+                n = min(held * block_size, left)
+                if n > 0:
+                    tokens[name] = n
+                left -= n
+        return PrefixMatch(prompt_len, device, host, disk)
 
     def order(
         self, role: str, workers: Sequence[WorkerHandle], match: PrefixMatch, prefer: str | None = None
@@ -106,7 +117,10 @@ class Placer:
         metrics = self.metrics
         metrics.routing_decisions.labels(role, reason).inc()
         metrics.routed_prompt_tokens.labels(role).inc(match.num_prompt_tokens)
-        metrics.prefix_matched_tokens.labels(role).inc(match.tokens(chosen.name))
+        # to compare with the workers' prefix_hit_tokens (device) and host_hit_tokens / disk_hit_tokens
+        metrics.prefix_matched_tokens.labels(role).inc(match.tokens(chosen.name, "device"))
+        for tier in ("host", "disk"):
+            metrics.tier_matched_tokens.labels(role, tier).inc(match.tokens(chosen.name, tier))
 
     def expect(self, worker: WorkerHandle, hashes: list[int]) -> None:
         """Record that the worker will hold the prompt's blocks, if its pool caches prefixes."""

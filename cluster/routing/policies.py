@@ -4,11 +4,13 @@ Every policy but round robin weighs load, ties broken at random so a burst does 
 first. Load is the worker's last report (queue, running, KV use) plus what the router sent it since (``inflight``).
 ``kv_aware`` also weighs the prompt's cached prefix (``cluster/routing/prefix_index.py``); higher is better:
 
-    score = prefix_weight * matched_tokens / prompt_tokens - load_weight * load_score(worker)
+    cached = device_tokens + host_weight * host_tokens + disk_weight * disk_tokens
+    score = prefix_weight * cached / prompt_tokens - load_weight * load_score(worker)
 
-With the default weights (2 and 1) a worker holding the whole prompt wins until it has two more requests than
-another (SGLang's balance threshold as one linear cost, like Dynamo's KV router). Ties go to the lower load, then at
-random. The other policies ignore the ``PrefixMatch``; kv_aware without one orders by load alone.
+A tier hit (host or disk) spares the prefill but costs a copy back to the device, so it is worth a fraction of a
+device hit. With the default weights (2 and 1) a worker holding the whole prompt on device wins until it has two more
+requests than another (SGLang's balance threshold as one linear cost, like Dynamo's KV router). Ties go to the lower
+load, then at random. The other policies ignore the ``PrefixMatch``; kv_aware without one orders by load alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from cluster.routing.prefix_index import TIERS, Tier
 from worker.messages import Stats
 
 
@@ -31,13 +34,20 @@ class Candidate(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """One prompt's cached prefix per worker, as the router knows it (``Placer.prefix_match``)."""
+    """One prompt's cached prefix per worker, as the router knows it (``Placer.prefix_match``): the leading tokens
+    its device holds, then the ones after them it would load back from its host or disk tier instead of computing."""
 
     num_prompt_tokens: int
-    matched_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable leading tokens
+    device_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable leading tokens
+    host_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable tokens after those
+    disk_tokens: Mapping[str, int] = field(default_factory=dict)  # worker name -> reusable tokens after both
 
-    def tokens(self, worker: str) -> int:
-        return self.matched_tokens.get(worker, 0)
+    def tokens(self, worker: str, tier: Tier | None = None) -> int:
+        """The worker's reusable tokens in ``tier``; None: in every tier (loaded or not, none of them computed)."""
+        if tier is None:
+            return sum(self.tokens(worker, each) for each in TIERS)
+        by_tier = self.device_tokens if tier == "device" else self.host_tokens if tier == "host" else self.disk_tokens
+        return by_tier.get(worker, 0)
 
 
 class Policy(Protocol):
@@ -52,11 +62,11 @@ def decision_reason(
     policy: Policy, chosen: Candidate, candidates: Sequence[Candidate], match: PrefixMatch | None
 ) -> DecisionReason:
     """Why a worker was chosen, for ``/metrics``: ``prefix`` when kv_aware chose one holding more of the prompt than
-    another candidate, else ``load``."""
+    another candidate (a tier hit counts at its weight: it is loaded, not computed), else ``load``."""
     if match is None or not isinstance(policy, KvAware):
         return "load"
-    mine = match.tokens(chosen.name)
-    return "prefix" if any(match.tokens(w.name) < mine for w in candidates) else "load"
+    mine = policy.cached_fraction(chosen, match)
+    return "prefix" if any(policy.cached_fraction(w, match) < mine for w in candidates) else "load"
 
 
 def load_score(worker: Candidate) -> float:
@@ -102,18 +112,34 @@ class PowerOfTwo:
 class KvAware:
     """Cached-prefix overlap against load (the cost in the module docstring)."""
 
-    def __init__(self, rng: random.Random | None = None, prefix_weight: float = 2.0, load_weight: float = 1.0) -> None:
-        if prefix_weight < 0 or load_weight < 0:
+    def __init__(
+        self,
+        rng: random.Random | None = None,
+        prefix_weight: float = 2.0,
+        load_weight: float = 1.0,
+        host_weight: float = 0.8,
+        disk_weight: float = 0.5,
+    ) -> None:
+        if min(prefix_weight, load_weight, host_weight, disk_weight) < 0:
             raise ValueError("kv_aware weights must be >= 0")
         self._rng = rng or random.Random()
         self.prefix_weight = prefix_weight
         self.load_weight = load_weight
+        self.host_weight = host_weight
+        self.disk_weight = disk_weight
+
+    def cached_fraction(self, worker: Candidate, match: PrefixMatch | None) -> float:
+        """The prompt's share the worker would not compute, a tier hit weighted against a device one."""
+        if match is None or match.num_prompt_tokens <= 0:
+            return 0.0
+        tokens, name = match.tokens, worker.name
+        cached = (
+            tokens(name, "device") + self.host_weight * tokens(name, "host") + self.disk_weight * tokens(name, "disk")
+        )
+        return cached / match.num_prompt_tokens
 
     def score(self, worker: Candidate, match: PrefixMatch | None) -> float:
-        overlap = 0.0
-        if match is not None and match.num_prompt_tokens > 0:
-            overlap = match.tokens(worker.name) / match.num_prompt_tokens
-        return self.prefix_weight * overlap - self.load_weight * load_score(worker)
+        return self.prefix_weight * self.cached_fraction(worker, match) - self.load_weight * load_score(worker)
 
     def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
         return sorted(workers, key=lambda w: (-self.score(w, match), load_score(w), self._rng.random()))
@@ -154,11 +180,16 @@ POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_tw
 
 
 def make_policy(
-    name: str, rng: random.Random | None = None, prefix_weight: float = 2.0, load_weight: float = 1.0
+    name: str,
+    rng: random.Random | None = None,
+    prefix_weight: float = 2.0,
+    load_weight: float = 1.0,
+    host_weight: float = 0.8,
+    disk_weight: float = 0.5,
 ) -> Policy:
-    """``prefix_weight`` and ``load_weight``: kv_aware's (``router.kv_aware``); the other policies have none."""
+    """The weights: kv_aware's (``router.kv_aware``); the other policies have none."""
     if name not in POLICIES:
         raise ValueError(f"routing policy must be one of {sorted(POLICIES)}, got {name!r}")
     if name == "kv_aware":
-        return KvAware(rng, prefix_weight, load_weight)
+        return KvAware(rng, prefix_weight, load_weight, host_weight, disk_weight)
     return POLICIES[name](rng)

@@ -1,23 +1,77 @@
-"""Which workers hold which prompt prefixes, as the router learns it from their KV events (``KvEvents``).
+"""Which workers hold which prompt prefixes, and in which KV tier, as the router learns it from their KV events
+(``KvEvents``).
 
 A chained hash names a whole prefix, so a flat map ``hash -> workers`` (one entry per block per worker) is a radix
 tree: ``match`` stops, per worker, at the first block it lacks, as the engine's lookup does (both hash with
-``engine.blocks.prompt_block_hashes``). Never an over-estimate for long: a worker's view is dropped when it
-re-registers, dies or misses a message (a ``seq`` gap), and its next snapshot makes it whole again.
-Tentative entries (``expect``) record at dispatch that the chosen worker will hold the prompt, so a follow-up finds
-it before the worker's events come (as SGLang's cache-aware router does): a ``stored`` event confirms one,
-``removed`` drops it, else it expires after ``tentative_ttl_s`` (at most ``max_tentative`` per worker). Snapshots
-and gaps keep them (the worker may not have computed them yet); ``forget`` drops them.
+``engine.blocks.prompt_block_hashes``). Each tier (device, host, disk) has such a map of its own; ``match_tiers``
+continues a worker's device match through the blocks it would load back from its host or disk tier.
+Never an over-estimate for long: a worker's views are dropped when it re-registers, dies or misses a message (a
+``seq`` gap: one counter across its tiers, so a gap drops every tier), and its next snapshots make them whole again;
+a snapshot (``reset``) replaces one tier's view only.
+Tentative entries (``expect``, device only) record at dispatch that the chosen worker will hold the prompt, so a
+follow-up finds it before the worker's events come (as SGLang's cache-aware router does): a device ``stored`` event
+confirms one, a device ``removed`` drops it, else it expires after ``tentative_ttl_s`` (at most ``max_tentative`` per
+worker). Snapshots and gaps keep them (the worker may not have computed them yet); ``forget`` drops them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
+Tier = Literal["device", "host", "disk"]  # as ``KvEvents.tier``
+TIERS: tuple[Tier, ...] = ("device", "host", "disk")
 TENTATIVE_TTL_S = 10.0  # a dispatched prompt's blocks not confirmed by a KV event within this are dropped
 MAX_TENTATIVE = 16_384  # tentative hashes per worker (the oldest dropped first)
+
+
+@dataclass(frozen=True, slots=True)
+class TierBlocks:
+    """A prompt's leading blocks one worker holds: on device, then the ones after them it would load back."""
+
+    device: int
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk
+
+
+class _TierView:
+    """One tier's entries, both ways round."""
+
+    __slots__ = ("held", "holders")
+
+    def __init__(self) -> None:
+        self.holders: dict[int, set[str]] = {}  # block hash -> workers that hold it
+        self.held: dict[str, set[int]] = {}  # worker -> the hashes it holds
+
+    def add(self, worker: str, block_hash: int) -> bool:
+        held = self.held.setdefault(worker, set())
+        if block_hash in held:
+            return False
+        held.add(block_hash)
+        self.holders.setdefault(block_hash, set()).add(worker)
+        return True
+
+    def discard(self, worker: str, block_hash: int) -> None:
+        held = self.held.get(worker)
+        if held is None or block_hash not in held:
+            return
+        held.discard(block_hash)
+        holders = self.holders[block_hash]
+        holders.discard(worker)
+        if not holders:
+            del self.holders[block_hash]
+
+    def forget(self, worker: str) -> None:
+        for block_hash in list(self.held.get(worker, ())):
+            self.discard(worker, block_hash)
+        self.held.pop(worker, None)
 
 
 class PrefixIndex:
@@ -32,33 +86,45 @@ class PrefixIndex:
         self.tentative_ttl_s = tentative_ttl_s
         self.max_tentative = max_tentative
         self._clock = clock
-        self._holders: dict[int, set[str]] = {}  # block hash -> workers that hold it
-        self._held: dict[str, set[int]] = {}  # worker -> the hashes it holds (confirmed or tentative)
+        self._views: dict[Tier, _TierView] = {tier: _TierView() for tier in TIERS}
+        self._device = self._views["device"]  # confirmed and tentative entries
         self._next_seq: dict[str, int] = {}  # worker -> the seq its next message must carry (absent: any)
-        # worker -> unconfirmed hash -> expiry, oldest first
+        # worker -> unconfirmed device hash -> expiry, oldest first
         self._tentative: dict[str, OrderedDict[int, float]] = {}
 
-    def apply(self, worker: str, seq: int, stored: Iterable[int], removed: Iterable[int], reset: bool = False) -> bool:
-        """Take one KvEvents message; False after a gap (that worker's confirmed view is dropped first)."""
+    def apply(
+        self,
+        worker: str,
+        seq: int,
+        stored: Iterable[int],
+        removed: Iterable[int],
+        reset: bool = False,
+        tier: Tier = "device",
+    ) -> bool:
+        """Take one KvEvents message about one tier; False after a gap (that worker's confirmed views of every tier
+        are dropped first), unless the message is a snapshot and no other tier's view was lost."""
+        if tier not in self._views:
+            raise ValueError(f"KV tier must be one of {TIERS}, got {tier!r}")
         expected = self._next_seq.get(worker)
         in_order = expected is None or seq == expected
+        lost_elsewhere = 0
+        if not in_order:
+            lost_elsewhere = sum(self._drop_confirmed(worker, other) for other in TIERS if other != tier)
         if reset or not in_order:
-            self._drop_confirmed(worker)
+            self._drop_confirmed(worker, tier)
         self._next_seq[worker] = seq + 1
-        tentative = self._tentative.get(worker, {})
+        view = self._views[tier]
+        tentative: dict[int, float] = self._tentative.get(worker, {}) if tier == "device" else {}
         for block_hash in removed:
             tentative.pop(block_hash, None)
-            self._discard(worker, block_hash)
-        held = self._held.setdefault(worker, set())
+            view.discard(worker, block_hash)
         for block_hash in stored:
             tentative.pop(block_hash, None)  # confirmed
-            if block_hash not in held:
-                held.add(block_hash)
-                self._holders.setdefault(block_hash, set()).add(worker)
-        return in_order or reset
+            view.add(worker, block_hash)
+        return in_order or (reset and not lost_elsewhere)
 
     def expect(self, worker: str, block_hashes: Iterable[int]) -> int:
-        """Record at dispatch that ``worker`` will hold these blocks; returns how many were new to the index.
+        """Record at dispatch that ``worker`` will hold these blocks on device; returns how many were new to the index.
 
         Hashes it is already known to hold stay as they are (a confirmed entry stays confirmed)."""
         if self.max_tentative == 0 or self.tentative_ttl_s == 0:
@@ -66,51 +132,37 @@ class PrefixIndex:
         now = self._clock()
         self._expire(now)
         expires = now + self.tentative_ttl_s
-        held = self._held.setdefault(worker, set())
+        device = self._device
         tentative = self._tentative.setdefault(worker, OrderedDict())
         added = 0
         for block_hash in block_hashes:
             if block_hash in tentative:  # sent again: it lives as long as the latest dispatch
                 tentative[block_hash] = expires
                 tentative.move_to_end(block_hash)
-            elif block_hash not in held:
-                held.add(block_hash)
-                self._holders.setdefault(block_hash, set()).add(worker)
+            elif device.add(worker, block_hash):
                 tentative[block_hash] = expires
                 added += 1
         while len(tentative) > self.max_tentative:
             oldest, _ = tentative.popitem(last=False)
-            self._discard(worker, oldest)
+            device.discard(worker, oldest)
         return added
 
     def forget(self, worker: str) -> None:
-        """Drop everything known of a worker (restarted or died), tentative entries too."""
+        """Drop everything known of a worker (restarted or died), in every tier, tentative entries too."""
         self._next_seq.pop(worker, None)
         self._tentative.pop(worker, None)
-        for block_hash in self._held.pop(worker, set()):
-            self._unlink(worker, block_hash)
+        for view in self._views.values():
+            view.forget(worker)
 
-    def _drop_confirmed(self, worker: str) -> None:
-        """A snapshot or a gap: what the worker's events said is void, what the router sent it (tentative) stays."""
-        self._next_seq.pop(worker, None)
-        tentative = self._tentative.get(worker, {})
-        held = self._held.get(worker, set())
-        for block_hash in [h for h in held if h not in tentative]:
-            held.discard(block_hash)
-            self._unlink(worker, block_hash)
-
-    def _discard(self, worker: str, block_hash: int) -> None:
-        held = self._held.get(worker)
-        if held is not None and block_hash in held:
-            held.discard(block_hash)
-            self._unlink(worker, block_hash)
-
-    def _unlink(self, worker: str, block_hash: int) -> None:
-        holders = self._holders.get(block_hash)
-        if holders is not None:
-            holders.discard(worker)
-            if not holders:
-                del self._holders[block_hash]
+    def _drop_confirmed(self, worker: str, tier: Tier) -> int:
+        """A snapshot or a gap: what the worker's events said of ``tier`` is void, what the router sent it (tentative)
+        stays. Returns how many entries went."""
+        view = self._views[tier]
+        keep: Container[int] = self._tentative.get(worker, ()) if tier == "device" else ()
+        gone = [h for h in view.held.get(worker, ()) if h not in keep]
+        for block_hash in gone:
+            view.discard(worker, block_hash)
+        return len(gone)
 
     def _expire(self, now: float) -> None:
         for worker, tentative in self._tentative.items():
@@ -119,20 +171,22 @@ class PrefixIndex:
                 if expires > now:
                     break
                 del tentative[block_hash]
-                self._discard(worker, block_hash)
+                self._device.discard(worker, block_hash)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Per worker that holds the first block: how many leading blocks of the prompt it holds (tentative count)."""
+        """Per worker that holds the first block on device: how many leading blocks of the prompt its device holds
+        (tentative count)."""
         if not block_hashes:
             return {}
         self._expire(self._clock())
-        first = self._holders.get(block_hashes[0])
+        holders_of = self._device.holders
+        first = holders_of.get(block_hashes[0])
         if not first:
             return {}
         matched: dict[str, int] = {}
         candidates = set(first)
         for depth, block_hash in enumerate(block_hashes[1:], start=1):
-            holders = self._holders.get(block_hash, set())
+            holders = holders_of.get(block_hash, set())
             for worker in candidates - holders:
                 matched[worker] = depth
             candidates &= holders
@@ -142,17 +196,47 @@ class PrefixIndex:
             matched[worker] = len(block_hashes)
         return matched
 
-    def blocks_held(self, worker: str) -> int:
-        """Blocks known for the worker, tentative ones included."""
-        return len(self._held.get(worker, ()))
+    def match_tiers(self, block_hashes: Sequence[int]) -> dict[str, TierBlocks]:
+        """Per worker that holds the first block in some tier: its device match (``match``), then the consecutive
+        blocks after it that it holds in host (counted as host) or else disk, which it loads back before computing.
+
+        The chain stops at a block in neither, even one on device again: whether the engine attends a device block
+        found after a loaded one is its choice, and the index does not over-estimate."""
+        device = self.match(block_hashes)
+        host, disk = self._views["host"], self._views["disk"]
+        if not block_hashes or not (host.holders or disk.holders):
+            return {worker: TierBlocks(n) for worker, n in device.items()}
+        first = block_hashes[0]
+        candidates = set(device) | host.holders.get(first, set()) | disk.holders.get(first, set())
+        matched: dict[str, TierBlocks] = {}
+        for worker in candidates:
+            depth = device.get(worker, 0)
+            in_host, in_disk = host.held.get(worker, set()), disk.held.get(worker, set())
+            from_host = from_disk = 0
+            for block_hash in block_hashes[depth:]:
+                if block_hash in in_host:
+                    from_host += 1
+                elif block_hash in in_disk:
+                    from_disk += 1
+                else:
+                    break
+            matched[worker] = TierBlocks(depth, from_host, from_disk)
+        return matched
+
+    def blocks_held(self, worker: str, tier: Tier = "device") -> int:
+        """Blocks known for the worker in ``tier`` (on device: tentative ones included)."""
+        return len(self._views[tier].held.get(worker, ()))
 
     def tentative_blocks(self, worker: str) -> int:
-        """Of those, the ones dispatched but not yet confirmed by a KV event."""
+        """Of the device's, the ones dispatched but not yet confirmed by a KV event."""
         return len(self._tentative.get(worker, ()))
 
     def workers(self) -> list[str]:
-        return [worker for worker, held in self._held.items() if held]
+        """Workers known to hold something, in any tier."""
+        names = {worker for view in self._views.values() for worker, held in view.held.items() if held}
+        return sorted(names)
 
     def __len__(self) -> int:
-        """Distinct hashes held by any worker (expired tentative ones linger until the next ``match`` or ``expect``)."""
-        return len(self._holders)
+        """Distinct hashes per tier, summed over the tiers (expired tentative ones linger until the next ``match`` or
+        ``expect``)."""
+        return sum(len(view.holders) for view in self._views.values())

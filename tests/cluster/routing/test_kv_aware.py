@@ -78,7 +78,7 @@ def test_shared_prefix_requests_go_to_the_worker_that_holds_it(serve):
     assert routed == sum(len(PREFIX) + len(s) for s in SUFFIXES)
     assert matched == len(PREFIX) * (len(SUFFIXES) - 1)
     assert 0.5 < matched / routed < 1
-    assert metric_value(url, "pdserve_prefix_index_blocks", worker=holder, pool="prefill") >= 8
+    assert metric_value(url, "pdserve_prefix_index_blocks", worker=holder, pool="prefill", tier="device") >= 8
 
     # the same requests, routed by load only: the same greedy text
     least_loaded = serve(pools=_pools(2), router={"port": 0, "prefill_policy": "least_loaded"})

@@ -126,8 +126,46 @@ def test_kv_aware_without_a_match_orders_by_load_and_the_others_ignore_it():
 
 
 def test_make_policy_passes_the_kv_aware_weights():
-    policy = make_policy("kv_aware", prefix_weight=5.0, load_weight=0.5)
+    policy = make_policy("kv_aware", prefix_weight=5.0, load_weight=0.5, host_weight=0.3, disk_weight=0.1)
     assert isinstance(policy, KvAware) and (policy.prefix_weight, policy.load_weight) == (5.0, 0.5)
+    assert (policy.host_weight, policy.disk_weight) == (0.3, 0.1)
     assert isinstance(make_policy("least_loaded", prefix_weight=5.0), LeastLoaded)
     with pytest.raises(ValueError, match="weights"):
         KvAware(prefix_weight=-1)
+    with pytest.raises(ValueError, match="weights"):
+        KvAware(disk_weight=-0.5)
+
+
+# ---- kv_aware with KV tiers: a block loaded back from host or disk is worth a fraction of a device hit ----------
+
+
+def test_kv_aware_prefers_device_over_host_over_disk_over_nothing_at_equal_load():
+    workers = [W("none"), W("disk"), W("host"), W("device")]
+    match = PrefixMatch(100, {"device": 96}, {"host": 96}, {"disk": 96})
+    for seed in range(10):
+        policy = KvAware(random.Random(seed))
+        assert [w.name for w in policy.order(workers, match)] == ["device", "host", "disk", "none"]
+    none, disk, host, device = workers
+    policy = KvAware()
+    # a tier hit is loaded, not computed: choosing it over a worker holding nothing is a prefix decision
+    assert decision_reason(policy, host, [none, host], match) == "prefix"
+    assert decision_reason(policy, device, [host, device], match) == "prefix"
+    assert match.tokens("host") == 96 and match.tokens("host", "device") == 0 and match.tokens("none") == 0
+
+
+def test_kv_aware_adds_a_tier_continuation_to_a_device_prefix():
+    shorter, longer = W("device only"), W("device then host")
+    match = PrefixMatch(100, {"device only": 48, "device then host": 48}, {"device then host": 48})
+    assert KvAware().order([shorter, longer], match)[0].name == "device then host"
+    assert match.tokens("device then host") == 96
+
+
+def test_kv_aware_tier_weights_trade_a_load_against_a_copy():
+    cached_in_host, idle = W("host", inflight=1), W("idle")
+    match = PrefixMatch(100, {}, {"host": 100})
+    assert KvAware(host_weight=0.8).order([cached_in_host, idle], match)[0].name == "host"  # 2 * 0.8 > 1
+    assert KvAware(host_weight=0.4).order([cached_in_host, idle], match)[0].name == "idle"  # 2 * 0.4 < 1
+    ignored = KvAware(host_weight=0.0)  # a host hit worth nothing: load alone decides, and says so
+    assert ignored.order([cached_in_host, idle], match)[0].name == "idle"
+    even = [W("host"), W("idle")]
+    assert decision_reason(ignored, even[0], even, match) == "load"

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.routing.membership import Membership
 from cluster.routing.metrics import RouterMetrics
-from cluster.routing.prefix_index import PrefixIndex
+from cluster.routing.prefix_index import PrefixIndex, TierBlocks
 from engine.blocks import prompt_block_hashes, reusable_prefix_tokens
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -88,8 +88,10 @@ def members():
     return Membership(RouterMetrics())
 
 
-def kv_events(address: str, seq: int, stored=(), removed=(), reset=False) -> KvEvents:
-    return KvEvents(worker="p0", address=address, seq=seq, stored=list(stored), removed=list(removed), reset=reset)
+def kv_events(address: str, seq: int, stored=(), removed=(), reset=False, tier="device") -> KvEvents:
+    return KvEvents(
+        worker="p0", address=address, seq=seq, stored=list(stored), removed=list(removed), reset=reset, tier=tier
+    )
 
 
 def test_a_restarted_worker_starts_empty_and_old_events_are_ignored(members):
@@ -203,3 +205,111 @@ def test_expected_blocks_are_bounded_per_worker():
     assert index.tentative_blocks("a") == 3 and index.blocks_held("a") == 3
     assert index.match(second) == {"a": 2}
     assert PrefixIndex(max_tentative=0).expect("a", first) == 0  # 0: no tentative entries at all
+
+
+# ---- KV tiers below the device: host and disk views per worker --------------------------------------------------
+
+
+def test_a_host_snapshot_then_device_events_continue_the_chain_from_the_device_match():
+    index = PrefixIndex()
+    full = hashes(SHARED)
+    assert index.apply("a", 0, full, [], reset=True, tier="host")  # evicted to host earlier: all four there
+    assert index.match(full) == {}  # nothing on device: the device match is as before
+    assert index.match_tiers(full) == {"a": TierBlocks(0, 4, 0)}
+    index.apply("a", 1, full[:2], [])  # two loaded back (or recomputed) onto the device
+    assert index.match(full) == {"a": 2}
+    assert index.match_tiers(full) == {"a": TierBlocks(2, 2, 0)}  # device first, then host for the rest
+    index.apply("a", 2, [], full[2:], tier="host")  # the host pool dropped the last two...
+    index.apply("a", 3, full[3:], [], tier="disk")  # ...and the disk tier holds only the last
+    assert index.match_tiers(full) == {"a": TierBlocks(2, 0, 0)}  # block 2 is nowhere: the chain stops there
+    index.apply("a", 4, full[2:3], [], tier="disk")
+    assert index.match_tiers(full) == {"a": TierBlocks(2, 0, 2)}
+    index.apply("a", 5, full[2:], [], tier="host")  # in host and disk: loaded from host
+    assert index.match_tiers(full) == {"a": TierBlocks(2, 2, 0)}
+    assert [index.blocks_held("a", tier) for tier in ("device", "host", "disk")] == [2, 4, 2]
+
+
+def test_the_tier_chain_stops_at_a_block_in_neither_tier():
+    index = PrefixIndex()
+    full = hashes(SHARED)
+    index.apply("a", 0, [full[0], full[2]], [])  # device holds blocks 0 and 2
+    index.apply("a", 1, [full[1]], [], tier="host")
+    assert index.match_tiers(full) == {"a": TierBlocks(1, 1, 0)}  # block 2 is on device again: not counted
+    index.apply("b", 0, full[1:], [], tier="disk")  # no first block anywhere: nothing to load it onto
+    assert "b" not in index.match_tiers(full)
+
+
+def test_a_snapshot_of_one_tier_keeps_the_others():
+    index = PrefixIndex()
+    full = hashes(SHARED)
+    index.apply("a", 0, full, [])
+    index.apply("a", 1, full, [], tier="host")
+    index.apply("a", 2, full[:1], [], tier="disk")
+    assert index.apply("a", 3, full[:2], [], reset=True, tier="host")  # the host tier now holds only two
+    assert [index.blocks_held("a", tier) for tier in ("device", "host", "disk")] == [4, 2, 1]
+    assert index.apply("a", 4, [], [], reset=True, tier="device")  # device emptied (a restart of its engine)
+    assert index.match_tiers(full) == {"a": TierBlocks(0, 2, 0)}
+    assert index.blocks_held("a", "disk") == 1
+
+
+def test_a_seq_gap_drops_every_tier_and_keeps_the_dispatched_blocks():
+    index = PrefixIndex()
+    full = hashes(SHARED)
+    index.apply("a", 0, full[:2], [])
+    index.apply("a", 1, full, [], tier="host")
+    index.apply("a", 2, full, [], tier="disk")
+    index.expect("a", full)  # blocks 2 and 3 are tentative on device
+    assert not index.apply("a", 7, full[:1], [], tier="host")  # a message of some tier was missed
+    assert [index.blocks_held("a", tier) for tier in ("device", "host", "disk")] == [2, 1, 0]
+    assert index.tentative_blocks("a") == 2  # what the router sent it stays
+    assert index.match_tiers(full) == {"a": TierBlocks(0, 1, 0)}  # only what this message stored is known
+    # a device snapshot after a gap: the device view is whole, but what host and disk held is still lost
+    index.apply("a", 8, full, [], tier="host")
+    assert not index.apply("a", 10, full[:1], [], reset=True)
+    assert index.match_tiers(full) == {"a": TierBlocks(1, 0, 0)}  # block 0 from the snapshot; 1 nowhere
+    index.forget("a")
+    assert index.match_tiers(full) == {} and len(index) == 0 and index.workers() == []
+
+
+def test_a_device_snapshot_after_a_gap_is_whole_when_no_other_tier_was_known():
+    """As before the tiers: a worker with no host or disk tier recovers with its next device snapshot."""
+    index = PrefixIndex()
+    full = hashes(SHARED)
+    index.apply("a", 0, full, [])
+    assert index.apply("a", 5, full[:3], [], reset=True)
+    assert index.match(full) == {"a": 3}
+
+
+def test_forget_drops_every_tier():
+    index = PrefixIndex()
+    full = hashes(SHARED)
+    index.apply("a", 0, full, [], tier="host")
+    index.apply("a", 1, full, [], tier="disk")
+    index.apply("b", 0, full, [], tier="disk")
+    assert index.workers() == ["a", "b"] and len(index) == 8
+    index.forget("a")
+    assert index.match_tiers(full) == {"b": TierBlocks(0, 0, 4)} and index.workers() == ["b"]
+    assert index.blocks_held("a", "host") == index.blocks_held("a", "disk") == 0
+
+
+def test_membership_applies_each_tier_and_shows_blocks_per_tier_in_metrics():
+    metrics = RouterMetrics()
+    members = Membership(metrics)
+    full, address = hashes(SHARED), "tcp://127.0.0.1:5001"
+    members.add("p0", "prefill", address, None, 0.0)
+    worker = members.get("p0")
+    members.on_kv_events(kv_events(address, 0, full, reset=True, tier="host"), worker)
+    members.on_kv_events(kv_events(address, 1, full[:1]), worker)
+    members.on_kv_events(kv_events(address, 2, full[3:], tier="disk"), worker)
+
+    def blocks(tier: str) -> float:
+        return metrics.local_value("pdserve_prefix_index_blocks", worker="p0", pool="prefill", tier=tier)
+
+    assert members.prefix_index.match_tiers(full) == {"p0": TierBlocks(1, 3, 0)}
+    assert (blocks("device"), blocks("host"), blocks("disk")) == (1, 4, 1)
+    members.on_kv_events(kv_events(address, 4, full[:2]), worker)  # message 3 was lost: every tier dropped
+    assert (blocks("device"), blocks("host"), blocks("disk")) == (2, 0, 0)
+    assert metrics.local_value("pdserve_kv_events_total", kind="gap") == 1
+    assert metrics.local_value("pdserve_kv_events_total", kind="reset") == 1
+    members.mark_dead("p0", "test")
+    assert (blocks("device"), blocks("host"), blocks("disk")) == (0, 0, 0)
