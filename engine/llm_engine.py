@@ -273,7 +273,14 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         for request in self.scheduler.admit_remote():
             remote = request.remote
-            assert remote is not None and remote.first_token_id is not None  # the scheduler admits only ready ones
+            assert remote is not None  # the scheduler admits only ready ones
+            if remote.resume_at is not None:  # a moved request: its tokens are in, it runs (or recomputes) on
+                if remote.recompute:
+                    self.num_recomputes += 1
+                else:
+                    self.scheduler.register_full_blocks(request)
+                continue
+            assert remote.first_token_id is not None
             if remote.recompute:
                 self.num_recomputes += 1
             else:
@@ -324,15 +331,17 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        if request.status == RequestStatus.PREFILLED:
+        if request.status in (RequestStatus.PREFILLED, RequestStatus.FROZEN):
             self.release(request_id)
         else:
             self._finish(request, FinishReason.ABORT)
         return True
 
     def release(self, request_id: str) -> None:
-        """Free a PREFILLED request's blocks once its KV has been exported (or its lease ended)."""
-        request = self._get(request_id, RequestStatus.PREFILLED)
+        """Free a PREFILLED or FROZEN request's blocks once its KV has been exported (or its lease ended)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status not in (RequestStatus.PREFILLED, RequestStatus.FROZEN):
+            request = self._get(request_id, RequestStatus.PREFILLED)  # the error names what it is
         self.block_manager.free(request.block_ids)
         request.status = RequestStatus.FINISHED
         self.requests.pop(request_id, None)
@@ -444,6 +453,63 @@ class LLMEngine:
         self.requests[request.request_id] = request
         return list(request.block_ids)
 
+    # ---- moving a running request to another worker (migration) -----------------------------------------------
+
+    def freeze(self, request_id: str) -> tuple[list[int], int]:
+        """Stop a decoding request between steps, its blocks held (FROZEN): returns its generated tokens and the
+        tokens whose KV it holds (all but the last one sampled). ValueError while it is still prefilling."""
+        request = self._get(request_id, RequestStatus.RUNNING)
+        if request.prefill_only or request.num_computed_tokens != request.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is still prefilling: only a decoding request moves")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("a request on a tensor-parallel engine does not move (each rank holds part of its KV)")
+        self.scheduler.freeze(request)
+        return list(request.output_token_ids), request.num_computed_tokens
+
+    def resume(self, request_id: str) -> None:
+        """A FROZEN request runs on here (its move was called off)."""
+        self.scheduler.add_running(self._get(request_id, RequestStatus.FROZEN))
+
+    def frozen_blocks(self, request_id: str) -> list[int]:
+        """The blocks that hold a FROZEN request's computed KV, in order (what goes to the other worker)."""
+        request = self._get(request_id, RequestStatus.FROZEN)
+        return request.block_ids[: blocks_for_tokens(request.num_computed_tokens, self.config.block_size)]
+
+    def reserve_migrated(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        output_token_ids: list[int],
+        num_computed_tokens: int,
+        headroom_tokens: int = 0,
+    ) -> list[int] | None:
+        """Take over a running request from another worker: its generated tokens are replayed here (grammar,
+        detokenizer and stop-string window as they were there; nothing is sent again), and blocks reserved for its
+        whole context and ``headroom_tokens`` more; None when they are not free now. It waits in
+        WAITING_FOR_REMOTE_KV for the KV of its first ``num_computed_tokens`` (``remote_kv_done``), then continues
+        from its next token; a failed transfer recomputes prompt and tokens here (``remote_kv_failed``)."""
+        request = self._new_request(prompt, params, request_id, prefill_only=False)
+        if num_computed_tokens != request.num_prompt_tokens + len(output_token_ids) - 1:
+            raise ValueError("num_computed_tokens must be every token but the last one generated")
+        for token_id in output_token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"generated token ids must be integers in [0, {self.vocab_size})")
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                raise ValueError(f"generated token {token_id} does not match the request's grammar")
+            reason, _ = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.length_limit, True)
+            if reason is not None:
+                raise ValueError(f"the request would end here after its generated tokens ({reason.value})")
+        if self.at_seq_limit():
+            return None
+        remaining = request.params.max_tokens - len(output_token_ids)
+        num_tokens = reserved_tokens(num_computed_tokens, remaining + 1, headroom_tokens, self.max_model_len)
+        if not self.scheduler.reserve_remote(request, num_tokens, use_prefix_cache=False):
+            return None
+        _remote(request).resume_at = num_computed_tokens
+        self.requests[request.request_id] = request
+        return list(request.block_ids)
+
     def at_seq_limit(self) -> bool:
         """This engine holds ``max_num_seqs`` requests, so a reservation is refused: a decode step never exceeds the
         configured batch, which bounds the gather buffer and the KV plan (as vLLM caps its running batch)."""
@@ -451,8 +517,11 @@ class LLMEngine:
 
     def missing_prompt_blocks(self, request: Request) -> list[int]:
         """The physical blocks a reservation's imported KV goes into: its prompt's, after those shared from the
-        prefix cache."""
+        prefix cache (a moved request's: every block its computed tokens fill)."""
         block_size = self.config.block_size
+        remote = request.remote
+        if remote is not None and remote.resume_at is not None:
+            return request.block_ids[: blocks_for_tokens(remote.resume_at, block_size)]
         first = request.num_cached_tokens // block_size
         return request.block_ids[first : blocks_for_tokens(request.num_prompt_tokens, block_size)]
 
@@ -553,6 +622,7 @@ class LLMEngine:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV
             and (remote := request.remote) is not None
             and remote.first_token_id is None
+            and remote.resume_at is None  # a moved request has its tokens: its transfer's deadline governs
             and now - remote.expected_s > max_wait_s
         ]
         for request in expired:

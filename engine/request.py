@@ -29,6 +29,9 @@ class RequestStatus(enum.IntEnum):
     # holds blocks for its whole prompt; its prefix is being loaded back from a KV tier (engine/kv_tiers.py), then
     # RUNNING from the end of what was loaded
     LOADING = 5
+    # stopped at a step boundary to move to another worker (``LLMEngine.freeze``): blocks held until released, or
+    # RUNNING again when the move is called off (``resume``)
+    FROZEN = 6
 
 
 class FinishReason(str, enum.Enum):
@@ -192,6 +195,9 @@ class RemoteKV:
     # a KV-tier load behind the reservation fell short: the prompt's KV is good up to here only; the rest (and the
     # first token's) is computed at admission
     valid_prompt_tokens: int | None = None
+    # a running request moved here from another decode worker (``LLMEngine.reserve_migrated``): its generated tokens
+    # are in, and the KV of its first ``resume_at`` tokens comes; admitted, it continues from its next token
+    resume_at: int | None = None
     ready_s: float | None = None  # the join: queued for admission
     admitted_s: float | None = None  # the scheduler took it: into the running batch (or, to recompute, the queue)
     first_decode_s: float | None = None  # end of the first step that computed a token for it here
@@ -202,7 +208,8 @@ class RemoteKV:
 
     @property
     def ready(self) -> bool:
-        return self.first_token_id is not None and (self.kv_done_s is not None or self.recompute)
+        token_in = self.first_token_id is not None or self.resume_at is not None
+        return token_in and (self.kv_done_s is not None or self.recompute)
 
 
 @dataclass(slots=True)

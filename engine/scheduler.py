@@ -161,6 +161,11 @@ class Scheduler:
             self.num_released_blocks += 1
         request.num_released_blocks = max(request.num_released_blocks, first_needed)
 
+    def freeze(self, request: Request) -> None:
+        """Take a running request out of the batch, blocks held (it moves to another worker, or resumes)."""
+        self.running.remove(request)
+        request.status = RequestStatus.FROZEN
+
     def add_running(self, request: Request) -> None:
         """A request on blocks it already holds joins between steps: KV imported, or a reservation prefilled here."""
         request.status = RequestStatus.RUNNING
@@ -201,6 +206,9 @@ class Scheduler:
             if remote.recompute:
                 request.status = RequestStatus.WAITING
                 self.waiting.append(request)
+            elif remote.resume_at is not None:  # moved here while running: it goes on from its next token
+                request.num_computed_tokens = remote.resume_at
+                self.add_running(request)
             else:  # after a tier load that fell short, the rest of the prompt is computed here
                 valid = remote.valid_prompt_tokens
                 request.num_computed_tokens = request.num_prompt_tokens if valid is None else valid
