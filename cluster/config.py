@@ -159,6 +159,9 @@ class _RouterBase(_Strict):
     # conditional disaggregation: a prompt whose part the decode worker's prefix cache lacks is at most this many
     # tokens is prefilled there, with no transfer; 0: every prompt goes to prefill
     local_prefill_max_tokens: int = Field(default=0, ge=0)
+    # a draining decode worker (scale-down, Drain) moves its running requests to the others instead of finishing
+    # them there: the drain takes about a KV transfer, not the longest generation (docs/request-lifecycle.md)
+    migrate_on_drain: bool = True
     api_key: str | None = None
     allow_unauthenticated: bool = False  # serve a non-loopback address without api_key, deliberately
     request_timeout_s: float = Field(default=300.0, gt=0)

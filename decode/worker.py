@@ -8,6 +8,12 @@ A request's state is the engine's ``Request`` (WAITING_FOR_REMOTE_KV until admit
 3. Each step sends every running request's new tokens and text in one ``tokens`` event. A failed transfer fails the
    request (``failure_policy: fail``) or has it prefilled here (``recompute``); a reservation whose first token
    never comes expires. A transfer the prefill worker aborted on purpose is reported by that side, not here.
+
+Migration moves a running request to another decode worker (the router drives it, cluster/routing/core.py):
+``freeze`` stops it here between steps (``frozen``: its tokens); ``migrate_in`` there reserves its whole context
+and replays its tokens; ``migrate_send`` ships its KV from here with this worker's own sender (same header, checks
+and leases as a prefill worker's), and ``migrated`` says how that ended: blocks released once it went, held on a
+failure until ``resume`` or ``abort``. A moved request whose KV does not come is recomputed there from its tokens.
 """
 
 from __future__ import annotations
@@ -17,14 +23,29 @@ import logging
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKV, Request, RequestStatus, SamplingParams
-from transfer.base import KVReceiver, make_receiver
+from transfer.base import KVReceiver, KVSender, make_receiver, make_sender
 from transfer.errors import SenderAborted
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
-from worker.messages import Command, ErrorCode, Reserve, Reserved, Start, WorkerCounters, WorkerLoad
+from worker.messages import (
+    Command,
+    ErrorCode,
+    Freeze,
+    Frozen,
+    Migrated,
+    MigrateIn,
+    MigrateSend,
+    Reserve,
+    Reserved,
+    Resume,
+    Start,
+    WorkerCounters,
+    WorkerLoad,
+)
 from worker.role import Emit, Role
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 
@@ -47,10 +68,16 @@ class DecodeRole(Role):
         headroom_tokens: int = 0,
         start_deadline_s: float = 30.0,
         counters: WorkerCounters | None = None,
+        make_migration_sender: Callable[[], KVSender] | None = None,
     ) -> None:
-        """``receiver``'s sink must be ``engine.write_remote_kv`` (``from_spec`` builds it so)."""
+        """``receiver``'s sink must be ``engine.write_remote_kv`` (``from_spec`` builds it so);
+        ``make_migration_sender``: the sender that ships running requests' KV to other decode workers, made at the
+        first move (None: this worker moves nothing out)."""
         super().__init__(name, engine, emit, counters)
         self.receiver = receiver
+        self._make_sender = make_migration_sender
+        self.sender: KVSender | None = None
+        self._moving: dict[str, str] = {}  # transfer id (the target's request id) -> the frozen request's id here
         self.failure_policy = failure_policy
         self.headroom_tokens = headroom_tokens
         # a reservation still without its first token this long after it was made is freed: the router lost it
@@ -66,6 +93,11 @@ class DecodeRole(Role):
             receiver_address(spec),
             dataclasses.replace(spec.transfer, kv_device=engine.config.device),  # GPU cache: side-stream writes
         )
+        fingerprint, config = ModelFingerprint.from_spec(engine.handoff_spec), spec.transfer
+
+        def make_migration_sender() -> KVSender:  # the pool's backend, as a prefill worker's sender
+            return make_sender(spec.transfer_backend, fingerprint, config)
+
         return cls(
             spec.name,
             engine,
@@ -74,6 +106,7 @@ class DecodeRole(Role):
             failure_policy=spec.failure_policy,
             headroom_tokens=spec.reserve_headroom_tokens,
             start_deadline_s=spec.transfer.deadline_s,
+            make_migration_sender=make_migration_sender,
         )
 
     def info(self) -> dict:
@@ -88,8 +121,80 @@ class DecodeRole(Role):
             if command.rid not in self.engine.requests:
                 raise KeyError(f"request {command.rid!r} has no reservation here")
             self.engine.remote_first_token(command.rid, command.first_token)
+        elif isinstance(command, Freeze):
+            self._freeze(command.rid)
+        elif isinstance(command, Resume):
+            self.engine.resume(command.rid)
+        elif isinstance(command, MigrateIn):
+            self._migrate_in(command)
+        elif isinstance(command, MigrateSend):
+            self._migrate_send(command)
         else:
             super().handle(command, arrival_s)
+
+    # ---- migration ---------------------------------------------------------------------------------------------
+
+    def _freeze(self, rid: str) -> None:
+        """Stop the request between steps; every token it made went out in this turn's ``tokens`` events already."""
+        try:
+            tokens, computed = self.engine.freeze(rid)
+        except (KeyError, ValueError) as exc:  # gone, finished or still prefilling: it runs on, the router learns why
+            self.emit(Frozen(rid=rid, worker=self.name, ok=False, reason=str(exc)))
+            return
+        self.emit(Frozen(rid=rid, worker=self.name, ok=True, output_token_ids=tokens, num_computed_tokens=computed))
+
+    def _migrate_in(self, command: MigrateIn) -> None:
+        engine, rid = self.engine, command.rid
+        blocks = engine.reserve_migrated(
+            command.prompt,
+            command.params,
+            rid,
+            command.output_token_ids,
+            command.num_computed_tokens,
+            self.headroom_tokens,
+        )
+        if blocks is None:
+            self.counters.reservations_refused += 1
+            reason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
+            self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason=reason))
+            return
+        self.receiver.expect(
+            rid, engine.missing_prompt_blocks(engine.requests[rid]), num_layers=engine.kv_spec.num_layers
+        )
+        self.counters.migrations_in += 1
+        self.emit(Reserved(rid=rid, worker=self.name, ok=True, blocks=blocks, kv_address=self.receiver.address))
+
+    def _migrate_send(self, command: MigrateSend) -> None:
+        """Every layer of the frozen request's blocks into the target's, then the transfer's end (``tick``)."""
+        engine, rid, target = self.engine, command.rid, command.target_rid
+        src = engine.frozen_blocks(rid)
+        if len(command.dst_blocks) < len(src):
+            raise ValueError(f"the target reserved {len(command.dst_blocks)} blocks, the request fills {len(src)}")
+        if self.sender is None:
+            if self._make_sender is None:
+                raise ValueError("this decode worker has no KV sender: it moves no request out")
+            self.sender = self._make_sender()
+        sender, dst = self.sender, list(command.dst_blocks[: len(src)])
+        sender.begin(target, command.kv_address)
+        self._moving[target] = rid
+        try:
+            index = engine.kv_cache.block_index(src)
+            for layer in range(engine.kv_spec.num_layers):
+                k, v = engine.kv_cache.read_blocks(layer, index)
+                sender.send_layer(target, layer, dst, k, v)
+            sender.finish(target)
+        except Exception as exc:  # noqa: BLE001 - the transfer ends failed (poll reports it); the request stays frozen
+            logger.warning("%s: moving %s failed: %s", self.name, rid, exc)
+            sender.abort(target, f"migration failed: {exc}")
+
+    def _migration_ended(self, target: str, ok: bool, nbytes: int, error: str) -> None:
+        rid = self._moving.pop(target)
+        if ok:
+            self.counters.migrations_out += 1
+            self.counters.migration_bytes += nbytes
+            if rid in self.engine.requests:
+                self.engine.release(rid)
+        self.emit(Migrated(rid=rid, worker=self.name, ok=ok, nbytes=nbytes, error=error))
 
     def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, local_max_tokens: int = 0) -> None:
         engine = self.engine
@@ -131,6 +236,11 @@ class DecodeRole(Role):
         self._expire_reservations()
         for event in self.receiver.poll():
             self._transfer_ended(event)
+        if self.sender is not None:
+            for sent in self.sender.poll():
+                if sent.transfer_id in self._moving:
+                    error = "" if sent.ok else str(sent.error)
+                    self._migration_ended(sent.transfer_id, sent.ok, sent.nbytes, error)
         if self.engine.has_unfinished():
             self.emit_outputs(self.engine.step())
 
@@ -148,7 +258,7 @@ class DecodeRole(Role):
             self.engine.remote_kv_done(rid)
             return
         self.counters.transfers_failed += 1
-        if self.failure_policy == "recompute":
+        if self.failure_policy == "recompute" or remote.resume_at is not None:  # a moved request has its tokens here
             self.engine.remote_kv_failed(rid, recompute=True)
             return
         self.engine.remote_kv_failed(rid, recompute=False)  # ends it, no output: the cause is reported here or not
@@ -189,8 +299,13 @@ class DecodeRole(Role):
         counters.kv_rejected = self.receiver.rejected  # KV-plane messages dropped unread (the receiver counts)
         return counters
 
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self._moving)
+
     def close(self) -> None:
         self.receiver.close()
+        if self.sender is not None:
+            self.sender.close()
 
 
 def _remote(request: Request) -> RemoteKV:

@@ -72,6 +72,8 @@ class Timing(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     e2e_s: float | None = None  # ... arrival to the last token
     first_token_delivery_s: float | None = None  # ... TTFT less router queue and prefill (the first token's trip)
     kv_after_prefill_s: float | None = None  # ... KV complete minus first token sampled (<= 0: fully hidden)
+    migrations: int | None = None  # the router: moves to another decode worker while it ran
+    migration_s: float | None = None  # ... the time its stream stood still for them (freeze to the move's end)
 
     def merge(self, other: Timing) -> None:
         """Take every field ``other`` has set."""
@@ -121,6 +123,9 @@ class WorkerCounters(msgspec.Struct):
     kv_rejected: int = 0  # decode: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    migrations_out: int = 0  # decode: running requests whose KV went to another decode worker
+    migrations_in: int = 0  # decode: running requests taken over from another decode worker
+    migration_bytes: int = 0  # decode: KV bytes shipped out by migration
     # KV tiers below the device (engine/kv_tiers.py): prompt tokens loaded back instead of computed, bytes copied
     # down into each tier and back up from it, and the time requests spent LOADING
     host_hit_tokens: int = 0
@@ -189,7 +194,33 @@ class Drain(_Command, tag="drain"):
     deadline_s: Annotated[float, msgspec.Meta(gt=0)]
 
 
-Command = Reserve | Prefill | Start | Generate | Abort | Ping | Drain
+class Freeze(_RequestCommand, tag="freeze"):
+    """Migration, on the source decode worker: stop the running request at the next step boundary, keep its blocks,
+    and say what it has generated (``Frozen``)."""
+
+
+class Resume(_RequestCommand, tag="resume"):
+    """Migration called off (the target refused or died before it had the KV): the frozen request runs on here."""
+
+
+class MigrateIn(_PromptCommand, tag="migrate_in"):
+    """Migration, on the target decode worker: reserve blocks for a running request's whole context and expect the
+    KV of its first ``num_computed_tokens`` from the source; it continues from its next token (``Reserved``)."""
+
+    output_token_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
+    num_computed_tokens: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class MigrateSend(_RequestCommand, tag="migrate_send"):
+    """Migration, on the source: ship the frozen request's KV into the target's reserved blocks, as transfer
+    ``target_rid``; ``Migrated`` says how it ended (the blocks are released once it went, kept if it failed)."""
+
+    target_rid: str
+    kv_address: str
+    dst_blocks: list[int]
+
+
+Command = Reserve | Prefill | Start | Generate | Abort | Ping | Drain | Freeze | Resume | MigrateIn | MigrateSend
 RequestCommand = _RequestCommand  # every command about one request (all but ping and drain)
 PromptCommand = _PromptCommand  # the commands that bring a prompt and its sampling parameters
 
@@ -269,7 +300,28 @@ class KvEvents(_Event, tag="kv_events"):
     tier: Literal["device", "host", "disk"] = "device"
 
 
-Event = Reserved | Tokens | ErrorEvent | Stats | KvEvents
+class Frozen(_Event, tag="frozen"):
+    """Answer to ``Freeze``: the request stopped here after ``output_token_ids`` (every one already sent in a
+    ``tokens`` event before this) with the KV of ``num_computed_tokens``; not ok: it runs on (``reason``)."""
+
+    rid: str
+    ok: bool
+    output_token_ids: list[int] = []
+    num_computed_tokens: int = 0
+    reason: str = ""
+
+
+class Migrated(_Event, tag="migrated"):
+    """The source's KV transfer of a frozen request ended: ok, its blocks here are free; not ok, they are held until
+    ``Resume`` or ``Abort`` (the target recomputes from the tokens unless it is gone)."""
+
+    rid: str
+    ok: bool
+    nbytes: int = 0
+    error: str = ""
+
+
+Event = Reserved | Tokens | ErrorEvent | Stats | KvEvents | Frozen | Migrated
 
 
 # ---- encoding --------------------------------------------------------------------------------------------------

@@ -140,6 +140,8 @@ class Role:
 def wire_timing(timing: RequestTiming) -> Timing:
     """Where a request's time went here: the prefill's figures if the prompt was computed here, else the KV import's."""
     remote = timing.remote
+    if remote is not None and remote.resume_at is not None:
+        return Timing()  # moved here while running: the router times the move; the import's figures stand
     if remote is None:
         return Timing(
             prefill_queue_s=timing.queue_s, prefill_compute_s=timing.compute_s, prefill_end_mono=timing.first_token_s

@@ -309,6 +309,32 @@ def create_app(
         except ScaleError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
+    @app.post("/admin/migrate")
+    async def admin_migrate(request: Request):
+        """``{"request_id": ID}`` or ``{"worker": NAME}``, optionally ``"to": NAME``: move that running request, or
+        every one the decode worker runs, to another decode worker -> ``{"moving": {id: "moving" | why not}}``. Each
+        router process moves the requests it holds (a worker's all: ``pdserve scale`` or a drain)."""
+        body = await read_json(request)  # checks the API key first
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - {"request_id", "worker", "to"})
+        if unknown:
+            raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+        for field in ("request_id", "worker", "to"):
+            if body.get(field) is not None and not isinstance(body[field], str):
+                raise APIError(400, f"{field} must be a string", field)
+        if (body.get("request_id") is None) == (body.get("worker") is None):
+            raise APIError(400, "give exactly one of request_id and worker", "request_id")
+        worker, target = body.get("worker"), body.get("to")
+        known = router.members.workers
+        for field, name in (("worker", worker), ("to", target)):
+            if name is not None and (name not in known or known[name].role != "decode"):
+                raise APIError(400, f"{field}: {name!r} is not a decode worker", field)
+        moving = router.migrate(body.get("request_id"), worker, target)
+        if body.get("request_id") is not None and not moving:
+            raise APIError(404, f"no request {body['request_id']!r} in flight here", "request_id")
+        return {"moving": moving}
+
     @app.get("/metrics")
     async def metrics(request: Request):
         check_api_key(request)

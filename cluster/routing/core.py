@@ -7,6 +7,9 @@ the planner's simulator in simulated time. A worker's load is the flows it holds
 2. prefill on a prefill worker, or on the decode worker when what it lacks is short;
 3. forward the prefill worker's first token to the decode worker (``Start``), which streams the rest.
 Colocated: one worker does all.
+A decoding request can move to another decode worker (``migrate``; a drain moves all of its worker's): the source
+freezes it, the target reserves its whole context under a new wire id and replays its tokens, the source ships the
+KV and reports the end. Its stream stands still meanwhile and goes on from the target, no token lost or repeated.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections import OrderedDict, deque
 from cluster.config import ClusterConfig
 from cluster.routing.admission import Admission
 from cluster.routing.errors import NoWorkers, Overloaded, RequestFailed
-from cluster.routing.flow import Flow, FlowStatus
+from cluster.routing.flow import Flow, FlowStatus, Move
 from cluster.routing.membership import Membership, WorkerHandle
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.placement import Placer
@@ -31,11 +34,17 @@ from worker.messages import (
     ErrorCode,
     ErrorEvent,
     Event,
+    Freeze,
+    Frozen,
     Generate,
     KvEvents,
+    Migrated,
+    MigrateIn,
+    MigrateSend,
     Prefill,
     Reserve,
     Reserved,
+    Resume,
     Start,
     Stats,
     Tokens,
@@ -196,6 +205,9 @@ class RouterCore:
 
     def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None, now: float) -> None:
         flow = self.flows.get(reply.rid)
+        if flow is not None and flow.move is not None and flow.move.phase == "reserving":
+            self._on_move_reserved(flow, reply, now)
+            return
         if flow is None or flow.status is not FlowStatus.RESERVING or flow.asking != reply.worker:
             if reply.ok and worker is not None:  # an answer that came after the router gave up: undo it there
                 self._send(worker.name, Abort(reply.rid))
@@ -275,6 +287,10 @@ class RouterCore:
             self._on_error(event, now)
         elif isinstance(event, KvEvents):
             self.members.on_kv_events(event, worker)
+        elif isinstance(event, Frozen):
+            self._on_frozen(event, now)
+        elif isinstance(event, Migrated):
+            self._on_migrated(event, now)
 
     def _on_stats(self, stats: Stats, now: float) -> None:
         before = self.members.get(stats.worker)
@@ -298,7 +314,11 @@ class RouterCore:
                 self._sync(flow)
                 if item.token_ids and flow.decode is not None:
                     self._send(flow.decode, Start(flow.wire_id, item.token_ids[0]))
-            elif name != flow.decode or flow.status not in (FlowStatus.PREFILLING, FlowStatus.DECODING):
+            elif name != flow.decode or flow.status not in (
+                FlowStatus.PREFILLING,
+                FlowStatus.DECODING,
+                FlowStatus.MIGRATING,  # the source's tokens before its freeze, the target's after its reservation
+            ):
                 continue  # not (or no longer) this worker's request: a stale or lying event
             elif flow.status is FlowStatus.PREFILLING:  # prefilled where it decodes: its first token
                 flow.status = FlowStatus.DECODING
@@ -325,6 +345,8 @@ class RouterCore:
             flow.asking = None  # the worker could not even try: the next one is asked
             flow.tried.append(error.worker)
             self._reserve_next(flow, now)
+        elif flow.move is not None and error.worker in (flow.move.source, flow.move.target):
+            self._on_move_error(flow, error, now)
         elif error.worker in (flow.prefill, flow.decode):
             status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
             self._fail(flow, RequestFailed(error.message, error.code.value, status))
@@ -345,6 +367,11 @@ class RouterCore:
                 flow.tried.append(flow.asking or "")
                 flow.asking = None
                 self._reserve_next(flow, now)
+            elif (
+                (move := flow.move) is not None and move.phase == "reserving" and now - move.phase_s > worker_timeout_s
+            ):
+                logger.warning("decode worker %s did not answer a move's reservation in time", move.target)
+                self._call_off_move(flow, "resumed", now)
         if self._queue and now >= self._next_queue_retry_s:
             self._wake(now)
 
@@ -358,10 +385,16 @@ class RouterCore:
         if self.members.mark_dead(name, reason):
             self._worker_gone(name, reason, now)
 
-    def drain(self, name: str, deadline_s: float) -> None:
-        """The worker gets nothing new and finishes what it holds (``Drain``: it says when it is idle)."""
+    def drain(self, name: str, deadline_s: float, now: float = 0.0) -> None:
+        """The worker gets nothing new and finishes what it holds (``Drain``: it says when it is idle); a decode
+        worker's running requests move to the others (``router.migrate_on_drain``)."""
         if self.members.drain(name):
             self._send(name, Drain(deadline_s=deadline_s))
+            worker = self.members.get(name)
+            if self.config.router.migrate_on_drain and worker is not None and worker.role == "decode":
+                for flow in list(self.flows.values()):
+                    if flow.decode == name and flow.status is FlowStatus.DECODING:
+                        self.migrate(flow, now, reason="drain")
 
     def remove_worker(self, name: str, now: float) -> None:
         """Forget a worker the pool stopped after its drain: what it still held gets an error, or a retry."""
@@ -372,10 +405,12 @@ class RouterCore:
     def _worker_gone(self, name: str, reason: str, now: float) -> None:
         """A dead worker's requests: a reservation moves on; a request is retried if nothing reached the client,
         else fails. A prefill worker's requests only until their first token: then the decode worker holds the KV."""
-        for flow in list(self.flows.values()):
+        for flow in list(dict.fromkeys(self.flows.values())):  # a moving flow is there under two wire ids
             if flow.status.ended:
                 continue
-            if flow.status is FlowStatus.RESERVING and flow.asking == name:
+            if flow.move is not None and name in (flow.move.source, flow.move.target):
+                self._move_worker_gone(flow, name, reason, now)
+            elif flow.status is FlowStatus.RESERVING and flow.asking == name:
                 flow.asking = None
                 flow.tried.append(name)
                 self._reserve_next(flow, now)
@@ -397,10 +432,164 @@ class RouterCore:
         self.updated.append(flow)
         self._place(flow, now)
 
+    # ---- moving a decoding request to another decode worker -----------------------------------------------------
+
+    def migrate(self, flow: Flow, now: float, target: str | None = None, reason: str = "admin") -> str:
+        """Start moving a decoding flow off its decode worker (to ``target``, or where the policy says once its
+        size is known); returns "" or why it cannot move now."""
+        if self.config.mode == "colocated":
+            return "colocated workers do not move requests"
+        if flow.status is not FlowStatus.DECODING or flow.decode is None:
+            return f"request is {flow.status.value}, not decoding"
+        if target is not None and (target == flow.decode or target not in self._routable_decode()):
+            return f"{target} is not another live decode worker"
+        flow.move = Move(flow.decode, flow.wire_id, now, requested=target, reason=reason, phase_s=now)
+        flow.status = FlowStatus.MIGRATING
+        self._sync(flow)
+        self._send(flow.decode, Freeze(flow.wire_id))
+        return ""
+
+    def _routable_decode(self) -> list[str]:
+        return [w.name for w in self.members.routable("decode")]
+
+    def _on_frozen(self, event: Frozen, now: float) -> None:
+        flow = self.flows.get(event.rid)
+        move = flow.move if flow is not None else None
+        if flow is None or move is None or move.phase != "freezing" or event.worker != move.source:
+            if event.ok and self.members.get(event.worker) is not None:  # nobody waits for it any more
+                self._send(event.worker, Abort(event.rid) if flow is None else Resume(event.rid))
+            return
+        if not event.ok:
+            logger.info("request %s did not move off %s: %s", flow.rid, move.source, event.reason)
+            self._end_move(flow, "refused", now)
+            return
+        if len(event.output_token_ids) != flow.received_tokens:  # every token came before the freeze: a bug
+            logger.warning(
+                "request %s froze after %d tokens, %d arrived",
+                flow.rid,
+                len(event.output_token_ids),
+                flow.received_tokens,
+            )
+            self._call_off_move(flow, "refused", now)
+            return
+        remaining = flow.params.max_tokens - len(event.output_token_ids)
+        needed = self.placer.blocks_needed(event.num_computed_tokens, remaining + 1)
+        workers = [w for w in self.members.routable("decode") if w.name != move.source]
+        fits = [w for w in workers if _free_blocks(w) >= needed and move.requested in (None, w.name)]
+        if not fits:
+            self._call_off_move(flow, "refused", now)
+            return
+        target = self.placer.order("decode", fits, self.placer.prefix_match(0, []))[0]
+        self._new_wire_id(flow)  # the target's id; the source's stays in ``flows`` until its transfer ends
+        flow.wire_used = True
+        move.target, move.phase, move.phase_s = target.name, "reserving", now
+        self._sync(flow)
+        command = MigrateIn(
+            flow.wire_id,
+            flow.prompt,
+            flow.params,
+            output_token_ids=event.output_token_ids,
+            num_computed_tokens=event.num_computed_tokens,
+        )
+        self._send(target.name, command)
+
+    def _on_move_reserved(self, flow: Flow, reply: Reserved, now: float) -> None:
+        move = flow.move
+        assert move is not None
+        if reply.worker != move.target:
+            return
+        if not reply.ok:
+            self._call_off_move(flow, "refused", now)
+            return
+        move.phase, move.phase_s = "moving", now
+        flow.decode = move.target  # its tokens come from there from now on
+        self._sync(flow)
+        self._send(move.source, MigrateSend(move.source_wire, flow.wire_id, reply.kv_address, reply.blocks))
+
+    def _on_migrated(self, event: Migrated, now: float) -> None:
+        flow = self.flows.get(event.rid)
+        move = flow.move if flow is not None else None
+        if flow is None or move is None or move.phase != "moving" or event.worker != move.source:
+            return
+        if event.ok:
+            self._end_move(flow, "moved", now)
+        elif move.target in self._routable_decode():  # the target recomputes from the tokens; the source lets go
+            self._send(move.source, Abort(move.source_wire))
+            self._end_move(flow, "recomputed", now)
+        else:
+            self._call_off_move(flow, "resumed", now)
+
+    def _on_move_error(self, flow: Flow, error: ErrorEvent, now: float) -> None:
+        """An error from either end while the flow moves: about the move itself, it is called off; else (the
+        request failed there) the flow fails."""
+        move = flow.move
+        assert move is not None
+        if error.rid == flow.wire_id and error.worker == move.target and move.phase == "reserving":
+            self._call_off_move(flow, "refused", now)  # the target could not take it over
+        elif error.rid == move.source_wire and error.worker == move.source and move.phase != "moving":
+            self._end_move(flow, "refused", now)  # the source could not stop it: it runs on there
+            if error.code is not ErrorCode.INVALID_REQUEST:
+                self._fail(flow, RequestFailed(error.message, error.code.value, 500))
+        else:
+            status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
+            self._fail(flow, RequestFailed(error.message, error.code.value, status))
+
+    def _move_worker_gone(self, flow: Flow, name: str, reason: str, now: float) -> None:
+        move = flow.move
+        assert move is not None
+        if name == move.target and move.phase != "freezing":  # the source still holds it: it runs on there
+            self._call_off_move(flow, "resumed", now)
+        elif name == move.source and move.phase == "moving":  # the target recomputes what did not come
+            self._end_move(flow, "recomputed", now)
+        elif name == move.source:
+            if move.target is not None:
+                self._send(move.target, Abort(flow.wire_id))
+            self._end_move(flow, "failed", now)
+            self._fail(flow, RequestFailed(f"{reason} ({name}) while the request moved", "worker_died", 503))
+
+    def _call_off_move(self, flow: Flow, result: str, now: float) -> None:
+        """Back to the source under its old id: the target lets go of what it reserved, the source runs it on."""
+        move = flow.move
+        assert move is not None
+        if move.target is not None and move.phase != "freezing":
+            if self.members.get(move.target) is not None:
+                self._send(move.target, Abort(flow.wire_id))
+            self._retire_wire_id(flow)
+            flow.wire_id = move.source_wire
+        flow.decode = move.source
+        if move.source in self._routable_decode() or self.members.get(move.source) is not None:
+            self._send(move.source, Resume(move.source_wire))
+        self._end_move(flow, result, now)
+
+    def _end_move(self, flow: Flow, result: str, now: float) -> None:
+        move = flow.move
+        assert move is not None
+        flow.move = None
+        if flow.wire_id != move.source_wire:
+            self._retire(move.source_wire, flow)
+        self.metrics.migrations.labels(move.reason, result).inc()
+        if result in ("moved", "recomputed"):
+            flow.migrations += 1
+            flow.migration_s += now - move.started_s
+            flow.timing.migrations, flow.timing.migration_s = flow.migrations, flow.migration_s
+            self.metrics.migration_stall.observe(now - move.started_s)
+        if not flow.status.ended:
+            flow.status = FlowStatus.DECODING
+            self._sync(flow)
+
+    def _retire(self, wire_id: str, flow: Flow) -> None:
+        if self.flows.get(wire_id) is flow:
+            del self.flows[wire_id]
+
     # ---- ends --------------------------------------------------------------------------------------------------
 
     def _finish(self, flow: Flow, now: float) -> None:
+        move = flow.move
         flow.status = FlowStatus.DONE
+        if move is not None:  # finished on the target before the source said its transfer ended
+            if self.members.get(move.source) is not None:
+                self._send(move.source, Abort(move.source_wire))
+            self._end_move(flow, "moved", now)
         self._sync(flow)
         metrics, timing = self.metrics, flow.timing
         metrics.requests.labels("finished").inc()
@@ -436,6 +625,14 @@ class RouterCore:
 
     def _abort_workers(self, flow: Flow) -> None:
         """Abort on every worker that may hold the flow, those marked dead too (one only cut off must not keep it)."""
+        move = flow.move
+        if move is not None:  # the source knows it by its old wire id, the target by the current one
+            flow.move = None
+            self._retire(move.source_wire, flow)
+            if self.members.get(move.source) is not None:
+                self._send(move.source, Abort(move.source_wire))
+            if move.target is not None and move.target != flow.decode and self.members.get(move.target) is not None:
+                self._send(move.target, Abort(flow.wire_id))
         for name in {flow.prefill, flow.decode, flow.asking} - {None}:
             if self.members.get(name) is not None:
                 self._send(name, Abort(flow.wire_id))  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """One request at the router: a ``Flow`` with its status, workers, wire id, timing and the text not yet sent.
 
-QUEUED -> RESERVING -> PREFILLING -> DECODING -> DONE, or FAILED from any (``cluster/routing/core.py`` moves it).
+QUEUED -> RESERVING -> PREFILLING -> DECODING -> DONE, or FAILED from any (``cluster/routing/core.py`` moves it);
+DECODING <-> MIGRATING while it moves to another decode worker (``Move``).
 Each ``TokenItem`` is ``push``ed into one pending buffer that the response side empties at once (``take``): a slow
 client gets fewer, larger events. An error follows the text before it; nothing after a finish or an error counts.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from cluster.routing.errors import RequestFailed
 from engine.request import SamplingParams, TokenLogprob
@@ -21,12 +22,32 @@ class FlowStatus(enum.Enum):
     RESERVING = "reserving"  # a decode worker is asked to reserve its KV (``Flow.asking``)
     PREFILLING = "prefilling"  # its prompt is being computed (prefill worker, or the decode/colocated worker)
     DECODING = "decoding"  # its first token came; the decode (or colocated) worker streams the rest
+    MIGRATING = "migrating"  # moving from one decode worker to another (``Flow.move``); its stream stands still
     DONE = "done"  # its finish came
     FAILED = "failed"  # it ended with an error the client gets
 
     @property
     def ended(self) -> bool:
         return self in (FlowStatus.DONE, FlowStatus.FAILED)
+
+
+MovePhase = Literal["freezing", "reserving", "moving"]
+
+
+@dataclass(slots=True)
+class Move:
+    """A decoding flow on its way from ``source`` to another decode worker: the source stops it (freezing), the
+    target reserves its context (reserving, under a new wire id), the source ships its KV (moving) and says how that
+    ended. ``source_wire``: the id the source knows it by."""
+
+    source: str
+    source_wire: str
+    started_s: float
+    requested: str | None = None  # the target asked for (``POST /admin/migrate``), else the policy picks
+    reason: str = "admin"  # what started it: admin, drain
+    target: str | None = None
+    phase: MovePhase = "freezing"
+    phase_s: float = 0.0  # when the current phase began
 
 
 @dataclass(slots=True)
@@ -63,6 +84,9 @@ class Flow:
     prefill: str | None = None  # its prefill worker (disaggregated, computed remotely)
     decode: str | None = None  # its decode worker, or its colocated one
     held_by: frozenset[str] = frozenset()  # the workers whose load it counts in now (``RouterCore._sync``)
+    move: Move | None = None  # MIGRATING: the move under way
+    migrations: int = 0  # moves that completed
+    migration_s: float = 0.0  # time its stream stood still for them
     retries: int = 0  # dispatched again after a worker died before anything reached the client
     timing: Timing = field(default_factory=Timing)
     first_token_s: float | None = None  # when the router got its first token
@@ -89,6 +113,8 @@ class Flow:
             return frozenset(n for n in (self.prefill, self.decode) if n)
         if status is FlowStatus.DECODING:
             return frozenset((self.decode,)) if self.decode else frozenset()
+        if status is FlowStatus.MIGRATING and self.move is not None:
+            return frozenset(n for n in (self.move.source, self.move.target) if n)
         return frozenset()
 
     def push(self, item: TokenItem, now: float) -> bool:

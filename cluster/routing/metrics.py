@@ -44,6 +44,20 @@ class RouterMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self.migrations = Counter(
+            "pdserve_migrations_total",
+            "Moves of running requests between decode workers, by how they ended: moved (KV shipped), recomputed "
+            "(the KV did not come: the target recomputed), resumed (called off: the source runs it on), refused "
+            "(the source could not stop it, or no target had room), failed (both ends lost)",
+            ["reason", "result"],
+            registry=r,
+        )
+        self.migration_stall = Histogram(
+            "pdserve_migration_seconds",
+            "A moved stream's standstill: freeze on the source until the KV shipped or the move ended",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self.kv_after_prefill = Histogram(
             "pdserve_kv_after_prefill_seconds",
             "KV complete minus first token sampled (<= 0: transfer fully hidden)",

@@ -96,7 +96,20 @@ class Router:
         self._run(self.core.mark_dead, name, reason, time.monotonic())
 
     def drain_worker(self, name: str, deadline_s: float) -> None:
-        self._run(self.core.drain, name, deadline_s)
+        self._run(self.core.drain, name, deadline_s, time.monotonic())
+
+    def migrate(self, request_id: str | None, worker: str | None, to: str | None) -> dict[str, str]:
+        """Move a request (by the client's id) or every decoding request of a decode worker that this router process
+        holds, to ``to`` or where the policy says: request id -> "moving" or why not."""
+        core, now = self.core, time.monotonic()
+        flows = [
+            flow
+            for flow in dict.fromkeys(core.flows.values())
+            if flow.rid == request_id or (worker is not None and flow.decode == worker)
+        ]
+        results = {flow.rid: core.migrate(flow, now, to) or "moving" for flow in flows}
+        self._flush()
+        return results
 
     def remove_worker(self, name: str) -> None:
         self._run(self.core.remove_worker, name, time.monotonic())
