@@ -148,6 +148,15 @@ class KvAwareSection(_Strict):
     disk_weight: float = Field(default=0.5, ge=0, le=1)
 
 
+class RebalanceSection(_Strict):
+    """Moving a running request off a decode worker whose KV is about to run out (cluster/routing/core.py)."""
+
+    # a decode worker with fewer free blocks than running requests (one of them preempts within a block's worth of
+    # steps) moves its longest-to-go request to the decode worker with the most room, instead of preempting
+    enabled: bool = False
+    max_moves_per_worker: int = Field(default=1, ge=1)  # moves off one worker at a time
+
+
 class _RouterBase(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
@@ -162,6 +171,7 @@ class _RouterBase(_Strict):
     # a draining decode worker (scale-down, Drain) moves its running requests to the others instead of finishing
     # them there: the drain takes about a KV transfer, not the longest generation (docs/request-lifecycle.md)
     migrate_on_drain: bool = True
+    rebalance: RebalanceSection = RebalanceSection()
     api_key: str | None = None
     allow_unauthenticated: bool = False  # serve a non-loopback address without api_key, deliberately
     request_timeout_s: float = Field(default=300.0, gt=0)

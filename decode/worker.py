@@ -124,7 +124,7 @@ class DecodeRole(Role):
         elif isinstance(command, Freeze):
             self._freeze(command.rid)
         elif isinstance(command, Resume):
-            self.engine.resume(command.rid)
+            self._resume(command.rid)
         elif isinstance(command, MigrateIn):
             self._migrate_in(command)
         elif isinstance(command, MigrateSend):
@@ -142,6 +142,19 @@ class DecodeRole(Role):
             self.emit(Frozen(rid=rid, worker=self.name, ok=False, reason=str(exc)))
             return
         self.emit(Frozen(rid=rid, worker=self.name, ok=True, output_token_ids=tokens, num_computed_tokens=computed))
+
+    def _resume(self, rid: str) -> None:
+        """Run the request on here: a frozen one whose move was called off, or a moved one whose KV will not come
+        (its source gave up or died: it is recomputed from its tokens now, not at the transfer's deadline)."""
+        request = self.engine.requests.get(rid)
+        if request is None:
+            raise KeyError(f"unknown request {rid!r}")
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV and _remote(request).resume_at is not None:
+            self.receiver.abort(rid, "the source gave up the move")
+            self.engine.remote_kv_failed(rid, recompute=True)
+            self.counters.transfers_failed += 1
+            return
+        self.engine.resume(rid)
 
     def _migrate_in(self, command: MigrateIn) -> None:
         engine, rid = self.engine, command.rid

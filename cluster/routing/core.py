@@ -301,6 +301,30 @@ class RouterCore:
         self.metrics.observe_worker(stats)
         if worker.role == "decode" and _room(stats) > room_before:  # capacity freed there: the queue asks again
             self._wake(now)
+        if worker.role == "decode" and self.config.router.rebalance.enabled:
+            self._rebalance(worker, stats, now)
+
+    def _rebalance(self, worker: WorkerHandle, stats: Stats, now: float) -> None:
+        """A decode worker about to preempt (fewer free blocks than running requests) moves the request with the
+        most tokens to go to the worker with the most room, if that one holds it and stays above the same line."""
+        load = stats.load
+        if load.free_blocks >= load.running or load.running < 2:
+            return
+        mine = [f for f in worker.flows if f.decode == worker.name]
+        moving = sum(1 for f in mine if f.move is not None)
+        if moving >= self.config.router.rebalance.max_moves_per_worker:
+            return
+        decoding = [f for f in mine if f.status is FlowStatus.DECODING]
+        if not decoding:
+            return
+        flow = max(decoding, key=lambda f: f.params.max_tokens - f.received_tokens)
+        context = len(flow.prompt) + flow.received_tokens
+        needed = self.placer.blocks_needed(context, flow.params.max_tokens - flow.received_tokens + 1)
+        others = [w for w in self.members.routable("decode") if w.name != worker.name and w.stats is not None]
+        roomy = [w for w in others if _free_blocks(w) - needed >= w.stats.load.running + 1]  # type: ignore[union-attr]
+        if roomy:
+            target = max(roomy, key=_free_blocks)
+            self.migrate(flow, now, target.name, reason="rebalance")
 
     def _on_tokens(self, event: Tokens, now: float) -> None:
         name, flows = event.worker, self.flows
@@ -515,6 +539,7 @@ class RouterCore:
             self._end_move(flow, "moved", now)
         elif move.target in self._routable_decode():  # the target recomputes from the tokens; the source lets go
             self._send(move.source, Abort(move.source_wire))
+            self._send(move.target, Resume(flow.wire_id))
             self._end_move(flow, "recomputed", now)
         else:
             self._call_off_move(flow, "resumed", now)
@@ -540,6 +565,8 @@ class RouterCore:
         if name == move.target and move.phase != "freezing":  # the source still holds it: it runs on there
             self._call_off_move(flow, "resumed", now)
         elif name == move.source and move.phase == "moving":  # the target recomputes what did not come
+            if move.target is not None:
+                self._send(move.target, Resume(flow.wire_id))
             self._end_move(flow, "recomputed", now)
         elif name == move.source:
             if move.target is not None:

@@ -67,6 +67,7 @@ class RolePair:
     prefill_events: EventLog
     decode_events: EventLog
     model: str
+    hub: LocalHub | None = field(default=None, repr=False)  # the pair's private transfer hub (more roles may join)
     _reference: LLMEngine | None = field(default=None, repr=False)
 
     # ---- the loops ---------------------------------------------------------------------------------------------
@@ -259,8 +260,9 @@ def make_role_pair(
         failure_policy=failure_policy,
         headroom_tokens=headroom_tokens,
         start_deadline_s=start_deadline_s,
+        make_migration_sender=lambda: LocalSender(ModelFingerprint.from_spec(decode_llm.kv_spec), config, hub=hub),
     )
-    return RolePair(prefill, decode, prefill_events, decode_events, str(model))
+    return RolePair(prefill, decode, prefill_events, decode_events, str(model), hub)
 
 
 class RolePairs:
