@@ -522,6 +522,15 @@ class RouterCore:
         assert move is not None
         if reply.worker != move.target:
             return
+        if move.source_lost:  # the target was told to recompute what it reserves (``_move_worker_gone``)
+            if reply.ok:
+                self._end_move(flow, "recomputed", now)
+            else:
+                self._end_move(flow, "failed", now)
+                self._fail(
+                    flow, RequestFailed(f"its decode worker {move.source} died while it moved", "worker_died", 503)
+                )
+            return
         if not reply.ok:
             self._call_off_move(flow, "refused", now)
             return
@@ -568,7 +577,13 @@ class RouterCore:
             if move.target is not None:
                 self._send(move.target, Resume(flow.wire_id))
             self._end_move(flow, "recomputed", now)
-        elif name == move.source:
+        elif name == move.source and move.phase == "reserving" and move.target is not None:
+            # the target has the tokens: once it has reserved (commands to it stay in order), it recomputes them
+            move.source_lost = True
+            flow.decode = move.target
+            self._send(move.target, Resume(flow.wire_id))
+            self._sync(flow)
+        elif name == move.source:  # it died before it said what it had generated: nobody can go on
             if move.target is not None:
                 self._send(move.target, Abort(flow.wire_id))
             self._end_move(flow, "failed", now)

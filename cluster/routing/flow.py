@@ -48,6 +48,7 @@ class Move:
     target: str | None = None
     phase: MovePhase = "freezing"
     phase_s: float = 0.0  # when the current phase began
+    source_lost: bool = False  # the source died after the target got the tokens: the target recomputes them
 
 
 @dataclass(slots=True)

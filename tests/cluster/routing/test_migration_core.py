@@ -179,15 +179,28 @@ def test_the_source_dying_while_it_ships_leaves_it_to_the_target_which_recompute
     assert core.metrics.local_value("pdserve_migrations_total", reason="admin", result="recomputed") == 1
 
 
-def test_the_source_dying_before_it_ships_fails_the_request_explicitly():
+def test_the_source_dying_after_the_target_got_the_tokens_leaves_it_to_the_target():
     core = cluster()
     flow, source_wire = decoding(core)
     core.migrate(flow, 1.0)
     command = frozen(core, flow, source_wire)
     core.mark_dead("decode-0", "killed", 1.2)
+    assert ("decode-1", Resume(command.rid)) in core.outbox  # after its MigrateIn: it recomputes once reserved
+    core.on_event(Reserved(rid=command.rid, worker="decode-1", ok=True, blocks=[5, 6], kv_address="tcp://b"), 1.3)
+    assert not [c for _, c in core.outbox if isinstance(c, MigrateSend)]
+    assert flow.status is FlowStatus.DECODING and flow.decode == "decode-1" and source_wire not in core.flows
+    assert core.metrics.local_value("pdserve_migrations_total", reason="admin", result="recomputed") == 1
+
+
+def test_the_source_dying_before_it_said_what_it_generated_fails_the_request_explicitly():
+    core = cluster()
+    flow, source_wire = decoding(core)
+    core.migrate(flow, 1.0)
+    core.mark_dead("decode-0", "killed", 1.2)
     assert flow.status is FlowStatus.FAILED and flow.error is not None and flow.error.status == 503
-    assert ("decode-1", Abort(command.rid)) in core.outbox
     assert not [w for w in core.members.workers.values() if flow in w.flows]
+    core.release(flow, 1.3)  # the response side took the error
+    assert not core.flows
 
 
 def test_a_client_leaving_mid_move_is_told_to_both_ends():
