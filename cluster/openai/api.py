@@ -291,16 +291,21 @@ def create_app(
         check_api_key(request)
         return {**router.status(), "kv": kv_status}
 
+    async def admin_body(request: Request, fields: set[str]) -> dict:
+        """An admin call's JSON object, its API key checked first; 400 naming an unknown field."""
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+        return body
+
     @app.post("/admin/scale")
     async def admin_scale(request: Request):
         """``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the pools once the new workers serve
         (cluster/run/scaling.py)."""
-        body = await read_json(request)  # checks the API key first
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
-        unknown = sorted(set(body) - {"pool", "replicas", "drain_timeout_s"})
-        if unknown:
-            raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+        body = await admin_body(request, {"pool", "replicas", "drain_timeout_s"})
         scaler = router.scaler
         if scaler is None:
             raise APIError(503, "this router cannot resize its pools", err_type="server_error")
@@ -314,12 +319,7 @@ def create_app(
         """``{"request_id": ID}`` or ``{"worker": NAME}``, optionally ``"to": NAME``: move that running request, or
         every one the decode worker runs, to another decode worker -> ``{"moving": {id: "moving" | why not}}``. Each
         router process moves the requests it holds (a worker's all: ``pdserve scale`` or a drain)."""
-        body = await read_json(request)  # checks the API key first
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
-        unknown = sorted(set(body) - {"request_id", "worker", "to"})
-        if unknown:
-            raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+        body = await admin_body(request, {"request_id", "worker", "to"})
         for field in ("request_id", "worker", "to"):
             if body.get(field) is not None and not isinstance(body[field], str):
                 raise APIError(400, f"{field} must be a string", field)
