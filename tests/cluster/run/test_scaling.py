@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers.cluster import wait_all_kv_free, wait_until
+from tests.helpers.cluster import metric_value, wait_all_kv_free, wait_until
 from tests.helpers.serve_process import serve_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,6 +140,8 @@ def test_scale_decode_down_under_load_drains_loses_nothing_and_stops_the_worker(
     results = load.join()
     assert all(r.status == 200 and r.error is None and r.tokens == 160 and r.finish_reason == "length" for r in results)
     assert handle.scaler.wait_idle(timeout_s=30)
+    # its streams moved to decode-0 (router.migrate_on_drain) rather than finishing there
+    assert metric_value(handle.base_url, "pdserve_migrations_total", reason="drain", result="moved") >= 1
     wait_until(lambda: "decode-1" not in handle.router.members.workers, timeout_s=5)
     assert not victim.actor.worker._thread.is_alive()  # drained, then stopped by the pool
     assert [r.name for r in handle.workers if r.pool == "decode"] == ["decode-0"]
@@ -149,7 +151,10 @@ def test_scale_decode_down_under_load_drains_loses_nothing_and_stops_the_worker(
 
 
 def test_a_request_left_at_the_drain_deadline_gets_an_explicit_error(serve):
-    handle = serve(pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}})
+    # a drain that waits for its streams (they do not move): the deadline path
+    handle = serve(
+        pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}}, router={"migrate_on_drain": False}
+    )
     load = Load(handle.base_url, handle.config.served_model_name, max_tokens=400)
     load.start(2)
     wait_until(lambda: _streaming_on(handle.router, "decode-1"), timeout_s=30)
