@@ -96,7 +96,7 @@ def encode_header(fingerprint: bytes, block_hash: int, token_ids: tuple[int, ...
 
 
 def decode_page(
-    data: bytearray, fingerprint: bytes, block_hash: int, token_ids: tuple[int, ...], page_bytes: int
+    data: bytearray | memoryview, fingerprint: bytes, block_hash: int, token_ids: tuple[int, ...], page_bytes: int
 ) -> memoryview:
     """The payload of a page read whole, or PageError naming what does not match."""
     if len(data) < PAGE_HEADER.size:
@@ -121,6 +121,37 @@ def decode_page(
     return view[tokens_end:]
 
 
+def _live_holders(folder: Path) -> list[Path]:
+    """The holder files of a shared folder whose process still runs (the others are swept)."""
+    live = []
+    for holder in (folder / ".holders").iterdir():
+        try:
+            alive = _pid_alive(int(holder.name.split("-")[0]))
+        except ValueError:
+            alive = False
+        if alive:
+            live.append(holder)
+        else:
+            holder.unlink(missing_ok=True)
+    return live
+
+
+def sweep_dead_pools(base: Path, keep: Path) -> None:
+    """Remove the host pools under ``base`` (``<pool>/<fingerprint>``) that no live process holds and nobody has
+    touched for a while: what workers killed outright left in shared memory. ``keep`` (ours) keeps its pages."""
+    now = time.time()
+    for pool in list(base.iterdir()) if base.is_dir() else []:
+        for folder in list(pool.iterdir()) if pool.is_dir() else []:
+            try:
+                if folder == keep or now - folder.stat().st_mtime < STALE_TEMP_S or _live_holders(folder):
+                    continue
+            except OSError:
+                continue  # removed meanwhile, or not one of ours
+            shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            pool.rmdir()  # once empty
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -142,6 +173,7 @@ class PageStore:
         capacity_bytes: int,
         fingerprint: bytes,
         page_bytes: int,
+        block_size: int,
         evict_to: PageStore | None = None,
         shared: bool = False,
     ) -> None:
@@ -150,6 +182,7 @@ class PageStore:
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self.page_bytes = page_bytes
+        self.block_size = block_size
         self.evict_to = evict_to
         self.shared = shared  # other workers write here too: the true size is re-read now and then
         self.events = HashEvents()
@@ -165,6 +198,7 @@ class PageStore:
                 holders.mkdir(mode=0o700, exist_ok=True)
                 self._holder = holders / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
                 self._holder.touch()
+                sweep_dead_pools(folder.parent.parent, keep=folder)
             self._scan()
         except OSError as exc:
             self._disable(f"cannot use {folder}: {exc}")
@@ -280,25 +314,34 @@ class PageStore:
 
     # ---- reading (the loader thread) -----------------------------------------------------------------------------
 
-    def read(self, block_hash: int, token_ids: tuple[int, ...]) -> memoryview | None:
-        """One page's payload, checked; None when it is gone or unusable (then it is deleted)."""
+    @property
+    def page_file_bytes(self) -> int:
+        """A whole page file: header, token ids, payload."""
+        return PAGE_HEADER.size + 8 * self.block_size + self.page_bytes
+
+    def read(self, block_hash: int, token_ids: tuple[int, ...], into: memoryview) -> bool:
+        """Read one page whole into ``into`` (``page_file_bytes`` long) and check it; False when it is gone or
+        unusable (then it is deleted)."""
         if self.disabled:
-            return None
+            return False
         path = self.path(block_hash)
         try:
             with open(path, "rb") as f:  # an open page outlives its eviction by another worker
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                f.readinto(data)
+                size = f.readinto(into)
+                extra = f.read(1)
             self.touch(block_hash)
         except OSError:
-            return None
+            return False
         try:
-            return decode_page(data, self.fingerprint, block_hash, token_ids, self.page_bytes)
+            if size != len(into) or extra:
+                raise PageError(f"page of {size + len(extra)}+ bytes, expected {len(into)}")
+            decode_page(into, self.fingerprint, block_hash, token_ids, self.page_bytes)
+            return True
         except PageError as exc:
             logger.warning("KV %s tier page %s is unusable (%s): deleted, its prefix recomputed", self.name, path, exc)
             path.unlink(missing_ok=True)
             self.events.removed(block_hash)
-            return None
+            return False
 
     def close(self) -> None:
         """Leave the folder; the last live worker of a shared pool removes it (host memory is not left behind)."""
@@ -306,10 +349,9 @@ class PageStore:
             return
         self._holder.unlink(missing_ok=True)
         self._holder = None
-        holders = self.folder / ".holders"
         try:
-            live = [h for h in holders.iterdir() if _pid_alive(int(h.name.split("-")[0]))]
-        except (OSError, ValueError):
+            live = _live_holders(self.folder)
+        except OSError:
             return
         if not live:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -331,7 +373,10 @@ class TierLoad:
     token_ids: list[tuple[int, ...]]
     counts_as_cached: bool  # the request's first admission: the loaded tokens count in its cached tokens
     started_s: float = field(default_factory=time.monotonic)
-    pages: list[tuple[TierName, memoryview]] = field(default_factory=list)  # (tier, payload) read so far, in order
+    # one row per block, each a whole page file as read (pinned on a GPU host); ``tiers``: where each read row came
+    # from, in order (it ends where a page was missing or bad)
+    buffer: torch.Tensor | None = None
+    tiers: list[TierName] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -364,14 +409,20 @@ class KVTiers:
         self.stores: dict[TierName, PageStore] = {}
         below: PageStore | None = None
         if config.disk_dir is not None:
-            below = PageStore(
-                "disk", Path(config.disk_dir) / fingerprint.hex(), config.disk_mb * MIB, fingerprint, self.page_bytes
-            )
+            folder = Path(config.disk_dir) / fingerprint.hex()
+            below = PageStore("disk", folder, config.disk_mb * MIB, fingerprint, self.page_bytes, self.block_size)
             self.stores["disk"] = below
         if config.host_memory_mb:
             folder = host_pool_folder(config.host_pool, fingerprint)
             host = PageStore(
-                "host", folder, config.host_memory_mb * MIB, fingerprint, self.page_bytes, evict_to=below, shared=True
+                "host",
+                folder,
+                config.host_memory_mb * MIB,
+                fingerprint,
+                self.page_bytes,
+                self.block_size,
+                evict_to=below,
+                shared=True,
             )
             self.stores = {"host": host, **self.stores}
         self.top = next(iter(self.stores.values()))
@@ -469,17 +520,25 @@ class KVTiers:
     def _load_loop(self) -> None:
         while (load := self._loads.get()) is not None:
             try:
-                for block_hash, tokens in zip(load.hashes, load.token_ids):
-                    page = None
-                    for store in self.stores.values():
-                        if store.contains(block_hash) and (page := store.read(block_hash, tokens)) is not None:
-                            load.pages.append((store.name, page))
-                            break
-                    if page is None:
-                        break  # the prefix ends here: the rest is computed
+                self._read(load)
             except Exception:  # noqa: BLE001 - what was read stays usable; the rest is computed
                 logger.exception("KV tier: loading request %s's pages failed", load.request_id)
             load.done.set()
+
+    def _read(self, load: TierLoad) -> None:
+        """Each page straight into its row of the load's buffer, in chain order, up to the first one missing."""
+        file_bytes = self.top.page_file_bytes
+        pinned = self.kv_cache.kv[0].is_cuda
+        load.buffer = torch.empty((len(load.hashes), file_bytes), dtype=torch.uint8, pin_memory=pinned)
+        rows = load.buffer.numpy()
+        for row, (block_hash, tokens) in zip(rows, zip(load.hashes, load.token_ids)):
+            into = memoryview(row)
+            store = next(
+                (s for s in self.stores.values() if s.contains(block_hash) and s.read(block_hash, tokens, into)), None
+            )
+            if store is None:
+                return  # the prefix ends here: the rest is computed
+            load.tiers.append(store.name)
 
     def poll(self) -> list[TierLoad]:
         """Loads whose reading ended, their pages written into their blocks now (the engine's thread, between
@@ -491,24 +550,27 @@ class KVTiers:
         return done
 
     def write(self, load: TierLoad) -> int:
-        """Put a finished load's pages into its blocks; returns how many blocks were loaded."""
-        if not load.pages:
+        """Put a finished load's pages into its blocks (one copy per layer, from the rows as read); returns how many
+        blocks were loaded."""
+        count = len(load.tiers)
+        if not count or load.buffer is None:
             return 0
         spec = self.kv_cache.spec
-        count = len(load.pages)
-        payload = b"".join(page for _, page in load.pages)
-        pages = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(spec.dtype)
-        pages = pages.view(count, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        payload_at = PAGE_HEADER.size + 8 * self.block_size  # a multiple of 8: the payload views as any dtype
+        rows = load.buffer[:count, payload_at:]
         device = self.kv_cache.kv[0].device
         if device.type == "cuda":
-            pages = pages.pin_memory().to(device, non_blocking=True)
+            rows = rows.to(device, non_blocking=True)
+        shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        pages = rows.view(spec.dtype).unflatten(1, shape)
         index = self.kv_cache.block_index(load.block_ids[:count])
         for layer, kv in enumerate(self.kv_cache.kv):
             kv.index_copy_(1, index, pages[:, layer].transpose(0, 1))
+        load.buffer = None
         stats = self._stats
-        for tier, page in load.pages:
+        for tier in load.tiers:
             stats.hit_tokens[tier] += self.block_size
-            stats.loaded_bytes[tier] += len(page)
+            stats.loaded_bytes[tier] += self.page_bytes
         stats.loads += 1
         stats.load_seconds += time.monotonic() - load.started_s
         return count

@@ -276,3 +276,19 @@ def test_offload_config_errors_name_the_field(tiny_llama_path):
         KVOffloadConfig(host_memory_mb=1, host_pool="../etc")
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(kv_offload=KVOffloadConfig(host_memory_mb=1), enable_prefix_caching=False)
+
+
+def test_a_host_pool_whose_workers_were_all_killed_is_swept_by_the_next_one(tiered):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = host_pool_folder(f"killed-{uuid.uuid4().hex[:8]}", bytes(range(16)))
+    (stale / ".holders").mkdir(parents=True)
+    (stale / ".holders" / f"{dead.stdout.strip()}-deadbeef").touch()
+    (stale / f"{1:016x}{PAGE_SUFFIX}").write_bytes(b"a page nobody will read")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    engine = tiered(host_mb=1)
+    assert not stale.parent.exists()  # gone with its pool folder
+    assert engine.kv_tiers.stores["host"].folder.is_dir()  # ours stays
