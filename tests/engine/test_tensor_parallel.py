@@ -195,6 +195,7 @@ def test_two_ranks_generate_what_one_does(arch_fixture, request):
     assert one["kv_heads"] == 2 and two[0]["kv_heads"] == two[1]["kv_heads"] == 1  # each rank caches its own head
 
 
+@pytest.mark.e2e  # long (two ranks, flex compiled per rank): `make test-e2e`
 def test_two_ranks_preempt_and_attend_with_flex_as_one_does(tiny_llama_path):
     """Few blocks force preemption (a request's blocks freed and its KV recomputed later), on FlexAttention: the ranks
     follow rank 0's block tables, so they recompute the same blocks."""

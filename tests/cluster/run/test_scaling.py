@@ -197,7 +197,7 @@ def test_admin_scale_route_needs_the_key_and_names_the_bad_field(serve):
     assert served.status_code == 200
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # a `pdserve serve` process on Ray, resized by `pdserve scale`: `make test-e2e`
 @pytest.mark.timeout(240)
 def test_pdserve_scale_against_a_running_pdserve_serve(tiny_llama_path, tmp_path):
     """The CLI as a user runs it, against `pdserve serve` (Ray): decode 1 -> 2 (a new actor in a placement group
