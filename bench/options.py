@@ -199,3 +199,115 @@ def add_kv_cache_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8, help="decode batch of the speed figure")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
+
+
+def add_kv_tiers_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench kv-tiers`` (``bench/kv_tiers_bench.py``)."""
+    parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
+    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument(
+        "--mode",
+        choices=COMPARE_MODES,
+        default="disaggregated",
+        help="disaggregated: 1 prefill + 1 decode worker; colocated: 1 worker",
+    )
+    parser.add_argument(
+        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
+    )
+    parser.add_argument("--max-concurrency", type=int, default=1, help="closed loop: requests in flight")
+    parser.add_argument("--seed", type=int, default=0, help="the same requests, in the same order, in every run")
+    parser.add_argument("--tenants", type=int, default=8, help="tenants, each with its own system prompt")
+    parser.add_argument("--prefix-len", type=int, default=512, help="tokens of each tenant's system prompt")
+    parser.add_argument("--question-len", type=int, default=32, help="tokens each request adds to its prefix")
+    parser.add_argument("--output-len", type=int, default=4, help="output tokens per request (ignore_eos)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=24, help="measured requests per run, tenants in turn (after the warm-up)"
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=64,
+        help="device KV blocks per worker; the tenants' prompts should take at least 4x that",
+    )
+    parser.add_argument(
+        "--host-memory-mb",
+        type=int,
+        default=None,
+        help="the with-tiers run's host tier; default: every tenant's prefix and every request's own blocks, +25%%",
+    )
+    parser.add_argument("--disk-mb", type=int, default=None, help="each disk tier's bound; default: as the host tier")
+    parser.add_argument(
+        "--restart-requests",
+        type=int,
+        default=4,
+        help="requests measured after the restart, on the tenants whose prefixes left the device first (0: no "
+        "restart measurement)",
+    )
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--result-dir", default=None, help="per-request records; default: results/<timestamp>")
+    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
+
+
+def add_migration_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench migrate`` (``bench/migration_bench.py``)."""
+    parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
+    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument(
+        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
+    )
+    parser.add_argument("--parts", choices=("drain", "rebalance", "both"), default="both")
+    parser.add_argument("--seed", type=int, default=0, help="the same prompts in every run")
+    parser.add_argument("--request-timeout-s", type=float, default=3600.0, help="the router's per-request deadline")
+    group = parser.add_argument_group("drain: one decode worker's streams, drained by migration vs by waiting")
+    group.add_argument("--streams", type=int, default=16, help="running generations on the drained worker")
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="tokens each stream generates (greedy, ignore_eos; the issue asks 1000: minutes per run on 2 cores)",
+    )
+    group.add_argument("--prompt-len", type=int, default=64, help="tokens of each stream's prompt")
+    group.add_argument(
+        "--tokens-before-move",
+        type=int,
+        default=8,
+        help="every stream has this many tokens before the second decode worker is added",
+    )
+    group.add_argument(
+        "--window-s",
+        type=float,
+        default=10.0,
+        help="ITL windows: the streams' last seconds before the drain, and the drain plus as long after it",
+    )
+    group.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per decode worker; default: every stream to its end on one worker, +10%%",
+    )
+    group = parser.add_argument_group("rebalance: a skewed load, rebalancing off vs on")
+    group.add_argument(
+        "--long-requests",
+        type=int,
+        default=8,
+        help="long generations, each followed by a short one: round_robin puts every long one on one decode worker",
+    )
+    group.add_argument("--long-tokens", type=int, default=256, help="tokens of each long generation")
+    group.add_argument("--short-tokens", type=int, default=16, help="tokens of each short generation")
+    group.add_argument("--rebalance-prompt-len", type=int, default=16, help="tokens of every prompt")
+    group.add_argument(
+        "--rebalance-kv-blocks",
+        type=int,
+        default=96,
+        help="KV blocks per decode worker: the long ones' prompts fit one worker, their ends do not",
+    )
+    group.add_argument("--max-moves-per-worker", type=int, default=1, help="router.rebalance.max_moves_per_worker")
+    group.add_argument(
+        "--send-gap-s",
+        type=float,
+        default=0.5,
+        help="between two requests' sends, in order (time for the prefill worker to keep up: TTFT is not the point)",
+    )
+    group.add_argument("--slo-ttft-s", type=float, default=None, help="goodput's TTFT bound; default: config's slo")
+    group.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput's TPOT bound; default: config's slo")
+    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")

@@ -17,17 +17,24 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from bench.loadtest.cli import Plan, execute, prepare, result_folder
-from bench.loadtest.options import add_workload_arguments
+from bench.loadtest.cli import Plan, result_folder
 from bench.loadtest.workloads import PromptBuilder
 from bench.options import add_routing_bench_arguments as add_arguments
-from bench.routing_figures import compare, router_samples, run_figures, settle
+from bench.routing_figures import compare, run_figures
+from bench.served_cluster import (
+    closed_loop_plan,
+    local_ray,
+    measure,
+    served_settings,
+    serving,
+    shared_prefix_argv,
+    shared_prefix_blocks,
+)
 from engine.blocks import model_kv_bytes_per_token
 
 if TYPE_CHECKING:
@@ -99,10 +106,7 @@ def run_settings(config: ClusterConfig) -> dict[str, Any]:
 def prefill_sizing(plan: Plan, args: argparse.Namespace, block_size: int, bytes_per_token: int) -> dict[str, Any]:
     """The prefill workers' KV for shared-prefix: half the groups' prefixes plus every request in flight's own blocks
     (its question and the partial block after the prefix), so all the prefixes do not fit one worker and half do."""
-    tokenizer = plan.tokenizer
-    prefix_tokens = max(len(tokenizer(s.system or "", add_special_tokens=True)["input_ids"]) for s in plan.specs)
-    prefix_blocks = prefix_tokens // block_size  # the full blocks every request of a group shares
-    request_blocks = max(math.ceil(s.input_tokens / block_size) for s in plan.specs)
+    prefix_tokens, prefix_blocks, request_blocks = shared_prefix_blocks(plan, block_size)
     headroom = args.max_concurrency * (request_blocks - prefix_blocks)
     kv_blocks = args.prefill_kv_blocks or max(
         request_blocks, math.ceil(args.prefix_groups / 2) * prefix_blocks + headroom
@@ -125,21 +129,16 @@ def prefill_sizing(plan: Plan, args: argparse.Namespace, block_size: int, bytes_
 
 
 def workload_plan(args: argparse.Namespace, workload: str, tokenizer_model: str) -> Plan:
-    """The load tester's plan for one workload, through its own options (defaults and checks stay its own)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_workload_arguments(parser)
-    argv = ["--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed), "--disable-tqdm"]
-    argv += ["--request-timeout-s", str(args.request_timeout_s), "--metric-percentiles", "50,90,99"]
+    """The load tester's plan for one workload; shared-prefix's groups in an order shuffled with the seed."""
     if workload == "shared-prefix":
-        argv += ["--dataset-name", "shared-prefix", "--shared-prefix-groups", str(args.prefix_groups)]
-        argv += ["--shared-prefix-len", str(args.prefix_len), "--random-input-len", str(args.question_len)]
-        argv += ["--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--ignore-eos"]
+        argv = shared_prefix_argv(args.prefix_groups, args.prefix_len, args.question_len, args.output_len)
+        argv += ["--num-prompts", str(args.num_prompts)]
     else:
-        argv += ["--dataset-name", "multi-turn", "--num-conversations", str(args.num_conversations)]
+        argv = ["--dataset-name", "multi-turn", "--num-conversations", str(args.num_conversations)]
         argv += ["--num-turns", str(args.num_turns), "--random-input-len", str(args.user_len)]
         argv += ["--random-output-len", str(args.turn_output_len), "--think-time-s", str(args.think_time_s)]
         argv += ["--think-time-dist", "exponential"]
-    plan = prepare(parser.parse_args(argv), tokenizer_model)
+    plan = closed_loop_plan(argv, args, tokenizer_model)
     if workload == "shared-prefix":
         random.Random(args.seed).shuffle(plan.specs)  # groups in a random order, the same in both runs
     elif args.system_len:
@@ -154,17 +153,8 @@ def workload_plan(args: argparse.Namespace, workload: str, tokenizer_model: str)
 
 
 def _one_run(config: ClusterConfig, plan: Plan, label: str, folder, in_process: bool) -> dict[str, Any]:
-    from cluster.run.launch import start_serving
-
-    print(f"routing bench: {label}: starting the cluster", file=sys.stderr)
-    handle = start_serving(config, in_process=in_process)
-    try:
-        before = (router_samples(handle.base_url), settle(handle.base_url))
-        [summary], _, _ = execute(plan, handle.base_url, config.served_model_name, folder, mode=label)
-        status = settle(handle.base_url)
-        after = (router_samples(handle.base_url), status)
-    finally:
-        handle.stop()
+    with serving(config, f"routing bench: {label}", in_process) as handle:
+        summary, before, after = measure(handle, config, plan, label, folder)
     figures = run_figures(summary, before, after)
     print(
         f"routing bench: {label}: {figures['completed']}/{figures['requests']} completed, "
@@ -197,9 +187,6 @@ def _workload_settings(args: argparse.Namespace, workload: str, plan: Plan) -> d
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-
-    from cluster.run.ray_cluster import init_local_ray
     from engine.model_loader import resolve_model_path
 
     for name in ("max_concurrency", "prefix_groups", "prefix_len", "question_len", "num_prompts", "output_len"):
@@ -214,35 +201,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     folder = result_folder(args)
     out: dict[str, Any] = {
-        "configuration": {
-            "model": base.model.name,
-            "dtype": base.served_dtype,
-            "block_size": block_size,
-            "kv_bytes_per_token": per_token,
-            "pools": {"prefill": 2, "decode": 1},
-            "torch_threads": {"prefill": base.pools.prefill.torch_threads, "decode": base.pools.decode.torch_threads},
+        "configuration": served_settings(base, args, per_token)
+        | {
             "prefill_kv_blocks_config": base.pools.prefill.kv_blocks,
             "prefill_kv_memory_mb_config": base.pools.prefill.kv_memory_mb,
             "decode_kv_blocks": base.pools.decode.kv_blocks,
             "decode_kv_memory_mb": base.pools.decode.kv_memory_mb,
-            "transfer_backend": base.transfer.backend,
-            "max_concurrency": args.max_concurrency,
-            "load": "closed loop",
-            "seed": args.seed,
-            "in_process": args.in_process,
-            "cpu_count": os.cpu_count(),
         },
         "workloads": {},
         "result_dir": str(folder),
     }
-    started_ray = False
-    if not args.in_process and not ray.is_initialized():
-        # the 3 workers' CPU shares are logical
-        needed = sum(p.replicas * p.cpus_per_replica for p in (base.pools.prefill, base.pools.decode))
-        init_local_ray(max(math.ceil(needed), os.cpu_count() or 1), base.ray.namespace)
-        started_ray = True
     t_start = time.monotonic()
-    try:
+    with local_ray(base, args.in_process):
         for workload in workloads:
             plan = workload_plan(args, workload, model_path)
             entry: dict[str, Any] = {
@@ -260,9 +230,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entry |= runs
             entry |= compare(runs)
             out["workloads"][workload] = entry
-    finally:
-        if started_ray:
-            ray.shutdown()
     out["wall_s"] = round(time.monotonic() - t_start, 1)
     return out
 

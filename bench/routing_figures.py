@@ -57,10 +57,15 @@ def settle(base_url: str, timeout_s: float = 30.0) -> dict:
 
 
 def worker_total(status: dict, role: str, key: str) -> int:
-    return int(sum(w.get(key, 0) or 0 for w in status["workers"] if w["role"] == role))
+    return int(worker_sum(status, role, key))
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
+def worker_sum(status: dict, role: str, key: str) -> float:
+    """A heartbeat counter summed over the role's workers in ``/status`` (some are seconds, not counts)."""
+    return sum(w.get(key, 0) or 0 for w in status["workers"] if w["role"] == role)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 4) if num is not None and den else None
 
 
@@ -97,7 +102,7 @@ def run_figures(summary: dict, before: tuple[Samples, dict], after: tuple[Sample
             "sent_by_prefill": worker_delta("prefill", "transfer_bytes"),
             "per_request": round(received / completed) if completed else None,
         },
-        "prefix_hit_rate": {"prefill_router": _ratio(matched, routed), "decode": _ratio(cached, reserved)},
+        "prefix_hit_rate": {"prefill_router": ratio(matched, routed), "decode": ratio(cached, reserved)},
         "router": {
             "prefill_routed_prompt_tokens": routed,
             "prefill_prefix_matched_tokens": matched,
@@ -137,12 +142,12 @@ def run_figures(summary: dict, before: tuple[Samples, dict], after: tuple[Sample
 def compare(runs: dict[str, dict]) -> dict[str, Any]:
     base, new = runs["baseline"], runs["kv_aware"]
     ratios = {
-        "ttft_p50": _ratio(new["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
-        "ttft_p90": _ratio(new["ttft_ms"]["p90"], base["ttft_ms"]["p90"]),
-        "kv_bytes_per_request": _ratio(new["kv_bytes"]["per_request"], base["kv_bytes"]["per_request"]),
+        "ttft_p50": ratio(new["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
+        "ttft_p90": ratio(new["ttft_ms"]["p90"], base["ttft_ms"]["p90"]),
+        "kv_bytes_per_request": ratio(new["kv_bytes"]["per_request"], base["kv_bytes"]["per_request"]),
     }
     if "turns" in new:
-        ratios["ttft_p50_later_turns"] = _ratio(
+        ratios["ttft_p50_later_turns"] = ratio(
             new["turns"]["ttft_ms_later_turns"]["p50"], base["turns"]["ttft_ms_later_turns"]["p50"]
         )
     met = ratios["ttft_p50"] is not None and ratios["ttft_p50"] <= GOAL_TTFT_P50_RATIO

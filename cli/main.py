@@ -113,6 +113,20 @@ BENCHMARKS: list[tuple[str, str, str, str, str]] = [
         "add_kv_cache_bench_arguments",
         "bench.kv_quant_bench",
     ),
+    (
+        "kv-tiers",
+        "KV tiers (host memory, disk) vs none under a multi-tenant shared-prefix load: TTFT, hit rate, a restart",
+        "bench.options",
+        "add_kv_tiers_bench_arguments",
+        "bench.kv_tiers_bench",
+    ),
+    (
+        "migrate",
+        "live migration: a decode worker's streams drained by moving vs by waiting; rebalancing vs preemption",
+        "bench.options",
+        "add_migration_bench_arguments",
+        "bench.migration_bench",
+    ),
 ]
 
 
