@@ -394,9 +394,13 @@ def load_figures(streams: Sequence[Stream], long_ones: Sequence[bool], slo_ttft_
 
 
 def compare_rebalance(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """on / off: goodput, p99 TPOT (all requests, and the long ones, which are the ones preempted or moved), and
+    the longest gap any request saw."""
     return {
         "goodput_ratio": ratio(on["goodput_rps"], off["goodput_rps"]),
         "tpot_p99_ratio": ratio(on["tpot_ms"]["p99"], off["tpot_ms"]["p99"]),
+        "long_tpot_p99_ratio": ratio(on["long_tpot_ms"]["p99"], off["long_tpot_ms"]["p99"]),
+        "longest_gap_ms": {"off": off["longest_gap_ms"]["max"], "on": on["longest_gap_ms"]["max"]},
         "preemptions": {"off": off["preemptions"], "on": on["preemptions"]},
         "moves": {"off": off["migrations"].get("moved", 0), "on": on["migrations"].get("moved", 0)},
     }

@@ -206,13 +206,22 @@ def test_goodput_counts_the_requests_within_both_slo_bounds_per_second_of_the_ru
 
 
 def test_the_rebalance_comparison_and_the_migration_counts():
-    def run(goodput, p99, preemptions, moved):
-        return {"goodput_rps": goodput, "tpot_ms": {"p99": p99}, "preemptions": preemptions, "migrations": moved}
+    def run(goodput, p99, long_p99, gap, preemptions, moved):
+        return {
+            "goodput_rps": goodput,
+            "tpot_ms": {"p99": p99},
+            "long_tpot_ms": {"p99": long_p99},
+            "longest_gap_ms": {"max": gap},
+            "preemptions": preemptions,
+            "migrations": moved,
+        }
 
-    out = compare_rebalance(run(0.5, 400.0, 6, {}), run(0.6, 200.0, 0, {"moved": 3}))
+    out = compare_rebalance(run(0.5, 400.0, 300.0, 20000.0, 6, {}), run(0.6, 200.0, 240.0, 900.0, 0, {"moved": 3}))
     assert out == {
         "goodput_ratio": 1.2,
         "tpot_p99_ratio": 0.5,
+        "long_tpot_p99_ratio": 0.8,
+        "longest_gap_ms": {"off": 20000.0, "on": 900.0},
         "preemptions": {"off": 6, "on": 0},
         "moves": {"off": 0, "on": 3},
     }
@@ -349,4 +358,11 @@ def test_the_bench_runs_on_the_tiny_model_and_the_drain_moves_every_stream_exact
         assert run["goodput_rps"] > 0 and run["tpot_ms"]["p99"] > 0 and run["held_after"]["settled"]
     assert off["migrations"] == {} and off["preemptions"] > 0  # no room for the long ones' ends
     assert on["same_tokens_as_off_run"] == 8
-    assert set(rebalance["comparison"]) == {"goodput_ratio", "tpot_p99_ratio", "preemptions", "moves"}
+    assert set(rebalance["comparison"]) == {
+        "goodput_ratio",
+        "tpot_p99_ratio",
+        "long_tpot_p99_ratio",
+        "longest_gap_ms",
+        "preemptions",
+        "moves",
+    }
