@@ -29,7 +29,8 @@ test: lint
 	tools/loopback-only $(PY) -m pytest -m "not e2e" tests
 
 # The long end-to-end runs that `make test` leaves out for its time (marker e2e: a few shutdown signals, two router
-# processes, the overlap, frontend and tensor-parallel hand-off benchmarks' smoke runs); not run by CI.
+# processes, the benchmarks' smoke runs, tensor-parallel variants, Ray chaos with worker kills, migration under
+# chaos); not run by CI.
 test-e2e: $(STAMP)
 	tools/loopback-only $(PY) -m pytest -m e2e tests
 

@@ -2,9 +2,12 @@
 
 import argparse
 
+import pytest
+
 from bench import tp_bench
 
 
+@pytest.mark.e2e  # every degree on the tiny model: `make test-e2e`
 def test_tp_bench_reports_each_degree_with_the_same_tokens(tiny_llama_path):
     parser = argparse.ArgumentParser()
     tp_bench.add_arguments(parser)

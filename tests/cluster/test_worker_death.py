@@ -92,6 +92,7 @@ def test_a_degraded_worker_is_restarted_by_ray_and_serves_again(ray_local, tiny_
         handle.stop()
 
 
+@pytest.mark.e2e  # long on Ray: `make test-e2e` (the retry logic itself: tests/cluster/routing)
 def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_path):
     config = tiny_cluster_config(
         tiny_llama_path,
@@ -138,6 +139,7 @@ def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_p
         handle.stop()
 
 
+@pytest.mark.e2e  # the chaos bench on Ray: `make test-e2e` (in-process: tests/bench/test_chaos.py)
 def test_chaos_bench_loses_nothing_and_leaks_nothing(ray_local, tiny_llama_path, tmp_path, capsys):
     from bench import chaos
 

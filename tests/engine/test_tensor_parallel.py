@@ -183,7 +183,17 @@ def test_step_message_round_trips_a_step_with_prefills_and_decodes():
     assert got == [(0, 3, False, [7, 3], [1, 2, 3]), (2, 1, True, [5], [6])]
 
 
-@pytest.mark.parametrize("arch_fixture", ["tiny_llama_path", "tiny_mistral_path", "tiny_qwen2_path", "tiny_qwen3_path"])
+@pytest.mark.parametrize(
+    "arch_fixture",
+    # Llama in `make test`; the other families' cuts in `make test-e2e` (for the suite's 20 minutes)
+    [
+        "tiny_llama_path",
+        *(
+            pytest.param(name, marks=pytest.mark.e2e)
+            for name in ("tiny_mistral_path", "tiny_qwen2_path", "tiny_qwen3_path")
+        ),
+    ],
+)
 def test_two_ranks_generate_what_one_does(arch_fixture, request):
     model = request.getfixturevalue(arch_fixture)
     run = {"prompts": PROMPTS, "max_tokens": 12, "prefix_repeat": True, "max_batch_tokens": 16}

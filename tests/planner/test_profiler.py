@@ -172,6 +172,7 @@ def test_a_degree_the_model_cannot_split_is_refused_with_the_flag(tiny_llama_pat
         profile_cluster(config, quick=True, progress=False, tensor_parallel_size=3)
 
 
+@pytest.mark.e2e  # two ranks profiled: `make test-e2e`
 def test_a_profile_at_degree_two_runs_two_ranks_and_moves_every_head(profiled, tmp_path) -> None:
     """Each pool's engine as two local processes: the points, fits and KV figures of a degree-2 worker; the transfer
     carries every KV head (as the hand-off does) into rank 0, which hands each piece on to rank 1."""
