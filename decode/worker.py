@@ -9,11 +9,13 @@ A request's state is the engine's ``Request`` (WAITING_FOR_REMOTE_KV until admit
    request (``failure_policy: fail``) or has it prefilled here (``recompute``); a reservation whose first token
    never comes expires. A transfer the prefill worker aborted on purpose is reported by that side, not here.
 
-Migration moves a running request to another decode worker (the router drives it, cluster/routing/core.py):
-``freeze`` stops it here between steps (``frozen``: its tokens); ``migrate_in`` there reserves its whole context
-and replays its tokens; ``migrate_send`` ships its KV from here with this worker's own sender (same header, checks
-and leases as a prefill worker's), and ``migrated`` says how that ended: blocks released once it went, held on a
-failure until ``resume`` or ``abort``. A moved request whose KV does not come is recomputed there from its tokens.
+Migration moves a running request to another decode worker (the router drives it, cluster/routing/core.py), by
+pre-copy: ``migrate_in`` there reserves its context; ``migrate_send`` (pre-copy) ships its full blocks from here,
+a few layers per loop turn, while it decodes on; ``freeze`` stops it here between steps (``frozen``: its tokens);
+``migrate_tail`` there replays them and expects the rest; ``migrate_send`` ships that tail with this worker's own
+sender (same header, checks and leases as a prefill worker's), and ``migrated`` says how each transfer ended: tail
+blocks released once they went, held on a failure until ``resume`` or ``abort``. A moved request whose KV does not
+come is recomputed there from its tokens.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ import time
 import uuid
 from collections.abc import Callable
 
+import torch
+
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKV, Request, RequestStatus, SamplingParams
 from transfer.base import KVReceiver, KVSender, make_receiver, make_sender
 from transfer.errors import SenderAborted
+from transfer.inbound import Sink
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
 from worker.messages import (
+    PRECOPY_SUFFIX,
     Command,
     ErrorCode,
     Freeze,
@@ -39,12 +45,14 @@ from worker.messages import (
     Migrated,
     MigrateIn,
     MigrateSend,
+    MigrateTail,
     Reserve,
     Reserved,
     Resume,
     Start,
     WorkerCounters,
     WorkerLoad,
+    precopy_transfer_id,
 )
 from worker.role import Emit, Role
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
@@ -52,6 +60,28 @@ from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 logger = logging.getLogger(__name__)
 
 EXPIRY_CHECK_INTERVAL_S = 0.5  # how often reservations are checked for a first token that never came
+# a pre-copy ships its layers over this many loop turns: the worker's other streams pay a share of the copy in each
+# of a few steps instead of all of it in one, and the move waits only a few steps for it
+PRECOPY_TURNS = 4
+
+
+@dataclasses.dataclass(slots=True)
+class _Precopy:
+    """A running request's full blocks on their way to the worker it moves to, a few layers per loop turn."""
+
+    rid: str
+    src: list[int]  # its blocks here
+    dst: list[int]  # the target's
+    layer: int = 0  # the next to send
+
+
+def kv_sink(engine: LLMEngine) -> Sink:
+    """The receiver's sink: arrived KV into the engine's reserved blocks, a move's pre-copy into its request's."""
+
+    def sink(transfer_id: str, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        engine.write_remote_kv(transfer_id.removesuffix(PRECOPY_SUFFIX), layer, block_ids, k, v)
+
+    return sink
 
 
 class DecodeRole(Role):
@@ -70,7 +100,7 @@ class DecodeRole(Role):
         counters: WorkerCounters | None = None,
         make_migration_sender: Callable[[], KVSender] | None = None,
     ) -> None:
-        """``receiver``'s sink must be ``engine.write_remote_kv`` (``from_spec`` builds it so);
+        """``receiver``'s sink must be ``kv_sink(engine)`` (``from_spec`` builds it so);
         ``make_migration_sender``: the sender that ships running requests' KV to other decode workers, made at the
         first move (None: this worker moves nothing out)."""
         super().__init__(name, engine, emit, counters)
@@ -78,6 +108,7 @@ class DecodeRole(Role):
         self._make_sender = make_migration_sender
         self.sender: KVSender | None = None
         self._moving: dict[str, str] = {}  # transfer id (the target's request id) -> the frozen request's id here
+        self._precopies: dict[str, _Precopy] = {}  # transfer id -> a running request's full blocks on their way
         self.failure_policy = failure_policy
         self.headroom_tokens = headroom_tokens
         # a reservation still without its first token this long after it was made is freed: the router lost it
@@ -89,7 +120,7 @@ class DecodeRole(Role):
         receiver = make_receiver(
             spec.transfer_backend,
             ModelFingerprint.from_spec(engine.handoff_spec),
-            engine.write_remote_kv,
+            kv_sink(engine),
             receiver_address(spec),
             dataclasses.replace(spec.transfer, kv_device=engine.config.device),  # GPU cache: side-stream writes
         )
@@ -127,6 +158,8 @@ class DecodeRole(Role):
             self._resume(command.rid)
         elif isinstance(command, MigrateIn):
             self._migrate_in(command)
+        elif isinstance(command, MigrateTail):
+            self._migrate_tail(command)
         elif isinstance(command, MigrateSend):
             self._migrate_send(command)
         else:
@@ -158,36 +191,49 @@ class DecodeRole(Role):
 
     def _migrate_in(self, command: MigrateIn) -> None:
         engine, rid = self.engine, command.rid
-        blocks = engine.reserve_migrated(
-            command.prompt,
-            command.params,
-            rid,
-            command.output_token_ids,
-            command.num_computed_tokens,
-            self.headroom_tokens,
+        precopy = command.precopy_blocks
+        blocks = engine.reserve_migration(
+            command.prompt, command.params, rid, command.num_computed_tokens, precopy, self.headroom_tokens
         )
         if blocks is None:
             self.counters.reservations_refused += 1
             reason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
             self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason=reason))
             return
-        self.receiver.expect(
-            rid, engine.missing_prompt_blocks(engine.requests[rid]), num_layers=engine.kv_spec.num_layers
-        )
-        self.counters.migrations_in += 1
+        if precopy:
+            self.receiver.expect(precopy_transfer_id(rid), blocks[:precopy], num_layers=engine.kv_spec.num_layers)
         self.emit(Reserved(rid=rid, worker=self.name, ok=True, blocks=blocks, kv_address=self.receiver.address))
 
+    def _migrate_tail(self, command: MigrateTail) -> None:
+        engine, rid = self.engine, command.rid
+        self.receiver.abort(precopy_transfer_id(rid), "the tail comes")  # one still under way failed its purpose
+        tail = engine.adopt_migrated(
+            rid, command.output_token_ids, command.num_computed_tokens, command.first_block, self.headroom_tokens
+        )
+        if tail is None:
+            self.counters.reservations_refused += 1
+            self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason="kv_full"))
+            return
+        self.receiver.expect(rid, tail, num_layers=engine.kv_spec.num_layers)
+        self.counters.migrations_in += 1
+        self.emit(Reserved(rid=rid, worker=self.name, ok=True, blocks=tail, kv_address=self.receiver.address))
+
     def _migrate_send(self, command: MigrateSend) -> None:
-        """Every layer of the frozen request's blocks into the target's, then the transfer's end (``tick``)."""
-        engine, rid, target = self.engine, command.rid, command.target_rid
-        src = engine.frozen_blocks(rid)
+        """Pre-copy: begin shipping the running request's first full blocks (``_precopy_step``, over a few turns).
+        Tail: every layer of the frozen request's blocks from ``first_block``, then the transfer's end (``tick``)."""
+        engine, rid = self.engine, command.rid
+        num_blocks = len(command.dst_blocks) if command.precopy else None
+        src = engine.kv_blocks(rid, command.first_block, num_blocks)
         if len(command.dst_blocks) < len(src):
             raise ValueError(f"the target reserved {len(command.dst_blocks)} blocks, the request fills {len(src)}")
-        if self.sender is None:
-            if self._make_sender is None:
-                raise ValueError("this decode worker has no KV sender: it moves no request out")
-            self.sender = self._make_sender()
-        sender, dst = self.sender, list(command.dst_blocks[: len(src)])
+        sender = self._migration_sender()
+        dst = list(command.dst_blocks[: len(src)])
+        if command.precopy:
+            transfer_id = precopy_transfer_id(command.target_rid)
+            sender.begin(transfer_id, command.kv_address)
+            self._precopies[transfer_id] = _Precopy(rid, list(src), dst)
+            return
+        target = command.target_rid
         sender.begin(target, command.kv_address)
         self._moving[target] = rid
         try:
@@ -200,14 +246,52 @@ class DecodeRole(Role):
             logger.warning("%s: moving %s failed: %s", self.name, rid, exc)
             sender.abort(target, f"migration failed: {exc}")
 
-    def _migration_ended(self, target: str, ok: bool, nbytes: int, error: str) -> None:
-        rid = self._moving.pop(target)
+    def _migration_sender(self) -> KVSender:
+        if self.sender is None:
+            if self._make_sender is None:
+                raise ValueError("this decode worker has no KV sender: it moves no request out")
+            self.sender = self._make_sender()
+        return self.sender
+
+    def _precopy_step(self) -> None:
+        """The next layers of each pre-copy under way (a ``PRECOPY_TURNS``th of them). The blocks are full, so their
+        KV stays as it is while the request decodes on; one that left them (finished, aborted, preempted) ends its
+        pre-copy failed."""
+        sender, engine = self.sender, self.engine
+        num_layers = engine.kv_spec.num_layers
+        for transfer_id, job in list(self._precopies.items()):
+            if job.layer == num_layers or sender is None:
+                continue  # all sent: its end comes from the sender
+            request = engine.requests.get(job.rid)
+            if (
+                request is None
+                or request.status not in (RequestStatus.RUNNING, RequestStatus.FROZEN)
+                or request.block_ids[: len(job.src)] != job.src
+            ):
+                sender.abort(transfer_id, "the request left its blocks")
+                continue
+            try:
+                index = engine.kv_cache.block_index(job.src)
+                for layer in range(job.layer, min(num_layers, job.layer + -(-num_layers // PRECOPY_TURNS))):
+                    k, v = engine.kv_cache.read_blocks(layer, index)
+                    sender.send_layer(transfer_id, layer, job.dst, k, v)
+                    job.layer = layer + 1
+                if job.layer == num_layers:
+                    sender.finish(transfer_id)
+            except Exception as exc:  # noqa: BLE001 - reported by poll; the request decodes on here
+                logger.warning("%s: pre-copying %s failed: %s", self.name, job.rid, exc)
+                sender.abort(transfer_id, f"pre-copy failed: {exc}")
+
+    def _migration_ended(self, transfer_id: str, ok: bool, nbytes: int, error: str) -> None:
+        precopy = self._precopies.pop(transfer_id, None)
+        rid = precopy.rid if precopy is not None else self._moving.pop(transfer_id)
         if ok:
-            self.counters.migrations_out += 1
             self.counters.migration_bytes += nbytes
-            if rid in self.engine.requests:
-                self.engine.release(rid)
-        self.emit(Migrated(rid=rid, worker=self.name, ok=ok, nbytes=nbytes, error=error))
+            if precopy is None:
+                self.counters.migrations_out += 1
+                if rid in self.engine.requests:
+                    self.engine.release(rid)
+        self.emit(Migrated(rid=rid, worker=self.name, ok=ok, precopy=precopy is not None, nbytes=nbytes, error=error))
 
     def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, local_max_tokens: int = 0) -> None:
         engine = self.engine
@@ -240,7 +324,7 @@ class DecodeRole(Role):
     def abort(self, rid: str) -> None:
         request = self.engine.requests.get(rid)
         if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            self.receiver.abort(rid, "aborted by router")  # its sender is told, and releases its lease
+            self._stop_transfers(rid, "aborted by router")
         self.engine.abort(rid)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -250,15 +334,30 @@ class DecodeRole(Role):
         for event in self.receiver.poll():
             self._transfer_ended(event)
         if self.sender is not None:
+            self._precopy_step()
             for sent in self.sender.poll():
-                if sent.transfer_id in self._moving:
+                if sent.transfer_id in self._moving or sent.transfer_id in self._precopies:
                     error = "" if sent.ok else str(sent.error)
                     self._migration_ended(sent.transfer_id, sent.ok, sent.nbytes, error)
         if self.engine.has_unfinished():
             self.emit_outputs(self.engine.step())
 
+    def _stop_transfers(self, rid: str, reason: str) -> None:
+        """Fail what is still coming for a reservation (a move's pre-copy too): each sender is told, and releases
+        its lease; nothing lands in the blocks once they are free."""
+        self.receiver.abort(rid, reason)
+        self.receiver.abort(precopy_transfer_id(rid), reason)
+
     def _transfer_ended(self, event: TransferEvent) -> None:
         rid = event.transfer_id
+        if rid.endswith(
+            PRECOPY_SUFFIX
+        ):  # a move's first blocks: the rest comes with its tail (or all, if these failed)
+            moving = self.engine.requests.get(rid.removesuffix(PRECOPY_SUFFIX))
+            if event.ok and moving is not None and moving.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.engine.precopy_done(moving.request_id)
+                self.counters.transfer_bytes += event.nbytes
+            return
         request = self.engine.requests.get(rid)
         if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             return  # aborted or expired meanwhile: its blocks are already free
@@ -289,7 +388,7 @@ class DecodeRole(Role):
                 "%s: reservation %s got no start in %.0f s; freeing it", self.name, rid, self.start_deadline_s
             )
             self.counters.reservations_expired += 1
-            self.receiver.abort(rid, "reservation expired")  # a transfer still under way: its sender is told
+            self._stop_transfers(rid, "reservation expired")
             self.emit_error(
                 rid,
                 f"no first token reached the decode worker within {self.start_deadline_s:.0f} s",

@@ -470,45 +470,111 @@ class LLMEngine:
         """A FROZEN request runs on here (its move was called off)."""
         self.scheduler.add_running(self._get(request_id, RequestStatus.FROZEN))
 
-    def frozen_blocks(self, request_id: str) -> list[int]:
-        """The blocks that hold a FROZEN request's computed KV, in order (what goes to the other worker)."""
-        request = self._get(request_id, RequestStatus.FROZEN)
-        return request.block_ids[: blocks_for_tokens(request.num_computed_tokens, self.config.block_size)]
+    def kv_blocks(self, request_id: str, first_block: int = 0, num_blocks: int | None = None) -> list[int]:
+        """The blocks that hold a decoding request's computed KV, from ``first_block`` on (what goes to the other
+        worker): ``num_blocks`` full ones of a RUNNING or FROZEN request (pre-copy: their KV no longer changes while
+        it decodes on), or, of a FROZEN one, all up to its last computed token (its tail). ValueError when it is not
+        decoding here or holds fewer."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if request.status not in (RequestStatus.RUNNING, RequestStatus.FROZEN) or request.prefill_only:
+            raise ValueError(f"request {request_id!r} is {request.status.name}: only a decoding request moves")
+        if request.num_computed_tokens != request.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is still prefilling: only a decoding request moves")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("a request on a tensor-parallel engine does not move (each rank holds part of its KV)")
+        block_size = self.config.block_size
+        if num_blocks is None:
+            if request.status != RequestStatus.FROZEN:
+                raise ValueError(f"request {request_id!r} runs: only a frozen request's last blocks are complete")
+            end = blocks_for_tokens(request.num_computed_tokens, block_size)
+        else:
+            end = first_block + num_blocks
+            if end * block_size > request.num_computed_tokens:
+                raise ValueError(f"request {request_id!r} has not filled {end} blocks")
+        if not 0 <= first_block < end:
+            raise ValueError(f"no blocks from {first_block} to {end}")
+        return request.block_ids[first_block:end]
 
-    def reserve_migrated(
+    def reserve_migration(
         self,
         prompt: list[int],
         params: SamplingParams,
         request_id: str,
-        output_token_ids: list[int],
         num_computed_tokens: int,
+        precopy_blocks: int = 0,
         headroom_tokens: int = 0,
     ) -> list[int] | None:
-        """Take over a running request from another worker: its generated tokens are replayed here (grammar,
-        detokenizer and stop-string window as they were there; nothing is sent again), and blocks reserved for its
-        whole context and ``headroom_tokens`` more; None when they are not free now. It waits in
-        WAITING_FOR_REMOTE_KV for the KV of its first ``num_computed_tokens`` (``remote_kv_done``), then continues
-        from its next token; a failed transfer recomputes prompt and tokens here (``remote_kv_failed``)."""
+        """Reserve blocks for a running request that moves here from another worker, as for a reservation whose
+        prompt were its ``num_computed_tokens`` (prompt and all generated tokens but the last), None when they are
+        not free now. The KV of its first ``precopy_blocks`` blocks may come while it still runs there
+        (``precopy_done``); ``adopt_migrated`` then brings its tokens."""
         request = self._new_request(prompt, params, request_id, prefill_only=False)
-        if num_computed_tokens != request.num_prompt_tokens + len(output_token_ids) - 1:
+        generated = num_computed_tokens - request.num_prompt_tokens + 1
+        if not 0 < generated < request.params.max_tokens:
+            raise ValueError(f"num_computed_tokens {num_computed_tokens} is no running request's")
+        if not 0 <= precopy_blocks * self.config.block_size <= num_computed_tokens:
+            raise ValueError(f"{precopy_blocks} blocks to pre-copy are more than {num_computed_tokens} tokens fill")
+        if self.at_seq_limit():
+            return None
+        remaining = request.params.max_tokens - generated
+        num_tokens = reserved_tokens(num_computed_tokens, remaining + 1, headroom_tokens, self.max_model_len)
+        if not self.scheduler.reserve_remote(request, num_tokens, use_prefix_cache=False):
+            return None
+        remote = _remote(request)
+        remote.migrating, remote.precopy_blocks = True, precopy_blocks
+        self._save_evicted()
+        self.requests[request.request_id] = request
+        return list(request.block_ids)
+
+    def precopy_done(self, request_id: str) -> None:
+        """Every pre-copied block of a move's reservation arrived."""
+        remote = _remote(self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV))
+        if not remote.migrating or remote.resume_at is not None:
+            raise ValueError(f"request {request_id!r} is no move waiting for its pre-copy")
+        remote.precopied = True
+
+    def adopt_migrated(
+        self,
+        request_id: str,
+        output_token_ids: list[int],
+        num_computed_tokens: int,
+        first_block: int = 0,
+        headroom_tokens: int = 0,
+    ) -> list[int] | None:
+        """A move's reservation takes over the request stopped on its source: its generated tokens are replayed
+        here (grammar, detokenizer and stop-string window as they were there; nothing is sent again), and its blocks
+        grown for the tokens it made meanwhile; returns the blocks whose KV still comes (from ``first_block``: those
+        before it were pre-copied), or None when the blocks to grow by are not free (it is as it was). It waits in
+        WAITING_FOR_REMOTE_KV for them (``remote_kv_done``), then continues from its next token; a failed transfer
+        recomputes prompt and tokens here (``remote_kv_failed``)."""
+        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
+        remote = _remote(request)
+        if not remote.migrating or remote.resume_at is not None or remote.kv_failed:
+            raise ValueError(f"request {request_id!r} is no move's reservation waiting for its tokens")
+        if num_computed_tokens != request.num_prompt_tokens + len(output_token_ids) - 1 or not output_token_ids:
             raise ValueError("num_computed_tokens must be every token but the last one generated")
+        if first_block and (not remote.precopied or first_block != remote.precopy_blocks):
+            raise ValueError(f"the first {first_block} blocks were not pre-copied here")
+        end = blocks_for_tokens(num_computed_tokens, self.config.block_size)
+        if not first_block < end:
+            raise ValueError(f"{num_computed_tokens} computed tokens end before block {first_block}")
         for token_id in output_token_ids:
             if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"generated token ids must be integers in [0, {self.vocab_size})")
+        remaining = request.params.max_tokens - len(output_token_ids)
+        num_tokens = reserved_tokens(num_computed_tokens, remaining + 1, headroom_tokens, self.max_model_len)
+        if not self.block_manager.grow(request.block_ids, num_tokens):
+            return None
+        for token_id in output_token_ids:
             if request.grammar is not None and not request.grammar.accept(token_id):
                 raise ValueError(f"generated token {token_id} does not match the request's grammar")
             reason, _ = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.length_limit, True)
             if reason is not None:
                 raise ValueError(f"the request would end here after its generated tokens ({reason.value})")
-        if self.at_seq_limit():
-            return None
-        remaining = request.params.max_tokens - len(output_token_ids)
-        num_tokens = reserved_tokens(num_computed_tokens, remaining + 1, headroom_tokens, self.max_model_len)
-        if not self.scheduler.reserve_remote(request, num_tokens, use_prefix_cache=False):
-            return None
-        _remote(request).resume_at = num_computed_tokens
-        self.requests[request.request_id] = request
-        return list(request.block_ids)
+        remote.resume_at = num_computed_tokens
+        return request.block_ids[first_block:end]
 
     def at_seq_limit(self) -> bool:
         """This engine holds ``max_num_seqs`` requests, so a reservation is refused: a decode step never exceeds the
@@ -517,11 +583,12 @@ class LLMEngine:
 
     def missing_prompt_blocks(self, request: Request) -> list[int]:
         """The physical blocks a reservation's imported KV goes into: its prompt's, after those shared from the
-        prefix cache (a moved request's: every block its computed tokens fill)."""
+        prefix cache (a moved request's: those to pre-copy, then every block its computed tokens fill)."""
         block_size = self.config.block_size
         remote = request.remote
-        if remote is not None and remote.resume_at is not None:
-            return request.block_ids[: blocks_for_tokens(remote.resume_at, block_size)]
+        if remote is not None and remote.migrating:  # its own blocks (no prefix sharing): pre-copied, then the rest
+            end = remote.precopy_blocks if remote.resume_at is None else blocks_for_tokens(remote.resume_at, block_size)
+            return request.block_ids[:end]
         first = request.num_cached_tokens // block_size
         return request.block_ids[first : blocks_for_tokens(request.num_prompt_tokens, block_size)]
 

@@ -195,8 +195,13 @@ class RemoteKV:
     # a KV-tier load behind the reservation fell short: the prompt's KV is good up to here only; the rest (and the
     # first token's) is computed at admission
     valid_prompt_tokens: int | None = None
-    # a running request moved here from another decode worker (``LLMEngine.reserve_migrated``): its generated tokens
-    # are in, and the KV of its first ``resume_at`` tokens comes; admitted, it continues from its next token
+    # a running request moving here from another decode worker (``LLMEngine.reserve_migration``): the KV of its first
+    # ``precopy_blocks`` full blocks may come while it still runs there (``precopied`` once whole); then
+    # ``adopt_migrated`` brings its generated tokens, and the KV of its first ``resume_at`` tokens is completed;
+    # admitted, it continues from its next token
+    migrating: bool = False
+    precopy_blocks: int = 0
+    precopied: bool = False
     resume_at: int | None = None
     ready_s: float | None = None  # the join: queued for admission
     admitted_s: float | None = None  # the scheduler took it: into the running batch (or, to recompute, the queue)

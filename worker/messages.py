@@ -204,23 +204,60 @@ class Resume(_RequestCommand, tag="resume"):
 
 
 class MigrateIn(_PromptCommand, tag="migrate_in"):
-    """Migration, on the target decode worker: reserve blocks for a running request's whole context and expect the
-    KV of its first ``num_computed_tokens`` from the source; it continues from its next token (``Reserved``)."""
+    """Migration, on the target decode worker: reserve blocks for a running request's context so far (the KV of
+    ``num_computed_tokens``, and headroom; ``Reserved``) and expect the KV of its first ``precopy_blocks`` full blocks
+    while it still runs on its source (transfer ``precopy_transfer_id(rid)``)."""
+
+    num_computed_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    precopy_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class MigrateTail(_RequestCommand, tag="migrate_tail"):
+    """Migration, on the target, once the source froze the request: take its generated tokens, grow its blocks for
+    those it made since ``MigrateIn``, and expect the KV of its first ``num_computed_tokens`` from block
+    ``first_block`` on (those before were pre-copied); ``Reserved`` names the blocks (not ok: no room to grow). It
+    continues from its next token."""
 
     output_token_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
     num_computed_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class MigrateSend(_RequestCommand, tag="migrate_send"):
-    """Migration, on the source: ship the frozen request's KV into the target's reserved blocks, as transfer
-    ``target_rid``; ``Migrated`` says how it ended (the blocks are released once it went, kept if it failed)."""
+    """Migration, on the source: ship the request's KV into the target's reserved blocks. ``precopy``: its first
+    ``len(dst_blocks)`` full blocks while it decodes on (transfer ``precopy_transfer_id(target_rid)``); else the
+    frozen request's blocks from ``first_block`` on (transfer ``target_rid``), released once they went. ``Migrated``
+    says how it ended."""
 
     target_rid: str
     kv_address: str
     dst_blocks: list[int]
+    first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
+    precopy: bool = False
 
 
-Command = Reserve | Prefill | Start | Generate | Abort | Ping | Drain | Freeze | Resume | MigrateIn | MigrateSend
+PRECOPY_SUFFIX = ":precopy"
+
+
+def precopy_transfer_id(rid: str) -> str:
+    """The transfer that brings a moving request's pre-copied blocks to its target (``rid``: the target's id)."""
+    return rid + PRECOPY_SUFFIX
+
+
+Command = (
+    Reserve
+    | Prefill
+    | Start
+    | Generate
+    | Abort
+    | Ping
+    | Drain
+    | Freeze
+    | Resume
+    | MigrateIn
+    | MigrateTail
+    | MigrateSend
+)
 RequestCommand = _RequestCommand  # every command about one request (all but ping and drain)
 PromptCommand = _PromptCommand  # the commands that bring a prompt and its sampling parameters
 
@@ -312,11 +349,13 @@ class Frozen(_Event, tag="frozen"):
 
 
 class Migrated(_Event, tag="migrated"):
-    """The source's KV transfer of a frozen request ended: ok, its blocks here are free; not ok, they are held until
+    """The source's KV transfer of a moving request ended. ``precopy``: its blocks shipped while it decodes on (not
+    ok: they are sent with the tail). Else its tail: ok, its blocks here are free; not ok, they are held until
     ``Resume`` or ``Abort`` (the target recomputes from the tokens unless it is gone)."""
 
     rid: str
     ok: bool
+    precopy: bool = False
     nbytes: int = 0
     error: str = ""
 

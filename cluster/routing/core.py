@@ -7,9 +7,10 @@ the planner's simulator in simulated time. A worker's load is the flows it holds
 2. prefill on a prefill worker, or on the decode worker when what it lacks is short;
 3. forward the prefill worker's first token to the decode worker (``Start``), which streams the rest.
 Colocated: one worker does all.
-A decoding request can move to another decode worker (``migrate``; a drain moves all of its worker's): the source
-freezes it, the target reserves its whole context under a new wire id and replays its tokens, the source ships the
-KV and reports the end. Its stream stands still meanwhile and goes on from the target, no token lost or repeated.
+A decoding request can move to another decode worker (``migrate``; a drain moves all of its worker's) by pre-copy:
+the target reserves its whole context under a new wire id, the source ships its full blocks while it decodes on,
+then stops it; the target takes its tokens, the source ships the rest and reports the end. Its stream stands still
+only from the stop, and goes on from the target, no token lost or repeated.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from worker.messages import (
     Migrated,
     MigrateIn,
     MigrateSend,
+    MigrateTail,
     Prefill,
     Reserve,
     Reserved,
@@ -72,10 +74,18 @@ def _free_blocks(worker: WorkerHandle) -> float:
     if worker.stats is None:
         return float("inf")
     load = worker.stats.load
-    asked = [f.blocks_needed for f in worker.flows if f.asking == worker.name]
+    asked = [n for f in worker.flows if (n := _asked_blocks(f, worker.name)) is not None]
     if 0 < load.max_requests <= load.requests + len(asked):
         return 0
     return load.free_blocks - sum(asked)
+
+
+def _asked_blocks(flow: Flow, name: str) -> int | None:
+    """The blocks a flow asks worker ``name`` to reserve now (for its prompt, or to move there); None: none."""
+    if flow.asking == name:
+        return flow.blocks_needed
+    move = flow.move
+    return move.blocks_needed if move is not None and move.target == name and move.phase == "reserving" else None
 
 
 class RouterCore:
@@ -205,8 +215,9 @@ class RouterCore:
 
     def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None, now: float) -> None:
         flow = self.flows.get(reply.rid)
-        if flow is not None and flow.move is not None and flow.move.phase == "reserving":
-            self._on_move_reserved(flow, reply, now)
+        if flow is not None and flow.move is not None and reply.rid == flow.move.target_wire:
+            if flow.move.phase in ("reserving", "adopting"):
+                self._on_move_reserved(flow, reply, now)
             return
         if flow is None or flow.status is not FlowStatus.RESERVING or flow.asking != reply.worker:
             if reply.ok and worker is not None:  # an answer that came after the router gave up: undo it there
@@ -318,8 +329,9 @@ class RouterCore:
         if not decoding:
             return
         flow = max(decoding, key=lambda f: f.params.max_tokens - f.received_tokens)
-        context = len(flow.prompt) + flow.received_tokens
-        needed = self.placer.blocks_needed(context, flow.params.max_tokens - flow.received_tokens + 1)
+        needed = self.placer.blocks_needed(
+            len(flow.prompt) + flow.received_tokens - 1, flow.params.max_tokens - flow.received_tokens + 1
+        )
         others = [w for w in self.members.routable("decode") if w.name != worker.name and w.stats is not None]
         roomy = [w for w in others if _free_blocks(w) - needed >= w.stats.load.running + 1]  # type: ignore[union-attr]
         if roomy:
@@ -392,9 +404,12 @@ class RouterCore:
                 flow.asking = None
                 self._reserve_next(flow, now)
             elif (
-                (move := flow.move) is not None and move.phase == "reserving" and now - move.phase_s > worker_timeout_s
+                (move := flow.move) is not None
+                and move.phase in ("reserving", "adopting")
+                and now - move.phase_s > worker_timeout_s
+                and not move.source_lost
             ):
-                logger.warning("decode worker %s did not answer a move's reservation in time", move.target)
+                logger.warning("decode worker %s did not answer a move's %s in time", move.target, move.phase)
                 self._call_off_move(flow, "resumed", now)
         if self._queue and now >= self._next_queue_retry_s:
             self._wake(now)
@@ -459,70 +474,61 @@ class RouterCore:
     # ---- moving a decoding request to another decode worker -----------------------------------------------------
 
     def migrate(self, flow: Flow, now: float, target: str | None = None, reason: str = "admin") -> str:
-        """Start moving a decoding flow off its decode worker (to ``target``, or where the policy says once its
-        size is known); returns "" or why it cannot move now."""
+        """Start moving a decoding flow off its decode worker, to ``target`` or the one the policy picks among
+        those with room for its whole context; returns "" or why it cannot move now."""
         if self.config.mode == "colocated":
             return "colocated workers do not move requests"
         if flow.status is not FlowStatus.DECODING or flow.decode is None:
             return f"request is {flow.status.value}, not decoding"
-        if target is not None and (target == flow.decode or target not in self._routable_decode()):
+        source = flow.decode
+        if target is not None and (target == source or target not in self._routable_decode()):
             return f"{target} is not another live decode worker"
-        flow.move = Move(flow.decode, flow.wire_id, now, requested=target, reason=reason, phase_s=now)
-        flow.status = FlowStatus.MIGRATING
+        computed = len(flow.prompt) + flow.received_tokens - 1  # tokens whose KV the source surely holds
+        needed = self.placer.blocks_needed(computed, flow.params.max_tokens - flow.received_tokens + 1)
+        workers = [w for w in self.members.routable("decode") if w.name != source and target in (None, w.name)]
+        fits = [w for w in workers if _free_blocks(w) >= needed]
+        if not fits:
+            self.metrics.migrations.labels(reason, "refused").inc()
+            return "no other decode worker has room for it"
+        chosen = self.placer.order("decode", fits, self.placer.prefix_match(0, []))[0]
+        move = Move(source, flow.wire_id, chosen.name, self._next_wire_id(flow), now, reason=reason, phase_s=now)
+        move.blocks_needed = needed
+        # every full block but one for the tail; none when rebalancing: a worker about to preempt needs the request
+        # out of its batch now (a frozen request grows no more), not after the few steps a pre-copy takes
+        if reason != "rebalance":
+            move.precopy_blocks = max(0, (computed - 1) // self.config.transfer.block_size)
+        flow.move, flow.status = move, FlowStatus.MIGRATING
         self._sync(flow)
-        self._send(flow.decode, Freeze(flow.wire_id))
+        command = MigrateIn(
+            move.target_wire, flow.prompt, flow.params, num_computed_tokens=computed, precopy_blocks=move.precopy_blocks
+        )
+        self._send(chosen.name, command)
         return ""
 
     def _routable_decode(self) -> list[str]:
         return [w.name for w in self.members.routable("decode")]
 
-    def _on_frozen(self, event: Frozen, now: float) -> None:
-        flow = self.flows.get(event.rid)
-        move = flow.move if flow is not None else None
-        if flow is None or move is None or move.phase != "freezing" or event.worker != move.source:
-            if event.ok and self.members.get(event.worker) is not None:  # nobody waits for it any more
-                self._send(event.worker, Abort(event.rid) if flow is None else Resume(event.rid))
-            return
-        if not event.ok:
-            logger.info("request %s did not move off %s: %s", flow.rid, move.source, event.reason)
-            self._end_move(flow, "refused", now)
-            return
-        if len(event.output_token_ids) != flow.received_tokens:  # every token came before the freeze: a bug
-            logger.warning(
-                "request %s froze after %d tokens, %d arrived",
-                flow.rid,
-                len(event.output_token_ids),
-                flow.received_tokens,
-            )
-            self._call_off_move(flow, "refused", now)
-            return
-        remaining = flow.params.max_tokens - len(event.output_token_ids)
-        needed = self.placer.blocks_needed(event.num_computed_tokens, remaining + 1)
-        workers = [w for w in self.members.routable("decode") if w.name != move.source]
-        fits = [w for w in workers if _free_blocks(w) >= needed and move.requested in (None, w.name)]
-        if not fits:
-            self._call_off_move(flow, "refused", now)
-            return
-        target = self.placer.order("decode", fits, self.placer.prefix_match(0, []))[0]
-        self._new_wire_id(flow)  # the target's id; the source's stays in ``flows`` until its transfer ends
-        flow.wire_used = True
-        move.target, move.phase, move.phase_s = target.name, "reserving", now
-        self._sync(flow)
-        command = MigrateIn(
-            flow.wire_id,
-            flow.prompt,
-            flow.params,
-            output_token_ids=event.output_token_ids,
-            num_computed_tokens=event.num_computed_tokens,
-        )
-        self._send(target.name, command)
-
     def _on_move_reserved(self, flow: Flow, reply: Reserved, now: float) -> None:
+        """The target's answer: to the reservation (pre-copy next, or the freeze), or to the tokens (the tail next)."""
         move = flow.move
         assert move is not None
         if reply.worker != move.target:
             return
-        if move.source_lost:  # the target was told to recompute what it reserves (``_move_worker_gone``)
+        if move.phase == "reserving":
+            if not reply.ok:
+                self._end_move(flow, "refused", now)  # nothing is held anywhere: the source never stopped
+                return
+            move.kv_address = reply.kv_address
+            if not move.precopy_blocks:
+                self._freeze(flow, now)
+                return
+            move.phase, move.phase_s = "precopying", now
+            dst = reply.blocks[: move.precopy_blocks]
+            self._send(
+                move.source, MigrateSend(move.source_wire, move.target_wire, reply.kv_address, dst, precopy=True)
+            )
+            return
+        if move.source_lost:  # the target was told to recompute what it adopts (``_move_worker_gone``)
             if reply.ok:
                 self._end_move(flow, "recomputed", now)
             else:
@@ -535,71 +541,123 @@ class RouterCore:
             self._call_off_move(flow, "refused", now)
             return
         move.phase, move.phase_s = "moving", now
-        flow.decode = move.target  # its tokens come from there from now on
+        flow.decode, flow.wire_id = move.target, move.target_wire  # its tokens come from there from now on
         self._sync(flow)
-        self._send(move.source, MigrateSend(move.source_wire, flow.wire_id, reply.kv_address, reply.blocks))
+        command = MigrateSend(
+            move.source_wire, move.target_wire, move.kv_address, reply.blocks, first_block=move.precopy_blocks
+        )
+        self._send(move.source, command)
+
+    def _freeze(self, flow: Flow, now: float) -> None:
+        move = flow.move
+        assert move is not None
+        move.phase, move.phase_s, move.frozen_s = "freezing", now, now
+        self._send(move.source, Freeze(move.source_wire))
+
+    def _on_frozen(self, event: Frozen, now: float) -> None:
+        flow = self.flows.get(event.rid)
+        move = flow.move if flow is not None else None
+        if flow is None or move is None or move.phase != "freezing" or event.worker != move.source:
+            if event.ok and self.members.get(event.worker) is not None:  # nobody waits for it any more
+                self._send(event.worker, Abort(event.rid) if flow is None else Resume(event.rid))
+            return
+        if not event.ok:
+            logger.info("request %s did not move off %s: %s", flow.rid, move.source, event.reason)
+            self._call_off_move(flow, "refused", now)
+            return
+        move.phase, move.phase_s, move.frozen_tokens = "adopting", now, len(event.output_token_ids)
+        if len(event.output_token_ids) != flow.received_tokens:  # every token came before the freeze: a bug
+            logger.warning(
+                "request %s froze after %d tokens, %d arrived",
+                flow.rid,
+                len(event.output_token_ids),
+                flow.received_tokens,
+            )
+            self._call_off_move(flow, "refused", now)
+            return
+        command = MigrateTail(
+            move.target_wire,
+            output_token_ids=event.output_token_ids,
+            num_computed_tokens=event.num_computed_tokens,
+            first_block=move.precopy_blocks,
+        )
+        self._send(move.target, command)
 
     def _on_migrated(self, event: Migrated, now: float) -> None:
         flow = self.flows.get(event.rid)
         move = flow.move if flow is not None else None
-        if flow is None or move is None or move.phase != "moving" or event.worker != move.source:
+        if flow is None or move is None or event.worker != move.source:
+            return
+        if event.precopy:
+            if move.phase == "precopying":
+                if not event.ok:  # its blocks go with the tail
+                    logger.info("pre-copy of %s to %s failed: %s", flow.rid, move.target, event.error)
+                    move.precopy_blocks = 0
+                self._freeze(flow, now)
+            return
+        if move.phase != "moving":
             return
         if event.ok:
             self._end_move(flow, "moved", now)
         elif move.target in self._routable_decode():  # the target recomputes from the tokens; the source lets go
             self._send(move.source, Abort(move.source_wire))
-            self._send(move.target, Resume(flow.wire_id))
+            self._send(move.target, Resume(move.target_wire))
             self._end_move(flow, "recomputed", now)
         else:
             self._call_off_move(flow, "resumed", now)
 
     def _on_move_error(self, flow: Flow, error: ErrorEvent, now: float) -> None:
-        """An error from either end while the flow moves: about the move itself, it is called off; else (the
-        request failed there) the flow fails."""
+        """An error from either end while the flow moves: about the move itself, it is called off (or, its tail
+        refused by the source, recomputed on the target); else (the request failed there) the flow fails."""
         move = flow.move
         assert move is not None
-        if error.rid == flow.wire_id and error.worker == move.target and move.phase == "reserving":
-            self._call_off_move(flow, "refused", now)  # the target could not take it over
-        elif error.rid == move.source_wire and error.worker == move.source and move.phase != "moving":
-            self._end_move(flow, "refused", now)  # the source could not stop it: it runs on there
-            if error.code is not ErrorCode.INVALID_REQUEST:
-                self._fail(flow, RequestFailed(error.message, error.code.value, 500))
-        else:
-            status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
-            self._fail(flow, RequestFailed(error.message, error.code.value, status))
+        about_move = error.code is ErrorCode.INVALID_REQUEST
+        if error.worker == move.target and error.rid == move.target_wire and move.phase != "moving":
+            if not move.source_lost:
+                self._call_off_move(flow, "refused", now)  # the target could not take it over (or let it expire)
+                return
+        elif error.worker == move.source and error.rid == move.source_wire and about_move:
+            if move.phase != "moving":
+                self._call_off_move(flow, "refused", now)  # the source could not ship or stop it: it runs on there
+            else:
+                self._send(move.target, Resume(move.target_wire))
+                self._end_move(flow, "recomputed", now)
+            return
+        status = 400 if about_move else 500
+        self._fail(flow, RequestFailed(error.message, error.code.value, status))
 
     def _move_worker_gone(self, flow: Flow, name: str, reason: str, now: float) -> None:
         move = flow.move
         assert move is not None
-        if name == move.target and move.phase != "freezing":  # the source still holds it: it runs on there
-            self._call_off_move(flow, "resumed", now)
-        elif name == move.source and move.phase == "moving":  # the target recomputes what did not come
-            if move.target is not None:
-                self._send(move.target, Resume(flow.wire_id))
+        if name == move.target:
+            if flow.received_tokens > move.frozen_tokens and move.phase == "moving":  # the target streamed already
+                self._end_move(flow, "failed", now)
+                self._fail(flow, RequestFailed(f"{reason} ({name})", "worker_died", 503))
+            else:  # the source still holds it: it runs on there
+                self._call_off_move(flow, "resumed", now)
+        elif move.phase == "moving":  # the target recomputes what did not come
+            self._send(move.target, Resume(move.target_wire))
             self._end_move(flow, "recomputed", now)
-        elif name == move.source and move.phase == "reserving" and move.target is not None:
-            # the target has the tokens: once it has reserved (commands to it stay in order), it recomputes them
+        elif move.phase == "adopting":
+            # the target has the tokens: once it has adopted them (commands to it stay in order), it recomputes
             move.source_lost = True
-            flow.decode = move.target
-            self._send(move.target, Resume(flow.wire_id))
+            flow.decode, flow.wire_id = move.target, move.target_wire
+            self._send(move.target, Resume(move.target_wire))
             self._sync(flow)
-        elif name == move.source:  # it died before it said what it had generated: nobody can go on
-            if move.target is not None:
-                self._send(move.target, Abort(flow.wire_id))
+        else:  # it died before it said what it had generated: nobody can go on
+            self._send(move.target, Abort(move.target_wire))
             self._end_move(flow, "failed", now)
             self._fail(flow, RequestFailed(f"{reason} ({name}) while the request moved", "worker_died", 503))
 
     def _call_off_move(self, flow: Flow, result: str, now: float) -> None:
-        """Back to the source under its old id: the target lets go of what it reserved, the source runs it on."""
+        """Back to the source under its old id: the target lets go of what it reserved, the source runs on (told to,
+        once it stopped)."""
         move = flow.move
         assert move is not None
-        if move.target is not None and move.phase != "freezing":
-            if self.members.get(move.target) is not None:
-                self._send(move.target, Abort(flow.wire_id))
-            self._retire_wire_id(flow)
-            flow.wire_id = move.source_wire
-        flow.decode = move.source
-        if move.source in self._routable_decode() or self.members.get(move.source) is not None:
+        if self.members.get(move.target) is not None:
+            self._send(move.target, Abort(move.target_wire))
+        flow.decode, flow.wire_id = move.source, move.source_wire
+        if move.phase in ("adopting", "moving") and self.members.get(move.source) is not None:
             self._send(move.source, Resume(move.source_wire))
         self._end_move(flow, result, now)
 
@@ -607,14 +665,14 @@ class RouterCore:
         move = flow.move
         assert move is not None
         flow.move = None
-        if flow.wire_id != move.source_wire:
-            self._retire(move.source_wire, flow)
+        self._retire(move.source_wire if flow.wire_id == move.target_wire else move.target_wire, flow)
         self.metrics.migrations.labels(move.reason, result).inc()
         if result in ("moved", "recomputed"):
+            stall_s = now - (move.frozen_s if move.frozen_s is not None else now)
             flow.migrations += 1
-            flow.migration_s += now - move.started_s
+            flow.migration_s += stall_s
             flow.timing.migrations, flow.timing.migration_s = flow.migrations, flow.migration_s
-            self.metrics.migration_stall.observe(now - move.started_s)
+            self.metrics.migration_stall.observe(stall_s)
         if not flow.status.ended:
             flow.status = FlowStatus.DECODING
             self._sync(flow)
@@ -628,10 +686,14 @@ class RouterCore:
     def _finish(self, flow: Flow, now: float) -> None:
         move = flow.move
         flow.status = FlowStatus.DONE
-        if move is not None:  # finished on the target before the source said its transfer ended
+        if move is not None and flow.decode == move.target:  # finished there before the source said its KV went
             if self.members.get(move.source) is not None:
                 self._send(move.source, Abort(move.source_wire))
             self._end_move(flow, "moved", now)
+        elif move is not None:  # finished on the source before it stopped: the target lets go
+            if self.members.get(move.target) is not None:
+                self._send(move.target, Abort(move.target_wire))
+            self._end_move(flow, "finished", now)
         self._sync(flow)
         metrics, timing = self.metrics, flow.timing
         metrics.requests.labels("finished").inc()
@@ -667,17 +729,15 @@ class RouterCore:
 
     def _abort_workers(self, flow: Flow) -> None:
         """Abort on every worker that may hold the flow, those marked dead too (one only cut off must not keep it)."""
+        holders = {(name, flow.wire_id) for name in (flow.prefill, flow.decode, flow.asking) if name is not None}
         move = flow.move
-        if move is not None:  # the source knows it by its old wire id, the target by the current one
+        if move is not None:  # the source knows it by its old wire id, the target by its new one
             flow.move = None
-            self._retire(move.source_wire, flow)
-            if self.members.get(move.source) is not None:
-                self._send(move.source, Abort(move.source_wire))
-            if move.target is not None and move.target != flow.decode and self.members.get(move.target) is not None:
-                self._send(move.target, Abort(flow.wire_id))
-        for name in {flow.prefill, flow.decode, flow.asking} - {None}:
+            self._retire(move.source_wire if flow.wire_id == move.target_wire else move.target_wire, flow)
+            holders |= {(move.source, move.source_wire), (move.target, move.target_wire)}
+        for name, wire_id in holders:
             if self.members.get(name) is not None:
-                self._send(name, Abort(flow.wire_id))  # type: ignore[arg-type]
+                self._send(name, Abort(wire_id))
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
 
@@ -697,9 +757,13 @@ class RouterCore:
         flow.held_by = holders
 
     def _new_wire_id(self, flow: Flow) -> None:
-        flow.attempts, flow.wire_used = flow.attempts + 1, False
-        flow.wire_id = flow.rid if flow.attempts == 1 else f"{flow.rid}.{flow.attempts - 1}"
-        self.flows[flow.wire_id] = flow
+        flow.wire_id, flow.wire_used = self._next_wire_id(flow), False
+
+    def _next_wire_id(self, flow: Flow) -> str:
+        flow.attempts += 1
+        wire_id = flow.rid if flow.attempts == 1 else f"{flow.rid}.{flow.attempts - 1}"
+        self.flows[wire_id] = flow
+        return wire_id
 
     def _retire_wire_id(self, flow: Flow) -> None:
         if self.flows.get(flow.wire_id) is flow:

@@ -22,7 +22,7 @@ class FlowStatus(enum.Enum):
     RESERVING = "reserving"  # a decode worker is asked to reserve its KV (``Flow.asking``)
     PREFILLING = "prefilling"  # its prompt is being computed (prefill worker, or the decode/colocated worker)
     DECODING = "decoding"  # its first token came; the decode (or colocated) worker streams the rest
-    MIGRATING = "migrating"  # moving from one decode worker to another (``Flow.move``); its stream stands still
+    MIGRATING = "migrating"  # moving from one decode worker to another (``Flow.move``)
     DONE = "done"  # its finish came
     FAILED = "failed"  # it ended with an error the client gets
 
@@ -31,23 +31,29 @@ class FlowStatus(enum.Enum):
         return self in (FlowStatus.DONE, FlowStatus.FAILED)
 
 
-MovePhase = Literal["freezing", "reserving", "moving"]
+MovePhase = Literal["reserving", "precopying", "freezing", "adopting", "moving"]
 
 
 @dataclass(slots=True)
 class Move:
-    """A decoding flow on its way from ``source`` to another decode worker: the source stops it (freezing), the
-    target reserves its context (reserving, under a new wire id), the source ships its KV (moving) and says how that
-    ended. ``source_wire``: the id the source knows it by."""
+    """A decoding flow on its way from ``source`` to ``target`` by pre-copy. The target reserves its whole context
+    under ``target_wire`` (reserving); the source ships its first full blocks while it decodes on (precopying); the
+    source stops it (freezing: from here its stream stands still); the target takes its tokens (adopting) and the
+    source ships the rest (moving) and says how that ended. ``source_wire``: the id the source knows it by."""
 
     source: str
     source_wire: str
+    target: str
+    target_wire: str
     started_s: float
-    requested: str | None = None  # the target asked for (``POST /admin/migrate``), else the policy picks
-    reason: str = "admin"  # what started it: admin, drain
-    target: str | None = None
-    phase: MovePhase = "freezing"
+    reason: str = "admin"  # what started it: admin, drain, rebalance
+    phase: MovePhase = "reserving"
     phase_s: float = 0.0  # when the current phase began
+    blocks_needed: int = 0  # what the target reserves for it
+    precopy_blocks: int = 0  # leading full blocks shipped before the freeze (0: none, or that transfer failed)
+    kv_address: str = ""  # the target's receiver
+    frozen_s: float | None = None  # the freeze was asked for: the stream's standstill begins
+    frozen_tokens: int = 0  # the tokens it had when it stopped on the source
     source_lost: bool = False  # the source died after the target got the tokens: the target recomputes them
 
 

@@ -54,8 +54,9 @@ def test_a_move_whose_source_or_target_dies_loses_and_repeats_nothing(ray_local,
             target = next(w.name for w in handle.router.live("decode") if w.name != source)
             httpx.post(f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid, "to": target}, timeout=10)
             name = source if victim == "source" else target
-            os.kill(_pid(handle, name), signal.SIGKILL)  # while the move is under way (it takes tens of ms)
-            killed.append(name)
+            pid = _pid(handle, name)
+            os.kill(pid, signal.SIGKILL)  # while the move is under way (its pre-copy and tail take tens of ms)
+            killed.append((name, pid))
 
         with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=_body(config, True), timeout=120) as r:
             for line in r.iter_lines():
@@ -75,9 +76,12 @@ def test_a_move_whose_source_or_target_dies_loses_and_repeats_nothing(ray_local,
         else:  # only when the source died before it said what it had generated
             assert victim == "source" and error["code"] == "worker_died", error
             assert expected.startswith(text)  # what came before the error was right
-        survivors = [w.name for w in handle.router.live("decode")]
-        assert killed[0] not in survivors
-        wait_until(lambda: killed[0] in [w.name for w in handle.router.live("decode")], timeout_s=90)  # restarted
+        [(name, pid)] = killed
+
+        def restarted() -> bool:
+            return name in [w.name for w in handle.router.live("decode")] and _pid(handle, name) != pid
+
+        wait_until(restarted, timeout_s=90)  # a new process under its name
         wait_all_kv_free(handle.base_url, timeout_s=30)
     finally:
         handle.stop()

@@ -1,5 +1,5 @@
-"""Moving a running request between engines (migration): frozen on one between steps, its KV and tokens taken over
-by another, which continues. The stream (tokens, text, logprobs) equals the undisturbed run's, for greedy, seeded
+"""Moving a running request between engines (migration) by pre-copy: its full blocks copied while it decodes on, then
+frozen between steps, its tokens and the rest of its KV taken over by another engine, which continues. The stream (tokens, text, logprobs) equals the undisturbed run's, for greedy, seeded
 sampling, penalties, guided JSON, stop strings and logprobs; a failed transfer recomputes, exact too; nothing leaks.
 """
 
@@ -45,24 +45,38 @@ def joined(outputs: list) -> tuple[list[int], str, list]:
     return tokens, text, logprobs
 
 
+def copy_kv(a, b, rid: str, src: list[int], dst: list[int]) -> None:
+    """Layer by layer, as the transfer layer would."""
+    for layer in range(a.kv_spec.num_layers):
+        k, v = a.kv_cache.read_blocks(layer, src)
+        b.write_remote_kv(rid, layer, dst, k, v)
+
+
 def run_moved(a, b, prompt, params: SamplingParams, steps_before: int, transfer: str = "ok") -> list:
-    """The request runs ``steps_before`` steps on ``a``, is frozen there, taken over by ``b`` (KV copied block by
-    block, layer by layer, as the transfer layer would; or the transfer fails), and finishes on ``b``."""
+    """The request runs ``steps_before`` steps on ``a``; ``b`` reserves its context and takes its full blocks while
+    it runs 3 steps more (``transfer="no-precopy"``: none); it is frozen on ``a``, ``b`` adopts its tokens and the
+    rest of its KV (or that transfer fails), and it finishes on ``b``."""
     outputs: list = []
     rid = a.add_request(prompt, params.copy(), "r")
     for _ in range(steps_before):
         outputs += a.step()
+    computed = a.requests[rid].num_computed_tokens
+    precopy = 0 if transfer == "no-precopy" else (computed - 1) // a.config.block_size
+    dst = b.reserve_migration(prompt, params.copy(), "r.1", computed, precopy_blocks=precopy, headroom_tokens=4)
+    assert dst is not None
+    if precopy:
+        copy_kv(a, b, "r.1", a.kv_blocks(rid, 0, precopy), dst[:precopy])
+        b.precopy_done("r.1")
+    for _ in range(3):  # it decodes on meanwhile
+        outputs += a.step()
     tokens, computed = a.freeze(rid)
     assert a.requests[rid].status == RequestStatus.FROZEN
-    assert not a.step() or True  # a frozen request is not stepped
+    assert not a.step()  # a frozen request is not stepped
     assert tokens == [t for o in outputs for t in o.new_token_ids]
-    dst = b.reserve_migrated(prompt, params.copy(), "r.1", tokens, computed, headroom_tokens=4)
-    assert dst is not None
-    src = a.frozen_blocks(rid)
-    if transfer == "ok":
-        for layer in range(a.kv_spec.num_layers):
-            k, v = a.kv_cache.read_blocks(layer, src)
-            b.write_remote_kv("r.1", layer, dst[: len(src)], k, v)
+    tail = b.adopt_migrated("r.1", tokens, computed, first_block=precopy, headroom_tokens=4)
+    assert tail is not None and tail[0] == dst[precopy] and len(tail) == -(-computed // a.config.block_size) - precopy
+    if transfer != "failed":
+        copy_kv(a, b, "r.1", a.kv_blocks(rid, precopy), tail)
         assert b.remote_kv_done("r.1")
     else:
         assert b.remote_kv_failed("r.1", recompute=True)
@@ -72,7 +86,7 @@ def run_moved(a, b, prompt, params: SamplingParams, steps_before: int, transfer:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("transfer", ["ok", "failed"])
+@pytest.mark.parametrize("transfer", ["ok", "no-precopy", "failed"])
 def test_a_moved_request_streams_exactly_what_it_would_have(make_engine, tiny_llama_path, case, transfer):
     params = CASES[case]
     reference = make_engine(tiny_llama_path)
@@ -84,7 +98,7 @@ def test_a_moved_request_streams_exactly_what_it_would_have(make_engine, tiny_ll
     tokens, text, logprobs = joined(moved)
     expected_tokens, expected_text, expected_logprobs = joined(undisturbed)
     assert (tokens, text) == (expected_tokens, expected_text)
-    if transfer == "ok":  # the same KV: the same numbers
+    if transfer != "failed":  # the same KV: the same numbers
         assert logprobs == expected_logprobs
     else:  # recomputed in one prefill instead of step by step: the last bits of a logprob may differ
         assert [lp.token_id for lp in logprobs] == [lp.token_id for lp in expected_logprobs]
@@ -141,10 +155,39 @@ def test_a_takeover_that_cannot_hold_or_would_end_is_refused(make_engine, tiny_l
     small = make_engine(tiny_llama_path, kv_blocks=3)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     tokens = list(range(10))
+    computed = len(PROMPT) + 9
     # 47 tokens and 10 of headroom: 4 blocks, of 3
-    assert small.reserve_migrated(PROMPT, params.copy(), "x", tokens, len(PROMPT) + 9, headroom_tokens=10) is None
+    assert small.reserve_migration(PROMPT, params.copy(), "x", computed, headroom_tokens=10) is None
+    assert small.reserve_migration(PROMPT, params.copy(), "x", len(PROMPT) + 1) is not None  # 3 blocks
+    assert small.adopt_migrated("x", tokens, computed, headroom_tokens=10) is None  # cannot grow: as it was
+    assert len(small.requests["x"].block_ids) == 3 and small.requests["x"].remote.resume_at is None
+    small.abort("x")
+    small.check_no_leaks()
     engine = make_engine(tiny_llama_path)
+    with pytest.raises(ValueError, match="more than"):
+        engine.reserve_migration(PROMPT, params.copy(), "w", computed, precopy_blocks=4)
+    assert engine.reserve_migration(PROMPT, params.copy(), "y", computed) is not None
     with pytest.raises(ValueError, match="every token but the last"):
-        engine.reserve_migrated(PROMPT, params.copy(), "y", tokens, len(PROMPT))
+        engine.adopt_migrated("y", tokens, len(PROMPT))
+    with pytest.raises(ValueError, match="were not pre-copied"):
+        engine.adopt_migrated("y", tokens, computed, first_block=1)
+    assert engine.reserve_migration(PROMPT, SamplingParams(max_tokens=11), "z", computed) is not None
     with pytest.raises(ValueError, match="would end here"):
-        engine.reserve_migrated(PROMPT, SamplingParams(max_tokens=10), "z", tokens, len(PROMPT) + 9)
+        engine.adopt_migrated("z", tokens + [5], computed + 1)
+    engine.abort("y")
+    engine.abort("z")
+    engine.check_no_leaks()
+
+
+def test_only_full_blocks_of_a_running_request_are_shipped_before_its_freeze(make_engine, tiny_llama_path):
+    engine = make_engine(tiny_llama_path)
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    computed, size = engine.requests[rid].num_computed_tokens, engine.config.block_size
+    assert engine.kv_blocks(rid, 0, computed // size) == engine.requests[rid].block_ids[: computed // size]
+    with pytest.raises(ValueError, match="has not filled"):
+        engine.kv_blocks(rid, 0, computed // size + 1)
+    with pytest.raises(ValueError, match="only a frozen request's last blocks"):
+        engine.kv_blocks(rid)
+    engine.abort(rid)
+    engine.check_no_leaks()

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decode.worker import DecodeRole
+from decode.worker import DecodeRole, kv_sink
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
@@ -245,7 +245,7 @@ def make_role_pair(
     sender = LocalSender(fingerprint, config, hub=hub)
     receiver = LocalReceiver(
         ModelFingerprint.from_spec(decode_llm.kv_spec),
-        decode_llm.write_remote_kv,
+        kv_sink(decode_llm),
         f"local://decode-{uuid.uuid4().hex[:8]}",
         config,
         hub=hub,
