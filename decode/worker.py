@@ -401,6 +401,9 @@ class DecodeRole(Role):
         """A dead KV receiver I/O thread (nccl pair links): transfers into this worker would fail."""
         return self.receiver.io_problem()
 
+    def kv_paths(self) -> dict[str, str]:
+        return self.sender.paths() if self.sender is not None else {}  # the sender it moves requests out with
+
     def load(self) -> WorkerLoad:
         load = super().load()
         load.awaiting_kv = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.engine.requests.values())

@@ -141,6 +141,9 @@ class PrefillRole(Role):
         """A dead KV sender I/O thread: every transfer of this worker would fail, so it must get no new work."""
         return self.sender.io_problem()
 
+    def kv_paths(self) -> dict[str, str]:
+        return self.sender.paths()
+
     def load(self) -> WorkerLoad:
         load = super().load()
         load.leased_transfers = len(self.sender.active_transfers())

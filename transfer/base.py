@@ -67,6 +67,12 @@ class KVSender(ABC):
     def active_transfers(self) -> list[str]:
         """Transfer ids whose source blocks are still leased."""
 
+    def paths(self) -> dict[str, str]:
+        """The payload path to each receiver this sender has a session with (address -> ``inline``: frames in the
+        ZeroMQ message, over TCP or IPC as the address says; ``shm-ring``: a shared-memory ring on this node;
+        ``pair``: a torch.distributed pair), for ``/status``."""
+        return {}
+
     def io_problem(self) -> str:
         """Why this sender can no longer move KV ("" while it can): an I/O thread of its own died. The prefill
         worker reports it as its reason to be degraded (no new work; restarted under Ray)."""

@@ -69,6 +69,8 @@ def consumer_event(tensors: list[torch.Tensor]) -> Any:
 
 
 class PairSend:
+    name = "pair"
+
     def __init__(self, link: PairLink) -> None:
         self.link = link
 

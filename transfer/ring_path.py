@@ -55,6 +55,8 @@ class NoRoom(zmq.Again):
 
 
 class RingSend:
+    name = "shm-ring"
+
     def __init__(self, ring: RingWriter) -> None:
         self.ring = ring
 

@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 class InlineSend:
     """Payload frames in the header's ZeroMQ message: any receiver, any node."""
 
+    name = "inline"
+
     def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
         sender.send_inline(peer, out)
 
@@ -159,6 +161,11 @@ class Sender(KVSender):
 
     def active_transfers(self) -> list[str]:
         return self._leases.ids()
+
+    def paths(self) -> dict[str, str]:
+        # a copy of the I/O thread's table: its entries change only there, and a dict copy is atomic under the GIL
+        peers = dict(self._peers)
+        return {address: peer.path.name for address, peer in peers.items() if peer.path is not None}
 
     def io_problem(self) -> str:
         if self._crash is not None:

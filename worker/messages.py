@@ -316,6 +316,7 @@ class Stats(_Event, tag="stats"):
     degraded: str = ""  # why the worker should get no new work ("" when healthy)
     loop_age_s: float = 0.0  # how long ago the worker's loop last came round (slow vs stuck)
     draining: bool = False  # a router sent ``drain``: it is being removed
+    kv_paths: dict[str, str] = {}  # how its KV sender reaches each receiver (``KVSender.paths``)
 
 
 MAX_KV_EVENT_HASHES = 2048  # hashes (stored + removed) in one KvEvents message; a larger batch is split

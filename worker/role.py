@@ -100,6 +100,10 @@ class Role:
         if items:
             self.emit(Tokens(worker=self.name, items=items))
 
+    def kv_paths(self) -> dict[str, str]:
+        """How this worker's KV sender reaches each receiver (none: it sends no KV)."""
+        return {}
+
     def load(self) -> WorkerLoad:
         """The gauges of the heartbeat (a fresh object: never changed once sent)."""
         engine = self.engine

@@ -378,4 +378,5 @@ class WorkerRuntime:
             counters=self.role.totals(),
             degraded=self.degraded,
             draining=self._book.draining,
+            kv_paths=self.role.kv_paths(),
         )

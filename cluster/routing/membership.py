@@ -211,6 +211,7 @@ def heartbeat_status(stats: Stats | None) -> dict:
         "address": stats.address,
         "degraded": stats.degraded,
         "loop_age_s": stats.loop_age_s,
+        "kv_paths": stats.kv_paths,
         **msgspec.structs.asdict(stats.load),
         **msgspec.structs.asdict(stats.counters),
     }

@@ -95,3 +95,22 @@ def test_two_processes_gloo_and_zmq(spawn, closing) -> None:
     finally:
         if p.is_alive():
             p.kill()
+
+
+@pytest.mark.parametrize("backend, path", [("zmq", "inline"), ("shm", "shm-ring")])
+def test_the_sender_says_how_it_reaches_each_receiver(backend, path, closing) -> None:
+    """What /status shows per worker (``kv_paths``): zmq frames inline, a same-node shm pair through a ring."""
+    fp = fingerprint("float32")
+    cache = Cache(fp)
+    r = closing(make_receiver(backend, fp, cache.sink, "tcp://127.0.0.1:0"))
+    s = closing(make_sender(backend, fp))
+    assert s.paths() == {}
+    r.expect("req-1", [3, 4])
+    s.begin("req-1", r.address)
+    for layer in range(fp.num_layers):
+        k, v = make_kv(fp, layer, 2, 5)
+        s.send_layer("req-1", layer, [3, 4], k, v)
+    s.finish("req-1")
+    events = poll_until([r.poll, s.poll], lambda ev: len(ev) >= 2, 10.0)
+    assert [e.state for e in events] == [TransferState.DONE] * 2
+    assert s.paths() == {r.address: path}
