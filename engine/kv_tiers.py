@@ -484,27 +484,27 @@ class KVTiers:
 
     # ---- up: a prefix found in a tier ----------------------------------------------------------------------------
 
-    def lookup(self, token_ids: list[int], first_block: int, max_blocks: int) -> int:
-        """How many blocks from ``first_block`` on continue the prompt's prefix in some tier (at most
-        ``max_blocks``); a page found here may still fail its check when loaded (then less is loaded)."""
+    def lookup(self, token_ids: list[int], first_block: int, max_blocks: int) -> list[int]:
+        """The chained hashes of the blocks from ``first_block`` on that continue the prompt's prefix in some tier
+        (at most ``max_blocks``; ``start_load`` takes them); a page found here may still fail its check when loaded
+        (then less is loaded)."""
         if max_blocks <= 0:
-            return 0
+            return []
         hashes = prompt_block_hashes(token_ids[: (first_block + max_blocks) * self.block_size], self.block_size)
-        found = 0
+        found: list[int] = []
         for block_hash in hashes[first_block:]:
             if not any(store.contains(block_hash) for store in self.stores.values()):
                 break
-            found += 1
+            found.append(block_hash)
         return found
 
     def start_load(
-        self, request: Request, token_ids: list[int], first_block: int, num_blocks: int, counts_as_cached: bool
+        self, request: Request, token_ids: list[int], first_block: int, hashes: list[int], counts_as_cached: bool
     ) -> TierLoad:
-        """Queue the reading of ``num_blocks`` tier blocks of ``token_ids`` (the request's) from block
-        ``first_block`` on, into the request's blocks there."""
-        bs = self.block_size
+        """Queue the reading of the tier blocks of ``token_ids`` (the request's) from block ``first_block`` on that
+        ``lookup`` found (``hashes``), into the request's blocks there."""
+        bs, num_blocks = self.block_size, len(hashes)
         tokens = token_ids[: (first_block + num_blocks) * bs]
-        hashes = prompt_block_hashes(tokens, bs)[first_block:]
         load = TierLoad(
             request.request_id,
             first_block,

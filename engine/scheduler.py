@@ -26,10 +26,10 @@ from engine.request import RemoteKV, Request, RequestStatus
 class TierIndex(Protocol):
     """The KV tiers below the device, as the scheduler asks them (``engine.kv_tiers.KVTiers``)."""
 
-    def lookup(self, token_ids: list[int], first_block: int, max_blocks: int) -> int: ...
+    def lookup(self, token_ids: list[int], first_block: int, max_blocks: int) -> list[int]: ...
 
     def start_load(
-        self, request: Request, token_ids: list[int], first_block: int, num_blocks: int, counts_as_cached: bool
+        self, request: Request, token_ids: list[int], first_block: int, hashes: list[int], counts_as_cached: bool
     ) -> object: ...
 
 
@@ -104,8 +104,8 @@ class Scheduler:
         found = self.tiers.lookup(token_ids, first_block, usable_blocks - first_block)
         if found:
             self.tiers.start_load(request, token_ids, first_block, found, counts_as_cached)
-            request.num_loading_blocks = found
-        return found * block_size
+            request.num_loading_blocks = len(found)
+        return len(found) * block_size
 
     def finish_load(self, request: Request, loaded_blocks: int, counts_as_cached: bool) -> None:
         """A LOADING request's tier blocks are in (``loaded_blocks`` of those promised): it runs from there."""

@@ -62,6 +62,7 @@ def _stats(**load: int) -> Stats:
         counters=counters,
         degraded="",
         loop_age_s=0.125,
+        kv_paths={"shm+tcp://10.0.0.2:7000": "inline", "shm+tcp://127.0.0.1:7001": "shm-ring"},
     )
 
 
@@ -250,10 +251,11 @@ def test_status_shows_a_heartbeat_as_one_flat_map():
     stats = EVENTS[-1]
     status = heartbeat_status(stats)
     assert set(status) == (
-        {"address", "degraded", "loop_age_s"}
+        {"address", "degraded", "loop_age_s", "kv_paths"}
         | set(WorkerLoad.__struct_fields__)
         | set(WorkerCounters.__struct_fields__)
     )
+    assert status["kv_paths"] == stats.kv_paths  # how its KV sender reaches each receiver
     assert status["free_blocks"] == 4 and status["control_rejected"] == stats.counters.control_rejected
     assert heartbeat_status(None) == {}
 
