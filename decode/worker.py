@@ -274,7 +274,8 @@ class DecodeRole(Role):
                 index = engine.kv_cache.block_index(job.src)
                 for layer in range(job.layer, min(num_layers, job.layer + -(-num_layers // PRECOPY_TURNS))):
                     k, v = engine.kv_cache.read_blocks(layer, index)
-                    sender.send_layer(transfer_id, layer, job.dst, k, v)
+                    if not sender.send_layer(transfer_id, layer, job.dst, k, v):  # failed, or its queue stayed full
+                        raise RuntimeError(f"layer {layer} could not be queued")
                     job.layer = layer + 1
                 if job.layer == num_layers:
                     sender.finish(transfer_id)
