@@ -48,13 +48,14 @@ class RouterMetrics:
             "pdserve_migrations_total",
             "Moves of running requests between decode workers, by how they ended: moved (KV shipped), recomputed "
             "(the KV did not come: the target recomputed), resumed (called off: the source runs it on), refused "
-            "(the source could not stop it, or no target had room), failed (both ends lost)",
+            "(the source could not stop it, or no target had room), finished (it ended on the source before it "
+            "stopped), failed (both ends lost, or the target died after it streamed)",
             ["reason", "result"],
             registry=r,
         )
         self.migration_stall = Histogram(
             "pdserve_migration_seconds",
-            "A moved stream's standstill: freeze on the source until the KV shipped or the move ended",
+            "A moved stream's standstill: its freeze on the source (after the pre-copy) until the move ended",
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
