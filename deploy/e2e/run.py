@@ -4,12 +4,14 @@ Steps (each recorded in one JSON summary on stdout; progress on stderr):
 1. hosts: a head and three worker hosts as namespaces (deploy/e2e/hosts.py), each with its own address and sshd.
 2. ``ray up`` with Ray's local provider (configs/cluster-local.yaml; token authentication on every node), then
    ``pdserve serve --address auto`` on the head through ``ray exec``, with an API key, on the head's own address.
-3. checks: which host each worker runs on and how KV goes between them; the official ``openai`` client; greedy
-   output over HTTP against transformers on the same weights; the API without its key; a Ray client without the
-   token from another host; ``pdserve scale`` of the decode pool beyond what the running hosts hold.
-4. faults (``tc netem`` and link or route cuts on the hosts' links) under load from ``pdserve bench serve``.
-5. ``ray down`` and the hosts' removal, always (a failure, Ctrl-C or SIGTERM included); then a check that no
-   namespace, bridge, process or state folder is left.
+3. checks: the official ``openai`` client; greedy output over HTTP against transformers on the same weights; which
+   host each worker runs on; the API without its key; a Ray client without the token from another host.
+4. faults under load from ``pdserve bench serve``: delay and loss (``tc netem``, or iptables for the loss where the
+   kernel has no netem), a host's link cut, a route cut between two hosts.
+5. ``pdserve scale`` of the decode pool beyond what the running hosts hold (the autoscaler starts the spare host),
+   then of the prefill pool onto the spare's second CPU: how KV goes within a host and across hosts.
+6. ``ray down`` and the hosts' removal, always (a failure, Ctrl-C or SIGTERM included); then a check that no
+   namespace, bridge or state folder is left.
 """
 
 from __future__ import annotations
