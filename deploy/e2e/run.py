@@ -510,8 +510,9 @@ def teardown(summary: dict) -> None:
         result = ray_cli("down", "-y", str(CLUSTER_YAML), timeout=300)
         summary["ray_down_rc"] = result.returncode
     hosts.down()
-    with contextlib.suppress(FileNotFoundError):
-        (Path("/tmp/ray") / "cluster-pdserve-e2e.state").unlink()
+    for leftover in ("state", "lock"):  # what `ray up` kept here about the cluster
+        with contextlib.suppress(FileNotFoundError):
+            (Path("/tmp/ray") / f"cluster-pdserve-e2e.{leftover}").unlink()
     left = hosts.status()
     bridge = subprocess.run(["ip", "link", "show", hosts.BRIDGE], capture_output=True, check=False).returncode == 0
     summary["left_behind"] = {
