@@ -3,8 +3,9 @@
 
 ``local_ray`` starts a local Ray sized for a config's pools (unless one is up, or the workers are threads);
 ``serving`` starts a cluster (``cluster/run/launch.py``) and stops it after; ``closed_loop_plan`` builds the load
-tester's plan through its own options, and ``measure`` runs it against the cluster between two snapshots of the router's ``/metrics`` samples and its settled ``/status``
-(``bench/routing_figures.py``), from which the benchmarks make their figures.
+tester's plan through its own options, and ``measure`` runs it against the cluster between two snapshots of the
+router's ``/metrics`` samples and its settled ``/status`` (``bench/routing_figures.py``), from which the benchmarks
+make their figures.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 1. Running requests first, in arrival order: a decode takes one token, a prefill the next prompt chunk that fits.
 2. Then waiting requests, FIFO, while ``max_num_seqs`` allows and the blocks for the whole prompt can be allocated
-   now (prefix-cached blocks reused): memory is never overcommitted. When the prefix cache ends before a KV tier's pages do (``engine.kv_tiers``), the
-   request waits in LOADING, holding its blocks, until the tier's blocks are loaded back; then it runs from there.
+   now (prefix-cached blocks reused): memory is never overcommitted. When the prefix cache ends before a KV tier's
+   pages do (``engine.kv_tiers``), the request waits in LOADING, holding its blocks, until the tier's blocks are
+   loaded back; then it runs from there.
 3. A running request that needs a block when none is free preempts the most recently admitted one (maybe itself),
    which goes back to the front of the queue with its tokens, to be prefilled again (recompute).
 

@@ -88,6 +88,11 @@ def _asked_blocks(flow: Flow, name: str) -> int | None:
     return move.blocks_needed if move is not None and move.target == name and move.phase == "reserving" else None
 
 
+def _computed_tokens(flow: Flow) -> int:
+    """The tokens whose KV a decoding flow's worker surely holds: prompt and every token received but the last."""
+    return len(flow.prompt) + flow.received_tokens - 1
+
+
 class RouterCore:
     def __init__(
         self,
@@ -329,9 +334,7 @@ class RouterCore:
         if not decoding:
             return
         flow = max(decoding, key=lambda f: f.params.max_tokens - f.received_tokens)
-        needed = self.placer.blocks_needed(
-            len(flow.prompt) + flow.received_tokens - 1, flow.params.max_tokens - flow.received_tokens + 1
-        )
+        needed = self._move_blocks_needed(flow)
         others = [w for w in self.members.routable("decode") if w.name != worker.name and w.stats is not None]
         roomy = [w for w in others if _free_blocks(w) - needed >= w.stats.load.running + 1]  # type: ignore[union-attr]
         if roomy:
@@ -483,8 +486,8 @@ class RouterCore:
         source = flow.decode
         if target is not None and (target == source or target not in self._routable_decode()):
             return f"{target} is not another live decode worker"
-        computed = len(flow.prompt) + flow.received_tokens - 1  # tokens whose KV the source surely holds
-        needed = self.placer.blocks_needed(computed, flow.params.max_tokens - flow.received_tokens + 1)
+        computed = _computed_tokens(flow)
+        needed = self._move_blocks_needed(flow)
         workers = [w for w in self.members.routable("decode") if w.name != source and target in (None, w.name)]
         fits = [w for w in workers if _free_blocks(w) >= needed]
         if not fits:
@@ -504,6 +507,11 @@ class RouterCore:
         )
         self._send(chosen.name, command)
         return ""
+
+    def _move_blocks_needed(self, flow: Flow) -> int:
+        """What a target reserves for a decoding flow: its context so far, as a prompt, and the tokens still to come."""
+        remaining = flow.params.max_tokens - flow.received_tokens
+        return self.placer.blocks_needed(_computed_tokens(flow), remaining + 1)
 
     def _routable_decode(self) -> list[str]:
         return [w.name for w in self.members.routable("decode")]

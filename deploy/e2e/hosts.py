@@ -1,9 +1,9 @@
 """Separate hosts on one machine for pdserve's multi-host run (``make cluster-e2e``): Linux namespaces, as root.
 
-Each host is a network namespace on a private bridge (its own address in ``SUBNET``), entered through a mount and UTS
+Each host is a network namespace on a private bridge (its own address in ``SUBNET``), entered through a mount, UTS
 and PID namespace of its own (its hostname, its process table, and private /tmp, /dev/shm and ~/.ray: Ray's
-session files and ``ray stop``, shared-memory KV and Ray's token do not cross hosts), where sshd runs with a key made here. The project's folder and venv are the one
-filesystem every host sees, as a shared home would be. The machine's own namespace reaches every host over the
+session files and ``ray stop``, shared-memory KV and Ray's token do not cross hosts), where sshd runs with a key
+made here. The project's folder and venv are the one filesystem every host sees, as a shared home would be. The machine's own namespace reaches every host over the
 bridge (``BRIDGE_IP``), as a client would.
 
     python deploy/e2e/hosts.py up | down | status

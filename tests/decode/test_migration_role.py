@@ -62,6 +62,21 @@ def _client_view(pair, target_events) -> tuple[list[int], str, str]:
     return [t for i in items for t in i.token_ids], "".join(i.text for i in items), items[-1].finish_reason.value
 
 
+def _move_in(pair, target, target_events, prompt, params, precopy_blocks: int) -> Reserved:
+    """The target reserves the decoding request "x" under "x.1" for its context so far (what the router asks)."""
+    computed = len(prompt) + len(_tokens_so_far(pair)) - 1
+    move_in = MigrateIn(
+        rid="x.1",
+        prompt=list(prompt),
+        params=copy_params(params),
+        num_computed_tokens=computed,
+        precopy_blocks=precopy_blocks,
+    )
+    target.handle(move_in, time.monotonic())
+    [reserved] = target_events.of(Reserved, "x.1")
+    return reserved
+
+
 def _tokens_so_far(pair) -> list[int]:
     return [t for i in pair.prefill_events.items("x") + pair.decode_events.items("x") for t in i.token_ids]
 
@@ -74,12 +89,8 @@ def test_a_moved_request_streams_exactly_what_one_engine_gives(trio, transfer):
     _start_decoding(pair, prompt, params, tokens_first=6)
     computed = len(prompt) + len(_tokens_so_far(pair)) - 1
     precopy = (computed - 1) // target.engine.config.block_size
+    reserved = _move_in(pair, target, target_events, prompt, params, precopy)
     now = time.monotonic()
-    move_in = MigrateIn(
-        rid="x.1", prompt=list(prompt), params=copy_params(params), num_computed_tokens=computed, precopy_blocks=precopy
-    )
-    target.handle(move_in, now)
-    [reserved] = target_events.of(Reserved, "x.1")
     assert reserved.ok and precopy >= 1
     address = reserved.kv_address if transfer != "precopy failed" else "local://nobody-listens-here"
     dst = reserved.blocks[:precopy]
@@ -129,12 +140,7 @@ def test_a_precopy_whose_request_ends_meanwhile_fails_and_nothing_stays_held(tri
     [prompt] = random_prompts(1, 40, 40, seed=73)
     params = greedy(12)
     _start_decoding(pair, prompt, params, tokens_first=4)
-    computed = len(prompt) + len(_tokens_so_far(pair)) - 1
-    move_in = MigrateIn(
-        rid="x.1", prompt=list(prompt), params=copy_params(params), num_computed_tokens=computed, precopy_blocks=2
-    )
-    target.handle(move_in, time.monotonic())
-    [reserved] = target_events.of(Reserved, "x.1")
+    reserved = _move_in(pair, target, target_events, prompt, params, precopy_blocks=2)
     dst = reserved.blocks[:2]
     send = MigrateSend(rid="x", target_rid="x.1", kv_address=reserved.kv_address, dst_blocks=dst, precopy=True)
     pair.decode.handle(send, time.monotonic())

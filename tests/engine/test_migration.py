@@ -1,6 +1,7 @@
 """Moving a running request between engines (migration) by pre-copy: its full blocks copied while it decodes on, then
-frozen between steps, its tokens and the rest of its KV taken over by another engine, which continues. The stream (tokens, text, logprobs) equals the undisturbed run's, for greedy, seeded
-sampling, penalties, guided JSON, stop strings and logprobs; a failed transfer recomputes, exact too; nothing leaks.
+frozen between steps, its tokens and the rest of its KV taken over by another engine, which continues. The stream
+(tokens, text, logprobs) equals the undisturbed run's, for greedy, seeded sampling, penalties, guided JSON, stop
+strings and logprobs; a failed transfer recomputes, exact too; nothing leaks.
 """
 
 from __future__ import annotations
