@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.loadtest.options import PDSERVE_DEFAULT_MODEL, add_workload_arguments
 
-TRANSFER_BACKENDS = ("zmq-tcp", "zmq-ipc", "shm", "gloo", "local")
+TRANSFER_BACKENDS = ("zmq-tcp", "zmq-ipc", "shm", "shm-direct", "gloo", "local")
 COMPARE_MODES = ("colocated", "disaggregated")
 LOCAL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 

@@ -32,6 +32,7 @@ from bench import ring_ceiling
 from bench.options import add_transfer_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from transfer.base import make_receiver, make_sender
 from transfer.config import TransferConfig
+from transfer.kv_segment import KVSegment
 from transfer.wire import ModelFingerprint
 
 FP = ModelFingerprint("LlamaForCausalLM", "float16", 30, 3, 64, 16)  # SmolLM2-135M
@@ -47,9 +48,13 @@ def _kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(shape).half(), torch.randn(shape).half()) for _ in range(FP.num_layers)]
 
 
-def _child(conn: Any, checksum: bool) -> None:
-    """Sender process: one sender per backend, kept across repetitions."""
-    senders: dict[str, Any] = {}
+def _transport(backend: str) -> str:
+    return {"gloo": "gloo", "shm": "shm", "shm-direct": "shm"}.get(backend, "zmq")
+
+
+def _child(conn: Any) -> None:
+    """Sender process: one sender per backend and checksum setting, kept across repetitions."""
+    senders: dict[tuple[str, bool], Any] = {}
     ctx = zmq.Context()
     raw: dict[str, zmq.Socket] = {}
     payloads: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -57,7 +62,7 @@ def _child(conn: Any, checksum: bool) -> None:
         msg = conn.recv()
         if msg is None:
             break
-        backend, address, n, tid = msg
+        backend, address, n, tid, checksum = msg
         kv = payloads.get(n) or payloads.setdefault(n, _kv(n))
         if backend.startswith("raw"):
             sock = raw.get(address)
@@ -74,10 +79,9 @@ def _child(conn: Any, checksum: bool) -> None:
                 )
             conn.send((t0, "sent"))
             continue
-        s = senders.get(backend)
+        s = senders.get((backend, checksum))
         if s is None:
-            name = backend if backend in ("gloo", "shm") else "zmq"
-            s = senders[backend] = make_sender(name, FP, TransferConfig(checksum=checksum))
+            s = senders[backend, checksum] = make_sender(_transport(backend), FP, TransferConfig(checksum=checksum))
         t0, c0 = time.perf_counter(), time.process_time()
         s.begin(tid, address)
         dst = list(range(n))
@@ -96,12 +100,20 @@ def _child(conn: Any, checksum: bool) -> None:
 
 
 class _Cache:
-    def __init__(self, n: int) -> None:
+    """The destination: private tensors, or a decode worker's shared cache (``segment``) that senders write in place
+    (then the sink is never called: counted in ``writes``)."""
+
+    def __init__(self, n: int, segment: KVSegment | None = None) -> None:
         shape = (n, *FP.block_shape)
-        self.k = [torch.empty(shape, dtype=torch.float16) for _ in range(FP.num_layers)]
-        self.v = [torch.empty(shape, dtype=torch.float16) for _ in range(FP.num_layers)]
+        if segment is not None:
+            self.k, self.v = [kv[0] for kv in segment.layers], [kv[1] for kv in segment.layers]
+        else:
+            self.k = [torch.empty(shape, dtype=torch.float16) for _ in range(FP.num_layers)]
+            self.v = [torch.empty(shape, dtype=torch.float16) for _ in range(FP.num_layers)]
+        self.writes = 0
 
     def sink(self, tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        self.writes += 1
         _copy(self.k[layer][blocks[0] : blocks[0] + len(blocks)], k)  # bench sends contiguous ids
         _copy(self.v[layer][blocks[0] : blocks[0] + len(blocks)], v)
 
@@ -215,7 +227,7 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     }
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(child, not args.no_checksum), daemon=True)
+    proc = ctx.Process(target=_child, args=(child,), daemon=True)
     proc.start()
     zctx = zmq.Context()
     tmp = tempfile.mkdtemp(prefix="pdserve-bench-")
@@ -228,58 +240,13 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
                     gbps = _local(n, args.reps)
                     out["results"].append({"backend": backend, "mib": mib, "bytes": nbytes, "gbps": round(gbps, 3)})
                     continue
-                cache = _Cache(n)
-                addr = {
-                    "zmq-ipc": f"ipc://{tmp}/{backend}-{n}.ipc",
-                    "shm": f"shm+ipc://{tmp}/{backend}-{n}.ipc",  # control over a Unix socket, payload in /dev/shm
-                }.get(backend, "tcp://127.0.0.1:0")
-                name = backend if backend in ("gloo", "shm") else "zmq"
-                r = make_receiver(name, FP, cache.sink, addr, TransferConfig(checksum=not args.no_checksum))
-                raw = _RawReceiver(zctx, backend, tmp, n) if backend.startswith("zmq") else None
-                times, raw_times, ref_times, cpu = [], [], [], []
-                ref = _Memcpy(nbytes)
-                try:
-                    # interleaved with memcpy and the raw reference rep by rep, so machine noise hits all alike
-                    for i in range(args.reps + 1):
-                        tid = f"{backend}-{mib}-{i}"
-                        r.expect(tid, list(range(n)))
-                        parent.send((backend, r.address, n, tid))
-                        c0 = time.thread_time()
-                        state = _wait_done(r, tid)
-                        t1, rcpu = time.perf_counter(), time.thread_time() - c0
-                        t0, sender_state, scpu = parent.recv()
-                        if state != "DONE" or sender_state != "DONE":
-                            raise RuntimeError(f"{backend} transfer {tid}: {state}/{sender_state}")
-                        times.append(t1 - t0)
-                        cpu.append((scpu, rcpu))
-                        ref_times.append(ref.once())
-                        if raw is not None:
-                            raw_times.append(raw.once(parent))
-                finally:
-                    r.close()
-                    if raw is not None:
-                        raw.close()
-                gbps = nbytes / statistics.median(times[1:]) / 1e9
-                ref_gbps = nbytes / statistics.median(ref_times[1:]) / 1e9
-                out["results"].append(
-                    {
-                        "backend": backend,
-                        "mib": mib,
-                        "bytes": nbytes,
-                        "gbps": round(gbps, 3),
-                        "memcpy_gbps": round(ref_gbps, 3),  # interleaved with this row's reps
-                        "ratio_vs_memcpy": round(gbps / ref_gbps, 3),
-                        # CPU per transfer, sender process and receiver thread: little changed by a busy box's noise
-                        "cpu_ms": {
-                            "sender": round(1e3 * statistics.median(c[0] for c in cpu[1:]), 2),
-                            "receiver": round(1e3 * statistics.median(c[1] for c in cpu[1:]), 2),
-                        },
-                    }
-                )
-                if raw_times:
-                    out["raw_zmq_gbps"].setdefault(backend, {})[str(mib)] = round(
-                        nbytes / statistics.median(raw_times[1:]) / 1e9, 3
-                    )
+                # the direct path with and without checksums (its one copy leaves them the largest share)
+                for checksum in [True, False] if backend == "shm-direct" else [not args.no_checksum]:
+                    row = _row(args, parent, zctx, tmp, backend, mib, n, checksum)
+                    out["results"].append(row)
+                    raw_gbps = row.pop("raw_zmq_gbps", None)
+                    if raw_gbps:
+                        out["raw_zmq_gbps"].setdefault(backend, {})[str(mib)] = raw_gbps
             if "shm" in args.backends:
                 frame = nbytes // (2 * FP.num_layers)
                 ceiling = ring_ceiling.measure(nbytes, frame, args.reps, checksum=not args.no_checksum)
@@ -301,6 +268,68 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _row(
+    args: argparse.Namespace, parent: Any, zctx: zmq.Context, tmp: str, backend: str, mib: float, n: int, checksum: bool
+) -> dict[str, Any]:
+    """One backend at one size: --reps transfers (after a warm-up), each followed by memcpy and the raw reference."""
+    nbytes = n * BLOCK_BYTES
+    segment = KVSegment(FP, n) if backend == "shm-direct" else None  # the destination cache, written in place
+    cache = _Cache(n, segment)
+    addr = {
+        "zmq-ipc": f"ipc://{tmp}/{backend}-{n}.ipc",
+        "shm": f"shm+ipc://{tmp}/{backend}-{n}.ipc",  # control over a Unix socket, payload in /dev/shm
+        "shm-direct": f"shm+ipc://{tmp}/{backend}-{n}-{int(checksum)}.ipc",
+    }.get(backend, "tcp://127.0.0.1:0")
+    cfg = TransferConfig(checksum=checksum)
+    r = make_receiver(_transport(backend), FP, cache.sink, addr, cfg, segment)
+    raw = _RawReceiver(zctx, backend, tmp, n) if backend.startswith("zmq") else None
+    times, raw_times, ref_times, cpu = [], [], [], []
+    ref = _Memcpy(nbytes)
+    try:
+        # interleaved with memcpy and the raw reference rep by rep, so machine noise hits all alike
+        for i in range(args.reps + 1):
+            tid = f"{backend}-{mib}-{i}"
+            r.expect(tid, list(range(n)))
+            parent.send((backend, r.address, n, tid, checksum))
+            c0 = time.thread_time()
+            state = _wait_done(r, tid)
+            t1, rcpu = time.perf_counter(), time.thread_time() - c0
+            t0, sender_state, scpu = parent.recv()
+            if state != "DONE" or sender_state != "DONE":
+                raise RuntimeError(f"{backend} transfer {tid}: {state}/{sender_state}")
+            times.append(t1 - t0)
+            cpu.append((scpu, rcpu))
+            ref_times.append(ref.once())
+            if raw is not None:
+                raw_times.append(raw.once(parent))
+        if segment is not None and cache.writes:
+            raise RuntimeError("shm-direct: pieces went through the sink, not in place")
+    finally:
+        r.close()
+        if raw is not None:
+            raw.close()
+    gbps = nbytes / statistics.median(times[1:]) / 1e9
+    ref_gbps = nbytes / statistics.median(ref_times[1:]) / 1e9
+    row: dict[str, Any] = {
+        "backend": backend,
+        "mib": mib,
+        "bytes": nbytes,
+        "checksum": checksum,
+        "gbps": round(gbps, 3),
+        "memcpy_gbps": round(ref_gbps, 3),  # interleaved with this row's reps
+        "ratio_vs_memcpy": round(gbps / ref_gbps, 3),
+        # CPU per transfer, sender process and receiver thread: little changed by a busy box's noise
+        "cpu_ms": {
+            "sender": round(1e3 * statistics.median(c[0] for c in cpu[1:]), 3),
+            "receiver": round(1e3 * statistics.median(c[1] for c in cpu[1:]), 3),
+        },
+    }
+    row["cpu_us_per_piece"] = {side: round(1e3 * ms / FP.num_layers, 1) for side, ms in row["cpu_ms"].items()}
+    if raw_times:
+        row["raw_zmq_gbps"] = round(nbytes / statistics.median(raw_times[1:]) / 1e9, 3)
+    return row
+
+
 class _RawReceiver:
     """The reference: same ROUTER/DEALER pair and frames, no header, checksum, handshake or ack."""
 
@@ -315,7 +344,7 @@ class _RawReceiver:
         self.backend, self.n, self.cache = backend, n, _Cache(n)
 
     def once(self, parent: Any) -> float:
-        parent.send(("raw-" + self.backend, self.addr, self.n, "raw"))
+        parent.send(("raw-" + self.backend, self.addr, self.n, "raw", False))
         _raw_receive(self.sock, self.cache)
         t1 = time.perf_counter()
         t0, _ = parent.recv()

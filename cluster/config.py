@@ -114,7 +114,7 @@ PoolSection = create_model(
 TransferSection = create_model(
     "TransferSection",
     __base__=_TransferBase,
-    **_borrowed(TransferConfig, "deadline_s", "lease_s", "kv_wire_dtype"),
+    **_borrowed(TransferConfig, "deadline_s", "lease_s", "kv_wire_dtype", "checksum", "direct_write"),
     **_borrowed(WorkerSpec, "failure_policy", "zmq_transport", "stream_layers", backend="transfer_backend"),
 )
 
@@ -325,6 +325,8 @@ class ClusterConfig(_Strict):
             deadline_s=self.transfer.deadline_s,
             lease_s=self.transfer.lease_s,
             kv_wire_dtype=self.transfer.kv_wire_dtype,
+            checksum=self.transfer.checksum,
+            direct_write=self.transfer.direct_write,
             secret=self.transfer.secret,
         )
 

@@ -34,6 +34,8 @@ from engine.request import RemoteKV, Request, RequestStatus, SamplingParams
 from transfer.base import KVReceiver, KVSender, make_receiver, make_sender
 from transfer.errors import SenderAborted
 from transfer.inbound import Sink
+from transfer.kv_segment import KVSegment
+from transfer.shm_ring import ShmUnavailable
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
 from worker.messages import (
@@ -123,6 +125,7 @@ class DecodeRole(Role):
             kv_sink(engine),
             receiver_address(spec),
             dataclasses.replace(spec.transfer, kv_device=engine.config.device),  # GPU cache: side-stream writes
+            shared_kv_cache(spec, engine),
         )
         fingerprint, config = ModelFingerprint.from_spec(engine.handoff_spec), spec.transfer
 
@@ -428,6 +431,26 @@ def _remote(request: Request) -> RemoteKV:
     remote = request.remote
     assert remote is not None  # every WAITING_FOR_REMOTE_KV request has one (LLMEngine.reserve_remote)
     return remote
+
+
+def shared_kv_cache(spec: WorkerSpec, engine: LLMEngine) -> KVSegment | None:
+    """The engine's cache moved into shared memory, so that same-node senders write KV in place (transfer/
+    direct_path.py): shm and auto, a CPU cache, one rank holding every head. None: a ring or frames instead."""
+    cache = engine.kv_cache
+    if (
+        spec.transfer_backend not in ("shm", "auto")
+        or not spec.transfer.direct_write
+        or cache.kv[0].device.type != "cpu"
+        or engine.handoff_spec != engine.kv_spec
+    ):
+        return None
+    try:
+        segment = KVSegment(ModelFingerprint.from_spec(engine.kv_spec), cache.kv[0].shape[1])
+    except ShmUnavailable as e:
+        logger.warning("the KV cache stays private (same-node KV goes through a ring): %s", e)
+        return None
+    cache.rehome(segment.layers)
+    return segment
 
 
 def receiver_address(spec: WorkerSpec) -> str:

@@ -93,6 +93,22 @@ class KVCache:
         self.k = [kv[0] for kv in self.kv]
         self.v = [kv[1] for kv in self.kv]
 
+    def rehome(self, layers: list[torch.Tensor]) -> None:
+        """Move the cache into storage the caller made (the decode worker's shared-memory segment, which same-node
+        KV senders write in place), contents kept: per layer a tensor of this cache's shape, dtype and device."""
+        if len(layers) != len(self.kv) or any(
+            new.shape != old.shape or new.dtype != old.dtype or new.device != old.device
+            for new, old in zip(layers, self.kv)
+        ):
+            raise ValueError(
+                f"new KV storage must be {len(self.kv)} tensors like {self.kv[0].dtype}{list(self.kv[0].shape)}"
+            )
+        for i, new in enumerate(layers):
+            new.copy_(self.kv[i])
+            self.kv[i] = new  # the old layer is freed here: at most one layer is held twice
+        self.k = [kv[0] for kv in self.kv]
+        self.v = [kv[1] for kv in self.kv]
+
     def flat(self, layer: int) -> torch.Tensor:
         """Per-slot view ``[2, num_blocks * block_size, kv_heads, head_dim]`` of one layer (K, V)."""
         return self.kv[layer].view(2, -1, self.spec.num_kv_heads, self.spec.head_dim)

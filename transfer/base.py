@@ -20,6 +20,7 @@ import torch
 
 from transfer.config import TransferConfig
 from transfer.inbound import Sink
+from transfer.kv_segment import KVSegment
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
 
@@ -163,10 +164,16 @@ def make_sender(backend: str, fingerprint: ModelFingerprint, config: TransferCon
 
 
 def make_receiver(
-    backend: str, fingerprint: ModelFingerprint, sink: Sink, address: str, config: TransferConfig | None = None
+    backend: str,
+    fingerprint: ModelFingerprint,
+    sink: Sink,
+    address: str,
+    config: TransferConfig | None = None,
+    segment: KVSegment | None = None,
 ) -> KVReceiver:
     """Create the consumer side bound at `address` (tcp://host:0 picks a free port, ipc://path, shm+ either,
-    local://name); the actual address to hand to senders is `receiver.address`."""
+    local://name); the actual address to hand to senders is `receiver.address`. ``segment`` (shm, auto): the cache in
+    shared memory that same-node senders write in place (transfer/kv_segment.py)."""
     _check_backend(backend)
     cfg = _backend_config(backend, config)
     if backend == "local":
@@ -175,4 +182,4 @@ def make_receiver(
         return LocalReceiver(fingerprint, sink, address, cfg)
     from transfer.receiver import Receiver
 
-    return Receiver(fingerprint, sink, address, cfg, _TRANSPORTS[backend])
+    return Receiver(fingerprint, sink, address, cfg, _TRANSPORTS[backend], segment=segment)

@@ -24,6 +24,9 @@ class TransferConfig:
     secret: str | None = None  # the cluster secret: proven, never sent, at the handshake (transfer/auth.py)
     kv_wire_dtype: str = "raw"  # "raw" (bit-exact) or "int8" (per block-and-head scales)
     checksum: bool = True  # xxh3_64 per payload frame
+    # shm/auto: a decode worker's CPU cache in shared memory, written in place by same-node senders (both ends must
+    # allow it; else a ring); transfer/direct_path.py
+    direct_write: bool = True
     group_timeout_s: float = 30.0  # nccl/gloo: forming the pair process group, and each p2p wait
     device: str = "cpu"  # nccl backend: "cuda" selects NCCL, "cpu" selects gloo
     idle_session_s: float = 60.0  # a peer session with no transfer and no message this long is dropped

@@ -169,6 +169,15 @@ class InboundTable:
             raise
         except Exception as e:  # the sink is the engine's: report, don't crash the receiver
             raise TransferError(f"sink failed: {type(e).__name__}: {e}") from e
+        self._count(rec, piece)
+
+    def landed(self, piece: PieceHeader) -> None:
+        """A piece its sender wrote into the reserved blocks itself, already checked (transfer/direct_path.py)."""
+        rec = self._tx.get(piece.transfer_id)
+        if rec is not None:
+            self._count(rec, piece)
+
+    def _count(self, rec: Inbound, piece: PieceHeader) -> None:
         rec.nbytes += sum(f.nbytes for f in piece.frames)
         rec.remaining -= len(piece.blocks)
         rec.pieces_done += 1

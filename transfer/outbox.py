@@ -128,8 +128,9 @@ def discard_rest(sock: zmq.Socket, limit: int = 1 << 16) -> None:
         sock.recv(zmq.NOBLOCK, copy=False)
 
 
-class FrameTooLargeForPeer(Exception):
-    """Internal: a piece exceeds the receiver's announced frame bound; fails that transfer only."""
+class PieceRefused(Exception):
+    """Internal: a piece that cannot go to this peer (larger than its frame bound, or its blocks not reserved in the
+    receiver's cache now); fails that transfer only."""
 
     def __init__(self, error: TransferError) -> None:
         super().__init__(str(error))
@@ -139,6 +140,6 @@ class FrameTooLargeForPeer(Exception):
 def check_peer_frame_bound(peer: Peer, piece: PieceHeader) -> None:
     biggest = max(f.nbytes for f in piece.frames)
     if peer.max_frame_bytes and biggest > peer.max_frame_bytes:
-        raise FrameTooLargeForPeer(
+        raise PieceRefused(
             FrameTooLarge(f"{biggest}-byte frame > receiver {peer.address} max_frame_bytes={peer.max_frame_bytes}")
         )

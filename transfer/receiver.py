@@ -36,14 +36,16 @@ from transfer.errors import (
     TransferError,
 )
 from transfer.inbound import InboundTable, Sink
+from transfer.kv_segment import KVSegment, pid_namespace
 from transfer.pair_path import PairReceive, gpu_uuid, same_gpu
 from transfer.ring_path import DEFAULT_MAX_RINGS, DEFAULT_RING_BYTES, SCHEME, RingReceive, control_address
 from transfer.sessions import Session, SessionTable
-from transfer.shm_ring import MAX_RING_BYTES, MIN_RING_BYTES, sweep_stale
+from transfer.shm_ring import MAX_RING_BYTES, MIN_RING_BYTES, node_id, sweep_stale
 from transfer.sockets import bind_address, configure
 from transfer.staging import SideStreamSink
 from transfer.state import Inbound, TransferEvent
 from transfer.wire import (
+    MAX_BATCH_PIECES,
     MAX_HEADER_BYTES,
     Abort,
     Ack,
@@ -54,6 +56,7 @@ from transfer.wire import (
     Nack,
     Named,
     PieceHeader,
+    Pieces,
     Reject,
     Renew,
     Welcome,
@@ -63,7 +66,8 @@ from transfer.wire import (
 )
 
 log = logging.getLogger(__name__)
-MAX_FRAMES = 2 + 4  # identity, header, and at most 4 payload frames (int8: k, k scales, v, v scales)
+# identity, header, and at most 4 payload frames (int8: k, k scales, v, v scales) for each piece of a batch
+MAX_FRAMES = 2 + 4 * MAX_BATCH_PIECES
 
 
 class InlineReceive:
@@ -104,7 +108,10 @@ class Receiver(KVReceiver):
         *,
         ring_bytes: int = DEFAULT_RING_BYTES,
         max_rings: int = DEFAULT_MAX_RINGS,
+        segment: KVSegment | None = None,
     ) -> None:
+        """``segment``: the engine's KV cache in shared memory (shm and auto), written in place by same-node senders;
+        closed with the receiver."""
         if not MIN_RING_BYTES <= ring_bytes <= MAX_RING_BYTES or max_rings < 0:
             raise ValueError(f"ring_bytes must be in [{MIN_RING_BYTES}, {MAX_RING_BYTES}] and max_rings >= 0")
         self.fp = fingerprint
@@ -112,6 +119,9 @@ class Receiver(KVReceiver):
         self.transport = transport
         self.ring_bytes, self.max_rings = ring_bytes, max_rings
         self.shm_pieces = 0  # pieces read from a ring
+        self.direct_pieces = 0  # pieces a sender wrote into the segment itself
+        self._segment = segment if transport == "shm" else None
+        self._held: list[TransferEvent] = []  # failed transfers whose blocks a writer may still be copying into
         self.same_gpu_sessions = 0  # dist: sender sessions from this GPU (ring or inline, no pair group)
         self._gpu = gpu_uuid(self.cfg) if transport == "dist" else None
         self._store: torch.distributed.TCPStore | None = (
@@ -157,6 +167,8 @@ class Receiver(KVReceiver):
         deadline_s: float | None = None,
     ) -> None:
         self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
+        if self._segment is not None:
+            self._segment.claim(transfer_id, dst_block_ids)
 
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:
         if not self._closed:
@@ -169,10 +181,21 @@ class Receiver(KVReceiver):
                     self._handle(frames)
             self._poll_payloads()
             self._renew_and_expire()
-        events = self._table.drain()
+        events = self._released(self._held + self._table.drain())
         if any(ev.ok for ev in events):
             self._sink.fence()  # what the engine admits next is ordered after the side stream's writes
         return events
+
+    def _released(self, events: list[TransferEvent]) -> list[TransferEvent]:
+        """The ended transfers whose blocks no sender can write any more (all, without a segment); the others are
+        held for the next poll."""
+        if self._segment is None:
+            return events
+        done: list[TransferEvent] = []
+        self._held = []
+        for ev in events:
+            (done if self._segment.release(ev.transfer_id, writer_may_run=not ev.ok) else self._held).append(ev)
+        return done
 
     def wait(self, timeout_s: float) -> bool:
         if self._closed:
@@ -189,6 +212,8 @@ class Receiver(KVReceiver):
         rec = self._table.abort(transfer_id, reason)
         if rec is not None:
             self._nack(rec, "aborted", reason)
+            if self._segment is not None:  # now: the caller may expect its blocks for another transfer at once
+                self._segment.release(transfer_id, writer_may_run=True)
 
     def pending_transfers(self) -> list[str]:
         return self._table.ids()
@@ -212,6 +237,8 @@ class Receiver(KVReceiver):
             path.close(join_s=max(0.0, end - time.monotonic()))
         self._sock.close(linger=0)
         self._ctx.destroy(linger=0)
+        if self._segment is not None:
+            self._segment.close()
 
     # ------------------------------------------------------------------ messages
 
@@ -284,16 +311,19 @@ class Receiver(KVReceiver):
         except TransferError as e:
             self._refuse(sess, session, named(body), e)
             return
-        tid = h.transfer_id if isinstance(h, PieceHeader) else getattr(h, "tid", None)
+        if isinstance(h, Pieces):
+            self._on_pieces(sess, session, h, [f.buffer for f in frames[2:]])
+            return
+        if isinstance(h, PieceHeader):
+            self._take_piece(sess, session, h, [f.buffer for f in frames[2:]])
+            return
+        tid = getattr(h, "tid", None)
         if tid is None:
             self.dropped += 1
             return
         rec = self._table.get(tid)
         try:
-            if isinstance(h, PieceHeader):
-                piece = self._table.admit(session, h)
-                self._on_piece(sess, piece, [f.buffer for f in frames[2:]])
-            elif isinstance(h, Finish):
+            if isinstance(h, Finish):
                 self._table.on_finish(session, tid, h.pieces)
             elif isinstance(h, Renew):
                 self._table.heard(tid, session)
@@ -308,6 +338,29 @@ class Receiver(KVReceiver):
             return
         if rec is not None and self._table.get(tid) is None:
             self._reply(sess, Ack(tid))
+
+    def _on_pieces(self, sess: Session, session: bytes, batch: Pieces, bufs: list[Any]) -> None:
+        """A batch: each piece with its own frames, taken or refused on its own; frames that do not add up to what
+        the headers declare refuse every piece."""
+        if sum(len(p.frames) for p in batch.pieces if not p.direct) != len(bufs):
+            for p in batch.pieces:
+                self._refuse(sess, session, p, ProtocolError("a batch whose frames do not match its pieces"))
+            return
+        at = 0
+        for p in batch.pieces:
+            n = 0 if p.direct else len(p.frames)
+            self._take_piece(sess, session, p, bufs[at : at + n])
+            at += n
+
+    def _take_piece(self, sess: Session, session: bytes, h: PieceHeader, bufs: list[Any]) -> None:
+        rec = self._table.get(h.transfer_id)
+        try:
+            self._on_piece(sess, self._table.admit(session, h), bufs)
+        except TransferError as e:
+            self._refuse(sess, session, h, e)
+            return
+        if rec is not None and self._table.get(h.transfer_id) is None:
+            self._reply(sess, Ack(h.transfer_id))
 
     def _refuse(self, sess: Session, session: bytes, h: Header | Named, error: TransferError) -> None:
         """A message that cannot be taken fails the transfer it names, if that is one of this session's; one for a
@@ -363,6 +416,10 @@ class Receiver(KVReceiver):
             fields = {"same_gpu": True, "gpu": self._gpu}
         elif self.transport == "zmq":
             return fields, INLINE
+        elif self._segment is not None and h.node == node_id() and h.pidns and h.pidns == pid_namespace():
+            from transfer.direct_path import DirectReceive  # (it extends InlineReceive, above)
+
+            return {"direct": self._segment.announce()}, DirectReceive(self._segment)
         ring = RingReceive.offer(h, self.ring_bytes, self.rings(), self.max_rings)
         if ring is None:
             return fields, INLINE

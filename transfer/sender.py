@@ -27,6 +27,7 @@ import zmq
 from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, handshake_key, seal, session_key, split, verify
 from transfer.base import KVSender, check_layer_args
 from transfer.config import TransferConfig
+from transfer.direct_path import DirectSend
 from transfer.errors import (
     AuthError,
     PeerGone,
@@ -36,7 +37,8 @@ from transfer.errors import (
     TransferTimeout,
     error_from_code,
 )
-from transfer.outbox import FrameTooLargeForPeer, Meter, Outbox, Outgoing, Peer, check_peer_frame_bound, discard_rest
+from transfer.kv_segment import SegmentWriter, pid_namespace
+from transfer.outbox import Meter, Outbox, Outgoing, Peer, PieceRefused, check_peer_frame_bound, discard_rest
 from transfer.pair_path import PairSend, consumer_event, gpu_uuid, same_gpu
 from transfer.ring_path import SCHEME, RingSend, control_address
 from transfer.shm_ring import RingWriter, ShmUnavailable, node_id
@@ -44,6 +46,7 @@ from transfer.sockets import configure
 from transfer.staging import StagedTensors, Stager
 from transfer.state import LeaseTable, TransferEvent
 from transfer.wire import (
+    MAX_BATCH_PIECES,
     MAX_HEADER_BYTES,
     Abort,
     Ack,
@@ -52,6 +55,8 @@ from transfer.wire import (
     Hello,
     ModelFingerprint,
     Nack,
+    PieceHeader,
+    Pieces,
     Reject,
     Renew,
     Welcome,
@@ -65,13 +70,21 @@ from transfer.wire import (
 log = logging.getLogger(__name__)
 
 
+BATCH_PIECE_BYTES = 256 << 10  # pieces up to this size share a message with those queued after them
+BATCH_BYTES = 4 << 20  # and at most this many payload bytes go in one message
+
+
 class InlineSend:
     """Payload frames in the header's ZeroMQ message: any receiver, any node."""
 
     name = "inline"
+    batches = True
 
     def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
         sender.send_inline(peer, out)
+
+    def send_batch(self, sender: Sender, peer: Peer, outs: list[Outgoing]) -> None:
+        sender.send_inline_batch(peer, outs)
 
     def collect(self) -> tuple[TransferError | None, list[tuple[str, TransferError]]]:
         return None, []
@@ -94,12 +107,14 @@ class Sender(KVSender):
         self._hs_key = handshake_key(self.cfg.secret)
         self.rejected = 0  # replies dropped: unauthenticated, replayed or multipart
         self.shm_pieces = 0  # pieces that went through a ring
+        self.direct_pieces = 0  # pieces written into a same-node receiver's cache
         self.same_gpu_peers = 0  # dist: receivers on this GPU (no pair group: ring or inline)
         self._gpu = gpu_uuid(self.cfg) if transport == "dist" else None
         # where payload tensors live for the path: NCCL moves device tensors, everything else host ones
         self._payload_device = self.cfg.device if transport == "dist" else "cpu"
-        # shm: a few commands per turn, so encoding and ring copies interleave and the receiver starts at once
-        self._command_budget = 2 if transport == "shm" else 64
+        # commands taken per loop turn: a ring path lowers it to a few, so that encoding and ring copies interleave
+        # and the receiver starts at once; else many, so that pieces ready together leave as one batch
+        self._command_budget = 64
         self._leases = LeaseTable(self.cfg.lease_s)
         self._cmds: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=self.cfg.queue_size)
         self._ctx = zmq.Context()
@@ -282,7 +297,7 @@ class Sender(KVSender):
             try:
                 k, v = staged.wait(self.cfg.send_timeout_s)  # the staging copy (device KV), bounded
             except TransferError as e:
-                self._fail_transfer(peer, tid, e)
+                self.fail_transfer(peer, tid, e)
                 return
             # checksums are taken by the path, over the bytes as they leave (the ring's copy, or the source inline)
             header, tensors = encode_piece(
@@ -297,6 +312,8 @@ class Sender(KVSender):
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_cuda and self._payload_device.startswith("cuda"):
             return t
+        if self._payload_device == "cpu" and not t.is_cuda and not t.requires_grad and t.is_contiguous():
+            return t  # (a handed-over CPU tensor: as it is, with no torch call per piece beyond these)
         return t.detach().to(self._payload_device).contiguous()
 
     def _connect(self, address: str) -> Peer:
@@ -313,7 +330,8 @@ class Sender(KVSender):
         transport = self.transport
         if transport == "shm" and not peer.address.startswith(SCHEME):
             transport = "zmq"  # a plain zmq receiver: speak zmq to it
-        return Hello(self.fp, transport, peer.nonce, node_id(), self._gpu)
+        pidns = pid_namespace() if transport == "shm" and self.cfg.direct_write else None
+        return Hello(self.fp, transport, peer.nonce, node_id(), self._gpu, pidns)
 
     def seal_for(self, peer: Peer, header: Header) -> bytes:
         """A header of this peer's session: MAC under the session key, next sequence number."""
@@ -336,23 +354,52 @@ class Sender(KVSender):
                 if not isinstance(out.message, Abort) and self._leases.get(out.transfer_id) is None:
                     peer.outbox.popleft()  # its transfer ended meanwhile
                     continue
+                batch = self._batch(peer)
                 try:
-                    self._send(peer, out)
+                    if batch:
+                        peer.path.send_batch(self, peer, batch)
+                    else:
+                        self._send(peer, out)
                 except zmq.Again as e:
                     self._room_wait = getattr(e, "wait", None)
                     peer.stuck_since = peer.stuck_since or time.monotonic()
                     break
-                except FrameTooLargeForPeer as e:
+                except PieceRefused as e:
                     peer.outbox.popleft()
-                    self._fail_transfer(peer, out.transfer_id, e.error)
+                    self.fail_transfer(peer, out.transfer_id, e.error)
                     continue
-                peer.outbox.popleft()
                 peer.stuck_since = None
                 peer.last_sent = time.monotonic()
                 sent = True
-                if out.tensors:
-                    self._leases.note_sent(out.transfer_id, out.nbytes)
+                for done in batch or [out]:
+                    peer.outbox.popleft()
+                    if done.tensors and self._leases.get(done.transfer_id) is not None:
+                        self._leases.note_sent(done.transfer_id, done.nbytes)
         return sent
+
+    def _batch(self, peer: Peer) -> list[Outgoing]:
+        """The small pieces at the head of a peer's outbox, if its path sends batches and there are two or more:
+        pieces ready together share one message (one seal, MAC, header decode and socket call for all)."""
+        if not getattr(peer.path, "batches", False):
+            return []
+        outs: list[Outgoing] = []
+        total = 0
+        for out in peer.outbox:
+            piece = out.piece
+            if (
+                piece is None
+                or len(outs) == MAX_BATCH_PIECES
+                or out.nbytes > BATCH_PIECE_BYTES
+                or total + out.nbytes > BATCH_BYTES
+                or self._leases.get(out.transfer_id) is None
+                or any(t.is_cuda for t in out.tensors)
+                or peer.max_frame_bytes
+                and max(f.nbytes for f in piece.frames) > peer.max_frame_bytes
+            ):
+                break
+            outs.append(out)
+            total += out.nbytes
+        return outs if len(outs) > 1 else []
 
     def _send(self, peer: Peer, out: Outgoing) -> None:
         """Send one message by the peer's path (raises zmq.Again when it cannot leave now)."""
@@ -366,6 +413,19 @@ class Sender(KVSender):
             out.tensors, out.ready = staged.wait(self.cfg.send_timeout_s), None
         peer.path.send(self, peer, out)
 
+    def send_inline_batch(self, peer: Peer, outs: list[Outgoing]) -> None:
+        """Pieces as one message: their headers in one sealed `Pieces`, then every piece's frames in order."""
+        headers: list[PieceHeader] = []
+        frames: list[memoryview] = []
+        for out in outs:
+            views = [frame_view(t) for t in out.tensors]
+            if self.cfg.checksum and any(f.xxh3 is None for f in out.piece.frames):  # type: ignore[union-attr]
+                out.message = with_checksums(out.piece, views)  # type: ignore[arg-type]
+            headers.append(out.message)  # type: ignore[arg-type]
+            frames.extend(views)
+        header = self.seal_for(peer, Pieces(pieces=tuple(headers)))
+        peer.sock.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
+
     def send_inline(self, peer: Peer, out: Outgoing) -> None:
         """A piece as payload frames after its header, checksummed over its source (once, even if it waits)."""
         assert out.piece is not None
@@ -374,7 +434,8 @@ class Sender(KVSender):
         header = self.seal_for(peer, out.message)
         peer.sock.send_multipart([header, *(frame_view(t) for t in out.tensors)], flags=zmq.NOBLOCK, copy=False)
 
-    def _fail_transfer(self, peer: Peer, tid: str, error: TransferError) -> None:
+    def fail_transfer(self, peer: Peer, tid: str, error: TransferError) -> None:
+        """A transfer whose piece cannot go fails (an Abort tells the receiver); paths call it for one of a batch."""
         if self._leases.release(tid, error):
             peer.outbox.append(Outgoing(tid, Abort(tid, str(error)[:1000])))
 
@@ -475,13 +536,21 @@ class Sender(KVSender):
             if h.store_port is None:
                 raise ProtocolError("a dist welcome without the pair group's store port")
             return PairSend.join(self.cfg, peer, h.store_port, self._note_link_crash)
+        if h.direct is not None:
+            try:
+                return DirectSend(SegmentWriter.open(self.fp, h.direct))
+            except (ShmUnavailable, OSError) as e:
+                log.warning("KV to %s goes inline over ZeroMQ (its cache could not be mapped): %s", peer.address, e)
+                return INLINE
         announced = h.shm
         if announced is None:
             if peer.address.startswith(SCHEME):
                 log.info("receiver %s gave no shared-memory ring (another node?): KV goes inline", peer.address)
             return INLINE
         try:
-            return RingSend(RingWriter.open(announced))
+            ring = RingSend(RingWriter.open(announced))
+            self._command_budget = 2
+            return ring
         except (ShmUnavailable, OSError) as e:
             log.warning("KV to %s goes inline over ZeroMQ: %s", peer.address, e)
             return INLINE

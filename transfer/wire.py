@@ -131,6 +131,7 @@ class Hello(Header, tag="hello"):  # S->R, sealed under the handshake key
     nonce: Token
     node: Text | None = None  # transfer/shm_ring.py node_id: a ring is offered to a sender on the same node
     gpu: Text | None = None  # dist: this end's GPU UUID
+    pidns: Text | None = None  # transfer/kv_segment.py pid_namespace: a receiver's cache is offered to a sender in it
 
 
 class Welcome(Header, tag="welcome"):  # R->S, under the handshake key; names the session's payload path
@@ -142,6 +143,7 @@ class Welcome(Header, tag="welcome"):  # R->S, under the handshake key; names th
     store_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # dist: the pair group's store
     same_gpu: bool = False
     gpu: Text | None = None
+    direct: Annotated[list[Any], msgspec.Meta(max_length=4)] | None = None  # its KV cache: [pid, fd, token, blocks]
 
 
 class Reject(Header, tag="reject"):  # R->S, under the handshake key
@@ -161,6 +163,17 @@ class PieceHeader(Header, tag="kv"):
     tags: Annotated[tuple[Count, ...], msgspec.Meta(max_length=4)] | None = None  # pair path: a p2p tag per frame
     shm: Annotated[list[Any], msgspec.Meta(max_length=5)] | None = None  # ring path: [positions..., end], checked by
     # shm_ring.check_positions against the ring itself
+    direct: bool = False  # direct path: no payload, the sender wrote it into `blocks`; the frames' xxh3 cover them
+
+
+MAX_BATCH_PIECES = 32  # a whole small transfer of a 30-layer model in one message
+
+
+class Pieces(Header, tag="kvs"):
+    """Several small pieces in one message (their frames follow in order; direct ones have none): the per-message
+    cost (seal, MAC, decode, a socket call) paid once for pieces that were ready together."""
+
+    pieces: Annotated[tuple[PieceHeader, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH_PIECES)]
 
 
 class Finish(Header, tag="finish"):
@@ -187,7 +200,7 @@ class Renew(Header, tag="renew"):  # either way: "still here" for one transfer's
     tid: Text
 
 
-AnyHeader = Hello | Welcome | Reject | PieceHeader | Finish | Abort | Ack | Nack | Renew
+AnyHeader = Hello | Welcome | Reject | PieceHeader | Pieces | Finish | Abort | Ack | Nack | Renew
 _DECODER = msgspec.msgpack.Decoder(AnyHeader)
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -232,7 +245,7 @@ def frame_view(t: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("frame_view needs a contiguous CPU tensor")
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    return t.view(torch.uint8).numpy().reshape(-1).data  # two torch calls: this runs per frame
 
 
 def checksum(buf: Any) -> int:
@@ -252,13 +265,14 @@ def with_checksums(p: PieceHeader, bufs: Sequence[Any]) -> PieceHeader:
     return msgspec.structs.replace(p, frames=frames)
 
 
+# Read-only buffers give read-only tensors by contract (tensor_over): the sink must copy out, and it writes into the
+# KV cache anyway. The filter is set once: a catch_warnings per frame costs more than the rest of its decoding.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def tensor_over(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """A tensor viewing `buf` without copying. Read-only buffers give read-only tensors by contract:
-    the sink must copy out (it writes into the KV cache anyway), so torch's warning is silenced."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-    return flat.view(dtype).view(tuple(shape))
+    """A tensor viewing `buf` without copying (read-only if `buf` is)."""
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(tuple(shape))
 
 
 def expected_frames(fp: ModelFingerprint, wire: str, n: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -60,6 +60,8 @@ def test_two_process_handoff_is_token_exact(ray_local, tiny_llama_path, backend,
         assert decode["transfers_ok"] == prefill["transfers_ok"] == 3
         assert decode["transfer_bytes"] == blocks * BLOCK_BYTES
         assert decode["transfers_failed"] == 0 and decode["recomputes"] == 0
+        if backend in ("shm", "auto"):  # one node: the prefill worker writes into the decode worker's cache
+            assert set(prefill["kv_paths"].values()) == {"shm-direct"}, prefill["kv_paths"]
     finally:
         handle.stop()
 

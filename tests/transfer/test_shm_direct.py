@@ -1,0 +1,246 @@
+"""The direct path of `shm`/`auto`: a same-node sender writes KV into the receiver's cache, which lives in shared memory.
+
+Round trips are bit-exact into scattered blocks and never call the sink; the receiver checks each piece's xxh3 over its
+own destination blocks; a sender may write only blocks tagged for its transfer (a refused write changes nothing); a
+transfer failed by the receiver stops its sender's writes before its blocks are given back; a killed sender's transfer
+fails and nothing is left in /dev/shm; pieces ready together leave as one batch; what cannot go direct (an int8 wire,
+a sender that does not allow it) goes inline or through a ring.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.helpers import transfer_peers as procs
+from tests.helpers.kv import bits, fingerprint, make_kv, poll_until
+from transfer.config import TransferConfig
+from transfer.errors import ChecksumError, PeerGone, ProtocolError
+from transfer.kv_segment import KVSegment, SegmentWriter, tag_of
+from transfer.receiver import Receiver
+from transfer.sender import Sender
+from transfer.shm_ring import PREFIX, SHM_DIR, ShmUnavailable
+from transfer.state import TransferState
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = "direct-secret-0123456789abcdef"
+
+
+def _cfg(**kw) -> TransferConfig:
+    return TransferConfig(**{"deadline_s": 5.0, "lease_s": 1.5, "secret": SECRET, **kw})
+
+
+class SegmentCache:
+    """The decode side: the cache is the segment's; the sink (inline pieces only) writes it and counts."""
+
+    def __init__(self, fp, num_blocks: int = 40) -> None:
+        self.fp, self.segment, self.writes = fp, KVSegment(fp, num_blocks), 0
+
+    def sink(self, tid, layer, blocks, k, v) -> None:
+        index = torch.tensor(blocks)
+        self.segment.layers[layer][0][index] = k
+        self.segment.layers[layer][1][index] = v
+        self.writes += 1
+
+    def holds(self, dst, seed) -> bool:
+        index = torch.tensor(dst)
+        for layer in range(self.fp.num_layers):
+            k, v = make_kv(self.fp, layer, len(dst), seed)
+            kv = self.segment.layers[layer]
+            if not (torch.equal(bits(kv[0][index]), bits(k)) and torch.equal(bits(kv[1][index]), bits(v))):
+                return False
+        return True
+
+    def tagged(self) -> int:
+        return int(self.segment._map.tags.astype(bool).sum())
+
+
+def _pair(closing, dtype="bfloat16", rcfg=None, scfg=None):
+    fp = fingerprint(dtype)
+    cache = SegmentCache(fp)
+    r = closing(Receiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", rcfg or _cfg(), "shm", segment=cache.segment))
+    s = closing(Sender(fp, scfg or _cfg(), "shm"))
+    return fp, cache, r, s
+
+
+def _send(s, fp, tid, dst, seed, finish=True):
+    for layer in range(fp.num_layers):
+        k, v = make_kv(fp, layer, len(dst), seed)
+        s.send_layer(tid, layer, dst, k, v)
+    if finish:
+        s.finish(tid)
+
+
+def _both(r, s, timeout=10.0):
+    rev, sev = [], []
+    poll_until(
+        [lambda: rev.extend(r.poll()) or [], lambda: sev.extend(s.poll()) or []],
+        lambda _: bool(rev) and bool(sev),
+        timeout,
+    )
+    return rev, sev
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bit_exact_into_scattered_blocks_without_the_sink(dtype, closing) -> None:
+    fp, cache, r, s = _pair(closing, dtype)
+    for i, dst in enumerate(([3], [7, 8, 9, 20, 2, 31], list(range(10, 22)))):
+        r.expect(f"t{i}", dst)
+        s.begin(f"t{i}", r.address)
+        _send(s, fp, f"t{i}", dst, seed=i)
+        rev, sev = _both(r, s)
+        assert [e.state for e in rev + sev] == [TransferState.DONE] * 2, rev + sev
+        assert cache.holds(dst, seed=i)
+    assert cache.writes == 0 and r.direct_pieces == s.direct_pieces == 3 * fp.num_layers
+    assert set(s.paths().values()) == {"shm-direct"}
+    assert cache.tagged() == 0 and r.pending_transfers() == [] and s.active_transfers() == []
+
+
+def test_pieces_ready_together_leave_as_one_message(closing, monkeypatch) -> None:
+    fp, cache, r, s = _pair(closing)
+    sent = []
+    monkeypatch.setattr(
+        Sender, "seal_for", lambda self, peer, h, f=Sender.seal_for: sent.append(h.kind) or f(self, peer, h)
+    )
+    r.expect("t", [1, 2])
+    s.begin("t", r.address)
+    _send(s, fp, "t", [1, 2], seed=5)  # all queued before the handshake: the receiver answers it only when polled
+    rev, sev = _both(r, s)
+    assert [e.state for e in rev + sev] == [TransferState.DONE] * 2
+    assert cache.holds([1, 2], seed=5)
+    assert sent.count("kvs") >= 1 and sent.count("kvs") + sent.count("kv") < fp.num_layers, sent
+
+
+def test_a_checksum_mismatch_over_the_destination_fails_the_transfer(closing, monkeypatch) -> None:
+    fp, cache, r, s = _pair(closing)
+    real = SegmentWriter.write
+
+    def write_then_flip(self, tid, layer, blocks, k, v):
+        real(self, tid, layer, blocks, k, v)
+        if layer == 2:
+            self._map.layers[layer][1][blocks[0]].view(-1)[0] += 1  # what lands differs from what was meant
+
+    monkeypatch.setattr(SegmentWriter, "write", write_then_flip)
+    r.expect("t", [4, 5])
+    s.begin("t", r.address)
+    _send(s, fp, "t", [4, 5], seed=1)
+    rev, sev = _both(r, s)
+    assert rev[0].state == TransferState.FAILED and isinstance(rev[0].error, ChecksumError)
+    assert sev[0].state == TransferState.FAILED and cache.tagged() == 0
+
+
+def test_a_sender_writes_only_blocks_tagged_for_its_transfer(closing) -> None:
+    fp, cache, r, s = _pair(closing)
+    r.expect("t", [1, 2])
+    s.begin("t", r.address)
+    _send(s, fp, "t", [1, 3], seed=1)  # block 3 is nobody's
+    rev, sev = _both(r, s)
+    assert sev[0].state == TransferState.FAILED and isinstance(sev[0].error, ProtocolError)
+    assert rev[0].state == TransferState.FAILED
+    assert all(not kv.any() for kv in cache.segment.layers)  # nothing written: block 1 is checked with block 3
+    writer = SegmentWriter.open(fp, cache.segment.announce())
+    try:
+        k, v = make_kv(fp, 0, 1, seed=0)
+        with pytest.raises(ProtocolError, match="outside"):
+            writer.write("t", 0, [cache.segment.num_blocks], k, v)
+    finally:
+        writer.close()
+
+
+def test_a_transfer_failed_by_the_receiver_stops_its_sender_before_its_blocks_go_back(closing) -> None:
+    fp, cache, r, s = _pair(closing)
+    r.expect("t", [6, 7])
+    writer = SegmentWriter.open(fp, cache.segment.announce())
+    try:
+        k, v = make_kv(fp, 0, 2, seed=3)
+        writer.write("t", 0, [6, 7], k, v)  # allowed while the transfer runs
+        writer._map.lock()  # a write under way ...
+        t0 = time.monotonic()
+        r.abort("t")  # ... is waited for (bounded), then the tags are cleared
+        assert time.monotonic() - t0 >= 0.9 and cache.tagged() == 2  # the writer kept the flock: nothing released
+        events = r.poll()
+        assert events == []  # the failure is held while a writer may still be copying into its blocks
+        writer._map.unlock()
+        events = poll_until([r.poll], lambda e: e, 5)
+        assert events[0].state == TransferState.FAILED and cache.tagged() == 0
+        with pytest.raises(ProtocolError, match="not reserved"):
+            writer.write("t", 1, [6, 7], k, v)
+    finally:
+        writer.close()
+
+
+def test_a_stale_tag_is_taken_over_by_the_next_transfer_into_its_blocks(closing) -> None:
+    """A move's failed pre-copy, then its tail into the same blocks: the tail owns them, the pre-copy's writer not."""
+    fp, cache, r, s = _pair(closing)
+    r.expect("rid:precopy", [1, 2])
+    r.abort("rid:precopy")
+    r.expect("rid", [1, 2, 3])
+    assert {int(t) for t in cache.segment._map.tags[[1, 2, 3]]} == {tag_of("rid")}
+    r.poll()
+    assert {int(t) for t in cache.segment._map.tags[[1, 2, 3]]} == {tag_of("rid")}  # the pre-copy's end clears none
+
+
+def test_an_int8_wire_goes_inline_and_a_sender_that_disallows_direct_gets_a_ring(closing) -> None:
+    fp, cache, r, s = _pair(closing, "float32", scfg=_cfg(kv_wire_dtype="int8"))
+    r.expect("q", [1, 2])
+    s.begin("q", r.address)
+    for layer in range(fp.num_layers):
+        s.send_layer("q", layer, [1, 2], *make_kv(fp, layer, 2, seed=1, specials=False))
+    s.finish("q")
+    rev, sev = _both(r, s)
+    assert [e.state for e in rev + sev] == [TransferState.DONE] * 2 and cache.writes > 0 and r.direct_pieces == 0
+    ring_sender = closing(Sender(fp, _cfg(direct_write=False), "shm"))
+    r.expect("t", [3])
+    ring_sender.begin("t", r.address)
+    _send(ring_sender, fp, "t", [3], seed=2)
+    rev, sev = _both(r, ring_sender)
+    assert [e.state for e in rev + sev] == [TransferState.DONE] * 2 and cache.holds([3], seed=2)
+    assert set(ring_sender.paths().values()) == {"shm-ring"}
+
+
+def test_a_killed_sender_fails_its_transfer_and_leaves_nothing_behind(spawn, closing) -> None:
+    before = {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
+    fp = fingerprint("float16")
+    cache = SegmentCache(fp)
+    cfg = TransferConfig(deadline_s=15, lease_s=1.5, idle_session_s=1.0)
+    r = closing(Receiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", cfg, "shm", segment=cache.segment))
+    r.expect("t", [1, 2, 3])
+    q = spawn.Queue()
+    job = dict(backend="shm", address=r.address, dtype="float16", tid="t", dst=[1, 2, 3], seed=2)
+    p = spawn.Process(target=procs.sender_main, args=([job], q, 2), daemon=True)
+    p.start()
+    try:
+        assert q.get(timeout=30)[0] == "stalled"
+        poll_until([r.poll], lambda e: r.direct_pieces >= 2, 10)
+        assert r.direct_pieces == 2 and cache.writes == 0
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(5)
+        ev = poll_until([r.poll], lambda e: e, 10)
+        assert ev[0].state == TransferState.FAILED and isinstance(ev[0].error, PeerGone)
+        assert cache.tagged() == 0  # the killed writer's flock went with it
+    finally:
+        if p.is_alive():
+            p.kill()
+    assert {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)} == before  # a memfd has no name to leave
+
+
+def test_an_announcement_is_checked_before_and_after_opening(closing) -> None:
+    fp = fingerprint()
+    segment = KVSegment(fp, 8)
+    try:
+        pid, fd, token, blocks = segment.announce()
+        for bad in ([pid, fd, token], [pid, fd, token[:8], blocks], [0, fd, token, blocks], [pid, fd, True, blocks]):
+            with pytest.raises(ShmUnavailable, match="malformed"):
+                SegmentWriter.open(fp, bad)
+        with pytest.raises(ShmUnavailable, match="token"):
+            SegmentWriter.open(fp, [pid, fd, os.urandom(16), blocks])
+        with pytest.raises(ShmUnavailable, match="size"):
+            SegmentWriter.open(fingerprint(layers=5), [pid, fd, token, blocks])
+        with pytest.raises(ShmUnavailable):
+            SegmentWriter.open(fp, [pid, 10_000, token, blocks])
+    finally:
+        segment.close()

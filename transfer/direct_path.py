@@ -1,0 +1,101 @@
+"""The direct payload path (backends `shm` and `auto`, CPU): a same-node sender writes KV into the receiver's cache.
+
+welcome   to a sender on this node and in this PID namespace, from a receiver whose engine's cache lives in a
+          transfer/kv_segment.py segment: [pid, fd, token, blocks]; the sender maps it (else: inline frames)
+expect    the receiver tags the reserved blocks with the transfer's owner tag
+sender    per piece: under the segment's flock, check the blocks' tags and copy K and V into them; xxh3 of what it
+          meant to write (its source); send the header with `direct` (no payload frames)
+receiver  admit (layer, blocks reserved for the transfer, as for every piece) -> xxh3 over the destination blocks ->
+          count it (no sink: the bytes are in place); a transfer that ends clears its tags, a failed one under the
+          flock, so a sender still writing finishes first and a later one is refused
+Pieces of a sender that cannot write directly (an int8 wire) come inline in the same session.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from transfer.errors import ProtocolError
+from transfer.kv_segment import KVSegment, SegmentWriter
+from transfer.outbox import Outgoing, Peer, PieceRefused
+from transfer.receiver import InlineReceive, Receiver
+from transfer.sessions import Session
+from transfer.wire import PieceHeader, Pieces, frame_view, with_checksums
+
+if TYPE_CHECKING:
+    from transfer.sender import Sender
+
+
+class DirectSend:
+    name = "shm-direct"
+    batches = True
+
+    def __init__(self, writer: SegmentWriter) -> None:
+        self.writer = writer
+
+    def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
+        piece = out.piece
+        assert piece is not None
+        if piece.wire != "raw":
+            sender.send_inline(peer, out)  # an int8 wire is for the network: its pieces go as frames
+            return
+        if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            raise zmq.Again()  # write only what can be announced now
+        try:
+            self.writer.write(piece.transfer_id, piece.layer, piece.blocks, *out.tensors)
+        except ProtocolError as e:
+            raise PieceRefused(e) from None
+        if sender.cfg.checksum:  # over the source: the receiver checks that its blocks hold what we meant
+            piece = with_checksums(piece, [frame_view(t) for t in out.tensors])
+        peer.sock.send(sender.seal_for(peer, msgspec.structs.replace(piece, direct=True)), zmq.NOBLOCK)
+        sender.direct_pieces += 1
+
+    def send_batch(self, sender: Sender, peer: Peer, outs: list[Outgoing]) -> None:
+        """Each piece written, then one message announcing them all; a piece whose blocks are not its transfer's
+        any more fails that transfer only."""
+        if sender.cfg.kv_wire_dtype != "raw":
+            sender.send_inline_batch(peer, outs)
+            return
+        if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            raise zmq.Again()
+        headers = []
+        for out in outs:
+            piece = out.piece
+            assert piece is not None
+            try:
+                self.writer.write(piece.transfer_id, piece.layer, piece.blocks, *out.tensors)
+            except ProtocolError as e:
+                sender.fail_transfer(peer, piece.transfer_id, e)
+                continue
+            if sender.cfg.checksum:
+                piece = with_checksums(piece, [frame_view(t) for t in out.tensors])
+            headers.append(msgspec.structs.replace(piece, direct=True))
+        if headers:
+            peer.sock.send(sender.seal_for(peer, Pieces(pieces=tuple(headers))), zmq.NOBLOCK)
+        sender.direct_pieces += len(headers)
+
+    def collect(self) -> tuple[None, list[Any]]:
+        return None, []
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class DirectReceive(InlineReceive):
+    """A session of the direct path: its pieces are in place, or inline frames (an int8 wire)."""
+
+    def __init__(self, segment: KVSegment) -> None:
+        self.segment = segment  # the receiver's (its engine's cache), not the session's: closing a session leaves it
+
+    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+        if not piece.direct:
+            super().on_piece(receiver, sess, piece, bufs)
+            return
+        if bufs or piece.shm is not None or piece.tags is not None:
+            raise ProtocolError("a direct piece with payload frames, shm positions or p2p tags")
+        self.segment.verify(piece.layer, piece.blocks, piece.frames)
+        receiver._table.landed(piece)
+        receiver.direct_pieces += 1

@@ -1,0 +1,303 @@
+"""The decode worker's KV cache in shared memory, written in place by same-node senders (the `shm-direct` path).
+
+Why: through a ring, KV is copied twice (into the ring, out into the cache); here the sender's one copy lands in the
+reserved destination blocks, and the receiver only checks it. The cache is a memfd, not a name in /dev/shm: it goes
+with the last process that maps it, a killed one included, so nothing can be left behind. A sender on this node and in
+this PID namespace opens it as /proc/<pid>/fd/<fd> (the kernel lets only the same user), and proves it is the one the
+MACed welcome announced by the token on its control page.
+
+Layout: page 0: magic | token | num_layers | num_blocks | layer_bytes, then one u64 owner tag per block (0: not being
+received; else `tag_of` the transfer the receiver expects into it), then per layer ``[2, num_blocks, block_size,
+kv_heads, head_dim]`` (K, V) of the cache's dtype, page aligned. A writer may write a block only while its tag is its
+transfer's: it holds the segment's flock while it checks the tags and copies, and the receiver takes the flock to
+clear a failed transfer's tags, so once that returns no write into those blocks is under way or can start (flock
+belongs to an open file: a killed writer's is released with it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import mmap
+import os
+import secrets
+import stat
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from transfer.errors import ChecksumError, ProtocolError
+from transfer.shm_ring import PAGE, ShmUnavailable
+from transfer.wire import FrameSpec, ModelFingerprint, frame_view
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PDSVKVC1"
+_HEAD = struct.Struct("<8s16sQQQ")  # magic, token, num_layers, num_blocks, layer_bytes
+LOCK_POLL_S = 1e-4  # the receiver's naps while a writer holds the segment (one piece's copy, under a millisecond)
+
+
+def tag_of(transfer_id: str) -> int:
+    """A transfer's owner tag: never 0, which marks a block nobody is receiving into."""
+    return xxhash.xxh3_64_intdigest(transfer_id.encode()) or 1
+
+
+def pid_namespace() -> str:
+    """Which processes' /proc/<pid> this process sees: the segment is offered only to a sender in the same one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _layout(fp: ModelFingerprint, num_blocks: int) -> tuple[int, int, int]:
+    """(offset of the first layer, bytes per layer, total bytes) of a segment for `fp` with `num_blocks` blocks."""
+    block_bytes = math.prod(fp.block_shape) * fp.torch_dtype.itemsize
+    layer_bytes = 2 * num_blocks * block_bytes
+    first = -(-(PAGE + 8 * num_blocks) // PAGE) * PAGE
+    return first, layer_bytes, first + fp.num_layers * layer_bytes
+
+
+def _runs(blocks: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first source row, first block, count) of each run of consecutive block ids: one copy or view per run."""
+    if len(blocks) == 1:
+        return [(0, int(blocks[0]), 1)]
+    cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [len(blocks)]))
+    return [(int(s), int(blocks[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+class _Mapped:
+    """A mapped segment's views: control page, owner tags, and each layer's K/V as a tensor and as bytes."""
+
+    def __init__(self, mm: mmap.mmap, fd: int, fp: ModelFingerprint, num_blocks: int) -> None:
+        first, layer_bytes, _ = _layout(fp, num_blocks)
+        self.mm, self.fd, self.fp, self.num_blocks = mm, fd, fp, num_blocks
+        self.tags = np.frombuffer(mm, dtype=np.uint64, count=num_blocks, offset=PAGE)
+        self.bytes = np.frombuffer(mm, dtype=np.uint8, offset=first, count=fp.num_layers * layer_bytes)
+        whole = torch.from_numpy(self.bytes)  # through numpy: its buffer export keeps mm from closing under a view
+        shape = (2, num_blocks, *fp.block_shape)
+        self.layers = [
+            whole[i * layer_bytes : (i + 1) * layer_bytes].view(fp.torch_dtype).view(shape)
+            for i in range(fp.num_layers)
+        ]
+        self.block_bytes = layer_bytes // (2 * num_blocks)
+
+    def block_bytes_of(self, layer: int, half: int, first: int, count: int) -> np.ndarray:
+        """The bytes of `count` blocks from `first`, of K (half 0) or V (half 1) of one layer."""
+        start = ((2 * layer + half) * self.num_blocks + first) * self.block_bytes
+        return self.bytes[start : start + count * self.block_bytes]
+
+    def lock(self, blocking: bool = True) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            return True
+        except BlockingIOError:
+            return False
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        del self.tags, self.bytes
+        self.layers = []
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        try:
+            self.mm.close()
+        except BufferError:  # the engine's cache tensors still view it: unmapped when they are collected
+            log.debug("KV segment still viewed at close")
+
+
+class KVSegment:
+    """Receiver side: the cache's memory, the owner tags of the transfers it expects, and the checks of pieces that
+    landed in place. The engine's cache tensors are ``layers`` (``KVCache.rehome``)."""
+
+    def __init__(self, fp: ModelFingerprint, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be > 0")
+        self.fp = fp
+        self.token = secrets.token_bytes(16)
+        _, layer_bytes, total = _layout(fp, num_blocks)
+        try:
+            fd = os.memfd_create(f"pdserve-kvc-{os.getpid()}", os.MFD_CLOEXEC)
+        except (AttributeError, OSError) as e:
+            raise ShmUnavailable(f"no memfd for a shared KV cache: {e}") from None
+        try:
+            os.fchmod(fd, 0o600)
+            os.posix_fallocate(fd, 0, total)  # ENOSPC now, not SIGBUS on a later write
+            mm = mmap.mmap(fd, total)
+        except OSError as e:
+            os.close(fd)
+            raise ShmUnavailable(f"cannot allocate a {total}-byte shared KV cache: {e}") from None
+        _HEAD.pack_into(mm, 0, MAGIC, self.token, fp.num_layers, num_blocks, layer_bytes)
+        self.nbytes = total
+        self._map = _Mapped(mm, fd, fp, num_blocks)
+        self._claims: dict[str, np.ndarray] = {}  # transfer id -> its destination blocks, tagged
+        self._closed = False
+
+    @property
+    def layers(self) -> list[torch.Tensor]:
+        """Per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``: the engine's cache, in this segment."""
+        return self._map.layers
+
+    @property
+    def num_blocks(self) -> int:
+        return self._map.num_blocks
+
+    def announce(self) -> list[Any]:
+        """What the welcome tells a same-node sender: [pid, fd, token, num_blocks]."""
+        return [os.getpid(), self._map.fd, self.token, self.num_blocks]
+
+    def claim(self, transfer_id: str, blocks: Sequence[int], wait_s: float = 1.0) -> None:
+        """Let `transfer_id`'s sender write `blocks` (at expect). A block may still carry the tag of a transfer that
+        ended and is not released yet (a failed pre-copy before its tail): retagged under the flock, so that
+        transfer's writer finishes first and is refused from then on."""
+        if self._closed:
+            return
+        index = np.asarray(blocks, dtype=np.int64)
+        if index.min() < 0 or index.max() >= self.num_blocks:
+            raise ValueError(f"blocks outside the shared cache's {self.num_blocks}")
+        if not self._map.tags[index].any():
+            self._map.tags[index] = tag_of(transfer_id)
+        elif not self._locked(lambda: self._map.tags.__setitem__(index, tag_of(transfer_id)), wait_s):
+            raise TimeoutError(f"a KV writer held the shared cache for {wait_s}s")
+        self._claims[transfer_id] = index
+
+    def release(self, transfer_id: str, writer_may_run: bool, wait_s: float = 1.0) -> bool:
+        """Clear a transfer's tags (those it still holds). ``writer_may_run`` (it failed): under the flock, so that
+        on True no write into its blocks is under way or can start; False if a writer held the flock for all of
+        ``wait_s`` (stopped mid-copy?): the caller tries again later and frees nothing meanwhile."""
+        index = self._claims.get(transfer_id)
+        if index is None or self._closed:
+            return True
+        tag = tag_of(transfer_id)
+
+        def clear() -> None:
+            mine = index[self._map.tags[index] == tag]
+            self._map.tags[mine] = 0
+
+        if writer_may_run:
+            if not self._locked(clear, wait_s):
+                return False
+        else:
+            clear()
+        del self._claims[transfer_id]
+        return True
+
+    def _locked(self, change: Callable[[], None], wait_s: float) -> bool:
+        end = time.monotonic() + wait_s
+        while not self._map.lock(blocking=False):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(LOCK_POLL_S)
+        try:
+            change()
+        finally:
+            self._map.unlock()
+        return True
+
+    def verify(self, layer: int, blocks: Sequence[int], frames: Sequence[FrameSpec]) -> None:
+        """Check a piece that landed in place: each frame's xxh3 (K, then V) over its destination blocks in order."""
+        runs = _runs(np.asarray(blocks, dtype=np.int64))
+        for half, spec in enumerate(frames):
+            if spec.xxh3 is None:
+                continue
+            h = xxhash.xxh3_64()
+            for _, first, count in runs:
+                h.update(self._map.block_bytes_of(layer, half, first, count).data)
+            if h.intdigest() != spec.xxh3:
+                raise ChecksumError(f"xxh3 mismatch over the destination blocks of layer {layer}")
+
+    def close(self) -> None:
+        self._closed = True
+        self._map.close()
+
+
+class SegmentWriter:
+    """Sender side: a receiver's mapped KV cache, written only into blocks tagged for the piece's transfer."""
+
+    def __init__(self, fp: ModelFingerprint, pid: int, fd: int, token: bytes, num_blocks: int) -> None:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            own = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise ShmUnavailable(f"cannot open the receiver's KV cache {path}: {e}") from None
+        try:
+            _, _, total = _layout(fp, num_blocks)
+            st = os.fstat(own)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != total:
+                raise ShmUnavailable(f"{path} is not a KV cache of this model (type, owner or size differ)")
+            mm = mmap.mmap(own, total)
+        except OSError as e:
+            os.close(own)
+            raise ShmUnavailable(f"cannot map {path}: {e}") from None
+        except ShmUnavailable:
+            os.close(own)
+            raise
+        magic, got, layers, blocks, _ = _HEAD.unpack_from(mm, 0)
+        if magic != MAGIC or got != token or layers != fp.num_layers or blocks != num_blocks:
+            mm.close()
+            os.close(own)
+            raise ShmUnavailable(f"{path} is not the KV cache the receiver announced (token or layout differ)")
+        self._map = _Mapped(mm, own, fp, num_blocks)
+        self._last: tuple[tuple[str, tuple[int, ...]], np.ndarray, list[tuple[int, int, int]]] | None = None
+
+    @classmethod
+    def open(cls, fp: ModelFingerprint, announced: Any) -> SegmentWriter:
+        """Map what a (MACed) welcome announced: [pid, fd, token, num_blocks], each checked before opening."""
+        if not (
+            isinstance(announced, list)
+            and len(announced) == 4
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in (announced[0], announced[1], announced[3]))
+            and 0 < announced[0] < 1 << 32
+            and 0 <= announced[1] < 1 << 31
+            and 0 < announced[3] < 1 << 31
+            and isinstance(announced[2], bytes)
+            and len(announced[2]) == 16
+        ):
+            raise ShmUnavailable(f"malformed KV cache announcement {announced!r:.100}")
+        pid, fd, token, num_blocks = announced
+        return cls(fp, pid, fd, token, num_blocks)
+
+    def write(self, transfer_id: str, layer: int, blocks: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy one layer's K and V into `blocks`, which must all be tagged for `transfer_id` (else ProtocolError,
+        nothing written): the flock is held from the check to the end of the copy."""
+        index, runs = self._plan(transfer_id, blocks)
+        size = self._map.block_bytes
+        sources = [np.frombuffer(frame_view(t), dtype=np.uint8) for t in (k, v)]
+        self._map.lock()
+        try:
+            if not (self._map.tags[index] == tag_of(transfer_id)).all():
+                raise ProtocolError(f"blocks {list(blocks)[:8]} are not reserved for transfer {transfer_id!r} now")
+            for half, src in enumerate(sources):
+                for row, first, count in runs:  # numpy's memcpy: one thread, without the GIL
+                    np.copyto(
+                        self._map.block_bytes_of(layer, half, first, count), src[row * size : (row + count) * size]
+                    )
+        finally:
+            self._map.unlock()
+
+    def _plan(self, transfer_id: str, blocks: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+        """The checked block index and its runs, kept for the next piece (every layer of a chunk has the same)."""
+        key = (transfer_id, tuple(blocks))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1], self._last[2]
+        index = np.asarray(blocks, dtype=np.int64)
+        if index.min() < 0 or index.max() >= self._map.num_blocks or len(set(blocks)) != len(blocks):
+            raise ProtocolError(f"destination blocks outside the receiver's cache or repeated: {list(blocks)[:8]}")
+        runs = _runs(index)
+        self._last = (key, index, runs)
+        return index, runs
+
+    def close(self) -> None:
+        self._map.close()
