@@ -23,7 +23,7 @@ from transfer.kv_segment import KVSegment, SegmentWriter
 from transfer.outbox import Outgoing, Peer, PieceRefused
 from transfer.receiver import InlineReceive, Receiver
 from transfer.sessions import Session
-from transfer.wire import PieceHeader, Pieces, frame_view, with_checksums
+from transfer.wire import PieceHeader, Pieces, with_digests
 
 if TYPE_CHECKING:
     from transfer.sender import Sender
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 class DirectSend:
     name = "shm-direct"
     batches = True
+    # only headers travel: pieces of any size are announced together, up to a few layers' worth, so that the
+    # receiver's checks still run while later layers are written
+    batch_piece_bytes, batch_bytes = 8 << 20, 8 << 20
 
     def __init__(self, writer: SegmentWriter) -> None:
         self.writer = writer
@@ -45,11 +48,9 @@ class DirectSend:
         if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             raise zmq.Again()  # write only what can be announced now
         try:
-            self.writer.write(piece.transfer_id, piece.layer, piece.blocks, *out.tensors)
+            piece = self._write(sender, piece, out)
         except ProtocolError as e:
             raise PieceRefused(e) from None
-        if sender.cfg.checksum:  # over the source: the receiver checks that its blocks hold what we meant
-            piece = with_checksums(piece, [frame_view(t) for t in out.tensors])
         peer.sock.send(sender.seal_for(peer, msgspec.structs.replace(piece, direct=True)), zmq.NOBLOCK)
         sender.direct_pieces += 1
 
@@ -66,16 +67,18 @@ class DirectSend:
             piece = out.piece
             assert piece is not None
             try:
-                self.writer.write(piece.transfer_id, piece.layer, piece.blocks, *out.tensors)
+                headers.append(msgspec.structs.replace(self._write(sender, piece, out), direct=True))
             except ProtocolError as e:
                 sender.fail_transfer(peer, piece.transfer_id, e)
-                continue
-            if sender.cfg.checksum:
-                piece = with_checksums(piece, [frame_view(t) for t in out.tensors])
-            headers.append(msgspec.structs.replace(piece, direct=True))
         if headers:
             peer.sock.send(sender.seal_for(peer, Pieces(pieces=tuple(headers))), zmq.NOBLOCK)
         sender.direct_pieces += len(headers)
+
+    def _write(self, sender: Sender, piece: PieceHeader, out: Outgoing) -> PieceHeader:
+        """The piece into its blocks; its header, with the xxh3 of the destination bytes if checksums are on."""
+        k, v = out.tensors
+        digests = self.writer.write(piece.transfer_id, piece.layer, piece.blocks, k, v, sender.cfg.checksum)
+        return piece if digests is None else with_digests(piece, digests)
 
     def collect(self) -> tuple[None, list[Any]]:
         return None, []

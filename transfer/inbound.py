@@ -135,10 +135,11 @@ class InboundTable:
         if piece.layer >= rec.num_layers:
             raise ProtocolError(f"layer {piece.layer} beyond expected {rec.num_layers} layers")
         todo = rec.missing[piece.layer]
-        if len(set(piece.blocks)) != len(piece.blocks) or not todo.issuperset(piece.blocks):
-            bad = sorted(set(piece.blocks) - todo)[:8]
+        blocks = set(piece.blocks)
+        if len(blocks) != len(piece.blocks) or not blocks <= todo:
+            bad = sorted(blocks - todo)[:8]
             raise ProtocolError(f"layer {piece.layer}: blocks {bad} not reserved for this transfer or duplicate")
-        todo.difference_update(piece.blocks)
+        todo -= blocks
         rec.state = TransferState.TRANSFERRING
         rec.headers_seen += 1
         rec.last_heard = time.monotonic()

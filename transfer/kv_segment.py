@@ -17,6 +17,7 @@ belongs to an open file: a killed writer's is released with it).
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import math
 import mmap
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"PDSVKVC1"
 _HEAD = struct.Struct("<8s16sQQQ")  # magic, token, num_layers, num_blocks, layer_bytes
+PARALLEL_COPY_BYTES = 256 << 10  # runs this large are copied by torch, in parallel when it has the threads
 LOCK_POLL_S = 1e-4  # the receiver's naps while a writer holds the segment (one piece's copy, under a millisecond)
 
 
@@ -64,14 +66,17 @@ def _layout(fp: ModelFingerprint, num_blocks: int) -> tuple[int, int, int]:
     return first, layer_bytes, first + fp.num_layers * layer_bytes
 
 
-def _runs(blocks: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first source row, first block, count) of each run of consecutive block ids: one copy or view per run."""
-    if len(blocks) == 1:
-        return [(0, int(blocks[0]), 1)]
-    cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [len(blocks)]))
-    return [(int(s), int(blocks[s]), int(e - s)) for s, e in zip(starts, ends)]
+@functools.lru_cache(maxsize=64)
+def runs_of(blocks: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(first source row, first block, count) of each run of consecutive block ids: one copy or view per run. Cached:
+    every layer of a chunk names the same blocks."""
+    out = []
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            out.append((start, blocks[start], i - start))
+            start = i
+    return tuple(out)
 
 
 class _Mapped:
@@ -208,10 +213,10 @@ class KVSegment:
 
     def verify(self, layer: int, blocks: Sequence[int], frames: Sequence[FrameSpec]) -> None:
         """Check a piece that landed in place: each frame's xxh3 (K, then V) over its destination blocks in order."""
-        runs = _runs(np.asarray(blocks, dtype=np.int64))
         for half, spec in enumerate(frames):
             if spec.xxh3 is None:
                 continue
+            runs = runs_of(tuple(blocks))
             h = xxhash.xxh3_64()
             for _, first, count in runs:
                 h.update(self._map.block_bytes_of(layer, half, first, count).data)
@@ -250,7 +255,7 @@ class SegmentWriter:
             os.close(own)
             raise ShmUnavailable(f"{path} is not the KV cache the receiver announced (token or layout differ)")
         self._map = _Mapped(mm, own, fp, num_blocks)
-        self._last: tuple[tuple[str, tuple[int, ...]], np.ndarray, list[tuple[int, int, int]]] | None = None
+        self._last: tuple[tuple[str, tuple[int, ...]], np.ndarray, tuple[tuple[int, int, int], ...]] | None = None
 
     @classmethod
     def open(cls, fp: ModelFingerprint, announced: Any) -> SegmentWriter:
@@ -269,25 +274,38 @@ class SegmentWriter:
         pid, fd, token, num_blocks = announced
         return cls(fp, pid, fd, token, num_blocks)
 
-    def write(self, transfer_id: str, layer: int, blocks: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, transfer_id: str, layer: int, blocks: Sequence[int], k: torch.Tensor, v: torch.Tensor, digest: bool
+    ) -> list[int] | None:
         """Copy one layer's K and V into `blocks`, which must all be tagged for `transfer_id` (else ProtocolError,
-        nothing written): the flock is held from the check to the end of the copy."""
+        nothing written): the flock is held from the check to the end of the copy. With `digest`, the xxh3 of K's and
+        of V's destination blocks in order, each run hashed right after its copy, while it is still in cache."""
         index, runs = self._plan(transfer_id, blocks)
         size = self._map.block_bytes
         sources = [np.frombuffer(frame_view(t), dtype=np.uint8) for t in (k, v)]
+        digests = []
         self._map.lock()
         try:
             if not (self._map.tags[index] == tag_of(transfer_id)).all():
                 raise ProtocolError(f"blocks {list(blocks)[:8]} are not reserved for transfer {transfer_id!r} now")
             for half, src in enumerate(sources):
-                for row, first, count in runs:  # numpy's memcpy: one thread, without the GIL
-                    np.copyto(
-                        self._map.block_bytes_of(layer, half, first, count), src[row * size : (row + count) * size]
-                    )
+                h = xxhash.xxh3_64() if digest else None
+                for row, first, count in runs:
+                    dst = self._map.block_bytes_of(layer, half, first, count)
+                    part = src[row * size : (row + count) * size]
+                    if dst.nbytes >= PARALLEL_COPY_BYTES:  # torch's copy, on the threads torch may use
+                        torch.from_numpy(dst).copy_(torch.from_numpy(part))
+                    else:  # numpy's memcpy: no per-call cost worth a thread
+                        np.copyto(dst, part)
+                    if h is not None:
+                        h.update(dst.data)
+                if h is not None:
+                    digests.append(h.intdigest())
         finally:
             self._map.unlock()
+        return digests if digest else None
 
-    def _plan(self, transfer_id: str, blocks: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    def _plan(self, transfer_id: str, blocks: Sequence[int]) -> tuple[np.ndarray, tuple[tuple[int, int, int], ...]]:
         """The checked block index and its runs, kept for the next piece (every layer of a chunk has the same)."""
         key = (transfer_id, tuple(blocks))
         if self._last is not None and self._last[0] == key:
@@ -295,7 +313,7 @@ class SegmentWriter:
         index = np.asarray(blocks, dtype=np.int64)
         if index.min() < 0 or index.max() >= self._map.num_blocks or len(set(blocks)) != len(blocks):
             raise ProtocolError(f"destination blocks outside the receiver's cache or repeated: {list(blocks)[:8]}")
-        runs = _runs(index)
+        runs = runs_of(key[1])
         self._last = (key, index, runs)
         return index, runs
 

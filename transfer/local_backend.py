@@ -31,7 +31,7 @@ from transfer.errors import (
 )
 from transfer.inbound import InboundTable, Sink
 from transfer.state import LeaseTable, TransferEvent
-from transfer.wire import ModelFingerprint, encode_piece, frame_view
+from transfer.wire import ModelFingerprint, encode_piece
 
 
 class LocalHub:
@@ -119,7 +119,7 @@ class LocalReceiver(KVReceiver):
                 if kind == "kv":
                     piece, tensors = payload
                     self._table.admit(session, piece)
-                    self._table.complete(piece, [frame_view(t) for t in tensors])
+                    self._table.complete_tensors(piece, tensors)  # handed over by reference: nothing to decode
                 elif kind == "finish":
                     self._table.on_finish(session, tid, payload)
                 elif kind == "abort":
@@ -160,6 +160,10 @@ class LocalReceiver(KVReceiver):
             self._table.fail(tid, PeerGone("receiver closed"))
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" and not t.requires_grad else t.detach().cpu()
+
+
 class LocalSender(KVSender):
     def __init__(
         self, fingerprint: ModelFingerprint, config: TransferConfig | None = None, hub: LocalHub | None = None
@@ -194,14 +198,7 @@ class LocalSender(KVSender):
         if route is None or self._leases.get(transfer_id) is None:
             return False
         piece, tensors = encode_piece(
-            self.fp,
-            transfer_id,
-            layer,
-            dst_block_ids,
-            k.detach().cpu(),
-            v.detach().cpu(),
-            self.cfg.kv_wire_dtype,
-            with_checksum=False,
+            self.fp, transfer_id, layer, dst_block_ids, _host(k), _host(v), self.cfg.kv_wire_dtype, with_checksum=False
         )
         route[0].deliver(route[1], "kv", transfer_id, (piece, tensors))
         self._pieces[transfer_id] += 1

@@ -68,6 +68,7 @@ from transfer.wire import (
 log = logging.getLogger(__name__)
 # identity, header, and at most 4 payload frames (int8: k, k scales, v, v scales) for each piece of a batch
 MAX_FRAMES = 2 + 4 * MAX_BATCH_PIECES
+TIMERS_EVERY_S = 0.005  # how often poll() looks at deadlines, silent senders, idle sessions and renewals
 
 
 class InlineReceive:
@@ -155,6 +156,7 @@ class Receiver(KVReceiver):
         self._io_problem = ""  # dist: a pair-link thread died of a bug (see io_problem)
         self._retired: list[Any] = []  # paths of dropped sessions whose link thread has not ended yet
         self._closed = False
+        self._next_timers = 0.0
 
     # ------------------------------------------------------------------ API
 
@@ -180,7 +182,10 @@ class Receiver(KVReceiver):
                 if frames is not None:
                     self._handle(frames)
             self._poll_payloads()
-            self._renew_and_expire()
+            now = time.monotonic()
+            if now >= self._next_timers:  # deadlines and leases are seconds: not every message's business
+                self._next_timers = now + TIMERS_EVERY_S
+                self._renew_and_expire()
         events = self._released(self._held + self._table.drain())
         if any(ev.ok for ev in events):
             self._sink.fence()  # what the engine admits next is ordered after the side stream's writes
@@ -242,18 +247,20 @@ class Receiver(KVReceiver):
 
     # ------------------------------------------------------------------ messages
 
-    def _recv_message(self) -> list[zmq.Frame] | None:
-        """One message, frame by frame (raises zmq.Again when none is waiting); None if it had too many frames:
-        those are dropped as they are read, never collected."""
-        frames = [self._sock.recv(zmq.NOBLOCK, copy=False)]
-        while frames[-1].more:
-            if len(frames) >= MAX_FRAMES:
-                while self._sock.getsockopt(zmq.RCVMORE):
-                    self._sock.recv(zmq.NOBLOCK, copy=False)
+    def _recv_message(self) -> list[Any] | None:
+        """One message (raises zmq.Again when none is waiting): identity and header as bytes (small: a copy costs less
+        than a zero-copy frame), payload frames as views of ZeroMQ's buffers. None if it had too many frames: those
+        are dropped as they are read, never collected."""
+        sock = self._sock
+        parts: list[Any] = [sock.recv(zmq.NOBLOCK)]
+        while sock.getsockopt(zmq.RCVMORE):
+            if len(parts) >= MAX_FRAMES:
+                while sock.getsockopt(zmq.RCVMORE):
+                    sock.recv(zmq.NOBLOCK, copy=False)
                 self._reject_frame(f"a message of more than {MAX_FRAMES} frames")
                 return None
-            frames.append(self._sock.recv(zmq.NOBLOCK, copy=False))
-        return frames
+            parts.append(sock.recv(zmq.NOBLOCK) if len(parts) == 1 else sock.recv(zmq.NOBLOCK, copy=False).buffer)
+        return parts
 
     def _reject_frame(self, reason: str) -> None:
         self.dropped += 1
@@ -261,12 +268,11 @@ class Receiver(KVReceiver):
         if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...: a flood cannot flood the log
             log.warning("dropped an unauthenticated message (%d so far): %s", self.rejected, reason)
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             self.dropped += 1
             return
-        identity = frames[0].bytes
-        raw = frames[1].buffer
+        identity, raw = frames[0], frames[1]
         try:
             _, session, seq, body = split(raw)
         except AuthError as e:
@@ -312,10 +318,10 @@ class Receiver(KVReceiver):
             self._refuse(sess, session, named(body), e)
             return
         if isinstance(h, Pieces):
-            self._on_pieces(sess, session, h, [f.buffer for f in frames[2:]])
+            self._on_pieces(sess, session, h, frames[2:])
             return
         if isinstance(h, PieceHeader):
-            self._take_piece(sess, session, h, [f.buffer for f in frames[2:]])
+            self._take_piece(sess, session, h, frames[2:])
             return
         tid = getattr(h, "tid", None)
         if tid is None:

@@ -70,8 +70,12 @@ from transfer.wire import (
 log = logging.getLogger(__name__)
 
 
-BATCH_PIECE_BYTES = 256 << 10  # pieces up to this size share a message with those queued after them
-BATCH_BYTES = 4 << 20  # and at most this many payload bytes go in one message
+TIMERS_EVERY_S = 0.002  # how often the I/O loop looks at handshakes, stuck peers, leases and keepalives
+BATCH_PIECE_BYTES = 256 << 10  # inline: pieces up to this size share a message with those queued after them
+BATCH_BYTES = 4 << 20  # inline: at most this many payload bytes go in one message
+BURST_WAIT_S = 5e-5  # after an idle wake by a piece: look again this often while more pieces keep arriving
+BURST_MAX_S = 1e-3  # and gather a burst for at most this long
+DRAIN_BYTES = 8 << 20  # the I/O loop stops taking commands for a turn once this much waits in its outboxes
 
 
 class InlineSend:
@@ -79,6 +83,7 @@ class InlineSend:
 
     name = "inline"
     batches = True
+    batch_piece_bytes, batch_bytes = BATCH_PIECE_BYTES, BATCH_BYTES
 
     def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
         sender.send_inline(peer, out)
@@ -123,6 +128,7 @@ class Sender(KVSender):
         self._meter = Meter()  # bytes queued in every peer's outbox (bounded by max_outbox_bytes)
         self._keepalive_s = min(self.cfg.lease_s, self.cfg.idle_session_s) / 3
         self._next_sweep = 0.0
+        self._next_timers = 0.0
         self._room_wait: Callable[[threading.Event], None] | None = None  # a ring piece waits for room
         self._stop = threading.Event()
         self._crash: BaseException | None = None
@@ -231,7 +237,10 @@ class Sender(KVSender):
                 busy = self._drain_commands()
                 busy |= self._pump()
                 busy |= self._read_replies()
-                self._check_timeouts()
+                now = time.monotonic()
+                if now >= self._next_timers:  # timeouts are seconds: every few ms, not every turn
+                    self._next_timers = now + TIMERS_EVERY_S
+                    self._check_timeouts()
                 if not busy:
                     self._idle_wait()
         except BaseException as e:  # noqa: BLE001 - surfaced through io_problem() and poll()
@@ -264,10 +273,23 @@ class Sender(KVSender):
         except queue.Empty:
             return
         self._handle_command(cmd)
+        if cmd[0] == "kv" and self._command_budget > 2:
+            self._gather_burst()
+
+    def _gather_burst(self) -> None:
+        """Woken by a piece: let the rest of the caller's burst (every layer of a chunk, handed over in a loop whose
+        torch calls hand us the GIL between pieces) queue up, so that it leaves as one batch instead of a message
+        each. A lone piece (one layer streamed while the next computes) waits BURST_WAIT_S."""
+        seen, end = -1, time.monotonic() + BURST_MAX_S
+        while (queued := self._cmds.qsize()) != seen and time.monotonic() < end:
+            seen = queued
+            time.sleep(BURST_WAIT_S)
 
     def _drain_commands(self) -> bool:
+        """Commands into outboxes, until a batch's worth waits: the first piece of a transfer leaves before the
+        rest are encoded, and pieces ready together still leave together."""
         n = 0
-        while n < self._command_budget and self._has_room():
+        while n < self._command_budget and self._has_room() and self._meter.nbytes < DRAIN_BYTES:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -389,8 +411,8 @@ class Sender(KVSender):
             if (
                 piece is None
                 or len(outs) == MAX_BATCH_PIECES
-                or out.nbytes > BATCH_PIECE_BYTES
-                or total + out.nbytes > BATCH_BYTES
+                or out.nbytes > peer.path.batch_piece_bytes
+                or total + out.nbytes > peer.path.batch_bytes
                 or self._leases.get(out.transfer_id) is None
                 or any(t.is_cuda for t in out.tensors)
                 or peer.max_frame_bytes

@@ -119,10 +119,11 @@ def test_a_checksum_mismatch_over_the_destination_fails_the_transfer(closing, mo
     fp, cache, r, s = _pair(closing)
     real = SegmentWriter.write
 
-    def write_then_flip(self, tid, layer, blocks, k, v):
-        real(self, tid, layer, blocks, k, v)
+    def write_then_flip(self, tid, layer, blocks, k, v, digest):
+        digests = real(self, tid, layer, blocks, k, v, digest)
         if layer == 2:
-            self._map.layers[layer][1][blocks[0]].view(-1)[0] += 1  # what lands differs from what was meant
+            self._map.layers[layer][1][blocks[0]].view(-1)[0] += 1  # the blocks change after the sender's hash
+        return digests
 
     monkeypatch.setattr(SegmentWriter, "write", write_then_flip)
     r.expect("t", [4, 5])
@@ -146,7 +147,7 @@ def test_a_sender_writes_only_blocks_tagged_for_its_transfer(closing) -> None:
     try:
         k, v = make_kv(fp, 0, 1, seed=0)
         with pytest.raises(ProtocolError, match="outside"):
-            writer.write("t", 0, [cache.segment.num_blocks], k, v)
+            writer.write("t", 0, [cache.segment.num_blocks], k, v, True)
     finally:
         writer.close()
 
@@ -157,7 +158,7 @@ def test_a_transfer_failed_by_the_receiver_stops_its_sender_before_its_blocks_go
     writer = SegmentWriter.open(fp, cache.segment.announce())
     try:
         k, v = make_kv(fp, 0, 2, seed=3)
-        writer.write("t", 0, [6, 7], k, v)  # allowed while the transfer runs
+        writer.write("t", 0, [6, 7], k, v, True)  # allowed while the transfer runs
         writer._map.lock()  # a write under way ...
         t0 = time.monotonic()
         r.abort("t")  # ... is waited for (bounded), then the tags are cleared
@@ -168,7 +169,7 @@ def test_a_transfer_failed_by_the_receiver_stops_its_sender_before_its_blocks_go
         events = poll_until([r.poll], lambda e: e, 5)
         assert events[0].state == TransferState.FAILED and cache.tagged() == 0
         with pytest.raises(ProtocolError, match="not reserved"):
-            writer.write("t", 1, [6, 7], k, v)
+            writer.write("t", 1, [6, 7], k, v, False)
     finally:
         writer.close()
 
