@@ -45,7 +45,6 @@ from transfer.sockets import bind_address, configure
 from transfer.staging import SideStreamSink
 from transfer.state import Inbound, TransferEvent
 from transfer.wire import (
-    MAX_BATCH_PIECES,
     MAX_HEADER_BYTES,
     Abort,
     Ack,
@@ -60,14 +59,15 @@ from transfer.wire import (
     Reject,
     Renew,
     Welcome,
+    batch_layout,
+    declared_sizes_match,
     named,
     pack_header,
     unpack_header,
 )
 
 log = logging.getLogger(__name__)
-# identity, header, and at most 4 payload frames (int8: k, k scales, v, v scales) for each piece of a batch
-MAX_FRAMES = 2 + 4 * MAX_BATCH_PIECES
+MAX_FRAMES = 2 + 4  # identity, header, at most 4 payload frames (int8: k, k scales, v, v scales); a batch has 1
 TIMERS_EVERY_S = 0.005  # how often poll() looks at deadlines, silent senders, idle sessions and renewals
 
 
@@ -346,17 +346,25 @@ class Receiver(KVReceiver):
             self._reply(sess, Ack(tid))
 
     def _on_pieces(self, sess: Session, session: bytes, batch: Pieces, bufs: list[Any]) -> None:
-        """A batch: each piece with its own frames, taken or refused on its own; frames that do not add up to what
-        the headers declare refuse every piece."""
-        if sum(len(p.frames) for p in batch.pieces if not p.direct) != len(bufs):
+        """A batch: each piece taken or refused on its own, its frames sliced out of the one payload frame. Sizes
+        that are not our fingerprint's, or a payload of another length than they add up to, refuse every piece: the
+        slices of the others would be wrong."""
+        inline = [p for p in batch.pieces if not p.direct]
+        offsets, total = batch_layout([f.nbytes for p in inline for f in p.frames])
+        payload = memoryview(bufs[0]) if len(bufs) == 1 else None
+        fits = payload.nbytes == total if payload is not None else not bufs and not inline
+        if not fits or not all(declared_sizes_match(p, self.fp) for p in inline):
             for p in batch.pieces:
-                self._refuse(sess, session, p, ProtocolError("a batch whose frames do not match its pieces"))
+                self._refuse(sess, session, p, ProtocolError("a batch whose payload does not match its pieces"))
             return
-        at = 0
+        i = 0
         for p in batch.pieces:
-            n = 0 if p.direct else len(p.frames)
-            self._take_piece(sess, session, p, bufs[at : at + n])
-            at += n
+            views: list[Any] = []
+            if not p.direct:
+                assert payload is not None
+                views = [payload[at : at + f.nbytes] for at, f in zip(offsets[i : i + len(p.frames)], p.frames)]
+                i += len(p.frames)
+            self._take_piece(sess, session, p, views)
 
     def _take_piece(self, sess: Session, session: bytes, h: PieceHeader, bufs: list[Any]) -> None:
         rec = self._table.get(h.transfer_id)

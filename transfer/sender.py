@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -60,6 +61,7 @@ from transfer.wire import (
     Reject,
     Renew,
     Welcome,
+    batch_layout,
     encode_piece,
     frame_view,
     pack_header,
@@ -273,8 +275,8 @@ class Sender(KVSender):
         except queue.Empty:
             return
         self._handle_command(cmd)
-        if cmd[0] == "kv" and self._command_budget > 2:
-            self._gather_burst()
+        if cmd[0] == "kv" and self._command_budget > 2 and sum(t.nbytes for t in cmd[4].host) <= BATCH_PIECE_BYTES:
+            self._gather_burst()  # (a large piece goes at once: it would not share a message anyway)
 
     def _gather_burst(self) -> None:
         """Woken by a piece: let the rest of the caller's burst (every layer of a chunk, handed over in a loop whose
@@ -436,17 +438,26 @@ class Sender(KVSender):
         peer.path.send(self, peer, out)
 
     def send_inline_batch(self, peer: Peer, outs: list[Outgoing]) -> None:
-        """Pieces as one message: their headers in one sealed `Pieces`, then every piece's frames in order."""
+        """Pieces as one message: their headers in one sealed `Pieces`, their frames copied into one payload frame
+        (one socket frame instead of two per piece on each side), each checksummed over its copy while in cache."""
+        views = [frame_view(t) for out in outs for t in out.tensors]
+        offsets, total = batch_layout([v.nbytes for v in views])
+        payload = np.empty(total, dtype=np.uint8)
+        for at, view in zip(offsets, views):
+            np.copyto(payload[at : at + view.nbytes], np.frombuffer(view, dtype=np.uint8))
         headers: list[PieceHeader] = []
-        frames: list[memoryview] = []
+        i = 0
         for out in outs:
-            views = [frame_view(t) for t in out.tensors]
-            if self.cfg.checksum and any(f.xxh3 is None for f in out.piece.frames):  # type: ignore[union-attr]
-                out.message = with_checksums(out.piece, views)  # type: ignore[arg-type]
-            headers.append(out.message)  # type: ignore[arg-type]
-            frames.extend(views)
+            piece = out.piece
+            assert piece is not None
+            n = len(piece.frames)
+            if self.cfg.checksum:
+                copies = [payload[at : at + v.nbytes] for at, v in zip(offsets[i : i + n], views[i : i + n])]
+                piece = with_checksums(piece, copies)
+            headers.append(piece)
+            i += n
         header = self.seal_for(peer, Pieces(pieces=tuple(headers)))
-        peer.sock.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
+        peer.sock.send_multipart([header, payload.data], flags=zmq.NOBLOCK, copy=False)
 
     def send_inline(self, peer: Peer, out: Outgoing) -> None:
         """A piece as payload frames after its header, checksummed over its source (once, even if it waits)."""

@@ -173,8 +173,8 @@ MAX_BATCH_PIECES = 32  # a whole small transfer of a 30-layer model in one messa
 
 
 class Pieces(Header, tag="kvs"):
-    """Several small pieces in one message (their frames follow in order; direct ones have none): the per-message
-    cost (seal, MAC, decode, a socket call) paid once for pieces that were ready together."""
+    """Several small pieces in one message, their frames in one payload frame (laid out by `batch_layout`; direct
+    pieces have none): the per-message cost (seal, MAC, decode, socket calls) paid once for pieces ready together."""
 
     pieces: Annotated[tuple[PieceHeader, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH_PIECES)]
 
@@ -299,6 +299,25 @@ def expected_frames(fp: ModelFingerprint, wire: str, n: int) -> list[tuple[str, 
         scale = (n, fp.num_kv_heads)
         return [("int8", full), ("float32", scale), ("int8", full), ("float32", scale)]
     raise ProtocolError(f"unknown wire dtype {wire!r:.20}")
+
+
+def batch_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each frame of a batch lies in its one payload frame (64-byte aligned, in order), and the total length."""
+    offsets, at = [], 0
+    for n in sizes:
+        at = -(-at // 64) * 64
+        offsets.append(at)
+        at += n
+    return offsets, at
+
+
+def declared_sizes_match(p: PieceHeader, fp: ModelFingerprint) -> bool:
+    """Whether a piece's frame sizes are those our fingerprint gives for its blocks: what makes a batch's layout
+    (batch_layout over the declared sizes) trustworthy before any piece is checked in full."""
+    want = expected_frames(fp, p.wire, len(p.blocks))
+    return len(want) == len(p.frames) and all(
+        f.nbytes == math.prod(shape) * dtype_from_name(dt).itemsize for f, (dt, shape) in zip(p.frames, want)
+    )
 
 
 def check_piece(p: PieceHeader, fp: ModelFingerprint, max_frame_bytes: int) -> None:

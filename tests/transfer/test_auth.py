@@ -5,6 +5,7 @@ it was told and admits no peer that cannot prove the session key."""
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 
@@ -103,7 +104,8 @@ def test_handshake_never_sends_the_secret(sent, closing) -> None:
     assert len(hellos) == 1 and unpack_header(split(hellos[0][0])[3]).kind == "hello"
     assert "secret" not in msgpack.unpackb(split(hellos[0][0])[3])  # no such field, whatever its name
     wire_bytes = b"".join(raw for _, _, raw in sent)
-    assert len(sent) > 2 * fp.num_layers and SECRET.encode() not in wire_bytes
+    kv_bytes = fp.num_layers * 2 * 2 * math.prod(fp.block_shape) * fp.torch_dtype.itemsize  # 2 blocks, K and V
+    assert len(wire_bytes) > kv_bytes and SECRET.encode() not in wire_bytes  # the capture saw the KV go by
     assert handshake_key(SECRET) not in wire_bytes  # nor the key derived from it
     assert r.pending_transfers() == [] and s.active_transfers() == []
 

@@ -10,16 +10,17 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 
 from tests.helpers import transfer_peers as procs
-from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
+from tests.helpers.kv import Cache, bits, fingerprint, make_kv, poll_until
 from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_key, split
 from transfer.base import make_receiver, make_sender
 from transfer.config import TransferConfig
 from transfer.errors import ChecksumError, FingerprintMismatch, FrameTooLarge, PeerGone, ProtocolError, TransferAborted
 from transfer.state import TransferState
-from transfer.wire import encode_piece, frame_view, pack_header, unpack_header
+from transfer.wire import batch_layout, encode_piece, frame_view, pack_header, unpack_header
 
 pytestmark = pytest.mark.timeout(60)
 FAST = dict(deadline_s=2.0, lease_s=1.5, connect_timeout_s=1.0, send_timeout_s=1.0)
@@ -249,3 +250,61 @@ def test_sender_killed_mid_transfer(backend, spawn, closing) -> None:
     finally:
         if p.is_alive():
             p.kill()
+
+
+def _batch(raw, pieces: list[tuple[str, int, list[int]]]) -> tuple[dict, bytes]:
+    """A `kvs` message as a sender builds it: the pieces' headers, their frames laid out in one payload frame."""
+    headers, frames = [], []
+    for tid, layer, dst in pieces:
+        fields, fr = raw.piece(tid, layer, dst)
+        headers.append({k: v for k, v in fields.items() if k != "kind"} | {"kind": "kv"})
+        frames += fr
+    offsets, total = batch_layout([len(f) for f in frames])
+    payload = bytearray(total)
+    for at, f in zip(offsets, frames):
+        payload[at : at + len(f)] = f
+    return {"kind": "kvs", "pieces": headers}, bytes(payload)
+
+
+def test_a_batch_takes_each_piece_on_its_own(rx, closing) -> None:
+    """Pieces of two transfers in one message: both land; one piece for a transfer nobody expects is nacked alone."""
+    r, cache, fp = rx
+    raw = closing(RawPeer(r.address, fp))
+    raw.welcome(r)
+    r.expect("a", [1, 2], num_layers=1)
+    r.expect("b", [3], num_layers=1)
+    header, payload = _batch(raw, [("a", 0, [1, 2]), ("ghost", 0, [5]), ("b", 0, [3])])
+    raw.send(header, [payload])
+    events = poll_until([r.poll], lambda e: len(e) >= 2, 3)
+    assert sorted((e.transfer_id, e.state) for e in events) == [("a", TransferState.DONE), ("b", TransferState.DONE)]
+    k, v = make_kv(fp, 0, 2, seed=1)
+    assert torch.equal(bits(cache.k[0][torch.tensor([1, 2])]), bits(k))
+    time.sleep(0.05)
+    replies = [(h.kind, h.tid) for h in raw.replies()]
+    assert ("nack", "ghost") in replies and ("ack", "a") in replies and ("ack", "b") in replies
+
+
+@pytest.mark.parametrize("lie", ["size", "short_payload", "two_payloads"])
+def test_a_batch_whose_payload_cannot_be_laid_out_is_refused_whole(rx, closing, lie) -> None:
+    """One piece's declared size, or a payload of the wrong length, would shift every later piece's bytes: none is
+    taken, even with checksums off (what makes the layout trustworthy is the receiver's own fingerprint)."""
+    r, cache, fp = rx
+    raw = closing(RawPeer(r.address, fp))
+    raw.welcome(r)
+    r.expect("a", [1], num_layers=1)
+    r.expect("b", [2], num_layers=1)
+    header, payload = _batch(raw, [("a", 0, [1]), ("b", 0, [2])])
+    frames = [payload]
+    if lie == "size":
+        header["pieces"][0]["frames"][0][2] += 64  # "nbytes"
+        header["pieces"][0]["frames"][0][3] = None  # no checksum to catch it
+    elif lie == "short_payload":
+        frames = [payload[:-1]]
+    else:
+        frames = [payload, payload]
+    raw.send(header, frames)
+    events = poll_until([r.poll], lambda e: len(e) >= 2, 3)
+    assert sorted(e.transfer_id for e in events) == ["a", "b"]
+    assert all(e.state == TransferState.FAILED and isinstance(e.error, ProtocolError) for e in events)
+    assert cache.writes == 0
+    _serves_next(r, fp, cache)
