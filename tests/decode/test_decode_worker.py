@@ -14,11 +14,14 @@ import time
 import msgspec
 import pytest
 
+from decode.worker import shared_kv_cache
 from engine.blocks import reserved_blocks
 from engine.request import RequestStatus
 from tests.helpers.engine import random_prompts
-from tests.helpers.roles import assert_same_logprobs, greedy
+from tests.helpers.roles import assert_same_logprobs, build_engine, greedy
+from transfer.config import TransferConfig
 from worker.messages import ErrorEvent, Start, Timing, Tokens
+from worker.spec import RuntimeOptions, WorkerSpec
 
 
 def _drop_layer(pair, layer: int) -> None:
@@ -461,3 +464,39 @@ def test_a_recompute_after_a_failed_transfer_sends_no_prompt_figures_again(role_
     assert_same_logprobs(pair.client_logprobs("x"), [lp for output in expected for lp in output.logprobs or []])
     pair.settle()
     pair.check_no_leaks()
+
+
+# ---- the KV cache in shared memory -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend, direct_write, shared",
+    [("auto", True, True), ("shm", True, True), ("zmq", True, False), ("auto", False, False)],
+)
+def test_the_cache_moves_into_shared_memory_for_same_node_direct_writes(tiny_llama_path, backend, direct_write, shared):
+    """shm and auto on a CPU (and only when allowed): the engine's cache lives in the receiver's segment, contents kept,
+    and the same engine still generates what it generated before."""
+    engine = build_engine(tiny_llama_path, kv_blocks=32)
+    prompt = random_prompts(1, 20, 20, seed=3)[0]
+    before = engine.generate([prompt], greedy(6))[0].token_ids
+    engine.kv_cache.kv[0][0, 1].fill_(2.5)  # contents must survive the move
+    spec = WorkerSpec(
+        "decode-0",
+        "decode",
+        engine.config,
+        RuntimeOptions(["tcp://127.0.0.1:1"], host="127.0.0.1"),
+        TransferConfig(direct_write=direct_write),
+        transfer_backend=backend,
+    )
+    segment = shared_kv_cache(spec, engine)
+    try:
+        assert (segment is not None) is shared
+        if segment is None:
+            return
+        assert all(cache.data_ptr() == layer.data_ptr() for cache, layer in zip(engine.kv_cache.kv, segment.layers))
+        assert engine.kv_cache.k[0].data_ptr() == segment.layers[0][0].data_ptr()
+        assert bool((engine.kv_cache.kv[0][0, 1] == 2.5).all())
+        assert engine.generate([prompt], greedy(6))[0].token_ids == before
+    finally:
+        if segment is not None:
+            segment.close()
