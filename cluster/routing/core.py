@@ -7,10 +7,8 @@ the planner's simulator in simulated time. A worker's load is the flows it holds
 2. prefill on a prefill worker, or on the decode worker when what it lacks is short;
 3. forward the prefill worker's first token to the decode worker (``Start``), which streams the rest.
 Colocated: one worker does all.
-A decoding request can move to another decode worker (``migrate``; a drain moves all of its worker's) by pre-copy:
-the target reserves its whole context under a new wire id, the source ships its full blocks while it decodes on,
-then stops it; the target takes its tokens, the source ships the rest and reports the end. Its stream stands still
-only from the stop, and goes on from the target, no token lost or repeated.
+A decoding request can move to another decode worker (``moves.migrate``; a drain moves all of its worker's): moves.py,
+to which the core hands every event about a move.
 """
 
 from __future__ import annotations
@@ -21,9 +19,10 @@ from collections import OrderedDict, deque
 from cluster.config import ClusterConfig
 from cluster.routing.admission import Admission
 from cluster.routing.errors import NoWorkers, Overloaded, RequestFailed
-from cluster.routing.flow import Flow, FlowStatus, Move
-from cluster.routing.membership import Membership, WorkerHandle
+from cluster.routing.flow import Flow, FlowStatus
+from cluster.routing.membership import Membership, WorkerHandle, free_blocks
 from cluster.routing.metrics import RouterMetrics
+from cluster.routing.moves import Moves
 from cluster.routing.placement import Placer
 from cluster.routing.policies import Placements, Policy
 from engine.blocks import prompt_block_hashes
@@ -35,18 +34,13 @@ from worker.messages import (
     ErrorCode,
     ErrorEvent,
     Event,
-    Freeze,
     Frozen,
     Generate,
     KvEvents,
     Migrated,
-    MigrateIn,
-    MigrateSend,
-    MigrateTail,
     Prefill,
     Reserve,
     Reserved,
-    Resume,
     Start,
     Stats,
     Tokens,
@@ -68,31 +62,6 @@ def _room(stats: Stats | None) -> float:
     return 0 if 0 < load.max_requests <= load.requests else load.free_blocks
 
 
-def _free_blocks(worker: WorkerHandle) -> float:
-    """The blocks a worker could reserve now: free blocks less those it is being asked for (none at its request
-    limit; unknown before its first heartbeat: it answers for itself)."""
-    if worker.stats is None:
-        return float("inf")
-    load = worker.stats.load
-    asked = [n for f in worker.flows if (n := _asked_blocks(f, worker.name)) is not None]
-    if 0 < load.max_requests <= load.requests + len(asked):
-        return 0
-    return load.free_blocks - sum(asked)
-
-
-def _asked_blocks(flow: Flow, name: str) -> int | None:
-    """The blocks a flow asks worker ``name`` to reserve now (for its prompt, or to move there); None: none."""
-    if flow.asking == name:
-        return flow.blocks_needed
-    move = flow.move
-    return move.blocks_needed if move is not None and move.target == name and move.phase == "reserving" else None
-
-
-def _computed_tokens(flow: Flow) -> int:
-    """The tokens whose KV a decoding flow's worker surely holds: prompt and every token received but the last."""
-    return len(flow.prompt) + flow.received_tokens - 1
-
-
 class RouterCore:
     def __init__(
         self,
@@ -107,6 +76,7 @@ class RouterCore:
         self.admission = admission or Admission(config.router.queue_size)
         self.members = members or Membership(metrics)
         self.placer = Placer(config, self.members, metrics, policies)
+        self.moves = Moves(self)  # moving decoding flows between decode workers (moves.py)
         self.flows: dict[str, Flow] = {}  # by current wire id: the requests in flight
         self.placements = Placements(MAX_RECORDS)  # where recent requests went, for later ones' ``affinity``
         self.last_timing: OrderedDict[str, dict[str, float]] = OrderedDict()  # finished requests', for the response
@@ -137,7 +107,7 @@ class RouterCore:
         try:
             self.placer.check_fits(self._first_role, len(prompt), params.max_tokens)
         except RequestFailed as error:
-            self._fail(flow, error)
+            self.fail(flow, error)
             return flow
         self._place(flow, now)
         return flow
@@ -150,7 +120,7 @@ class RouterCore:
             self._abort_workers(flow)
             flow.closed = True
             flow.status = FlowStatus.FAILED
-            self._sync(flow)
+            self.sync(flow)
             self._leave_queue(flow)
         if self.flows.pop(flow.wire_id, None) is not None:
             self.metrics.inflight.dec()
@@ -168,11 +138,11 @@ class RouterCore:
         try:
             worker = self.placer.pick("colocated", len(flow.prompt), flow.block_hashes, prefer and prefer.decode)
         except NoWorkers as error:
-            self._fail(flow, error)
+            self.fail(flow, error)
             return
         flow.decode, flow.status, flow.wire_used = worker.name, FlowStatus.PREFILLING, True
         self._dispatched(flow, now)
-        self._send(worker.name, Generate(flow.wire_id, flow.prompt, flow.params))
+        self.send(worker.name, Generate(flow.wire_id, flow.prompt, flow.params))
 
     def _preferred(self, flow: Flow):
         return self.placements.get(flow.affinity) if flow.affinity is not None else None
@@ -180,7 +150,7 @@ class RouterCore:
     def _dispatched(self, flow: Flow, now: float) -> None:
         flow.timing.router_queue_s = now - flow.started_s
         self.placements.record(flow.rid, flow.prefill, flow.decode)
-        self._sync(flow)
+        self.sync(flow)
 
     # ---- decode reservations -----------------------------------------------------------------------------------
 
@@ -188,9 +158,9 @@ class RouterCore:
         """Ask the next decode worker with room; after ``MAX_WORKERS_TRIED`` refusals, or none with room, queue."""
         workers = self.members.routable("decode")
         if not workers:
-            self._fail(flow, NoWorkers("no live decode worker"))
+            self.fail(flow, NoWorkers("no live decode worker"))
             return
-        fits = [w for w in workers if w.name not in flow.tried and _free_blocks(w) >= flow.blocks_needed]
+        fits = [w for w in workers if w.name not in flow.tried and free_blocks(w) >= flow.blocks_needed]
         if fits and len(flow.tried) < MAX_WORKERS_TRIED:
             prefer = self._preferred(flow)
             match = self.placer.prefix_match(len(flow.prompt), flow.block_hashes)
@@ -200,17 +170,17 @@ class RouterCore:
                 self._new_wire_id(flow)
             flow.wire_used = True
             flow.asking, flow.asked_s, flow.status = worker.name, now, FlowStatus.RESERVING
-            self._sync(flow)
+            self.sync(flow)
             local_max = self.config.router.local_prefill_max_tokens
-            self._send(worker.name, Reserve(flow.wire_id, flow.prompt, flow.params, local_prefill_max_tokens=local_max))
+            self.send(worker.name, Reserve(flow.wire_id, flow.prompt, flow.params, local_prefill_max_tokens=local_max))
             return
         flow.tried.clear()  # a new round once capacity may have been freed
         flow.status = FlowStatus.QUEUED
-        self._sync(flow)
+        self.sync(flow)
         if flow.queued:
             return
         if not self.admission.enter():  # one limit across every router process
-            self._fail(flow, Overloaded("every decode worker's KV cache is reserved and the queue is full"))
+            self.fail(flow, Overloaded("every decode worker's KV cache is reserved and the queue is full"))
             return
         flow.queued = True
         if not self._queue:
@@ -221,12 +191,11 @@ class RouterCore:
     def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None, now: float) -> None:
         flow = self.flows.get(reply.rid)
         if flow is not None and flow.move is not None and reply.rid == flow.move.target_wire:
-            if flow.move.phase in ("reserving", "adopting"):
-                self._on_move_reserved(flow, reply, now)
+            self.moves.on_reserved(flow, reply, now)
             return
         if flow is None or flow.status is not FlowStatus.RESERVING or flow.asking != reply.worker:
             if reply.ok and worker is not None:  # an answer that came after the router gave up: undo it there
-                self._send(worker.name, Abort(reply.rid))
+                self.send(worker.name, Abort(reply.rid))
             return
         flow.asking = None
         if not reply.ok:
@@ -252,7 +221,7 @@ class RouterCore:
         try:
             prefill = placer.pick("prefill", len(flow.prompt), flow.block_hashes, prefer and prefer.prefill)
         except NoWorkers as error:
-            self._fail(flow, error)
+            self.fail(flow, error)
             return
         flow.prefill = prefill.name
         self.metrics.prefill_path.labels("remote").inc()
@@ -260,7 +229,7 @@ class RouterCore:
         command = Prefill(
             flow.wire_id, flow.prompt, flow.params, reply.kv_address, reply.blocks, cached_tokens=reply.cached_tokens
         )
-        self._send(prefill.name, command)
+        self.send(prefill.name, command)
 
     def _leave_queue(self, flow: Flow) -> None:
         if flow.queued:
@@ -276,13 +245,13 @@ class RouterCore:
         if not waiting:
             return
         workers = self.members.routable("decode")
-        most_free = max((_free_blocks(w) for w in workers), default=-1)
+        most_free = max((free_blocks(w) for w in workers), default=-1)
         for flow in waiting:
             if workers and flow.blocks_needed > most_free:
                 continue  # no worker has room for it (a smaller one behind it may fit)
             self._reserve_next(flow, now)  # (no worker at all: it fails with a 503)
             if flow.status is FlowStatus.RESERVING:  # that worker's room is less by the ask now
-                most_free = max((_free_blocks(w) for w in workers), default=-1)
+                most_free = max((free_blocks(w) for w in workers), default=-1)
 
     @property
     def queue_depth(self) -> int:
@@ -304,9 +273,9 @@ class RouterCore:
         elif isinstance(event, KvEvents):
             self.members.on_kv_events(event, worker)
         elif isinstance(event, Frozen):
-            self._on_frozen(event, now)
+            self.moves.on_frozen(event, now)
         elif isinstance(event, Migrated):
-            self._on_migrated(event, now)
+            self.moves.on_migrated(event, now)
 
     def _on_stats(self, stats: Stats, now: float) -> None:
         before = self.members.get(stats.worker)
@@ -318,28 +287,7 @@ class RouterCore:
         if worker.role == "decode" and _room(stats) > room_before:  # capacity freed there: the queue asks again
             self._wake(now)
         if worker.role == "decode" and self.config.router.rebalance.enabled:
-            self._rebalance(worker, stats, now)
-
-    def _rebalance(self, worker: WorkerHandle, stats: Stats, now: float) -> None:
-        """A decode worker about to preempt (fewer free blocks than running requests) moves the request with the
-        most tokens to go to the worker with the most room, if that one holds it and stays above the same line."""
-        load = stats.load
-        if load.free_blocks >= load.running or load.running < 2:
-            return
-        mine = [f for f in worker.flows if f.decode == worker.name]
-        moving = sum(1 for f in mine if f.move is not None)
-        if moving >= self.config.router.rebalance.max_moves_per_worker:
-            return
-        decoding = [f for f in mine if f.status is FlowStatus.DECODING]
-        if not decoding:
-            return
-        flow = max(decoding, key=lambda f: f.params.max_tokens - f.received_tokens)
-        needed = self._move_blocks_needed(flow)
-        others = [w for w in self.members.routable("decode") if w.name != worker.name and w.stats is not None]
-        roomy = [w for w in others if _free_blocks(w) - needed >= w.stats.load.running + 1]  # type: ignore[union-attr]
-        if roomy:
-            target = max(roomy, key=_free_blocks)
-            self.migrate(flow, now, target.name, reason="rebalance")
+            self.moves.rebalance(worker, stats, now)
 
     def _on_tokens(self, event: Tokens, now: float) -> None:
         name, flows = event.worker, self.flows
@@ -350,9 +298,9 @@ class RouterCore:
             if flow.status is FlowStatus.PREFILLING and name == flow.prefill:
                 # the prefill worker's first token: to the client, and to the decode worker, which holds the KV
                 flow.status = FlowStatus.DECODING
-                self._sync(flow)
+                self.sync(flow)
                 if item.token_ids and flow.decode is not None:
-                    self._send(flow.decode, Start(flow.wire_id, item.token_ids[0]))
+                    self.send(flow.decode, Start(flow.wire_id, item.token_ids[0]))
             elif name != flow.decode or flow.status not in (
                 FlowStatus.PREFILLING,
                 FlowStatus.DECODING,
@@ -361,7 +309,7 @@ class RouterCore:
                 continue  # not (or no longer) this worker's request: a stale or lying event
             elif flow.status is FlowStatus.PREFILLING:  # prefilled where it decodes: its first token
                 flow.status = FlowStatus.DECODING
-                self._sync(flow)
+                self.sync(flow)
             first = flow.first_token_s is None
             if flow.push(item, now):
                 self.updated.append(flow)
@@ -370,7 +318,7 @@ class RouterCore:
                 if item.finish_reason is not None:
                     self._finish(flow, now)
             elif flow.error is not None:  # the item failed the flow (a worker's bug)
-                self._fail(flow, flow.error)
+                self.fail(flow, flow.error)
                 self.updated.append(flow)
 
     def _on_error(self, error: ErrorEvent, now: float) -> None:
@@ -379,16 +327,16 @@ class RouterCore:
             return
         if flow.status is FlowStatus.RESERVING and error.worker == flow.asking:
             if error.code is ErrorCode.INVALID_REQUEST:  # refused for what it is: no other worker or wait helps
-                self._fail(flow, RequestFailed(error.message, error.code.value, 400))
+                self.fail(flow, RequestFailed(error.message, error.code.value, 400))
                 return
             flow.asking = None  # the worker could not even try: the next one is asked
             flow.tried.append(error.worker)
             self._reserve_next(flow, now)
         elif flow.move is not None and error.worker in (flow.move.source, flow.move.target):
-            self._on_move_error(flow, error, now)
+            self.moves.on_error(flow, error, now)
         elif error.worker in (flow.prefill, flow.decode):
             status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
-            self._fail(flow, RequestFailed(error.message, error.code.value, status))
+            self.fail(flow, RequestFailed(error.message, error.code.value, status))
 
     def on_tick(self, now: float) -> None:
         """Deadlines: request timeouts, unanswered reservations, queue retries."""
@@ -398,22 +346,16 @@ class RouterCore:
                 continue
             if now >= flow.deadline_s:
                 if flow.status in (FlowStatus.QUEUED, FlowStatus.RESERVING):
-                    self._fail(flow, Overloaded("no decode KV became free before the request timed out"))
+                    self.fail(flow, Overloaded("no decode KV became free before the request timed out"))
                 else:
-                    self._fail(flow, RequestFailed("request timed out", "timeout", 504))
+                    self.fail(flow, RequestFailed("request timed out", "timeout", 504))
             elif flow.status is FlowStatus.RESERVING and now - flow.asked_s > worker_timeout_s:
                 logger.warning("decode worker %s did not answer a reservation in time", flow.asking)
                 flow.tried.append(flow.asking or "")
                 flow.asking = None
                 self._reserve_next(flow, now)
-            elif (
-                (move := flow.move) is not None
-                and move.phase in ("reserving", "adopting")
-                and now - move.phase_s > worker_timeout_s
-                and not move.source_lost
-            ):
-                logger.warning("decode worker %s did not answer a move's %s in time", move.target, move.phase)
-                self._call_off_move(flow, "resumed", now)
+            elif flow.move is not None:
+                self.moves.check_deadline(flow, now)
         if self._queue and now >= self._next_queue_retry_s:
             self._wake(now)
 
@@ -431,12 +373,12 @@ class RouterCore:
         """The worker gets nothing new and finishes what it holds (``Drain``: it says when it is idle); a decode
         worker's running requests move to the others (``router.migrate_on_drain``)."""
         if self.members.drain(name):
-            self._send(name, Drain(deadline_s=deadline_s))
+            self.send(name, Drain(deadline_s=deadline_s))
             worker = self.members.get(name)
             if self.config.router.migrate_on_drain and worker is not None and worker.role == "decode":
                 for flow in list(self.flows.values()):
                     if flow.decode == name and flow.status is FlowStatus.DECODING:
-                        self.migrate(flow, now, reason="drain")
+                        self.moves.migrate(flow, now, reason="drain")
 
     def remove_worker(self, name: str, now: float) -> None:
         """Forget a worker the pool stopped after its drain: what it still held gets an error, or a retry."""
@@ -451,7 +393,7 @@ class RouterCore:
             if flow.status.ended:
                 continue
             if flow.move is not None and name in (flow.move.source, flow.move.target):
-                self._move_worker_gone(flow, name, reason, now)
+                self.moves.worker_gone(flow, name, reason, now)
             elif flow.status is FlowStatus.RESERVING and flow.asking == name:
                 flow.asking = None
                 flow.tried.append(name)
@@ -460,7 +402,7 @@ class RouterCore:
                 if flow.num_output_tokens == 0 and flow.retries < MAX_RETRIES:
                     self._retry(flow, now)
                 else:
-                    self._fail(flow, RequestFailed(f"{reason} ({name})", "worker_died", 503))
+                    self.fail(flow, RequestFailed(f"{reason} ({name})", "worker_died", 503))
 
     def _retry(self, flow: Flow, now: float) -> None:
         self._abort_workers(flow)
@@ -468,241 +410,22 @@ class RouterCore:
         flow.retries += 1
         flow.reset()
         flow.status = FlowStatus.QUEUED
-        self._sync(flow)
+        self.sync(flow)
         self._retire_wire_id(flow)
         self._new_wire_id(flow)
         self.updated.append(flow)
         self._place(flow, now)
 
-    # ---- moving a decoding request to another decode worker -----------------------------------------------------
-
-    def migrate(self, flow: Flow, now: float, target: str | None = None, reason: str = "admin") -> str:
-        """Start moving a decoding flow off its decode worker, to ``target`` or the one the policy picks among
-        those with room for its whole context; returns "" or why it cannot move now."""
-        if self.config.mode == "colocated":
-            return "colocated workers do not move requests"
-        if flow.status is not FlowStatus.DECODING or flow.decode is None:
-            return f"request is {flow.status.value}, not decoding"
-        source = flow.decode
-        if target is not None and (target == source or target not in self._routable_decode()):
-            return f"{target} is not another live decode worker"
-        computed = _computed_tokens(flow)
-        needed = self._move_blocks_needed(flow)
-        workers = [w for w in self.members.routable("decode") if w.name != source and target in (None, w.name)]
-        fits = [w for w in workers if _free_blocks(w) >= needed]
-        if not fits:
-            self.metrics.migrations.labels(reason, "refused").inc()
-            return "no other decode worker has room for it"
-        chosen = self.placer.order("decode", fits, self.placer.prefix_match(0, []))[0]
-        move = Move(source, flow.wire_id, chosen.name, self._next_wire_id(flow), now, reason=reason, phase_s=now)
-        move.blocks_needed = needed
-        # every full block but one for the tail; none when rebalancing: a worker about to preempt needs the request
-        # out of its batch now (a frozen request grows no more), not after the few steps a pre-copy takes
-        if reason != "rebalance":
-            move.precopy_blocks = max(0, (computed - 1) // self.config.transfer.block_size)
-        flow.move, flow.status = move, FlowStatus.MIGRATING
-        self._sync(flow)
-        command = MigrateIn(
-            move.target_wire, flow.prompt, flow.params, num_computed_tokens=computed, precopy_blocks=move.precopy_blocks
-        )
-        self._send(chosen.name, command)
-        return ""
-
-    def _move_blocks_needed(self, flow: Flow) -> int:
-        """What a target reserves for a decoding flow: its context so far, as a prompt, and the tokens still to come."""
-        remaining = flow.params.max_tokens - flow.received_tokens
-        return self.placer.blocks_needed(_computed_tokens(flow), remaining + 1)
-
-    def _routable_decode(self) -> list[str]:
-        return [w.name for w in self.members.routable("decode")]
-
-    def _on_move_reserved(self, flow: Flow, reply: Reserved, now: float) -> None:
-        """The target's answer: to the reservation (pre-copy next, or the freeze), or to the tokens (the tail next)."""
-        move = flow.move
-        assert move is not None
-        if reply.worker != move.target:
-            return
-        if move.phase == "reserving":
-            if not reply.ok:
-                self._end_move(flow, "refused", now)  # nothing is held anywhere: the source never stopped
-                return
-            move.kv_address = reply.kv_address
-            if not move.precopy_blocks:
-                self._freeze(flow, now)
-                return
-            move.phase, move.phase_s = "precopying", now
-            dst = reply.blocks[: move.precopy_blocks]
-            self._send(
-                move.source, MigrateSend(move.source_wire, move.target_wire, reply.kv_address, dst, precopy=True)
-            )
-            return
-        if move.source_lost:  # the target was told to recompute what it adopts (``_move_worker_gone``)
-            if reply.ok:
-                self._end_move(flow, "recomputed", now)
-            else:
-                self._end_move(flow, "failed", now)
-                self._fail(
-                    flow, RequestFailed(f"its decode worker {move.source} died while it moved", "worker_died", 503)
-                )
-            return
-        if not reply.ok:
-            self._call_off_move(flow, "refused", now)
-            return
-        move.phase, move.phase_s = "moving", now
-        flow.decode, flow.wire_id = move.target, move.target_wire  # its tokens come from there from now on
-        self._sync(flow)
-        command = MigrateSend(
-            move.source_wire, move.target_wire, move.kv_address, reply.blocks, first_block=move.precopy_blocks
-        )
-        self._send(move.source, command)
-
-    def _freeze(self, flow: Flow, now: float) -> None:
-        move = flow.move
-        assert move is not None
-        move.phase, move.phase_s, move.frozen_s = "freezing", now, now
-        self._send(move.source, Freeze(move.source_wire))
-
-    def _on_frozen(self, event: Frozen, now: float) -> None:
-        flow = self.flows.get(event.rid)
-        move = flow.move if flow is not None else None
-        if flow is None or move is None or move.phase != "freezing" or event.worker != move.source:
-            if event.ok and self.members.get(event.worker) is not None:  # nobody waits for it any more
-                self._send(event.worker, Abort(event.rid) if flow is None else Resume(event.rid))
-            return
-        if not event.ok:
-            logger.info("request %s did not move off %s: %s", flow.rid, move.source, event.reason)
-            self._call_off_move(flow, "refused", now)
-            return
-        move.phase, move.phase_s, move.frozen_tokens = "adopting", now, len(event.output_token_ids)
-        if len(event.output_token_ids) != flow.received_tokens:  # every token came before the freeze: a bug
-            logger.warning(
-                "request %s froze after %d tokens, %d arrived",
-                flow.rid,
-                len(event.output_token_ids),
-                flow.received_tokens,
-            )
-            self._call_off_move(flow, "refused", now)
-            return
-        command = MigrateTail(
-            move.target_wire,
-            output_token_ids=event.output_token_ids,
-            num_computed_tokens=event.num_computed_tokens,
-            first_block=move.precopy_blocks,
-        )
-        self._send(move.target, command)
-
-    def _on_migrated(self, event: Migrated, now: float) -> None:
-        flow = self.flows.get(event.rid)
-        move = flow.move if flow is not None else None
-        if flow is None or move is None or event.worker != move.source:
-            return
-        if event.precopy:
-            if move.phase == "precopying":
-                if not event.ok:  # its blocks go with the tail
-                    logger.info("pre-copy of %s to %s failed: %s", flow.rid, move.target, event.error)
-                    move.precopy_blocks = 0
-                self._freeze(flow, now)
-            return
-        if move.phase != "moving":
-            return
-        if event.ok:
-            self._end_move(flow, "moved", now)
-        elif move.target in self._routable_decode():  # the target recomputes from the tokens; the source lets go
-            self._send(move.source, Abort(move.source_wire))
-            self._send(move.target, Resume(move.target_wire))
-            self._end_move(flow, "recomputed", now)
-        else:
-            self._call_off_move(flow, "resumed", now)
-
-    def _on_move_error(self, flow: Flow, error: ErrorEvent, now: float) -> None:
-        """An error from either end while the flow moves: about the move itself, it is called off (or, its tail
-        refused by the source, recomputed on the target); else (the request failed there) the flow fails."""
-        move = flow.move
-        assert move is not None
-        about_move = error.code is ErrorCode.INVALID_REQUEST
-        if error.worker == move.target and error.rid == move.target_wire and move.phase != "moving":
-            if not move.source_lost:
-                self._call_off_move(flow, "refused", now)  # the target could not take it over (or let it expire)
-                return
-        elif error.worker == move.source and error.rid == move.source_wire and about_move:
-            if move.phase != "moving":
-                self._call_off_move(flow, "refused", now)  # the source could not ship or stop it: it runs on there
-            else:
-                self._send(move.target, Resume(move.target_wire))
-                self._end_move(flow, "recomputed", now)
-            return
-        status = 400 if about_move else 500
-        self._fail(flow, RequestFailed(error.message, error.code.value, status))
-
-    def _move_worker_gone(self, flow: Flow, name: str, reason: str, now: float) -> None:
-        move = flow.move
-        assert move is not None
-        if name == move.target:
-            if flow.received_tokens > move.frozen_tokens and move.phase == "moving":  # the target streamed already
-                self._end_move(flow, "failed", now)
-                self._fail(flow, RequestFailed(f"{reason} ({name})", "worker_died", 503))
-            else:  # the source still holds it: it runs on there
-                self._call_off_move(flow, "resumed", now)
-        elif move.phase == "moving":  # the target recomputes what did not come
-            self._send(move.target, Resume(move.target_wire))
-            self._end_move(flow, "recomputed", now)
-        elif move.phase == "adopting":
-            # the target has the tokens: once it has adopted them (commands to it stay in order), it recomputes
-            move.source_lost = True
-            flow.decode, flow.wire_id = move.target, move.target_wire
-            self._send(move.target, Resume(move.target_wire))
-            self._sync(flow)
-        else:  # it died before it said what it had generated: nobody can go on
-            self._send(move.target, Abort(move.target_wire))
-            self._end_move(flow, "failed", now)
-            self._fail(flow, RequestFailed(f"{reason} ({name}) while the request moved", "worker_died", 503))
-
-    def _call_off_move(self, flow: Flow, result: str, now: float) -> None:
-        """Back to the source under its old id: the target lets go of what it reserved, the source runs on (told to,
-        once it stopped)."""
-        move = flow.move
-        assert move is not None
-        if self.members.get(move.target) is not None:
-            self._send(move.target, Abort(move.target_wire))
-        flow.decode, flow.wire_id = move.source, move.source_wire
-        if move.phase in ("adopting", "moving") and self.members.get(move.source) is not None:
-            self._send(move.source, Resume(move.source_wire))
-        self._end_move(flow, result, now)
-
-    def _end_move(self, flow: Flow, result: str, now: float) -> None:
-        move = flow.move
-        assert move is not None
-        flow.move = None
-        self._retire(move.source_wire if flow.wire_id == move.target_wire else move.target_wire, flow)
-        self.metrics.migrations.labels(move.reason, result).inc()
-        if result in ("moved", "recomputed"):
-            stall_s = now - (move.frozen_s if move.frozen_s is not None else now)
-            flow.migrations += 1
-            flow.migration_s += stall_s
-            flow.timing.migrations, flow.timing.migration_s = flow.migrations, flow.migration_s
-            self.metrics.migration_stall.observe(stall_s)
-        if not flow.status.ended:
-            flow.status = FlowStatus.DECODING
-            self._sync(flow)
-
-    def _retire(self, wire_id: str, flow: Flow) -> None:
+    def retire(self, wire_id: str, flow: Flow) -> None:
         if self.flows.get(wire_id) is flow:
             del self.flows[wire_id]
 
     # ---- ends --------------------------------------------------------------------------------------------------
 
     def _finish(self, flow: Flow, now: float) -> None:
-        move = flow.move
         flow.status = FlowStatus.DONE
-        if move is not None and flow.decode == move.target:  # finished there before the source said its KV went
-            if self.members.get(move.source) is not None:
-                self._send(move.source, Abort(move.source_wire))
-            self._end_move(flow, "moved", now)
-        elif move is not None:  # finished on the source before it stopped: the target lets go
-            if self.members.get(move.target) is not None:
-                self._send(move.target, Abort(move.target_wire))
-            self._end_move(flow, "finished", now)
-        self._sync(flow)
+        self.moves.on_finish(flow, now)
+        self.sync(flow)
         metrics, timing = self.metrics, flow.timing
         metrics.requests.labels("finished").inc()
         metrics.e2e.observe(now - flow.started_s)
@@ -723,7 +446,7 @@ class RouterCore:
         while len(self.last_timing) > MAX_RECORDS:  # a client that never collects its timing cannot grow this
             self.last_timing.popitem(last=False)
 
-    def _fail(self, flow: Flow, error: RequestFailed) -> None:
+    def fail(self, flow: Flow, error: RequestFailed) -> None:
         if flow.status.ended:
             return
         self.metrics.errors.labels(error.code).inc()
@@ -731,25 +454,23 @@ class RouterCore:
         self._abort_workers(flow)
         flow.fail(error)  # (an item the flow refused may have failed it already: that error stands)
         flow.status = FlowStatus.FAILED
-        self._sync(flow)
+        self.sync(flow)
         self._leave_queue(flow)
         self.updated.append(flow)
 
     def _abort_workers(self, flow: Flow) -> None:
         """Abort on every worker that may hold the flow, those marked dead too (one only cut off must not keep it)."""
         holders = {(name, flow.wire_id) for name in (flow.prefill, flow.decode, flow.asking) if name is not None}
-        move = flow.move
-        if move is not None:  # the source knows it by its old wire id, the target by its new one
-            flow.move = None
-            self._retire(move.source_wire if flow.wire_id == move.target_wire else move.target_wire, flow)
-            holders |= {(move.source, move.source_wire), (move.target, move.target_wire)}
+        holders |= self.moves.forget(
+            flow
+        )  # a moving flow: the source knows it by its old wire id, the target by its new
         for name, wire_id in holders:
             if self.members.get(name) is not None:
-                self._send(name, Abort(wire_id))
+                self.send(name, Abort(wire_id))
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
 
-    def _sync(self, flow: Flow) -> None:
+    def sync(self, flow: Flow) -> None:
         """Make the workers' load follow ``Flow.holders``."""
         holders = flow.holders()
         if holders == flow.held_by:
@@ -765,9 +486,9 @@ class RouterCore:
         flow.held_by = holders
 
     def _new_wire_id(self, flow: Flow) -> None:
-        flow.wire_id, flow.wire_used = self._next_wire_id(flow), False
+        flow.wire_id, flow.wire_used = self.next_wire_id(flow), False
 
-    def _next_wire_id(self, flow: Flow) -> str:
+    def next_wire_id(self, flow: Flow) -> str:
         flow.attempts += 1
         wire_id = flow.rid if flow.attempts == 1 else f"{flow.rid}.{flow.attempts - 1}"
         self.flows[wire_id] = flow
@@ -777,7 +498,7 @@ class RouterCore:
         if self.flows.get(flow.wire_id) is flow:
             del self.flows[flow.wire_id]
 
-    def _send(self, name: str, command: Command) -> None:
+    def send(self, name: str, command: Command) -> None:
         self.outbox.append((name, command))
 
     def take_updated(self) -> list[Flow]:

@@ -59,6 +59,26 @@ class WorkerHandle:
         return self.stats.degraded if self.stats is not None else ""
 
 
+def free_blocks(worker: WorkerHandle) -> float:
+    """The blocks a worker could reserve now: free blocks less those it is being asked for (none at its request
+    limit; unknown before its first heartbeat: it answers for itself)."""
+    if worker.stats is None:
+        return float("inf")
+    load = worker.stats.load
+    asked = [n for f in worker.flows if (n := _asked_blocks(f, worker.name)) is not None]
+    if 0 < load.max_requests <= load.requests + len(asked):
+        return 0
+    return load.free_blocks - sum(asked)
+
+
+def _asked_blocks(flow: Flow, name: str) -> int | None:
+    """The blocks a flow asks worker ``name`` to reserve now (for its prompt, or to move there); None: none."""
+    if flow.asking == name:
+        return flow.blocks_needed
+    move = flow.move
+    return move.blocks_needed if move is not None and move.target == name and move.phase == "reserving" else None
+
+
 class Membership:
     def __init__(self, metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         """``clock``: for the prefix index's tentative entries (simulated time in the planner)."""

@@ -82,7 +82,7 @@ def decoding(core: RouterCore, tokens: int = 3) -> tuple[Flow, str]:
 def reserved(core: RouterCore, flow: Flow, **migrate) -> MigrateIn:
     """The move begins: the target is asked to reserve; the stream goes on from the source meanwhile."""
     source_wire = flow.wire_id
-    assert core.migrate(flow, 1.0, **migrate) == ""
+    assert core.moves.migrate(flow, 1.0, **migrate) == ""
     [(target, command)] = sent(core, MigrateIn)
     assert target == "decode-1" and command.rid != source_wire
     assert command.num_computed_tokens == len(PROMPT) + flow.received_tokens - 1 and command.precopy_blocks == 2
@@ -296,13 +296,13 @@ def test_a_client_leaving_mid_move_is_told_to_both_ends():
 def test_only_a_decoding_request_moves_and_only_to_another_live_decode_worker_with_room():
     core = cluster()
     flow = core.submit("r", PROMPT, PARAMS.copy(), 0.0)
-    assert "not decoding" in core.migrate(flow, 0.1)
+    assert "not decoding" in core.moves.migrate(flow, 0.1)
     core = cluster()
     flow, _ = decoding(core)
-    assert "not another live decode worker" in core.migrate(flow, 1.0, target="decode-0")
-    assert "not another live decode worker" in core.migrate(flow, 1.0, target="prefill-0")
+    assert "not another live decode worker" in core.moves.migrate(flow, 1.0, target="decode-0")
+    assert "not another live decode worker" in core.moves.migrate(flow, 1.0, target="prefill-0")
     core.on_event(stats("decode-1", "decode", free=2), 1.0)
-    assert "no other decode worker has room" in core.migrate(flow, 1.0)
+    assert "no other decode worker has room" in core.moves.migrate(flow, 1.0)
     assert flow.status is FlowStatus.DECODING and not core.outbox
 
 
