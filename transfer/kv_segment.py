@@ -25,6 +25,7 @@ import os
 import secrets
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"PDSVKVC1"
 _HEAD = struct.Struct("<8s16sQQQ")  # magic, token, num_layers, num_blocks, layer_bytes
+TOUCH_CHUNK_BYTES = 64 << 20  # pages mapped per look at whether the writer closed meanwhile
 LOCK_POLL_S = 1e-4  # the receiver's naps while a writer holds the segment (one piece's copy, under a millisecond)
 
 
@@ -76,6 +78,15 @@ def runs_of(blocks: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
             out.append((start, blocks[start], i - start))
             start = i
     return tuple(out)
+
+
+def _touch(data: np.ndarray, stop: threading.Event) -> None:
+    """Read one byte of every page, a chunk at a time (numpy's reduction runs without the GIL): a read maps a shared
+    page writable, so later copies into it fault no more."""
+    for start in range(0, data.size, TOUCH_CHUNK_BYTES):
+        if stop.is_set():
+            return
+        int(data[start : start + TOUCH_CHUNK_BYTES : PAGE].sum())
 
 
 class _Mapped:
@@ -255,6 +266,11 @@ class SegmentWriter:
             raise ShmUnavailable(f"{path} is not the KV cache the receiver announced (token or layout differ)")
         self._map = _Mapped(mm, own, fp, num_blocks)
         self._last: tuple[tuple[str, tuple[int, ...]], np.ndarray, tuple[tuple[int, int, int], ...]] | None = None
+        # every page mapped into this process once, off the I/O thread: a first write into a page costs a fault, and
+        # each new request's blocks are new pages (measured: 45 MiB into fresh pages 27 ms, into mapped ones 6.6 ms)
+        self._stop = threading.Event()
+        self._toucher = threading.Thread(target=_touch, args=(self._map.bytes, self._stop), name="kv-map", daemon=True)
+        self._toucher.start()
 
     @classmethod
     def open(cls, fp: ModelFingerprint, announced: Any) -> SegmentWriter:
@@ -315,4 +331,6 @@ class SegmentWriter:
         return index, runs
 
     def close(self) -> None:
+        self._stop.set()
+        self._toucher.join(timeout=1.0)
         self._map.close()

@@ -10,6 +10,7 @@ a sender that does not allow it) goes inline or through a ring.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 
@@ -244,4 +245,26 @@ def test_an_announcement_is_checked_before_and_after_opening(closing) -> None:
         with pytest.raises(ShmUnavailable):
             SegmentWriter.open(fp, [pid, 10_000, token, blocks])
     finally:
+        segment.close()
+
+
+def test_the_writer_maps_the_cache_ahead_of_its_writes() -> None:
+    """Every page of a new request's blocks would cost the sender a fault on its first write (27 ms per 45 MiB here,
+    against 6.6 ms for the copy): the writer maps them all once, off its I/O thread, so writes fault no more."""
+    fp = fingerprint("float32", layers=4, heads=4, head_dim=64, block_size=16)  # 16 KiB of K per block: 4 pages
+    segment = KVSegment(fp, 64)
+    writer = SegmentWriter.open(fp, segment.announce())
+    try:
+        writer._toucher.join(timeout=10)
+        assert not writer._toucher.is_alive()
+        blocks = list(range(64))
+        segment.claim("t", blocks)
+        kv = [make_kv(fp, layer, 64, seed=1) for layer in range(fp.num_layers)]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for layer, (k, v) in enumerate(kv):
+            writer.write("t", layer, blocks, k, v, False)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < 200, f"{faults} page faults writing 2048 pages"  # (unmapped: one per page at least)
+    finally:
+        writer.close()
         segment.close()
