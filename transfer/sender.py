@@ -417,8 +417,8 @@ class Sender(KVSender):
                 or total + out.nbytes > peer.path.batch_bytes
                 or self._leases.get(out.transfer_id) is None
                 or any(t.is_cuda for t in out.tensors)
-                or peer.max_frame_bytes
-                and max(f.nbytes for f in piece.frames) > peer.max_frame_bytes
+                or peer.max_frame_bytes  # the batch's one payload frame must pass the receiver's frame bound too
+                and total + out.nbytes > peer.max_frame_bytes
             ):
                 break
             outs.append(out)

@@ -308,3 +308,22 @@ def test_a_batch_whose_payload_cannot_be_laid_out_is_refused_whole(rx, closing, 
     assert all(e.state == TransferState.FAILED and isinstance(e.error, ProtocolError) for e in events)
     assert cache.writes == 0
     _serves_next(r, fp, cache)
+
+
+def test_batches_stay_within_the_receivers_frame_bound(closing) -> None:
+    """Pieces that each fit the receiver's max_frame_bytes are not batched past it: one payload frame of several
+    pieces larger than ZeroMQ's message bound would cost the whole session."""
+    fp = fingerprint("float32", layers=4, heads=4, head_dim=64, block_size=16)  # 96 KiB frames for 6 blocks
+    cache = Cache(fp, num_blocks=16)
+    cfg = TransferConfig(max_frame_bytes=100 << 10, **FAST)
+    r = closing(make_receiver("zmq", fp, cache.sink, "tcp://127.0.0.1:0", cfg))
+    s = closing(make_sender("zmq", fp, cfg))
+    dst = list(range(6))
+    r.expect("t", dst)
+    s.begin("t", r.address)
+    for layer in range(fp.num_layers):
+        s.send_layer("t", layer, dst, *make_kv(fp, layer, len(dst), seed=4))
+    s.finish("t")
+    events = poll_until([r.poll, s.poll], lambda e: len(e) >= 2, 10)
+    assert [e.state for e in events] == [TransferState.DONE] * 2
+    cache.assert_holds(dst, seed=4)
