@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"PDSVKVC1"
 _HEAD = struct.Struct("<8s16sQQQ")  # magic, token, num_layers, num_blocks, layer_bytes
 TOUCH_CHUNK_BYTES = 64 << 20  # pages mapped per look at whether the writer closed meanwhile
-LOCK_POLL_S = 1e-4  # the receiver's naps while a writer holds the segment (one piece's copy, under a millisecond)
+LOCK_POLL_S = 1e-4  # naps while the other side holds the flock (one piece's copy, under a millisecond)
+WRITE_LOCK_WAIT_S = 1.0  # a writer waits this long for the flock, then fails the piece's transfer
 
 
 def tag_of(transfer_id: str) -> int:
@@ -110,12 +111,17 @@ class _Mapped:
         start = ((2 * layer + half) * self.num_blocks + first) * self.block_bytes
         return self.bytes[start : start + count * self.block_bytes]
 
-    def lock(self, blocking: bool = True) -> bool:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            return True
-        except BlockingIOError:
-            return False
+    def lock(self, wait_s: float) -> bool:
+        """The segment's flock, waited for at most ``wait_s`` (its holder copies one piece, or clears tags)."""
+        end = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(LOCK_POLL_S)
 
     def unlock(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -210,11 +216,8 @@ class KVSegment:
         return True
 
     def _locked(self, change: Callable[[], None], wait_s: float) -> bool:
-        end = time.monotonic() + wait_s
-        while not self._map.lock(blocking=False):
-            if time.monotonic() >= end:
-                return False
-            time.sleep(LOCK_POLL_S)
+        if not self._map.lock(wait_s):
+            return False
         try:
             change()
         finally:
@@ -299,7 +302,8 @@ class SegmentWriter:
         size = self._map.block_bytes
         sources = [np.frombuffer(frame_view(t), dtype=np.uint8) for t in (k, v)]
         digests = []
-        self._map.lock()
+        if not self._map.lock(WRITE_LOCK_WAIT_S):  # the receiver holds it only to clear tags: stopped or gone?
+            raise ProtocolError(f"the receiver's KV cache stayed locked for {WRITE_LOCK_WAIT_S}s")
         try:
             if not (self._map.tags[index] == tag_of(transfer_id)).all():
                 raise ProtocolError(f"blocks {list(blocks)[:8]} are not reserved for transfer {transfer_id!r} now")

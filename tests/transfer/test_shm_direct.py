@@ -160,7 +160,7 @@ def test_a_transfer_failed_by_the_receiver_stops_its_sender_before_its_blocks_go
     try:
         k, v = make_kv(fp, 0, 2, seed=3)
         writer.write("t", 0, [6, 7], k, v, True)  # allowed while the transfer runs
-        writer._map.lock()  # a write under way ...
+        assert writer._map.lock(1.0)  # a write under way ...
         t0 = time.monotonic()
         r.abort("t")  # ... is waited for (bounded), then the tags are cleared
         assert time.monotonic() - t0 >= 0.9 and cache.tagged() == 2  # the writer kept the flock: nothing released
@@ -265,6 +265,25 @@ def test_the_writer_maps_the_cache_ahead_of_its_writes() -> None:
             writer.write("t", layer, blocks, k, v, False)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         assert faults < 200, f"{faults} page faults writing 2048 pages"  # (unmapped: one per page at least)
+    finally:
+        writer.close()
+        segment.close()
+
+
+def test_a_writer_waits_for_the_lock_a_bounded_time(closing) -> None:
+    """A receiver stopped while it holds the flock (it clears tags under it) cannot hang the sender's I/O thread."""
+    fp = fingerprint()
+    segment = KVSegment(fp, 8)
+    writer = SegmentWriter.open(fp, segment.announce())
+    try:
+        segment.claim("t", [1])
+        assert segment._map.lock(1.0)
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError, match="stayed locked"):
+            writer.write("t", 0, [1], *make_kv(fp, 0, 1, seed=1), False)
+        assert 0.9 <= time.monotonic() - t0 < 5
+        segment._map.unlock()
+        writer.write("t", 0, [1], *make_kv(fp, 0, 1, seed=1), False)
     finally:
         writer.close()
         segment.close()
