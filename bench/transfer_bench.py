@@ -183,6 +183,14 @@ def _memcpy(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(ref.once() for _ in range(reps)) / 1e9
 
 
+def _speed(nbytes: int, times: list[float], ref_times: list[float]) -> dict[str, float]:
+    """A row's GB/s against memcpy timed after each of its transfers (a shared box's load hits both); medians of the
+    timed reps (the first is the warm-up)."""
+    gbps = nbytes / statistics.median(times[1:]) / 1e9
+    ref_gbps = nbytes / statistics.median(ref_times[1:]) / 1e9
+    return {"gbps": round(gbps, 3), "memcpy_gbps": round(ref_gbps, 3), "ratio_vs_memcpy": round(gbps / ref_gbps, 3)}
+
+
 def _local(n: int, reps: int) -> dict[str, Any]:
     """The in-process hand-off: its row, with memcpy timed after each transfer as the other rows do."""
     nbytes = n * BLOCK_BYTES
@@ -206,16 +214,12 @@ def _local(n: int, reps: int) -> dict[str, Any]:
     finally:
         s.close()
         r.close()
-    gbps = nbytes / statistics.median(t for t, _ in times[1:]) / 1e9
-    ref_gbps = nbytes / statistics.median(ref_times[1:]) / 1e9
     cpu_ms = 1e3 * statistics.median(c for _, c in times[1:])
     return {
         "backend": "local",
         "mib": nbytes / (1 << 20),
         "bytes": nbytes,
-        "gbps": round(gbps, 3),
-        "memcpy_gbps": round(ref_gbps, 3),
-        "ratio_vs_memcpy": round(gbps / ref_gbps, 3),
+        **_speed(nbytes, [t for t, _ in times], ref_times),
         "cpu_ms": {"both_sides": round(cpu_ms, 3)},  # one thread: the sends, the receiver's checks and the sink's copy
     }
 
@@ -334,16 +338,12 @@ def _row(
         r.close()
         if raw is not None:
             raw.close()
-    gbps = nbytes / statistics.median(times[1:]) / 1e9
-    ref_gbps = nbytes / statistics.median(ref_times[1:]) / 1e9
     row: dict[str, Any] = {
         "backend": backend,
         "mib": mib,
         "bytes": nbytes,
         "checksum": checksum,
-        "gbps": round(gbps, 3),
-        "memcpy_gbps": round(ref_gbps, 3),  # interleaved with this row's reps
-        "ratio_vs_memcpy": round(gbps / ref_gbps, 3),
+        **_speed(nbytes, times, ref_times),
         # CPU per transfer, sender process and receiver thread: little changed by a busy box's noise
         "cpu_ms": {
             "sender": round(1e3 * statistics.median(c[0] for c in cpu[1:]), 3),

@@ -20,7 +20,7 @@ import zmq
 
 from transfer.errors import ProtocolError
 from transfer.kv_segment import KVSegment, SegmentWriter
-from transfer.outbox import Outgoing, Peer, PieceRefused
+from transfer.outbox import Outgoing, Peer
 from transfer.receiver import InlineReceive, Receiver
 from transfer.sessions import Session
 from transfer.wire import PieceHeader, Pieces, with_digests
@@ -40,19 +40,10 @@ class DirectSend:
         self.writer = writer
 
     def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
-        piece = out.piece
-        assert piece is not None
-        if piece.wire != "raw":
+        if sender.cfg.kv_wire_dtype != "raw":
             sender.send_inline(peer, out)  # an int8 wire is for the network: its pieces go as frames
             return
-        if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-            raise zmq.Again()  # write only what can be announced now
-        try:
-            piece = self._write(sender, piece, out)
-        except ProtocolError as e:
-            raise PieceRefused(e) from None
-        peer.sock.send(sender.seal_for(peer, msgspec.structs.replace(piece, direct=True)), zmq.NOBLOCK)
-        sender.direct_pieces += 1
+        self.send_batch(sender, peer, [out])  # a batch of one: the receiver takes it as any
 
     def send_batch(self, sender: Sender, peer: Peer, outs: list[Outgoing]) -> None:
         """Each piece written, then one message announcing them all; a piece whose blocks are not its transfer's

@@ -188,9 +188,13 @@ class KVSegment:
         index = np.asarray(blocks, dtype=np.int64)
         if index.min() < 0 or index.max() >= self.num_blocks:
             raise ValueError(f"blocks outside the shared cache's {self.num_blocks}")
-        if not self._map.tags[index].any():
+
+        def tag() -> None:
             self._map.tags[index] = tag_of(transfer_id)
-        elif not self._locked(lambda: self._map.tags.__setitem__(index, tag_of(transfer_id)), wait_s):
+
+        if not self._map.tags[index].any():
+            tag()
+        elif not self._locked(tag, wait_s):
             raise TimeoutError(f"a KV writer held the shared cache for {wait_s}s")
         self._claims[transfer_id] = index
 
@@ -226,10 +230,10 @@ class KVSegment:
 
     def verify(self, layer: int, blocks: Sequence[int], frames: Sequence[FrameSpec]) -> None:
         """Check a piece that landed in place: each frame's xxh3 (K, then V) over its destination blocks in order."""
+        runs = runs_of(tuple(blocks))
         for half, spec in enumerate(frames):
             if spec.xxh3 is None:
                 continue
-            runs = runs_of(tuple(blocks))
             h = xxhash.xxh3_64()
             for _, first, count in runs:
                 h.update(self._map.block_bytes_of(layer, half, first, count).data)

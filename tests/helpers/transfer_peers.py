@@ -6,6 +6,9 @@ Each reports over a multiprocessing queue and exits; tests kill them by pid to s
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
 from transfer.base import make_receiver, make_sender
@@ -39,6 +42,22 @@ def sender_main(jobs: list[dict], out, stall_after: int | None = None) -> None:
     )
     for s in senders:
         s.close()
+
+
+@contextmanager
+def stalled_sender(spawn, backend: str, address: str, tid: str, dst: list[int], layers: int = 2) -> Iterator[Any]:
+    """A sender process that has sent `layers` layers of one float16 transfer (seed 2) and sleeps: yields it, to be
+    killed by its pid; killed at exit if it is still alive."""
+    q = spawn.Queue()
+    job = dict(backend=backend, address=address, dtype="float16", tid=tid, dst=dst, seed=2)
+    p = spawn.Process(target=sender_main, args=([job], q, layers), daemon=True)
+    p.start()
+    try:
+        assert q.get(timeout=30)[0] == "stalled"
+        yield p
+    finally:
+        if p.is_alive():
+            p.kill()
 
 
 def receiver_main(backend: str, address: str, dtype: str, tid: str, dst: list[int], out) -> None:

@@ -232,12 +232,7 @@ def test_sender_killed_mid_transfer(backend, spawn, closing) -> None:
     cache = Cache(fp)
     r = closing(make_receiver(backend, fp, cache.sink, "tcp://127.0.0.1:0", TransferConfig(deadline_s=15, lease_s=1.5)))
     r.expect("t", [1, 2, 3], deadline_s=15)
-    q = spawn.Queue()
-    job = dict(backend=backend, address=r.address, dtype="float16", tid="t", dst=[1, 2, 3], seed=2)
-    p = spawn.Process(target=procs.sender_main, args=([job], q, 2), daemon=True)
-    p.start()
-    try:
-        assert q.get(timeout=30)[0] == "stalled"
+    with procs.stalled_sender(spawn, backend, r.address, "t", [1, 2, 3]) as p:
         poll_until([r.poll], lambda e: cache.writes >= 2, 10)  # two layers arrived: mid-transfer
         assert cache.writes == 2 and r.pending_transfers() == ["t"]
         os.kill(p.pid, signal.SIGKILL)
@@ -247,9 +242,6 @@ def test_sender_killed_mid_transfer(backend, spawn, closing) -> None:
         ev = poll_until([r.poll], lambda e: e, 20)
         assert isinstance(_failed(ev, "t"), PeerGone), ev
         assert time.monotonic() - t0 < 4 and r.pending_transfers() == []
-    finally:
-        if p.is_alive():
-            p.kill()
 
 
 def _batch(raw, pieces: list[tuple[str, int, list[int]]]) -> tuple[dict, bytes]:

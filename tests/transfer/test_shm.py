@@ -329,12 +329,7 @@ def test_a_killed_sender_frees_the_transfer_and_its_ring(spawn, closing) -> None
     cfg = TransferConfig(deadline_s=15, lease_s=1.5, idle_session_s=1.0)
     r = closing(make_receiver("shm", fp, cache.sink, "shm+tcp://127.0.0.1:0", cfg))
     r.expect("t", [1, 2, 3])
-    q = spawn.Queue()
-    job = dict(backend="shm", address=r.address, dtype="float16", tid="t", dst=[1, 2, 3], seed=2)
-    p = spawn.Process(target=procs.sender_main, args=([job], q, 2), daemon=True)
-    p.start()
-    try:
-        assert q.get(timeout=30)[0] == "stalled"
+    with procs.stalled_sender(spawn, "shm", r.address, "t", [1, 2, 3]) as p:
         poll_until([r.poll], lambda e: cache.writes >= 2, 10)
         assert cache.writes == 2 and r.shm_pieces == 2 and r.rings() == 1
         os.kill(p.pid, signal.SIGKILL)
@@ -343,9 +338,6 @@ def test_a_killed_sender_frees_the_transfer_and_its_ring(spawn, closing) -> None
         ev = poll_until([r.poll], lambda e: e, 10)
         assert isinstance(_one_failure(ev), PeerGone) and time.monotonic() - t0 < 4
         assert _until(lambda: r.rings() == 0, 5, r.poll)  # the idle session expires with its ring
-    finally:
-        if p.is_alive():
-            p.kill()
 
 
 def test_a_killed_receiver_fails_the_sender(spawn, closing) -> None:

@@ -211,12 +211,7 @@ def test_a_killed_sender_fails_its_transfer_and_leaves_nothing_behind(spawn, clo
     cfg = TransferConfig(deadline_s=15, lease_s=1.5, idle_session_s=1.0)
     r = closing(Receiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", cfg, "shm", segment=cache.segment))
     r.expect("t", [1, 2, 3])
-    q = spawn.Queue()
-    job = dict(backend="shm", address=r.address, dtype="float16", tid="t", dst=[1, 2, 3], seed=2)
-    p = spawn.Process(target=procs.sender_main, args=([job], q, 2), daemon=True)
-    p.start()
-    try:
-        assert q.get(timeout=30)[0] == "stalled"
+    with procs.stalled_sender(spawn, "shm", r.address, "t", [1, 2, 3]) as p:
         poll_until([r.poll], lambda e: r.direct_pieces >= 2, 10)
         assert r.direct_pieces == 2 and cache.writes == 0
         os.kill(p.pid, signal.SIGKILL)
@@ -224,9 +219,6 @@ def test_a_killed_sender_fails_its_transfer_and_leaves_nothing_behind(spawn, clo
         ev = poll_until([r.poll], lambda e: e, 10)
         assert ev[0].state == TransferState.FAILED and isinstance(ev[0].error, PeerGone)
         assert cache.tagged() == 0  # the killed writer's flock went with it
-    finally:
-        if p.is_alive():
-            p.kill()
     assert {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)} == before  # a memfd has no name to leave
 
 
