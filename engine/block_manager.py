@@ -196,6 +196,14 @@ class BlockManager:
         table.extend(self._take_free_block() for _ in range(num_new))
         return True
 
+    def truncate(self, table: list[int], num_tokens: int) -> None:
+        """Free the table's blocks past those ``num_tokens`` need (never hashed: they hold no computed token)."""
+        keep = self.blocks_for(num_tokens)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.free(tail)
+
     def register_full_blocks(self, table: list[int], token_ids: list[int], num_computed: int, num_hashed: int) -> int:
         """Give the newly completed full blocks their chained hash; returns the new count of hashed blocks."""
         if not self.enable_prefix_caching:

@@ -45,6 +45,35 @@ class KVOffloadConfig:
         return bool(self.host_memory_mb or self.disk_dir)
 
 
+SpeculativeMethod = Literal["ngram"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding in a decode (or colocated) engine (engine/speculative.py): each decoding request gets up to
+    ``num_tokens`` proposed tokens, which the model verifies in the same forward; greedy output is unchanged, and so
+    is the distribution of sampled output. ``ngram``: the proposal continues the latest earlier occurrence of the
+    request's last ``ngram_max`` .. ``ngram_min`` tokens in its prompt and output (prompt lookup)."""
+
+    method: SpeculativeMethod = "ngram"
+    num_tokens: int = 4  # the most proposed tokens per request and step; each request adapts its own below it
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name in ("num_tokens", "ngram_min", "ngram_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32:
+                raise ValueError(f"speculative.{name} must be an integer in [1, 32], got {value!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"speculative.ngram_min ({self.ngram_min}) must be <= speculative.ngram_max ({self.ngram_max})"
+            )
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """``"auto"``: bfloat16 on CUDA (half the bytes to load, hold and ship, full speed on tensor cores), float32 on
     the CPU (bfloat16 matmuls are slow there, and token-exactness against transformers is checked there)."""
@@ -81,6 +110,7 @@ class EngineConfig:
     # ranks of this engine (engine.tensor_parallel): each holds 1/N of every layer and of the KV heads
     tensor_parallel_size: int = 1
     kv_offload: KVOffloadConfig | None = None  # host and disk tiers below the device KV (None: evicted KV is dropped)
+    speculative: SpeculativeConfig | None = None  # proposed tokens verified per decode step (None: one token a step)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -93,6 +123,8 @@ class EngineConfig:
             )
         if isinstance(self.kv_offload, dict):  # from YAML or a message
             self.kv_offload = KVOffloadConfig(**self.kv_offload)
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
         if self.kv_offload is not None and self.kv_offload.enabled:
             if not self.enable_prefix_caching:
                 raise ValueError("kv_offload keeps blocks the prefix cache evicts: it needs enable_prefix_caching")

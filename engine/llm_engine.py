@@ -24,10 +24,19 @@ from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens, reserved_tokens
 from engine.config import EngineConfig
 from engine.engine_parts import build_engine_parts
+from engine.host_values import long_tensor
 from engine.kv_connector import KVExporter, KVSink
 from engine.kv_tiers import KVTiers, TierLoad, tier_fingerprint
 from engine.model_runner import StepStats
-from engine.outputs import add_token, completion, detokenize, error_output, merge_outputs, token_output
+from engine.outputs import (
+    add_token,
+    completion,
+    detokenize,
+    error_output,
+    extend_output,
+    merge_outputs,
+    token_output,
+)
 from engine.request import (
     CompletionResult,
     FinishReason,
@@ -40,7 +49,8 @@ from engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.speculative import Speculator
 from engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -81,6 +91,9 @@ class LLMEngine:
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
         self.tp_group = tp_group
         self.kv_tiers: KVTiers | None = None
+        # a prefill-only engine samples one token per request: nothing to propose
+        speculative = None if config.prefill_only else config.speculative
+        self.speculator = None if speculative is None else Speculator(speculative)
         offload = config.kv_offload
         if offload is not None and offload.enabled:
             self.kv_tiers = KVTiers(offload, self.kv_cache, tier_fingerprint(self.kv_spec, self.model))
@@ -183,7 +196,7 @@ class LLMEngine:
         if self.kv_tiers is not None:
             self._finish_tier_loads()
         admitted = self._admit_remote() if self.scheduler.remote_ready else {}
-        chunks = self.scheduler.schedule()
+        chunks = self.scheduler.schedule(self._proposals() if self.speculator is not None else None)
         self._save_evicted()
         if not chunks:
             if self.kv_tiers is not None and self.kv_tiers.has_pending() and not admitted:
@@ -193,9 +206,12 @@ class LLMEngine:
         sampling = [c for c in chunks if c.samples]
         self.runner.layer_hook = self.kv_exporter.layer_hook_for(chunks)
         self.runner.export_blocks = self.kv_exporter.planned_block_ids  # the other ranks read the same blocks
+        speculating = any(c.proposal for c in sampling)
         try:
             logits, stats = self.runner.execute(chunks)
-            result = self.sampler.sample(logits, [c.request for c in sampling], self.runner.score_prompts(chunks))
+            first_rows = _first_rows(sampling) if speculating else None  # each request's last known token's row
+            head = logits if first_rows is None else logits[long_tensor(first_rows, logits.device)]
+            result = self.sampler.sample(head, [c.request for c in sampling], self.runner.score_prompts(chunks))
         except Exception as exc:  # whatever the forward raised, these requests cannot go on
             self.kv_exporter.discard()
             logger.exception("forward step failed; failing its %d requests", len(chunks))
@@ -206,7 +222,8 @@ class LLMEngine:
         failed = {c.request.request_id for c, error in zip(sampling, result.errors) if error is not None}
         for chunk in chunks:
             if chunk.request.request_id not in failed:  # a failed row's KV may be what went wrong: never cache it
-                chunk.request.num_computed_tokens = chunk.end
+                # a proposal's KV counts once verified (``_verify``)
+                chunk.request.num_computed_tokens = chunk.end - len(chunk.proposal)
                 self.scheduler.register_full_blocks(chunk.request)
                 self.scheduler.release_behind_window(chunk.request)
                 entries = result.prompt_logprobs.get(chunk.request.request_id)
@@ -214,7 +231,76 @@ class LLMEngine:
                     chunk.request.prompt_logprobs = (chunk.request.prompt_logprobs or [None]) + entries
         rows = zip(sampling, result.token_ids, result.errors, result.logprobs)
         outputs = [self._sampled(chunk.request, token, error, logprob) for chunk, token, error, logprob in rows]
+        if first_rows is not None:
+            outputs = self._verify(sampling, first_rows, logits, outputs)
         return merge_outputs(admitted, outputs) if admitted else outputs
+
+    # ---- speculative decoding (engine.speculative) --------------------------------------------------------------
+
+    def _proposals(self) -> dict[str, list[int]]:
+        """Proposed tokens for the running requests that decode, within what max_tokens and the length limit leave."""
+        speculator = self.speculator
+        assert speculator is not None
+        proposals: dict[str, list[int]] = {}
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens != 1 or not request.params.speculative:
+                continue
+            # the step makes one token whatever happens; each accepted proposed token makes one more
+            limit = min(
+                request.params.max_tokens - len(request.output_token_ids) - 1,
+                self.length_limit - request.num_tokens - 1,
+            )
+            proposal = speculator.propose(request, limit)
+            if proposal:
+                proposals[request.request_id] = proposal
+        return proposals
+
+    def _verify(
+        self,
+        sampling: list[ScheduledChunk],
+        first_rows: list[int],
+        logits: torch.Tensor,
+        outputs: list[RequestOutput],
+    ) -> list[RequestOutput]:
+        """Sample the proposed positions one at a time, each with its request's state after the tokens before it
+        (penalties, grammar, seeded position, stop strings): a proposed token is kept while it is the token sampled
+        at its position, and the first token sampled that differs (or the one after a fully kept proposal) ends the
+        request's step. So greedy output is what it is without speculation; for sampled rows, drawing from the
+        target and keeping the proposal when they agree is rejection sampling for a proposal of one certain token.
+        Each request's KV then counts up to its last kept token; blocks grown for the rest go back."""
+        speculator = self.speculator
+        assert speculator is not None
+        by_id = {output.request_id: output for output in outputs}
+        checked = [(chunk, row) for chunk, row in zip(sampling, first_rows) if chunk.proposal]
+        accepted = dict.fromkeys((chunk.request.request_id for chunk, _ in checked), 0)
+        position = 0  # which proposed token is checked: its row is ``row + position + 1``
+        live = checked
+        while live := [
+            (chunk, row)
+            for chunk, row in live
+            if chunk.request.status == RequestStatus.RUNNING
+            and position < len(chunk.proposal)
+            and chunk.request.output_token_ids[-1] == chunk.proposal[position]
+        ]:
+            position += 1
+            for chunk, _ in live:  # the proposed token was right: its KV is the request's own
+                request = chunk.request
+                accepted[request.request_id] = position
+                request.num_computed_tokens = chunk.start + position + 1
+                self.scheduler.register_full_blocks(request)
+            index = long_tensor([row + position for _, row in live], logits.device)
+            requests = [chunk.request for chunk, _ in live]
+            result = self.sampler.sample(logits[index], requests)
+            for request, token, error, logprob in zip(requests, result.token_ids, result.errors, result.logprobs):
+                output = self._sampled(request, token, error, logprob)
+                by_id[request.request_id] = extend_output(by_id[request.request_id], output)
+        for chunk, _ in checked:
+            request = chunk.request
+            speculator.verified(request, len(chunk.proposal), accepted[request.request_id])
+            if request.status == RequestStatus.RUNNING:
+                self.scheduler.release_behind_window(request)
+                self.scheduler.rollback(request)
+        return [by_id[output.request_id] for output in outputs]
 
     def _save_evicted(self) -> None:
         """Blocks that left the prefix cache go down to the KV tiers, copied before anything overwrites them."""
@@ -702,6 +788,15 @@ class LLMEngine:
         """Fault injection: ``hook(layer, batch)`` runs after each layer's KV write, after the KV connector's exports.
         What it raises fails that step's requests; a sleep delays the forward (tests/cluster); None removes it."""
         self.kv_exporter.user_hook = hook
+
+
+def _first_rows(sampling: list[ScheduledChunk]) -> list[int]:
+    """The logits row of each sampling chunk's last known token (its proposed tokens' rows follow it)."""
+    rows, offset = [], 0
+    for chunk in sampling:
+        rows.append(offset)
+        offset += chunk.num_sampled_rows
+    return rows
 
 
 def _remote(request: Request) -> RemoteKV:

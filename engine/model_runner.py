@@ -130,7 +130,7 @@ class ModelRunner:
         offset = 0
         for chunk in chunks:
             req = chunk.request
-            token_ids.extend(req.token_slice(chunk.start, chunk.end))
+            token_ids.extend(chunk.token_ids())
             positions.extend(range(chunk.start, chunk.end))
             slots.extend(slot_list(req.block_ids, chunk.start, chunk.end, bs))
             if chunk.num_tokens == 1 and chunk.start > 0:
@@ -230,7 +230,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
-        """Run one forward; returns float32 logits ``[n, vocab]`` for the chunks whose ``samples`` is True."""
+        """Run one forward; returns float32 logits for the chunks whose ``samples`` is True, ``num_sampled_rows`` of
+        each (``[n, vocab]``)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
             self._kept_hidden = None  # can_run refuses steps with prompt-logprob requests
             return self.decode_graphs.execute(chunks)
@@ -247,7 +248,9 @@ class ModelRunner:
         wanted = any(chunk.request.wants_prompt_logprobs for chunk in chunks)
         self._kept_hidden = (hidden, starts) if wanted else None
         logits = self.project(hidden[rows]) if self.projects_logits else hidden[:0]
-        num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1 and chunk.start > 0)
+        num_decode = sum(
+            chunk.num_tokens for chunk in chunks if chunk.proposal or (chunk.num_tokens == 1 and chunk.start > 0)
+        )
         wait_for_compute(self.device)
         stats = StepStats(
             num_tokens=input_ids.shape[1],
@@ -293,10 +296,11 @@ def wait_for_compute(device: torch.device) -> None:
 
 
 def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
-    """The packed rows whose hidden state goes to the lm_head: the last token of each chunk that samples."""
-    rows, offset = [], 0
+    """The packed rows whose hidden state goes to the lm_head: the last known token of each chunk that samples, and
+    its proposed tokens."""
+    rows: list[int] = []
+    offset = 0
     for chunk in chunks:
         offset += chunk.num_tokens
-        if chunk.samples:
-            rows.append(offset - 1)
+        rows.extend(range(offset - chunk.num_sampled_rows, offset))
     return rows

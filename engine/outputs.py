@@ -133,6 +133,20 @@ def merge_outputs(admitted: dict[str, RequestOutput], outputs: list[RequestOutpu
     return [*admitted.values(), *outputs]
 
 
+def extend_output(output: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for a request that gained several tokens in a step (speculative decoding): ``later`` continues
+    ``output``; an error ends it."""
+    if later.error is not None or output.error is not None:
+        return later if output.error is None else output
+    output.new_token_ids = output.new_token_ids + later.new_token_ids
+    output.text_delta += later.text_delta
+    if later.logprobs is not None:
+        output.logprobs = (output.logprobs or []) + later.logprobs
+    output.finished, output.finish_reason = later.finished, later.finish_reason
+    output.num_output_tokens, output.text = later.num_output_tokens, later.text
+    return output
+
+
 def completion(request: Request) -> CompletionResult:
     if request.finish_reason is None:
         raise RuntimeError(f"request {request.request_id!r} has not finished")

@@ -89,6 +89,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed on prefill)
     skip_special_tokens: bool = True  # drop special tokens from the text (the ids still count and still stop)
     guided: GuidedDecoding | None = None  # structured output: the grammar the text must match
+    speculative: bool = True  # False: this request takes no proposed tokens where the engine speculates
 
     def copy(self) -> SamplingParams:
         """An independent copy (its lists too): each request owns its parameters, as each worker's decoded ones do."""
@@ -119,8 +120,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -304,6 +306,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why it ended with FinishReason.ERROR
     kv_export: KVExport | None = None  # prefill side: where its KV goes, and how many blocks were reported
+    spec: Any = None  # engine.speculative.SpecState: its proposals, where the engine speculates
 
     @property
     def arrival_s(self) -> float:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.block_manager import BlockManager
@@ -38,7 +39,9 @@ class TierIndex(Protocol):
 class ScheduledChunk:
     request: Request
     start: int  # first position computed in this step (== request.num_computed_tokens when scheduled)
-    num_tokens: int
+    num_tokens: int  # proposed tokens included
+    # speculative decoding: tokens proposed after the request's last one, computed in this chunk to be verified
+    proposal: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -47,7 +50,17 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this chunk computes the request's last known token, so its logits give the next token."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.proposal) == self.request.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows of this chunk whose logits are sampled: the last known token's and each proposed token's."""
+        return 1 + len(self.proposal) if self.samples else 0
+
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes: the request's, then its proposal."""
+        known = self.request.token_slice(self.start, self.end - len(self.proposal))
+        return known + self.proposal if self.proposal else known
 
     @property
     def prompt_score_positions(self) -> range:
@@ -216,6 +229,10 @@ class Scheduler:
                 self.add_running(request)
         return admitted
 
+    def rollback(self, request: Request) -> None:
+        """After a verified proposal: the blocks grown for its rejected tokens go back (their KV is never read)."""
+        self.block_manager.truncate(request.block_ids, request.num_tokens)
+
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.block_manager.free(victim.block_ids)
@@ -226,7 +243,23 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def _add_proposals(self, chunks: list[ScheduledChunk], proposals: Mapping[str, list[int]], budget: int) -> int:
+        """Extend decode chunks by their requests' proposals, within the token budget, on blocks that are free after
+        every running request has its own (a proposal never preempts); returns the budget left."""
+        for chunk in chunks:
+            proposal = proposals.get(chunk.request.request_id)
+            if not proposal or chunk.num_tokens != 1 or not chunk.samples or budget <= 0:
+                continue
+            proposal = proposal[:budget]
+            if self.block_manager.grow(chunk.request.block_ids, chunk.end + len(proposal)):
+                chunk.proposal = proposal
+                chunk.num_tokens += len(proposal)
+                budget -= len(proposal)
+        return budget
+
+    def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> list[ScheduledChunk]:
+        """``proposals``: tokens proposed for decoding requests (speculative decoding), each verified in the chunk of
+        the request's last token as far as the token budget allows."""
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
@@ -246,6 +279,8 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= num_new
             index += 1
+        if proposals:
+            budget = self._add_proposals(chunks, proposals, budget)
 
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             req = self.waiting[0]

@@ -75,6 +75,17 @@ class GrammarState:
         a special non-stop token, or comes after the grammar ended; the caller ends the request."""
         return bool(self._matcher.accept_token(token_id))
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a proposal the grammar would accept from here (its state is left unchanged)."""
+        accepted = 0
+        for token_id in token_ids:
+            if not self._matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted: nothing more may be generated."""
         return bool(self._matcher.is_terminated())

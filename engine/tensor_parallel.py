@@ -336,7 +336,7 @@ class StepMessage:
         for chunk in self.chunks:
             blocks = chunk.request.block_ids
             payload += [chunk.start, chunk.num_tokens, int(chunk.samples), len(blocks), *blocks]
-            payload += chunk.request.token_slice(chunk.start, chunk.end)
+            payload += chunk.token_ids()
         return torch.tensor(payload, dtype=torch.int64)
 
     @staticmethod

@@ -136,6 +136,11 @@ class WorkerCounters(msgspec.Struct):
     disk_loaded_bytes: int = 0
     tier_loads: int = 0
     tier_load_seconds: float = 0.0
+    # speculative decoding (engine/speculative.py): tokens proposed, those the model kept, and the request-steps
+    # that verified a proposal (mean accepted length: 1 + accepted / verify steps)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
 
 
 # ---- commands: router -> worker --------------------------------------------------------------------------------

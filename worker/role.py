@@ -125,6 +125,14 @@ class Role:
             prefix_hit_tokens=engine.block_manager.prefix_hit_tokens,
             recomputes=engine.num_recomputes,
         )
+        if engine.speculator is not None:
+            spec = engine.speculator.totals
+            totals = msgspec.structs.replace(
+                totals,
+                spec_proposed_tokens=spec.proposed_tokens,
+                spec_accepted_tokens=spec.accepted_tokens,
+                spec_verify_steps=spec.verify_steps,
+            )
         if engine.kv_tiers is not None:
             stats = engine.kv_tiers.stats
             totals = msgspec.structs.replace(
@@ -165,8 +173,10 @@ def token_item(output: RequestOutput) -> TokenItem:
     where the prompt was computed. A prefill worker's finish (PREFILLED) is not a finish for the client."""
     timing = output.timing
     imported = timing is not None and timing.remote is not None
-    first_here = output.num_output_tokens == 1 and bool(output.new_token_ids) and not imported
-    reports = output.finished or output.num_output_tokens == (2 if imported else 1)
+    # a step may bring several tokens (speculative decoding): which of them is the request's n-th
+    before = output.num_output_tokens - len(output.new_token_ids)
+    first_here = before == 0 and bool(output.new_token_ids) and not imported
+    reports = output.finished or before < (2 if imported else 1) <= output.num_output_tokens
     finish = None if output.finish_reason is FinishReason.PREFILLED else output.finish_reason
     return TokenItem(
         output.request_id,
