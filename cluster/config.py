@@ -103,6 +103,7 @@ ENGINE_POOL_FIELDS = (
     "enable_prefix_caching",
     "tensor_parallel_size",  # ranks per replica, each with the pool's per-replica CPUs and GPUs
     "kv_offload",  # host and disk tiers below the device KV (engine/kv_tiers.py)
+    "speculative",  # proposed tokens verified per decode step (engine/speculative.py); decode and colocated pools
 )
 ModelSection = create_model("ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len"))
 PoolSection = create_model(
@@ -280,6 +281,11 @@ class ClusterConfig(_Strict):
                 f"{prefill.tensor_parallel_size}: its ranks gather each layer's KV inside the forward, so it streams "
                 "anyway; leave it true"
             )
+        if self.mode == "disaggregated" and prefill.speculative is not None:
+            raise ValueError(
+                "pools.prefill.speculative: a prefill worker samples one token per request, so it has nothing to "
+                "propose; set speculative on pools.decode"
+            )
         return self
 
     def transfer_backend_problem(self) -> str:
@@ -317,6 +323,7 @@ class ClusterConfig(_Strict):
             torch_threads=pool.torch_threads,
             tensor_parallel_size=pool.tensor_parallel_size,
             kv_offload=pool.kv_offload,
+            speculative=pool.speculative,
         )
 
     def transfer_config(self) -> TransferConfig:

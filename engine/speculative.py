@@ -63,13 +63,16 @@ class Speculator:
         self.config = config
         self.totals = SpecTotals()
 
-    def propose(self, request: Request, limit: int) -> list[int]:
-        """A proposal for a decoding request, at most ``limit`` tokens (what its max_tokens and the model length leave
-        after the token the step makes anyway); tokens the request's grammar would refuse are cut off."""
+    def state(self, request: Request) -> SpecState:
         state = request.spec
         if state is None:
             state = request.spec = SpecState(self.config.num_tokens)
-        num_tokens = min(state.num_tokens, limit)
+        return state
+
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """A proposal for a decoding request, at most ``limit`` tokens (what its max_tokens and the model length leave
+        after the token the step makes anyway); tokens the request's grammar would refuse are cut off."""
+        num_tokens = min(self.state(request).num_tokens, limit)
         if num_tokens <= 0:
             return []
         tokens = np.fromiter(request.token_slice(0, request.num_tokens), dtype=np.int64, count=request.num_tokens)
@@ -80,8 +83,7 @@ class Speculator:
 
     def verified(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A proposal was checked: count it and adapt the request's next proposal length."""
-        state = request.spec
-        assert state is not None  # propose made it
+        state = self.state(request)
         state.proposed += num_proposed
         state.accepted += num_accepted
         if num_accepted == num_proposed:

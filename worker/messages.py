@@ -142,6 +142,11 @@ class WorkerCounters(msgspec.Struct):
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
 
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying request gained per step (``engine.speculative.SpecTotals``'s figure)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
+
 
 # ---- commands: router -> worker --------------------------------------------------------------------------------
 

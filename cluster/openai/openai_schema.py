@@ -238,6 +238,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
     ignore_eos: StrictBool | None = None
+    speculative: StrictBool | None = None  # false: no proposed tokens for this request where the pool speculates
     skip_special_tokens: StrictBool | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None

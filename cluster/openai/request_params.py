@@ -102,6 +102,7 @@ def sampling_params(
         stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(request.ignore_eos),
+        speculative=request.speculative is not False,
         skip_special_tokens=request.skip_special_tokens is not False,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,

@@ -95,6 +95,14 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.spec_mean_accepted_length = Gauge(
+            "pdserve_spec_mean_accepted_length",
+            "Speculative decoding: tokens a verifying request gained per step (1 + accepted proposed tokens per "
+            "verification; the counts are pdserve_worker_total{key=spec_*})",
+            ["worker", "pool"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.worker_revivals = Counter(
             "pdserve_worker_revivals", "Workers marked dead that were heard from again", registry=r
         )
@@ -187,14 +195,17 @@ class RouterMetrics:
                 [self.worker_gauge.labels(worker, pool, key) for key in GAUGE_KEYS],
                 [self.worker_total.labels(worker, pool, key) for key in TOTAL_KEYS],
                 self.worker_degraded.labels(worker, pool),
+                self.spec_mean_accepted_length.labels(worker, pool),
             )
-        gauges, totals, degraded = children
+        gauges, totals, degraded, accepted_length = children
         load, counters = stats.load, stats.counters
         for key, child in zip(GAUGE_KEYS, gauges):
             child.set(getattr(load, key))
         for key, child in zip(TOTAL_KEYS, totals):
             child.set(getattr(counters, key))
         degraded.set(1 if stats.degraded else 0)
+        if counters.spec_verify_steps:
+            accepted_length.set(counters.spec_mean_accepted_length)
 
     def render(self) -> bytes:
         if not self.multiprocess:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
+from engine.config import SpeculativeConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -62,6 +63,9 @@ def test_cluster_yaml_passes_rays_own_schema():
         ({"routr": {}}, "routr"),
         ({"router": {"policy": "x"}}, "router.policy"),
         ({"pools": {"prefill": {"replicas": 0}}}, "pools"),
+        ({"pools": {"decode": {"speculative": {"num_tokens": 0}}}}, "pools.decode.speculative"),
+        ({"pools": {"decode": {"speculative": {"method": "medusa"}}}}, "pools.decode.speculative.method"),
+        ({"pools": {"prefill": {"speculative": {}}}}, "pools.prefill.speculative"),
     ],
 )
 def test_bad_values_name_the_file_and_field(tmp_path, data, field):
@@ -180,6 +184,7 @@ def test_worker_specs_carry_every_setting_of_the_config():
     config.transfer.secret = "s" * 32
     config.transfer.failure_policy = "recompute"
     config.pools.decode.reserve_headroom_tokens = 64
+    config.pools.decode.speculative = SpeculativeConfig(num_tokens=3, ngram_max=2)
     specs = config.worker_specs("/models/llama", ["tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001"], "auto")
     assert [s.name for s in specs] == [f"prefill-{i}" for i in range(2)] + [f"decode-{i}" for i in range(6)]
     assert [s.role.value for s in specs] == ["prefill"] * 2 + ["decode"] * 6
@@ -194,6 +199,7 @@ def test_worker_specs_carry_every_setting_of_the_config():
     assert decode.engine.device == "cpu"  # not decided here: each worker resolves its own (worker.spec)
     assert decode.transfer_backend == "nccl" and decode.transfer.lease_s == 60 and decode.transfer.deadline_s == 30
     assert decode.failure_policy == "recompute" and decode.reserve_headroom_tokens == 64
+    assert decode.engine.speculative == SpeculativeConfig(num_tokens=3, ngram_max=2)
     assert decode.runtime.secret == decode.transfer.secret == "s" * 32
     assert decode.runtime.router_addresses == ["tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001"]
     assert decode.runtime.host == "auto" and decode.runtime.orphan_timeout_s == config.router.orphan_timeout_s
