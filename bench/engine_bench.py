@@ -47,6 +47,13 @@ def decode_rates(times: dict[str, float], names: list[str], tokens: int) -> dict
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
+    if args.speculative:
+        from bench.speculative_bench import run as run_speculative
+
+        args.output_len = args.output_len or 96
+        return run_speculative(args)
+    args.batch_sizes = args.batch_sizes or "1,8,32"
+    args.output_len = args.output_len or 32
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = LLMEngine(
         EngineConfig(

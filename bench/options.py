@@ -22,14 +22,23 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=PDSERVE_DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None, help="default: cuda when torch sees a GPU, else cpu")
-    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--batch-sizes", default=None, help="default: 1,8,32 (with --speculative: 1,8)")
     parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=None, help="default: 32 (with --speculative: 96)")
     parser.add_argument("--prefill-prompts", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flex", "flashinfer"])
+    parser.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="measure speculative decoding instead (bench/speculative_bench.py): against the same engine without "
+        "it, transformers' prompt lookup and plain generate, on grounded and random prompts",
+    )
+    parser.add_argument("--num-spec-tokens", type=int, default=4, help="with --speculative: proposed tokens per step")
+    parser.add_argument("--ngram-max", type=int, default=3, help="with --speculative: the longest n-gram looked up")
 
 
 def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from engine.model_loader import load_model
 from engine.model_probe import ModelAttention, probe_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from engine.small_batch_linear import tune_small_batch_linears
 from engine.tensor_parallel import StepChannel, TPGroup, head_split
 
 
@@ -53,6 +54,8 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     if (group.size if group else 1) != config.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
     model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
+    if model.device.type == "cpu":
+        tune_small_batch_linears(model)  # decode batches and verified proposals: a few rows per linear
     hf_config = model.config
     attention = probe_model(model, hf_config.num_hidden_layers)  # the KV layout and features, from the model itself
     size = group.size if group else 1

@@ -1,0 +1,160 @@
+"""``pdserve bench engine --speculative ngram``: decode speed with n-gram speculation against three baselines.
+
+Per prompt set (``grounded``: answers that copy from the prompt, bench/speculative_prompts.py; ``random``: random
+token prompts) and batch size, four ways to make the same greedy answers, timed in turns:
+- ``pdserve_speculative``: one engine with ``speculative`` set; ``pdserve``: the same engine, every request opted out;
+- ``transformers_prompt_lookup``: ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram_max)``, the
+  same algorithm; transformers runs it for one sequence at a time, so a batch is its prompts one after another;
+- ``transformers``: plain ``generate``, the batch left-padded.
+Answers end at EOS or ``--output-len``. Decode tokens/s is ``(tokens - prompts) / (t(answers) - t(first tokens))`` for
+each, so prefill cancels. Ratios are against ``pdserve`` in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from bench.engine_bench import interleaved_medians
+from bench.speculative_prompts import chat_prompts
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import parse_dtype, resolve_model_path
+from engine.request import SamplingParams
+
+METHODS = ("pdserve_speculative", "pdserve", "transformers_prompt_lookup", "transformers")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spec = SpeculativeConfig(method=args.speculative, num_tokens=args.num_spec_tokens, ngram_max=args.ngram_max)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=device,
+            max_num_seqs=64,
+            kv_cache_memory_bytes=1 << 30,
+            enable_prefix_caching=False,  # every run computes its prompts again
+            speculative=spec,
+        )
+    )
+    hf = (
+        AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
+        )
+        .to(device)
+        .eval()
+    )
+    eos = sorted(engine.eos_token_ids)
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else eos[0]
+    rng = random.Random(0)
+    specials = set(engine.tokenizer.all_special_ids)
+    ordinary = [t for t in range(min(engine.vocab_size, len(engine.tokenizer))) if t not in specials]
+    batch_sizes = [int(b) for b in (args.batch_sizes or "1,8").split(",")]
+    sets = {
+        "grounded": chat_prompts(engine.tokenizer, max(batch_sizes)),
+        "random": [[rng.choice(ordinary) for _ in range(args.input_len)] for _ in range(max(batch_sizes))],
+    }
+
+    def ours(prompts: list[list[int]], new_tokens: int, speculative: bool) -> list[list[int]]:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=speculative)
+        return [r.token_ids for r in engine.generate(prompts, params)]
+
+    @torch.inference_mode()
+    def theirs(prompts: list[list[int]], new_tokens: int, lookup: bool) -> list[list[int]]:
+        if lookup or len(prompts) == 1:
+            return [_generate(hf, [p], new_tokens, pad, eos, device, lookup, args)[0] for p in prompts]
+        return _generate(hf, prompts, new_tokens, pad, eos, device, False, args)
+
+    out: dict = {
+        "model": args.model,
+        "device": device,
+        "torch_threads": torch.get_num_threads(),
+        "speculative": {"method": spec.method, "num_tokens": spec.num_tokens, "ngram_max": spec.ngram_max},
+        "output_len": args.output_len,
+    }
+    for set_name, all_prompts in sets.items():
+        for batch_size in batch_sizes:
+            prompts = all_prompts[:batch_size]
+            before = engine.speculator.totals if engine.speculator else None
+            proposed0 = before.proposed_tokens if before else 0
+            accepted0 = before.accepted_tokens if before else 0
+            steps0 = before.verify_steps if before else 0
+            answers: dict[str, list[list[int]]] = {}
+
+            def timed(name: str, new_tokens: int):
+                def call() -> None:
+                    if name.startswith("pdserve"):
+                        result = ours(prompts, new_tokens, name == "pdserve_speculative")
+                    else:
+                        result = theirs(prompts, new_tokens, name == "transformers_prompt_lookup")
+                    if new_tokens > 1:
+                        answers[name] = result
+
+                return call
+
+            fns = {}
+            for name in METHODS:
+                fns[f"{name}_full"] = timed(name, args.output_len)
+                fns[f"{name}_first"] = timed(name, 1)
+            ours(prompts, 4, True)  # warm-up
+            times = interleaved_medians(fns, args.repeats)
+            figures: dict = {}
+            for name in METHODS:
+                tokens = sum(len(a) for a in answers[name]) - len(prompts)
+                figures[f"{name}_decode_tokens_per_s"] = round(
+                    tokens / max(times[f"{name}_full"] - times[f"{name}_first"], 1e-9), 1
+                )
+            base = figures["pdserve_decode_tokens_per_s"]
+            for name in METHODS:
+                if name != "pdserve":
+                    figures[f"{name}_vs_pdserve"] = round(figures[f"{name}_decode_tokens_per_s"] / base, 3)
+            figures["speculative_vs_transformers_prompt_lookup"] = round(
+                figures["pdserve_speculative_decode_tokens_per_s"]
+                / figures["transformers_prompt_lookup_decode_tokens_per_s"],
+                3,
+            )
+            totals = engine.speculator.totals if engine.speculator else None
+            if totals is not None:
+                proposed = totals.proposed_tokens - proposed0
+                accepted = totals.accepted_tokens - accepted0
+                steps = totals.verify_steps - steps0
+                figures["proposed_tokens"] = proposed
+                figures["acceptance_rate"] = round(accepted / proposed, 3) if proposed else 0.0
+                figures["mean_accepted_length"] = round(1 + accepted / steps, 2) if steps else 0.0
+            reference = answers["pdserve"]
+            figures["answer_tokens"] = sum(len(a) for a in reference)
+            figures["speculative_answers_identical"] = answers["pdserve_speculative"] == reference
+            figures["transformers_answers_equal_fraction"] = sum(
+                a == b for a, b in zip(answers["transformers_prompt_lookup"], reference)
+            ) / len(reference)
+            out.setdefault(set_name, {})[str(batch_size)] = figures
+    engine.check_no_leaks()
+    return out
+
+
+def _generate(hf, prompts, new_tokens, pad, eos, device, lookup, args) -> list[list[int]]:
+    """transformers' greedy answers (left-padded batch), cut at the first EOS as ours are."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    extra = {"prompt_lookup_num_tokens": args.num_spec_tokens, "max_matching_ngram_size": args.ngram_max}
+    out = hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        **(extra if lookup else {}),
+    )
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        answers.append(row[:cut])
+    return answers
