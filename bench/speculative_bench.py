@@ -87,21 +87,11 @@ def run(args: argparse.Namespace) -> dict:
             steps0 = before.verify_steps if before else 0
             answers: dict[str, list[list[int]]] = {}
 
-            def timed(name: str, new_tokens: int):
-                def call() -> None:
-                    if name.startswith("pdserve"):
-                        result = ours(prompts, new_tokens, name == "pdserve_speculative")
-                    else:
-                        result = theirs(prompts, new_tokens, name == "transformers_prompt_lookup")
-                    if new_tokens > 1:
-                        answers[name] = result
-
-                return call
-
-            fns = {}
-            for name in METHODS:
-                fns[f"{name}_full"] = timed(name, args.output_len)
-                fns[f"{name}_first"] = timed(name, 1)
+            fns = {
+                f"{name}_{part}": _timed_call(ours, theirs, prompts, name, new_tokens, answers)
+                for name in METHODS
+                for part, new_tokens in (("full", args.output_len), ("first", 1))
+            }
             ours(prompts, 4, True)  # warm-up
             times = interleaved_medians(fns, args.repeats)
             figures: dict = {}
@@ -136,6 +126,20 @@ def run(args: argparse.Namespace) -> dict:
             out.setdefault(set_name, {})[str(batch_size)] = figures
     engine.check_no_leaks()
     return out
+
+
+def _timed_call(ours, theirs, prompts, name: str, new_tokens: int, answers: dict):
+    """One method's run over the prompts; a full run's answers are kept in ``answers[name]``."""
+
+    def call() -> None:
+        if name.startswith("pdserve"):
+            result = ours(prompts, new_tokens, name == "pdserve_speculative")
+        else:
+            result = theirs(prompts, new_tokens, name == "transformers_prompt_lookup")
+        if new_tokens > 1:
+            answers[name] = result
+
+    return call
 
 
 def _generate(hf, prompts, new_tokens, pad, eos, device, lookup, args) -> list[list[int]]:

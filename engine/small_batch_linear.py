@@ -27,19 +27,28 @@ class LeftWeightLinear(nn.Linear):
         rows = x.numel() // self.in_features
         if not MIN_ROWS <= rows <= MAX_ROWS:
             return nn.functional.linear(x, self.weight, self.bias)
-        # contiguous like linear's: a collective (a tensor-parallel all-reduce) reads the storage as laid out
-        out = (self.weight @ x.reshape(rows, self.in_features).T).T.contiguous()
+        out = _left(x.reshape(rows, self.in_features), self.weight)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def _probe_s(fn, x: torch.Tensor) -> float:
-    fn(x)
+def _plain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x, weight)
+
+
+def _left(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # contiguous like linear's: a collective (a tensor-parallel all-reduce) reads the storage as laid out
+    return (weight @ x.T).T.contiguous()
+
+
+def _probe_s(fn, x: torch.Tensor, weight: torch.Tensor) -> float:
+    """The best of a few timed calls, after one untimed."""
+    fn(x, weight)
     best = float("inf")
     for _ in range(PROBE_REPEATS):
         started = time.perf_counter()
-        fn(x)
+        fn(x, weight)
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -56,9 +65,7 @@ def tune_small_batch_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
     for (out_features, in_features, dtype), modules in layers.items():
         weight = modules[0].weight
         x = torch.randn(PROBE_ROWS, in_features, dtype=dtype)
-        plain = _probe_s(lambda rows: nn.functional.linear(rows, weight), x)
-        left = _probe_s(lambda rows: (weight @ rows.T).T, x)
-        take = left * MIN_GAIN < plain
+        take = _probe_s(_left, x, weight) * MIN_GAIN < _probe_s(_plain, x, weight)
         chosen[(out_features, in_features)] = take
         if take:
             for module in modules:
