@@ -66,3 +66,18 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return prompts
+
+
+def write_jsonl(path: str, output_tokens: int = 96) -> None:
+    """The tasks as a ``pdserve bench serve --dataset-name jsonl`` file (sent as chat user messages)."""
+    import json
+
+    with open(path, "w") as f:
+        for task in TASKS:
+            f.write(json.dumps({"prompt": task, "output_tokens": output_tokens}) + "\n")
+
+
+if __name__ == "__main__":  # python -m bench.speculative_prompts grounded.jsonl
+    import sys
+
+    write_jsonl(sys.argv[1])

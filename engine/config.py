@@ -45,8 +45,9 @@ class KVOffloadConfig:
         return bool(self.host_memory_mb or self.disk_dir)
 
 
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+DRAFT_BLOCK_SIZE = 4  # the draft engine's blocks: each proposal recomputes at most this many tokens before it
 
 
 @dataclass(slots=True)
@@ -54,12 +55,16 @@ class SpeculativeConfig:
     """Speculative decoding in a decode (or colocated) engine (engine/speculative.py): each decoding request gets up to
     ``num_tokens`` proposed tokens, which the model verifies in the same forward; greedy output is unchanged, and so
     is the distribution of sampled output. ``ngram``: the proposal continues the latest earlier occurrence of the
-    request's last ``ngram_max`` .. ``ngram_min`` tokens in its prompt and output (prompt lookup)."""
+    request's last ``ngram_max`` .. ``ngram_min`` tokens in its prompt and output (prompt lookup). ``draft``: a
+    smaller model with the same vocabulary (``draft_model``) proposes greedily, on its own paged KV cache of
+    ``draft_kv_memory_mb``."""
 
     method: SpeculativeMethod = "ngram"
     num_tokens: int = 4  # the most proposed tokens per request and step; each request adapts its own below it
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_model: str | None = None  # a model folder (or the built-in model's name), for method: draft
+    draft_kv_memory_mb: int = 64
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -72,6 +77,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative.ngram_min ({self.ngram_min}) must be <= speculative.ngram_max ({self.ngram_max})"
             )
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative.draft_model is needed with method: draft, and only then")
+        value = self.draft_kv_memory_mb
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"speculative.draft_kv_memory_mb must be a positive integer, got {value!r}")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -50,7 +50,7 @@ from engine.request import (
     TokenLogprob,
 )
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.speculative import Speculator
+from engine.speculative import build_speculator
 from engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,7 @@ class LLMEngine:
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
         self.tp_group = tp_group
         self.kv_tiers: KVTiers | None = None
-        # a prefill-only engine samples one token per request: nothing to propose
-        speculative = None if config.prefill_only else config.speculative
-        self.speculator = None if speculative is None else Speculator(speculative)
+        self.speculator = build_speculator(config, self.vocab_size, self.max_model_len)
         offload = config.kv_offload
         if offload is not None and offload.enabled:
             self.kv_tiers = KVTiers(offload, self.kv_cache, tier_fingerprint(self.kv_spec, self.model))
@@ -241,7 +239,7 @@ class LLMEngine:
         """Proposed tokens for the running requests that decode, within what max_tokens and the length limit leave."""
         speculator = self.speculator
         assert speculator is not None
-        proposals: dict[str, list[int]] = {}
+        candidates = []
         for request in self.scheduler.running:
             if request.num_tokens - request.num_computed_tokens != 1 or not request.params.speculative:
                 continue
@@ -250,10 +248,8 @@ class LLMEngine:
                 request.params.max_tokens - len(request.output_token_ids) - 1,
                 self.length_limit - request.num_tokens - 1,
             )
-            proposal = speculator.propose(request, limit)
-            if proposal:
-                proposals[request.request_id] = proposal
-        return proposals
+            candidates.append((request, limit))
+        return speculator.propose_all(candidates) if candidates else {}
 
     def _verify(
         self,
@@ -509,6 +505,8 @@ class LLMEngine:
         if self.requests or self.scheduler.has_work():
             raise AssertionError(f"requests left: {sorted(self.requests)[:10]}")
         self.block_manager.check_all_free()
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.engine.check_no_leaks()
 
     def reserve_remote(
         self,

@@ -12,11 +12,12 @@ nothing. Each request's length adapts as transformers' assisted generation does:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from engine.config import SpeculativeConfig
-from engine.request import Request
+from engine.config import DRAFT_BLOCK_SIZE, EngineConfig, SpeculativeConfig
+from engine.request import Request, SamplingParams
 
 
 @dataclass(slots=True)
@@ -58,9 +59,75 @@ def ngram_proposal(token_ids: np.ndarray, num_tokens: int, ngram_min: int, ngram
     return []
 
 
+class DraftModel:
+    """A smaller model's greedy proposals, from an engine of its own: each request's tokens so far go in as a prompt
+    of a greedy request for the proposal's length, and the draft engine's prefix cache (blocks of
+    ``DRAFT_BLOCK_SIZE`` tokens, content-hashed) keeps the KV of what it computed before, so a proposal computes at
+    most a block's worth of tokens before its own and nothing is rolled back by hand (refused tokens are simply
+    not in the next prompt). The decode worker computes the draft's prompt KV itself: it is a small model's, the
+    KV hand-off stays one model's, and a moved or recomputed request needs nothing more."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine  # engine.llm_engine.LLMEngine
+
+    @classmethod
+    def build(cls, speculative: SpeculativeConfig, target: EngineConfig, vocab_size: int, max_model_len: int):
+        from engine.llm_engine import LLMEngine  # the draft runs in an engine of its own
+
+        assert speculative.draft_model is not None  # the config checks it
+        engine = LLMEngine(
+            EngineConfig(
+                model=speculative.draft_model,
+                dtype=target.dtype,
+                device=target.device,
+                block_size=DRAFT_BLOCK_SIZE,
+                kv_cache_memory_bytes=speculative.draft_kv_memory_mb * 1024 * 1024,
+                cuda_graphs=target.cuda_graphs,
+                max_model_len=max_model_len,
+                max_batch_tokens=target.max_batch_tokens,
+                max_num_seqs=target.max_num_seqs,
+            )
+        )
+        if engine.vocab_size != vocab_size or len(engine.tokenizer) > vocab_size:
+            raise ValueError(
+                f"speculative.draft_model {speculative.draft_model!r} has a vocabulary of {engine.vocab_size} tokens, "
+                f"the model {vocab_size}: a draft must share the model's tokenizer"
+            )
+        return cls(engine)
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Up to n greedy tokens for each (request, n), all drafted together, one draft forward per token; a request
+        the draft cannot take (its cache too small for it) gets none."""
+        engine = self.engine
+        drafted: dict[str, list[int]] = {}
+        for request, num_tokens in wanted:
+            params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, speculative=False)
+            try:
+                engine.add_request(request.token_slice(0, request.num_tokens), params, request.request_id)
+            except ValueError:
+                continue
+            drafted[request.request_id] = []
+        done: set[str] = set()
+        # a prefill step, then one step per token; queueing for blocks may take a few more
+        for _ in range(4 * (max((n for _, n in wanted), default=0) + 2)):
+            if not engine.has_unfinished():
+                break
+            for output in engine.step():
+                drafted[output.request_id] += output.new_token_ids
+                if output.finished:
+                    done.add(output.request_id)
+                    if output.error is not None:
+                        drafted[output.request_id] = []
+        for request_id in set(drafted) - done:  # bounded: what is still drafting goes without a proposal
+            engine.abort(request_id)
+            drafted[request_id] = []
+        return drafted
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None) -> None:
         self.config = config
+        self.draft = draft
         self.totals = SpecTotals()
 
     def state(self, request: Request) -> SpecState:
@@ -69,17 +136,25 @@ class Speculator:
             state = request.spec = SpecState(self.config.num_tokens)
         return state
 
+    def propose_all(self, candidates: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Proposals for decoding requests, each at most its ``limit`` tokens (what its max_tokens and the model
+        length leave after the token the step makes anyway) and its own adapted length; tokens a request's grammar
+        would refuse are cut off. Requests without a proposal are left out."""
+        if self.draft is None:
+            proposals = {request.request_id: self.propose(request, limit) for request, limit in candidates}
+            return {request_id: proposal for request_id, proposal in proposals.items() if proposal}
+        wanted = [(r, n) for r, limit in candidates if (n := min(self.state(r).num_tokens, limit)) > 0]
+        drafted = self.draft.propose(wanted)
+        proposals = {r.request_id: _grammar_cut(r, drafted.get(r.request_id, [])) for r, _ in wanted}
+        return {request_id: proposal for request_id, proposal in proposals.items() if proposal}
+
     def propose(self, request: Request, limit: int) -> list[int]:
-        """A proposal for a decoding request, at most ``limit`` tokens (what its max_tokens and the model length leave
-        after the token the step makes anyway); tokens the request's grammar would refuse are cut off."""
+        """The n-gram proposal of one request (``propose_all``)."""
         num_tokens = min(self.state(request).num_tokens, limit)
         if num_tokens <= 0:
             return []
         tokens = np.fromiter(request.token_slice(0, request.num_tokens), dtype=np.int64, count=request.num_tokens)
-        proposal = ngram_proposal(tokens, num_tokens, self.config.ngram_min, self.config.ngram_max)
-        if proposal and request.grammar is not None:
-            proposal = proposal[: request.grammar.valid_prefix(proposal)]
-        return proposal
+        return _grammar_cut(request, ngram_proposal(tokens, num_tokens, self.config.ngram_min, self.config.ngram_max))
 
     def verified(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A proposal was checked: count it and adapt the request's next proposal length."""
@@ -94,3 +169,21 @@ class Speculator:
         totals.proposed_tokens += num_proposed
         totals.accepted_tokens += num_accepted
         totals.verify_steps += 1
+
+
+def _grammar_cut(request: Request, proposal: list[int]) -> list[int]:
+    """The proposal up to the first token the request's grammar would refuse."""
+    if proposal and request.grammar is not None:
+        return proposal[: request.grammar.valid_prefix(proposal)]
+    return proposal
+
+
+def build_speculator(config: EngineConfig, vocab_size: int, max_model_len: int) -> Speculator | None:
+    """The engine's speculator (None: it does not speculate; a prefill-only engine samples one token a request)."""
+    speculative = config.speculative
+    if speculative is None or config.prefill_only:
+        return None
+    draft = None
+    if speculative.method == "draft":
+        draft = DraftModel.build(speculative, config, vocab_size, max_model_len)
+    return Speculator(speculative, draft)

@@ -16,7 +16,9 @@ from engine.config import SpeculativeConfig
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "local-tp.yaml", "gpu-node.yaml", "gpu-node-70b.yaml"])
+@pytest.mark.parametrize(
+    "name", ["local.yaml", "local-speculative.yaml", "local-tp.yaml", "gpu-node.yaml", "gpu-node-70b.yaml"]
+)
 def test_shipped_serving_configs_load(name):
     config = load_config(CONFIGS / name)
     assert config.mode == "disaggregated"

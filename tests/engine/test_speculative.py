@@ -224,3 +224,40 @@ def test_tensor_parallel_followers_get_the_proposal(tiny_llama_path, make_engine
     [decoded] = StepMessage.decode(StepKind.STEP, StepMessage(StepKind.STEP, [chunk]).encode()).chunks
     assert decoded.token_ids() == [request.output_token_ids[-1], 7, 8, 9] and decoded.samples
     engine.abort(rid)
+
+
+def test_a_draft_model_proposes_and_output_is_unchanged(tiny_llama_path, tmp_path, make_engine):
+    """The target as its own draft proposes its own greedy tokens: nearly all kept. A draft of other weights (same
+    tokenizer, one layer) proposes worse: fewer kept, the output the same. The draft's engine holds nothing after."""
+    from engine.tiny_model import build_tiny_model
+
+    plain = make_engine(tiny_llama_path)
+    prompts = random_prompts(4, 5, 30, seed=8)
+    sampled = SamplingParams(max_tokens=25, temperature=0.9, seed=5, ignore_eos=True)
+    want = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    want_sampled = [r.token_ids for r in plain.generate(prompts, sampled)]
+    other = build_tiny_model(tmp_path / "draft", arch="llama", seed=7, num_hidden_layers=1)
+    rates = []
+    for draft in (tiny_llama_path, other):
+        config = SpeculativeConfig(method="draft", num_tokens=4, draft_model=str(draft), draft_kv_memory_mb=1)
+        spec = make_engine(tiny_llama_path, speculative=config)
+        assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == want
+        totals = spec.speculator.totals
+        assert totals.proposed_tokens > 0
+        rates.append(totals.accepted_tokens / totals.proposed_tokens)
+        assert [r.token_ids for r in spec.generate(prompts, sampled)] == want_sampled  # seeded: the same draws
+        spec.check_no_leaks()  # the draft engine's too
+    assert rates[0] > 0.8 and rates[1] < rates[0]  # greedy rates: kept proposals over proposed
+
+
+def test_draft_config_errors_name_the_field(tiny_llama_path, tiny_qwen2_path, make_engine):
+    with pytest.raises(ValueError, match="speculative.draft_model"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="speculative.draft_model"):
+        SpeculativeConfig(method="ngram", draft_model=str(tiny_llama_path))
+    vocab = make_engine(tiny_qwen2_path).vocab_size
+    if vocab != make_engine(tiny_llama_path).vocab_size:
+        with pytest.raises(ValueError, match="speculative.draft_model"):
+            make_engine(
+                tiny_llama_path, speculative=SpeculativeConfig(method="draft", draft_model=str(tiny_qwen2_path))
+            )
