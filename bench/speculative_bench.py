@@ -1,7 +1,9 @@
 """``pdserve bench engine --speculative ngram``: decode speed with n-gram speculation against three baselines.
 
 Per prompt set (``grounded``: answers that copy from the prompt, bench/speculative_prompts.py; ``random``: random
-token prompts) and batch size, four ways to make the same greedy answers, timed in turns:
+token prompts; ``random_sampled``: the same, sampled at temperature 1 with a seed per prompt, where proposals are
+mostly refused) and batch size (1: ``--batch1-prompts`` prompts one after another), four ways to make the same
+answers, timed in turns:
 - ``pdserve_speculative``: one engine with ``speculative`` set; ``pdserve``: the same engine, every request opted out;
 - ``transformers_prompt_lookup``: ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram_max)``, the
   same algorithm; transformers runs it for one sequence at a time, so a batch is its prompts one after another;
@@ -56,20 +58,30 @@ def run(args: argparse.Namespace) -> dict:
     specials = set(engine.tokenizer.all_special_ids)
     ordinary = [t for t in range(min(engine.vocab_size, len(engine.tokenizer))) if t not in specials]
     batch_sizes = [int(b) for b in (args.batch_sizes or "1,8").split(",")]
+    count = max(*batch_sizes, args.batch1_prompts)
+    random_prompts = [[rng.choice(ordinary) for _ in range(args.input_len)] for _ in range(count)]
+    # (prompts, sampled): greedy answers on both sets; on random prompts also seeded samples at temperature 1,
+    # where proposals are mostly refused (what speculation costs when it does not pay)
     sets = {
-        "grounded": chat_prompts(engine.tokenizer, max(batch_sizes)),
-        "random": [[rng.choice(ordinary) for _ in range(args.input_len)] for _ in range(max(batch_sizes))],
+        "grounded": (chat_prompts(engine.tokenizer, count), False),
+        "random": (random_prompts, False),
+        "random_sampled": (random_prompts, True),
     }
 
-    def ours(prompts: list[list[int]], new_tokens: int, speculative: bool) -> list[list[int]]:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=speculative)
+    def ours(prompts: list[list[int]], new_tokens: int, speculative: bool, alone: bool, sampled: bool):
+        params = [
+            SamplingParams(max_tokens=new_tokens, temperature=1.0 if sampled else 0.0, seed=i, speculative=speculative)
+            for i in range(len(prompts))
+        ]
+        if alone:  # batch 1: each prompt in turn
+            return [engine.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
         return [r.token_ids for r in engine.generate(prompts, params)]
 
     @torch.inference_mode()
-    def theirs(prompts: list[list[int]], new_tokens: int, lookup: bool) -> list[list[int]]:
-        if lookup or len(prompts) == 1:
-            return [_generate(hf, [p], new_tokens, pad, eos, device, lookup, args)[0] for p in prompts]
-        return _generate(hf, prompts, new_tokens, pad, eos, device, False, args)
+    def theirs(prompts: list[list[int]], new_tokens: int, lookup: bool, alone: bool, sampled: bool):
+        if lookup or alone:
+            return [_generate(hf, [p], new_tokens, pad, eos, device, lookup, sampled, args)[0] for p in prompts]
+        return _generate(hf, prompts, new_tokens, pad, eos, device, False, sampled, args)
 
     out: dict = {
         "model": args.model,
@@ -78,9 +90,9 @@ def run(args: argparse.Namespace) -> dict:
         "speculative": {"method": spec.method, "num_tokens": spec.num_tokens, "ngram_max": spec.ngram_max},
         "output_len": args.output_len,
     }
-    for set_name, all_prompts in sets.items():
+    for set_name, (all_prompts, sampled) in sets.items():
         for batch_size in batch_sizes:
-            prompts = all_prompts[:batch_size]
+            prompts = all_prompts[: args.batch1_prompts if batch_size == 1 else batch_size]
             before = engine.speculator.totals if engine.speculator else None
             proposed0 = before.proposed_tokens if before else 0
             accepted0 = before.accepted_tokens if before else 0
@@ -88,11 +100,13 @@ def run(args: argparse.Namespace) -> dict:
             answers: dict[str, list[list[int]]] = {}
 
             fns = {
-                f"{name}_{part}": _timed_call(ours, theirs, prompts, name, new_tokens, answers)
+                f"{name}_{part}": _timed_call(
+                    ours, theirs, prompts, name, new_tokens, answers, batch_size == 1, sampled
+                )
                 for name in METHODS
                 for part, new_tokens in (("full", args.output_len), ("first", 1))
             }
-            ours(prompts, 4, True)  # warm-up
+            ours(prompts, 4, True, False, sampled)  # warm-up
             times = interleaved_medians(fns, args.repeats)
             figures: dict = {}
             for name in METHODS:
@@ -119,31 +133,34 @@ def run(args: argparse.Namespace) -> dict:
                 figures["mean_accepted_length"] = round(1 + accepted / steps, 2) if steps else 0.0
             reference = answers["pdserve"]
             figures["answer_tokens"] = sum(len(a) for a in reference)
+            # greedy, or seeded: speculation never changes an answer
             figures["speculative_answers_identical"] = answers["pdserve_speculative"] == reference
-            figures["transformers_answers_equal_fraction"] = sum(
-                a == b for a, b in zip(answers["transformers_prompt_lookup"], reference)
-            ) / len(reference)
+            if not sampled:
+                figures["transformers_answers_equal_fraction"] = sum(
+                    a == b for a, b in zip(answers["transformers_prompt_lookup"], reference)
+                ) / len(reference)
             out.setdefault(set_name, {})[str(batch_size)] = figures
     engine.check_no_leaks()
     return out
 
 
-def _timed_call(ours, theirs, prompts, name: str, new_tokens: int, answers: dict):
-    """One method's run over the prompts; a full run's answers are kept in ``answers[name]``."""
+def _timed_call(ours, theirs, prompts, name: str, new_tokens: int, answers: dict, alone: bool, sampled: bool):
+    """One method's run over the prompts (``alone``: one at a time); a full run's answers go to ``answers[name]``."""
 
     def call() -> None:
         if name.startswith("pdserve"):
-            result = ours(prompts, new_tokens, name == "pdserve_speculative")
+            result = ours(prompts, new_tokens, name == "pdserve_speculative", alone, sampled)
         else:
-            result = theirs(prompts, new_tokens, name == "transformers_prompt_lookup")
+            result = theirs(prompts, new_tokens, name == "transformers_prompt_lookup", alone, sampled)
         if new_tokens > 1:
             answers[name] = result
 
     return call
 
 
-def _generate(hf, prompts, new_tokens, pad, eos, device, lookup, args) -> list[list[int]]:
-    """transformers' greedy answers (left-padded batch), cut at the first EOS as ours are."""
+def _generate(hf, prompts, new_tokens, pad, eos, device, lookup, sampled, args) -> list[list[int]]:
+    """transformers' answers (left-padded batch; greedy, or sampled at temperature 1), cut at the first EOS as ours
+    are."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -152,7 +169,10 @@ def _generate(hf, prompts, new_tokens, pad, eos, device, lookup, args) -> list[l
         ids,
         attention_mask=mask,
         max_new_tokens=new_tokens,
-        do_sample=False,
+        do_sample=sampled,
+        temperature=1.0 if sampled else None,
+        top_p=None,
+        top_k=None,
         pad_token_id=pad,
         eos_token_id=eos,
         **(extra if lookup else {}),

@@ -5,12 +5,13 @@ request's last token and its proposal into one chunk, and the engine samples the
 time (``LLMEngine._verify``), keeping the proposal up to the first token the model would not have produced. The
 proposer here is n-gram prompt lookup: the request's last n tokens are searched for, latest first, in its prompt and
 output, and the tokens after that occurrence are the proposal. It costs no model, so a request with no match pays
-nothing. Each request's length adapts as transformers' assisted generation does: +2 after a fully accepted proposal,
--1 after a rejection, within [1, ``num_tokens``].
+nothing. ``DraftModel`` proposes with a smaller model instead. Each request's proposal length follows its own
+acceptance (``SpecState``), within [1, ``num_tokens``].
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,14 +20,33 @@ import numpy as np
 from engine.config import DRAFT_BLOCK_SIZE, EngineConfig, SpeculativeConfig
 from engine.request import Request, SamplingParams
 
+REACH_PROBABILITY = 0.1  # a proposed token is worth verifying while the chance it is reached and kept is this much
+KEPT_DECAY = 0.5  # each verification's weight in a request's acceptance estimate, against the ones before
+
 
 @dataclass(slots=True)
 class SpecState:
-    """One request's speculation: its current proposal length and what became of its proposals."""
+    """One request's speculation: its acceptance so far and the length of its next proposal.
+
+    A proposed token is kept only if every one before it was, so with a chance ``a`` that each is kept, the j-th is
+    reached and kept with ``a ** j``; the proposal is as long as that stays at least ``REACH_PROBABILITY``. ``a`` is
+    kept / (kept + refusals) over the request's recent verifications (a refusal ends each proposal that was not kept
+    whole), starting from 2 kept and 1 refused."""
 
     num_tokens: int  # the next proposal's length bound
+    kept: float = 2.0
+    refused: float = 1.0
     proposed: int = 0
     accepted: int = 0
+
+    def update(self, num_proposed: int, num_accepted: int, max_tokens: int) -> None:
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+        self.kept = self.kept * KEPT_DECAY + num_accepted
+        self.refused = self.refused * KEPT_DECAY + (num_accepted < num_proposed)
+        rate = self.kept / (self.kept + self.refused)
+        reach = max_tokens if rate >= 1.0 else int(math.log(REACH_PROBABILITY) / math.log(rate)) if rate > 0 else 1
+        self.num_tokens = max(1, min(max_tokens, reach))
 
 
 @dataclass(slots=True)
@@ -158,13 +178,7 @@ class Speculator:
 
     def verified(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A proposal was checked: count it and adapt the request's next proposal length."""
-        state = self.state(request)
-        state.proposed += num_proposed
-        state.accepted += num_accepted
-        if num_accepted == num_proposed:
-            state.num_tokens = min(self.config.num_tokens, state.num_tokens + 2)
-        else:
-            state.num_tokens = max(1, state.num_tokens - 1)
+        self.state(request).update(num_proposed, num_accepted, self.config.num_tokens)
         totals = self.totals
         totals.proposed_tokens += num_proposed
         totals.accepted_tokens += num_accepted

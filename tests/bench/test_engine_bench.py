@@ -38,11 +38,11 @@ def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):
 
 def test_speculative_engine_bench_prints_the_figures(tiny_llama_path, capsys):
     args = ["bench", "engine", "--json", "--model", str(tiny_llama_path), "--speculative", "ngram"]
-    args += ["--batch-sizes", "1,2", "--output-len", "6", "--input-len", "12", "--repeats", "1"]
+    args += ["--batch-sizes", "1,2", "--output-len", "6", "--input-len", "12", "--repeats", "1", "--batch1-prompts", "2"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["speculative"] == {"method": "ngram", "num_tokens": 4, "ngram_max": 3}
-    for prompt_set in ("grounded", "random"):
+    for prompt_set in ("grounded", "random", "random_sampled"):
         for size in ("1", "2"):
             figures = result[prompt_set][size]
             for name in ("pdserve_speculative", "pdserve", "transformers_prompt_lookup", "transformers"):
