@@ -40,6 +40,11 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-spec-tokens", type=int, default=4, help="with --speculative: proposed tokens per step")
     parser.add_argument("--ngram-max", type=int, default=3, help="with --speculative: the longest n-gram looked up")
     parser.add_argument("--batch1-prompts", type=int, default=4, help="with --speculative: prompts run one at a time")
+    parser.add_argument(
+        "--prompt-sets",
+        default="grounded,random,random_sampled",
+        help="with --speculative: which prompt sets to run (bench/speculative_bench.py)",
+    )
 
 
 def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:

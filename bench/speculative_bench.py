@@ -90,7 +90,11 @@ def run(args: argparse.Namespace) -> dict:
         "speculative": {"method": spec.method, "num_tokens": spec.num_tokens, "ngram_max": spec.ngram_max},
         "output_len": args.output_len,
     }
-    for set_name, (all_prompts, sampled) in sets.items():
+    chosen = args.prompt_sets.split(",")
+    if unknown := set(chosen) - set(sets):
+        raise ValueError(f"--prompt-sets: {sorted(unknown)} are not among {sorted(sets)}")
+    for set_name in chosen:
+        all_prompts, sampled = sets[set_name]
         for batch_size in batch_sizes:
             prompts = all_prompts[: args.batch1_prompts if batch_size == 1 else batch_size]
             before = engine.speculator.totals if engine.speculator else None

@@ -22,6 +22,7 @@ from engine.request import Request, SamplingParams
 
 REACH_PROBABILITY = 0.1  # a proposed token is worth verifying while the chance it is reached and kept is this much
 KEPT_DECAY = 0.5  # each verification's weight in a request's acceptance estimate, against the ones before
+PAUSE_STEPS = 16  # a request whose next token is not worth proposing proposes nothing this many steps, then one
 
 
 @dataclass(slots=True)
@@ -31,13 +32,25 @@ class SpecState:
     A proposed token is kept only if every one before it was, so with a chance ``a`` that each is kept, the j-th is
     reached and kept with ``a ** j``; the proposal is as long as that stays at least ``REACH_PROBABILITY``. ``a`` is
     kept / (kept + refusals) over the request's recent verifications (a refusal ends each proposal that was not kept
-    whole), starting from 2 kept and 1 refused."""
+    whole), starting from 2 kept and 1 refused. Below ``REACH_PROBABILITY`` for even one token, the request stops
+    proposing for ``PAUSE_STEPS`` steps, then tries one token again: a proposal costs a verified row in the batch,
+    which on a CPU at batch 8 is nearly as much as a request's own row."""
 
-    num_tokens: int  # the next proposal's length bound
+    num_tokens: int  # the next proposal's length bound (0: paused)
     kept: float = 2.0
     refused: float = 1.0
+    paused_steps: int = 0
     proposed: int = 0
     accepted: int = 0
+
+    def next_length(self) -> int:
+        """The next proposal's length bound, counting down a pause."""
+        if self.num_tokens == 0:
+            self.paused_steps -= 1
+            if self.paused_steps > 0:
+                return 0
+            self.num_tokens = 1
+        return self.num_tokens
 
     def update(self, num_proposed: int, num_accepted: int, max_tokens: int) -> None:
         self.proposed += num_proposed
@@ -45,8 +58,10 @@ class SpecState:
         self.kept = self.kept * KEPT_DECAY + num_accepted
         self.refused = self.refused * KEPT_DECAY + (num_accepted < num_proposed)
         rate = self.kept / (self.kept + self.refused)
-        reach = max_tokens if rate >= 1.0 else int(math.log(REACH_PROBABILITY) / math.log(rate)) if rate > 0 else 1
-        self.num_tokens = max(1, min(max_tokens, reach))
+        reach = max_tokens if rate >= 1.0 else int(math.log(REACH_PROBABILITY) / math.log(rate)) if rate > 0 else 0
+        self.num_tokens = min(max_tokens, reach)
+        if self.num_tokens == 0:
+            self.paused_steps = PAUSE_STEPS
 
 
 @dataclass(slots=True)
@@ -163,14 +178,14 @@ class Speculator:
         if self.draft is None:
             proposals = {request.request_id: self.propose(request, limit) for request, limit in candidates}
             return {request_id: proposal for request_id, proposal in proposals.items() if proposal}
-        wanted = [(r, n) for r, limit in candidates if (n := min(self.state(r).num_tokens, limit)) > 0]
+        wanted = [(r, n) for r, limit in candidates if (n := min(self.state(r).next_length(), limit)) > 0]
         drafted = self.draft.propose(wanted)
         proposals = {r.request_id: _grammar_cut(r, drafted.get(r.request_id, [])) for r, _ in wanted}
         return {request_id: proposal for request_id, proposal in proposals.items() if proposal}
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """The n-gram proposal of one request (``propose_all``)."""
-        num_tokens = min(self.state(request).num_tokens, limit)
+        num_tokens = min(self.state(request).next_length(), limit)
         if num_tokens <= 0:
             return []
         tokens = np.fromiter(request.token_slice(0, request.num_tokens), dtype=np.int64, count=request.num_tokens)

@@ -38,7 +38,18 @@ def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):
 
 def test_speculative_engine_bench_prints_the_figures(tiny_llama_path, capsys):
     args = ["bench", "engine", "--json", "--model", str(tiny_llama_path), "--speculative", "ngram"]
-    args += ["--batch-sizes", "1,2", "--output-len", "6", "--input-len", "12", "--repeats", "1", "--batch1-prompts", "2"]
+    args += [
+        "--batch-sizes",
+        "1,2",
+        "--output-len",
+        "6",
+        "--input-len",
+        "12",
+        "--repeats",
+        "1",
+        "--batch1-prompts",
+        "2",
+    ]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["speculative"] == {"method": "ngram", "num_tokens": 4, "ngram_max": 3}

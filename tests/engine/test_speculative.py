@@ -17,7 +17,7 @@ from engine.blocks import blocks_for_tokens
 from engine.config import SpeculativeConfig
 from engine.request import GuidedDecoding, SamplingParams
 from engine.scheduler import ScheduledChunk
-from engine.speculative import ngram_proposal
+from engine.speculative import PAUSE_STEPS, SpecState, ngram_proposal
 from engine.tensor_parallel import StepKind, StepMessage
 from tests.helpers.engine import handoff, random_prompts
 
@@ -58,6 +58,24 @@ def test_ngram_proposal_takes_the_longest_latest_match():
     assert ngram_proposal(tokens, 2, 1, 1) == [9, 9]  # "6": the latest occurrence followed by two tokens
     assert ngram_proposal(np.array([1, 2, 3]), 2, 1, 2) == []  # nothing repeats
     assert ngram_proposal(np.array([4, 4, 4]), 4, 1, 2) == [4]  # only one token follows the latest "4 4"
+
+
+def test_each_request_proposes_as_far_as_its_acceptance_carries():
+    state = SpecState(4)
+    kept = []
+    for _ in range(3):  # every proposal kept: up to the longest allowed
+        kept.append(state.next_length())
+        state.update(kept[-1], kept[-1], max_tokens=8)
+    assert kept[0] == 4 and state.num_tokens == 8
+    lengths = []
+    while state.num_tokens:  # every proposal refused: shorter, then none
+        lengths.append(state.next_length())
+        state.update(lengths[-1], 0, max_tokens=8)
+    assert lengths[0] == 8 and lengths[-1] == 1 and len(lengths) <= 6
+    assert [state.next_length() for _ in range(PAUSE_STEPS)] == [0] * (PAUSE_STEPS - 1) + [1]  # paused, then a probe
+    state.update(1, 1, max_tokens=8)
+    assert state.next_length() >= 1  # kept: it goes on proposing
+    assert state.proposed == sum(kept) + sum(lengths) + 1 and state.accepted == sum(kept) + 1
 
 
 def test_greedy_output_is_unchanged_and_rejections_roll_back(tiny_llama_path, make_engine):
