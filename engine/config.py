@@ -65,6 +65,9 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_model: str | None = None  # a model folder (or the built-in model's name), for method: draft
     draft_kv_memory_mb: int = 64
+    # no proposals in a step with more decoding requests than this (vLLM's speculative_disable_by_batch_size): a
+    # proposal's verified rows slow every request of the step, which at a large batch costs more than it gains
+    disable_above_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -79,9 +82,12 @@ class SpeculativeConfig:
             )
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("speculative.draft_model is needed with method: draft, and only then")
-        value = self.draft_kv_memory_mb
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"speculative.draft_kv_memory_mb must be a positive integer, got {value!r}")
+        for name in ("draft_kv_memory_mb", "disable_above_batch"):
+            value = getattr(self, name)
+            if value is None and name == "disable_above_batch":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"speculative.{name} must be a positive integer, got {value!r}")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -249,7 +249,10 @@ class LLMEngine:
                 self.length_limit - request.num_tokens - 1,
             )
             candidates.append((request, limit))
-        return speculator.propose_all(candidates) if candidates else {}
+        bound = speculator.config.disable_above_batch
+        if not candidates or (bound is not None and len(candidates) > bound):
+            return {}
+        return speculator.propose_all(candidates)
 
     def _verify(
         self,

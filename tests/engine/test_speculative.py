@@ -209,6 +209,19 @@ def test_handoff_and_opt_out(tiny_llama_path, make_engine):
     assert result.token_ids == references[tuple(prompts[1])] and len(made) == before
 
 
+def test_no_proposals_above_the_batch_bound(tiny_llama_path, make_engine):
+    config = SpeculativeConfig(num_tokens=4, disable_above_batch=2)
+    spec = make_engine(tiny_llama_path, speculative=config)
+    asked: list[int] = []
+    spec.speculator.propose = lambda request, limit: asked.append(len(spec.scheduler.running)) or [1]
+    spec.generate(random_prompts(3, 4, 8, seed=9), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert asked == []  # three decode together: none proposes
+    spec.generate(random_prompts(2, 4, 8, seed=9), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert asked and max(asked) <= 2
+    with pytest.raises(ValueError, match="speculative.disable_above_batch"):
+        SpeculativeConfig(disable_above_batch=0)
+
+
 def test_preemption_with_proposals(tiny_llama_path, make_engine):
     plain = make_engine(tiny_llama_path, kv_blocks=14, block_size=4)
     spec = make_engine(tiny_llama_path, kv_blocks=14, block_size=4, speculative=SPEC)
