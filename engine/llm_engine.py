@@ -289,7 +289,14 @@ class LLMEngine:
                 self.scheduler.register_full_blocks(request)
             index = long_tensor([row + position for _, row in live], logits.device)
             requests = [chunk.request for chunk, _ in live]
-            result = self.sampler.sample(logits[index], requests)
+            try:
+                result = self.sampler.sample(logits[index], requests)
+            except Exception as exc:  # as a failed forward: these requests cannot go on, the others can
+                logger.exception("sampling proposed positions failed; failing %d requests", len(requests))
+                message = f"sampling failed: {type(exc).__name__}: {exc}"
+                for request in requests:
+                    by_id[request.request_id] = self._fail(request, message, "worker_error")
+                break
             for request, token, error, logprob in zip(requests, result.token_ids, result.errors, result.logprobs):
                 output = self._sampled(request, token, error, logprob)
                 by_id[request.request_id] = extend_output(by_id[request.request_id], output)

@@ -209,6 +209,34 @@ def test_handoff_and_opt_out(tiny_llama_path, make_engine):
     assert result.token_ids == references[tuple(prompts[1])] and len(made) == before
 
 
+def test_a_sampler_fault_in_verification_fails_only_those_requests(tiny_llama_path, make_engine):
+    plain = make_engine(tiny_llama_path)
+    spec = make_engine(tiny_llama_path, speculative=SPEC)
+    prompts = random_prompts(2, 4, 8, seed=10)
+    references = _references(plain, prompts, GREEDY)
+    ids = [spec.add_request(p, GREEDY.copy()) for p in prompts]
+    spec.step()  # prefill: both decode from here
+    first = spec.requests[ids[0]]
+    proposal = references[tuple(prompts[0])][1:3]  # right: a verification round runs
+    spec.speculator.propose = lambda request, limit: proposal if request is first else []
+    sample = spec.sampler.sample
+    calls = []
+
+    def fails_on_verification(logits, requests, prompt_scores=()):
+        calls.append([r.request_id for r in requests])
+        if len(calls) > 1:
+            raise RuntimeError("bitmask exploded")
+        return sample(logits, requests, prompt_scores)
+
+    spec.sampler.sample = fails_on_verification
+    outputs = {o.request_id: o for o in spec.step()}
+    assert calls[1] == [ids[0]]
+    assert "bitmask exploded" in outputs[ids[0]].error and ids[0] not in spec.requests  # failed, blocks freed
+    assert outputs[ids[1]].error is None and ids[1] in spec.requests  # the other one goes on
+    spec.sampler.sample = sample
+    spec.abort(ids[1])
+
+
 def test_no_proposals_above_the_batch_bound(tiny_llama_path, make_engine):
     config = SpeculativeConfig(num_tokens=4, disable_above_batch=2)
     spec = make_engine(tiny_llama_path, speculative=config)
