@@ -195,17 +195,16 @@ class RouterMetrics:
                 [self.worker_gauge.labels(worker, pool, key) for key in GAUGE_KEYS],
                 [self.worker_total.labels(worker, pool, key) for key in TOTAL_KEYS],
                 self.worker_degraded.labels(worker, pool),
-                self.spec_mean_accepted_length.labels(worker, pool),
             )
-        gauges, totals, degraded, accepted_length = children
+        gauges, totals, degraded = children
         load, counters = stats.load, stats.counters
         for key, child in zip(GAUGE_KEYS, gauges):
             child.set(getattr(load, key))
         for key, child in zip(TOTAL_KEYS, totals):
             child.set(getattr(counters, key))
         degraded.set(1 if stats.degraded else 0)
-        if counters.spec_verify_steps:
-            accepted_length.set(counters.spec_mean_accepted_length)
+        if counters.spec_verify_steps:  # only workers that verified proposals show it (no 0 for "none")
+            self.spec_mean_accepted_length.labels(stats.worker, stats.role).set(counters.spec_mean_accepted_length)
 
     def render(self) -> bytes:
         if not self.multiprocess:

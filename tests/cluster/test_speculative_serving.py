@@ -68,4 +68,5 @@ def test_greedy_streams_are_unchanged_and_metrics_count(server):
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     # some steps kept proposed tokens, and sent several tokens at once
     assert _metric(metrics, "spec_proposed_tokens") >= _metric(metrics, "spec_accepted_tokens") > 0
-    assert "pdserve_spec_mean_accepted_length" in metrics
+    lengths = re.findall(r'pdserve_spec_mean_accepted_length{pool="(\w+)",worker="[^"]+"} ([0-9.]+)', metrics)
+    assert lengths and all(pool != "prefill" and float(v) > 1.0 for pool, v in lengths)  # verifying workers only
