@@ -15,6 +15,7 @@ each, so prefill cancels. Ratios are against ``pdserve`` in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 
 import torch
@@ -45,6 +46,8 @@ def run(args: argparse.Namespace) -> dict:
             speculative=spec,
         )
     )
+    speculator = engine.speculator
+    assert speculator is not None  # speculative is set and the engine decodes
     hf = (
         AutoModelForCausalLM.from_pretrained(
             resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
@@ -97,10 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         all_prompts, sampled = sets[set_name]
         for batch_size in batch_sizes:
             prompts = all_prompts[: args.batch1_prompts if batch_size == 1 else batch_size]
-            before = engine.speculator.totals if engine.speculator else None
-            proposed0 = before.proposed_tokens if before else 0
-            accepted0 = before.accepted_tokens if before else 0
-            steps0 = before.verify_steps if before else 0
+            before = dataclasses.replace(speculator.totals)
             answers: dict[str, list[list[int]]] = {}
 
             fns = {
@@ -127,14 +127,11 @@ def run(args: argparse.Namespace) -> dict:
                 / figures["transformers_prompt_lookup_decode_tokens_per_s"],
                 3,
             )
-            totals = engine.speculator.totals if engine.speculator else None
-            if totals is not None:
-                proposed = totals.proposed_tokens - proposed0
-                accepted = totals.accepted_tokens - accepted0
-                steps = totals.verify_steps - steps0
-                figures["proposed_tokens"] = proposed
-                figures["acceptance_rate"] = round(accepted / proposed, 3) if proposed else 0.0
-                figures["mean_accepted_length"] = round(1 + accepted / steps, 2) if steps else 0.0
+            counted = speculator.totals.since(before)
+            proposed = counted.proposed_tokens
+            figures["proposed_tokens"] = proposed
+            figures["acceptance_rate"] = round(counted.accepted_tokens / proposed, 3) if proposed else 0.0
+            figures["mean_accepted_length"] = round(counted.mean_accepted_length, 2)
             reference = answers["pdserve"]
             figures["answer_tokens"] = sum(len(a) for a in reference)
             # greedy, or seeded: speculation never changes an answer

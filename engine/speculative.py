@@ -1,12 +1,12 @@
 """Speculative decoding's proposals: which tokens a decoding request guesses it will generate next.
 
-Before each step the engine asks ``Speculator.propose`` for the running decoding requests; the scheduler packs each
+Before each step the engine asks ``Speculator.propose_all`` for the running decoding requests; the scheduler packs each
 request's last token and its proposal into one chunk, and the engine samples the verified rows one position at a
 time (``LLMEngine._verify``), keeping the proposal up to the first token the model would not have produced. The
 proposer here is n-gram prompt lookup: the request's last n tokens are searched for, latest first, in its prompt and
 output, and the tokens after that occurrence are the proposal. It costs no model, so a request with no match pays
 nothing. ``DraftModel`` proposes with a smaller model instead. Each request's proposal length follows its own
-acceptance (``SpecState``), within [1, ``num_tokens``].
+acceptance (``SpecState``), at most ``num_tokens``, none while paused.
 """
 
 from __future__ import annotations
@@ -71,6 +71,14 @@ class SpecTotals:
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0  # request-steps that verified a proposal
+
+    def since(self, earlier: SpecTotals) -> SpecTotals:
+        """What was counted after ``earlier`` (a copy of these totals taken then)."""
+        return SpecTotals(
+            self.proposed_tokens - earlier.proposed_tokens,
+            self.accepted_tokens - earlier.accepted_tokens,
+            self.verify_steps - earlier.verify_steps,
+        )
 
     @property
     def mean_accepted_length(self) -> float:
