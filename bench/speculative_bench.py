@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> dict:
     )
     speculator = engine.speculator
     assert speculator is not None  # speculative is set and the engine decodes
+    engine.warm_up()  # also times decode steps by rows: which proposals are worth verifying
+    assert speculator.step_times is not None
     hf = (
         AutoModelForCausalLM.from_pretrained(
             resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
@@ -92,6 +94,10 @@ def run(args: argparse.Namespace) -> dict:
         "torch_threads": torch.get_num_threads(),
         "speculative": {"method": spec.method, "num_tokens": spec.num_tokens, "ngram_max": spec.ngram_max},
         "output_len": args.output_len,
+        "step_ms_by_rows": {
+            rows: round(seconds * 1000, 1)
+            for rows, seconds in zip(speculator.step_times.rows, speculator.step_times.seconds)
+        },
     }
     chosen = args.prompt_sets.split(",")
     if unknown := set(chosen) - set(sets):

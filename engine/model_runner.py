@@ -69,6 +69,13 @@ class ModelRunner:
         spec = kv_cache.spec
         self._block_elems = spec.block_size * spec.num_kv_heads * spec.head_dim  # one block of one layer's K (or V)
 
+    @property
+    def verifies_in_decode_group(self) -> bool:
+        """Whether a verified request's last token and proposal attend as one decode row of several queries rather
+        than as a prefill chunk of its own: the gather + SDPA backend's grouped decode takes them, latent attention
+        does not."""
+        return isinstance(self.backend, SdpaBackend) and self.latent_cache_kwarg is None
+
     def scratch_bytes_bound(self, max_num_seqs: int, max_model_len: int) -> int:
         """The most device memory this runner keeps between steps, counted in the KV budget (``engine.memory``): the
         backend's workspace, plus a gather buffer of ``max_num_seqs`` rows of ``max_model_len`` if it gathers."""
@@ -133,7 +140,7 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids())
             positions.extend(range(chunk.start, chunk.end))
             slots.extend(slot_list(req.block_ids, chunk.start, chunk.end, bs))
-            if chunk.num_tokens == 1 and chunk.start > 0:
+            if (chunk.num_tokens == 1 and chunk.start > 0) or (chunk.proposal and self.verifies_in_decode_group):
                 decode_index.append(offset)
                 decode_chunks.append(chunk)
             elif backend.needs_groups:
@@ -177,6 +184,7 @@ class ModelRunner:
     def _decode_spans(
         self, packed: MetadataPacker, token_index: list[int], chunks: list[ScheduledChunk], num_tokens: int
     ) -> DecodeSpans | None:
+        """The decode rows' metadata: ``token_index`` holds each row's first token in the packed row."""
         if not chunks:
             return None
         context_lens = [c.end for c in chunks]
@@ -186,24 +194,36 @@ class ModelRunner:
             ids = chunk.request.block_ids
             table.extend(ids)
             table.extend([0] * (max_blocks - len(ids)))
-        whole_row = len(token_index) == num_tokens  # decode tokens only, so they fill the packed row in order
+        query_len = max(c.num_tokens for c in chunks)
+        query_index, query_ends = token_index, context_lens
+        if query_len > 1:  # verified proposals: each row's queries, padded with its last one
+            query_index, query_ends = [], []
+            for first, chunk in zip(token_index, chunks):
+                pad = [chunk.num_tokens - 1] * (query_len - chunk.num_tokens)
+                query_index.extend(first + i for i in [*range(chunk.num_tokens), *pad])
+                query_ends.extend(chunk.start + 1 + i for i in [*range(chunk.num_tokens), *pad])
+        whole_row = query_len == 1 and len(token_index) == num_tokens  # decode tokens only, in packed-row order
         return DecodeSpans(
             table=packed.add(table),
             rows=len(chunks),
             context_lens=packed.add(context_lens),
             max_context=max(context_lens),
-            min_context=min(context_lens),
-            equal_lengths=min(context_lens) == max(context_lens),  # no padding: SDPA's faster unmasked path
-            token_index=None if whole_row else packed.add(token_index),
+            min_context=min(query_ends),
+            equal_lengths=query_len == 1 and min(context_lens) == max(context_lens),  # no mask: SDPA's faster path
+            token_index=None if whole_row else packed.add(query_index),
+            query_len=query_len,
+            query_ends=packed.add(query_ends) if query_len > 1 else None,
         )
 
     def _decode_group(self, device: torch.Tensor, spans: DecodeSpans) -> DecodeGroup:
         table = device[spans.table].view(spans.rows, -1)
         mask = None
         context_lens = device[spans.context_lens]
+        query_ends = None if spans.query_ends is None else device[spans.query_ends].view(spans.rows, -1)
         if not spans.equal_lengths:
             keys = torch.arange(spans.max_context, device=self.device)
-            mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(spans.rows, 1, 1, -1)
+            ends = context_lens.unsqueeze(1) if query_ends is None else query_ends  # [B, Q]
+            mask = (keys.view(1, 1, -1) < ends.unsqueeze(2)).unsqueeze(1)  # [B, 1, Q, C]
         return DecodeGroup(
             token_index=None if spans.token_index is None else device[spans.token_index],
             block_table=table,
@@ -211,6 +231,8 @@ class ModelRunner:
             gather_buffer=self._gather_buffer(table.numel()),
             mask=mask,
             context_lens=context_lens,
+            query_len=spans.query_len,
+            query_ends=query_ends,
             window_first_block={
                 window: max(0, spans.min_context - window) // self.block_size for window in self.sliding_windows
             },

@@ -6,12 +6,16 @@ time (``LLMEngine._verify``), keeping the proposal up to the first token the mod
 proposer here is n-gram prompt lookup: the request's last n tokens are searched for, latest first, in its prompt and
 output, and the tokens after that occurrence are the proposal. It costs no model, so a request with no match pays
 nothing. ``DraftModel`` proposes with a smaller model instead. Each request's proposal length follows its own
-acceptance (``SpecState``), at most ``num_tokens``, none while paused.
+acceptance (``SpecState``), at most ``num_tokens``, none while paused; of those, a step verifies the tokens that make
+the most tokens per second by the engine's measured step times (``worth_verifying``): a verified row costs nearly
+nothing on a GPU or at batch 1 on a CPU, and nearly a request's own row at batch 8 on a CPU.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,7 @@ from engine.request import Request, SamplingParams
 
 REACH_PROBABILITY = 0.1  # a proposed token is worth verifying while the chance it is reached and kept is this much
 KEPT_DECAY = 0.5  # each verification's weight in a request's acceptance estimate, against the ones before
+OBSERVED_WEIGHT = 0.1  # a decode step's weight in its row count's time (``StepTimes.observe``)
 PAUSE_STEPS = 16  # a request whose next token is not worth proposing proposes nothing this many steps, then one
 
 
@@ -43,6 +48,11 @@ class SpecState:
     proposed: int = 0
     accepted: int = 0
 
+    @property
+    def rate(self) -> float:
+        """The estimated chance that a proposed token is kept, given the ones before it were."""
+        return self.kept / (self.kept + self.refused)
+
     def next_length(self) -> int:
         """The next proposal's length bound, counting down a pause."""
         if self.num_tokens == 0:
@@ -57,7 +67,7 @@ class SpecState:
         self.accepted += num_accepted
         self.kept = self.kept * KEPT_DECAY + num_accepted
         self.refused = self.refused * KEPT_DECAY + (num_accepted < num_proposed)
-        rate = self.kept / (self.kept + self.refused)
+        rate = self.rate
         reach = max_tokens if rate >= 1.0 else int(math.log(REACH_PROBABILITY) / math.log(rate)) if rate > 0 else 0
         self.num_tokens = min(max_tokens, reach)
         if self.num_tokens == 0:
@@ -84,6 +94,50 @@ class SpecTotals:
     def mean_accepted_length(self) -> float:
         """Tokens a verifying request gained per step: its accepted proposal plus the model's own next token."""
         return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Seconds of a decode step by its number of rows, measured at warm-up (``LLMEngine.warm_up``) at the row buckets
+    the CPU's linears pad to (``engine.small_batch_linear``) and the powers of two below, then followed by the decode
+    steps that run (``observe``: longer contexts, other load). A count takes the time of the first measured count at
+    or above it (non-decreasing), and grows linearly past the last two."""
+
+    rows: list[int]  # ascending
+    seconds: list[float]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows took ``seconds``: its count's time moves toward it."""
+        index = bisect.bisect_left(self.rows, rows)
+        if index < len(self.rows):
+            self.seconds[index] += OBSERVED_WEIGHT * (seconds - self.seconds[index])
+
+    def at(self, rows: int) -> float:
+        index = bisect.bisect_left(self.rows, rows)
+        if index < len(self.rows):
+            return max(self.seconds[: index + 1])
+        if len(self.rows) == 1:
+            return self.seconds[0] * rows / self.rows[0]
+        slope = (self.seconds[-1] - self.seconds[-2]) / (self.rows[-1] - self.rows[-2])
+        return self.seconds[-1] + slope * (rows - self.rows[-1])
+
+
+def worth_verifying(num_decoding: int, wanted: dict[str, tuple[float, int]], times: StepTimes) -> dict[str, int]:
+    """How many tokens of each request's proposal to verify, for ``wanted``: request id -> (chance a token is kept,
+    proposal length). The j-th token adds ``rate ** j`` expected tokens and a row; taken in order of that chance, the
+    prefix kept is the one with the most expected tokens per second of step (``num_decoding`` rows make one token
+    each anyway), SmartSpec's goodput rule with our measured step times."""
+    chances = sorted(
+        ((rate**j, request_id) for request_id, (rate, length) in wanted.items() for j in range(1, length + 1)),
+        reverse=True,
+    )
+    expected = float(num_decoding)
+    best_count, best_rate = 0, expected / times.at(num_decoding)
+    for count, (chance, _) in enumerate(chances, 1):
+        expected += chance
+        if (rate := expected / times.at(num_decoding + count)) > best_rate:
+            best_count, best_rate = count, rate
+    return Counter(request_id for _, request_id in chances[:best_count])
 
 
 def ngram_proposal(token_ids: np.ndarray, num_tokens: int, ngram_min: int, ngram_max: int) -> list[int]:
@@ -172,6 +226,7 @@ class Speculator:
         self.config = config
         self.draft = draft
         self.totals = SpecTotals()
+        self.step_times: StepTimes | None = None  # None: every proposal is verified (measured at warm-up)
 
     def state(self, request: Request) -> SpecState:
         state = request.spec
@@ -181,15 +236,24 @@ class Speculator:
 
     def propose_all(self, candidates: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Proposals for decoding requests, each at most its ``limit`` tokens (what its max_tokens and the model
-        length leave after the token the step makes anyway) and its own adapted length; tokens a request's grammar
-        would refuse are cut off. Requests without a proposal are left out."""
+        length leave after the token the step makes anyway) and its own adapted length, cut to what is worth a
+        verified row (``worth_verifying``); tokens a request's grammar would refuse are cut off. Requests without a
+        proposal are left out."""
         if self.draft is None:
             proposals = {request.request_id: self.propose(request, limit) for request, limit in candidates}
-            return {request_id: proposal for request_id, proposal in proposals.items() if proposal}
-        wanted = [(r, n) for r, limit in candidates if (n := min(self.state(r).next_length(), limit)) > 0]
-        drafted = self.draft.propose(wanted)
-        proposals = {r.request_id: _grammar_cut(r, drafted.get(r.request_id, [])) for r, _ in wanted}
+            lengths = self._worth_verifying(candidates, {rid: len(tokens) for rid, tokens in proposals.items()})
+            return {rid: proposals[rid][:length] for rid, length in lengths.items() if length}
+        wanted = {r.request_id: min(self.state(r).next_length(), limit) for r, limit in candidates}
+        lengths = self._worth_verifying(candidates, wanted)
+        drafted = self.draft.propose([(r, n) for r, _ in candidates if (n := lengths.get(r.request_id, 0)) > 0])
+        proposals = {r.request_id: _grammar_cut(r, drafted.get(r.request_id, [])) for r, _ in candidates}
         return {request_id: proposal for request_id, proposal in proposals.items() if proposal}
+
+    def _worth_verifying(self, candidates: list[tuple[Request, int]], lengths: dict[str, int]) -> dict[str, int]:
+        if self.step_times is None:
+            return lengths
+        wanted = {r.request_id: (self.state(r).rate, lengths[r.request_id]) for r, _ in candidates}
+        return worth_verifying(len(candidates), wanted, self.step_times)
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """The n-gram proposal of one request (``propose_all``)."""

@@ -51,12 +51,17 @@ class PrefillSeq:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    token_index: torch.Tensor | None  # [B] positions of the decode tokens in the packed row; None: the whole row
+    """Rows that each attend to their own whole paged context: a decoding request's one new token, or (``query_len``
+    > 1, the gather + SDPA backend only) a verified request's last token and proposal, causal among themselves."""
+
+    token_index: torch.Tensor | None  # [B * Q] positions of the queries in the packed row; None: the whole row, Q = 1
     block_table: torch.Tensor  # [B, max_blocks] physical block ids (padding points at block 0 and is masked)
     max_context: int
     gather_buffer: torch.Tensor  # [2, B * max_blocks, block_size, kvH, d], reused by every layer of the step
-    mask: torch.Tensor | None  # [B, 1, 1, max_context] True where a key is attended; None: equal lengths
+    mask: torch.Tensor | None  # [B, 1, Q, max_context] True where a key is attended; None: equal lengths, Q = 1
     context_lens: torch.Tensor | None = None  # [B], for sliding-window layers' masks; None: unknown (no windows)
+    query_len: int = 1  # Q: queries per row, a shorter row padded with its last query (computed twice, same value)
+    query_ends: torch.Tensor | None = None  # [B, Q] keys each query attends (its position + 1), when Q > 1
     # per sliding window: the first block column any row's window reaches; such layers gather from there on
     window_first_block: dict[int, int] = field(default_factory=dict)
 

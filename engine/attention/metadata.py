@@ -99,4 +99,6 @@ class DecodeSpans:
     max_context: int
     min_context: int
     equal_lengths: bool
-    token_index: slice | None  # None: the decode rows are the whole packed row, in order
+    token_index: slice | None  # [rows * query_len]; None: the decode rows are the whole packed row, in order
+    query_len: int = 1  # queries per row: a verification row has its last token and its proposal (padded)
+    query_ends: slice | None = None  # [rows * query_len] keys each query attends, when query_len > 1

@@ -1,12 +1,13 @@
 """Gather + SDPA: the paged context gathered into a contiguous buffer, then torch's scaled_dot_product_attention.
 
 The CPU path, and CUDA's fallback without FlashInfer. Decode rows attend together in one SDPA over their gathered,
-padded context; prefill chunks attend one by one, causally, aligned to the end of their context.
+padded context (a verified request's row holds its last token and its proposal, each query masked to its own
+position); prefill chunks attend one by one, causally, aligned to the end of their context.
 
 No fused kernel takes GQA (``enable_gqa``) together with a mask tensor (the math kernel would run: float32 upcast, K/V
 repeated per head), so every call is shaped for a fused one: decode folds the query heads that share a KV head into
-the query-length axis (``[B, kv_heads, heads / kv_heads, d]``: no GQA, and the ``[B, 1, 1, C]`` padding mask
-broadcasts); a prefill chunk with cached context uses ``causal_lower_right`` (flash with GQA, no mask tensor).
+the query-length axis (``[B, kv_heads, heads / kv_heads * Q, d]``: no GQA, and the ``[B, 1, Q, C]`` mask is repeated
+per folded head); a prefill chunk with cached context uses ``causal_lower_right`` (flash with GQA, no mask tensor).
 
 A layer with ``LayerFeatures`` beyond plain attention adds its sliding window to the mask; soft-capping and sinks
 have no SDPA form, so those layers attend in ``math_attention``, the operations of transformers' eager attention.
@@ -50,28 +51,34 @@ def math_attention(
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, features: LayerFeatures
 ) -> torch.Tensor:
-    """``q [B, H, d]`` against ``k, v [B, kvH, C, d]`` (``mask [B, 1, 1, C]`` or None) -> ``[B, H, d]``; query head
-    ``h`` reads KV head ``h // (H / kvH)``, as transformers' ``repeat_kv``."""
-    rows, heads, head_dim = q.shape
+    """``q [B, H, Q, d]`` against ``k, v [B, kvH, C, d]`` (``mask [B, 1, Q, C]`` or None) -> ``[B, H, Q, d]``; query
+    head ``h`` reads KV head ``h // (H / kvH)``, as transformers' ``repeat_kv``."""
+    rows, heads, queries, head_dim = q.shape
     kv_heads = k.shape[1]
-    folded = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    groups = heads // kv_heads
+    folded = q.reshape(rows, kv_heads, groups * queries, head_dim)  # query axis: (head in group, query)
+    if mask is not None and queries > 1:
+        mask = mask.unsqueeze(2).expand(rows, 1, groups, queries, mask.shape[-1]).reshape(rows, 1, groups * queries, -1)
     if features.softcap is None and features.sinks is None:
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=features.scaling)
     else:
-        sinks = None if features.sinks is None else features.sinks.view(1, kv_heads, heads // kv_heads, 1)
+        sinks = None
+        if features.sinks is not None:
+            sinks = features.sinks.view(1, kv_heads, groups, 1).repeat_interleave(queries, dim=2)
         out = math_attention(folded, k, v, mask, features, sinks)
-    return out.reshape(rows, heads, head_dim)
+    return out.reshape(rows, heads, queries, head_dim)
 
 
 def decode_mask(group: DecodeGroup, features: LayerFeatures, first_key: int = 0) -> torch.Tensor | None:
-    """The decode rows' mask with the layer's window: row ``b`` (context ``C_b``) attends keys ``[C_b - W, C_b)``,
-    of those gathered from position ``first_key`` on."""
+    """The decode rows' mask with the layer's window: a query attending ``E`` keys (its position + 1) attends keys
+    ``[E - W, E)``, of those gathered from position ``first_key`` on."""
     if features.sliding_window is None or group.context_lens is None:
         return group.mask
-    keys = torch.arange(first_key, group.max_context, device=group.block_table.device).unsqueeze(0)
-    lens = group.context_lens.unsqueeze(1)
-    allowed = (keys < lens) & (keys >= lens - features.sliding_window)
-    return allowed.view(group.block_table.shape[0], 1, 1, -1)
+    ends = group.context_lens.unsqueeze(1) if group.query_ends is None else group.query_ends  # [B, Q]
+    keys = torch.arange(first_key, group.max_context, device=group.block_table.device).view(1, 1, -1)
+    ends = ends.unsqueeze(2)
+    allowed = (keys < ends) & (keys >= ends - features.sliding_window)
+    return allowed.unsqueeze(1)  # [B, 1, Q, C]
 
 
 def prefill_attention(
@@ -130,13 +137,15 @@ class SdpaBackend(AttentionBackend):
             kv = batch.kv_cache.dequantize(stored, query.dtype)  # [2, B, kvH, C, d]
             mask = group.mask if features.plain else decode_mask(group, features, first_key)
             if group.token_index is None:  # a decode-only step: the packed row is the batch, in order
-                o = decode_attention(query[0].transpose(0, 1), kv[0], kv[1], mask, features)  # [B, H, d]
-                return o.unsqueeze(0)  # [1, T, H, d], T = B: a view, no copy
+                o = decode_attention(query[0].transpose(0, 1).unsqueeze(2), kv[0], kv[1], mask, features)
+                return o[:, :, 0].unsqueeze(0)  # [1, T, H, d], T = B: a view, no copy
 
         out = query.new_empty(num_tokens, num_heads, head_dim)
         if group is not None:
-            q = query[0, :, group.token_index].transpose(0, 1)  # [B, H, d]
-            out[group.token_index] = decode_attention(q, kv[0], kv[1], mask, features)
+            rows, queries = group.block_table.shape[0], group.query_len
+            q = query[0, :, group.token_index].view(num_heads, rows, queries, head_dim).transpose(0, 1)  # [B, H, Q, d]
+            o = decode_attention(q, kv[0], kv[1], mask, features).transpose(1, 2)  # [B, Q, H, d]
+            out[group.token_index] = o.reshape(rows * queries, num_heads, head_dim)
 
         for seq in batch.prefills:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from engine.config import SpeculativeConfig
 from engine.request import SamplingParams
 from tests.helpers.engine import Reference, handoff, random_prompts
 
@@ -66,6 +67,32 @@ def test_prefill_decode_handoff_matches_transformers(family, make_engine):
         tokens = [t for out in outputs for t in out.new_token_ids]
         expected = reference.greedy(prompt, 10)
         assert tokens[: len(expected)] == expected
+
+
+def test_verified_proposals_keep_output_exact(family, make_engine):
+    """Speculative decoding: a request's last token and its proposal attend as one decode row of several queries,
+    each masked to its own position (and window, soft-capped, with sinks); the output stays transformers'. The
+    proposals are the reference's continuation, every third one with a wrong token, so kept and refused rows run."""
+    arch, path, reference = family
+    engine = make_engine(path, speculative=SpeculativeConfig(num_tokens=4))
+    prompts = random_prompts(3, 20, 40, seed=5)
+    expected = {tuple(p): reference.greedy(p, 16) for p in prompts}
+    calls = []
+
+    def propose(request, limit):
+        done = len(request.output_token_ids)
+        proposal = expected[tuple(request.prompt_token_ids)][done : done + min(limit, 4)]
+        calls.append(done)
+        if len(calls) % 3 == 0 and len(proposal) > 2:
+            proposal[2] = (proposal[2] + 1) % engine.vocab_size
+        return proposal
+
+    engine.speculator.propose = propose
+    results = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    _assert_exact(reference, prompts, results, 16)
+    totals = engine.speculator.totals
+    assert 0 < totals.accepted_tokens < totals.proposed_tokens
+    engine.check_no_leaks()
 
 
 def test_features_come_from_the_model_not_its_family(family, make_engine):
