@@ -1,4 +1,5 @@
-"""``pdserve bench engine``: decode and prefill throughput of the engine against transformers ``generate``.
+"""``pdserve bench engine``: decode and prefill throughput of the engine against transformers ``generate``, and at
+batch 1 against llama.cpp on the same F32 weights when llama-cpp-python is installed (bench/llama_cpp_baseline.py).
 
 Both sides run the same prompts (equal lengths: ``generate`` needs no padding) on the same weights. Decode tokens/s
 is ``(t(N tokens) - t(1 token)) / (batch * (N - 1))`` for both, so prefill and start-up are subtracted, not guessed.
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from bench.llama_cpp_baseline import LlamaCpp, unavailable_reason
 from bench.options import add_engine_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -102,27 +104,42 @@ def run(args: argparse.Namespace) -> dict:
     warm = prompts(2, 16)
     ours(warm, 4)
     theirs(warm, 4)
+    llama_cpp_missing = unavailable_reason(args.model)
+    llama = None
+    if llama_cpp_missing is None:
+        llama = LlamaCpp(torch.get_num_threads(), args.input_len + args.output_len + 8)
 
     decode: dict[str, dict] = {}
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         batch = prompts(batch_size, args.input_len)
         tokens = batch_size * (args.output_len - 1)
-        t = interleaved_medians(
-            {
-                "pdserve_full": lambda batch=batch: ours(batch, args.output_len),  # bound: run in this iteration
-                "transformers_full": lambda batch=batch: theirs(batch, args.output_len),
-                "pdserve_first": lambda batch=batch: ours(batch, 1),
-                "transformers_first": lambda batch=batch: theirs(batch, 1),
-            },
-            args.repeats,
-        )
-        figures = {
-            f"{name}_decode_tokens_per_s": rate
-            for name, rate in decode_rates(t, ["pdserve", "transformers"], tokens).items()
+        fns = {
+            "pdserve_full": lambda batch=batch: ours(batch, args.output_len),  # bound: run in this iteration
+            "transformers_full": lambda batch=batch: theirs(batch, args.output_len),
+            "pdserve_first": lambda batch=batch: ours(batch, 1),
+            "transformers_first": lambda batch=batch: theirs(batch, 1),
         }
+        names = ["pdserve", "transformers"]
+        with_llama = llama is not None and batch_size == 1
+        if with_llama:
+            assert llama is not None
+            fns["llama_cpp_full"] = lambda llama=llama, batch=batch: llama.greedy(batch[0], args.output_len)
+            fns["llama_cpp_first"] = lambda llama=llama, batch=batch: llama.greedy(batch[0], 1)
+            names.append("llama_cpp")
+        t = interleaved_medians(fns, args.repeats)
+        figures = {f"{name}_decode_tokens_per_s": rate for name, rate in decode_rates(t, names, tokens).items()}
         figures["ratio_vs_transformers"] = round(
             figures["pdserve_decode_tokens_per_s"] / figures["transformers_decode_tokens_per_s"], 3
         )
+        if with_llama:
+            assert llama is not None
+            figures["ratio_vs_llama_cpp"] = round(
+                figures["pdserve_decode_tokens_per_s"] / figures["llama_cpp_decode_tokens_per_s"], 3
+            )
+            params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+            figures["llama_cpp_answer_equal"] = engine.generate(batch, params)[0].token_ids == llama.greedy(
+                batch[0], args.output_len
+            )
         decode[str(batch_size)] = figures
     sizes = list(decode)
     if len(sizes) > 1:
@@ -149,6 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "decode": decode,
+        "llama_cpp": "F32 GGUF of the served weights, batch 1" if llama is not None else llama_cpp_missing,
         "prefill": {
             "prompts": args.prefill_prompts,
             "prompt_len": args.prefill_len,

@@ -16,6 +16,7 @@ import torch
 from engine.attention import register_paged_attention, select_backend
 from engine.blocks import kv_blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
+from engine.cpu_linear import pack_cpu_linears
 from engine.decode_graphs import decode_graphs_for, graph_scratch_bytes
 from engine.kv_cache import KVCache, KVSpec
 from engine.memory import KVMemoryPlanner, MemoryPlan
@@ -23,7 +24,6 @@ from engine.model_loader import load_model
 from engine.model_probe import ModelAttention, probe_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from engine.small_batch_linear import tune_small_batch_linears
 from engine.tensor_parallel import StepChannel, TPGroup, head_split
 
 
@@ -54,8 +54,8 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     if (group.size if group else 1) != config.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
     model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
-    if model.device.type == "cpu":
-        tune_small_batch_linears(model)  # decode batches and verified proposals: a few rows per linear
+    if model.device.type == "cpu" and config.cpu_packed_weights:
+        pack_cpu_linears(model)  # a decode step reads every weight: oneDNN on packed weights reads them faster
     hf_config = model.config
     attention = probe_model(model, hf_config.num_hidden_layers)  # the KV layout and features, from the model itself
     size = group.size if group else 1

@@ -56,7 +56,7 @@ from engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.005  # an engine with only KV-tier loads in flight waits this long for one per step
-# the decode-step row counts warm-up times for speculation (the CPU linears' buckets); past them, time grows linearly
+# the decode-step row counts warm-up times for speculation; between and past them, time is taken as linear
 PROFILED_ROWS = (1, 2, 4, 8, 16, 24, 32)
 
 

