@@ -10,6 +10,7 @@ same run because this machine is shared.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -57,18 +58,19 @@ def run(args: argparse.Namespace) -> dict:
     args.batch_sizes = args.batch_sizes or "1,8,32"
     args.output_len = args.output_len or 32
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_batch_tokens=max(4096, args.prefill_prompts * args.prefill_len),
-            max_num_seqs=256,
-            kv_cache_memory_bytes=1 << 30,
-            enable_prefix_caching=False,  # repeated prompts must be recomputed, not served from cache
-            attention_backend=getattr(args, "attention_backend", "auto"),
-        )
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_tokens=max(4096, args.prefill_prompts * args.prefill_len),
+        max_num_seqs=256,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,  # repeated prompts must be recomputed, not served from cache
+        attention_backend=getattr(args, "attention_backend", "auto"),
     )
+    engine = LLMEngine(config)
+    # on a CPU, the same engine without packed weights (engine/cpu_linear.py): what packing gains in this run
+    unpacked = LLMEngine(dataclasses.replace(config, cpu_packed_weights=False)) if args.device == "cpu" else None
     hf = (
         AutoModelForCausalLM.from_pretrained(
             resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
@@ -84,8 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     def prompts(count: int, length: int) -> list[list[int]]:
         return [[rng.choice(ordinary) for _ in range(length)] for _ in range(count)]
 
-    def ours(batch: list[list[int]], new_tokens: int) -> None:
-        results = engine.generate(batch, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    def ours(batch: list[list[int]], new_tokens: int, which: LLMEngine = engine) -> None:
+        results = which.generate(batch, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
         assert all(len(r.token_ids) == new_tokens for r in results)
 
     @torch.inference_mode()
@@ -103,6 +105,8 @@ def run(args: argparse.Namespace) -> dict:
 
     warm = prompts(2, 16)
     ours(warm, 4)
+    if unpacked is not None:
+        ours(warm, 4, unpacked)
     theirs(warm, 4)
     llama_cpp_missing = unavailable_reason(args.model)
     llama = None
@@ -120,6 +124,10 @@ def run(args: argparse.Namespace) -> dict:
             "transformers_first": lambda batch=batch: theirs(batch, 1),
         }
         names = ["pdserve", "transformers"]
+        if unpacked is not None:
+            fns["pdserve_unpacked_full"] = lambda batch=batch: ours(batch, args.output_len, unpacked)
+            fns["pdserve_unpacked_first"] = lambda batch=batch: ours(batch, 1, unpacked)
+            names.append("pdserve_unpacked")
         with_llama = llama is not None and batch_size == 1
         if with_llama:
             assert llama is not None
@@ -131,6 +139,10 @@ def run(args: argparse.Namespace) -> dict:
         figures["ratio_vs_transformers"] = round(
             figures["pdserve_decode_tokens_per_s"] / figures["transformers_decode_tokens_per_s"], 3
         )
+        if unpacked is not None:
+            figures["ratio_vs_unpacked_weights"] = round(
+                figures["pdserve_decode_tokens_per_s"] / figures["pdserve_unpacked_decode_tokens_per_s"], 3
+            )
         if with_llama:
             assert llama is not None
             figures["ratio_vs_llama_cpp"] = round(
@@ -157,6 +169,8 @@ def run(args: argparse.Namespace) -> dict:
     t = interleaved_medians({"pdserve": lambda: ours(prefill_batch, 1), "transformers": hf_forward}, args.repeats)
     ours_prefill, hf_prefill = t["pdserve"], t["transformers"]
     engine.check_no_leaks()
+    if unpacked is not None:
+        unpacked.check_no_leaks()
     return {
         "model": args.model,
         "dtype": args.dtype,
