@@ -8,6 +8,7 @@ then limited to the bound the plan counted (``engine.memory``, ``engine.decode_g
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from engine.model_probe import ModelAttention, probe_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.tensor_parallel import StepChannel, TPGroup, head_split
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -55,7 +58,9 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
     model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
     if model.device.type == "cpu" and config.cpu_packed_weights:
-        pack_cpu_linears(model)  # a decode step reads every weight: oneDNN on packed weights reads them faster
+        # a decode step reads every weight: oneDNN on packed weights may read them faster
+        if choice := pack_cpu_linears(model):
+            logger.info("CPU linears %s packed weights: %s", "on" if choice.packed else "not on", choice)
     hf_config = model.config
     attention = probe_model(model, hf_config.num_hidden_layers)  # the KV layout and features, from the model itself
     size = group.size if group else 1
