@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> dict:
         attention_backend=getattr(args, "attention_backend", "auto"),
     )
     engine = LLMEngine(config)
-    # on a CPU, the same engine without packed weights (engine/cpu_linear.py): what packing gains in this run
-    unpacked = LLMEngine(dataclasses.replace(config, cpu_packed_weights=False)) if args.device == "cpu" else None
+    # on a CPU, the same engine on torch's linear everywhere (engine/cpu_linear.py): what the tuned products gain
+    plain = LLMEngine(dataclasses.replace(config, cpu_linear_tuning=False)) if args.device == "cpu" else None
     hf = (
         AutoModelForCausalLM.from_pretrained(
             resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> dict:
 
     warm = prompts(2, 16)
     ours(warm, 4)
-    if unpacked is not None:
-        ours(warm, 4, unpacked)
+    if plain is not None:
+        ours(warm, 4, plain)
     theirs(warm, 4)
     llama_cpp_missing = unavailable_reason(args.model)
     llama = None
@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> dict:
             "transformers_first": lambda batch=batch: theirs(batch, 1),
         }
         names = ["pdserve", "transformers"]
-        if unpacked is not None:
-            fns["pdserve_unpacked_full"] = lambda batch=batch: ours(batch, args.output_len, unpacked)
-            fns["pdserve_unpacked_first"] = lambda batch=batch: ours(batch, 1, unpacked)
-            names.append("pdserve_unpacked")
+        if plain is not None:
+            fns["pdserve_linear_full"] = lambda batch=batch: ours(batch, args.output_len, plain)
+            fns["pdserve_linear_first"] = lambda batch=batch: ours(batch, 1, plain)
+            names.append("pdserve_linear")
         with_llama = llama is not None and batch_size == 1
         if with_llama:
             assert llama is not None
@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> dict:
         figures["ratio_vs_transformers"] = round(
             figures["pdserve_decode_tokens_per_s"] / figures["transformers_decode_tokens_per_s"], 3
         )
-        if unpacked is not None:
-            figures["ratio_vs_unpacked_weights"] = round(
-                figures["pdserve_decode_tokens_per_s"] / figures["pdserve_unpacked_decode_tokens_per_s"], 3
+        if plain is not None:
+            figures["ratio_vs_torch_linear"] = round(
+                figures["pdserve_decode_tokens_per_s"] / figures["pdserve_linear_decode_tokens_per_s"], 3
             )
         if with_llama:
             assert llama is not None
@@ -169,8 +169,8 @@ def run(args: argparse.Namespace) -> dict:
     t = interleaved_medians({"pdserve": lambda: ours(prefill_batch, 1), "transformers": hf_forward}, args.repeats)
     ours_prefill, hf_prefill = t["pdserve"], t["transformers"]
     engine.check_no_leaks()
-    if unpacked is not None:
-        unpacked.check_no_leaks()
+    if plain is not None:
+        plain.check_no_leaks()
     return {
         "model": args.model,
         "dtype": args.dtype,

@@ -93,7 +93,7 @@ class _TransferBase(_Strict):
 
 ENGINE_POOL_FIELDS = (
     "torch_threads",
-    "cpu_packed_weights",
+    "cpu_linear_tuning",
     "kv_blocks",
     "gpu_memory_utilization",
     "attention_backend",
@@ -322,7 +322,7 @@ class ClusterConfig(_Strict):
             max_num_seqs=pool.max_num_seqs,
             enable_prefix_caching=pool.enable_prefix_caching,
             torch_threads=pool.torch_threads,
-            cpu_packed_weights=pool.cpu_packed_weights,
+            cpu_linear_tuning=pool.cpu_linear_tuning,
             tensor_parallel_size=pool.tensor_parallel_size,
             kv_offload=pool.kv_offload,
             speculative=pool.speculative,

@@ -117,9 +117,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests in the running batch
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
-    # CPU, float32: linears run on a copy of their weights packed for oneDNN (engine.cpu_linear), decode 1.1-1.5x
-    # faster for one more copy of the linear weights in memory
-    cpu_packed_weights: bool = True
+    # CPU, float32: the linears' products are timed at load for decode's row counts and each count takes the fastest
+    # (engine.cpu_linear; a packed copy of the weights is kept if one is); false: torch's linear everywhere
+    cpu_linear_tuning: bool = True
     # a prefill worker's engine: no decode graphs (nor their static gather storage)
     prefill_only: bool = False
     # CUDA, measured KV budget: NCCL pair groups this process will hold (their buffers live on this GPU), and a fixed

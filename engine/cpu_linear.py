@@ -1,18 +1,28 @@
-"""CPU linear layers on a copy of their weights packed once at load for oneDNN's inner product, where that is
-measured faster.
+"""CPU linear layers: for each row count of a decode batch or a verified proposal, the fastest of three equal
+products, chosen by timing the model's own linears at load.
 
-A decode step on a CPU is bound by reading the weights from memory. With two threads on this project's 2-core box,
-``linear`` (MKL) read SmolLM2's 211 linear weights for one row in 46 ms and oneDNN on weights reordered into its
-blocked layout in 38 (4 rows: 78 against 56; the 49152 x 576 lm_head alone 8.2 against 3.5 ms); with one thread
-MKL was the faster (46 against 49, 4 rows 84 against 97). So after packing, one pass over every linear of the model
-at 1 and at 4 rows is timed both ways, and the packing stays only if it is faster on this machine with these
-threads. Results differ from ``linear`` by float rounding only (a different summation order). The dense weight
-stays: other code reads it (a tied embedding, latent attention's absorbed weights), so the packed copy costs its
-size in memory (``cpu_packed_weights: false`` turns it off).
+A decode step on a CPU is bound by reading the weights from memory, and which product reads them fastest depends
+on the BLAS, the threads and the row count. On this project's 2-core box, one pass over SmolLM2's 211 linears took
+(ms, ``linear`` / oneDNN on packed weights / ``(W @ x.T).T``):
+
+| threads | 1 row | 2 rows | 4 rows | 8 rows |
+| ---: | ---: | ---: | ---: | ---: |
+| 1 | 45 / 47 / 47 | 83 / 90 / 56 | 76 / 85 / 57 | 88 / 97 / 99 |
+| 2 | 41 / 33 / 43 | 76 / 48 / 32 | 75 / 56 / 33 | 89 / 61 / 56 |
+
+So at load every form is timed per row bucket (1, 2, 4, 8, 16, 32) over the model's linears in order (each pass
+reads the weights from memory, as a step does; at most ``TIMED_BYTES`` of them), and each bucket takes its fastest
+form; a row count runs with the form of the bucket at or above it, the weight-left form on rows padded with zeros to
+the bucket (its BLAS kernels are up to 2x slower for odd counts). Results differ from ``linear`` by float rounding
+only (a different summation order). The packed copy of the weights is kept only if some bucket uses it, and the
+dense weight always stays (a tied embedding and latent attention's absorbed weights read it).
+``cpu_linear_tuning: false`` leaves torch's ``linear`` everywhere.
 """
 
 from __future__ import annotations
 
+import bisect
+import enum
 import time
 from dataclasses import dataclass
 from typing import cast
@@ -20,70 +30,115 @@ from typing import cast
 import torch
 from torch import nn
 
-TIMED_ROWS = (1, 4)  # a decode row and a few (a small batch, a verified proposal)
-TIMED_ROUNDS = 3  # each form's time is its best round
-MIN_GAIN = 1.05  # packing must be this much faster to stay (timing noise; it costs memory)
+BUCKETS = (1, 2, 4, 8, 16, 32)  # row counts timed; more rows than the last take ``linear``
+TIMED_ROUNDS = 2  # each (form, bucket) time is its best round
+TIMED_BYTES = 256 * 1024 * 1024  # the weights a timed pass reads at most (bounds the time taken at load)
 
 
-class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose product runs on ``packed_weight``, its weight in oneDNN's layout."""
+class Form(enum.Enum):
+    LINEAR = "linear"  # torch's linear (MKL on x86)
+    PACKED = "packed"  # oneDNN's inner product on the weight reordered into its blocked layout at load
+    LEFT = "left"  # (W @ x.T).T on rows padded to the bucket
 
-    packed_weight: torch.Tensor
+
+@dataclass(frozen=True, slots=True)
+class FormTable:
+    forms: tuple[Form, ...]  # per bucket of ``BUCKETS``
+    pass_ms: dict[str, dict[int, float]]  # form -> bucket -> one timed pass over the linears
+
+    def form_for(self, rows: int) -> tuple[Form, int]:
+        """The form and padded row count for ``rows`` rows."""
+        index = bisect.bisect_left(BUCKETS, rows)
+        if index == len(BUCKETS):
+            return Form.LINEAR, rows
+        return self.forms[index], BUCKETS[index]
+
+
+ALL_LINEAR = FormTable(tuple(Form.LINEAR for _ in BUCKETS), {})
+
+
+class CpuLinear(nn.Linear):
+    """An ``nn.Linear`` whose product takes its model's ``table`` form for the input's row count."""
+
+    table: FormTable = ALL_LINEAR
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.numel() // self.in_features
+        form, padded = self.table.form_for(rows)
+        if form is Form.PACKED and self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if form is not Form.LEFT:
+            return nn.functional.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
+        # contiguous like linear's: a collective (a tensor-parallel all-reduce) reads the storage as laid out
+        out = (self.weight @ flat.T).T[:rows].contiguous()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def can_pack(module: nn.Module) -> bool:
-    if type(module) is not nn.Linear or not torch.backends.mkldnn.is_available():
+def can_convert(module: nn.Module) -> bool:
+    if type(module) is not nn.Linear:
         return False
     weight = cast(nn.Linear, module).weight
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
-@dataclass(frozen=True, slots=True)
-class PackingChoice:
-    packed: bool  # whether the model's linears run on packed weights
-    plain_ms: float  # one pass over every linear, at 1 row plus at 4 rows, through ``linear``
-    packed_ms: float  # the same through the packed weights
-
-
 @torch.inference_mode()
-def pack_linears(model: nn.Module) -> list[nn.Linear]:
-    """Make every plain float32 ``nn.Linear`` of a CPU model a ``PackedLinear``; returns them."""
-    linears = [cast(nn.Linear, module) for module in model.modules() if can_pack(module)]
-    for module in linears:
-        # the layout oneDNN picks for a batch of 1: decode's rows; prefill-sized inputs run about as fast on it
-        cast(PackedLinear, module).packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1)
-        module.__class__ = PackedLinear
-    return linears
-
-
-@torch.inference_mode()
-def pack_cpu_linears(model: nn.Module) -> PackingChoice | None:
-    """Pack the model's linears, and keep them packed if a pass over them all is faster so (``PackingChoice``); None:
-    nothing to pack."""
-    linears = pack_linears(model)
+def tune_cpu_linears(model: nn.Module, pack: bool = True) -> FormTable | None:
+    """Make every plain float32 ``nn.Linear`` of a CPU model a ``CpuLinear`` on the fastest form per row bucket,
+    timed here (``pack``: oneDNN on packed weights is one of the forms, where torch has oneDNN); None: nothing to
+    tune."""
+    linears = [cast(CpuLinear, module) for module in model.modules() if can_convert(module)]
     if not linears:
         return None
-    timings: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(TIMED_ROUNDS):
-        for packed in (False, True):
-            for module in linears:
-                module.__class__ = PackedLinear if packed else nn.Linear
-            timings[packed].append(sum(_pass_s(linears, rows) for rows in TIMED_ROWS))
-    plain_s, packed_s = min(timings[False]), min(timings[True])
-    keep = packed_s * MIN_GAIN < plain_s
+    forms = [Form.LINEAR, Form.LEFT]
+    if pack and torch.backends.mkldnn.is_available():
+        forms.append(Form.PACKED)
+        for module in linears:
+            # the layout oneDNN picks for a batch of 1; prefill-sized inputs run about as fast on it
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1)
     for module in linears:
-        module.__class__ = PackedLinear if keep else nn.Linear
-        if not keep:
-            del module.packed_weight
-    return PackingChoice(keep, round(plain_s * 1000, 1), round(packed_s * 1000, 1))
+        module.__class__ = CpuLinear
+    timed = _timed_subset(linears)
+    best: dict[tuple[Form, int], float] = {}
+    for _ in range(TIMED_ROUNDS):
+        for rows in BUCKETS:
+            for form in forms:
+                seconds = _pass_s(timed, FormTable(tuple(form for _ in BUCKETS), {}), rows)
+                best[(form, rows)] = min(best.get((form, rows), float("inf")), seconds)
+    table = FormTable(
+        tuple(min(forms, key=lambda form: best[(form, rows)]) for rows in BUCKETS),
+        {form.value: {rows: round(best[(form, rows)] * 1000, 2) for rows in BUCKETS} for form in forms},
+    )
+    keep_packed = Form.PACKED in table.forms
+    for module in linears:
+        module.table = table
+        if not keep_packed:
+            module.packed_weight = None  # no bucket reads it: free the copy
+    return table
 
 
-def _pass_s(linears: list[nn.Linear], rows: int) -> float:
-    """Seconds for one row batch through every linear in turn (each reads its weight from memory, as a step does)."""
+def _timed_subset(linears: list[CpuLinear]) -> list[CpuLinear]:
+    """The model's linears in order, up to ``TIMED_BYTES`` of weights."""
+    subset: list[CpuLinear] = []
+    total = 0
+    for module in linears:
+        if subset and total >= TIMED_BYTES:
+            break
+        subset.append(module)
+        total += module.weight.numel() * module.weight.element_size()
+    return subset
+
+
+def _pass_s(linears: list[CpuLinear], table: FormTable, rows: int) -> float:
+    """Seconds for ``rows`` rows through every linear in turn, all on ``table``."""
     inputs = {n: torch.randn(1, rows, n) for n in {module.in_features for module in linears}}
+    for module in linears:
+        module.table = table
     started = time.perf_counter()
     for module in linears:
         module(inputs[module.in_features])

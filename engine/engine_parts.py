@@ -17,7 +17,7 @@ import torch
 from engine.attention import register_paged_attention, select_backend
 from engine.blocks import kv_blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
-from engine.cpu_linear import pack_cpu_linears
+from engine.cpu_linear import BUCKETS, tune_cpu_linears
 from engine.decode_graphs import decode_graphs_for, graph_scratch_bytes
 from engine.kv_cache import KVCache, KVSpec
 from engine.memory import KVMemoryPlanner, MemoryPlan
@@ -57,10 +57,11 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     if (group.size if group else 1) != config.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
     model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
-    if model.device.type == "cpu" and config.cpu_packed_weights:
-        # a decode step reads every weight: oneDNN on packed weights may read them faster
-        if choice := pack_cpu_linears(model):
-            logger.info("CPU linears %s packed weights: %s", "on" if choice.packed else "not on", choice)
+    if model.device.type == "cpu" and config.cpu_linear_tuning:  # decode's few rows: the fastest product here
+        if table := tune_cpu_linears(model):
+            logger.info(
+                "CPU linears by rows %s: %s (pass ms %s)", BUCKETS, [f.value for f in table.forms], table.pass_ms
+            )
     hf_config = model.config
     attention = probe_model(model, hf_config.num_hidden_layers)  # the KV layout and features, from the model itself
     size = group.size if group else 1

@@ -1,6 +1,7 @@
-"""CPU linears on packed weights: the same product as ``linear`` up to float rounding, for a decode row, a few rows
-and a prefill; only plain float32 ``nn.Linear`` layers change, their dense weights stay for whoever reads them, and
-the packing stays only where a timed pass over the model's linears says it is faster."""
+"""CPU linears: each form of the product (``linear``, oneDNN on packed weights, the weight-left form on padded rows)
+gives linear's result up to float rounding, for a decode row, a few rows, odd counts and a prefill; the load-time
+choice takes the fastest form per row bucket, converts only plain float32 ``nn.Linear`` layers, keeps the dense
+weights for whoever reads them and drops the packed copy when no bucket uses it."""
 
 from __future__ import annotations
 
@@ -9,52 +10,68 @@ import torch
 from torch import nn
 
 from engine import cpu_linear
-from engine.cpu_linear import PackedLinear, pack_cpu_linears, pack_linears
+from engine.cpu_linear import BUCKETS, CpuLinear, Form, FormTable, tune_cpu_linears
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+FORMS = [Form.LINEAR, Form.LEFT] + ([Form.PACKED] if torch.backends.mkldnn.is_available() else [])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 33, 300])
-def test_a_packed_linear_equals_linear(rows):
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 32, 300])
+def test_every_form_equals_linear(form, rows):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 200), nn.Linear(200, 64, bias=False))
+    layer = nn.Linear(96, 200)
     x = torch.randn(1, rows, 96)
-    want = model(x)
-    assert len(pack_linears(model)) == 2
-    got = model(x)
-    assert got.shape == want.shape
+    want = layer(x)
+    tune_cpu_linears(layer)
+    layer.table = FormTable(tuple(form for _ in BUCKETS), {})
+    got = layer(x)
+    assert got.shape == want.shape and got.is_contiguous()
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)  # a different summation order: float rounding only
 
 
-def test_only_plain_float32_linears_are_packed_and_weights_stay():
+def test_each_bucket_takes_its_fastest_form(monkeypatch):
+    """The timing is replaced by a fixed one: LEFT is fastest for 2-8 rows, PACKED for 1 and 16-32."""
+    fastest = {1: Form.PACKED, 2: Form.LEFT, 4: Form.LEFT, 8: Form.LEFT, 16: Form.PACKED, 32: Form.PACKED}
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+
+    def timed(linears, table, rows):
+        return 1.0 if table.forms[0] is fastest[rows] else 2.0
+
+    monkeypatch.setattr(cpu_linear, "_pass_s", timed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32, bias=False))
+    x = torch.randn(1, 5, 32)
+    want = model(x)
+    table = tune_cpu_linears(model)
+    assert table is not None and table.forms == tuple(fastest[rows] for rows in BUCKETS)
+    assert table.form_for(5) == (Form.LEFT, 8) and table.form_for(9) == (Form.PACKED, 16)
+    assert table.form_for(33) == (Form.LINEAR, 33)  # past the buckets: a prefill's rows
+    assert [type(m) for m in model] == [CpuLinear, nn.ReLU, CpuLinear]
+    assert all(m.packed_weight is not None for m in (model[0], model[2]))
+    assert torch.allclose(model(x), want, atol=1e-5)
+
+
+def test_no_packed_copy_without_a_bucket_for_it_and_shared_weights_stay(monkeypatch):
     class Custom(nn.Linear):
         pass
 
-    torch.manual_seed(0)
+    monkeypatch.setattr(cpu_linear, "_pass_s", lambda linears, table, rows: 1.0 if table.forms[0] is Form.LEFT else 2.0)
     embed = nn.Embedding(50, 16)
     head = nn.Linear(16, 50, bias=False)
     head.weight = embed.weight  # tied, as SmolLM2's lm_head
     model = nn.ModuleDict(
         {"embed": embed, "head": head, "custom": Custom(16, 8), "bf16": nn.Linear(16, 8).to(torch.bfloat16)}
     )
-    x = torch.randn(2, 16)
-    want = head(x)
-    assert len(pack_linears(model)) == 1
-    assert type(model["head"]) is PackedLinear and type(model["custom"]) is Custom and type(model["bf16"]) is nn.Linear
-    assert model["head"].weight is embed.weight and embed.weight.shape == (50, 16)  # the embedding still reads it
-    assert torch.allclose(model["head"](x), want, atol=1e-5)
+    table = tune_cpu_linears(model)
+    assert table is not None and set(table.forms) == {Form.LEFT}
+    assert type(model["head"]) is CpuLinear and type(model["custom"]) is Custom and type(model["bf16"]) is nn.Linear
+    assert model["head"].packed_weight is None  # no bucket reads it
+    assert model["head"].weight is embed.weight  # the embedding still reads it
+    assert tune_cpu_linears(nn.Sequential(nn.ReLU())) is None  # nothing to tune
 
 
-@pytest.mark.parametrize("faster", [True, False])
-def test_packing_stays_only_where_it_was_measured_faster(monkeypatch, faster):
-    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
-    x = torch.randn(1, 3, 32)
-    want = model(x)
-    monkeypatch.setattr(cpu_linear, "MIN_GAIN", 0.0 if faster else float("inf"))  # packed always / never faster
-    choice = pack_cpu_linears(model)
-    assert choice is not None and choice.packed is faster and choice.plain_ms > 0 and choice.packed_ms > 0
-    kinds = {type(m) for m in model}
-    assert kinds == ({PackedLinear} if faster else {nn.Linear})
-    assert all(hasattr(m, "packed_weight") is faster for m in model)  # an unused packed copy is not kept
-    assert torch.allclose(model(x), want, atol=1e-5)
-    assert pack_cpu_linears(nn.Sequential(nn.ReLU())) is None  # nothing to pack
+def test_packing_can_be_turned_off():
+    model = nn.Sequential(nn.Linear(32, 64))
+    table = tune_cpu_linears(model, pack=False)
+    assert table is not None and Form.PACKED not in table.forms and "packed" not in table.pass_ms
+    assert model[0].packed_weight is None
