@@ -13,7 +13,7 @@ on the BLAS, the threads and the row count. On this project's 2-core box, one pa
 So at load every form is timed per row bucket (1, 2, 4, 8, 16, 32) over the model's linears in order (each pass
 reads the weights from memory, as a step does; at most ``TIMED_BYTES`` of them), and each bucket takes its fastest
 form; a row count runs with the form of the bucket at or above it, the weight-left form on rows padded with zeros to
-the bucket (its BLAS kernels are up to 2x slower for odd counts). Results differ from ``linear`` by float rounding
+the bucket (its BLAS kernels are up to 2x slower for odd counts), and one row padded to two. Results differ from ``linear`` by float rounding
 only (a different summation order). The packed copy of the weights is kept only if some bucket uses it, and the
 dense weight always stays (a tied embedding and latent attention's absorbed weights read it).
 ``cpu_linear_tuning: false`` leaves torch's ``linear`` everywhere.
@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # row counts timed; more rows than the last take ``linear``
+# the weight-left form runs at least 2 rows: one row padded to 2 is a GEMM, which read the weights faster than MKL's
+# one-row GEMV on this box (a pass over SmolLM2's linears: 18 against 21 ms); the timing takes it only where faster
+LEFT_MIN_ROWS = 2
 TIMED_ROUNDS = 2  # each (form, bucket) time is its best round
 TIMED_BYTES = 256 * 1024 * 1024  # the weights a timed pass reads at most (bounds the time taken at load)
 
@@ -51,7 +54,8 @@ class FormTable:
         index = bisect.bisect_left(BUCKETS, rows)
         if index == len(BUCKETS):
             return Form.LINEAR, rows
-        return self.forms[index], BUCKETS[index]
+        form = self.forms[index]
+        return form, max(BUCKETS[index], LEFT_MIN_ROWS) if form is Form.LEFT else BUCKETS[index]
 
 
 ALL_LINEAR = FormTable(tuple(Form.LINEAR for _ in BUCKETS), {})

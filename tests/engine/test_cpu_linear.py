@@ -45,6 +45,7 @@ def test_each_bucket_takes_its_fastest_form(monkeypatch):
     table = tune_cpu_linears(model)
     assert table is not None and table.forms == tuple(fastest[rows] for rows in BUCKETS)
     assert table.form_for(5) == (Form.LEFT, 8) and table.form_for(9) == (Form.PACKED, 16)
+    assert FormTable((Form.LEFT,) * len(BUCKETS), {}).form_for(1) == (Form.LEFT, 2)  # one row runs as a GEMM of two
     assert table.form_for(33) == (Form.LINEAR, 33)  # past the buckets: a prefill's rows
     assert [type(m) for m in model] == [CpuLinear, nn.ReLU, CpuLinear]
     assert all(m.packed_weight is not None for m in (model[0], model[2]))
