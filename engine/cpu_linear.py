@@ -35,7 +35,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32)  # row counts timed; more rows than the last take
 # one-row GEMV on this box (a pass over SmolLM2's linears: 18 against 21 ms); the timing takes it only where faster
 LEFT_MIN_ROWS = 2
 TIMED_ROUNDS = 2  # each (form, bucket) time is its best round
-TIMED_BYTES = 256 * 1024 * 1024  # the weights a timed pass reads at most (bounds the time taken at load)
+TIMED_BYTES = 128 * 1024 * 1024  # the weights a timed pass reads at most: past the CPU caches, bounded time at load
 
 
 class Form(enum.Enum):
