@@ -490,7 +490,8 @@ class LLMEngine:
             steps = [s.duration_s for s in self.step_stats if s.num_prefill_tokens == 0 and s.num_seqs == count]
             seconds.append(statistics.median(steps) if steps else seconds[-1] if seconds else 0.0)
         times = StepTimes(counts, seconds)
-        logger.info("decode step ms by rows (speculative proposals' cost): %s", dict(zip(counts, times.seconds)))
+        by_rows = {rows: round(seconds * 1000, 1) for rows, seconds in zip(counts, times.seconds)}
+        logger.info("decode step ms by rows (what a verified proposal costs): %s", by_rows)
         return times
 
     def has_unfinished(self) -> bool:
