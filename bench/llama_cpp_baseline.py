@@ -73,7 +73,6 @@ class LlamaCpp:
         self.llm: Any = Llama(str(f32_gguf()), n_threads=threads, n_ctx=context, n_batch=512, verbose=False)
 
     def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
-        self.llm.reset()
         answer: list[int] = []
         for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
             answer.append(int(token))

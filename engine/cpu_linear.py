@@ -13,8 +13,8 @@ on the BLAS, the threads and the row count. On this project's 2-core box, one pa
 So at load every form is timed per row bucket (1, 2, 4, 8, 16, 32) over the model's linears in order (each pass
 reads the weights from memory, as a step does; at most ``TIMED_BYTES`` of them), and each bucket takes its fastest
 form; a row count runs with the form of the bucket at or above it, the weight-left form on rows padded with zeros to
-the bucket (its BLAS kernels are up to 2x slower for odd counts), and one row padded to two. Results differ from ``linear`` by float rounding
-only (a different summation order). The packed copy of the weights is kept only if some bucket uses it, and the
+the bucket (its BLAS kernels are up to 2x slower for odd counts), and one row padded to two. Results differ from
+``linear`` by float rounding only (a different summation order). The packed copy of the weights is kept only if some bucket uses it, and the
 dense weight always stays (a tied embedding and latent attention's absorbed weights read it).
 ``cpu_linear_tuning: false`` leaves torch's ``linear`` everywhere.
 """

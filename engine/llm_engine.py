@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 import uuid
 from collections import deque
@@ -51,13 +50,11 @@ from engine.request import (
     TokenLogprob,
 )
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.speculative import StepTimes, build_speculator
+from engine.speculative import build_speculator, measure_step_times
 from engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.005  # an engine with only KV-tier loads in flight waits this long for one per step
-# the decode-step row counts warm-up times for speculation; between and past them, time is taken as linear
-PROFILED_ROWS = (1, 2, 4, 8, 16, 24, 32)
 
 
 class LLMEngine:
@@ -470,29 +467,12 @@ class LLMEngine:
         if error is not None:  # a model that cannot run one forward must not start serving
             raise RuntimeError(f"warm-up failed: {error}")
         if self.speculator is not None:
-            self.speculator.step_times = self._measure_step_times()
+            self.speculator.step_times = measure_step_times(self)
+            if times := self.speculator.step_times:
+                by_rows = {rows: round(seconds * 1000, 1) for rows, seconds in zip(times.rows, times.seconds)}
+                logger.info("decode step ms by rows (what a verified proposal costs): %s", by_rows)
         self.block_manager.reset_prefix_cache()
         self.step_stats.clear()
-
-    def _measure_step_times(self) -> StepTimes:
-        """Decode steps of 1, 2, 4, 8, 16, 24, 32 rows (within the batch and token bounds), timed: what a verified
-        proposal costs (``engine.speculative.worth_verifying``). Each count runs that many short greedy requests, and
-        the median of its decode steps is its time."""
-        most = min(PROFILED_ROWS[-1], self.scheduler.max_num_seqs, self.scheduler.max_batch_tokens)
-        counts = sorted({*(rows for rows in PROFILED_ROWS if rows <= most), most})
-        seconds: list[float] = []
-        for count in counts:
-            self.step_stats.clear()
-            params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, speculative=False)
-            results = self.generate([[i % self.vocab_size] * 8 for i in range(count)], params)
-            if error := next((r.error for r in results if r.error is not None), None):
-                raise RuntimeError(f"warm-up failed: {error}")
-            steps = [s.duration_s for s in self.step_stats if s.num_prefill_tokens == 0 and s.num_seqs == count]
-            seconds.append(statistics.median(steps) if steps else seconds[-1] if seconds else 0.0)
-        times = StepTimes(counts, seconds)
-        by_rows = {rows: round(seconds * 1000, 1) for rows, seconds in zip(counts, times.seconds)}
-        logger.info("decode step ms by rows (what a verified proposal costs): %s", by_rows)
-        return times
 
     def has_unfinished(self) -> bool:
         """Work for ``step``: scheduled requests, or a KV-tier load behind a reservation to take in."""

@@ -14,6 +14,7 @@ nothing on a GPU or at batch 1 on a CPU, and nearly a request's own row at batch
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from engine.request import Request, SamplingParams
 REACH_PROBABILITY = 0.1  # a proposed token is worth verifying while the chance it is reached and kept is this much
 KEPT_DECAY = 0.5  # each verification's weight in a request's acceptance estimate, against the ones before
 OBSERVED_WEIGHT = 0.1  # a decode step's weight in its row count's time (``StepTimes.observe``)
+# the decode-step row counts warm-up times (``measure_step_times``); between and past them, time is taken as linear
+PROFILED_ROWS = (1, 2, 4, 8, 16, 24, 32)
 PAUSE_STEPS = 16  # a request whose next token is not worth proposing proposes nothing this many steps, then one
 
 
@@ -109,12 +112,14 @@ class StepTimes:
         index = min(range(len(self.rows)), key=lambda i: abs(self.rows[i] - rows))
         self.seconds[index] += OBSERVED_WEIGHT * (seconds - self.seconds[index])
 
-    def at(self, rows: int) -> float:
+    def at(self, rows: np.ndarray) -> np.ndarray:
+        """The step seconds for each row count of ``rows``."""
         rising = np.maximum.accumulate(self.seconds)
-        if rows > self.rows[-1] and len(self.rows) > 1:
+        times = np.interp(rows, self.rows, rising)
+        if len(self.rows) > 1:  # past the last count: the last two counts' slope
             slope = (rising[-1] - rising[-2]) / (self.rows[-1] - self.rows[-2])
-            return float(rising[-1] + slope * (rows - self.rows[-1]))
-        return float(np.interp(rows, self.rows, rising))
+            times = np.where(rows > self.rows[-1], rising[-1] + slope * (rows - self.rows[-1]), times)
+        return times
 
 
 def worth_verifying(num_decoding: int, wanted: dict[str, tuple[float, int]], times: StepTimes) -> dict[str, int]:
@@ -126,13 +131,32 @@ def worth_verifying(num_decoding: int, wanted: dict[str, tuple[float, int]], tim
         ((rate**j, request_id) for request_id, (rate, length) in wanted.items() for j in range(1, length + 1)),
         reverse=True,
     )
-    expected = float(num_decoding)
-    best_count, best_rate = 0, expected / times.at(num_decoding)
-    for count, (chance, _) in enumerate(chances, 1):
-        expected += chance
-        if (rate := expected / times.at(num_decoding + count)) > best_rate:
-            best_count, best_rate = count, rate
+    expected = num_decoding + np.cumsum([0.0, *(chance for chance, _ in chances)])  # for 0, 1, ... tokens taken
+    rates = expected / times.at(num_decoding + np.arange(len(chances) + 1))
+    best_count = int(np.argmax(rates))  # the first best: no token that adds nothing
     return Counter(request_id for _, request_id in chances[:best_count])
+
+
+def measure_step_times(engine: Any) -> StepTimes | None:
+    """Decode steps of ``PROFILED_ROWS`` rows (within the engine's batch and token bounds), timed on ``engine``
+    (an ``engine.llm_engine.LLMEngine``, at warm-up): each count runs that many short greedy requests, and the
+    median of its decode steps of that many rows is its time. None: no count could be timed (every proposal is then
+    verified)."""
+    scheduler = engine.scheduler
+    most = min(PROFILED_ROWS[-1], scheduler.max_num_seqs, scheduler.max_batch_tokens)
+    counts, seconds = [], []
+    for count in sorted({*(rows for rows in PROFILED_ROWS if rows <= most), most}):
+        engine.step_stats.clear()
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, speculative=False)
+        results = engine.generate([[i % engine.vocab_size] * 8 for i in range(count)], params)
+        if error := next((r.error for r in results if r.error is not None), None):
+            raise RuntimeError(f"warm-up failed: {error}")
+        steps = [s.duration_s for s in engine.step_stats if s.num_prefill_tokens == 0 and s.num_seqs == count]
+        if steps:  # none when the requests could not all decode together (a small KV cache)
+            counts.append(count)
+            seconds.append(statistics.median(steps))
+    engine.step_stats.clear()
+    return StepTimes(counts, seconds) if counts else None
 
 
 def ngram_proposal(token_ids: np.ndarray, num_tokens: int, ngram_min: int, ngram_max: int) -> list[int]:
