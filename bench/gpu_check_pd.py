@@ -2,9 +2,11 @@
 
 Each process runs a worker's engine and transfer endpoint without its sockets or Ray, glued as prefill/worker.py and
 decode/worker.py glue them; the decode process drives, the prefill one answers over a pipe. Two phases, fresh engines:
-1. **float32**: the pair's tokens against the same engine generating alone, token-exact, first token included
-   (bfloat16 may differ in the last bits: cuBLAS picks kernels by batch shape, and the sides batch differently).
-2. **bfloat16**: the pair's tokens teacher-forced through the engine alone (``top1_agreement``); the GB/s of a long
+1. **float32**, over the nccl backend: on one GPU the prefill side writes KV into the decode engine's cache through
+   CUDA IPC handles (transfer/direct_path.py, ``kv_path``); the pair's tokens against the same engine generating
+   alone, token-exact, first token included (bfloat16 may differ in the last bits: cuBLAS picks kernels by batch
+   shape, and the sides batch differently).
+2. **bfloat16**, over shm (device KV staged through pinned host memory and a ring): the pair's tokens teacher-forced through the engine alone (``top1_agreement``); the GB/s of a long
    prompt's KV sent after its whole prefill (first ``send_layer`` to DONE: no prefill compute in the window); the p99
    interval between decode steps of ``running`` requests, idle and while that KV arrives, every decode graph they can
    meet captured first (a capture synchronises the device; ``graphs_captured_while_measuring``).
@@ -20,7 +22,7 @@ import traceback
 from typing import Any
 
 SECRET = "gpu-check-pair-secret-0123456789"
-PHASES = ("float32", "bfloat16")
+PHASES = (("float32", "nccl"), ("bfloat16", "shm"))  # (dtype, transfer backend)
 
 
 def _engine(folder: str, device: str, dtype: str, max_model_len: int, kv_bytes: int, max_num_seqs: int, **extra: Any):
@@ -74,7 +76,8 @@ def prefill_main(conn: Any, folder: str, device: str, max_model_len: int) -> Non
                     engine = _engine(folder, device, msg[1], max_model_len, msg[2], 8, prefill_only=True)
                     engine.warm_up()
                     fingerprint = ModelFingerprint.from_spec(engine.kv_spec)
-                    sender = make_sender("shm", fingerprint, TransferConfig(secret=SECRET))
+                    config = TransferConfig(secret=SECRET, device=device if msg[3] == "nccl" else "cpu")
+                    sender = make_sender(msg[3], fingerprint, config)
                     conn.send(("ready", msg[1]))
                     continue
                 _, rid, prompt, dst, address, stream = msg
@@ -108,9 +111,11 @@ def prefill_main(conn: Any, folder: str, device: str, max_model_len: int) -> Non
 class DecodeSide:
     """The decode process's engine and receiver; ``tick`` is one turn of a decode worker's loop."""
 
-    def __init__(self, conn: Any, engine: Any, address: str, end: float) -> None:
+    def __init__(self, conn: Any, engine: Any, address: str, end: float, backend: str) -> None:
         from transfer.base import make_receiver
         from transfer.config import TransferConfig
+        from transfer.kv_segment import KVSegment
+        from transfer.pair_path import gpu_uuid
         from transfer.wire import ModelFingerprint
 
         self.conn, self.engine, self.end = conn, engine, end
@@ -122,9 +127,15 @@ class DecodeSide:
         # prompt's KV arrives never include its own admission and first decode (a new context size)
         self.hold_first_tokens = False
         self.held: dict[str, int] = {}
-        config = TransferConfig(secret=SECRET, kv_device=engine.config.device)
+        device = engine.config.device if backend == "nccl" else "cpu"
+        config = TransferConfig(secret=SECRET, kv_device=engine.config.device, device=device)
         fingerprint = ModelFingerprint.from_spec(engine.kv_spec)
-        self.receiver = make_receiver("shm", fingerprint, self._sink, address, config)
+        segment = None
+        if backend == "nccl" and engine.kv_cache.kv[0].is_cuda:  # as decode/worker.py's shared_kv_cache does
+            kv = engine.kv_cache.kv
+            segment = KVSegment(fingerprint, kv[0].shape[1], device_layers=kv, gpu=gpu_uuid(config))
+        self.backend = backend
+        self.receiver = make_receiver(backend, fingerprint, self._sink, address, config, segment)
 
     def _sink(self, rid: str, layer: int, blocks: list[int], k: Any, v: Any) -> None:
         self.first_write.setdefault(rid, time.perf_counter())
@@ -180,7 +191,7 @@ class DecodeSide:
             self.tick()
 
     def new_engine(self, dtype: str, kv_bytes: int) -> None:
-        self.conn.send(("engine", dtype, kv_bytes))
+        self.conn.send(("engine", dtype, kv_bytes, self.backend))
         while not self.conn.poll(0.05):
             self.check_time(f"the prefill process's {dtype} engine")
         ready = self.conn.recv()
@@ -303,17 +314,17 @@ def decode_main(conn: Any, result: Any, params: dict[str, Any]) -> None:
     try:
         p = params
         end = time.monotonic() + p["timeout_s"] - 5  # room to report before the driving process gives up
-        for dtype in PHASES:
+        for dtype, backend in PHASES:
             kv = p["kv_bytes"][dtype]
             engine = _engine(p["folder"], p["device"], dtype, p["max_model_len"], kv["decode"], p["running"] + 8)
             engine.warm_up()
             address = f"shm+ipc://{tempfile.mkdtemp(prefix='gpu-check-')}/kv.ipc"
-            side = DecodeSide(conn, engine, address, end)
+            side = DecodeSide(conn, engine, "tcp://127.0.0.1:0" if backend == "nccl" else address, end, backend)
             side.new_engine(dtype, kv["prefill"])
             vocab = engine.model.config.vocab_size
             if dtype == "float32":
                 out["exact"] = _float32_phase(side, p, vocab)
-                out["exact"]["dtype"] = "float32"
+                out["exact"].update(dtype="float32", backend=backend, direct_pieces=side.receiver.direct_pieces)
             else:
                 _bfloat16_phase(side, p, vocab, out)
             side.close()

@@ -35,6 +35,7 @@ from transfer.base import KVReceiver, KVSender, make_receiver, make_sender
 from transfer.errors import SenderAborted
 from transfer.inbound import Sink
 from transfer.kv_segment import KVSegment
+from transfer.pair_path import gpu_uuid
 from transfer.shm_ring import ShmUnavailable
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
@@ -434,20 +435,22 @@ def _remote(request: Request) -> RemoteKV:
 
 
 def shared_kv_cache(spec: WorkerSpec, engine: LLMEngine) -> KVSegment | None:
-    """The engine's cache moved into shared memory, so that same-node senders write KV in place (transfer/
-    direct_path.py): shm and auto, a CPU cache, one rank holding every head. None: a ring or frames instead."""
+    """The engine's cache offered to same-node senders, which write KV in place (transfer/direct_path.py): a CPU cache
+    moved into shared memory (shm, auto), or a GPU cache's CUDA IPC handles (nccl); one rank holding every head. None:
+    a ring, a pair group or frames instead."""
     cache = engine.kv_cache
-    if (
-        spec.transfer_backend not in ("shm", "auto")
-        or not spec.transfer.direct_write
-        or cache.kv[0].device.type != "cpu"
-        or engine.handoff_spec != engine.kv_spec
-    ):
+    on_gpu = cache.kv[0].device.type == "cuda"
+    backends = ("nccl",) if on_gpu else ("shm", "auto")
+    if spec.transfer_backend not in backends or not spec.transfer.direct_write or engine.handoff_spec != engine.kv_spec:
         return None
+    fp, num_blocks = ModelFingerprint.from_spec(engine.kv_spec), cache.kv[0].shape[1]
     try:
-        segment = KVSegment(ModelFingerprint.from_spec(engine.kv_spec), cache.kv[0].shape[1])
-    except ShmUnavailable as e:
-        logger.warning("the KV cache stays private (same-node KV goes through a ring): %s", e)
+        if on_gpu:
+            cfg = dataclasses.replace(spec.transfer, device=engine.config.device)
+            return KVSegment(fp, num_blocks, device_layers=cache.kv, gpu=gpu_uuid(cfg))
+        segment = KVSegment(fp, num_blocks)
+    except (ShmUnavailable, ValueError) as e:
+        logger.warning("the KV cache is not offered to same-node senders (a ring or a pair group instead): %s", e)
         return None
     cache.rehome(segment.layers)
     return segment

@@ -1,10 +1,13 @@
-"""The direct payload path (backends `shm` and `auto`, CPU): a same-node sender writes KV into the receiver's cache.
+"""The direct payload path: a same-node sender writes KV into the receiver's cache (backends `shm` and `auto` on a
+CPU; `nccl` on a GPU the sender sees, through CUDA IPC instead of an NCCL pair).
 
 welcome   to a sender on this node and in this PID namespace, from a receiver whose engine's cache lives in a
-          transfer/kv_segment.py segment: [pid, fd, token, blocks]; the sender maps it (else: inline frames)
+          transfer/kv_segment.py segment: [pid, fd, token, blocks] (+ [gpu, IPC handles]); the sender maps it (else:
+          inline frames)
 expect    the receiver tags the reserved blocks with the transfer's owner tag
-sender    per piece: under the segment's flock, check the blocks' tags and copy K and V into them; xxh3 of what it
-          meant to write (its source); send the header with `direct` (no payload frames)
+sender    per piece: under the segment's flock, check the blocks' tags and copy K and V into them (a GPU: on the
+          writer's stream after the KV's ready event, waited for before the flock goes); xxh3 of the destination
+          bytes (host caches); send the header with `direct` (no payload frames)
 receiver  admit (layer, blocks reserved for the transfer, as for every piece) -> xxh3 over the destination blocks ->
           count it (no sink: the bytes are in place); a transfer that ends clears its tags, a failed one under the
           flock, so a sender still writing finishes first and a later one is refused
@@ -30,7 +33,6 @@ if TYPE_CHECKING:
 
 
 class DirectSend:
-    name = "shm-direct"
     batches = True
     # only headers travel: pieces of any size are announced together, up to a few layers' worth, so that the
     # receiver's checks still run while later layers are written
@@ -38,6 +40,7 @@ class DirectSend:
 
     def __init__(self, writer: SegmentWriter) -> None:
         self.writer = writer
+        self.name = "cuda-ipc" if writer.on_device else "shm-direct"  # as /status names the peer's path
 
     def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
         if sender.cfg.kv_wire_dtype != "raw":
@@ -68,7 +71,8 @@ class DirectSend:
     def _write(self, sender: Sender, piece: PieceHeader, out: Outgoing) -> PieceHeader:
         """The piece into its blocks; its header, with the xxh3 of the destination bytes if checksums are on."""
         k, v = out.tensors
-        digests = self.writer.write(piece.transfer_id, piece.layer, piece.blocks, k, v, sender.cfg.checksum)
+        digest = sender.cfg.checksum and not self.writer.on_device  # as over NCCL: no hash of device memory
+        digests = self.writer.write(piece.transfer_id, piece.layer, piece.blocks, k, v, digest, out.ready)
         return piece if digests is None else with_digests(piece, digests)
 
     def collect(self) -> tuple[None, list[Any]]:

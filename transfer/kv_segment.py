@@ -8,7 +8,9 @@ MACed welcome announced by the token on its control page.
 
 Layout: page 0: magic | token | num_layers | num_blocks | layer_bytes, then one u64 owner tag per block (0: not being
 received; else `tag_of` the transfer the receiver expects into it), then per layer ``[2, num_blocks, block_size,
-kv_heads, head_dim]`` (K, V) of the cache's dtype, page aligned. A writer may write a block only while its tag is its
+kv_heads, head_dim]`` (K, V) of the cache's dtype, page aligned. On a GPU the layers stay the engine's CUDA tensors:
+the memfd holds the page and the tags, the announcement adds each layer's CUDA IPC handle (transfer/cuda_ipc.py), and
+a writer copies on a stream of its own and waits for the copy before it lets go of the flock. A writer may write a block only while its tag is its
 transfer's: it holds the segment's flock while it checks the tags and copies, and the receiver takes the flock to
 clear a failed transfer's tags, so once that returns no write into those blocks is under way or can start (flock
 belongs to an open file: a killed writer's is released with it).
@@ -16,6 +18,7 @@ belongs to an open file: a killed writer's is released with it).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 import xxhash
 
+from transfer import cuda_ipc
 from transfer.errors import ChecksumError, ProtocolError
 from transfer.shm_ring import PAGE, ShmUnavailable
 from transfer.wire import FrameSpec, ModelFingerprint, frame_view
@@ -45,6 +49,7 @@ _HEAD = struct.Struct("<8s16sQQQ")  # magic, token, num_layers, num_blocks, laye
 TOUCH_CHUNK_BYTES = 64 << 20  # pages mapped per look at whether the writer closed meanwhile
 LOCK_POLL_S = 1e-4  # naps while the other side holds the flock (one piece's copy, under a millisecond)
 WRITE_LOCK_WAIT_S = 1.0  # a writer waits this long for the flock, then fails the piece's transfer
+DEVICE_COPY_WAIT_S = 5.0  # a GPU writer's copy of one piece, at most (then the piece's transfer fails)
 
 
 def tag_of(transfer_id: str) -> int:
@@ -60,12 +65,13 @@ def pid_namespace() -> str:
         return ""
 
 
-def _layout(fp: ModelFingerprint, num_blocks: int) -> tuple[int, int, int]:
-    """(offset of the first layer, bytes per layer, total bytes) of a segment for `fp` with `num_blocks` blocks."""
+def _layout(fp: ModelFingerprint, num_blocks: int, host_layers: bool = True) -> tuple[int, int, int]:
+    """(offset of the first layer, bytes per layer, total bytes) of a segment for `fp` with `num_blocks` blocks
+    (without ``host_layers``: the control page and the tags only)."""
     block_bytes = math.prod(fp.block_shape) * fp.torch_dtype.itemsize
     layer_bytes = 2 * num_blocks * block_bytes
     first = -(-(PAGE + 8 * num_blocks) // PAGE) * PAGE
-    return first, layer_bytes, first + fp.num_layers * layer_bytes
+    return first, layer_bytes, first + fp.num_layers * layer_bytes * host_layers
 
 
 @functools.lru_cache(maxsize=64)
@@ -91,20 +97,33 @@ def _touch(data: np.ndarray, stop: threading.Event) -> None:
 
 
 class _Mapped:
-    """A mapped segment's views: control page, owner tags, and each layer's K/V as a tensor and as bytes."""
+    """A mapped segment's views: control page, owner tags, and each layer's K/V as a tensor and (host layers) as
+    bytes. ``device_layers``: the layers are CUDA tensors outside the memfd."""
 
-    def __init__(self, mm: mmap.mmap, fd: int, fp: ModelFingerprint, num_blocks: int) -> None:
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        fd: int,
+        fp: ModelFingerprint,
+        num_blocks: int,
+        device_layers: list[torch.Tensor] | None = None,
+    ) -> None:
         first, layer_bytes, _ = _layout(fp, num_blocks)
         self.mm, self.fd, self.fp, self.num_blocks = mm, fd, fp, num_blocks
         self.tags = np.frombuffer(mm, dtype=np.uint64, count=num_blocks, offset=PAGE)
+        self.block_bytes = layer_bytes // (2 * num_blocks)
+        self.on_device = device_layers is not None
+        shape = (2, num_blocks, *fp.block_shape)
+        if device_layers is not None:
+            self.bytes = np.empty(0, dtype=np.uint8)
+            self.layers = [t.view(fp.torch_dtype).view(shape) for t in device_layers]
+            return
         self.bytes = np.frombuffer(mm, dtype=np.uint8, offset=first, count=fp.num_layers * layer_bytes)
         whole = torch.from_numpy(self.bytes)  # through numpy: its buffer export keeps mm from closing under a view
-        shape = (2, num_blocks, *fp.block_shape)
         self.layers = [
             whole[i * layer_bytes : (i + 1) * layer_bytes].view(fp.torch_dtype).view(shape)
             for i in range(fp.num_layers)
         ]
-        self.block_bytes = layer_bytes // (2 * num_blocks)
 
     def block_bytes_of(self, layer: int, half: int, first: int, count: int) -> np.ndarray:
         """The bytes of `count` blocks from `first`, of K (half 0) or V (half 1) of one layer."""
@@ -141,14 +160,30 @@ class _Mapped:
 
 class KVSegment:
     """Receiver side: the cache's memory, the owner tags of the transfers it expects, and the checks of pieces that
-    landed in place. The engine's cache tensors are ``layers`` (``KVCache.rehome``)."""
+    landed in place. The engine's cache tensors are ``layers`` (``KVCache.rehome``); on a GPU they are the engine's
+    own, passed as ``device_layers`` with the UUID of their ``gpu``."""
 
-    def __init__(self, fp: ModelFingerprint, num_blocks: int) -> None:
+    def __init__(
+        self,
+        fp: ModelFingerprint,
+        num_blocks: int,
+        device_layers: list[torch.Tensor] | None = None,
+        gpu: str | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be > 0")
         self.fp = fp
         self.token = secrets.token_bytes(16)
-        _, layer_bytes, total = _layout(fp, num_blocks)
+        self.gpu = gpu
+        self._exports: list[list[Any]] = []
+        if device_layers is not None:
+            if gpu is None:
+                raise ValueError("a segment of device layers needs its GPU's UUID")
+            try:
+                self._exports = [cuda_ipc.export(t) for t in device_layers]
+            except cuda_ipc.CudaIpcError as e:
+                raise ShmUnavailable(f"the KV cache has no CUDA IPC handles: {e}") from None
+        _, layer_bytes, total = _layout(fp, num_blocks, host_layers=device_layers is None)
         try:
             fd = os.memfd_create(f"pdserve-kvc-{os.getpid()}", os.MFD_CLOEXEC)
         except (AttributeError, OSError) as e:
@@ -162,7 +197,7 @@ class KVSegment:
             raise ShmUnavailable(f"cannot allocate a {total}-byte shared KV cache: {e}") from None
         _HEAD.pack_into(mm, 0, MAGIC, self.token, fp.num_layers, num_blocks, layer_bytes)
         self.nbytes = total
-        self._map = _Mapped(mm, fd, fp, num_blocks)
+        self._map = _Mapped(mm, fd, fp, num_blocks, device_layers)
         self._claims: dict[str, np.ndarray] = {}  # transfer id -> its destination blocks, tagged
         self._closed = False
 
@@ -175,9 +210,15 @@ class KVSegment:
     def num_blocks(self) -> int:
         return self._map.num_blocks
 
+    @property
+    def on_device(self) -> bool:
+        return self._map.on_device
+
     def announce(self) -> list[Any]:
-        """What the welcome tells a same-node sender: [pid, fd, token, num_blocks]."""
-        return [os.getpid(), self._map.fd, self.token, self.num_blocks]
+        """What the welcome tells a same-node sender: [pid, fd, token, num_blocks], and on a GPU
+        [gpu UUID, [[handle, offset, nbytes] per layer]]."""
+        head = [os.getpid(), self._map.fd, self.token, self.num_blocks]
+        return [*head, [self.gpu, self._exports]] if self.on_device else head
 
     def claim(self, transfer_id: str, blocks: Sequence[int], wait_s: float = 1.0) -> None:
         """Let `transfer_id`'s sender write `blocks` (at expect). A block may still carry the tag of a transfer that
@@ -234,6 +275,8 @@ class KVSegment:
         for half, spec in enumerate(frames):
             if spec.xxh3 is None:
                 continue
+            if self.on_device:  # as over NCCL: no hash of device memory
+                raise ProtocolError("a checksum over a GPU cache's blocks")
             h = xxhash.xxh3_64()
             for _, first, count in runs:
                 h.update(self._map.block_bytes_of(layer, half, first, count).data)
@@ -241,21 +284,25 @@ class KVSegment:
                 raise ChecksumError(f"xxh3 mismatch over the destination blocks of layer {layer}")
 
     def close(self) -> None:
+        """Refuse every writer from now on (a GPU cache's memory goes back to its allocator), then unmap."""
         self._closed = True
+        self._locked(lambda: self._map.tags.fill(0), WRITE_LOCK_WAIT_S)
         self._map.close()
 
 
 class SegmentWriter:
     """Sender side: a receiver's mapped KV cache, written only into blocks tagged for the piece's transfer."""
 
-    def __init__(self, fp: ModelFingerprint, pid: int, fd: int, token: bytes, num_blocks: int) -> None:
+    def __init__(
+        self, fp: ModelFingerprint, pid: int, fd: int, token: bytes, num_blocks: int, device: list[Any] | None = None
+    ) -> None:
         path = f"/proc/{pid}/fd/{fd}"
         try:
             own = os.open(path, os.O_RDWR)
         except OSError as e:
             raise ShmUnavailable(f"cannot open the receiver's KV cache {path}: {e}") from None
         try:
-            _, _, total = _layout(fp, num_blocks)
+            _, layer_bytes, total = _layout(fp, num_blocks, host_layers=device is None)
             st = os.fstat(own)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != total:
                 raise ShmUnavailable(f"{path} is not a KV cache of this model (type, owner or size differ)")
@@ -271,7 +318,16 @@ class SegmentWriter:
             mm.close()
             os.close(own)
             raise ShmUnavailable(f"{path} is not the KV cache the receiver announced (token or layout differ)")
-        self._map = _Mapped(mm, own, fp, num_blocks)
+        self._opened: cuda_ipc.OpenedMemory | None = None
+        self._stream: Any = None
+        try:
+            layers = None if device is None else self._open_device(device, fp.num_layers, layer_bytes)
+        except (cuda_ipc.CudaIpcError, RuntimeError) as e:
+            self._close_device()
+            mm.close()
+            os.close(own)
+            raise ShmUnavailable(f"cannot open the receiver's GPU KV cache: {e}") from None
+        self._map = _Mapped(mm, own, fp, num_blocks, layers)
         self._last: tuple[tuple[str, tuple[int, ...]], np.ndarray, tuple[tuple[int, int, int], ...]] | None = None
         # every page mapped into this process once, off the I/O thread: a first write into a page costs a fault, and
         # each new request's blocks are new pages (measured: 45 MiB into fresh pages 27 ms, into mapped ones 6.6 ms)
@@ -279,12 +335,33 @@ class SegmentWriter:
         self._toucher = threading.Thread(target=_touch, args=(self._map.bytes, self._stop), name="kv-map", daemon=True)
         self._toucher.start()
 
+    def _open_device(self, device: list[Any], num_layers: int, layer_bytes: int) -> list[torch.Tensor]:
+        """Each layer's bytes through its CUDA IPC handle, on this process's index of the receiver's GPU."""
+        gpu, exports = device
+        if not isinstance(gpu, str) or not isinstance(exports, list) or len(exports) != num_layers:
+            raise cuda_ipc.CudaIpcError("malformed GPU cache announcement")
+        self._opened = cuda_ipc.OpenedMemory(gpu)
+        layers = []
+        for exported in exports:
+            if not (isinstance(exported, list) and len(exported) == 3 and exported[2] == layer_bytes):
+                raise cuda_ipc.CudaIpcError(f"a GPU cache layer is not {layer_bytes} bytes")
+            layers.append(self._opened.tensor(exported))
+        if layers and layers[0].is_cuda:
+            self._stream = torch.cuda.Stream(layers[0].device)  # the copies' own: the engine's stream never waits
+        return layers
+
+    def _close_device(self) -> None:
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
+
     @classmethod
     def open(cls, fp: ModelFingerprint, announced: Any) -> SegmentWriter:
-        """Map what a (MACed) welcome announced: [pid, fd, token, num_blocks], each checked before opening."""
+        """Map what a (MACed) welcome announced: [pid, fd, token, num_blocks] (and a GPU cache's [gpu, handles]),
+        each checked before opening."""
         if not (
             isinstance(announced, list)
-            and len(announced) == 4
+            and len(announced) in (4, 5)
             and all(isinstance(x, int) and not isinstance(x, bool) for x in (announced[0], announced[1], announced[3]))
             and 0 < announced[0] < 1 << 32
             and 0 <= announced[1] < 1 << 31
@@ -293,37 +370,80 @@ class SegmentWriter:
             and len(announced[2]) == 16
         ):
             raise ShmUnavailable(f"malformed KV cache announcement {announced!r:.100}")
-        pid, fd, token, num_blocks = announced
-        return cls(fp, pid, fd, token, num_blocks)
+        pid, fd, token, num_blocks = announced[:4]
+        return cls(fp, pid, fd, token, num_blocks, announced[4] if len(announced) == 5 else None)
+
+    @property
+    def on_device(self) -> bool:
+        return self._map.on_device
 
     def write(
-        self, transfer_id: str, layer: int, blocks: Sequence[int], k: torch.Tensor, v: torch.Tensor, digest: bool
+        self,
+        transfer_id: str,
+        layer: int,
+        blocks: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        digest: bool,
+        ready: Any = None,
     ) -> list[int] | None:
         """Copy one layer's K and V into `blocks`, which must all be tagged for `transfer_id` (else ProtocolError,
-        nothing written): the flock is held from the check to the end of the copy. With `digest`, the xxh3 of K's and
-        of V's destination blocks in order, each run hashed right after its copy, while it is still in cache."""
+        nothing written): the flock is held from the check to the end of the copy. With `digest` (host caches), the
+        xxh3 of K's and of V's destination blocks in order, each run hashed right after its copy, while it is still in
+        cache. ``ready``: the CUDA event after which device sources hold their KV."""
         index, runs = self._plan(transfer_id, blocks)
-        size = self._map.block_bytes
-        sources = [np.frombuffer(frame_view(t), dtype=np.uint8) for t in (k, v)]
-        digests = []
         if not self._map.lock(WRITE_LOCK_WAIT_S):  # the receiver holds it only to clear tags: stopped or gone?
             raise ProtocolError(f"the receiver's KV cache stayed locked for {WRITE_LOCK_WAIT_S}s")
         try:
             if not (self._map.tags[index] == tag_of(transfer_id)).all():
                 raise ProtocolError(f"blocks {list(blocks)[:8]} are not reserved for transfer {transfer_id!r} now")
-            for half, src in enumerate(sources):
-                h = xxhash.xxh3_64() if digest else None
-                for row, first, count in runs:
-                    dst = self._map.block_bytes_of(layer, half, first, count)
-                    # numpy's memcpy: one thread, without the GIL; torch's parallel copy measured no faster here, and
-                    # in a prefill worker its threads are the engine's
-                    np.copyto(dst, src[row * size : (row + count) * size])
-                    if h is not None:
-                        h.update(dst.data)
-                if h is not None:
-                    digests.append(h.intdigest())
+            if self._map.on_device:
+                self._copy_on_device(layer, runs, k, v, ready)
+                return None
+            return self._copy_on_host(layer, runs, k, v, digest)
         finally:
             self._map.unlock()
+
+    def _copy_on_device(
+        self, layer: int, runs: tuple[tuple[int, int, int], ...], k: torch.Tensor, v: torch.Tensor, ready: Any
+    ) -> None:
+        """Device to device on the writer's stream, after ``ready``; waited for (bounded) before the flock goes, so
+        that a cleared tag means no copy is in flight."""
+        dst = self._map.layers[layer]
+        stream = self._stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if ready is not None and stream is not None:
+                stream.wait_event(ready)
+            for half, src in enumerate((k, v)):
+                for row, first, count in runs:
+                    dst[half, first : first + count].copy_(src[row : row + count], non_blocking=True)
+            if stream is None:
+                return
+            done = torch.cuda.Event()
+            done.record(stream)
+        end = time.monotonic() + DEVICE_COPY_WAIT_S
+        while not done.query():
+            if time.monotonic() >= end:
+                raise ProtocolError(f"a KV copy into the receiver's GPU cache took over {DEVICE_COPY_WAIT_S}s")
+            time.sleep(LOCK_POLL_S)
+
+    def _copy_on_host(
+        self, layer: int, runs: tuple[tuple[int, int, int], ...], k: torch.Tensor, v: torch.Tensor, digest: bool
+    ) -> list[int] | None:
+        size = self._map.block_bytes
+        sources = [np.frombuffer(frame_view(t), dtype=np.uint8) for t in (k, v)]
+        digests = []
+        for half, src in enumerate(sources):
+            h = xxhash.xxh3_64() if digest else None
+            for row, first, count in runs:
+                dst = self._map.block_bytes_of(layer, half, first, count)
+                # numpy's memcpy: one thread, without the GIL; torch's parallel copy measured no faster here, and
+                # in a prefill worker its threads are the engine's
+                np.copyto(dst, src[row * size : (row + count) * size])
+                if h is not None:
+                    h.update(dst.data)
+            if h is not None:
+                digests.append(h.intdigest())
         return digests if digest else None
 
     def _plan(self, transfer_id: str, blocks: Sequence[int]) -> tuple[np.ndarray, tuple[tuple[int, int, int], ...]]:
@@ -341,4 +461,6 @@ class SegmentWriter:
     def close(self) -> None:
         self._stop.set()
         self._toucher.join(timeout=1.0)
+        self._map.layers = []  # the tensors over opened GPU memory go before it is closed
+        self._close_device()
         self._map.close()

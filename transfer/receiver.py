@@ -111,8 +111,8 @@ class Receiver(KVReceiver):
         max_rings: int = DEFAULT_MAX_RINGS,
         segment: KVSegment | None = None,
     ) -> None:
-        """``segment``: the engine's KV cache in shared memory (shm and auto), written in place by same-node senders;
-        closed with the receiver."""
+        """``segment``: the engine's KV cache in shared memory (shm and auto) or its GPU cache's IPC handles (dist),
+        written in place by same-node senders; closed with the receiver."""
         if not MIN_RING_BYTES <= ring_bytes <= MAX_RING_BYTES or max_rings < 0:
             raise ValueError(f"ring_bytes must be in [{MIN_RING_BYTES}, {MAX_RING_BYTES}] and max_rings >= 0")
         self.fp = fingerprint
@@ -121,7 +121,7 @@ class Receiver(KVReceiver):
         self.ring_bytes, self.max_rings = ring_bytes, max_rings
         self.shm_pieces = 0  # pieces read from a ring
         self.direct_pieces = 0  # pieces a sender wrote into the segment itself
-        self._segment = segment if transport == "shm" else None
+        self._segment = segment if transport in ("shm", "dist") else None
         self._held: list[TransferEvent] = []  # failed transfers whose blocks a writer may still be copying into
         self.same_gpu_sessions = 0  # dist: sender sessions from this GPU (ring or inline, no pair group)
         self._gpu = gpu_uuid(self.cfg) if transport == "dist" else None
@@ -418,9 +418,15 @@ class Receiver(KVReceiver):
         self._send_hs(identity, Welcome(session, h.nonce, rnonce, self.cfg.max_frame_bytes, **offer))
 
     def _choose_path(self, key: bytes, h: Hello) -> tuple[dict[str, Any], Any]:
-        """The session's payload path and what the welcome says of it: a pair group (dist, unless both ends share a
-        GPU), a ring for a sender on this node (shm, and dist on one GPU), else inline frames."""
+        """The session's payload path and what the welcome says of it: the cache itself for a sender on this node
+        that can map it (shm: host memory; dist: CUDA IPC on a GPU it sees), a pair group (dist, unless both ends
+        share a GPU), a ring for a sender on this node (shm, and dist on one GPU), else inline frames."""
         fields: dict[str, Any] = {}
+        if self._offers_cache_to(h):
+            from transfer.direct_path import DirectReceive  # (it extends InlineReceive, above)
+
+            assert self._segment is not None
+            return {"direct": self._segment.announce()}, DirectReceive(self._segment)
         if self.transport == "dist":
             if not same_gpu(self._gpu, h.gpu):
                 pair = PairReceive.host(self, key)
@@ -430,14 +436,20 @@ class Receiver(KVReceiver):
             fields = {"same_gpu": True, "gpu": self._gpu}
         elif self.transport == "zmq":
             return fields, INLINE
-        elif self._segment is not None and h.node == node_id() and h.pidns and h.pidns == pid_namespace():
-            from transfer.direct_path import DirectReceive  # (it extends InlineReceive, above)
-
-            return {"direct": self._segment.announce()}, DirectReceive(self._segment)
         ring = RingReceive.offer(h, self.ring_bytes, self.rings(), self.max_rings)
         if ring is None:
             return fields, INLINE
         return {**fields, "shm": ring.ring.announce()}, ring
+
+    def _offers_cache_to(self, h: Hello) -> bool:
+        """A sender on this node and PID namespace that asked for it; on a GPU, one that sees the cache's GPU (Ray
+        gives each actor its own CUDA_VISIBLE_DEVICES)."""
+        seg = self._segment
+        if seg is None or h.node != node_id() or not h.pidns or h.pidns != pid_namespace():
+            return False
+        if seg.on_device != (self.transport == "dist"):  # dist senders hand over device KV, shm senders host KV
+            return False
+        return not seg.on_device or (h.gpus is not None and seg.gpu in h.gpus)
 
     def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         sess.path.on_piece(self, sess, piece, bufs)

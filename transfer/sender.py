@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import zmq
 
+from transfer import cuda_ipc
 from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, handshake_key, seal, session_key, split, verify
 from transfer.base import KVSender, check_layer_args
 from transfer.config import TransferConfig
@@ -354,8 +355,13 @@ class Sender(KVSender):
         transport = self.transport
         if transport == "shm" and not peer.address.startswith(SCHEME):
             transport = "zmq"  # a plain zmq receiver: speak zmq to it
-        pidns = pid_namespace() if transport == "shm" and self.cfg.direct_write else None
-        return Hello(self.fp, transport, peer.nonce, node_id(), self._gpu, pidns)
+        # the receiver's cache, written in place: host KV over shm; device KV over dist (CUDA IPC), raw bytes only
+        direct = self.cfg.direct_write and (
+            transport == "shm" or (transport == "dist" and self.cfg.kv_wire_dtype == "raw")
+        )
+        pidns = pid_namespace() if direct else None
+        gpus = cuda_ipc.visible_gpus() if direct and transport == "dist" else None
+        return Hello(self.fp, transport, peer.nonce, node_id(), self._gpu, pidns, gpus)
 
     def seal_for(self, peer: Peer, header: Header) -> bytes:
         """A header of this peer's session: MAC under the session key, next sequence number."""
@@ -557,7 +563,13 @@ class Sender(KVSender):
 
     def _path_from_welcome(self, peer: Peer, h: Welcome) -> Any:
         """The peer's payload path, as the receiver's welcome offers it: a pair group (dist, unless both ends share
-        a GPU), else its shm ring, else inline frames."""
+        a GPU), else its shm ring, else inline frames; the receiver's cache itself first, if it offers it."""
+        if h.direct is not None:
+            try:
+                return DirectSend(SegmentWriter.open(self.fp, h.direct))
+            except (ShmUnavailable, OSError) as e:
+                log.warning("KV to %s goes inline over ZeroMQ (its cache could not be mapped): %s", peer.address, e)
+                return INLINE
         if h.same_gpu:
             if not same_gpu(self._gpu, h.gpu):
                 raise ProtocolError("a same_gpu welcome from a receiver on another GPU")
@@ -569,12 +581,6 @@ class Sender(KVSender):
             if h.store_port is None:
                 raise ProtocolError("a dist welcome without the pair group's store port")
             return PairSend.join(self.cfg, peer, h.store_port, self._note_link_crash)
-        if h.direct is not None:
-            try:
-                return DirectSend(SegmentWriter.open(self.fp, h.direct))
-            except (ShmUnavailable, OSError) as e:
-                log.warning("KV to %s goes inline over ZeroMQ (its cache could not be mapped): %s", peer.address, e)
-                return INLINE
         announced = h.shm
         if announced is None:
             if peer.address.startswith(SCHEME):

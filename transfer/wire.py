@@ -135,6 +135,8 @@ class Hello(Header, tag="hello"):  # S->R, sealed under the handshake key
     node: Text | None = None  # transfer/shm_ring.py node_id: a ring is offered to a sender on the same node
     gpu: Text | None = None  # dist: this end's GPU UUID
     pidns: Text | None = None  # transfer/kv_segment.py pid_namespace: a receiver's cache is offered to a sender in it
+    # dist: the UUIDs of the GPUs this sender can open memory on (CUDA IPC needs the receiver's among them)
+    gpus: Annotated[list[Text], msgspec.Meta(max_length=64)] | None = None
 
 
 class Welcome(Header, tag="welcome"):  # R->S, under the handshake key; names the session's payload path
@@ -146,7 +148,8 @@ class Welcome(Header, tag="welcome"):  # R->S, under the handshake key; names th
     store_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # dist: the pair group's store
     same_gpu: bool = False
     gpu: Text | None = None
-    direct: Annotated[list[Any], msgspec.Meta(max_length=4)] | None = None  # its KV cache: [pid, fd, token, blocks]
+    # its KV cache: [pid, fd, token, blocks], and on a GPU [gpu, CUDA IPC handles] (transfer/kv_segment.py)
+    direct: Annotated[list[Any], msgspec.Meta(max_length=5)] | None = None
 
 
 class Reject(Header, tag="reject"):  # R->S, under the handshake key

@@ -91,7 +91,15 @@ def test_greedy_tokens_are_exact_in_float32_against_transformers_and_across_the_
     assert primary["exact_float32"]["exact"] is True
     assert primary["exact_float32"]["exact_rows"] == primary["exact_float32"]["rows"] > 0
     pair = primary["prefill_decode_pair"]
-    assert pair["exact"] == {"rows": 2, "exact_rows": 2, "exact": True, "dtype": "float32"}
+    # over nccl: gloo on the CPU (a GPU cache would take the CUDA IPC path: direct_pieces > 0)
+    assert pair["exact"] == {
+        "rows": 2,
+        "exact_rows": 2,
+        "exact": True,
+        "dtype": "float32",
+        "backend": "nccl",
+        "direct_pieces": 0,
+    }
     assert pair["bfloat16"]["positions"] > 0 and 0.5 <= pair["bfloat16"]["top1_agreement"] <= 1
     assert data["exact"]["float32_vs_generate"] is True
     assert data["exact"]["prefill_decode_pair_float32_vs_single_engine"] is True

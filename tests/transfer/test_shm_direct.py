@@ -120,8 +120,8 @@ def test_a_checksum_mismatch_over_the_destination_fails_the_transfer(closing, mo
     fp, cache, r, s = _pair(closing)
     real = SegmentWriter.write
 
-    def write_then_flip(self, tid, layer, blocks, k, v, digest):
-        digests = real(self, tid, layer, blocks, k, v, digest)
+    def write_then_flip(self, tid, layer, blocks, k, v, digest, ready=None):
+        digests = real(self, tid, layer, blocks, k, v, digest, ready)
         if layer == 2:
             self._map.layers[layer][1][blocks[0]].view(-1)[0] += 1  # the blocks change after the sender's hash
         return digests
