@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from transfer.errors import ProtocolError
-from transfer.kv_segment import KVSegment, SegmentWriter
+from transfer.kv_segment import DirectPiece, KVSegment, SegmentWriter
 from transfer.outbox import Outgoing, Peer
 from transfer.receiver import InlineReceive, Receiver
 from transfer.sessions import Session
@@ -56,24 +56,21 @@ class DirectSend:
             return
         if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             raise zmq.Again()
+        pieces = [_direct_piece(out) for out in outs]
+        digest = sender.cfg.checksum and not self.writer.on_device  # as over NCCL: no hash of device memory
         headers = []
-        for out in outs:
+        for out, result in zip(outs, self.writer.write_all(pieces, digest)):
             piece = out.piece
             assert piece is not None
-            try:
-                headers.append(msgspec.structs.replace(self._write(sender, piece, out), direct=True))
-            except ProtocolError as e:
-                sender.fail_transfer(peer, piece.transfer_id, e)
+            if isinstance(result, ProtocolError):
+                sender.fail_transfer(peer, piece.transfer_id, result)
+                continue
+            headers.append(
+                msgspec.structs.replace(piece if result is None else with_digests(piece, result), direct=True)
+            )
         if headers:
             peer.sock.send(sender.seal_for(peer, Pieces(pieces=tuple(headers))), zmq.NOBLOCK)
         sender.direct_pieces += len(headers)
-
-    def _write(self, sender: Sender, piece: PieceHeader, out: Outgoing) -> PieceHeader:
-        """The piece into its blocks; its header, with the xxh3 of the destination bytes if checksums are on."""
-        k, v = out.tensors
-        digest = sender.cfg.checksum and not self.writer.on_device  # as over NCCL: no hash of device memory
-        digests = self.writer.write(piece.transfer_id, piece.layer, piece.blocks, k, v, digest, out.ready)
-        return piece if digests is None else with_digests(piece, digests)
 
     def collect(self) -> tuple[None, list[Any]]:
         return None, []
@@ -97,3 +94,10 @@ class DirectReceive(InlineReceive):
         self.segment.verify(piece.layer, piece.blocks, piece.frames)
         receiver._table.landed(piece)
         receiver.direct_pieces += 1
+
+
+def _direct_piece(out: Outgoing) -> DirectPiece:
+    piece = out.piece
+    assert piece is not None
+    k, v = out.tensors
+    return DirectPiece(piece.transfer_id, piece.layer, piece.blocks, k, v, out.ready)

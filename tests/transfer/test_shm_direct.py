@@ -21,7 +21,7 @@ from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import bits, fingerprint, make_kv, poll_until
 from transfer.config import TransferConfig
 from transfer.errors import ChecksumError, PeerGone, ProtocolError
-from transfer.kv_segment import KVSegment, SegmentWriter, tag_of
+from transfer.kv_segment import DirectPiece, KVSegment, SegmentWriter, tag_of
 from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.shm_ring import PREFIX, SHM_DIR, ShmUnavailable
@@ -118,15 +118,16 @@ def test_pieces_ready_together_leave_as_one_message(closing, monkeypatch) -> Non
 
 def test_a_checksum_mismatch_over_the_destination_fails_the_transfer(closing, monkeypatch) -> None:
     fp, cache, r, s = _pair(closing)
-    real = SegmentWriter.write
+    real = SegmentWriter.write_all
 
-    def write_then_flip(self, tid, layer, blocks, k, v, digest, ready=None):
-        digests = real(self, tid, layer, blocks, k, v, digest, ready)
-        if layer == 2:
-            self._map.layers[layer][1][blocks[0]].view(-1)[0] += 1  # the blocks change after the sender's hash
+    def write_then_flip(self, pieces, digest):
+        digests = real(self, pieces, digest)
+        for piece in pieces:
+            if piece.layer == 2:  # the blocks change after the sender's hash
+                self._map.layers[piece.layer][1][piece.blocks[0]].view(-1)[0] += 1
         return digests
 
-    monkeypatch.setattr(SegmentWriter, "write", write_then_flip)
+    monkeypatch.setattr(SegmentWriter, "write_all", write_then_flip)
     r.expect("t", [4, 5])
     s.begin("t", r.address)
     _send(s, fp, "t", [4, 5], seed=1)
@@ -151,6 +152,32 @@ def test_a_sender_writes_only_blocks_tagged_for_its_transfer(closing) -> None:
             writer.write("t", 0, [cache.segment.num_blocks], k, v, True)
     finally:
         writer.close()
+
+
+def test_in_a_batch_only_the_pieces_whose_blocks_are_not_theirs_are_refused() -> None:
+    fp = fingerprint("float32")
+    segment = KVSegment(fp, 16)
+    writer = SegmentWriter.open(fp, segment.announce())
+    try:
+        segment.claim("a", [1, 2])
+        segment.claim("b", [5])
+        pieces = [
+            DirectPiece("a", 0, [1, 2], *make_kv(fp, 0, 2, seed=1)),
+            DirectPiece("b", 0, [6], *make_kv(fp, 0, 1, seed=2)),  # block 6 is nobody's
+            DirectPiece("b", 1, [5], *make_kv(fp, 1, 1, seed=2)),
+            DirectPiece("a", 1, [1, 99], *make_kv(fp, 1, 2, seed=1)),  # outside the cache
+        ]
+        results = writer.write_all(pieces, digest=True)
+        assert [type(r).__name__ for r in results] == ["list", "ProtocolError", "list", "ProtocolError"]
+        assert all(len(r) == 2 for r in results if isinstance(r, list))  # K's and V's xxh3
+        k, v = make_kv(fp, 0, 2, seed=1)
+        assert torch.equal(bits(segment.layers[0][0][1:3]), bits(k)) and torch.equal(
+            bits(segment.layers[0][1][1:3]), bits(v)
+        )
+        assert not segment.layers[0][:, 6].any() and not segment.layers[1][:, 1].any()
+    finally:
+        writer.close()
+        segment.close()
 
 
 def test_a_transfer_failed_by_the_receiver_stops_its_sender_before_its_blocks_go_back(closing) -> None:
