@@ -73,12 +73,14 @@ def _child(conn: Any) -> None:
                 sock.setsockopt(zmq.SNDTIMEO, 10000)
                 sock.connect(address)
                 time.sleep(0.2)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for k, v in kv:
                 sock.send_multipart(
                     [k.view(-1).view(torch.uint8).numpy(), v.view(-1).view(torch.uint8).numpy()], copy=False
                 )
             conn.send((t0, "sent"))
+            conn.recv()  # the receiver has it all: ZeroMQ's I/O thread is done with it
+            conn.send(time.process_time() - c0)
             continue
         s = senders.get((backend, checksum))
         if s is None:
@@ -352,7 +354,12 @@ def _row(
     }
     row["cpu_us_per_piece"] = {side: round(1e3 * ms / FP.num_layers, 1) for side, ms in row["cpu_ms"].items()}
     if raw_times:
-        row["raw_zmq_gbps"] = round(nbytes / statistics.median(raw_times[1:]) / 1e9, 3)
+        row["raw_zmq_gbps"] = round(nbytes / statistics.median(t for t, _, _ in raw_times[1:]) / 1e9, 3)
+        # the same bytes as raw ZeroMQ messages (one per layer): what the sockets alone cost each side
+        row["raw_zmq_cpu_ms"] = {
+            "sender": round(1e3 * statistics.median(c for _, c, _ in raw_times[1:]), 3),
+            "receiver": round(1e3 * statistics.median(c for _, _, c in raw_times[1:]), 3),
+        }
     return row
 
 
@@ -369,12 +376,15 @@ class _RawReceiver:
             self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.backend, self.n, self.cache = backend, n, _Cache(n)
 
-    def once(self, parent: Any) -> float:
+    def once(self, parent: Any) -> tuple[float, float, float]:
+        """(seconds, sender process CPU, receiver thread CPU) of one transfer."""
         parent.send(("raw-" + self.backend, self.addr, self.n, "raw", False))
+        c0 = time.thread_time()
         _raw_receive(self.sock, self.cache)
-        t1 = time.perf_counter()
+        t1, rcpu = time.perf_counter(), time.thread_time() - c0
         t0, _ = parent.recv()
-        return t1 - t0
+        parent.send("received")
+        return t1 - t0, parent.recv(), rcpu
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -45,3 +45,13 @@ def test_the_ring_ceiling_moves_every_byte_and_ends_its_sender() -> None:
     assert row["intact"] and row["gbps"] > 0 and row["memcpy_gbps"] > 0
     assert row["ratio_vs_memcpy"] == pytest.approx(row["gbps"] / row["memcpy_gbps"], rel=0.05, abs=2e-3)
     assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_zmq_rows_carry_the_raw_sockets_cpu_per_transfer() -> None:
+    """The fixed cost per transfer explains itself: the same bytes as bare ZeroMQ messages, timed each side."""
+    ap = argparse.ArgumentParser()
+    transfer_bench.add_arguments(ap)
+    out = transfer_bench.run(ap.parse_args(["--backends", "zmq-tcp", "--sizes-mib", "0.5", "--reps", "2"]))
+    (row,) = out["results"]
+    assert row["ratio_vs_raw_zmq"] == pytest.approx(row["gbps"] / out["raw_zmq_gbps"]["zmq-tcp"]["0.5"], rel=0.05)
+    assert row["raw_zmq_cpu_ms"]["sender"] > 0 and row["raw_zmq_cpu_ms"]["receiver"] > 0
