@@ -66,6 +66,7 @@ class InboundTable:
             now,
             missing=[set(blocks) for _ in range(layers)],
             remaining=layers * len(blocks),
+            in_order=tuple(int(b) for b in dst_block_ids),
         )
 
     def get(self, transfer_id: str) -> Inbound | None:
@@ -135,11 +136,14 @@ class InboundTable:
         if piece.layer >= rec.num_layers:
             raise ProtocolError(f"layer {piece.layer} beyond expected {rec.num_layers} layers")
         todo = rec.missing[piece.layer]
-        blocks = set(piece.blocks)
-        if len(blocks) != len(piece.blocks) or not blocks <= todo:
-            bad = sorted(blocks - todo)[:8]
-            raise ProtocolError(f"layer {piece.layer}: blocks {bad} not reserved for this transfer or duplicate")
-        todo -= blocks
+        if piece.blocks == rec.in_order and len(todo) == len(rec.in_order):
+            todo.clear()  # the whole transfer's blocks for this layer, none arrived yet: one comparison, no sets
+        else:
+            blocks = set(piece.blocks)
+            if len(blocks) != len(piece.blocks) or not blocks <= todo:
+                bad = sorted(blocks - todo)[:8]
+                raise ProtocolError(f"layer {piece.layer}: blocks {bad} not reserved for this transfer or duplicate")
+            todo -= blocks
         rec.state = TransferState.TRANSFERRING
         rec.headers_seen += 1
         rec.last_heard = time.monotonic()

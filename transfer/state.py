@@ -173,3 +173,4 @@ class Inbound:
     nbytes: int = 0
     last_renew: float = 0.0  # last lease renewal we sent to the sender
     last_heard: float = 0.0  # last message from the sender about this transfer
+    in_order: tuple[int, ...] = ()  # the blocks as expect() named them: a piece of all of them is checked at once
