@@ -77,6 +77,9 @@ class LeaseTable:
         with self._lock:
             return self._leases.get(transfer_id)
 
+    def __len__(self) -> int:
+        return len(self._leases)  # (one read of a dict's size: atomic under the GIL)
+
     def note_sent(self, transfer_id: str, nbytes: int) -> None:
         with self._lock:
             lease = self._leases.get(transfer_id)
