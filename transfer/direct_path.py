@@ -41,6 +41,7 @@ class DirectSend:
     def __init__(self, writer: SegmentWriter) -> None:
         self.writer = writer
         self.name = "cuda-ipc" if writer.on_device else "shm-direct"  # as /status names the peer's path
+        self.device_kv = writer.on_device  # a GPU cache takes device KV device to device, never through the host
 
     def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
         if sender.cfg.kv_wire_dtype != "raw":

@@ -70,6 +70,7 @@ def consumer_event(tensors: list[torch.Tensor]) -> Any:
 
 class PairSend:
     name = "pair"
+    device_kv = True  # NCCL sends device tensors as they are
 
     def __init__(self, link: PairLink) -> None:
         self.link = link

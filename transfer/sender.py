@@ -105,6 +105,12 @@ class InlineSend:
 INLINE = InlineSend()
 
 
+def _takes_device_kv(path: Any) -> bool:
+    """Whether a path moves device tensors itself (an NCCL pair, a GPU cache written through CUDA IPC); the others
+    get host copies, staged on a copy stream."""
+    return bool(getattr(path, "device_kv", False))
+
+
 class Sender(KVSender):
     """Thread-safe API; all sockets live in one I/O thread. `transport` is what the hello says: "zmq", "shm" or
     "dist" (nccl/gloo)."""
@@ -428,7 +434,8 @@ class Sender(KVSender):
                 or out.nbytes > peer.path.batch_piece_bytes
                 or total + out.nbytes > peer.path.batch_bytes
                 or self._leases.get(out.transfer_id) is None
-                or any(t.is_cuda for t in out.tensors)
+                or not _takes_device_kv(peer.path)
+                and any(t.is_cuda for t in out.tensors)
                 or peer.max_frame_bytes  # the batch's one payload frame must pass the receiver's frame bound too
                 and total + out.nbytes > peer.max_frame_bytes
             ):
@@ -443,7 +450,7 @@ class Sender(KVSender):
             peer.sock.send(self.seal_for(peer, out.message), zmq.NOBLOCK)
             return
         check_peer_frame_bound(peer, out.piece)
-        if not isinstance(peer.path, PairSend) and any(t.is_cuda for t in out.tensors):
+        if not _takes_device_kv(peer.path) and any(t.is_cuda for t in out.tensors):
             # NCCL handed over device KV, but this receiver shares our GPU: host bytes through the ring or inline
             staged = self._stager.stage(out.tensors, after=out.ready)
             out.tensors, out.ready = staged.wait(self.cfg.send_timeout_s), None

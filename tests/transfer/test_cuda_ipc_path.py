@@ -208,3 +208,33 @@ def test_the_real_driver_calls_refuse_what_they_cannot_share() -> None:
         KVSegment(fp, 4, device_layers=layers, gpu=RX_GPU)
     if not torch.cuda.is_available():
         assert cuda_ipc.visible_gpus() == []
+
+
+class RecordingPath:
+    def __init__(self, device_kv: bool) -> None:
+        self.device_kv, self.got = device_kv, []
+
+    def send(self, sender, peer, out) -> None:
+        self.got.append(out.tensors)
+
+
+@pytest.mark.parametrize("device_kv", [True, False], ids=["gpu-cache", "host-path"])
+def test_device_kv_goes_to_a_gpu_cache_as_it_is_and_to_other_paths_through_the_host(device_kv, closing) -> None:
+    """What no CPU tensor can show: the sender stages device KV to host memory only for paths that need host bytes
+    (tensors stand in by their is_cuda alone; the staging is recorded, not run)."""
+    from types import SimpleNamespace
+
+    from transfer.outbox import Outgoing
+    from transfer.wire import encode_piece
+
+    fp = fingerprint("float32")
+    s = closing(Sender(fp, _cfg(TX_GPU), "dist"))
+    staged = []
+    s._stager = SimpleNamespace(stage=lambda ts, after=None: staged.append(ts) or SimpleNamespace(wait=lambda _: ts))
+    header, _ = encode_piece(fp, "t", 0, [1], *make_kv(fp, 0, 1, seed=1), "raw", False)
+    device = [SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=True)]
+    path = RecordingPath(device_kv)
+    peer = SimpleNamespace(path=path, max_frame_bytes=0, address="tcp://127.0.0.1:1")
+    s._send(peer, Outgoing("t", header, list(device), 8))
+    assert path.got == [device]
+    assert staged == ([] if device_kv else [device])
