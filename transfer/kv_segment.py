@@ -351,6 +351,8 @@ class SegmentWriter:
 
     def _open_device(self, device: list[Any], num_layers: int, layer_bytes: int) -> list[torch.Tensor]:
         """Each layer's bytes through its CUDA IPC handle, on this process's index of the receiver's GPU."""
+        if not (isinstance(device, list) and len(device) == 2):
+            raise cuda_ipc.CudaIpcError("malformed GPU cache announcement")
         gpu, exports = device
         if not isinstance(gpu, str) or not isinstance(exports, list) or len(exports) != num_layers:
             raise cuda_ipc.CudaIpcError("malformed GPU cache announcement")

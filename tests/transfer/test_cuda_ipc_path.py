@@ -190,7 +190,8 @@ def test_an_unopenable_gpu_cache_is_refused_before_any_write(ipc) -> None:
         SegmentWriter.open(fp, good)
     ipc.visible = [RX_GPU]
     gpu, exports = good[4]
-    for bad in ([gpu, exports[:-1]], [gpu, [[*exports[0][:2], 12], *exports[1:]]], [7, exports]):
+    malformed = ([gpu, exports[:-1]], [gpu, [[*exports[0][:2], 12], *exports[1:]]], [7, exports], "x", [gpu])
+    for bad in malformed:
         with pytest.raises(ShmUnavailable):
             SegmentWriter.open(fp, [*good[:4], bad])
     cache.segment.close()
