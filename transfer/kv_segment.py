@@ -336,7 +336,7 @@ class SegmentWriter:
         self._stream: Any = None
         try:
             layers = None if device is None else self._open_device(device, fp.num_layers, layer_bytes)
-        except (cuda_ipc.CudaIpcError, RuntimeError) as e:
+        except (cuda_ipc.CudaIpcError, RuntimeError, TypeError, ValueError) as e:
             self._close_device()
             mm.close()
             os.close(own)
