@@ -8,12 +8,13 @@ MACed welcome announced by the token on its control page.
 
 Layout: page 0: magic | token | num_layers | num_blocks | layer_bytes, then one u64 owner tag per block (0: not being
 received; else `tag_of` the transfer the receiver expects into it), then per layer ``[2, num_blocks, block_size,
-kv_heads, head_dim]`` (K, V) of the cache's dtype, page aligned. On a GPU the layers stay the engine's CUDA tensors:
-the memfd holds the page and the tags, the announcement adds each layer's CUDA IPC handle (transfer/cuda_ipc.py), and
-a writer copies on a stream of its own and waits for the copy before it lets go of the flock. A writer may write a block only while its tag is its
+kv_heads, head_dim]`` (K, V) of the cache's dtype, page aligned. A writer may write a block only while its tag is its
 transfer's: it holds the segment's flock while it checks the tags and copies, and the receiver takes the flock to
 clear a failed transfer's tags, so once that returns no write into those blocks is under way or can start (flock
 belongs to an open file: a killed writer's is released with it).
+On a GPU the layers stay the engine's CUDA tensors: the memfd holds the page and the tags, the announcement adds each
+layer's CUDA IPC handle (transfer/cuda_ipc.py), and a writer copies on a stream of its own and waits for its copies
+before it lets go of the flock.
 """
 
 from __future__ import annotations
