@@ -436,11 +436,11 @@ def _remote(request: Request) -> RemoteKV:
 
 def shared_kv_cache(spec: WorkerSpec, engine: LLMEngine) -> KVSegment | None:
     """The engine's cache offered to same-node senders, which write KV in place (transfer/direct_path.py): a CPU cache
-    moved into shared memory (shm, auto), or a GPU cache's CUDA IPC handles (nccl); one rank holding every head. None:
-    a ring, a pair group or frames instead."""
+    moved into shared memory (shm, auto), or a GPU cache's CUDA IPC handles (nccl, shm, auto); one rank holding every
+    head. None: a ring, a pair group or frames instead."""
     cache = engine.kv_cache
     on_gpu = cache.kv[0].device.type == "cuda"
-    backends = ("nccl",) if on_gpu else ("shm", "auto")
+    backends = ("nccl", "shm", "auto") if on_gpu else ("shm", "auto")
     if spec.transfer_backend not in backends or not spec.transfer.direct_write or engine.handoff_spec != engine.kv_spec:
         return None
     fp, num_blocks = ModelFingerprint.from_spec(engine.kv_spec), cache.kv[0].shape[1]

@@ -1,5 +1,5 @@
 """The direct payload path: a same-node sender writes KV into the receiver's cache (backends `shm` and `auto` on a
-CPU; `nccl` on a GPU the sender sees, through CUDA IPC instead of an NCCL pair).
+CPU; `nccl`, `shm` and `auto` on a GPU the sender sees, through CUDA IPC instead of an NCCL pair or a ring).
 
 welcome   to a sender on this node and in this PID namespace, from a receiver whose engine's cache lives in a
           transfer/kv_segment.py segment: [pid, fd, token, blocks] (+ [gpu, IPC handles]); the sender maps it (else:

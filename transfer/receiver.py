@@ -442,14 +442,14 @@ class Receiver(KVReceiver):
         return {**fields, "shm": ring.ring.announce()}, ring
 
     def _offers_cache_to(self, h: Hello) -> bool:
-        """A sender on this node and PID namespace that asked for it; on a GPU, one that sees the cache's GPU (Ray
-        gives each actor its own CUDA_VISIBLE_DEVICES)."""
+        """A sender on this node and PID namespace that asked for it; a GPU cache, to one that sees its GPU (Ray
+        gives each actor its own CUDA_VISIBLE_DEVICES); a host cache, to shm senders (dist ones hand over device KV)."""
         seg = self._segment
         if seg is None or h.node != node_id() or not h.pidns or h.pidns != pid_namespace():
             return False
-        if seg.on_device != (self.transport == "dist"):  # dist senders hand over device KV, shm senders host KV
-            return False
-        return not seg.on_device or (h.gpus is not None and seg.gpu in h.gpus)
+        if not seg.on_device:
+            return self.transport == "shm"
+        return h.gpus is not None and seg.gpu in h.gpus
 
     def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         sess.path.on_piece(self, sess, piece, bufs)

@@ -367,12 +367,13 @@ class Sender(KVSender):
         transport = self.transport
         if transport == "shm" and not peer.address.startswith(SCHEME):
             transport = "zmq"  # a plain zmq receiver: speak zmq to it
-        # the receiver's cache, written in place: host KV over shm; device KV over dist (CUDA IPC), raw bytes only
+        # the receiver's cache, written in place: over shm host KV (staged from a GPU: one copy onto the GPU cache);
+        # over dist device KV, raw bytes only
         direct = self.cfg.direct_write and (
             transport == "shm" or (transport == "dist" and self.cfg.kv_wire_dtype == "raw")
         )
         pidns = pid_namespace() if direct else None
-        gpus = cuda_ipc.visible_gpus() if direct and transport == "dist" else None
+        gpus = cuda_ipc.visible_gpus() if direct else None  # a GPU cache is offered to a sender that sees its GPU
         return Hello(self.fp, transport, peer.nonce, node_id(), self._gpu, pidns, gpus)
 
     def seal_for(self, peer: Peer, header: Header) -> bytes:

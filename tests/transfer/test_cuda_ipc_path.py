@@ -97,11 +97,13 @@ def _cfg(gpu: str, **kw) -> TransferConfig:
     return TransferConfig(gpu_uuid=gpu, group_timeout_s=10.0, deadline_s=5.0, **kw)
 
 
-def _pair(closing, tx_gpu=TX_GPU, dtype="float32", **scfg):
+def _pair(closing, tx_gpu=TX_GPU, dtype="float32", transport="dist", **scfg):
+    """A decode side whose cache is on a "GPU", and a sender: nccl's transport (dist), or shm's (shm, auto)."""
     fp = fingerprint(dtype)
     cache = DeviceCache(fp)
-    r = closing(Receiver(fp, cache.sink, "tcp://127.0.0.1:0", _cfg(RX_GPU), "dist", segment=cache.segment))
-    s = closing(Sender(fp, _cfg(tx_gpu, **scfg), "dist"))
+    address = "tcp://127.0.0.1:0" if transport == "dist" else "shm+tcp://127.0.0.1:0"
+    r = closing(Receiver(fp, cache.sink, address, _cfg(RX_GPU), transport, segment=cache.segment))
+    s = closing(Sender(fp, _cfg(tx_gpu, **scfg), transport))
     return fp, cache, r, s
 
 
@@ -120,29 +122,35 @@ def _transfer(r, s, fp, tid, dst, seed):
     return rev, sev
 
 
-@pytest.mark.parametrize("tx_gpu", [TX_GPU, RX_GPU], ids=["another-gpu", "same-gpu"])
-def test_a_sender_that_sees_the_gpu_writes_into_the_cache_instead_of_pairing(tx_gpu, ipc, closing) -> None:
-    fp, cache, r, s = _pair(closing, tx_gpu)
+@pytest.mark.parametrize(
+    ("tx_gpu", "transport"),
+    [(TX_GPU, "dist"), (RX_GPU, "dist"), (TX_GPU, "shm")],
+    ids=["nccl-another-gpu", "nccl-same-gpu", "shm-auto"],
+)
+def test_a_sender_that_sees_the_gpu_writes_into_the_cache_instead_of_pairing(tx_gpu, transport, ipc, closing) -> None:
+    fp, cache, r, s = _pair(closing, tx_gpu, transport=transport)
     for i, dst in enumerate(([3], [7, 8, 9, 20, 2, 31])):
         rev, sev = _transfer(r, s, fp, f"t{i}", dst, seed=i)
         assert [e.state for e in rev + sev] == [TransferState.DONE] * 2, rev + sev
         assert cache.holds(dst, seed=i)
     assert cache.writes == 0 and r.direct_pieces == s.direct_pieces == 2 * fp.num_layers
     assert set(s.paths().values()) == {"cuda-ipc"}
-    assert r._store is None and r.same_gpu_sessions == 0  # no pair group, no ring
+    assert r._store is None and r.same_gpu_sessions == 0 and r.rings() == 0  # no pair group, no ring
     assert ipc.opened == fp.num_layers  # each layer's handle opened once, for both transfers
     assert not cache.segment._map.tags.any() and r.pending_transfers() == [] and s.active_transfers() == []
     s.close()
     assert ipc.closed == 1
 
 
-def test_a_sender_that_cannot_see_the_gpu_pairs_as_before(ipc, closing) -> None:
+@pytest.mark.parametrize("transport", ["dist", "shm"], ids=["nccl-pairs", "shm-ring"])
+def test_a_sender_that_cannot_see_the_gpu_pairs_or_takes_the_ring_as_before(transport, ipc, closing) -> None:
     ipc.visible = [TX_GPU]  # Ray gave the prefill actor only its own GPU
-    fp, cache, r, s = _pair(closing)
+    fp, cache, r, s = _pair(closing, transport=transport)
     rev, sev = _transfer(r, s, fp, "t", [5, 6], seed=2)
     assert [e.state for e in rev + sev] == [TransferState.DONE] * 2
     assert cache.holds([5, 6], seed=2) and cache.writes == fp.num_layers
-    assert r._store is not None and r.direct_pieces == 0 and ipc.opened == 0
+    assert r.direct_pieces == 0 and ipc.opened == 0
+    assert (r._store is not None) if transport == "dist" else (r.rings() == 1 and s.paths() == {r.address: "shm-ring"})
 
 
 @pytest.mark.parametrize("scfg", [{"direct_write": False}, {"kv_wire_dtype": "int8"}], ids=["disallowed", "int8"])
