@@ -6,7 +6,8 @@ decode/worker.py glue them; the decode process drives, the prefill one answers o
    CUDA IPC handles (transfer/direct_path.py, ``kv_path``); the pair's tokens against the same engine generating
    alone, token-exact, first token included (bfloat16 may differ in the last bits: cuBLAS picks kernels by batch
    shape, and the sides batch differently).
-2. **bfloat16**, over shm (device KV staged through pinned host memory and a ring): the pair's tokens teacher-forced through the engine alone (``top1_agreement``); the GB/s of a long
+2. **bfloat16**, over shm (device KV staged through pinned host memory, then one copy into the decode engine's cache
+   through the same handles): the pair's tokens teacher-forced through the engine alone (``top1_agreement``); the GB/s of a long
    prompt's KV sent after its whole prefill (first ``send_layer`` to DONE: no prefill compute in the window); the p99
    interval between decode steps of ``running`` requests, idle and while that KV arrives, every decode graph they can
    meet captured first (a capture synchronises the device; ``graphs_captured_while_measuring``).
@@ -131,7 +132,7 @@ class DecodeSide:
         config = TransferConfig(secret=SECRET, kv_device=engine.config.device, device=device)
         fingerprint = ModelFingerprint.from_spec(engine.kv_spec)
         segment = None
-        if backend == "nccl" and engine.kv_cache.kv[0].is_cuda:  # as decode/worker.py's shared_kv_cache does
+        if engine.kv_cache.kv[0].is_cuda:  # as decode/worker.py's shared_kv_cache offers a GPU cache
             kv = engine.kv_cache.kv
             segment = KVSegment(fingerprint, kv[0].shape[1], device_layers=kv, gpu=gpu_uuid(config))
         self.backend = backend
@@ -327,6 +328,7 @@ def decode_main(conn: Any, result: Any, params: dict[str, Any]) -> None:
                 out["exact"].update(dtype="float32", backend=backend, direct_pieces=side.receiver.direct_pieces)
             else:
                 _bfloat16_phase(side, p, vocab, out)
+                out["direct_pieces"] = side.receiver.direct_pieces  # > 0 on a GPU: the KV went through CUDA IPC
             side.close()
             side = None
             del engine

@@ -164,6 +164,7 @@ def test_pair_memory_and_dependencies_are_reported(result):
     assert pair["transfer_gbps"] > 0 and pair["kv_bytes_per_long_prompt"] > 0
     assert pair["itl_idle_p99_ms"] > 0 and pair["itl_during_p99_ms"] > 0 and pair["itl_samples"]["during"] > 0
     assert pair["graphs_warmed"] is None and pair["graphs_captured_while_measuring"] is None  # no graphs on the CPU
+    assert pair["direct_pieces"] == 0  # the CPU pair's cache is not offered (a GPU's would be, through CUDA IPC)
     assert primary["memory"]["error"] == "not on a GPU" and primary["memory"]["measured"]["weights_bytes"] > 0
     deps = data["dependencies"]
     assert deps["torch"] == torch.__version__.split("+")[0] or deps["torch"].startswith(torch.__version__[:4])
