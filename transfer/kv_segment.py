@@ -394,22 +394,6 @@ class SegmentWriter:
     def on_device(self) -> bool:
         return self._map.on_device
 
-    def write(
-        self,
-        transfer_id: str,
-        layer: int,
-        blocks: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        digest: bool,
-        ready: Any = None,
-    ) -> list[int] | None:
-        """One piece (`write_all` of one): its digests, or its ProtocolError raised."""
-        (result,) = self.write_all([DirectPiece(transfer_id, layer, blocks, k, v, ready)], digest)
-        if isinstance(result, ProtocolError):
-            raise result
-        return result
-
     def write_all(self, pieces: Sequence[DirectPiece], digest: bool) -> list[list[int] | None | ProtocolError]:
         """Copy each piece's K and V into its blocks, under one hold of the flock from the checks to the end of the
         copies; a piece whose blocks are not all tagged for its transfer gets a ProtocolError, nothing of it written.

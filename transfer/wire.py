@@ -136,7 +136,7 @@ class Hello(Header, tag="hello"):  # S->R, sealed under the handshake key
     node: Text | None = None  # transfer/shm_ring.py node_id: a ring is offered to a sender on the same node
     gpu: Text | None = None  # dist: this end's GPU UUID
     pidns: Text | None = None  # transfer/kv_segment.py pid_namespace: a receiver's cache is offered to a sender in it
-    # dist: the UUIDs of the GPUs this sender can open memory on (CUDA IPC needs the receiver's among them)
+    # with direct writes: the UUIDs of the GPUs this sender can open memory on (a GPU cache's must be among them)
     gpus: Annotated[list[Text], msgspec.Meta(max_length=64)] | None = None
 
 

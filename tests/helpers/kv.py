@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from transfer.errors import ProtocolError
+from transfer.kv_segment import DirectPiece, SegmentWriter
 from transfer.wire import ModelFingerprint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,3 +86,13 @@ def poll_until(pollers: list[Callable[[], list]], done: Callable[[list], bool], 
             return events
         time.sleep(0.001)
     return events
+
+
+def write_piece(
+    writer: SegmentWriter, tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor, digest: bool
+) -> list[int] | None:
+    """One piece through a direct writer (``write_all`` of one): its digests, or its ProtocolError raised."""
+    (result,) = writer.write_all([DirectPiece(tid, layer, blocks, k, v)], digest)
+    if isinstance(result, ProtocolError):
+        raise result
+    return result

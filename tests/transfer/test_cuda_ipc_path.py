@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers.kv import bits, fingerprint, make_kv, poll_until
+from tests.helpers.kv import bits, fingerprint, make_kv, poll_until, write_piece
 from transfer import cuda_ipc
 from transfer.config import TransferConfig
 from transfer.errors import ProtocolError
@@ -181,10 +181,10 @@ def test_a_closed_cache_refuses_every_writer(ipc) -> None:
         cache.segment.claim("t", [1])
         assert writer.on_device and cache.segment._map.tags[1] == tag_of("t")
         k, v = make_kv(fp, 0, 1, seed=1)
-        writer.write("t", 0, [1], k, v, digest=False)
+        write_piece(writer, "t", 0, [1], k, v, digest=False)
         cache.segment.close()  # the memory goes back to the allocator: no write may land from now on
         with pytest.raises(ProtocolError, match="not reserved"):
-            writer.write("t", 0, [1], k, v, digest=False)
+            write_piece(writer, "t", 0, [1], k, v, digest=False)
     finally:
         writer.close()
 

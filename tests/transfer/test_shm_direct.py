@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import transfer_peers as procs
-from tests.helpers.kv import bits, fingerprint, make_kv, poll_until
+from tests.helpers.kv import bits, fingerprint, make_kv, poll_until, write_piece
 from transfer.config import TransferConfig
 from transfer.errors import ChecksumError, PeerGone, ProtocolError
 from transfer.kv_segment import DirectPiece, KVSegment, SegmentWriter, tag_of
@@ -149,7 +149,7 @@ def test_a_sender_writes_only_blocks_tagged_for_its_transfer(closing) -> None:
     try:
         k, v = make_kv(fp, 0, 1, seed=0)
         with pytest.raises(ProtocolError, match="outside"):
-            writer.write("t", 0, [cache.segment.num_blocks], k, v, True)
+            write_piece(writer, "t", 0, [cache.segment.num_blocks], k, v, True)
     finally:
         writer.close()
 
@@ -186,7 +186,7 @@ def test_a_transfer_failed_by_the_receiver_stops_its_sender_before_its_blocks_go
     writer = SegmentWriter.open(fp, cache.segment.announce())
     try:
         k, v = make_kv(fp, 0, 2, seed=3)
-        writer.write("t", 0, [6, 7], k, v, True)  # allowed while the transfer runs
+        write_piece(writer, "t", 0, [6, 7], k, v, True)  # allowed while the transfer runs
         assert writer._map.lock(1.0)  # a write under way ...
         t0 = time.monotonic()
         r.abort("t")  # ... is waited for (bounded), then the tags are cleared
@@ -197,7 +197,7 @@ def test_a_transfer_failed_by_the_receiver_stops_its_sender_before_its_blocks_go
         events = poll_until([r.poll], lambda e: e, 5)
         assert events[0].state == TransferState.FAILED and cache.tagged() == 0
         with pytest.raises(ProtocolError, match="not reserved"):
-            writer.write("t", 1, [6, 7], k, v, False)
+            write_piece(writer, "t", 1, [6, 7], k, v, False)
     finally:
         writer.close()
 
@@ -281,7 +281,7 @@ def test_the_writer_maps_the_cache_ahead_of_its_writes() -> None:
         kv = [make_kv(fp, layer, 64, seed=1) for layer in range(fp.num_layers)]
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for layer, (k, v) in enumerate(kv):
-            writer.write("t", layer, blocks, k, v, False)
+            write_piece(writer, "t", layer, blocks, k, v, False)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         assert faults < 200, f"{faults} page faults writing 2048 pages"  # (unmapped: one per page at least)
     finally:
@@ -299,10 +299,10 @@ def test_a_writer_waits_for_the_lock_a_bounded_time(closing) -> None:
         assert segment._map.lock(1.0)
         t0 = time.monotonic()
         with pytest.raises(ProtocolError, match="stayed locked"):
-            writer.write("t", 0, [1], *make_kv(fp, 0, 1, seed=1), False)
+            write_piece(writer, "t", 0, [1], *make_kv(fp, 0, 1, seed=1), False)
         assert 0.9 <= time.monotonic() - t0 < 5
         segment._map.unlock()
-        writer.write("t", 0, [1], *make_kv(fp, 0, 1, seed=1), False)
+        write_piece(writer, "t", 0, [1], *make_kv(fp, 0, 1, seed=1), False)
     finally:
         writer.close()
         segment.close()
