@@ -1,5 +1,5 @@
 """``pdserve bench migrate``: the figures from sample token times (ITL windows, stalls, goodput), the token check
-(lost, duplicated, a run that went another way), what a chunk adds to a stream, the options and sizing it refuses,
+(lost, duplicated, a run that went another way), the options and sizing it refuses,
 the runs' configs; and end to end on the tiny model (workers in-process), the JSON's shape and a drain that moved
 every stream with no token lost or duplicated."""
 
@@ -11,8 +11,6 @@ import pytest
 
 from bench import migration_bench
 from bench.migration_bench import (
-    Stream,
-    apply_chunk,
     base_config,
     check_options,
     checks_against,
@@ -29,6 +27,7 @@ from bench.migration_bench import (
     rebalance_sizing,
     token_check,
 )
+from bench.stream_client import Stream
 from tests.helpers.cluster import tiny_cluster_config
 
 
@@ -161,21 +160,6 @@ def test_the_checks_sum_over_streams_and_compare_the_clients_count_with_the_serv
     assert checks["first_differences"] == {1: 2} and checks["counts_agree"]
     got[0].completion_tokens = 6  # the server says it sent one the client never read
     assert not checks_against(references, got)["counts_agree"]
-
-
-def test_a_chunk_adds_its_tokens_at_the_time_it_was_read():
-    s = Stream(0, "p", 3)
-    apply_chunk(s, {"id": "cmpl-1", "choices": [{"text": "He", "logprobs": {"tokens": ["He"]}}], "usage": None}, 1.0)
-    two = {"id": "cmpl-1", "choices": [{"text": "llo!", "logprobs": {"tokens": ["llo", "!"]}, "finish_reason": None}]}
-    apply_chunk(s, two, 2.0)
-    last = {"id": "cmpl-1", "choices": [{"text": "", "logprobs": None, "finish_reason": "length"}]}
-    apply_chunk(s, last | {"usage": {"completion_tokens": 3}, "timing": {"migrations": 1}}, 2.5)
-    assert (s.request_id, s.text, s.tokens, s.arrivals) == ("cmpl-1", "Hello!", ["He", "llo", "!"], [1.0, 2.0, 2.0])
-    assert (s.chunks, s.completion_tokens, s.finish_reason, s.timing) == (2, 3, "length", {"migrations": 1})
-    assert s.ended and s.error is None
-    failed = Stream(1, "p", 3)
-    apply_chunk(failed, {"error": {"message": "worker died"}}, 1.0)
-    assert failed.ended and "worker died" in failed.error
 
 
 # ---- the rebalance figures -------------------------------------------------------------------------------------
