@@ -268,8 +268,6 @@ Command = (
     | MigrateTail
     | MigrateSend
 )
-RequestCommand = _RequestCommand  # every command about one request (all but ping and drain)
-PromptCommand = _PromptCommand  # the commands that bring a prompt and its sampling parameters
 
 
 # ---- events: worker -> router ----------------------------------------------------------------------------------

@@ -78,12 +78,7 @@ class WorkerRuntime:
         self._routers = options.router_addresses
         if not self._routers:
             raise ValueError(f"worker {spec.name}: no router address")
-        # one PUSH socket and signer per router (used by the loop thread only); index = the router's index
-        self._events: list[tuple[zmq.Socket, Signer]] = []
-        for address in self._routers:
-            sock = self._socket(zmq.PUSH)
-            sock.connect(address)
-            self._events.append((sock, Signer(options.secret, Channel.EVENTS, address)))
+        self._events = self._event_sockets()  # the loop thread's
         self._book = RouterBook(self.name, len(self._routers), options.orphan_timeout_s)
         self._stop = threading.Event()
         self._dead = threading.Event()  # kill(): nothing leaves this worker any more
@@ -105,6 +100,15 @@ class WorkerRuntime:
     def counters(self) -> WorkerCounters:
         """The heartbeat's ``counters``: the role's, which this runtime adds to."""
         return self.role.counters
+
+    def _event_sockets(self) -> list[tuple[zmq.Socket, Signer]]:
+        """One PUSH socket and signer per router (index = the router's index), for one thread's use."""
+        sockets = []
+        for address in self._routers:
+            sock = self._socket(zmq.PUSH)
+            sock.connect(address)
+            sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))
+        return sockets
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
@@ -164,7 +168,7 @@ class WorkerRuntime:
             "command_address": self.command_address,
             "degraded": self.degraded,
             "draining": self._book.draining,
-            "drained": self.drained,
+            "drained": self._book.drained,
             **self.role.info(),
         }
 
@@ -209,13 +213,6 @@ class WorkerRuntime:
         load = self.role.load()
         return self.role.has_work() or bool(load.requests or load.awaiting_kv or load.leased_transfers)
 
-    @property
-    def drained(self) -> bool:
-        return self._book.drained
-
-    def owner(self, rid: str | None) -> int:
-        return self._book.owner(rid)
-
     def _note_failure(self, exc: Exception) -> None:
         """Count a loop failure; several close together make the worker degraded (the engine's step already fails
         only the requests a fault belongs to, so a loop that still fails is broken, not unlucky)."""
@@ -245,12 +242,8 @@ class WorkerRuntime:
 
     def _beat(self) -> None:
         """Every router hears every heartbeat (each router process keeps its own view of the pool)."""
-        sockets = []
+        sockets = self._event_sockets()
         try:
-            for address in self._routers:
-                sock = self._socket(zmq.PUSH)
-                sock.connect(address)
-                sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))
             while not self._stop.wait(self.options.stats_interval_s):
                 snapshot = self._snapshot  # built by the loop thread, never changed after: a copy with the age
                 beat = msgspec.structs.replace(snapshot, loop_age_s=round(time.monotonic() - self._loop_seen, 3))
