@@ -1,26 +1,18 @@
 """The decode worker: reserves KV for requests, imports their KV from prefill workers, decodes them in one batch.
 
 A request's state is the engine's ``Request`` (WAITING_FOR_REMOTE_KV until admitted); this role keeps no table.
-1. ``reserve``: the engine reserves blocks for the prompt, first token and headroom, sharing the leading blocks its
-   prefix cache holds (``cached_tokens``), or refuses at once. If it lacks at most ``local_prefill_max_tokens``, it
-   computes them itself; else the receiver expects the missing blocks, checked and written between steps.
-2. ``start`` brings the first token; with the KV complete too, the next step admits the request.
-3. Each step sends every running request's new tokens and text in one ``tokens`` event. A failed transfer fails the
-   request (``failure_policy: fail``) or has it prefilled here (``recompute``); a reservation whose first token
-   never comes expires. A transfer the prefill worker aborted on purpose is reported by that side, not here.
-
-Migration moves a running request to another decode worker (the router drives it, cluster/routing/core.py), by
-pre-copy: ``migrate_in`` there reserves its context; ``migrate_send`` (pre-copy) ships its full blocks from here,
-a few layers per loop turn, while it decodes on; ``freeze`` stops it here between steps (``frozen``: its tokens);
-``migrate_tail`` there replays them and expects the rest; ``migrate_send`` ships that tail with this worker's own
-sender (same header, checks and leases as a prefill worker's), and ``migrated`` says how each transfer ended: tail
-blocks released once they went, held on a failure until ``resume`` or ``abort``. A moved request whose KV does not
-come is recomputed there from its tokens.
+``reserve`` takes blocks for the prompt, first token and headroom (sharing what the prefix cache holds) or refuses at
+once; a short rest (``local_prefill_max_tokens``) is computed here, else the receiver expects the missing blocks.
+``start`` brings the first token; with the KV complete too, the next step admits the request, and every step sends
+the running requests' tokens in one ``tokens`` event. ``migrate_in``, ``migrate_send``, ``freeze``,
+``migrate_tail`` and ``resume`` move a running request to another decode worker by pre-copy. Failures, expiry and
+moves step by step: docs/request-lifecycle.md and docs/architecture.md ("Failure handling", "Moving running requests").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import tempfile
 import time
@@ -103,9 +95,8 @@ class DecodeRole(Role):
         counters: WorkerCounters | None = None,
         make_migration_sender: Callable[[], KVSender] | None = None,
     ) -> None:
-        """``receiver``'s sink must be ``kv_sink(engine)`` (``from_spec`` builds it so);
-        ``make_migration_sender``: the sender that ships running requests' KV to other decode workers, made at the
-        first move (None: this worker moves nothing out)."""
+        """``receiver``'s sink must be ``kv_sink(engine)``; ``make_migration_sender`` makes the sender of running
+        requests' KV to other decode workers at the first move (None: this worker moves nothing out)."""
         super().__init__(name, engine, emit, counters)
         self.receiver = receiver
         self._make_sender = make_migration_sender
@@ -120,19 +111,15 @@ class DecodeRole(Role):
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> DecodeRole:
+        fingerprint = ModelFingerprint.from_spec(engine.handoff_spec)
         receiver = make_receiver(
             spec.transfer_backend,
-            ModelFingerprint.from_spec(engine.handoff_spec),
+            fingerprint,
             kv_sink(engine),
             receiver_address(spec),
             dataclasses.replace(spec.transfer, kv_device=engine.config.device),  # GPU cache: side-stream writes
             shared_kv_cache(spec, engine),
         )
-        fingerprint, config = ModelFingerprint.from_spec(engine.handoff_spec), spec.transfer
-
-        def make_migration_sender() -> KVSender:  # the pool's backend, as a prefill worker's sender
-            return make_sender(spec.transfer_backend, fingerprint, config)
-
         return cls(
             spec.name,
             engine,
@@ -141,7 +128,8 @@ class DecodeRole(Role):
             failure_policy=spec.failure_policy,
             headroom_tokens=spec.reserve_headroom_tokens,
             start_deadline_s=spec.transfer.deadline_s,
-            make_migration_sender=make_migration_sender,
+            # the pool's backend, as a prefill worker's sender
+            make_migration_sender=functools.partial(make_sender, spec.transfer_backend, fingerprint, spec.transfer),
         )
 
     def info(self) -> dict:
@@ -355,9 +343,8 @@ class DecodeRole(Role):
 
     def _transfer_ended(self, event: TransferEvent) -> None:
         rid = event.transfer_id
-        if rid.endswith(
-            PRECOPY_SUFFIX
-        ):  # a move's first blocks: the rest comes with its tail (or all, if these failed)
+        # a move's first blocks: the rest comes with its tail (or all, if these failed)
+        if rid.endswith(PRECOPY_SUFFIX):
             moving = self.engine.requests.get(rid.removesuffix(PRECOPY_SUFFIX))
             if event.ok and moving is not None and moving.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 self.engine.precopy_done(moving.request_id)
