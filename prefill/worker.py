@@ -1,17 +1,11 @@
 """The prefill worker: computes prompts, streams their KV to decode workers, sends first tokens.
 
 A thin adapter between the engine's KV connector (which decides what is complete, and when), the transfer sender and
-the control plane. A request's path:
-
-1. ``prefill`` (prompt, params, the decode worker's KV address and reserved blocks; with ``cached_tokens``, the ones
-   it already holds, only later blocks) becomes a prefill-only engine request with a KV sink, and a transfer begins;
-2. the sink maps each completed block range onto the decode worker's blocks and sends it, layer by layer inside the
-   forward (``stream_layers``), while the later layers compute;
-3. the first token goes to the router at once (the TTFT point); the blocks stay held (PREFILLED) until ``poll``
-   reports the lease's end (acknowledged, expired, aborted), where the engine lets the request go.
-
-A failed transfer is reported by the side that decided it (here: decode worker gone, lease expired; there: a NACK),
-and not at all when the router already knows (it aborted, or got this worker's own error first).
+the control plane. ``prefill`` becomes a prefill-only engine request whose KV sink maps each completed block range
+(after the decode worker's ``cached_tokens``) onto the decode worker's reserved blocks and sends it, layer by layer
+inside the forward (``stream_layers``), while the later layers compute. The first token goes to the router at once
+(the TTFT point); the blocks stay held (PREFILLED) until ``poll`` reports the lease's end (acknowledged, expired,
+aborted). A failed transfer is reported by the side that decided it (docs/architecture.md "Failure handling").
 """
 
 from __future__ import annotations
