@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from transfer.config import TransferConfig
-from transfer.inbound import Sink
+from transfer.inbound import InboundTable, Sink
 from transfer.kv_segment import KVSegment
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
@@ -90,8 +90,8 @@ class KVReceiver(ABC):
     address: str
     dropped: int = 0  # messages refused before they could be attributed to a transfer (backends that count them)
     rejected: int = 0  # of which unauthenticated: bad or missing MAC, replayed, or too many frames
+    _table: InboundTable  # every backend's expected transfers, checks and events
 
-    @abstractmethod
     def expect(
         self,
         transfer_id: str,
@@ -101,6 +101,7 @@ class KVReceiver(ABC):
         deadline_s: float | None = None,
     ) -> None:
         """Announce a transfer (state WAITING) before its producer starts sending."""
+        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
 
     @abstractmethod
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:
@@ -117,9 +118,9 @@ class KVReceiver(ABC):
         time.sleep(min(timeout_s, 0.001))
         return True
 
-    @abstractmethod
     def pending_transfers(self) -> list[str]:
         """Transfer ids that are expected and not yet DONE or FAILED."""
+        return self._table.ids()
 
     def io_problem(self) -> str:
         """Why this receiver can no longer take KV ("" while it can): an I/O thread of its own died. The decode
@@ -138,12 +139,9 @@ _TRANSPORTS = {"zmq": "zmq", "shm": "shm", "auto": "shm", "nccl": "dist", "gloo"
 BACKENDS = (*_TRANSPORTS, "local")
 
 
-def _check_backend(backend: str) -> None:
+def _backend_config(backend: str, config: TransferConfig | None) -> TransferConfig:
     if backend not in BACKENDS:
         raise ValueError(f"unknown transfer backend {backend!r}; choose one of {sorted(BACKENDS)}")
-
-
-def _backend_config(backend: str, config: TransferConfig | None) -> TransferConfig:
     cfg = config or TransferConfig()
     if backend == "gloo" and cfg.device != "cpu":
         raise ValueError("backend 'gloo' runs on device 'cpu'")
@@ -152,7 +150,6 @@ def _backend_config(backend: str, config: TransferConfig | None) -> TransferConf
 
 def make_sender(backend: str, fingerprint: ModelFingerprint, config: TransferConfig | None = None) -> KVSender:
     """Create the producer side of `backend` ("zmq", "shm", "auto", "nccl", "gloo" = nccl code on CPU, "local")."""
-    _check_backend(backend)
     cfg = _backend_config(backend, config)
     if backend == "local":
         from transfer.local_backend import LocalSender
@@ -174,7 +171,6 @@ def make_receiver(
     """Create the consumer side bound at `address` (tcp://host:0 picks a free port, ipc://path, shm+ either,
     local://name); the actual address to hand to senders is `receiver.address`. ``segment`` (shm, auto): the cache in
     shared memory that same-node senders write in place (transfer/kv_segment.py)."""
-    _check_backend(backend)
     cfg = _backend_config(backend, config)
     if backend == "local":
         from transfer.local_backend import LocalReceiver

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from transfer.compress import dequantize_int8
-from transfer.errors import PeerGone, ProtocolError, TransferAborted, TransferError, TransferTimeout
+from transfer.errors import PeerGone, ProtocolError, TransferError, TransferTimeout
 from transfer.state import Inbound, TransferEvent, TransferState
 from transfer.wire import ModelFingerprint, PieceHeader, check_piece, decode_frames, verify_tensors
 
@@ -51,22 +51,18 @@ class InboundTable:
         """Announce a transfer: only these destination blocks, layers [0, num_layers), until deadline."""
         if transfer_id in self._tx:
             raise ValueError(f"transfer {transfer_id!r} already expected")
-        blocks = frozenset(int(b) for b in dst_block_ids)
-        if not blocks or len(blocks) != len(dst_block_ids):
+        in_order = tuple(int(b) for b in dst_block_ids)
+        blocks = set(in_order)
+        if not blocks or len(blocks) != len(in_order):
             raise ValueError("dst_block_ids must be non-empty and unique")
         layers = self.fp.num_layers if num_layers is None else int(num_layers)
         if not 0 < layers <= self.fp.num_layers:
             raise ValueError(f"num_layers {layers} out of range")
         now = time.monotonic()
+        missing = [set(blocks) for _ in range(layers)]
+        deadline = now + (deadline_s or self.deadline_s)
         self._tx[transfer_id] = Inbound(
-            transfer_id,
-            blocks,
-            layers,
-            now + (deadline_s or self.deadline_s),
-            now,
-            missing=[set(blocks) for _ in range(layers)],
-            remaining=layers * len(blocks),
-            in_order=tuple(int(b) for b in dst_block_ids),
+            transfer_id, layers, deadline, now, missing, layers * len(blocks), in_order=in_order
         )
 
     def get(self, transfer_id: str) -> Inbound | None:
@@ -86,9 +82,6 @@ class InboundTable:
                 TransferEvent(transfer_id, TransferState.FAILED, error, rec.nbytes, time.monotonic() - rec.started)
             )
         return rec
-
-    def abort(self, transfer_id: str, reason: str) -> Inbound | None:
-        return self.fail(transfer_id, TransferAborted(reason))
 
     def heard(self, transfer_id: str, session: bytes) -> None:
         rec = self._tx.get(transfer_id)

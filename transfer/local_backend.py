@@ -94,16 +94,6 @@ class LocalReceiver(KVReceiver):
     def deliver(self, session: bytes, kind: str, tid: str, payload: Any = None) -> None:
         self._inbox.append((session, kind, tid, payload))
 
-    def expect(
-        self,
-        transfer_id: str,
-        dst_block_ids: Sequence[int],
-        *,
-        num_layers: int | None = None,
-        deadline_s: float | None = None,
-    ) -> None:
-        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
-
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:
         for _ in range(max_messages):
             try:
@@ -147,12 +137,9 @@ class LocalReceiver(KVReceiver):
             sender.inbox.append((kind, tid, code, reason))
 
     def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
-        rec = self._table.abort(transfer_id, reason)
+        rec = self._table.fail(transfer_id, TransferAborted(reason))
         if rec is not None and rec.session:
             self._reply(rec.session, "nack", transfer_id, "aborted", reason)
-
-    def pending_transfers(self) -> list[str]:
-        return self._table.ids()
 
     def close(self) -> None:
         self._hub.unregister(_name(self.address))

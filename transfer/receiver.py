@@ -1,15 +1,12 @@
 """The KV receiver of every socket backend (zmq, shm, auto, nccl, gloo): the decode side of a transfer.
 
 All in the thread that calls `poll()`, never blocking:
-    ROUTER <- [identity, sealed header, frames...] from any number of senders, at most MAX_FRAMES, each frame
-              bounded by MAXMSGSIZE; the MAC is checked before msgpack sees a byte (transfer/auth.py)
-    hello  -> nonce, fingerprint, transport checked -> welcome (session token, and the session's payload path: inline
-              frames, a shm ring for a sender on this node (transfer/ring_path.py), a torch.distributed pair
-              (transfer/pair_path.py)) or reject
+    ROUTER <- [identity, sealed header, frames...], at most MAX_FRAMES, each bounded by MAXMSGSIZE; MAC checked first
+    hello  -> nonce, fingerprint, transport checked -> welcome (session token and the session's payload path: inline
+              frames, a shm ring, the engine's cache (direct) or a torch.distributed pair) or reject
     kv     -> InboundTable.admit (checks, claims blocks) -> the session's path delivers the payload -> sink
     finish -> lost pieces fail now; abort -> FAILED; replies: ack (DONE), nack (FAILED, with the error's code), renew
-A malformed message fails only the transfer it names; sessions are bounded in number and idle time
-(transfer/sessions.py).
+A malformed message fails only the transfer it names; sessions are bounded (transfer/sessions.py).
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from transfer.errors import (
     ProtocolError,
     SenderAborted,
     SessionLimit,
+    TransferAborted,
     TransferError,
 )
 from transfer.inbound import InboundTable, Sink
@@ -125,9 +123,7 @@ class Receiver(KVReceiver):
         self._held: list[TransferEvent] = []  # failed transfers whose blocks a writer may still be copying into
         self.same_gpu_sessions = 0  # dist: sender sessions from this GPU (ring or inline, no pair group)
         self._gpu = gpu_uuid(self.cfg) if transport == "dist" else None
-        self._store: torch.distributed.TCPStore | None = (
-            None  # dist: made at the first pair, idle receivers cost nothing
-        )
+        self._store: torch.distributed.TCPStore | None = None  # dist: made at the first pair, idle ones cost nothing
         if transport != "zmq":
             swept = sweep_stale()
             if swept:
@@ -181,7 +177,8 @@ class Receiver(KVReceiver):
                     break
                 if frames is not None:
                     self._handle(frames)
-            self._poll_payloads()
+            for session, sess in list(self._sessions.items()):
+                sess.path.poll(self, session, sess)  # payloads that completed off the socket (pair links)
             now = time.monotonic()
             if now >= self._next_timers:  # deadlines and leases are seconds: not every message's business
                 self._next_timers = now + TIMERS_EVERY_S
@@ -214,14 +211,11 @@ class Receiver(KVReceiver):
         return sum(1 for s in self._sessions.values() if isinstance(s.path, RingReceive))
 
     def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
-        rec = self._table.abort(transfer_id, reason)
+        rec = self._table.fail(transfer_id, TransferAborted(reason))
         if rec is not None:
             self._nack(rec, "aborted", reason)
             if self._segment is not None:  # now: the caller may expect its blocks for another transfer at once
                 self._segment.release(transfer_id, writer_may_run=True)
-
-    def pending_transfers(self) -> list[str]:
-        return self._table.ids()
 
     def io_problem(self) -> str:
         """A pair-link thread that died of something other than its peer (all other I/O is in poll(), the caller's)."""
@@ -414,7 +408,7 @@ class Receiver(KVReceiver):
             log.warning("refused handshake: %s", e)
             self._send_hs(identity, Reject(e.code, str(e)[:1000]))
             return
-        self._sessions.add(Session(identity, self.transport, path, key, session))
+        self._sessions.add(Session(identity, path, key, session))
         self._send_hs(identity, Welcome(session, h.nonce, rnonce, self.cfg.max_frame_bytes, **offer))
 
     def _choose_path(self, key: bytes, h: Hello) -> tuple[dict[str, Any], Any]:
@@ -453,10 +447,6 @@ class Receiver(KVReceiver):
 
     def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         sess.path.on_piece(self, sess, piece, bufs)
-
-    def _poll_payloads(self) -> None:
-        for session, sess in list(self._sessions.items()):
-            sess.path.poll(self, session, sess)
 
     # ------------------------------------------------------------------ replies, timers
 

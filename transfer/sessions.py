@@ -1,15 +1,8 @@
-"""The receiver's sender sessions, bounded in number and in idle time.
+"""The receiver's sender sessions, bounded in number and in idle time (docs/transfer.md, "Bounds and health").
 
-Why: a session (made at a welcome) holds a key, a routing identity and, on the nccl backend, a pair process group
-with its thread and sockets. Senders come and go (prefill workers restart with new identities), and a handshake may
-never be followed by any message, so without bounds the table only grows. Here:
-    - a session that carries no expected transfer and has had no message for `idle_s` is dropped (its pair link
-      closed); one that never carried any message after its welcome (an unfinished handshake) expires the same way;
-    - at most `max_sessions` exist; a hello past that is refused (transfer/errors.py SessionLimit), never answered
-      by evicting a session that may be in use.
-A sender whose session expired handshakes again: the sender closes its own side after idle_s / 2 without sends
-(transfer/sender.py), so it never sends into a session the receiver has dropped.
-Single-threaded: the thread that calls the receiver's `poll()`.
+A session without an expected transfer and without a message for `idle_s` (an unfinished handshake included) is
+dropped, its pair link closed; past `max_sessions` a hello is refused (SessionLimit), never answered by evicting a
+session that may be in use. Single-threaded: the thread that calls the receiver's `poll()`.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ from typing import Any
 @dataclass(slots=True)
 class Session:
     identity: bytes
-    transport: str
     path: Any  # the payload path chosen at the welcome (transfer/receiver.py InlineReceive, ring, pair)
     key: bytes = b""  # the session key both ends derived at the handshake
     token: bytes = b""  # the session token (the key of this entry in the receiver's table)

@@ -1,15 +1,9 @@
 """Per-transfer state on each side: the receiver's state machine and the sender's lease table.
 
-Receiver (decode) side, one `TransferState` per expected transfer:
-    WAITING --first piece--> TRANSFERRING --every (layer, block) arrived and checked--> DONE
-       \\_____________________ error / deadline / abort _____________________________-> FAILED
-DONE and FAILED are terminal: the entry leaves the table and one `TransferEvent` is reported by
-`poll()`, which is the single place where the decode worker learns to admit or free the request.
-
-Sender (prefill) side: a `Lease` per transfer holds the source blocks until the receiver ACKs (DONE),
-NACKs (FAILED), or the lease expires without word from the receiver (FAILED/TransferTimeout). The receiver
-renews leases while it waits, so a live-but-slow decode keeps the KV and a dead one frees it within
-`lease_s`. Each released lease is reported once by `poll()`: the prefill worker frees blocks there.
+Receiver: WAITING --first piece--> TRANSFERRING --every (layer, block) arrived and checked--> DONE, or FAILED (error,
+deadline, abort). Sender: a `Lease` per transfer holds the source blocks until the receiver ACKs (DONE), NACKs or the
+lease expires without word (FAILED); the receiver renews it while it waits. Either end reports each outcome once, by
+`poll()`: the one place a worker admits or frees a request's blocks.
 """
 
 from __future__ import annotations
@@ -51,9 +45,7 @@ class Lease:
     peer: str
     started: float
     expires: float
-    pieces: int = 0
     nbytes: int = 0
-    finished: bool = False
     last_keepalive: float = 0.0
 
 
@@ -84,7 +76,6 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(transfer_id)
             if lease is not None:
-                lease.pieces += 1
                 lease.nbytes += nbytes
 
     def renew(self, transfer_id: str) -> None:
@@ -162,7 +153,6 @@ class Inbound:
     """Receiver-side record of one expected transfer."""
 
     transfer_id: str
-    blocks: frozenset[int]
     num_layers: int
     deadline: float
     started: float
