@@ -1,35 +1,13 @@
-"""A two-rank torch.distributed process group between one sender and one receiver process, and the
-thread that drives its point-to-point sends/receives.
+"""A two-rank torch.distributed group between one sender (rank 1) and one receiver (rank 0) process, and the thread
+that runs its point-to-point sends and receives (docs/transfer.md, "nccl / gloo pair groups").
 
-Why not `init_process_group`: the default group is one per process and needs every rank up front, but a
-prefill worker talks to many decode workers that come and go. So each (sender, receiver) pair builds its
-own group object directly (`ProcessGroupGloo` / `ProcessGroupNCCL` over a `PrefixStore`), lazily, at its
-first handshake:
-    rank 0 = the receiver. It hosts one `TCPStore` server (free port) for all its pairs, listening on its own
-             ZeroMQ address's host only (a socket bound there and handed to the store: torch's own server
-             would listen on every interface), and names each pair's key prefix after a MAC of the session key
-             (transfer/auth.py), which only the two ends know; the prefix never travels.
-    rank 1 = the sender. It connects to the store at the host it already uses for the receiver's
-             ZeroMQ address (127.0.0.1 for ipc://) and the port from the (MACed) welcome.
-Both sides build the group in the link thread (bounded by group_timeout_s), so neither `poll()` nor the
-sender's I/O thread blocks on the rendezvous. The first exchange on a new group is a 32-byte proof of the session
-key each way (rank 0 receives first): TCPStore has no authentication (anyone who reaches its port can list its
-keys and race to join), so a group whose peer cannot prove the key is broken before any KV moves. Then the link
-thread executes jobs in order: a job is the frames of one piece, sent (rank 1) or received into fresh buffers
-(rank 0) with one tag per frame, each wait bounded by group_timeout_s. gloo's RecvWork only completes inside
-wait(), so waiting happens here, never in the caller. Any failure breaks the link: its queued jobs fail with
-PeerGone, and the group is aborted (`pg.abort()`: NCCL's communicator is torn down with ncclCommAbort, gloo's
-connections are closed), so an op stuck on a dead or frozen peer never outlives the link and never takes the process
-down; the owner drops the session or peer, and the next transfer handshakes a fresh pair.
-
-NCCL (device tensors): every op runs under the link's own CUDA stream, which first waits on the job's `ready` event
-(sender: recorded on the compute stream when the KV was handed over; receiver: recorded on the consumer's stream when
-the receive buffers were allocated), so the transfer is ordered after the KV write and the compute stream never waits
-on the network. A receive ends by recording a new `ready` event on the link's stream, which the consumer's stream
-waits on before it uses the data (transfer/pair_path.py). NCCL's own watchdog, heartbeat monitor and dump-on-timeout
-would tear the whole process down after a timed-out op; the link bounds and aborts its own ops, so the process is
-started with them off (transfer/nccl_env.py: set once, at process start, never here while other threads run). Anything else that escapes the thread's top level (a bug, not the peer) is logged, breaks the link the same
-way and is reported to the link's owner (`on_crash`), whose io_problem() then makes its worker degraded.
+Each pair builds its own group (`ProcessGroupGloo` / `ProcessGroupNCCL` over a `PrefixStore` named by a MAC of the
+session key) in the link thread at its first handshake, bounded by group_timeout_s; the receiver hosts one `TCPStore`
+on its own address's host for all its pairs. The first exchange is a proof of the session key each way (TCPStore has
+no authentication). Then the thread runs jobs in order: one piece's frames, a tag per frame, each wait bounded (gloo's
+recv completes only inside wait()); on NCCL under the link's stream, after the job's `ready` event. Any failure breaks
+the link: queued jobs fail with PeerGone and the group is aborted, so no op outlives a dead peer (NCCL's watchdog is
+off: transfer/nccl_env.py); a crash of the thread itself is reported to `on_crash` (the owner's io_problem()).
 """
 
 from __future__ import annotations
@@ -66,9 +44,8 @@ class LinkJob:
     tensors: list[torch.Tensor]
     tags: tuple[int, ...]
     piece: Any = None  # receiver: the PieceHeader these tensors complete
-    ready: Any = (
-        None  # torch.cuda.Event the link's stream waits on first; after a receive, the one the consumer waits on
-    )
+    # torch.cuda.Event the link's stream waits on first; after a receive, the one the consumer waits on
+    ready: Any = None
 
 
 def host_of(address: str) -> str:
@@ -235,15 +212,10 @@ class PairLink:
             return
         try:
             self._prove(pg)
-        except AuthError as e:
-            self._abort(pg, str(e))
-            self._break(e)
-            return
         except Exception as e:  # noqa: BLE001
             self._abort(pg, str(e))
-            self._break(
-                PeerGone(f"{self.backend} pair group: no proof of the session key from the peer: {str(e)[:300]}")
-            )
+            why = f"{self.backend} pair group: no proof of the session key from the peer: {str(e)[:300]}"
+            self._break(e if isinstance(e, AuthError) else PeerGone(why))
             return
         self.ready.set()
         peer = 1 - self.rank

@@ -56,6 +56,7 @@ class NoRoom(zmq.Again):
 
 class RingSend:
     name = "shm-ring"
+    device_kv = False
 
     def __init__(self, ring: RingWriter) -> None:
         self.ring = ring
@@ -139,7 +140,7 @@ class RingReceive:
         pass
 
     def alive(self) -> bool:
-        return self.ring.alive()
+        return False  # no thread of its own (the receiver keeps closed links until their thread ends)
 
     def close(self, join_s: float = 0.0) -> None:
-        self.ring.close(join_s)
+        self.ring.close()

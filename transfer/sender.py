@@ -2,13 +2,11 @@
 
     caller thread: begin / send_layer / finish / abort --bounded queue--> I/O thread (device KV starts its copy
                    to pinned host memory first, transfer/staging.py; NCCL keeps it on the device)
-    I/O thread:    one DEALER per receiver: hello -> welcome (both prove the cluster secret, transfer/auth.py), which
-                   picks the peer's payload path: inline frames, the receiver's shm ring (transfer/ring_path.py) or
-                   a torch.distributed pair (transfer/pair_path.py); headers always go sealed over ZeroMQ
+    I/O thread:    one DEALER per receiver: hello -> welcome (transfer/auth.py), which picks the peer's payload path:
+                   inline frames, a shm ring, the receiver's cache (direct) or a torch.distributed pair
     replies:       ack / nack / renew, MAC-checked, update the lease table; poll() hands out ended leases
-Bounded everywhere: queue (enqueue_timeout_s), handshake (connect_timeout_s), a message stuck for send_timeout_s
-fails its peer, a lease without word expires after lease_s, outboxes hold at most max_outbox_bytes (transfer/
-outbox.py), an idle peer closes after idle_session_s / 2. A dead I/O thread fails every lease (io_problem()).
+Every wait is bounded (queue, handshake, stuck sends, leases, outbox bytes, idle peers: docs/transfer.md); a dead I/O
+thread fails every lease (io_problem()).
 """
 
 from __future__ import annotations
@@ -87,6 +85,9 @@ class InlineSend:
 
     name = "inline"
     batches = True
+    # whether the path moves device tensors itself (an NCCL pair, a GPU cache written through CUDA IPC); the others
+    # get host copies, staged on a copy stream
+    device_kv = False
     batch_piece_bytes, batch_bytes = BATCH_PIECE_BYTES, BATCH_BYTES
 
     def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
@@ -103,12 +104,6 @@ class InlineSend:
 
 
 INLINE = InlineSend()
-
-
-def _takes_device_kv(path: Any) -> bool:
-    """Whether a path moves device tensors itself (an NCCL pair, a GPU cache written through CUDA IPC); the others
-    get host copies, staged on a copy stream."""
-    return bool(getattr(path, "device_kv", False))
 
 
 class Sender(KVSender):
@@ -435,7 +430,7 @@ class Sender(KVSender):
                 or out.nbytes > peer.path.batch_piece_bytes
                 or total + out.nbytes > peer.path.batch_bytes
                 or self._leases.get(out.transfer_id) is None
-                or not _takes_device_kv(peer.path)
+                or not peer.path.device_kv
                 and any(t.is_cuda for t in out.tensors)
                 or peer.max_frame_bytes  # the batch's one payload frame must pass the receiver's frame bound too
                 and total + out.nbytes > peer.max_frame_bytes
@@ -451,7 +446,7 @@ class Sender(KVSender):
             peer.sock.send(self.seal_for(peer, out.message), zmq.NOBLOCK)
             return
         check_peer_frame_bound(peer, out.piece)
-        if not _takes_device_kv(peer.path) and any(t.is_cuda for t in out.tensors):
+        if not peer.path.device_kv and any(t.is_cuda for t in out.tensors):
             # NCCL handed over device KV, but this receiver shares our GPU: host bytes through the ring or inline
             staged = self._stager.stage(out.tensors, after=out.ready)
             out.tensors, out.ready = staged.wait(self.cfg.send_timeout_s), None
@@ -620,19 +615,12 @@ class Sender(KVSender):
         now = time.monotonic()
         for peer in list(self._peers.values()):
             if peer.state != "ready" and now - peer.created > self.cfg.connect_timeout_s:
-                self._drop_peer(
-                    peer,
-                    PeerGone(
-                        f"no handshake with {peer.address} within {self.cfg.connect_timeout_s}s (receiver not running?)"
-                    ),
-                )
+                why = f"no handshake with {peer.address} within {self.cfg.connect_timeout_s}s (receiver not running?)"
             elif peer.stuck_since is not None and now - peer.stuck_since > self.cfg.send_timeout_s:
-                self._drop_peer(
-                    peer,
-                    PeerGone(
-                        f"could not send to {peer.address} for {self.cfg.send_timeout_s}s (receiver gone or stalled)"
-                    ),
-                )
+                why = f"could not send to {peer.address} for {self.cfg.send_timeout_s}s (receiver gone or stalled)"
+            else:
+                continue
+            self._drop_peer(peer, PeerGone(why))
         for tid, address in self._leases.due_keepalives(self._keepalive_s):
             kept = self._peers.get(address)
             if kept is not None and kept.state == "ready":  # tells the receiver we are alive

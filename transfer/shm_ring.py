@@ -1,23 +1,17 @@
-"""The shared-memory ring of the `shm` backend: one file in /dev/shm per sender session, created by the receiver.
+"""The shared-memory ring of the `shm` backend: one file in /dev/shm per sender session, created by the receiver
+(docs/transfer.md, "Same-node shared memory").
 
-Why a ring per session, made by the receiver: a fresh segment per transfer costs a page fault per 4 KiB on both sides
-(more than the copy itself at 64 MiB), so each session maps one segment once and reuses it; the receiver creates it
-(name, size and a random token of its choosing) and announces it in its MACed welcome, so no segment name ever comes
-from the network to the receiver, and the sender maps only a file whose token matches that welcome. The sender unlinks
-the name as soon as it has mapped it (from then on nothing can leak, even if both processes are killed); the receiver
-unlinks it too when the session ends (if the sender never mapped it) and sweeps stale names of dead receivers at start.
-
-Layout: page 0 is the control page: magic (8) | token (16) | data size (u64) ... | tail (u64 at offset 64, written only
-by the receiver). The data area follows, `size` bytes. Positions are *virtual* (ever-increasing u64): byte p lives at
-data offset p % size. The sender places each payload frame at its head, 64-byte aligned and never wrapping inside a
-frame, and may use a region only while `end - tail <= size`; the receiver advances `tail` to a piece's end once the
-sink has copied it out (or the piece was refused), which frees the room. The header of each "kv" message carries the
-piece's positions (`shm`: [frame positions..., end]); the receiver checks them against its own tail and size before it
-views a byte (`RingOwner.views`), so a lying sender can only make it read its own session's ring.
+The receiver picks name, size and a random token and announces them in its MACed welcome; the sender maps only a file
+holding that token and unlinks the name at once, so nothing can be left behind. Page 0 is the control page: magic (8)
+| token (16) | data size (u64) ... | tail (u64 at offset 64, written only by the receiver); the data area follows.
+Positions are virtual (ever-increasing u64; byte p lives at p % size): the sender places each frame at its head,
+64-byte aligned, never wrapping inside a frame, while `end - tail <= size`; the receiver checks a piece's positions
+against its own tail and size before it views a byte (`check_positions`), and advances `tail` once the sink copied it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import mmap
@@ -68,26 +62,21 @@ def _fence() -> None:
         pass
 
 
+@functools.cache
 def node_id() -> str:
     """Who shares this host's /dev/shm: boot id, host name and the identity of the /dev/shm mount (containers with a
     private /dev/shm differ). Equal ids are only a hint to try: the sender still proves it by mapping the ring."""
-    global _NODE_ID
-    if _NODE_ID is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-                boot = f.read().strip()
-        except OSError:
-            boot = b""
-        try:
-            st = os.stat(SHM_DIR)
-            mount = f"{st.st_dev}:{st.st_ino}".encode()
-        except OSError:
-            mount = b"no-shm"
-        _NODE_ID = hashlib.sha256(b"|".join((boot, socket.gethostname().encode(), mount))).hexdigest()[:32]
-    return _NODE_ID
-
-
-_NODE_ID: str | None = None
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b""
+    try:
+        st = os.stat(SHM_DIR)
+        mount = f"{st.st_dev}:{st.st_ino}".encode()
+    except OSError:
+        mount = b"no-shm"
+    return hashlib.sha256(b"|".join((boot, socket.gethostname().encode(), mount))).hexdigest()[:32]
 
 
 def _populate(mm: mmap.mmap, advice: int) -> None:
@@ -201,11 +190,7 @@ class RingOwner:
         _fence()
         _U64.pack_into(self._mm, TAIL_AT, end)
 
-    def alive(self) -> bool:
-        """No thread of its own (the receiver keeps closed links until their thread ends: rings have none)."""
-        return False
-
-    def close(self, join_s: float = 0.0) -> None:
+    def close(self) -> None:
         """Unlink the name (if the sender has not already) and unmap; a view a careless sink kept alive keeps the
         mapping until it is collected, never the name."""
         if self._closed:

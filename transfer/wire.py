@@ -334,12 +334,9 @@ def check_piece(p: PieceHeader, fp: ModelFingerprint, max_frame_bytes: int) -> N
     if len(p.frames) != len(want):
         raise ProtocolError(f"{len(p.frames)} frames, expected {len(want)} for wire={p.wire}")
     for spec, (dt, shape) in zip(p.frames, want):
-        if spec.nbytes > max_frame_bytes:
-            raise FrameTooLarge(f"frame of {spec.nbytes} bytes > max_frame_bytes={max_frame_bytes}")
-        if spec.dtype != dt or spec.shape != shape:
+        if spec.nbytes <= max_frame_bytes and (spec.dtype != dt or spec.shape != shape):
             raise ProtocolError(f"frame {spec.dtype}{list(spec.shape)} != expected {dt}{list(shape)}")
-        if spec.nbytes != math.prod(shape) * dtype_from_name(dt).itemsize:
-            raise ProtocolError(f"frame nbytes {spec.nbytes} does not match {dt}{list(shape)}")
+        frame_nbytes(spec, max_frame_bytes)  # the bound first, then nbytes against the shape
 
 
 def frame_nbytes(spec: FrameSpec, max_frame_bytes: int) -> int:
