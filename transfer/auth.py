@@ -1,25 +1,12 @@
-"""Authentication of the KV plane: both sides prove they hold the cluster secret without sending it, and every
-header frame after that carries a MAC keyed per session. The sealing here (``seal``, ``verify``, ``split``) is the
-control plane's too (worker/protocol.py): there ``ident`` is the sending socket's random id and the key is per socket.
+"""Authentication of the KV plane: both sides prove they hold the cluster secret without sending it, and every header
+frame after that carries a MAC keyed per session (docs/transfer.md, "Authentication"). The sealing here (``seal``,
+``verify``, ``split``) is the control plane's too (worker/protocol.py): there ``ident`` is the sending socket's random
+id and the key is per socket.
 
-Why: the receiver writes what arrives into a decode worker's KV cache, so a stranger who can reach its port must not
-be able to open a session, and one who can watch the network must learn nothing that lets them open one later (the
-secret used to travel in the hello, in clear).
-
-Every header frame (both directions) is ``tag(32) | ident(16) | seq(8, big-endian) | msgpack header``, with
-``tag = HMAC-SHA256(key, ident | seq | header)`` and ident the session token, checked with ``hmac.compare_digest`` before msgpack sees a byte:
-    hello    S->R  session = 0, key = handshake key;  header: fp, transport, nonce_s (16 fresh random bytes)
-    welcome  R->S  session = 0, key = handshake key;  header: session, nonce (nonce_s echoed), rnonce, ...
-    reject   R->S  session = 0, key = handshake key; a sender that cannot verify it (a different secret) drops
-                   the handshake as unauthenticated without reading it
-    others   both  session = the token from the welcome, key = the session key, seq strictly increasing
-The handshake key is HMAC(secret, label); the session key is HMAC(handshake key, nonce_s | rnonce | session), so
-only the two ends know it, and a replayed hello (refused anyway: the receiver remembers recent nonces) gets a
-welcome whose session key its sender cannot compute. The receiver's welcome MAC over the sender's fresh nonce proves
-the receiver knows the secret too. Payload frames are not MACed: their xxh3_64 sits in the authenticated header
-(integrity against accidents and against injected messages; not a MAC against someone who can rewrite a TCP stream).
-Without a secret (``TransferConfig.secret = None``, the standalone transfer layer) the key is derived from the empty
-string: same protocol, no protection. The cluster launcher always sets one.
+A frame is ``tag(32) | ident(16) | seq(8, big-endian) | msgpack header``, ``tag = HMAC-SHA256(key, ident | seq |
+header)``, checked in constant time before msgpack sees a byte. Hello, welcome and reject go under the handshake key
+HMAC(secret, label) with ident 0; the rest under the session key HMAC(handshake key, nonce_s | rnonce | session), with
+the session token as ident and seq strictly increasing.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""CUDA IPC memory handles through the driver API (libcuda), for the direct path on a GPU (transfer/kv_segment.py).
-
-Why the driver and not torch's tensor sharing: torch's `_share_cuda_` pairs every handle with a reference-counter
-file in /dev/shm and a torch_shm_manager process, and assumes both processes number GPUs alike. Here the receiver's
-cache lives as long as its worker, so no counter is needed, and the opener finds the device by UUID (Ray gives each
-actor its own CUDA_VISIBLE_DEVICES, so indices differ between processes).
+"""CUDA IPC memory handles through the driver API (libcuda), for the direct path on a GPU (transfer/kv_segment.py;
+why not torch's tensor sharing: docs/transfer.md, "Same-node direct writes").
 
 export   (receiver) a tensor's allocation base -> cuIpcGetMemHandle -> [handle (64 bytes), offset, nbytes]
-open     (sender) cuIpcOpenMemHandle once per distinct handle, on the local index of the receiver's GPU -> a uint8
-         tensor over [base + offset, + nbytes), through __cuda_array_interface__ (no copy); close: cuIpcCloseMemHandle
+open     (sender) cuIpcOpenMemHandle once per distinct handle, on the local index of the receiver's GPU (by UUID) -> a
+         uint8 tensor over [base + offset, + nbytes), through __cuda_array_interface__ (no copy)
 An allocation made with expandable segments (cuMemCreate) has no IPC handle: export raises, and the receiver offers
 no direct path.
 """

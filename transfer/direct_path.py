@@ -1,16 +1,11 @@
 """The direct payload path: a same-node sender writes KV into the receiver's cache (backends `shm` and `auto` on a
 CPU; `nccl`, `shm` and `auto` on a GPU the sender sees, through CUDA IPC instead of an NCCL pair or a ring).
 
-welcome   to a sender on this node and in this PID namespace, from a receiver whose engine's cache lives in a
-          transfer/kv_segment.py segment: [pid, fd, token, blocks] (+ [gpu, IPC handles]); the sender maps it (else:
-          inline frames)
-expect    the receiver tags the reserved blocks with the transfer's owner tag
-sender    per piece: under the segment's flock, check the blocks' tags and copy K and V into them (a GPU: on the
-          writer's stream after the KV's ready event, waited for before the flock goes); xxh3 of the destination
-          bytes (host caches); send the header with `direct` (no payload frames)
-receiver  admit (layer, blocks reserved for the transfer, as for every piece) -> xxh3 over the destination blocks ->
-          count it (no sink: the bytes are in place); a transfer that ends clears its tags, a failed one under the
-          flock, so a sender still writing finishes first and a later one is refused
+welcome   [pid, fd, token, blocks] (+ [gpu, IPC handles]) of the receiver's transfer/kv_segment.py segment, to a
+          sender in its node and PID namespace; expect() tags the reserved blocks with the transfer's owner tag
+sender    per piece, under the segment's flock: check the blocks' tags, copy K and V in, xxh3 of the destination
+          (host caches); then the header with `direct` and no payload frames
+receiver  admit -> xxh3 over the destination blocks -> count it (no sink: the bytes are in place)
 Pieces of a sender that cannot write directly (an int8 wire) come inline in the same session.
 """
 

@@ -1,20 +1,13 @@
-"""The decode worker's KV cache in shared memory, written in place by same-node senders (the `shm-direct` path).
+"""The decode worker's KV cache in shared memory, written in place by same-node senders (the `shm-direct` and
+`cuda-ipc` paths; docs/transfer.md, "Same-node direct writes").
 
-Why: through a ring, KV is copied twice (into the ring, out into the cache); here the sender's one copy lands in the
-reserved destination blocks, and the receiver only checks it. The cache is a memfd, not a name in /dev/shm: it goes
-with the last process that maps it, a killed one included, so nothing can be left behind. A sender on this node and in
-this PID namespace opens it as /proc/<pid>/fd/<fd> (the kernel lets only the same user), and proves it is the one the
-MACed welcome announced by the token on its control page.
-
-Layout: page 0: magic | token | num_layers | num_blocks | layer_bytes, then one u64 owner tag per block (0: not being
-received; else `tag_of` the transfer the receiver expects into it), then per layer ``[2, num_blocks, block_size,
-kv_heads, head_dim]`` (K, V) of the cache's dtype, page aligned. A writer may write a block only while its tag is its
-transfer's: it holds the segment's flock while it checks the tags and copies, and the receiver takes the flock to
-clear a failed transfer's tags, so once that returns no write into those blocks is under way or can start (flock
-belongs to an open file: a killed writer's is released with it).
-On a GPU the layers stay the engine's CUDA tensors: the memfd holds the page and the tags, the announcement adds each
-layer's CUDA IPC handle (transfer/cuda_ipc.py), and a writer copies on a stream of its own and waits for its copies
-before it lets go of the flock.
+The cache is a memfd (gone with the last process that maps it), opened by a sender in this PID namespace as
+/proc/<pid>/fd/<fd> and proven by the token the MACed welcome announced. Layout: page 0: magic | token | num_layers |
+num_blocks | layer_bytes, then one u64 owner tag per block (0: free; else `tag_of` the transfer expected into it), then
+per layer ``[2, num_blocks, block_size, kv_heads, head_dim]`` (K, V), page aligned. A writer writes a block only while
+its tag is its transfer's, holding the segment's flock over the check and the copies; the receiver clears a failed
+transfer's tags under the flock, so afterwards no write into them is under way. On a GPU the layers stay the engine's
+CUDA tensors (announced as CUDA IPC handles, transfer/cuda_ipc.py) and a writer waits for its copies before unlocking.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """NCCL's process-wide settings for pdserve's pair groups, and the one place a process sets them: its start.
 
-Each KV pair group bounds and aborts its own ops (transfer/pairgroup.py), so none of torch's NCCL machinery may take
-the process down after a pair's timeout:
-- ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: the watchdog does not tear the process down on a timed-out op;
-- ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: a timed-out op does not broadcast the dump signal (through the store the
-  receiver shares with all its pairs) that makes the first group's heartbeat monitor dump and then abort the process;
-- ``TORCH_NCCL_ENABLE_MONITORING=0``: no heartbeat monitor thread, whose stuck-watchdog check kills the process;
-- ``TORCH_NCCL_PROPAGATE_ERROR=0``: one pair's error is not sent to the peer's other groups through the store.
-
-ProcessGroupNCCL reads them when a group is built, from the C++ environment, which other threads (NCCL's, CUDA's,
-Ray's) read too; changing ``os.environ`` while they run can race glibc's ``setenv``. So they go into a worker's
-environment before it starts: Ray actors get them in their ``runtime_env`` (cluster/pools.py), a process pdserve
-spawns itself calls ``set_at_process_start`` first thing. A pair group built without them logs a warning.
+Each pair group bounds and aborts its own ops (transfer/pairgroup.py), so none of torch's NCCL machinery (watchdog,
+dump on timeout, heartbeat monitor, error propagation through the store) may take the process down after a pair's
+timeout. ProcessGroupNCCL reads them from the C++ environment, which other threads read too, so they go into a worker's
+environment before it starts (docs/transfer.md, "nccl / gloo pair groups"); a group built without them logs a warning.
 """
 
 from __future__ import annotations

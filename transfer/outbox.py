@@ -1,11 +1,8 @@
 """The sender's per-receiver state (`Peer`) and its queue of messages waiting to leave (`Outbox`), byte-counted.
 
-Why: the I/O thread moves commands from the caller's bounded queue into per-peer outboxes, where they wait for the
-handshake, for ZeroMQ's high-water mark, or for a stalled receiver. A bounded queue of *commands* does not bound
-*bytes* once they sit in outboxes, so every outbox counts what it holds into one `Meter` per sender, and the I/O
-thread takes no command while the meter is at `TransferConfig.max_outbox_bytes`: the caller's queue fills and
-`send_layer` fails its transfer after `enqueue_timeout_s` (backpressure), and the memory held stays bounded by that
-limit plus one piece. Messages without payload (finish, abort, renew) count `HEADER_COST` each.
+Commands wait in outboxes for the handshake, ZeroMQ's high-water mark or a stalled receiver, so every outbox counts
+its bytes (payload, or `HEADER_COST` for a message without) into the sender's one `Meter`; at
+`TransferConfig.max_outbox_bytes` the I/O thread takes no command and `send_layer` fails after `enqueue_timeout_s`.
 Single-threaded (the sender's I/O thread); `Meter.nbytes` / `Meter.peak` may be read from any thread.
 """
 

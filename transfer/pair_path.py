@@ -1,19 +1,12 @@
 """The torch.distributed payload path (backends `nccl`, and `gloo` = the same code on CPU tensors).
 
-    welcome   the receiver's rendezvous store port; both ends start a PairLink (transfer/pairgroup.py) whose store
-              prefix and first exchange (a proof of the session key each way) come from the session key
+    welcome   the receiver's rendezvous store port; both ends start a PairLink (transfer/pairgroup.py)
     sender    per piece: the sealed header over ZeroMQ with one p2p tag per frame and no payload frames, then the
               tensors to the link thread (pg.send, bounded wait)
     receiver  admit the header -> allocate the frame tensors -> link thread (pg.recv, bounded) -> next poll():
               checksum (CPU tensors) -> sink -> ack when complete
-Nothing is allocated from a header before `InboundTable.admit` checked it; a refused piece is still received, into
-scratch sized by the same per-frame checks, so the pair's p2p stream stays aligned.
-
-Streams (NCCL): the link's stream waits on an event recorded on the compute stream when the KV was handed over
-(sender) or on the consumer's stream when the buffers were allocated (receiver); the consumer's stream waits on the
-link's event after the receive. No host thread of the engine waits on the network.
-One GPU, two workers: NCCL refuses two ranks on one device, so when the hello's and the welcome's GPU UUIDs are equal
-the receiver welcomes with `same_gpu` and a ring (transfer/ring_path.py) or inline frames instead of a pair.
+A refused piece is still received, into scratch sized by the same per-frame checks, so the p2p stream stays aligned.
+CUDA streams and two workers on one GPU (`same_gpu`: a ring or inline frames, no pair): docs/transfer.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""Host staging of device KV for the ZeroMQ and shared-memory paths: bounded pools of pinned buffers and side streams,
-so the sender's device->host copy of a layer overlaps the layers still computing, and the receiver's host->device
-write of arrived KV (`SideStreamSink`) overlaps the decode steps without the polling thread waiting for the GPU.
+"""Host staging of device KV for the ZeroMQ and shared-memory paths (docs/transfer.md, "Device KV on the zmq and shm
+paths"): bounded pools of pinned buffers and side streams, so that the compute stream never waits on a transfer.
 
-Why: the zmq and shm paths move bytes from host memory. A plain `k.to("cpu")` on a CUDA tensor is a synchronous copy
-into pageable memory on whatever stream the calling thread has: it serialises with the compute stream and stalls the
-thread that called it (inside the forward, when KV is streamed per layer). Here instead, when a CUDA tensor is handed
-over (`Stager.stage`, in the caller's thread):
-    1. an event is recorded on the caller's current stream (the compute stream: the KV gather is queued there);
-    2. the copy stream waits on that event (the device waits, never the host) and copies each tensor into a pinned
-       buffer of the pool, `non_blocking`; the device tensors are `record_stream`ed on the copy stream so the caching
-       allocator does not hand their memory out before the copy read it;
-    3. an event is recorded on the copy stream; the sender's I/O thread waits on it (`StagedTensors.wait`, bounded)
-       before it reads the host bytes (checksum, send).
-The compute stream never waits on anything of the transfer's.
-
-Pool bounds and reuse (`PinnedPool`): at most `max_bytes` of host memory is held. A buffer is taken per tensor and goes
-back to the pool when the last tensor viewing it is gone (the host tensor is built by `torch.frombuffer` over a fresh
-numpy view of the buffer, and a finaliser on that view returns the buffer: ZeroMQ's zero-copy send, the outbox and
-the ring copy all keep it alive exactly as long as they need it, with no bookkeeping on their side). Free buffers are
-reused smallest-fit; when a request does not fit the bound even after freeing idle buffers, `acquire` returns None and
-the caller falls back to an ordinary (pageable, synchronous) copy, counted in `fallbacks`.
-
-On a CPU-only build (no CUDA) nothing is pinned (`torch.empty(pin_memory=True)` needs CUDA) and `Stager.stage` passes
-CPU tensors through untouched; the pool itself works the same way on ordinary memory, which is how its bounds and
-reuse are tested here.
+Sender (`Stager.stage`, in the caller's thread): an event on the caller's stream; the copy stream waits on it and
+copies each CUDA tensor `non_blocking` into a pinned buffer (`PinnedPool`), and the I/O thread waits on the copy's
+event (`StagedTensors.wait`, bounded) before it reads the bytes. Receiver (`SideStreamSink`): the sink runs on a side
+stream, host pieces go up through pinned buffers, and `fence()` orders the consumer's stream after the writes.
+A loan ends when the last view of its buffer is gone (a finaliser), so whoever holds the bytes keeps them. Without
+CUDA nothing is pinned and host tensors pass through; the pool works the same on ordinary memory.
 """
 
 from __future__ import annotations
@@ -209,20 +192,9 @@ class Stager:
 
 
 class SideStreamSink:
-    """The receiver's sink, run on a side stream: host->device writes of arrived KV never queue behind (or block)
-    the decode step on the compute stream, and never make the thread that polls the receiver wait for the GPU.
-
-    What arrives, and how it reaches the cache (all on the side stream, after what the consumer's stream queued):
-    - device tensors (nccl receive buffers, allocated on the consumer's stream): ``record_stream`` on the side
-      stream, so the caching allocator cannot hand their memory out again before the side stream's write read it;
-    - host tensors (zmq frames, views of the shm ring, valid only during the call): copied into pinned buffers of a
-      bounded pool, then to the device with ``non_blocking=True``; each pinned buffer goes back to the pool once the
-      copy's event has completed. Past the pool's bound a piece is copied from pageable memory (``fallbacks``),
-      which makes this thread wait for that copy.
-
-    ``fence()`` (called when a transfer is DONE, before the engine may admit the request) makes the consumer's
-    current stream wait on everything written so far: the decode step that first reads those blocks is ordered
-    after their writes, and the host never waits."""
+    """The receiver's sink, run on a side stream after what the consumer's stream queued (docs/transfer.md): device
+    pieces are ``record_stream``ed there, host ones go up through pinned buffers (from pageable memory past the
+    bound: ``fallbacks``); ``fence()``, at DONE, makes the consumer's stream wait on every write so far."""
 
     def __init__(self, sink: Any, device: str, staging_bytes: int = 256 << 20) -> None:
         self.sink = sink
