@@ -21,7 +21,7 @@ import torch
 from transfer.config import TransferConfig
 from transfer.inbound import InboundTable, Sink
 from transfer.kv_segment import KVSegment
-from transfer.state import TransferEvent
+from transfer.state import LeaseTable, TransferEvent
 from transfer.wire import ModelFingerprint
 
 
@@ -39,6 +39,8 @@ def check_layer_args(
 
 class KVSender(ABC):
     """Producer side: streams layer pieces of transfers to receivers, holds a lease per transfer."""
+
+    _leases: LeaseTable  # every backend's leases and the events they end in
 
     @abstractmethod
     def begin(self, transfer_id: str, peer: str) -> None:
@@ -64,9 +66,9 @@ class KVSender(ABC):
     def poll(self) -> list[TransferEvent]:
         """Non-blocking: leases that ended since the last call (DONE = acked, FAILED = free anyway)."""
 
-    @abstractmethod
     def active_transfers(self) -> list[str]:
         """Transfer ids whose source blocks are still leased."""
+        return self._leases.ids()
 
     def paths(self) -> dict[str, str]:
         """The payload path to each receiver this sender has a session with (address -> ``inline``: frames in the

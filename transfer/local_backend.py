@@ -222,8 +222,5 @@ class LocalSender(KVSender):
             self._pieces.pop(ev.transfer_id, None)
         return events
 
-    def active_transfers(self) -> list[str]:
-        return self._leases.ids()
-
     def close(self) -> None:
         self._leases.fail_all(PeerGone("sender closed"))

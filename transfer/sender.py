@@ -185,9 +185,6 @@ class Sender(KVSender):
             self._leases.fail_all(TransferError(f"sender I/O thread stopped: {self._crash!r}"))
         return self._leases.drain()
 
-    def active_transfers(self) -> list[str]:
-        return self._leases.ids()
-
     def paths(self) -> dict[str, str]:
         # a copy of the I/O thread's table: its entries change only there, and a dict copy is atomic under the GIL
         peers = dict(self._peers)

@@ -33,11 +33,6 @@ def _round_up(nbytes: int) -> int:
     return size
 
 
-def can_pin() -> bool:
-    """Pinned host memory needs a CUDA runtime; a CPU-only build (or a host without a GPU) has none."""
-    return torch.cuda.is_available()
-
-
 @dataclass(slots=True)
 class _Buffer:
     data: torch.Tensor  # uint8, pinned when the pool pins
@@ -52,7 +47,7 @@ class PinnedPool:
         if max_bytes <= 0:
             raise ValueError("max_bytes must be > 0")
         self.max_bytes = max_bytes
-        self.pin = can_pin() if pin is None else pin
+        self.pin = torch.cuda.is_available() if pin is None else pin  # pinning needs a CUDA runtime
         self._lock = threading.Lock()
         self._buffers: list[_Buffer] = []
         self.held_bytes = 0  # host memory the pool holds now (free or lent)
