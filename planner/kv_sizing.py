@@ -130,7 +130,6 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
-    max_position_embeddings: int | None
     per_head_kv_values: int | None = None  # latent attention: decompressed K+V values per token and layer
 
     @classmethod
@@ -158,7 +157,6 @@ class ModelShape:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
-                max_position_embeddings=config.get("max_position_embeddings"),
                 per_head_kv_values=per_head_kv_values(config),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -5,9 +5,7 @@ so it records what it was measured on next to the points. The simulator asks onl
 (so sizes that were not measured work too):
 - ``prefill_s(tokens, context)``: one forward over ``tokens`` new prompt tokens after ``context`` cached ones;
 - ``decode_step_s(batch, context_tokens)``: one decode step for ``batch`` requests holding that much KV in total;
-- ``transfer_s(num_bytes)``: one request's KV from a prefill to a decode worker;
-- ``mixed_step_s``: a colocated step, prefill chunk plus decodes less one forward's fixed overhead (as a mixed
-  batch behaves on a CPU or an unsaturated GPU).
+- ``transfer_s(num_bytes)``: one request's KV from a prefill to a decode worker.
 A profile is one tensor-parallel degree's; ``ProfileSet`` holds one per degree for a plan that searches degrees.
 """
 
@@ -104,14 +102,6 @@ class Profile:
         if self.transfer_fit is None:  # a colocated-only profile
             return 0.0
         return self.transfer_fit(num_bytes=num_bytes)
-
-    def mixed_step_s(self, prefill_tokens: int, prefill_context: int, batch: int, context_tokens: int) -> float:
-        if prefill_tokens == 0:
-            return self.decode_step_s(batch, context_tokens)
-        if batch == 0:
-            return self.prefill_s(prefill_tokens, prefill_context)
-        overhead = self.decode_step_s(0, 0)
-        return self.prefill_s(prefill_tokens, prefill_context) + self.decode_step_s(batch, context_tokens) - overhead
 
     # ---- files -----------------------------------------------------------------------------------------------------
 

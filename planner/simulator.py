@@ -236,7 +236,8 @@ class SimWorker:
                 return
         elif isinstance(command, Prefill):
             request = self._request(command.rid, command.prompt, command.params, prefill_only=True)
-            self.transfers[command.rid] = (self.cluster.owner_of(command.kv_address), command.cached_tokens)
+            # a simulated worker's KV address is its name
+            self.transfers[command.rid] = (command.kv_address, command.cached_tokens)
             self.scheduler.add(request)
         elif isinstance(command, Generate):
             self.scheduler.add(self._request(command.rid, command.prompt, command.params))
@@ -370,7 +371,8 @@ class SimWorker:
 
     def _step_s(self, chunks: list[ScheduledChunk]) -> float:
         """One forward's time: each prompt chunk its own ``prefill_s`` (attention is per sequence, so the quadratic
-        terms must not see their sum), less all forwards' fixed cost but one; decodes as ``Profile.mixed_step_s``."""
+        terms must not see their sum), plus the decodes, less all forwards' fixed cost but one (as a mixed batch
+        behaves on a CPU or an unsaturated GPU)."""
         profile = self.profile
         prefill, num_chunks, batch, decode_context = 0.0, 0, 0, 0
         for chunk in chunks:
@@ -460,9 +462,6 @@ class SimCluster:
         self._open: dict[Flow, SimRecord] = {}
         self._arrived = False
         self.all_done = env.event()
-
-    def owner_of(self, kv_address: str) -> str:
-        return kv_address  # a simulated worker's KV address is its name
 
     def submit(self, index: int, trace: TraceRequest) -> None:
         params = SamplingParams(max_tokens=trace.output_tokens, temperature=0.0, ignore_eos=True)
