@@ -12,6 +12,7 @@ A profile is one tensor-parallel degree's; ``ProfileSet`` holds one per degree f
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,20 +52,13 @@ class Fit:
     coefficients: list[float]
 
     def __call__(self, **values: float) -> float:
-        total = 0.0
-        for name, coef in zip(self.features, self.coefficients):
-            total += coef * feature_value(name, values)
+        total = sum(coef * feature_value(name, values) for name, coef in zip(self.features, self.coefficients))
         return max(total, 0.0)
 
 
 def feature_value(name: str, values: Mapping[str, float]) -> float:
     """A feature is the constant ``1``, a variable (``tokens``) or a product (``tokens*context``)."""
-    if name == "1":
-        return 1.0
-    result = 1.0
-    for part in name.split("*"):
-        result *= float(values[part])
-    return result
+    return 1.0 if name == "1" else math.prod(float(values[part]) for part in name.split("*"))
 
 
 @dataclass(slots=True)
@@ -113,9 +107,9 @@ class Profile:
         data = json.loads(Path(path).read_text())
         if data.get("version") != PROFILE_VERSION:
             raise ValueError(f"{path}: profile version {data.get('version')!r}, this pdserve reads {PROFILE_VERSION}")
-        for name, kind in (("prefill_points", PrefillPoint), ("decode_points", DecodePoint)):
+        points = (("prefill_points", PrefillPoint), ("decode_points", DecodePoint), ("transfer_points", TransferPoint))
+        for name, kind in points:
             data[name] = [kind(**p) for p in data.get(name, [])]
-        data["transfer_points"] = [TransferPoint(**p) for p in data.get("transfer_points", [])]
         for name in ("prefill_fit", "decode_fit", "transfer_fit"):
             data[name] = Fit(**data[name]) if data.get(name) else None
         return cls(**data)
@@ -158,13 +152,9 @@ class ProfileSet:
         """One request's whole KV (every head: a prefill rank 0 gathers it at any degree) into a decode worker of
         ``decode_degree``, whose rank 0 hands each piece on to its ranks: by that degree's transfer fit, else by the
         lowest degree's that has one (0 if none does: a colocated profile)."""
-        measured = self.by_degree.get(decode_degree)
-        if measured is not None and measured.transfer_fit is not None:
-            return measured.transfer_s(num_bytes)
-        for profile in self.by_degree.values():
-            if profile.transfer_fit is not None:
-                return profile.transfer_s(num_bytes)
-        return 0.0
+        candidates = [self.by_degree.get(decode_degree), *self.by_degree.values()]
+        fitted = next((p for p in candidates if p is not None and p.transfer_fit is not None), None)
+        return 0.0 if fitted is None else fitted.transfer_s(num_bytes)
 
     @property
     def first(self) -> Profile:

@@ -41,6 +41,7 @@ from planner.profile_model import (
     PREFILL_FEATURES,
     TRANSFER_FEATURES,
     DecodePoint,
+    Fit,
     PrefillPoint,
     Profile,
     TransferPoint,
@@ -381,20 +382,17 @@ def profile_cluster(
     prefill = [PrefillPoint(**p) for p in prefill_run["points"]]
     decode = [DecodePoint(**p) for p in decode_run["points"]]
     transfer = [TransferPoint(**p) for p in decode_run["transfer_points"]]
-    prefill_fit, prefill_q = fit_points(
-        PREFILL_FEATURES, [_row(p, "tokens", "context") for p in prefill], [p.seconds for p in prefill]
-    )
-    decode_fit, decode_q = fit_points(
-        DECODE_FEATURES, [_row(p, "batch", "context_tokens") for p in decode], [p.seconds for p in decode]
-    )
-    transfer_fit, transfer_q = None, None
-    if transfer:
-        transfer_fit, transfer_q = fit_points(
-            TRANSFER_FEATURES, [_row(p, "num_bytes") for p in transfer], [p.seconds for p in transfer]
-        )
-    fits = [f"prefill fit: {prefill_q.describe()}", f"decode fit: {decode_q.describe()}"]
-    if transfer_q is not None:
-        fits.append(f"transfer fit: {transfer_q.describe()}")
+    fits: list[str] = []  # each fit's quality, for the notes
+
+    def fit(name: str, points: list, features: list[str], *variables: str) -> Fit:
+        rows = [{v: float(getattr(p, v)) for v in variables} for p in points]
+        fitted, quality = fit_points(features, rows, [p.seconds for p in points])
+        fits.append(f"{name} fit: {quality.describe()}")
+        return fitted
+
+    prefill_fit = fit("prefill", prefill, PREFILL_FEATURES, "tokens", "context")
+    decode_fit = fit("decode", decode, DECODE_FEATURES, "batch", "context_tokens")
+    transfer_fit = fit("transfer", transfer, TRANSFER_FEATURES, "num_bytes") if transfer else None
     degree = prefill_spec.engine.tensor_parallel_size
     notes = "; ".join(
         [
@@ -429,7 +427,3 @@ def profile_cluster(
         notes=notes,
         tensor_parallel_size=degree,
     )
-
-
-def _row(point: object, *names: str) -> dict[str, float]:
-    return {name: float(getattr(point, name)) for name in names}
