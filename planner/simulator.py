@@ -333,18 +333,14 @@ class SimWorker:
 
     def _append(self, request: Request, token_id: int, own: bool = True) -> TokenItem:
         request.output_token_ids.append(token_id)
-        finish = None
+        finish = None  # a prefilled request goes on at the decode worker
         if request.prefill_only:
-            finish = FinishReason.PREFILLED
-        elif len(request.output_token_ids) >= request.params.max_tokens:
-            finish = FinishReason.LENGTH
-        if finish is FinishReason.PREFILLED:
             self.scheduler.remove(request)
             request.status = RequestStatus.PREFILLED  # its blocks are leased until the transfer ends
             self.leased += 1
             self.env.process(self._transfer(request))
-            finish = None  # the client's request goes on at the decode worker
-        elif finish is not None:
+        elif len(request.output_token_ids) >= request.params.max_tokens:
+            finish = FinishReason.LENGTH
             self._end(request.request_id)
         return TokenItem(request.request_id, [token_id] if own else [], "", finish)
 
