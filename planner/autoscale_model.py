@@ -1,14 +1,10 @@
 """The planner's model for the live autoscaler: replicas per pool from a profile and one interval's load.
 
 Closed form, not the simulator (a goodput search takes seconds per layout, and a live load is not a trace), with the
-same fits: busy replicas per pool, where ``rate`` counts queued requests as arrivals of the next interval.
-- prefill: ``rate × prefill(prompt)`` in the pool's chunks, or the KV sending ``rate × transfer(prompt bytes)`` if
-  busier (it overlaps the next prefill);
-- decode: ``rate × (output - 1)`` tokens/s over ``b / step``, where ``b`` is the largest batch (within
-  ``max_num_seqs`` and the KV) whose ``decode_step(b, b × (prompt + output / 2))`` meets the TPOT SLO (else 1);
-- colocated: one pool, the two add.
-Each is divided by ``target_utilization`` (queueing delay grows without bound near 100% busy) and rounded up, at
-least 1; cluster/run/autoscale.py clamps it and applies hysteresis.
+same fits: busy replicas per pool (prefill or its KV sending, decode at the largest batch within the TPOT SLO, or
+both added in one colocated pool), where ``rate`` counts queued requests as arrivals of the next interval. Each is
+divided by ``target_utilization`` and rounded up, at least 1; cluster/run/autoscale.py clamps it and applies
+hysteresis. The formulas: docs/planner.md "With a profile: the planner's model".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """``pdserve profile``: measure prefill, decode and KV transfer times on this machine, with a config's engines.
 
 The engines run directly (no Ray, no HTTP: the simulator needs one forward's cost, not the control plane's), built
-from the config's ``WorkerSpec``\\ s, so every setting is the workers' own; the prefill engine first, then the decode
-engine. A profile is one tensor-parallel degree's: at degree N each engine runs as N local processes
-(``engine.tp_launch``), rank 0 measuring while the others run its steps. Each point is the median of ``repeats``
-timings after a warm-up (more for very short steps: ``samples_needed``):
-- prefill: one step over ``tokens`` new prompt tokens after ``context`` cached ones, the context put there by an
-  earlier request with that prefix (the point records the hit the engine reports);
-- decode: one step of ``batch`` requests holding ``context_tokens`` KV in total, built once per context at its
-  largest size sharing one prompt through the prefix cache (one prefill, not 64), then shrunk by aborts;
-- transfer: one request's KV (every head) over the configured backend into the decode engine, in its process
-  (planner/profile_transfer.py).
-``planner.fit`` then fits the curves the simulator reads.
+from the config's ``WorkerSpec``\\ s, so every setting is the workers' own: the prefill engine first, then the decode
+engine, each at one tensor-parallel degree (at degree N as N local processes, ``engine.tp_launch``, rank 0
+measuring). Each point is the median of ``repeats`` timings after a warm-up (more for very short steps:
+``samples_needed``); transfers are planner/profile_transfer.py's. ``planner.fit`` then fits the curves the simulator
+reads. What each point measures: docs/planner.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Measured against simulated: the comparison behind ``pdserve plan validate`` (cli/plan_validate_cmd.py).
 
 Plain arithmetic on per-request records; the planner may not import bench, so the load tester's records come as
-the dicts of its ``requests.jsonl``, read by key.
-- The simulator replays the requests as sent: actual send offsets (``sent_s``, so client lateness is not blamed on
-  the model) and the token counts the server reported; failed requests are left out of both sides and counted.
-- TTFT and TPOT p50/p90 in ms, percentiles by linear interpolation (``numpy.percentile``'s default, as the load
-  tester); TPOT only over requests with more than one output token (a one-token answer has no decode step).
-- The ratio is simulated / measured (0.8: the simulator is 20% optimistic); the goal is each within
-  ``GOAL_TOLERANCE`` of 1.
+the dicts of its ``requests.jsonl``, read by key. The simulator replays the requests as sent (actual send offsets,
+so client lateness is not blamed on the model, and the token counts the server reported); percentiles interpolate
+as ``numpy.percentile`` does, as the load tester's; the ratio is simulated / measured. How to read the result:
+docs/planner.md "pdserve plan validate".
 """
 
 from __future__ import annotations
