@@ -119,34 +119,25 @@ class Role:
     def totals(self) -> WorkerCounters:
         """The counters of the heartbeat (a copy), with those the engine keeps itself."""
         engine = self.engine
-        totals = msgspec.structs.replace(
-            self.counters,
-            preemptions=engine.scheduler.num_preemptions,
-            prefix_hit_tokens=engine.block_manager.prefix_hit_tokens,
-            recomputes=engine.num_recomputes,
-        )
+        fields: dict[str, float] = {
+            "preemptions": engine.scheduler.num_preemptions,
+            "prefix_hit_tokens": engine.block_manager.prefix_hit_tokens,
+            "recomputes": engine.num_recomputes,
+        }
         if engine.speculator is not None:
             spec = engine.speculator.totals
-            totals = msgspec.structs.replace(
-                totals,
-                spec_proposed_tokens=spec.proposed_tokens,
-                spec_accepted_tokens=spec.accepted_tokens,
-                spec_verify_steps=spec.verify_steps,
-            )
+            fields["spec_proposed_tokens"] = spec.proposed_tokens
+            fields["spec_accepted_tokens"] = spec.accepted_tokens
+            fields["spec_verify_steps"] = spec.verify_steps
         if engine.kv_tiers is not None:
             stats = engine.kv_tiers.stats
-            totals = msgspec.structs.replace(
-                totals,
-                host_hit_tokens=stats.hit_tokens["host"],
-                disk_hit_tokens=stats.hit_tokens["disk"],
-                host_saved_bytes=stats.saved_bytes["host"],
-                disk_saved_bytes=stats.saved_bytes["disk"],
-                host_loaded_bytes=stats.loaded_bytes["host"],
-                disk_loaded_bytes=stats.loaded_bytes["disk"],
-                tier_loads=stats.loads,
-                tier_load_seconds=stats.load_seconds,
-            )
-        return totals
+            for tier in ("host", "disk"):
+                fields[f"{tier}_hit_tokens"] = stats.hit_tokens[tier]
+                fields[f"{tier}_saved_bytes"] = stats.saved_bytes[tier]
+                fields[f"{tier}_loaded_bytes"] = stats.loaded_bytes[tier]
+            fields["tier_loads"] = stats.loads
+            fields["tier_load_seconds"] = stats.load_seconds
+        return msgspec.structs.replace(self.counters, **fields)
 
 
 def wire_timing(timing: RequestTiming) -> Timing:
