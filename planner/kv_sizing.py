@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -189,8 +189,6 @@ class ModelShape:
         model does not split."""
         if tensor_parallel_size == 1:
             return self
-        from dataclasses import replace
-
         from engine.tensor_parallel import head_split
 
         split = head_split(self.num_attention_heads, self.num_kv_heads, tensor_parallel_size, 0)

@@ -264,9 +264,7 @@ def measure_decode(engine: LLMEngine, grid: DecodeGrid, rng: random.Random, tick
                 times.append(time.perf_counter() - start)
                 if len(outputs) != batch or any(o.error for o in outputs):
                     raise RuntimeError(f"a decode step of {batch} requests returned {len(outputs)} outputs")
-            point = DecodePoint(batch=batch, context_tokens=round(statistics.mean(contexts)), seconds=0.0)
-            point.seconds = statistics.median(times)
-            points.append(point)
+            points.append(DecodePoint(batch, round(statistics.mean(contexts)), statistics.median(times)))
             tick()
         if engine.scheduler.num_preemptions != preemptions:
             raise RuntimeError("the decode batch was preempted while timed: the KV cache is too small for the grid")

@@ -62,15 +62,7 @@ def replay_from_records(records: Iterable[dict], prefix_tokens: dict[int, int] |
         outputs = int(r["output_tokens"])
         group = r.get("group")
         shared = min((prefix_tokens or {}).get(group, 0), inputs) if group is not None else 0
-        trace.append(
-            TraceRequest(
-                arrival_s=float(r["sent_s"]),
-                input_tokens=inputs,
-                output_tokens=outputs,
-                prefix_id=group if shared else None,
-                prefix_tokens=shared,
-            )
-        )
+        trace.append(TraceRequest(float(r["sent_s"]), inputs, outputs, group if shared else None, shared))
         measured.append(MeasuredRequest(float(r["sent_s"]), inputs, outputs, float(r["ttft_s"]), r.get("tpot_s")))
     return Replay(trace, measured, failed)
 
