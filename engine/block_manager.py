@@ -55,28 +55,21 @@ class HashEvents:
         self._lock = threading.Lock()
 
     def stored(self, block_hash: int) -> None:
+        self._note(block_hash, self._stored, self._removed)
+
+    def removed(self, block_hash: int) -> None:
+        self._note(block_hash, self._removed, self._stored)
+
+    def _note(self, block_hash: int, into: dict[int, None], opposite: dict[int, None]) -> None:
         with self._lock:
             if self._reset_pending:
                 return  # the snapshot at the next drain covers it
-            if block_hash in self._removed:
-                del self._removed[block_hash]  # held at the last drain and held again: no change
+            if block_hash in opposite:
+                del opposite[block_hash]  # changed back since the last drain: no change
             else:
-                self._stored[block_hash] = None
-                self._check_capacity()
-
-    def removed(self, block_hash: int) -> None:
-        with self._lock:
-            if self._reset_pending:
-                return
-            if block_hash in self._stored:
-                del self._stored[block_hash]  # stored since the last drain and gone again: no change
-            else:
-                self._removed[block_hash] = None
-                self._check_capacity()
-
-    def _check_capacity(self) -> None:
-        if len(self._stored) + len(self._removed) > self.capacity:
-            self._reset_locked()
+                into[block_hash] = None
+                if len(self._stored) + len(self._removed) > self.capacity:
+                    self._reset_locked()
 
     def _reset_locked(self) -> None:
         self._reset_pending = True
@@ -178,12 +171,10 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
             del self._hash_to_block[block.block_hash]
-            self._note_removed(block.block_hash)
+            self.events.removed(block.block_hash)
             if self.record_evictions:
                 self.evicted.append((block.block_hash, block.token_ids, block_id))
-        block.block_hash = None
-        block.token_ids = ()
-        block.ref_count = 1
+        block.block_hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
     def grow(self, table: list[int], num_tokens: int) -> bool:
@@ -219,7 +210,7 @@ class BlockManager:
                 block.token_ids = chunk
                 if block.block_hash not in self._hash_to_block:  # a duplicate of a held block stays unlisted
                     self._hash_to_block[block.block_hash] = block.block_id
-                    self._note_stored(block.block_hash)
+                    self.events.stored(block.block_hash)
             prev = block.block_hash
         return max(num_hashed, num_full)
 
@@ -256,12 +247,6 @@ class BlockManager:
         self.resync_kv_events()  # the readers learn what is left in one snapshot, not hash by hash
 
     # ---- KV events ---------------------------------------------------------------------------------------------
-
-    def _note_stored(self, block_hash: int) -> None:
-        self.events.stored(block_hash)
-
-    def _note_removed(self, block_hash: int) -> None:
-        self.events.removed(block_hash)
 
     def resync_kv_events(self) -> None:
         """Make the next drain a reset with a snapshot of every hash held (after an overflow or cache reset; the
