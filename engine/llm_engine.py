@@ -368,17 +368,13 @@ class LLMEngine:
         for request in self.scheduler.admit_remote():
             remote = request.remote
             assert remote is not None  # the scheduler admits only ready ones
-            if remote.resume_at is not None:  # a moved request: its tokens are in, it runs (or recomputes) on
-                if remote.recompute:
-                    self.num_recomputes += 1
-                else:
-                    self.scheduler.register_full_blocks(request)
-                continue
-            assert remote.first_token_id is not None
             if remote.recompute:
                 self.num_recomputes += 1
             else:
                 self.scheduler.register_full_blocks(request)
+            if remote.resume_at is not None:  # a moved request: its tokens are in, it runs (or recomputes) on
+                continue
+            assert remote.first_token_id is not None
             output = self._append_token(request, remote.first_token_id, text_sent=True)
             output.new_token_ids = []
             outputs[request.request_id] = output
@@ -722,10 +718,7 @@ class LLMEngine:
         """Write one layer of a request's imported KV (the KV receiver's sink; the transfer id is the request id).
         Raises, writing nothing, unless the request waits for its KV and ``block_ids`` are its missing prompt blocks,
         so a late or stray piece never lands in another request's blocks nor in shared prefix-cached ones."""
-        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
-        remote = _remote(request)
-        if remote.kv_done_s is not None or remote.kv_failed:
-            raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
+        request, _ = self._open_transfer(request_id)
         if not set(block_ids) <= set(self.missing_prompt_blocks(request)):
             raise ValueError(f"blocks {block_ids} are not reserved for the prompt of request {request_id!r}")
         self.write_whole_kv(layer, block_ids, k, v)
@@ -749,12 +742,9 @@ class LLMEngine:
     def remote_kv_done(self, request_id: str) -> bool:
         """Every layer of the request's KV is in. False if the request is gone (aborted or expired: its blocks are
         free); ValueError if its transfer had already ended."""
-        request = self.requests.get(request_id)
-        if request is None:
+        if request_id not in self.requests:
             return False
-        remote = _remote(self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV))
-        if remote.kv_done_s is not None or remote.kv_failed:
-            raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
+        request, remote = self._open_transfer(request_id)
         remote.kv_done_s = time.monotonic()
         self.scheduler.remote_progress(request)
         return True
@@ -764,12 +754,9 @@ class LLMEngine:
         it ends with ABORT and no output (the caller knows the cause and reports it). ``recompute=True``: once its
         first token is in, it is prefilled here (``num_recomputes``) and decodes on. False if the request is gone;
         ValueError if its transfer had already ended."""
-        request = self.requests.get(request_id)
-        if request is None:
+        if request_id not in self.requests:
             return False
-        remote = _remote(self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV))
-        if remote.kv_done_s is not None or remote.kv_failed:
-            raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
+        request, remote = self._open_transfer(request_id)
         remote.kv_failed_s = time.monotonic()
         if not recompute:
             self._finish(request, FinishReason.ABORT)
@@ -779,6 +766,14 @@ class LLMEngine:
         remote.recompute = True
         self.scheduler.remote_progress(request)
         return True
+
+    def _open_transfer(self, request_id: str) -> tuple[Request, RemoteKV]:
+        """A reservation whose KV transfer goes on; KeyError, or ValueError naming what it is instead."""
+        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
+        remote = _remote(request)
+        if remote.kv_done_s is not None or remote.kv_failed:
+            raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
+        return request, remote
 
     def expire_remote(self, max_wait_s: float) -> list[str]:
         """End, with ABORT and no output, the reservations whose first token has not come ``max_wait_s`` after they

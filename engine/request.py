@@ -309,22 +309,6 @@ class Request:
     spec: Any = None  # engine.speculative.SpecState: its proposals, where the engine speculates
 
     @property
-    def arrival_s(self) -> float:
-        return self.timing.arrival_s
-
-    @property
-    def scheduled_s(self) -> float | None:
-        return self.timing.scheduled_s
-
-    @property
-    def first_token_s(self) -> float | None:
-        return self.timing.first_token_s
-
-    @property
-    def finished_s(self) -> float | None:
-        return self.timing.finished_s
-
-    @property
     def remote(self) -> RemoteKV | None:
         """Decode side: the state of its KV import (None for a request computed here from the start)."""
         return self.timing.remote
