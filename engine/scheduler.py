@@ -1,16 +1,13 @@
 """Continuous batching: which requests compute how many tokens in the next forward, within ``max_batch_tokens``.
 
 1. Running requests first, in arrival order: a decode takes one token, a prefill the next prompt chunk that fits.
-2. Then waiting requests, FIFO, while ``max_num_seqs`` allows and the blocks for the whole prompt can be allocated
-   now (prefix-cached blocks reused): memory is never overcommitted. When the prefix cache ends before a KV tier's
-   pages do (``engine.kv_tiers``), the request waits in LOADING, holding its blocks, until the tier's blocks are
-   loaded back; then it runs from there.
+2. Then waiting requests, FIFO, while ``max_num_seqs`` allows and blocks for the whole prompt can be allocated now
+   (prefix-cached blocks reused; never overcommitted). One whose prefix continues in a KV tier waits in LOADING,
+   holding its blocks, until the tier's blocks are back; then it runs from there.
 3. A running request that needs a block when none is free preempts the most recently admitted one (maybe itself),
    which goes back to the front of the queue with its tokens, to be prefilled again (recompute).
-
-Decode side: a reserved request (WAITING_FOR_REMOTE_KV) is admitted by ``admit_remote`` at the start of a step once
-its first token and KV are in, asking for no blocks and ignoring ``max_num_seqs`` (a cap would only idle reserved
-memory); one prefilled here instead (``prefill_here``) joins the running batch at its cached prefix.
+Decode side: a reservation (WAITING_FOR_REMOTE_KV) is admitted by ``admit_remote`` once its first token and KV are in,
+with no new blocks and whatever ``max_num_seqs`` (a cap would only idle reserved memory); or ``prefill_here``.
 """
 
 from __future__ import annotations
@@ -94,9 +91,7 @@ class Scheduler:
     def reserve_remote(self, request: Request, num_tokens: int, use_prefix_cache: bool) -> bool:
         """Hold blocks for ``num_tokens`` of a request whose prompt KV comes from elsewhere; with
         ``use_prefix_cache`` the leading full blocks held here are shared. False when the blocks are not free now."""
-        allocation = self.block_manager.allocate(
-            request.prompt_token_ids, num_tokens, use_prefix_cache=use_prefix_cache
-        )
+        allocation = self.block_manager.allocate(request.prompt_token_ids, num_tokens, use_prefix_cache)
         if allocation is None:
             return False
         request.block_ids, request.num_cached_tokens = allocation
@@ -150,8 +145,7 @@ class Scheduler:
 
     def register_full_blocks(self, request: Request) -> None:
         """Blocks that just filled up join the prefix cache (generated text too, so multi-turn chats reuse it)."""
-        block_size = self.block_manager.block_size
-        if request.num_computed_tokens // block_size > request.num_hashed_blocks:
+        if request.num_computed_tokens // self.block_size > request.num_hashed_blocks:
             request.num_hashed_blocks = self.block_manager.register_full_blocks(
                 request.block_ids,
                 request.token_slice(0, request.num_computed_tokens),
@@ -186,14 +180,10 @@ class Scheduler:
         self.running.append(request)
 
     def remove(self, request: Request) -> None:
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        elif request in self.remote_ready:
-            self.remote_ready.remove(request)
-        elif request in self.loading:
-            self.loading.remove(request)
+        for queue in (self.running, self.waiting, self.remote_ready, self.loading):
+            if request in queue:
+                queue.remove(request)
+                return
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.remote_ready or self.loading)
@@ -220,13 +210,13 @@ class Scheduler:
             if remote.recompute:
                 request.status = RequestStatus.WAITING
                 self.waiting.append(request)
-            elif remote.resume_at is not None:  # moved here while running: it goes on from its next token
+                continue
+            if remote.resume_at is not None:  # moved here while running: it goes on from its next token
                 request.num_computed_tokens = remote.resume_at
-                self.add_running(request)
             else:  # after a tier load that fell short, the rest of the prompt is computed here
                 valid = remote.valid_prompt_tokens
                 request.num_computed_tokens = request.num_prompt_tokens if valid is None else valid
-                self.add_running(request)
+            self.add_running(request)
         return admitted
 
     def rollback(self, request: Request) -> None:
@@ -236,9 +226,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.block_manager.free(victim.block_ids)
-        victim.num_computed_tokens = 0
-        victim.num_hashed_blocks = 0
-        victim.num_released_blocks = 0
+        victim.num_computed_tokens = victim.num_hashed_blocks = victim.num_released_blocks = 0
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -301,8 +289,7 @@ class Scheduler:
                 req.status = RequestStatus.LOADING
                 self.loading.append(req)
                 continue
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self.add_running(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
             scheduled.add(req.request_id)
