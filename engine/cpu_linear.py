@@ -1,22 +1,12 @@
 """CPU linear layers: for each row count of a decode batch or a verified proposal, the fastest of three equal
-products, chosen by timing the model's own linears at load.
+products (torch's ``linear``, oneDNN on weights packed at load, the weight-left ``(W @ x.T).T``), chosen by timing
+the model's own linears at load (measurements: docs/speculative.md, "CPU linears").
 
-A decode step on a CPU is bound by reading the weights from memory, and which product reads them fastest depends
-on the BLAS, the threads and the row count. On this project's 2-core box, one pass over SmolLM2's 211 linears took
-(ms, ``linear`` / oneDNN on packed weights / ``(W @ x.T).T``):
-
-| threads | 1 row | 2 rows | 4 rows | 8 rows |
-| ---: | ---: | ---: | ---: | ---: |
-| 1 | 45 / 47 / 47 | 83 / 90 / 56 | 76 / 85 / 57 | 88 / 97 / 99 |
-| 2 | 41 / 33 / 43 | 76 / 48 / 32 | 75 / 56 / 33 | 89 / 61 / 56 |
-
-So at load every form is timed per row bucket (1, 2, 4, 8, 16, 32) over the model's linears in order (each pass
-reads the weights from memory, as a step does; at most ``TIMED_BYTES`` of them), and each bucket takes its fastest
-form; a row count runs with the form of the bucket at or above it, the weight-left form on rows padded with zeros to
-the bucket (its BLAS kernels are up to 2x slower for odd counts), and one row padded to two. Results differ from
-``linear`` by float rounding only (a different summation order). The packed copy of the weights is kept only if some bucket uses it, and the
-dense weight always stays (a tied embedding and latent attention's absorbed weights read it).
-``cpu_linear_tuning: false`` leaves torch's ``linear`` everywhere.
+Each row bucket (1, 2, 4, 8, 16, 32) takes its fastest form, timed over at most ``TIMED_BYTES`` of weights; a row
+count runs with the form of the bucket at or above it, the weight-left form on rows zero-padded to the bucket (its
+BLAS kernels are up to 2x slower for odd counts). Results differ from ``linear`` by float rounding only. The packed
+copy is kept only if some bucket uses it; the dense weight always stays (a tied embedding and latent attention's
+absorbed weights read it). ``cpu_linear_tuning: false`` leaves torch's ``linear`` everywhere.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Incremental detokenization: the text of new tokens in time proportional to them, not to the output.
 
-Re-decoding the whole output per token is quadratic (about half the router's CPU with 64 streams); decoding each
-token alone is wrong (byte-level tokenizers split characters over tokens, SentencePiece treats a sequence's first
-token differently). As in vLLM, only a window ``ids[prefix:]`` is decoded: ``decode(ids[prefix:])`` minus
-``decode(ids[prefix:read])`` is what the new tokens add in context, and both decodes start with the same token, so a
-first-token rule cancels out. The window advances when its text grew and does not end in U+FFFD (half a character).
-
-The joined deltas equal ``tokenizer.decode(ids, skip_special_tokens=...)``, assuming (as vLLM does) that a token's
-text depends on earlier tokens only through the first-token rule: true of byte-level BPE (GPT-2, SmolLM2, Qwen),
-Metaspace and byte-fallback decoders. Known limit: a run of invalid UTF-8 bytes (rare unless a logit bias forces it)
-costs time quadratic in its length, bounded by max_tokens.
+As in vLLM, only a window ``ids[prefix:]`` is decoded: ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])`` is
+what the new tokens add in context, and both decodes start with the same token, so a first-token rule cancels out.
+The window advances when its text grew and does not end in U+FFFD (half a character). The joined deltas equal
+``tokenizer.decode(ids, skip_special_tokens=...)`` (why, and the known limit: docs/engine.md).
 """
 
 from __future__ import annotations

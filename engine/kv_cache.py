@@ -1,14 +1,11 @@
-"""The KV cache tensors: per layer, K and V indexed by physical block id.
-
-Layout per layer: K and V stacked in one tensor, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, so writing a
-forward's new K/V (slot ``block_id * block_size + offset``) and gathering a decode batch's context are one indexing op
-each. The transfer layer sees only ``read_blocks`` and ``write_blocks``, with the block ids of each side.
+"""The KV cache tensors: per layer, K and V stacked in one tensor, ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]``, indexed by physical block id, so writing a forward's new K/V (slot ``block_id * block_size + offset``)
+and gathering a decode batch's context are one indexing op each. The transfer layer sees only ``read_blocks`` and
+``write_blocks``.
 
 A quantized cache (``kv_cache_dtype: int8 | fp8_e4m3``) stores each (token, head) row as ``head_dim`` 8-bit values
-and the row's float32 scale in 4 more bytes, all one ``uint8`` tensor: blocks stay plain bytes, so the transfer
-ships them quantized with their scales and every backend, header and fingerprint works unchanged (a prefill worker
-and a decode worker that disagree fail the fingerprint check). Values are written quantized and dequantized where
-the attention reads them (``dequantize``).
+and its float32 scale, all in one ``uint8`` tensor, so blocks stay plain bytes that every transfer backend ships
+unchanged; values are written quantized and dequantized where the attention reads them (``dequantize``).
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """KV tiers below the device: full blocks that leave the prefix cache are kept in host memory and on disk, and loaded
-back instead of recomputed (``kv_offload`` in the engine config).
+back instead of recomputed (``kv_offload`` in the engine config; page format and sharing: docs/engine.md).
 
-A tier is a folder of pages, one per block, named by the block's chained hash under a fingerprint of the model, the
-KV layout and the weights (``tier_fingerprint``), so two models never read each other's pages. The host tier's
-folder is shared memory (``/dev/shm``): every worker of the node serving the same model under the same
-``host_pool`` sees the same pages, so a prefill worker loads a prefix another worker computed. The disk tier's
-folder outlives the worker: a restarted worker or a new replica finds its pages.
-
-A page is written under a temporary name and renamed when complete, so a reader sees whole pages only and a writer
-dying mid-write harms no one (its temporary file is swept later). It carries magic, version, fingerprint, hash,
-tokens and an xxh3 checksum; a page that is truncated, corrupted or foreign is deleted and recomputed, never used.
-The kernel counts the references: a page being read stays readable while another worker evicts it. The host pool's
-folder is removed when its last live worker closes. Each tier is bounded and least recently used (a file's mtime,
-touched on each hit) goes first, into the tier below. A tier whose folder cannot be written (disk full, read-only)
-turns itself off with a logged error; serving goes on.
-
-Off the step's path: the engine gathers the evicted blocks' KV in one copy before anything overwrites them
-(``save``); a saver thread checksums and writes the pages. A prompt whose prefix continues in a tier waits in
-LOADING while the loader thread reads and checks its pages (``start_load``); the engine writes them into the
-request's blocks at the start of a later step (``poll``), other requests' steps going on meanwhile.
+A tier is a folder of pages, one per block, named by the block's chained hash under ``tier_fingerprint`` (model, KV
+layout, weights). The host tier is shared memory, one pool per node, model and ``host_pool``; the disk tier outlives
+the worker. Each is bounded, evicts its least recently used pages into the tier below, and turns itself off (serving
+goes on) when its folder cannot be written. Down: the engine gathers the evicted blocks' KV in one copy (``save``);
+the saver thread writes the pages. Up: a prompt whose prefix continues in a tier waits in LOADING while the loader
+thread reads and checks its pages (``start_load``); the engine writes them into its blocks at a later step (``poll``).
 """
 
 from __future__ import annotations

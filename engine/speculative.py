@@ -1,14 +1,11 @@
-"""Speculative decoding's proposals: which tokens a decoding request guesses it will generate next.
+"""Speculative decoding's proposals: which tokens a decoding request guesses it will generate next
+(docs/speculative.md).
 
 Before each step the engine asks ``Speculator.propose_all`` for the running decoding requests; the scheduler packs each
 request's last token and its proposal into one chunk, and the engine samples the verified rows one position at a
-time (``LLMEngine._verify``), keeping the proposal up to the first token the model would not have produced. The
-proposer here is n-gram prompt lookup: the request's last n tokens are searched for, latest first, in its prompt and
-output, and the tokens after that occurrence are the proposal. It costs no model, so a request with no match pays
-nothing. ``DraftModel`` proposes with a smaller model instead. Each request's proposal length follows its own
-acceptance (``SpecState``), at most ``num_tokens``, none while paused; of those, a step verifies the tokens that make
-the most tokens per second by the engine's measured step times (``worth_verifying``): a verified row costs nearly
-nothing on a GPU or at batch 1 on a CPU, and nearly a request's own row at batch 8 on a CPU.
+time (``LLMEngine._verify``). Proposers: n-gram prompt lookup (``ngram_proposal``: no model, so a request with no
+match pays nothing) or a smaller ``DraftModel``. Each request's proposal length follows its own acceptance
+(``SpecState``); a step verifies only the tokens that pay for their rows (``worth_verifying``).
 """
 
 from __future__ import annotations
@@ -34,14 +31,8 @@ PAUSE_STEPS = 16  # a request whose next token is not worth proposing proposes n
 
 @dataclass(slots=True)
 class SpecState:
-    """One request's speculation: its acceptance so far and the length of its next proposal.
-
-    A proposed token is kept only if every one before it was, so with a chance ``a`` that each is kept, the j-th is
-    reached and kept with ``a ** j``; the proposal is as long as that stays at least ``REACH_PROBABILITY``. ``a`` is
-    kept / (kept + refusals) over the request's recent verifications (a refusal ends each proposal that was not kept
-    whole), starting from 2 kept and 1 refused. Below ``REACH_PROBABILITY`` for even one token, the request stops
-    proposing for ``PAUSE_STEPS`` steps, then tries one token again: a proposal costs a verified row in the batch,
-    which on a CPU at batch 8 is nearly as much as a request's own row."""
+    """One request's speculation: its acceptance so far and the length of its next proposal (the rule:
+    docs/speculative.md, "Per-request length")."""
 
     num_tokens: int  # the next proposal's length bound (0: paused)
     kept: float = 2.0

@@ -1,15 +1,12 @@
-"""Paged attention plugged into transformers' attention interface, registered as ``pdserve_paged``.
+"""Paged attention plugged into transformers' attention interface, registered as ``pdserve_paged`` (it has no mask
+function, so transformers builds no mask).
 
-transformers keeps the model code; we replace only the attention call. Per layer ``paged_attention_forward`` writes
-the new tokens' K/V into their cache slots, calls the layer hook if any (the prefill worker streams that layer's KV
-out while the forward goes on), then hands the attention to the step's backend (``backend.py``): gather + SDPA
-(``sdpa.py``), FlexAttention (``flex.py``) or FlashInfer (``flashinfer_backend.py``). ``pdserve_paged`` has no mask
-function, so transformers builds no mask.
-
-What the model passes beyond q/k/v (its ``scaling``, a layer's ``sliding_window``, ``softcap``, sinks as ``s_aux``)
-becomes the layer's ``LayerFeatures``; narrower heads are zero-padded to the cache's width; a latent-attention
-layer (its latent left in the step's ``LatentCache``) goes to ``latent.py``. With ``pd_probe`` set
-(``engine.model_probe``) the call is only recorded.
+Per layer ``paged_attention_forward`` writes the new tokens' K/V into their cache slots, calls the layer hook if any
+(the prefill worker streams that layer's KV out while the forward goes on), then hands the attention to the step's
+backend (``backend.py``): gather + SDPA (``sdpa.py``), FlexAttention (``flex.py``) or FlashInfer
+(``flashinfer_backend.py``). What the model passes beyond q/k/v (``scaling``, ``sliding_window``, ``softcap``, sinks
+as ``s_aux``) becomes the layer's ``LayerFeatures``; narrower heads are zero-padded to the cache's width; a latent
+attention layer goes to ``latent.py``. With ``pd_probe`` set (``engine.model_probe``) the call is only recorded.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4-MoE-Lite, MiniCPM3…): the cache holds each token's compressed
-latent, not its per-head keys and values.
+latent, not its per-head keys and values (docs/architecture.md, "Latent attention").
 
-transformers' MLA models hand their cache the latent before decompressing it: ``cache.update(kv_nope, k_rot,
-layer)`` (the normed ``kv_lora_rank`` latent and the shared rotary key, one "head" each), then ``expand_kv`` turns
-latents into per-head keys and values. ``LatentCache`` is the cache the runner passes such a model: it keeps each
-layer's latent for ``paged_attention_forward``, which stores it in the paged cache. Prefill chunks with cached
-context attend by expanding the context's latents with the layer's own ``expand_kv`` (transformers' arithmetic);
-decode attends from the latent itself, W_UK absorbed into the query and W_UV applied after (``absorbed_decode``).
-A latent row of ``kv_lora_rank + qk_rope_head_dim`` values is split across the cache's K and V planes (one head of
-half the width each), so blocks, transfers, quantization and prefix caching need no second layout: DeepSeek-V3 in
-bf16 stores (512 + 64) x 61 x 2 = 70,272 bytes per token.
+transformers' MLA models hand their cache the latent before decompressing it (``cache.update(kv_nope, k_rot,
+layer)``); ``LatentCache``, the cache the runner passes such a model, keeps each layer's latent for
+``paged_attention_forward``, which stores it split over the cache's K and V planes (one head of half the width
+each). Prefill chunks with cached context expand the context's latents with the layer's own ``expand_kv``; decode
+attends from the latent itself, W_UK absorbed into the query and W_UV applied after (``absorbed_decode``).
 """
 
 from __future__ import annotations
@@ -44,11 +40,6 @@ def cache_kwarg(decoder: torch.nn.Module) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-
-
-def latent_plane_width(latent_width: int) -> int:
-    """Each of the K and V planes holds half a latent row (rounded up)."""
-    return -(-latent_width // 2)
 
 
 def _rows(batch: AttentionBatch, stored: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -2,15 +2,10 @@
 
 The CPU path, and CUDA's fallback without FlashInfer. Decode rows attend together in one SDPA over their gathered,
 padded context (a verified request's row holds its last token and its proposal, each query masked to its own
-position); prefill chunks attend one by one, causally, aligned to the end of their context.
-
-No fused kernel takes GQA (``enable_gqa``) together with a mask tensor (the math kernel would run: float32 upcast, K/V
-repeated per head), so every call is shaped for a fused one: decode folds the query heads that share a KV head into
-the query-length axis (``[B, kv_heads, heads / kv_heads * Q, d]``: no GQA, and the ``[B, 1, Q, C]`` mask is repeated
-per folded head); a prefill chunk with cached context uses ``causal_lower_right`` (flash with GQA, no mask tensor).
-
-A layer with ``LayerFeatures`` beyond plain attention adds its sliding window to the mask; soft-capping and sinks
-have no SDPA form, so those layers attend in ``math_attention``, the operations of transformers' eager attention.
+position), the query heads that share a KV head folded into the query axis; prefill chunks attend one by one, with
+``causal_lower_right``. So no call pairs GQA with a mask tensor, which only the unfused math kernel takes (docs/gpu.md,
+"SDPA and its CUDA kernels"). A layer's sliding window joins the mask; soft-capping and sinks have no SDPA form, so
+those layers attend in ``math_attention``, the operations of transformers' eager attention.
 """
 
 from __future__ import annotations
