@@ -1,12 +1,8 @@
 """The worker's book of its routers: which are alive, which owns each request, and which have said ``drain``.
 
 Plain bookkeeping for the loop thread, which acts on it: frees the requests ``orphans`` names, sends each event where
-``route`` says (with ``router.processes`` > 1, only to the request's owner), fails what is left at the drain deadline.
-A router silent for ``orphan_timeout_s`` loses only its own requests.
-
-Draining (``drain`` from every router when ``pdserve scale`` removes this worker, cluster/run/scaling.py): routers
-send nothing new after it, so once every router has sent it and nothing is held, ``drained`` is true and the pool
-stops the worker; what is held ``deadline_s`` after the first ``drain`` is failed with an error event per request.
+``route`` says (with ``router.processes`` > 1, only to the request's owner), fails what is left at the drain deadline
+(the ``Drain`` message says how draining goes). A router silent for ``orphan_timeout_s`` loses only its own requests.
 """
 
 from __future__ import annotations

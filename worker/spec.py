@@ -2,12 +2,9 @@
 
 ``cluster/config.py`` builds every worker's spec (``worker_specs``), Ray pickles it into the worker actor, and each
 role's constructor takes it whole. The only defaults are those of its dataclasses (``EngineConfig``,
-``TransferConfig``, ``RuntimeOptions``), which the config's sections borrow.
-
-The spec carries GPUs, not a device: the process that builds it (perhaps a Ray head without a GPU) cannot know what
-the worker will see. ``resolve_spec`` picks the device inside the worker process, so a worker that asked for GPUs and
-sees none fails, naming itself, instead of quietly running on the CPU; so does ``nccl`` on the CPU (``gloo`` is the
-same code there, chosen by name).
+``TransferConfig``, ``RuntimeOptions``), which the config's sections borrow. The spec carries GPUs, not a device (the
+process that builds it may have none): ``resolve_spec`` picks the device inside the worker process, so a worker that
+asked for GPUs and sees none fails, naming itself, instead of quietly running on the CPU; so does ``nccl`` on the CPU.
 """
 
 from __future__ import annotations
