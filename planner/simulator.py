@@ -49,8 +49,6 @@ from worker.messages import (
     WorkerLoad,
 )
 
-__all__ = ["Layout", "SimRecord", "SimSettings", "TraceRequest", "as_profile_set", "simulate"]
-
 
 @dataclass(frozen=True, slots=True)
 class Layout:

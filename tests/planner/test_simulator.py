@@ -7,7 +7,8 @@ import math
 import pytest
 
 from planner.profile_model import Fit, Profile
-from planner.simulator import Layout, SimSettings, TraceRequest, simulate
+from planner.simulator import Layout, SimSettings, simulate
+from planner.trace import TraceRequest
 
 EPS = 1e-9
 
