@@ -120,10 +120,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return out
 
 
-def finish_reason(reason: str | None) -> str:
-    return reason or "stop"
-
-
 class SSEChunks:
     """The SSE events of one response; with ``usage_key`` every chunk has a ``usage`` (null, or the running usage
     for ``continuous_usage_stats``)."""

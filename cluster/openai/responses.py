@@ -18,7 +18,6 @@ from cluster.openai.api_format import (
     SSEChunks,
     TokenText,
     chat_logprobs,
-    finish_reason,
     join_completion_logprobs,
     usage,
 )
@@ -103,7 +102,7 @@ class _Choice:
         return text, block
 
     def finish_reason(self, called: bool) -> str:
-        return tool_finish_reason(finish_reason(self.finish), called)
+        return tool_finish_reason(self.finish or "stop", called)
 
 
 def _cached(choices: dict[int, _Choice]) -> int:
@@ -112,10 +111,6 @@ def _cached(choices: dict[int, _Choice]) -> int:
 
 def _completion_tokens(choices: dict[int, _Choice]) -> int:
     return sum(c.tokens for c in choices.values())
-
-
-def _pop_timing(router: Router, shape: ResponseShape) -> dict[int, dict]:
-    return {plan.index: router.last_timing.pop(plan.request_id, {}) for plan in shape.plans}
 
 
 async def collect(router: Router, shape: ResponseShape, events: AsyncIterator[tuple[int, TokenEvent]]) -> dict:
@@ -147,7 +142,7 @@ async def collect(router: Router, shape: ResponseShape, events: AsyncIterator[tu
             logprobs = join_completion_logprobs(choice.logprob_pieces) if shape.logprobs is not None else None
             entry.update(text=text, logprobs=logprobs, finish_reason=choice.finish_reason(False))
         out.append(entry)
-    timing = _pop_timing(router, shape)
+    timings = [router.core.last_timing.pop(plan.request_id, {}) for plan in shape.plans]  # every choice's goes
     return {
         "id": shape.rid,
         "object": "chat.completion" if shape.chat else "text_completion",
@@ -156,7 +151,7 @@ async def collect(router: Router, shape: ResponseShape, events: AsyncIterator[tu
         "system_fingerprint": shape.fingerprint,
         "choices": out,
         "usage": usage(shape.prompt_tokens, _completion_tokens(choices), _cached(choices)),
-        "timing": timing[shape.plans[0].index],
+        "timing": timings[0],
     }
 
 
@@ -187,7 +182,7 @@ async def stream(
         if choice.finish is not None:
             called = choice.tool_stream is not None and choice.tool_stream.num_calls > 0
             held = {"content": choice.logprob_pieces} if choice.logprob_pieces else None
-            timing = router.last_timing.pop(choice.plan.request_id, {})
+            timing = router.core.last_timing.pop(choice.plan.request_id, {})
             reason = choice.finish_reason(called)
             out.append(chunks.chunk(index, logprobs=held, finish=reason, usage=running(), extra={"timing": timing}))
         return out

@@ -34,9 +34,6 @@ class ParsedOutput:
     content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
-    def finish_reason(self, engine_reason: str) -> str:
-        return tool_finish_reason(engine_reason, bool(self.tool_calls))
-
 
 def parse_output(plan: GuidedPlan, text: str, id_factory: Callable[[], str] = new_tool_call_id) -> ParsedOutput:
     if not plan.calls_tools:

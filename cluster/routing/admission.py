@@ -60,10 +60,6 @@ class Admission:
             lock.release()
 
     @property
-    def local(self) -> int:
-        return self._local
-
-    @property
     def total(self) -> int:
         """Requests queued across every router process (this one's alone when not shared)."""
         return self._local if self._slots is None else sum(self._slots.get_obj())  # a snapshot, for /status

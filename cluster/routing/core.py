@@ -2,13 +2,10 @@
 
 Every entry point (``submit``, ``on_event``, ``on_tick``, membership changes, ``release``) appends (worker, command)
 to ``outbox`` and flows with news to ``updated``, for the caller to deliver: the live router (router.py) over ZeroMQ,
-the planner's simulator in simulated time. A worker's load is the flows it holds (``Flow.holders``). Disaggregated:
-1. reserve on a decode worker (policy order, a fresh wire id per attempt; queued when none has room);
-2. prefill on a prefill worker, or on the decode worker when what it lacks is short;
-3. forward the prefill worker's first token to the decode worker (``Start``), which streams the rest.
-Colocated: one worker does all.
-A decoding request can move to another decode worker (``moves.migrate``; a drain moves all of its worker's): moves.py,
-to which the core hands every event about a move.
+the planner's simulator in simulated time. A worker's load is the flows it holds (``Flow.holders``). Disaggregated
+(docs/request-lifecycle.md): reserve on a decode worker (a fresh wire id per attempt; queued when none has room),
+prefill on a prefill worker or on the decode worker when what it lacks is short, then forward the first token to the
+decode worker (``Start``). Colocated: one worker does all. Moving a decoding request: moves.py.
 """
 
 from __future__ import annotations
@@ -166,7 +163,7 @@ class RouterCore:
             match = self.placer.prefix_match(len(flow.prompt), flow.block_hashes)
             worker = self.placer.order("decode", fits, match, prefer and prefer.decode)[0]
             if flow.wire_used:  # every attempt has an id of its own: a late answer names the attempt it answers
-                self._retire_wire_id(flow)
+                self.retire(flow.wire_id, flow)
                 self._new_wire_id(flow)
             flow.wire_used = True
             flow.asking, flow.asked_s, flow.status = worker.name, now, FlowStatus.RESERVING
@@ -411,7 +408,7 @@ class RouterCore:
         flow.reset()
         flow.status = FlowStatus.QUEUED
         self.sync(flow)
-        self._retire_wire_id(flow)
+        self.retire(flow.wire_id, flow)
         self._new_wire_id(flow)
         self.updated.append(flow)
         self._place(flow, now)
@@ -461,9 +458,8 @@ class RouterCore:
     def _abort_workers(self, flow: Flow) -> None:
         """Abort on every worker that may hold the flow, those marked dead too (one only cut off must not keep it)."""
         holders = {(name, flow.wire_id) for name in (flow.prefill, flow.decode, flow.asking) if name is not None}
-        holders |= self.moves.forget(
-            flow
-        )  # a moving flow: the source knows it by its old wire id, the target by its new
+        # a moving flow: the source knows it by its old wire id, the target by its new
+        holders |= self.moves.forget(flow)
         for name, wire_id in holders:
             if self.members.get(name) is not None:
                 self.send(name, Abort(wire_id))
@@ -494,16 +490,9 @@ class RouterCore:
         self.flows[wire_id] = flow
         return wire_id
 
-    def _retire_wire_id(self, flow: Flow) -> None:
-        if self.flows.get(flow.wire_id) is flow:
-            del self.flows[flow.wire_id]
-
     def send(self, name: str, command: Command) -> None:
         self.outbox.append((name, command))
 
     def take_updated(self) -> list[Flow]:
         updated, self.updated = self.updated, []
         return updated
-
-    def status(self) -> dict:
-        return {"inflight": len(self.flows), "queue_depth": len(self._queue)}

@@ -63,14 +63,6 @@ class Router:
         """The requests in flight, by wire id."""
         return self.core.flows
 
-    @property
-    def placements(self):
-        return self.core.placements
-
-    @property
-    def last_timing(self):
-        return self.core.last_timing
-
     def _socket(self, kind: int, **options: int) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
@@ -279,12 +271,6 @@ class Router:
                 if flow.finished:
                     return
         finally:
-            self._run(self.core.release, flow, time.monotonic())
-
-    def abort(self, wire_id: str) -> None:
-        """Free the request on every worker that holds it (the flow ends FAILED)."""
-        flow = self.core.flows.get(wire_id)
-        if flow is not None:
             self._run(self.core.release, flow, time.monotonic())
 
     def status(self) -> dict:

@@ -20,7 +20,7 @@ import torch
 from openai.lib._parsing._completions import type_to_response_format_param
 
 from cluster.openai.guided import GuidedPlan, GuidedRequestError, ToolMode, plan_chat, response_format_grammar
-from cluster.openai.tool_calls import parse_output
+from cluster.openai.tool_calls import parse_output, tool_finish_reason
 from engine.request import GuidedDecoding
 from engine.structured import GrammarState, allocate_bitmask, apply_bitmask, compile_grammar
 from engine.tiny_model import build_byte_tokenizer
@@ -151,7 +151,11 @@ def test_required_and_named_outputs_are_valid_calls(tokenizer, check, seed):
     params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     required = plan_chat(tools=tools, tool_choice="required", compile_check=check)
     message = parse_output(required, _sample(tokenizer, required.guided, seed))
-    assert message.content is None and message.tool_calls and message.finish_reason("stop") == "tool_calls"
+    assert (
+        message.content is None
+        and message.tool_calls
+        and tool_finish_reason("stop", bool(message.tool_calls)) == "tool_calls"
+    )
     for call in message.tool_calls:
         assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
         jsonschema.validate(json.loads(call["function"]["arguments"]), params[call["function"]["name"]])

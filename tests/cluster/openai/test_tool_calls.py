@@ -13,7 +13,7 @@ import random
 import pytest
 
 from cluster.openai.guided import GuidedPlan, ToolMode, plan_chat
-from cluster.openai.tool_calls import ParsedOutput, ToolCallStreamParser, join_deltas, parse_output
+from cluster.openai.tool_calls import ParsedOutput, ToolCallStreamParser, join_deltas, parse_output, tool_finish_reason
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -86,7 +86,8 @@ def test_auto_hermes_blocks():
         _call(0, "get_weather", '{"city": "Pa}ris </tool", "when": {"day": [1, 2]}}'),
         _call(1, "add", '{"a": 1}'),
     ]
-    assert message.finish_reason("stop") == "tool_calls" and message.finish_reason("length") == "length"
+    called = bool(message.tool_calls)
+    assert tool_finish_reason("stop", called) == "tool_calls" and tool_finish_reason("length", called) == "length"
     for call in message.tool_calls:
         json.loads(call["function"]["arguments"])
 

@@ -39,7 +39,7 @@ def _affinity_decisions(handle, pool: str) -> float:
 
 def test_colocated_requests_with_affinity_land_on_the_first_ones_worker(serve):
     handle = serve(mode="colocated", router=ROUND_ROBIN)  # two colocated workers (one per pool's replica)
-    placements = handle.router.placements
+    placements = handle.router.core.placements
     collect(handle, PROMPT, PARAMS, "first")
     collect(handle, PROMPT, PARAMS, "plain")  # round robin: the next worker
     assert placements.get("first").decode != placements.get("plain").decode and placements.get("first").prefill is None
@@ -58,7 +58,7 @@ def test_colocated_requests_with_affinity_land_on_the_first_ones_worker(serve):
 def test_disaggregated_requests_with_affinity_land_on_the_first_ones_prefill_and_decode_workers(serve):
     pools = {"prefill": {"replicas": 2, **WORKER}, "decode": {"replicas": 2, **WORKER, "kv_blocks": 160}}
     handle = serve(pools=pools, router=ROUND_ROBIN)
-    placements = handle.router.placements
+    placements = handle.router.core.placements
     collect(handle, PROMPT, PARAMS, "first")
     collect(handle, PROMPT, PARAMS, "plain")
     first = placements.get("first")
@@ -81,7 +81,7 @@ def test_a_preferred_worker_that_is_not_live_is_passed_over(serve, mode):
         handle = serve(pools=pools, router=ROUND_ROBIN)
     router: Router = handle.router
     collect(handle, PROMPT, PARAMS, "first")
-    home = router.placements.get("first").decode
+    home = router.core.placements.get("first").decode
 
     async def without_home() -> list:
         router.mark_dead(home, "test: cut off")  # its next heartbeat revives it; the pick below comes first
@@ -89,7 +89,7 @@ def test_a_preferred_worker_that_is_not_live_is_passed_over(serve, mode):
 
     events = asyncio.run_coroutine_threadsafe(without_home(), router.loop).result(timeout=120)
     assert sum(e.num_tokens for e in events) == 4
-    assert router.placements.get("moved").decode not in (None, home)
+    assert router.core.placements.get("moved").decode not in (None, home)
 
 
 def test_placements_are_bounded_and_a_new_dispatch_replaces_its_record():
