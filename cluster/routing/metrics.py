@@ -9,6 +9,7 @@ gauges copied from heartbeats (which every process hears) as the most recent val
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -31,157 +32,129 @@ class RouterMetrics:
         self._worker_children: dict[tuple[str, str], tuple] = {}
         self.worker_gauges = worker_gauges
         r = self.registry
-        self.ttft = Histogram(
-            "pdserve_ttft_seconds", "Time to first token at the router", registry=r, buckets=LATENCY_BUCKETS
+
+        def histogram(name: str, doc: str, buckets: tuple = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, registry=r, buckets=buckets)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def gauge(name: str, doc: str, *labels: str, mode: Literal["livesum", "mostrecent"] = "mostrecent") -> Gauge:
+            """``mostrecent``: copied from heartbeats, which every router process hears."""
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode=mode)
+
+        self.ttft = histogram("pdserve_ttft_seconds", "Time to first token at the router")
+        self.tpot = histogram("pdserve_tpot_seconds", "Time per output token after the first")
+        self.e2e = histogram("pdserve_e2e_seconds", "End-to-end request latency")
+        self.kv_transfer = histogram(
+            "pdserve_kv_transfer_seconds", "Decode reservation to complete KV (spans the prefill)"
         )
-        self.tpot = Histogram(
-            "pdserve_tpot_seconds", "Time per output token after the first", registry=r, buckets=LATENCY_BUCKETS
-        )
-        self.e2e = Histogram("pdserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS)
-        self.kv_transfer = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "Decode reservation to complete KV (spans the prefill)",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.migrations = Counter(
+        self.migrations = counter(
             "pdserve_migrations_total",
             "Moves of running requests between decode workers, by how they ended: moved (KV shipped), recomputed "
             "(the KV did not come: the target recomputed), resumed (called off: the source runs it on), refused "
             "(the source could not stop it, or no target had room), finished (it ended on the source before it "
             "stopped), failed (both ends lost, or the target died after it streamed)",
-            ["reason", "result"],
-            registry=r,
+            "reason",
+            "result",
         )
-        self.migration_stall = Histogram(
+        self.migration_stall = histogram(
             "pdserve_migration_seconds",
             "A moved stream's standstill: its freeze on the source (after the pre-copy) until the move ended",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
         )
-        self.kv_after_prefill = Histogram(
+        self.kv_after_prefill = histogram(
             "pdserve_kv_after_prefill_seconds",
             "KV complete minus first token sampled (<= 0: transfer fully hidden)",
-            registry=r,
-            buckets=(-1, -0.1, -0.01, 0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            (-1, -0.1, -0.01, 0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
         )
-        self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
-        self.errors = Counter("pdserve_errors", "Failed or aborted requests by reason", ["reason"], registry=r)
-        self.queue_depth = Gauge(
-            "pdserve_router_queue_depth", "Requests waiting for decode KV", registry=r, multiprocess_mode="livesum"
-        )
-        self.inflight = Gauge(
-            "pdserve_router_inflight", "Requests in flight at the router", registry=r, multiprocess_mode="livesum"
-        )
-        self.control_rejected = Counter(
+        self.requests = counter("pdserve_requests", "Requests by outcome", "outcome")
+        self.errors = counter("pdserve_errors", "Failed or aborted requests by reason", "reason")
+        self.queue_depth = gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", mode="livesum")
+        self.inflight = gauge("pdserve_router_inflight", "Requests in flight at the router", mode="livesum")
+        self.control_rejected = counter(
             "pdserve_control_rejected",
             "Worker events dropped unread by the router: bad or missing MAC, replayed, multipart, malformed",
-            ["reason"],
-            registry=r,
+            "reason",
         )
         for reason in Rejection:
             self.control_rejected.labels(reason.value)  # every reason shows, at 0, from the start
-        self.task_restarts = Counter(
-            "pdserve_router_task_restarts",
-            "Router background tasks that crashed and were restarted",
-            ["task"],
-            registry=r,
+        self.task_restarts = counter(
+            "pdserve_router_task_restarts", "Router background tasks that crashed and were restarted", "task"
         )
-        self.worker_degraded = Gauge(
+        self.worker_degraded = gauge(
             "pdserve_worker_degraded",
             "1 while a worker reports itself degraded (its loop or a "
             "transfer thread keeps failing); it gets no new requests",
-            ["worker", "pool"],
-            registry=r,
-            multiprocess_mode="mostrecent",
+            "worker",
+            "pool",
         )
-        self.spec_mean_accepted_length = Gauge(
+        self.spec_mean_accepted_length = gauge(
             "pdserve_spec_mean_accepted_length",
             "Speculative decoding: tokens a verifying request gained per step (1 + accepted proposed tokens per "
             "verification; the counts are pdserve_worker_total{key=spec_*})",
-            ["worker", "pool"],
-            registry=r,
-            multiprocess_mode="mostrecent",
+            "worker",
+            "pool",
         )
-        self.worker_revivals = Counter(
-            "pdserve_worker_revivals", "Workers marked dead that were heard from again", registry=r
-        )
+        self.worker_revivals = counter("pdserve_worker_revivals", "Workers marked dead that were heard from again")
         # prefix-aware routing, per pool: the predicted prefix hit rate is matched / routed prompt tokens
-        self.routing_decisions = Counter(
+        self.routing_decisions = counter(
             "pdserve_routing_decisions",
             "Worker picks by what decided them: prefix (the chosen worker holds more of the prompt than another "
             "candidate), load, or affinity (an earlier request's worker, asked for: n > 1 choices)",
-            ["pool", "reason"],
-            registry=r,
+            "pool",
+            "reason",
         )
-        self.routed_prompt_tokens = Counter(
-            "pdserve_routed_prompt_tokens", "Prompt tokens routed to prefill/colocated workers", ["pool"], registry=r
+        self.routed_prompt_tokens = counter(
+            "pdserve_routed_prompt_tokens", "Prompt tokens routed to prefill/colocated workers", "pool"
         )
-        self.prefix_matched_tokens = Counter(
+        self.prefix_matched_tokens = counter(
             "pdserve_prefix_matched_tokens",
             "Routed prompt tokens the chosen worker held on device in its prefix cache (router's view, engine's "
             "reuse rule)",
-            ["pool"],
-            registry=r,
+            "pool",
         )
-        self.tier_matched_tokens = Counter(
+        self.tier_matched_tokens = counter(
             "pdserve_tier_matched_tokens",
             "Routed prompt tokens the chosen worker would load back from its host or disk KV tier, after those on "
             "device (router's view)",
-            ["pool", "tier"],
-            registry=r,
+            "pool",
+            "tier",
         )
-        self.kv_events = Counter(
+        self.kv_events = counter(
             "pdserve_kv_events",
             "Workers' KvEvents messages applied: delta, reset (a snapshot), gap (a missed message: view dropped)",
-            ["kind"],
-            registry=r,
+            "kind",
         )
-        self.prefix_index_blocks = Gauge(
+        self.prefix_index_blocks = gauge(
             "pdserve_prefix_index_blocks",
             "Prefix-cache blocks the router knows a worker holds, per KV tier (device: dispatched ones included)",
-            ["worker", "pool", "tier"],
-            registry=r,
-            multiprocess_mode="mostrecent",
+            "worker",
+            "pool",
+            "tier",
         )
-        self.workers_alive = Gauge(
-            "pdserve_workers_alive", "Live workers per pool", ["pool"], registry=r, multiprocess_mode="mostrecent"
+        self.workers_alive = gauge("pdserve_workers_alive", "Live workers per pool", "pool")
+        self.worker_gauge = gauge("pdserve_worker", "Per-worker load from heartbeats", "worker", "pool", "key")
+        self.worker_total = gauge(
+            "pdserve_worker_total", "Per-worker counters from heartbeats", "worker", "pool", "key"
         )
-        self.worker_gauge = Gauge(
-            "pdserve_worker",
-            "Per-worker load from heartbeats",
-            ["worker", "pool", "key"],
-            registry=r,
-            multiprocess_mode="mostrecent",
-        )
-        self.worker_total = Gauge(
-            "pdserve_worker_total",
-            "Per-worker counters from heartbeats",
-            ["worker", "pool", "key"],
-            registry=r,
-            multiprocess_mode="mostrecent",
-        )
-        self.prefill_path = Counter(
+        self.prefill_path = counter(
             "pdserve_prefill_path",
             "Disaggregated requests by where their prompt was computed: remote (a prefill worker, KV transferred) or "
             "local (the decode worker itself: router.local_prefill_max_tokens)",
-            ["path"],
-            registry=r,
+            "path",
         )
-        self.decode_cached_tokens = Counter(
+        self.decode_cached_tokens = counter(
             "pdserve_decode_cached_prompt_tokens",
             "Prompt tokens the chosen decode worker already held (prefix cache): not reserved anew, not transferred",
-            registry=r,
         )
         for path in ("remote", "local"):
             self.prefill_path.labels(path)  # both show, at 0, from the start
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served", registry=r)
-        self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = counter("pdserve_prompt_tokens", "Prompt tokens served")
+        self.generated_tokens = counter("pdserve_generated_tokens", "Tokens generated")
         # workers send text: kept at 0 so that ``pdserve bench frontend`` shows it
-        self.detokenize_seconds = Counter(
+        self.detokenize_seconds = counter(
             "pdserve_router_detokenize_seconds",
             "CPU time the router process spent detokenizing (0: the workers send text)",
-            registry=r,
         )
 
     def observe_worker(self, stats: Stats) -> None:
