@@ -36,10 +36,8 @@ MovePhase = Literal["reserving", "precopying", "freezing", "adopting", "moving"]
 
 @dataclass(slots=True)
 class Move:
-    """A decoding flow on its way from ``source`` to ``target`` by pre-copy. The target reserves its whole context
-    under ``target_wire`` (reserving); the source ships its first full blocks while it decodes on (precopying); the
-    source stops it (freezing: from here its stream stands still); the target takes its tokens (adopting) and the
-    source ships the rest (moving) and says how that ended. ``source_wire``: the id the source knows it by."""
+    """A decoding flow on its way from ``source`` (which knows it as ``source_wire``) to ``target`` (as
+    ``target_wire``) by pre-copy; the phases: cluster/routing/moves.py."""
 
     source: str
     source_wire: str

@@ -119,15 +119,12 @@ class Membership:
         worker.state = WorkerState.DRAINING
         return True
 
-    def remove(self, name: str) -> WorkerHandle | None:
+    def remove(self, name: str) -> None:
+        self.forget_prefixes(name)
         worker = self.workers.pop(name, None)
-        if worker is None:
-            return None
-        worker.alive = False
-        self.prefix_index.forget(name)
-        self._publish_prefix_blocks(name, worker.role)
-        self._update_gauge()
-        return worker
+        if worker is not None:
+            worker.alive = False
+            self._update_gauge()
 
     def mark_dead(self, name: str, reason: str) -> bool:
         """True if the worker was alive until now."""

@@ -167,13 +167,9 @@ class Moves:
             self.call_off(flow, "refused", now)
             return
         move.phase, move.phase_s, move.frozen_tokens = "adopting", now, len(event.output_token_ids)
-        if len(event.output_token_ids) != flow.received_tokens:  # every token came before the freeze: a bug
-            logger.warning(
-                "request %s froze after %d tokens, %d arrived",
-                flow.rid,
-                len(event.output_token_ids),
-                flow.received_tokens,
-            )
+        if move.frozen_tokens != flow.received_tokens:  # every token came before the freeze: a bug
+            frozen, arrived = move.frozen_tokens, flow.received_tokens
+            logger.warning("request %s froze after %d tokens, %d arrived", flow.rid, frozen, arrived)
             self.call_off(flow, "refused", now)
             return
         command = MigrateTail(
@@ -303,8 +299,7 @@ class Moves:
     def end(self, flow: Flow, result: str, now: float) -> None:
         core, move = self.core, flow.move
         assert move is not None
-        flow.move = None
-        core.retire(move.source_wire if flow.wire_id == move.target_wire else move.target_wire, flow)
+        self.forget(flow)
         core.metrics.migrations.labels(move.reason, result).inc()
         if result in ("moved", "recomputed"):
             stall_s = now - (move.frozen_s if move.frozen_s is not None else now)

@@ -27,9 +27,7 @@ class Placer:
         policies: dict[str, Policy] | None = None,
     ) -> None:
         """``policies`` per role: the config's unless given (the simulator seeds its own)."""
-        self.config = config
-        self.members = members
-        self.metrics = metrics
+        self.config, self.members, self.metrics = config, members, metrics
         weights = config.router.kv_aware.model_dump()
         self.policies = policies or {
             "prefill": make_policy(config.router.prefill_policy, **weights),
@@ -46,13 +44,8 @@ class Placer:
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a decode worker reserves for a request, by the engine's own rule."""
         config = self.config
-        return reserved_blocks(
-            num_prompt_tokens,
-            max_tokens,
-            config.pools.decode.reserve_headroom_tokens,
-            config.transfer.block_size,
-            config.model.max_model_len,
-        )
+        headroom, block_size = config.pools.decode.reserve_headroom_tokens, config.transfer.block_size
+        return reserved_blocks(num_prompt_tokens, max_tokens, headroom, block_size, config.model.max_model_len)
 
     def check_fits(self, role: str, num_prompt_tokens: int, max_tokens: int) -> None:
         """A prompt no worker's whole KV cache can hold is refused now (400), not after queueing until timeout."""

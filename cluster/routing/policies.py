@@ -1,16 +1,10 @@
 """Routing policies: the order in which a pool's workers are tried for a request.
 
-Every policy but round robin weighs load, ties broken at random so a burst does not pile onto the worker that sorts
-first. Load is the worker's last report (queue, running, KV use) plus what the router sent it since (``inflight``).
-``kv_aware`` also weighs the prompt's cached prefix (``cluster/routing/prefix_index.py``); higher is better:
-
-    cached = device_tokens + host_weight * host_tokens + disk_weight * disk_tokens
-    score = prefix_weight * cached / prompt_tokens - load_weight * load_score(worker)
-
-A tier hit (host or disk) spares the prefill but costs a copy back to the device, so it is worth a fraction of a
-device hit. With the default weights (2 and 1) a worker holding the whole prompt on device wins until it has two more
-requests than another (SGLang's balance threshold as one linear cost, like Dynamo's KV router). Ties go to the lower
-load, then at random. The other policies ignore the ``PrefixMatch``; kv_aware without one orders by load alone.
+Every policy but round robin weighs load: the worker's last report (queue, running, KV use) plus what the router sent
+it since (``inflight``), ties broken at random so a burst does not pile onto the worker that sorts first. ``kv_aware``
+also weighs the prompt's cached prefix per tier (a ``PrefixMatch``, cluster/routing/prefix_index.py) by the score in
+docs/configuration.md (``router.kv_aware``), higher is better; without a match it orders by load alone. The other
+policies ignore the match.
 """
 
 from __future__ import annotations
@@ -110,7 +104,7 @@ class PowerOfTwo:
 
 
 class KvAware:
-    """Cached-prefix overlap against load (the cost in the module docstring)."""
+    """Cached-prefix overlap against load (the score: docs/configuration.md, ``router.kv_aware``)."""
 
     def __init__(
         self,
@@ -179,17 +173,8 @@ class Placements:
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo, "kv_aware": KvAware}
 
 
-def make_policy(
-    name: str,
-    rng: random.Random | None = None,
-    prefix_weight: float = 2.0,
-    load_weight: float = 1.0,
-    host_weight: float = 0.8,
-    disk_weight: float = 0.5,
-) -> Policy:
-    """The weights: kv_aware's (``router.kv_aware``); the other policies have none."""
+def make_policy(name: str, rng: random.Random | None = None, **weights: float) -> Policy:
+    """``weights``: kv_aware's (``router.kv_aware``); the other policies have none."""
     if name not in POLICIES:
         raise ValueError(f"routing policy must be one of {sorted(POLICIES)}, got {name!r}")
-    if name == "kv_aware":
-        return KvAware(rng, prefix_weight, load_weight, host_weight, disk_weight)
-    return POLICIES[name](rng)
+    return KvAware(rng, **weights) if name == "kv_aware" else POLICIES[name](rng)

@@ -1,17 +1,12 @@
-"""Which workers hold which prompt prefixes, and in which KV tier, as the router learns it from their KV events
-(``KvEvents``).
+"""Which workers hold which prompt prefixes, and in which KV tier, as the router learns it from their ``KvEvents``
+(docs/architecture.md, "KV-aware routing": why the view is never an over-estimate for long).
 
-A chained hash names a whole prefix, so a flat map ``hash -> workers`` (one entry per block per worker) is a radix
-tree: ``match`` stops, per worker, at the first block it lacks, as the engine's lookup does (both hash with
-``engine.blocks.prompt_block_hashes``). Each tier (device, host, disk) has such a map of its own; ``match_tiers``
-continues a worker's device match through the blocks it would load back from its host or disk tier.
-Never an over-estimate for long: a worker's views are dropped when it re-registers, dies or misses a message (a
-``seq`` gap: one counter across its tiers, so a gap drops every tier), and its next snapshots make them whole again;
-a snapshot (``reset``) replaces one tier's view only.
-Tentative entries (``expect``, device only) record at dispatch that the chosen worker will hold the prompt, so a
-follow-up finds it before the worker's events come (as SGLang's cache-aware router does): a device ``stored`` event
-confirms one, a device ``removed`` drops it, else it expires after ``tentative_ttl_s`` (at most ``max_tentative`` per
-worker). Snapshots and gaps keep them (the worker may not have computed them yet); ``forget`` drops them.
+A chained hash names a whole prefix, so a flat map ``hash -> workers`` per tier (device, host, disk) is a radix tree:
+``match`` stops, per worker, at the first block it lacks, as the engine's lookup does; ``match_tiers`` continues a
+device match through the blocks the worker would load back from host or disk. A ``seq`` gap (one counter across the
+tiers) drops every tier of the worker's view; a snapshot (``reset``) replaces one tier. Tentative entries (``expect``,
+device only) are confirmed by a device ``stored``, dropped by a device ``removed`` or after ``tentative_ttl_s`` (at
+most ``max_tentative`` per worker); snapshots and gaps keep them (the worker may not have computed them yet).
 """
 
 from __future__ import annotations
