@@ -106,6 +106,7 @@ ENGINE_POOL_FIELDS = (
     "kv_offload",  # host and disk tiers below the device KV (engine/kv_tiers.py)
     "speculative",  # proposed tokens verified per decode step (engine/speculative.py); decode and colocated pools
 )
+TRANSFER_FIELDS = ("deadline_s", "lease_s", "kv_wire_dtype", "checksum", "direct_write")
 ModelSection = create_model("ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len"))
 PoolSection = create_model(
     "PoolSection",
@@ -116,7 +117,7 @@ PoolSection = create_model(
 TransferSection = create_model(
     "TransferSection",
     __base__=_TransferBase,
-    **_borrowed(TransferConfig, "deadline_s", "lease_s", "kv_wire_dtype", "checksum", "direct_write"),
+    **_borrowed(TransferConfig, *TRANSFER_FIELDS),
     **_borrowed(WorkerSpec, "failure_policy", "zmq_transport", "stream_layers", backend="transfer_backend"),
 )
 
@@ -311,32 +312,15 @@ class ClusterConfig(_Strict):
             model=model_path,
             dtype=self.model.dtype,
             block_size=self.transfer.block_size,
-            kv_blocks=pool.kv_blocks,
             kv_cache_memory_bytes=None if pool.kv_memory_mb is None else pool.kv_memory_mb * MIB,
-            gpu_memory_utilization=pool.gpu_memory_utilization,
-            attention_backend=pool.attention_backend,
-            kv_cache_dtype=pool.kv_cache_dtype,
-            cuda_graphs=pool.cuda_graphs,
             max_model_len=self.model.max_model_len,
-            max_batch_tokens=pool.max_batch_tokens,
-            max_num_seqs=pool.max_num_seqs,
-            enable_prefix_caching=pool.enable_prefix_caching,
-            torch_threads=pool.torch_threads,
-            cpu_linear_tuning=pool.cpu_linear_tuning,
-            tensor_parallel_size=pool.tensor_parallel_size,
-            kv_offload=pool.kv_offload,
-            speculative=pool.speculative,
+            **{name: getattr(pool, name) for name in ENGINE_POOL_FIELDS},
         )
 
     def transfer_config(self) -> TransferConfig:
         """Its device is set in each worker (``worker.spec.resolve_spec``)."""
         return TransferConfig(
-            deadline_s=self.transfer.deadline_s,
-            lease_s=self.transfer.lease_s,
-            kv_wire_dtype=self.transfer.kv_wire_dtype,
-            checksum=self.transfer.checksum,
-            direct_write=self.transfer.direct_write,
-            secret=self.transfer.secret,
+            secret=self.transfer.secret, **{name: getattr(self.transfer, name) for name in TRANSFER_FIELDS}
         )
 
     def runtime_options(self, router_addresses: list[str], host: str) -> RuntimeOptions:
@@ -415,12 +399,10 @@ class ClusterConfig(_Strict):
 
 def pool_layout(config: ClusterConfig) -> list[tuple[str, WorkerRole, PoolSection]]:
     """(pool name, worker role, pool section) for every pool; colocated mode keeps the workers, not the split."""
-    if config.mode == "colocated":
-        return [
-            ("prefill", WorkerRole.COLOCATED, config.pools.prefill),
-            ("decode", WorkerRole.COLOCATED, config.pools.decode),
-        ]
-    return [("prefill", WorkerRole.PREFILL, config.pools.prefill), ("decode", WorkerRole.DECODE, config.pools.decode)]
+    prefill, decode = (
+        (WorkerRole.COLOCATED,) * 2 if config.mode == "colocated" else (WorkerRole.PREFILL, WorkerRole.DECODE)
+    )
+    return [("prefill", prefill, config.pools.prefill), ("decode", decode, config.pools.decode)]
 
 
 def _format_error(source: str, error: ValidationError) -> str:
@@ -439,8 +421,7 @@ def parse_config(data: dict | None, source: str = "<config>") -> ClusterConfig:
 
 
 def load_config(name_or_path: str | Path) -> ClusterConfig:
-    data, source = read_config_file(name_or_path)
-    return parse_config(data, source)
+    return parse_config(*read_config_file(name_or_path))
 
 
 # ---- finding and reading the file ---------------------------------------------------------------------------
