@@ -1,13 +1,10 @@
 """The optional autoscaling policy (``autoscale: {enabled: true}``): resize pools from live metrics.
 
 Every ``interval_s`` it reads the router's own ``/metrics`` and takes the interval's queue depth and TTFT / TPOT p90
-(bucket deltas, as ``histogram_quantile``). Each pool votes against ``slo:`` (``threshold_votes``): decode is too
-small on a TPOT breach or a queue over ``queue_per_replica`` per replica; prefill on a TTFT breach with a short queue
-(a long one is decode's shortage); a pool is too big when nothing waits and its p90 is under
-``scale_down_fraction`` of its SLO, or nothing came. Under ``min_requests`` finished, latency does not vote. With
-``autoscale.profile`` the planner's ``CapacityModel`` votes instead where it answers; an SLO breach it did not
-foresee still votes up. A pool changes by one replica after ``breaches`` like votes, within its bounds, not within
-``cooldown_s`` of its last change, through the same ``Scaler.scale`` as ``pdserve scale``.
+(bucket deltas, as ``histogram_quantile``); each pool votes too small or too big against ``slo:`` (the rules:
+docs/planner.md, "Autoscaling"), or the planner's ``CapacityModel`` votes where ``autoscale.profile`` gives one. A
+pool changes by one replica after ``breaches`` like votes, within its bounds and ``cooldown_s``, through the same
+``Scaler.scale`` as ``pdserve scale``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Several router processes serving one HTTP port (``router.processes`` > 1): the main process's side.
+"""Several router processes serving one HTTP port (``router.processes`` > 1): the main process's side (the design:
+docs/architecture.md, "Several router processes"; the child side: cluster/run/router_process.py).
 
-One router process relays every token of every stream, so its CPU caps the cluster long before a GPU decode pool
-does; N whole routers share the port with ``SO_REUSEPORT``. The main process keeps Ray and the pools, no HTTP.
 1. A ``SO_REUSEPORT`` probe socket holds the port (never listening) until every router process listens on it.
-2. With ``PROMETHEUS_MULTIPROC_DIR`` set, N router processes spawn (``cluster/run/router_process.py``) and report
-   their event addresses; the pools start with all of them, and each worker answers only the router that owns a
-   request (its commands carry its index).
+2. N router processes spawn with ``PROMETHEUS_MULTIPROC_DIR`` set and report their event addresses; the pools start
+   with all of them, and each worker answers only the router that owns a request (its commands carry its index).
 3. Each router process gets ``("workers", [...])`` and answers ``("ready",)``. Membership news then goes down every
    pipe; ``("scale", ...)`` comes up to the main process, which owns the pools, and goes back as ``scale_result``.
 Shutdown: ``("stop",)`` on each pipe, then SIGKILL, within the caller's budget.
@@ -13,6 +11,7 @@ Shutdown: ``("stop",)`` on each pipe, then SIGKILL, within the caller's budget.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -51,8 +50,12 @@ class RouterProcesses:
         self.event_addresses: list[str] = []
         self._conns = []
         self._procs = []
+        spec = RouterProcessSpec(
+            0, config.model_dump(), model_path, max_model_len, event_host, http_host, http_port, os.getpid(),
+            self._timeout_s, logging.getLogger().level,
+        )  # fmt: skip
         try:
-            self._spawn(config, model_path, max_model_len, event_host, http_host, http_port)
+            self._spawn(spec)
             for index in range(self.count):
                 _, address, pid = self._expect(index, "router")
                 self.event_addresses.append(address)
@@ -61,37 +64,15 @@ class RouterProcesses:
             self.stop(timeout_s=3.0)
             raise
 
-    def _spawn(
-        self,
-        config: ClusterConfig,
-        model_path: str,
-        max_model_len: int,
-        event_host: str,
-        http_host: str,
-        http_port: int,
-    ) -> None:
+    def _spawn(self, spec: RouterProcessSpec) -> None:
         previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # read by prometheus_client as the child imports it
         try:
             for index in range(self.count):
-                spec = RouterProcessSpec(
-                    index,
-                    config.model_dump(),
-                    model_path,
-                    max_model_len,
-                    event_host,
-                    http_host,
-                    http_port,
-                    os.getpid(),
-                    self._timeout_s,
-                    logging.getLogger().level,
-                )
                 ours, theirs = self._ctx.Pipe(duplex=True)
+                args = (dataclasses.replace(spec, index=index), theirs, self._slots)
                 proc = self._ctx.Process(
-                    target=run_router_process,
-                    args=(spec, theirs, self._slots),
-                    name=f"pdserve-router-{index}",
-                    daemon=True,
+                    target=run_router_process, args=args, name=f"pdserve-router-{index}", daemon=True
                 )
                 proc.start()
                 theirs.close()

@@ -9,7 +9,6 @@ connections; ``handle.stop()`` undoes all of it. ``in_process=True`` runs the wo
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -40,10 +39,6 @@ class ServeHandle:
     frontends: RouterProcesses | None = None
     scaler: Scaler | None = None  # live resizing (cluster/run/scaling.py)
     autoscaler: Autoscaler | None = None  # the ``autoscale:`` policy's thread, when enabled
-
-    @property
-    def router_pids(self) -> list[int]:
-        return list(self.frontends.pids) if self.frontends is not None else [os.getpid()]
 
     @property
     def workers(self) -> list[WorkerRecord]:

@@ -3,10 +3,8 @@
 Both start each worker from its ``WorkerSpec`` (``ClusterConfig.worker_specs``). On Ray each pool gets a placement
 group from its config section, each replica an actor pinned to a bundle and restarted up to ``ray.max_restarts``
 times; a monitor thread marks dead actors dead at once and re-registers restarted ones (new addresses). Threads
-behave the same but for placement and restarts. Live resizing (cluster/run/scaling.py): an added replica gets the
-pool's next unused name (never reused while an old one may drain) and a bundle a removed replica freed, else a
-placement group of its own: one that cannot be placed stays pending, the demand Ray's autoscaler adds nodes for (a
-placement group cannot grow, and a bigger pool group that does not fit would hold back the whole pool).
+behave the same but for placement and restarts. Live resizing (cluster/run/scaling.py; where an added replica is
+placed and why: docs/planner.md, "Live resizing") gets each new replica the pool's next unused name.
 """
 
 from __future__ import annotations
@@ -74,6 +72,11 @@ class _Resizable:
         self.workers = [r for r in self.workers if r is not record]
         self.draining = self.draining + [record]
 
+    def _started(self, record: WorkerRecord, on_ready: Callable[[WorkerRecord], None]) -> None:
+        self.pending = [r for r in self.pending if r is not record]
+        self.workers = self.workers + [record]
+        on_ready(record)
+
     def forget(self, record: WorkerRecord) -> None:
         self.draining = [r for r in self.draining if r is not record]
         self.pending = [r for r in self.pending if r is not record]
@@ -126,8 +129,7 @@ class LocalPools(_Resizable):
     def add_replica(self, pool: str, on_ready: Callable[[WorkerRecord], None]) -> WorkerRecord:
         """A thread: ready, and ``on_ready`` called, when this returns."""
         record = self._start(self.new_spec(pool), self.config.ray.start_timeout_s)
-        self.workers = self.workers + [record]
-        on_ready(record)
+        self._started(record, on_ready)
         return record
 
     def drained(self, record: WorkerRecord) -> bool:
@@ -174,14 +176,9 @@ class RayPools(_Resizable):
                     group = self._placement(pool_name, pool, pool.replicas, pool.placement_strategy, pool_name)
                     placed = [(spec, group, index, False) for index, spec in enumerate(pool_specs)]
                 else:  # a group per replica: its N ranks on one node
+                    size = pool.tensor_parallel_size
                     placed = [
-                        (
-                            spec,
-                            self._placement(pool_name, pool, pool.tensor_parallel_size, "STRICT_PACK", spec.name),
-                            0,
-                            True,
-                        )
-                        for spec in pool_specs
+                        (s, self._placement(pool_name, pool, size, "STRICT_PACK", s.name), 0, True) for s in pool_specs
                     ]
                 for spec, group, index, own in placed:
                     record = WorkerRecord(spec.name, spec.role.value, None, {}, pool_name, group, index, own, spec=spec)
@@ -294,11 +291,6 @@ class RayPools(_Resizable):
             if record in self.pending:  # not removed meanwhile
                 self._started(record, on_ready)
             return
-
-    def _started(self, record: WorkerRecord, on_ready: Callable[[WorkerRecord], None]) -> None:
-        self.pending = [r for r in self.pending if r is not record]
-        self.workers = self.workers + [record]
-        on_ready(record)
 
     def drained(self, record: WorkerRecord) -> bool:
         """A pending or dead worker counts as drained."""
@@ -449,12 +441,8 @@ class RayPools(_Resizable):
                 try:
                     os.kill(pid, signal.SIGKILL)
                     # after a clean stop the process was only still on its way out: not worth a warning
-                    logger.log(
-                        logging.DEBUG if after_clean_stop else logging.WARNING,
-                        "killed worker %s (pid %d)",
-                        record.name,
-                        pid,
-                    )
+                    level = logging.DEBUG if after_clean_stop else logging.WARNING
+                    logger.log(level, "killed worker %s (pid %d)", record.name, pid)
                 except OSError:
                     pass
 

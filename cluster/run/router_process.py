@@ -140,14 +140,8 @@ async def _control(server, router, conn, parent_pid: int) -> None:
             gone = os.getppid() != parent_pid
             while not gone and conn.poll():
                 message = conn.recv()
-                if message[0] == "add_worker":
-                    router.add_worker(*message[1:])
-                elif message[0] == "mark_dead":
-                    router.mark_dead(*message[1:])
-                elif message[0] == "drain_worker":
-                    router.drain_worker(*message[1:])
-                elif message[0] == "remove_worker":
-                    router.remove_worker(*message[1:])
+                if message[0] in ("add_worker", "mark_dead", "drain_worker", "remove_worker"):  # Router's methods
+                    getattr(router, message[0])(*message[1:])
                 elif message[0] == "scale_result":
                     router.scaler.answer(*message[1:])
                 elif message[0] == "stop":

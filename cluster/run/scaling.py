@@ -1,12 +1,9 @@
 """Live resizing: ``pdserve scale --pool decode --replicas N`` and ``POST /admin/scale`` on a running cluster.
 
-It runs in the main process, which owns the pools; routers only hear membership news. Growing: ``pools.add_replica``
-starts a worker under the pool's next name, and once it reports its addresses every router registers it.
-Shrinking (newest replicas first):
-1. every router marks the worker ``DRAINING`` (nothing new goes there) and sends it ``drain`` with the deadline;
-2. a thread here polls ``pools.drained`` until the deadline plus ``DRAIN_GRACE_S``; at the deadline the worker
-   fails what it still holds, each request with an error its client sees;
-3. every router forgets it (``remove_worker``) and the pool stops it.
+It runs in the main process, which owns the pools; routers only hear membership news (docs/planner.md, "Live
+resizing"). Growing: ``pools.add_replica`` starts a worker under the pool's next name; every router registers it once
+it reports its addresses. Shrinking (newest first): every router drains the worker, a thread here polls
+``pools.drained`` until the deadline plus ``DRAIN_GRACE_S``, then every router forgets it and the pool stops it.
 ``scale`` returns once the new workers serve, removals still draining; one scale at a time.
 """
 

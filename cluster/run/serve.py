@@ -46,8 +46,8 @@ def serve(
         print(f"pdserve: serving {config.served_model_name} in {config.mode} mode at {handle.base_url}/v1", flush=True)
         print(f"pdserve: workers: {workers}", flush=True)
         if handle.frontends is not None:
-            pids = ", ".join(f"pid {pid}" for pid in handle.router_pids)
-            print(f"pdserve: router processes: {len(handle.router_pids)} ({pids})", flush=True)
+            pids = handle.frontends.pids
+            print(f"pdserve: router processes: {len(pids)} ({', '.join(f'pid {pid}' for pid in pids)})", flush=True)
         else:
             print(f"pdserve: router: in this process (pid {os.getpid()})", flush=True)
         print("pdserve: Ctrl-C or SIGTERM to stop", flush=True)
