@@ -39,21 +39,17 @@ def model_vocab_size(tokenizer) -> int:
 
 def chat_tools(body: ChatRequest, tokenizer, vocab_size: int) -> ChatTools:
     """Blocking (it may compile a grammar): the API runs it in a thread."""
-
-    def compile_check(guided: GuidedDecoding) -> None:
-        compile_grammar(tokenizer, vocab_size, guided)
-
     try:
         plan = plan_chat(
             response_format=body.response_format,
             tools=body.tools,
             tool_choice=body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
-            compile_check=compile_check,
+            compile_check=lambda guided: compile_grammar(tokenizer, vocab_size, guided),
         )
     except GuidedRequestError as exc:
         raise APIError(400, exc.message, exc.param) from None
-    return ChatTools(plan.guided, plan.template_tools, _reader(plan))
+    return ChatTools(plan.guided, plan.template_tools, ToolCallReader(plan) if plan.calls_tools else None)
 
 
 class ToolCallReader:
@@ -68,7 +64,3 @@ class ToolCallReader:
 
     def stream(self) -> ToolCallStreamParser:
         return ToolCallStreamParser(self.plan)
-
-
-def _reader(plan: GuidedPlan) -> ToolCallReader | None:
-    return ToolCallReader(plan) if plan.calls_tools else None

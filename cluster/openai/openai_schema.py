@@ -1,13 +1,10 @@
 """OpenAI request bodies: what we accept, what we refuse by name, and the ``APIError`` body every refusal uses.
 
-Checked at the edge, before anything is tokenized or sent to a worker; ``param`` names the field as the client
-wrote it (``messages[3].content``):
-1. ``parse_json``: UTF-8 JSON at most ``max_json_depth`` deep (scanned before parsing, so a 100k-deep ``[[[[`` never
-   reaches the recursive parser), with no NaN / Infinity, no over-long integer, no lone UTF-16 surrogate;
-2. ``parse_body``: the ``router.limits`` caps, then the pydantic model: unknown fields refused, int64 integers,
-   finite floats, real bools, null as unset. Known but unsupported fields (``UNSUPPORTED``) are refused unless
-   neutral, so a client never silently gets something other than it asked for.
-What depends on the model is checked in ``cluster/openai/request_params.py``.
+Checked at the edge, before anything is tokenized (docs/configuration.md, ``router.limits``; docs/api.md); ``param``
+names the field as the client wrote it (``messages[3].content``). ``parse_json``: at most ``max_json_depth`` deep
+(scanned before parsing, so a 100k-deep ``[[[[`` never reaches the recursive parser); ``parse_body``: the caps, then
+the pydantic model (unknown fields refused, int64 integers, finite floats, real bools, null as unset). Known but
+unsupported fields (``UNSUPPORTED``) are refused unless neutral. What depends on the model: request_params.py.
 """
 
 from __future__ import annotations
@@ -133,13 +130,7 @@ def _error_path(data: Any, error: dict) -> str | None:
 
 
 def _not_utf8(value: Any) -> bool:
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+    return isinstance(value, str) and _clean(value) != value  # only a lone surrogate changes
 
 
 def parse_json(body: bytes, limits: LimitsSection) -> Any:

@@ -53,9 +53,7 @@ class GenerationDefaults:
         return cls(values)
 
     def get(self, name: str, asked: Any) -> Any:
-        if asked is not None:
-            return asked
-        return self.values.get(name, OPENAI_DEFAULTS[name])
+        return asked if asked is not None else self.values.get(name, OPENAI_DEFAULTS[name])
 
 
 def _in_range(name: str, value: float) -> bool:
