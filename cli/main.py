@@ -27,107 +27,39 @@ Command = Callable[[argparse.Namespace], int]
 TINY_ARCHITECTURE_NAMES = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
 ]  # fmt: skip
-# (subcommand, help, options module, its function, run module); options modules import nothing heavy (test_startup.py)
+# (subcommand, options module, its function, run module, help); options modules import nothing heavy (test_startup.py)
+# fmt: off
 BENCHMARKS: list[tuple[str, str, str, str, str]] = [
-    (
-        "engine",
-        "engine decode/prefill throughput vs transformers generate",
-        "bench.options",
-        "add_engine_bench_arguments",
-        "bench.engine_bench",
-    ),
-    (
-        "transfer",
-        "KV transfer GB/s per backend vs memcpy and raw ZeroMQ",
-        "bench.options",
-        "add_transfer_bench_arguments",
-        "bench.transfer_bench",
-    ),
-    (
-        "serve",
-        "load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)",
-        "bench.loadtest.options",
-        "add_arguments",
-        "bench.loadtest.cli",
-    ),
-    (
-        "compare",
-        "the same load against colocated and disaggregated mode",
-        "bench.options",
-        "add_compare_arguments",
-        "bench.compare_modes",
-    ),
-    (
-        "tp",
-        "prefill and decode step time per tensor-parallel degree, same total threads (CPU: correctness, not speed)",
-        "bench.tp_bench",
-        "add_arguments",
-        "bench.tp_bench",
-    ),
-    (
-        "plot",
-        "redraw a results folder's plots (serve, compare) from its summary.json and requests.jsonl",
-        "bench.options",
-        "add_plot_arguments",
-        "bench.loadtest.plots",
-    ),
-    (
-        "routing",
-        "kv_aware routing and prefix reuse vs least_loaded: TTFT, KV bytes per request, prefix hit rate",
-        "bench.options",
-        "add_routing_bench_arguments",
-        "bench.routing_bench",
-    ),
-    (
-        "chaos",
-        "load while killing workers: lost requests and held KV must be 0",
-        "bench.options",
-        "add_chaos_arguments",
-        "bench.chaos",
-    ),
-    (
-        "detok",
-        "incremental detokenizer: microseconds per token vs stream length, against full re-decoding",
-        "bench.detok_bench",
-        "add_arguments",
-        "bench.detok_bench",
-    ),
-    (
-        "frontend",
-        "streamed tokens per router CPU-second: tiny-model cluster, 64 streams",
-        "bench.frontend_bench",
-        "add_arguments",
-        "bench.frontend_bench",
-    ),
-    (
-        "models",
-        "every model family on tiny random weights: token-exact vs transformers, features, KV bytes, decode tokens/s",
-        "bench.options",
-        "add_model_families_bench_arguments",
-        "bench.model_families_bench",
-    ),
-    (
-        "kv-cache",
-        "quantized KV cache (int8, fp8_e4m3) against the model's dtype: tokens per GiB, greedy agreement, decode speed",
-        "bench.options",
-        "add_kv_cache_bench_arguments",
-        "bench.kv_quant_bench",
-    ),
-    (
-        "kv-tiers",
-        "KV tiers (host memory, disk) vs none under a multi-tenant shared-prefix load: TTFT, hit rate, a restart",
-        "bench.options",
-        "add_kv_tiers_bench_arguments",
-        "bench.kv_tiers_bench",
-    ),
-    (
-        "migrate",
-        "live migration: a decode worker's streams drained by moving vs by waiting; rebalancing vs preemption",
-        "bench.options",
-        "add_migration_bench_arguments",
-        "bench.migration_bench",
-    ),
+    ("engine", "bench.options", "add_engine_bench_arguments", "bench.engine_bench",
+     "engine decode/prefill throughput vs transformers generate"),
+    ("transfer", "bench.options", "add_transfer_bench_arguments", "bench.transfer_bench",
+     "KV transfer GB/s per backend vs memcpy and raw ZeroMQ"),
+    ("serve", "bench.loadtest.options", "add_arguments", "bench.loadtest.cli",
+     "load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)"),
+    ("compare", "bench.options", "add_compare_arguments", "bench.compare_modes",
+     "the same load against colocated and disaggregated mode"),
+    ("tp", "bench.tp_bench", "add_arguments", "bench.tp_bench",
+     "prefill and decode step time per tensor-parallel degree, same total threads (CPU: correctness, not speed)"),
+    ("plot", "bench.options", "add_plot_arguments", "bench.loadtest.plots",
+     "redraw a results folder's plots (serve, compare) from its summary.json and requests.jsonl"),
+    ("routing", "bench.options", "add_routing_bench_arguments", "bench.routing_bench",
+     "kv_aware routing and prefix reuse vs least_loaded: TTFT, KV bytes per request, prefix hit rate"),
+    ("chaos", "bench.options", "add_chaos_arguments", "bench.chaos",
+     "load while killing workers: lost requests and held KV must be 0"),
+    ("detok", "bench.detok_bench", "add_arguments", "bench.detok_bench",
+     "incremental detokenizer: microseconds per token vs stream length, against full re-decoding"),
+    ("frontend", "bench.frontend_bench", "add_arguments", "bench.frontend_bench",
+     "streamed tokens per router CPU-second: tiny-model cluster, 64 streams"),
+    ("models", "bench.options", "add_model_families_bench_arguments", "bench.model_families_bench",
+     "every model family on tiny random weights: token-exact vs transformers, features, KV bytes, decode tokens/s"),
+    ("kv-cache", "bench.options", "add_kv_cache_bench_arguments", "bench.kv_quant_bench",
+     "quantized KV cache (int8, fp8_e4m3) against the model's dtype: tokens per GiB, greedy agreement, decode speed"),
+    ("kv-tiers", "bench.options", "add_kv_tiers_bench_arguments", "bench.kv_tiers_bench",
+     "KV tiers (host memory, disk) vs none under a multi-tenant shared-prefix load: TTFT, hit rate, a restart"),
+    ("migrate", "bench.options", "add_migration_bench_arguments", "bench.migration_bench",
+     "live migration: a decode worker's streams drained by moving vs by waiting; rebalancing vs preemption"),
 ]
+# fmt: on
 
 
 class LazyOptionsParser(argparse.ArgumentParser):
@@ -192,7 +124,7 @@ def _options(module_name: str, function: str) -> Callable[[argparse.ArgumentPars
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     benchmarks = bench.add_subparsers(dest="bench_command", required=True, parser_class=LazyOptionsParser)
-    for name, help_text, options_module, options_function, run_module in BENCHMARKS:
+    for name, options_module, options_function, run_module, help_text in BENCHMARKS:
         parser = benchmarks.add_parser(name, help=help_text, declare=_options(options_module, options_function))
         parser.set_defaults(func=_benchmark(run_module))
 

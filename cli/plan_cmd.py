@@ -1,15 +1,11 @@
 """``pdserve plan``: simulate colocated and every P:D split of N devices on a workload, at every tensor-parallel
-degree profiled (one profile per degree: each pool's (replicas, tensor_parallel_size)); recommend one for an SLO.
+degree profiled (one profile per degree); recommend one for an SLO (docs/planner.md, "pdserve plan").
 
 Every figure is simulated (planner/simulator.py) from a measured profile, labelled with its model, device and date.
-The workload is a JSONL trace (``{"arrival_s", "input_tokens", "output_tokens"}`` per line; arrivals kept, scaled in
-time) or a synthetic spec, Poisson arrivals and ``bench.loadtest.workloads.draw_lengths``'s lengths:
-
-    fixed:IN:OUT    uniform:IN:OUT[:RANGE_RATIO]    normal:IN:OUT[:CV]    lognormal:IN:OUT[:CV]
-    shared-prefix:GROUPS:PREFIX:IN:OUT   (GROUPS system prompts of PREFIX tokens, then a question of IN tokens)
-
-Standard library only at module level. ``plan kv`` and ``plan validate`` share this parser, so ``run`` checks its
-options, not argparse.
+The workload is a JSONL trace or a synthetic spec (``--workload``'s help lists them) with Poisson arrivals and
+``bench.loadtest.workloads.draw_lengths``'s lengths; ``shared-prefix:GROUPS:PREFIX:IN:OUT`` is GROUPS system prompts
+of PREFIX tokens, then a question of IN tokens. Standard library only at module level. ``plan kv`` and
+``plan validate`` share this parser, so ``run`` checks its options, not argparse.
 """
 
 from __future__ import annotations
@@ -108,7 +104,7 @@ def _ints(spec: str, parts: list[str], count: int) -> list[int]:
 
 
 def build_workload(spec: str, num_requests: int, seed: int):
-    """A ``planner.trace.Workload`` from a trace file or a synthetic spec (see the module docstring)."""
+    """A ``planner.trace.Workload`` from a trace file or a synthetic spec (the forms: ``--workload``'s help)."""
     import numpy as np
 
     from bench.loadtest.workloads import draw_lengths

@@ -1,13 +1,10 @@
-"""``pdserve plan validate``: one workload on the local cluster and through the simulator, side by side.
+"""``pdserve plan validate``: one workload on the local cluster and through the simulator, side by side
+(docs/planner.md, "pdserve plan validate"; the comparison: planner/validate.py, the goal every ratio within 20% of 1).
 
-A plan is only as good as its simulator. Per mode, on the same workers (disaggregated: the config's pools;
-colocated: as many workers as both together), it starts the cluster here and runs the load tester at each rate
-(open loop, Poisson, a fixed seed: both modes get the same requests at the same planned times); then the simulator
-replays what was sent (actual send offsets, server-reported token counts) with the config's settings and the profile,
-and TTFT / TPOT p50 and p90 are printed measured against simulated (planner/validate.py; the goal: every ratio within
-20% of 1). ``--workload`` takes ``pdserve plan``'s synthetic specs (cli/plan_cmd.py), not a trace, whose arrival
-times the load tester cannot replay; answers run to OUT tokens (``ignore_eos``), so both sides decode the same
-lengths. Standard library only at module level.
+Per mode it starts the cluster here and runs the load tester at each rate (open loop, Poisson, a fixed seed), then
+the simulator replays what was sent (actual send offsets, server-reported token counts). ``--workload`` takes
+``pdserve plan``'s synthetic specs, not a trace (the load tester cannot replay its arrival times); answers run to OUT
+tokens (``ignore_eos``), so both sides decode the same lengths. Standard library only at module level.
 """
 
 from __future__ import annotations

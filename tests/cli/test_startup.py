@@ -99,7 +99,7 @@ def test_parsing_every_non_bench_command_imports_nothing_below_the_cli():
 
 @pytest.mark.parametrize(
     ("name", "options_module", "run_module"),
-    [(name, options_module, run_module) for name, _, options_module, _, run_module in BENCHMARKS],
+    [(name, options_module, run_module) for name, options_module, _, run_module, _ in BENCHMARKS],
 )
 def test_a_benchmarks_options_are_declared_without_torch_or_the_cluster(tmp_path, name, options_module, run_module):
     """``pdserve bench NAME --help`` imports the light module declaring the options, not the benchmark itself."""
