@@ -11,11 +11,13 @@ idle rank 0 sends a keep-alive so that a follower that hears nothing knows rank 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -120,61 +122,48 @@ class TPGroup:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-tp", store), rank, size, opts)
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _run(self, what: str, issue: Callable[[], Any], timeout: datetime.timedelta | None = None) -> None:
+        """Issue a collective and wait for it, at most ``timeout`` (the group's); a failure breaks the group."""
         if self.broken:
             raise TPError(f"tensor-parallel group is broken: {self.broken}")
         try:
-            work.wait(self.timeout)
+            issue().wait(timeout or self.timeout)
         except RuntimeError as exc:
             self.broken = f"{what} failed on rank {self.rank}: {exc}"[:300]
             raise TPError(self.broken) from exc
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""
-        if self.broken:
-            raise TPError(f"tensor-parallel group is broken: {self.broken}")
-        self._wait(self._pg.allreduce([tensor]), "all-reduce")
+        self._run("all-reduce", lambda: self._pg.allreduce([tensor]))
         return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` onto every rank, in place."""
-        if self.broken:
-            raise TPError(f"tensor-parallel group is broken: {self.broken}")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait(self._pg.broadcast([tensor], opts), "broadcast")
+        self._run("broadcast", lambda: self._pg.broadcast([tensor], opts))
         return tensor
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (one shape on all) on rank 0, in rank order; [] on the others. gloo gathers host
         tensors only, so a device tensor goes through the host."""
-        if self.broken:
-            raise TPError(f"tensor-parallel group is broken: {self.broken}")
         tensor = tensor.cpu()
         opts = dist.GatherOptions()
         opts.rootRank = 0
         outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
-        self._wait(self._pg.gather(outputs, [tensor], opts), "gather")
+        self._run("gather", lambda: self._pg.gather(outputs, [tensor], opts))
         return outputs[0] if outputs else []
 
     def barrier(self, timeout_s: float = TP_START_TIMEOUT_S) -> None:
         """Wait until every rank gets here (after loading its shard), at most ``timeout_s``."""
-        if self.broken:
-            raise TPError(f"tensor-parallel group is broken: {self.broken}")
         opts = dist.BarrierOptions()
         opts.timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            self._pg.barrier(opts).wait(opts.timeout)
-        except RuntimeError as exc:
-            self.broken = f"start barrier failed on rank {self.rank}: {exc}"[:300]
-            raise TPError(self.broken) from exc
+        self._run("start barrier", lambda: self._pg.barrier(opts), opts.timeout)
 
     def close(self) -> None:
         """Drop the group's connections (a peer waiting on it fails instead of hanging)."""
-        try:
+        with contextlib.suppress(RuntimeError, AttributeError):  # already aborted, or a torch without abort on gloo
             self._pg.abort()
-        except (RuntimeError, AttributeError):  # already aborted, or a torch without abort on gloo
-            pass
         self.broken = self.broken or "closed"
 
 
@@ -444,9 +433,8 @@ class TPFollower:
         cache, split = self.runner.kv_cache, self.runner.head_split
         assert split is not None  # build_engine_parts sets it on every rank
         spec = cache.spec
-        kv = torch.empty(
-            (2, len(block_ids), spec.block_size, split.kv_total, spec.head_dim), dtype=spec.dtype, device="cpu"
-        )
+        shape = (2, len(block_ids), spec.block_size, split.kv_total, spec.head_dim)
+        kv = torch.empty(shape, dtype=spec.dtype, device="cpu")
         self.channel.group.broadcast(kv)
         mine = split.local_kv(kv)
         cache.write_blocks(layer, block_ids, mine[0], mine[1])
