@@ -204,10 +204,8 @@ class PageStore:
 
     def touch(self, block_hash: int) -> None:
         """Mark a page recently used (least recently used pages go first)."""
-        try:
+        with contextlib.suppress(OSError):  # evicted meanwhile
             os.utime(self.path(block_hash))
-        except OSError:
-            pass  # evicted meanwhile
 
     def snapshot(self) -> list[int]:
         """Every hash this tier holds now (its KV events' reset), others' pages in a shared tier included."""
@@ -396,22 +394,13 @@ class KVTiers:
         self._stats = TierStats()
         self.stores: dict[TierName, PageStore] = {}
         below: PageStore | None = None
+        layout = (fingerprint, self.page_bytes, self.block_size)
         if config.disk_dir is not None:
-            folder = Path(config.disk_dir) / fingerprint.hex()
-            below = PageStore("disk", folder, config.disk_mb * MIB, fingerprint, self.page_bytes, self.block_size)
+            below = PageStore("disk", Path(config.disk_dir) / fingerprint.hex(), config.disk_mb * MIB, *layout)
             self.stores["disk"] = below
         if config.host_memory_mb:
             folder = host_pool_folder(config.host_pool, fingerprint)
-            host = PageStore(
-                "host",
-                folder,
-                config.host_memory_mb * MIB,
-                fingerprint,
-                self.page_bytes,
-                self.block_size,
-                evict_to=below,
-                shared=True,
-            )
+            host = PageStore("host", folder, config.host_memory_mb * MIB, *layout, evict_to=below, shared=True)
             self.stores = {"host": host, **self.stores}
         self.top = next(iter(self.stores.values()))
         self._saves: queue.Queue[tuple[torch.Tensor, list[tuple[int, tuple[int, ...]]], object] | None] = queue.Queue()
