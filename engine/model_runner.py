@@ -87,11 +87,8 @@ class ModelRunner:
 
     def limit_scratch(self, max_num_seqs: int, max_model_len: int) -> int:
         """Cap the gather buffer at ``scratch_bytes_bound``; returns that bound."""
-        self._gather_limit = (
-            max_num_seqs * blocks_for_tokens(max_model_len, self.block_size),
-            max_num_seqs,
-            max_model_len,
-        )
+        blocks = max_num_seqs * blocks_for_tokens(max_model_len, self.block_size)
+        self._gather_limit = (blocks, max_num_seqs, max_model_len)
         return self.scratch_bytes_bound(max_num_seqs, max_model_len)
 
     @property
@@ -118,11 +115,9 @@ class ModelRunner:
             self._gather_storage = torch.empty(grown, dtype=spec.dtype, device=self.device)
         return self._gather_storage[:numel].view(shape)
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        input_ids, position_ids, batch, _ = self._build(chunks)
-        return input_ids, position_ids, batch
-
-    def _build(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+    def build_batch(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
         """The step's inputs, attention metadata and the rows to project to the vocabulary, every integer moved in
         ONE non-blocking copy (``engine.attention.metadata``)."""
         backend = self.backend
@@ -260,7 +255,7 @@ class ModelRunner:
         started = time.perf_counter()
         if self.step_channel is not None:
             self.step_channel.send(StepMessage(StepKind.STEP, chunks, self.export_blocks))
-        input_ids, position_ids, batch, rows = self._build(chunks)
+        input_ids, position_ids, batch, rows = self.build_batch(chunks)
         hidden = self.run_decoder(input_ids, position_ids, batch)
         hidden = hidden.last_hidden_state[0]
         starts, offset = [], 0

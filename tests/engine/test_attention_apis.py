@@ -190,7 +190,7 @@ def flashinfer_0_6(monkeypatch):
 
 
 def _forward(runner: ModelRunner, chunks: list[ScheduledChunk]) -> None:
-    input_ids, positions, batch = runner.build_batch(chunks)
+    input_ids, positions, batch, _ = runner.build_batch(chunks)
     with torch.inference_mode():
         runner.decoder(input_ids=input_ids, position_ids=positions, use_cache=False, pd_batch=batch)
 

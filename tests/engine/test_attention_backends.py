@@ -102,7 +102,7 @@ def test_flex_and_sdpa_attend_alike_layer_by_layer(tiny_llama_path):
         engine.step()  # both prompts prefilled: their next step decodes
         req_a, req_b = (engine.requests[r] for r in requests)
         chunks = [ScheduledChunk(req_a, req_a.num_tokens - 1, 1), ScheduledChunk(req_b, 10, req_b.num_tokens - 11)]
-        input_ids, positions, batch = engine.runner.build_batch(chunks)
+        input_ids, positions, batch, _ = engine.runner.build_batch(chunks)
         with torch.inference_mode():
             out = engine.runner.decoder(input_ids=input_ids, position_ids=positions, use_cache=False, pd_batch=batch)
         hidden[name] = out.last_hidden_state
@@ -237,7 +237,7 @@ def test_step_metadata_is_one_buffer(backend, tiny_llama_path, make_engine):
     engine.step()
     running = [engine.requests[r] for r in rids]
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1) for r in running]
-    input_ids, positions, batch = engine.runner.build_batch(chunks)
+    input_ids, positions, batch, _ = engine.runner.build_batch(chunks)
     tensors = [input_ids, positions, batch.slot_mapping]
     if backend == "sdpa":
         assert batch.decode is not None

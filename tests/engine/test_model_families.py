@@ -172,7 +172,7 @@ def test_sliding_window_layers_gather_only_blocks_their_windows_reach(tmp_path_f
     running = list(engine.scheduler.running)
     chunks = [ScheduledChunk(r, r.num_tokens - 1, 1) for r in running]  # the next decode step
     assert sorted(c.end for c in chunks) == [90, 120]
-    _, _, batch = engine.runner.build_batch(chunks)
+    _, _, batch, _ = engine.runner.build_batch(chunks)
     assert batch.decode is not None and batch.decode.window_first_block == {8: (90 - 8) // 16}
     for request in running:
         engine.abort(request.request_id)
