@@ -136,10 +136,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.attention_backend not in get_args(AttentionBackendName):
-            raise ValueError(
-                f"attention_backend must be one of {list(get_args(AttentionBackendName))}, got {self.attention_backend!r}"
-            )
+        for name, allowed in (("attention_backend", AttentionBackendName), ("kv_cache_dtype", KVCacheDtype)):
+            if getattr(self, name) not in get_args(allowed):
+                raise ValueError(f"{name} must be one of {list(get_args(allowed))}, got {getattr(self, name)!r}")
         if isinstance(self.kv_offload, dict):  # from YAML or a message
             self.kv_offload = KVOffloadConfig(**self.kv_offload)
         if isinstance(self.speculative, dict):
@@ -151,10 +150,6 @@ class EngineConfig:
                 raise ValueError(
                     "kv_offload with tensor_parallel_size > 1 is not supported: each rank holds only its KV heads"
                 )
-        if self.kv_cache_dtype not in get_args(KVCacheDtype):
-            raise ValueError(
-                f"kv_cache_dtype must be one of {list(get_args(KVCacheDtype))}, got {self.kv_cache_dtype!r}"
-            )
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flashinfer":
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} (a scale per token and head) is read by the sdpa and flex "
