@@ -11,6 +11,7 @@ JSON has fixed separators (``any_whitespace=False``): with free whitespace a sma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -183,10 +184,8 @@ class _Compiler:
         grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
         text = str(grammar)
         if _BOUNDED_STRING_CHAR in text:
-            try:
+            with contextlib.suppress(RuntimeError):
                 return self.compiler.compile_grammar(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-            except RuntimeError:
-                pass
         return self.compiler.compile_grammar(grammar)
 
 
@@ -226,9 +225,7 @@ def compile_grammar(
     stops = tuple(sorted(set(stop_token_ids))) if stop_token_ids else None
     key = (vocab_size, stops)
     with _compilers_lock:
-        per_tokenizer = _compilers.get(tokenizer)
-        if per_tokenizer is None:
-            per_tokenizer = _compilers[tokenizer] = {}
+        per_tokenizer = _compilers.setdefault(tokenizer, {})
         compiler = per_tokenizer.get(key)
         if compiler is None:  # made under the lock: building TokenizerInfo twice for a big vocabulary costs seconds
             compiler = per_tokenizer[key] = _Compiler(tokenizer, vocab_size, list(stops) if stops else None)
