@@ -36,11 +36,7 @@ def reserved_tokens(
 
 
 def reserved_blocks(
-    num_prompt_tokens: int,
-    max_tokens: int,
-    headroom_tokens: int,
-    block_size: int,
-    max_model_len: int | None = None,
+    num_prompt_tokens: int, max_tokens: int, headroom_tokens: int, block_size: int, max_model_len: int | None = None
 ) -> int:
     """Blocks a decode worker reserves for a request (``LLMEngine.reserve_remote`` allocates exactly these)."""
     return blocks_for_tokens(reserved_tokens(num_prompt_tokens, max_tokens, headroom_tokens, max_model_len), block_size)

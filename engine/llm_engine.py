@@ -173,10 +173,8 @@ class LLMEngine:
                 f"export_from_token must be a multiple of the block size ({self.config.block_size}) below the "
                 f"prompt's {request.num_prompt_tokens} tokens, got {export_from_token}"
             )
-        if kv_sink is not None:
-            stream_kv = (
-                stream_kv or self.config.tensor_parallel_size > 1
-            )  # the ranks gather its heads inside the forward
+        if kv_sink is not None:  # tensor parallel: streamed, as the ranks gather its heads inside the forward
+            stream_kv = stream_kv or self.config.tensor_parallel_size > 1
             request.kv_export = KVExport(kv_sink, stream_kv, first_block=export_from_token // self.config.block_size)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
@@ -257,11 +255,7 @@ class LLMEngine:
         return speculator.propose_all(candidates)
 
     def _verify(
-        self,
-        sampling: list[ScheduledChunk],
-        first_rows: list[int],
-        logits: torch.Tensor,
-        outputs: list[RequestOutput],
+        self, sampling: list[ScheduledChunk], first_rows: list[int], logits: torch.Tensor, outputs: list[RequestOutput]
     ) -> list[RequestOutput]:
         """Sample the proposed positions one at a time, each with its request's state after the tokens before it
         (penalties, grammar, seeded position, stop strings): a proposed token is kept while it is the token sampled
