@@ -124,17 +124,10 @@ def response_format_grammar(response_format: Any, compile_check: CompileCheck | 
             "response_format.json_schema must be an object with a 'name'", "response_format.json_schema"
         )
     _no_unknown_keys(spec, {"name", "description", "schema", "strict"}, "response_format.json_schema")
-    name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise GuidedRequestError(
-            "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
-            "response_format.json_schema.name",
-        )
+    _check_name(spec.get("name"), "response_format.json_schema.name")
     _optional(spec, "description", str, "a string", "response_format.json_schema")
     _optional(spec, "strict", bool, "a boolean", "response_format.json_schema")
-    schema = spec.get("schema")
-    if schema is None:
-        schema = _ANY_OBJECT  # the spec makes it optional: then any JSON object
+    schema = _ANY_OBJECT if spec.get("schema") is None else spec["schema"]  # optional in the spec: any JSON object
     if not isinstance(schema, dict):
         raise GuidedRequestError("response_format.json_schema.schema must be a JSON schema object", _SCHEMA_PARAM)
     guided = GuidedDecoding("json_schema", json.dumps(schema))
@@ -171,19 +164,13 @@ def _parse_tools(tools: Any) -> list[_Function]:
         if not isinstance(function, dict):
             raise GuidedRequestError(f"{where}.function must be an object", f"{where}.function")
         _no_unknown_keys(function, {"name", "description", "parameters", "strict"}, f"{where}.function")
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise GuidedRequestError(
-                f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'", f"{where}.function.name"
-            )
+        name = _check_name(function.get("name"), f"{where}.function.name")
         if name in seen:
             raise GuidedRequestError(f"{where}.function.name {name!r} is given twice", f"{where}.function.name")
         seen.add(name)
         _optional(function, "description", str, "a string", f"{where}.function")
         _optional(function, "strict", bool, "a boolean", f"{where}.function")
-        parameters = function.get("parameters")
-        if parameters is None:
-            parameters = _ANY_OBJECT
+        parameters = _ANY_OBJECT if function.get("parameters") is None else function["parameters"]
         if not isinstance(parameters, dict):
             raise GuidedRequestError(f"{_params(i)} must be a JSON schema object", _params(i))
         functions.append(_Function(name, parameters))
@@ -255,6 +242,12 @@ def _check(compile_check: CompileCheck | None, guided: GuidedDecoding, param: st
         compile_check(guided)
     except ValueError as e:
         raise GuidedRequestError(f"{param}: {e}", param) from e
+
+
+def _check_name(name: Any, param: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise GuidedRequestError(f"{param} must be 1 to 64 letters, digits, '_' or '-'", param)
+    return name
 
 
 def _no_unknown_keys(value: dict, known: set[str], where: str) -> None:

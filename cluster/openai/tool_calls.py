@@ -179,24 +179,21 @@ class ToolCallStreamParser:
         self._out.append({"content": text})
 
     # ---- one call's head and arguments -----------------------------------------------------------------------------
-    def _progress(self, text: str) -> None:
-        """The block / item so far: send its head once known, then the argument text that is surely final."""
-        if self._call is None:
-            head = _head(text)
-            if head is None:
-                return
+    def _known_call(self, text: str) -> bool:
+        """Whether the block / item has a call: started here once its head is complete."""
+        if self._call is None and (head := _head(text)) is not None:
             name, self._args_start = head
             self._start_call(name)
-        self._args(_args_so_far(text[self._args_start :]))
+        return self._call is not None
+
+    def _progress(self, text: str) -> None:
+        """The block / item so far: send its head once known, then the argument text that is surely final."""
+        if self._known_call(text):
+            self._args(_args_so_far(text[self._args_start :]))
 
     def _close(self, text: str, is_block: bool, closed: bool = True) -> None:
         """A block (auto) or item (required) ended: finish its call, or decide it is not one."""
-        if self._call is None:
-            head = _head(text)
-            if head is not None:
-                name, self._args_start = head
-                self._start_call(name)
-        if self._call is not None:
+        if self._known_call(text):
             self._args(_args_so_far(text[self._args_start :]))
         else:
             fallback = _json_call(text)
@@ -213,18 +210,8 @@ class ToolCallStreamParser:
             return
         self._call = _Call(self.num_calls)
         self.num_calls += 1
-        self._out.append(
-            {
-                "tool_calls": [
-                    {
-                        "index": self._call.index,
-                        "id": self._new_id(),
-                        "type": "function",
-                        "function": {"name": name, "arguments": ""},
-                    }
-                ]
-            }
-        )
+        head = {"index": self._call.index, "id": self._new_id(), "type": "function"}
+        self._out.append({"tool_calls": [{**head, "function": {"name": name, "arguments": ""}}]})
 
     def _args(self, args_text: str) -> None:
         """Send what ``args_text`` (the argument text so far) adds to what was sent."""
