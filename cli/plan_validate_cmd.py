@@ -16,12 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli.plan_cmd import DEFAULT_CV, DEFAULT_RANGE_RATIO
+
 MODES = ("disaggregated", "colocated")
 DEFAULT_WORKLOAD = "fixed:128:32"
 DEFAULT_RATES = "0.25,0.5,1"  # below and near one prefill worker's capacity for fixed:128:32 on this 2-core box
 DEFAULT_NUM_REQUESTS = 16
-DEFAULT_RANGE_RATIO = 0.5  # as cli/plan_cmd.py
-DEFAULT_CV = 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
