@@ -39,7 +39,12 @@ def _borrowed(cls: type, *names: str, **renamed: str) -> dict[str, Any]:
     out = {}
     for section_name, name in [*((n, n) for n in names), *renamed.items()]:
         item = fields[name]
-        default = item.default if item.default is not dataclasses.MISSING else item.default_factory()  # type: ignore[misc]
+        if item.default is not dataclasses.MISSING:
+            default = item.default
+        elif item.default_factory is not dataclasses.MISSING:
+            default = item.default_factory()
+        else:
+            raise TypeError(f"{cls.__name__}.{name} has no default to borrow")
         out[section_name] = (hints[name], default)
     return out
 
@@ -76,7 +81,7 @@ class _PoolBase(_Strict):
     def _check(self) -> _PoolBase:
         values = self.model_dump()
         engine = EngineConfig(**_subset(values, EngineConfig))
-        WorkerSpec("check", "decode", engine, RuntimeOptions([]), **_subset(values, WorkerSpec))
+        WorkerSpec("check", WorkerRole.DECODE, engine, RuntimeOptions([]), **_subset(values, WorkerSpec))
         return self
 
 
@@ -107,19 +112,63 @@ ENGINE_POOL_FIELDS = (
     "speculative",  # proposed tokens verified per decode step (engine/speculative.py); decode and colocated pools
 )
 TRANSFER_FIELDS = ("deadline_s", "lease_s", "kv_wire_dtype", "checksum", "direct_write")
-ModelSection = create_model("ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len"))
-PoolSection = create_model(
-    "PoolSection",
-    __base__=_PoolBase,
-    **_borrowed(EngineConfig, *ENGINE_POOL_FIELDS),
-    **_borrowed(WorkerSpec, "reserve_headroom_tokens"),
-)
-TransferSection = create_model(
-    "TransferSection",
-    __base__=_TransferBase,
-    **_borrowed(TransferConfig, *TRANSFER_FIELDS),
-    **_borrowed(WorkerSpec, "failure_policy", "zmq_transport", "stream_layers", backend="transfer_backend"),
-)
+if TYPE_CHECKING:
+    # What mypy sees of the sections create_model builds below (it cannot see create_model's fields): each borrowed
+    # field named once more, its type read from its dataclass's field, not declared again (on a stand-in instance:
+    # a slotted dataclass's fields cannot be read on the class). tests/cluster/test_config_typing.py keeps these
+    # names the ones borrowed.
+    _engine = typing.cast(EngineConfig, None)
+    _transfer = typing.cast(TransferConfig, None)
+    _spec = typing.cast(WorkerSpec, None)
+    _runtime = typing.cast(RuntimeOptions, None)
+
+    class ModelSection(_ModelBase):
+        dtype = _engine.dtype
+        max_model_len = _engine.max_model_len
+
+    class PoolSection(_PoolBase):
+        torch_threads = _engine.torch_threads
+        cpu_linear_tuning = _engine.cpu_linear_tuning
+        kv_blocks = _engine.kv_blocks
+        gpu_memory_utilization = _engine.gpu_memory_utilization
+        attention_backend = _engine.attention_backend
+        kv_cache_dtype = _engine.kv_cache_dtype
+        cuda_graphs = _engine.cuda_graphs
+        max_batch_tokens = _engine.max_batch_tokens
+        max_num_seqs = _engine.max_num_seqs
+        enable_prefix_caching = _engine.enable_prefix_caching
+        tensor_parallel_size = _engine.tensor_parallel_size
+        kv_offload = _engine.kv_offload
+        speculative = _engine.speculative
+        reserve_headroom_tokens = _spec.reserve_headroom_tokens
+
+    class TransferSection(_TransferBase):
+        deadline_s = _transfer.deadline_s
+        lease_s = _transfer.lease_s
+        kv_wire_dtype = _transfer.kv_wire_dtype
+        checksum = _transfer.checksum
+        direct_write = _transfer.direct_write
+        failure_policy = _spec.failure_policy
+        zmq_transport = _spec.zmq_transport
+        stream_layers = _spec.stream_layers
+        backend = _spec.transfer_backend
+
+else:
+    ModelSection = create_model(
+        "ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len")
+    )
+    PoolSection = create_model(
+        "PoolSection",
+        __base__=_PoolBase,
+        **_borrowed(EngineConfig, *ENGINE_POOL_FIELDS),
+        **_borrowed(WorkerSpec, "reserve_headroom_tokens"),
+    )
+    TransferSection = create_model(
+        "TransferSection",
+        __base__=_TransferBase,
+        **_borrowed(TransferConfig, *TRANSFER_FIELDS),
+        **_borrowed(WorkerSpec, "failure_policy", "zmq_transport", "stream_layers", backend="transfer_backend"),
+    )
 
 
 class PoolsSection(_Strict):
@@ -192,7 +241,13 @@ class _RouterBase(_Strict):
 
 
 # workers free every request after ``orphan_timeout_s`` without the router
-RouterSection = create_model("RouterSection", __base__=_RouterBase, **_borrowed(RuntimeOptions, "orphan_timeout_s"))
+if TYPE_CHECKING:
+
+    class RouterSection(_RouterBase):  # as ModelSection
+        orphan_timeout_s = _runtime.orphan_timeout_s
+
+else:
+    RouterSection = create_model("RouterSection", __base__=_RouterBase, **_borrowed(RuntimeOptions, "orphan_timeout_s"))
 
 
 class SLOSection(_Strict):
