@@ -41,6 +41,7 @@ from worker.messages import (
     MigrateIn,
     MigrateSend,
     MigrateTail,
+    RefusalReason,
     Reserve,
     Reserved,
     Resume,
@@ -189,7 +190,7 @@ class DecodeRole(Role):
         )
         if blocks is None:
             self.counters.reservations_refused += 1
-            reason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
+            reason: RefusalReason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
             self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason=reason))
             return
         if precopy:
@@ -290,7 +291,7 @@ class DecodeRole(Role):
         engine = self.engine
         if engine.reserve_remote(prompt, params, rid, self.headroom_tokens, prefix_cache=True) is None:
             self.counters.reservations_refused += 1
-            reason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
+            reason: RefusalReason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
             self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason=reason))
             return
         held = engine.requests[rid]

@@ -319,7 +319,8 @@ def decode_part(job: Job, group: TPGroup | None = None) -> dict:
         rng = random.Random(job.seed + 1)
         with tqdm(total=grid.num_measurements, desc="profiling decode", unit="point", disable=not job.progress) as bar:
             points = measure_decode(engine, grid, rng, bar.update)
-            backend, note, transfer = "none", "transfer: colocated, no KV moves", []
+            backend, note = "none", "transfer: colocated, no KV moves"
+            transfer: list[TransferPoint] = []
             if grid.transfer_blocks:
                 backend, note, transfer = measure_transfer(
                     engine, job.spec, grid.transfer_blocks, grid.repeats, bar.update

@@ -9,6 +9,7 @@ request generates exactly its trace's output tokens), and the text.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -39,8 +40,10 @@ from worker.messages import (
     Generate,
     KvEvents,
     Prefill,
+    RefusalReason,
     Reserve,
     Reserved,
+    Role,
     Start,
     Stats,
     TokenItem,
@@ -205,7 +208,7 @@ class SimWorker:
         self,
         cluster: SimCluster,
         name: str,
-        role: str,
+        role: Role,
         profile: Profile,
         blocks: int,
         max_batch_tokens: int,
@@ -240,10 +243,10 @@ class SimWorker:
         elif isinstance(command, Generate):
             self.scheduler.add(self._request(command.rid, command.prompt, command.params))
         elif isinstance(command, Start):
-            request = self.requests.get(command.rid)
-            if request is not None and request.remote is not None:
-                request.remote.first_token_id = command.first_token
-                self.scheduler.remote_progress(request)
+            held = self.requests.get(command.rid)
+            if held is not None and held.remote is not None:
+                held.remote.first_token_id = command.first_token
+                self.scheduler.remote_progress(held)
         elif isinstance(command, Abort):
             self._end(command.rid)
         self.heartbeat()
@@ -267,7 +270,7 @@ class SimWorker:
             len(command.prompt), command.params.max_tokens, settings.reserve_headroom_tokens, max_len
         )
         if len(self.requests) >= self.max_num_seqs or not self.scheduler.reserve_remote(request, num_tokens, True):
-            reason = "max_num_seqs" if len(self.requests) >= self.max_num_seqs else "kv_full"
+            reason: RefusalReason = "max_num_seqs" if len(self.requests) >= self.max_num_seqs else "kv_full"
             self.send(Reserved(rid=command.rid, worker=self.name, ok=False, reason=reason))
             return False
         self.requests[command.rid] = request
@@ -441,6 +444,7 @@ class SimCluster:
         self.workers: dict[str, SimWorker] = {}
         s = settings
         decode = profiles.at(layout.decode_tp), s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs
+        pools: list[tuple[Role, int, Profile, int, int, int]]
         if layout.mode == "colocated":
             pools = [("colocated", layout.decode, *decode)]
         else:
@@ -482,7 +486,7 @@ class SimCluster:
             name, command = core.outbox.popleft()
             worker = self.workers.get(name)
             if worker is not None:
-                self._later(lambda w=worker, c=command: w.handle(c))
+                self._later(functools.partial(worker.handle, command))
         for flow in core.take_updated():
             while flow.take() is not None:  # the client reads at once
                 pass

@@ -104,7 +104,7 @@ class RejectionLog:
 
     def __init__(self, who: str) -> None:
         self._who = who
-        self._counts: dict[Rejection, int] = {}
+        self._counts: dict[enum.Enum | None, int] = {}  # None: an AuthError off the KV plane
 
     def note(self, error: AuthError) -> None:
         count = self._counts[error.reason] = self._counts.get(error.reason, 0) + 1

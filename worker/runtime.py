@@ -246,6 +246,7 @@ class WorkerRuntime:
         try:
             while not self._stop.wait(self.options.stats_interval_s):
                 snapshot = self._snapshot  # built by the loop thread, never changed after: a copy with the age
+                assert snapshot is not None  # start() builds the first before this thread starts
                 beat = msgspec.structs.replace(snapshot, loop_age_s=round(time.monotonic() - self._loop_seen, 3))
                 for sock, signer in sockets:
                     try:
