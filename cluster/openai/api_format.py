@@ -14,6 +14,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+from collections.abc import Sequence
 from json.encoder import encode_basestring  # what json.dumps(str, ensure_ascii=False) does, without the rest
 
 from engine.request import TokenLogprob
@@ -74,9 +75,12 @@ class CompletionLogprobs:
         self._text = text
         self.offset = 0
 
-    def piece(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict:
+    def piece(self, token_ids: list[int], entries: Sequence[TokenLogprob | None]) -> dict:
         """The block for ``token_ids`` (one entry each; None: a prompt's first token)."""
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for token_id, entry in zip(token_ids, entries):
             token = self._text(token_id)
             tokens.append(token)
@@ -147,7 +151,7 @@ class SSEChunks:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     def _event(self, choice: dict, usage: dict | None = None, extra: dict | None = None) -> str:
-        payload = {**self._head, "choices": [choice]}
+        payload: dict[str, object] = {**self._head, "choices": [choice]}
         if self.usage_key:
             payload["usage"] = usage
         if extra:

@@ -11,7 +11,7 @@ vLLM) and aborts the others; closing the iterator aborts every choice. A single 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from cluster.routing.flow import TokenEvent
@@ -34,13 +34,13 @@ def choice_id(rid: str, index: int) -> str:
     return rid if index == 0 else f"{rid}-{index}"
 
 
-async def fan_out(router: Router, plans: list[ChoicePlan]) -> AsyncIterator[tuple[int, TokenEvent]]:
+async def fan_out(router: Router, plans: list[ChoicePlan]) -> AsyncGenerator[tuple[int, TokenEvent], None]:
     if len(plans) == 1:
         plan = plans[0]
         events = router.generate(plan.prompt, plan.params, plan.request_id)
         try:
-            async for event in events:
-                yield plan.index, event
+            async for only in events:
+                yield plan.index, only
         finally:
             await events.aclose()
         return

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from cluster.config import LimitsSection
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_INT_DIGITS = 40  # longer integer literals fit no field (int64 has 19 digits) and cost quadratic time to convert
@@ -113,10 +116,11 @@ def format_path(path: tuple | list) -> str | None:
     return text or None
 
 
-def _error_path(data: Any, error: dict) -> str | None:
+def _error_path(data: Any, error: ErrorDetails) -> str | None:
     """The field a pydantic error is about, as the client wrote it (following the location through the data drops
     the union member names pydantic adds, like 'list[int]')."""
-    path, node = [], data
+    path: list[str | int] = []
+    node = data
     for i, part in enumerate(error["loc"]):
         if isinstance(node, dict) and isinstance(part, str) and part in node:
             path.append(part)
@@ -164,10 +168,10 @@ def parse_json(body: bytes, limits: LimitsSection) -> Any:
         what = next(r.what for r in refused)
         raise APIError(400, f"{path}: {what}" if path else what, path)
     if _SURROGATE_ESCAPE.search(text):
-        path = _find(data, _not_utf8)
-        if path is not None:
+        where = _find(data, _not_utf8)
+        if where is not None:
             raise APIError(
-                400, f"{format_path(path)}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text", format_path(path)
+                400, f"{format_path(where)}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text", format_path(where)
             )
     return data
 

@@ -9,7 +9,7 @@ prompt once; ``cached_tokens`` counts only each prompt's first choice (the other
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,7 +77,8 @@ class _Choice:
 
     def take(self, event: TokenEvent) -> tuple[str, Any]:
         """The text and the logprobs block this event adds (the echo first, on its first event)."""
-        shape, text, block = self.shape, event.text, None
+        shape, text = self.shape, event.text
+        block: list[dict] | dict | None = None
         echo_block = None
         if not self.started:
             self.started = True
@@ -86,8 +87,8 @@ class _Choice:
                 text = shape.echo[self.plan.prompt_index] + text
                 if self.completion_logprobs is not None:
                     prompt = self.plan.prompt
-                    entries = event.prompt_logprobs or [None] * len(prompt)
-                    echo_block = self.completion_logprobs.piece(prompt, list(entries))
+                    prompt_entries = event.prompt_logprobs or [None] * len(prompt)
+                    echo_block = self.completion_logprobs.piece(prompt, list(prompt_entries))
         self.tokens += event.num_tokens
         if event.finish_reason is not None:
             self.finish = event.finish_reason
@@ -96,9 +97,8 @@ class _Choice:
             if self.completion_logprobs is None:
                 block = chat_logprobs(entries, shape.logprobs, shape.token_text)
             else:
-                block = self.completion_logprobs.piece([e.token_id for e in entries], entries)
-                if echo_block is not None:
-                    block = join_completion_logprobs([echo_block, block])
+                piece = self.completion_logprobs.piece([e.token_id for e in entries], entries)
+                block = piece if echo_block is None else join_completion_logprobs([echo_block, piece])
         return text, block
 
     def finish_reason(self, called: bool) -> str:
@@ -113,7 +113,7 @@ def _completion_tokens(choices: dict[int, _Choice]) -> int:
     return sum(c.tokens for c in choices.values())
 
 
-async def collect(router: Router, shape: ResponseShape, events: AsyncIterator[tuple[int, TokenEvent]]) -> dict:
+async def collect(router: Router, shape: ResponseShape, events: AsyncGenerator[tuple[int, TokenEvent], None]) -> dict:
     """The whole answer as one body (the caller closes ``events``)."""
     choices = {plan.index: _Choice(plan, shape, streaming=False) for plan in shape.plans}
     async for index, event in events:  # the workers' text, as it is: they detokenized it and cut stop strings
@@ -156,7 +156,7 @@ async def collect(router: Router, shape: ResponseShape, events: AsyncIterator[tu
 
 
 async def stream(
-    router: Router, shape: ResponseShape, events: AsyncIterator[tuple[int, TokenEvent]], first
+    router: Router, shape: ResponseShape, events: AsyncGenerator[tuple[int, TokenEvent], None], first
 ) -> AsyncIterator[str]:
     """The SSE events, one chunk per router event; ``first``: the first ``(index, event)``, already taken (so that an
     error before any token was an HTTP status), or None."""

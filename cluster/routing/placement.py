@@ -85,8 +85,8 @@ class Placer:
     ) -> list[WorkerHandle]:
         order = self.policies[role].order(workers, match)
         if prefer is None:
-            return order  # type: ignore[return-value]
-        return [w for w in order if w.name == prefer] + [w for w in order if w.name != prefer]  # type: ignore[misc]
+            return order
+        return [w for w in order if w.name == prefer] + [w for w in order if w.name != prefer]
 
     def pick(self, role: str, prompt_len: int, hashes: list[int], prefer: str | None = None) -> WorkerHandle:
         """The worker a prompt goes to (prefill or colocated), counted and expected to hold the prompt."""

@@ -12,18 +12,24 @@ from __future__ import annotations
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from cluster.routing.prefix_index import TIERS, Tier
 from worker.messages import Stats
 
 
 class Candidate(Protocol):
-    name: str
-    inflight: int
-    stats: Stats | None  # its last heartbeat (None before the first)
+    @property
+    def name(self) -> str: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def stats(self) -> Stats | None: ...  # its last heartbeat (None before the first)
+
+
+C = TypeVar("C", bound=Candidate)  # a policy orders whatever candidates it is given
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +51,7 @@ class PrefixMatch:
 
 
 class Policy(Protocol):
-    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]: ...
+    def order(self, workers: Sequence[C], match: PrefixMatch | None = None) -> list[C]: ...
 
 
 # "affinity": not a policy's choice, the router's (an earlier request's worker, asked for by the request)
@@ -75,7 +81,7 @@ class RoundRobin:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._counter = itertools.count()
 
-    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+    def order(self, workers: Sequence[C], match: PrefixMatch | None = None) -> list[C]:
         if not workers:
             return []
         start = next(self._counter) % len(workers)
@@ -86,7 +92,7 @@ class LeastLoaded:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+    def order(self, workers: Sequence[C], match: PrefixMatch | None = None) -> list[C]:
         return sorted(workers, key=lambda w: (load_score(w), self._rng.random()))
 
 
@@ -96,7 +102,7 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+    def order(self, workers: Sequence[C], match: PrefixMatch | None = None) -> list[C]:
         pool = list(workers)
         self._rng.shuffle(pool)
         head = sorted(pool[:2], key=load_score)
@@ -135,7 +141,7 @@ class KvAware:
     def score(self, worker: Candidate, match: PrefixMatch | None) -> float:
         return self.prefix_weight * self.cached_fraction(worker, match) - self.load_weight * load_score(worker)
 
-    def order(self, workers: Sequence[Candidate], match: PrefixMatch | None = None) -> list[Candidate]:
+    def order(self, workers: Sequence[C], match: PrefixMatch | None = None) -> list[C]:
         return sorted(workers, key=lambda w: (-self.score(w, match), load_score(w), self._rng.random()))
 
 
@@ -170,7 +176,12 @@ class Placements:
         return len(self._records)
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo, "kv_aware": KvAware}
+POLICIES: dict[str, Callable[[random.Random | None], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+    "power_of_two": PowerOfTwo,
+    "kv_aware": KvAware,
+}
 
 
 def make_policy(name: str, rng: random.Random | None = None, **weights: float) -> Policy:

@@ -13,7 +13,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -35,6 +36,13 @@ PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while f
 TICK_S = 0.1  # deadlines and heartbeat expiry are checked this often
 
 
+class PoolScaler(Protocol):
+    """What resizes the pools for POST /admin/scale: cluster/run/scaling.py's Scaler, or a router process's
+    RemoteScaler (the values as the client sent them; bad ones raise ScaleError)."""
+
+    async def scale_async(self, pool: object, replicas: object, drain_timeout_s: object = None) -> dict: ...
+
+
 class Router:
     def __init__(
         self, config: ClusterConfig, host: str = "127.0.0.1", index: int = 0, admission: Admission | None = None
@@ -47,7 +55,7 @@ class Router:
         self.metrics = RouterMetrics(multiprocess=config.router.processes > 1)
         self.core = RouterCore(config, self.metrics, admission)
         self.members = self.core.members
-        self.scaler = None  # POST /admin/scale: cluster/run/scaling.py's Scaler, or a router process's RemoteScaler
+        self.scaler: PoolScaler | None = None  # POST /admin/scale
         self._ctx = zmq.asyncio.Context()
         self._events = self._socket(zmq.PULL, rcvhwm=1_000_000)
         port = self._events.bind_to_random_port(f"tcp://{host}")
@@ -222,6 +230,7 @@ class Router:
                     raise rejected(Rejection.MULTIPART)
                 event = verifier.open(data)
             except AuthError as exc:
+                assert exc.reason is not None  # Verifier.open names why it dropped a frame
                 self.metrics.control_rejected.labels(exc.reason.value).inc()
                 rejections.note(exc)
                 continue
@@ -250,7 +259,7 @@ class Router:
 
     async def generate(
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None, affinity: str | None = None
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Stream a request's text; raises RequestFailed (with its HTTP status) when it cannot be served.
 
         Each event is everything that arrived since the last: a slow reader gets one larger event, not a backlog.
