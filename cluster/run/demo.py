@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import httpx
 
@@ -39,7 +40,9 @@ async def _chat(client: httpx.AsyncClient, url: str, model: str, question: str, 
     }
     sent = time.perf_counter()
     stamps: list[float] = []
-    text, usage, timing = "", {}, {}
+    text = ""
+    usage: dict[str, Any] = {}
+    timing: dict[str, Any] = {}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")

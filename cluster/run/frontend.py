@@ -19,10 +19,15 @@ import shutil
 import tempfile
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from cluster.config import ClusterConfig
 from cluster.routing.admission import release_slot
 from cluster.run.router_process import CONTROL_POLL_S, RouterProcessSpec, run_router_process
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnProcess
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +53,8 @@ class RouterProcesses:
         self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
         self.pids: list[int] = []
         self.event_addresses: list[str] = []
-        self._conns = []
-        self._procs = []
+        self._conns: list[Connection] = []
+        self._procs: list[SpawnProcess] = []
         spec = RouterProcessSpec(
             0, config.model_dump(), model_path, max_model_len, event_host, http_host, http_port, os.getpid(),
             self._timeout_s, logging.getLogger().level,
@@ -189,7 +194,7 @@ class RouterProcesses:
                 multiprocess.mark_process_dead(proc.pid, self.metrics_dir)  # its in-flight gauges no longer count
 
     def alive(self) -> list[int]:
-        return [proc.pid for proc in self._procs if proc.is_alive()]
+        return [proc.pid for proc in self._procs if proc.is_alive() and proc.pid is not None]
 
     def stop(self, timeout_s: float) -> bool:
         """Ask, then SIGKILL what is left after ``timeout_s``; False if any was killed."""

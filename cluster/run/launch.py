@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cluster.config import ClusterConfig, ConfigError, pool_layout
 from cluster.network_exposure import check_network_exposure
@@ -23,6 +24,9 @@ from cluster.run.pools import LocalPools, RayPools, WorkerRecord
 from cluster.run.ray_cluster import connect_ray
 from cluster.run.router_process import reuseport_socket
 from cluster.run.scaling import Scaler
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +38,7 @@ class ServeHandle:
     router: object  # the Router, or the RouterProcesses that stand for several
     pools: LocalPools | RayPools
     started_ray: bool
-    server: object | None  # uvicorn's server and its thread (None with several router processes)
+    server: uvicorn.Server | None  # uvicorn's server and its thread (None with several router processes)
     thread: threading.Thread | None
     frontends: RouterProcesses | None = None
     scaler: Scaler | None = None  # live resizing (cluster/run/scaling.py)
@@ -66,6 +70,7 @@ class ServeHandle:
         if self.frontends is not None:
             self.frontends.stop(max(0.0, min(3.0, deadline - time.monotonic())))
         else:
+            assert self.server is not None and self.thread is not None  # one router process: in this one
             self.server.should_exit = True
             self.thread.join(max(0.0, min(3.0, deadline - time.monotonic())))
         clean = self.pools.responsive(timeout_s=1.5)

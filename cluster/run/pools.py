@@ -18,11 +18,15 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig, ConfigError, pool_layout
 from cluster.run.actors import TPRankActor, WorkerActor
 from transfer.nccl_env import NCCL_PROCESS_ENV
 from worker.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +37,15 @@ SCALE_UP_WAIT_S = 30.0  # Ray: how long ``add_replica`` waits for a new actor be
 class WorkerRecord:
     name: str
     role: str
-    actor: object
-    info: dict = field(default_factory=dict)
+    # LocalPools: the WorkerActor itself; RayPools: its Ray actor handle (methods called through ``.remote()``, which
+    # Ray types dynamically); None until started
+    actor: Any
+    info: dict[str, Any] = field(default_factory=dict)
     pool: str = ""
-    group: object | None = None  # Ray: the placement group it was placed in
+    group: PlacementGroup | None = None  # Ray: the placement group it was placed in
     bundle: int = 0  # ... and its bundle there
     own_group: bool = False  # Ray: a group of its own (an added replica, a tensor-parallel one): removed with it
-    ranks: list = field(default_factory=list)  # tensor_parallel_size > 1: ranks 1..N-1 (``TPRankActor``s)
+    ranks: list[Any] = field(default_factory=list)  # tensor_parallel_size > 1: ranks 1..N-1 (``TPRankActor``s)
     spec: WorkerSpec | None = None  # Ray, tensor-parallel: what a restart of all its ranks starts again
     restarts: int = 0  # ... and how many times they were restarted together
     restarting: bool = False
@@ -158,8 +164,8 @@ class RayPools(_Resizable):
         import ray
 
         self._init_resizing(config, model_path, router_addresses, host)
-        self.groups: list = []
-        self._free_bundles: dict[str, list[tuple[object, int]]] = {}  # per pool: bundles removed replicas freed
+        self.groups: list[PlacementGroup] = []
+        self._free_bundles: dict[str, list[tuple[PlacementGroup, int]]] = {}  # per pool: bundles removed replicas freed
         self._stop = threading.Event()
         self.node_id = ray.get_runtime_context().get_node_id()  # where `pdserve serve` runs
         self._remote_cls = ray.remote(max_restarts=config.ray.max_restarts, max_task_retries=0)(WorkerActor)
@@ -216,8 +222,8 @@ class RayPools(_Resizable):
         rendezvous (bundle r for rank r)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        assert record.spec is not None
-        spec, size = record.spec, pool.tensor_parallel_size
+        assert record.spec is not None and record.group is not None
+        spec, size, group = record.spec, pool.tensor_parallel_size, record.group
         if size > 1:
             spec = dataclasses.replace(spec, tp_rendezvous=rendezvous_path())
 
@@ -227,7 +233,7 @@ class RayPools(_Resizable):
                 num_cpus=pool.cpus_per_replica,
                 num_gpus=spec.gpus,
                 resources=pool.resources or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(record.group, placement_group_bundle_index=bundle),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
                 runtime_env={"env_vars": dict(NCCL_PROCESS_ENV)},  # in the process before it starts (transfer/nccl_env)
             )
 

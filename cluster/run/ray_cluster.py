@@ -39,7 +39,7 @@ def keep_ray_on_loopback() -> None:
     os.environ.update(LOOPBACK_ENV)
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # the module read the variable when it was imported
-        constants.ENABLE_RAY_CLUSTER = False
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]  # Ray's module, typed as a bare ModuleType
 
 
 def init_local_ray(num_cpus: int, namespace: str) -> None:

@@ -49,26 +49,32 @@ class Scaler:
         self._removals: list[threading.Thread] = []
         self._closing = threading.Event()
 
-    def check(self, pool: object, replicas: object, drain_timeout_s: object = None) -> None:
-        """Raises ScaleError naming the field."""
-        if pool not in POOLS:
+    def check(self, pool: object, replicas: object, drain_timeout_s: object = None) -> tuple[str, int, float | None]:
+        """The values as a client sent them, typed; raises ScaleError naming the field."""
+        if not isinstance(pool, str) or pool not in POOLS:
             raise ScaleError("pool", f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= MAX_REPLICAS:
             raise ScaleError("replicas", f"replicas must be an integer from 0 to {MAX_REPLICAS}, got {replicas!r}")
-        if drain_timeout_s is not None and (
-            not isinstance(drain_timeout_s, int | float) or isinstance(drain_timeout_s, bool) or drain_timeout_s <= 0
-        ):
-            raise ScaleError("drain_timeout_s", f"drain_timeout_s must be a number > 0, got {drain_timeout_s!r}")
+        drain_s = None
+        if drain_timeout_s is not None:
+            if (
+                not isinstance(drain_timeout_s, int | float)
+                or isinstance(drain_timeout_s, bool)
+                or drain_timeout_s <= 0
+            ):
+                raise ScaleError("drain_timeout_s", f"drain_timeout_s must be a number > 0, got {drain_timeout_s!r}")
+            drain_s = float(drain_timeout_s)
         if self.config.mode == "disaggregated" and replicas < 1:
             raise ScaleError("replicas", f"disaggregated mode needs at least one {pool} replica")
         other = next(p for p in POOLS if p != pool)
         if self.config.mode == "colocated" and replicas + len(self.pools.active(other)) < 1:
             raise ScaleError("replicas", "colocated mode needs at least one worker")
+        return pool, replicas, drain_s
 
-    def scale(self, pool: str, replicas: int, drain_timeout_s: float | None = None) -> dict:
-        """Returns the membership after it (removals still draining)."""
-        self.check(pool, replicas, drain_timeout_s)
-        deadline_s = float(drain_timeout_s or DRAIN_TIMEOUT_S)
+    def scale(self, pool: object, replicas: object, drain_timeout_s: object = None) -> dict:
+        """Returns the membership after it (removals still draining); bad values (``check``) raise ScaleError."""
+        pool, replicas, drain_s = self.check(pool, replicas, drain_timeout_s)
+        deadline_s = drain_s or DRAIN_TIMEOUT_S
         with self._lock:
             current = self.pools.active(pool)
             for _ in range(replicas - len(current)):
@@ -78,7 +84,7 @@ class Scaler:
                 self._begin_removal(record, deadline_s)
         return self.membership()
 
-    async def scale_async(self, pool: str, replicas: int, drain_timeout_s: float | None = None) -> dict:
+    async def scale_async(self, pool: object, replicas: object, drain_timeout_s: object = None) -> dict:
         return await asyncio.to_thread(self.scale, pool, replicas, drain_timeout_s)
 
     def membership(self) -> dict:
