@@ -15,6 +15,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from bench.loadtest import metrics, multiturn, output, plots
 from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec
@@ -172,6 +173,7 @@ def _pool_size(shapes: list[LoadShape]) -> int:
         if math.isinf(s.request_rate):
             sizes.append(4 * (s.max_concurrency or 1) + 64)
         else:
+            assert s.duration_s is not None  # validated: no num_prompts needs a duration
             sizes.append(int(s.request_rate * s.duration_s * 1.2) + 16)
     return max(1, min(2000, max(sizes)))
 
@@ -212,7 +214,7 @@ def execute(
         _fill_counts(results, plan.tokenizer)
         measured = [r for r in results if not r.warmup]
         warm = [r for r in results if r.warmup]
-        run = {"mode": mode} if mode else {}
+        run: dict[str, Any] = {"mode": mode} if mode else {}
         run |= {
             "rate": rate_label,
             "burstiness": shape.burstiness,
@@ -245,7 +247,7 @@ def _fill_counts(results: list[RequestResult], tokenizer) -> None:
 
 def benchmark_settings(args: argparse.Namespace, plan: Plan) -> dict:
     keep = {k: v for k, v in vars(args).items() if k not in ("func", "api_key") and not callable(v)}
-    settings = {"slo_ms": plan.slos, "slo_source": plan.slo_source, "workload": asdict(plan.workload)}
+    settings: dict[str, Any] = {"slo_ms": plan.slos, "slo_source": plan.slo_source, "workload": asdict(plan.workload)}
     if plan.conversations is not None and plan.conversation_settings is not None:
         convs = plan.conversations
         turns = sum(c.turns for c in convs)
@@ -274,7 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     plan = prepare(args, args.tokenizer or args.model)
     folder = result_folder(args)
     runs, results, sweep = execute(plan, args.base_url, args.model, folder, num_workers=args.num_workers)
-    summary = {
+    summary: dict[str, Any] = {
         "benchmark": benchmark_settings(args, plan),
         "runs": runs,
         "sweep": sweep,

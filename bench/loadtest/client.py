@@ -64,7 +64,7 @@ class RequestSettings:
 class RequestResult:
     index: int
     warmup: bool = False
-    rate: float | None = None
+    rate: float | str | None = None  # the phase's request rate ("inf": unlimited)
     scheduled_s: float | None = None  # planned send time, from the start of the run phase
     sent_s: float | None = None  # actual send time, from the start of the run phase
     success: bool = False

@@ -209,7 +209,7 @@ async def _measured(player: _Player, pool, shape: LoadShape, measured: list[Conv
             task = asyncio.create_task(player.play(run, None if closed else slot))
             if closed:
                 assert slot is not None
-                task.add_done_callback(lambda _t, s=slot: s.release())
+                task.add_done_callback(lambda _t: slot.release())
             tasks.append(task)
 
     await finish_within_bound(tasks, asyncio.create_task(dispatch()), start, shape)

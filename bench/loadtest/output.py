@@ -9,13 +9,27 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.loadtest.client import RequestResult
 from bench.loadtest.plots import run_label
 
-CSV_FIELDS = [
+
+def _nested(*keys: str) -> Callable[[dict], Any]:
+    """A run summary's value under ``keys``, one level each (None where a level is missing)."""
+
+    def get(summary: dict) -> Any:
+        value: Any = summary
+        for key in keys:
+            value = (value or {}).get(key)
+        return value
+
+    return get
+
+
+CSV_FIELDS: list[tuple[str, Callable[[dict], Any]]] = [
     ("mode", lambda s: s.get("mode", "")),
     ("rate", lambda s: s["rate"]),
     ("requests", lambda s: s["requests"]),
@@ -29,16 +43,14 @@ CSV_FIELDS = [
 ]
 for _metric in ("ttft", "tpot", "itl", "e2el"):
     for _stat in ("mean", "median", "p90", "p99"):
-        CSV_FIELDS.append((f"{_metric}_{_stat}_ms", lambda s, m=_metric, k=_stat: (s.get(f"{m}_ms") or {}).get(k)))
+        CSV_FIELDS.append((f"{_metric}_{_stat}_ms", _nested(f"{_metric}_ms", _stat)))
 
 for _part, _key in (("turn1", "ttft_ms_first_turn"), ("later_turns", "ttft_ms_later_turns")):
     for _stat in ("median", "p90"):  # multi-turn runs only; empty for the others
-        CSV_FIELDS.append(
-            (f"ttft_{_part}_{_stat}_ms", lambda s, k=_key, st=_stat: ((s.get("multi_turn") or {}).get(k) or {}).get(st))
-        )
+        CSV_FIELDS.append((f"ttft_{_part}_{_stat}_ms", _nested("multi_turn", _key, _stat)))
 
 for _stat in ("total", "mean", "fraction"):  # empty when the server reports no cached tokens
-    CSV_FIELDS.append((f"cached_tokens_{_stat}", lambda s, st=_stat: (s.get("cached_tokens") or {}).get(st)))
+    CSV_FIELDS.append((f"cached_tokens_{_stat}", _nested("cached_tokens", _stat)))
 
 
 def default_result_dir() -> Path:
