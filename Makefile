@@ -1,5 +1,5 @@
 # The two commands a new user needs: `make demo` and `make test`. Both create .venv on first use.
-# `make test` runs `make lint` first (ruff over the tree, mypy over engine/ and transfer/; settings in pyproject.toml).
+# `make test` runs `make lint` first (ruff over the tree, mypy over every package; settings in pyproject.toml).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
