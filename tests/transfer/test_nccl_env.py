@@ -109,6 +109,9 @@ def test_no_warning_when_the_process_was_started_with_them(monkeypatch, caplog):
     assert not [r for r in caplog.records if "started without" in r.message]
 
 
+PLACED = SimpleNamespace(id="placement-group")  # a Ray record always has its placement group
+
+
 def _recording_pools(asked: list[dict]):
     """RayPools with no cluster: every actor class records the options it is started with."""
     from cluster.run.pools import RayPools
@@ -129,7 +132,7 @@ def test_ray_worker_actors_start_with_them():
 
     asked: list[dict] = []
     spec = SimpleNamespace(name="decode-0", gpus=1.0)
-    record = WorkerRecord("decode-0", "decode", None, spec=spec)
+    record = WorkerRecord("decode-0", "decode", None, spec=spec, group=PLACED)
     _recording_pools(asked)._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=1))
     assert record.actor == ("actor", "decode-0")
     assert asked[0]["runtime_env"] == {"env_vars": NCCL_PROCESS_ENV}
@@ -149,7 +152,7 @@ def test_every_tensor_parallel_rank_starts_with_them():
         tp_rendezvous: str = ""
 
     asked: list[dict] = []
-    record = WorkerRecord("prefill-0", "prefill", None, spec=Spec("prefill-0", 1.0))
+    record = WorkerRecord("prefill-0", "prefill", None, spec=Spec("prefill-0", 1.0), group=PLACED)
     _recording_pools(asked)._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=3))
     assert record.actor == ("actor", "prefill-0")
     assert record.ranks == [("actor", "prefill-0", 1), ("actor", "prefill-0", 2)]
