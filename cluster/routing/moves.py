@@ -276,7 +276,8 @@ class Moves:
             self.end(flow, "finished", now)
 
     def forget(self, flow: Flow) -> set[tuple[str, str]]:
-        """A failing flow's move, dropped: the (worker, wire id) pairs that may hold it, for the core to abort."""
+        """A flow's move, dropped (ended, or failing): the (worker, wire id) pairs that may hold it, for the core to
+        abort when failing."""
         move = flow.move
         if move is None:
             return set()
