@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> dict:
     engine = LLMEngine(config)
     # on a CPU, the same engine on torch's linear everywhere (engine/cpu_linear.py): what the tuned products gain
     plain = LLMEngine(dataclasses.replace(config, cpu_linear_tuning=False)) if args.device == "cpu" else None
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    # and with its decode step compiled for each measured batch size (engine/decode_graphs.py, StaticStep.COMPILED)
+    compiled = None
+    if args.device == "cpu" and not getattr(args, "no_compiled", False):
+        compiled = LLMEngine(dataclasses.replace(config, compile_decode_batches=sorted(set(sizes))))
     hf = (
         AutoModelForCausalLM.from_pretrained(
             resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
@@ -105,8 +110,9 @@ def run(args: argparse.Namespace) -> dict:
 
     warm = prompts(2, 16)
     ours(warm, 4)
-    if plain is not None:
-        ours(warm, 4, plain)
+    for other in (plain, compiled):
+        if other is not None:
+            ours(warm, 4, other)
     theirs(warm, 4)
     llama_cpp_missing = unavailable_reason(args.model)
     llama = None
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         llama = LlamaCpp(torch.get_num_threads(), args.input_len + args.output_len + 8)
 
     decode: dict[str, dict] = {}
-    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+    for batch_size in sizes:
         batch = prompts(batch_size, args.input_len)
         tokens = batch_size * (args.output_len - 1)
         fns = {
@@ -128,6 +134,10 @@ def run(args: argparse.Namespace) -> dict:
             fns["pdserve_linear_full"] = lambda batch=batch: ours(batch, args.output_len, plain)
             fns["pdserve_linear_first"] = lambda batch=batch: ours(batch, 1, plain)
             names.append("pdserve_linear")
+        if compiled is not None:
+            fns["pdserve_compiled_full"] = lambda batch=batch: ours(batch, args.output_len, compiled)
+            fns["pdserve_compiled_first"] = lambda batch=batch: ours(batch, 1, compiled)
+            names.append("pdserve_compiled")
         with_llama = llama is not None and batch_size == 1
         if with_llama:
             assert llama is not None
@@ -143,6 +153,17 @@ def run(args: argparse.Namespace) -> dict:
             figures["ratio_vs_torch_linear"] = round(
                 figures["pdserve_decode_tokens_per_s"] / figures["pdserve_linear_decode_tokens_per_s"], 3
             )
+        if compiled is not None:
+            rate = figures["pdserve_compiled_decode_tokens_per_s"]
+            others = {"eager": "pdserve", "transformers": "transformers"} | (
+                {"llama_cpp": "llama_cpp"} if with_llama else {}
+            )
+            for label, name in others.items():
+                figures[f"compiled_ratio_vs_{label}"] = round(rate / figures[f"{name}_decode_tokens_per_s"], 3)
+            params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+            figures["compiled_answers_equal"] = [r.token_ids for r in compiled.generate(batch, params)] == [
+                r.token_ids for r in engine.generate(batch, params)
+            ]
         if with_llama:
             assert llama is not None
             figures["ratio_vs_llama_cpp"] = round(
@@ -153,10 +174,10 @@ def run(args: argparse.Namespace) -> dict:
                 batch[0], args.output_len
             )
         decode[str(batch_size)] = figures
-    sizes = list(decode)
-    if len(sizes) > 1:
-        decode[sizes[-1]][f"ratio_vs_pdserve_batch_{sizes[0]}"] = round(
-            decode[sizes[-1]]["pdserve_decode_tokens_per_s"] / decode[sizes[0]]["pdserve_decode_tokens_per_s"], 2
+    keys = list(decode)
+    if len(keys) > 1:
+        decode[keys[-1]][f"ratio_vs_pdserve_batch_{keys[0]}"] = round(
+            decode[keys[-1]]["pdserve_decode_tokens_per_s"] / decode[keys[0]]["pdserve_decode_tokens_per_s"], 2
         )
 
     prefill_batch = prompts(args.prefill_prompts, args.prefill_len)
@@ -169,8 +190,10 @@ def run(args: argparse.Namespace) -> dict:
     t = interleaved_medians({"pdserve": lambda: ours(prefill_batch, 1), "transformers": hf_forward}, args.repeats)
     ours_prefill, hf_prefill = t["pdserve"], t["transformers"]
     engine.check_no_leaks()
-    if plain is not None:
-        plain.check_no_leaks()
+    for other in (plain, compiled):
+        if other is not None:
+            other.check_no_leaks()
+    compiled_graphs = compiled.runner.decode_graphs if compiled is not None else None
     return {
         "model": args.model,
         "dtype": args.dtype,
@@ -181,6 +204,13 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "decode": decode,
         "llama_cpp": "F32 GGUF of the served weights, batch 1" if llama is not None else llama_cpp_missing,
+        # the compiled step: seconds each batch size's compile took at start-up, and steps that ran eagerly instead
+        "compiled_decode": None
+        if compiled_graphs is None
+        else {
+            "compile_s": {str(b): s for b, s in compiled_graphs.compile_s.items()},
+            "eager_steps": {reason.name: n for reason, n in compiled_graphs.fallbacks.items()},
+        },
         "prefill": {
             "prompts": args.prefill_prompts,
             "prompt_len": args.prefill_len,

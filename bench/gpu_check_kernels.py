@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_check_engine import RequestFailed, _abort_all, greedy
 from bench.gpu_check_time import NEVER, Deadline
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import DecodeGraphs, StaticStep
 from engine.llm_engine import LLMEngine
 
 # ATen ops an SDPA call dispatches to, by kernel
@@ -73,7 +73,7 @@ def sdpa_kernels(engine: LLMEngine, prompt_len: int, deadline: Deadline = NEVER)
         paths["decode_unmasked"] = _profiled_step(engine, deadline, "profiling a single decode")
         _abort_all(engine, ids)
         engine.runner.decode_graphs = DecodeGraphs(
-            engine.runner, engine.config.max_num_seqs, engine.max_model_len, capture=False
+            engine.runner, engine.config.max_num_seqs, engine.max_model_len, StaticStep.EAGER
         )
         ids = [engine.add_request(p, greedy(2)) for p in short]
         _profiled_step(engine, deadline, "prefilling for the static decode")

@@ -31,6 +31,11 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flex", "flashinfer"])
     parser.add_argument(
+        "--no-compiled",
+        action="store_true",
+        help="CPU: skip the compiled decode step's row (compile_decode_batches: one compile per batch size, ~35 s)",
+    )
+    parser.add_argument(
         "--speculative",
         choices=["ngram"],
         default=None,

@@ -104,6 +104,7 @@ ENGINE_POOL_FIELDS = (
     "attention_backend",
     "kv_cache_dtype",  # prefill and decode must agree in disaggregated mode (the KV moves as stored)
     "cuda_graphs",
+    "compile_decode_batches",  # CPU: a torch.compile'd decode step per listed batch size, compiled at start-up
     "max_batch_tokens",
     "max_num_seqs",
     "enable_prefix_caching",
@@ -134,6 +135,7 @@ if TYPE_CHECKING:
         attention_backend = _engine.attention_backend
         kv_cache_dtype = _engine.kv_cache_dtype
         cuda_graphs = _engine.cuda_graphs
+        compile_decode_batches = _engine.compile_decode_batches
         max_batch_tokens = _engine.max_batch_tokens
         max_num_seqs = _engine.max_num_seqs
         enable_prefix_caching = _engine.enable_prefix_caching

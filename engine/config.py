@@ -90,6 +90,9 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative.{name} must be a positive integer, got {value!r}")
 
 
+MAX_COMPILED_BATCHES = 8  # torch.compile keeps at most 8 graphs of one function (torch._dynamo recompile_limit)
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """``"auto"``: bfloat16 on CUDA (half the bytes to load, hold and ship, full speed on tensor cores), float32 on
     the CPU (bfloat16 matmuls are slow there, and token-exactness against transformers is checked there)."""
@@ -112,6 +115,9 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured per batch-size bucket; ignored on the CPU
+    # CPU: decode-only steps of up to the largest of these batch sizes run a torch.compile'd static step, rows padded
+    # to the next listed size, each size compiled at start-up (about 40 s for SmolLM2 on 2 cores); None: eager
+    compile_decode_batches: list[int] | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_batch_tokens: int = 2048  # tokens per forward: longer prompts are prefilled in chunks
     max_num_seqs: int = 64  # requests in the running batch
@@ -161,6 +167,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.compile_decode_batches is not None:
+            self._check_compile_batches(self.compile_decode_batches)
         for name in ("nccl_peers", "memory_reserve_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -169,3 +177,20 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or null, got {value!r}")
+
+    def _check_compile_batches(self, batches: object) -> None:
+        name = "compile_decode_batches"
+        if not isinstance(batches, list | tuple) or not batches:
+            raise ValueError(f"{name} must be a non-empty list of batch sizes or null, got {batches!r}")
+        for value in batches:
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= self.max_num_seqs:
+                raise ValueError(
+                    f"{name} entries must be integers in [1, max_num_seqs={self.max_num_seqs}], got {value!r}"
+                )
+        if len(set(batches)) != len(batches) or len(batches) > MAX_COMPILED_BATCHES:
+            raise ValueError(f"{name} must be at most {MAX_COMPILED_BATCHES} distinct sizes, got {list(batches)}")
+        if self.device != "cpu":
+            raise ValueError(f"{name} is for the CPU; on {self.device!r} cuda_graphs replays captured decode steps")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"{name} needs tensor_parallel_size 1 (a compiled step has no ranks' all-reduces)")
+        self.compile_decode_batches = list(batches)

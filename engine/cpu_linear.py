@@ -11,7 +11,6 @@ absorbed weights read it). ``cpu_linear_tuning: false`` leaves torch's ``linear`
 
 from __future__ import annotations
 
-import bisect
 import enum
 import time
 from dataclasses import dataclass
@@ -40,12 +39,11 @@ class FormTable:
     pass_ms: dict[str, dict[int, float]]  # form -> bucket -> one timed pass over the linears
 
     def form_for(self, rows: int) -> tuple[Form, int]:
-        """The form and padded row count for ``rows`` rows."""
-        index = bisect.bisect_left(BUCKETS, rows)
-        if index == len(BUCKETS):
-            return Form.LINEAR, rows
-        form = self.forms[index]
-        return form, max(BUCKETS[index], LEFT_MIN_ROWS) if form is Form.LEFT else BUCKETS[index]
+        """The form and padded row count for ``rows`` rows (a loop, not bisect: torch.compile traces it)."""
+        for bucket, form in zip(BUCKETS, self.forms):
+            if rows <= bucket:
+                return form, max(bucket, LEFT_MIN_ROWS) if form is Form.LEFT else bucket
+        return Form.LINEAR, rows
 
 
 ALL_LINEAR = FormTable(tuple(Form.LINEAR for _ in BUCKETS), {})
@@ -61,6 +59,8 @@ class CpuLinear(nn.Linear):
         rows = x.numel() // self.in_features
         form, padded = self.table.form_for(rows)
         if form is Form.PACKED and self.packed_weight is not None:
+            if torch.compiler.is_compiling():  # inductor lowers oneDNN's op only on frozen weights: call it opaque
+                return packed_linear(x, self.packed_weight, self.bias, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if form is not Form.LEFT:
             return nn.functional.linear(x, self.weight, self.bias)
@@ -72,6 +72,19 @@ class CpuLinear(nn.Linear):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """oneDNN's product on a packed weight, as one opaque operator of a compiled step."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def can_convert(module: nn.Module) -> bool:

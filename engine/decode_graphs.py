@@ -7,8 +7,10 @@ fixes everything except its inputs' contents. So the batch is padded to a power-
 meets few keys; a prefill worker none). A key's inputs live in one packed int64 buffer (one copy per step), the mask
 is built inside the graph, and padding rows and table padding point at the KV cache's ``padding_sink_block``; their
 hidden states are dropped before the lm_head. Other steps run eagerly (``Fallback``). A graphed step attends with
-gather + SDPA whatever the eager backend (the paged layout is shared). ``capture=False`` runs the same static path
-eagerly, as the CPU tests do; the capture itself (``_capture``) has not run on a GPU.
+gather + SDPA whatever the eager backend (the paged layout is shared). ``StaticStep.EAGER`` runs the same static path
+eagerly, as the CPU tests do; the capture itself (``_capture``) has not run on a GPU. ``StaticStep.COMPILED`` (the
+CPU) runs it through ``torch.compile``: one graph per configured batch size, the context width dynamic, compiled at
+start-up (docs/speculative.md, "A compiled CPU decode step").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import enum
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,14 @@ WARMUP_STEPS = 2  # eager runs on the capture stream before capture (lazy inits,
 NUM_STATIC_VECTORS = 4  # input ids, positions, slot mapping, context lengths: each [batch] in the packed buffer
 
 
+class StaticStep(enum.Enum):
+    """How a static step runs."""
+
+    GRAPHS = "cuda-graphs"  # captured per key when first met, then replayed (CUDA)
+    COMPILED = "compiled"  # torch.compile, one graph per batch bucket over every context width (the CPU)
+    EAGER = "eager"  # the same static path, as it is (the CPU tests; the memory plan's measurement)
+
+
 class Fallback(enum.Enum):
     """Why a step runs eagerly instead of on a decode graph."""
 
@@ -47,7 +58,7 @@ class Fallback(enum.Enum):
     GRAPH_LIMIT = "max_graphs graphs exist and this key has none"
     PROMPT_LOGPROBS = "a request wants prompt logprobs"  # they need every position's hidden state
     LAYER_HOOK = "a layer hook is installed (streaming KV export)"  # Python per layer, which a graph cannot run
-    CAPTURE_FAILED = "a capture failed; graphs are off for this engine"
+    CAPTURE_FAILED = "a capture or compile failed; static steps are off for this engine"
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -106,47 +117,58 @@ class _Key:
 
 @dataclass(slots=True)
 class _Entry:
-    graph: torch.cuda.CUDAGraph | None  # None in capture=False mode: the step function is called instead
+    graph: torch.cuda.CUDAGraph | None  # None unless captured: the step function is called instead
     hidden: torch.Tensor | None  # the graph's static output [batch, hidden]; None without a graph
 
 
 class DecodeGraphs:
-    """Runs decode-only steps of a ``ModelRunner`` over static, padded buffers (CUDA graphs when ``capture``)."""
+    """Runs decode-only steps of a ``ModelRunner`` over static, padded buffers: CUDA graphs (``GRAPHS``), compiled
+    (``COMPILED``, with ``compile_batches``: the batch buckets, each compiled by ``compile_all``) or eagerly."""
 
     def __init__(
         self,
         runner: ModelRunner,
         max_num_seqs: int,
         max_model_len: int,
-        capture: bool = True,
+        mode: StaticStep = StaticStep.GRAPHS,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
         max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES,
+        compile_batches: list[int] | None = None,
     ) -> None:
-        if capture and runner.device.type != "cuda":
+        if mode is StaticStep.GRAPHS and runner.device.type != "cuda":
             raise ValueError(f"CUDA graph capture needs a CUDA device, the model is on {runner.device}")
+        if (mode is StaticStep.COMPILED) != bool(compile_batches):
+            raise ValueError("compile_batches are the buckets of a compiled static step, and only of one")
         self.runner = runner
-        self.capture = capture
+        self.mode = mode
         self.max_graphs = max_graphs
         kv_cache = runner.kv_cache
         spec = kv_cache.spec
         self.block_size = spec.block_size
         self.sink = kv_cache.padding_sink_block
-        self.batch_buckets = batch_buckets(max_num_seqs)
+        self.batch_buckets = sorted(set(compile_batches)) if compile_batches else batch_buckets(max_num_seqs)
         self.context_buckets = context_buckets(max_model_len, spec.block_size)
+        if mode is StaticStep.COMPILED:  # a width of 1 would get a graph of its own (compilers specialise size 1)
+            self.context_buckets = [w for w in self.context_buckets if w >= 2] or [2]
         block_elems = self._block_elems = spec.block_size * spec.num_kv_heads * spec.head_dim
         self.gather_block_bytes = _gather_block_bytes(spec)
         self.max_gather_blocks = _max_gather_blocks(spec, max_num_seqs, max_model_len, max_gather_bytes)
         device = runner.device
-        # allocated once at their largest: a captured graph holds these addresses for its whole life
-        self._gather_storage = torch.empty(2 * self.max_gather_blocks * block_elems, dtype=spec.dtype, device=device)
+        # allocated once at their largest: a captured graph holds these addresses for its whole life. A compiled
+        # step gathers into tensors of its own (an out= into this storage made the compiled graph copy all of it)
+        stored_blocks = 0 if mode is StaticStep.COMPILED else self.max_gather_blocks
+        self._gather_storage = torch.empty(2 * stored_blocks * block_elems, dtype=spec.dtype, device=device)
         width = NUM_STATIC_VECTORS * self.batch_buckets[-1] + self.max_gather_blocks
         self._inputs = torch.zeros(width, dtype=torch.long, device=device)
         self._staging = torch.zeros(width, dtype=torch.long, pin_memory=device.type == "cuda")
         self._attention = SdpaBackend()  # a static gather width is what makes a graph possible
         self._key_positions = torch.arange(self.context_buckets[-1] * spec.block_size, device=device)
         self._entries: dict[tuple[int, int], _Entry] = {}
+        capture = mode is StaticStep.GRAPHS
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device) if capture else None
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        self.compile_s: dict[int, float] = {}  # batch bucket -> seconds its compile took (COMPILED)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last staging copy is done
         self._broken = False  # a capture failed: every later step runs eagerly
         self.num_replays = 0
@@ -179,7 +201,7 @@ class DecodeGraphs:
         (a capture synchronises the whole device, so a measurement must not meet one); returns how many."""
         batch = bucket_for(rows, self.batch_buckets)
         needed = bucket_for(blocks_for_tokens(max_context, self.block_size), self.context_buckets)
-        if batch is None or needed is None or not self.capture:
+        if batch is None or needed is None or self.mode is not StaticStep.GRAPHS:
             return 0
         made = 0
         for blocks in self.context_buckets:
@@ -226,7 +248,11 @@ class DecodeGraphs:
             return Fallback.BATCH_TOO_LARGE
         if key.batch * key.blocks > self.max_gather_blocks:
             return Fallback.GATHER_TOO_WIDE
-        if self.capture and (key.batch, key.blocks) not in self._entries and self.num_graphs >= self.max_graphs:
+        if (
+            self.mode is StaticStep.GRAPHS
+            and (key.batch, key.blocks) not in self._entries
+            and self.num_graphs >= self.max_graphs
+        ):
             return Fallback.GRAPH_LIMIT
         return None
 
@@ -245,13 +271,16 @@ class DecodeGraphs:
         assert key is not None  # can_run checked it
         entry = self._entries.get((key.batch, key.blocks))
         if entry is None:
-            entry = self._entries[(key.batch, key.blocks)] = self._capture(key) if self.capture else _Entry(None, None)
+            captured = self._capture(key) if self.mode is StaticStep.GRAPHS else _Entry(None, None)
+            entry = self._entries[(key.batch, key.blocks)] = captured
         self._fill(chunks, key)
         self.steps[(key.batch, key.blocks)] += 1
         if entry.graph is not None and entry.hidden is not None:
             entry.graph.replay()
             hidden = entry.hidden
             self.num_replays += 1
+        elif self._compiled is not None:
+            hidden = self._run_compiled(key)
         else:
             hidden = self._forward_static(key)
         rows = [row for row, chunk in enumerate(chunks) if chunk.samples]
@@ -305,22 +334,63 @@ class DecodeGraphs:
     def _forward_static(self, key: _Key) -> torch.Tensor:
         """The function a graph captures: the decoder over the padded batch, reading only static buffers; returns
         the hidden states ``[batch, hidden]``. Padding rows attend only to the sink block's first slot."""
-        ids, positions, slots, lens, table = self._views(key)
-        width = key.blocks * self.block_size
-        mask = (self._key_positions[:width].unsqueeze(0) < lens.unsqueeze(1)).view(key.batch, 1, 1, width)
+        return self._step(*self._views(key))
+
+    def _step(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
+        """``_forward_static`` over a key's views (``_views``): what ``torch.compile`` traces."""
+        batch_rows, blocks = table.shape
+        width = blocks * self.block_size
+        mask = (self._key_positions[:width].unsqueeze(0) < lens.unsqueeze(1)).view(batch_rows, 1, 1, width)
         spec = self.runner.kv_cache.spec
-        gather = self._gather_storage[: 2 * key.batch * key.blocks * self._block_elems]
+        gather = None
+        if self.mode is not StaticStep.COMPILED:
+            stored = self._gather_storage[: 2 * batch_rows * blocks * self._block_elems]
+            gather = stored.view(2, batch_rows * blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         group = DecodeGroup(
-            token_index=None,
-            block_table=table,
-            max_context=width,
-            gather_buffer=gather.view(2, key.batch * key.blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            mask=mask,
-            context_lens=lens,
+            token_index=None, block_table=table, max_context=width, gather_buffer=gather, mask=mask, context_lens=lens
         )
         batch = AttentionBatch(kv_cache=self.runner.kv_cache, slot_mapping=slots, decode=group, backend=self._attention)
         out = self.runner.run_decoder(ids.view(1, -1), positions.view(1, -1), batch)
         return out.last_hidden_state[0]
+
+    def _run_compiled(self, key: _Key) -> torch.Tensor:
+        """The compiled step; one that would compile again (a minute on a CPU, mid-serving) runs eagerly instead,
+        and so does every later step of this engine (``CAPTURE_FAILED``)."""
+        assert self._compiled is not None
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._compiled(*self._views(key))
+        except RuntimeError as e:
+            if "Detected recompile" not in str(e):
+                raise
+            logger.warning("the compiled decode step would compile again for %s; decode runs eagerly: %s", key, e)
+            self._broken, self._compiled = True, None
+            return self._forward_static(key)
+
+    @torch.inference_mode()
+    def compile_all(self) -> dict[int, float]:
+        """Compile the static step for every batch bucket now, each over all context widths (the width is marked
+        dynamic at its first call, made at a padding key); returns seconds per bucket. A compile that fails leaves
+        the engine eager (``CAPTURE_FAILED``): eager is always correct."""
+        assert self.mode is StaticStep.COMPILED
+        self._compiled = torch.compile(self._step, dynamic=False)
+        for batch in self.batch_buckets:
+            key = _Key(batch, self.context_buckets[0])
+            started = time.perf_counter()
+            self._fill(None, key)
+            views = self._views(key)
+            torch._dynamo.mark_dynamic(views[-1], 1)  # the table's width: one graph for every context bucket
+            try:
+                self._compiled(*views)
+            except Exception:
+                logger.exception("compiling the decode step for batch %d failed; decode runs eagerly", batch)
+                self._broken, self._compiled = True, None
+                break
+            self.compile_s[batch] = round(time.perf_counter() - started, 3)
+            logger.info("compiled the decode step for batch %d in %.1f s", batch, self.compile_s[batch])
+        return self.compile_s
 
     def _capture(self, key: _Key) -> _Entry:
         """Warm up on the capture stream, then record ``_forward_static(key)`` into a graph in the shared pool.
@@ -367,12 +437,23 @@ def uses_decode_graphs(config: EngineConfig) -> bool:
     return config.cuda_graphs and config.device.startswith("cuda") and not config.prefill_only
 
 
+def uses_compiled_decode(config: EngineConfig) -> bool:
+    """On the CPU when ``config.compile_decode_batches`` lists batch sizes; not when prefill-only."""
+    return bool(config.compile_decode_batches) and config.device == "cpu" and not config.prefill_only
+
+
 def graph_scratch_bytes(config: EngineConfig, spec: KVSpec, max_model_len: int) -> int:
     """What the decode graphs will hold outside their pool (0 without): the KV plan counts it before they exist."""
     return scratch_bytes_for(spec, config.max_num_seqs, max_model_len) if uses_decode_graphs(config) else 0
 
 
 def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
+    """The engine's static decode steps: CUDA graphs, or on the CPU a compiled step (compiled here, at start-up)."""
+    if uses_compiled_decode(config):
+        batches = list(config.compile_decode_batches or ())
+        graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len, StaticStep.COMPILED, compile_batches=batches)
+        graphs.compile_all()
+        return graphs
     if not uses_decode_graphs(config):
         return None
     if runner.backend.name != SdpaBackend.name:

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from engine.attention import select_backend
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs, uses_decode_graphs
+from engine.decode_graphs import DecodeGraphs, StaticStep, uses_decode_graphs
 from engine.kv_cache import KVCache, KVSpec
 from engine.model_runner import ModelRunner
 from engine.request import MAX_LOGPROBS, Request, RequestTiming, SamplingParams
@@ -318,7 +318,7 @@ class KVMemoryPlanner:
         other's freed blocks, leaving each graph's output. So: the static step's largest peak at its extreme keys
         (run eagerly, all rows padding), plus each graph's output rounded up to an allocator segment."""
         config, memory = self.config, self.memory
-        graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len, capture=False)
+        graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len, StaticStep.EAGER)
         keys = graphs.planned_keys()  # (batch, context blocks)
         widest = max(blocks for _, blocks in keys)
         largest = max(batch for batch, _ in keys)

@@ -57,7 +57,9 @@ class DecodeGroup:
     token_index: torch.Tensor | None  # [B * Q] positions of the queries in the packed row; None: the whole row, Q = 1
     block_table: torch.Tensor  # [B, max_blocks] physical block ids (padding points at block 0 and is masked)
     max_context: int
-    gather_buffer: torch.Tensor  # [2, B * max_blocks, block_size, kvH, d], reused by every layer of the step
+    # [2, B * max_blocks, block_size, kvH, d], reused by every layer of the step; None: each layer gathers into a
+    # tensor of its own (a compiled step: an out= into a kept buffer makes the compiled graph copy the whole buffer)
+    gather_buffer: torch.Tensor | None
     mask: torch.Tensor | None  # [B, 1, Q, max_context] True where a key is attended; None: equal lengths, Q = 1
     context_lens: torch.Tensor | None = None  # [B], for sliding-window layers' masks; None: unknown (no windows)
     query_len: int = 1  # Q: queries per row, a shorter row padded with its last query (computed twice, same value)

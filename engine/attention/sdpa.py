@@ -123,9 +123,12 @@ class SdpaBackend(AttentionBackend):
             # a sliding-window layer gathers only the blocks some row's window still reaches
             first = group.window_first_block.get(features.sliding_window or 0, 0)
             table = group.block_table[:, first:] if first else group.block_table
-            buffer = group.gather_buffer.view(-1)[: 2 * table.numel() * cache[0, 0].numel()]
-            buffer = buffer.view(2, table.numel(), *cache.shape[2:])
-            torch.index_select(cache, 1, table.flatten(), out=buffer)
+            if group.gather_buffer is None:
+                buffer = cache.index_select(1, table.flatten())
+            else:
+                buffer = group.gather_buffer.view(-1)[: 2 * table.numel() * cache[0, 0].numel()]
+                buffer = buffer.view(2, table.numel(), *cache.shape[2:])
+                torch.index_select(cache, 1, table.flatten(), out=buffer)
             blocks = buffer.view(2, *table.shape, *cache.shape[2:])
             first_key = first * cache.shape[2]
             stored = blocks.flatten(2, 3)[:, :, : group.max_context - first_key].permute(0, 1, 3, 2, 4)

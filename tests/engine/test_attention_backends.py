@@ -17,7 +17,7 @@ from engine.attention.backend import resolve_backend_name
 from engine.attention.flashinfer_backend import paged_kv_metadata
 from engine.attention.metadata import MetadataPacker, build_layout, layout_spans, slot_list
 from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import DecodeGraphs, StaticStep
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.scheduler import ScheduledChunk
@@ -134,7 +134,7 @@ def test_sdpa_calls_have_shapes_a_fused_cuda_kernel_takes(tiny_llama_path, llama
     prompts = [prefix + [1, 2], prefix + [3], *random_prompts(3, 5, 30, seed=22)]  # uneven lengths, a shared prefix
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     eager = engine.generate(prompts, params)
-    engine.runner.decode_graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs, 256, capture=False)
+    engine.runner.decode_graphs = DecodeGraphs(engine.runner, engine.config.max_num_seqs, 256, StaticStep.EAGER)
     engine.block_manager.reset_prefix_cache()
     static = engine.generate(prompts, params)
     for prompt, a, b in zip(prompts, eager, static):

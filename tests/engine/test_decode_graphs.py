@@ -1,4 +1,4 @@
-"""Decode steps over static, padded buffers (``engine.decode_graphs``), run eagerly on the CPU (``capture=False``).
+"""Decode steps over static, padded buffers (``engine.decode_graphs``), run eagerly on the CPU (``StaticStep.EAGER``).
 
 This is the arithmetic a CUDA graph records: the batch padded up to a bucket, the gather padded up to a context
 bucket, padding rows writing into the KV cache's sink block. The tests compare it token for token with the eager
@@ -14,6 +14,7 @@ import torch
 from engine.decode_graphs import (
     DecodeGraphs,
     Fallback,
+    StaticStep,
     _Entry,
     _Key,
     batch_buckets,
@@ -23,6 +24,7 @@ from engine.decode_graphs import (
     plan_keys,
     scratch_bytes_for,
 )
+from engine.config import EngineConfig
 from engine.request import RequestOutput, SamplingParams
 from tests.helpers.engine import random_prompts
 
@@ -31,7 +33,7 @@ SETTINGS = dict(block_size=4, max_num_seqs=6, max_model_len=256, max_batch_token
 
 def _static(engine, **overrides) -> DecodeGraphs:
     """Put the engine's decode-only steps on the static padded path (eager: no capture on the CPU)."""
-    settings = dict(max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len, capture=False)
+    settings = dict(max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len, mode=StaticStep.EAGER)
     settings.update(overrides)
     graphs = DecodeGraphs(engine.runner, **settings)
     engine.runner.decode_graphs = graphs
@@ -232,7 +234,7 @@ def test_graph_limit_and_replay_path(make_engine, tiny_llama_path, monkeypatch):
     expected = _tokens(_run(make_engine(tiny_llama_path, **SETTINGS), prompts, params))
     engine = make_engine(tiny_llama_path, **SETTINGS)
     graphs = _static(engine, max_graphs=2)
-    graphs.capture = True  # construction refuses capture on the CPU; the capture itself is faked above
+    graphs.mode = StaticStep.GRAPHS  # construction refuses capture on the CPU; the capture itself is faked above
     assert _tokens(_run(engine, prompts, params)) == expected
     assert len(captured) == graphs.num_graphs == 2 and graphs.num_replays == sum(graphs.steps.values()) > 2
     assert set(graphs.steps) == set(captured) and graphs.fallbacks[Fallback.GRAPH_LIMIT] > 0
@@ -243,7 +245,7 @@ def test_graphs_are_cuda_only(make_engine, tiny_llama_path):
     assert engine.runner.decode_graphs is None  # the CPU never captures
     assert decode_graphs_for(engine.runner, engine.config, engine.max_model_len) is None
     with pytest.raises(ValueError, match="CUDA device"):
-        DecodeGraphs(engine.runner, 6, 256, capture=True)
+        DecodeGraphs(engine.runner, 6, 256, StaticStep.GRAPHS)
 
 
 def test_warm_captures_every_graph_a_growing_batch_meets_and_then_none(make_engine, tiny_llama_path, monkeypatch):
@@ -260,7 +262,7 @@ def test_warm_captures_every_graph_a_growing_batch_meets_and_then_none(make_engi
     monkeypatch.setattr(DecodeGraphs, "_capture", fake_capture)
     engine = make_engine(tiny_llama_path, **SETTINGS)  # block 4, max_num_seqs 6, max_model_len 256
     graphs = _static(engine)
-    graphs.capture = True
+    graphs.mode = StaticStep.GRAPHS
     prompts = random_prompts(3, 10, 10, seed=10)
     params = [_greedy(30)] * 3  # contexts grow from 11 to 40 tokens: 3 to 10 blocks
     assert graphs.warm(3, 40) == 5  # batch bucket 4 x every context bucket up to 16 blocks (40 tokens: 10 blocks)
@@ -269,3 +271,81 @@ def test_warm_captures_every_graph_a_growing_batch_meets_and_then_none(make_engi
     _run(engine, prompts, params)
     assert captured == before and graphs.num_replays > 0  # the run met no graph it had to capture
     assert graphs.warm(3, 40) == 0
+
+
+# ---- the compiled CPU step (StaticStep.COMPILED, ``compile_decode_batches``) ----------------------------------------
+
+
+def test_compiled_decode_is_token_exact_with_eager(make_engine, tiny_llama_path):
+    """The run of ``test_static_decode_is_token_exact_across_buckets`` with the step compiled for batches 2 and 4 at
+    start-up: every context width runs on those two graphs (no compile while serving), batches of 5 and 6 run
+    eagerly, and every token is the eager engine's."""
+    lengths = (3, 5, 2, 40, 9, 30, 4, 12, 7)
+    prompts = [prompt[:n] for prompt, n in zip(random_prompts(9, 40, 40, seed=3), lengths)]
+    params = [_greedy(n) for n in (60, 30, 20, 40, 25, 8, 30, 12, 5)]
+    arrivals = [0, 12, 20, 20, 30, 31, 32, 33, 34]
+    expected = _tokens(_run(make_engine(tiny_llama_path, **SETTINGS), prompts, params, arrivals))
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[4, 2])
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.mode is StaticStep.COMPILED
+    assert set(graphs.compile_s) == {2, 4} and all(s > 0 for s in graphs.compile_s.values())
+    assert graphs.context_buckets[0] == 2  # a width of one block would be a graph of its own
+    assert _tokens(_run(engine, prompts, params, arrivals)) == expected
+    assert {b for b, _ in graphs.steps} == {2, 4}
+    assert {2, 4, 8, 16, 32} <= {c for _, c in graphs.steps}, graphs.steps
+    assert graphs.fallbacks[Fallback.BATCH_TOO_LARGE] > 0 and Fallback.CAPTURE_FAILED not in graphs.fallbacks
+
+
+def test_a_compiled_step_that_would_compile_again_runs_eagerly(make_engine, tiny_llama_path):
+    """A step the start-up compile did not cover (here a batch of 3 forced onto the step) is not compiled while
+    serving: it runs eagerly with the same result, and so does every later step of that engine."""
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2])
+    graphs = engine.runner.decode_graphs
+    key = _Key(3, 2)
+    graphs._fill(None, key)
+    with torch.inference_mode():
+        expected = graphs._forward_static(key).clone()
+        got = graphs._run_compiled(key)
+    assert torch.equal(got, expected)
+    assert graphs._compiled is None and graphs.fallback_reason([]) is Fallback.CAPTURE_FAILED
+
+
+def test_a_failed_compile_leaves_the_engine_eager(make_engine, tiny_llama_path, monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("the compiler is broken")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    prompts = random_prompts(2, 3, 8, seed=5)
+    params = [_greedy(6)] * 2
+    expected = _tokens(_run(make_engine(tiny_llama_path, **SETTINGS), prompts, params))
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2])
+    graphs = engine.runner.decode_graphs
+    assert graphs.compile_s == {} and graphs._compiled is None
+    assert _tokens(_run(engine, prompts, params)) == expected
+    assert graphs.fallbacks[Fallback.CAPTURE_FAILED] > 0 and not graphs.steps
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(compile_decode_batches=[]), "non-empty list"),
+        (dict(compile_decode_batches=[0]), r"in \[1, max_num_seqs=6\]"),
+        (dict(compile_decode_batches=[7]), r"in \[1, max_num_seqs=6\]"),
+        (dict(compile_decode_batches=[True]), r"in \[1, max_num_seqs=6\]"),
+        (dict(compile_decode_batches=[2, 2]), "at most 8 distinct"),
+        (dict(compile_decode_batches=[1], device="cuda"), "is for the CPU"),
+        (dict(compile_decode_batches=[1], tensor_parallel_size=2), "tensor_parallel_size 1"),
+    ],
+)
+def test_compile_decode_batches_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match="compile_decode_batches") as info:
+        EngineConfig(max_num_seqs=6, **overrides)
+    assert info.match(message)
+
+
+def test_a_prefill_only_engine_compiles_nothing(make_engine, tiny_llama_path):
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2], prefill_only=True)
+    assert engine.runner.decode_graphs is None
