@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.decode_graphs import (
     DecodeGraphs,
     Fallback,
@@ -24,7 +25,6 @@ from engine.decode_graphs import (
     plan_keys,
     scratch_bytes_for,
 )
-from engine.config import EngineConfig
 from engine.request import RequestOutput, SamplingParams
 from tests.helpers.engine import random_prompts
 
@@ -349,3 +349,34 @@ def test_compile_decode_batches_config_errors_name_the_field(overrides, message)
 def test_a_prefill_only_engine_compiles_nothing(make_engine, tiny_llama_path):
     engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2], prefill_only=True)
     assert engine.runner.decode_graphs is None
+
+
+def test_a_compiled_step_keeps_its_graphs_when_the_cache_moves(make_engine, tiny_llama_path):
+    """A decode worker moves its cache into a shared segment (``KVCache.rehome``: every layer a view of one mapping)
+    after the engine, so after the compile: the compiled step runs on the moved cache, compiling nothing again."""
+    prompts = random_prompts(3, 4, 12, seed=6)
+    params = [_greedy(n) for n in (20, 12, 30)]
+    expected = _tokens(_run(make_engine(tiny_llama_path, **SETTINGS), prompts, params))
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[4])
+    cache = engine.kv_cache
+    layer_elems = cache.kv[0].numel()
+    whole = torch.zeros(len(cache.kv) * layer_elems, dtype=cache.kv[0].dtype)
+    cache.rehome([whole[i * layer_elems : (i + 1) * layer_elems].view(cache.kv[0].shape) for i in range(len(cache.kv))])
+    graphs = engine.runner.decode_graphs
+    assert _tokens(_run(engine, prompts, params)) == expected
+    assert sum(graphs.steps.values()) > 10 and Fallback.CAPTURE_FAILED not in graphs.fallbacks
+    assert any(t.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for t in cache.kv)
+
+
+def test_compiled_decode_with_speculation_is_token_exact(make_engine, tiny_llama_path):
+    """Verification steps (several tokens a request) run eagerly, steps without proposals compiled: greedy output is
+    the plain eager engine's."""
+    prompts = [p * 3 for p in random_prompts(3, 4, 6, seed=8)]  # repeats: n-grams to propose from
+    params = [_greedy(n) for n in (24, 16, 30)]
+    expected = _tokens(_run(make_engine(tiny_llama_path, **SETTINGS), prompts, params))
+    spec = dict(method="ngram", num_tokens=3)
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2, 4], speculative=spec)
+    graphs = engine.runner.decode_graphs
+    assert _tokens(_run(engine, prompts, params)) == expected
+    assert sum(graphs.steps.values()) > 0 and graphs.fallbacks[Fallback.NOT_DECODE] > 0
+    assert Fallback.CAPTURE_FAILED not in graphs.fallbacks
