@@ -141,6 +141,10 @@ class WorkerCounters(msgspec.Struct):
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # static decode steps (engine/decode_graphs.py): those run on a CUDA graph or the compiled CPU step, and the
+    # seconds the compiled step's start-up compile took
+    static_decode_steps: int = 0
+    decode_compile_seconds: float = 0.0
 
     @property
     def spec_mean_accepted_length(self) -> float:

@@ -129,6 +129,10 @@ class Role:
             fields["spec_proposed_tokens"] = spec.proposed_tokens
             fields["spec_accepted_tokens"] = spec.accepted_tokens
             fields["spec_verify_steps"] = spec.verify_steps
+        graphs = engine.runner.decode_graphs
+        if graphs is not None:
+            fields["static_decode_steps"] = sum(graphs.steps.values())
+            fields["decode_compile_seconds"] = sum(graphs.compile_s.values())
         if engine.kv_tiers is not None:
             stats = engine.kv_tiers.stats
             for tier in ("host", "disk"):

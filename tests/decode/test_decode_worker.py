@@ -134,6 +134,20 @@ def test_a_request_that_finishes_with_its_first_token(role_pair):
     pair.check_no_leaks()
 
 
+def test_a_handoff_onto_a_compiled_decode_step_is_token_exact_and_counted(role_pair):
+    """A decode worker whose engine compiled its decode step (``compile_decode_batches``) decodes the handed-off
+    request on it, token for token as the eager engine, and its totals say so (``/metrics``)."""
+    pair = role_pair(decode_engine=dict(compile_decode_batches=[1, 2]))
+    [prompt] = random_prompts(1, 30, 30, seed=71)
+    pair.handoff("c", prompt, greedy(12))
+    assert pair.client_view("c") == pair.expected(prompt, greedy(12))
+    totals = pair.decode.totals()
+    assert totals.static_decode_steps >= 10 and totals.decode_compile_seconds > 0
+    assert pair.prefill.totals().static_decode_steps == 0  # the prefill engine has no static steps
+    pair.settle()
+    pair.check_no_leaks()
+
+
 # ---- a failed transfer ---------------------------------------------------------------------------------------------
 
 
