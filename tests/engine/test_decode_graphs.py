@@ -26,6 +26,7 @@ from engine.decode_graphs import (
     scratch_bytes_for,
 )
 from engine.request import RequestOutput, SamplingParams
+from engine.tiny_model import build_tiny_model
 from tests.helpers.engine import random_prompts
 
 SETTINGS = dict(block_size=4, max_num_seqs=6, max_model_len=256, max_batch_tokens=64)
@@ -380,3 +381,19 @@ def test_compiled_decode_with_speculation_is_token_exact(make_engine, tiny_llama
     assert _tokens(_run(engine, prompts, params)) == expected
     assert sum(graphs.steps.values()) > 0 and graphs.fallbacks[Fallback.NOT_DECODE] > 0
     assert Fallback.CAPTURE_FAILED not in graphs.fallbacks
+
+
+def test_two_compiled_engines_in_one_process_each_run_their_own_weights(make_engine, tiny_llama_path, tmp_path):
+    """In-process workers share torch.compile's graphs (one code object, same guards): each call reads its own
+    engine's weights and cache, so two engines of different weights stay token-exact with their eager selves."""
+    other_path = build_tiny_model(tmp_path / "other", arch="llama", seed=1)
+    prompts = random_prompts(2, 4, 10, seed=12)
+    params = [_greedy(16)] * 2
+    outputs = []
+    for path in (tiny_llama_path, other_path):
+        expected = _tokens(_run(make_engine(path, **SETTINGS), prompts, params))
+        engine = make_engine(path, **SETTINGS, compile_decode_batches=[2])
+        assert _tokens(_run(engine, prompts, params)) == expected
+        assert sum(engine.runner.decode_graphs.steps.values()) > 10
+        outputs.append(expected)
+    assert outputs[0] != outputs[1]  # the two models answer differently: the check above tells them apart
