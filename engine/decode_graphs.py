@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_GRAPHS = 96  # more than the keys of max_num_seqs=128 x 8k context at the default gather budget (74)
 DEFAULT_MAX_GATHER_BYTES = 512 * 1024 * 1024  # the static gather buffer: one layer's K+V of batch x context blocks
 WARMUP_STEPS = 2  # eager runs on the capture stream before capture (lazy inits, cuBLAS workspaces, autotuning)
+COMPILED_GRAPHS_PER_PROCESS = 256  # compiled static steps one process may hold (every engine's, every batch size)
 NUM_STATIC_VECTORS = 4  # input ids, positions, slot mapping, context lengths: each [batch] in the packed buffer
 
 
@@ -376,6 +377,13 @@ class DecodeGraphs:
         the engine eager (``CAPTURE_FAILED``): eager is always correct."""
         assert self.mode is StaticStep.COMPILED
         self._compiled = torch.compile(self._step, dynamic=False)
+        # every engine of a process (in-process workers, other models) adds its graphs to this one function's: past
+        # dynamo's limit of 8 it would run the step eagerly without a word. While serving nothing compiles anyway
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_PER_PROCESS):
+            self._compile_buckets(self._compiled)
+        return self.compile_s
+
+    def _compile_buckets(self, compiled: Callable[..., torch.Tensor]) -> None:
         for batch in self.batch_buckets:
             key = _Key(batch, self.context_buckets[0])
             started = time.perf_counter()
@@ -383,14 +391,13 @@ class DecodeGraphs:
             views = self._views(key)
             torch._dynamo.mark_dynamic(views[-1], 1)  # the table's width: one graph for every context bucket
             try:
-                self._compiled(*views)
+                compiled(*views)
             except Exception:
                 logger.exception("compiling the decode step for batch %d failed; decode runs eagerly", batch)
                 self._broken, self._compiled = True, None
-                break
+                return
             self.compile_s[batch] = round(time.perf_counter() - started, 3)
             logger.info("compiled the decode step for batch %d in %.1f s", batch, self.compile_s[batch])
-        return self.compile_s
 
     def _capture(self, key: _Key) -> _Entry:
         """Warm up on the capture stream, then record ``_forward_static(key)`` into a graph in the shared pool.

@@ -234,3 +234,15 @@ def test_blocks_behind_every_layers_window_go_back_early(tmp_path_factory, make_
     assert all(len(r.token_ids) == 100 for r in results)
     assert engine.scheduler.num_released_blocks >= 3 * 6
     _assert_exact(reference, prompts, results, 100)
+
+
+def test_the_compiled_decode_step_matches_transformers(family, make_engine):
+    """``compile_decode_batches`` (the static decode step through torch.compile) on every family: its softcaps,
+    windows, sinks, experts and latent attention compile, and greedy output stays transformers'."""
+    arch, path, reference = family
+    engine = make_engine(path, compile_decode_batches=[4])
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and set(graphs.compile_s) == {4}, arch
+    prompts = random_prompts(3, 5, 40, seed=13)
+    _assert_exact(reference, prompts, engine.generate(prompts, GREEDY))
+    assert sum(graphs.steps.values()) >= 8 and not graphs._broken
