@@ -46,6 +46,12 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-max", type=int, default=3, help="with --speculative: the longest n-gram looked up")
     parser.add_argument("--batch1-prompts", type=int, default=4, help="with --speculative: prompts run one at a time")
     parser.add_argument(
+        "--compile-batches",
+        default=None,
+        help="with --speculative: the engine's compile_decode_batches (e.g. 1,2,4,8,16: a verification's tokens are "
+        "rows of the compiled step); default: eager",
+    )
+    parser.add_argument(
         "--prompt-sets",
         default="grounded,random,random_sampled",
         help="with --speculative: which prompt sets to run (bench/speculative_bench.py)",

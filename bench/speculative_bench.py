@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> dict:
             kv_cache_memory_bytes=1 << 30,
             enable_prefix_caching=False,  # every run computes its prompts again
             speculative=spec,
+            compile_decode_batches=[int(b) for b in args.compile_batches.split(",")] if args.compile_batches else None,
         )
     )
     speculator = engine.speculator
@@ -94,6 +95,10 @@ def run(args: argparse.Namespace) -> dict:
         "torch_threads": torch.get_num_threads(),
         "speculative": {"method": spec.method, "num_tokens": spec.num_tokens, "ngram_max": spec.ngram_max},
         "output_len": args.output_len,
+        # the compiled decode step's sizes and their compile seconds (None: eager)
+        "compiled_decode": None
+        if engine.runner.decode_graphs is None
+        else {str(b): s for b, s in engine.runner.decode_graphs.compile_s.items()},
         "step_ms_by_rows": {
             rows: round(seconds * 1000, 1)
             for rows, seconds in zip(speculator.step_times.rows, speculator.step_times.seconds)

@@ -30,7 +30,7 @@ from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.host_values import long_tensor
 from engine.kv_cache import KVSpec
-from engine.model_runner import ModelRunner, StepStats, wait_for_compute
+from engine.model_runner import ModelRunner, StepStats, sample_rows, wait_for_compute
 from engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -228,8 +228,9 @@ class DecodeGraphs:
     # ---- which steps run here ----------------------------------------------------------------------------------
 
     def key_for(self, chunks: list[ScheduledChunk]) -> _Key | None:
-        """The bucket of a decode-only batch; None when the batch or its context is over the largest bucket."""
-        batch = bucket_for(len(chunks), self.batch_buckets)
+        """The bucket of a decode-only batch (a verified proposal's tokens are rows of their own); None when the
+        rows or their context are over the largest bucket."""
+        batch = bucket_for(sum(chunk.num_tokens for chunk in chunks), self.batch_buckets)
         needed = max(blocks_for_tokens(chunk.end, self.block_size) for chunk in chunks)
         blocks = bucket_for(needed, self.context_buckets)
         return None if batch is None or blocks is None else _Key(batch, blocks)
@@ -238,7 +239,7 @@ class DecodeGraphs:
         """None when this step can run on a graph (or, without ``capture``, on the static path); else why not."""
         if self._broken:
             return Fallback.CAPTURE_FAILED
-        if not chunks or any(chunk.num_tokens != 1 or chunk.start == 0 for chunk in chunks):
+        if not chunks or any(chunk.start == 0 or chunk.num_tokens != 1 and not chunk.proposal for chunk in chunks):
             return Fallback.NOT_DECODE
         if self.runner.layer_hook is not None:
             return Fallback.LAYER_HOOK
@@ -284,15 +285,16 @@ class DecodeGraphs:
             hidden = self._run_compiled(key)
         else:
             hidden = self._forward_static(key)
-        rows = [row for row, chunk in enumerate(chunks) if chunk.samples]
-        real = hidden[: len(chunks)] if len(rows) == len(chunks) else hidden[long_tensor(rows, hidden.device)]
+        num_rows = sum(chunk.num_tokens for chunk in chunks)
+        rows = sample_rows(chunks)  # in the packed row's order, as the eager step's
+        real = hidden[:num_rows] if len(rows) == num_rows else hidden[long_tensor(rows, hidden.device)]
         logits = self.runner.project(real)  # padding rows dropped before the vocabulary projection
         wait_for_compute(self.runner.device)
         stats = StepStats(
-            num_tokens=len(chunks),
+            num_tokens=num_rows,
             num_seqs=len(chunks),
             num_prefill_tokens=0,
-            num_decode_tokens=len(chunks),
+            num_decode_tokens=num_rows,
             duration_s=time.perf_counter() - started,
         )
         return logits, stats
@@ -320,14 +322,20 @@ class DecodeGraphs:
         slots[:] = sink * bs
         lens[:] = 1
         table[:] = sink
-        for row, chunk in enumerate(chunks or ()):
-            request, position = chunk.request, chunk.start
-            ids[row] = request.token_slice(position, position + 1)[0]
-            positions[row] = position
-            slots[row] = request.block_ids[position // bs] * bs + position % bs
-            lens[row] = chunk.end
-            needed = blocks_for_tokens(chunk.end, bs)
-            table[row, :needed] = request.block_ids[:needed]
+        # one row per token: a verified proposal's tokens are rows that each attend up to themselves, reading the
+        # KV every row of the step wrote before the gather (the causal verification, as one query per row)
+        row = 0
+        for chunk in chunks or ():
+            request = chunk.request
+            for offset, token in enumerate(chunk.token_ids() if chunk.proposal else (None,)):
+                position = chunk.start + offset
+                ids[row] = request.token_slice(position, position + 1)[0] if token is None else token
+                positions[row] = position
+                slots[row] = request.block_ids[position // bs] * bs + position % bs
+                lens[row] = position + 1
+                needed = blocks_for_tokens(position + 1, bs)
+                table[row, :needed] = request.block_ids[:needed]
+                row += 1
         self._inputs[:size].copy_(self._staging[:size], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -143,7 +143,7 @@ class ModelRunner:
                 prefill_spans.append((offset, chunk.num_tokens, chunk.end, span))
             offset += chunk.num_tokens
         ids_span, pos_span, slot_span = packed.add(token_ids), packed.add(positions), packed.add(slots)
-        rows_span = packed.add(_sample_rows(chunks))
+        rows_span = packed.add(sample_rows(chunks))
         decode_spans = self._decode_spans(packed, decode_index, decode_chunks, offset) if backend.needs_groups else None
         layout_spans = (
             layout_spans_for(
@@ -312,7 +312,7 @@ def wait_for_compute(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
+def sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
     """The packed rows whose hidden state goes to the lm_head: the last known token of each chunk that samples, and
     its proposed tokens."""
     rows: list[int] = []

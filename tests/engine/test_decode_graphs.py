@@ -369,17 +369,26 @@ def test_a_compiled_step_keeps_its_graphs_when_the_cache_moves(make_engine, tiny
     assert any(t.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for t in cache.kv)
 
 
-def test_compiled_decode_with_speculation_is_token_exact(make_engine, tiny_llama_path):
-    """Verification steps (several tokens a request) run eagerly, steps without proposals compiled: greedy output is
-    the plain eager engine's."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_verification_of_proposals_is_token_exact(make_engine, tiny_llama_path, compiled):
+    """A verified proposal's tokens are rows of the static step (each attending up to itself): verification steps
+    run there, compiled or not, and greedy output is the plain eager engine's."""
     prompts = [p * 3 for p in random_prompts(3, 4, 6, seed=8)]  # repeats: n-grams to propose from
     params = [_greedy(n) for n in (24, 16, 30)]
     expected = _tokens(_run(make_engine(tiny_llama_path, **SETTINGS), prompts, params))
     spec = dict(method="ngram", num_tokens=3)
-    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2, 4], speculative=spec)
-    graphs = engine.runner.decode_graphs
+    if compiled:
+        engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2, 4, 6], speculative=spec)
+        graphs = engine.runner.decode_graphs
+    else:
+        engine = make_engine(tiny_llama_path, **SETTINGS, speculative=spec)
+        graphs = _static(engine)
     assert _tokens(_run(engine, prompts, params)) == expected
-    assert sum(graphs.steps.values()) > 0 and graphs.fallbacks[Fallback.NOT_DECODE] > 0
+    stats = list(engine.step_stats)
+    assert engine.speculator.totals.verify_steps > 0 and engine.speculator.totals.accepted_tokens > 0
+    assert any(s.num_prefill_tokens == 0 and s.num_decode_tokens > s.num_seqs for s in stats)  # verifications
+    # only the steps with a prompt's tokens ran eagerly as "not decode": every verification ran on the static step
+    assert graphs.fallbacks[Fallback.NOT_DECODE] == sum(1 for s in stats if s.num_prefill_tokens)
     assert Fallback.CAPTURE_FAILED not in graphs.fallbacks
 
 
