@@ -7,11 +7,11 @@ fixes everything except its inputs' contents. So the batch is padded to a power-
 meets few keys; a prefill worker none). A key's inputs live in one packed int64 buffer (one copy per step), the mask
 is built inside the graph, and padding rows and table padding point at the KV cache's ``padding_sink_block``; their
 hidden states are dropped before the lm_head. A verified proposal's tokens are rows of their own, each attending up
-to itself. Other steps run eagerly (``Fallback``). A graphed step attends with
-gather + SDPA whatever the eager backend (the paged layout is shared). ``StaticStep.EAGER`` runs the same static path
-eagerly, as the CPU tests do; the capture itself (``_capture``) has not run on a GPU. ``StaticStep.COMPILED`` (the
-CPU) runs it through ``torch.compile``: one graph per configured batch size, the context width dynamic, compiled at
-start-up (docs/speculative.md, "A compiled CPU decode step").
+to itself. Other steps run eagerly (``Fallback``). A graphed step attends with gather + SDPA whatever the eager
+backend (the paged layout is shared). ``StaticStep.EAGER`` runs the same static path eagerly, as the CPU tests do;
+the capture itself (``_capture``) has not run on a GPU. ``StaticStep.COMPILED`` (the CPU) runs it through
+``torch.compile``: one graph per configured batch size, the context width dynamic, compiled at start-up
+(docs/speculative.md, "A compiled CPU decode step").
 """
 
 from __future__ import annotations
