@@ -328,9 +328,9 @@ class DecodeGraphs:
         row = 0
         for chunk in chunks or ():
             request = chunk.request
-            for offset, token in enumerate(chunk.token_ids() if chunk.proposal else (None,)):
+            for offset, token in enumerate(chunk.token_ids()):  # the known token, then the proposal's
                 position = chunk.start + offset
-                ids[row] = request.token_slice(position, position + 1)[0] if token is None else token
+                ids[row] = token
                 positions[row] = position
                 slots[row] = request.block_ids[position // bs] * bs + position % bs
                 lens[row] = position + 1
@@ -389,24 +389,21 @@ class DecodeGraphs:
         # every engine of a process (in-process workers, other models) adds its graphs to this one function's: past
         # dynamo's limit of 8 it would run the step eagerly without a word. While serving nothing compiles anyway
         with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_PER_PROCESS):
-            self._compile_buckets(self._compiled)
+            for batch in self.batch_buckets:
+                key = _Key(batch, self.context_buckets[0])
+                started = time.perf_counter()
+                self._fill(None, key)
+                views = self._views(key)
+                torch._dynamo.mark_dynamic(views[-1], 1)  # the table's width: one graph for every context bucket
+                try:
+                    self._compiled(*views)
+                except Exception:
+                    logger.exception("compiling the decode step for batch %d failed; decode runs eagerly", batch)
+                    self._broken, self._compiled = True, None
+                    break
+                self.compile_s[batch] = round(time.perf_counter() - started, 3)
+                logger.info("compiled the decode step for batch %d in %.1f s", batch, self.compile_s[batch])
         return self.compile_s
-
-    def _compile_buckets(self, compiled: Callable[..., torch.Tensor]) -> None:
-        for batch in self.batch_buckets:
-            key = _Key(batch, self.context_buckets[0])
-            started = time.perf_counter()
-            self._fill(None, key)
-            views = self._views(key)
-            torch._dynamo.mark_dynamic(views[-1], 1)  # the table's width: one graph for every context bucket
-            try:
-                compiled(*views)
-            except Exception:
-                logger.exception("compiling the decode step for batch %d failed; decode runs eagerly", batch)
-                self._broken, self._compiled = True, None
-                return
-            self.compile_s[batch] = round(time.perf_counter() - started, 3)
-            logger.info("compiled the decode step for batch %d in %.1f s", batch, self.compile_s[batch])
 
     def _capture(self, key: _Key) -> _Entry:
         """Warm up on the capture stream, then record ``_forward_static(key)`` into a graph in the shared pool.
