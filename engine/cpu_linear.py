@@ -1,6 +1,9 @@
 """CPU linear layers: for each row count of a decode batch or a verified proposal, the fastest of three equal
 products (torch's ``linear``, oneDNN on weights packed at load, the weight-left ``(W @ x.T).T``), chosen by timing
-the model's own linears at load (measurements: docs/speculative.md, "CPU linears").
+the model's own linears at load (measurements: docs/speculative.md, "CPU linears"). A compiled decode step takes a
+fourth for a few rows: each row's multiply-and-sum over the weight, which inductor fuses into one vectorised pass
+that reads the weight once at the memory's rate (oneDNN's and MKL's matrix-vector kernels read it at two thirds of
+that here).
 
 Each row bucket (1, 2, 4, 8, 16, 32) takes its fastest form, timed over at most ``TIMED_BYTES`` of weights; a row
 count runs with the form of the bucket at or above it, the weight-left form on rows zero-padded to the bucket (its
@@ -25,12 +28,17 @@ BUCKETS = (1, 2, 4, 8, 16, 32)  # row counts timed; more rows than the last take
 LEFT_MIN_ROWS = 2
 TIMED_ROUNDS = 2  # each (form, bucket) time is its best round
 TIMED_BYTES = 128 * 1024 * 1024  # the weights a timed pass reads at most: past the CPU caches, bounded time at load
+# a compiled step's rows up to this many take REDUCE (a pass over SmolLM2's linears, compiled against oneDNN's packed
+# product: 17 against 27 ms at 1 row, 18 against 31 at 2, 22 against 35 at 4, 36 against 43 at 8; the decode step at
+# batch 8 gained nothing end to end, and compiled 40 % longer)
+REDUCE_MAX_ROWS = 4
 
 
 class Form(enum.Enum):
     LINEAR = "linear"  # torch's linear (MKL on x86)
     PACKED = "packed"  # oneDNN's inner product on the weight reordered into its blocked layout at load
     LEFT = "left"  # (W @ x.T).T on rows padded to the bucket
+    REDUCE = "reduce"  # compiled steps only: per row, (W * x).sum(-1); eagerly it would build the whole product
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +46,11 @@ class FormTable:
     forms: tuple[Form, ...]  # per bucket of ``BUCKETS``
     pass_ms: dict[str, dict[int, float]]  # form -> bucket -> one timed pass over the linears
 
-    def form_for(self, rows: int) -> tuple[Form, int]:
-        """The form and padded row count for ``rows`` rows (a loop, not bisect: torch.compile traces it)."""
+    def form_for(self, rows: int, compiled: bool = False) -> tuple[Form, int]:
+        """The form and padded row count for ``rows`` rows (a loop, not bisect: torch.compile traces it);
+        ``compiled``: inside a compiled step, where a few rows take REDUCE."""
+        if compiled and rows <= REDUCE_MAX_ROWS:
+            return Form.REDUCE, rows
         for bucket, form in zip(BUCKETS, self.forms):
             if rows <= bucket:
                 return form, max(bucket, LEFT_MIN_ROWS) if form is Form.LEFT else bucket
@@ -57,7 +68,14 @@ class CpuLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        form, padded = self.table.form_for(rows)
+        form, padded = self.table.form_for(rows, torch.compiler.is_compiling())
+        if form is Form.REDUCE:
+            flat = x.reshape(rows, self.in_features)
+            # one reduction per row over the same weight: inductor runs them as one loop over the weight's rows
+            out = torch.stack([(self.weight * flat[row]).sum(-1) for row in range(rows)])
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*x.shape[:-1], self.out_features)
         if form is Form.PACKED and self.packed_weight is not None:
             if torch.compiler.is_compiling():  # inductor lowers oneDNN's op only on frozen weights: call it opaque
                 return packed_linear(x, self.packed_weight, self.bias, self.out_features)

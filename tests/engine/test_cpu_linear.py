@@ -1,7 +1,8 @@
 """CPU linears: each form of the product (``linear``, oneDNN on packed weights, the weight-left form on padded rows)
 gives linear's result up to float rounding, for a decode row, a few rows, odd counts and a prefill; the load-time
 choice takes the fastest form per row bucket, converts only plain float32 ``nn.Linear`` layers, keeps the dense
-weights for whoever reads them and drops the packed copy when no bucket uses it."""
+weights for whoever reads them and drops the packed copy when no bucket uses it. Inside a compiled step a few rows
+take the per-row reduction, which equals linear up to float rounding too and never runs eagerly."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from engine import cpu_linear
-from engine.cpu_linear import BUCKETS, CpuLinear, Form, FormTable, tune_cpu_linears
+from engine.cpu_linear import BUCKETS, REDUCE_MAX_ROWS, CpuLinear, Form, FormTable, tune_cpu_linears
 
 FORMS = [Form.LINEAR, Form.LEFT] + ([Form.PACKED] if torch.backends.mkldnn.is_available() else [])
 
@@ -76,3 +77,27 @@ def test_packing_can_be_turned_off():
     table = tune_cpu_linears(model, pack=False)
     assert table is not None and Form.PACKED not in table.forms and "packed" not in table.pass_ms
     assert model[0].packed_weight is None
+
+
+def test_a_compiled_step_takes_the_reduction_for_a_few_rows_only():
+    table = FormTable((Form.PACKED,) * len(BUCKETS), {})
+    for rows in range(1, REDUCE_MAX_ROWS + 1):
+        assert table.form_for(rows, compiled=True) == (Form.REDUCE, rows)
+        assert table.form_for(rows) == (Form.PACKED, next(b for b in BUCKETS if b >= rows))  # eagerly: never
+    assert table.form_for(REDUCE_MAX_ROWS + 1, compiled=True) == (Form.PACKED, 8)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_compiled_reduction_equals_linear(bias):
+    """Rows 1 and 3 take the reduction inside the compiled function, 6 the table's form; all three equal linear up to
+    float rounding (a different summation order)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 200, bias=bias)
+    inputs = {rows: torch.randn(1, rows, 96) for rows in (1, 3, 6)}
+    want = {rows: layer(x) for rows, x in inputs.items()}
+    tune_cpu_linears(layer)
+    compiled = torch.compile(layer, dynamic=False)
+    for rows, x in inputs.items():
+        got = compiled(x)
+        assert got.shape == want[rows].shape
+        assert torch.allclose(got, want[rows], atol=1e-5, rtol=1e-5), rows
