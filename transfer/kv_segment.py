@@ -35,7 +35,7 @@ import xxhash
 from transfer import cuda_ipc
 from transfer.errors import ChecksumError, ProtocolError
 from transfer.shm_ring import PAGE, ShmUnavailable
-from transfer.wire import FrameSpec, ModelFingerprint, frame_view
+from transfer.wire import FrameSpec, ModelFingerprint, frame_bytes
 
 log = logging.getLogger(__name__)
 
@@ -394,9 +394,15 @@ class SegmentWriter:
             error = ProtocolError(f"the receiver's KV cache stayed locked for {WRITE_LOCK_WAIT_S}s")
             return [error if i in plans else r for i, r in enumerate(results)]
         try:
+            owned: dict[
+                tuple[str, int], bool
+            ] = {}  # each transfer's blocks checked once a batch (its layers share them)
             for i, (index, _) in list(plans.items()):
                 piece = pieces[i]
-                if not (self._map.tags[index] == tag_of(piece.transfer_id)).all():
+                key = (piece.transfer_id, id(index))
+                if key not in owned:
+                    owned[key] = bool((self._map.tags[index] == tag_of(piece.transfer_id)).all())
+                if not owned[key]:
                     blocks = list(piece.blocks)[:8]
                     results[i] = ProtocolError(
                         f"blocks {blocks} are not reserved for transfer {piece.transfer_id!r} now"
@@ -423,7 +429,7 @@ class SegmentWriter:
     ) -> int | None:
         """K (half 0) or V of one piece into its runs of blocks; the xxh3 of the destination bytes if `digest`."""
         size = self._map.block_bytes
-        src = np.frombuffer(frame_view(piece.v if half else piece.k), dtype=np.uint8)
+        src = frame_bytes(piece.v if half else piece.k)
         h = xxhash.xxh3_64() if digest else None
         for row, first, count in runs:
             dst = self._map.block_bytes_of(piece.layer, half, first, count)

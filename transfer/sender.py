@@ -62,6 +62,7 @@ from transfer.wire import (
     Welcome,
     batch_layout,
     encode_piece,
+    frame_bytes,
     frame_view,
     pack_header,
     unpack_header,
@@ -406,10 +407,13 @@ class Sender(KVSender):
                 peer.stuck_since = None
                 peer.last_sent = time.monotonic()
                 sent = True
+                sent_bytes: dict[str, int] = {}  # per transfer: one lease update for a batch's pieces
                 for done in batch or [out]:
                     peer.outbox.popleft()
-                    if done.tensors and self._leases.get(done.transfer_id) is not None:
-                        self._leases.note_sent(done.transfer_id, done.nbytes)
+                    if done.tensors:
+                        sent_bytes[done.transfer_id] = sent_bytes.get(done.transfer_id, 0) + done.nbytes
+                for tid, nbytes in sent_bytes.items():
+                    self._leases.note_sent(tid, nbytes)
         return sent
 
     def _batch(self, peer: Peer) -> list[Outgoing]:
@@ -419,6 +423,7 @@ class Sender(KVSender):
             return []
         outs: list[Outgoing] = []
         total = 0
+        live: set[str] = set()  # transfers whose lease was looked up for this batch
         for out in peer.outbox:
             piece = out.piece
             if (
@@ -426,13 +431,15 @@ class Sender(KVSender):
                 or len(outs) == MAX_BATCH_PIECES
                 or out.nbytes > peer.path.batch_piece_bytes
                 or total + out.nbytes > peer.path.batch_bytes
-                or self._leases.get(out.transfer_id) is None
+                or out.transfer_id not in live
+                and self._leases.get(out.transfer_id) is None
                 or not peer.path.device_kv
                 and any(t.is_cuda for t in out.tensors)
                 or peer.max_frame_bytes  # the batch's one payload frame must pass the receiver's frame bound too
                 and total + out.nbytes > peer.max_frame_bytes
             ):
                 break
+            live.add(out.transfer_id)
             outs.append(out)
             total += out.nbytes
         return outs if len(outs) > 1 else []
@@ -452,11 +459,11 @@ class Sender(KVSender):
     def send_inline_batch(self, peer: Peer, outs: list[Outgoing]) -> None:
         """Pieces as one message: their headers in one sealed `Pieces`, their frames copied into one payload frame
         (one socket frame instead of two per piece on each side), each checksummed over its copy while in cache."""
-        views = [frame_view(t) for out in outs for t in out.tensors]
-        offsets, total = batch_layout([v.nbytes for v in views])
+        frames = [frame_bytes(t) for out in outs for t in out.tensors]
+        offsets, total = batch_layout([f.nbytes for f in frames])
         payload = np.empty(total, dtype=np.uint8)
-        for at, view in zip(offsets, views):
-            np.copyto(payload[at : at + view.nbytes], np.frombuffer(view, dtype=np.uint8))
+        for at, frame in zip(offsets, frames):
+            np.copyto(payload[at : at + frame.nbytes], frame)
         headers: list[PieceHeader] = []
         i = 0
         for out in outs:
@@ -464,7 +471,7 @@ class Sender(KVSender):
             assert piece is not None
             n = len(piece.frames)
             if self.cfg.checksum:
-                copies = [payload[at : at + v.nbytes] for at, v in zip(offsets[i : i + n], views[i : i + n])]
+                copies = [payload[at : at + f.nbytes] for at, f in zip(offsets[i : i + n], frames[i : i + n])]
                 piece = with_checksums(piece, copies)
             headers.append(piece)
             i += n

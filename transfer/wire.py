@@ -257,6 +257,16 @@ def frame_view(t: torch.Tensor) -> memoryview:
     return t.view(torch.uint8).numpy().reshape(-1).data  # bfloat16: numpy has no such dtype
 
 
+def frame_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a flat uint8 array, for copies (half the cost of numpy over frame_view's
+    memoryview: this runs per frame of a batch or a direct write)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("frame_bytes needs a contiguous CPU tensor")
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy().reshape(-1).view(np.uint8)
+    return t.view(torch.uint8).numpy().reshape(-1)  # bfloat16: numpy has no such dtype
+
+
 def checksum(buf: Any) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 

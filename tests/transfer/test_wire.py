@@ -20,6 +20,7 @@ from transfer.wire import (
     check_piece,
     decode_frames,
     encode_piece,
+    frame_bytes,
     frame_view,
     pack_header,
     unpack_header,
@@ -93,6 +94,19 @@ def test_decode_frames_truncated_and_corrupted() -> None:
     flipped[5] ^= 0x10
     with pytest.raises(ChecksumError):
         decode_frames(piece, [bufs[0], bytes(flipped)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_frame_bytes_views_the_tensors_bytes(dtype: torch.dtype) -> None:
+    """The copies' view of a frame: the same bytes as frame_view's, without a copy; a view it cannot give is refused."""
+    t = torch.arange(24, dtype=torch.float32).to(dtype).view(2, 3, 4)
+    got = frame_bytes(t)
+    assert got.dtype.name == "uint8" and got.shape == (t.numel() * t.element_size(),)
+    assert got.tobytes() == bytes(frame_view(t))
+    got[0] ^= 0xFF  # a view: writing it writes the tensor
+    assert bytes(frame_view(t))[0] == got[0]
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        frame_bytes(t.transpose(0, 1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
