@@ -394,9 +394,8 @@ class SegmentWriter:
             error = ProtocolError(f"the receiver's KV cache stayed locked for {WRITE_LOCK_WAIT_S}s")
             return [error if i in plans else r for i, r in enumerate(results)]
         try:
-            owned: dict[
-                tuple[str, int], bool
-            ] = {}  # each transfer's blocks checked once a batch (its layers share them)
+            # each transfer's blocks are checked once a batch: its layers' pieces name the same blocks
+            owned: dict[tuple[str, int], bool] = {}
             for i, (index, _) in list(plans.items()):
                 piece = pieces[i]
                 key = (piece.transfer_id, id(index))
