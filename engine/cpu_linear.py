@@ -29,8 +29,8 @@ LEFT_MIN_ROWS = 2
 TIMED_ROUNDS = 2  # each (form, bucket) time is its best round
 TIMED_BYTES = 128 * 1024 * 1024  # the weights a timed pass reads at most: past the CPU caches, bounded time at load
 # a compiled step's rows up to this many take REDUCE (a pass over SmolLM2's linears, compiled against oneDNN's packed
-# product: 17 against 27 ms at 1 row, 18 against 31 at 2, 22 against 35 at 4, 36 against 43 at 8; the decode step at
-# batch 8 gained nothing end to end, and compiled 40 % longer)
+# product: 17 against 27 ms at 1 row, 18 against 31 at 2, 22 against 35 at 4, 36 against 42 at 8; the decode step at
+# 8 rows gained nothing end to end, and compiled 40 % longer)
 REDUCE_MAX_ROWS = 4
 
 
