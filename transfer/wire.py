@@ -250,18 +250,16 @@ def named(data: bytes | memoryview) -> Named:
 
 def frame_view(t: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("frame_view needs a contiguous CPU tensor")
-    if t.dtype in _NUMPY_DTYPES:  # one torch call: this runs per frame
-        return t.numpy().data
-    return t.view(torch.uint8).numpy().reshape(-1).data  # bfloat16: numpy has no such dtype
+    if t.dtype in _NUMPY_DTYPES and t.device.type == "cpu" and t.is_contiguous():
+        return t.numpy().data  # one torch call: this runs per frame
+    return frame_bytes(t).data  # bfloat16 (numpy has no such dtype), or frame_bytes' refusal
 
 
 def frame_bytes(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes as a flat uint8 array, for copies (half the cost of numpy over frame_view's
     memoryview: this runs per frame of a batch or a direct write)."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("frame_bytes needs a contiguous CPU tensor")
+        raise ValueError("a frame must be a contiguous CPU tensor")
     if t.dtype in _NUMPY_DTYPES:
         return t.numpy().reshape(-1).view(np.uint8)
     return t.view(torch.uint8).numpy().reshape(-1)  # bfloat16: numpy has no such dtype
