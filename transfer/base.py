@@ -101,9 +101,10 @@ class KVReceiver(ABC):
         *,
         num_layers: int | None = None,
         deadline_s: float | None = None,
+        leading_run: bool = False,
     ) -> None:
         """Announce a transfer (state WAITING) before its producer starts sending."""
-        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
+        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s, leading_run)
 
     @abstractmethod
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:

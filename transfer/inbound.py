@@ -5,6 +5,8 @@ Data flow on the decode side:
     backend receives a "kv" header -> InboundTable.admit(session, header)      (checks, claims blocks)
     backend has the payload bytes   -> InboundTable.complete(piece, bufs)      (sizes, xxh3, sink)
     every (layer, block) arrived    -> DONE event;   any TransferError -> FAILED event
+    (``leading_run``: the sender fills the first blocks of those reserved, as many as it has, the same on every
+    layer, and its finish ends the transfer: a running request's KV, whose length is known when it stops)
     deadline passes / abort          -> FAILED event
 The table never blocks and never lets a piece write to a block that was not reserved for its transfer.
 """
@@ -47,8 +49,11 @@ class InboundTable:
         dst_block_ids: Sequence[int],
         num_layers: int | None = None,
         deadline_s: float | None = None,
+        leading_run: bool = False,
     ) -> None:
-        """Announce a transfer: only these destination blocks, layers [0, num_layers), until deadline."""
+        """Announce a transfer: only these destination blocks, layers [0, num_layers), until deadline. With
+        ``leading_run`` the sender fills a leading run of the blocks (the same on every layer) and its finish ends
+        the transfer (``TransferEvent.num_blocks`` says how many it filled)."""
         if transfer_id in self._tx:
             raise ValueError(f"transfer {transfer_id!r} already expected")
         in_order = tuple(int(b) for b in dst_block_ids)
@@ -62,7 +67,14 @@ class InboundTable:
         missing = [set(blocks) for _ in range(layers)]
         deadline = now + (deadline_s or self.deadline_s)
         self._tx[transfer_id] = Inbound(
-            transfer_id, layers, deadline, now, missing, layers * len(blocks), in_order=in_order
+            transfer_id,
+            layers,
+            deadline,
+            now,
+            missing,
+            layers * len(blocks),
+            in_order=in_order,
+            leading_run=leading_run,
         )
 
     def get(self, transfer_id: str) -> Inbound | None:
@@ -194,12 +206,28 @@ class InboundTable:
         self._maybe_end(rec)
 
     def _maybe_end(self, rec: Inbound) -> None:
-        if rec.remaining == 0:
-            self._tx.pop(rec.transfer_id)
-            rec.state = TransferState.DONE
-            self._events.append(
-                TransferEvent(rec.transfer_id, TransferState.DONE, None, rec.nbytes, time.monotonic() - rec.started)
-            )
-        elif rec.finish_pieces is not None and rec.pieces_done == rec.finish_pieces:
+        finished = rec.finish_pieces is not None and rec.pieces_done == rec.finish_pieces
+        if rec.leading_run:
+            if finished:
+                self._end(rec, _leading_run(rec))
+        elif rec.remaining == 0:
+            self._end(rec, len(rec.in_order))
+        elif finished:
             missing = sum(len(m) for m in rec.missing)
             raise ProtocolError(f"sender finished with {missing} layer-blocks never sent")
+
+    def _end(self, rec: Inbound, num_blocks: int) -> None:
+        self._tx.pop(rec.transfer_id)
+        rec.state = TransferState.DONE
+        elapsed_s = time.monotonic() - rec.started
+        self._events.append(TransferEvent(rec.transfer_id, TransferState.DONE, None, rec.nbytes, elapsed_s, num_blocks))
+
+
+def _leading_run(rec: Inbound) -> int:
+    """How many leading blocks of a ``leading_run`` transfer arrived, the same on every layer; ProtocolError when
+    the sender filled none, a different run per layer, or left a gap."""
+    filled = len(rec.in_order) - len(rec.missing[0])
+    run = set(rec.in_order[:filled])
+    if not filled or any(set(rec.in_order) - missing != run for missing in rec.missing):
+        raise ProtocolError(f"sender finished without filling the same leading blocks on every layer ({filled} on 0)")
+    return filled

@@ -163,8 +163,9 @@ class Receiver(KVReceiver):
         *,
         num_layers: int | None = None,
         deadline_s: float | None = None,
+        leading_run: bool = False,
     ) -> None:
-        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s)
+        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s, leading_run)
         if self._segment is not None:
             self._segment.claim(transfer_id, dst_block_ids)
 

@@ -33,6 +33,7 @@ class TransferEvent:
     error: TransferError | None = None
     nbytes: int = 0
     elapsed_s: float = 0.0
+    num_blocks: int = 0  # receiver, DONE: the blocks every layer filled (a ``leading_run`` transfer's own count)
 
     @property
     def ok(self) -> bool:
@@ -167,3 +168,4 @@ class Inbound:
     last_renew: float = 0.0  # last lease renewal we sent to the sender
     last_heard: float = 0.0  # last message from the sender about this transfer
     in_order: tuple[int, ...] = ()  # the blocks as expect() named them: a piece of all of them is checked at once
+    leading_run: bool = False  # the sender fills the first of ``in_order`` only, and its finish ends the transfer

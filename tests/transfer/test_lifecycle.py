@@ -156,3 +156,39 @@ def test_close_reports_pending(closing) -> None:
     assert isinstance(_one_failure(r.poll()), PeerGone)
     assert isinstance(_one_failure(s.poll()), PeerGone)
     assert r.pending_transfers() == [] and s.active_transfers() == []
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_leading_run_ends_at_the_senders_finish_with_its_extent(backend, closing) -> None:
+    """A running request's KV: the receiver reserved 4 blocks, the sender fills the first 3 in two parts (blocks it
+    had, then the tail once the request stopped), and its finish ends the transfer; the event says 3."""
+    fp, cache, r, s = _pair(backend, closing)
+    r.expect("t", [5, 6, 7, 8], leading_run=True)
+    s.begin("t", r.address)
+    for layer in range(fp.num_layers):
+        s.send_layer("t", layer, [5, 6], *make_kv(fp, layer, 2, 1))
+    poll_until([r.poll], lambda _: cache.writes == fp.num_layers, 3)
+    assert r.pending_transfers() == ["t"]  # every allowed block of no layer, and no finish: not done
+    for layer in range(fp.num_layers):
+        s.send_layer("t", layer, [7], *make_kv(fp, layer, 1, 2))
+    s.finish("t")
+    rev, sev = _by_side(r, s)
+    assert [(e.state, e.num_blocks) for e in rev] == [(TransferState.DONE, 3)] and sev[0].ok
+    cache.assert_holds([5, 6], seed=1)
+    cache.assert_holds([7], seed=2)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("gap", ["layers differ", "not leading"])
+def test_a_leading_run_with_a_gap_or_ragged_layers_fails(backend, gap, closing) -> None:
+    fp, cache, r, s = _pair(backend, closing)
+    r.expect("t", [5, 6, 7], leading_run=True)
+    s.begin("t", r.address)
+    for layer in range(fp.num_layers):
+        blocks = [5, 6] if gap == "not leading" or layer else [5]
+        if gap == "not leading":
+            blocks = [5, 7]
+        s.send_layer("t", layer, blocks, *make_kv(fp, layer, len(blocks), 1))
+    s.finish("t")
+    rev, sev = _by_side(r, s)
+    assert isinstance(_one_failure(rev), ProtocolError) and isinstance(_one_failure(sev), ProtocolError)
