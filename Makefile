@@ -51,9 +51,9 @@ clean:
 
 # One command on a GPU machine (docs/gpu.md): no venv, the machine's own python3 with CUDA torch and transformers.
 # Wheels that image lacks (pyzmq, for the shm transfer's control socket; FlashInfer with FLASHINFER=1) come from
-# `make gpu-wheels`, run where pip can reach PyPI (bench/gpu_wheels.py); they are installed into .whl/site, outside
-# the system's packages. gpu-check-quick is the first run (at most 4 minutes on one H200); gpu-check the whole one
-# (at most 8). Each writes its JSON after every section.
+# `make gpu-wheels`, run where pip can reach PyPI (checks/gpu/gpu_wheels.py); they are installed into .whl/site,
+# outside the system's packages. gpu-check-quick is the first run (at most 4 minutes on one H200); gpu-check the whole
+# one (at most 8). Each writes its JSON after every section. checks/ is an acceptance run, not part of the package.
 .PHONY: gpu-check gpu-check-quick gpu-wheels
 GPU_SITE = PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}
 
@@ -66,11 +66,11 @@ endef
 
 gpu-check:
 	$(gpu_site)
-	$(GPU_SITE) $(PYTHON) bench/gpu_check.py --out gpu-check.json
+	$(GPU_SITE) $(PYTHON) checks/gpu/gpu_check.py --out gpu-check.json
 
 gpu-check-quick:
 	$(gpu_site)
-	$(GPU_SITE) $(PYTHON) bench/gpu_check.py --quick --out gpu-check-quick.json
+	$(GPU_SITE) $(PYTHON) checks/gpu/gpu_check.py --quick --out gpu-check-quick.json
 
 gpu-wheels:
-	$(PYTHON) bench/gpu_wheels.py --dest .whl $(if $(FLASHINFER),--flashinfer)
+	$(PYTHON) checks/gpu/gpu_wheels.py --dest .whl $(if $(FLASHINFER),--flashinfer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from bench.gpu_wheels import FLASHINFER_WHEELS, in_image, resolve
+from checks.gpu.gpu_wheels import FLASHINFER_WHEELS, in_image, resolve
 
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:

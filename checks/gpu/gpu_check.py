@@ -1,16 +1,16 @@
 """gpu-check: one command that proves the GPU path on a GPU machine, and runs the same code on the CPU in CI.
 
-    python bench/gpu_check.py --quick --out gpu-check-quick.json  # make gpu-check-quick: the first run, <= 4 minutes
-    python bench/gpu_check.py --out gpu-check.json                # make gpu-check: everything, <= 8 minutes
-    python bench/gpu_check.py --device cpu --tiny --quick --out x.json  # the same script on a tiny model (CI)
+    python checks/gpu/gpu_check.py --quick --out gpu-check-quick.json  # make gpu-check-quick: the first run, <= 4 min
+    python checks/gpu/gpu_check.py --out gpu-check.json                # make gpu-check: everything, <= 8 minutes
+    python checks/gpu/gpu_check.py --device cpu --tiny --quick --out x.json  # the same script on a tiny model (CI)
 
-No network, no Ray: random-weight Llama-shaped models built in-process (bench/gpu_check_models.py), the engine run
-directly (bench/gpu_check_engine.py), a prefill/decode pair over the shm backend (bench/gpu_check_pd.py). Each figure
-is compared with a baseline from the same run; the goals are ratios with pass/fail. Sections run in order of value
-under their caps and ``--budget-s``, and the JSON is rewritten atomically to ``--out`` after each, so a cut run keeps
-every finished section. A watchdog ends the run at ``--hard-limit-s`` (a compile, a hung kernel): it writes the last
-state with the cut section and exits with status 3. A failed section records its error; what the machine lacks is
-listed in ``dependencies``.
+No network, no Ray: random-weight Llama-shaped models built in-process (checks/gpu/gpu_check_models.py), the engine
+run directly (checks/gpu/gpu_check_engine.py), a prefill/decode pair over the shm backend (checks/gpu/gpu_check_pd.py).
+Each figure is compared with a baseline from the same run; the goals are ratios with pass/fail. Sections run in order
+of value under their caps and ``--budget-s``, and the JSON is rewritten atomically to ``--out`` after each, so a cut
+run keeps every finished section. A watchdog ends the run at ``--hard-limit-s`` (a compile, a hung kernel): it writes
+the last state with the cut section and exits with status 3. A failed section records its error; what the machine
+lacks is listed in ``dependencies``.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/gpu_check.py`: make the repository importable, as `-m` would
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # `python checks/gpu/gpu_check.py`: make the repository importable, as `-m` would
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from bench import gpu_check_engine as eng
-from bench import gpu_check_models as models
-from bench.gpu_check_kernels import sdpa_kernels
-from bench.gpu_check_pd import run_pair
-from bench.gpu_check_time import Deadline, OutOfTime
+from checks.gpu import gpu_check_engine as eng
+from checks.gpu import gpu_check_models as models
+from checks.gpu.gpu_check_kernels import sdpa_kernels
+from checks.gpu.gpu_check_pd import run_pair
+from checks.gpu.gpu_check_time import Deadline, OutOfTime
 
 MIB = 1024**2
 ABORT_STATUS = 3  # the watchdog ended the run

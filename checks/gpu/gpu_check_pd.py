@@ -237,7 +237,7 @@ def top1_agreement(engine: Any, prompts: list[list[int]], pair: list[list[int]])
 
 
 def _float32_phase(side: DecodeSide, p: dict[str, Any], vocab: int) -> dict[str, Any]:
-    from bench.gpu_check_models import random_prompts
+    from checks.gpu.gpu_check_models import random_prompts
 
     prompts = random_prompts(p["exact_prompts"], p["exact_prompt_len"], vocab, seed=11)
     reference = [r.token_ids for r in side.engine.generate(prompts, _greedy(p["exact_tokens"]))]
@@ -248,7 +248,7 @@ def _float32_phase(side: DecodeSide, p: dict[str, Any], vocab: int) -> dict[str,
 
 
 def _bfloat16_phase(side: DecodeSide, p: dict[str, Any], vocab: int, out: dict[str, Any]) -> None:
-    from bench.gpu_check_models import random_prompts
+    from checks.gpu.gpu_check_models import random_prompts
 
     engine = side.engine
     prompts = random_prompts(p["exact_prompts"], p["exact_prompt_len"], vocab, seed=11)

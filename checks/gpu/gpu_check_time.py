@@ -2,7 +2,7 @@
 
 ``Deadline.check`` raises ``OutOfTime`` (naming what was running) once the deadline has passed; loops call it each
 turn. A call that cannot be interrupted (a compile, a hung kernel) is bounded by the run's watchdog instead
-(bench/gpu_check.py), which writes what is finished and ends the process.
+(checks/gpu/gpu_check.py), which writes what is finished and ends the process.
 """
 
 from __future__ import annotations

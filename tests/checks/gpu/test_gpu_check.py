@@ -23,14 +23,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import gpu_check, gpu_check_engine, gpu_check_models
-from bench.gpu_check_time import Deadline, OutOfTime
+from checks.gpu import gpu_check, gpu_check_engine, gpu_check_models
+from checks.gpu.gpu_check_time import Deadline, OutOfTime
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from transfer.shm_ring import PREFIX, SHM_DIR
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = str(REPO / "bench" / "gpu_check.py")
+REPO = Path(__file__).resolve().parents[3]
+SCRIPT = str(REPO / "checks" / "gpu" / "gpu_check.py")
 GOAL_NAMES = [
     "decode_b1_vs_eager",
     "decode_b1_vs_generate",

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from bench.gpu_check_models import random_prompts, sync
-from bench.gpu_check_time import NEVER, Deadline
+from checks.gpu.gpu_check_models import random_prompts, sync
+from checks.gpu.gpu_check_time import NEVER, Deadline
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams

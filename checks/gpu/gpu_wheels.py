@@ -1,7 +1,7 @@
 """`make gpu-wheels`: the wheels `make gpu-check` needs that the GPU machine's image lacks, fetched where pip works.
 
-    python3 bench/gpu_wheels.py --dest .whl               # pyzmq (the shm transfer's control socket)
-    python3 bench/gpu_wheels.py --dest .whl --flashinfer  # and FlashInfer 0.6 with its prebuilt kernels
+    python3 checks/gpu/gpu_wheels.py --dest .whl               # pyzmq (the shm transfer's control socket)
+    python3 checks/gpu/gpu_wheels.py --dest .whl --flashinfer  # and FlashInfer 0.6 with its prebuilt kernels
 
 Each wheel is ``pip download --no-deps`` with the image's platform tags (CPython 3.12, manylinux x86_64), so the
 image's pip resolves nothing; FlashInfer's dependencies come from its wheels' metadata, less ``IMAGE_PROVIDES``. Its

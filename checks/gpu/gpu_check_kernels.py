@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.gpu_check_engine import RequestFailed, _abort_all, greedy
-from bench.gpu_check_time import NEVER, Deadline
+from checks.gpu.gpu_check_engine import RequestFailed, _abort_all, greedy
+from checks.gpu.gpu_check_time import NEVER, Deadline
 from engine.decode_graphs import DecodeGraphs, StaticStep
 from engine.llm_engine import LLMEngine
 

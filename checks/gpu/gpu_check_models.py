@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_check_time import NEVER, Deadline
+from checks.gpu.gpu_check_time import NEVER, Deadline
 
 
 @dataclass(frozen=True)
