@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from engine.model_loader import DEFAULT_MODEL, DTYPES
-
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the built-in model (engine.model_loader converts it once)
+DTYPES = ("float32", "bfloat16", "float16")  # names only: reading a config must not import torch
 # auto: flashinfer on CUDA when installed, else sdpa; sdpa: gather + torch SDPA (the CPU path); flex: FlexAttention
 # with a paged block mask; flashinfer: FlashInfer's paged kernels (CUDA only). See engine/attention/backend.py
 AttentionBackendName = Literal["auto", "sdpa", "flex", "flashinfer"]

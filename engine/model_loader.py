@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.config import DEFAULT_MODEL, DTYPES
 from engine.model_probe import class_refusal, config_refusal
 
 if TYPE_CHECKING:
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
     from engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-# names only: finding a model (the load tester's tokenizer, the router's config) must not import torch
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def cache_dir() -> Path:
