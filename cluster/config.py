@@ -1,26 +1,35 @@
 """The cluster's one YAML file, validated on load: unknown keys and bad values are errors naming file and field.
 
-docs/configuration.md documents every field. Fields the workers run with are borrowed from the worker dataclasses
-(``_borrowed``: type and default declared there), and each section checks its values by building them.
-``ClusterConfig.worker_specs`` is the one translation into what the workers run.
+Every field is declared here, in its section, and documented in docs/configuration.md. A field the workers run with
+has the name, type and default of the worker dataclass field it sets (``EngineConfig``, ``TransferConfig``,
+``WorkerSpec``, ``RuntimeOptions``; tests/cluster/test_config_sections.py keeps them equal), and each section checks
+its values by building those dataclasses. ``ClusterConfig.worker_specs`` is the one translation into what the workers
+run: a pool's engine fields and the transfer section's go over by name (``_shared``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.blocks import kv_blocks_for, rank_kv_heads
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
-from engine.model_loader import DEFAULT_MODEL
+from engine.config import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_MODEL,
+    AttentionBackendName,
+    EngineConfig,
+    KVCacheDtype,
+    KVOffloadConfig,
+    SpeculativeConfig,
+    resolve_dtype,
+)
 from transfer.config import TransferConfig
-from worker.spec import RuntimeOptions, WorkerRole, WorkerSpec
+from worker.spec import FailurePolicy, RuntimeOptions, TransferBackend, WorkerRole, WorkerSpec, ZmqTransport
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -32,42 +41,30 @@ class ConfigError(ValueError):
     """The message names the file and the field."""
 
 
-def _borrowed(cls: type, *names: str, **renamed: str) -> dict[str, Any]:
-    """Section fields that are a worker dataclass's own, type and default declared there (``renamed``: section
-    name -> the dataclass's); each section's ``_check`` builds the dataclasses to check the values."""
-    hints, fields = typing.get_type_hints(cls), {item.name: item for item in dataclasses.fields(cls)}
-    out = {}
-    for section_name, name in [*((n, n) for n in names), *renamed.items()]:
-        item = fields[name]
-        if item.default is not dataclasses.MISSING:
-            default = item.default
-        elif item.default_factory is not dataclasses.MISSING:
-            default = item.default_factory()
-        else:
-            raise TypeError(f"{cls.__name__}.{name} has no default to borrow")
-        out[section_name] = (hints[name], default)
-    return out
-
-
-def _subset(values: dict[str, Any], cls: type) -> dict[str, Any]:
+def _shared(section: BaseModel, cls: type) -> dict[str, Any]:
+    """The section's values of the fields ``cls`` (a worker dataclass) has too: a field of the same name is the same
+    setting, of the same type and default (tests/cluster/test_config_sections.py)."""
     names = {item.name for item in dataclasses.fields(cls)}
-    return {name: value for name, value in values.items() if name in names}
+    return {name: getattr(section, name) for name in type(section).model_fields if name in names}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class _ModelBase(_Strict):
+class ModelSection(_Strict):
     name: str = DEFAULT_MODEL  # the built-in default, or a local folder of a Llama-family model
+    # the engine's (EngineConfig)
+    dtype: str = "auto"
+    max_model_len: int | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> _ModelBase:
-        EngineConfig(dtype=self.dtype, max_model_len=self.max_model_len)  # type: ignore[attr-defined]
+    def _check(self) -> ModelSection:
+        EngineConfig(**_shared(self, EngineConfig))
         return self
 
 
-class _PoolBase(_Strict):
+class PoolSection(_Strict):
     replicas: int = Field(default=1, ge=0)
     gpus_per_replica: float = Field(default=0, ge=0)  # 0: a CPU worker
     cpus_per_replica: float = Field(default=1, gt=0)  # Ray CPU share (also used on GPU nodes)
@@ -76,101 +73,53 @@ class _PoolBase(_Strict):
     kv_memory_mb: int | None = Field(default=None, gt=0)
     resources: dict[str, float] = Field(default_factory=dict)  # extra Ray resources per replica (pin to node types)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # the engine's (EngineConfig)
+    torch_threads: int | None = None
+    cpu_linear_tuning: bool = True
+    kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    attention_backend: AttentionBackendName = "auto"
+    kv_cache_dtype: KVCacheDtype = (
+        "auto"  # prefill and decode must agree in disaggregated mode (the KV moves as stored)
+    )
+    cuda_graphs: bool = True
+    compile_decode_batches: list[int] | None = None  # CPU: a torch.compile'd decode step per listed batch size
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1  # ranks per replica, each with the pool's per-replica CPUs and GPUs
+    kv_offload: KVOffloadConfig | None = None  # host and disk tiers below the device KV (engine/kv_tiers.py)
+    speculative: SpeculativeConfig | None = None  # decode and colocated pools (engine/speculative.py)
+    # the worker's (WorkerSpec)
+    reserve_headroom_tokens: int = 0
 
     @model_validator(mode="after")
-    def _check(self) -> _PoolBase:
-        values = self.model_dump()
-        engine = EngineConfig(**_subset(values, EngineConfig))
-        WorkerSpec("check", WorkerRole.DECODE, engine, RuntimeOptions([]), **_subset(values, WorkerSpec))
+    def _check(self) -> PoolSection:
+        engine = EngineConfig(**_shared(self, EngineConfig))
+        WorkerSpec("check", WorkerRole.DECODE, engine, RuntimeOptions([]), **_shared(self, WorkerSpec))
         return self
 
 
-class _TransferBase(_Strict):
+class TransferSection(_Strict):
     block_size: int = Field(default=16, gt=0)  # tokens per KV block (the engines' block_size)
     # the cluster secret: MACs every control message and event and the KV handshake; None: a random one per start
     secret: str | None = None
+    # the transfer layer's (TransferConfig)
+    deadline_s: float = 30.0
+    lease_s: float = 30.0
+    kv_wire_dtype: str = "raw"
+    checksum: bool = True
+    direct_write: bool = True
+    # the worker's (WorkerSpec; ``backend`` is its transfer_backend)
+    failure_policy: FailurePolicy = "fail"
+    zmq_transport: ZmqTransport = "tcp"
+    stream_layers: bool = True
+    backend: TransferBackend = "auto"
 
     @model_validator(mode="after")
-    def _check(self) -> _TransferBase:
-        TransferConfig(**_subset(self.model_dump(), TransferConfig))
+    def _check(self) -> TransferSection:
+        TransferConfig(**_shared(self, TransferConfig))
         return self
-
-
-ENGINE_POOL_FIELDS = (
-    "torch_threads",
-    "cpu_linear_tuning",
-    "kv_blocks",
-    "gpu_memory_utilization",
-    "attention_backend",
-    "kv_cache_dtype",  # prefill and decode must agree in disaggregated mode (the KV moves as stored)
-    "cuda_graphs",
-    "compile_decode_batches",  # CPU: a torch.compile'd decode step per listed batch size, compiled at start-up
-    "max_batch_tokens",
-    "max_num_seqs",
-    "enable_prefix_caching",
-    "tensor_parallel_size",  # ranks per replica, each with the pool's per-replica CPUs and GPUs
-    "kv_offload",  # host and disk tiers below the device KV (engine/kv_tiers.py)
-    "speculative",  # proposed tokens verified per decode step (engine/speculative.py); decode and colocated pools
-)
-TRANSFER_FIELDS = ("deadline_s", "lease_s", "kv_wire_dtype", "checksum", "direct_write")
-if TYPE_CHECKING:
-    # What mypy sees of the sections create_model builds below (it cannot see create_model's fields): each borrowed
-    # field named once more, its type read from its dataclass's field, not declared again (on a stand-in instance:
-    # a slotted dataclass's fields cannot be read on the class). tests/cluster/test_config_typing.py keeps these
-    # names the ones borrowed.
-    _engine = typing.cast(EngineConfig, None)
-    _transfer = typing.cast(TransferConfig, None)
-    _spec = typing.cast(WorkerSpec, None)
-    _runtime = typing.cast(RuntimeOptions, None)
-
-    class ModelSection(_ModelBase):
-        dtype = _engine.dtype
-        max_model_len = _engine.max_model_len
-
-    class PoolSection(_PoolBase):
-        torch_threads = _engine.torch_threads
-        cpu_linear_tuning = _engine.cpu_linear_tuning
-        kv_blocks = _engine.kv_blocks
-        gpu_memory_utilization = _engine.gpu_memory_utilization
-        attention_backend = _engine.attention_backend
-        kv_cache_dtype = _engine.kv_cache_dtype
-        cuda_graphs = _engine.cuda_graphs
-        compile_decode_batches = _engine.compile_decode_batches
-        max_batch_tokens = _engine.max_batch_tokens
-        max_num_seqs = _engine.max_num_seqs
-        enable_prefix_caching = _engine.enable_prefix_caching
-        tensor_parallel_size = _engine.tensor_parallel_size
-        kv_offload = _engine.kv_offload
-        speculative = _engine.speculative
-        reserve_headroom_tokens = _spec.reserve_headroom_tokens
-
-    class TransferSection(_TransferBase):
-        deadline_s = _transfer.deadline_s
-        lease_s = _transfer.lease_s
-        kv_wire_dtype = _transfer.kv_wire_dtype
-        checksum = _transfer.checksum
-        direct_write = _transfer.direct_write
-        failure_policy = _spec.failure_policy
-        zmq_transport = _spec.zmq_transport
-        stream_layers = _spec.stream_layers
-        backend = _spec.transfer_backend
-
-else:
-    ModelSection = create_model(
-        "ModelSection", __base__=_ModelBase, **_borrowed(EngineConfig, "dtype", "max_model_len")
-    )
-    PoolSection = create_model(
-        "PoolSection",
-        __base__=_PoolBase,
-        **_borrowed(EngineConfig, *ENGINE_POOL_FIELDS),
-        **_borrowed(WorkerSpec, "reserve_headroom_tokens"),
-    )
-    TransferSection = create_model(
-        "TransferSection",
-        __base__=_TransferBase,
-        **_borrowed(TransferConfig, *TRANSFER_FIELDS),
-        **_borrowed(WorkerSpec, "failure_policy", "zmq_transport", "stream_layers", backend="transfer_backend"),
-    )
 
 
 class PoolsSection(_Strict):
@@ -211,7 +160,7 @@ class RebalanceSection(_Strict):
     max_moves_per_worker: int = Field(default=1, ge=1)  # moves off one worker at a time
 
 
-class _RouterBase(_Strict):
+class RouterSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
     prefill_policy: Literal["round_robin", "least_loaded", "power_of_two", "kv_aware"] = "least_loaded"
@@ -235,21 +184,12 @@ class _RouterBase(_Strict):
     # frontend processes serving the one port (SO_REUSEPORT), each connected to every worker; 1: in this process
     processes: int = Field(default=1, ge=1, le=64)
     limits: LimitsSection = LimitsSection()
+    orphan_timeout_s: float = 10.0  # workers free every request after this long without the router (RuntimeOptions)
 
     @model_validator(mode="after")
-    def _check(self) -> _RouterBase:
-        RuntimeOptions([], orphan_timeout_s=self.orphan_timeout_s)  # type: ignore[attr-defined]
+    def _check(self) -> RouterSection:
+        RuntimeOptions([], orphan_timeout_s=self.orphan_timeout_s)
         return self
-
-
-# workers free every request after ``orphan_timeout_s`` without the router
-if TYPE_CHECKING:
-
-    class RouterSection(_RouterBase):  # as ModelSection
-        orphan_timeout_s = _runtime.orphan_timeout_s
-
-else:
-    RouterSection = create_model("RouterSection", __base__=_RouterBase, **_borrowed(RuntimeOptions, "orphan_timeout_s"))
 
 
 class SLOSection(_Strict):
@@ -371,14 +311,12 @@ class ClusterConfig(_Strict):
             block_size=self.transfer.block_size,
             kv_cache_memory_bytes=None if pool.kv_memory_mb is None else pool.kv_memory_mb * MIB,
             max_model_len=self.model.max_model_len,
-            **{name: getattr(pool, name) for name in ENGINE_POOL_FIELDS},
+            **_shared(pool, EngineConfig),
         )
 
     def transfer_config(self) -> TransferConfig:
         """Its device is set in each worker (``worker.spec.resolve_spec``)."""
-        return TransferConfig(
-            secret=self.transfer.secret, **{name: getattr(self.transfer, name) for name in TRANSFER_FIELDS}
-        )
+        return TransferConfig(**_shared(self.transfer, TransferConfig))
 
     def runtime_options(self, router_addresses: list[str], host: str) -> RuntimeOptions:
         """``router_addresses``: every router process's event socket, by index; ``host``: where workers bind."""
