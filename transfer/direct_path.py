@@ -11,64 +11,62 @@ Pieces of a sender that cannot write directly (an int8 wire) come inline in the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zmq
 
-from transfer.errors import ProtocolError
+from transfer.errors import ProtocolError, TransferError
+from transfer.inline_path import InlineReceive, send_frames
 from transfer.kv_segment import DirectPiece, KVSegment, SegmentWriter
-from transfer.outbox import Outgoing, Peer
-from transfer.receiver import InlineReceive, Receiver
-from transfer.sessions import Session
+from transfer.outbox import Outgoing
+from transfer.path import Peer, ReceiveHost, SendHost, Session
 from transfer.wire import PieceHeader, Pieces, with_digests
 
-if TYPE_CHECKING:
-    from transfer.sender import Sender
+
+def _name(on_device: bool) -> str:
+    return "cuda-ipc" if on_device else "shm-direct"  # as /status names the peer's path
 
 
 class DirectSend:
-    batches = True
     # only headers travel: pieces of any size are announced together, up to a few layers' worth, so that the
     # receiver's checks still run while later layers are written
     batch_piece_bytes, batch_bytes = 8 << 20, 8 << 20
+    command_budget = 64
 
-    def __init__(self, writer: SegmentWriter) -> None:
+    def __init__(self, writer: SegmentWriter, checksum: bool, raw_wire: bool) -> None:
         self.writer = writer
-        self.name = "cuda-ipc" if writer.on_device else "shm-direct"  # as /status names the peer's path
+        self.name = _name(writer.on_device)
         self.device_kv = writer.on_device  # a GPU cache takes device KV device to device, never through the host
+        self.checksum = checksum
+        self.raw_wire = raw_wire  # an int8 wire is for the network: its pieces go as frames
 
-    def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
-        if sender.cfg.kv_wire_dtype != "raw":
-            sender.send_inline(peer, out)  # an int8 wire is for the network: its pieces go as frames
-            return
-        self.send_batch(sender, peer, [out])  # a batch of one: the receiver takes it as any
-
-    def send_batch(self, sender: Sender, peer: Peer, outs: list[Outgoing]) -> None:
-        """Each piece written, then one message announcing them all; a piece whose blocks are not its transfer's
-        any more fails that transfer only."""
-        if sender.cfg.kv_wire_dtype != "raw":
-            sender.send_inline_batch(peer, outs)
+    def send(self, host: SendHost, peer: Peer, outs: Sequence[Outgoing]) -> None:
+        """Each piece written, then one message announcing them all (a batch of one is taken as any); a piece whose
+        blocks are not its transfer's any more fails that transfer only."""
+        if not self.raw_wire:
+            send_frames(peer, outs, self.checksum)
             return
         if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             raise zmq.Again()
         pieces = [_direct_piece(out) for out in outs]
-        digest = sender.cfg.checksum and not self.writer.on_device  # as over NCCL: no hash of device memory
+        digest = self.checksum and not self.writer.on_device  # as over NCCL: no hash of device memory
         headers = []
         for out, result in zip(outs, self.writer.write_all(pieces, digest)):
             piece = out.piece
             assert piece is not None
             if isinstance(result, ProtocolError):
-                sender.fail_transfer(peer, piece.transfer_id, result)
+                host.fail_transfer(peer, piece.transfer_id, result)
                 continue
             headers.append(
                 msgspec.structs.replace(piece if result is None else with_digests(piece, result), direct=True)
             )
         if headers:
-            peer.sock.send(sender.seal_for(peer, Pieces(pieces=tuple(headers))), zmq.NOBLOCK)
-        sender.direct_pieces += len(headers)
+            peer.sock.send(peer.seal(Pieces(pieces=tuple(headers))), zmq.NOBLOCK)
+        host.count_pieces(self.name, len(headers))
 
-    def collect(self) -> tuple[None, list[Any]]:
+    def collect(self) -> tuple[TransferError | None, list[tuple[str, TransferError]]]:
         return None, []
 
     def close(self) -> None:
@@ -80,16 +78,17 @@ class DirectReceive(InlineReceive):
 
     def __init__(self, segment: KVSegment) -> None:
         self.segment = segment  # the receiver's (its engine's cache), not the session's: closing a session leaves it
+        self.name = _name(segment.on_device)
 
-    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+    def on_piece(self, host: ReceiveHost, sess: Session, piece: PieceHeader, frames: list[Any]) -> None:
         if not piece.direct:
-            super().on_piece(receiver, sess, piece, bufs)
+            super().on_piece(host, sess, piece, frames)
             return
-        if bufs or piece.shm is not None or piece.tags is not None:
+        if frames or piece.shm is not None or piece.tags is not None:
             raise ProtocolError("a direct piece with payload frames, shm positions or p2p tags")
         self.segment.verify(piece.layer, piece.blocks, piece.frames)
-        receiver._table.landed(piece)
-        receiver.direct_pieces += 1
+        host.land(piece)
+        host.count_pieces(self.name, 1)
 
 
 def _direct_piece(out: Outgoing) -> DirectPiece:

@@ -1,4 +1,4 @@
-"""The sender's per-receiver state (`Peer`) and its queue of messages waiting to leave (`Outbox`), byte-counted.
+"""The sender's queue of messages waiting to leave for one receiver (`Outbox`), byte-counted.
 
 Commands wait in outboxes for the handshake, ZeroMQ's high-water mark or a stalled receiver, so every outbox counts
 its bytes (payload, or `HEADER_COST` for a message without) into the sender's one `Meter`; at
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import zmq
 
-from transfer.errors import FrameTooLarge, TransferError
+from transfer.errors import TransferError
 from transfer.wire import Header, PieceHeader
 
 HEADER_COST = 512  # what a message without payload counts against the bound (its header, roughly)
@@ -99,24 +99,6 @@ class Outbox:
         self._meter.add(n)
 
 
-@dataclass(slots=True)
-class Peer:
-    address: str
-    sock: zmq.Socket
-    created: float
-    outbox: Outbox
-    state: str = "connecting"  # connecting -> hello_sent -> ready
-    session: bytes = b""
-    max_frame_bytes: int = 0
-    stuck_since: float | None = None
-    last_sent: float = 0.0  # the welcome, then our latest message: a peer idle too long is closed
-    nonce: bytes = b""  # ours, in the hello; the welcome must echo it
-    key: bytes = b""  # the session key (transfer/auth.py), known once welcomed
-    seq_out: int = 0  # last sequence number we sealed
-    seq_in: int = 0  # last one we accepted from the receiver
-    path: Any = None  # the payload path the welcome chose (transfer/sender.py InlineSend, ring, pair)
-
-
 def discard_rest(sock: zmq.Socket, limit: int = 1 << 16) -> None:
     """Drop the remaining frames of a multipart message we will not use (frame by frame, nothing kept)."""
     for _ in range(limit):
@@ -132,11 +114,3 @@ class PieceRefused(Exception):
     def __init__(self, error: TransferError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def check_peer_frame_bound(peer: Peer, piece: PieceHeader) -> None:
-    biggest = max(f.nbytes for f in piece.frames)
-    if peer.max_frame_bytes and biggest > peer.max_frame_bytes:
-        raise PieceRefused(
-            FrameTooLarge(f"{biggest}-byte frame > receiver {peer.address} max_frame_bytes={peer.max_frame_bytes}")
-        )

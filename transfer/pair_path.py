@@ -12,8 +12,8 @@ CUDA streams and two workers on one GPU (`same_gpu`: a ring or inline frames, no
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 import torch
@@ -22,14 +22,10 @@ import zmq
 from transfer.auth import pair_group_key
 from transfer.config import TransferConfig
 from transfer.errors import PeerGone, ProtocolError, TransferError
-from transfer.outbox import Outgoing, Peer
+from transfer.outbox import Outgoing
 from transfer.pairgroup import LinkJob, PairLink, host_of, local_ip_towards, make_store_server
-from transfer.sessions import Session
-from transfer.wire import Ack, Named, PieceHeader, dtype_from_name, frame_nbytes, frame_view, with_checksums
-
-if TYPE_CHECKING:
-    from transfer.receiver import Receiver
-    from transfer.sender import Sender
+from transfer.path import Peer, ReceiveHost, SendHost, Session
+from transfer.wire import Named, PieceHeader, dtype_from_name, frame_nbytes, frame_view, with_checksums
 
 log = logging.getLogger(__name__)
 
@@ -61,42 +57,50 @@ def consumer_event(tensors: list[torch.Tensor]) -> Any:
     return event
 
 
+def rendezvous_store(cfg: TransferConfig, address: str) -> torch.distributed.TCPStore:
+    """The receiver's one store for all its pairs: it listens on the host of its own address only, never on every
+    interface."""
+    return make_store_server(host_of(address), cfg.group_timeout_s)
+
+
 class PairSend:
     name = "pair"
     device_kv = True  # NCCL sends device tensors as they are
+    batch_piece_bytes = batch_bytes = 0  # each piece's tensors follow its header on the pair's p2p stream
+    command_budget = 64
 
-    def __init__(self, link: PairLink) -> None:
+    def __init__(self, link: PairLink, checksum: bool) -> None:
         self.link = link
+        self.checksum = checksum
 
     @classmethod
     def join(cls, cfg: TransferConfig, peer: Peer, store_port: int, on_crash: Callable[[str], None]) -> PairSend:
         """Rank 1 of the pair, at the store the receiver's welcome names (on the host of its address)."""
         host = host_of(peer.address)
-        return cls(
-            PairLink(
-                backend=_pg_backend(cfg),
-                rank=1,
-                key=pair_group_key(peer.key),
-                store_host=host,
-                store_port=store_port,
-                local_host=local_ip_towards(host),
-                timeout_s=cfg.group_timeout_s,
-                auth_key=peer.key,
-                on_crash=on_crash,
-                device=cfg.device,
-            )
+        link = PairLink(
+            backend=_pg_backend(cfg),
+            rank=1,
+            key=pair_group_key(peer.key),
+            store_host=host,
+            store_port=store_port,
+            local_host=local_ip_towards(host),
+            timeout_s=cfg.group_timeout_s,
+            auth_key=peer.key,
+            on_crash=on_crash,
+            device=cfg.device,
         )
+        return cls(link, cfg.checksum)
 
-    def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
+    def send(self, host: SendHost, peer: Peer, outs: Sequence[Outgoing]) -> None:
+        [out] = outs
         assert out.piece is not None
         if self.link.broken is not None:
             raise zmq.Again()  # the sender's timeout check drops the peer
         tags = self.link.next_tags(len(out.tensors))
         piece = msgspec.structs.replace(out.piece, tags=tags)
-        if sender.cfg.checksum and not any(t.is_cuda for t in out.tensors):  # gloo: xxh3 as inline; NCCL: none
+        if self.checksum and not any(t.is_cuda for t in out.tensors):  # gloo: xxh3 as inline; NCCL: none
             piece = with_checksums(piece, [frame_view(t) for t in out.tensors])
-        header = sender.seal_for(peer, piece)
-        peer.sock.send(header, zmq.NOBLOCK)
+        peer.sock.send(peer.seal(piece), zmq.NOBLOCK)
         # the header left: its tensors must follow, in order, or the pair's p2p stream desynchronizes
         self.link.submit(LinkJob(out.transfer_id, out.tensors, tags, ready=out.ready))
 
@@ -110,41 +114,47 @@ class PairSend:
 
 
 class PairReceive:
-    def __init__(self, link: PairLink, store_port: int) -> None:
+    name = "pair"
+
+    def __init__(self, link: PairLink, store_port: int, cfg: TransferConfig) -> None:
         self.link = link
         self.store_port = store_port  # what the welcome tells the sender
+        self.device = cfg.device
+        self.max_frame_bytes = cfg.max_frame_bytes
 
     @classmethod
-    def host(cls, receiver: Receiver, session_key: bytes) -> PairReceive:
-        """Rank 0 of the pair: the receiver's store listens on its own address only, never on every interface."""
-        host = host_of(receiver.address)
-        if receiver._store is None:
-            receiver._store = make_store_server(host, receiver.cfg.group_timeout_s)
-        return cls(
-            PairLink(
-                backend=_pg_backend(receiver.cfg),
-                rank=0,
-                key=pair_group_key(session_key),
-                store_host=host,
-                store_port=receiver._store.port,
-                local_host=host,
-                timeout_s=receiver.cfg.group_timeout_s,
-                store=receiver._store,
-                auth_key=session_key,
-                on_crash=receiver._note_link_crash,
-                device=receiver.cfg.device,
-            ),
-            receiver._store.port,
+    def host(
+        cls,
+        cfg: TransferConfig,
+        address: str,
+        store: torch.distributed.TCPStore,
+        session_key: bytes,
+        on_crash: Callable[[str], None],
+    ) -> PairReceive:
+        """Rank 0 of the pair, at the receiver's store (`rendezvous_store`)."""
+        host = host_of(address)
+        link = PairLink(
+            backend=_pg_backend(cfg),
+            rank=0,
+            key=pair_group_key(session_key),
+            store_host=host,
+            store_port=store.port,
+            local_host=host,
+            timeout_s=cfg.group_timeout_s,
+            store=store,
+            auth_key=session_key,
+            on_crash=on_crash,
+            device=cfg.device,
         )
+        return cls(link, store.port, cfg)
 
-    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
-        if bufs or piece.tags is None:
+    def on_piece(self, host: ReceiveHost, sess: Session, piece: PieceHeader, frames: list[Any]) -> None:
+        if frames or piece.tags is None:
             raise ProtocolError("dist pieces carry p2p tags and no payload frames")
-        device = receiver.cfg.device
-        tensors = [torch.empty(f.shape, dtype=dtype_from_name(f.dtype), device=device) for f in piece.frames]
+        tensors = [torch.empty(f.shape, dtype=dtype_from_name(f.dtype), device=self.device) for f in piece.frames]
         self.link.submit(LinkJob(piece.transfer_id, tensors, piece.tags, piece, ready=consumer_event(tensors)))
 
-    def on_bad_piece(self, receiver: Receiver, session: bytes, h: PieceHeader | Named, error: TransferError) -> None:
+    def on_bad_piece(self, host: ReceiveHost, sess: Session, h: PieceHeader | Named, error: TransferError) -> None:
         """Still receive a refused piece's tensors (into scratch) so the p2p stream stays aligned; if even its sizes
         are unusable, the pair is unrecoverable: drop the session and its transfers."""
         try:
@@ -152,32 +162,22 @@ class PairReceive:
                 raise error
             if h.tags is None:
                 raise ProtocolError("a dist piece without p2p tags")
-            sizes = [frame_nbytes(f, receiver.cfg.max_frame_bytes) for f in h.frames]
-            scratch = [torch.empty(n, dtype=torch.uint8, device=receiver.cfg.device) for n in sizes]
+            sizes = [frame_nbytes(f, self.max_frame_bytes) for f in h.frames]
+            scratch = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
             self.link.submit(LinkJob(h.transfer_id, scratch, h.tags, None, ready=consumer_event(scratch)))
         except TransferError as e:
-            receiver._drop_session(session, PeerGone(f"pair stream unrecoverable: {e}"))
+            host.drop_session(sess, PeerGone(f"pair stream unrecoverable: {e}"))
 
-    def poll(self, receiver: Receiver, session: bytes, sess: Session) -> None:
+    def poll(self, host: ReceiveHost, sess: Session) -> None:
         """Finish the pieces whose tensors arrived; a broken link drops its session (a new hello pairs anew)."""
         for job, err in self.link.pop_done():
             if job.piece is None:
                 continue  # scratch receive of a refused piece
-            tid = job.transfer_id
-            known = receiver._table.get(tid) is not None
-            try:
-                if err is not None:
-                    raise err
-                if job.ready is not None:  # the consumer's stream waits for the receive (the host does not)
-                    torch.cuda.current_stream(job.tensors[0].device).wait_event(job.ready)
-                receiver._table.complete_tensors(job.piece, job.tensors)
-            except TransferError as e:
-                receiver._fail(tid, e)
-                continue
-            if known and receiver._table.get(tid) is None:
-                receiver._reply(sess, Ack(tid))
+            if err is None and job.ready is not None:  # the consumer's stream waits for the receive (not the host)
+                torch.cuda.current_stream(job.tensors[0].device).wait_event(job.ready)
+            host.arrived(sess, job.piece, job.tensors, err)
         if self.link.broken is not None:
-            receiver._drop_session(session, self.link.broken)
+            host.drop_session(sess, self.link.broken)
 
     def alive(self) -> bool:
         return self.link.alive()

@@ -2,9 +2,9 @@
 
 All in the thread that calls `poll()`, never blocking:
     ROUTER <- [identity, sealed header, frames...], at most MAX_FRAMES, each bounded by MAXMSGSIZE; MAC checked first
-    hello  -> nonce, fingerprint, transport checked -> welcome (session token and the session's payload path: inline
-              frames, a shm ring, the engine's cache (direct) or a torch.distributed pair) or reject
-    kv     -> InboundTable.admit (checks, claims blocks) -> the session's path delivers the payload -> sink
+    hello  -> transfer/handshake.py Acceptor -> welcome (session token and the session's payload path: inline frames,
+              a shm ring, the engine's cache (direct) or a torch.distributed pair) or reject
+    kv     -> InboundTable.admit (checks, claims blocks) -> the session's path (transfer/path.py) -> sink
     finish -> lost pieces fail now; abort -> FAILED; replies: ack (DONE), nack (FAILED, with the error's code), renew
 A malformed message fails only the transfer it names; sessions are bounded (transfer/sessions.py).
 """
@@ -12,20 +12,19 @@ A malformed message fails only the transfer it names; sessions are bounded (tran
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import zmq
 
-from transfer.auth import NO_SESSION, NONCE_BYTES, OVERHEAD, NonceCache, handshake_key, seal, session_key, split, verify
+from transfer.auth import NO_SESSION, OVERHEAD, seal, split, verify
 from transfer.base import KVReceiver
 from transfer.config import TransferConfig
 from transfer.errors import (
     AuthError,
-    FingerprintMismatch,
     PeerGone,
     ProtocolError,
     SenderAborted,
@@ -33,12 +32,13 @@ from transfer.errors import (
     TransferAborted,
     TransferError,
 )
+from transfer.handshake import Acceptor, handshake_frame
 from transfer.inbound import InboundTable, Sink
-from transfer.kv_segment import KVSegment, pid_namespace
-from transfer.pair_path import PairReceive, gpu_uuid, same_gpu
+from transfer.kv_segment import KVSegment
+from transfer.path import ReceivePath, Session
 from transfer.ring_path import DEFAULT_MAX_RINGS, DEFAULT_RING_BYTES, SCHEME, RingReceive, control_address
-from transfer.sessions import Session, SessionTable
-from transfer.shm_ring import MAX_RING_BYTES, MIN_RING_BYTES, node_id, sweep_stale
+from transfer.sessions import SessionTable
+from transfer.shm_ring import MAX_RING_BYTES, MIN_RING_BYTES, sweep_stale
 from transfer.sockets import bind_address, configure
 from transfer.staging import SideStreamSink
 from transfer.state import Inbound, TransferEvent
@@ -69,30 +69,6 @@ MAX_FRAMES = 2 + 4  # identity, header, at most 4 payload frames (int8: k, k sca
 TIMERS_EVERY_S = 0.005  # how often poll() looks at deadlines, silent senders, idle sessions and renewals
 
 
-class InlineReceive:
-    """The payload came in the header's message."""
-
-    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
-        if piece.shm is not None or piece.tags is not None:
-            raise ProtocolError("shm positions or p2p tags in a session without a ring or a pair group")
-        receiver._table.complete(piece, bufs)
-
-    def on_bad_piece(self, receiver: Receiver, session: bytes, h: PieceHeader | Named, error: TransferError) -> None:
-        pass
-
-    def poll(self, receiver: Receiver, session: bytes, sess: Session) -> None:
-        pass
-
-    def alive(self) -> bool:
-        return False
-
-    def close(self, join_s: float = 0.0) -> None:
-        pass
-
-
-INLINE = InlineReceive()
-
-
 class Receiver(KVReceiver):
     """Not thread-safe: one thread calls expect/poll/abort. `transport` is what hellos must say: "zmq", "shm" (its
     address is "shm+" and the control address) or "dist" (nccl/gloo)."""
@@ -117,13 +93,9 @@ class Receiver(KVReceiver):
         self.cfg = config or TransferConfig()
         self.transport = transport
         self.ring_bytes, self.max_rings = ring_bytes, max_rings
-        self.shm_pieces = 0  # pieces read from a ring
-        self.direct_pieces = 0  # pieces a sender wrote into the segment itself
+        self.pieces_by_path: Counter[str] = Counter()  # pieces a ring or the sender itself (direct) carried
         self._segment = segment if transport in ("shm", "dist") else None
         self._held: list[TransferEvent] = []  # failed transfers whose blocks a writer may still be copying into
-        self.same_gpu_sessions = 0  # dist: sender sessions from this GPU (ring or inline, no pair group)
-        self._gpu = gpu_uuid(self.cfg) if transport == "dist" else None
-        self._store: torch.distributed.TCPStore | None = None  # dist: made at the first pair, idle ones cost nothing
         if transport != "zmq":
             swept = sweep_stale()
             if swept:
@@ -132,8 +104,6 @@ class Receiver(KVReceiver):
         self._sink = SideStreamSink(sink, self.cfg.kv_device, self.cfg.staging_bytes)
         self._table = InboundTable(fingerprint, self._sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
         self._sessions = SessionTable(self.cfg.max_sessions, self.cfg.idle_session_s)
-        self._hs_key = handshake_key(self.cfg.secret)
-        self._nonces = NonceCache()
         self._seq_out = 0
         self._ctx = zmq.Context()
         # no frame larger than a payload frame or a sealed header is ever buffered (ZeroMQ drops the peer)
@@ -150,7 +120,10 @@ class Receiver(KVReceiver):
         self.dropped = 0  # messages refused before they could be attributed to a transfer
         self.rejected = 0  # of which: bad or missing MAC, replayed, or too many frames
         self._io_problem = ""  # dist: a pair-link thread died of a bug (see io_problem)
-        self._retired: list[Any] = []  # paths of dropped sessions whose link thread has not ended yet
+        self._retired: list[ReceivePath] = []  # paths of dropped sessions whose link thread has not ended yet
+        self._handshake = Acceptor(
+            fingerprint, self.cfg, transport, self.address, self._segment, ring_bytes, max_rings, self._note_link_crash
+        )
         self._closed = False
         self._next_timers = 0.0
 
@@ -178,8 +151,8 @@ class Receiver(KVReceiver):
                     break
                 if frames is not None:
                     self._handle(frames)
-            for session, sess in list(self._sessions.items()):
-                sess.path.poll(self, session, sess)  # payloads that completed off the socket (pair links)
+            for sess in list(self._sessions.values()):
+                sess.path.poll(self, sess)  # payloads that completed off the socket (pair links)
             now = time.monotonic()
             if now >= self._next_timers:  # deadlines and leases are seconds: not every message's business
                 self._next_timers = now + TIMERS_EVERY_S
@@ -210,6 +183,21 @@ class Receiver(KVReceiver):
     def rings(self) -> int:
         """Sessions that hold a ring now."""
         return sum(1 for s in self._sessions.values() if isinstance(s.path, RingReceive))
+
+    @property
+    def shm_pieces(self) -> int:
+        """Pieces read from a ring."""
+        return self.pieces_by_path["shm-ring"]
+
+    @property
+    def direct_pieces(self) -> int:
+        """Pieces a sender wrote into the segment itself."""
+        return self.pieces_by_path["shm-direct"] + self.pieces_by_path["cuda-ipc"]
+
+    @property
+    def same_gpu_sessions(self) -> int:
+        """dist: sender sessions from this GPU (ring or inline, no pair group)."""
+        return self._handshake.same_gpu_sessions
 
     def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
         rec = self._table.fail(transfer_id, TransferAborted(reason))
@@ -274,7 +262,7 @@ class Receiver(KVReceiver):
             self._reject_frame(str(e))
             return
         if session == NO_SESSION:  # a hello: MAC under the handshake key
-            if not verify(self._hs_key, raw):
+            if not verify(self._handshake.key, raw):
                 self._reject_frame("handshake not authenticated (a different cluster secret?)")
                 self._send_hs(
                     identity, Reject(AuthError.code, "handshake not authenticated: a different cluster secret?")
@@ -377,7 +365,7 @@ class Receiver(KVReceiver):
         tid = h.transfer_id if isinstance(h, PieceHeader) else getattr(h, "tid", None)
         rec = self._table.get(tid) if isinstance(tid, str) else None
         if isinstance(h, PieceHeader | Named) and h.kind == "kv":
-            sess.path.on_bad_piece(self, session, h, error)
+            sess.path.on_bad_piece(self, sess, h, error)
         if rec is not None and rec.session in (None, session):
             self._fail(rec.transfer_id, error)
             return
@@ -388,13 +376,7 @@ class Receiver(KVReceiver):
 
     def _on_hello(self, identity: bytes, h: Hello) -> None:
         try:
-            if not self._nonces.add(h.nonce):
-                self.rejected += 1
-                raise AuthError("replayed hello")
-            if h.fp != self.fp:
-                raise FingerprintMismatch(f"sender model {h.fp} != receiver model {self.fp}")
-            if h.transport != self.transport:
-                raise ProtocolError(f"sender uses transport {h.transport!r}, receiver {self.transport!r}")
+            self._handshake.check(h)
             if self._sessions.full():
                 self._expire_sessions(force=True)
             if self._sessions.full():  # never evict a session that may be in use: refuse the newcomer
@@ -402,52 +384,50 @@ class Receiver(KVReceiver):
                     f"receiver holds its maximum of {self._sessions.max_sessions} sender sessions "
                     f"(none idle for {self._sessions.idle_s:g} s); try again later"
                 )
-            session, rnonce = os.urandom(len(NO_SESSION)), os.urandom(NONCE_BYTES)
-            key = session_key(self._hs_key, h.nonce, rnonce, session)
-            offer, path = self._choose_path(key, h)
+            sess, welcome = self._handshake.open(identity, h, self.rings())
         except TransferError as e:
+            self.rejected += isinstance(e, AuthError)  # a replayed hello
             log.warning("refused handshake: %s", e)
             self._send_hs(identity, Reject(e.code, str(e)[:1000]))
             return
-        self._sessions.add(Session(identity, path, key, session))
-        self._send_hs(identity, Welcome(session, h.nonce, rnonce, self.cfg.max_frame_bytes, **offer))
-
-    def _choose_path(self, key: bytes, h: Hello) -> tuple[dict[str, Any], Any]:
-        """The session's payload path and what the welcome says of it: the cache itself for a sender on this node
-        that can map it (shm: host memory; dist: CUDA IPC on a GPU it sees), a pair group (dist, unless both ends
-        share a GPU), a ring for a sender on this node (shm, and dist on one GPU), else inline frames."""
-        fields: dict[str, Any] = {}
-        if self._offers_cache_to(h):
-            from transfer.direct_path import DirectReceive  # (it extends InlineReceive, above)
-
-            assert self._segment is not None
-            return {"direct": self._segment.announce()}, DirectReceive(self._segment)
-        if self.transport == "dist":
-            if not same_gpu(self._gpu, h.gpu):
-                pair = PairReceive.host(self, key)
-                return {"store_port": pair.store_port, "gpu": self._gpu}, pair
-            self.same_gpu_sessions += 1
-            log.info("a KV sender on this GPU (%s): same-node path instead of an NCCL pair", self._gpu)
-            fields = {"same_gpu": True, "gpu": self._gpu}
-        elif self.transport == "zmq":
-            return fields, INLINE
-        ring = RingReceive.offer(h, self.ring_bytes, self.rings(), self.max_rings)
-        if ring is None:
-            return fields, INLINE
-        return {**fields, "shm": ring.ring.announce()}, ring
-
-    def _offers_cache_to(self, h: Hello) -> bool:
-        """A sender on this node and PID namespace that asked for it; a GPU cache, to one that sees its GPU (Ray
-        gives each actor its own CUDA_VISIBLE_DEVICES); a host cache, to shm senders (dist ones hand over device KV)."""
-        seg = self._segment
-        if seg is None or h.node != node_id() or not h.pidns or h.pidns != pid_namespace():
-            return False
-        if not seg.on_device:
-            return self.transport == "shm"
-        return h.gpus is not None and seg.gpu in h.gpus
+        self._sessions.add(sess)
+        self._send_hs(identity, welcome)
 
     def _on_piece(self, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
         sess.path.on_piece(self, sess, piece, bufs)
+
+    # ------------------------------------------------------------------ what its payload paths may ask (ReceiveHost)
+
+    def complete(self, piece: PieceHeader, frames: Sequence[Any]) -> None:
+        self._table.complete(piece, frames)
+
+    def land(self, piece: PieceHeader) -> None:
+        self._table.landed(piece)
+
+    def arrived(
+        self, sess: Session, piece: PieceHeader, tensors: list[torch.Tensor], error: TransferError | None
+    ) -> None:
+        tid = piece.transfer_id
+        known = self._table.get(tid) is not None
+        try:
+            if error is not None:
+                raise error
+            self._table.complete_tensors(piece, tensors)
+        except TransferError as e:
+            self._fail(tid, e)
+            return
+        if known and self._table.get(tid) is None:
+            self._reply(sess, Ack(tid))
+
+    def drop_session(self, sess: Session, error: TransferError) -> None:
+        if self._sessions.pop(sess.token, None) is not None:
+            self._close_session(sess)  # never waits for a link thread still forming its group
+        for rec in self._table.items():
+            if rec.session == sess.token:
+                self._table.fail(rec.transfer_id, error)
+
+    def count_pieces(self, path: str, pieces: int) -> None:
+        self.pieces_by_path[path] += pieces
 
     # ------------------------------------------------------------------ replies, timers
 
@@ -468,7 +448,7 @@ class Receiver(KVReceiver):
 
     def _send_hs(self, identity: bytes, header: Welcome | Reject) -> None:
         """A handshake reply: sealed with the handshake key."""
-        self._send(identity, seal(self._hs_key, NO_SESSION, 0, pack_header(header)))
+        self._send(identity, handshake_frame(self._handshake.key, header))
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -491,14 +471,6 @@ class Receiver(KVReceiver):
         self._retired = [path for path in self._retired if path.alive()]
         if sess.path.alive():
             self._retired.append(sess.path)
-
-    def _drop_session(self, session: bytes, error: TransferError) -> None:
-        sess = self._sessions.pop(session, None)
-        if sess is not None:
-            self._close_session(sess)  # never waits for a link thread still forming its group
-        for rec in self._table.items():
-            if rec.session == session:
-                self._table.fail(rec.transfer_id, error)
 
     def _renew_and_expire(self) -> None:
         self._expire_sessions()

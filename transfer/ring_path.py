@@ -1,8 +1,7 @@
 """The shared-memory payload path (backends `shm`, `auto`, and `nccl` between two workers on one GPU).
 
 address   "shm+ipc://path" or "shm+tcp://host:port": the receiver's ZeroMQ control address, marked as offering a
-          ring; headers, handshake, checks and replies are those of every socket backend (transfer/sender.py,
-          transfer/receiver.py)
+          ring; headers, handshake, checks and replies are those of every socket backend (transfer/path.py)
 welcome   on the sender's node: [name, size, token] of a ring the receiver made for this session
           (transfer/shm_ring.py); another node, no room in /dev/shm or `max_rings` reached: inline frames
 sender    per piece: wait for room, copy the frames in, xxh3 over the copy, send the header with `shm`
@@ -16,20 +15,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
 from transfer.errors import ProtocolError, TransferError
-from transfer.outbox import Outgoing, Peer
-from transfer.sessions import Session
+from transfer.inline_path import send_frames
+from transfer.outbox import Outgoing
+from transfer.path import Peer, ReceiveHost, SendHost, Session
 from transfer.shm_ring import RingOwner, RingWriter, ShmUnavailable, node_id
 from transfer.wire import Hello, Named, PieceHeader, with_checksums
-
-if TYPE_CHECKING:
-    from transfer.receiver import Receiver
-    from transfer.sender import Sender
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +53,19 @@ class NoRoom(zmq.Again):
 class RingSend:
     name = "shm-ring"
     device_kv = False
+    batch_piece_bytes = batch_bytes = 0  # one piece a message: each is copied in as soon as it is encoded
+    command_budget = 2  # ... so encoding and ring copies interleave, and the receiver starts at once
 
-    def __init__(self, ring: RingWriter) -> None:
+    def __init__(self, ring: RingWriter, checksum: bool) -> None:
         self.ring = ring
+        self.checksum = checksum
 
-    def send(self, sender: Sender, peer: Peer, out: Outgoing) -> None:
+    def send(self, host: SendHost, peer: Peer, outs: Sequence[Outgoing]) -> None:
+        [out] = outs
         assert out.piece is not None
         sizes = [f.nbytes for f in out.piece.frames]
         if not self.ring.fits(sizes):
-            sender.send_inline(peer, out)  # larger than the whole ring
+            send_frames(peer, outs, self.checksum)  # larger than the whole ring
             return
         if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             raise zmq.Again()  # copy only what can leave now
@@ -75,10 +75,10 @@ class RingSend:
             raise NoRoom(lambda stop: self._wait_for_room(stop, end))
         copies = [self.ring.write(pos, t) for pos, t in zip(where, out.tensors)]
         # xxh3 over the copy, just written and still in cache: the receiver checks the very bytes it reads
-        piece = with_checksums(out.piece, copies) if sender.cfg.checksum else out.piece
-        peer.sock.send(sender.seal_for(peer, msgspec.structs.replace(piece, shm=where)), zmq.NOBLOCK)
+        piece = with_checksums(out.piece, copies) if self.checksum else out.piece
+        peer.sock.send(peer.seal(msgspec.structs.replace(piece, shm=where)), zmq.NOBLOCK)
         self.ring.commit(where[-1])  # after the send: a zmq.Again above commits nothing, the next try rewrites it
-        sender.shm_pieces += 1
+        host.count_pieces(self.name, 1)
 
     def _wait_for_room(self, stop: threading.Event, end: int) -> None:
         """Nap on the ring's tail only (a few µs a look) for up to RING_WAIT_S, not on turns of the whole I/O loop
@@ -87,7 +87,7 @@ class RingSend:
         while not stop.wait(nap) and not self.ring.has_room(end) and time.monotonic() < until:
             nap = min(2 * nap, RING_NAP_MAX_S)
 
-    def collect(self) -> tuple[None, list[Any]]:
+    def collect(self) -> tuple[TransferError | None, list[tuple[str, TransferError]]]:
         return None, []
 
     def close(self) -> None:
@@ -95,6 +95,8 @@ class RingSend:
 
 
 class RingReceive:
+    name = "shm-ring"
+
     def __init__(self, ring: RingOwner) -> None:
         self.ring = ring
 
@@ -112,31 +114,31 @@ class RingReceive:
             log.warning("no shared-memory ring for a sender session, KV goes inline: %s", e)
             return None
 
-    def on_piece(self, receiver: Receiver, sess: Session, piece: PieceHeader, bufs: list[Any]) -> None:
+    def on_piece(self, host: ReceiveHost, sess: Session, piece: PieceHeader, frames: list[Any]) -> None:
         where = piece.shm
         if piece.tags is not None:
             raise ProtocolError("p2p tags in a session without a pair group")
         if where is None:
-            receiver._table.complete(piece, bufs)  # inline frames (a piece larger than the ring)
+            host.complete(piece, frames)  # inline frames (a piece larger than the ring)
             return
-        if bufs:
+        if frames:
             raise ProtocolError("shm positions and inline frames in one message")
         sizes: Sequence[int] = [f.nbytes for f in piece.frames]  # checked by admit against our own fingerprint
         views, end = self.ring.views(where, sizes)
         try:
-            receiver._table.complete(piece, views)  # lengths, xxh3, sink (which copies out)
+            host.complete(piece, views)  # lengths, xxh3, sink (which copies out)
         finally:
             del views
             self.ring.release(end)
-        receiver.shm_pieces += 1
+        host.count_pieces(self.name, 1)
 
-    def on_bad_piece(self, receiver: Receiver, session: bytes, h: PieceHeader | Named, error: TransferError) -> None:
+    def on_bad_piece(self, host: ReceiveHost, sess: Session, h: PieceHeader | Named, error: TransferError) -> None:
         """A refused piece's region is free again at once (its positions' end, if it is a sane one)."""
         where = h.shm
         if isinstance(where, list) and where:
             self.ring.release(where[-1])
 
-    def poll(self, receiver: Receiver, session: bytes, sess: Session) -> None:
+    def poll(self, host: ReceiveHost, sess: Session) -> None:
         pass
 
     def alive(self) -> bool:

@@ -10,18 +10,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
-
-@dataclass(slots=True)
-class Session:
-    identity: bytes
-    path: Any  # the payload path chosen at the welcome (transfer/receiver.py InlineReceive, ring, pair)
-    key: bytes = b""  # the session key both ends derived at the handshake
-    token: bytes = b""  # the session token (the key of this entry in the receiver's table)
-    seq_in: int = 0  # last sequence number accepted from the sender
-    last_seen: float = field(default_factory=time.monotonic)  # the welcome, then the sender's latest message
+from transfer.path import Session
 
 
 class SessionTable(OrderedDict):

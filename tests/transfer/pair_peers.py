@@ -10,11 +10,11 @@ from typing import Any
 
 from tests.helpers.kv import Cache, fingerprint, make_kv
 from transfer.config import TransferConfig
-from transfer.outbox import Outgoing, Peer
+from transfer.outbox import Outgoing
 from transfer.pair_path import PairSend
+from transfer.path import Peer, Session
 from transfer.receiver import Receiver
 from transfer.sender import Sender
-from transfer.sessions import Session
 from transfer.wire import PieceHeader
 
 
@@ -30,7 +30,7 @@ class HeaderOnlySender(Sender):
         p = out.piece
         tags = peer.path.link.next_tags(len(out.tensors))
         piece = PieceHeader(p.transfer_id, p.layer, p.blocks, p.wire, p.frames, p.fingerprint, tags)
-        peer.sock.send(self.seal_for(peer, piece))
+        peer.sock.send(peer.seal(piece))
 
 
 class NeverReceives(Receiver):

@@ -16,6 +16,7 @@ from transfer.config import TransferConfig
 from transfer.errors import PeerGone, SessionLimit, TransferError, TransferTimeout
 from transfer.outbox import HEADER_COST
 from transfer.pairgroup import PairLink
+from transfer.path import PeerState
 from transfer.state import TransferState
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,7 +172,7 @@ def test_the_outbox_stays_bounded_under_a_receiver_that_never_reads(closing) -> 
     dst = list(range(8))
     stalled.expect("t", dst)
     s.begin("t", stalled.address)
-    assert _until(lambda: any(p.state == "ready" for p in s._peers.values()), 3, stalled.poll)
+    assert _until(lambda: any(p.state is PeerState.READY for p in s._peers.values()), 3, stalled.poll)
     k, v = make_kv(fp, 0, len(dst), seed=1)
     piece = k.numel() * k.element_size() * 2 + HEADER_COST
     started, ok, peak = time.monotonic(), True, 0

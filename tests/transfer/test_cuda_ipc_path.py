@@ -135,7 +135,7 @@ def test_a_sender_that_sees_the_gpu_writes_into_the_cache_instead_of_pairing(tx_
         assert cache.holds(dst, seed=i)
     assert cache.writes == 0 and r.direct_pieces == s.direct_pieces == 2 * fp.num_layers
     assert set(s.paths().values()) == {"cuda-ipc"}
-    assert r._store is None and r.same_gpu_sessions == 0 and r.rings() == 0  # no pair group, no ring
+    assert r._handshake.store is None and r.same_gpu_sessions == 0 and r.rings() == 0  # no pair group, no ring
     assert ipc.opened == fp.num_layers  # each layer's handle opened once, for both transfers
     assert not cache.segment._map.tags.any() and r.pending_transfers() == [] and s.active_transfers() == []
     s.close()
@@ -150,7 +150,11 @@ def test_a_sender_that_cannot_see_the_gpu_pairs_or_takes_the_ring_as_before(tran
     assert [e.state for e in rev + sev] == [TransferState.DONE] * 2
     assert cache.holds([5, 6], seed=2) and cache.writes == fp.num_layers
     assert r.direct_pieces == 0 and ipc.opened == 0
-    assert (r._store is not None) if transport == "dist" else (r.rings() == 1 and s.paths() == {r.address: "shm-ring"})
+    assert (
+        (r._handshake.store is not None)
+        if transport == "dist"
+        else (r.rings() == 1 and s.paths() == {r.address: "shm-ring"})
+    )
 
 
 @pytest.mark.parametrize("scfg", [{"direct_write": False}, {"kv_wire_dtype": "int8"}], ids=["disallowed", "int8"])
@@ -158,7 +162,7 @@ def test_a_sender_that_does_not_ask_for_the_cache_pairs(scfg, ipc, closing) -> N
     fp, cache, r, s = _pair(closing, **scfg)
     rev, sev = _transfer(r, s, fp, "t", [5, 6], seed=2)
     assert [e.state for e in rev + sev] == [TransferState.DONE] * 2
-    assert r._store is not None and r.direct_pieces == 0 and ipc.opened == 0
+    assert r._handshake.store is not None and r.direct_pieces == 0 and ipc.opened == 0
     if "direct_write" in scfg:
         assert cache.holds([5, 6], seed=2)
 
@@ -223,8 +227,8 @@ class RecordingPath:
     def __init__(self, device_kv: bool) -> None:
         self.device_kv, self.got = device_kv, []
 
-    def send(self, sender, peer, out) -> None:
-        self.got.append(out.tensors)
+    def send(self, sender, peer, outs) -> None:
+        self.got.extend(out.tensors for out in outs)
 
 
 @pytest.mark.parametrize("device_kv", [True, False], ids=["gpu-cache", "host-path"])
@@ -243,7 +247,7 @@ def test_device_kv_goes_to_a_gpu_cache_as_it_is_and_to_other_paths_through_the_h
     header, _ = encode_piece(fp, "t", 0, [1], *make_kv(fp, 0, 1, seed=1), "raw", False)
     device = [SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=True)]
     path = RecordingPath(device_kv)
-    peer = SimpleNamespace(path=path, max_frame_bytes=0, address="tcp://127.0.0.1:1")
+    peer = SimpleNamespace(path=path, check_frame_bound=lambda piece: None)
     s._send(peer, Outgoing("t", header, list(device), 8))
     assert path.got == [device]
     assert staged == ([] if device_kv else [device])

@@ -83,7 +83,7 @@ def test_same_gpu_pair_uses_the_same_node_path(closing, caplog) -> None:
         _send_all(s, r, "t", [1, 2, 3], seed=4, fp=fp)
     cache.assert_holds([1, 2, 3], seed=4)
     assert r.same_gpu_sessions == 1 and s.same_gpu_peers == 1  # both ends saw the other's UUID over the wire
-    assert r._store is None  # no rendezvous store, so no pair group was ever formed
+    assert r._handshake.store is None  # no rendezvous store, so no pair group was ever formed
     assert r.rings() == 1 and r.shm_pieces == fp.num_layers == s.shm_pieces  # the pieces went through the ring
     assert not [t for t in threading.enumerate() if t.name.startswith("kv-pair-")]
     assert sum("same-node path" in m for m in caplog.messages) == 2  # one line each side
@@ -103,7 +103,7 @@ def test_different_or_unknown_gpus_form_a_pair_group(rx_gpu, tx_gpu, closing) ->
     _send_all(s, r, "t", [5, 6], seed=2, fp=fp)
     cache.assert_holds([5, 6], seed=2)
     assert r.same_gpu_sessions == 0 and s.same_gpu_peers == 0
-    assert r._store is not None and r.rings() == 0 and r.shm_pieces == 0  # the tensors went by the pair group
+    assert r._handshake.store is not None and r.rings() == 0 and r.shm_pieces == 0  # the tensors went by the pair group
     s.close()
     r.close()
 
@@ -295,7 +295,7 @@ def test_two_nccl_workers_on_one_gpu_use_the_same_node_path(closing) -> None:
     s = closing(make_sender("nccl", fp, cfg))
     _send_device_kv(s, r, "t", [1, 5], seed=3, fp=fp)
     cache.assert_holds([1, 5], seed=3)
-    assert r.same_gpu_sessions == 1 and s.same_gpu_peers == 1 and r._store is None  # NCCL never tried
+    assert r.same_gpu_sessions == 1 and s.same_gpu_peers == 1 and r._handshake.store is None  # NCCL never tried
 
 
 # ---------------------------------------------------------------------------------------------- receiver side stream

@@ -25,6 +25,7 @@ from transfer.auth import NO_SESSION, NONCE_BYTES, handshake_key, seal, session_
 from transfer.base import make_receiver, make_sender
 from transfer.config import TransferConfig
 from transfer.errors import AuthError, ChecksumError, PeerGone, ProtocolError, TransferAborted, TransferTimeout
+from transfer.handshake import Acceptor, Initiator
 from transfer.receiver import Receiver
 from transfer.ring_path import RingReceive, RingSend
 from transfer.sender import Sender
@@ -65,14 +66,14 @@ def _cfg(**kw) -> TransferConfig:
     return TransferConfig(**{**FAST, "secret": SECRET, **kw})
 
 
-def _pair(closing, dtype="float32", ring_bytes=MIN_RING_BYTES, max_rings=4, num_blocks=64, cfg=None, sender=Sender):
+def _pair(closing, dtype="float32", ring_bytes=MIN_RING_BYTES, max_rings=4, num_blocks=64, cfg=None):
     fp = fingerprint(dtype)
     cache = Cache(fp, num_blocks=num_blocks)
     cfg = cfg or _cfg()
     r = closing(
         Receiver(fp, cache.sink, "shm+tcp://127.0.0.1:0", cfg, "shm", ring_bytes=ring_bytes, max_rings=max_rings)
     )
-    s = closing(sender(fp, cfg, "shm"))
+    s = closing(Sender(fp, cfg, "shm"))
     return fp, cache, r, s
 
 
@@ -194,26 +195,21 @@ def test_a_piece_larger_than_the_ring_goes_inline(closing) -> None:
     assert r.shm_pieces == s.shm_pieces == fp.num_layers
 
 
-class _ElsewhereSender(Sender):
-    """A sender that says it runs on another node."""
-
-    def _hello(self, peer):
-        return msgspec.structs.replace(super()._hello(peer), node="another-node")
-
-
 @pytest.mark.parametrize("why", ["another node", "no ring left"])
 def test_without_a_ring_the_kv_goes_inline(why, closing, monkeypatch) -> None:
     created = []
-    orig = Receiver._choose_path
+    opened = Acceptor.open
 
     def spy(self, *a):
-        extra = orig(self, *a)
-        created.append("shm" in extra[0])
-        return extra
+        sess, welcome = opened(self, *a)
+        created.append(welcome.shm is not None)
+        return sess, welcome
 
-    monkeypatch.setattr(Receiver, "_choose_path", spy)
-    sender = _ElsewhereSender if why == "another node" else Sender
-    fp, cache, r, s = _pair(closing, "bfloat16", max_rings=0 if why == "no ring left" else 4, sender=sender)
+    monkeypatch.setattr(Acceptor, "open", spy)
+    if why == "another node":  # a sender that says it runs on another node
+        hello = Initiator.hello
+        monkeypatch.setattr(Initiator, "hello", lambda self, peer: msgspec.structs.replace(hello(self, peer), node="x"))
+    fp, cache, r, s = _pair(closing, "bfloat16", max_rings=0 if why == "no ring left" else 4)
     _transfer(r, s, fp, cache, "t", [5, 1, 2], seed=6)
     assert created == [False] and r.rings() == 0
     assert r.shm_pieces == s.shm_pieces == 0

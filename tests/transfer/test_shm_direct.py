@@ -22,6 +22,7 @@ from tests.helpers.kv import bits, fingerprint, make_kv, poll_until, write_piece
 from transfer.config import TransferConfig
 from transfer.errors import ChecksumError, PeerGone, ProtocolError
 from transfer.kv_segment import DirectPiece, KVSegment, SegmentWriter, tag_of
+from transfer.path import Peer
 from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.shm_ring import PREFIX, SHM_DIR, ShmUnavailable
@@ -104,9 +105,7 @@ def test_bit_exact_into_scattered_blocks_without_the_sink(dtype, closing) -> Non
 def test_pieces_ready_together_leave_as_one_message(closing, monkeypatch) -> None:
     fp, cache, r, s = _pair(closing)
     sent = []
-    monkeypatch.setattr(
-        Sender, "seal_for", lambda self, peer, h, f=Sender.seal_for: sent.append(h.kind) or f(self, peer, h)
-    )
+    monkeypatch.setattr(Peer, "seal", lambda self, h, f=Peer.seal: sent.append(h.kind) or f(self, h))
     r.expect("t", [1, 2])
     s.begin("t", r.address)
     _send(s, fp, "t", [1, 2], seed=5)  # all queued before the handshake: the receiver answers it only when polled
