@@ -9,8 +9,9 @@ projects every position of such chunks, in slices, from the hidden states the la
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -27,9 +28,6 @@ from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
 from engine.tensor_parallel import HeadSplit, StepChannel, StepKind, StepMessage
 
-if TYPE_CHECKING:
-    from engine.decode_graphs import DecodeGraphs
-
 PROMPT_SCORE_ROWS = 256  # positions projected to the vocabulary at a time: bounds the [rows, vocab] float32 logits
 
 
@@ -42,6 +40,18 @@ class StepStats:
     duration_s: float
 
 
+class StaticDecode(Protocol):
+    """A faster way to run some decode-only steps, given to the runner (``engine.decode_graphs.DecodeGraphs``: CUDA
+    graphs, or a compiled step on the CPU); its counters go into the worker's stats."""
+
+    steps: Counter[tuple[int, int]]  # static steps run per (batch, context blocks) key
+    compile_s: dict[int, float]  # batch size -> seconds its compile took
+
+    def can_run(self, chunks: list[ScheduledChunk]) -> bool: ...
+
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]: ...
+
+
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache, backend: AttentionBackend | None = None) -> None:
         self.model = model
@@ -52,7 +62,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.layer_hook: LayerHook | None = None
         self.backend: AttentionBackend = backend or SdpaBackend()  # engine.attention.select_backend picks it
-        self.decode_graphs: DecodeGraphs | None = None  # decode-only steps on CUDA graphs (engine.decode_graphs)
+        self.decode_graphs: StaticDecode | None = None  # decode-only steps on CUDA graphs (engine.decode_graphs)
         # tensor parallelism: rank 0 announces each step to the other ranks, which project nothing to the vocabulary
         self.step_channel: StepChannel | None = None
         self.projects_logits = True

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from engine.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
     from engine.attention import LayerHook
-    from engine.model_runner import ModelRunner
+    from engine.kv_cache import KVCache
     from engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -392,11 +392,21 @@ class StepChannel:
         return StepMessage.decode(kind, payload)
 
 
+class FollowerRunner(Protocol):
+    """What a follower drives: its rank's ``engine.model_runner.ModelRunner``."""
+
+    layer_hook: LayerHook | None
+    kv_cache: KVCache
+    head_split: HeadSplit | None
+
+    def execute(self, chunks: list[ScheduledChunk]) -> object: ...
+
+
 class TPFollower:
     """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure; sends
     its heads of the blocks a step exports to rank 0, and keeps its heads of the KV rank 0 imports."""
 
-    def __init__(self, runner: ModelRunner, channel: StepChannel) -> None:
+    def __init__(self, runner: FollowerRunner, channel: StepChannel) -> None:
         self.runner = runner
         self.channel = channel
         self.steps = 0
