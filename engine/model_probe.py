@@ -129,7 +129,7 @@ class AttentionProbe:
     def __init__(self, latent_cache: Any = None) -> None:
         self.calls: dict[int, LayerAttention] = {}
         self.repeated: list[int] = []
-        self.latent_cache = latent_cache  # engine.attention.latent.LatentCache, for latent-attention models
+        self.latent_cache = latent_cache  # engine.attention.batch.LatentCache, for latent-attention models
 
     def record(
         self,
@@ -165,7 +165,8 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
     model_type = model.config.model_type
     device = next(model.parameters()).device
     ids = torch.arange(PROBE_TOKENS, device=device).view(1, -1) % int(model.config.vocab_size)
-    from engine.attention.latent import LatentCache, cache_kwarg, is_latent_model
+    from engine.attention.batch import LatentCache
+    from engine.attention.latent import cache_kwarg, is_latent_model
 
     positions = torch.arange(PROBE_TOKENS, device=device).view(1, -1)
     decoder = getattr(model, model.base_model_prefix)

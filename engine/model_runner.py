@@ -16,8 +16,16 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionBackend, AttentionBatch, DecodeGroup, LayerHook, PrefillSeq, SdpaBackend
-from engine.attention.latent import LatentCache, cache_kwarg, is_latent_model
+from engine.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    DecodeGroup,
+    LatentCache,
+    LayerHook,
+    PrefillSeq,
+    SdpaBackend,
+)
+from engine.attention.latent import cache_kwarg, is_latent_model
 from engine.attention.metadata import DecodeSpans, MetadataPacker, build_layout, slot_list
 from engine.attention.metadata import layout_spans as layout_spans_for
 from engine.blocks import blocks_for_tokens

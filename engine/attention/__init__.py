@@ -3,10 +3,11 @@ function, so transformers builds no mask).
 
 Per layer ``paged_attention_forward`` writes the new tokens' K/V into their cache slots, calls the layer hook if any
 (the prefill worker streams that layer's KV out while the forward goes on), then hands the attention to the step's
-backend (``backend.py``): gather + SDPA (``sdpa.py``), FlexAttention (``flex.py``) or FlashInfer
-(``flashinfer_backend.py``). What the model passes beyond q/k/v (``scaling``, ``sliding_window``, ``softcap``, sinks
-as ``s_aux``) becomes the layer's ``LayerFeatures``; narrower heads are zero-padded to the cache's width; a latent
-attention layer goes to ``latent.py``. With ``pd_probe`` set (``engine.model_probe``) the call is only recorded.
+backend (``batch.AttentionBackend``, picked by ``backend.py``): gather + SDPA (``sdpa.py``), FlexAttention
+(``flex.py``) or FlashInfer (``flashinfer_backend.py``). What the model passes beyond q/k/v (``scaling``,
+``sliding_window``, ``softcap``, sinks as ``s_aux``) becomes the layer's ``LayerFeatures``; narrower heads are
+zero-padded to the cache's width; a latent attention layer goes to ``latent.py``. With ``pd_probe`` set
+(``engine.model_probe``) the call is only recorded.
 """
 
 from __future__ import annotations
@@ -17,9 +18,18 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.attention.backend import BACKEND_NAMES, AttentionBackend, select_backend
-from engine.attention.batch import AttentionBatch, DecodeGroup, LayerFeatures, LayerHook, PrefillSeq, SeqLayout
-from engine.attention.latent import LatentCache, latent_attention_forward
+from engine.attention.backend import BACKEND_NAMES, select_backend
+from engine.attention.batch import (
+    AttentionBackend,
+    AttentionBatch,
+    DecodeGroup,
+    LatentCache,
+    LayerFeatures,
+    LayerHook,
+    PrefillSeq,
+    SeqLayout,
+)
+from engine.attention.latent import latent_attention_forward
 from engine.attention.sdpa import SdpaBackend
 
 if TYPE_CHECKING:

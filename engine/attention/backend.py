@@ -1,53 +1,20 @@
-"""The attention backend interface, and the rule that picks one for a device.
-
-Every backend reads and writes the same paged KV layout (``engine/kv_cache.py``), so KV transfers, prefix caching
-and the block manager never know which one runs. ``engine.attention.paged_attention_forward`` writes the new K/V and
-calls the layer hook before ``forward``; a backend only attends. A step calls ``prepare`` once, then ``forward`` once
-per layer: per-step work (a block mask, FlashInfer's plan) belongs in ``prepare`` or in ``batch.plan``.
+"""Which attention backend an engine runs, by name: the rule that resolves ``auto`` for a device, and the registry
+that imports the chosen backend's module only then (FlashInfer is optional). The interface every backend implements
+is ``batch.AttentionBackend``.
 """
 
 from __future__ import annotations
 
-import abc
 import importlib.util
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.batch import AttentionBatch, LayerFeatures
+    from engine.attention.batch import AttentionBackend
 
 BACKEND_NAMES = ("sdpa", "flex", "flashinfer")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # its paged kernels have no float32 variant
-
-
-class AttentionBackend(abc.ABC):
-    name: ClassVar[str]
-    # the runner builds PrefillSeq/DecodeGroup and SeqLayout only for backends that read them: each costs per step
-    needs_groups: ClassVar[bool] = False
-    needs_layout: ClassVar[bool] = False
-    # runs sliding windows, soft-capping and sinks (``LayerFeatures``); a model that uses them needs such a backend
-    supports_features: ClassVar[bool] = False
-
-    def prepare(self, batch: AttentionBatch) -> None:  # noqa: B027 (optional hook: most backends need no plan)
-        """Per-step work shared by every layer, stored in ``batch.plan``; called once after the batch is built."""
-
-    @abc.abstractmethod
-    def forward(
-        self,
-        layer: int,
-        query: torch.Tensor,  # [1, heads, T, head_dim]
-        key: torch.Tensor,  # [1, kv_heads, T, head_dim] (already written into the cache)
-        value: torch.Tensor,
-        batch: AttentionBatch,
-        features: LayerFeatures,
-    ) -> torch.Tensor:
-        """The attention output ``[1, T, heads, head_dim]``, as transformers' attention functions return it."""
-
-    def workspace_bytes(self) -> int:
-        """Device memory held for the backend's whole life (FlashInfer's workspace), counted in the KV budget;
-        per-step scratch (the SDPA gather buffer) is the runner's to bound."""
-        return 0
 
 
 def flashinfer_importable() -> bool:

@@ -5,21 +5,24 @@ through the model's ``**kwargs``, with two views of the step: ``prefills`` and `
 chunked prefill's context slots; the decode rows' block table and reusable gather buffer, or the static
 ``DecodeGroup`` of a CUDA-graph step), and ``layout``, every sequence in packed-row order, for backends that read the
 paged cache directly (FlashInfer) or build one mask for the whole row (flex).
+
+``AttentionBackend`` is what a backend does with the batch. Every backend reads and writes the same paged KV layout
+(``engine/kv_cache.py``), so KV transfers, prefix caching and the block manager never know which one runs.
+``engine.attention.paged_attention_forward`` writes the new K/V and calls the layer hook before ``forward``; a backend
+only attends. A step calls ``prepare`` once, then ``forward`` once per layer: per-step work (a block mask, FlashInfer's
+plan) belongs in ``prepare`` or in ``batch.plan``.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar
 
 import torch
 
 from engine.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from engine.attention.backend import AttentionBackend
-    from engine.attention.latent import LatentCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,18 @@ class SeqLayout:
         return len(self.q_lens)
 
 
+class LatentCache:
+    """A latent-attention model's cache argument (``engine.attention.latent``): ``update`` keeps the layer's latent
+    for ``paged_attention_forward`` and returns it unchanged."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, latent: torch.Tensor, rotary_key: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        self.pending[layer_idx] = (latent, rotary_key)
+        return latent, rotary_key
+
+
 @dataclass(slots=True)
 class AttentionBatch:
     kv_cache: KVCache
@@ -96,3 +111,32 @@ class AttentionBatch:
     backend: AttentionBackend | None = None  # None: the gather + SDPA backend
     plan: object | None = None  # the backend's per-step state (a block mask, a FlashInfer plan), from ``prepare``
     latent_cache: LatentCache | None = None  # a latent-attention model's cache argument (engine.attention.latent)
+
+
+class AttentionBackend(abc.ABC):
+    name: ClassVar[str]
+    # the runner builds PrefillSeq/DecodeGroup and SeqLayout only for backends that read them: each costs per step
+    needs_groups: ClassVar[bool] = False
+    needs_layout: ClassVar[bool] = False
+    # runs sliding windows, soft-capping and sinks (``LayerFeatures``); a model that uses them needs such a backend
+    supports_features: ClassVar[bool] = False
+
+    def prepare(self, batch: AttentionBatch) -> None:  # noqa: B027 (optional hook: most backends need no plan)
+        """Per-step work shared by every layer, stored in ``batch.plan``; called once after the batch is built."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,  # [1, heads, T, head_dim]
+        key: torch.Tensor,  # [1, kv_heads, T, head_dim] (already written into the cache)
+        value: torch.Tensor,
+        batch: AttentionBatch,
+        features: LayerFeatures,
+    ) -> torch.Tensor:
+        """The attention output ``[1, T, heads, head_dim]``, as transformers' attention functions return it."""
+
+    def workspace_bytes(self) -> int:
+        """Device memory held for the backend's whole life (FlashInfer's workspace), counted in the KV budget;
+        per-step scratch (the SDPA gather buffer) is the runner's to bound."""
+        return 0

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.batch import AttentionBatch, LayerFeatures
+from engine.attention.batch import AttentionBackend, AttentionBatch, LayerFeatures
 
 # the float workspace (split-KV partial results), shared by both wrappers; 128 MiB can be short for a few hundred
 # decode rows with split KV, and vLLM uses 256 MiB

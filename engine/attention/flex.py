@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.batch import AttentionBatch, LayerFeatures, SeqLayout
+from engine.attention.batch import AttentionBackend, AttentionBatch, LayerFeatures, SeqLayout
 
 _EAGER_WARNING = "flex_attention called without torch.compile"
 

@@ -2,7 +2,7 @@
 latent, not its per-head keys and values (docs/architecture.md, "Latent attention").
 
 transformers' MLA models hand their cache the latent before decompressing it (``cache.update(kv_nope, k_rot,
-layer)``); ``LatentCache``, the cache the runner passes such a model, keeps each layer's latent for
+layer)``); ``LatentCache`` (``batch.py``), the cache the runner passes such a model, keeps each layer's latent for
 ``paged_attention_forward``, which stores it split over the cache's K and V planes (one head of half the width
 each). Prefill chunks with cached context expand the context's latents with the layer's own ``expand_kv``; decode
 attends from the latent itself, W_UK absorbed into the query and W_UV applied after (``absorbed_decode``).
@@ -17,17 +17,6 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.batch import AttentionBatch, LayerFeatures
-
-
-class LatentCache:
-    """Passed as the model's cache; ``update`` keeps the layer's latent and returns it unchanged."""
-
-    def __init__(self) -> None:
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, latent: torch.Tensor, rotary_key: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        self.pending[layer_idx] = (latent, rotary_key)
-        return latent, rotary_key
 
 
 def is_latent_model(model: torch.nn.Module) -> bool:

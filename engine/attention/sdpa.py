@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.batch import AttentionBatch, DecodeGroup, LayerFeatures
+from engine.attention.batch import AttentionBackend, AttentionBatch, DecodeGroup, LayerFeatures
 
 
 def math_attention(
