@@ -3,8 +3,9 @@
 Data flow: make_receiver("local", ..., "local://name") registers the receiver in a `LocalHub`.
 LocalSender.begin looks the receiver up (missing -> PeerGone, other model -> FingerprintMismatch);
 send_layer encodes the piece exactly like the wire backends (so int8 and the header checks are the same
-code) and appends (header, tensors) to the receiver's inbox, a deque (thread-safe appends). The
-receiver's poll() runs them through InboundTable; ack/nack/renew go back into the sender's inbox.
+code) and appends it with its tensors to the receiver's inbox, a deque (thread-safe appends); finish and abort
+go the same way, as the wire's Finish and Abort. The receiver's poll() runs them through InboundTable; Ack, Nack
+and Renew go back into the sender's inbox.
 No bytes are copied or checksummed: the payload tensors are handed over by reference.
 """
 
@@ -15,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +32,16 @@ from transfer.errors import (
 )
 from transfer.inbound import InboundTable, Sink
 from transfer.state import LeaseTable, TransferEvent
-from transfer.wire import ModelFingerprint, encode_piece
+from transfer.wire import Abort, Ack, Finish, ModelFingerprint, Nack, PieceHeader, Renew, encode_piece
+
+
+@dataclass(slots=True)
+class Delivery:
+    """A message in a local receiver's inbox: the tensors of a piece are handed over by reference."""
+
+    session: bytes
+    message: PieceHeader | Finish | Abort
+    tensors: list[torch.Tensor] = field(default_factory=list)
 
 
 class LocalHub:
@@ -79,7 +89,7 @@ class LocalReceiver(KVReceiver):
         self.address = address
         self._hub = hub or DEFAULT_HUB
         self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
-        self._inbox: deque[tuple[Any, ...]] = deque()
+        self._inbox: deque[Delivery] = deque()
         self._senders: dict[bytes, LocalSender] = {}
         self._hub.register(_name(address), self)
 
@@ -91,55 +101,56 @@ class LocalReceiver(KVReceiver):
         self._senders[session] = sender
         return session
 
-    def deliver(self, session: bytes, kind: str, tid: str, payload: Any = None) -> None:
-        self._inbox.append((session, kind, tid, payload))
+    def deliver(self, delivery: Delivery) -> None:
+        self._inbox.append(delivery)
 
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:
         for _ in range(max_messages):
             try:
-                session, kind, tid, payload = self._inbox.popleft()
+                d = self._inbox.popleft()
             except IndexError:
                 break
-            rec = self._table.get(tid)
-            if rec is None:
-                if kind == "kv":
-                    self._reply(session, "nack", tid, "protocol", "unknown transfer")
+            msg = d.message
+            tid = msg.transfer_id if isinstance(msg, PieceHeader) else msg.tid
+            if self._table.get(tid) is None:
+                if isinstance(msg, PieceHeader):
+                    self._reply(d.session, Nack(tid, "protocol", "unknown transfer"))
                 continue
             try:
-                if kind == "kv":
-                    piece, tensors = payload
-                    self._table.admit(session, piece)
-                    self._table.complete_tensors(piece, tensors)  # handed over by reference: nothing to decode
-                elif kind == "finish":
-                    self._table.on_finish(session, tid, payload)
-                elif kind == "abort":
-                    self._table.fail(tid, SenderAborted(f"sender aborted: {payload}"))
-                    continue
+                match msg:
+                    case PieceHeader():
+                        self._table.admit(d.session, msg)
+                        self._table.complete_tensors(msg, d.tensors)  # handed over by reference: nothing to decode
+                    case Finish():
+                        self._table.on_finish(d.session, tid, msg.pieces)
+                    case Abort():
+                        self._table.fail(tid, SenderAborted(f"sender aborted: {msg.reason}"))
+                        continue
             except TransferError as e:
                 self._table.fail(tid, e)
-                self._reply(session, "nack", tid, e.code, str(e))
+                self._reply(d.session, Nack(tid, e.code, str(e)))
                 continue
             if self._table.get(tid) is None:
-                self._reply(session, "ack", tid)
+                self._reply(d.session, Ack(tid))
         for rec in self._table.expire():
             if rec.session:
-                self._reply(rec.session, "nack", rec.transfer_id, "timeout", "receiver deadline passed")
+                self._reply(rec.session, Nack(rec.transfer_id, "timeout", "receiver deadline passed"))
         now = time.monotonic()
         for rec in self._table.items():  # keep the producer's lease alive while we wait
             if rec.session and now - rec.last_renew >= self.cfg.lease_s / 3:
                 rec.last_renew = now
-                self._reply(rec.session, "renew", rec.transfer_id)
+                self._reply(rec.session, Renew(rec.transfer_id))
         return self._table.drain()
 
-    def _reply(self, session: bytes, kind: str, tid: str, code: str = "", reason: str = "") -> None:
+    def _reply(self, session: bytes, reply: Ack | Nack | Renew) -> None:
         sender = self._senders.get(session)
         if sender is not None:
-            sender.inbox.append((kind, tid, code, reason))
+            sender.inbox.append(reply)
 
     def abort(self, transfer_id: str, reason: str = "aborted by receiver") -> None:
         rec = self._table.fail(transfer_id, TransferAborted(reason))
         if rec is not None and rec.session:
-            self._reply(rec.session, "nack", transfer_id, "aborted", reason)
+            self._reply(rec.session, Nack(transfer_id, "aborted", reason))
 
     def close(self) -> None:
         self._hub.unregister(_name(self.address))
@@ -161,7 +172,7 @@ class LocalSender(KVSender):
         self._leases = LeaseTable(self.cfg.lease_s)
         self._route: dict[str, tuple[LocalReceiver, bytes]] = {}
         self._pieces: dict[str, int] = {}
-        self.inbox: deque[tuple[str, str, str, str]] = deque()
+        self.inbox: deque[Ack | Nack | Renew] = deque()
 
     def begin(self, transfer_id: str, peer: str) -> None:
         self._leases.begin(transfer_id, peer)
@@ -187,7 +198,7 @@ class LocalSender(KVSender):
         piece, tensors = encode_piece(
             self.fp, transfer_id, layer, dst_block_ids, _host(k), _host(v), self.cfg.kv_wire_dtype, with_checksum=False
         )
-        route[0].deliver(route[1], "kv", transfer_id, (piece, tensors))
+        route[0].deliver(Delivery(route[1], piece, tensors))
         self._pieces[transfer_id] += 1
         self._leases.note_sent(transfer_id, sum(f.nbytes for f in piece.frames))
         return True
@@ -195,27 +206,28 @@ class LocalSender(KVSender):
     def finish(self, transfer_id: str) -> None:
         route = self._route.get(transfer_id)
         if route is not None:
-            route[0].deliver(route[1], "finish", transfer_id, self._pieces.get(transfer_id, 0))
+            route[0].deliver(Delivery(route[1], Finish(transfer_id, self._pieces.get(transfer_id, 0))))
 
     def abort(self, transfer_id: str, reason: str = "aborted by sender") -> None:
         route = self._route.pop(transfer_id, None)
         self._pieces.pop(transfer_id, None)
         if self._leases.release(transfer_id, TransferAborted(reason)) and route is not None:
-            route[0].deliver(route[1], "abort", transfer_id, reason)
+            route[0].deliver(Delivery(route[1], Abort(transfer_id, reason)))
 
     def poll(self) -> list[TransferEvent]:
         while self.inbox:
-            kind, tid, code, reason = self.inbox.popleft()
-            if kind == "ack":
-                self._leases.release(tid)
-            elif kind == "nack":
-                self._leases.release(tid, error_from_code(code, f"receiver: {reason}"))
-            elif kind == "renew":
-                self._leases.renew(tid)
+            reply = self.inbox.popleft()
+            match reply:
+                case Ack():
+                    self._leases.release(reply.tid)
+                case Nack():
+                    self._leases.release(reply.tid, error_from_code(reply.code, f"receiver: {reply.reason}"))
+                case Renew():
+                    self._leases.renew(reply.tid)
         for tid, _ in self._leases.expire():
             route = self._route.get(tid)
             if route is not None:
-                route[0].deliver(route[1], "abort", tid, "sender lease expired")
+                route[0].deliver(Delivery(route[1], Abort(tid, "sender lease expired")))
         events = self._leases.drain()
         for ev in events:
             self._route.pop(ev.transfer_id, None)
