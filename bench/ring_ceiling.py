@@ -81,7 +81,7 @@ def _sender(name: str, total_bytes: int, frame_bytes: int, ring_bytes: int, reps
 
 def measure(total_bytes: int, frame_bytes: int, reps: int, checksum: bool = True, ring_bytes: int = RING_BYTES) -> dict:
     """Median GB/s of the bare two-copy ring and of memcpy (the transfer bench's reference), rep by rep."""
-    from bench.transfer_bench import _Memcpy  # the same reference copy as every other row
+    from bench.memcpy import Memcpy  # every row's reference; here, not above: the sender process needs no torch
 
     shm = shared_memory.SharedMemory(create=True, size=CONTROL_BYTES + ring_bytes)
     proc = None
@@ -94,7 +94,7 @@ def measure(total_bytes: int, frame_bytes: int, reps: int, checksum: bool = True
         args = (shm.name, total_bytes, frame_bytes, ring_bytes, reps + 1, checksum)
         proc = mp.get_context("spawn").Process(target=_sender, args=args, daemon=True)
         proc.start()
-        ref = _Memcpy(total_bytes)
+        ref = Memcpy(total_bytes)
         times, ref_times, tail = [], [], 0
         for rep in range(reps + 1):
             t0 = time.perf_counter()

@@ -6,8 +6,8 @@ shaped like SmolLM2-135M, one piece per layer, each size's payload made once in 
 timed send leaves torch's OpenMP threads spinning on the transfer's cores). Time runs from the first send_layer to
 the receiver's DONE (perf_counter is system-wide on Linux). Sinks copy into a preallocated cache single-threaded, as
 the raw ZeroMQ reference does (no header, checksum, handshake or ack). Figures: medians of --reps after a warm-up;
-memcpy is timed after each of a row's transfers (`ratio_vs_memcpy`: a shared box's load hits both); `ring-ceiling`
-(bench/ring_ceiling.py) is shm's no-protocol ceiling.
+memcpy (bench/memcpy.py) is timed after each of a row's transfers (`ratio_vs_memcpy`: a shared box's load hits
+both); `ring-ceiling` (bench/ring_ceiling.py) is shm's no-protocol ceiling.
 
     python -m bench.transfer_bench            # prints one JSON object
     python -m bench.transfer_bench --overlap  # plus bench/overlap_bench.py's figures under "overlap" (minutes)
@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from bench import ring_ceiling
+from bench.memcpy import Memcpy, copy_bytes
 from bench.options import add_transfer_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from transfer.base import make_receiver, make_sender
 from transfer.config import TransferConfig
@@ -143,11 +144,6 @@ class _Cache:
         np.copyto(self.v_bytes[layer][span], v.view(torch.int16).numpy().reshape(-1))
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Single-threaded memcpy (numpy's, GIL released)."""
-    np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
-
-
 def _wait_done(r: Any, tid: str, timeout_s: float = 60) -> str:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -167,30 +163,13 @@ def _raw_receive(sock: zmq.Socket, cache: _Cache, timeout_s: float = 60) -> None
         if not sock.poll(100):
             continue
         _, kf, vf = sock.recv_multipart(copy=False)
-        _copy(cache.k[layer], torch.frombuffer(kf.buffer, dtype=torch.uint8))
-        _copy(cache.v[layer], torch.frombuffer(vf.buffer, dtype=torch.uint8))
+        copy_bytes(cache.k[layer], torch.frombuffer(kf.buffer, dtype=torch.uint8))
+        copy_bytes(cache.v[layer], torch.frombuffer(vf.buffer, dtype=torch.uint8))
         layer += 1
 
 
-class _Memcpy:
-    """The reference copy of one size: the faster of torch's copy_ (both cores when free) and one single-threaded
-    memcpy (torch's parallel copy loses most under load)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        self.dst = torch.empty_like(self.src)
-        self.dst.copy_(self.src)
-
-    def once(self) -> float:
-        t0 = time.perf_counter()
-        self.dst.copy_(self.src)
-        t1 = time.perf_counter()
-        _copy(self.dst, self.src)
-        return min(t1 - t0, time.perf_counter() - t1)
-
-
 def _memcpy(nbytes: int, reps: int) -> float:
-    ref = _Memcpy(nbytes)
+    ref = Memcpy(nbytes)
     return nbytes / statistics.median(ref.once() for _ in range(reps)) / 1e9
 
 
@@ -208,7 +187,7 @@ def _local(n: int, reps: int) -> dict[str, Any]:
     cache = _Cache(n, parallel=True)
     r = make_receiver("local", FP, cache.sink, f"local://bench-{n}")
     s = make_sender("local", FP)
-    kv, times, ref_times, ref = _kv(n), [], [], _Memcpy(nbytes)
+    kv, times, ref_times, ref = _kv(n), [], [], Memcpy(nbytes)
     try:
         for i in range(reps + 1):
             tid = f"l{i}"
@@ -328,7 +307,7 @@ def _row(
     r = make_receiver(_transport(backend), FP, cache.sink, addr, cfg, segment)
     raw = _RawReceiver(zctx, backend, tmp, n) if backend.startswith("zmq") else None
     times, raw_times, ref_times, cpu = [], [], [], []
-    ref = _Memcpy(nbytes)
+    ref = Memcpy(nbytes)
     try:
         # interleaved with memcpy and the raw reference rep by rep, so machine noise hits all alike
         for i in range(args.reps + 1):
