@@ -4,7 +4,9 @@ batch 1 against llama.cpp on the same F32 weights when llama-cpp-python is insta
 Both sides run the same prompts (equal lengths: ``generate`` needs no padding) on the same weights. Decode tokens/s
 is ``(t(N tokens) - t(1 token)) / (batch * (N - 1))`` for both, so prefill and start-up are subtracted, not guessed.
 Each figure is the median of ``--repeats`` runs after a warm-up, reported as a ratio against transformers in the
-same run because this machine is shared.
+same run because this machine is shared. ``interleaved_medians`` and ``decode_rates`` are the timing rules the
+experiments that measure the engine (benchmarks/speculative_bench.py, kv_quant_bench.py, model_families_bench.py)
+take from here.
 """
 
 from __future__ import annotations
@@ -50,13 +52,6 @@ def decode_rates(times: dict[str, float], names: list[str], tokens: int) -> dict
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    if args.speculative:
-        from bench.speculative_bench import run as run_speculative
-
-        args.output_len = args.output_len or 96
-        return run_speculative(args)
-    args.batch_sizes = args.batch_sizes or "1,8,32"
-    args.output_len = args.output_len or 32
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = EngineConfig(
         model=args.model,

@@ -1,20 +1,20 @@
-"""Command-line options of the benchmarks whose modules are heavy to import (torch, the transfer layer, the cluster).
+"""Command-line options of the product's benchmarks whose modules are heavy to import: the hardware self-checks
+(``pdserve bench engine``, ``bench transfer``) and the load tester's ``compare`` and ``plot``.
 
 ``pdserve bench ...`` must not import torch, transformers or Ray to list options, so this module imports ``argparse``
-and ``pathlib`` only (light benchmarks such as ``detok_bench`` declare their own); each benchmark imports its function
-as ``add_arguments``. pdserve's own values are plain here, checked by ``tests/bench/loadtest/test_imports.py``.
+and the load tester's options only; each benchmark imports its function as ``add_arguments``. The experiments'
+options (benchmarks/options.py) are declared outside the package. pdserve's own values are plain here, checked by
+``tests/bench/loadtest/test_imports.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from bench.loadtest.options import PDSERVE_DEFAULT_MODEL, add_workload_arguments
 
 TRANSFER_BACKENDS = ("zmq-tcp", "zmq-ipc", "shm", "shm-direct", "gloo", "local")
 COMPARE_MODES = ("colocated", "disaggregated")
-LOCAL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
 def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +22,9 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=PDSERVE_DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None, help="default: cuda when torch sees a GPU, else cpu")
-    parser.add_argument("--batch-sizes", default=None, help="default: 1,8,32 (with --speculative: 1,8)")
+    parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=None, help="default: 32 (with --speculative: 96)")
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--prefill-prompts", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
@@ -35,33 +35,10 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU: skip the compiled decode step's row (compile_decode_batches: one compile per batch size, ~35 s)",
     )
-    parser.add_argument(
-        "--speculative",
-        choices=["ngram"],
-        default=None,
-        help="measure speculative decoding instead (bench/speculative_bench.py): against the same engine without "
-        "it, transformers' prompt lookup and plain generate, on grounded and random prompts",
-    )
-    parser.add_argument("--num-spec-tokens", type=int, default=4, help="with --speculative: proposed tokens per step")
-    parser.add_argument("--ngram-max", type=int, default=3, help="with --speculative: the longest n-gram looked up")
-    parser.add_argument("--batch1-prompts", type=int, default=4, help="with --speculative: prompts run one at a time")
-    parser.add_argument(
-        "--compile-batches",
-        default=None,
-        help="with --speculative: the engine's compile_decode_batches (e.g. 1,2,4,8,16: a verification's tokens are "
-        "rows of the compiled step); default: eager",
-    )
-    parser.add_argument(
-        "--prompt-sets",
-        default="grounded,random,random_sampled",
-        help="with --speculative: which prompt sets to run (bench/speculative_bench.py)",
-    )
 
 
 def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench transfer`` (``bench/transfer_bench.py``), with the overlap options under ``--overlap-``."""
-    from bench import overlap_bench  # light: its heavy imports are inside run()
-
+    """``pdserve bench transfer`` (``bench/transfer_bench.py``)."""
     parser.add_argument(
         "--sizes-mib",
         type=float,
@@ -72,44 +49,6 @@ def add_transfer_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", nargs="+", default=list(TRANSFER_BACKENDS), choices=TRANSFER_BACKENDS)
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--no-checksum", action="store_true", help="disable xxh3 frame checksums")
-    parser.add_argument(
-        "--overlap",
-        action="store_true",
-        help="also start the served cluster (SmolLM2) and measure how much of the transfer streaming "
-        "hides behind the prefill, and the int8 wire check (takes minutes)",
-    )
-    overlap_bench.add_arguments(parser, prefix="overlap-")
-    parser.add_argument(
-        "--degrees",
-        default=None,
-        metavar="P:D,...",
-        help="instead: the KV hand-off from a prefill engine of P tensor-parallel ranks to a decode engine of D "
-        "(bench/tp_handoff_bench.py), e.g. 1:1,2:1,1:2,2:2",
-    )
-    parser.add_argument("--handoff-backend", default="zmq", choices=["zmq", "shm", "gloo"], help="with --degrees")
-    parser.add_argument("--requests", type=int, default=4, help="with --degrees: prompts prefilled per step")
-    parser.add_argument("--prompt-len", type=int, default=256, help="with --degrees: tokens per prompt")
-
-
-def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench chaos`` (``bench/chaos.py``)."""
-    parser.add_argument("--config", default=str(LOCAL_CONFIG))
-    parser.add_argument("--model", default=None, help="override model.name")
-    parser.add_argument("--prefill-replicas", type=int, default=None, help="override pools.prefill.replicas")
-    parser.add_argument("--decode-replicas", type=int, default=None, help="override pools.decode.replicas")
-    parser.add_argument(
-        "--in-process",
-        action="store_true",
-        help="workers as threads of this process (no Ray); a kill stops one dead, nothing restarts it",
-    )
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the router's per-request deadline")
-    parser.add_argument("--kill-decode-at", type=float, default=0.25, help="fraction of requests done")
-    parser.add_argument("--kill-prefill-at", type=float, default=0.6, help="fraction of requests done")
-    parser.add_argument("--settle-timeout-s", type=float, default=90.0)
-    parser.add_argument("--json", action="store_true")
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,218 +61,3 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve bench plot`` (``bench/loadtest/plots.py``)."""
     parser.add_argument("result_dir", help="a folder written by `pdserve bench serve` or `pdserve bench compare`")
-
-
-def add_routing_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench routing`` (``bench/routing_bench.py``)."""
-    parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
-    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
-    parser.add_argument("--workload", choices=("shared-prefix", "multi-turn", "both"), default="both")
-    parser.add_argument(
-        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
-    )
-    parser.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=2,
-        help="closed loop: requests (multi-turn: conversations) in flight; default: one per prefill worker",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="the same requests, in the same order, in both runs")
-    group = parser.add_argument_group("shared-prefix workload")
-    group.add_argument("--prefix-groups", type=int, default=4, help="groups, each with its own shared prefix")
-    group.add_argument("--prefix-len", type=int, default=768, help="tokens of each group's prefix")
-    group.add_argument("--question-len", type=int, default=32, help="tokens each request adds to its prefix")
-    group.add_argument("--num-prompts", type=int, default=32)
-    group.add_argument("--output-len", type=int, default=8, help="output tokens per request (ignore_eos)")
-    group.add_argument(
-        "--prefill-kv-blocks",
-        type=int,
-        default=None,
-        help="KV blocks per prefill worker; default: the prefixes of half the groups plus room for the requests "
-        "in flight (so all the prefixes do not fit one worker, half of them do)",
-    )
-    group = parser.add_argument_group("multi-turn workload")
-    group.add_argument("--num-conversations", type=int, default=8)
-    group.add_argument("--num-turns", type=int, default=4)
-    group.add_argument(
-        "--system-len",
-        type=int,
-        default=256,
-        help="tokens of a system prompt every conversation starts with (0: none)",
-    )
-    group.add_argument("--user-len", type=int, default=32, help="tokens of each user message on its own")
-    group.add_argument("--turn-output-len", type=int, default=96, help="max_tokens of each answer")
-    group.add_argument(
-        "--think-time-s",
-        type=float,
-        default=1.0,
-        help="mean seconds between an answer and the next turn (exponential: users out of step, as in life)",
-    )
-    parser.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=None,
-        help="router.local_prefill_max_tokens of the kv_aware run (conditional disaggregation); default: 128 for "
-        "multi-turn, 0 for shared-prefix (so that its prefill routing is what is measured); the baseline has 0",
-    )
-    parser.add_argument(
-        "--prefix-weight", type=float, default=None, help="router.kv_aware.prefix_weight of the kv_aware run"
-    )
-    parser.add_argument(
-        "--load-weight", type=float, default=None, help="router.kv_aware.load_weight of the kv_aware run"
-    )
-    parser.add_argument("--request-timeout-s", type=float, default=300.0)
-    parser.add_argument("--result-dir", default=None, help="per-request records; default: results/<timestamp>")
-    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
-
-
-def add_model_families_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench models`` (``bench/model_families_bench.py``)."""
-    parser.add_argument(
-        "--families",
-        default=None,
-        metavar="A,B,...",
-        help="tiny-model families (engine/tiny_model.py's TINY_ARCHITECTURES); default: all of them",
-    )
-    parser.add_argument(
-        "--model-types",
-        default="",
-        metavar="T1,T2,...",
-        help="also any other transformers model_type, built with the tiny models' sizes (refusals are rows too)",
-    )
-    parser.add_argument("--prompts", type=int, default=3, help="prompts compared token by token with transformers")
-    parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt, both parts")
-    parser.add_argument("--batch", type=int, default=8, help="equal-length prompts of the decode-speed batch")
-    parser.add_argument("--input-len", type=int, default=32, help="tokens of each prompt of the speed batch")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median reported)")
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=1,
-        help="torch threads while it runs: a tiny model gains nothing from more, and on a busy machine threads "
-        "that wait for a core slow every step by orders of magnitude",
-    )
-    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
-
-
-def add_kv_cache_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench kv-cache`` (``bench/kv_quant_bench.py``)."""
-    parser.add_argument("--model", default=PDSERVE_DEFAULT_MODEL)
-    parser.add_argument("--dtypes", default="int8,fp8_e4m3", help="quantized cache dtypes, compared with auto")
-    parser.add_argument("--prompts", type=int, default=50)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="decode batch of the speed figure")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print only the JSON object")
-
-
-def add_kv_tiers_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench kv-tiers`` (``bench/kv_tiers_bench.py``)."""
-    parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
-    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
-    parser.add_argument(
-        "--mode",
-        choices=COMPARE_MODES,
-        default="disaggregated",
-        help="disaggregated: 1 prefill + 1 decode worker; colocated: 1 worker",
-    )
-    parser.add_argument(
-        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
-    )
-    parser.add_argument("--max-concurrency", type=int, default=1, help="closed loop: requests in flight")
-    parser.add_argument("--seed", type=int, default=0, help="the same requests, in the same order, in every run")
-    parser.add_argument("--tenants", type=int, default=8, help="tenants, each with its own system prompt")
-    parser.add_argument("--prefix-len", type=int, default=512, help="tokens of each tenant's system prompt")
-    parser.add_argument("--question-len", type=int, default=32, help="tokens each request adds to its prefix")
-    parser.add_argument("--output-len", type=int, default=4, help="output tokens per request (ignore_eos)")
-    parser.add_argument(
-        "--num-prompts", type=int, default=24, help="measured requests per run, tenants in turn (after the warm-up)"
-    )
-    parser.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=64,
-        help="device KV blocks per worker; the tenants' prompts should take at least 4x that",
-    )
-    parser.add_argument(
-        "--host-memory-mb",
-        type=int,
-        default=None,
-        help="the with-tiers run's host tier; default: every tenant's prefix and every request's own blocks, +25%%",
-    )
-    parser.add_argument("--disk-mb", type=int, default=None, help="each disk tier's bound; default: as the host tier")
-    parser.add_argument(
-        "--restart-requests",
-        type=int,
-        default=4,
-        help="requests measured after the restart, on the tenants whose prefixes left the device first (0: no "
-        "restart measurement)",
-    )
-    parser.add_argument("--request-timeout-s", type=float, default=300.0)
-    parser.add_argument("--result-dir", default=None, help="per-request records; default: results/<timestamp>")
-    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
-
-
-def add_migration_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench migrate`` (``bench/migration_bench.py``)."""
-    parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
-    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
-    parser.add_argument(
-        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
-    )
-    parser.add_argument("--parts", choices=("drain", "rebalance", "both"), default="both")
-    parser.add_argument("--seed", type=int, default=0, help="the same prompts in every run")
-    parser.add_argument("--request-timeout-s", type=float, default=3600.0, help="the router's per-request deadline")
-    group = parser.add_argument_group("drain: one decode worker's streams, drained by migration vs by waiting")
-    group.add_argument("--streams", type=int, default=16, help="running generations on the drained worker")
-    group.add_argument(
-        "--max-tokens",
-        type=int,
-        default=256,
-        help="tokens each stream generates (greedy, ignore_eos; the issue asks 1000: minutes per run on 2 cores)",
-    )
-    group.add_argument("--prompt-len", type=int, default=64, help="tokens of each stream's prompt")
-    group.add_argument(
-        "--tokens-before-move",
-        type=int,
-        default=8,
-        help="every stream has this many tokens before the second decode worker is added",
-    )
-    group.add_argument(
-        "--window-s",
-        type=float,
-        default=10.0,
-        help="ITL windows: the streams' last seconds before the drain, and the drain plus as long after it",
-    )
-    group.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=None,
-        help="KV blocks per decode worker; default: every stream to its end on one worker, +10%%",
-    )
-    group = parser.add_argument_group("rebalance: a skewed load, rebalancing off vs on")
-    group.add_argument(
-        "--long-requests",
-        type=int,
-        default=8,
-        help="long generations, each followed by a short one: round_robin puts every long one on one decode worker",
-    )
-    group.add_argument("--long-tokens", type=int, default=256, help="tokens of each long generation")
-    group.add_argument("--short-tokens", type=int, default=16, help="tokens of each short generation")
-    group.add_argument("--rebalance-prompt-len", type=int, default=16, help="tokens of every prompt")
-    group.add_argument(
-        "--rebalance-kv-blocks",
-        type=int,
-        default=96,
-        help="KV blocks per decode worker: the long ones' prompts fit one worker, their ends do not",
-    )
-    group.add_argument("--max-moves-per-worker", type=int, default=1, help="router.rebalance.max_moves_per_worker")
-    group.add_argument(
-        "--send-gap-s",
-        type=float,
-        default=0.5,
-        help="between two requests' sends, in order (time for the prefill worker to keep up: TTFT is not the point)",
-    )
-    group.add_argument("--slo-ttft-s", type=float, default=None, help="goodput's TTFT bound; default: config's slo")
-    group.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput's TPOT bound; default: config's slo")
-    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")

@@ -7,10 +7,11 @@ timed send leaves torch's OpenMP threads spinning on the transfer's cores). Time
 the receiver's DONE (perf_counter is system-wide on Linux). Sinks copy into a preallocated cache single-threaded, as
 the raw ZeroMQ reference does (no header, checksum, handshake or ack). Figures: medians of --reps after a warm-up;
 memcpy (bench/memcpy.py) is timed after each of a row's transfers (`ratio_vs_memcpy`: a shared box's load hits
-both); `ring-ceiling` (bench/ring_ceiling.py) is shm's no-protocol ceiling.
+both); `ring-ceiling` (bench/ring_ceiling.py) is shm's no-protocol ceiling. How much of a transfer streaming hides
+behind the prefill is an experiment of its own (`pdserve bench overlap`), as is the hand-off between tensor-parallel
+engines (`pdserve bench tp-handoff`).
 
     python -m bench.transfer_bench            # prints one JSON object
-    python -m bench.transfer_bench --overlap  # plus bench/overlap_bench.py's figures under "overlap" (minutes)
 """
 
 from __future__ import annotations
@@ -215,19 +216,6 @@ def _local(n: int, reps: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "degrees", None):
-        from bench.tp_handoff_bench import run_degrees
-
-        return run_degrees(args)
-    out = _run_transfer(args)
-    if getattr(args, "overlap", False):
-        from bench import overlap_bench
-
-        out["overlap"] = overlap_bench.run(args, prefix="overlap-")
-    return out
-
-
-def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     sizes = {m: _blocks(m) for m in args.sizes_mib}
     out: dict[str, Any] = {
         "kv": {

@@ -2,19 +2,26 @@
 
 ``pdserve --help`` and ``pdserve status`` must start at once without torch, so this module imports the standard
 library only: each subcommand names its module as a string, imported when it runs, and a benchmark's options come
-from a light module (``bench/options.py``, ``bench/loadtest/options.py`` or the benchmark itself), declared only when
-that benchmark is the command being parsed (``LazyOptionsParser``).
+from a light module (``bench/options.py``, ``bench/loadtest/options.py``, ``benchmarks/options.py`` or the benchmark
+itself), declared only when that benchmark is the command being parsed (``LazyOptionsParser``).
+
+``pdserve bench`` runs the product's benchmarks (``BENCHMARKS``: the load tester and the hardware self-checks, in the
+package) and the experiments behind docs/benchmarks*.md (``EXPERIMENTS``: benchmarks/, a folder of the source
+checkout that the package does not hold). ``_experiment`` is the product's one import of benchmarks/.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd
@@ -38,28 +45,54 @@ BENCHMARKS: list[tuple[str, str, str, str, str]] = [
      "load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)"),
     ("compare", "bench.options", "add_compare_arguments", "bench.compare_modes",
      "the same load against colocated and disaggregated mode"),
-    ("tp", "bench.tp_bench", "add_arguments", "bench.tp_bench",
-     "prefill and decode step time per tensor-parallel degree, same total threads (CPU: correctness, not speed)"),
     ("plot", "bench.options", "add_plot_arguments", "bench.loadtest.plots",
      "redraw a results folder's plots (serve, compare) from its summary.json and requests.jsonl"),
-    ("routing", "bench.options", "add_routing_bench_arguments", "bench.routing_bench",
+]
+# The experiments, the same columns with module names inside benchmarks/ (source checkout only: ``_experiment``)
+EXPERIMENTS: list[tuple[str, str, str, str, str]] = [
+    ("tp", "tp_bench", "add_arguments", "tp_bench",
+     "prefill and decode step time per tensor-parallel degree, same total threads (CPU: correctness, not speed)"),
+    ("tp-handoff", "options", "add_tp_handoff_bench_arguments", "tp_handoff_bench",
+     "the KV hand-off from a prefill engine of P tensor-parallel ranks to a decode engine of D"),
+    ("overlap", "overlap_bench", "add_arguments", "overlap_bench",
+     "how much of the KV transfer streaming hides behind the prefill (served cluster), and the int8 wire check"),
+    ("speculative", "options", "add_speculative_bench_arguments", "speculative_bench",
+     "n-gram speculative decoding vs none, transformers' prompt lookup and generate"),
+    ("routing", "options", "add_routing_bench_arguments", "routing_bench",
      "kv_aware routing and prefix reuse vs least_loaded: TTFT, KV bytes per request, prefix hit rate"),
-    ("chaos", "bench.options", "add_chaos_arguments", "bench.chaos",
+    ("chaos", "options", "add_chaos_arguments", "chaos",
      "load while killing workers: lost requests and held KV must be 0"),
-    ("detok", "bench.detok_bench", "add_arguments", "bench.detok_bench",
+    ("detok", "detok_bench", "add_arguments", "detok_bench",
      "incremental detokenizer: microseconds per token vs stream length, against full re-decoding"),
-    ("frontend", "bench.frontend_bench", "add_arguments", "bench.frontend_bench",
+    ("frontend", "frontend_bench", "add_arguments", "frontend_bench",
      "streamed tokens per router CPU-second: tiny-model cluster, 64 streams"),
-    ("models", "bench.options", "add_model_families_bench_arguments", "bench.model_families_bench",
+    ("models", "options", "add_model_families_bench_arguments", "model_families_bench",
      "every model family on tiny random weights: token-exact vs transformers, features, KV bytes, decode tokens/s"),
-    ("kv-cache", "bench.options", "add_kv_cache_bench_arguments", "bench.kv_quant_bench",
+    ("kv-cache", "options", "add_kv_cache_bench_arguments", "kv_quant_bench",
      "quantized KV cache (int8, fp8_e4m3) against the model's dtype: tokens per GiB, greedy agreement, decode speed"),
-    ("kv-tiers", "bench.options", "add_kv_tiers_bench_arguments", "bench.kv_tiers_bench",
+    ("kv-tiers", "options", "add_kv_tiers_bench_arguments", "kv_tiers_bench",
      "KV tiers (host memory, disk) vs none under a multi-tenant shared-prefix load: TTFT, hit rate, a restart"),
-    ("migrate", "bench.options", "add_migration_bench_arguments", "bench.migration_bench",
+    ("migrate", "options", "add_migration_bench_arguments", "migration_bench",
      "live migration: a decode worker's streams drained by moving vs by waiting; rebalancing vs preemption"),
 ]
 # fmt: on
+# the source checkout this cli/ runs from (an editable install's, or the working directory's); in an installed wheel
+# it is site-packages, which holds no benchmarks/
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+class NoCheckout(Exception):
+    """An experiment was asked for where no source checkout holds benchmarks/ (an installed wheel)."""
+
+
+def _experiment(module: str) -> ModuleType:
+    """``benchmarks.<module>`` of the source checkout: the one import of benchmarks/ in the product, made only when
+    an experiment's subcommand is parsed or run (tests/test_layers.py holds every other module to none)."""
+    if not (CHECKOUT / "pyproject.toml").is_file() or not (CHECKOUT / "benchmarks" / "__init__.py").is_file():
+        raise NoCheckout(str(CHECKOUT))
+    if str(CHECKOUT) not in sys.path:  # first: this checkout's benchmarks/, in processes it spawns too
+        sys.path.insert(0, str(CHECKOUT))
+    return importlib.import_module(f"benchmarks.{module}")
 
 
 class LazyOptionsParser(argparse.ArgumentParser):
@@ -99,22 +132,32 @@ def _call(module_name: str, function: str) -> Command:
     return run
 
 
-def _benchmark(module_name: str) -> Command:
+def _benchmark(load: Callable[[], ModuleType]) -> Command:
     """A benchmark command: ``module.run(args)`` returns a dict, printed as JSON (one line with ``--json``)."""
 
     def run(args: argparse.Namespace) -> int:
-        result = importlib.import_module(module_name).run(args)
+        result = load().run(args)
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
 
     return run
 
 
-def _options(module_name: str, function: str) -> Callable[[argparse.ArgumentParser], None]:
+def _options(
+    load: Callable[[], ModuleType], function: str, run_module: str
+) -> Callable[[argparse.ArgumentParser], None]:
     """Every benchmark takes ``--json``, whether or not its options module declares it."""
 
     def declare(parser: argparse.ArgumentParser) -> None:
-        getattr(importlib.import_module(module_name), function)(parser)
+        try:
+            module = load()
+        except NoCheckout as exc:
+            parser.error(
+                f"an experiment of pdserve's source checkout (benchmarks/{run_module}.py), which this installation "
+                f"({exc}) does not hold: run it from a checkout of the repository, as `{parser.prog}` or "
+                f"`python -m benchmarks.{run_module}` from its root"
+            )
+        getattr(module, function)(parser)
         if not any(action.dest == "json" for action in parser._actions):
             parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
 
@@ -122,11 +165,22 @@ def _options(module_name: str, function: str) -> Callable[[argparse.ArgumentPars
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks that print JSON")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks that print JSON",
+        description="The load tester and hardware self-checks (engine, transfer, serve, compare, plot), and the "
+        "experiments behind docs/benchmarks*.md (the others: from a source checkout only, benchmarks/).",
+    )
     benchmarks = bench.add_subparsers(dest="bench_command", required=True, parser_class=LazyOptionsParser)
-    for name, options_module, options_function, run_module, help_text in BENCHMARKS:
-        parser = benchmarks.add_parser(name, help=help_text, declare=_options(options_module, options_function))
-        parser.set_defaults(func=_benchmark(run_module))
+    loaders: list[tuple[list[tuple[str, str, str, str, str]], Callable[[str], ModuleType]]] = [
+        (BENCHMARKS, importlib.import_module),
+        (EXPERIMENTS, _experiment),
+    ]
+    for table, load in loaders:
+        for name, options_module, options_function, run_module, help_text in table:
+            declare = _options(functools.partial(load, options_module), options_function, run_module)
+            parser = benchmarks.add_parser(name, help=help_text, declare=declare)
+            parser.set_defaults(func=_benchmark(functools.partial(load, run_module)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,29 +37,3 @@ def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):
     assert "ratio_vs_llama_cpp" not in result["decode"]["1"] and isinstance(result["llama_cpp"], str)
     assert result["prefill"]["pdserve_tokens_per_s"] > 0
     assert result["torch_threads"] >= 1
-
-
-def test_speculative_engine_bench_prints_the_figures(tiny_llama_path, capsys):
-    args = ["bench", "engine", "--json", "--model", str(tiny_llama_path), "--speculative", "ngram"]
-    args += [
-        "--batch-sizes",
-        "1,2",
-        "--output-len",
-        "6",
-        "--input-len",
-        "12",
-        "--repeats",
-        "1",
-        "--batch1-prompts",
-        "2",
-    ]
-    assert main(args) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["speculative"] == {"method": "ngram", "num_tokens": 4, "ngram_max": 3}
-    for prompt_set in ("grounded", "random", "random_sampled"):
-        for size in ("1", "2"):
-            figures = result[prompt_set][size]
-            for name in ("pdserve_speculative", "pdserve", "transformers_prompt_lookup", "transformers"):
-                assert figures[f"{name}_decode_tokens_per_s"] > 0
-            assert figures["speculative_answers_identical"] is True  # speculation never changes a greedy answer
-            assert 0.0 <= figures["acceptance_rate"] <= 1.0 and figures["answer_tokens"] > 0

@@ -15,11 +15,16 @@ import sys
 
 import pytest
 
-from cli.main import BENCHMARKS
+from cli.main import BENCHMARKS, EXPERIMENTS
 from tests.helpers.imports import ROOT
 
 HEAVY = {"torch", "transformers", "ray"}
 BELOW_CLI = {"bench", "planner", "cluster", "prefill", "decode", "worker", "engine", "transfer"}
+OUTSIDE = {"benchmarks", "checks"}  # the source checkout's experiments and acceptance checks: not the product
+# every `pdserve bench` subcommand: (name, options module, run module), the experiments' with their package's name
+BENCH_COMMANDS = [(name, options, run) for name, options, _, run, _ in BENCHMARKS] + [
+    (name, f"benchmarks.{options}", f"benchmarks.{run}") for name, options, _, run, _ in EXPERIMENTS
+]
 
 
 def _env() -> dict[str, str]:
@@ -72,8 +77,8 @@ def test_help_imports_nothing_below_the_cli(tmp_path, argv):
     proc, modules = run_cli(tmp_path, *argv)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: pdserve")
-    assert not top_level(modules) & (HEAVY | BELOW_CLI), sorted(
-        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI
+    assert not top_level(modules) & (HEAVY | BELOW_CLI | OUTSIDE), sorted(
+        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI | OUTSIDE
     )
 
 
@@ -97,21 +102,45 @@ def test_parsing_every_non_bench_command_imports_nothing_below_the_cli():
     assert not loaded & (HEAVY | BELOW_CLI), sorted(loaded & (HEAVY | BELOW_CLI))
 
 
-@pytest.mark.parametrize(
-    ("name", "options_module", "run_module"),
-    [(name, options_module, run_module) for name, options_module, _, run_module, _ in BENCHMARKS],
-)
+@pytest.mark.parametrize(("name", "options_module", "run_module"), BENCH_COMMANDS)
 def test_a_benchmarks_options_are_declared_without_torch_or_the_cluster(tmp_path, name, options_module, run_module):
-    """``pdserve bench NAME --help`` imports the light module declaring the options, not the benchmark itself."""
+    """``pdserve bench NAME --help`` imports the light module declaring the options, not the benchmark itself; a
+    product benchmark's, nothing of the experiments (benchmarks/) or the acceptance checks (checks/)."""
     proc, modules = run_cli(tmp_path, "bench", name, "--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(f"usage: pdserve bench {name}") and "--json" in proc.stdout
     assert options_module in modules
     if run_module != options_module:
         assert run_module not in modules
-    assert not top_level(modules) & (HEAVY | BELOW_CLI - {"bench"}), sorted(
-        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI - {"bench"}
+    outside = OUTSIDE - {"benchmarks"} if options_module.startswith("benchmarks.") else OUTSIDE
+    assert not top_level(modules) & (HEAVY | BELOW_CLI - {"bench"} | outside), sorted(
+        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI - {"bench"} | outside
     )
+
+
+def test_every_experiment_is_a_bench_subcommand_and_runs_as_a_module():
+    """Each experiment's run module is in benchmarks/ and runs as ``python -m benchmarks.<module>`` too."""
+    assert {name for name, _, _ in BENCH_COMMANDS} >= {"chaos", "migrate", "speculative", "overlap", "tp-handoff"}
+    assert not {name for name, *_ in BENCHMARKS} & {name for name, *_ in EXPERIMENTS}
+    for _, _, _, run_module, _ in EXPERIMENTS:
+        source = (ROOT / "benchmarks" / f"{run_module}.py").read_text()
+        assert 'if __name__ == "__main__":' in source, run_module
+
+
+def test_an_experiment_outside_a_source_checkout_is_a_clear_error(tmp_path):
+    """An installed wheel holds no benchmarks/: ``pdserve bench chaos`` says to run it from a checkout."""
+    code = (
+        "import pathlib, sys\n"
+        "import cli.main as m\n"
+        f"m.CHECKOUT = pathlib.Path({str(tmp_path)!r})\n"
+        "sys.exit(m.main(['bench', 'chaos', '--json']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "source checkout (benchmarks/chaos.py)" in proc.stderr
+    assert "`pdserve bench chaos` or `python -m benchmarks.chaos`" in proc.stderr
 
 
 def test_only_the_chosen_benchmarks_options_are_declared():
@@ -128,8 +157,8 @@ def test_only_the_chosen_benchmarks_options_are_declared():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["lengths"] == "10" and out["json"] is True
-    bench_modules = {m for m in out["modules"] if m.split(".")[0] == "bench"}
-    assert bench_modules == {"bench", "bench.detok_bench"}
+    bench_modules = {m for m in out["modules"] if m.split(".")[0] in ("bench", "benchmarks")}
+    assert bench_modules == {"benchmarks", "benchmarks.detok_bench"}
     assert not top_level(set(out["modules"])) & HEAVY
 
 

@@ -139,9 +139,9 @@ def test_prefill_death_retries_queued_requests_elsewhere(ray_local, tiny_llama_p
         handle.stop()
 
 
-@pytest.mark.e2e  # the chaos bench on Ray: `make test-e2e` (in-process: tests/bench/test_chaos.py)
+@pytest.mark.e2e  # the chaos bench on Ray: `make test-e2e` (in-process: tests/benchmarks/test_chaos.py)
 def test_chaos_bench_loses_nothing_and_leaks_nothing(ray_local, tiny_llama_path, tmp_path, capsys):
-    from bench import chaos
+    from benchmarks import chaos
 
     config_path = tmp_path / "chaos.yaml"
     config_path.write_text(

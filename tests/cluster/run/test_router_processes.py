@@ -28,7 +28,7 @@ import pytest
 import yaml
 import zmq
 
-from bench.serve_process import process_running
+from benchmarks.serve_process import process_running
 from engine.config import EngineConfig
 from engine.request import SamplingParams
 from tests.helpers.cluster import metric_value, wait_all_kv_free

@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from bench.serve_process import process_running
+from benchmarks.serve_process import process_running
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

@@ -10,19 +10,20 @@ having the whole KV) is the transfer *not* hidden; ``hidden_fraction = 1 - media
 cluster); the first differing token is found by re-tokenizing both texts. Wire bytes: the decode worker's
 ``transfer_bytes`` (GET /status).
 
-    python -m bench.overlap_bench [--int8-check] [--no-overlap]     # prints one JSON object
-    pdserve bench transfer --overlap --json                          # the transfer bench plus these figures
+    python -m benchmarks.overlap_bench [--int8-check] [--no-overlap]  # prints one JSON object
+    pdserve bench overlap [--int8-check] [--json]                     # the same
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from typing import Any
+
+from benchmarks.options import main
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -48,56 +49,33 @@ CHAT_PROMPTS = [
 ]
 
 
-def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    """The overlap options. ``prefix`` (e.g. "overlap-") namespaces them when another bench embeds this one."""
-    p = prefix
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        f"--{p}config",
-        dest=f"{p.replace('-', '_')}config",
+        "--config",
         default="local",
         help="cluster config the runs start from: a path or a shipped name (default: local)",
     )
-    if not p:
-        parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
-    parser.add_argument(f"--{p}prompt-tokens", dest=f"{p.replace('-', '_')}prompt_tokens", type=int, default=1024)
+    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument(
-        f"--{p}reps",
-        dest=f"{p.replace('-', '_')}reps",
-        type=int,
-        default=5,
-        help="timed requests per mode (median reported), after one discarded warm-up",
+        "--reps", type=int, default=5, help="timed requests per mode (median reported), after one discarded warm-up"
     )
-    parser.add_argument(f"--{p}max-tokens", dest=f"{p.replace('-', '_')}max_tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument(
-        f"--{p}prefill-chunk",
-        dest=f"{p.replace('-', '_')}prefill_chunk",
+        "--prefill-chunk",
         type=int,
         default=None,
         help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's",
     )
-    if not p:
-        parser.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
-    if p:
-        parser.add_argument(
-            f"--{p}no-int8",
-            dest=f"{p.replace('-', '_')}no_int8",
-            action="store_true",
-            help="skip the int8 wire check (raw vs int8 greedy outputs)",
-        )
-    else:
-        parser.add_argument(
-            "--int8-check",
-            action="store_true",
-            help="also compare greedy outputs with kv_wire_dtype raw vs int8 (one more cluster start)",
-        )
+    parser.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
+    parser.add_argument(
+        "--int8-check",
+        action="store_true",
+        help="also compare greedy outputs with kv_wire_dtype raw vs int8 (one more cluster start)",
+    )
     parser.add_argument("--int8-prompts", type=int, default=20, help=f"at most {len(CHAT_PROMPTS)}")
     parser.add_argument("--int8-tokens", type=int, default=64)
-    if not p:
-        parser.add_argument("--json", action="store_true", help="(output is always JSON)")
-
-
-def _get(args: argparse.Namespace, name: str, prefix: str, default: Any = None) -> Any:
-    return getattr(args, f"{prefix.replace('-', '_')}{name}", default)
+    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------
@@ -243,7 +221,7 @@ def _compare_texts(tokenizer, raw: list[str], int8: list[str]) -> dict[str, Any]
     }
 
 
-def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from cluster.config import load_config
@@ -252,19 +230,19 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     from engine.model_loader import load_tokenizer, resolve_model_path
 
     given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file
-    base = given if given is not None else load_config(_get(args, "config", prefix, "local"))
+    base = given if given is not None else load_config(getattr(args, "config", "local"))
     base = base.model_copy(deep=True)
-    if getattr(args, "model", None) and not prefix:
+    if getattr(args, "model", None):
         base.model.name = args.model
     base.router.port = 0
-    chunk = _get(args, "prefill_chunk", prefix)
+    chunk = getattr(args, "prefill_chunk", None)
     if chunk:
         base.pools.prefill.max_batch_tokens = chunk
-    prompt_tokens = _get(args, "prompt_tokens", prefix, 1024)
-    reps = _get(args, "reps", prefix, 5)
-    max_tokens = _get(args, "max_tokens", prefix, 4)
+    prompt_tokens = getattr(args, "prompt_tokens", 1024)
+    reps = getattr(args, "reps", 5)
+    max_tokens = getattr(args, "max_tokens", 4)
     do_overlap = not getattr(args, "no_overlap", False)
-    do_int8 = not _get(args, "no_int8", prefix, False) if prefix else bool(getattr(args, "int8_check", False))
+    do_int8 = bool(getattr(args, "int8_check", False))
 
     model_path = str(resolve_model_path(base.model.name))
     tokenizer = load_tokenizer(model_path)
@@ -362,6 +340,4 @@ def run(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    print(json.dumps(run(ap.parse_args(sys.argv[1:]))))
+    sys.exit(main("python -m benchmarks.overlap_bench", add_arguments, run))

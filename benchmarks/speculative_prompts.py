@@ -77,7 +77,7 @@ def write_jsonl(path: str, output_tokens: int = 96) -> None:
             f.write(json.dumps({"prompt": task, "output_tokens": output_tokens}) + "\n")
 
 
-if __name__ == "__main__":  # python -m bench.speculative_prompts grounded.jsonl
+if __name__ == "__main__":  # python -m benchmarks.speculative_prompts grounded.jsonl
     import sys
 
     write_jsonl(sys.argv[1])

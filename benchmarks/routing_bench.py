@@ -10,7 +10,7 @@ each on a fresh cluster with the same requests in the same order:
 Closed loop at ``--max-concurrency`` (default 2, one per prefill worker; with more, a prefix hit mostly waits behind
 a miss, docs/benchmarks.md section 8). Shared-prefix groups are shuffled and multi-turn think times exponential, so
 least_loaded cannot partition them by accident; each prefill worker's KV holds half the groups' prefixes plus the
-requests in flight (``prefill_sizing``). Figures: ``bench/routing_figures.py``; the goal is TTFT p50 ratio <= 0.5.
+requests in flight (``prefill_sizing``). Figures: ``benchmarks/routing_figures.py``; the goal is TTFT p50 ratio <= 0.5.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from bench.loadtest.cli import Plan, result_folder
 from bench.loadtest.workloads import PromptBuilder
-from bench.options import add_routing_bench_arguments as add_arguments
-from bench.routing_figures import compare, run_figures
-from bench.served_cluster import (
+from benchmarks.options import add_routing_bench_arguments as add_arguments
+from benchmarks.routing_figures import compare, run_figures
+from benchmarks.served_cluster import (
     closed_loop_plan,
     local_ray,
     measure,
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from bench.loadtest.cli import run_main
 
-    return run_main("python -m bench.routing_bench", __doc__.splitlines()[0], add_arguments, run, argv)
+    return run_main("python -m benchmarks.routing_bench", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

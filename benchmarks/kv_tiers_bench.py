@@ -38,9 +38,9 @@ import httpx
 from bench.loadtest.cli import Plan, execute, result_folder
 from bench.loadtest.client import RequestSpec
 from bench.loadtest.workloads import PromptBuilder
-from bench.options import add_kv_tiers_bench_arguments as add_arguments
-from bench.routing_figures import ratio, run_figures, worker_sum
-from bench.served_cluster import (
+from benchmarks.options import add_kv_tiers_bench_arguments as add_arguments
+from benchmarks.routing_figures import ratio, run_figures, worker_sum
+from benchmarks.served_cluster import (
     Snapshot,
     closed_loop_plan,
     local_ray,
@@ -429,7 +429,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from bench.loadtest.cli import run_main
 
-    return run_main("python -m bench.kv_tiers_bench", __doc__.splitlines()[0], add_arguments, run, argv)
+    return run_main("python -m benchmarks.kv_tiers_bench", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

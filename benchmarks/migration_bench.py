@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from bench.options import add_migration_bench_arguments as add_arguments
-from bench.routing_figures import Samples, ratio, router_samples, sample, settle, worker_total
-from bench.served_cluster import local_ray, serving
-from bench.stream_client import Client, Stream
+from benchmarks.options import add_migration_bench_arguments as add_arguments
+from benchmarks.routing_figures import Samples, ratio, router_samples, sample, settle, worker_total
+from benchmarks.served_cluster import local_ray, serving
+from benchmarks.stream_client import Client, Stream
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
@@ -659,7 +659,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from bench.loadtest.cli import run_main
 
-    return run_main("python -m bench.migration_bench", __doc__.splitlines()[0], add_arguments, run, argv)
+    return run_main("python -m benchmarks.migration_bench", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

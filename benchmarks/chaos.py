@@ -16,13 +16,15 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from collections import Counter
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.options import add_chaos_arguments as add_arguments  # noqa: F401 (re-exported, light)
+from benchmarks.options import add_chaos_arguments as add_arguments
+from benchmarks.options import main
 from cluster.config import load_config
 
 PROMPTS = [
@@ -239,3 +241,7 @@ def run(args: argparse.Namespace) -> dict:
         "load_s": round(load_s, 1),
         "settle_s": round(settle_s, 1),
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main("python -m benchmarks.chaos", add_arguments, run))

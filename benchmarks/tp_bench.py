@@ -14,6 +14,8 @@ import random
 import statistics
 import sys
 
+from benchmarks.options import main
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -113,3 +115,7 @@ def run(args: argparse.Namespace) -> dict:
             for d, r in by_degree.items()
         },
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main("python -m benchmarks.tp_bench", add_arguments, run))

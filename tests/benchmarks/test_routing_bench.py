@@ -30,7 +30,7 @@ RUN_KEYS = {
 
 @pytest.fixture(scope="module")
 def bench_out(tiny_llama_path, tmp_path_factory) -> dict:
-    from bench import routing_bench
+    from benchmarks import routing_bench
 
     parser = argparse.ArgumentParser()
     routing_bench.add_arguments(parser)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
 import tempfile
 from collections.abc import Callable, Collection
 from functools import partial
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 
 from bench.engine_bench import decode_rates, interleaved_medians
-from bench.options import add_model_families_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
+from benchmarks.options import add_model_families_bench_arguments as add_arguments
+from benchmarks.options import main
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
@@ -261,3 +263,7 @@ def run(args: argparse.Namespace) -> dict:
             "torch_threads": args.torch_threads,
         },
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main("python -m benchmarks.model_families_bench", add_arguments, run))

@@ -1,23 +1,24 @@
-"""``pdserve bench transfer --degrees``: the KV hand-off from a prefill engine of p ranks to a decode engine of d ranks,
-end to end over a real backend, with every rank's engine left holding nothing (each side checks it before reporting)."""
+"""``pdserve bench tp-handoff --degrees``: the KV hand-off from a prefill engine of p ranks to a decode engine of d
+ranks, end to end over a real backend, with every rank's engine left holding nothing (each side checks it before
+reporting)."""
 
 import argparse
 
 import pytest
 
-from bench import tp_handoff_bench
-from bench.options import add_transfer_bench_arguments
+from benchmarks import tp_handoff_bench
+from benchmarks.options import add_tp_handoff_bench_arguments
 
 
 def _args(*extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_transfer_bench_arguments(parser)
+    add_tp_handoff_bench_arguments(parser)
     return parser.parse_args(["--requests", "1", "--prompt-len", "32", "--reps", "1", *extra])
 
 
 @pytest.mark.e2e
 def test_a_hand_off_across_degrees_moves_every_heads_kv() -> None:
-    out = tp_handoff_bench.run_degrees(_args("--degrees", "2:2"))  # rank 0 gathers, the other rank 0 broadcasts
+    out = tp_handoff_bench.run(_args("--degrees", "2:2"))  # rank 0 gathers, the other rank 0 broadcasts
     assert set(out["pairs"]) == {"2:2"} and out["backend"] == "zmq"
     per_token = 2 * 30 * 4 * 64 * 4  # every KV head of the bench model, float32, whatever the degrees
     for figures in out["pairs"].values():

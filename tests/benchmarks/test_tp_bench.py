@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from bench import tp_bench
+from benchmarks import tp_bench
 
 
 @pytest.mark.e2e  # every degree on the tiny model: `make test-e2e`

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench import kv_quant_bench
+from benchmarks import kv_quant_bench
 
 
 def _args(**overrides) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """What ``pdserve bench routing`` reads from the cluster around a run, and the figures it makes of it.
 
-``bench/routing_bench.py`` starts the clusters and drives the load; this module turns what a cluster reports into
+``benchmarks/routing_bench.py`` starts the clusters and drives the load; this module turns what a cluster reports into
 JSON. Around each run it takes the router's Prometheus samples (``/metrics``) and, once every worker is idle in a
 fresh heartbeat, its ``/status``; ``run_figures`` makes one run's figures from the load tester's summary and the
 counters' deltas (KV bytes, prefix hit rates, routing decisions, what is still held), ``compare`` the kv_aware /

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
-from bench.options import add_kv_cache_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
+from benchmarks.options import add_kv_cache_bench_arguments as add_arguments
+from benchmarks.options import main
 
 TOPICS = [
     "photosynthesis", "the French revolution", "black holes", "compound interest", "the water cycle",
@@ -132,3 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         "decode_batch": args.batch,
         "kv_cache_dtype": caches,
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main("python -m benchmarks.kv_quant_bench", add_arguments, run))

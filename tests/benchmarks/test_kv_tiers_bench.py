@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import kv_tiers_bench
-from bench.kv_tiers_bench import (
+from benchmarks import kv_tiers_bench
+from benchmarks.kv_tiers_bench import (
     TIER_KEYS,
     base_config,
     check_options,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.stream_client import Stream, apply_chunk
+from benchmarks.stream_client import Stream, apply_chunk
 
 
 def test_a_chunk_adds_its_tokens_at_the_time_it_was_read():

@@ -1,6 +1,6 @@
-"""``pdserve bench engine --speculative ngram``: decode speed with n-gram speculation against three baselines.
+"""``pdserve bench speculative``: decode speed with n-gram speculation against three baselines.
 
-Per prompt set (``grounded``: answers that copy from the prompt, bench/speculative_prompts.py; ``random``: random
+Per prompt set (``grounded``: answers that copy from the prompt, benchmarks/speculative_prompts.py; ``random``: random
 token prompts; ``random_sampled``: the same, sampled at temperature 1 with a seed per prompt, where proposals are
 mostly refused) and batch size (1: ``--batch1-prompts`` prompts one after another), four ways to make the same
 answers, timed in turns:
@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import sys
 
 import torch
 
 from bench.engine_bench import interleaved_medians
-from bench.speculative_prompts import chat_prompts
+from benchmarks.options import add_speculative_bench_arguments as add_arguments
+from benchmarks.options import main
+from benchmarks.speculative_prompts import chat_prompts
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import parse_dtype, resolve_model_path
@@ -194,3 +197,7 @@ def _generate(hf, prompts, new_tokens, pad, eos, device, lookup, sampled, args) 
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         answers.append(row[:cut])
     return answers
+
+
+if __name__ == "__main__":
+    sys.exit(main("python -m benchmarks.speculative_bench", add_arguments, run))

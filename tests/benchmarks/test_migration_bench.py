@@ -9,8 +9,8 @@ import argparse
 
 import pytest
 
-from bench import migration_bench
-from bench.migration_bench import (
+from benchmarks import migration_bench
+from benchmarks.migration_bench import (
     base_config,
     check_options,
     checks_against,
@@ -27,7 +27,7 @@ from bench.migration_bench import (
     rebalance_sizing,
     token_check,
 )
-from bench.stream_client import Stream
+from benchmarks.stream_client import Stream
 from tests.helpers.cluster import tiny_cluster_config
 
 

@@ -11,7 +11,7 @@ from tests.helpers.cluster import tiny_cluster_config
 
 @pytest.mark.e2e
 def test_overlap_bench_tiny(ray_local, tiny_llama_path):
-    from bench import overlap_bench
+    from benchmarks import overlap_bench
 
     parser = argparse.ArgumentParser()
     overlap_bench.add_arguments(parser)

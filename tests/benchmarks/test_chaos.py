@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from bench import chaos
+from benchmarks import chaos
 from cli.main import build_parser
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,10 +1,10 @@
 """Measured loads on a cluster this process serves, for the benchmarks that compare cluster configs run after run
-(``bench/routing_bench.py``, ``bench/kv_tiers_bench.py``).
+(``benchmarks/routing_bench.py``, ``benchmarks/kv_tiers_bench.py``).
 
 ``local_ray`` starts a local Ray sized for a config's pools (unless one is up, or the workers are threads);
 ``serving`` starts a cluster (``cluster/run/launch.py``) and stops it after; ``closed_loop_plan`` builds the load
 tester's plan through its own options, and ``measure`` runs it against the cluster between two snapshots of the
-router's ``/metrics`` samples and its settled ``/status`` (``bench/routing_figures.py``), from which the benchmarks
+router's ``/metrics`` samples and its settled ``/status`` (``benchmarks/routing_figures.py``), from which the benchmarks
 make their figures.
 """
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.loadtest.cli import Plan, execute, prepare
 from bench.loadtest.options import add_workload_arguments
-from bench.routing_figures import Samples, router_samples, settle
+from benchmarks.routing_figures import Samples, router_samples, settle
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig

@@ -3,7 +3,7 @@
 The workers serve a tiny random-weight Llama (``engine.tiny_model``, built once under ``$PDSERVE_CACHE``), faster than
 the router can stream, so the router's own cost is what is measured. For each ``--router-processes`` N:
 1. write a config (disaggregated, one prefill and one decode worker, KV for every stream at full length) and start
-   ``pdserve serve --port 0`` as a subprocess (``bench.serve_process``);
+   ``pdserve serve --port 0`` as a subprocess (``benchmarks.serve_process``);
 2. low load with the load tester: ``--low-load-requests`` one at a time; ``ttft_p50_ms`` must not get worse;
 3. the load: ``--num-prompts`` streams of ``--output-len`` tokens, ``--max-concurrency`` at once, closed loop.
 ``router_cpu_s``: user + system CPU over the load (``/proc``, else psutil, else null) of the serve process and its
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.serve_process import ServeProcess
+from benchmarks.serve_process import ServeProcess
 
 DETOKENIZE_METRIC = "pdserve_router_detokenize_seconds_total"
 BLOCK_SIZE = 16  # transfer.block_size default
@@ -333,4 +333,4 @@ def run(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     from bench.loadtest.cli import run_main
 
-    sys.exit(run_main("python -m bench.frontend_bench", "Router CPU per streamed token", add_arguments, run))
+    sys.exit(run_main("python -m benchmarks.frontend_bench", "Router CPU per streamed token", add_arguments, run))

@@ -1,4 +1,4 @@
-"""``pdserve bench transfer --degrees P:D,...``: the KV hand-off between tensor-parallel engines of two degrees.
+"""``pdserve bench tp-handoff --degrees P:D,...``: the KV hand-off between tensor-parallel engines of two degrees.
 
 For each (p, d) a prefill engine of p ranks and a decode engine of d ranks run as local processes (engine.tp_launch)
 on a random-weight model shaped for KV bytes rather than compute (30 layers of 4 KV heads of 64: 60 KiB per token in
@@ -17,11 +17,15 @@ import argparse
 import random
 import secrets
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.options import add_tp_handoff_bench_arguments as add_arguments
+from benchmarks.options import main
 
 MODEL_SHAPE = {
     "num_hidden_layers": 30,
@@ -246,7 +250,7 @@ def _pair(prefill_degree: int, decode_degree: int, job: dict) -> dict:
     }
 
 
-def run_degrees(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.tiny_model import build_tiny_model
 
     pairs = parse_degrees(args.degrees)
@@ -285,3 +289,7 @@ def run_degrees(args: argparse.Namespace) -> dict[str, Any]:
         "threads_per_rank": 1,
         "pairs": by_pair,
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main("python -m benchmarks.tp_handoff_bench", add_arguments, run))

@@ -12,7 +12,7 @@ def _args(*argv: str):
 
 
 def test_families_are_exact_and_timed_and_a_state_space_model_is_refused():
-    from bench.model_families_bench import run
+    from benchmarks.model_families_bench import run
 
     result = run(_args("--families", "llama,gemma2", "--model-types", "mamba", *TINY))
     rows = {row["name"]: row for row in result["families"]}
@@ -28,7 +28,7 @@ def test_families_are_exact_and_timed_and_a_state_space_model_is_refused():
 
 
 def test_a_family_that_fails_to_build_is_a_row_with_its_error():
-    from bench.model_families_bench import measure
+    from benchmarks.model_families_bench import measure
 
     def broken(out):
         raise RuntimeError("no weights today")
@@ -47,7 +47,7 @@ def test_a_family_that_fails_to_build_is_a_row_with_its_error():
     ],
 )
 def test_bad_options_are_errors_naming_the_flag(argv, message):
-    from bench.model_families_bench import run
+    from benchmarks.model_families_bench import run
 
     with pytest.raises(ValueError, match=message):
         run(_args(*argv))

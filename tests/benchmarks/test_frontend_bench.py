@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import frontend_bench
-from bench.serve_process import process_running
+from benchmarks import frontend_bench
+from benchmarks.serve_process import process_running
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench import detok_bench
+from benchmarks import detok_bench
 from cli.main import main
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tiny_model import build_byte_tokenizer
