@@ -1,8 +1,9 @@
 """The load tester's command-line options, declared with ``argparse`` alone.
 
 Every parser embedding them must not pay for numpy, httpx or a tokenizer, and the load tester imports no pdserve
-cluster or engine code, so the two pdserve defaults it needs are plain values here, checked against pdserve's own
-by ``tests/bench/loadtest/test_imports.py``.
+cluster or engine code, so the two pdserve defaults it needs are plain values here (and where pdserve keeps its
+built-in model, in ``workloads.pdserve_model_folder``), checked against pdserve's own by
+``tests/bench/loadtest/test_imports.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="local tokenizer folder (default: the --model folder, else the default model's)",
+        help="local tokenizer folder (default: the --model folder, else the tokenizer of pdserve's built-in model, "
+        "as pdserve converted it into $PDSERVE_CACHE)",
     )
     p.add_argument(
         "--request-rate",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,22 @@ from pathlib import Path
 import numpy as np
 
 from bench.loadtest.client import RequestSpec
-from bench.loadtest.options import DATASETS, LENGTH_DISTS
+from bench.loadtest.options import DATASETS, LENGTH_DISTS, PDSERVE_DEFAULT_MODEL
 
 _WORD = re.compile(r"^ [A-Za-z]{2,}$")
 
 
+def pdserve_model_folder(name: str) -> Path:
+    """Where pdserve keeps a built-in model it has converted, its tokenizer included: ``$PDSERVE_CACHE/models/NAME``
+    (engine.model_loader writes it; tests/bench/loadtest/test_imports.py keeps the two paths equal)."""
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "models" / name
+
+
 def load_tokenizer(tokenizer: str | None = None, model: str | None = None):
-    """``--tokenizer`` if given; else the ``--model`` folder if it is one; else the default model's tokenizer."""
+    """``--tokenizer`` if given; else the ``--model`` folder if it is one; else the tokenizer pdserve saved with the
+    built-in model named by ``model`` (``--model``, or a cluster config's ``model.name``) or, for any other name, with
+    its default model (``PDSERVE_DEFAULT_MODEL``). The names are the caller's: nothing of pdserve is imported, so a
+    built-in model pdserve has not converted on this machine yet is an error that says what to give instead."""
     from transformers import AutoTokenizer
 
     if tokenizer:
@@ -35,10 +45,15 @@ def load_tokenizer(tokenizer: str | None = None, model: str | None = None):
             raise ValueError(f"--tokenizer: {str(path)!r} does not exist (a local tokenizer or model folder)")
     elif model and Path(model).expanduser().is_dir():
         path = Path(model).expanduser()
-    else:  # only pdserve's engine knows the default model's folder: the load tester's one import of pdserve code
-        from engine.model_loader import DEFAULT_MODEL, resolve_model_path
-
-        path = resolve_model_path(DEFAULT_MODEL)
+    else:
+        name = model if model and (pdserve_model_folder(model) / "config.json").is_file() else PDSERVE_DEFAULT_MODEL
+        path = pdserve_model_folder(name)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"no --tokenizer, and --model {model or name!r} is not a folder: the tokenizer would be that of "
+                f"pdserve's built-in {name!r}, which is not converted on this machine ({path}; pdserve converts it "
+                "the first time it serves it): give --tokenizer, a local tokenizer or model folder"
+            )
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -41,6 +42,24 @@ def test_real_bpe_tokenizer_exact_counts():
         builder = PromptBuilder(tok, endpoint, seed=3)
         for target in (40, 257, 1000):
             assert builder.count(builder.build(target)) == target
+
+
+def test_without_a_tokenizer_the_built_in_models_is_found_in_pdserves_cache(byte_tokenizer_dir, tmp_path, monkeypatch):
+    """No --tokenizer and no model folder: the tokenizer pdserve saved with its built-in model, by name, from
+    $PDSERVE_CACHE (nothing of pdserve imported); not converted there yet, an error that names --tokenizer."""
+    from bench.loadtest.options import PDSERVE_DEFAULT_MODEL
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="give --tokenizer"):
+        load_tokenizer(None, PDSERVE_DEFAULT_MODEL)
+    folder = tmp_path / "models" / PDSERVE_DEFAULT_MODEL
+    shutil.copytree(byte_tokenizer_dir, folder)
+    (folder / "config.json").write_text("{}")
+    for model in (None, PDSERVE_DEFAULT_MODEL, "some-served-name"):  # any other name: the built-in model's tokenizer
+        tok = load_tokenizer(None, model)
+        assert tok.decode(tok("hello", add_special_tokens=False)["input_ids"]) == "hello"
+        assert tok.name_or_path == str(folder)
+    assert load_tokenizer(str(byte_tokenizer_dir), "some-served-name").name_or_path == str(byte_tokenizer_dir)
 
 
 def test_length_distributions():
