@@ -114,9 +114,9 @@ def _decode_main(rank: int, size: int, store_path: str, job: dict) -> dict:
             rids = [f"r{repeat}-{i}" for i in range(job["requests"])]
             offer = {}
             for rid, prompt in zip(rids, job["prompts"]):
-                if engine.reserve_remote(prompt, _params(), rid) is None:
+                if engine.kv_importer.reserve(prompt, _params(), rid) is None:
                     raise RuntimeError("the decode engine could not reserve the KV of a repeat")
-                blocks = engine.missing_prompt_blocks(engine.requests[rid])
+                blocks = engine.kv_importer.expected_blocks(engine.requests[rid])
                 receiver.expect(rid, blocks)
                 offer[rid] = blocks
             job["offers"].put((receiver.address, offer))

@@ -1,17 +1,19 @@
-"""The decode worker: reserves KV for requests, imports their KV from prefill workers, decodes them in one batch.
+"""The decode worker: reserves KV for requests, imports their KV from other workers, decodes them in one batch.
 
-A request's state is the engine's ``Request`` (WAITING_FOR_REMOTE_KV until admitted); this role keeps no table.
-``reserve`` takes blocks for the prompt, first token and headroom (sharing what the prefix cache holds) or refuses at
-once; a short rest (``local_prefill_max_tokens``) is computed here, else the receiver expects the missing blocks.
-``start`` brings the first token; with the KV complete too, the next step admits the request, and every step sends
-the running requests' tokens in one ``tokens`` event. ``migrate_in``, ``migrate_send``, ``freeze``,
-``migrate_tail`` and ``resume`` move a running request to another decode worker by pre-copy. Failures, expiry and
-moves step by step: docs/request-lifecycle.md and docs/architecture.md ("Failure handling", "Moving running requests").
+Every request arrives by one hand-off, whatever its source (engine/kv_connector.py): ``Reserve`` takes blocks (for a
+prompt, sharing what the prefix cache holds, or for a moved request's whole context) or refuses at once; a prompt's
+short rest (``local_prefill_max_tokens``) is computed here, else the receiver expects the missing blocks; ``Start``
+brings the tokens made where the KV comes from; with both in, the next step admits the request, and every step sends
+the running requests' tokens in one ``tokens`` event. A request leaves by the same hand-off (``Export``): its full
+blocks go to the target while it decodes on, then it stops between steps (``Frozen``), the rest of its KV goes, and
+its blocks are held until the router says ``Abort`` (it moved) or ``Resume`` (called off). Failures, expiry and moves
+step by step: docs/request-lifecycle.md and docs/architecture.md ("Failure handling", "Moving running requests").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import tempfile
@@ -21,8 +23,9 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kv_connector import KVSink
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKV, Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestStatus
 from transfer.base import KVReceiver, KVSender, make_receiver, make_sender
 from transfer.errors import SenderAborted
 from transfer.inbound import Sink
@@ -32,15 +35,10 @@ from transfer.shm_ring import ShmUnavailable
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
 from worker.messages import (
-    PRECOPY_SUFFIX,
     Command,
     ErrorCode,
-    Freeze,
+    Export,
     Frozen,
-    Migrated,
-    MigrateIn,
-    MigrateSend,
-    MigrateTail,
     RefusalReason,
     Reserve,
     Reserved,
@@ -48,34 +46,41 @@ from worker.messages import (
     Start,
     WorkerCounters,
     WorkerLoad,
-    precopy_transfer_id,
 )
-from worker.role import Emit, Role
+from worker.role import Emit, Role, send_kv_to
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-EXPIRY_CHECK_INTERVAL_S = 0.5  # how often reservations are checked for a first token that never came
+EXPIRY_CHECK_INTERVAL_S = 0.5  # how often reservations are checked for tokens that never came
 # a pre-copy ships its layers over this many loop turns: the worker's other streams pay a share of the copy in each
 # of a few steps instead of all of it in one, and the move waits only a few steps for it
 PRECOPY_TURNS = 4
 
 
+class ExportPhase(enum.Enum):
+    PRECOPY = "precopy"  # its full blocks go, a few layers a turn, while it decodes on
+    SENT = "sent"  # frozen; the rest of its KV is queued; the sender's lease says how the transfer ended
+
+
 @dataclasses.dataclass(slots=True)
-class _Precopy:
-    """A running request's full blocks on their way to the worker it moves to, a few layers per loop turn."""
+class _Export:
+    """A decoding request's KV on its way to another decode worker (``Export``)."""
 
     rid: str
-    src: list[int]  # its blocks here
-    dst: list[int]  # the target's
-    layer: int = 0  # the next to send
+    transfer_id: str  # the target's id for the request
+    dst: list[int]  # the target's reserved blocks: the KV fills a leading run of them
+    src: list[int]  # its blocks here that the pre-copy reads (its full blocks when the export began)
+    phase: ExportPhase = ExportPhase.PRECOPY
+    layer: int = 0  # the next layer of the pre-copy
+    known_to_router: bool = False  # the router called the move off or ended it: the transfer's end is not news
 
 
 def kv_sink(engine: LLMEngine) -> Sink:
-    """The receiver's sink: arrived KV into the engine's reserved blocks, a move's pre-copy into its request's."""
+    """The receiver's sink: arrived KV into the blocks the engine reserved for that transfer's request."""
 
     def sink(transfer_id: str, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        engine.write_remote_kv(transfer_id.removesuffix(PRECOPY_SUFFIX), layer, block_ids, k, v)
+        engine.kv_importer.write(transfer_id, layer, block_ids, k, v)
 
     return sink
 
@@ -102,11 +107,10 @@ class DecodeRole(Role):
         self.receiver = receiver
         self._make_sender = make_migration_sender
         self.sender: KVSender | None = None
-        self._moving: dict[str, str] = {}  # transfer id (the target's request id) -> the frozen request's id here
-        self._precopies: dict[str, _Precopy] = {}  # transfer id -> a running request's full blocks on their way
+        self._exports: dict[str, _Export] = {}  # by transfer id (the target's request id)
         self.failure_policy = failure_policy
         self.headroom_tokens = headroom_tokens
-        # a reservation still without its first token this long after it was made is freed: the router lost it
+        # a reservation still without its tokens this long after it was made is freed: the router lost it
         self.start_deadline_s = start_deadline_s
         self._next_expiry_check_s = 0.0
 
@@ -140,104 +144,79 @@ class DecodeRole(Role):
 
     def handle(self, command: Command, arrival_s: float) -> None:
         if isinstance(command, Reserve):
-            self._reserve(command.rid, command.prompt, command.params, command.local_prefill_max_tokens)
+            self._reserve(command)
         elif isinstance(command, Start):
-            if command.rid not in self.engine.requests:
-                raise KeyError(f"request {command.rid!r} has no reservation here")
-            self.engine.remote_first_token(command.rid, command.first_token)
-        elif isinstance(command, Freeze):
-            self._freeze(command.rid)
+            self.engine.kv_importer.tokens_in(command.rid, command.tokens)
+        elif isinstance(command, Export):
+            self._export(command)
         elif isinstance(command, Resume):
             self._resume(command.rid)
-        elif isinstance(command, MigrateIn):
-            self._migrate_in(command)
-        elif isinstance(command, MigrateTail):
-            self._migrate_tail(command)
-        elif isinstance(command, MigrateSend):
-            self._migrate_send(command)
         else:
             super().handle(command, arrival_s)
 
-    # ---- migration ---------------------------------------------------------------------------------------------
-
-    def _freeze(self, rid: str) -> None:
-        """Stop the request between steps; every token it made went out in this turn's ``tokens`` events already."""
-        try:
-            tokens, computed = self.engine.freeze(rid)
-        except (KeyError, ValueError) as exc:  # gone, finished or still prefilling: it runs on, the router learns why
-            self.emit(Frozen(rid=rid, worker=self.name, ok=False, reason=str(exc)))
-            return
-        self.emit(Frozen(rid=rid, worker=self.name, ok=True, output_token_ids=tokens, num_computed_tokens=computed))
-
-    def _resume(self, rid: str) -> None:
-        """Run the request on here: a frozen one whose move was called off, or a moved one whose KV will not come
-        (its source gave up or died: it is recomputed from its tokens now, not at the transfer's deadline)."""
-        request = self.engine.requests.get(rid)
-        if request is None:
-            raise KeyError(f"unknown request {rid!r}")
-        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV and _remote(request).resume_at is not None:
-            self.receiver.abort(rid, "the source gave up the move")
-            self.engine.remote_kv_failed(rid, recompute=True)
-            self.counters.transfers_failed += 1
-            return
-        self.engine.resume(rid)
-
-    def _migrate_in(self, command: MigrateIn) -> None:
-        engine, rid = self.engine, command.rid
-        precopy = command.precopy_blocks
-        blocks = engine.reserve_migration(
-            command.prompt, command.params, rid, command.num_computed_tokens, precopy, self.headroom_tokens
+    def _reserve(self, command: Reserve) -> None:
+        engine, rid, moved = self.engine, command.rid, command.context_tokens is not None
+        blocks = engine.kv_importer.reserve(
+            command.prompt,
+            command.params,
+            rid,
+            self.headroom_tokens,
+            prefix_cache=not moved,
+            context_tokens=command.context_tokens,
         )
         if blocks is None:
             self.counters.reservations_refused += 1
             reason: RefusalReason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
             self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason=reason))
             return
-        if precopy:
-            self.receiver.expect(precopy_transfer_id(rid), blocks[:precopy], num_layers=engine.kv_spec.num_layers)
-        self.emit(Reserved(rid=rid, worker=self.name, ok=True, blocks=blocks, kv_address=self.receiver.address))
-
-    def _migrate_tail(self, command: MigrateTail) -> None:
-        engine, rid = self.engine, command.rid
-        self.receiver.abort(precopy_transfer_id(rid), "the tail comes")  # one still under way failed its purpose
-        tail = engine.adopt_migrated(
-            rid, command.output_token_ids, command.num_computed_tokens, command.first_block, self.headroom_tokens
+        held = engine.requests[rid]
+        uncached = len(command.prompt) - held.num_cached_tokens
+        local = not moved and 0 < uncached <= command.local_prefill_max_tokens
+        if not local:
+            expected = engine.kv_importer.expected_blocks(held)
+            self.receiver.expect(rid, expected, num_layers=engine.kv_spec.num_layers, leading_run=moved)
+        first = held.num_cached_tokens // engine.kv_spec.block_size
+        reply = Reserved(
+            rid=rid,
+            worker=self.name,
+            ok=True,
+            blocks=held.block_ids[first:],
+            kv_address=self.receiver.address,
+            cached_tokens=held.num_cached_tokens,
+            prefill_local=local,
         )
-        if tail is None:
-            self.counters.reservations_refused += 1
-            self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason="kv_full"))
-            return
-        self.receiver.expect(rid, tail, num_layers=engine.kv_spec.num_layers)
-        self.counters.migrations_in += 1
-        self.emit(Reserved(rid=rid, worker=self.name, ok=True, blocks=tail, kv_address=self.receiver.address))
+        self.emit(reply)
+        if local:  # computed now, in this turn of the loop; its first token comes in the tokens events
+            engine.kv_importer.prefill_here(rid)
+            self.counters.local_prefills += 1
 
-    def _migrate_send(self, command: MigrateSend) -> None:
-        """Pre-copy: begin shipping the running request's first full blocks (``_precopy_step``, over a few turns).
-        Tail: every layer of the frozen request's blocks from ``first_block``, then the transfer's end (``tick``)."""
-        engine, rid = self.engine, command.rid
-        num_blocks = len(command.dst_blocks) if command.precopy else None
-        src = engine.kv_blocks(rid, command.first_block, num_blocks)
-        if len(command.dst_blocks) < len(src):
-            raise ValueError(f"the target reserved {len(command.dst_blocks)} blocks, the request fills {len(src)}")
-        sender = self._migration_sender()
-        dst = list(command.dst_blocks[: len(src)])
-        if command.precopy:
-            transfer_id = precopy_transfer_id(command.target_rid)
-            sender.begin(transfer_id, command.kv_address)
-            self._precopies[transfer_id] = _Precopy(rid, list(src), dst)
-            return
-        target = command.target_rid
-        sender.begin(target, command.kv_address)
-        self._moving[target] = rid
-        try:
-            index = engine.kv_cache.block_index(src)
-            for layer in range(engine.kv_spec.num_layers):
-                k, v = engine.kv_cache.read_blocks(layer, index)
-                sender.send_layer(target, layer, dst, k, v)
-            sender.finish(target)
-        except Exception as exc:  # noqa: BLE001 - the transfer ends failed (poll reports it); the request stays frozen
-            logger.warning("%s: moving %s failed: %s", self.name, rid, exc)
-            sender.abort(target, f"migration failed: {exc}")
+    def abort(self, rid: str) -> None:
+        request = self.engine.requests.get(rid)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.receiver.abort(rid, "aborted by router")
+        self._stop_exports(rid, "aborted by router")
+        self.engine.abort(rid)
+
+    # ---- a request leaving for another decode worker (a move's source) -----------------------------------------
+
+    def _export(self, command: Export) -> None:
+        """Begin shipping a decoding request's KV: its full blocks first (``_precopy_step``, over a few turns), unless
+        ``precopy`` is off (a worker about to preempt needs it out of its batch now)."""
+        request = self.engine.requests.get(command.rid)
+        if request is None:
+            raise KeyError(f"unknown request {command.rid!r}")
+        if request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
+            raise ValueError(f"request {command.rid!r} is {request.status.name}: only a decoding request moves")
+        if any(job.rid == command.rid for job in self._exports.values()):
+            raise ValueError(f"request {command.rid!r} is already moving")
+        if not self._fits_next_step(request, command.dst_blocks):
+            raise ValueError(
+                f"request {command.rid!r} has more tokens than the target's {len(command.dst_blocks)} blocks"
+            )
+        full = min(request.num_computed_tokens // self.engine.kv_spec.block_size, len(command.dst_blocks))
+        src = request.block_ids[:full] if command.precopy else []
+        self._migration_sender().begin(command.target_rid, command.kv_address)
+        self._exports[command.target_rid] = _Export(command.rid, command.target_rid, list(command.dst_blocks), src)
 
     def _migration_sender(self) -> KVSender:
         if self.sender is None:
@@ -246,80 +225,97 @@ class DecodeRole(Role):
             self.sender = self._make_sender()
         return self.sender
 
-    def _precopy_step(self) -> None:
-        """The next layers of each pre-copy under way (a ``PRECOPY_TURNS``th of them). The blocks are full, so their
-        KV stays as it is while the request decodes on; one that left them (finished, aborted, preempted) ends its
-        pre-copy failed."""
-        sender, engine = self.sender, self.engine
+    def _export_step(self) -> None:
+        """Before the step: the next layers of each pre-copy under way (a ``PRECOPY_TURNS``th of them); a pre-copy
+        done, or whose request would outgrow the target's blocks in this step, stops the request and sends the rest
+        of its KV. A request that left its blocks (finished, aborted, preempted) ends its export failed."""
+        engine, sender = self.engine, self.sender
+        assert sender is not None
         num_layers = engine.kv_spec.num_layers
-        for transfer_id, job in list(self._precopies.items()):
-            if job.layer == num_layers or sender is None:
-                continue  # all sent: its end comes from the sender
+        for job in list(self._exports.values()):
+            if job.phase is not ExportPhase.PRECOPY:
+                continue
             request = engine.requests.get(job.rid)
             if (
                 request is None
-                or request.status not in (RequestStatus.RUNNING, RequestStatus.FROZEN)
+                or request.status != RequestStatus.RUNNING
                 or request.block_ids[: len(job.src)] != job.src
             ):
-                sender.abort(transfer_id, "the request left its blocks")
+                sender.abort(job.transfer_id, "the request left its blocks")
                 continue
+            sink = send_kv_to(sender, job.transfer_id, job.dst)
             try:
-                index = engine.kv_cache.block_index(job.src)
-                for layer in range(job.layer, min(num_layers, job.layer + -(-num_layers // PRECOPY_TURNS))):
-                    k, v = engine.kv_cache.read_blocks(layer, index)
-                    if not sender.send_layer(transfer_id, layer, job.dst, k, v):  # failed, or its queue stayed full
-                        raise RuntimeError(f"layer {layer} could not be queued")
-                    job.layer = layer + 1
-                if job.layer == num_layers:
-                    sender.finish(transfer_id)
-            except Exception as exc:  # noqa: BLE001 - reported by poll; the request decodes on here
-                logger.warning("%s: pre-copying %s failed: %s", self.name, job.rid, exc)
-                sender.abort(transfer_id, f"pre-copy failed: {exc}")
+                if job.src and job.layer < num_layers:
+                    end_layer = min(num_layers, job.layer + -(-num_layers // PRECOPY_TURNS))
+                    engine.kv_exporter.export_held(request, sink, 0, len(job.src), range(job.layer, end_layer))
+                    job.layer = end_layer
+                if job.transfer_id not in sender.active_transfers():
+                    continue  # it failed already: the request runs on here, and poll reports the failure
+                if job.layer == num_layers or not job.src or not self._fits_next_step(request, job.dst):
+                    self._freeze_and_send(job, sink)
+            except Exception as exc:  # noqa: BLE001 - reported by poll; the request decodes on here if it can
+                logger.warning("%s: moving %s failed: %s", self.name, job.rid, exc)
+                sender.abort(job.transfer_id, f"migration failed: {exc}")
 
-    def _migration_ended(self, transfer_id: str, ok: bool, nbytes: int, error: str) -> None:
-        precopy = self._precopies.pop(transfer_id, None)
-        rid = precopy.rid if precopy is not None else self._moving.pop(transfer_id)
-        if ok:
-            self.counters.migration_bytes += nbytes
-            if precopy is None:
-                self.counters.migrations_out += 1
-                if rid in self.engine.requests:
-                    self.engine.release(rid)
-        self.emit(Migrated(rid=rid, worker=self.name, ok=ok, precopy=precopy is not None, nbytes=nbytes, error=error))
+    def _fits_next_step(self, request: Request, dst: list[int]) -> bool:
+        """Its context after one more step still fits the target's blocks ``dst`` (a step adds one token, or a
+        verified proposal's worth)."""
+        spec = self.engine.speculator
+        step_tokens = 1 + (spec.config.num_tokens if spec is not None and request.params.speculative else 0)
+        return request.num_tokens - 1 + step_tokens <= len(dst) * self.engine.kv_spec.block_size
 
-    def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, local_max_tokens: int = 0) -> None:
-        engine = self.engine
-        if engine.reserve_remote(prompt, params, rid, self.headroom_tokens, prefix_cache=True) is None:
-            self.counters.reservations_refused += 1
-            reason: RefusalReason = "max_num_seqs" if engine.at_seq_limit() else "kv_full"
-            self.emit(Reserved(rid=rid, worker=self.name, ok=False, reason=reason))
-            return
-        held = engine.requests[rid]
-        uncached = len(prompt) - held.num_cached_tokens
-        local = 0 < uncached <= local_max_tokens
-        if not local:
-            self.receiver.expect(rid, engine.missing_prompt_blocks(held), num_layers=engine.kv_spec.num_layers)
-        first = held.num_cached_tokens // engine.kv_spec.block_size
-        self.emit(
-            Reserved(
-                rid=rid,
-                worker=self.name,
-                ok=True,
-                blocks=held.block_ids[first:],
-                kv_address=self.receiver.address,
-                cached_tokens=held.num_cached_tokens,
-                prefill_local=local,
-            )
-        )
-        if local:  # computed now, in this turn of the loop; its first token comes in the tokens events
-            engine.prefill_here(rid)
-            self.counters.local_prefills += 1
+    def _freeze_and_send(self, job: _Export, sink: KVSink) -> None:
+        """Stop the request between steps (its tokens so far went out in earlier ``tokens`` events: ``Frozen`` names
+        them), then send every layer's blocks the pre-copy did not: the transfer's end comes from the sender."""
+        engine, sender = self.engine, self.sender
+        assert sender is not None
+        tokens = engine.freeze(job.rid)
+        self.emit(Frozen(rid=job.rid, worker=self.name, output_token_ids=tokens))
+        request = engine.requests[job.rid]
+        end = -(-request.num_computed_tokens // engine.kv_spec.block_size)
+        sent, done = len(job.src), job.layer
+        job.phase = ExportPhase.SENT
+        if done and sent < end:
+            engine.kv_exporter.export_held(request, sink, sent, end, range(done))
+        engine.kv_exporter.export_held(request, sink, 0, end, range(done, engine.kv_spec.num_layers))
+        sender.finish(job.transfer_id)
 
-    def abort(self, rid: str) -> None:
+    def _resume(self, rid: str) -> None:
+        """Run the request on here: a source's whose move was called off (its export stops), or a target's whose KV
+        will not come (its source gave up or died: it is computed here from its tokens, now, not at the deadline)."""
         request = self.engine.requests.get(rid)
-        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            self._stop_transfers(rid, "aborted by router")
-        self.engine.abort(rid)
+        if request is None:
+            raise KeyError(f"unknown request {rid!r}")
+        handoff = request.kv_import
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV and handoff is not None:
+            if handoff.state.awaits_kv:
+                self.receiver.abort(rid, "the source gave up the move")
+                self.engine.kv_importer.kv_failed(rid, recompute=True)
+                self.counters.transfers_failed += 1
+            return
+        self._stop_exports(rid, "the move was called off")
+        if request.status == RequestStatus.FROZEN:
+            self.engine.resume(rid)
+
+    def _stop_exports(self, rid: str, reason: str) -> None:
+        """The router ended a move of ``rid`` (called off, or the request aborted): a pre-copy under way stops; a
+        transfer whose tail went may still complete, but its end is no news."""
+        for job in self._exports.values():
+            if job.rid == rid and not job.known_to_router:
+                job.known_to_router = True
+                if job.phase is ExportPhase.PRECOPY and self.sender is not None:
+                    self.sender.abort(job.transfer_id, reason)
+
+    def _export_ended(self, event: TransferEvent) -> None:
+        job = self._exports.pop(event.transfer_id)
+        if event.ok:
+            self.counters.migration_bytes += event.nbytes
+            if job.phase is ExportPhase.SENT:
+                self.counters.migrations_out += 1
+            return
+        logger.info("%s: moving %s failed: %s", self.name, job.rid, event.error)
+        if not job.known_to_router:  # named by the transfer (the target's id); the router decides what follows
+            self.emit_error(job.transfer_id, f"moving its KV failed: {event.error}", ErrorCode.KV_TRANSFER_FAILED)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
@@ -328,45 +324,35 @@ class DecodeRole(Role):
         for event in self.receiver.poll():
             self._transfer_ended(event)
         if self.sender is not None:
-            self._precopy_step()
+            if self._exports:
+                self._export_step()
             for sent in self.sender.poll():
-                if sent.transfer_id in self._moving or sent.transfer_id in self._precopies:
-                    error = "" if sent.ok else str(sent.error)
-                    self._migration_ended(sent.transfer_id, sent.ok, sent.nbytes, error)
+                if sent.transfer_id in self._exports:
+                    self._export_ended(sent)
         if self.engine.has_unfinished():
             self.emit_outputs(self.engine.step())
 
-    def _stop_transfers(self, rid: str, reason: str) -> None:
-        """Fail what is still coming for a reservation (a move's pre-copy too): each sender is told, and releases
-        its lease; nothing lands in the blocks once they are free."""
-        self.receiver.abort(rid, reason)
-        self.receiver.abort(precopy_transfer_id(rid), reason)
-
     def _transfer_ended(self, event: TransferEvent) -> None:
         rid = event.transfer_id
-        # a move's first blocks: the rest comes with its tail (or all, if these failed)
-        if rid.endswith(PRECOPY_SUFFIX):
-            moving = self.engine.requests.get(rid.removesuffix(PRECOPY_SUFFIX))
-            if event.ok and moving is not None and moving.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                self.engine.precopy_done(moving.request_id)
-                self.counters.transfer_bytes += event.nbytes
-            return
         request = self.engine.requests.get(rid)
         if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             return  # aborted or expired meanwhile: its blocks are already free
-        remote = _remote(request)
-        if remote.kv_done_s is not None or remote.kv_failed:
+        handoff = request.kv_import
+        if handoff is None or not handoff.state.awaits_kv:
             return  # not this transfer's news: the request's own transfer has already ended
+        importer = self.engine.kv_importer
         if event.ok:
             self.counters.transfers_ok += 1
             self.counters.transfer_bytes += event.nbytes
-            self.engine.remote_kv_done(rid)
+            if handoff.moved:
+                self.counters.migrations_in += 1
+            importer.kv_done(rid, event.num_blocks)
             return
         self.counters.transfers_failed += 1
-        if self.failure_policy == "recompute" or remote.resume_at is not None:  # a moved request has its tokens here
-            self.engine.remote_kv_failed(rid, recompute=True)
+        if self.failure_policy == "recompute" or handoff.moved:  # a moved request's tokens are its whole story
+            importer.kv_failed(rid, recompute=True)
             return
-        self.engine.remote_kv_failed(rid, recompute=False)  # ends it, no output: the cause is reported here or not
+        importer.kv_failed(rid, recompute=False)  # ends it, no output: the cause is reported here or not
         if not isinstance(event.error, SenderAborted):
             self.emit_error(rid, f"KV transfer failed: {event.error}", ErrorCode.KV_TRANSFER_FAILED)
         # else the prefill worker gave up on purpose and tells the router why itself
@@ -376,12 +362,12 @@ class DecodeRole(Role):
         if now < self._next_expiry_check_s:
             return
         self._next_expiry_check_s = now + EXPIRY_CHECK_INTERVAL_S
-        for rid in self.engine.expire_remote(self.start_deadline_s):
+        for rid in self.engine.kv_importer.expire(self.start_deadline_s):
             logger.warning(
                 "%s: reservation %s got no start in %.0f s; freeing it", self.name, rid, self.start_deadline_s
             )
             self.counters.reservations_expired += 1
-            self._stop_transfers(rid, "reservation expired")
+            self.receiver.abort(rid, "reservation expired")
             self.emit_error(
                 rid,
                 f"no first token reached the decode worker within {self.start_deadline_s:.0f} s",
@@ -408,18 +394,12 @@ class DecodeRole(Role):
         return counters
 
     def has_work(self) -> bool:
-        return super().has_work() or bool(self._moving)
+        return super().has_work() or bool(self._exports)
 
     def close(self) -> None:
         self.receiver.close()
         if self.sender is not None:
             self.sender.close()
-
-
-def _remote(request: Request) -> RemoteKV:
-    remote = request.remote
-    assert remote is not None  # every WAITING_FOR_REMOTE_KV request has one (LLMEngine.reserve_remote)
-    return remote
 
 
 def shared_kv_cache(spec: WorkerSpec, engine: LLMEngine) -> KVSegment | None:

@@ -25,6 +25,11 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-max(0, num_tokens) // block_size)
 
 
+# a move's target reserves this many tokens beyond the context the router saw (with the pool's headroom): the tokens
+# the request makes on its source until it stops there (the reservation's round trip, then the pre-copy's few steps)
+MOVE_SLACK_TOKENS = 32
+
+
 def reserved_tokens(
     num_prompt_tokens: int, max_tokens: int, headroom_tokens: int, max_model_len: int | None = None
 ) -> int:
@@ -38,7 +43,7 @@ def reserved_tokens(
 def reserved_blocks(
     num_prompt_tokens: int, max_tokens: int, headroom_tokens: int, block_size: int, max_model_len: int | None = None
 ) -> int:
-    """Blocks a decode worker reserves for a request (``LLMEngine.reserve_remote`` allocates exactly these)."""
+    """Blocks a decode worker reserves for a request (``KVImporter.reserve`` allocates exactly these)."""
     return blocks_for_tokens(reserved_tokens(num_prompt_tokens, max_tokens, headroom_tokens, max_model_len), block_size)
 
 

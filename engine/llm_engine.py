@@ -1,11 +1,12 @@
 """The engine one worker runs: a model, its paged KV cache, a continuous-batching scheduler and a sampler.
 
-Requests in, one forward per ``step``, outputs out; every request leaves through ``_finish``, which frees its blocks
-exactly once, and ``abort`` works in every state. Three ways in: ``add_request`` (computed here);
+Requests in, one forward per ``step``, outputs out; every request leaves through ``finish_request``, which frees its
+blocks exactly once, and ``abort`` works in every state. Three ways in: ``add_request`` (computed here);
 ``add_request(prefill_only=True, kv_sink=...)`` (prefill worker: each finished block's KV is reported, then the
-blocks are held until ``release``); ``reserve_remote`` (decode worker: blocks reserved, KV written by the transfer
-layer, ``remote_first_token`` and ``remote_kv_done`` in either order, admitted by the next step, or ``prefill_here``).
-Parts come from ``engine.engine_parts``; what a sampled token makes of its request is ``engine.outputs``.
+blocks are held until ``release``); ``kv_importer.reserve`` (decode worker: the hand-off's receiving side,
+``engine.kv_connector``, admitted here once its KV and tokens are in). A decoding request leaves by ``freeze`` with
+``kv_exporter.export_held``. Parts come from ``engine.engine_parts``; what a sampled token makes of its request is
+``engine.outputs``.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import torch
 
 from engine.attention import LayerHook
 from engine.block_manager import BlockManager
-from engine.blocks import blocks_for_tokens, reserved_tokens
+from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.engine_parts import build_engine_parts
 from engine.host_values import long_tensor
-from engine.kv_connector import KVExporter, KVSink
-from engine.kv_tiers import KVTiers, TierLoad, tier_fingerprint
+from engine.kv_connector import KVExporter, KVImporter, KVSink, WholeKV
+from engine.kv_tiers import KVTiers, tier_fingerprint
 from engine.model_runner import StepStats
 from engine.outputs import (
     add_token,
@@ -40,8 +41,8 @@ from engine.outputs import (
 from engine.request import (
     CompletionResult,
     FinishReason,
+    ImportState,
     KVExport,
-    RemoteKV,
     Request,
     RequestOutput,
     RequestStatus,
@@ -85,7 +86,9 @@ class LLMEngine:
             def gather(kv: torch.Tensor) -> torch.Tensor:
                 return split.whole_kv(group.gather(kv)).to(kv.device)
 
-        self.kv_exporter = KVExporter(self.kv_cache, gather)
+        self.whole_kv = WholeKV(self.kv_cache, split, self.runner.step_channel)
+        self.kv_exporter = KVExporter(self.kv_cache, self.whole_kv, gather)
+        self.kv_importer = KVImporter(self, self.scheduler, self.whole_kv)
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
@@ -113,7 +116,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return token_ids
 
-    def _new_request(
+    def new_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None,
@@ -167,7 +170,7 @@ class LLMEngine:
             raise ValueError("kv_sink is for prefill-only requests (their KV is exported, then released)")
         if export_from_token and kv_sink is None:
             raise ValueError("export_from_token needs a kv_sink")
-        request = self._new_request(prompt, params, request_id, prefill_only, arrival_s)
+        request = self.new_request(prompt, params, request_id, prefill_only, arrival_s)
         if export_from_token % self.config.block_size or not 0 <= export_from_token < request.num_prompt_tokens:
             raise ValueError(
                 f"export_from_token must be a multiple of the block size ({self.config.block_size}) below the "
@@ -193,7 +196,7 @@ class LLMEngine:
             self._finish_tier_loads()
         admitted = self._admit_remote() if self.scheduler.remote_ready else {}
         chunks = self.scheduler.schedule(self._proposals() if self.speculator is not None else None)
-        self._save_evicted()
+        self.save_evicted()
         if not chunks:
             if self.kv_tiers is not None and self.kv_tiers.has_pending() and not admitted:
                 self.kv_tiers.wait(LOAD_WAIT_S)  # nothing to run until a load is read: no busy loop
@@ -304,7 +307,7 @@ class LLMEngine:
                 self.scheduler.rollback(request)
         return [by_id[output.request_id] for output in outputs]
 
-    def _save_evicted(self) -> None:
+    def save_evicted(self) -> None:
         """Blocks that left the prefix cache go down to the KV tiers, copied before anything overwrites them."""
         evicted = self.block_manager.evicted
         if evicted and self.kv_tiers is not None:
@@ -322,21 +325,18 @@ class LLMEngine:
             if request.status == RequestStatus.LOADING:
                 self.scheduler.finish_load(request, loaded, load.counts_as_cached)
             else:  # a reservation's tier blocks: the rest of its prompt comes from the prefill worker
-                self._finish_reservation_load(request, load, loaded)
-
-    def _finish_reservation_load(self, request: Request, load: TierLoad, loaded: int) -> None:
-        remote = _remote(request)
-        if loaded < len(load.block_ids):  # some pages went or failed their check: that part is computed here
-            remote.valid_prompt_tokens = (load.first_block + loaded) * self.config.block_size
-        request.num_loading_blocks = 0
-        if remote.ready:
-            self.scheduler.remote_progress(request)
+                self.kv_importer.tier_load_done(request, load, loaded)
 
     def _cancel_tier_load(self, request: Request) -> None:
         """Before a request's blocks are freed: its tier pages, when read, go nowhere."""
         if request.num_loading_blocks and self.kv_tiers is not None:
             self.kv_tiers.cancel(request.request_id)
         request.num_loading_blocks = 0
+
+    def free_blocks(self, request: Request) -> None:
+        """A live request's blocks go back (its KV transfer failed: it is computed afresh later)."""
+        self._cancel_tier_load(request)
+        self.block_manager.free(request.block_ids)
 
     def _sampled(
         self, request: Request, token_id: int | None, error: str | None, logprob: TokenLogprob | None = None
@@ -350,35 +350,36 @@ class LLMEngine:
             except Exception as exc:  # the sink failed: this request's KV cannot reach its peer
                 logger.exception("KV export of request %s failed", request.request_id)
                 return self._fail(request, f"KV export failed: {type(exc).__name__}: {exc}", "worker_error")
-        remote = request.timing.remote
-        if remote is not None and remote.admitted_s is not None and remote.first_decode_s is None:
-            remote.first_decode_s = time.monotonic()
+        handoff = request.kv_import
+        if handoff is not None and handoff.admitted_s is not None and handoff.first_decode_s is None:
+            handoff.first_decode_s = time.monotonic()
         return self._append_token(request, token_id, logprob=logprob)
 
     def _admit_remote(self) -> dict[str, RequestOutput]:
-        """The scheduler's remote admissions, each gaining the prefill worker's first token (its text already sent:
-        ``new_token_ids`` is [] and ``text_delta`` continues after it); it may finish there (max_tokens=1, EOS)."""
+        """The scheduler's admissions of hand-offs, each gaining the tokens its source made (their text already sent:
+        ``new_token_ids`` is [] and ``text_delta`` continues after them); a prompt's may finish there (max_tokens=1,
+        EOS)."""
         outputs: dict[str, RequestOutput] = {}
         for request in self.scheduler.admit_remote():
-            remote = request.remote
-            assert remote is not None  # the scheduler admits only ready ones
-            if remote.recompute:
-                self.num_recomputes += 1
-            else:
-                self.scheduler.register_full_blocks(request)
-            if remote.resume_at is not None:  # a moved request: its tokens are in, it runs (or recomputes) on
-                continue
-            assert remote.first_token_id is not None
-            output = self._append_token(request, remote.first_token_id, text_sent=True)
+            handoff = request.kv_import
+            assert handoff is not None  # the scheduler admits only joined ones
+            for token_id in handoff.tokens:
+                output = self._append_token(request, token_id, text_sent=True)
+                if output.finished:
+                    break
             output.new_token_ids = []
             outputs[request.request_id] = output
+            if handoff.state is ImportState.RECOMPUTE:
+                self.num_recomputes += 1
+            elif not output.finished:
+                self.scheduler.register_full_blocks(request)
         return outputs
 
     def _fail(self, request: Request, error: str, code: str) -> RequestOutput:
         """End a request with FinishReason.ERROR (blocks freed by ``_finish``); the output says why."""
         logger.warning("request %s failed: %s", request.request_id, error)
         request.error = error
-        self._finish(request, FinishReason.ERROR)
+        self.finish_request(request, FinishReason.ERROR)
         return error_output(request, error, code)
 
     def _append_token(
@@ -391,10 +392,10 @@ class LLMEngine:
             return self._fail(request, f"token {token_id} does not match the request's grammar", "sampling_error")
         reason, delta = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.length_limit, text_sent)
         if reason is not None:
-            self._finish(request, reason)
+            self.finish_request(request, reason)
         return token_output(request, token_id, reason, delta, logprob, text_sent)
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)
         self._cancel_tier_load(request)
         # the whole text, cut at a stop string
@@ -418,7 +419,7 @@ class LLMEngine:
         if request.status in (RequestStatus.PREFILLED, RequestStatus.FROZEN):
             self.release(request_id)
         else:
-            self._finish(request, FinishReason.ABORT)
+            self.finish_request(request, FinishReason.ABORT)
         return True
 
     def release(self, request_id: str) -> None:
@@ -515,276 +516,25 @@ class LLMEngine:
         if self.speculator is not None and self.speculator.draft is not None:
             self.speculator.draft.engine.check_no_leaks()
 
-    def reserve_remote(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        headroom_tokens: int = 0,
-        prefix_cache: bool = False,
-    ) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will arrive from elsewhere; None if they are not free now or this
-        engine is ``at_seq_limit``. The request then waits for ``remote_first_token`` and ``remote_kv_done``.
-
-        The reservation (``engine.blocks.reserved_blocks``, as the router plans) covers prompt, first token and
-        ``headroom_tokens``, so decoding needs no block for that long; the prompt's KV goes into the first blocks.
-        ``prefix_cache``: leading full prompt blocks held here are shared (``num_cached_tokens``), never the whole
-        prompt, and only later blocks are expected; off by default, for callers that send every block (the tests)."""
-        request = self._new_request(prompt, params, request_id, prefill_only=False)
-        if self.at_seq_limit():
-            return None
-        num_tokens = reserved_tokens(
-            request.num_prompt_tokens, request.params.max_tokens, headroom_tokens, self.max_model_len
-        )
-        # prompt logprobs: prefill_here must compute the whole prompt (the prefill worker exports every block anyway)
-        use_cache = prefix_cache and request.params.prompt_logprobs is None
-        if not self.scheduler.reserve_remote(request, num_tokens, use_cache):
-            return None
-        self._save_evicted()
-        self.requests[request.request_id] = request
-        return list(request.block_ids)
-
-    # ---- moving a running request to another worker (migration) -----------------------------------------------
-
-    def freeze(self, request_id: str) -> tuple[list[int], int]:
-        """Stop a decoding request between steps, its blocks held (FROZEN): returns its generated tokens and the
-        tokens whose KV it holds (all but the last one sampled). ValueError while it is still prefilling."""
-        request = self._get(request_id, RequestStatus.RUNNING)
-        if request.prefill_only or request.num_computed_tokens != request.num_tokens - 1:
-            raise ValueError(f"request {request_id!r} is still prefilling: only a decoding request moves")
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("a request on a tensor-parallel engine does not move (each rank holds part of its KV)")
-        self.scheduler.freeze(request)
-        return list(request.output_token_ids), request.num_computed_tokens
-
-    def resume(self, request_id: str) -> None:
-        """A FROZEN request runs on here (its move was called off)."""
-        self.scheduler.add_running(self._get(request_id, RequestStatus.FROZEN))
-
-    def kv_blocks(self, request_id: str, first_block: int = 0, num_blocks: int | None = None) -> list[int]:
-        """The blocks that hold a decoding request's computed KV, from ``first_block`` on (what goes to the other
-        worker): ``num_blocks`` full ones of a RUNNING or FROZEN request (pre-copy: their KV no longer changes while
-        it decodes on), or, of a FROZEN one, all up to its last computed token (its tail). ValueError when it is not
-        decoding here or holds fewer."""
-        request = self.requests.get(request_id)
-        if request is None:
-            raise KeyError(f"unknown request {request_id!r}")
-        if request.status not in (RequestStatus.RUNNING, RequestStatus.FROZEN) or request.prefill_only:
-            raise ValueError(f"request {request_id!r} is {request.status.name}: only a decoding request moves")
-        if request.num_computed_tokens != request.num_tokens - 1:
-            raise ValueError(f"request {request_id!r} is still prefilling: only a decoding request moves")
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("a request on a tensor-parallel engine does not move (each rank holds part of its KV)")
-        block_size = self.config.block_size
-        if num_blocks is None:
-            if request.status != RequestStatus.FROZEN:
-                raise ValueError(f"request {request_id!r} runs: only a frozen request's last blocks are complete")
-            end = blocks_for_tokens(request.num_computed_tokens, block_size)
-        else:
-            end = first_block + num_blocks
-            if end * block_size > request.num_computed_tokens:
-                raise ValueError(f"request {request_id!r} has not filled {end} blocks")
-        if not 0 <= first_block < end:
-            raise ValueError(f"no blocks from {first_block} to {end}")
-        return request.block_ids[first_block:end]
-
-    def reserve_migration(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        num_computed_tokens: int,
-        precopy_blocks: int = 0,
-        headroom_tokens: int = 0,
-    ) -> list[int] | None:
-        """Reserve blocks for a running request that moves here from another worker, as for a reservation whose
-        prompt were its ``num_computed_tokens`` (prompt and all generated tokens but the last), None when they are
-        not free now. The KV of its first ``precopy_blocks`` blocks may come while it still runs there
-        (``precopy_done``); ``adopt_migrated`` then brings its tokens."""
-        request = self._new_request(prompt, params, request_id, prefill_only=False)
-        generated = num_computed_tokens - request.num_prompt_tokens + 1
-        if not 0 < generated < request.params.max_tokens:
-            raise ValueError(f"num_computed_tokens {num_computed_tokens} is no running request's")
-        if not 0 <= precopy_blocks * self.config.block_size <= num_computed_tokens:
-            raise ValueError(f"{precopy_blocks} blocks to pre-copy are more than {num_computed_tokens} tokens fill")
-        if self.at_seq_limit():
-            return None
-        remaining = request.params.max_tokens - generated
-        num_tokens = reserved_tokens(num_computed_tokens, remaining + 1, headroom_tokens, self.max_model_len)
-        if not self.scheduler.reserve_remote(request, num_tokens, use_prefix_cache=False):
-            return None
-        remote = _remote(request)
-        remote.migrating, remote.precopy_blocks = True, precopy_blocks
-        self._save_evicted()
-        self.requests[request.request_id] = request
-        return list(request.block_ids)
-
-    def precopy_done(self, request_id: str) -> None:
-        """Every pre-copied block of a move's reservation arrived."""
-        remote = _remote(self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV))
-        if not remote.migrating or remote.resume_at is not None:
-            raise ValueError(f"request {request_id!r} is no move waiting for its pre-copy")
-        remote.precopied = True
-
-    def adopt_migrated(
-        self,
-        request_id: str,
-        output_token_ids: list[int],
-        num_computed_tokens: int,
-        first_block: int = 0,
-        headroom_tokens: int = 0,
-    ) -> list[int] | None:
-        """A move's reservation takes over the request stopped on its source: its generated tokens are replayed
-        here (grammar, detokenizer and stop-string window as they were there; nothing is sent again), and its blocks
-        grown for the tokens it made meanwhile; returns the blocks whose KV still comes (from ``first_block``: those
-        before it were pre-copied), or None when the blocks to grow by are not free (it is as it was). It waits in
-        WAITING_FOR_REMOTE_KV for them (``remote_kv_done``), then continues from its next token; a failed transfer
-        recomputes prompt and tokens here (``remote_kv_failed``)."""
-        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
-        remote = _remote(request)
-        if not remote.migrating or remote.resume_at is not None or remote.kv_failed:
-            raise ValueError(f"request {request_id!r} is no move's reservation waiting for its tokens")
-        if num_computed_tokens != request.num_prompt_tokens + len(output_token_ids) - 1 or not output_token_ids:
-            raise ValueError("num_computed_tokens must be every token but the last one generated")
-        if first_block and (not remote.precopied or first_block != remote.precopy_blocks):
-            raise ValueError(f"the first {first_block} blocks were not pre-copied here")
-        end = blocks_for_tokens(num_computed_tokens, self.config.block_size)
-        if not first_block < end:
-            raise ValueError(f"{num_computed_tokens} computed tokens end before block {first_block}")
-        for token_id in output_token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"generated token ids must be integers in [0, {self.vocab_size})")
-        remaining = request.params.max_tokens - len(output_token_ids)
-        num_tokens = reserved_tokens(num_computed_tokens, remaining + 1, headroom_tokens, self.max_model_len)
-        if not self.block_manager.grow(request.block_ids, num_tokens):
-            return None
-        for token_id in output_token_ids:
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                raise ValueError(f"generated token {token_id} does not match the request's grammar")
-            reason, _ = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.length_limit, True)
-            if reason is not None:
-                raise ValueError(f"the request would end here after its generated tokens ({reason.value})")
-        remote.resume_at = num_computed_tokens
-        return request.block_ids[first_block:end]
-
     def at_seq_limit(self) -> bool:
         """This engine holds ``max_num_seqs`` requests, so a reservation is refused: a decode step never exceeds the
         configured batch, which bounds the gather buffer and the KV plan (as vLLM caps its running batch)."""
         return len(self.requests) >= self.config.max_num_seqs
 
-    def missing_prompt_blocks(self, request: Request) -> list[int]:
-        """The physical blocks a reservation's imported KV goes into: its prompt's, after those shared from the
-        prefix cache (a moved request's: those to pre-copy, then every block its computed tokens fill)."""
-        block_size = self.config.block_size
-        remote = request.remote
-        if remote is not None and remote.migrating:  # its own blocks (no prefix sharing): pre-copied, then the rest
-            end = remote.precopy_blocks if remote.resume_at is None else blocks_for_tokens(remote.resume_at, block_size)
-            return request.block_ids[:end]
-        first = request.num_cached_tokens // block_size
-        return request.block_ids[first : blocks_for_tokens(request.num_prompt_tokens, block_size)]
+    # ---- a decoding request leaving for another worker (a move's source; its KV: ``kv_exporter.export_held``) ----
 
-    def prefill_here(self, request_id: str) -> None:
-        """Compute a reservation's prompt here instead of importing it (conditional disaggregation: the router sends
-        short uncached parts to no prefill worker): an ordinary running request on its reserved blocks from now on.
-        KeyError for an unknown request, ValueError unless it is an untouched reservation."""
-        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
-        remote = _remote(request)
-        if remote.first_token_id is not None or remote.kv_done_s is not None or remote.kv_failed:
-            raise ValueError(f"request {request_id!r} is already taking its KV from a prefill worker")
-        self.scheduler.prefill_here(request)
+    def freeze(self, request_id: str) -> list[int]:
+        """Stop a decoding request between steps, its blocks held (FROZEN), and return its generated tokens: its KV
+        holds every token but the last. ValueError while it is still prefilling."""
+        request = self._get(request_id, RequestStatus.RUNNING)
+        if request.prefill_only or request.num_computed_tokens != request.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is still prefilling: only a decoding request moves")
+        self.scheduler.freeze(request)
+        return list(request.output_token_ids)
 
-    def remote_first_token(self, request_id: str, token_id: int) -> None:
-        """The first token, sampled (and its text sent) by the prefill worker, reached this worker. KeyError for an
-        unknown request; ValueError if it is not waiting for remote KV, has a first token, or the id is out of range."""
-        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
-        remote = _remote(request)
-        if remote.first_token_id is not None:
-            raise ValueError(f"request {request_id!r} already has its first token")
-        if not isinstance(token_id, int) or not 0 <= token_id < self.model.config.vocab_size:
-            raise ValueError(f"first token id must be an integer in [0, {self.model.config.vocab_size})")
-        remote.first_token_id = token_id
-        remote.first_token_arrived_s = time.monotonic()
-        self.scheduler.remote_progress(request)
-
-    def write_remote_kv(
-        self, request_id: str, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Write one layer of a request's imported KV (the KV receiver's sink; the transfer id is the request id).
-        Raises, writing nothing, unless the request waits for its KV and ``block_ids`` are its missing prompt blocks,
-        so a late or stray piece never lands in another request's blocks nor in shared prefix-cached ones."""
-        request, _ = self._open_transfer(request_id)
-        if not set(block_ids) <= set(self.missing_prompt_blocks(request)):
-            raise ValueError(f"blocks {block_ids} are not reserved for the prompt of request {request_id!r}")
-        self.write_whole_kv(layer, block_ids, k, v)
-
-    def write_whole_kv(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer's KV of every head of the model (``handoff_spec``) into ``block_ids``, unchecked against
-        requests: each rank of a tensor-parallel engine keeps its own heads."""
-        split, channel = self.runner.head_split, self.runner.step_channel
-        if split is None or channel is None:
-            self.kv_cache.write_blocks(layer, block_ids, k, v)
-            return
-        spec = self.handoff_spec  # every head arrives; each rank keeps its own
-        expected = (len(block_ids), spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"KV blocks for layer {layer} have shape {tuple(k.shape)}, expected {expected}")
-        kv = torch.stack((k, v)).to(spec.dtype)
-        channel.send_kv(layer, block_ids, kv)
-        mine = split.local_kv(kv)
-        self.kv_cache.write_blocks(layer, block_ids, mine[0], mine[1])
-
-    def remote_kv_done(self, request_id: str) -> bool:
-        """Every layer of the request's KV is in. False if the request is gone (aborted or expired: its blocks are
-        free); ValueError if its transfer had already ended."""
-        if request_id not in self.requests:
-            return False
-        request, remote = self._open_transfer(request_id)
-        remote.kv_done_s = time.monotonic()
-        self.scheduler.remote_progress(request)
-        return True
-
-    def remote_kv_failed(self, request_id: str, recompute: bool) -> bool:
-        """The request's KV transfer failed; its reserved (partly written) blocks are freed now. ``recompute=False``:
-        it ends with ABORT and no output (the caller knows the cause and reports it). ``recompute=True``: once its
-        first token is in, it is prefilled here (``num_recomputes``) and decodes on. False if the request is gone;
-        ValueError if its transfer had already ended."""
-        if request_id not in self.requests:
-            return False
-        request, remote = self._open_transfer(request_id)
-        remote.kv_failed_s = time.monotonic()
-        if not recompute:
-            self._finish(request, FinishReason.ABORT)
-            return True
-        self._cancel_tier_load(request)
-        self.block_manager.free(request.block_ids)  # the prefill here allocates afresh (prefix cache included)
-        remote.recompute = True
-        self.scheduler.remote_progress(request)
-        return True
-
-    def _open_transfer(self, request_id: str) -> tuple[Request, RemoteKV]:
-        """A reservation whose KV transfer goes on; KeyError, or ValueError naming what it is instead."""
-        request = self._get(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
-        remote = _remote(request)
-        if remote.kv_done_s is not None or remote.kv_failed:
-            raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
-        return request, remote
-
-    def expire_remote(self, max_wait_s: float) -> list[str]:
-        """End, with ABORT and no output, the reservations whose first token has not come ``max_wait_s`` after they
-        were made (the router lost them or died); returns their ids, for the caller to report."""
-        now = time.monotonic()
-        expired = [
-            request
-            for request in self.requests.values()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV
-            and (remote := request.remote) is not None
-            and remote.first_token_id is None
-            and remote.resume_at is None  # a moved request has its tokens: its transfer's deadline governs
-            and now - remote.expected_s > max_wait_s
-        ]
-        for request in expired:
-            self._finish(request, FinishReason.ABORT)
-        return [request.request_id for request in expired]
+    def resume(self, request_id: str) -> None:
+        """A FROZEN request runs on here (its move was called off)."""
+        self.scheduler.add_running(self._get(request_id, RequestStatus.FROZEN))
 
     # ---- fault injection ----------------------------------------------------------------------------------------
 
@@ -801,10 +551,3 @@ def _first_rows(sampling: list[ScheduledChunk]) -> list[int]:
         rows.append(offset)
         offset += chunk.num_sampled_rows
     return rows
-
-
-def _remote(request: Request) -> RemoteKV:
-    remote = request.remote
-    if remote is None:
-        raise ValueError(f"request {request.request_id!r} has no remote KV")
-    return remote

@@ -78,6 +78,7 @@ def token_output(
         text=request.output_text,
         text_delta=delta,
         timing=request.timing,
+        kv_import=request.kv_import,
         logprobs=None if logprob is None else [logprob],
         prompt_logprobs=_prompt_logprobs_out(request, text_sent),
         num_cached_tokens=request.num_cached_tokens,
@@ -97,6 +98,7 @@ def error_output(request: Request, error: str, code: str) -> RequestOutput:
         error=error,
         error_code=code,
         timing=request.timing,
+        kv_import=request.kv_import,
         num_cached_tokens=request.num_cached_tokens,
     )
 

@@ -21,7 +21,7 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status has exactly one way out to FINISHED, which frees its blocks."""
 
     WAITING = 0  # queued for KV blocks and a first prefill chunk
-    # blocks reserved, KV arriving from a prefill worker (``Request.remote``); after a failed transfer, to be recomputed
+    # blocks reserved, its KV and tokens arriving from another worker (``Request.kv_import``)
     WAITING_FOR_REMOTE_KV = 1
     RUNNING = 2  # holds blocks, scheduled every step (prefill chunks, then one token per step)
     PREFILLED = 3  # prefill-only request done: blocks held for export until released
@@ -183,40 +183,77 @@ class KVExport:
         self.num_blocks_reported = max(self.num_blocks_reported, self.first_block)
 
 
+class ImportState(enum.Enum):
+    """Where a decode-side hand-off stands: its KV and its tokens come from another worker, in either order (the
+    join). ``engine.kv_connector.KVImporter`` moves it; the scheduler admits READY and RECOMPUTE."""
+
+    RESERVED = "reserved"  # blocks held; the KV and the tokens are to come
+    KV_IN = "kv_in"  # every block's KV arrived; the tokens are to come
+    TOKENS_IN = "tokens_in"  # the tokens came; the KV is to come
+    KV_FAILED = "kv_failed"  # the transfer failed (its blocks were freed): computed here once the tokens come
+    READY = "ready"  # KV and tokens in: queued to join the running batch from its next token
+    RECOMPUTE = "recompute"  # tokens in after a failed transfer: queued to be computed here, prompt and tokens
+
+    @property
+    def awaits_kv(self) -> bool:
+        return self in (ImportState.RESERVED, ImportState.TOKENS_IN)
+
+    @property
+    def awaits_tokens(self) -> bool:
+        return self in (ImportState.RESERVED, ImportState.KV_IN, ImportState.KV_FAILED)
+
+
 @dataclass(slots=True)
-class RemoteKV:
-    """Decode side: a request whose KV comes from a prefill worker; stamps are ``time.monotonic`` seconds. ``ready``
-    is the join the scheduler waits for: first token in, and KV complete or (after a failure) to be recomputed."""
+class KVImport:
+    """Decode side: a request whose KV and tokens come from another worker, the same hand-off whether the source
+    prefilled it (``tokens``: the first token it sampled) or decoded it (``moved``: a running request; ``tokens``:
+    every one it generated). Its KV holds every token but the last; stamps are ``time.monotonic`` seconds."""
 
     expected_s: float  # blocks reserved; the KV is expected from now on
-    first_token_id: int | None = None  # sampled by the prefill worker, brought by the router
-    first_token_arrived_s: float | None = None
+    moved: bool = False  # a running request from another decode worker: its KV fills a leading run of its blocks
+    state: ImportState = ImportState.RESERVED
+    tokens: list[int] = field(default_factory=list)  # brought by the router (``Start``), appended at admission
+    tokens_in_s: float | None = None
     kv_done_s: float | None = None  # the transfer layer wrote every layer of every block
+    kv_blocks: int = 0  # the blocks the KV filled (a moved request's: as many as its context needs)
     kv_failed_s: float | None = None  # the transfer failed (the reserved blocks were freed then)
-    recompute: bool = False  # after the failure: prefill the prompt and the first token here
     # a KV-tier load behind the reservation fell short: the prompt's KV is good up to here only; the rest (and the
     # first token's) is computed at admission
     valid_prompt_tokens: int | None = None
-    # a running request moving here from another decode worker (``LLMEngine.reserve_migration``): the KV of its first
-    # ``precopy_blocks`` full blocks may come while it still runs there (``precopied`` once whole); then
-    # ``adopt_migrated`` brings its generated tokens, and the KV of its first ``resume_at`` tokens is completed;
-    # admitted, it continues from its next token
-    migrating: bool = False
-    precopy_blocks: int = 0
-    precopied: bool = False
-    resume_at: int | None = None
     ready_s: float | None = None  # the join: queued for admission
     admitted_s: float | None = None  # the scheduler took it: into the running batch (or, to recompute, the queue)
     first_decode_s: float | None = None  # end of the first step that computed a token for it here
 
+    def context_tokens(self, num_prompt_tokens: int) -> int:
+        """The tokens whose KV the hand-off brings: the prompt and every token but the last (once the tokens came)."""
+        return num_prompt_tokens + max(0, len(self.tokens) - 1)
+
+    # ---- what the worker reports (``worker.role.wire_timing``) ------------------------------------------------------
     @property
-    def kv_failed(self) -> bool:
-        return self.kv_failed_s is not None
+    def kv_transfer_s(self) -> float | None:
+        """Reservation (KV expected) to KV complete: spans the prefill."""
+        return None if self.kv_done_s is None else self.kv_done_s - self.expected_s
 
     @property
-    def ready(self) -> bool:
-        token_in = self.first_token_id is not None or self.resume_at is not None
-        return token_in and (self.kv_done_s is not None or self.recompute)
+    def kv_wait_after_first_token_s(self) -> float | None:
+        """How long the KV lagged behind the first token (0 when it was here first)."""
+        if self.kv_done_s is None or self.tokens_in_s is None:
+            return None
+        return max(0.0, self.kv_done_s - self.tokens_in_s)
+
+    @property
+    def decode_queue_s(self) -> float | None:
+        """From the join (KV or its recompute decision, and the tokens) to the end of the first step computing a token
+        here (or to admission, if it finished there): what the next token waits for beyond the KV."""
+        if self.ready_s is None:
+            return None
+        end = self.first_decode_s if self.first_decode_s is not None else self.admitted_s
+        return None if end is None else end - self.ready_s
+
+    @property
+    def recomputed(self) -> bool:
+        """The KV transfer failed and the request was computed here instead."""
+        return self.kv_failed_s is not None
 
 
 @dataclass(slots=True)
@@ -228,9 +265,7 @@ class RequestTiming:
     scheduled_s: float | None = None  # first admitted into the running batch from the waiting queue
     first_token_s: float | None = None  # its first token was sampled here, or (decode side) appended at admission
     finished_s: float | None = None
-    remote: RemoteKV | None = None  # decode side: KV expected / done / failed, first token, admission, first decode
 
-    # ---- prefill side (and colocated) ------------------------------------------------------------------------------
     @property
     def queue_s(self) -> float | None:
         """Arrival to admission into the running batch."""
@@ -242,42 +277,6 @@ class RequestTiming:
         if self.scheduled_s is None or self.first_token_s is None:
             return None
         return self.first_token_s - self.scheduled_s
-
-    # ---- decode side (remote KV) -----------------------------------------------------------------------------------
-    @property
-    def kv_done_mono(self) -> float | None:
-        return None if self.remote is None else self.remote.kv_done_s
-
-    @property
-    def kv_transfer_s(self) -> float | None:
-        """Reservation (KV expected) to KV complete: spans the prefill."""
-        remote = self.remote
-        if remote is None or remote.kv_done_s is None:
-            return None
-        return remote.kv_done_s - remote.expected_s
-
-    @property
-    def kv_wait_after_first_token_s(self) -> float | None:
-        """How long the KV lagged behind the first token (0 when it was here first)."""
-        remote = self.remote
-        if remote is None or remote.kv_done_s is None or remote.first_token_arrived_s is None:
-            return None
-        return max(0.0, remote.kv_done_s - remote.first_token_arrived_s)
-
-    @property
-    def decode_queue_s(self) -> float | None:
-        """From the join (KV or its recompute decision, and first token) to the end of the first step computing a
-        token here (or to admission, if it finished there): what the second token waits for beyond the KV."""
-        remote = self.remote
-        if remote is None or remote.ready_s is None:
-            return None
-        end = remote.first_decode_s if remote.first_decode_s is not None else remote.admitted_s
-        return None if end is None else end - remote.ready_s
-
-    @property
-    def recomputed(self) -> bool:
-        """The KV transfer failed and the prompt was prefilled here instead."""
-        return self.remote is not None and self.remote.recompute
 
 
 @dataclass(slots=True, eq=False)  # identity, not field-by-field comparison: `request in running` stays cheap
@@ -306,12 +305,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why it ended with FinishReason.ERROR
     kv_export: KVExport | None = None  # prefill side: where its KV goes, and how many blocks were reported
+    kv_import: KVImport | None = None  # decode side: the hand-off bringing its KV and tokens (None: computed here)
     spec: Any = None  # engine.speculative.SpecState: its proposals, where the engine speculates
-
-    @property
-    def remote(self) -> RemoteKV | None:
-        """Decode side: the state of its KV import (None for a request computed here from the start)."""
-        return self.timing.remote
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -362,6 +357,7 @@ class RequestOutput:
     error: str | None = None  # finish_reason ERROR: what went wrong, for the client
     error_code: str | None = None  # finish_reason ERROR: "sampling_error" (this request's logits) or "worker_error"
     timing: RequestTiming | None = None  # the request's stamps (the live object, not a copy)
+    kv_import: KVImport | None = None  # decode side: its hand-off's record (the live object), for its figures
     # params.logprobs set: one entry per token of new_token_ids (an admission's output, which has none, has none)
     logprobs: list[TokenLogprob] | None = None
     # params.prompt_logprobs set: with the request's first token, one entry per prompt token (None for the first)

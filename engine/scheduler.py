@@ -6,8 +6,9 @@
    holding its blocks, until the tier's blocks are back; then it runs from there.
 3. A running request that needs a block when none is free preempts the most recently admitted one (maybe itself),
    which goes back to the front of the queue with its tokens, to be prefilled again (recompute).
-Decode side: a reservation (WAITING_FOR_REMOTE_KV) is admitted by ``admit_remote`` once its first token and KV are in,
-with no new blocks and whatever ``max_num_seqs`` (a cap would only idle reserved memory); or ``prefill_here``.
+Decode side: a reservation (WAITING_FOR_REMOTE_KV, its ``KVImport`` moved by ``engine.kv_connector.KVImporter``) is
+admitted by ``admit_remote`` once its KV and tokens are in, with no new blocks and whatever ``max_num_seqs`` (a cap
+would only idle reserved memory); or ``prefill_here``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.block_manager import BlockManager
-from engine.request import RemoteKV, Request, RequestStatus
+from engine.request import ImportState, Request, RequestStatus
 
 
 class TierIndex(Protocol):
@@ -89,7 +90,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve_remote(self, request: Request, num_tokens: int, use_prefix_cache: bool) -> bool:
-        """Hold blocks for ``num_tokens`` of a request whose prompt KV comes from elsewhere; with
+        """Hold blocks for ``num_tokens`` of a request whose KV comes from elsewhere (its ``kv_import`` set); with
         ``use_prefix_cache`` the leading full blocks held here are shared. False when the blocks are not free now."""
         allocation = self.block_manager.allocate(request.prompt_token_ids, num_tokens, use_prefix_cache)
         if allocation is None:
@@ -97,7 +98,6 @@ class Scheduler:
         request.block_ids, request.num_cached_tokens = allocation
         request.num_hashed_blocks = request.num_cached_tokens // self.block_manager.block_size  # shared: hashed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.timing.remote = RemoteKV(expected_s=time.monotonic())
         if use_prefix_cache:  # tier hits count as cached: the prefill worker sends only the blocks after them
             request.num_cached_tokens += self._start_tier_load(request, request.prompt_token_ids, True)
         return True
@@ -108,7 +108,7 @@ class Scheduler:
         if self.tiers is None:
             return 0
         block_size = self.block_manager.block_size
-        first_block = (request.num_cached_tokens if request.remote else request.num_computed_tokens) // block_size
+        first_block = (request.num_cached_tokens if request.kv_import else request.num_computed_tokens) // block_size
         usable_blocks = (len(token_ids) - 1) // block_size
         found = self.tiers.lookup(token_ids, first_block, usable_blocks - first_block)
         if found:
@@ -129,7 +129,7 @@ class Scheduler:
     def prefill_here(self, request: Request) -> None:
         """A reservation computed here instead (conditional disaggregation): it runs from its cached prefix on (after
         its tier blocks are in, if a load is under way)."""
-        request.timing.remote = None
+        request.kv_import = None
         request.timing.scheduled_s = time.monotonic()  # admitted now: its queue time is the wait for the router
         if request.num_loading_blocks:
             request.num_computed_tokens = request.num_cached_tokens - request.num_loading_blocks * self.block_size
@@ -188,34 +188,35 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.remote_ready or self.loading)
 
-    def remote_progress(self, request: Request) -> None:
-        """A remote request's first token or KV came (or its transfer failed): once both are in, it is queued."""
-        remote = request.remote
-        if remote is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+    def import_progress(self, request: Request) -> None:
+        """A reservation's KV or tokens came (or its transfer failed): once both are in (READY, or RECOMPUTE after a
+        failure) and no KV-tier load is under way, it is queued for admission."""
+        handoff = request.kv_import
+        if handoff is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request.request_id!r} is not waiting for remote KV")
-        if remote.ready and remote.ready_s is None and not request.num_loading_blocks:
-            remote.ready_s = time.monotonic()
+        joined = handoff.state in (ImportState.READY, ImportState.RECOMPUTE)
+        if joined and handoff.ready_s is None and not request.num_loading_blocks:
+            handoff.ready_s = time.monotonic()
             self.remote_ready.append(request)
 
     def admit_remote(self) -> list[Request]:
-        """Take the ready remote requests: KV imported -> RUNNING with the prompt computed; to recompute ->
-        WAITING, at the back. The caller appends each one's first token."""
+        """Take the joined reservations: READY -> RUNNING with its context computed (the KV of every token it brings
+        but the last); RECOMPUTE -> WAITING, at the back. The caller appends each one's tokens."""
         admitted = list(self.remote_ready)
         self.remote_ready.clear()
         now = time.monotonic()
         for request in admitted:
-            remote = request.remote
-            assert remote is not None  # only remote_progress queues, and it checks
-            remote.admitted_s = now
-            if remote.recompute:
+            handoff = request.kv_import
+            assert handoff is not None  # only import_progress queues, and it checks
+            handoff.admitted_s = now
+            if handoff.state is ImportState.RECOMPUTE:
                 request.status = RequestStatus.WAITING
                 self.waiting.append(request)
                 continue
-            if remote.resume_at is not None:  # moved here while running: it goes on from its next token
-                request.num_computed_tokens = remote.resume_at
-            else:  # after a tier load that fell short, the rest of the prompt is computed here
-                valid = remote.valid_prompt_tokens
-                request.num_computed_tokens = request.num_prompt_tokens if valid is None else valid
+            computed = handoff.context_tokens(request.num_prompt_tokens)
+            if handoff.valid_prompt_tokens is not None:  # a tier load fell short: the rest of the prompt is computed
+                computed = min(computed, handoff.valid_prompt_tokens)
+            request.num_computed_tokens = computed
             self.add_running(request)
         return admitted
 

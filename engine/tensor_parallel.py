@@ -287,6 +287,7 @@ class StepKind(enum.IntEnum):
     KEEPALIVE = 2
     STOP = 3
     KV_WRITE = 4  # imported KV for some blocks of one layer, every head: each rank keeps its own
+    KV_READ = 5  # some blocks of one layer leave between steps: each rank sends its heads to rank 0
 
 
 @dataclass(slots=True)
@@ -307,17 +308,17 @@ class StepRequest:
 class StepMessage:
     """A message to the followers as int64 frames: a header ``[kind, payload length]``, then for a STEP
     ``[num_export_blocks, *export_blocks]`` and per chunk ``[start, num_tokens, samples, num_blocks, *block_ids,
-    *token_ids]``; for a KV_WRITE ``[layer, *block_ids]``. ``export_blocks``: the physical blocks whose KV leaves
+    *token_ids]``; for a KV_WRITE or KV_READ ``[layer, *block_ids]``. ``export_blocks``: the physical blocks whose KV leaves
     this step (read after each layer and gathered on rank 0, every head)."""
 
     kind: StepKind
     chunks: list[ScheduledChunk] = field(default_factory=list)
     export_blocks: list[int] = field(default_factory=list)
-    layer: int = 0  # KV_WRITE
-    block_ids: list[int] = field(default_factory=list)  # KV_WRITE
+    layer: int = 0  # KV_WRITE, KV_READ
+    block_ids: list[int] = field(default_factory=list)  # KV_WRITE, KV_READ
 
     def encode(self) -> torch.Tensor:
-        if self.kind == StepKind.KV_WRITE:
+        if self.kind in (StepKind.KV_WRITE, StepKind.KV_READ):
             return torch.tensor([self.layer, *self.block_ids], dtype=torch.int64)
         if self.kind != StepKind.STEP:
             return torch.zeros(0, dtype=torch.int64)
@@ -331,7 +332,7 @@ class StepMessage:
     @staticmethod
     def decode(kind: StepKind, payload: torch.Tensor) -> StepMessage:
         values = payload.tolist()
-        if kind == StepKind.KV_WRITE:
+        if kind in (StepKind.KV_WRITE, StepKind.KV_READ):
             return StepMessage(kind, layer=values[0], block_ids=values[1:])
         if kind != StepKind.STEP:
             return StepMessage(kind)
@@ -383,6 +384,12 @@ class StepChannel:
         self.send(StepMessage(StepKind.KV_WRITE, layer=layer, block_ids=block_ids))
         self.group.broadcast(kv.cpu().contiguous())  # received into a host tensor (``TPFollower._write_kv``)
 
+    def gather_kv(self, layer: int, block_ids: list[int], mine: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's heads of ``block_ids`` of ``layer`` on rank 0 (``mine``: its own, ``[2, blocks, block_size,
+        heads, head_dim]``), in rank order: KV that leaves between steps (``TPFollower._read_kv``)."""
+        self.send(StepMessage(StepKind.KV_READ, layer=layer, block_ids=block_ids))
+        return self.group.gather(mine)
+
     def receive(self) -> StepMessage:
         self.group.broadcast(self._header)
         kind, length = StepKind(int(self._header[0])), int(self._header[1])
@@ -404,7 +411,8 @@ class FollowerRunner(Protocol):
 
 class TPFollower:
     """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure; sends
-    its heads of the blocks a step exports to rank 0, and keeps its heads of the KV rank 0 imports."""
+    its heads of the blocks a step (or a read between steps) exports to rank 0, and keeps its heads of the KV rank 0
+    imports."""
 
     def __init__(self, runner: FollowerRunner, channel: StepChannel) -> None:
         self.runner = runner
@@ -424,6 +432,9 @@ class TPFollower:
                     self.steps += 1
                 elif message.kind == StepKind.KV_WRITE:
                     self._write_kv(message.layer, message.block_ids)
+                elif message.kind == StepKind.KV_READ:
+                    cache = self.runner.kv_cache
+                    self.channel.group.gather(torch.stack(cache.read_blocks(message.layer, message.block_ids)))
             except TPError as exc:
                 logger.error("tensor-parallel rank %d stops: %s", self.channel.group.rank, exc)
                 return str(exc)

@@ -46,7 +46,7 @@ def measure_transfer(
     fingerprint = ModelFingerprint.from_spec(kv_spec)
 
     def sink(_tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        engine.write_whole_kv(layer, blocks, k, v)
+        engine.whole_kv.write(layer, blocks, k, v)
 
     receiver = make_receiver(spec.transfer_backend, fingerprint, sink, receiver_address(spec), config)
     sender = make_sender(spec.transfer_backend, fingerprint, config)

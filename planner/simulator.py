@@ -27,7 +27,7 @@ from cluster.routing.metrics import RouterMetrics
 from cluster.routing.policies import make_policy
 from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens, reserved_tokens
-from engine.request import FinishReason, Request, RequestStatus, RequestTiming, SamplingParams
+from engine.request import FinishReason, ImportState, KVImport, Request, RequestStatus, RequestTiming, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from planner.profile_model import Profile, ProfileSet
 from planner.trace import TraceRequest
@@ -244,9 +244,11 @@ class SimWorker:
             self.scheduler.add(self._request(command.rid, command.prompt, command.params))
         elif isinstance(command, Start):
             held = self.requests.get(command.rid)
-            if held is not None and held.remote is not None:
-                held.remote.first_token_id = command.first_token
-                self.scheduler.remote_progress(held)
+            if held is not None and held.kv_import is not None:
+                handoff = held.kv_import
+                handoff.tokens = list(command.tokens)
+                handoff.state = ImportState.READY if handoff.state is ImportState.KV_IN else ImportState.TOKENS_IN
+                self.scheduler.import_progress(held)
         elif isinstance(command, Abort):
             self._end(command.rid)
         self.heartbeat()
@@ -269,6 +271,7 @@ class SimWorker:
         num_tokens = reserved_tokens(
             len(command.prompt), command.params.max_tokens, settings.reserve_headroom_tokens, max_len
         )
+        request.kv_import = KVImport(expected_s=self.env.now)
         if len(self.requests) >= self.max_num_seqs or not self.scheduler.reserve_remote(request, num_tokens, True):
             reason: RefusalReason = "max_num_seqs" if len(self.requests) >= self.max_num_seqs else "kv_full"
             self.send(Reserved(rid=command.rid, worker=self.name, ok=False, reason=reason))
@@ -293,9 +296,11 @@ class SimWorker:
     def kv_arrived(self, rid: str) -> None:
         """A transfer into this (decode) worker is complete."""
         request = self.requests.get(rid)
-        if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KV and request.remote:
-            request.remote.kv_done_s = self.env.now
-            self.scheduler.remote_progress(request)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KV and request.kv_import:
+            handoff = request.kv_import
+            handoff.kv_done_s = self.env.now
+            handoff.state = ImportState.READY if handoff.state is ImportState.TOKENS_IN else ImportState.KV_IN
+            self.scheduler.import_progress(request)
             self.notify()
 
     # ---- the loop ------------------------------------------------------------------------------------------------
@@ -322,9 +327,9 @@ class SimWorker:
 
     def _admitted(self, request: Request) -> TokenItem:
         """A remote request joins the batch with its first token (the prefill worker's): no token of its own."""
-        assert request.remote is not None and request.remote.first_token_id is not None
+        assert request.kv_import is not None and request.kv_import.tokens
         self.scheduler.register_full_blocks(request)
-        return self._append(request, request.remote.first_token_id, own=False)
+        return self._append(request, request.kv_import.tokens[0], own=False)
 
     def _computed(self, chunk: ScheduledChunk) -> TokenItem | None:
         request = chunk.request

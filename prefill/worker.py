@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 
 from engine.blocks import blocks_for_tokens
-from engine.kv_connector import KVBlocksReady, KVSink
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason
 from transfer.base import KVSender, make_sender
 from transfer.state import TransferEvent
 from transfer.wire import ModelFingerprint
 from worker.messages import Command, ErrorCode, Prefill, Tokens, WorkerCounters, WorkerLoad
-from worker.role import Emit, Role, token_item
+from worker.role import Emit, Role, send_kv_to, token_item
 from worker.spec import WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ class PrefillRole(Role):
             rid,
             prefill_only=True,
             arrival_s=arrival_s,
-            kv_sink=self._sink(rid, list(command.dst_blocks), first_block),
+            kv_sink=send_kv_to(self.sender, rid, list(command.dst_blocks), first_block),
             stream_kv=self.stream_kv,
             export_from_token=command.cached_tokens,
         )
@@ -77,16 +76,6 @@ class PrefillRole(Role):
         except Exception:  # no transfer, so nothing would ever release the request: it ends here
             self.engine.abort(rid)
             raise
-
-    def _sink(self, rid: str, dst_blocks: list[int], first_block: int) -> KVSink:
-        """Logical blocks [first, end) onto the decode worker's reserved blocks, which start at ``first_block``."""
-        sender = self.sender
-
-        def send(ready: KVBlocksReady) -> None:
-            dst = dst_blocks[ready.first_block - first_block : ready.end_block - first_block]
-            sender.send_layer(rid, ready.layer, dst, ready.k, ready.v)
-
-        return send
 
     def tick(self) -> None:
         first_tokens = []

@@ -2,10 +2,11 @@
 
 A message is a map whose ``type`` names its kind; ``decode_command`` / ``decode_event`` return the typed object or
 raise ``MalformedMessage`` (undecodable, unknown kind or field, wrong type, out of bounds, too large), so a receiver
-never builds anything but these objects. Commands go router -> worker (``Membership`` stamps ``router`` and
-``sent_at``), events worker -> router. Every request message names the request by its wire id: a fresh one per
-reservation attempt and per retry, so a late answer can only concern an attempt the router gave up on.
-The request flow that sends them: docs/request-lifecycle.md.
+never builds anything but these objects. Commands go router -> worker (the live router stamps ``router`` and
+``sent_at`` as it sends), events worker -> router. Every request message names the request by its wire id: a fresh
+one per reservation attempt, per retry and per move, so a late answer can only concern an attempt the router gave up
+on. One hand-off serves prefill -> decode (``Reserve``, ``Prefill``, ``Start``) and decode -> decode (``Reserve``
+with ``context_tokens``, ``Export``, ``Frozen``, ``Start``); the flows: docs/request-lifecycle.md.
 """
 
 from __future__ import annotations
@@ -170,9 +171,15 @@ class _PromptCommand(_RequestCommand):
 
 
 class Reserve(_PromptCommand, tag="reserve"):
+    """Hold decode KV for a request whose KV and tokens come from another worker (``Reserved`` answers): a prompt
+    about to be prefilled, or (``context_tokens``) a running request about to move here from another decode worker."""
+
     # conditional disaggregation, decided where the cache is: when what this worker lacks of the prompt (after its
     # prefix cache) is at most this many tokens, it computes it itself at once (``Reserved.prefill_local``); 0: never
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # a move: the tokens whose KV the request holds now (its prompt and every generated token but the last); its KV
+    # then fills a leading run of the reserved blocks, as many as it holds when its source stops it
+    context_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class Prefill(_PromptCommand, tag="prefill"):
@@ -183,8 +190,23 @@ class Prefill(_PromptCommand, tag="prefill"):
     cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class Export(_RequestCommand, tag="export"):
+    """A move, on its source: the decoding request's KV goes to another decode worker's reserved blocks (transfer
+    ``target_rid``, a leading run of ``dst_blocks``). With ``precopy`` its full blocks go while it decodes on; then it
+    stops at a step boundary (``Frozen`` names its tokens, for the target's ``Start``) and the rest goes. Its blocks
+    here are held until ``Abort`` (it moved) or ``Resume`` (the move was called off: it runs on here)."""
+
+    target_rid: str
+    kv_address: str
+    dst_blocks: Annotated[list[int], msgspec.Meta(min_length=1)]
+    precopy: bool = True
+
+
 class Start(_RequestCommand, tag="start"):
-    first_token: int
+    """The tokens a reservation waits for, made where its KV comes from: a prefill worker's first token, or every
+    token a moved request generated (``Frozen``). Their text has been sent; the KV holds all but the last."""
+
+    tokens: Annotated[list[int], msgspec.Meta(min_length=1)]
 
 
 class Generate(_PromptCommand, tag="generate"):
@@ -208,70 +230,12 @@ class Drain(_Command, tag="drain"):
     deadline_s: Annotated[float, msgspec.Meta(gt=0)]
 
 
-class Freeze(_RequestCommand, tag="freeze"):
-    """Migration, on the source decode worker: stop the running request at the next step boundary, keep its blocks,
-    and say what it has generated (``Frozen``)."""
-
-
 class Resume(_RequestCommand, tag="resume"):
-    """Migration called off (the target refused or died before it had the KV): the frozen request runs on here."""
+    """A move called off or cut short: the request runs on here with what it has. On the source, its export stops
+    and it decodes on (frozen or not); on the target, the KV that has not come is computed here from its tokens."""
 
 
-class MigrateIn(_PromptCommand, tag="migrate_in"):
-    """Migration, on the target decode worker: reserve blocks for a running request's context so far (the KV of
-    ``num_computed_tokens``, and headroom; ``Reserved``) and expect the KV of its first ``precopy_blocks`` full blocks
-    while it still runs on its source (transfer ``precopy_transfer_id(rid)``)."""
-
-    num_computed_tokens: Annotated[int, msgspec.Meta(ge=1)]
-    precopy_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-class MigrateTail(_RequestCommand, tag="migrate_tail"):
-    """Migration, on the target, once the source froze the request: take its generated tokens, grow its blocks for
-    those it made since ``MigrateIn``, and expect the KV of its first ``num_computed_tokens`` from block
-    ``first_block`` on (those before were pre-copied); ``Reserved`` names the blocks (not ok: no room to grow). It
-    continues from its next token."""
-
-    output_token_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
-    num_computed_tokens: Annotated[int, msgspec.Meta(ge=1)]
-    first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-class MigrateSend(_RequestCommand, tag="migrate_send"):
-    """Migration, on the source: ship the request's KV into the target's reserved blocks. ``precopy``: its first
-    ``len(dst_blocks)`` full blocks while it decodes on (transfer ``precopy_transfer_id(target_rid)``); else the
-    frozen request's blocks from ``first_block`` on (transfer ``target_rid``), released once they went. ``Migrated``
-    says how it ended."""
-
-    target_rid: str
-    kv_address: str
-    dst_blocks: list[int]
-    first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
-    precopy: bool = False
-
-
-PRECOPY_SUFFIX = ":precopy"
-
-
-def precopy_transfer_id(rid: str) -> str:
-    """The transfer that brings a moving request's pre-copied blocks to its target (``rid``: the target's id)."""
-    return rid + PRECOPY_SUFFIX
-
-
-Command = (
-    Reserve
-    | Prefill
-    | Start
-    | Generate
-    | Abort
-    | Ping
-    | Drain
-    | Freeze
-    | Resume
-    | MigrateIn
-    | MigrateTail
-    | MigrateSend
-)
+Command = Reserve | Prefill | Export | Start | Generate | Abort | Resume | Ping | Drain
 
 
 # ---- events: worker -> router ----------------------------------------------------------------------------------
@@ -351,29 +315,14 @@ class KvEvents(_Event, tag="kv_events"):
 
 
 class Frozen(_Event, tag="frozen"):
-    """Answer to ``Freeze``: the request stopped here after ``output_token_ids`` (every one already sent in a
-    ``tokens`` event before this) with the KV of ``num_computed_tokens``; not ok: it runs on (``reason``)."""
+    """A move's source stopped the request (``Export``) after ``output_token_ids``, every one already sent in a
+    ``tokens`` event before this; the rest of its KV is on its way."""
 
     rid: str
-    ok: bool
-    output_token_ids: list[int] = []
-    num_computed_tokens: int = 0
-    reason: str = ""
+    output_token_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
 
 
-class Migrated(_Event, tag="migrated"):
-    """The source's KV transfer of a moving request ended. ``precopy``: its blocks shipped while it decodes on (not
-    ok: they are sent with the tail). Else its tail: ok, its blocks here are free; not ok, they are held until
-    ``Resume`` or ``Abort`` (the target recomputes from the tokens unless it is gone)."""
-
-    rid: str
-    ok: bool
-    precopy: bool = False
-    nbytes: int = 0
-    error: str = ""
-
-
-Event = Reserved | Tokens | ErrorEvent | Stats | KvEvents | Frozen | Migrated
+Event = Reserved | Tokens | ErrorEvent | Stats | KvEvents | Frozen
 
 
 # ---- encoding --------------------------------------------------------------------------------------------------

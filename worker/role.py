@@ -12,8 +12,10 @@ from typing import ClassVar
 
 import msgspec
 
+from engine.kv_connector import KVBlocksReady, KVSink
 from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, RequestOutput, RequestTiming
+from engine.request import FinishReason, RequestOutput
+from transfer.base import KVSender
 from worker.messages import (
     Command,
     ErrorCode,
@@ -144,21 +146,23 @@ class Role:
         return msgspec.structs.replace(self.counters, **fields)
 
 
-def wire_timing(timing: RequestTiming) -> Timing:
-    """Where a request's time went here: the prefill's figures if the prompt was computed here, else the KV import's."""
-    remote = timing.remote
-    if remote is not None and remote.resume_at is not None:
-        return Timing()  # moved here while running: the router times the move; the import's figures stand
-    if remote is None:
+def wire_timing(output: RequestOutput) -> Timing:
+    """Where a request's time went here: the prefill's figures if the prompt was computed here, else the KV import's
+    (none for a request moved here while running: the router times the move, and its first import's figures stand)."""
+    timing, handoff = output.timing, output.kv_import
+    if handoff is not None and handoff.moved:
+        return Timing()
+    if handoff is None:
+        assert timing is not None  # the caller reports only outputs that carry their request's stamps
         return Timing(
             prefill_queue_s=timing.queue_s, prefill_compute_s=timing.compute_s, prefill_end_mono=timing.first_token_s
         )
     return Timing(
-        kv_done_mono=timing.kv_done_mono,
-        kv_transfer_s=timing.kv_transfer_s,
-        kv_wait_after_first_token_s=timing.kv_wait_after_first_token_s,
-        decode_queue_s=timing.decode_queue_s,
-        recomputed=timing.recomputed,
+        kv_done_mono=handoff.kv_done_s,
+        kv_transfer_s=handoff.kv_transfer_s,
+        kv_wait_after_first_token_s=handoff.kv_wait_after_first_token_s,
+        decode_queue_s=handoff.decode_queue_s,
+        recomputed=handoff.recomputed,
     )
 
 
@@ -166,8 +170,7 @@ def token_item(output: RequestOutput) -> TokenItem:
     """A request's share of a step: tokens, text, logprobs; its timing with its first token here (its first decoded
     one, if the KV was imported) and its last; prompt logprobs and prefix-cache hit with the first token sampled
     where the prompt was computed. A prefill worker's finish (PREFILLED) is not a finish for the client."""
-    timing = output.timing
-    imported = timing is not None and timing.remote is not None
+    imported = output.kv_import is not None
     # a step may bring several tokens (speculative decoding): which of them is the request's n-th
     before = output.num_output_tokens - len(output.new_token_ids)
     first_here = before == 0 and bool(output.new_token_ids) and not imported
@@ -178,8 +181,19 @@ def token_item(output: RequestOutput) -> TokenItem:
         output.new_token_ids,
         output.text_delta,
         finish,
-        wire_timing(timing) if reports and timing is not None else None,
+        wire_timing(output) if reports and output.timing is not None else None,
         output.logprobs if output.new_token_ids else None,
         output.prompt_logprobs if first_here else None,
         output.num_cached_tokens if first_here else None,
     )
+
+
+def send_kv_to(sender: KVSender, transfer_id: str, dst_blocks: list[int], first_block: int = 0) -> KVSink:
+    """The sink of one hand-off's sending side (a prefill, or a move's source): logical blocks ``[first, end)`` onto
+    the receiver's reserved blocks, which start at logical block ``first_block``."""
+
+    def send(ready: KVBlocksReady) -> None:
+        dst = dst_blocks[ready.first_block - first_block : ready.end_block - first_block]
+        sender.send_layer(transfer_id, ready.layer, dst, ready.k, ready.v)
+
+    return send

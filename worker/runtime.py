@@ -30,6 +30,7 @@ from worker.messages import (
     Drain,
     ErrorCode,
     Event,
+    Export,
     KvEvents,
     Ping,
     Stats,
@@ -290,6 +291,8 @@ class WorkerRuntime:
                 continue
             rid = command.rid
             self._book.claim(rid, router, now)
+            if isinstance(command, Export):  # its transfer is named by the target's id: its news goes there too
+                self._book.claim(command.target_rid, router, now)
             # how long the command sat in the socket while a step ran (same-host clocks; 0 if unknown)
             waited = 0.0 if command.sent_at is None else max(0.0, time.time() - command.sent_at)
             arrival_s = time.monotonic() - waited

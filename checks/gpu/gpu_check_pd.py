@@ -140,17 +140,17 @@ class DecodeSide:
 
     def _sink(self, rid: str, layer: int, blocks: list[int], k: Any, v: Any) -> None:
         self.first_write.setdefault(rid, time.perf_counter())
-        self.engine.write_remote_kv(rid, layer, blocks, k, v)
+        self.engine.kv_importer.write(rid, layer, blocks, k, v)
 
     def check_time(self, what: str) -> None:
         if time.monotonic() > self.end:
             raise TimeoutError(f"the pair's time ran out waiting for {what}")
 
     def send(self, rid: str, prompt: list[int], max_tokens: int, stream: bool) -> None:
-        blocks = self.engine.reserve_remote(prompt, _greedy(max_tokens), rid)
+        blocks = self.engine.kv_importer.reserve(prompt, _greedy(max_tokens), rid)
         if blocks is None:
             raise RuntimeError(f"no KV blocks free for {rid}")
-        missing = self.engine.missing_prompt_blocks(self.engine.requests[rid])
+        missing = self.engine.kv_importer.expected_blocks(self.engine.requests[rid])
         self.receiver.expect(rid, missing, num_layers=self.engine.kv_spec.num_layers)
         self.tokens[rid] = []
         self.conn.send(("request", rid, prompt, missing, self.receiver.address, stream))
@@ -169,12 +169,12 @@ class DecodeSide:
             if self.hold_first_tokens:
                 self.held[rid] = token
             else:
-                self.engine.remote_first_token(rid, token)
+                self.engine.kv_importer.tokens_in(rid, [token])
         for event in self.receiver.poll():
             if not event.ok:
                 raise RuntimeError(f"transfer {event.transfer_id} failed: {event.error!r}")
             self.done[event.transfer_id] = time.perf_counter()
-            self.engine.remote_kv_done(event.transfer_id)
+            self.engine.kv_importer.kv_done(event.transfer_id)
         if not self.engine.has_unfinished():
             self.receiver.wait(0.001)
             return None
@@ -293,7 +293,7 @@ def _bfloat16_phase(side: DecodeSide, p: dict[str, Any], vocab: int, out: dict[s
         if sent is not None:
             rates.append(nbytes / max(end - sent, 1e-9) / 1e9)
         side.hold_first_tokens = False
-        engine.remote_first_token(rid, side.held.pop(rid))
+        engine.kv_importer.tokens_in(rid, [side.held.pop(rid)])
         side.run_until(lambda rid=rid: rid not in engine.requests, f"{rid} to finish")
     out["graphs_captured_while_measuring"] = (graphs.num_graphs - captured_before) if graphs else None
     out["transfer_gbps"] = float(f"{sorted(rates)[len(rates) // 2]:.4g}") if rates else None

@@ -5,7 +5,10 @@ to ``outbox`` and flows with news to ``updated``, for the caller to deliver: the
 the planner's simulator in simulated time. A worker's load is the flows it holds (``Flow.holders``). Disaggregated
 (docs/request-lifecycle.md): reserve on a decode worker (a fresh wire id per attempt; queued when none has room),
 prefill on a prefill worker or on the decode worker when what it lacks is short, then forward the first token to the
-decode worker (``Start``). Colocated: one worker does all. Moving a decoding request: moves.py.
+decode worker (``Start``). Colocated: one worker does all. A move is the same hand-off with a decoding request as its
+source: the target reserves the flow's context, the source ships its KV (``Export``) and stops the request
+(``Frozen``), the target gets its tokens (``Start``) and the move ends when it streams; when and where to move:
+moves.py.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ import logging
 from collections import OrderedDict, deque
 
 from cluster.config import ClusterConfig
+from cluster.routing import moves
 from cluster.routing.admission import Admission
 from cluster.routing.errors import NoWorkers, Overloaded, RequestFailed
-from cluster.routing.flow import Flow, FlowStatus
+from cluster.routing.flow import Flow, FlowStatus, Move, MovePhase
 from cluster.routing.membership import Membership, WorkerHandle, free_blocks
 from cluster.routing.metrics import RouterMetrics
-from cluster.routing.moves import Moves
 from cluster.routing.placement import Placer
 from cluster.routing.policies import Placements, Policy
 from engine.blocks import prompt_block_hashes
@@ -31,13 +34,14 @@ from worker.messages import (
     ErrorCode,
     ErrorEvent,
     Event,
+    Export,
     Frozen,
     Generate,
     KvEvents,
-    Migrated,
     Prefill,
     Reserve,
     Reserved,
+    Resume,
     Start,
     Stats,
     Tokens,
@@ -73,7 +77,6 @@ class RouterCore:
         self.admission = admission or Admission(config.router.queue_size)
         self.members = members or Membership(metrics)
         self.placer = Placer(config, self.members, metrics, policies)
-        self.moves = Moves(self)  # moving decoding flows between decode workers (moves.py)
         self.flows: dict[str, Flow] = {}  # by current wire id: the requests in flight
         self.placements = Placements(MAX_RECORDS)  # where recent requests went, for later ones' ``affinity``
         self.last_timing: OrderedDict[str, dict[str, float]] = OrderedDict()  # finished requests', for the response
@@ -188,7 +191,7 @@ class RouterCore:
     def _on_reserved(self, reply: Reserved, worker: WorkerHandle | None, now: float) -> None:
         flow = self.flows.get(reply.rid)
         if flow is not None and flow.move is not None and reply.rid == flow.move.target_wire:
-            self.moves.on_reserved(flow, reply, now)
+            self._move_reserved(flow, flow.move, reply, now)
             return
         if flow is None or flow.status is not FlowStatus.RESERVING or flow.asking != reply.worker:
             if reply.ok and worker is not None:  # an answer that came after the router gave up: undo it there
@@ -270,9 +273,7 @@ class RouterCore:
         elif isinstance(event, KvEvents):
             self.members.on_kv_events(event, worker)
         elif isinstance(event, Frozen):
-            self.moves.on_frozen(event, now)
-        elif isinstance(event, Migrated):
-            self.moves.on_migrated(event, now)
+            self._on_frozen(event, now)
 
     def _on_stats(self, stats: Stats, now: float) -> None:
         before = self.members.get(stats.worker)
@@ -284,7 +285,10 @@ class RouterCore:
         if worker.role == "decode" and _room(stats) > room_before:  # capacity freed there: the queue asks again
             self._wake(now)
         if worker.role == "decode" and self.config.router.rebalance.enabled:
-            self.moves.rebalance(worker, stats, now)
+            others = [w for w in self.members.routable("decode") if w.name != worker.name]
+            limit = self.config.router.rebalance.max_moves_per_worker
+            if picked := moves.rebalance_pick(worker, stats, others, self.placer, limit):
+                self.migrate(picked[0], now, picked[1].name, reason="rebalance")
 
     def _on_tokens(self, event: Tokens, now: float) -> None:
         name, flows = event.worker, self.flows
@@ -297,7 +301,7 @@ class RouterCore:
                 flow.status = FlowStatus.DECODING
                 self.sync(flow)
                 if item.token_ids and flow.decode is not None:
-                    self.send(flow.decode, Start(flow.wire_id, item.token_ids[0]))
+                    self.send(flow.decode, Start(flow.wire_id, item.token_ids[:1]))
             elif name != flow.decode or flow.status not in (
                 FlowStatus.PREFILLING,
                 FlowStatus.DECODING,
@@ -310,6 +314,8 @@ class RouterCore:
             first = flow.first_token_s is None
             if flow.push(item, now):
                 self.updated.append(flow)
+                if flow.move is not None and name == flow.move.target:  # the target streams: it holds the request
+                    self._move_landed(flow, flow.move, now)
                 if first and flow.first_token_s is not None:
                     self.metrics.ttft.observe(flow.first_token_s - flow.started_s)
                 if item.finish_reason is not None:
@@ -330,7 +336,7 @@ class RouterCore:
             flow.tried.append(error.worker)
             self._reserve_next(flow, now)
         elif flow.move is not None and error.worker in (flow.move.source, flow.move.target):
-            self.moves.on_error(flow, error, now)
+            self._move_error(flow, flow.move, error, now)
         elif error.worker in (flow.prefill, flow.decode):
             status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
             self.fail(flow, RequestFailed(error.message, error.code.value, status))
@@ -351,10 +357,149 @@ class RouterCore:
                 flow.tried.append(flow.asking or "")
                 flow.asking = None
                 self._reserve_next(flow, now)
-            elif flow.move is not None:
-                self.moves.check_deadline(flow, now)
+            elif (move := flow.move) is not None and move.phase is MovePhase.RESERVING:
+                if now - move.phase_s > worker_timeout_s:  # the target is silent: the request runs on at the source
+                    logger.warning("decode worker %s did not answer a move's reservation in time", move.target)
+                    self._call_off(flow, move, "resumed", now, resume_source=False)
         if self._queue and now >= self._next_queue_retry_s:
             self._wake(now)
+
+    # ---- moves: the hand-off with a decoding request as its source (when and where: moves.py) -------------------
+
+    def migrate(self, flow: Flow, now: float, target: str | None = None, reason: str = "admin") -> str:
+        """Start moving a decoding flow off its decode worker, to ``target`` or the one the policy picks among those
+        with room for its context; returns "" or why it cannot move now."""
+        if self.config.mode == "colocated":
+            return "colocated workers do not move requests"
+        if flow.status is not FlowStatus.DECODING or flow.decode is None:
+            return f"request is {flow.status.value}, not decoding"
+        others = [w for w in self.members.routable("decode") if w.name != flow.decode]
+        if target is not None:
+            others = [w for w in others if w.name == target]
+            if not others:
+                return f"{target} is not another live decode worker"
+        chosen = moves.pick_target(flow, others, self.placer)
+        if chosen is None:
+            self.metrics.migrations.labels(reason, "refused").inc()
+            return "no other decode worker has room for it"
+        # a worker about to preempt needs the request out of its batch now (a stopped one grows no more), not after
+        # the few steps a pre-copy takes
+        self._reserve_move(flow, chosen.name, now, reason, precopy=reason != "rebalance")
+        return ""
+
+    def _reserve_move(self, flow: Flow, target: str, now: float, reason: str, precopy: bool) -> None:
+        assert flow.decode is not None
+        move = Move(flow.decode, flow.wire_id, target, self.next_wire_id(flow), now, reason, phase_s=now)
+        move.blocks_needed, move.precopy = moves.blocks_needed(self.placer, flow), precopy
+        flow.move, flow.status = move, FlowStatus.MIGRATING
+        self.sync(flow)
+        context = moves.computed_tokens(flow)
+        self.send(target, Reserve(move.target_wire, flow.prompt, flow.params, context_tokens=context))
+
+    def _move_reserved(self, flow: Flow, move: Move, reply: Reserved, now: float) -> None:
+        """The target's answer: where a prompt's reservation sends ``Prefill``, a move's sends ``Export``."""
+        if reply.worker != move.target or move.phase is not MovePhase.RESERVING:
+            return
+        if not reply.ok:
+            self._end_move(flow, move, "refused", now)  # nothing is held anywhere: the source never stopped
+            return
+        move.phase, move.phase_s = MovePhase.EXPORTING, now
+        command = Export(move.source_wire, move.target_wire, reply.kv_address, reply.blocks, precopy=move.precopy)
+        self.send(move.source, command)
+
+    def _on_frozen(self, event: Frozen, now: float) -> None:
+        """The source stopped the request: its tokens go to the target, whose stream the client reads from now."""
+        flow = self.flows.get(event.rid)
+        move = flow.move if flow is not None else None
+        if flow is None or move is None or move.phase is not MovePhase.EXPORTING or event.worker != move.source:
+            if self.members.get(event.worker) is not None:  # nobody waits for it there any more
+                self.send(event.worker, Abort(event.rid) if flow is None else Resume(event.rid))
+            return
+        if len(event.output_token_ids) != flow.received_tokens:  # every token came before the freeze: a bug
+            frozen, arrived = len(event.output_token_ids), flow.received_tokens
+            logger.warning("request %s stopped after %d tokens, %d arrived", flow.rid, frozen, arrived)
+            self._call_off(flow, move, "refused", now, resume_source=True)
+            return
+        move.phase, move.phase_s, move.frozen_s = MovePhase.HANDING_OFF, now, now
+        flow.decode, flow.wire_id = move.target, move.target_wire  # its tokens come from there from now on
+        self.sync(flow)
+        self.send(move.target, Start(move.target_wire, event.output_token_ids))
+
+    def _move_landed(self, flow: Flow, move: Move, now: float) -> None:
+        """The target streams the flow: the source lets go of what it held."""
+        self._abort_at(move.source, move.source_wire)
+        self._end_move(flow, move, "moved", now)
+
+    def _move_error(self, flow: Flow, move: Move, error: ErrorEvent, now: float) -> None:
+        """An error from either end while the flow moves. About the move (the target cannot take it, the source's
+        export failed or was refused), the move is called off, or, once the target has the tokens, the target
+        computes what did not come; a failed pre-copy is tried once more without one. Else (the request itself
+        failed at the source) the flow fails."""
+        if error.worker == move.target and error.rid == move.target_wire:  # the target cannot take it
+            self._call_off(flow, move, "refused", now, resume_source=move.phase is not MovePhase.RESERVING)
+            return
+        export_failed = error.worker == move.source and error.rid == move.target_wire
+        refused = (
+            error.worker == move.source and error.rid == move.source_wire and error.code is ErrorCode.INVALID_REQUEST
+        )
+        if export_failed or refused:
+            if move.phase is MovePhase.HANDING_OFF:
+                self._recompute_on_target(flow, move, now)
+                return
+            self._call_off(flow, move, "failed" if export_failed else "refused", now, resume_source=False)
+            if export_failed and move.precopy and move.target in {w.name for w in self.members.routable("decode")}:
+                self._reserve_move(flow, move.target, now, move.reason, precopy=False)  # all goes once it stops
+            return
+        if error.rid not in (move.source_wire, move.target_wire):
+            return  # about an attempt already given up
+        status = 400 if error.code is ErrorCode.INVALID_REQUEST else 500
+        self.fail(flow, RequestFailed(error.message, error.code.value, status))
+
+    def _move_worker_gone(self, flow: Flow, move: Move, name: str, reason: str, now: float) -> None:
+        if name == move.target:  # the source still holds the request: it runs on there
+            self._call_off(flow, move, "resumed", now, resume_source=move.phase is not MovePhase.RESERVING)
+        elif move.phase is MovePhase.HANDING_OFF:  # the target has the tokens: it computes what did not come
+            self._recompute_on_target(flow, move, now)
+        else:  # the source died before it said what it had generated: nobody can go on
+            self._abort_at(move.target, move.target_wire)
+            self._end_move(flow, move, "failed", now)
+            self.fail(flow, RequestFailed(f"{reason} ({name}) while the request moved", "worker_died", 503))
+
+    def _recompute_on_target(self, flow: Flow, move: Move, now: float) -> None:
+        """The KV will not come whole: the target computes it from the tokens now, not at its transfer's deadline."""
+        self.send(move.target, Resume(move.target_wire))
+        self._abort_at(move.source, move.source_wire)
+        self._end_move(flow, move, "recomputed", now)
+
+    def _call_off(self, flow: Flow, move: Move, result: str, now: float, resume_source: bool) -> None:
+        """Back to the source under its old id: the target lets go of what it reserved; the source, if it may have
+        begun the export or stopped the request, is told to run on."""
+        self._abort_at(move.target, move.target_wire)
+        flow.decode, flow.wire_id = move.source, move.source_wire
+        if resume_source and self.members.get(move.source) is not None:
+            self.send(move.source, Resume(move.source_wire))
+        self._end_move(flow, move, result, now)
+
+    def _end_move(self, flow: Flow, move: Move, result: str, now: float) -> None:
+        self._forget_move(flow, move)
+        self.metrics.migrations.labels(move.reason, result).inc()
+        if result in ("moved", "recomputed"):
+            stall_s = now - (move.frozen_s if move.frozen_s is not None else now)
+            flow.migrations += 1
+            flow.migration_s += stall_s
+            flow.timing.migrations, flow.timing.migration_s = flow.migrations, flow.migration_s
+            self.metrics.migration_stall.observe(stall_s)
+        if not flow.status.ended:
+            flow.status = FlowStatus.DECODING
+            self.sync(flow)
+
+    def _forget_move(self, flow: Flow, move: Move) -> None:
+        flow.move = None
+        self.retire(move.source_wire if flow.wire_id == move.target_wire else move.target_wire, flow)
+
+    def _abort_at(self, name: str, wire_id: str) -> None:
+        if self.members.get(name) is not None:
+            self.send(name, Abort(wire_id))
 
     # ---- membership --------------------------------------------------------------------------------------------
 
@@ -375,7 +520,7 @@ class RouterCore:
             if self.config.router.migrate_on_drain and worker is not None and worker.role == "decode":
                 for flow in list(self.flows.values()):
                     if flow.decode == name and flow.status is FlowStatus.DECODING:
-                        self.moves.migrate(flow, now, reason="drain")
+                        self.migrate(flow, now, reason="drain")
 
     def remove_worker(self, name: str, now: float) -> None:
         """Forget a worker the pool stopped after its drain: what it still held gets an error, or a retry."""
@@ -390,7 +535,7 @@ class RouterCore:
             if flow.status.ended:
                 continue
             if flow.move is not None and name in (flow.move.source, flow.move.target):
-                self.moves.worker_gone(flow, name, reason, now)
+                self._move_worker_gone(flow, flow.move, name, reason, now)
             elif flow.status is FlowStatus.RESERVING and flow.asking == name:
                 flow.asking = None
                 flow.tried.append(name)
@@ -421,7 +566,9 @@ class RouterCore:
 
     def _finish(self, flow: Flow, now: float) -> None:
         flow.status = FlowStatus.DONE
-        self.moves.on_finish(flow, now)
+        if flow.move is not None:  # it finished at the source before it stopped: the target lets go
+            self._abort_at(flow.move.target, flow.move.target_wire)
+            self._end_move(flow, flow.move, "finished", now)
         self.sync(flow)
         metrics, timing = self.metrics, flow.timing
         metrics.requests.labels("finished").inc()
@@ -459,7 +606,9 @@ class RouterCore:
         """Abort on every worker that may hold the flow, those marked dead too (one only cut off must not keep it)."""
         holders = {(name, flow.wire_id) for name in (flow.prefill, flow.decode, flow.asking) if name is not None}
         # a moving flow: the source knows it by its old wire id, the target by its new
-        holders |= self.moves.forget(flow)
+        if flow.move is not None:
+            holders |= {(flow.move.source, flow.move.source_wire), (flow.move.target, flow.move.target_wire)}
+            self._forget_move(flow, flow.move)
         for name, wire_id in holders:
             if self.members.get(name) is not None:
                 self.send(name, Abort(wire_id))

@@ -1,7 +1,7 @@
 """One request at the router: a ``Flow`` with its status, workers, wire id, timing and the text not yet sent.
 
 QUEUED -> RESERVING -> PREFILLING -> DECODING -> DONE, or FAILED from any (``cluster/routing/core.py`` moves it);
-DECODING <-> MIGRATING while it moves to another decode worker (``Move``).
+DECODING <-> MIGRATING while it moves to another decode worker (``Move``, the same hand-off from a decoding source).
 Each ``TokenItem`` is ``push``ed into one pending buffer that the response side empties at once (``take``): a slow
 client gets fewer, larger events. An error follows the text before it; nothing after a finish or an error counts.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from cluster.routing.errors import RequestFailed
 from engine.request import SamplingParams, TokenLogprob
@@ -31,13 +31,19 @@ class FlowStatus(enum.Enum):
         return self in (FlowStatus.DONE, FlowStatus.FAILED)
 
 
-MovePhase = Literal["reserving", "precopying", "freezing", "adopting", "moving"]
+class MovePhase(enum.Enum):
+    """A move is a hand-off whose source is a decoding request: reserve on the target, stream the KV the source
+    holds, join on "KV in + tokens in" (cluster/routing/core.py drives it; docs/request-lifecycle.md)."""
+
+    RESERVING = "reserving"  # the target is asked to reserve the flow's context (``Reserve`` with context_tokens)
+    EXPORTING = "exporting"  # the source ships its KV (``Export``) while it streams on, until it stops the request
+    HANDING_OFF = "handing_off"  # stopped (``Frozen``); the target has its tokens (``Start``): the stream stands still
 
 
 @dataclass(slots=True)
 class Move:
     """A decoding flow on its way from ``source`` (which knows it as ``source_wire``) to ``target`` (as
-    ``target_wire``) by pre-copy; the phases: cluster/routing/moves.py."""
+    ``target_wire``); it ends when the target streams (moved), or is called off (it runs on at the source)."""
 
     source: str
     source_wire: str
@@ -45,14 +51,11 @@ class Move:
     target_wire: str
     started_s: float
     reason: str = "admin"  # what started it: admin, drain, rebalance
-    phase: MovePhase = "reserving"
+    phase: MovePhase = MovePhase.RESERVING
     phase_s: float = 0.0  # when the current phase began
     blocks_needed: int = 0  # what the target reserves for it
-    precopy_blocks: int = 0  # leading full blocks shipped before the freeze (0: none, or that transfer failed)
-    kv_address: str = ""  # the target's receiver
-    frozen_s: float | None = None  # the freeze was asked for: the stream's standstill begins
-    frozen_tokens: int = 0  # the tokens it had when it stopped on the source
-    source_lost: bool = False  # the source died after the target got the tokens: the target recomputes them
+    precopy: bool = True  # the source ships its full blocks while it decodes on, before it stops the request
+    frozen_s: float | None = None  # the source stopped it: the stream's standstill begins
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from cluster.routing.flow import MovePhase
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.prefix_index import TIERS, PrefixIndex
 from worker.messages import KvEvents, Stats
@@ -76,7 +77,9 @@ def _asked_blocks(flow: Flow, name: str) -> int | None:
     if flow.asking == name:
         return flow.blocks_needed
     move = flow.move
-    return move.blocks_needed if move is not None and move.target == name and move.phase == "reserving" else None
+    return (
+        move.blocks_needed if move is not None and move.target == name and move.phase is MovePhase.RESERVING else None
+    )
 
 
 class Membership:

@@ -41,10 +41,12 @@ class Placer:
             "colocated": pools.prefill.enable_prefix_caching and pools.decode.enable_prefix_caching,
         }
 
-    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """KV blocks a decode worker reserves for a request, by the engine's own rule."""
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, extra_headroom: int = 0) -> int:
+        """KV blocks a decode worker reserves for a request, by the engine's own rule (``extra_headroom``: a move's
+        slack, ``engine.blocks.MOVE_SLACK_TOKENS``)."""
         config = self.config
-        headroom, block_size = config.pools.decode.reserve_headroom_tokens, config.transfer.block_size
+        headroom = config.pools.decode.reserve_headroom_tokens + extra_headroom
+        block_size = config.transfer.block_size
         return reserved_blocks(num_prompt_tokens, max_tokens, headroom, block_size, config.model.max_model_len)
 
     def check_fits(self, role: str, num_prompt_tokens: int, max_tokens: int) -> None:

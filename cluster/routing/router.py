@@ -107,7 +107,7 @@ class Router:
             for flow in dict.fromkeys(core.flows.values())
             if flow.rid == request_id or (worker is not None and flow.decode == worker)
         ]
-        results = {flow.rid: core.moves.migrate(flow, now, to) or "moving" for flow in flows}
+        results = {flow.rid: core.migrate(flow, now, to) or "moving" for flow in flows}
         self._flush()
         return results
 

@@ -78,7 +78,7 @@ def test_each_attempt_is_a_reservation_of_its_own_and_an_abort_undoes_only_its_o
 def test_a_start_or_an_abort_for_no_reservation(role_pair):
     pair = role_pair()
     with pytest.raises(KeyError, match="no reservation"):  # the runtime answers invalid_request
-        pair.decode.handle(Start(rid="nobody", first_token=1), time.monotonic())
+        pair.decode.handle(Start(rid="nobody", tokens=[1]), time.monotonic())
     pair.decode.abort("nobody")  # nothing to undo
     assert pair.decode_events.events == []
     pair.check_no_leaks()
@@ -99,7 +99,7 @@ def test_start_and_kv_in_either_order_is_token_exact(role_pair, order):
     first = pair.wait_first_token("x", decode_too=False)  # the KV waits in the receiver, unpolled
     request = pair.decode.engine.requests["x"]
     if order == "kv_first":
-        pair.run_until(lambda: request.remote.kv_done_s is not None, what="KV done")
+        pair.run_until(lambda: request.kv_import.kv_done_s is not None, what="KV done")
         for _ in range(3):  # half of what admission needs: the request waits, the batch goes on without it
             pair.tick()
             assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV and not pair.decode_events.items("x")
@@ -220,14 +220,15 @@ def test_a_router_abort_frees_the_decode_side_in_every_state(role_pair, state):
         pair.send_prefill("x", prompt, params, reserved)
     if state == "kv_arriving":
         pair.tick()  # one chunk: two blocks of every layer written, the rest still computing
-        assert request.remote.kv_done_s is None and "x" in pair.prefill.engine.requests
+        assert request.kv_import.kv_done_s is None and "x" in pair.prefill.engine.requests
     elif state in ("kv_done", "failed_awaiting_start"):
         pair.wait_first_token("x")
-        pair.run_until(lambda: request.remote.kv_done_s is not None or request.remote.kv_failed)
-        assert request.remote.kv_failed == (state == "failed_awaiting_start")
+        handoff = request.kv_import
+        pair.run_until(lambda: handoff.kv_done_s is not None or handoff.kv_failed_s is not None)
+        assert (handoff.kv_failed_s is not None) == (state == "failed_awaiting_start")
     elif state == "started":
         pair.start("x", pair.wait_first_token("x", decode_too=False))
-        assert request.remote.kv_done_s is None
+        assert request.kv_import.kv_done_s is None
     elif state == "decoding":
         pair.start("x", pair.wait_first_token("x"))
         pair.run_until(lambda: len(pair.decode_events.items("x")) >= 3, what="decoding")

@@ -1,11 +1,12 @@
 """Migration at the role level: the router's part played by hand with typed commands, between the pair's decode role
 (the source) and a second decode role on the same transfer hub (the target).
 
-MigrateIn -> Reserved; MigrateSend(precopy) -> the full blocks move while the source streams on -> Migrated;
-Freeze -> Frozen (the tokens so far); MigrateTail -> Reserved; MigrateSend -> the rest moves -> Migrated; the target
-streams the rest. What the client would see (the source's items, then the target's) equals one engine's run; a
-pre-copy that fails sends everything with the tail; a tail that fails is recomputed on the target; a call-off resumes
-on the source; nothing leaks on any side.
+A move is the KV hand-off with a decoding source: Reserve(context_tokens) -> Reserved; Export -> the full blocks move
+while the source streams on, then the source stops the request (Frozen: its tokens) and the rest moves; Start(the
+tokens) -> the target joins on "KV in + tokens in" and streams the rest; Abort releases the source. What the client
+would see (the source's items, then the target's) equals one engine's run; a pre-copy that fails leaves the request
+running on the source (and a second move without one goes); a tail that fails is computed on the target; a call-off
+resumes on the source; nothing leaks on any side.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.helpers.engine import random_prompts
 from tests.helpers.roles import EventLog, build_engine, copy_params, greedy
 from transfer.local_backend import LocalReceiver
 from transfer.wire import ModelFingerprint
-from worker.messages import Freeze, Frozen, Migrated, MigrateIn, MigrateSend, MigrateTail, Reserved, Resume
+from worker.messages import ErrorCode, ErrorEvent, Export, Frozen, Reserve, Reserved, Resume, Start
 
 
 @pytest.fixture
@@ -56,29 +57,50 @@ def _start_decoding(pair, prompt, params, tokens_first: int) -> None:
     pair.run_until(lambda: items() >= tokens_first, what="decoding")
 
 
-def _client_view(pair, target_events) -> tuple[list[int], str, str]:
-    items = pair.prefill_events.items("x") + pair.decode_events.items("x") + target_events.items("x.1")
+def _client_view(pair, target_events, target_rid: str) -> tuple[list[int], str, str]:
+    items = pair.prefill_events.items("x") + pair.decode_events.items("x") + target_events.items(target_rid)
     assert items[-1].finish_reason is not None and all(i.finish_reason is None for i in items[:-1])
     return [t for i in items for t in i.token_ids], "".join(i.text for i in items), items[-1].finish_reason.value
 
 
-def _move_in(pair, target, target_events, prompt, params, precopy_blocks: int) -> Reserved:
-    """The target reserves the decoding request "x" under "x.1" for its context so far (what the router asks)."""
+def _tokens_so_far(pair) -> list[int]:
+    return [t for i in pair.prefill_events.items("x") + pair.decode_events.items("x") for t in i.token_ids]
+
+
+def _reserve_on_target(pair, target, target_events, prompt, params, target_rid: str) -> Reserved:
+    """The target reserves the decoding request "x" under ``target_rid`` for its context so far (the router's ask)."""
     computed = len(prompt) + len(_tokens_so_far(pair)) - 1
-    move_in = MigrateIn(
-        rid="x.1",
-        prompt=list(prompt),
-        params=copy_params(params),
-        num_computed_tokens=computed,
-        precopy_blocks=precopy_blocks,
-    )
-    target.handle(move_in, time.monotonic())
-    [reserved] = target_events.of(Reserved, "x.1")
+    reserve = Reserve(rid=target_rid, prompt=list(prompt), params=copy_params(params), context_tokens=computed)
+    target.handle(reserve, time.monotonic())
+    [reserved] = target_events.of(Reserved, target_rid)
+    assert reserved.ok and len(reserved.blocks) * target.engine.config.block_size > computed
     return reserved
 
 
-def _tokens_so_far(pair) -> list[int]:
-    return [t for i in pair.prefill_events.items("x") + pair.decode_events.items("x") for t in i.token_ids]
+def _export(pair, reserved: Reserved, target_rid: str, address: str | None = None, precopy: bool = True) -> None:
+    export = Export(
+        rid="x",
+        target_rid=target_rid,
+        kv_address=address or reserved.kv_address,
+        dst_blocks=reserved.blocks,
+        precopy=precopy,
+    )
+    pair.decode.handle(export, time.monotonic())
+
+
+def _hand_off(pair, target, target_rid: str, lose_kv: bool = False) -> Frozen:
+    """What the router does once the source stopped the request: its tokens go to the target (``lose_kv``: the
+    target's receiver drops the transfer before it takes the pieces sent with the stop)."""
+    deadline = time.monotonic() + 30
+    while not pair.decode_events.of(Frozen, "x"):  # the target does not poll meanwhile
+        assert time.monotonic() < deadline, "stopped"
+        pair.tick()
+    [frozen] = pair.decode_events.of(Frozen, "x")
+    assert frozen.output_token_ids == _tokens_so_far(pair)
+    if lose_kv:
+        target.receiver.abort(target_rid, "lost on the way")
+    target.handle(Start(rid=target_rid, tokens=frozen.output_token_ids), time.monotonic())
+    return frozen
 
 
 @pytest.mark.parametrize("transfer", ["ok", "precopy failed", "tail failed"])
@@ -87,50 +109,40 @@ def test_a_moved_request_streams_exactly_what_one_engine_gives(trio, transfer):
     [prompt] = random_prompts(1, 30, 30, seed=71)
     params = greedy(30)
     _start_decoding(pair, prompt, params, tokens_first=6)
-    computed = len(prompt) + len(_tokens_so_far(pair)) - 1
-    precopy = (computed - 1) // target.engine.config.block_size
-    reserved = _move_in(pair, target, target_events, prompt, params, precopy)
-    now = time.monotonic()
-    assert reserved.ok and precopy >= 1
-    address = reserved.kv_address if transfer != "precopy failed" else "local://nobody-listens-here"
-    dst = reserved.blocks[:precopy]
-    pair.decode.handle(MigrateSend(rid="x", target_rid="x.1", kv_address=address, dst_blocks=dst, precopy=True), now)
-    _run_until(pair, target, lambda: pair.decode_events.of(Migrated, "x"), "pre-copied")
-    [precopied] = pair.decode_events.of(Migrated, "x")
-    assert precopied.precopy and precopied.ok == (transfer != "precopy failed")
-    assert len(_tokens_so_far(pair)) > 6  # it streamed on from the source meanwhile
-    pair.decode.handle(Freeze(rid="x"), time.monotonic())
-    [frozen] = pair.decode_events.of(Frozen, "x")
-    assert frozen.ok and frozen.output_token_ids == _tokens_so_far(pair)
-    pair.tick(3)  # frozen: nothing more comes from the source
+    target_rid = "x.1"
+    reserved = _reserve_on_target(pair, target, target_events, prompt, params, target_rid)
+    if transfer == "precopy failed":  # nobody listens there: the export fails before the request stops
+        _export(pair, reserved, target_rid, address="local://nobody-listens-here")
+        _run_until(pair, target, lambda: pair.decode_events.of(ErrorEvent, target_rid), "export failed")
+        [error] = pair.decode_events.of(ErrorEvent, target_rid)
+        assert error.code is ErrorCode.KV_TRANSFER_FAILED and not pair.decode_events.of(Frozen)
+        before = len(_tokens_so_far(pair))
+        pair.tick(2)
+        assert len(_tokens_so_far(pair)) > before  # it streams on from the source
+        target.abort(target_rid)  # the router calls that move off, then moves it again without a pre-copy
+        target_rid = "x.2"
+        reserved = _reserve_on_target(pair, target, target_events, prompt, params, target_rid)
+        _export(pair, reserved, target_rid, precopy=False)
+    elif transfer == "tail failed":  # no pre-copy: it stops at once; its KV is lost on the way (below)
+        _export(pair, reserved, target_rid, precopy=False)
+    else:
+        _export(pair, reserved, target_rid)
+        pair.tick(2)
+        assert len(_tokens_so_far(pair)) > 6  # it streamed on from the source during the pre-copy
+    frozen = _hand_off(pair, target, target_rid, lose_kv=transfer == "tail failed")
+    pair.tick(3)  # stopped: nothing more comes from the source
     assert len(pair.decode_events.of(Frozen)) == 1 and _tokens_so_far(pair) == frozen.output_token_ids
-    first_block = precopy if precopied.ok else 0
-    tail = MigrateTail(
-        rid="x.1",
-        output_token_ids=frozen.output_token_ids,
-        num_computed_tokens=frozen.num_computed_tokens,
-        first_block=first_block,
-    )
-    target.handle(tail, time.monotonic())
-    [_, adopted] = target_events.of(Reserved, "x.1")
-    assert adopted.ok and adopted.blocks[0] == reserved.blocks[first_block]
-    address = adopted.kv_address if transfer != "tail failed" else "local://nobody-listens-here"
-    send = MigrateSend(
-        rid="x", target_rid="x.1", kv_address=address, dst_blocks=adopted.blocks, first_block=first_block
-    )
-    pair.decode.handle(send, time.monotonic())
-    if transfer == "tail failed":  # the router tells the target the source gave up; it recomputes from the tokens
-        _run_until(pair, target, lambda: len(pair.decode_events.of(Migrated, "x")) == 2, "migrated")
-        target.handle(Resume(rid="x.1"), time.monotonic())
-        pair.decode.abort("x")
-    _run_until(pair, target, lambda: any(i.finish_reason for i in target_events.items("x.1")), "finished")
-    [_, migrated] = pair.decode_events.of(Migrated, "x")
-    ok = transfer != "tail failed"
-    assert not migrated.precopy and migrated.ok == ok and (migrated.nbytes > 0) == ok
-    assert _client_view(pair, target_events) == pair.expected(prompt, params)
+    if transfer == "tail failed":  # the source says so; the router tells the target its KV will not come
+        _run_until(pair, target, lambda: pair.decode_events.of(ErrorEvent, target_rid), "the source's news")
+        target.handle(Resume(rid=target_rid), time.monotonic())  # it computes it from the tokens (done already)
+    _run_until(pair, target, lambda: any(i.finish_reason for i in target_events.items(target_rid)), "finished")
+    pair.decode.abort("x")  # the router, once the target streams: the source lets go
+    assert _client_view(pair, target_events, target_rid) == pair.expected(prompt, params)
     assert target.engine.num_recomputes == (transfer == "tail failed")
-    assert pair.decode.totals().migrations_out == ok and target.totals().migrations_in == 1
-    _run_until(pair, target, lambda: pair.idle and not target.engine.requests, "idle")
+    _run_until(pair, target, lambda: pair.idle and not target.engine.requests and not pair.decode.has_work(), "idle")
+    assert target.totals().migrations_in == (transfer != "tail failed")
+    assert pair.decode.totals().migrations_out == (transfer != "tail failed")
+    assert (pair.decode.totals().migration_bytes > 0) == (transfer != "tail failed")
     pair.check_no_leaks()
     target.engine.check_no_leaks()
 
@@ -140,36 +152,56 @@ def test_a_precopy_whose_request_ends_meanwhile_fails_and_nothing_stays_held(tri
     [prompt] = random_prompts(1, 40, 40, seed=73)
     params = greedy(12)
     _start_decoding(pair, prompt, params, tokens_first=4)
-    reserved = _move_in(pair, target, target_events, prompt, params, precopy_blocks=2)
-    dst = reserved.blocks[:2]
-    send = MigrateSend(rid="x", target_rid="x.1", kv_address=reserved.kv_address, dst_blocks=dst, precopy=True)
-    pair.decode.handle(send, time.monotonic())
-    pair.decode.tick()  # its first layer goes out
+    reserved = _reserve_on_target(pair, target, target_events, prompt, params, "x.1")
+    _export(pair, reserved, "x.1")
+    pair.decode.tick()  # its first layers go out
+    assert not pair.decode_events.of(Frozen)
     pair.decode.abort("x")  # the client left: its blocks are free, no later layer is read from them
-    _run_until(pair, target, lambda: pair.decode_events.of(Migrated, "x"), "pre-copy ended")
-    [migrated] = pair.decode_events.of(Migrated, "x")
-    assert migrated.precopy and not migrated.ok
-    target.abort("x.1")  # what the router says once the request ended
-    _run_until(pair, target, lambda: pair.idle and not target.engine.requests, "idle")
+    target.abort("x.1")  # what the router tells both ends
+    _run_until(pair, target, lambda: not pair.decode.has_work() and not target.engine.requests, "ended")
+    assert not pair.decode_events.of(ErrorEvent)  # the router knows: the failed transfer is no news
+    _run_until(pair, target, lambda: pair.idle, "idle")
     pair.check_no_leaks()
     target.engine.check_no_leaks()
 
 
-def test_a_called_off_move_resumes_on_the_source(trio):
+@pytest.mark.parametrize("when", ["exporting", "stopped"])
+def test_a_called_off_move_resumes_on_the_source(trio, when):
     pair, target, target_events = trio
     [prompt] = random_prompts(1, 30, 30, seed=72)
     params = greedy(24)
     _start_decoding(pair, prompt, params, tokens_first=4)
-    pair.decode.handle(Freeze(rid="x"), time.monotonic())
+    reserved = _reserve_on_target(pair, target, target_events, prompt, params, "x.1")
+    _export(pair, reserved, "x.1", precopy=when == "exporting")
+    if when == "stopped":
+        _run_until(pair, target, lambda: pair.decode_events.of(Frozen, "x"), "stopped")
+    target.abort("x.1")  # the target went away: the router lets its reservation go and the source run on
     pair.decode.handle(Resume(rid="x"), time.monotonic())
+    pair.decode.handle(Resume(rid="x"), time.monotonic())  # twice (a late Frozen answered): no harm
     pair.run_until(lambda: pair.finished("x"), what="finished on the source")
     assert pair.client_view("x") == pair.expected(prompt, params)
+    _run_until(pair, target, lambda: pair.idle and not pair.decode.has_work(), "idle")
+    pair.check_no_leaks()
+    target.engine.check_no_leaks()
+
+
+def test_exporting_a_request_that_is_not_decoding_is_refused(trio):
+    pair, _, _ = trio
+    export = Export(rid="nobody", target_rid="nobody.1", kv_address="local://x", dst_blocks=[1])
+    with pytest.raises(KeyError, match="unknown request"):  # the runtime answers it with invalid_request
+        pair.decode.handle(export, time.monotonic())
+    assert not pair.decode.has_work()
+
+
+def test_a_move_target_aborted_before_its_tokens_frees_its_blocks(trio):
+    pair, target, target_events = trio
+    [prompt] = random_prompts(1, 30, 30, seed=74)
+    params = greedy(16)
+    _start_decoding(pair, prompt, params, tokens_first=3)
+    _reserve_on_target(pair, target, target_events, prompt, params, "x.1")
+    target.abort("x.1")
+    assert not target.engine.requests and not target.receiver.pending_transfers()
+    pair.run_until(lambda: pair.finished("x"), what="finished on the source")
     pair.settle()
     pair.check_no_leaks()
-
-
-def test_freezing_a_request_that_is_not_decoding_is_refused(trio):
-    pair, _, _ = trio
-    pair.decode.handle(Freeze(rid="nobody"), time.monotonic())
-    [frozen] = pair.decode_events.of(Frozen, "nobody")
-    assert not frozen.ok and "unknown request" in frozen.reason
+    target.engine.check_no_leaks()

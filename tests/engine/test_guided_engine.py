@@ -100,14 +100,14 @@ def test_a_recomputed_handoff_replays_the_first_token_into_the_grammar(tiny_llam
     prompt = single.tokenize("Answer in JSON:")
     params = _params(11)
     [expected] = single.generate([prompt], params)
-    assert decode.reserve_remote(prompt, params.copy(), "r") is not None
+    assert decode.kv_importer.reserve(prompt, params.copy(), "r") is not None
     first_params = params.copy()
     first_params.max_tokens = 1
     prefill.add_request(prompt, first_params, "r", prefill_only=True, kv_sink=lambda ready: None)
     [first] = [o for _ in range(5) for o in prefill.step()]
     prefill.release("r")
-    assert decode.remote_kv_failed("r", recompute=True)  # the KV never came: decode computes the prompt itself
-    decode.remote_first_token("r", first.new_token_ids[0])
+    assert decode.kv_importer.kv_failed("r", recompute=True)  # the KV never came: decode computes the prompt itself
+    decode.kv_importer.tokens_in("r", [first.new_token_ids[0]])
     outputs = [first]
     while decode.has_unfinished():
         outputs += decode.step()
@@ -133,7 +133,7 @@ def test_a_grammar_that_does_not_compile_is_that_requests_error(tiny_llama_path,
     with pytest.raises(GrammarError):
         engine.add_request("x", params)
     with pytest.raises(ValueError):  # what the workers catch: an invalid request, not a worker fault
-        engine.reserve_remote("x", params, "r")
+        engine.kv_importer.reserve("x", params, "r")
     assert not engine.requests
     assert engine.generate(["still serving"], SamplingParams(max_tokens=2))[0].token_ids
     engine.check_no_leaks()

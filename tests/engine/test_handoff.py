@@ -10,13 +10,13 @@ from tests.helpers.engine import random_prompts
 def _handoff(prefill, decode, prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:
     """Reserve on decode, prefill with a KV sink that writes each reported block range into the reserved blocks,
     then the first token; returns every token the client gets (prefill's first, then decode's)."""
-    dst_blocks = decode.reserve_remote(prompt, params, request_id)
+    dst_blocks = decode.kv_importer.reserve(prompt, params, request_id)
     num_src_blocks = -(-len(prompt) // prefill.kv_spec.block_size)
     assert dst_blocks is not None and len(dst_blocks) >= num_src_blocks
 
     def sink(ready: KVBlocksReady) -> None:
         dst = dst_blocks[ready.first_block : ready.end_block]
-        decode.write_remote_kv(ready.request_id, ready.layer, dst, ready.k, ready.v)
+        decode.kv_importer.write(ready.request_id, ready.layer, dst, ready.k, ready.v)
 
     prefill.add_request(
         prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, prefill_only=True, kv_sink=sink
@@ -26,8 +26,8 @@ def _handoff(prefill, decode, prompt: list[int], params: SamplingParams, request
     assert prefill.requests[request_id].kv_export.num_blocks_reported == num_src_blocks
     prefill.release(request_id)
 
-    decode.remote_first_token(request_id, first.new_token_ids[0])
-    assert decode.remote_kv_done(request_id)
+    decode.kv_importer.tokens_in(request_id, [first.new_token_ids[0]])
+    assert decode.kv_importer.kv_done(request_id)
     tokens = list(first.new_token_ids)
     while decode.has_unfinished():
         tokens += [t for o in decode.step() if o.request_id == request_id for t in o.new_token_ids]
@@ -57,8 +57,8 @@ def test_handoff_of_a_chunked_prompt(tiny_qwen2_path, make_engine):
 
 def test_reservation_refused_when_blocks_are_short(tiny_llama_path, make_engine):
     decode = make_engine(tiny_llama_path, kv_blocks=8)
-    assert decode.reserve_remote(list(range(100)), SamplingParams(), "a") is not None  # 7 blocks
-    assert decode.reserve_remote(list(range(40)), SamplingParams(), "b") is None  # never overcommitted
+    assert decode.kv_importer.reserve(list(range(100)), SamplingParams(), "a") is not None  # 7 blocks
+    assert decode.kv_importer.reserve(list(range(40)), SamplingParams(), "b") is None  # never overcommitted
     assert decode.abort("a")
     assert decode.num_free_blocks == 8
 
@@ -67,13 +67,13 @@ def test_reservation_refused_at_max_num_seqs(tiny_llama_path, make_engine):
     """A decode engine holds at most max_num_seqs requests, so no decode step has more rows than the batch the gather
     buffer and the KV plan are sized for; a freed slot takes the next reservation."""
     decode = make_engine(tiny_llama_path, max_num_seqs=2)
-    assert decode.reserve_remote([1, 2, 3], SamplingParams(), "a") is not None
-    assert decode.reserve_remote([4, 5, 6], SamplingParams(), "b") is not None
+    assert decode.kv_importer.reserve([1, 2, 3], SamplingParams(), "a") is not None
+    assert decode.kv_importer.reserve([4, 5, 6], SamplingParams(), "b") is not None
     assert decode.at_seq_limit()
-    assert decode.reserve_remote([7, 8, 9], SamplingParams(), "c") is None
+    assert decode.kv_importer.reserve([7, 8, 9], SamplingParams(), "c") is None
     assert "c" not in decode.requests
     assert decode.abort("a")
-    assert decode.reserve_remote([7, 8, 9], SamplingParams(), "c") is not None
+    assert decode.kv_importer.reserve([7, 8, 9], SamplingParams(), "c") is not None
     assert decode.abort("b") and decode.abort("c")
 
 
@@ -88,9 +88,9 @@ def test_layer_hook_sees_every_layer_in_order(tiny_llama_path, make_engine):
 
 def test_reservation_headroom_is_capped_by_what_the_request_can_generate(tiny_llama_path, make_engine):
     decode = make_engine(tiny_llama_path, kv_blocks=32)
-    blocks = decode.reserve_remote(list(range(20)), SamplingParams(max_tokens=100), "a", headroom_tokens=64)
+    blocks = decode.kv_importer.reserve(list(range(20)), SamplingParams(max_tokens=100), "a", headroom_tokens=64)
     assert len(blocks) == -(-(20 + 1 + 64) // 16)
-    short = decode.reserve_remote(list(range(20)), SamplingParams(max_tokens=4), "b", headroom_tokens=64)
+    short = decode.kv_importer.reserve(list(range(20)), SamplingParams(max_tokens=4), "b", headroom_tokens=64)
     assert len(short) == -(-(20 + 4) // 16)
     decode.abort("a")
     decode.abort("b")

@@ -15,7 +15,7 @@ import torch
 
 from engine.blocks import blocks_for_tokens, reserved_blocks
 from engine.kv_connector import KVBlocksReady
-from engine.request import FinishReason, RequestStatus, SamplingParams
+from engine.request import FinishReason, ImportState, RequestStatus, SamplingParams
 from tests.engine.test_text_deltas import _spanning_stop
 from tests.helpers.engine import random_prompts
 
@@ -49,7 +49,7 @@ class Wire:
         self.reports.append((ready.layer, ready.first_block, ready.end_block))
         self.steps.append(self.step_counter[0] if self.step_counter else -1)
         dst = self.dst[ready.first_block : ready.end_block]
-        self.decode.write_remote_kv(ready.request_id, ready.layer, dst, ready.k, ready.v)
+        self.decode.kv_importer.write(ready.request_id, ready.layer, dst, ready.k, ready.v)
 
     def assert_each_block_once_per_layer(self, num_layers: int, num_prompt_tokens: int) -> None:
         for layer in range(num_layers):
@@ -97,7 +97,7 @@ def handoff(prefill, decode, prompts: list[list[int]], params: SamplingParams, s
     what the client gets."""
     rids, wires = [f"{tag}{i}" for i in range(len(prompts))], {}
     for rid, prompt in zip(rids, prompts):
-        dst = decode.reserve_remote(prompt, copy(params), rid)
+        dst = decode.kv_importer.reserve(prompt, copy(params), rid)
         wires[rid] = Wire(decode, dst)
         prefill.add_request(
             prompt, prefill_params(params), rid, prefill_only=True, kv_sink=wires[rid], stream_kv=stream
@@ -106,8 +106,8 @@ def handoff(prefill, decode, prompts: list[list[int]], params: SamplingParams, s
     for rid, prompt in zip(rids, prompts):
         wires[rid].assert_each_block_once_per_layer(prefill.kv_spec.num_layers, len(prompt))
         prefill.release(rid)
-        decode.remote_first_token(rid, firsts[rid].new_token_ids[0])
-        assert decode.remote_kv_done(rid)
+        decode.kv_importer.tokens_in(rid, [firsts[rid].new_token_ids[0]])
+        assert decode.kv_importer.kv_done(rid)
     outputs = drain(decode)
     return [client_view(firsts[rid], outputs, rid) for rid in rids]
 
@@ -167,7 +167,7 @@ def test_streamed_reports_follow_the_chunks_inside_the_forward(tiny_llama_path, 
     for stream, prompt in zip((True, False), prompts):
         events.clear()
         step = [0]
-        dst = decode.reserve_remote(prompt, greedy(2), "p")
+        dst = decode.kv_importer.reserve(prompt, greedy(2), "p")
         wire = Wire(decode, dst, step)
 
         def sink(ready: KVBlocksReady, wire: Wire = wire) -> None:
@@ -203,7 +203,7 @@ def test_streamed_reports_follow_the_chunks_inside_the_forward(tiny_llama_path, 
 
 def _prefilled(prefill, decode, prompt: list[int], params: SamplingParams, rid: str, write: bool = True):
     """Reserve on decode, prefill with a wire (or a sink that drops everything), release; returns the first output."""
-    dst = decode.reserve_remote(prompt, copy(params), rid)
+    dst = decode.kv_importer.reserve(prompt, copy(params), rid)
     sink = Wire(decode, dst) if write else (lambda ready: None)
     prefill.add_request(prompt, prefill_params(params), rid, prefill_only=True, kv_sink=sink)
     [first] = prefill_all(prefill, [rid]).values()
@@ -219,7 +219,10 @@ def test_admission_waits_for_kv_and_first_token(tiny_llama_path, make_engine, or
     first = _prefilled(prefill, decode, prompt, params, "x")
     decode.add_request(other, greedy(12), "other")  # decoding already: "x" joins the running batch between steps
     outputs = decode.step() + decode.step()
-    arrivals = [lambda: decode.remote_kv_done("x"), lambda: decode.remote_first_token("x", first.new_token_ids[0])]
+    arrivals = [
+        lambda: decode.kv_importer.kv_done("x"),
+        lambda: decode.kv_importer.tokens_in("x", [first.new_token_ids[0]]),
+    ]
     if order == "token_first":
         arrivals.reverse()
     arrivals[0]()
@@ -237,17 +240,17 @@ def test_admission_waits_for_kv_and_first_token(tiny_llama_path, make_engine, or
     outputs += step + drain(decode)
     assert client_view(first, outputs, "x") == expected(single, prompt, params)
     assert client_view(outputs[0], outputs[1:], "other") == expected(single, other, greedy(12))
-    timing = admitted[0].timing
-    remote = timing.remote
-    assert remote is not None and remote.admitted_s is not None and remote.first_decode_s is not None
-    assert timing.kv_transfer_s == remote.kv_done_s - remote.expected_s and timing.kv_transfer_s > 0
-    assert timing.kv_done_mono == remote.kv_done_s
+    timing, handoff = admitted[0].timing, admitted[0].kv_import
+    assert handoff is not None and handoff.admitted_s is not None and handoff.first_decode_s is not None
+    assert handoff.state is ImportState.READY and handoff.tokens == [first.new_token_ids[0]]
+    assert handoff.kv_transfer_s == handoff.kv_done_s - handoff.expected_s and handoff.kv_transfer_s > 0
     if order == "kv_first":
-        assert timing.kv_wait_after_first_token_s == 0.0
+        assert handoff.kv_wait_after_first_token_s == 0.0
     else:
-        assert timing.kv_wait_after_first_token_s >= 0.002
-    assert timing.decode_queue_s is not None and timing.decode_queue_s >= 0 and not timing.recomputed
-    assert all(o.timing is timing for o in outputs if o.request_id == "x")  # the live record, not copies
+        assert handoff.kv_wait_after_first_token_s >= 0.002
+    assert handoff.decode_queue_s is not None and handoff.decode_queue_s >= 0 and not handoff.recomputed
+    x_outputs = [o for o in outputs if o.request_id == "x"]
+    assert all(o.timing is timing and o.kv_import is handoff for o in x_outputs)  # the live records, not copies
     assert first.timing.queue_s >= 0 and first.timing.compute_s > 0  # the prefill side's figures
     no_leaks(single, prefill, decode)
 
@@ -257,12 +260,12 @@ def test_admission_can_finish_at_once(tiny_llama_path, make_engine):
     [prompt] = random_prompts(1, 33, 33, seed=25)
     params = greedy(1)
     first = _prefilled(prefill, decode, prompt, params, "one")
-    decode.remote_first_token("one", first.new_token_ids[0])
-    decode.remote_kv_done("one")
+    decode.kv_importer.tokens_in("one", [first.new_token_ids[0]])
+    decode.kv_importer.kv_done("one")
     [out] = decode.step()
     assert out.finished and out.finish_reason == FinishReason.LENGTH and out.new_token_ids == []
     assert client_view(first, [out], "one") == expected(single, prompt, params)
-    assert out.timing.decode_queue_s is not None and out.timing.remote.first_decode_s is None
+    assert out.kv_import.decode_queue_s is not None and out.kv_import.first_decode_s is None
     no_leaks(single, prefill, decode)
 
 
@@ -275,21 +278,22 @@ def test_recompute_after_a_failed_transfer_is_token_exact(tiny_llama_path, make_
     # half a transfer of garbage lands in the reserved blocks: the recompute must not use any of it
     dst = decode.requests["x"].block_ids[:2]
     shape = (2, *decode.kv_cache.k[0].shape[1:])
-    decode.write_remote_kv("x", 0, dst, torch.randn(shape), torch.randn(shape))
+    decode.kv_importer.write("x", 0, dst, torch.randn(shape), torch.randn(shape))
     if when == "after_first_token":
-        decode.remote_first_token("x", first.new_token_ids[0])
-    assert decode.remote_kv_failed("x", recompute=True)
+        decode.kv_importer.tokens_in("x", [first.new_token_ids[0]])
+    assert decode.kv_importer.kv_failed("x", recompute=True)
     assert decode.num_free_blocks == decode.block_manager.num_blocks  # freed at once, not held until admission
     with pytest.raises(ValueError):
-        decode.remote_kv_done("x")  # that transfer has ended
+        decode.kv_importer.kv_done("x")  # that transfer has ended
     if when == "before_first_token":
         assert not decode.has_unfinished() and decode.step() == []
-        decode.remote_first_token("x", first.new_token_ids[0])
+        decode.kv_importer.tokens_in("x", [first.new_token_ids[0]])
     outputs = drain(decode)
     assert client_view(first, outputs, "x") == expected(single, prompt, params)
     assert decode.num_recomputes == 1
-    assert outputs[0].timing.recomputed and outputs[0].timing.kv_transfer_s is None
-    assert outputs[0].timing.decode_queue_s >= 0
+    handoff = outputs[0].kv_import
+    assert handoff.recomputed and handoff.kv_transfer_s is None and handoff.state is ImportState.RECOMPUTE
+    assert handoff.decode_queue_s >= 0
     no_leaks(single, prefill, decode)
 
 
@@ -299,31 +303,31 @@ def test_a_failed_transfer_without_recompute_frees_the_request(tiny_llama_path, 
     [prompt] = random_prompts(1, 45, 45, seed=27)
     first = _prefilled(prefill, decode, prompt, greedy(), "x", write=False)
     if when == "after_first_token":
-        decode.remote_first_token("x", first.new_token_ids[0])
-    assert decode.remote_kv_failed("x", recompute=False)
+        decode.kv_importer.tokens_in("x", [first.new_token_ids[0]])
+    assert decode.kv_importer.kv_failed("x", recompute=False)
     assert "x" not in decode.requests and decode.num_free_blocks == decode.block_manager.num_blocks
     assert not decode.has_unfinished() and decode.step() == []  # no output: the caller reports the cause
     assert decode.num_recomputes == 0
     # late news about it is ignored, or refused where the caller must know it is gone
-    assert decode.remote_kv_done("x") is False and decode.remote_kv_failed("x", recompute=True) is False
+    assert decode.kv_importer.kv_done("x") is False and decode.kv_importer.kv_failed("x", recompute=True) is False
     with pytest.raises(KeyError):
-        decode.remote_first_token("x", first.new_token_ids[0])
+        decode.kv_importer.tokens_in("x", [first.new_token_ids[0]])
     with pytest.raises(KeyError):
-        decode.write_remote_kv("x", 0, [0], torch.zeros(1, 1), torch.zeros(1, 1))
+        decode.kv_importer.write("x", 0, [0], torch.zeros(1, 1), torch.zeros(1, 1))
     no_leaks(prefill, decode)
 
 
 def test_write_remote_kv_lands_only_in_the_requests_reserved_prompt_blocks(tiny_llama_path, make_engine):
     decode = make_engine(tiny_llama_path)
-    a = decode.reserve_remote(list(range(40)), greedy(), "a", headroom_tokens=32)  # 3 prompt blocks + headroom
-    b = decode.reserve_remote(list(range(20)), greedy(), "b")
+    a = decode.kv_importer.reserve(list(range(40)), greedy(), "a", headroom_tokens=32)  # 3 prompt blocks + headroom
+    b = decode.kv_importer.reserve(list(range(20)), greedy(), "b")
     shape = (1, *decode.kv_cache.k[0].shape[1:])
     k, v = torch.ones(shape), torch.ones(shape)
     for stray in ([b[0]], [a[3]]):  # another request's block; a headroom block (no prompt KV goes there)
         with pytest.raises(ValueError):
-            decode.write_remote_kv("a", 0, stray, k, v)
+            decode.kv_importer.write("a", 0, stray, k, v)
         assert decode.kv_cache.k[0][stray[0]].abs().sum() == 0
-    decode.write_remote_kv("a", 1, [a[2]], k, v)
+    decode.kv_importer.write("a", 1, [a[2]], k, v)
     assert torch.equal(decode.kv_cache.k[1][a[2]], k[0])
     decode.abort("a")
     decode.abort("b")
@@ -335,13 +339,13 @@ def test_expire_remote_frees_reservations_without_a_first_token(tiny_llama_path,
     prompt, other = random_prompts(2, 30, 50, seed=28)
     params = greedy(8)
     first = _prefilled(prefill, decode, prompt, params, "kept")
-    decode.reserve_remote(other, greedy(), "lost")
-    decode.remote_first_token("kept", first.new_token_ids[0])
+    decode.kv_importer.reserve(other, greedy(), "lost")
+    decode.kv_importer.tokens_in("kept", [first.new_token_ids[0]])
     time.sleep(0.01)
-    assert decode.expire_remote(3600.0) == []
-    assert decode.expire_remote(0.0) == ["lost"]
-    assert "lost" not in decode.requests and decode.expire_remote(0.0) == []
-    assert decode.remote_kv_done("kept")  # the one with its first token goes on
+    assert decode.kv_importer.expire(3600.0) == []
+    assert decode.kv_importer.expire(0.0) == ["lost"]
+    assert "lost" not in decode.requests and decode.kv_importer.expire(0.0) == []
+    assert decode.kv_importer.kv_done("kept")  # the one with its first token goes on
     assert client_view(first, drain(decode), "kept") == expected(single, prompt, params)
     no_leaks(single, prefill, decode)
 
@@ -364,7 +368,7 @@ def test_abort_works_in_every_state_of_the_handoff(tiny_llama_path, make_engine,
     prefill = make_engine(tiny_llama_path, max_batch_tokens=32)
     decode = make_engine(tiny_llama_path)
     [prompt] = random_prompts(1, 100, 100, seed=29)
-    dst = decode.reserve_remote(prompt, greedy(), "x")
+    dst = decode.kv_importer.reserve(prompt, greedy(), "x")
     wire = Wire(decode, dst)
     prefill.add_request(prompt, prefill_params(greedy()), "x", prefill_only=True, kv_sink=wire)
     if state == "prefill_streaming":
@@ -384,17 +388,17 @@ def test_abort_works_in_every_state_of_the_handoff(tiny_llama_path, make_engine,
     token = first.new_token_ids[0]
     steps = {
         "reserved": [],
-        "first_token_in": [lambda: decode.remote_first_token("x", token)],
-        "kv_in": [lambda: decode.remote_kv_done("x")],
-        "ready": [lambda: decode.remote_kv_done("x"), lambda: decode.remote_first_token("x", token)],
-        "failed_to_recompute": [lambda: decode.remote_kv_failed("x", recompute=True)],
+        "first_token_in": [lambda: decode.kv_importer.tokens_in("x", [token])],
+        "kv_in": [lambda: decode.kv_importer.kv_done("x")],
+        "ready": [lambda: decode.kv_importer.kv_done("x"), lambda: decode.kv_importer.tokens_in("x", [token])],
+        "failed_to_recompute": [lambda: decode.kv_importer.kv_failed("x", recompute=True)],
         "failed_and_ready": [
-            lambda: decode.remote_kv_failed("x", recompute=True),
-            lambda: decode.remote_first_token("x", token),
+            lambda: decode.kv_importer.kv_failed("x", recompute=True),
+            lambda: decode.kv_importer.tokens_in("x", [token]),
         ],
         "recomputing": [
-            lambda: decode.remote_kv_failed("x", recompute=True),
-            lambda: decode.remote_first_token("x", token),
+            lambda: decode.kv_importer.kv_failed("x", recompute=True),
+            lambda: decode.kv_importer.tokens_in("x", [token]),
             decode.step,
         ],
     }[state]
@@ -438,7 +442,7 @@ def test_a_raising_sink_fails_only_its_steps_requests(tiny_llama_path, make_engi
     no_leaks(single, engine)
 
 
-def test_reserved_blocks_is_what_reserve_remote_allocates(tiny_llama_path, make_engine):
+def test_reserved_blocks_is_what_the_importer_reserves(tiny_llama_path, make_engine):
     engine = make_engine(tiny_llama_path, max_model_len=80, kv_blocks=64)
     cases = [
         (1, 1, 0),
@@ -453,7 +457,7 @@ def test_reserved_blocks_is_what_reserve_remote_allocates(tiny_llama_path, make_
         (47, 3, 1),
     ]
     for n, (num_prompt, max_tokens, headroom) in enumerate(cases):
-        blocks = engine.reserve_remote(list(range(1, num_prompt + 1)), greedy(max_tokens), f"c{n}", headroom)
+        blocks = engine.kv_importer.reserve(list(range(1, num_prompt + 1)), greedy(max_tokens), f"c{n}", headroom)
         assert blocks is not None
         assert len(blocks) == reserved_blocks(num_prompt, max_tokens, headroom, BLOCK, max_model_len=80), (n, blocks)
         assert engine.abort(f"c{n}")
@@ -470,7 +474,7 @@ def test_reserved_blocks_is_what_reserve_remote_allocates(tiny_llama_path, make_
 def _turn(prefill, decode, prompt: list[int], params: SamplingParams, rid: str, stream: bool = True):
     """One hand-off in which the decode engine reuses what its prefix cache holds: the reservation shares those blocks,
     the prefill engine reports only the blocks after them. Returns (what the client gets, the wire, cached tokens)."""
-    dst = decode.reserve_remote(prompt, copy(params), rid, prefix_cache=True)
+    dst = decode.kv_importer.reserve(prompt, copy(params), rid, prefix_cache=True)
     cached = decode.requests[rid].num_cached_tokens
     wire = Wire(decode, dst)
     prefill.add_request(
@@ -478,8 +482,8 @@ def _turn(prefill, decode, prompt: list[int], params: SamplingParams, rid: str, 
     )
     [first] = prefill_all(prefill, [rid]).values()
     prefill.release(rid)
-    decode.remote_first_token(rid, first.new_token_ids[0])
-    assert decode.remote_kv_done(rid)
+    decode.kv_importer.tokens_in(rid, [first.new_token_ids[0]])
+    assert decode.kv_importer.kv_done(rid)
     return client_view(first, drain(decode), rid), wire, cached
 
 
@@ -514,19 +518,19 @@ def test_write_remote_kv_refuses_the_shared_prefix_blocks(tiny_llama_path, make_
     history = random_prompts(1, 40, 40, seed=61)[0]
     [done] = decode.generate([history], greedy(30))  # its blocks stay cached, generated tokens included
     prompt = history + done.token_ids + [5, 6, 7]
-    dst = decode.reserve_remote(prompt, greedy(), "x", prefix_cache=True)
+    dst = decode.kv_importer.reserve(prompt, greedy(), "x", prefix_cache=True)
     cached = decode.requests["x"].num_cached_tokens
     assert cached == (40 + 30 - 1) // BLOCK * BLOCK == 64  # never the whole prompt: its last block is computed
-    assert decode.missing_prompt_blocks(decode.requests["x"]) == dst[4:5]
+    assert decode.kv_importer.expected_blocks(decode.requests["x"]) == dst[4:5]
     shape = (1, *decode.kv_cache.k[0].shape[1:])
     before = decode.kv_cache.k[0][dst[0]].clone()
     with pytest.raises(ValueError, match="not reserved"):  # shared with the cache: another request may read it
-        decode.write_remote_kv("x", 0, [dst[0]], torch.ones(shape), torch.ones(shape))
+        decode.kv_importer.write("x", 0, [dst[0]], torch.ones(shape), torch.ones(shape))
     assert torch.equal(decode.kv_cache.k[0][dst[0]], before)
-    decode.write_remote_kv("x", 0, [dst[4]], torch.ones(shape), torch.ones(shape))
+    decode.kv_importer.write("x", 0, [dst[4]], torch.ones(shape), torch.ones(shape))
     assert decode.abort("x")
     # without prefix_cache (the default): every block is reserved anew, as before
-    assert decode.reserve_remote(prompt, greedy(), "y") is not None and decode.requests["y"].num_cached_tokens == 0
+    assert decode.kv_importer.reserve(prompt, greedy(), "y") is not None and decode.requests["y"].num_cached_tokens == 0
     assert decode.abort("y")
     no_leaks(decode)
 
@@ -555,18 +559,18 @@ def test_prefill_here_computes_a_reservation_on_the_decode_engine(tiny_llama_pat
     decode.add_request(other, greedy(20), "other")  # decoding already: the local prefills join the running batch
     outputs = decode.step()
     for rid, prompt in (("cold", list(reversed(other))), ("warm", history + done.token_ids + [9, 8, 7])):
-        decode.reserve_remote(prompt, copy(params), rid, prefix_cache=True)
+        decode.kv_importer.reserve(prompt, copy(params), rid, prefix_cache=True)
         request = decode.requests[rid]
         assert request.num_cached_tokens == (0 if rid == "cold" else (35 + 20 - 1) // BLOCK * BLOCK)
-        decode.prefill_here(rid)
-        assert request.status == RequestStatus.RUNNING and request.remote is None
+        decode.kv_importer.prefill_here(rid)
+        assert request.status == RequestStatus.RUNNING and request.kv_import is None
         assert request.num_computed_tokens == request.num_cached_tokens
         outputs += drain(decode)
         mine = [o for o in outputs if o.request_id == rid]
         # the first token is sampled here: its output carries it and its text, like any request's
         assert mine[0].new_token_ids and mine[0].num_output_tokens == 1
         assert client_view(mine[0], mine[1:], rid) == expected(single, prompt, params), rid
-        assert mine[0].timing.queue_s >= 0 and mine[0].timing.compute_s > 0 and mine[0].timing.remote is None
+        assert mine[0].timing.queue_s >= 0 and mine[0].timing.compute_s > 0 and mine[0].kv_import is None
     theirs = [o for o in outputs if o.request_id == "other"]
     assert client_view(theirs[0], theirs[1:], "other") == expected(single, other, greedy(20))
     no_leaks(single, decode)
@@ -576,16 +580,16 @@ def test_prefill_here_only_for_an_untouched_reservation_and_abort_frees_it(tiny_
     decode = make_engine(tiny_llama_path, max_batch_tokens=16)
     [prompt] = random_prompts(1, 60, 60, seed=63)
     with pytest.raises(KeyError):
-        decode.prefill_here("nobody")
-    decode.reserve_remote(prompt, greedy(), "started")
-    decode.remote_first_token("started", 3)  # its KV comes from a prefill worker: too late to compute it here
+        decode.kv_importer.prefill_here("nobody")
+    decode.kv_importer.reserve(prompt, greedy(), "started")
+    decode.kv_importer.tokens_in("started", [3])  # its KV comes from a prefill worker: too late to compute it here
     with pytest.raises(ValueError, match="already taking its KV"):
-        decode.prefill_here("started")
+        decode.kv_importer.prefill_here("started")
     assert decode.requests["started"].status == RequestStatus.WAITING_FOR_REMOTE_KV
-    decode.reserve_remote(prompt, greedy(), "local")
-    decode.prefill_here("local")
+    decode.kv_importer.reserve(prompt, greedy(), "local")
+    decode.kv_importer.prefill_here("local")
     with pytest.raises(ValueError):
-        decode.prefill_here("local")  # no longer a reservation
+        decode.kv_importer.prefill_here("local")  # no longer a reservation
     decode.step()  # one chunk of four
     assert decode.requests["local"].num_computed_tokens == 16
     assert decode.abort("local") and decode.abort("started")

@@ -153,21 +153,21 @@ def test_a_reservation_counts_tier_hits_as_cached_and_takes_only_the_rest(tiered
     wait_saved(decode)
     for i, prompt in enumerate(prompts[4:]):
         rid = f"r{i}"
-        blocks = decode.reserve_remote(prompt, GREEDY.copy(), rid, headroom_tokens=8, prefix_cache=True)
+        blocks = decode.kv_importer.reserve(prompt, GREEDY.copy(), rid, headroom_tokens=8, prefix_cache=True)
         assert blocks is not None
         held = decode.requests[rid]
         assert held.num_cached_tokens == 64 and held.num_loading_blocks == PREFIX_BLOCKS
 
         def sink(ready: KVBlocksReady, dst=blocks, rid=rid) -> None:
-            decode.write_remote_kv(rid, ready.layer, dst[ready.first_block : ready.end_block], ready.k, ready.v)
+            decode.kv_importer.write(rid, ready.layer, dst[ready.first_block : ready.end_block], ready.k, ready.v)
 
         first_params = GREEDY.copy()
         first_params.max_tokens = 1
         prefill.add_request(prompt, first_params, rid, prefill_only=True, kv_sink=sink, export_from_token=64)
         [first] = [o for _ in range(50) if prefill.has_unfinished() for o in prefill.step()]
         prefill.release(rid)
-        decode.remote_first_token(rid, first.new_token_ids[0])
-        assert decode.remote_kv_done(rid)
+        decode.kv_importer.tokens_in(rid, [first.new_token_ids[0]])
+        assert decode.kv_importer.kv_done(rid)
         tokens = [first.new_token_ids[0]]
         while decode.has_unfinished():
             tokens += [t for o in decode.step() for t in o.new_token_ids]

@@ -1,5 +1,6 @@
-"""Moving a running request between engines (migration) by pre-copy: its full blocks copied while it decodes on, then
-frozen between steps, its tokens and the rest of its KV taken over by another engine, which continues. The stream
+"""Moving a running request between engines (migration), the KV hand-off with a decoding source: the target reserves
+its context, its full blocks are copied while it decodes on (``export_held``), then it is frozen between steps, and
+the target takes its tokens and the rest of its KV, in either order, and continues. The stream
 (tokens, text, logprobs) equals the undisturbed run's, for greedy, seeded sampling, penalties, guided JSON, stop
 strings and logprobs; a failed transfer recomputes, exact too; nothing leaks.
 """
@@ -9,8 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from engine.request import GuidedDecoding, RequestStatus, SamplingParams
+from engine.request import GuidedDecoding, ImportState, RequestStatus, SamplingParams
 from tests.helpers.engine import random_prompts
 
 PROMPT = random_prompts(1, 37, 37, seed=5)[0]
@@ -46,48 +48,55 @@ def joined(outputs: list) -> tuple[list[int], str, list]:
     return tokens, text, logprobs
 
 
-def copy_kv(a, b, rid: str, src: list[int], dst: list[int]) -> None:
-    """Layer by layer, as the transfer layer would."""
-    for layer in range(a.kv_spec.num_layers):
-        k, v = a.kv_cache.read_blocks(layer, src)
-        b.write_remote_kv(rid, layer, dst, k, v)
+def to_target(b, rid: str, dst: list[int]):
+    """A move's sending side into engine ``b``: logical blocks onto the blocks it reserved, as the transfer would."""
+
+    def sink(ready) -> None:
+        b.kv_importer.write(rid, ready.layer, dst[ready.first_block : ready.end_block], ready.k, ready.v)
+
+    return sink
 
 
 def run_moved(a, b, prompt, params: SamplingParams, steps_before: int, transfer: str = "ok") -> list:
     """The request runs ``steps_before`` steps on ``a``; ``b`` reserves its context and takes its full blocks while
-    it runs 3 steps more (``transfer="no-precopy"``: none); it is frozen on ``a``, ``b`` adopts its tokens and the
-    rest of its KV (or that transfer fails), and it finishes on ``b``."""
+    it runs 3 steps more (``transfer="no-precopy"``: none); it is frozen on ``a``, ``b`` gets its tokens and the rest
+    of its KV (or that transfer fails: ``failed``; or its tokens come after the KV: ``kv-first``), and it finishes on
+    ``b``."""
     outputs: list = []
     rid = a.add_request(prompt, params.copy(), "r")
     for _ in range(steps_before):
         outputs += a.step()
-    computed = a.requests[rid].num_computed_tokens
-    precopy = 0 if transfer == "no-precopy" else (computed - 1) // a.config.block_size
-    dst = b.reserve_migration(prompt, params.copy(), "r.1", computed, precopy_blocks=precopy, headroom_tokens=4)
+    request = a.requests[rid]
+    size, layers = a.config.block_size, range(a.kv_spec.num_layers)
+    dst = b.kv_importer.reserve(prompt, params.copy(), "r.1", 4, context_tokens=request.num_computed_tokens)
     assert dst is not None
+    sink = to_target(b, "r.1", dst)
+    precopy = 0 if transfer == "no-precopy" else request.num_computed_tokens // size
     if precopy:
-        copy_kv(a, b, "r.1", a.kv_blocks(rid, 0, precopy), dst[:precopy])
-        b.precopy_done("r.1")
+        a.kv_exporter.export_held(request, sink, 0, precopy, layers)
     for _ in range(3):  # it decodes on meanwhile
         outputs += a.step()
-    tokens, computed = a.freeze(rid)
-    assert a.requests[rid].status == RequestStatus.FROZEN
+    tokens = a.freeze(rid)
+    assert request.status == RequestStatus.FROZEN
     assert not a.step()  # a frozen request is not stepped
     assert tokens == [t for o in outputs for t in o.new_token_ids]
-    tail = b.adopt_migrated("r.1", tokens, computed, first_block=precopy, headroom_tokens=4)
-    assert tail is not None and tail[0] == dst[precopy] and len(tail) == -(-computed // a.config.block_size) - precopy
-    if transfer != "failed":
-        copy_kv(a, b, "r.1", a.kv_blocks(rid, precopy), tail)
-        assert b.remote_kv_done("r.1")
+    end = -(-request.num_computed_tokens // size)
+    assert len(dst) >= end  # the reservation's slack holds what it made meanwhile
+    if transfer == "failed":
+        b.kv_importer.tokens_in("r.1", tokens)
+        assert b.kv_importer.kv_failed("r.1", recompute=True)
     else:
-        assert b.remote_kv_failed("r.1", recompute=True)
+        a.kv_exporter.export_held(request, sink, precopy, end, layers)
+        arrivals = [lambda: b.kv_importer.tokens_in("r.1", tokens), lambda: b.kv_importer.kv_done("r.1", end)]
+        for arrive in reversed(arrivals) if transfer == "kv-first" else arrivals:
+            arrive()
     a.release(rid)
     stream(b, "r.1", outputs)
     return outputs
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("transfer", ["ok", "no-precopy", "failed"])
+@pytest.mark.parametrize("transfer", ["ok", "kv-first", "no-precopy", "failed"])
 def test_a_moved_request_streams_exactly_what_it_would_have(make_engine, tiny_llama_path, case, transfer):
     params = CASES[case]
     reference = make_engine(tiny_llama_path)
@@ -153,28 +162,25 @@ def test_only_a_decoding_request_freezes_and_a_frozen_one_resumes(make_engine, t
 
 
 def test_a_takeover_that_cannot_hold_or_would_end_is_refused(make_engine, tiny_llama_path):
-    small = make_engine(tiny_llama_path, kv_blocks=3)
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    tokens = list(range(10))
-    computed = len(PROMPT) + 9
-    # 47 tokens and 10 of headroom: 4 blocks, of 3
-    assert small.reserve_migration(PROMPT, params.copy(), "x", computed, headroom_tokens=10) is None
-    assert small.reserve_migration(PROMPT, params.copy(), "x", len(PROMPT) + 1) is not None  # 3 blocks
-    assert small.adopt_migrated("x", tokens, computed, headroom_tokens=10) is None  # cannot grow: as it was
-    assert len(small.requests["x"].block_ids) == 3 and small.requests["x"].remote.resume_at is None
+    small = make_engine(tiny_llama_path, kv_blocks=5)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    # 57 tokens, the next one and 32 of slack for those it makes while it moves: 6 blocks, of 5
+    assert small.kv_importer.reserve(PROMPT, params.copy(), "x", context_tokens=len(PROMPT) + 20) is None
+    assert small.kv_importer.reserve(PROMPT, params.copy(), "x", context_tokens=len(PROMPT)) is not None  # 70: 5
     small.abort("x")
     small.check_no_leaks()
     engine = make_engine(tiny_llama_path)
-    with pytest.raises(ValueError, match="more than"):
-        engine.reserve_migration(PROMPT, params.copy(), "w", computed, precopy_blocks=4)
-    assert engine.reserve_migration(PROMPT, params.copy(), "y", computed) is not None
-    with pytest.raises(ValueError, match="every token but the last"):
-        engine.adopt_migrated("y", tokens, len(PROMPT))
-    with pytest.raises(ValueError, match="were not pre-copied"):
-        engine.adopt_migrated("y", tokens, computed, first_block=1)
-    assert engine.reserve_migration(PROMPT, SamplingParams(max_tokens=11), "z", computed) is not None
+    with pytest.raises(ValueError, match="no running request's"):
+        engine.kv_importer.reserve(PROMPT, params.copy(), "w", context_tokens=len(PROMPT) - 1)
+    assert len(engine.kv_importer.reserve(PROMPT, params.copy(), "y", context_tokens=len(PROMPT))) == 5
+    with pytest.raises(ValueError, match="does not fit"):  # what it made meanwhile outgrew the 80 slots it got
+        engine.kv_importer.tokens_in("y", list(range(51)))
+    assert engine.requests["y"].kv_import.state is ImportState.RESERVED
+    assert engine.kv_importer.reserve(PROMPT, SamplingParams(max_tokens=11), "z", context_tokens=len(PROMPT) + 9)
     with pytest.raises(ValueError, match="would end here"):
-        engine.adopt_migrated("z", tokens + [5], computed + 1)
+        engine.kv_importer.tokens_in("z", list(range(11)))
+    with pytest.raises(ValueError, match="integers"):
+        engine.kv_importer.tokens_in("z", [engine.vocab_size])
     engine.abort("y")
     engine.abort("z")
     engine.check_no_leaks()
@@ -184,11 +190,16 @@ def test_only_full_blocks_of_a_running_request_are_shipped_before_its_freeze(mak
     engine = make_engine(tiny_llama_path)
     rid = engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.step()
-    computed, size = engine.requests[rid].num_computed_tokens, engine.config.block_size
-    assert engine.kv_blocks(rid, 0, computed // size) == engine.requests[rid].block_ids[: computed // size]
-    with pytest.raises(ValueError, match="has not filled"):
-        engine.kv_blocks(rid, 0, computed // size + 1)
-    with pytest.raises(ValueError, match="only a frozen request's last blocks"):
-        engine.kv_blocks(rid)
+    request, size = engine.requests[rid], engine.config.block_size
+    computed, layers = request.num_computed_tokens, range(engine.kv_spec.num_layers)
+    got: list = []
+    engine.kv_exporter.export_held(request, got.append, 0, computed // size, layers)
+    assert [(r.layer, r.first_block, r.end_block) for r in got] == [(layer, 0, computed // size) for layer in layers]
+    k, v = engine.kv_cache.read_blocks(0, request.block_ids[: computed // size])
+    assert torch.equal(got[0].k, k) and torch.equal(got[0].v, v)
+    with pytest.raises(ValueError, match="has not filled"):  # its last block still changes
+        engine.kv_exporter.export_held(request, got.append, 0, computed // size + 1, layers)
+    engine.freeze(rid)
+    engine.kv_exporter.export_held(request, got.append, 0, -(-computed // size), layers)  # frozen: all of it
     engine.abort(rid)
     engine.check_no_leaks()

@@ -151,19 +151,19 @@ def test_half_precision_engines_generate_and_hand_off(tiny_llama_path, make_engi
     assert len(single.token_ids) == 8
     # the same prompt prefilled here and decoded in a second engine gives the same tokens in this dtype too
     other = make_engine(tiny_llama_path, dtype=dtype, enable_prefix_caching=False)
-    blocks = other.reserve_remote([5, 6, 7] * 11, params, "x")
+    blocks = other.kv_importer.reserve([5, 6, 7] * 11, params, "x")
 
     def sink(ready) -> None:  # the KV connector's report, in this dtype, into the other engine's reserved blocks
         assert ready.k.dtype == ready.v.dtype == getattr(torch, dtype)
-        other.write_remote_kv("x", ready.layer, blocks[ready.first_block : ready.end_block], ready.k, ready.v)
+        other.kv_importer.write("x", ready.layer, blocks[ready.first_block : ready.end_block], ready.k, ready.v)
 
     engine.add_request(
         [5, 6, 7] * 11, SamplingParams(max_tokens=1, temperature=0.0), "x", prefill_only=True, kv_sink=sink
     )
     [first] = [o for _ in range(5) for o in engine.step()]
     engine.release("x")
-    other.remote_first_token("x", first.new_token_ids[0])
-    assert other.remote_kv_done("x")
+    other.kv_importer.tokens_in("x", [first.new_token_ids[0]])
+    assert other.kv_importer.kv_done("x")
     tokens = list(first.new_token_ids)
     while other.has_unfinished():
         tokens += [t for o in other.step() for t in o.new_token_ids]

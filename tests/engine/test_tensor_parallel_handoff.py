@@ -110,14 +110,14 @@ def _decode_main(rank: int, size: int, store_path: str, payload: tuple[str, dict
     engine = _engine(rank, size, store_path, model)
     blocks: dict[str, list[int]] = {}
     for rid, prompt in prefilled["prompts"].items():
-        reserved = engine.reserve_remote(prompt, _params(), rid)
+        reserved = engine.kv_importer.reserve(prompt, _params(), rid)
         assert reserved is not None
         blocks[rid] = reserved
-        missing = engine.missing_prompt_blocks(engine.requests[rid])
+        missing = engine.kv_importer.expected_blocks(engine.requests[rid])
         for layer, kv in prefilled["kv"][rid].items():
-            engine.write_remote_kv(rid, layer, missing, kv[0], kv[1])
-        assert engine.remote_kv_done(rid)
-        engine.remote_first_token(rid, prefilled["first_tokens"][rid])
+            engine.kv_importer.write(rid, layer, missing, kv[0], kv[1])
+        assert engine.kv_importer.kv_done(rid)
+        engine.kv_importer.tokens_in(rid, [prefilled["first_tokens"][rid]])
     tokens: dict[str, list[int]] = {rid: [t] for rid, t in prefilled["first_tokens"].items()}
     logprobs: dict[str, list[float]] = {rid: [] for rid in tokens}
     while engine.has_unfinished():

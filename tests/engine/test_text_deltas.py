@@ -131,11 +131,11 @@ def test_deltas_with_the_default_model(smollm2_path, make_engine):
 def _prefilled(prefill, decode, prompt: list[int], params: SamplingParams, rid: str, write_kv: bool):
     """Reserve on decode, prefill there with a KV sink (writing each reported block range into the reserved blocks,
     or dropping it), release; returns prefill's first output."""
-    dst = decode.reserve_remote(prompt, params, rid)
+    dst = decode.kv_importer.reserve(prompt, params, rid)
 
     def sink(ready: KVBlocksReady) -> None:
         if write_kv:
-            decode.write_remote_kv(rid, ready.layer, dst[ready.first_block : ready.end_block], ready.k, ready.v)
+            decode.kv_importer.write(rid, ready.layer, dst[ready.first_block : ready.end_block], ready.k, ready.v)
 
     prefill.add_request(
         prompt, SamplingParams(max_tokens=1, **GREEDY, stop=list(params.stop)), rid, prefill_only=True, kv_sink=sink
@@ -160,16 +160,16 @@ def _client_text(first, decode) -> tuple[str, list[int], str]:
 def handoff_text(prefill, decode, prompt: list[int], params: SamplingParams, rid: str) -> tuple[str, list[int], str]:
     """What the client gets in disaggregated serving: prefill's first delta, then decode's deltas."""
     first = _prefilled(prefill, decode, prompt, params, rid, write_kv=True)
-    decode.remote_first_token(rid, first.new_token_ids[0])
-    assert decode.remote_kv_done(rid)
+    decode.kv_importer.tokens_in(rid, [first.new_token_ids[0]])
+    assert decode.kv_importer.kv_done(rid)
     return _client_text(first, decode)
 
 
 def resumed_text(prefill, decode, prompt: list[int], params: SamplingParams, rid: str) -> tuple[str, list[int], str]:
     """The decode worker's recompute: the KV never came, so the prompt and the first token are prefilled there."""
     first = _prefilled(prefill, decode, prompt, params, rid, write_kv=False)
-    assert decode.remote_kv_failed(rid, recompute=True)
-    decode.remote_first_token(rid, first.new_token_ids[0])
+    assert decode.kv_importer.kv_failed(rid, recompute=True)
+    decode.kv_importer.tokens_in(rid, [first.new_token_ids[0]])
     return _client_text(first, decode)
 
 

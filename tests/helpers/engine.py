@@ -41,11 +41,11 @@ def handoff(prefill, decode, prompt, params, request_id: str) -> list:
     prefill engine's first one, then the decode engine's (its admission output included)."""
     from engine.kv_connector import KVBlocksReady
 
-    dst_blocks = decode.reserve_remote(prompt, params.copy(), request_id)
+    dst_blocks = decode.kv_importer.reserve(prompt, params.copy(), request_id)
     assert dst_blocks is not None
 
     def sink(ready: KVBlocksReady) -> None:
-        decode.write_remote_kv(
+        decode.kv_importer.write(
             ready.request_id, ready.layer, dst_blocks[ready.first_block : ready.end_block], ready.k, ready.v
         )
 
@@ -58,8 +58,8 @@ def handoff(prefill, decode, prompt, params, request_id: str) -> list:
     if first.finish_reason is not None and first.finish_reason.value == "error":
         decode.abort(request_id)
         return outputs
-    decode.remote_first_token(request_id, first.new_token_ids[0])
-    assert decode.remote_kv_done(request_id)
+    decode.kv_importer.tokens_in(request_id, [first.new_token_ids[0]])
+    assert decode.kv_importer.kv_done(request_id)
     while decode.has_unfinished():
         outputs += [o for o in decode.step() if o.request_id == request_id]
     return outputs

@@ -138,7 +138,7 @@ class RolePair:
         return self.prefill_events.items(rid)[0]
 
     def start(self, rid: str, first: TokenItem) -> None:
-        self.decode.handle(Start(rid=rid, first_token=first.token_ids[0]), time.monotonic())
+        self.decode.handle(Start(rid=rid, tokens=first.token_ids[:1]), time.monotonic())
 
     def handoff(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[TokenItem, list]:
         """The whole happy path for one request: reserve, prefill, start, decode to the finish."""

@@ -143,7 +143,7 @@ def test_a_router_abort_frees_the_prefill_side_in_every_state(role_pair, state):
     pair.run_until(lambda: not pair.prefill.engine.requests and not pair.decode.receiver.pending_transfers())
     assert pair.prefill_events.errors() == []  # the router knows: nothing more is reported
     if state == "leased":  # the whole KV was sent before the abort: the decode side has it, and waits
-        assert pair.decode.engine.requests["x"].remote.kv_done_s is not None
+        assert pair.decode.engine.requests["x"].kv_import.kv_done_s is not None
     else:  # the sender aborted: the decode side frees the reservation at once, silently
         assert "x" not in pair.decode.engine.requests and pair.decode.counters.transfers_failed == 1
     pair.decode.abort("x")  # the router aborts both sides

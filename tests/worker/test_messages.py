@@ -69,7 +69,7 @@ def _stats(**load: int) -> Stats:
 COMMANDS = [
     Reserve("r1", [1, 2, 3], PARAMS, local_prefill_max_tokens=64, router=1, sent_at=1234.5),
     Prefill("r1", [1, 2, 3], PARAMS, "tcp://127.0.0.1:9", [7, 8]),
-    Start("r1", 42, router=2),
+    Start("r1", [42], router=2),
     Generate("r2", [5], SamplingParams()),
     Abort("r2"),
     Ping(router=3),

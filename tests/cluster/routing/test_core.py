@@ -128,7 +128,7 @@ def test_a_disaggregated_request_walks_every_status_and_each_message_goes_where_
     h.now = 0.5
     h.event(Tokens(worker=prefill, items=[first]))  # the prefill worker's first token
     assert flow.status is FlowStatus.DECODING and h.load()[prefill] == 0  # its part is done
-    assert h.sent() == [(decode, Start("r", 7))]
+    assert h.sent() == [(decode, Start("r", [7]))]
     assert flow.take().text == "a" and flow.first_token_s == 0.5
     h.now = 1.0
     h.event(
