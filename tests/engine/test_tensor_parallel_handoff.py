@@ -181,3 +181,95 @@ def test_kv_crosses_degrees_bit_identical_and_decodes_as_one_engine(
     )
     print(f"({prefill_degree}, {decode_degree}): largest logprob gap against one engine alone: {gap:.2e}")
     assert gap < LOGPROB_TOLERANCE
+
+
+# ---- a move between tensor-parallel decode engines: the same hand-off with a decoding source --------------------
+
+MOVE_PROMPT = "r0"  # PROMPTS[0], decoded by the source until it has MOVED_AFTER tokens, then by the target
+PRECOPY_AFTER, MOVED_AFTER = 2, 4  # output tokens when the pre-copy is read, and when the source stops it
+
+
+def _move_source_main(rank: int, size: int, store_path: str, model: str) -> dict:
+    """A decoding request on a degree-``size`` engine: its full blocks exported while it decodes on, then it is
+    frozen and the rest exported (every head, gathered from the ranks between steps: ``StepKind.KV_READ``)."""
+    torch.set_num_threads(1)
+    if rank > 0:
+        return _follower(rank, size, store_path, model)
+    engine = _engine(rank, size, store_path, model)
+    pieces: dict[int, list] = {}  # per layer: [2, blocks, bs, every head, hd] pieces, in block order
+
+    def sink(ready) -> None:
+        pieces.setdefault(ready.layer, []).append(torch.stack((ready.k, ready.v)))
+
+    engine.add_request(PROMPTS[0], _params(), MOVE_PROMPT)
+    tokens, logprobs = [], []
+
+    def step_until(count: int) -> None:
+        while len(tokens) < count:
+            for output in engine.step():
+                tokens.extend(output.new_token_ids)
+                logprobs.extend(lp.logprob for lp in output.logprobs or [])
+
+    step_until(PRECOPY_AFTER)
+    request = engine.requests[MOVE_PROMPT]
+    layers, size_ = range(engine.kv_spec.num_layers), engine.config.block_size
+    context_at_reserve, precopy = request.num_computed_tokens, request.num_computed_tokens // size_
+    engine.kv_exporter.export_held(request, sink, 0, precopy, layers)
+    step_until(MOVED_AFTER)
+    frozen = engine.freeze(MOVE_PROMPT)
+    end = -(-request.num_computed_tokens // size_)
+    engine.kv_exporter.export_held(request, sink, precopy, end, layers)
+    engine.release(MOVE_PROMPT)
+    kv = {layer: torch.cat(parts, dim=1) for layer, parts in pieces.items()}
+    out = {"tokens": tokens, "frozen": frozen, "logprobs": logprobs, "kv": kv, "end": end}
+    out |= {"context_at_reserve": context_at_reserve, "prompt": engine.tokenize(PROMPTS[0])}
+    return _finish(engine, out)
+
+
+def _move_target_main(rank: int, size: int, store_path: str, payload: tuple[str, dict]) -> dict:
+    """The move's target at degree ``size``: reserves the context, takes the KV (each rank keeps its heads) and the
+    tokens, and decodes the rest."""
+    model, moved = payload
+    torch.set_num_threads(1)
+    if rank > 0:
+        return _follower(rank, size, store_path, model)
+    engine = _engine(rank, size, store_path, model)
+    rid = MOVE_PROMPT + ".1"
+    blocks = engine.kv_importer.reserve(moved["prompt"], _params(), rid, context_tokens=moved["context_at_reserve"])
+    assert blocks is not None
+    for layer, kv in moved["kv"].items():
+        engine.kv_importer.write(rid, layer, blocks[: moved["end"]], kv[0], kv[1])
+    engine.kv_importer.tokens_in(rid, moved["frozen"])
+    assert engine.kv_importer.kv_done(rid, moved["end"])
+    tokens, logprobs = [], []
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.error is None, output.error
+            tokens += output.new_token_ids
+            logprobs += [lp.logprob for lp in output.logprobs or []]
+    return _finish(engine, {"tokens": tokens, "logprobs": logprobs, "blocks": blocks[: moved["end"]]})
+
+
+@pytest.mark.parametrize(
+    ("source_degree", "target_degree"),
+    # (2, 1) in `make test`; (2, 2) in `make test-e2e` (for the suite's 20 minutes)
+    [(2, 1), pytest.param(2, 2, marks=pytest.mark.e2e)],
+)
+def test_a_request_on_a_tensor_parallel_engine_moves_token_exact(
+    tiny_llama_path: Path, alone: dict, source_degree: int, target_degree: int
+):
+    source = run_ranks(_move_source_main, source_degree, str(tiny_llama_path), timeout_s=240)
+    moved = source[0]
+    assert moved["frozen"] == moved["tokens"] and len(moved["tokens"]) == MOVED_AFTER
+    n = len(moved["prompt"]) + MOVED_AFTER - 1  # the KV that crossed: every token but the last one
+    crossed = torch.stack([moved["kv"][layer] for layer in sorted(moved["kv"])]).flatten(2, 3)[:, :, :n]
+    assert crossed.shape[-2] == 2  # every KV head of the model left, gathered from both ranks
+    target = run_ranks(_move_target_main, target_degree, (str(tiny_llama_path), moved), timeout_s=240)
+    assert all(target[r]["ended"] == "stop" for r in range(1, target_degree))
+    assert torch.equal(_reassembled(target, target[0]["blocks"], n), crossed)  # each rank kept its heads, exactly
+    tokens = moved["tokens"] + target[0]["tokens"]
+    assert tokens == alone["tokens"][MOVE_PROMPT]  # the stream one engine alone gives, token for token
+    logprobs = moved["logprobs"] + target[0]["logprobs"]
+    gap = max(abs(a - b) for a, b in zip(logprobs, alone["logprobs"][MOVE_PROMPT], strict=True))
+    print(f"move ({source_degree} -> {target_degree}): largest logprob gap against one engine alone: {gap:.2e}")
+    assert gap < LOGPROB_TOLERANCE
