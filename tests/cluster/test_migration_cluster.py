@@ -1,7 +1,8 @@
 """Moving running requests between decode workers in a served cluster (a tiny in-process cluster, two decode
 workers), through HTTP: ``POST /admin/migrate`` moves a stream mid-way and the client gets exactly the text of an
 undisturbed run, no token lost or repeated; draining a decode worker moves its streams instead of waiting for them;
-/metrics and the response's timing count the moves; nothing leaks on either worker (the ``serve`` fixture).
+/metrics and the response's timing count the moves; decode workers of degree 2 move a stream as exactly; nothing
+leaks on either worker (the ``serve`` fixture).
 """
 
 from __future__ import annotations
@@ -139,3 +140,24 @@ def test_draining_a_decode_worker_moves_its_streams(serve):
     moved = metric_value(url, "pdserve_migrations_total", reason="drain", result="moved")
     assert moved >= 1  # every stream on the drained worker moved (one or both, as the policy placed them)
     assert all(flow.decode != drained[0] for flow in handle.router.core.flows.values())
+
+
+def test_a_stream_on_tensor_parallel_decode_workers_moves_exactly(serve):
+    """Decode workers of degree 2 (rank threads): the source's rank 0 gathers every KV head between its steps, the
+    target's ranks each keep their own; the client's text is the undisturbed run's."""
+    pools = _pools()
+    pools["decode"] |= {"tensor_parallel_size": 2, "kv_blocks": 96}
+    handle = serve(pools=pools)
+    expected = _reference(handle, PROMPTS[2])
+
+    def move() -> None:
+        [flow] = list(dict.fromkeys(handle.router.core.flows.values()))
+        httpx.post(f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid}, timeout=10)
+
+    text, last = _stream(handle, PROMPTS[2], after_chunks=5, action=move)
+    assert text == expected["choices"][0]["text"]
+    assert last["timing"]["migrations"] == 1
+    url = handle.base_url
+    assert metric_value(url, "pdserve_migrations_total", reason="admin", result="moved") == 1
+    wait_until(lambda: _total(url, "migrations_out") == 1, timeout_s=10)
+    assert _total(url, "migrations_in") == 1
