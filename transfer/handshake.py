@@ -42,6 +42,12 @@ def handshake_frame(key: bytes, header: Hello | Welcome | Reject) -> bytes:
     return seal(key, NO_SESSION, 0, pack_header(header))
 
 
+def reject(error: TransferError) -> Reject:
+    """A refused hello's answer (or a message's for a session the receiver does not know): the sender fails that
+    receiver's transfers with the same error class (`Initiator.answer`)."""
+    return Reject(error.code, str(error)[:1000])
+
+
 class Initiator:
     """The sender's end: the hello it sends each receiver, and what the answer makes of the peer."""
 

@@ -32,7 +32,7 @@ from transfer.errors import (
     TransferAborted,
     TransferError,
 )
-from transfer.handshake import Acceptor, handshake_frame
+from transfer.handshake import Acceptor, handshake_frame, reject
 from transfer.inbound import InboundTable, Sink
 from transfer.kv_segment import KVSegment
 from transfer.path import ReceivePath, Session
@@ -264,9 +264,7 @@ class Receiver(KVReceiver):
         if session == NO_SESSION:  # a hello: MAC under the handshake key
             if not verify(self._handshake.key, raw):
                 self._reject_frame("handshake not authenticated (a different cluster secret?)")
-                self._send_hs(
-                    identity, Reject(AuthError.code, "handshake not authenticated: a different cluster secret?")
-                )
+                self._send_hs(identity, reject(AuthError("handshake not authenticated: a different cluster secret?")))
                 return
             try:
                 h = unpack_header(body)
@@ -274,7 +272,7 @@ class Receiver(KVReceiver):
                 self.dropped += 1
                 log.warning("dropped undecodable handshake: %s", e)
                 if named(body).kind == "hello":
-                    self._send_hs(identity, Reject(e.code, str(e)[:1000]))
+                    self._send_hs(identity, reject(e))
                 return
             if isinstance(h, Hello) and len(frames) == 2:
                 self._on_hello(identity, h)
@@ -284,7 +282,7 @@ class Receiver(KVReceiver):
         sess = self._sessions.get(session)
         if sess is None:
             self.dropped += 1
-            self._send_hs(identity, Reject(PeerGone.code, "unknown session (receiver restarted?): handshake again"))
+            self._send_hs(identity, reject(PeerGone("unknown session (receiver restarted?): handshake again")))
             return
         if not verify(sess.key, raw):
             self._reject_frame("MAC does not match the session key")
@@ -388,7 +386,7 @@ class Receiver(KVReceiver):
         except TransferError as e:
             self.rejected += isinstance(e, AuthError)  # a replayed hello
             log.warning("refused handshake: %s", e)
-            self._send_hs(identity, Reject(e.code, str(e)[:1000]))
+            self._send_hs(identity, reject(e))
             return
         self._sessions.add(sess)
         self._send_hs(identity, welcome)
