@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP API over a ``Router``: completions and chat, streaming (SSE) and not.
 
-1. ``read_json``: the API key (every route but ``/health``, which load balancers probe), the size limit counted
-   while reading (chunked bodies too), then ``openai_schema.py``'s checks;
+1. ``authorized``: the API key (every route but ``/health``, which load balancers probe); ``read_json``: the size
+   limit counted while reading (chunked bodies too), then ``openai_schema.py``'s checks;
 2. ``request_params.py`` (what depends on the model), ``chat_template.py``, ``guided.py`` (response_format / tools);
 3. one router request per choice (``choices.py``), the answer assembled in ``responses.py``.
 Every refusal is an OpenAI error body with its status and the field in ``param``, never a traceback. A client that
 disconnects (mid-stream, or seen by a watcher on ``http.disconnect``) aborts every choice on every worker.
+
+The routes are module-level (``routes``); what they share (router, config, tokenizer, limits) is one ``Serving``,
+built by ``create_app`` into ``app.state`` and handed to each route by the ``get_serving`` dependency.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cluster.config import ClusterConfig, pool_layout
+from cluster.config import ClusterConfig, LimitsSection, pool_layout
 from cluster.openai.api_format import TokenText, system_fingerprint
 from cluster.openai.chat_template import render
 from cluster.openai.chat_tools import chat_tools, model_vocab_size
@@ -45,58 +50,32 @@ from cluster.routing.router import Router
 from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
 
 logger = logging.getLogger(__name__)
+routes = APIRouter()
 
 
-def create_app(
-    router: Router,
-    tokenizer,
-    config: ClusterConfig,
-    max_model_len: int,
-    generation_defaults: GenerationDefaults | None = None,
-) -> FastAPI:
-    """``generation_defaults``: for sampling values a request leaves unset (default: the tokenizer folder's
-    generation_config.json)."""
+@dataclass(slots=True)
+class Serving:
+    """What the routes share, built once per app by ``create_app`` and kept on ``app.state.serving``."""
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        await router.start()
-        yield
-        await router.close()
+    router: Router
+    tokenizer: Any
+    config: ClusterConfig
+    max_model_len: int
+    defaults: GenerationDefaults  # sampling values a request leaves unset
+    model_name: str
+    limits: LimitsSection
+    vocab_size: int
+    model_vocab: int  # the model's logits width (may exceed the tokenizer's)
+    fingerprint: str
+    token_text: TokenText
+    kv_status: dict | None  # /status's ``kv``
+    expected_auth: bytes | None  # b"Bearer <api_key>"; None: no key
 
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    model_name = config.served_model_name
-    limits = config.router.limits
-    vocab_size = len(tokenizer)
-    defaults = generation_defaults or GenerationDefaults.from_model_dir(getattr(tokenizer, "name_or_path", None))
-    fingerprint = system_fingerprint(model_name, config.mode)
-    token_text = TokenText(tokenizer)
-    model_vocab = model_vocab_size(tokenizer)
-    kv_status = model_kv_status(config, getattr(tokenizer, "name_or_path", None))  # config.json read once
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method: the same error body as the rest
-    async def _http_error_body(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            APIError(exc.status_code, str(exc.detail), err_type=err_type).body(),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", err_type="server_error").body(), 500)
-
-    expected_auth = None if config.router.api_key is None else f"Bearer {config.router.api_key}".encode()
-
-    def check_api_key(request: Request) -> None:
-        if expected_auth is None:
+    def check_api_key(self, request: Request) -> None:
+        if self.expected_auth is None:
             return
         given = request.headers.get("authorization", "").encode("latin-1")  # the raw bytes (ASGI decodes latin-1)
-        if not hmac.compare_digest(given, expected_auth):
+        if not hmac.compare_digest(given, self.expected_auth):
             raise APIError(
                 401,
                 "missing or wrong API key (Authorization: Bearer ...)",
@@ -104,37 +83,24 @@ def create_app(
                 code="invalid_api_key",
             )
 
-    async def read_json(request: Request):
-        check_api_key(request)
-        limit = config.router.max_body_bytes
-        # the server discards the rest of the body rather than closing at once: a close with unread data resets the
-        # connection, and the client might never see this answer
-        too_large = APIError(413, f"request body over {limit} bytes")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
-            raise too_large
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():  # counted as it arrives: chunked bodies have no Content-Length
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise APIError(400, "the client disconnected while sending the body") from None
-        return parse_json(b"".join(chunks), limits)
-
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(
-                404, f"The model '{name}' does not exist; this server serves '{model_name}'", "model", "model_not_found"
-            )
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            message = f"The model '{name}' does not exist; this server serves '{self.model_name}'"
+            raise APIError(404, message, "model", "model_not_found")
 
     def budget(
-        prompt_ids: list[int], asked: int | None, default: int | None, param: str = "max_tokens", prompt_field="prompt"
+        self,
+        prompt_ids: list[int],
+        asked: int | None,
+        default: int | None,
+        param: str = "max_tokens",
+        prompt_field: str = "prompt",
     ) -> int:
+        """The tokens a choice may generate: ``asked`` if the prompt leaves room for it, else ``default`` capped by
+        the room; 400 naming ``param`` or ``prompt_field``."""
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", prompt_field)
+        max_model_len = self.max_model_len
         room = max_model_len - len(prompt_ids)
         if room <= 0:
             raise APIError(
@@ -156,60 +122,7 @@ def create_app(
             )
         return asked
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = parse_body(CompletionRequest, await read_json(request), limits)
-        check_model(body.model)
-        items = prompts(body.prompt)
-        logprobs = body.logprobs
-        prompt_logprobs = logprobs if body.echo else None
-        prompt_ids, echo, params = [], [], []
-        for i, prompt in enumerate(items):
-            field = "prompt" if len(items) == 1 else f"prompt[{i}]"
-            if isinstance(prompt, str):
-                ids = tokenizer(prompt, add_special_tokens=True).input_ids if prompt else []
-                echo.append(prompt)
-            else:
-                ids = list(prompt)
-                check_token_ids(ids, vocab_size, field)
-                echo.append(tokenizer.decode(ids) if body.echo else "")
-            max_tokens = budget(ids, body.max_tokens, 16, prompt_field=field)
-            prompt_ids.append(ids)
-            params.append(
-                sampling_params(
-                    body, max_tokens, vocab_size, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs
-                )
-            )
-        shape = _shape(body, prompt_ids, params, chat=False)
-        shape.logprobs, shape.echo = logprobs, echo if body.echo else None
-        return await respond(request, body, shape)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = parse_body(ChatRequest, await read_json(request), limits)
-        check_model(body.model)
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        tools = None
-        if body.tools is not None or body.response_format is not None or body.tool_choice is not None:
-            tools = await asyncio.to_thread(chat_tools, body, tokenizer, model_vocab)  # may compile: off the loop
-        prompt_ids = render(tokenizer, body, tools.template_tools if tools else None)
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(
-            body,
-            budget(prompt_ids, asked, None, param),
-            vocab_size,
-            defaults,
-            logprobs=logprobs,
-            guided=tools.guided if tools else None,
-        )
-        shape = _shape(body, [prompt_ids], [params], chat=True)
-        shape.logprobs, shape.tools = logprobs, tools.reader if tools else None
-        return await respond(request, body, shape)
-
-    def _shape(body, prompt_ids: list[list[int]], params: list, chat: bool) -> ResponseShape:
+    def shape(self, body, prompt_ids: list[list[int]], params: list, chat: bool) -> ResponseShape:
         """Prompt p's choice j is index p * n + j, seeded seed + j, led by its choice 0."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         n = body.n or 1
@@ -224,123 +137,286 @@ def create_app(
             rid=rid,
             created=int(time.time()),
             chat=chat,
-            model=model_name,
-            fingerprint=fingerprint,
+            model=self.model_name,
+            fingerprint=self.fingerprint,
             plans=plans,
             prompt_tokens=sum(len(ids) for ids in prompt_ids),
-            token_text=token_text,
+            token_text=self.token_text,
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats),
         )
 
-    async def respond(request: Request, body, shape: ResponseShape):
-        events = fan_out(router, shape.plans)
-        if body.stream:
-            try:  # errors before the first token are still a proper HTTP status
-                first = await _unless_disconnected(request, _first_event(events))
-            except _ClientGone:
-                await events.aclose()
-                return Response(status_code=499)
-            return StreamingResponse(
-                stream(router, shape, events, first),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            return await _unless_disconnected(request, collect(router, shape, events))
-        except RequestFailed as exc:
-            raise http_error(exc) from None
-        except _ClientGone:  # nobody to answer; the router's cleanup has aborted every choice on its workers
-            return Response(status_code=499)
-        finally:
-            await events.aclose()
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_api_key(request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "pdserve",
-                    "max_model_len": max_model_len,
-                }
-            ],
-        }
+async def get_serving(request: Request) -> Serving:
+    return request.app.state.serving
 
-    @app.get("/health")
-    async def health():
-        """200 while every role has a worker that takes requests, else 503 (a load balancer moves on); ``status`` is
-        "degraded" while any worker is dead or degraded."""
-        roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
-        serving = all(router.live(role) for role in roles)
-        workers = router.members.workers.values()
-        unhealthy = {w.name: w.degraded if w.alive else "dead" for w in workers if not w.alive or w.degraded}
-        body = {
-            "status": "ok" if serving and not unhealthy else "degraded",
-            "mode": config.mode,
-            "unhealthy_workers": unhealthy,
-        }
-        return JSONResponse(body, status_code=200 if serving else 503)
 
-    @app.get("/status")
-    async def status(request: Request):
-        check_api_key(request)
-        return {**router.status(), "kv": kv_status}
+ServingDep = Annotated[Serving, Depends(get_serving)]
 
-    async def admin_body(request: Request, fields: set[str]) -> dict:
-        """An admin call's JSON object, its API key checked first; 400 naming an unknown field."""
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
-        unknown = sorted(set(body) - fields)
-        if unknown:
-            raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
-        return body
 
-    @app.post("/admin/scale")
-    async def admin_scale(request: Request):
-        """``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the pools once the new workers serve
-        (cluster/run/scaling.py)."""
-        body = await admin_body(request, {"pool", "replicas", "drain_timeout_s"})
-        scaler = router.scaler
-        if scaler is None:
-            raise APIError(503, "this router cannot resize its pools", err_type="server_error")
-        try:
-            return await scaler.scale_async(body.get("pool"), body.get("replicas"), body.get("drain_timeout_s"))
-        except ScaleError as exc:
-            raise APIError(400, str(exc), exc.param) from None
+async def authorized(request: Request, serving: ServingDep) -> None:
+    """Every route but ``/health`` (which load balancers probe) needs the API key, checked before the body is read."""
+    serving.check_api_key(request)
 
-    @app.post("/admin/migrate")
-    async def admin_migrate(request: Request):
-        """``{"request_id": ID}`` or ``{"worker": NAME}``, optionally ``"to": NAME``: move that running request, or
-        every one the decode worker runs, to another decode worker -> ``{"moving": {id: "moving" | why not}}``. Each
-        router process moves the requests it holds (a worker's all: ``pdserve scale`` or a drain)."""
-        body = await admin_body(request, {"request_id", "worker", "to"})
-        for field in ("request_id", "worker", "to"):
-            if body.get(field) is not None and not isinstance(body[field], str):
-                raise APIError(400, f"{field} must be a string", field)
-        if (body.get("request_id") is None) == (body.get("worker") is None):
-            raise APIError(400, "give exactly one of request_id and worker", "request_id")
-        worker, target = body.get("worker"), body.get("to")
-        known = router.members.workers
-        for field, name in (("worker", worker), ("to", target)):
-            if name is not None and (name not in known or known[name].role != "decode"):
-                raise APIError(400, f"{field}: {name!r} is not a decode worker", field)
-        moving = router.migrate(body.get("request_id"), worker, target)
-        if body.get("request_id") is not None and not moving:
-            raise APIError(404, f"no request {body['request_id']!r} in flight here", "request_id")
-        return {"moving": moving}
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        check_api_key(request)
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+AUTHORIZED = [Depends(authorized)]
 
+
+def create_app(
+    router: Router,
+    tokenizer,
+    config: ClusterConfig,
+    max_model_len: int,
+    generation_defaults: GenerationDefaults | None = None,
+) -> FastAPI:
+    """``generation_defaults``: for sampling values a request leaves unset (default: the tokenizer folder's
+    generation_config.json)."""
+    model_dir = getattr(tokenizer, "name_or_path", None)
+    api_key = config.router.api_key
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=_lifespan)
+    app.state.serving = Serving(
+        router=router,
+        tokenizer=tokenizer,
+        config=config,
+        max_model_len=max_model_len,
+        defaults=generation_defaults or GenerationDefaults.from_model_dir(model_dir),
+        model_name=config.served_model_name,
+        limits=config.router.limits,
+        vocab_size=len(tokenizer),
+        model_vocab=model_vocab_size(tokenizer),
+        fingerprint=system_fingerprint(config.served_model_name, config.mode),
+        token_text=TokenText(tokenizer),
+        kv_status=model_kv_status(config, model_dir),  # config.json read once
+        expected_auth=None if api_key is None else f"Bearer {api_key}".encode(),
+    )
+    app.exception_handler(APIError)(_api_error)
+    app.exception_handler(StarletteHTTPException)(_http_error_body)
+    app.exception_handler(Exception)(_unexpected)
+    app.include_router(routes)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    router = app.state.serving.router
+    await router.start()
+    yield
+    await router.close()
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error_body(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """An unknown route or a wrong method: the same error body as the rest."""
+    err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(
+        APIError(exc.status_code, str(exc.detail), err_type=err_type).body(),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", err_type="server_error").body(), 500)
+
+
+async def read_json(request: Request, serving: Serving):
+    """The body as JSON, within ``router.max_body_bytes`` (413 past it) and the request limits."""
+    limit = serving.config.router.max_body_bytes
+    # the server discards the rest of the body rather than closing at once: a close with unread data resets the
+    # connection, and the client might never see this answer
+    too_large = APIError(413, f"request body over {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():  # counted as it arrives: chunked bodies have no Content-Length
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body") from None
+    return parse_json(b"".join(chunks), serving.limits)
+
+
+# ---- generation ---------------------------------------------------------------------------------------------------
+
+
+@routes.post("/v1/completions", dependencies=AUTHORIZED)
+async def completions(request: Request, serving: ServingDep):
+    body = parse_body(CompletionRequest, await read_json(request, serving), serving.limits)
+    serving.check_model(body.model)
+    tokenizer, vocab_size, defaults = serving.tokenizer, serving.vocab_size, serving.defaults
+    items = prompts(body.prompt)
+    logprobs = body.logprobs
+    prompt_logprobs = logprobs if body.echo else None
+    prompt_ids, echo, params = [], [], []
+    for i, prompt in enumerate(items):
+        field = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=True).input_ids if prompt else []
+            echo.append(prompt)
+        else:
+            ids = list(prompt)
+            check_token_ids(ids, vocab_size, field)
+            echo.append(tokenizer.decode(ids) if body.echo else "")
+        max_tokens = serving.budget(ids, body.max_tokens, 16, prompt_field=field)
+        prompt_ids.append(ids)
+        params.append(
+            sampling_params(body, max_tokens, vocab_size, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        )
+    shape = serving.shape(body, prompt_ids, params, chat=False)
+    shape.logprobs, shape.echo = logprobs, echo if body.echo else None
+    return await respond(request, serving.router, body, shape)
+
+
+@routes.post("/v1/chat/completions", dependencies=AUTHORIZED)
+async def chat_completions(request: Request, serving: ServingDep):
+    body = parse_body(ChatRequest, await read_json(request, serving), serving.limits)
+    serving.check_model(body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    tokenizer = serving.tokenizer
+    tools = None
+    if body.tools is not None or body.response_format is not None or body.tool_choice is not None:
+        tools = await asyncio.to_thread(chat_tools, body, tokenizer, serving.model_vocab)  # may compile: off the loop
+    prompt_ids = render(tokenizer, body, tools.template_tools if tools else None)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(
+        body,
+        serving.budget(prompt_ids, asked, None, param),
+        serving.vocab_size,
+        serving.defaults,
+        logprobs=logprobs,
+        guided=tools.guided if tools else None,
+    )
+    shape = serving.shape(body, [prompt_ids], [params], chat=True)
+    shape.logprobs, shape.tools = logprobs, tools.reader if tools else None
+    return await respond(request, serving.router, body, shape)
+
+
+async def respond(request: Request, router: Router, body, shape: ResponseShape):
+    """Stream or collect the choices' events; a client gone before the answer is a 499 (its choices aborted)."""
+    events = fan_out(router, shape.plans)
+    if body.stream:
+        try:  # errors before the first token are still a proper HTTP status
+            first = await _unless_disconnected(request, _first_event(events))
+        except _ClientGone:
+            await events.aclose()
+            return Response(status_code=499)
+        return StreamingResponse(
+            stream(router, shape, events, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        return await _unless_disconnected(request, collect(router, shape, events))
+    except RequestFailed as exc:
+        raise http_error(exc) from None
+    except _ClientGone:  # nobody to answer; the router's cleanup has aborted every choice on its workers
+        return Response(status_code=499)
+    finally:
+        await events.aclose()
+
+
+# ---- the server ---------------------------------------------------------------------------------------------------
+
+
+@routes.get("/v1/models", dependencies=AUTHORIZED)
+async def models(serving: ServingDep):
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": serving.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "max_model_len": serving.max_model_len,
+            }
+        ],
+    }
+
+
+@routes.get("/health")
+async def health(serving: ServingDep):
+    """200 while every role has a worker that takes requests, else 503 (a load balancer moves on); ``status`` is
+    "degraded" while any worker is dead or degraded."""
+    config, router = serving.config, serving.router
+    roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
+    live = all(router.live(role) for role in roles)
+    workers = router.members.workers.values()
+    unhealthy = {w.name: w.degraded if w.alive else "dead" for w in workers if not w.alive or w.degraded}
+    body = {
+        "status": "ok" if live and not unhealthy else "degraded",
+        "mode": config.mode,
+        "unhealthy_workers": unhealthy,
+    }
+    return JSONResponse(body, status_code=200 if live else 503)
+
+
+@routes.get("/status", dependencies=AUTHORIZED)
+async def status(serving: ServingDep):
+    return {**serving.router.status(), "kv": serving.kv_status}
+
+
+async def admin_body(request: Request, serving: Serving, fields: set[str]) -> dict:
+    """An admin call's JSON object; 400 naming an unknown field."""
+    body = await read_json(request, serving)
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+    return body
+
+
+@routes.post("/admin/scale", dependencies=AUTHORIZED)
+async def admin_scale(request: Request, serving: ServingDep):
+    """``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the pools once the new workers serve
+    (cluster/run/scaling.py)."""
+    body = await admin_body(request, serving, {"pool", "replicas", "drain_timeout_s"})
+    scaler = serving.router.scaler
+    if scaler is None:
+        raise APIError(503, "this router cannot resize its pools", err_type="server_error")
+    try:
+        return await scaler.scale_async(body.get("pool"), body.get("replicas"), body.get("drain_timeout_s"))
+    except ScaleError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+
+
+@routes.post("/admin/migrate", dependencies=AUTHORIZED)
+async def admin_migrate(request: Request, serving: ServingDep):
+    """``{"request_id": ID}`` or ``{"worker": NAME}``, optionally ``"to": NAME``: move that running request, or
+    every one the decode worker runs, to another decode worker -> ``{"moving": {id: "moving" | why not}}``. Each
+    router process moves the requests it holds (a worker's all: ``pdserve scale`` or a drain)."""
+    body = await admin_body(request, serving, {"request_id", "worker", "to"})
+    for field in ("request_id", "worker", "to"):
+        if body.get(field) is not None and not isinstance(body[field], str):
+            raise APIError(400, f"{field} must be a string", field)
+    if (body.get("request_id") is None) == (body.get("worker") is None):
+        raise APIError(400, "give exactly one of request_id and worker", "request_id")
+    router = serving.router
+    worker, target = body.get("worker"), body.get("to")
+    known = router.members.workers
+    for field, name in (("worker", worker), ("to", target)):
+        if name is not None and (name not in known or known[name].role != "decode"):
+            raise APIError(400, f"{field}: {name!r} is not a decode worker", field)
+    moving = router.migrate(body.get("request_id"), worker, target)
+    if body.get("request_id") is not None and not moving:
+        raise APIError(404, f"no request {body['request_id']!r} in flight here", "request_id")
+    return {"moving": moving}
+
+
+@routes.get("/metrics", dependencies=AUTHORIZED)
+async def metrics(serving: ServingDep):
+    return Response(serving.router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None:
