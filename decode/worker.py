@@ -160,7 +160,7 @@ class DecodeRole(Role):
             command.prompt,
             command.params,
             rid,
-            self.headroom_tokens,
+            self.headroom_tokens + command.extra_headroom_tokens,
             prefix_cache=not moved,
             context_tokens=command.context_tokens,
         )

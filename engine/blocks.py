@@ -25,11 +25,6 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-max(0, num_tokens) // block_size)
 
 
-# a move's target reserves this many tokens beyond the context the router saw (with the pool's headroom): the tokens
-# the request makes on its source until it stops there (the reservation's round trip, then the pre-copy's few steps)
-MOVE_SLACK_TOKENS = 32
-
-
 def reserved_tokens(
     num_prompt_tokens: int, max_tokens: int, headroom_tokens: int, max_model_len: int | None = None
 ) -> int:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.blocks import MOVE_SLACK_TOKENS, blocks_for_tokens, complete_prompt_blocks, reserved_tokens
+from engine.blocks import blocks_for_tokens, complete_prompt_blocks, reserved_tokens
 from engine.request import FinishReason, ImportState, KVExport, KVImport, RequestStatus
 
 if TYPE_CHECKING:  # annotations only
@@ -237,9 +237,8 @@ class KVImporter:
 
         The reservation (``engine.blocks.reserved_blocks``, as the router plans) covers the context, the next token
         and ``headroom_tokens``, so decoding needs no block for that long. ``context_tokens`` (a running request moved
-        here): its prompt and the tokens generated so far but the last, and ``MOVE_SLACK_TOKENS`` more headroom for
-        those it makes until its source stops it; its KV fills a leading run of its blocks, as many as its context
-        has then. ``prefix_cache`` (a prompt only): leading full prompt blocks
+        here): its prompt and the tokens generated so far but the last (its ``headroom_tokens`` hold those it makes
+        until its source stops it); its KV fills a leading run of its blocks, as many as its context has then. ``prefix_cache`` (a prompt only): leading full prompt blocks
         held here are shared (``num_cached_tokens``), never the whole prompt, and only later blocks are expected; off
         by default, for callers that send every block (the tests)."""
         engine = self.engine
@@ -251,8 +250,6 @@ class KVImporter:
         if engine.at_seq_limit():
             return None
         generated_before = context - prompt_len  # a moved request's tokens before its last one (its KV is here)
-        if context_tokens is not None:
-            headroom_tokens += MOVE_SLACK_TOKENS
         num_tokens = reserved_tokens(context, max_tokens - generated_before, headroom_tokens, engine.max_model_len)
         # prompt logprobs: prefill_here must compute the whole prompt (the prefill worker exports every block anyway)
         use_cache = prefix_cache and context_tokens is None and request.params.prompt_logprobs is None

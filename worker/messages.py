@@ -180,6 +180,8 @@ class Reserve(_PromptCommand, tag="reserve"):
     # a move: the tokens whose KV the request holds now (its prompt and every generated token but the last); its KV
     # then fills a leading run of the reserved blocks, as many as it holds when its source stops it
     context_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # reserved beyond the pool's headroom: a move's room for the tokens the request makes until its source stops it
+    extra_headroom_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
 
 
 class Prefill(_PromptCommand, tag="prefill"):

@@ -378,23 +378,27 @@ class RouterCore:
             others = [w for w in others if w.name == target]
             if not others:
                 return f"{target} is not another live decode worker"
-        chosen = moves.pick_target(flow, others, self.placer)
+        # a worker about to preempt needs the request out of its batch now (a stopped one grows no more), not after
+        # the few steps a pre-copy takes
+        precopy = reason != "rebalance"
+        chosen = moves.pick_target(flow, others, self.placer, precopy)
         if chosen is None:
             self.metrics.migrations.labels(reason, "refused").inc()
             return "no other decode worker has room for it"
-        # a worker about to preempt needs the request out of its batch now (a stopped one grows no more), not after
-        # the few steps a pre-copy takes
-        self._reserve_move(flow, chosen.name, now, reason, precopy=reason != "rebalance")
+        self._reserve_move(flow, chosen.name, now, reason, precopy)
         return ""
 
     def _reserve_move(self, flow: Flow, target: str, now: float, reason: str, precopy: bool) -> None:
         assert flow.decode is not None
         move = Move(flow.decode, flow.wire_id, target, self.next_wire_id(flow), now, reason, phase_s=now)
-        move.blocks_needed, move.precopy = moves.blocks_needed(self.placer, flow), precopy
+        move.blocks_needed, move.precopy = moves.blocks_needed(self.placer, flow, precopy), precopy
         flow.move, flow.status = move, FlowStatus.MIGRATING
         self.sync(flow)
-        context = moves.computed_tokens(flow)
-        self.send(target, Reserve(move.target_wire, flow.prompt, flow.params, context_tokens=context))
+        context, slack = moves.computed_tokens(flow), moves.slack_tokens(precopy)
+        command = Reserve(
+            move.target_wire, flow.prompt, flow.params, context_tokens=context, extra_headroom_tokens=slack
+        )
+        self.send(target, command)
 
     def _move_reserved(self, flow: Flow, move: Move, reply: Reserved, now: float) -> None:
         """The target's answer: where a prompt's reservation sends ``Prefill``, a move's sends ``Export``."""

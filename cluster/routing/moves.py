@@ -14,8 +14,17 @@ from collections.abc import Sequence
 from cluster.routing.flow import Flow, FlowStatus
 from cluster.routing.membership import WorkerHandle, free_blocks
 from cluster.routing.placement import Placer
-from engine.blocks import MOVE_SLACK_TOKENS
 from worker.messages import Stats
+
+# the target reserves this many tokens beyond the context the router saw: what the request may make on its source
+# until it stops there (the reservation's round trip, a few of the source's steps, and with a pre-copy its four
+# steps more). A source whose request would outgrow them stops it sooner (its pre-copy cut short), never later.
+PRECOPY_SLACK_TOKENS = 16
+STOP_SLACK_TOKENS = 4
+
+
+def slack_tokens(precopy: bool) -> int:
+    return PRECOPY_SLACK_TOKENS if precopy else STOP_SLACK_TOKENS
 
 
 def computed_tokens(flow: Flow) -> int:
@@ -23,17 +32,17 @@ def computed_tokens(flow: Flow) -> int:
     return len(flow.prompt) + flow.received_tokens - 1
 
 
-def blocks_needed(placer: Placer, flow: Flow) -> int:
+def blocks_needed(placer: Placer, flow: Flow, precopy: bool) -> int:
     """What a target reserves for a decoding flow (``KVImporter.reserve`` with its context): its context so far, as
     a prompt, the tokens still to come, and the slack for those it makes until its source stops it."""
     remaining = flow.params.max_tokens - flow.received_tokens
-    return placer.blocks_needed(computed_tokens(flow), remaining + 1, extra_headroom=MOVE_SLACK_TOKENS)
+    return placer.blocks_needed(computed_tokens(flow), remaining + 1, extra_headroom=slack_tokens(precopy))
 
 
-def pick_target(flow: Flow, others: Sequence[WorkerHandle], placer: Placer) -> WorkerHandle | None:
+def pick_target(flow: Flow, others: Sequence[WorkerHandle], placer: Placer, precopy: bool) -> WorkerHandle | None:
     """Of the other live decode workers, the one the decode policy ranks first among those with room for the flow's
     context; None when none has room."""
-    needed = blocks_needed(placer, flow)
+    needed = blocks_needed(placer, flow, precopy)
     fits = [w for w in others if free_blocks(w) >= needed]
     return placer.order("decode", fits, placer.prefix_match(0, []))[0] if fits else None
 
@@ -54,6 +63,6 @@ def rebalance_pick(
     if not decoding:
         return None
     flow = max(decoding, key=lambda f: f.params.max_tokens - f.received_tokens)
-    needed = blocks_needed(placer, flow)
+    needed = blocks_needed(placer, flow, precopy=False)
     roomy = [w for w in others if w.stats is not None and free_blocks(w) - needed >= w.stats.load.running + 1]
     return (flow, max(roomy, key=free_blocks)) if roomy else None

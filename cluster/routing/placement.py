@@ -43,7 +43,7 @@ class Placer:
 
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, extra_headroom: int = 0) -> int:
         """KV blocks a decode worker reserves for a request, by the engine's own rule (``extra_headroom``: a move's
-        slack, ``engine.blocks.MOVE_SLACK_TOKENS``)."""
+        room for the tokens made until its source stops it, ``Reserve.extra_headroom_tokens``)."""
         config = self.config
         headroom = config.pools.decode.reserve_headroom_tokens + extra_headroom
         block_size = config.transfer.block_size

@@ -164,15 +164,15 @@ def test_only_a_decoding_request_freezes_and_a_frozen_one_resumes(make_engine, t
 def test_a_takeover_that_cannot_hold_or_would_end_is_refused(make_engine, tiny_llama_path):
     small = make_engine(tiny_llama_path, kv_blocks=5)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    # 57 tokens, the next one and 32 of slack for those it makes while it moves: 6 blocks, of 5
-    assert small.kv_importer.reserve(PROMPT, params.copy(), "x", context_tokens=len(PROMPT) + 20) is None
-    assert small.kv_importer.reserve(PROMPT, params.copy(), "x", context_tokens=len(PROMPT)) is not None  # 70: 5
+    # 57 tokens, the next one and 32 of headroom (room for those it makes while it moves): 6 blocks, of 5
+    assert small.kv_importer.reserve(PROMPT, params.copy(), "x", 32, context_tokens=len(PROMPT) + 20) is None
+    assert small.kv_importer.reserve(PROMPT, params.copy(), "x", 32, context_tokens=len(PROMPT)) is not None  # 70: 5
     small.abort("x")
     small.check_no_leaks()
     engine = make_engine(tiny_llama_path)
     with pytest.raises(ValueError, match="no running request's"):
         engine.kv_importer.reserve(PROMPT, params.copy(), "w", context_tokens=len(PROMPT) - 1)
-    assert len(engine.kv_importer.reserve(PROMPT, params.copy(), "y", context_tokens=len(PROMPT))) == 5
+    assert len(engine.kv_importer.reserve(PROMPT, params.copy(), "y", 32, context_tokens=len(PROMPT))) == 5
     with pytest.raises(ValueError, match="does not fit"):  # what it made meanwhile outgrew the 80 slots it got
         engine.kv_importer.tokens_in("y", list(range(51)))
     assert engine.requests["y"].kv_import.state is ImportState.RESERVED
