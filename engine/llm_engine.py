@@ -94,7 +94,7 @@ class LLMEngine:
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
         self.tp_group = tp_group
         self.kv_tiers: KVTiers | None = None
-        self.speculator = build_speculator(config, self.vocab_size, self.max_model_len)
+        self.speculator = build_speculator(config, self.vocab_size, self.max_model_len, LLMEngine)
         offload = config.kv_offload
         if offload is not None and offload.enabled:
             self.kv_tiers = KVTiers(offload, self.kv_cache, tier_fingerprint(self.kv_spec, self.model))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,11 +179,17 @@ class DraftModel:
         self.engine = engine  # engine.llm_engine.LLMEngine
 
     @classmethod
-    def build(cls, speculative: SpeculativeConfig, target: EngineConfig, vocab_size: int, max_model_len: int):
-        from engine.llm_engine import LLMEngine  # the draft runs in an engine of its own
-
+    def build(
+        cls,
+        speculative: SpeculativeConfig,
+        target: EngineConfig,
+        vocab_size: int,
+        max_model_len: int,
+        new_engine: Callable[[EngineConfig], Any],
+    ):
+        """``new_engine``: the draft runs in an engine of its own (``LLMEngine``, handed in by the target's)."""
         assert speculative.draft_model is not None  # the config checks it
-        engine = LLMEngine(
+        engine = new_engine(
             EngineConfig(
                 model=speculative.draft_model,
                 dtype=target.dtype,
@@ -289,12 +296,15 @@ def _grammar_cut(request: Request, proposal: list[int]) -> list[int]:
     return proposal
 
 
-def build_speculator(config: EngineConfig, vocab_size: int, max_model_len: int) -> Speculator | None:
-    """The engine's speculator (None: it does not speculate; a prefill-only engine samples one token a request)."""
+def build_speculator(
+    config: EngineConfig, vocab_size: int, max_model_len: int, new_engine: Callable[[EngineConfig], Any]
+) -> Speculator | None:
+    """The engine's speculator (None: it does not speculate; a prefill-only engine samples one token a request);
+    ``new_engine`` makes a draft model's engine."""
     speculative = config.speculative
     if speculative is None or config.prefill_only:
         return None
     draft = None
     if speculative.method == "draft":
-        draft = DraftModel.build(speculative, config, vocab_size, max_model_len)
+        draft = DraftModel.build(speculative, config, vocab_size, max_model_len, new_engine)
     return Speculator(speculative, draft)

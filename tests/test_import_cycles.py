@@ -8,12 +8,11 @@ inside one. Importing one's own package (``engine.attention.sdpa`` importing ``e
 package runs before its modules anyway.
 
 A registry that imports the implementation chosen by name (a backend's module, once picked) may stay, listed with its
-reason. An entry marked ``being_removed`` is one its owner is taking apart: it may shrink or be gone.
+reason; an entry whose circle is gone must leave the list.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,27 +23,16 @@ from tests.helpers.imports import ROOT, Import, imports_of, module_name, package
 class AllowedCircle:
     members: frozenset[str]
     reason: str
-    being_removed: bool = False  # its owner is taking it apart: a part of it, or none, may remain
 
     def allows(self, circle: frozenset[str]) -> bool:
-        return circle == self.members or (self.being_removed and circle <= self.members)
+        return circle == self.members
 
 
 ALLOWED = [
     AllowedCircle(
-        frozenset({"engine.llm_engine", "engine.speculative"}),
-        "the draft model is an LLMEngine of its own, built lazily in speculative.py (llm_engine.py is being "
-        "restructured)",
-        being_removed=True,
-    ),
-    AllowedCircle(
-        frozenset(
-            f"transfer.{name}"
-            for name in ("base", "sender", "receiver", "local_backend", "ring_path", "pair_path", "direct_path")
-        ),
-        "the payload paths reached into their endpoints; what may stay is transfer/base.py's backend registry "
-        "(make_sender / make_receiver import the chosen backend), which tests/transfer/test_structure.py allows",
-        being_removed=True,
+        frozenset(f"transfer.{name}" for name in ("base", "sender", "receiver", "local_backend")),
+        "transfer/base.py's backend registry: make_sender / make_receiver import the backend chosen by name, which "
+        "imports base.py's interface (tests/transfer/test_structure.py allows exactly that)",
     ),
 ]
 
@@ -132,13 +120,10 @@ def test_no_import_circle_inside_a_folder_but_the_allowed_ones():
     assert not unexplained, "import circles inside a folder (break them, or list one in ALLOWED with why):\n" + (
         "\n".join(describe(circle, graph) for circle in unexplained)
     )
-    kept = [entry for entry in ALLOWED if not entry.being_removed and entry.members not in found]
+    kept = [entry for entry in ALLOWED if entry.members not in found]
     assert not kept, "circles in ALLOWED that are gone: take them off the list\n" + "\n".join(
         ", ".join(sorted(entry.members)) for entry in kept
     )
-    for entry in ALLOWED:
-        if entry.being_removed and not any(circle <= entry.members for circle in found):
-            warnings.warn(f"no circle is left of {sorted(entry.members)}: take it off ALLOWED", stacklevel=1)
 
 
 def test_each_allowed_circle_is_inside_one_folder_with_its_reason():
@@ -183,10 +168,3 @@ def test_a_longer_circle_is_one_component_and_is_described_with_its_imports():
     text = describe(circle, graph)
     assert text.startswith("3 modules: probe.a, probe.b, probe.c")
     assert "probe/b.py:1: from probe.c import f" in text and "probe/c.py:1: from probe import a" in text
-
-
-def test_the_allow_list_lets_a_circle_being_removed_shrink_but_no_other_change():
-    kept = AllowedCircle(frozenset({"x.a", "x.b", "x.c"}), "a registry")
-    going = AllowedCircle(frozenset({"x.a", "x.b", "x.c"}), "being taken apart", being_removed=True)
-    assert kept.allows(frozenset({"x.a", "x.b", "x.c"})) and not kept.allows(frozenset({"x.a", "x.b"}))
-    assert going.allows(frozenset({"x.a", "x.b"})) and not going.allows(frozenset({"x.a", "x.d"}))
