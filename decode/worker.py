@@ -200,7 +200,7 @@ class DecodeRole(Role):
     # ---- a request leaving for another decode worker (a move's source) -----------------------------------------
 
     def _export(self, command: Export) -> None:
-        """Begin shipping a decoding request's KV: its full blocks first (``_precopy_step``, over a few turns), unless
+        """Begin shipping a decoding request's KV: its full blocks first (``_export_step``, over a few turns), unless
         ``precopy`` is off (a worker about to preempt needs it out of its batch now)."""
         request = self.engine.requests.get(command.rid)
         if request is None:
@@ -310,7 +310,8 @@ class DecodeRole(Role):
         job = self._exports.pop(event.transfer_id)
         if event.ok:
             self.counters.migration_bytes += event.nbytes
-            if job.phase is ExportPhase.SENT:
+            request = self.engine.requests.get(job.rid)
+            if request is None or request.status == RequestStatus.FROZEN:  # not resumed here: it moved
                 self.counters.migrations_out += 1
             return
         logger.info("%s: moving %s failed: %s", self.name, job.rid, event.error)
