@@ -107,7 +107,7 @@ def _decode_main(rank: int, size: int, store_path: str, job: dict) -> dict:
     fingerprint = ModelFingerprint.from_spec(engine.handoff_spec)
     config = TransferConfig(secret=job["secret"])
     address = "tcp://127.0.0.1:0" if job["backend"] != "shm" else f"shm+ipc://{job['socket']}"
-    receiver = make_receiver(job["backend"], fingerprint, engine.write_remote_kv, address, config)
+    receiver = make_receiver(job["backend"], fingerprint, engine.kv_importer.write, address, config)
     done_at: list[float] = []
     try:
         for repeat in range(2 * (job["repeats"] + 1)):  # streamed, then replayed
