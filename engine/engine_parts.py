@@ -23,7 +23,7 @@ from engine.kv_cache import KVCache, KVSpec
 from engine.memory import KVMemoryPlanner, MemoryPlan
 from engine.model_loader import load_model
 from engine.model_probe import ModelAttention, probe_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import EngineRunner, ModelRunner
 from engine.sampler import Sampler
 from engine.tensor_parallel import StepChannel, TPGroup, head_split
 
@@ -40,7 +40,7 @@ class EngineParts:
     attention: ModelAttention  # what each layer's attention needs (engine.model_probe)
     memory_plan: MemoryPlan | None  # None unless measured (CUDA, no explicit KV budget)
     kv_cache: KVCache
-    runner: ModelRunner
+    runner: EngineRunner  # ModelRunner here; the planner's simulated workers give one that computes nothing
     eos_token_ids: set[int]
     vocab_size: int  # the logits' width (may exceed the tokenizer's)
     sampler: Sampler

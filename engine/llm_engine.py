@@ -24,7 +24,7 @@ from engine.attention import LayerHook
 from engine.block_manager import BlockManager
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
-from engine.engine_parts import build_engine_parts
+from engine.engine_parts import EngineParts, build_engine_parts
 from engine.host_values import long_tensor
 from engine.kv_connector import KVExporter, KVImporter, KVSink, WholeKV
 from engine.kv_tiers import KVTiers, tier_fingerprint
@@ -59,8 +59,13 @@ LOAD_WAIT_S = 0.005  # an engine with only KV-tier loads in flight waits this lo
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None) -> None:
-        parts = build_engine_parts(config, tp_group)
+    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None, parts: EngineParts | None = None) -> None:
+        """``parts``: built elsewhere for ``config`` (the planner's simulated workers: a tiny KV cache and a runner
+        whose forward computes nothing); by default ``build_engine_parts`` builds them here."""
+        if parts is None:
+            parts = build_engine_parts(config, tp_group)
+        elif parts.config is not config:
+            raise ValueError("parts were built for another config")
         self.config, self.model, self.tokenizer = parts.config, parts.model, parts.tokenizer
         self.max_model_len, self.kv_spec, self.memory_plan = parts.max_model_len, parts.kv_spec, parts.memory_plan
         self.attention = parts.attention  # what each layer's attention needs (engine.model_probe)

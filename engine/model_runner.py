@@ -60,6 +60,23 @@ class StaticDecode(Protocol):
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]: ...
 
 
+class EngineRunner(Protocol):
+    """What ``LLMEngine`` drives each step: a ``ModelRunner``, or a stand-in whose forward costs nothing (the
+    planner's simulated workers, planner/sim_engine.py). ``layer_hook`` runs after each layer's KV write (the KV
+    connector's streamed export); ``export_blocks`` are the blocks it reads, for the other ranks."""
+
+    kv_cache: KVCache
+    layer_hook: LayerHook | None
+    export_blocks: list[int]
+    head_split: HeadSplit | None
+    step_channel: StepChannel | None
+    decode_graphs: StaticDecode | None
+
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]: ...
+
+    def score_prompts(self, chunks: list[ScheduledChunk]) -> list[PromptScores]: ...
+
+
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache, backend: AttentionBackend | None = None) -> None:
         self.model = model
