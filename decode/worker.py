@@ -100,9 +100,11 @@ class DecodeRole(Role):
         start_deadline_s: float = 30.0,
         counters: WorkerCounters | None = None,
         make_migration_sender: Callable[[], KVSender] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``receiver``'s sink must be ``kv_sink(engine)``; ``make_migration_sender`` makes the sender of running
-        requests' KV to other decode workers at the first move (None: this worker moves nothing out)."""
+        requests' KV to other decode workers at the first move (None: this worker moves nothing out). ``clock``: what
+        the reservations' expiry goes by (the planner's simulation gives its own, as to ``engine.kv_importer``)."""
         super().__init__(name, engine, emit, counters)
         self.receiver = receiver
         self._make_sender = make_migration_sender
@@ -112,6 +114,7 @@ class DecodeRole(Role):
         self.headroom_tokens = headroom_tokens
         # a reservation still without its tokens this long after it was made is freed: the router lost it
         self.start_deadline_s = start_deadline_s
+        self.clock = clock
         self._next_expiry_check_s = 0.0
 
     @classmethod
@@ -359,7 +362,7 @@ class DecodeRole(Role):
         # else the prefill worker gave up on purpose and tells the router why itself
 
     def _expire_reservations(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now < self._next_expiry_check_s:
             return
         self._next_expiry_check_s = now + EXPIRY_CHECK_INTERVAL_S

@@ -217,11 +217,15 @@ class RequestTable(Protocol):
 class KVImporter:
     """The decode side of every hand-off: reservations, their expected blocks, arrivals and failures, the join."""
 
-    def __init__(self, engine: RequestTable, scheduler: Scheduler, whole_kv: WholeKV) -> None:
+    def __init__(
+        self, engine: RequestTable, scheduler: Scheduler, whole_kv: WholeKV, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.whole_kv = whole_kv
         self.block_size = scheduler.block_size
+        # the hand-off's stamps, and the time ``expire`` goes by (the planner's simulation gives its own)
+        self.clock = clock
 
     def reserve(
         self,
@@ -253,7 +257,7 @@ class KVImporter:
         num_tokens = reserved_tokens(context, max_tokens - generated_before, headroom_tokens, engine.max_model_len)
         # prompt logprobs: prefill_here must compute the whole prompt (the prefill worker exports every block anyway)
         use_cache = prefix_cache and context_tokens is None and request.params.prompt_logprobs is None
-        request.kv_import = KVImport(expected_s=time.monotonic(), moved=context_tokens is not None)
+        request.kv_import = KVImport(expected_s=self.clock(), moved=context_tokens is not None)
         if not self.scheduler.reserve_remote(request, num_tokens, use_cache):
             return None
         engine.save_evicted()
@@ -298,7 +302,7 @@ class KVImporter:
         context = request.num_prompt_tokens + len(tokens) - 1
         if handoff.state.awaits_kv and blocks_for_tokens(context, self.block_size) > len(request.block_ids):
             raise ValueError(f"the KV of {context} tokens does not fit request {request_id!r}'s reserved blocks")
-        handoff.tokens, handoff.tokens_in_s = list(tokens), time.monotonic()
+        handoff.tokens, handoff.tokens_in_s = list(tokens), self.clock()
         if handoff.state is ImportState.KV_IN:
             self._join(request, handoff)
         else:
@@ -325,7 +329,7 @@ class KVImporter:
         request, handoff = self._waiting(request_id)
         if not handoff.state.awaits_kv:
             raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
-        handoff.kv_done_s = time.monotonic()
+        handoff.kv_done_s = self.clock()
         handoff.kv_blocks = len(self.expected_blocks(request)) if num_blocks is None else num_blocks
         if handoff.state is ImportState.TOKENS_IN:
             self._join(request, handoff)
@@ -345,7 +349,7 @@ class KVImporter:
         if not handoff.state.awaits_kv:
             raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
         if not recompute:
-            handoff.kv_failed_s = time.monotonic()
+            handoff.kv_failed_s = self.clock()
             self.engine.finish_request(request, FinishReason.ABORT)
             return True
         self._recompute(request, handoff)
@@ -355,7 +359,7 @@ class KVImporter:
     def expire(self, max_wait_s: float) -> list[str]:
         """End, with ABORT and no output, the reservations whose tokens have not come ``max_wait_s`` after they were
         made (the router lost them or died); returns their ids, for the caller to report."""
-        now = time.monotonic()
+        now = self.clock()
         expired = [
             request
             for request in self.engine.requests.values()
@@ -385,7 +389,7 @@ class KVImporter:
             handoff.state = ImportState.READY
 
     def _recompute(self, request: Request, handoff: KVImport) -> None:
-        handoff.kv_failed_s = time.monotonic()
+        handoff.kv_failed_s = self.clock()
         self.engine.free_blocks(request)  # the computation here allocates afresh (prefix cache included)
         handoff.state = ImportState.RECOMPUTE if handoff.tokens else ImportState.KV_FAILED
 
