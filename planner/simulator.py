@@ -1,10 +1,16 @@
 """A discrete-event simulation (simpy) of one pdserve cluster serving a trace: what ``pdserve plan`` sizes pools with.
 
-It runs the router's own ``RouterCore`` and, per worker, the engine's own ``Scheduler`` and ``BlockManager`` in
-simulated time, talking in the protocol's typed messages delayed ``hop_s`` each. A step lasts what the ``Profile``
-says (its tensor-parallel degree's profile: a ``ProfileSet`` holds one per degree); a prefill worker ships one KV
-transfer at a time. Not modelled: failures, stops other than the length (each
-request generates exactly its trace's output tokens), and the text.
+It runs the real code in simulated time: the router's own ``RouterCore``, and per worker the real role
+(``PrefillRole``, ``DecodeRole``, ``ColocatedRole``) over a real ``LLMEngine`` (scheduler, block manager, prefix cache,
+KV connector, sampler) whose forward computes nothing (planner/sim_engine.py), with KV transfers between the roles in
+simulated time (planner/sim_transfer.py). So a reservation is made, refused (``max_num_seqs``, ``kv_full``) or
+prefilled locally, a transfer expected, imported and joined, exactly as in a live cluster. Router and workers talk in
+the protocol's typed messages, each delayed ``hop_s``. What the planner models itself is time: a step lasts what the
+``Profile`` says for its chunks (its tensor-parallel degree's profile: a ``ProfileSet`` holds one per degree), a
+prefill worker's link carries one KV transfer at a time for the profile's transfer time of the real model's bytes,
+and requests arrive as the trace says. The roles' clocks are the simulation's (``env.now``), so nothing depends on
+how fast the box runs, and a run is a pure function of (profile, trace, layout, settings, seed). Not modelled:
+failures, stops other than the length (each request generates exactly its trace's output tokens), and the text.
 """
 
 from __future__ import annotations
@@ -25,32 +31,29 @@ from cluster.routing.flow import Flow, FlowStatus
 from cluster.routing.membership import Membership
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.policies import make_policy
-from engine.block_manager import BlockManager
-from engine.blocks import blocks_for_tokens, reserved_tokens
-from engine.request import FinishReason, ImportState, KVImport, Request, RequestStatus, RequestTiming, SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
+from decode.worker import EXPIRY_CHECK_INTERVAL_S, DecodeRole, kv_sink
+from engine.request import SamplingParams
+from engine.scheduler import ScheduledChunk
 from planner.profile_model import Profile, ProfileSet
+from planner.sim_engine import SimRunner, sim_engine
+from planner.sim_transfer import SimReceiver, SimSender
 from planner.trace import TraceRequest
+from prefill.worker import PrefillRole
+from transfer.wire import ModelFingerprint
+from worker.colocated import ColocatedRole
 from worker.messages import (
     Abort,
     Command,
     ErrorCode,
-    ErrorEvent,
     Event,
-    Generate,
     KvEvents,
-    Prefill,
-    RefusalReason,
-    Reserve,
-    Reserved,
     Role,
-    Start,
     Stats,
-    TokenItem,
-    Tokens,
-    WorkerCounters,
     WorkerLoad,
+    decode_command,
+    encode,
 )
+from worker.spec import FailurePolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,8 @@ class SimSettings:
     decode_max_num_seqs: int = 64
     decode_kv_blocks: int = 4096
     reserve_headroom_tokens: int = 0
+    kv_deadline_s: float = 30.0  # transfer.deadline_s: a decode reservation's wait for its first token and its KV
+    failure_policy: FailurePolicy = "fail"  # transfer.failure_policy: what a failed transfer does to its request
     max_model_len: int | None = None
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
@@ -141,6 +146,8 @@ class SimSettings:
             decode_max_num_seqs=pools.decode.max_num_seqs,
             decode_kv_blocks=blocks(pools.decode),
             reserve_headroom_tokens=pools.decode.reserve_headroom_tokens,
+            kv_deadline_s=config.transfer.deadline_s,
+            failure_policy=config.transfer.failure_policy,
             max_model_len=config.model.max_model_len,
             prefill_policy=router.prefill_policy,
             decode_policy=router.decode_policy,
@@ -201,175 +208,114 @@ def synthetic_prompt(index: int, trace: TraceRequest) -> list[int]:
 
 
 class SimWorker:
-    """One worker in simulated time: takes the router's commands as its role does, steps the engine's scheduler for
-    its degree's profiled step time, and sends back what a worker would."""
+    """One worker in simulated time: the real role (``PrefillRole``, ``DecodeRole``, ``ColocatedRole``) over a
+    simulated engine (planner/sim_engine.py) and KV transfer end (planner/sim_transfer.py), driven as the worker
+    runtime drives it (worker/runtime.py): commands as they arrive, then turns of the role's loop. What the planner
+    models is the time: a turn that ran a forward lasts the profile's ``_step_s`` of its chunks, and what the turn
+    emitted (tokens, errors) and the KV it finished leave when it ends. Heartbeats (``Stats`` of ``role.load()`` and
+    ``role.totals()``) and the prefix cache's ``KvEvents`` go out when what the worker holds changed."""
 
     def __init__(
         self,
         cluster: SimCluster,
         name: str,
-        role: Role,
+        kind: Role,
         profile: Profile,
         blocks: int,
         max_batch_tokens: int,
         max_num_seqs: int,
     ) -> None:
-        self.cluster, self.name, self.role = cluster, name, role
-        self.env, self.profile = cluster.env, profile
-        self.blocks = BlockManager(blocks, cluster.settings.block_size, cluster.settings.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_num_seqs)
-        self.max_num_seqs = max_num_seqs
-        self.requests: dict[str, Request] = {}
-        self.transfers: dict[str, tuple[str, int]] = {}  # prefill: rid -> (decode worker, tokens to send)
-        self.link = simpy.Resource(self.env, 1)  # prefill: its KV sender, one transfer at a time
-        self.leased = 0  # prefill: finished prompts whose blocks wait for their transfer
+        self.cluster, self.name, self.kind = cluster, name, kind
+        env, s = cluster.env, cluster.settings
+        self.env, self.profile = env, profile
+        engine = sim_engine(
+            blocks, s.block_size, max_batch_tokens, max_num_seqs, s.prefix_caching, s.max_model_len, kind == "prefill"
+        )
+        runner = engine.runner
+        assert isinstance(runner, SimRunner)
+        self.engine, self.runner = engine, runner
+        self.sender: SimSender | None = None
+        self.receiver: SimReceiver | None = None
+        fingerprint = ModelFingerprint.from_spec(engine.handoff_spec)
+        bytes_per_block = profile.kv_bytes_per_token * s.block_size  # the real model's, every layer
+        self.role: PrefillRole | DecodeRole | ColocatedRole
+        if kind == "prefill":
+            transfer_s = functools.partial(cluster.profiles.transfer_s, decode_degree=cluster.layout.decode_tp)
+            self.sender = SimSender(env, fingerprint, name, cluster.receivers, bytes_per_block, transfer_s, self.notify)
+            self.role = PrefillRole(name, engine, self.sender, self._emit)
+        elif kind == "decode":
+            self.receiver = SimReceiver(
+                env, fingerprint, kv_sink(engine), f"sim://{name}", s.kv_deadline_s, bytes_per_block, self.notify
+            )
+            cluster.receivers[self.receiver.address] = self.receiver
+            engine.kv_importer.clock = cluster.clock
+            self.role = DecodeRole(
+                name,
+                engine,
+                self.receiver,
+                self._emit,
+                failure_policy=s.failure_policy,
+                headroom_tokens=s.reserve_headroom_tokens,
+                start_deadline_s=s.kv_deadline_s,
+                clock=cluster.clock,
+            )
+        else:
+            self.role = ColocatedRole(name, engine, self._emit)
+        self._held: list[Event] | None = None  # a turn's events, until its step's time has passed
+        self._sent_load: WorkerLoad | None = None  # the load of the last heartbeat
         self._seq = 0
         self._wake: simpy.Event | None = None
         self.env.process(self._loop())
 
-    # ---- commands ------------------------------------------------------------------------------------------------
+    # ---- commands, as the worker runtime takes them ---------------------------------------------------------------
 
     def handle(self, command: Command) -> None:
-        """A heartbeat follows when the command changed what the worker holds, never after a refusal (so a queued
-        request does not ask again until something changed)."""
-        if isinstance(command, Reserve):
-            if not self._reserve(command):
-                return
-        elif isinstance(command, Prefill):
-            request = self._request(command.rid, command.prompt, command.params, prefill_only=True)
-            # a simulated worker's KV address is its name
-            self.transfers[command.rid] = (command.kv_address, command.cached_tokens)
-            self.scheduler.add(request)
-        elif isinstance(command, Generate):
-            self.scheduler.add(self._request(command.rid, command.prompt, command.params))
-        elif isinstance(command, Start):
-            held = self.requests.get(command.rid)
-            if held is not None and held.kv_import is not None:
-                handoff = held.kv_import
-                handoff.tokens = list(command.tokens)
-                handoff.state = ImportState.READY if handoff.state is ImportState.KV_IN else ImportState.TOKENS_IN
-                self.scheduler.import_progress(held)
-        elif isinstance(command, Abort):
-            self._end(command.rid)
-        self.heartbeat()
+        """``Abort`` frees the request; a command the role refuses (ValueError, KeyError) is answered with an error.
+        Taken when it arrives, even during a step (a real worker takes commands between steps: docs/planner.md says
+        what that changes); the engine ran the step when it began, so the command sees the state the step leaves."""
+        role = self.role
+        rid = getattr(command, "rid", "")
+        try:
+            if isinstance(command, Abort):
+                role.counters.aborts += 1
+                role.abort(rid)
+            else:
+                role.handle(command, self.env.now)
+        except (ValueError, KeyError) as exc:
+            role.counters.errors += 1
+            role.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
+        self._report()
         self.notify()
-
-    def _request(self, rid: str, prompt: list[int], params: SamplingParams, prefill_only: bool = False) -> Request:
-        request = Request(rid, prompt, params, RequestTiming(self.env.now), prefill_only=prefill_only)
-        self.requests[rid] = request
-        return request
-
-    def _reserve(self, command: Reserve) -> bool:
-        """The decode role's reservation (decode/worker.py) on the engine's scheduler; False when it refused."""
-        settings = self.cluster.settings
-        if blocks_for_tokens(len(command.prompt) + 1, settings.block_size) > self.blocks.num_blocks:
-            message = "the prompt needs more than the whole KV cache"
-            self.send(ErrorEvent(rid=command.rid, worker=self.name, message=message, code=ErrorCode.INVALID_REQUEST))
-            return False
-        request = Request(command.rid, command.prompt, command.params, RequestTiming(self.env.now))
-        max_len = settings.max_model_len or (1 << 30)
-        num_tokens = reserved_tokens(
-            len(command.prompt), command.params.max_tokens, settings.reserve_headroom_tokens, max_len
-        )
-        request.kv_import = KVImport(expected_s=self.env.now)
-        if len(self.requests) >= self.max_num_seqs or not self.scheduler.reserve_remote(request, num_tokens, True):
-            reason: RefusalReason = "max_num_seqs" if len(self.requests) >= self.max_num_seqs else "kv_full"
-            self.send(Reserved(rid=command.rid, worker=self.name, ok=False, reason=reason))
-            return False
-        self.requests[command.rid] = request
-        local = 0 < len(command.prompt) - request.num_cached_tokens <= command.local_prefill_max_tokens
-        first = request.num_cached_tokens // settings.block_size
-        reply = Reserved(
-            rid=command.rid,
-            worker=self.name,
-            ok=True,
-            blocks=request.block_ids[first:],
-            kv_address=self.name,
-            cached_tokens=request.num_cached_tokens,
-            prefill_local=local,
-        )
-        self.send(reply)
-        if local:
-            self.scheduler.prefill_here(request)
-        return True
-
-    def kv_arrived(self, rid: str) -> None:
-        """A transfer into this (decode) worker is complete."""
-        request = self.requests.get(rid)
-        if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KV and request.kv_import:
-            handoff = request.kv_import
-            handoff.kv_done_s = self.env.now
-            handoff.state = ImportState.READY if handoff.state is ImportState.TOKENS_IN else ImportState.KV_IN
-            self.scheduler.import_progress(request)
-            self.notify()
 
     # ---- the loop ------------------------------------------------------------------------------------------------
 
     def notify(self) -> None:
+        """A command or the transfer layer brought news: an idle loop turns."""
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
     def _loop(self):
         while True:
-            items = [self._admitted(r) for r in self.scheduler.admit_remote()]
-            chunks = self.scheduler.schedule()
+            self._held = []
+            self.role.tick()
+            held, self._held = self._held, None
+            chunks = self.runner.take()
             if chunks:
                 yield self.env.timeout(self._step_s(chunks))
-                items += [item for chunk in chunks if (item := self._computed(chunk)) is not None]
-            if items:
-                self.send(Tokens(worker=self.name, items=items))
-                self._publish_kv_events()
-                self.heartbeat()
+            for event in held:
+                self.send(event)
+            if self.sender is not None:
+                self.sender.ship()
+            self._report()
             if not chunks:
+                # idle; while it holds requests the loop still turns now and then, as a worker's does, for what the
+                # role checks against the clock (a reservation's expiry, a transfer's deadline)
                 self._wake = self.env.event()
-                yield self._wake
+                if self.role.has_work():
+                    yield self._wake | self.env.timeout(EXPIRY_CHECK_INTERVAL_S)
+                else:
+                    yield self._wake
                 self._wake = None
-
-    def _admitted(self, request: Request) -> TokenItem:
-        """A remote request joins the batch with its first token (the prefill worker's): no token of its own."""
-        assert request.kv_import is not None and request.kv_import.tokens
-        self.scheduler.register_full_blocks(request)
-        return self._append(request, request.kv_import.tokens[0], own=False)
-
-    def _computed(self, chunk: ScheduledChunk) -> TokenItem | None:
-        request = chunk.request
-        request.num_computed_tokens = chunk.end
-        self.scheduler.register_full_blocks(request)
-        return self._append(request, 1) if chunk.samples else None
-
-    def _append(self, request: Request, token_id: int, own: bool = True) -> TokenItem:
-        request.output_token_ids.append(token_id)
-        finish = None  # a prefilled request goes on at the decode worker
-        if request.prefill_only:
-            self.scheduler.remove(request)
-            request.status = RequestStatus.PREFILLED  # its blocks are leased until the transfer ends
-            self.leased += 1
-            self.env.process(self._transfer(request))
-        elif len(request.output_token_ids) >= request.params.max_tokens:
-            finish = FinishReason.LENGTH
-            self._end(request.request_id)
-        return TokenItem(request.request_id, [token_id] if own else [], "", finish)
-
-    def _transfer(self, request: Request):
-        decode, cached_tokens = self.transfers.pop(request.request_id, ("", 0))
-        num_bytes = (request.num_prompt_tokens - cached_tokens) * self.profile.kv_bytes_per_token
-        with self.link.request() as turn:
-            yield turn
-            yield self.env.timeout(self.cluster.profiles.transfer_s(num_bytes, self.cluster.layout.decode_tp))
-        self.leased -= 1
-        self._end(request.request_id)
-        target = self.cluster.workers.get(decode)
-        if target is not None:
-            target.kv_arrived(request.request_id)
-        self.heartbeat()
-
-    def _end(self, rid: str) -> None:
-        request = self.requests.pop(rid, None)
-        if request is None:
-            return
-        self.scheduler.remove(request)
-        self.blocks.free(request.block_ids)
-        request.status = RequestStatus.FINISHED
 
     def _step_s(self, chunks: list[ScheduledChunk]) -> float:
         """One forward's time: each prompt chunk its own ``prefill_s`` (attention is per sequence, so the quadratic
@@ -393,29 +339,31 @@ class SimWorker:
 
     # ---- what it reports -----------------------------------------------------------------------------------------
 
+    def _emit(self, event: Event) -> None:
+        """The role's ``emit``: during a turn, held until its step has taken its time; otherwise sent now."""
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            self.send(event)
+
     def send(self, event: Event) -> None:
         self.cluster.to_router(event)
 
-    def heartbeat(self) -> None:
-        self.send(self.stats())
+    def _report(self) -> None:
+        """The prefix cache's changes, and a heartbeat if what the worker holds changed (so a refused reservation
+        does not make a queued request ask again before anything changed)."""
+        self._publish_kv_events()
+        load = self.role.load()
+        if load != self._sent_load:
+            self.send(self.stats(load))
 
-    def stats(self) -> Stats:
-        scheduler = self.scheduler
-        awaiting = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
-        load = WorkerLoad(
-            waiting=len(scheduler.waiting),
-            running=len(scheduler.running),
-            requests=len(self.requests),
-            max_requests=self.max_num_seqs,
-            free_blocks=self.blocks.num_free_blocks,
-            total_blocks=self.blocks.num_blocks,
-            awaiting_kv=awaiting,
-            leased_transfers=self.leased,
-        )
-        return Stats(worker=self.name, role=self.role, address=self.name, load=load, counters=WorkerCounters())
+    def stats(self, load: WorkerLoad | None = None) -> Stats:
+        load = self.role.load() if load is None else load
+        self._sent_load = load
+        return Stats(worker=self.name, role=self.kind, address=self.name, load=load, counters=self.role.totals())
 
     def _publish_kv_events(self) -> None:
-        batch = self.blocks.drain_kv_events()
+        batch = self.engine.block_manager.drain_kv_events()
         if batch is None:
             return
         event = KvEvents(
@@ -431,10 +379,12 @@ class SimWorker:
 
 
 class SimCluster:
-    """The router core and the workers, joined by messages that each take ``hop_s``."""
+    """The router core and the workers, joined by messages that each take ``hop_s`` (each worker gets its own copy of
+    a command, as decoded from the wire), and the decode workers' KV receivers, by address."""
 
     def __init__(self, env: simpy.Environment, profiles: ProfileSet, layout: Layout, settings: SimSettings) -> None:
         self.env, self.profiles, self.layout, self.settings = env, profiles, layout, settings
+        self.receivers: dict[str, SimReceiver] = {}
         config = settings.cluster_config(layout.mode)
         rng = random.Random(settings.seed)
         weights = {"prefix_weight": settings.prefix_weight, "load_weight": settings.load_weight}
@@ -459,12 +409,17 @@ class SimCluster:
             for i in range(count):
                 name = f"{role}-{i}"
                 worker = self.workers[name] = SimWorker(self, name, role, profile, blocks, batch_tokens, num_seqs)
-                self.core.add_worker(name, role, name, name, env.now)
+                kv_address = worker.receiver.address if worker.receiver is not None else None
+                self.core.add_worker(name, role, name, kv_address, env.now)
                 self.core.on_event(worker.stats(), env.now)  # its first heartbeat, before any request
         self.records: list[SimRecord] = []  # by trace index
         self._open: dict[Flow, SimRecord] = {}
         self._arrived = False
         self.all_done = env.event()
+
+    def clock(self) -> float:
+        """The simulated time: what the decode roles' reservation expiry goes by."""
+        return self.env.now
 
     def submit(self, index: int, trace: TraceRequest) -> None:
         params = SamplingParams(max_tokens=trace.output_tokens, temperature=0.0, ignore_eos=True)
@@ -491,7 +446,7 @@ class SimCluster:
             name, command = core.outbox.popleft()
             worker = self.workers.get(name)
             if worker is not None:
-                self._later(functools.partial(worker.handle, command))
+                self._later(functools.partial(worker.handle, decode_command(encode(command))))
         for flow in core.take_updated():
             while flow.take() is not None:  # the client reads at once
                 pass

@@ -1,6 +1,7 @@
-"""The modules that hold no tensors import no torch: the router, its config, the worker spec and the planner's
-simulator start in a process that never loads torch (a router host needs no CUDA), and the engine's request and
-scheduler types are what the planner simulates with. Each module is imported in a fresh interpreter."""
+"""The modules that hold no tensors import no torch: the router, its config and the worker spec start in a process
+that never loads torch (a router host needs no CUDA), and the engine's request and scheduler types hold no tensors
+either. Each module is imported in a fresh interpreter. (The planner's simulator is not one of them: it runs the real
+roles over a real engine whose forward computes nothing, planner/sim_engine.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ TORCH_FREE = (
     "worker.spec",
     "cluster.config",
     "cluster.routing.core",
-    "planner.simulator",
 )
 
 
