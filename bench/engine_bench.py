@@ -6,7 +6,8 @@ is ``(t(N tokens) - t(1 token)) / (batch * (N - 1))`` for both, so prefill and s
 Each figure is the median of ``--repeats`` runs after a warm-up, reported as a ratio against transformers in the
 same run because this machine is shared. ``interleaved_medians`` and ``decode_rates`` are the timing rules the
 experiments that measure the engine (benchmarks/speculative_bench.py, kv_quant_bench.py, model_families_bench.py)
-take from here.
+take from here. ``--speculative ngram`` runs the speculative experiment instead (cli/main.py's ``ROUTES``: it is
+benchmarks/speculative_bench.py, ``pdserve bench speculative``), never this module's ``run``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from bench.llama_cpp_baseline import LlamaCpp, unavailable_reason
 from bench.options import add_engine_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
+from bench.options import engine_bench_defaults
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import parse_dtype, resolve_model_path
@@ -52,6 +54,7 @@ def decode_rates(times: dict[str, float], names: list[str], tokens: int) -> dict
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
+    engine_bench_defaults(args)  # --batch-sizes 1,8,32, --output-len 32 unless given
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = EngineConfig(
         model=args.model,

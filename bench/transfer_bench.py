@@ -9,9 +9,12 @@ the raw ZeroMQ reference does (no header, checksum, handshake or ack). Figures: 
 memcpy (bench/memcpy.py) is timed after each of a row's transfers (`ratio_vs_memcpy`: a shared box's load hits
 both); `ring-ceiling` (bench/ring_ceiling.py) is shm's no-protocol ceiling. How much of a transfer streaming hides
 behind the prefill is an experiment of its own (`pdserve bench overlap`), as is the hand-off between tensor-parallel
-engines (`pdserve bench tp-handoff`).
+engines (`pdserve bench tp-handoff`); `pdserve bench transfer --overlap` (this bench, then that one's figures under
+"overlap") and `--degrees` (the hand-off instead) reach them from here as they always did, through cli/main.py's
+``ROUTES`` (a source checkout's benchmarks/, which nothing in bench/ imports).
 
     python -m bench.transfer_bench            # prints one JSON object
+    pdserve bench transfer --overlap --json   # plus the overlap figures under "overlap" (minutes)
 """
 
 from __future__ import annotations
@@ -374,4 +377,8 @@ class _RawReceiver:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
-    print(json.dumps(run(ap.parse_args(sys.argv[1:]))))
+    parsed = ap.parse_args(sys.argv[1:])
+    for flag, given in (("--overlap", parsed.overlap), ("--degrees", parsed.degrees)):
+        if given:  # an experiment of the checkout: only the pdserve command reaches it
+            ap.error(f"{flag} runs an experiment of benchmarks/: run `pdserve bench transfer {flag} ...` instead")
+    print(json.dumps(run(parsed)))

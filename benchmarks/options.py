@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadtest.options import PDSERVE_DEFAULT_MODEL
-from bench.options import COMPARE_MODES
+from bench.options import (
+    COMPARE_MODES,
+    SPECULATIVE_DEFAULTS,
+    add_engine_run_arguments,
+    add_reps_argument,
+    add_speculative_arguments,
+    add_tp_handoff_arguments,
+)
 
 LOCAL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
@@ -23,44 +30,17 @@ LOCAL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 def add_speculative_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve bench speculative`` (``benchmarks/speculative_bench.py``): the engine with n-gram speculation
     against the same engine without it, transformers' prompt lookup and plain generate, on grounded and random
-    prompts."""
-    parser.add_argument("--model", default=PDSERVE_DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default=None, help="default: cuda when torch sees a GPU, else cpu")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print only the JSON object")
-    parser.add_argument(
-        "--method", dest="speculative", choices=["ngram"], default="ngram", help="the engine's speculative.method"
-    )
-    parser.add_argument("--num-spec-tokens", type=int, default=4, help="proposed tokens per step")
-    parser.add_argument("--ngram-max", type=int, default=3, help="the longest n-gram looked up")
-    parser.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one at a time")
-    parser.add_argument(
-        "--compile-batches",
-        default=None,
-        help="the engine's compile_decode_batches (e.g. 1,2,4,8,16: a verification's tokens are rows of the "
-        "compiled step); default: eager",
-    )
-    parser.add_argument(
-        "--prompt-sets", default="grounded,random,random_sampled", help="which prompt sets to run (comma-separated)"
-    )
+    prompts. The options are the product's (bench/options.py), declared once for this and for ``pdserve bench engine
+    --speculative ngram``."""
+    add_engine_run_arguments(parser, SPECULATIVE_DEFAULTS)
+    add_speculative_arguments(parser)
 
 
 def add_tp_handoff_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """``pdserve bench tp-handoff`` (``benchmarks/tp_handoff_bench.py``)."""
-    parser.add_argument(
-        "--degrees",
-        default="1:1,2:1,1:2,2:2",
-        metavar="P:D,...",
-        help="the KV hand-off from a prefill engine of P tensor-parallel ranks to a decode engine of D",
-    )
-    parser.add_argument("--handoff-backend", default="zmq", choices=["zmq", "shm", "gloo"])
-    parser.add_argument("--requests", type=int, default=4, help="prompts prefilled per step")
-    parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    """``pdserve bench tp-handoff`` (``benchmarks/tp_handoff_bench.py``); declared once in bench/options.py for this
+    and for ``pdserve bench transfer --degrees``."""
+    add_tp_handoff_arguments(parser)
+    add_reps_argument(parser)
 
 
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ cluster); the first differing token is found by re-tokenizing both texts. Wire b
 
     python -m benchmarks.overlap_bench [--int8-check] [--no-overlap]  # prints one JSON object
     pdserve bench overlap [--int8-check] [--json]                     # the same
+    pdserve bench transfer --overlap --json        # the transfer bench, these figures under "overlap" (int8 check on)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+# the options, declared once for this and for `pdserve bench transfer --overlap` (there as --overlap-*)
+from bench.options import add_overlap_arguments as add_arguments
 from benchmarks.options import main
 
 CHAT_PROMPTS = [
@@ -47,35 +50,6 @@ CHAT_PROMPTS = [
     "Why do leaves change colour in autumn?",
     "What is the Python programming language used for?",
 ]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        default="local",
-        help="cluster config the runs start from: a path or a shipped name (default: local)",
-    )
-    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument(
-        "--reps", type=int, default=5, help="timed requests per mode (median reported), after one discarded warm-up"
-    )
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        help="pools.prefill.max_batch_tokens (the prefill chunk); default: the config's",
-    )
-    parser.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
-    parser.add_argument(
-        "--int8-check",
-        action="store_true",
-        help="also compare greedy outputs with kv_wire_dtype raw vs int8 (one more cluster start)",
-    )
-    parser.add_argument("--int8-prompts", type=int, default=20, help=f"at most {len(CHAT_PROMPTS)}")
-    parser.add_argument("--int8-tokens", type=int, default=64)
-    parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ itself), declared only when that benchmark is the command being parsed (``LazyOp
 
 ``pdserve bench`` runs the product's benchmarks (``BENCHMARKS``: the load tester and the hardware self-checks, in the
 package) and the experiments behind docs/benchmarks*.md (``EXPERIMENTS``: benchmarks/, a folder of the source
-checkout that the package does not hold). ``_experiment`` is the product's one import of benchmarks/.
+checkout that the package does not hold). Three flags of the self-checks reach an experiment too, as they did before
+the experiments left bench/ (``ROUTES``: ``bench engine --speculative``, ``bench transfer --degrees`` and
+``--overlap``). ``_experiment`` is the product's one import of benchmarks/.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
 from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd
 from cli import status as status_command
@@ -76,6 +78,28 @@ EXPERIMENTS: list[tuple[str, str, str, str, str]] = [
      "live migration: a decode worker's streams drained by moving vs by waiting; rebalancing vs preemption"),
 ]
 # fmt: on
+
+
+class Route(NamedTuple):
+    """A flag of a product benchmark that runs an experiment (one of ``EXPERIMENTS``) instead of the benchmark, or
+    after it with its result nested in the benchmark's."""
+
+    benchmark: str  # BENCHMARKS' name
+    flag: str  # the flag's dest: set (not None, not False) sends the command to the experiment
+    experiment: str  # EXPERIMENTS' name
+    adapt: str | None  # a function of the benchmark's options module: its arguments -> the experiment's (None: as is)
+    nested: str | None  # the key of the benchmark's result the experiment's goes under (None: it runs instead)
+
+
+# bench engine and bench transfer keep the flags they had before the experiments left bench/ (issue 50: no flag a
+# user sees goes); the options are declared once, in bench/options.py, for them and for the experiments' subcommands
+ROUTES: list[Route] = [
+    Route("engine", "speculative", "speculative", "engine_bench_defaults", None),
+    Route("transfer", "degrees", "tp-handoff", None, None),
+    Route("transfer", "overlap", "overlap", "overlap_arguments", "overlap"),
+]
+# an experiment's (options module, run module) inside benchmarks/, by its name
+EXPERIMENT_MODULES = {name: (options, run) for name, options, _, run, _ in EXPERIMENTS}
 # the source checkout this cli/ runs from (an editable install's, or the working directory's); in an installed wheel
 # it is site-packages, which holds no benchmarks/
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -100,10 +124,15 @@ class LazyOptionsParser(argparse.ArgumentParser):
     subcommand's parser only, so only that one imports its options module."""
 
     def __init__(
-        self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        declare: Callable[[argparse.ArgumentParser], None] | None = None,
+        check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._declare = declare
+        self._check = check  # of the parsed arguments, before the command runs (it may call self.error)
 
     def _declare_once(self) -> None:
         if self._declare is not None:
@@ -112,7 +141,10 @@ class LazyOptionsParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self._declare_once()
-        return super().parse_known_args(args, namespace)
+        parsed, extras = super().parse_known_args(args, namespace)
+        if self._check is not None:
+            self._check(self, parsed)
+        return parsed, extras
 
     def format_help(self) -> str:
         self._declare_once()
@@ -132,15 +164,59 @@ def _call(module_name: str, function: str) -> Command:
     return run
 
 
-def _benchmark(load: Callable[[], ModuleType]) -> Command:
-    """A benchmark command: ``module.run(args)`` returns a dict, printed as JSON (one line with ``--json``)."""
+def _benchmark(
+    load: Callable[[], ModuleType], options: Callable[[], ModuleType] | None = None, routes: list[Route] | None = None
+) -> Command:
+    """A benchmark command: ``module.run(args)`` returns a dict, printed as JSON (one line with ``--json``). With
+    ``routes`` (a product benchmark's ``ROUTES``), a flag that is set runs its experiment instead, or after it."""
 
     def run(args: argparse.Namespace) -> int:
-        result = load().run(args)
+        chosen = [route for route in routes or [] if getattr(args, route.flag, None)]
+        instead = next((route for route in chosen if route.nested is None), None)
+        if instead is not None:
+            result = _run_experiment(instead, options, args)
+        else:
+            result = load().run(args)
+            for route in chosen:
+                assert route.nested is not None
+                result[route.nested] = _run_experiment(route, options, args)
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
 
     return run
+
+
+def _run_experiment(route: Route, options: Callable[[], ModuleType] | None, args: argparse.Namespace) -> Any:
+    """The experiment a product flag reaches, on the benchmark's arguments (``route.adapt`` of them)."""
+    _, run_module = EXPERIMENT_MODULES[route.experiment]
+    if route.adapt is not None:
+        assert options is not None
+        args = getattr(options(), route.adapt)(args)
+    return _experiment(run_module).run(args)
+
+
+def _routes_check(routes: list[Route]) -> Callable[[argparse.ArgumentParser, argparse.Namespace], None]:
+    """A product flag that reaches an experiment, where no checkout holds benchmarks/: the experiment's error, at
+    once (its light options module loaded, as its own subcommand's parsing does; not the experiment)."""
+
+    def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        for route in routes:
+            if getattr(args, route.flag, None):
+                options_module, run_module = EXPERIMENT_MODULES[route.experiment]
+                try:
+                    _experiment(options_module)
+                except NoCheckout as exc:
+                    _no_checkout(parser, exc, run_module, f"{parser.prog} --{route.flag.replace('_', '-')}")
+
+    return check
+
+
+def _no_checkout(parser: argparse.ArgumentParser, exc: NoCheckout, run_module: str, command: str) -> NoReturn:
+    parser.error(
+        f"an experiment of pdserve's source checkout (benchmarks/{run_module}.py), which this installation "
+        f"({exc}) does not hold: run it from a checkout of the repository, as `{command}` or "
+        f"`python -m benchmarks.{run_module}` from its root"
+    )
 
 
 def _options(
@@ -152,11 +228,7 @@ def _options(
         try:
             module = load()
         except NoCheckout as exc:
-            parser.error(
-                f"an experiment of pdserve's source checkout (benchmarks/{run_module}.py), which this installation "
-                f"({exc}) does not hold: run it from a checkout of the repository, as `{parser.prog}` or "
-                f"`python -m benchmarks.{run_module}` from its root"
-            )
+            _no_checkout(parser, exc, run_module, parser.prog)
         getattr(module, function)(parser)
         if not any(action.dest == "json" for action in parser._actions):
             parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
@@ -178,9 +250,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     ]
     for table, load in loaders:
         for name, options_module, options_function, run_module, help_text in table:
-            declare = _options(functools.partial(load, options_module), options_function, run_module)
-            parser = benchmarks.add_parser(name, help=help_text, declare=declare)
-            parser.set_defaults(func=_benchmark(functools.partial(load, run_module)))
+            options = functools.partial(load, options_module)
+            declare = _options(options, options_function, run_module)
+            routes = [route for route in ROUTES if route.benchmark == name] if table is BENCHMARKS else []
+            check = _routes_check(routes) if routes else None
+            parser = benchmarks.add_parser(name, help=help_text, declare=declare, check=check)
+            parser.set_defaults(func=_benchmark(functools.partial(load, run_module), options, routes))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,15 @@ import pytest
 from tests.helpers.cluster import tiny_cluster_config
 
 
+def test_the_int8_prompt_count_declared_in_the_product_is_the_experiments():
+    """bench/options.py declares --int8-prompts (for bench overlap and bench transfer --overlap) without importing
+    benchmarks/: its bound is a plain number, kept equal to the chat prompts here."""
+    from bench.options import INT8_CHECK_PROMPTS
+    from benchmarks import overlap_bench
+
+    assert len(overlap_bench.CHAT_PROMPTS) == INT8_CHECK_PROMPTS
+
+
 @pytest.mark.e2e
 def test_overlap_bench_tiny(ray_local, tiny_llama_path):
     from benchmarks import overlap_bench

@@ -118,6 +118,36 @@ def test_a_benchmarks_options_are_declared_without_torch_or_the_cluster(tmp_path
     )
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "engine", "--speculative", "ngram", "--batch1-prompts", "2"],
+        ["bench", "transfer", "--degrees", "1:1", "--requests", "1"],
+        ["bench", "transfer", "--overlap", "--overlap-reps", "1"],
+    ],
+)
+def test_parsing_a_self_checks_flag_that_reaches_an_experiment_imports_nothing_heavy(argv):
+    """``bench engine --speculative``, ``bench transfer --degrees`` and ``--overlap`` (cli/main.py's ``ROUTES``): the
+    parse checks the checkout holds the experiment by loading its light options module, not the experiment."""
+    code = (
+        "import json, sys\n"
+        "from cli.main import build_parser\n"
+        f"args = build_parser().parse_args({argv!r})\n"
+        "assert callable(args.func)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    modules = set(json.loads(proc.stdout))
+    assert "bench.options" in modules
+    assert not {"benchmarks.speculative_bench", "benchmarks.tp_handoff_bench", "bench.engine_bench"} & modules
+    assert not top_level(modules) & (HEAVY | BELOW_CLI - {"bench"} | OUTSIDE - {"benchmarks"}), sorted(
+        m for m in modules if m.split(".")[0] in HEAVY | BELOW_CLI - {"bench"} | OUTSIDE - {"benchmarks"}
+    )
+
+
 def test_every_experiment_is_a_bench_subcommand_and_runs_as_a_module():
     """Each experiment's run module is in benchmarks/ and runs as ``python -m benchmarks.<module>`` too."""
     assert {name for name, _, _ in BENCH_COMMANDS} >= {"chaos", "migrate", "speculative", "overlap", "tp-handoff"}
