@@ -164,6 +164,29 @@ def _call(module_name: str, function: str) -> Command:
     return run
 
 
+def _convert_builtin_model(args: argparse.Namespace) -> None:
+    """The load tester takes the tokenizer of pdserve's built-in model from where pdserve converts it, importing
+    nothing of pdserve; on a machine that never served it, the CLI converts it first (once, about 20 s), as
+    ``pdserve serve`` would, unless a ``--tokenizer`` or a model folder is given."""
+    if args.tokenizer:
+        return
+    if args.bench_command == "compare":
+        from cluster.config import load_config
+
+        model = load_config(args.config).model.name
+    else:
+        model = args.model
+    if model and Path(model).expanduser().is_dir():
+        return
+    from bench.loadtest.options import PDSERVE_DEFAULT_MODEL
+    from bench.loadtest.workloads import pdserve_model_folder
+
+    if not (pdserve_model_folder(PDSERVE_DEFAULT_MODEL) / "config.json").is_file():
+        from engine.model_loader import resolve_model_path  # torch: only on a machine that has not converted it
+
+        resolve_model_path(PDSERVE_DEFAULT_MODEL)
+
+
 def _benchmark(
     load: Callable[[], ModuleType], options: Callable[[], ModuleType] | None = None, routes: list[Route] | None = None
 ) -> Command:
@@ -171,6 +194,8 @@ def _benchmark(
     ``routes`` (a product benchmark's ``ROUTES``), a flag that is set runs its experiment instead, or after it."""
 
     def run(args: argparse.Namespace) -> int:
+        if getattr(args, "bench_command", None) in ("serve", "compare"):
+            _convert_builtin_model(args)
         chosen = [route for route in routes or [] if getattr(args, route.flag, None)]
         instead = next((route for route in chosen if route.nested is None), None)
         if instead is not None:
