@@ -191,6 +191,4 @@ class EngineConfig:
             raise ValueError(f"{name} must be at most {MAX_COMPILED_BATCHES} distinct sizes, got {list(batches)}")
         if self.device != "cpu":
             raise ValueError(f"{name} is for the CPU; on {self.device!r} cuda_graphs replays captured decode steps")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"{name} needs tensor_parallel_size 1 (a compiled step has no ranks' all-reduces)")
         self.compile_decode_batches = list(batches)

@@ -289,8 +289,9 @@ class DecodeGraphs:
         num_rows = sum(chunk.num_tokens for chunk in chunks)
         rows = sample_rows(chunks)  # in the packed row's order, as the eager step's
         real = hidden[:num_rows] if len(rows) == num_rows else hidden[long_tensor(rows, hidden.device)]
-        logits = self.runner.project(real)  # padding rows dropped before the vocabulary projection
-        wait_for_compute(self.runner.device)
+        # padding rows dropped before the vocabulary projection; a tensor-parallel rank but 0 projects nothing
+        logits = self.runner.project(real) if self.runner.projects_logits else real[:0]
+        wait_for_compute(self.runner.device, self.runner.tp_group)
         stats = StepStats(
             num_tokens=num_rows,
             num_seqs=len(chunks),

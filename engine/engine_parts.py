@@ -99,8 +99,10 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     if group is not None and group.size > 1:
         runner.step_channel = StepChannel(group) if group.rank == 0 else None
         runner.projects_logits = group.rank == 0
-    else:  # CUDA graphs are captured without the ranks' all-reduces: one rank only
-        runner.decode_graphs = decode_graphs_for(runner, config, max_model_len)
+        runner.tp_group = group
+    # every rank holds the same static steps (captured or compiled with the ranks' all-reduces inside, in the same
+    # order), and takes one exactly when rank 0 does: the step is the same on every rank
+    runner.decode_graphs = decode_graphs_for(runner, config, max_model_len)
     runner.limit_scratch(config.max_num_seqs, max_model_len)  # the bound the KV plan counted
     if group is not None and group.size > 1:
         group.barrier()  # every shard loaded before rank 0 announces a first step

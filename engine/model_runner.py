@@ -34,7 +34,7 @@ from engine.kv_cache import KVCache
 from engine.model_probe import final_logits
 from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
-from engine.tensor_parallel import HeadSplit, StepChannel, StepKind, StepMessage
+from engine.tensor_parallel import HeadSplit, StepChannel, StepKind, StepMessage, TPGroup
 
 PROMPT_SCORE_ROWS = 256  # positions projected to the vocabulary at a time: bounds the [rows, vocab] float32 logits
 
@@ -90,6 +90,7 @@ class ModelRunner:
         self.decode_graphs: StaticDecode | None = None  # decode-only steps on CUDA graphs (engine.decode_graphs)
         # tensor parallelism: rank 0 announces each step to the other ranks, which project nothing to the vocabulary
         self.step_channel: StepChannel | None = None
+        self.tp_group: TPGroup | None = None  # every rank: the group whose collectives a step ends by waiting for
         self.projects_logits = True
         self.head_split: HeadSplit | None = None  # the KV heads this rank's cache holds (build_engine_parts)
         self.export_blocks: list[int] = []  # rank 0: physical blocks whose KV the step's layer hook exports
@@ -284,12 +285,12 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:
         """Run one forward; returns float32 logits for the chunks whose ``samples`` is True, ``num_sampled_rows`` of
         each (``[n, vocab]``)."""
+        if self.step_channel is not None:  # first: the other ranks run this step as it runs here, static or not
+            self.step_channel.send(StepMessage(StepKind.STEP, chunks, self.export_blocks))
         if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
             self._kept_hidden = None  # can_run refuses steps with prompt-logprob requests
             return self.decode_graphs.execute(chunks)
         started = time.perf_counter()
-        if self.step_channel is not None:
-            self.step_channel.send(StepMessage(StepKind.STEP, chunks, self.export_blocks))
         input_ids, position_ids, batch, rows = self.build_batch(chunks)
         hidden = self.run_decoder(input_ids, position_ids, batch)
         hidden = hidden.last_hidden_state[0]
@@ -303,7 +304,7 @@ class ModelRunner:
         num_decode = sum(
             chunk.num_tokens for chunk in chunks if chunk.proposal or (chunk.num_tokens == 1 and chunk.start > 0)
         )
-        wait_for_compute(self.device)
+        wait_for_compute(self.device, self.tp_group)
         stats = StepStats(
             num_tokens=input_ids.shape[1],
             num_seqs=len(chunks),
@@ -340,10 +341,15 @@ class ModelRunner:
         return scores
 
 
-def wait_for_compute(device: torch.device) -> None:
+def wait_for_compute(device: torch.device, group: TPGroup | None = None) -> None:
     """The end of a step on CUDA: this thread's current stream is done. Only that stream: a device-wide synchronize
-    would also wait for NCCL receives and the transfer side streams, so a dead transfer peer would stall every step."""
-    if device.type == "cuda":
+    would also wait for NCCL receives and the transfer side streams, so a dead transfer peer would stall every step.
+    With a tensor-parallel ``group`` whose collectives are on NCCL, the wait is bounded by the group's timeout."""
+    if device.type != "cuda":
+        return
+    if group is not None and group.device_backend == "nccl":
+        group.wait_device()
+    else:
         torch.cuda.current_stream(device).synchronize()
 
 

@@ -4,9 +4,10 @@ Megatron's split: q/k/v and gate/up are column-parallel (each rank computes its 
 down are row-parallel and end in one all-reduce each; the embedding and lm_head are replicated, and only rank 0
 projects to the vocabulary and samples. Rank 0 runs the whole engine (scheduler, block manager, sampler); before
 each forward it broadcasts the step (``StepMessage``: int64 frames, no pickle) and every other rank runs the same
-forward on the same block ids (``TPFollower``). KV heads split like the q heads; when there are fewer KV heads than
-ranks, each rank keeps the one its q heads read, as vLLM does. Every collective waits at most ``timeout_s``; an
-idle rank 0 sends a keep-alive so that a follower that hears nothing knows rank 0 is gone.
+forward on the same block ids (``TPFollower``). Two groups per worker (``TPGroup``): the layers' all-reduces on the
+device group (NCCL on CUDA, gloo on the CPU), the step messages on a CPU group. KV heads split like the q heads; when
+there are fewer KV heads than ranks, each rank keeps the one its q heads read, as vLLM does. Every collective waits
+at most ``timeout_s``; an idle rank 0 sends a keep-alive so that a follower that hears nothing knows rank 0 is gone.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as _functional
+from torch.distributed.distributed_c10d import GroupName
 
 from engine.blocks import rank_kv_heads
 from engine.scheduler import ScheduledChunk
@@ -109,62 +112,152 @@ def check_degree(hf_config: Any, size: int) -> None:
         )
 
 
-class TPGroup:
-    """One rank's view of its worker's group: all-reduce for the layers, broadcast for the step messages."""
+def group_backends(device: torch.device | str) -> tuple[str, str]:
+    """The backends of a worker's two groups for ranks on ``device``: the device group carries the layers'
+    collectives (NCCL on CUDA tensors, gloo on host ones: the same calls), the CPU group the step messages and the
+    control (gloo, host int64 frames), as vLLM keeps a device and a CPU group."""
+    return ("nccl" if torch.device(device).type == "cuda" else "gloo"), "gloo"
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, host: str = "127.0.0.1") -> None:
+
+class TPGroup:
+    """One rank's view of its worker's two groups: the device group for the layers' all-reduces and the KV that
+    leaves or arrives between steps, the CPU group for the step messages and the start barrier. Every wait is bounded
+    by ``timeout_s``; a failure breaks both and aborts them, so no op outlives a dead rank. The device group is also
+    registered by name, so the compiled decode step (and a CUDA graph) carries its all-reduces as functional
+    collectives (``RowParallel``). NCCL's process-wide settings are the process's own (transfer/nccl_env.py, set by
+    the pool at the worker's start)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        host: str = "127.0.0.1",
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.rank, self.size = rank, size
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.broken = ""  # why the group can no longer be used ("" while it can)
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: no stub; sets the timeout
+        self.device = torch.device(device)
+        self.device_backend, _ = group_backends(self.device)
         # the ranks' rendezvous waits as long as their start may take; each collective then waits ``timeout_s``
-        opts._timeout = max(self.timeout, datetime.timedelta(seconds=TP_START_TIMEOUT_S))
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-tp", store), rank, size, opts)
+        start_timeout = max(self.timeout, datetime.timedelta(seconds=TP_START_TIMEOUT_S))
+        self._cpu = _gloo_group(dist.PrefixStore("pdserve-tp-cpu", store), rank, size, start_timeout, host)
+        device_store = dist.PrefixStore("pdserve-tp-device", store)
+        if self.device_backend == "nccl":
+            self._device = _nccl_group(device_store, rank, size, start_timeout, self.device)
+        else:
+            self._device = _gloo_group(device_store, rank, size, start_timeout, host)
+        # what a compiled step's functional all-reduce names (one per group object: ranks may be threads of one
+        # process, each with a group of its own)
+        self.device_group_name = GroupName(f"pdserve-tp-device-{id(self):x}-r{rank}")
+        self._device._set_group_name(self.device_group_name)
+        torch._C._distributed_c10d._register_process_group(self.device_group_name, self._device)
 
     def _run(self, what: str, issue: Callable[[], Any], timeout: datetime.timedelta | None = None) -> None:
-        """Issue a collective and wait for it, at most ``timeout`` (the group's); a failure breaks the group."""
+        """Issue a collective and wait for it, at most ``timeout`` (the group's); a failure breaks the group. On NCCL
+        the wait orders this thread's stream after the op; the step's end waits for that stream, bounded
+        (``wait_device``)."""
         if self.broken:
             raise TPError(f"tensor-parallel group is broken: {self.broken}")
         try:
             issue().wait(timeout or self.timeout)
         except RuntimeError as exc:
-            self.broken = f"{what} failed on rank {self.rank}: {exc}"[:300]
+            self._break(f"{what} failed on rank {self.rank}: {exc}")
             raise TPError(self.broken) from exc
 
+    def _break(self, why: str) -> None:
+        self.broken = self.broken or why[:300]
+        self._abort()
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks, in place."""
-        self._run("all-reduce", lambda: self._pg.allreduce([tensor]))
+        """Sum ``tensor`` over the ranks, in place, on the device group."""
+        self._run("all-reduce", lambda: self._device.allreduce([tensor]))
         return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``tensor`` onto every rank, in place."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._run("broadcast", lambda: self._pg.broadcast([tensor], opts))
+        """Rank 0's host ``tensor`` (a step message) onto every rank, in place, on the CPU group."""
+        self._run("broadcast", lambda: self._cpu.broadcast([tensor], _root(dist.BroadcastOptions())))
+        return tensor
+
+    def broadcast_kv(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's KV onto every rank, in place, on the device group (a host tensor where that group is gloo)."""
+        tensor = tensor if self.device_backend == "nccl" else tensor.cpu()
+        self._run("KV broadcast", lambda: self._device.broadcast([tensor], _root(dist.BroadcastOptions())))
         return tensor
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (one shape on all) on rank 0, in rank order; [] on the others. gloo gathers host
-        tensors only, so a device tensor goes through the host."""
-        tensor = tensor.cpu()
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
+        """Every rank's ``tensor`` (one shape on all) on rank 0, in rank order, on the device group; [] on the
+        others (gloo gathers host tensors: a device tensor goes through the host there)."""
+        tensor = tensor if self.device_backend == "nccl" else tensor.cpu()
         outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
-        self._run("gather", lambda: self._pg.gather(outputs, [tensor], opts))
+        self._run("gather", lambda: self._device.gather(outputs, [tensor], _root(dist.GatherOptions())))
         return outputs[0] if outputs else []
 
     def barrier(self, timeout_s: float = TP_START_TIMEOUT_S) -> None:
-        """Wait until every rank gets here (after loading its shard), at most ``timeout_s``."""
+        """Wait until every rank gets here (after loading its shard), at most ``timeout_s``, on the CPU group."""
         opts = dist.BarrierOptions()
         opts.timeout = datetime.timedelta(seconds=timeout_s)
-        self._run("start barrier", lambda: self._pg.barrier(opts), opts.timeout)
+        self._run("start barrier", lambda: self._cpu.barrier(opts), opts.timeout)
+
+    def wait_device(self) -> None:
+        """The end of a step on an NCCL device group: this thread's stream (the step's collectives in it) done
+        within the group's timeout, never a device-wide synchronize; else the groups are aborted and broken."""
+        if self.device_backend != "nccl":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not done.query():
+            if time.monotonic() > deadline:
+                self._break(f"a step's collectives did not finish within {self.timeout.total_seconds():.0f} s")
+                raise TPError(self.broken)
+            time.sleep(0.0001)
 
     def close(self) -> None:
-        """Drop the group's connections (a peer waiting on it fails instead of hanging)."""
-        with contextlib.suppress(RuntimeError, AttributeError):  # already aborted, or a torch without abort on gloo
-            self._pg.abort()
+        """Drop the groups' connections (a peer waiting on them fails instead of hanging)."""
         self.broken = self.broken or "closed"
+        self._abort()
+
+    def _abort(self) -> None:
+        for pg in (self._device, self._cpu):
+            with contextlib.suppress(RuntimeError, AttributeError):  # already aborted, or a backend without abort
+                pg.abort()
+        with contextlib.suppress(RuntimeError, AttributeError, KeyError):
+            torch._C._distributed_c10d._unregister_process_group(self.device_group_name)
+
+
+def _root(opts: Any) -> Any:
+    opts.rootRank = 0
+    return opts
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str) -> Any:
+    """A process group of one gloo backend (a ``ProcessGroup``, so functional collectives can name it)."""
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: no stub; sets the timeout
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    backend = dist.ProcessGroupGloo(store, rank, size, opts)
+    return _wrap(store, rank, size, torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+
+
+def _nccl_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device) -> Any:
+    """An NCCL process group bound to this rank's GPU: its collectives run on device tensors, no host round trip."""
+    if not dist.is_nccl_available():
+        raise TPError("tensor parallelism on CUDA needs a torch build with NCCL")
+    torch.cuda.set_device(device)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    backend = dist.ProcessGroupNCCL(store, rank, size, opts)
+    return _wrap(store, rank, size, device, dist.ProcessGroup.BackendType.NCCL, backend)
+
+
+def _wrap(store: dist.Store, rank: int, size: int, device: torch.device, kind: Any, backend: Any) -> Any:
+    pg = dist.ProcessGroup(store, rank, size)
+    pg._register_backend(torch.device(device.type), kind, backend)
+    pg._set_default_backend(kind)
+    return pg
 
 
 class RowParallel(torch.nn.Module):
@@ -176,7 +269,14 @@ class RowParallel(torch.nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.linear(x))
+        partial = self.linear(x)
+        if torch.compiler.is_compiling() or _capturing(partial):  # one graph with its all-reduces inside
+            return _functional.all_reduce(partial, "sum", self.group.device_group_name)
+        return self.group.all_reduce(partial)
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,7 +482,7 @@ class StepChannel:
         """An import's KV for ``block_ids`` of ``layer`` (``[2, blocks, block_size, every head, head_dim]``, the
         cache's dtype) to every follower, which keeps its heads (``TPFollower``)."""
         self.send(StepMessage(StepKind.KV_WRITE, layer=layer, block_ids=block_ids))
-        self.group.broadcast(kv.cpu().contiguous())  # received into a host tensor (``TPFollower._write_kv``)
+        self.group.broadcast_kv(kv.contiguous())  # received as ``TPFollower._write_kv`` allocates it
 
     def gather_kv(self, layer: int, block_ids: list[int], mine: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's heads of ``block_ids`` of ``layer`` on rank 0 (``mine``: its own, ``[2, blocks, block_size,
@@ -455,7 +555,8 @@ class TPFollower:
         assert split is not None  # build_engine_parts sets it on every rank
         spec = cache.spec
         shape = (2, len(block_ids), spec.block_size, split.kv_total, spec.head_dim)
-        kv = torch.empty(shape, dtype=spec.dtype, device="cpu")
-        self.channel.group.broadcast(kv)
+        group = self.channel.group
+        kv = torch.empty(shape, dtype=spec.dtype, device=group.device if group.device_backend == "nccl" else "cpu")
+        kv = group.broadcast_kv(kv)
         mine = split.local_kv(kv)
         cache.write_blocks(layer, block_ids, mine[0], mine[1])

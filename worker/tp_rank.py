@@ -28,7 +28,8 @@ def join_group(spec: WorkerSpec, rank: int, timeout_s: float = TP_TIMEOUT_S) -> 
         raise ValueError(f"worker {spec.name}: tensor_parallel_size {size} needs a rendezvous path (the pool sets it)")
     store = dist.FileStore(spec.tp_rendezvous, size)
     store.set_timeout(datetime.timedelta(seconds=TP_START_TIMEOUT_S))
-    return TPGroup(store, rank, size, timeout_s, host="127.0.0.1")  # the ranks share a node: loopback
+    # the ranks share a node: loopback; the layers' collectives on NCCL when the engine's device is a GPU
+    return TPGroup(store, rank, size, timeout_s, host="127.0.0.1", device=spec.engine.device)
 
 
 class TPRank:

@@ -60,9 +60,29 @@ def test_a_step_waits_for_its_stream_not_the_device(monkeypatch):
     assert stream.synchronized == 1
 
 
+def test_a_step_whose_collectives_are_on_nccl_ends_with_the_groups_bounded_wait(monkeypatch):
+    """On NCCL the all-reduces are in the step's stream: the end of the step waits for it through the group, whose
+    wait gives up (and aborts the group) after its timeout instead of hanging on a dead rank."""
+
+    class Group:
+        device_backend = "nccl"
+        waited = 0
+
+        def wait_device(self) -> None:
+            self.waited += 1
+
+    def never(*args):
+        raise AssertionError("the unbounded stream wait must not be used under an NCCL group")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", never)
+    group = Group()
+    model_runner.wait_for_compute(torch.device("cuda", 0), group)  # type: ignore[arg-type]
+    assert group.waited == 1
+
+
 def test_every_step_ends_with_the_stream_wait(tiny_llama_path, make_engine, monkeypatch):
     waits: list[torch.device] = []
-    monkeypatch.setattr(model_runner, "wait_for_compute", lambda device: waits.append(device))
+    monkeypatch.setattr(model_runner, "wait_for_compute", lambda device, group=None: waits.append(device))
     engine = make_engine(tiny_llama_path)
     engine.generate(random_prompts(2, 10, 10, seed=1), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(waits) == len(engine.step_stats) == 3 and set(waits) == {torch.device("cpu")}

@@ -338,13 +338,17 @@ def test_a_failed_compile_leaves_the_engine_eager(make_engine, tiny_llama_path, 
         (dict(compile_decode_batches=[True]), r"in \[1, max_num_seqs=6\]"),
         (dict(compile_decode_batches=[2, 2]), "at most 8 distinct"),
         (dict(compile_decode_batches=[1], device="cuda"), "is for the CPU"),
-        (dict(compile_decode_batches=[1], tensor_parallel_size=2), "tensor_parallel_size 1"),
     ],
 )
 def test_compile_decode_batches_config_errors_name_the_field(overrides, message):
     with pytest.raises(ValueError, match="compile_decode_batches") as info:
         EngineConfig(max_num_seqs=6, **overrides)
     assert info.match(message)
+
+
+def test_a_compiled_step_is_configured_at_any_tensor_parallel_degree():
+    """The ranks' all-reduces go inside the compiled step (tests/engine/test_tensor_parallel.py runs it at degree 2)."""
+    assert EngineConfig(max_num_seqs=6, compile_decode_batches=[1, 2], tensor_parallel_size=2).compile_decode_batches
 
 
 def test_a_prefill_only_engine_compiles_nothing(make_engine, tiny_llama_path):

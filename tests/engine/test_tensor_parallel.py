@@ -78,6 +78,7 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         max_batch_tokens=run.get("max_batch_tokens", 2048),
         attention_backend=run.get("attention_backend", "auto"),
         tensor_parallel_size=size,
+        compile_decode_batches=run.get("compile_decode_batches"),
     )
     if rank > 0:
         parts = build_engine_parts(config, group)
@@ -95,7 +96,9 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         ended = follower.serve()
         group.close()
         kv_heads = parts.kv_spec.num_kv_heads
-        return {"ended": ended, "steps": follower.steps, "kv_heads": kv_heads, "served_s": time.monotonic() - started}
+        static = sum(parts.runner.decode_graphs.steps.values()) if parts.runner.decode_graphs is not None else 0
+        served_s = time.monotonic() - started
+        return {"ended": ended, "steps": follower.steps, "kv_heads": kv_heads, "served_s": served_s, "static": static}
     engine = LLMEngine(config, group)
     if run.get("leader_exits"):
         os._exit(0)  # gone without a word: no stop, no keep-alive
@@ -112,7 +115,9 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
     if group is not None:
         group.close()
     preemptions = engine.scheduler.num_preemptions
-    return out | {"kv_heads": engine.kv_spec.num_kv_heads, "preemptions": preemptions}
+    graphs = engine.runner.decode_graphs
+    static = sum(graphs.steps.values()) if graphs is not None else 0
+    return out | {"kv_heads": engine.kv_spec.num_kv_heads, "preemptions": preemptions, "static": static}
 
 
 def run_ranks(size: int, model: Path, expect_missing: frozenset = frozenset(), **run) -> dict:
@@ -251,3 +256,54 @@ def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path):
     run = {"prompts": PROMPTS[:1], "max_tokens": 4, "idle_s": 6.0, "timeout_s": 3.0}
     ranks = run_ranks(2, tiny_llama_path, **run)
     assert ranks[1]["ended"] == "stop" and ranks[0]["tokens"]
+
+
+def test_the_compiled_decode_step_at_degree_two_is_token_exact_against_eager(tiny_llama_path):
+    """The compiled CPU decode step with the ranks' all-reduces inside it (functional collectives on the device
+    group): every rank runs the same compiled steps, and the tokens are eager's at degree 2 (and at degree 1)."""
+    run = {"prompts": PROMPTS, "max_tokens": 8}
+    one = run_ranks(1, tiny_llama_path, **run)[0]
+    eager = run_ranks(2, tiny_llama_path, **run)[0]
+    ranks = run_ranks(2, tiny_llama_path, **run, compile_decode_batches=[1, 2, 4])
+    compiled = ranks[0]
+    assert compiled["static"] > 0 and ranks[1]["static"] == compiled["static"]  # every rank took the same steps
+    assert compiled["tokens"] == eager["tokens"]
+    gap = max(
+        abs(a - b)
+        for rid in eager["logprobs"]
+        for a, b in zip(eager["logprobs"][rid], compiled["logprobs"][rid], strict=True)
+    )
+    print(f"compiled at degree 2 against eager at degree 2: largest logprob gap {gap:.2e}")
+    assert gap < LOGPROB_TOLERANCE
+    _compare(one, compiled)
+
+
+def test_each_group_gets_its_backend_by_the_device_it_is_given():
+    """A worker's two groups: the layers' collectives on NCCL for CUDA tensors and on gloo for host ones, the step
+    messages on gloo either way. Checked by the device type given, so without a GPU too."""
+    from engine.tensor_parallel import group_backends
+
+    assert group_backends(torch.device("cuda", 1)) == ("nccl", "gloo")
+    assert group_backends("cuda") == ("nccl", "gloo")
+    assert group_backends("cpu") == ("gloo", "gloo")
+
+
+def test_a_cpu_rank_has_two_gloo_groups_and_its_device_group_is_named(tmp_path):
+    """Degree 1 is enough to build both: the device group is registered under its name (what a compiled step's
+    functional all-reduce resolves), apart from the CPU group, and dropped at close."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    from engine.tensor_parallel import TPGroup
+
+    group = TPGroup(dist.FileStore(str(tmp_path / "store"), 1), 0, 1, 10.0)
+    try:
+        assert group.device_backend == "gloo"
+        assert _resolve_process_group(group.device_group_name) is group._device
+        assert group._device is not group._cpu
+        summed = group.all_reduce(torch.ones(3))
+        assert summed.tolist() == [1.0, 1.0, 1.0] and group.broadcast(torch.arange(4)).tolist() == [0, 1, 2, 3]
+    finally:
+        group.close()
+    with pytest.raises(Exception):  # noqa: B017 - the name no longer resolves once the group is closed
+        _resolve_process_group(group.device_group_name)
