@@ -2,10 +2,11 @@
 degree profiled (one profile per degree); recommend one for an SLO (docs/planner.md, "pdserve plan").
 
 Every figure is simulated (planner/simulator.py) from a measured profile, labelled with its model, device and date.
-The workload is a JSONL trace or a synthetic spec (``--workload``'s help lists them) with Poisson arrivals and
-``bench.loadtest.workloads.draw_lengths``'s lengths; ``shared-prefix:GROUPS:PREFIX:IN:OUT`` is GROUPS system prompts
-of PREFIX tokens, then a question of IN tokens. Standard library only at module level. ``plan kv`` and
-``plan validate`` share this parser, so ``run`` checks its options, not argparse.
+The workload is a trace (``trace:[FORMAT:]FILE``, read and fitted by the load tester's reader: cli/plan_trace.py) or
+a synthetic spec (``--workload``'s help lists them) with Poisson arrivals and ``bench.loadtest.workloads.draw_lengths``'s
+lengths; ``shared-prefix:GROUPS:PREFIX:IN:OUT`` is GROUPS system prompts of PREFIX tokens, then a question of IN
+tokens. Standard library only at module level. ``plan kv`` and ``plan validate`` share this parser, so ``run`` checks
+its options, not argparse.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+
+from cli import plan_trace
+from cli.plan_trace import add_trace_arguments
 
 DEFAULT_RANGE_RATIO = 0.5  # uniform: lengths within ±50% of the mean
 DEFAULT_CV = 0.25  # normal, lognormal: the load tester's --length-cv default
@@ -32,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         default=None,
         metavar="W",
-        help="a JSONL trace, or fixed:IN:OUT, uniform:IN:OUT[:RATIO], normal|lognormal:IN:OUT[:CV], "
+        help="trace:[FORMAT:]FILE (a production trace: its arrival pattern, lengths and shared prefixes), a "
+        "pdserve JSONL trace, or fixed:IN:OUT, uniform:IN:OUT[:RATIO], normal|lognormal:IN:OUT[:CV], "
         "shared-prefix:GROUPS:PREFIX:IN:OUT",
     )
     parser.add_argument(
@@ -51,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default=None, help="write the recommended layout's config YAML here")
     parser.add_argument(
-        "--num-requests", type=int, default=300, metavar="K", help="requests per simulation (default 300)"
+        "--num-requests",
+        type=int,
+        default=300,
+        metavar="K",
+        help="requests per simulation (default 300; a trace: its first K rows unless --max-rows says)",
     )
     parser.add_argument(
         "--min-duration",
@@ -74,6 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", default=None, metavar="FILE", help="plot goodput against the split (PNG)")
+    add_trace_arguments(parser, TRACE_RATES)
+
+
+TRACE_RATES = (
+    "Goodput on a trace: each rate the search tries replays the same rows with the trace's own clock compressed or "
+    "stretched uniformly so that its mean rate is that rate; bursts, lulls and order are kept, and 'x trace' is the "
+    "goodput over the trace's own rate at --trace-speedup (how much faster than recorded the layout still meets the "
+    "SLO). A probe shorter than --min-duration repeats the trace, the repeat sharing no prefix with the rows before."
+)
 
 
 def parse_slo(items: list[str] | None, default_ttft_s: float, default_tpot_s: float) -> tuple[float, float]:
@@ -104,16 +122,14 @@ def _ints(spec: str, parts: list[str], count: int) -> list[int]:
 
 
 def build_workload(spec: str, num_requests: int, seed: int):
-    """A ``planner.trace.Workload`` from a trace file or a synthetic spec (the forms: ``--workload``'s help)."""
+    """A ``planner.trace.Workload`` from a synthetic spec (the forms: ``--workload``'s help)."""
     import numpy as np
 
     from bench.loadtest.workloads import draw_lengths
-    from planner.trace import TraceRequest, load_jsonl, poisson_workload
+    from planner.trace import TraceRequest, poisson_workload
 
     if num_requests < 2:
         raise ValueError("--num-requests must be at least 2")
-    if Path(spec).is_file():
-        return load_jsonl(spec, limit=num_requests)
     kind, *parts = spec.split(":")
     rng = np.random.default_rng(seed)
     if kind == "shared-prefix":
@@ -127,7 +143,7 @@ def build_workload(spec: str, num_requests: int, seed: int):
         return poisson_workload(spec, shapes, seed)
     if kind not in ("fixed", "uniform", "normal", "lognormal") or len(parts) not in (2, 3):
         raise ValueError(
-            f"--workload: {spec!r} is neither a file nor one of fixed:IN:OUT, uniform:IN:OUT[:RATIO], "
+            f"--workload: {spec!r} is neither trace:[FORMAT:]FILE nor one of fixed:IN:OUT, uniform:IN:OUT[:RATIO], "
             "normal:IN:OUT[:CV], lognormal:IN:OUT[:CV], shared-prefix:GROUPS:PREFIX:IN:OUT"
         )
     mean_in, mean_out = _ints(spec, parts, 2)
@@ -135,6 +151,24 @@ def build_workload(spec: str, num_requests: int, seed: int):
     inputs = draw_lengths(mean_in, num_requests, kind, rng, range_ratio=spread, cv=spread)
     outputs = draw_lengths(mean_out, num_requests, kind, rng, range_ratio=spread, cv=spread)
     return poisson_workload(spec, [TraceRequest(0.0, i, o) for i, o in zip(inputs, outputs)], seed)
+
+
+def _workload(args: argparse.Namespace, base):
+    """The planner's workload, and what it reports about a trace (None for a synthetic spec)."""
+    source = plan_trace.trace_source(args)
+    if source is None:
+        return build_workload(args.workload, args.num_requests, args.seed), None
+    if args.num_requests < 2:
+        raise ValueError("--num-requests must be at least 2")
+    max_rows = args.max_rows if args.max_rows is not None else args.num_requests
+    trace = plan_trace.fit(source, args, max_rows, base.model.max_model_len)
+    workload = plan_trace.planner_workload(source, trace)
+    assert workload.native_rate is not None
+    return workload, plan_trace.describe(source, trace, workload.native_rate)
+
+
+def _shares_prefixes(workload) -> bool:
+    return any(s.hash_ids is not None or s.prefix_id is not None for s in workload.shapes)
 
 
 def describe_profile(profiles) -> str:
@@ -175,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     base = load_config(args.config)
     ttft_s, tpot_s = parse_slo(args.slo, base.slo.ttft_s, base.slo.tpot_s)
     slo = SLO(ttft_s, tpot_s)
-    workload = build_workload(args.workload, args.num_requests, args.seed)
+    workload, trace_info = _workload(args, base)
     quiet = args.json
 
     def progress(result) -> None:
@@ -198,21 +232,34 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(results, args.plot, label, args.workload, ttft_s, tpot_s)
     if args.json:
-        print(json.dumps(_as_json(results, chosen, profiles, args, devices, ttft_s, tpot_s), indent=1))
+        data = _as_json(results, chosen, profiles, args, devices, ttft_s, tpot_s)
+        if trace_info is not None:
+            data["trace"] = trace_info
+            for row, r in zip(data["results"], results):
+                row["trace_speed"] = r.goodput.rate / trace_info["native_rate_rps"]
+        print(json.dumps(data, indent=1))
         return 0
     print(label)
+    if trace_info is not None:
+        print(plan_trace.summary_line(trace_info))
     print(
         f"workload {workload.name}: {len(workload.shapes)} requests, mean input {workload.mean_input:.0f}, "
         f"mean output {workload.mean_output:.0f} tokens; SLO ttft {ttft_s * 1000:g} ms, tpot {tpot_s * 1000:g} ms, "
         f">= 90% of requests"
     )
+    shared = _shares_prefixes(workload)
     width = max(16, *(len(r.layout.label) + 2 for r in results))
-    print(f"{'layout':<{width}}{'devices':>8}{'goodput req/s':>15}{'per device':>12}{'attainment':>12}")
+    extra = (f"{'x trace':>9}" if trace_info else "") + (f"{'prefix hits':>13}" if shared else "")
+    print(f"{'layout':<{width}}{'devices':>8}{'goodput req/s':>15}{'per device':>12}{'attainment':>12}{extra}")
     for r in results:
         mark = "  <- recommended" if r is chosen else ""
+        extra = f"{r.goodput.rate / workload.native_rate:>9.2f}" if trace_info and workload.native_rate else ""
+        if shared:
+            hits = r.goodput.prefix_hit_rate
+            extra += f"{'-' if hits is None else f'{hits:.3f}':>13}"
         print(
             f"{r.layout.label:<{width}}{r.layout.devices:>8}{r.goodput.rate:>15.3f}{r.per_device:>12.3f}"
-            f"{r.goodput.attainment:>12.2f}{mark}"
+            f"{r.goodput.attainment:>12.2f}{extra}{mark}"
         )
     if split is not None and colocated.goodput.rate > 0:
         print(
@@ -245,6 +292,7 @@ def _as_json(results, chosen, profiles, args, devices: int, ttft_s: float, tpot_
                 "devices": r.layout.devices,
                 "goodput_rps": r.goodput.rate,
                 "attainment": r.goodput.attainment,
+                "prefix_hit_rate": r.goodput.prefix_hit_rate,
                 "probes": len(r.goodput.probes),
             }
             for r in results

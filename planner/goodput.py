@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from planner.profile_model import Profile, ProfileSet
 from planner.simulator import Layout, SimRecord, SimSettings, as_profile_set, simulate
 from planner.trace import Workload
+from planner.validate import prefix_hit_rate
 
 ATTAINMENT = 0.9  # the share of requests that must meet both SLOs
 
@@ -34,6 +35,7 @@ class GoodputResult:
     rate: float  # requests/s; 0 when even ``min_rate`` fails
     attainment: float  # at ``rate``
     probes: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment), in the order tried
+    prefix_hit_rate: float | None = None  # at ``rate``: prompt tokens served from a prefix cache, of all
 
 
 def find_goodput(
@@ -98,7 +100,13 @@ def layout_goodput(
         )
         start = max(layout.workers / max(per_request, 1e-6), 1e-3)
 
-    def measure(rate: float) -> float:
-        return attainment(simulate(profile, workload.at_rate(rate, min_duration_s), layout, settings), slo)
+    hits: dict[float, float | None] = {}
 
-    return find_goodput(measure, start=start, rel_tol=rel_tol)
+    def measure(rate: float) -> float:
+        records = simulate(profile, workload.at_rate(rate, min_duration_s), layout, settings)
+        hits[rate] = prefix_hit_rate(records)
+        return attainment(records, slo)
+
+    result = find_goodput(measure, start=start, rel_tol=rel_tol)
+    result.prefix_hit_rate = hits.get(result.rate)
+    return result

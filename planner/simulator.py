@@ -189,6 +189,7 @@ class SimRecord:
     input_tokens: int
     output_tokens: int
     rejected: bool = False  # the router refused it (its queue was full, or no worker's KV cache can hold it)
+    cached_tokens: int | None = None  # prompt tokens its first token's worker found in its prefix cache (usage's)
 
     def meets(self, ttft_s: float, tpot_s: float) -> bool:
         """Both SLOs met (an unfinished or rejected request meets neither)."""
@@ -197,14 +198,21 @@ class SimRecord:
         return self.tpot_s is None or self.tpot_s <= tpot_s
 
 
-SHARED_BASE, OWN_BASE, SPAN = 1 << 40, 1 << 50, 1 << 24  # token ids of shared prefixes and of each request's own part
+# token ids of shared prefixes, of each request's own part, and of hash blocks (id * SPAN + position in the block)
+SHARED_BASE, OWN_BASE, HASH_BASE, SPAN = 1 << 40, 1 << 50, 1 << 60, 1 << 24
 
 
 def synthetic_prompt(index: int, trace: TraceRequest) -> list[int]:
-    """Token ids that share exactly a trace's shared prefix: equal for one ``prefix_id``, distinct otherwise."""
-    shared = trace.prefix_tokens if trace.prefix_id is not None else 0
-    head = [SHARED_BASE + trace.prefix_id * SPAN + i for i in range(shared)] if shared else []  # type: ignore[operator]
-    return head + [OWN_BASE + index * SPAN + i for i in range(trace.input_tokens - shared)]
+    """Token ids that share exactly what the trace says is shared: the first ``prefix_tokens`` of one ``prefix_id``,
+    or hash block by hash block (one id, one block of ids, whatever the request); the rest is the request's own."""
+    if trace.hash_ids is not None:
+        block = trace.hash_block_tokens
+        head = [HASH_BASE + h * SPAN + i for h in trace.hash_ids for i in range(block)][: trace.input_tokens]
+    elif trace.prefix_id is not None:
+        head = [SHARED_BASE + trace.prefix_id * SPAN + i for i in range(trace.prefix_tokens)]
+    else:
+        head = []
+    return head + [OWN_BASE + index * SPAN + i for i in range(trace.input_tokens - len(head))]
 
 
 class SimWorker:
@@ -448,8 +456,9 @@ class SimCluster:
             if worker is not None:
                 self._later(functools.partial(worker.handle, decode_command(encode(command))))
         for flow in core.take_updated():
-            while flow.take() is not None:  # the client reads at once
-                pass
+            while (event := flow.take()) is not None:  # the client reads at once
+                if event.cached_tokens is not None and flow in self._open:
+                    self._open[flow].cached_tokens = event.cached_tokens
             if flow.status.ended and flow in self._open:
                 self._record(flow, self._open.pop(flow))
                 core.release(flow, self.env.now)

@@ -2,15 +2,16 @@
 
 Plain arithmetic on per-request records; the planner may not import bench, so the load tester's records come as
 the dicts of its ``requests.jsonl``, read by key. The simulator replays the requests as sent (actual send offsets,
-so client lateness is not blamed on the model, and the token counts the server reported); percentiles interpolate
-as ``numpy.percentile`` does, as the load tester's; the ratio is simulated / measured. How to read the result:
-docs/planner.md "pdserve plan validate".
+so client lateness is not blamed on the model, and the token counts the server reported; a trace's rows keep their
+hash ids, so the prompts share what they shared); percentiles interpolate as ``numpy.percentile`` does, as the load
+tester's; the ratio is simulated / measured; the prefix hit rate is cached over prompt tokens on both sides. How to
+read the result: docs/planner.md "pdserve plan validate".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -24,9 +25,11 @@ LABELS = {"ttft_p50": "TTFT p50", "ttft_p90": "TTFT p90", "tpot_p50": "TPOT p50"
 class Latencies(Protocol):
     """A measured request (``MeasuredRequest``) or a simulated one (``planner.simulator.SimRecord``)."""
 
+    input_tokens: int
     output_tokens: int
     ttft_s: float
     tpot_s: float | None
+    cached_tokens: int | None
 
 
 @dataclass(slots=True)
@@ -36,6 +39,7 @@ class MeasuredRequest:
     output_tokens: int
     ttft_s: float
     tpot_s: float | None
+    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens
 
 
 @dataclass(slots=True)
@@ -47,9 +51,14 @@ class Replay:
     failed: int  # requests that did not complete: in neither list
 
 
-def replay_from_records(records: Iterable[dict], prefix_tokens: dict[int, int] | None = None) -> Replay:
+def replay_from_records(
+    records: Iterable[dict],
+    prefix_tokens: dict[int, int] | None = None,
+    hash_blocks: Mapping[int, tuple[tuple[int, ...], int]] | None = None,
+) -> Replay:
     """The trace the load tester actually sent (warm-ups skipped). ``prefix_tokens``: shared-prefix group -> the
-    tokens its requests share; they get ``prefix_id`` = group, so the simulator models prefix-cache hits."""
+    tokens its requests share; they get ``prefix_id`` = group, so the simulator models prefix-cache hits.
+    ``hash_blocks``: a replayed trace's request index -> its row's hash ids and hash-block size."""
     rows = sorted((r for r in records if not r.get("warmup")), key=lambda r: (r["sent_s"] is None, r["sent_s"] or 0))
     trace: list[TraceRequest] = []
     measured: list[MeasuredRequest] = []
@@ -62,9 +71,23 @@ def replay_from_records(records: Iterable[dict], prefix_tokens: dict[int, int] |
         outputs = int(r["output_tokens"])
         group = r.get("group")
         shared = min((prefix_tokens or {}).get(group, 0), inputs) if group is not None else 0
-        trace.append(TraceRequest(float(r["sent_s"]), inputs, outputs, group if shared else None, shared))
-        measured.append(MeasuredRequest(float(r["sent_s"]), inputs, outputs, float(r["ttft_s"]), r.get("tpot_s")))
+        ids, block = (hash_blocks or {}).get(r["index"], (None, 0))
+        sent = TraceRequest(float(r["sent_s"]), inputs, outputs, group if shared else None, shared, ids, block)
+        trace.append(sent)
+        measured.append(
+            MeasuredRequest(
+                float(r["sent_s"]), inputs, outputs, float(r["ttft_s"]), r.get("tpot_s"), r.get("cached_tokens")
+            )
+        )
     return Replay(trace, measured, failed)
+
+
+def prefix_hit_rate(requests: Iterable[Latencies]) -> float | None:
+    """Prompt tokens served from a prefix cache over all prompt tokens, of the requests that report it (a usage's
+    ``cached_tokens``; a simulated request that got its first token); None when none does."""
+    reporting = [r for r in requests if r.cached_tokens is not None]
+    total = sum(r.input_tokens for r in reporting)
+    return sum(r.cached_tokens or 0 for r in reporting) / total if total else None
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -91,6 +114,11 @@ class LatencySummary:
     tpot_p50: float | None  # ms, over requests with more than one output token
     tpot_p90: float | None
     unfinished: int = 0
+    prefix_hit_rate: float | None = None  # None: no request reported its cached tokens
+
+    def figures(self) -> dict[str, float | None]:
+        """The figures by their JSON names (``ttft_p50_ms``, ..., ``prefix_hit_rate``)."""
+        return {f"{m}_ms": getattr(self, m) for m in METRICS} | {"prefix_hit_rate": self.prefix_hit_rate}
 
 
 def summarize(requests: Sequence[Latencies]) -> LatencySummary:
@@ -104,6 +132,7 @@ def summarize(requests: Sequence[Latencies]) -> LatencySummary:
         percentile(tpot, 50),
         percentile(tpot, 90),
         unfinished,
+        prefix_hit_rate(requests),
     )
 
 
@@ -169,6 +198,10 @@ def _finite(value):
     return value
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -198,6 +231,13 @@ def format_table(comparisons: Sequence[Comparison], tolerance: float = GOAL_TOLE
         for row in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
+    for c in comparisons:
+        if c.measured.prefix_hit_rate is not None or c.simulated.prefix_hit_rate is not None:
+            hits = ratio(c.simulated.prefix_hit_rate, c.measured.prefix_hit_rate)
+            lines.append(
+                f"{c.mode} at {c.rate:g}/s: prefix hit rate measured {_share(c.measured.prefix_hit_rate)}, "
+                f"simulated {_share(c.simulated.prefix_hit_rate)}" + ("" if hits is None else f" (sim/meas {hits:.2f})")
+            )
     for c in comparisons:
         if c.simulated.unfinished:
             lines.append(f"{c.mode} at {c.rate:g}/s: {c.simulated.unfinished} simulated requests got no first token")
