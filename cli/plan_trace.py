@@ -136,7 +136,7 @@ def planner_workload(source: TraceSource, trace):
     return trace_workload(source.label, requests)
 
 
-def describe(source: TraceSource, trace, native_rate: float) -> dict:
+def describe(source: TraceSource, trace, native_rate: float | None) -> dict:
     """What a plan or a validation reports about the trace it ran (JSON)."""
     fit_ = trace.fit
     return {

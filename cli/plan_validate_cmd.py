@@ -3,8 +3,10 @@
 
 Per mode it starts the cluster here and runs the load tester at each rate (open loop, Poisson, a fixed seed), then
 the simulator replays what was sent (actual send offsets, server-reported token counts). ``--workload`` takes
-``pdserve plan``'s synthetic specs, not a trace (the load tester cannot replay its arrival times); answers run to OUT
-tokens (``ignore_eos``), so both sides decode the same lengths. Standard library only at module level.
+``pdserve plan``'s synthetic specs, or ``trace:[FORMAT:]FILE``: the load tester replays the trace on its own schedule
+(``--dataset-name FORMAT`` and the same ``--trace-*`` options, one run per mode instead of one per rate) and the
+simulator replays the rows as sent with their hash ids, so both sides' prefix caches see the same sharing. Answers
+run to their length (``ignore_eos``), so both sides decode the same lengths. Standard library only at module level.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli import plan_trace
 from cli.plan_cmd import DEFAULT_CV, DEFAULT_RANGE_RATIO
 
 MODES = ("disaggregated", "colocated")
@@ -35,10 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
         default=DEFAULT_WORKLOAD,
-        help=f"fixed:IN:OUT, uniform:IN:OUT[:RATIO], normal|lognormal:IN:OUT[:CV] or shared-prefix:GROUPS:PREFIX:IN:OUT "
-        f"(default {DEFAULT_WORKLOAD})",
+        help=f"fixed:IN:OUT, uniform:IN:OUT[:RATIO], normal|lognormal:IN:OUT[:CV], shared-prefix:GROUPS:PREFIX:IN:OUT "
+        f"or trace:[FORMAT:]FILE (default {DEFAULT_WORKLOAD})",
     )
-    parser.add_argument("--rates", default=DEFAULT_RATES, help=f"requests/s, comma-separated (default {DEFAULT_RATES})")
+    parser.add_argument(
+        "--rates",
+        default=None,
+        help=f"requests/s, comma-separated (default {DEFAULT_RATES}; a trace runs at its own times, see below)",
+    )
     parser.add_argument(
         "--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="measured requests per mode and rate"
     )
@@ -53,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--result-dir", default=None, help="the load tester's records and validation.json")
     parser.add_argument("--json", action="store_true", help="print the results as JSON (the table goes to stderr)")
+    plan_trace.add_trace_arguments(parser, TRACE_RUN)
+
+
+TRACE_RUN = (
+    "A trace runs once per mode, each row sent at its own time (trace time / --trace-speedup), and is replayed "
+    "through the simulator as sent; the table adds the prefix hit rate measured (the server's cached_tokens) and "
+    "simulated, and --json has per mode a 'simulated' and a 'measured' object."
+)
 
 
 def workload_argv(spec: str) -> list[str]:
@@ -92,6 +107,16 @@ def workload_argv(spec: str) -> list[str]:
     return argv
 
 
+def trace_argv(source, args: argparse.Namespace) -> list[str]:
+    """The load tester's options for a trace (only those given: its defaults stay its own)."""
+    argv = ["--dataset-name", source.fmt, "--dataset-path", source.path]
+    for flag in ("trace_speedup", "trace_token_scale", "trace_window", "max_rows"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
+    return argv
+
+
 def _rates(text: str) -> list[float]:
     try:
         rates = [float(r) for r in text.replace(" ", "").split(",") if r]
@@ -110,13 +135,21 @@ def _modes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    rates, modes = _rates(args.rates), _modes(args.modes)
+    modes = _modes(args.modes)
     if args.num_requests < 1 or args.num_warmups < 0:
         raise ValueError("--num-requests must be at least 1 and --num-warmups not negative")
-    workload = workload_argv(args.workload)
+    source = plan_trace.trace_source(args)
+    if source is not None:
+        if args.rates is not None:
+            raise ValueError("--rates: a trace runs on its own schedule; scale it with --trace-speedup")
+        rates: list[float | None] = [None]
+        workload = trace_argv(source, args)
+    else:
+        rates = list(_rates(args.rates or DEFAULT_RATES))
+        workload = workload_argv(args.workload)
     if not Path(args.profile).is_file():
         raise ValueError(f"--profile {args.profile!r}: no such file (make one with `pdserve profile`)")
-    result = validate(args, rates, modes, workload)
+    result = validate(args, rates, modes, workload, source)
     if args.json:
         print(result["table"], file=sys.stderr)
         print(json.dumps(result))
@@ -130,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
 # ---- the run (heavy modules imported here, not at module level) ------------------------------------------------
 
 
-def validate(args: argparse.Namespace, rates: list[float], modes: list[str], workload: list[str]) -> dict:
-    """Every mode: start the cluster, run every rate, stop it; then replay each run through the simulator."""
+def validate(
+    args: argparse.Namespace, rates: list[float | None], modes: list[str], workload: list[str], source=None
+) -> dict:
+    """Every mode: start the cluster, run every rate (a trace: its schedule once), stop it; then replay each run
+    through the simulator."""
     from bench.loadtest.cli import execute
     from cluster.config import load_config
     from cluster.run.launch import start_serving
@@ -144,6 +180,7 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
     profile = Profile.load(args.profile)
     # each rate its own prompts (seed + i): the same prompts again would hit the prefix cache, unlike the simulator
     plans = [_load_plan(args, rate, workload, config, args.seed + i) for i, rate in enumerate(rates)]
+    sent = _trace_as_sent(plans[0]) if source is not None else None
     folder = Path(args.result_dir) if args.result_dir else Path(tempfile.mkdtemp(prefix="pdserve-validate-"))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "requests.jsonl").unlink(missing_ok=True)
@@ -167,14 +204,24 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
         finally:
             handle.stop()
         settings = SimSettings.from_config(mode_config, profile)
+        per_mode[mode] = {"layout": layout.label, "elapsed_s": round(time.monotonic() - mode_started, 1)} | held
         for rate, plan, run_summary, rate_results in zip(rates, plans, runs, results):
-            replay = replay_from_records([r.to_record() for r in rate_results], _prefix_tokens(plan))
+            records = [r.to_record() for r in rate_results]
+            hashes = _hash_blocks(sent, records) if sent is not None else None
+            replay = replay_from_records(records, _prefix_tokens(plan), hashes)
             simulated = simulate(profile, replay.trace, layout, settings)
-            comparisons.append(compare(mode, rate, replay, simulated, notes))
+            comparison = compare(
+                mode, rate if rate is not None else float(run_summary["rate"]), replay, simulated, notes
+            )
+            comparisons.append(comparison)
             measured_runs.append(
                 {k: run_summary.get(k) for k in ("mode", "rate", "completed", "failed", "failures", "duration_s")}
             )
-        per_mode[mode] = {"layout": layout.label, "elapsed_s": round(time.monotonic() - mode_started, 1)} | held
+            if sent is not None:  # one run per mode: its figures side by side
+                per_mode[mode] |= {
+                    "simulated": comparison.simulated.figures(),
+                    "measured": comparison.measured.figures(),
+                }
     goal = goal_summary(comparisons)
     table = format_table(comparisons)
     line = (
@@ -186,7 +233,7 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
             "config": str(args.config),
             "profile": {k: getattr(profile, k) for k in ("model", "dtype", "device", "backend", "date")},
             "workload": args.workload,
-            "rates": rates,
+            "rates": [c.rate for c in comparisons[: len(rates)]],
             "num_requests": args.num_requests,
             "num_warmups": args.num_warmups,
             "seed": args.seed,
@@ -197,6 +244,7 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
         "comparisons": [c.to_json() for c in comparisons],
         "goal": goal,
         "notes": notes,
+        "trace": _describe_sent(source, sent),
         "elapsed_s": round(time.monotonic() - started, 1),
         "result_dir": str(folder),
         "table": table,
@@ -206,14 +254,20 @@ def validate(args: argparse.Namespace, rates: list[float], modes: list[str], wor
     return result
 
 
-def _load_plan(args: argparse.Namespace, rate: float, workload: list[str], config, seed: int):
-    """The load tester's plan for one rate, through its own options (its defaults and checks stay its own)."""
+def _load_plan(args: argparse.Namespace, rate: float | None, workload: list[str], config, seed: int):
+    """The load tester's plan for one rate (None: a trace, on its own schedule, the rows the config's context holds),
+    through its own options (its defaults and checks stay its own)."""
     from bench.loadtest.cli import prepare
     from bench.loadtest.options import add_workload_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_workload_arguments(parser)
-    argv = workload + ["--request-rate", f"{rate:g}", "--num-prompts", str(args.num_requests)]
+    if rate is not None:
+        argv = workload + ["--request-rate", f"{rate:g}", "--num-prompts", str(args.num_requests)]
+    else:
+        argv = list(workload)
+        if config.model.max_model_len:
+            argv += ["--max-context-tokens", str(config.model.max_model_len)]
     argv += ["--num-warmups", str(args.num_warmups), "--seed", str(seed), "--ignore-eos"]
     argv += ["--request-timeout-s", str(args.request_timeout_s), "--metric-percentiles", "50,90"]
     argv += ["--goodput", f"ttft:{config.slo.ttft_s * 1000:g}", f"tpot:{config.slo.tpot_s * 1000:g}"]
@@ -222,6 +276,40 @@ def _load_plan(args: argparse.Namespace, rate: float, workload: list[str], confi
     if args.json:
         argv += ["--disable-tqdm"]
     return prepare(parser.parse_args(argv), config.model.name)
+
+
+def _trace_as_sent(plan):
+    """The trace the load tester will send (``plan.trace_replay``: rows at their sent lengths, request ``i`` being
+    row ``i``); ValueError when this load tester has no trace replay."""
+    replay = getattr(plan, "trace_replay", None)
+    if replay is None:
+        raise ValueError("--workload trace:...: this load tester cannot replay a trace (bench/loadtest has no replay)")
+    return replay.traces[0]
+
+
+def _hash_blocks(sent, records: list[dict]) -> dict[int, tuple[tuple[int, ...], int]]:
+    """Each measured request's row's hash ids and block size, by request index; ValueError when a request is not
+    its row (another length asked), so a misaligned replay is never compared."""
+    out: dict[int, tuple[tuple[int, ...], int]] = {}
+    for r in records:
+        if r.get("warmup"):
+            continue
+        index = r["index"]
+        row = sent.rows[index] if 0 <= index < len(sent.rows) else None
+        asked = r.get("requested_output_tokens")
+        if row is None or (asked is not None and asked != row.output_tokens):
+            raise ValueError(f"the load tester's request {index} is not row {index} of the trace as sent")
+        if row.hash_ids is not None and sent.block_tokens:
+            out[index] = (row.hash_ids, sent.block_tokens)
+    return out
+
+
+def _describe_sent(source, sent) -> dict | None:
+    if source is None or sent is None:
+        return None
+    rows = sent.rows
+    span = rows[-1].arrival_s - rows[0].arrival_s if len(rows) > 1 else 0.0
+    return plan_trace.describe(source, sent, len(rows) / span if span > 0 else None)  # the load tester's rate label
 
 
 def _prefix_tokens(plan) -> dict[int, int]:
