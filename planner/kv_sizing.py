@@ -67,6 +67,20 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 131072,
         },
     ),
+    "llama-2-70b": (
+        "meta-llama/Llama-2-70b-hf config.json",
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "vocab_size": 32000,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 4096,
+        },
+    ),
     "qwen2.5-7b": (
         "Qwen/Qwen2.5-7B config.json",
         {
