@@ -46,6 +46,7 @@ class RequestSpec:
     system: str | None = None
     group: int | None = None  # shared-prefix group
     messages: list[dict] | None = None
+    trace_line: int | None = None  # a trace replay: the row's line in the trace file
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class RequestResult:
     group: int | None = None
     conversation: int | None = None  # multi-turn: which conversation, and which turn of it (from 1)
     turn: int | None = None
+    trace_line: int | None = None  # a trace replay: the row's line in the trace file
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     generated_text: str = ""  # kept for counting when usage is absent; not written out
 
@@ -252,6 +254,7 @@ async def send_request(
     result.expected_input_tokens = spec.input_tokens
     result.requested_output_tokens = spec.output_tokens
     result.group = spec.group
+    result.trace_line = spec.trace_line
     try:
         async with asyncio.timeout(settings.request_timeout_s):
             await _stream(client, url, build_body(spec, settings), headers, result)

@@ -86,8 +86,8 @@ class PromptBuilder:
             raise ValueError("the tokenizer has no token that decodes to plain text and back")
         return np.array(sorted(chosen))
 
-    def count(self, prompt: str, system: str | None = None) -> int:
-        """Prompt tokens the server will see for this request."""
+    def ids(self, prompt: str, system: str | None = None) -> list[int]:
+        """The prompt's token ids as the server will see them (templated for chat, special tokens included)."""
         if self.chat:
             messages = ([{"role": "system", "content": system}] if system is not None else []) + [
                 {"role": "user", "content": prompt}
@@ -95,8 +95,12 @@ class PromptBuilder:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            return len(ids)
-        return len(self.tokenizer((system or "") + prompt, add_special_tokens=True)["input_ids"])
+            return list(ids)
+        return list(self.tokenizer((system or "") + prompt, add_special_tokens=True)["input_ids"])
+
+    def count(self, prompt: str, system: str | None = None) -> int:
+        """Prompt tokens the server will see for this request."""
+        return len(self.ids(prompt, system))
 
     def overhead(self, system: str | None = None) -> int:
         """Tokens of a request with an empty user text (template, BOS, system prompt)."""
