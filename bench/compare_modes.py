@@ -4,7 +4,9 @@ in disaggregated mode, on the same workers, into one results folder with one tab
 It starts pdserve's cluster, so it is not in bench/loadtest/, which imports nothing of the server. Per mode: start
 the cluster from a copy of the config (``mode`` set, ``router.port`` 0) with ``cluster.run.launch.start_serving``,
 run every rate against ``handle.base_url``, stop it. SLOs: ``--goodput``, else the config's ``slo``; the per-worker
-rate divides by ``handle.num_workers`` unless ``--num-workers`` is given.
+rate divides by ``handle.num_workers`` unless ``--num-workers`` is given. A trace (``--dataset-name mooncake ...``)
+is replayed at each ``--trace-speedups`` instead of each rate; its context is the config's ``model.max_model_len``,
+else what the first cluster reports.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import sys
 from collections import Counter
 
-from bench.loadtest import output, plots
+from bench.loadtest import output, plots, replay
 from bench.loadtest.cli import benchmark_settings, execute, prepare, result_folder
 from bench.options import COMPARE_MODES as MODES
 from bench.options import add_compare_arguments as add_arguments
@@ -30,14 +32,19 @@ def run(args: argparse.Namespace) -> dict:
     from_config = not args.goodput
     if from_config:
         args.goodput = [f"ttft:{slos['ttft']:g}", f"tpot:{slos['tpot']:g}"]
-    plan = prepare(args, args.tokenizer or config.model.name)
-    if from_config:
-        plan.slo_source = f"{args.config}: slo"
+    replay.check_options(args)  # before any cluster starts
+    context = config.model.max_model_len
+    plan = None
+    if not replay.is_trace(args) or context is not None or args.max_context_tokens is not None:
+        plan = _prepare(args, config, context, f"{args.config}: model.max_model_len", from_config)
     folder = result_folder(args)
     runs, results, per_mode = [], [], {}
     for mode in modes:
         handle = _start(config, mode)
         try:
+            if plan is None:  # a trace, and the config does not say the context: the cluster does
+                context = replay.server_context(handle.base_url, config.served_model_name, args.api_key)
+                plan = _prepare(args, config, context, "the cluster (/v1/models max_model_len)", from_config)
             workers = args.num_workers or handle.num_workers
             roles = Counter(info["role"] for info in handle.worker_infos())
             mode_runs, mode_results, sweep = execute(
@@ -48,6 +55,7 @@ def run(args: argparse.Namespace) -> dict:
         per_mode[mode] = {"base_url": handle.base_url, "num_workers": workers, "roles": roles, "sweep": sweep}
         runs += mode_runs
         results += mode_results
+    assert plan is not None  # made before or in the first mode
     summary = {
         "benchmark": benchmark_settings(args, plan) | {"config": str(args.config)},
         "modes": per_mode,
@@ -70,6 +78,13 @@ def run(args: argparse.Namespace) -> dict:
             )
     print(f"results in {folder}", file=sys.stderr)
     return summary
+
+
+def _prepare(args: argparse.Namespace, config, context: int | None, source: str, from_config: bool):
+    plan = prepare(args, args.tokenizer or config.model.name, context_tokens=context, context_source=source)
+    if from_config:
+        plan.slo_source = f"{args.config}: slo"
+    return plan
 
 
 def _start(config, mode: str):

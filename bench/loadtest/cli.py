@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import sys
@@ -17,13 +18,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.loadtest import metrics, multiturn, output, plots
+from bench.loadtest import metrics, multiturn, output, plots, replay
 from bench.loadtest.client import RequestResult, RequestSettings, RequestSpec
 from bench.loadtest.conversations import ConversationSettings, ConversationSpec, build_conversations
 from bench.loadtest.options import DEFAULT_SLOS_NOTE, PDSERVE_DEFAULT_SLOS_MS
 from bench.loadtest.options import add_arguments as add_arguments
 from bench.loadtest.options import add_workload_arguments as add_workload_arguments
 from bench.loadtest.shapes import LoadShape, run_phase
+from bench.loadtest.trace_prompts import trace_requests
+from bench.loadtest.traces import fit_trace, read_trace
 from bench.loadtest.workloads import PromptBuilder, WorkloadSettings, build_requests, load_tokenizer
 
 
@@ -51,6 +54,7 @@ class Plan:
     conversation_settings: ConversationSettings | None = None
     # rates after the first draw their own prompts (seed + index): no prefix-cache hits on an earlier rate's prompts
     later_specs: list[list[RequestSpec]] | None = None
+    trace_replay: replay.TraceReplay | None = None  # a trace: one shape per speed-up, its rows on a fixed schedule
 
     def specs_for(self, rate_index: int) -> list[RequestSpec]:
         if rate_index == 0 or not self.later_specs:
@@ -58,9 +62,18 @@ class Plan:
         return self.later_specs[rate_index - 1]
 
 
-def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos: dict | None = None) -> Plan:
-    """Validate options and build the workload; an unset ``args.endpoint_type`` is resolved and written back."""
+def prepare(
+    args: argparse.Namespace,
+    tokenizer_model: str | None,
+    default_slos: dict | None = None,
+    context_tokens: int | None = None,
+    context_source: str = "the server (/v1/models max_model_len)",
+) -> Plan:
+    """Validate options and build the workload; an unset ``args.endpoint_type`` is resolved and written back.
+    ``context_tokens``: the model's context, from ``context_source`` (a trace's rows over it are not sent);
+    ``--max-context-tokens`` overrides it."""
     multi_turn = args.dataset_name == "multi-turn"
+    replay.check_options(args)
     if args.endpoint_type is None:
         args.endpoint_type = "chat" if multi_turn else "completions"
     conversation_settings = None
@@ -77,9 +90,10 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
             raise ValueError("a multi-turn run needs a bound: --num-conversations or --duration")
         if not args.num_conversations and math.isinf(args.request_rate) and args.max_concurrency is None:
             raise ValueError("--request-rate inf with no --num-conversations needs --max-concurrency")
-    rates = metrics.parse_list(args.rates, "--rates") or [args.request_rate]
+    trace_replay = _fit_trace(args, context_tokens, context_source) if replay.is_trace(args) else None
+    rates = [] if trace_replay is not None else metrics.parse_list(args.rates, "--rates") or [args.request_rate]
     count = args.num_conversations if multi_turn else args.num_prompts
-    shapes = [
+    shapes = [  # a trace's: one per speed-up, once its prompts are built
         LoadShape(
             request_rate=rate,
             burstiness=args.burstiness,
@@ -101,7 +115,7 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ValueError("--metric-percentiles: each must be within 0..100")
     slos, slo_source = metrics.parse_goodput(args.goodput), "--goodput"
-    if not slos and len(shapes) > 1:
+    if not slos and (len(shapes) > 1 or trace_replay is not None):  # a sweep or a trace: always SLOs
         slos, slo_source = dict(default_slos or _default_slos()), DEFAULT_SLOS_NOTE
     if not slos:
         slo_source = "none"
@@ -119,15 +133,22 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
     )
     tokenizer = load_tokenizer(args.tokenizer, tokenizer_model)
     builder = PromptBuilder(tokenizer, args.endpoint_type, seed=args.seed)
-    n = args.num_warmups + _pool_size(shapes)
+    n = args.num_warmups + _pool_size(shapes) if shapes else 0
     conversations = None
-    if conversation_settings is not None:
+    later_specs = None
+    if trace_replay is not None:
+        per_speedup = [
+            _trace_specs(trace_replay, i, PromptBuilder(tokenizer, args.endpoint_type, seed=args.seed + i), args)
+            for i in range(len(trace_replay.speedups))
+        ]
+        specs, later_specs = per_speedup[0], per_speedup[1:] or None
+        shapes = [_trace_shape(trace, args) for trace in trace_replay.traces]
+    elif conversation_settings is not None:
         conversations = build_conversations(conversation_settings, workload, builder, n)
         specs = []
     else:
         specs = build_requests(workload, builder, n)
-    later_specs = None
-    if conversation_settings is None and len(shapes) > 1:
+    if trace_replay is None and conversation_settings is None and len(shapes) > 1:
         later_specs = [
             build_requests(
                 replace(workload, seed=args.seed + i),
@@ -156,8 +177,62 @@ def prepare(args: argparse.Namespace, tokenizer_model: str | None, default_slos:
         conversations,
         conversation_settings,
         later_specs,
+        trace_replay,
     )
     return plan
+
+
+def _fit_trace(args: argparse.Namespace, context_tokens: int | None, source: str) -> replay.TraceReplay:
+    """The trace read once and fitted at each speed-up (prompts come later: ``_trace_specs``)."""
+    context = context_tokens
+    if args.max_context_tokens is not None:
+        if args.max_context_tokens < 2:
+            raise ValueError("--max-context-tokens must be at least 2")
+        context, source = args.max_context_tokens, "--max-context-tokens"
+    elif context is None:
+        source = "unknown (the server reports none; give --max-context-tokens): no row held back"
+    raw = read_trace(args.dataset_name, args.dataset_path)
+    speeds = replay.speedups(args)
+    traces = [fit_trace(raw, replay.fit_for(args, speed, context)) for speed in speeds]
+    first = traces[0]
+    if not first.rows:
+        counts = first.counts
+        where = f"--trace-window {args.trace_window}" if args.trace_window else "the trace"
+        raise ValueError(
+            f"{raw.path}: no row to send: {where} holds {counts['in_window']} rows (the file's span "
+            f"{raw.rows[-1].arrival_s:.0f} s), {counts['over_context']} of them over the context of {context} tokens"
+        )
+    return replay.TraceReplay(raw, speeds, traces, context, source)
+
+
+def _trace_specs(
+    trace_replay: replay.TraceReplay, index: int, builder: PromptBuilder, args: argparse.Namespace
+) -> list[RequestSpec]:
+    """Warm-ups (unshared prompts of the first rows' lengths, sharing nothing with the trace), then one request per
+    row of speed-up ``index``'s trace; the trace is replaced by the one as sent."""
+    specs, sent, lengthened = trace_requests(trace_replay.traces[index], builder, args.seed + index)
+    trace_replay.traces[index] = sent
+    trace_replay.lengthened = lengthened
+    if not sent.rows:
+        raise ValueError(f"{sent.path}: every row is over the context of {trace_replay.context_tokens} tokens")
+    lengths = [max(spec.input_tokens, builder.overhead() + 1) for spec in specs]
+    warm = [
+        RequestSpec(-1 - i, builder.build(length), spec.output_tokens, length)
+        for i, spec, length in zip(range(args.num_warmups), itertools.cycle(specs), itertools.cycle(lengths))
+    ]
+    return warm + specs
+
+
+def _trace_shape(trace, args: argparse.Namespace) -> LoadShape:
+    shape = LoadShape(
+        max_concurrency=args.max_concurrency,
+        num_prompts=len(trace.rows),
+        duration_s=args.duration,
+        num_warmups=args.num_warmups,
+        schedule=[row.arrival_s for row in trace.rows],
+    )
+    shape.validate()
+    return shape
 
 
 def _default_slos() -> dict:
@@ -194,9 +269,10 @@ def execute(
     )
     runs, all_results = [], []
     for rate_index, shape in enumerate(plan.shapes):
-        rate_label = "inf" if math.isinf(shape.request_rate) else shape.request_rate
+        rate_label = shape.rate_label
         label = f"{mode + ' ' if mode else ''}rate {rate_label}"
         conversations = None
+        sampler = replay.KvSampler(base_url, plan.api_key) if plan.trace_replay is not None else None
         if plan.conversations is not None:
             conversations, duration_s, client_stats = asyncio.run(
                 multiturn.run_conversations(
@@ -208,7 +284,13 @@ def execute(
         else:
             results, duration_s, client_stats = asyncio.run(
                 run_phase(
-                    plan.specs_for(rate_index), shape, settings, seed=plan.seed, progress=plan.progress, label=label
+                    plan.specs_for(rate_index),
+                    shape,
+                    settings,
+                    seed=plan.seed,
+                    progress=plan.progress,
+                    label=label,
+                    monitors=[sampler] if sampler is not None else (),
                 )
             )
         _fill_counts(results, plan.tokenizer)
@@ -224,6 +306,8 @@ def execute(
         run |= metrics.summarize(measured, duration_s, plan.slos, plan.percentiles, plan.percentile_metrics)
         if conversations is not None:
             run["multi_turn"] = multiturn.summarize_conversations(conversations, plan.percentiles)
+        if plan.trace_replay is not None and sampler is not None:
+            run |= replay.summarize(measured, plan.trace_replay.traces[rate_index], run, sampler.samples)
         run["warmups"] = {"requests": len(warm), "failed": sum(not r.success for r in warm)}
         run["client"] = client_stats
         output.write_requests(folder / "requests.jsonl", results, {"mode": mode} if mode else None)
@@ -258,10 +342,13 @@ def benchmark_settings(args: argparse.Namespace, plan: Plan) -> dict:
             "output_tokens_mean": sum(sum(c.output_tokens) for c in convs) / turns,
         }
     else:
+        measured = [s for s in plan.specs if s.index >= 0]  # a trace's warm-ups are not among its rows
         settings |= {
-            "input_tokens_mean": sum(s.input_tokens for s in plan.specs) / len(plan.specs),
-            "output_tokens_mean": sum(s.output_tokens for s in plan.specs) / len(plan.specs),
+            "input_tokens_mean": sum(s.input_tokens for s in measured) / len(measured),
+            "output_tokens_mean": sum(s.output_tokens for s in measured) / len(measured),
         }
+    if plan.trace_replay is not None:
+        settings["trace"] = plan.trace_replay.describe()
     return output.clean_json(keep | settings)
 
 
@@ -273,7 +360,10 @@ def result_folder(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict:
-    plan = prepare(args, args.tokenizer or args.model)
+    context = None
+    if replay.is_trace(args) and args.max_context_tokens is None:
+        context = replay.server_context(args.base_url, args.model, args.api_key)
+    plan = prepare(args, args.tokenizer or args.model, context_tokens=context)
     folder = result_folder(args)
     runs, results, sweep = execute(plan, args.base_url, args.model, folder, num_workers=args.num_workers)
     summary: dict[str, Any] = {

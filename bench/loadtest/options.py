@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from bench.loadtest.traces import TRACE_FORMATS
+
 LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
-DATASETS = ("random", "jsonl", "sharegpt", "shared-prefix", "multi-turn")
+DATASETS = ("random", "jsonl", "sharegpt", "shared-prefix", "multi-turn", *TRACE_FORMATS)
 THINK_TIME_DISTS = ("fixed", "exponential")
 
 PDSERVE_DEFAULT_MODEL = "smollm2-135m-instruct"  # the name of pdserve's built-in model (engine.model_loader)
@@ -48,8 +50,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds per rate; outstanding requests are cancelled")
     p.add_argument("--ramp-up-s", type=float, default=0.0)
     p.add_argument("--num-warmups", type=int, default=0)
-    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument(
+        "--dataset-name",
+        choices=DATASETS,
+        default="random",
+        help=f"{', '.join(TRACE_FORMATS)}: replay the trace file --dataset-path, each row at its own time",
+    )
     p.add_argument("--dataset-path", default=None)
+    add_trace_arguments(p)
     p.add_argument(
         "--random-input-len",
         type=int,
@@ -102,6 +110,40 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-tqdm", action="store_true")
     if not any(a.dest == "json" for a in p._actions):
         p.add_argument("--json", action="store_true", help="print only the summary JSON")
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a trace is fitted to the cluster (a trace dataset only; bench/loadtest/traces.py)."""
+    p = parser
+    p.add_argument(
+        "--trace-speedup",
+        type=float,
+        default=None,
+        help="trace time divided by this (2: twice as fast; default 1)",
+    )
+    p.add_argument(
+        "--trace-speedups",
+        default=None,
+        metavar="F,F,...",
+        help="sweep: replay the trace at each speed-up in turn (its rate: rows per second of each), e.g. 0.5,1,2",
+    )
+    p.add_argument(
+        "--trace-token-scale",
+        type=float,
+        default=None,
+        help="prompt and output lengths and the hash-block size times this (1/32: 512-token blocks become 16)",
+    )
+    p.add_argument(
+        "--trace-window", default=None, metavar="START:END", help="only the rows in [START, END) seconds of trace time"
+    )
+    p.add_argument("--max-rows", type=int, default=None, help="only the first N rows (of the window)")
+    p.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=None,
+        help="rows whose scaled prompt + output exceed this are counted and not sent (default: the server's "
+        "max_model_len from /v1/models)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,6 +52,16 @@ for _part, _key in (("turn1", "ttft_ms_first_turn"), ("later_turns", "ttft_ms_la
 for _stat in ("total", "mean", "fraction"):  # empty when the server reports no cached tokens
     CSV_FIELDS.append((f"cached_tokens_{_stat}", _nested("cached_tokens", _stat)))
 
+CSV_FIELDS += [  # trace replays only; empty for the others
+    ("trace_speedup", lambda s: s.get("trace_speedup")),
+    ("rows_sent", _nested("rows", "sent")),
+    ("rows_over_context", _nested("rows", "over_context")),
+    ("schedule_lag_p50_ms", _nested("schedule_lag_ms", "p50")),
+    ("schedule_lag_p99_ms", _nested("schedule_lag_ms", "p99")),
+    ("prefix_hit_rate_ideal", _nested("prefix_hit_rate", "ideal")),
+    ("prefix_hit_rate_measured", _nested("prefix_hit_rate", "measured")),
+]
+
 
 def default_result_dir() -> Path:
     import time
@@ -136,7 +146,22 @@ def format_table(runs: Sequence[dict]) -> str:
         lines.append("failures by reason: " + "; ".join(failures))
     lines += [_cached_line(s) for s in runs if s.get("cached_tokens") and not s.get("multi_turn")]
     lines += [_multi_turn_line(s) for s in runs if s.get("multi_turn")]
+    lines += [_trace_line(s) for s in runs if s.get("rows")]
     return "\n".join(lines)
+
+
+def _share(value) -> str:
+    return "-" if value is None else f"{100.0 * value:.1f}%"
+
+
+def _trace_line(run: dict) -> str:
+    rows, lag, hit = run["rows"], run["schedule_lag_ms"], run["prefix_hit_rate"]
+    return (
+        f"{run_label(run)} (trace x{run['trace_speedup']:g}): rows {rows['in_window']} in the window, "
+        f"{rows['over_context']} over the context, {rows['sent']} sent, {rows['completed']} completed, "
+        f"{rows['failed']} failed; schedule lag p50/p99 {_fmt(lag['p50'])}/{_fmt(lag['p99'])} ms; prefix hit rate "
+        f"ideal {_share(hit['ideal'])}, measured {_share(hit['measured'])}"
+    )
 
 
 def _cached_line(run: dict) -> str:

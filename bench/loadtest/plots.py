@@ -59,7 +59,13 @@ def caption(summary: dict) -> str:
     bench = summary.get("benchmark") or {}
     workload = bench.get("workload") or {}
     source = bench.get("config") or bench.get("base_url") or "an OpenAI-compatible server"
-    if bench.get("multi_turn"):
+    trace = bench.get("trace")
+    if trace:
+        shape = (
+            f"{trace['format']} trace {Path(trace['path']).name}, tokens x{trace['token_scale']:g}, "
+            f"{_tokens(bench.get('input_tokens_mean'))} in / {_tokens(bench.get('output_tokens_mean'))} out"
+        )
+    elif bench.get("multi_turn"):
         shape = f"multi-turn, {bench.get('turns_per_conversation_mean', 0):.1f} turns per conversation"
     else:
         shape = (
@@ -70,6 +76,9 @@ def caption(summary: dict) -> str:
     per_rate = bench.get("num_prompts")
     rates = ", ".join(dict.fromkeys(str(r["rate"]) for r in runs))
     arrivals = "poisson" if bench.get("burstiness", 1.0) == 1.0 else f"gamma burstiness {bench['burstiness']}"
+    if trace:
+        arrivals = "the trace's schedule at speed-up " + ", ".join(f"{v:g}" for v in trace["speedups"])
+        per_rate = None
     workers = "; ".join(
         f"{mode} {_workers(info)}" for mode, info in (summary.get("modes") or {}).items() if info.get("num_workers")
     ) or (f"{bench['num_workers']} workers" if bench.get("num_workers") else "")
@@ -112,6 +121,11 @@ def write_plots(
         written.append(_latency_vs_rate(plt, folder, numeric, text))
     if any(r.get("server_timing_ms") for r in runs):
         written.append(_breakdown(plt, folder, runs, series, text))
+    if any(r.get("series") for r in runs):
+        written.append(_trace_series(plt, folder, runs, series, text))
+    traced = [r for r in numeric if r.get("trace_speedup") is not None]
+    if len(traced) > 1:
+        written.append(_attainment_curves(plt, folder, traced, summary, text))
     return written
 
 
@@ -229,6 +243,81 @@ def _latency_vs_rate(plt, folder: Path, runs: Sequence[dict], text: str) -> str:
             ax.set_ylim(-2, 102)
         _finish_axes(ax)
     return _save(plt, fig, folder, "latency_vs_rate.png", text)
+
+
+POOL_MARKERS = {"prefill": "o", "decode": "s", "colocated": "^"}
+
+
+def _trace_series(plt, folder: Path, runs: Sequence[dict], series: Sequence[Series], text: str) -> str:
+    """A replay minute by minute: arrivals, TTFT p90, and the share of each pool's KV blocks requests held."""
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 9), sharex=True, layout="constrained")
+    for s, run in zip(series, runs):
+        data = run.get("series")
+        if not data:
+            continue
+        minutes = [t / 60.0 for t in data["start_s"]]
+        ax1.plot(minutes, data["arrivals"], s.style, drawstyle="steps-post", marker=".", color=s.color, label=s.label)
+        ttft = [math.nan if v is None else v for v in data["ttft_p90_ms"]]
+        ax2.plot(minutes, ttft, s.style, marker=".", color=s.color, label=s.label)
+        for pool, used in data["kv_used"].items():
+            means = [math.nan if v is None else 100.0 * v for v in used["mean"]]
+            marker = POOL_MARKERS.get(pool, "x")
+            ax3.plot(minutes, means, s.style, marker=marker, color=s.color, label=f"{s.label} {pool} (mean)")
+    ax1.set(ylabel=f"arrivals per {_bin_label(runs)}", title="arrivals (by send time)")
+    ax2.set(ylabel="TTFT p90 (ms, log)", yscale="log", title="TTFT p90 of the requests sent in each bin")
+    _log_axis(ax2.yaxis)
+    ax3.set(
+        xlabel="minutes from the start of the replay",
+        ylabel="KV blocks held (%)",
+        title="KV blocks held by requests, per pool (pdserve /status; blocks only cached count as free)",
+        ylim=(-2, 102),
+    )
+    for ax in (ax1, ax2):
+        _finish_axes(ax)
+    ax3.grid(alpha=0.3)
+    if ax3.get_legend_handles_labels()[0]:
+        ax3.legend(fontsize="x-small")
+    else:
+        ax3.text(0.5, 0.5, "no KV samples (not a pdserve server)", ha="center", va="center", transform=ax3.transAxes)
+    return _save(plt, fig, folder, "trace_series.png", text)
+
+
+def _bin_label(runs: Sequence[dict]) -> str:
+    bin_s = next((r["series"]["bin_s"] for r in runs if r.get("series")), 60.0)
+    return "minute" if bin_s == 60.0 else f"{bin_s:g} s"
+
+
+def _attainment_curves(plt, folder: Path, runs: Sequence[dict], summary: dict, text: str) -> str:
+    """DistServe's figure: goodput and SLO attainment against the rate, one point per trace speed-up, per mode."""
+    target = (summary.get("benchmark") or {}).get("slo_target_pct")
+    slos: dict = next((r["slo_ms"] for r in runs if r.get("slo_ms")), {})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    rates = [float(r["rate"]) for r in runs]
+    ax1.plot([0, max(rates)], [0, max(rates)], ":", color="gray", label="every request within the SLOs")
+    for mode in sorted({r.get("mode", "") for r in runs}):
+        mine = sorted((r for r in runs if r.get("mode", "") == mode), key=lambda r: float(r["rate"]))
+        xs, color, name = [float(r["rate"]) for r in mine], MODE_COLORS.get(mode, "C2"), mode or "run"
+        for ax, key in ((ax1, "goodput"), (ax2, "slo_attainment_pct")):
+            ys = [math.nan if r.get(key) is None else r[key] for r in mine]
+            ax.plot(xs, ys, marker="o", color=color, label=name)
+            for x, y, r in zip(xs, ys, mine):
+                ax.annotate(
+                    f"x{r['trace_speedup']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                    color=color,
+                )  # fmt: skip
+    if target is not None:
+        ax2.axhline(float(target), linestyle="--", color="gray", label=f"target {float(target):g}%")
+    within = ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+    ax1.set(xlabel="request rate (req/s: the trace at each speed-up)", ylabel="goodput (req/s)", title="goodput")
+    ax2.set(
+        xlabel="request rate (req/s: the trace at each speed-up)",
+        ylabel="requests within the SLOs (%)",
+        title=f"SLO attainment ({within})",
+        ylim=(-2, 102),
+    )
+    for ax in (ax1, ax2):
+        _finish_axes(ax)
+    return _save(plt, fig, folder, "slo_attainment_curves.png", text)
 
 
 def _stage_mean(run: dict, stage: str) -> float | None:

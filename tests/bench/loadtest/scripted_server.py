@@ -38,6 +38,7 @@ class ScriptedServer:
     def __init__(self, script=None) -> None:
         self.script = script or (lambda body, n: Script())
         self.requests: list[dict] = []
+        self.gets: list[str] = []  # paths of GET requests, answered 404
         self.active = 0  # responses being written now
         self.max_active = 0
         self._loop = asyncio.new_event_loop()
@@ -85,6 +86,11 @@ class ScriptedServer:
             lines = head.decode().split("\r\n")
             path = lines[0].split(" ")[1]
             headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+            if lines[0].startswith("GET "):  # /status, /v1/models: not served (as another server's)
+                self.gets.append(path)
+                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                await writer.drain()
+                return
             body = json.loads(await reader.readexactly(int(headers.get("content-length", 0))))
             n = len(self.requests)
             self.requests.append(body | {"_path": path, "_headers": headers})
