@@ -14,7 +14,7 @@ import argparse
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import numpy as np
@@ -128,9 +128,12 @@ def schedule_lag_ms(results: Sequence[RequestResult]) -> dict:
 def summarize(
     results: Sequence[RequestResult], trace: Trace, run: dict, samples: Sequence[tuple[float, dict[str, float]]]
 ) -> dict:
-    """What a replay adds to a run's summary (``run``: ``metrics.summarize``'s, for completed and failed)."""
+    """What a replay adds to a run's summary (``run``: ``metrics.summarize``'s, for completed and failed). The ideal
+    hit rate is over the rows sent (a ``--duration`` bound may leave the last ones unsent); result ``index`` i is
+    row i."""
     cached = run.get("cached_tokens")
-    ideal = trace.ideal_prefix_hit_rate()
+    sent = [trace.rows[r.index] for r in results if r.sent_s is not None and 0 <= r.index < len(trace.rows)]
+    ideal = replace(trace, rows=sent).ideal_prefix_hit_rate()
     measured = cached["fraction"] if cached else None
     return {
         "trace_speedup": trace.fit.speedup,
@@ -138,7 +141,7 @@ def summarize(
             "in_window": trace.counts["in_window"],
             "over_context": trace.counts["over_context"],
             "scheduled": len(trace.rows),
-            "sent": sum(r.sent_s is not None for r in results),
+            "sent": len(sent),
             "completed": run["completed"],
             "failed": run["failed"],
         },

@@ -147,6 +147,31 @@ def test_trace_options_need_a_trace(argv, message, byte_tokenizer_dir):
         cli.prepare(parse(argv), str(byte_tokenizer_dir))
 
 
+def test_a_bound_that_leaves_rows_unsent_leaves_them_out_of_the_ideal_hit_rate(tmp_path):
+    path = tmp_path / "own.jsonl"
+    rows = [(0.0, [1, 2]), (1.0, [1, 2]), (2.0, [1, 2]), (9.0, [3, 4])]
+    path.write_text(
+        "\n".join(
+            json.dumps({"arrival_s": t, "input_tokens": 8, "output_tokens": 1, "hash_ids": ids, "block_tokens": 4})
+            for t, ids in rows
+        )
+    )
+    trace = fit_trace(read_trace("trace-jsonl", path), TraceFit())
+    results = [RequestResult(i, scheduled_s=t, sent_s=t if t < 5 else None) for i, (t, _) in enumerate(rows)]
+    run = {"completed": 3, "failed": 1, "duration_s": 5.0, "cached_tokens": None}
+    summary = replay.summarize(results, trace, run, [])
+    assert summary["rows"] == {
+        "in_window": 4,
+        "over_context": 0,
+        "scheduled": 4,
+        "sent": 3,
+        "completed": 3,
+        "failed": 1,
+    }
+    assert summary["prefix_hit_rate"] == {"ideal": 16 / 24, "measured": None, "measured_over_ideal": None}
+    assert trace.ideal_prefix_hit_rate() == 16 / 32  # with the unsent row
+
+
 def test_the_per_minute_series_and_the_kv_samples():
     results = [
         RequestResult(0, scheduled_s=1.0, sent_s=1.0, success=True, ttft_s=0.1),
