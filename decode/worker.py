@@ -79,8 +79,15 @@ class _Export:
 def kv_sink(engine: LLMEngine) -> Sink:
     """The receiver's sink: arrived KV into the blocks the engine reserved for that transfer's request."""
 
-    def sink(transfer_id: str, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        engine.kv_importer.write(transfer_id, layer, block_ids, k, v)
+    def sink(
+        transfer_id: str,
+        layer: int,
+        block_ids: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        engine.kv_importer.write(transfer_id, layer, block_ids, k, v, heads)
 
     return sink
 

@@ -148,10 +148,25 @@ class KVCache:
         index = block_ids if isinstance(block_ids, torch.Tensor) else self.block_index(block_ids)
         return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
 
-    def write_blocks(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        expected = (len(block_ids), *self.k[layer].shape[1:])
+    def write_blocks(
+        self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> None:
+        """Write whole blocks, or (``heads``: first, count) those heads of them only (a tensor-parallel sender's
+        share of this cache's heads)."""
+        store_k, store_v = self.k[layer], self.v[layer]
+        expected = (len(block_ids), *store_k.shape[1:])
+        if heads is not None:
+            first, count = heads
+            if not (count > 0 and 0 <= first and first + count <= store_k.shape[2]):
+                raise ValueError(f"heads {heads} are not within the cache's {store_k.shape[2]}")
+            expected = (len(block_ids), store_k.shape[1], count, store_k.shape[3])
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             raise ValueError(f"KV blocks for layer {layer} have shape {tuple(k.shape)}, expected {expected}")
         index = self.block_index(block_ids)
-        self.k[layer].index_copy_(0, index, k.to(self.k[layer].device, self.spec.dtype))
-        self.v[layer].index_copy_(0, index, v.to(self.v[layer].device, self.spec.dtype))
+        k, v = k.to(store_k.device, self.spec.dtype), v.to(store_v.device, self.spec.dtype)
+        if heads is None:
+            store_k.index_copy_(0, index, k)
+            store_v.index_copy_(0, index, v)
+        else:
+            store_k[:, :, heads[0] : heads[0] + heads[1]].index_copy_(0, index, k)
+            store_v[:, :, heads[0] : heads[0] + heads[1]].index_copy_(0, index, v)

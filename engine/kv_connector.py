@@ -309,16 +309,28 @@ class KVImporter:
             handoff.state = ImportState.RECOMPUTE if handoff.state is ImportState.KV_FAILED else ImportState.TOKENS_IN
         self.scheduler.import_progress(request)
 
-    def write(self, request_id: str, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer of a request's imported KV (the KV receiver's sink; the transfer id is the request id).
-        Raises, writing nothing, unless the request waits for its KV and ``block_ids`` are among its expected blocks,
-        so a late or stray piece never lands in another request's blocks nor in shared prefix-cached ones."""
+    def write(
+        self,
+        request_id: str,
+        layer: int,
+        block_ids: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        """Write one layer of a request's imported KV (the KV receiver's sink; the transfer id is the request id;
+        ``heads``: some of this rank's heads only, a tensor-parallel sender's share). Raises, writing nothing, unless
+        the request waits for its KV and ``block_ids`` are among its expected blocks, so a late or stray piece never
+        lands in another request's blocks nor in shared prefix-cached ones."""
         request, handoff = self._waiting(request_id)
         if not handoff.state.awaits_kv:
             raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
         if not set(block_ids) <= set(self.expected_blocks(request)):
             raise ValueError(f"blocks {block_ids} are not reserved for the KV of request {request_id!r}")
-        self.whole_kv.write(layer, block_ids, k, v)
+        if heads is None:
+            self.whole_kv.write(layer, block_ids, k, v)
+        else:
+            self.whole_kv.kv_cache.write_blocks(layer, block_ids, k, v, heads)
 
     def kv_done(self, request_id: str, num_blocks: int | None = None) -> bool:
         """Every layer of the request's KV is in (``num_blocks``: how many blocks the sender filled, for a moved

@@ -45,7 +45,9 @@ def measure_transfer(
     kv_spec = engine.handoff_spec  # every head of the model crosses, whatever the degrees
     fingerprint = ModelFingerprint.from_spec(kv_spec)
 
-    def sink(_tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def sink(
+        _tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> None:
         engine.whole_kv.write(layer, blocks, k, v)
 
     receiver = make_receiver(spec.transfer_backend, fingerprint, sink, receiver_address(spec), config)

@@ -86,9 +86,15 @@ class SimReceiver(KVReceiver):
         num_layers: int | None = None,
         deadline_s: float | None = None,
         leading_run: bool = False,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         super().expect(
-            transfer_id, dst_block_ids, num_layers=num_layers, deadline_s=deadline_s, leading_run=leading_run
+            transfer_id,
+            dst_block_ids,
+            num_layers=num_layers,
+            deadline_s=deadline_s,
+            leading_run=leading_run,
+            heads=heads,
         )
         self._deadlines[transfer_id] = self.env.now + (deadline_s or self.deadline_s)
 
@@ -205,13 +211,19 @@ class SimSender(KVSender):
         self._out[transfer_id] = _Outgoing(receiver)
 
     def send_layer(
-        self, transfer_id: str, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+        self,
+        transfer_id: str,
+        layer: int,
+        dst_block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
-        check_layer_args(self.fp, layer, dst_block_ids, k, v)
+        check_layer_args(self.fp, layer, dst_block_ids, k, v, heads)
         out = self._out.get(transfer_id)
         if out is None or out.finished:
             return False
-        piece, tensors = encode_piece(self.fp, transfer_id, layer, dst_block_ids, k, v, "raw", with_checksum=False)
+        piece, tensors = encode_piece(self.fp, transfer_id, layer, dst_block_ids, k, v, "raw", False, heads)
         out.pieces.append(Delivery(self.session, piece, tensors))
         nbytes = len(dst_block_ids) * self.bytes_per_block // self.fp.num_layers
         out.nbytes += nbytes

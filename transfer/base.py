@@ -26,10 +26,18 @@ from transfer.wire import ModelFingerprint
 
 
 def check_layer_args(
-    fp: ModelFingerprint, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    fp: ModelFingerprint,
+    layer: int,
+    dst_block_ids: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: tuple[int, int] | None = None,
 ) -> None:
     """Caller-side validation: a wrong shape here is a programming error, not a transfer failure."""
-    want = (len(dst_block_ids), *fp.block_shape)
+    num_heads = fp.num_kv_heads if heads is None else heads[1]
+    if heads is not None and not (num_heads > 0 and 0 <= heads[0] and heads[0] + num_heads <= fp.num_kv_heads):
+        raise ValueError(f"heads {heads} are not within the receiver's {fp.num_kv_heads}")
+    want = (len(dst_block_ids), fp.block_size, num_heads, fp.head_dim)
     if not 0 <= layer < fp.num_layers:
         raise ValueError(f"layer {layer} out of range [0, {fp.num_layers})")
     for name, t in (("k", k), ("v", v)):
@@ -48,11 +56,18 @@ class KVSender(ABC):
 
     @abstractmethod
     def send_layer(
-        self, transfer_id: str, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+        self,
+        transfer_id: str,
+        layer: int,
+        dst_block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
         """Queue K/V [n, block_size, kv_heads, head_dim] of one layer for the receiver's blocks
-        `dst_block_ids`. The sender keeps a reference: do not modify k/v afterwards (hand a gathered copy).
-        Returns False (and drops the piece) if the transfer already failed or the queue stayed full."""
+        `dst_block_ids` (``heads``: of the receiver's heads [first, first + count) only, as the transfer expects).
+        The sender keeps a reference: do not modify k/v afterwards (hand a gathered copy). Returns False (and drops
+        the piece) if the transfer already failed or the queue stayed full."""
 
     @abstractmethod
     def finish(self, transfer_id: str) -> None:
@@ -102,9 +117,11 @@ class KVReceiver(ABC):
         num_layers: int | None = None,
         deadline_s: float | None = None,
         leading_run: bool = False,
+        heads: tuple[int, int] | None = None,
     ) -> None:
-        """Announce a transfer (state WAITING) before its producer starts sending."""
-        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s, leading_run)
+        """Announce a transfer (state WAITING) before its producer starts sending (``heads``: every piece carries
+        these of our heads only, [first, first + count): one tensor-parallel sender's share)."""
+        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s, leading_run, heads)
 
     @abstractmethod
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:

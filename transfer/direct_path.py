@@ -6,7 +6,8 @@ welcome   [pid, fd, token, blocks] (+ [gpu, IPC handles]) of the receiver's tran
 sender    per piece, under the segment's flock: check the blocks' tags, copy K and V in, xxh3 of the destination
           (host caches); then the header with `direct` and no payload frames
 receiver  admit -> xxh3 over the destination blocks -> count it (no sink: the bytes are in place)
-Pieces of a sender that cannot write directly (an int8 wire) come inline in the same session.
+Pieces of a sender that cannot write directly (an int8 wire, or some of a block's heads only: a tensor-parallel
+sender's share) come inline in the same session.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class DirectSend:
         if not self.raw_wire:
             send_frames(peer, outs, self.checksum)
             return
+        some = [out for out in outs if out.piece is not None and out.piece.heads is not None]
+        if some:  # some of the receiver's heads in each block: strided, so as frames (a tensor-parallel sender)
+            send_frames(peer, some, self.checksum)
+            outs = [out for out in outs if out.piece is None or out.piece.heads is None]
+            if not outs:
+                return
         if not int(peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             raise zmq.Again()
         pieces = [_direct_piece(out) for out in outs]

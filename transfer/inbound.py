@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -25,9 +25,22 @@ from transfer.errors import PeerGone, ProtocolError, TransferError, TransferTime
 from transfer.state import Inbound, TransferEvent, TransferState
 from transfer.wire import ModelFingerprint, PieceHeader, check_piece, decode_frames, verify_tensors
 
-Sink = Callable[[str, int, list[int], torch.Tensor, torch.Tensor], None]
-"""sink(transfer_id, layer, dst_block_ids, k, v): write arrived blocks into the KV cache. k and v may be
-read-only views over the receive buffer, valid only during the call: copy them out."""
+
+class Sink(Protocol):
+    """sink(transfer_id, layer, dst_block_ids, k, v, heads): write arrived blocks into the KV cache (``heads``: k and v
+    hold only our heads [first, first + count), a tensor-parallel sender's share; None: all). k and v may be read-only
+    views over the receive buffer, valid only during the call: copy them out."""
+
+    def __call__(
+        self,
+        transfer_id: str,
+        layer: int,
+        block_ids: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
+        /,
+    ) -> None: ...
 
 
 class InboundTable:
@@ -50,10 +63,12 @@ class InboundTable:
         num_layers: int | None = None,
         deadline_s: float | None = None,
         leading_run: bool = False,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         """Announce a transfer: only these destination blocks, layers [0, num_layers), until deadline. With
         ``leading_run`` the sender fills a leading run of the blocks (the same on every layer) and its finish ends
-        the transfer (``TransferEvent.num_blocks`` says how many it filled)."""
+        the transfer (``TransferEvent.num_blocks`` says how many it filled). ``heads``: every piece carries exactly
+        these of our heads (one tensor-parallel sender's share of them)."""
         if transfer_id in self._tx:
             raise ValueError(f"transfer {transfer_id!r} already expected")
         in_order = tuple(int(b) for b in dst_block_ids)
@@ -63,6 +78,8 @@ class InboundTable:
         layers = self.fp.num_layers if num_layers is None else int(num_layers)
         if not 0 < layers <= self.fp.num_layers:
             raise ValueError(f"num_layers {layers} out of range")
+        if heads is not None and not (heads[1] > 0 and 0 <= heads[0] and heads[0] + heads[1] <= self.fp.num_kv_heads):
+            raise ValueError(f"heads {heads} are not within our {self.fp.num_kv_heads}")
         now = time.monotonic()
         missing = [set(blocks) for _ in range(layers)]
         deadline = now + (deadline_s or self.deadline_s)
@@ -75,6 +92,7 @@ class InboundTable:
             layers * len(blocks),
             in_order=in_order,
             leading_run=leading_run,
+            heads=None if heads is None or tuple(heads) == (0, self.fp.num_kv_heads) else (heads[0], heads[1]),
         )
 
     def get(self, transfer_id: str) -> Inbound | None:
@@ -138,6 +156,8 @@ class InboundTable:
         elif rec.session != session:
             raise ProtocolError("piece from a different sender session than the transfer's first")
         check_piece(piece, self.fp, self.max_frame_bytes)
+        if piece.heads != rec.heads:
+            raise ProtocolError(f"a piece of heads {piece.heads} for a transfer of heads {rec.heads}")
         if piece.layer >= rec.num_layers:
             raise ProtocolError(f"layer {piece.layer} beyond expected {rec.num_layers} layers")
         todo = rec.missing[piece.layer]
@@ -174,7 +194,10 @@ class InboundTable:
         else:
             k, v = tensors
         try:
-            self.sink(piece.transfer_id, piece.layer, list(piece.blocks), k, v)
+            if piece.heads is None:
+                self.sink(piece.transfer_id, piece.layer, list(piece.blocks), k, v)
+            else:
+                self.sink(piece.transfer_id, piece.layer, list(piece.blocks), k, v, piece.heads)
         except TransferError:
             raise
         except Exception as e:  # the sink is the engine's: report, don't crash the receiver

@@ -189,14 +189,21 @@ class LocalSender(KVSender):
         self._pieces[transfer_id] = 0
 
     def send_layer(
-        self, transfer_id: str, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+        self,
+        transfer_id: str,
+        layer: int,
+        dst_block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
-        check_layer_args(self.fp, layer, dst_block_ids, k, v)
+        check_layer_args(self.fp, layer, dst_block_ids, k, v, heads)
         route = self._route.get(transfer_id)
         if route is None or self._leases.get(transfer_id) is None:
             return False
+        wire = self.cfg.kv_wire_dtype
         piece, tensors = encode_piece(
-            self.fp, transfer_id, layer, dst_block_ids, _host(k), _host(v), self.cfg.kv_wire_dtype, with_checksum=False
+            self.fp, transfer_id, layer, dst_block_ids, _host(k), _host(v), wire, with_checksum=False, heads=heads
         )
         route[0].deliver(Delivery(route[1], piece, tensors))
         self._pieces[transfer_id] += 1

@@ -137,8 +137,9 @@ class Receiver(KVReceiver):
         num_layers: int | None = None,
         deadline_s: float | None = None,
         leading_run: bool = False,
+        heads: tuple[int, int] | None = None,
     ) -> None:
-        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s, leading_run)
+        self._table.expect(transfer_id, dst_block_ids, num_layers, deadline_s, leading_run, heads)
         if self._segment is not None:
             self._segment.claim(transfer_id, dst_block_ids)
 

@@ -81,6 +81,7 @@ class SendPiece:
     layer: int
     blocks: list[int]
     staged: StagedTensors  # k, v (host, pinned copies on their way, or device KV for an NCCL pair)
+    heads: tuple[int, int] | None = None  # of the receiver's heads only (a tensor-parallel sender's share)
 
 
 @dataclass(slots=True)
@@ -138,12 +139,19 @@ class Sender(KVSender):
         self._put(transfer_id, StartTransfer(transfer_id, peer))
 
     def send_layer(
-        self, transfer_id: str, layer: int, dst_block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+        self,
+        transfer_id: str,
+        layer: int,
+        dst_block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
-        check_layer_args(self.fp, layer, dst_block_ids, k, v)
+        check_layer_args(self.fp, layer, dst_block_ids, k, v, heads)
         if self._leases.get(transfer_id) is None:
             return False  # already failed/aborted: its event is (or was) in poll()
-        return self._put(transfer_id, SendPiece(transfer_id, layer, list(dst_block_ids), self._handover(k, v)))
+        piece = SendPiece(transfer_id, layer, list(dst_block_ids), self._handover(k, v), heads)
+        return self._put(transfer_id, piece)
 
     def _handover(self, k: torch.Tensor, v: torch.Tensor) -> StagedTensors:
         """In the caller's thread: NCCL keeps device KV where it is, with an event on the caller's stream that the
@@ -342,7 +350,15 @@ class Sender(KVSender):
             return
         # checksums are taken by the path, over the bytes as they leave (the ring's copy, or the source inline)
         header, tensors = encode_piece(
-            self.fp, tid, cmd.layer, cmd.blocks, self._stage(k), self._stage(v), self.cfg.kv_wire_dtype, False
+            self.fp,
+            tid,
+            cmd.layer,
+            cmd.blocks,
+            self._stage(k),
+            self._stage(v),
+            self.cfg.kv_wire_dtype,
+            False,
+            cmd.heads,
         )
         nbytes = sum(f.nbytes for f in header.frames)
         peer.outbox.append(Outgoing(tid, header, tensors, nbytes, ready=cmd.staged.ready))

@@ -206,9 +206,17 @@ class SideStreamSink:
     def active(self) -> bool:
         return self.device.type == "cuda"
 
-    def __call__(self, tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def __call__(
+        self,
+        tid: str,
+        layer: int,
+        blocks: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
         if not self.active:
-            self.sink(tid, layer, blocks, k, v)
+            self._write(tid, layer, blocks, k, v, heads)
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
@@ -223,8 +231,16 @@ class SideStreamSink:
                 done = torch.cuda.Event()
                 done.record(self._stream)
                 self._in_flight.append((done, pinned))
-            self.sink(tid, layer, blocks, k, v)
+            self._write(tid, layer, blocks, k, v, heads)
         self.writes += 1
+
+    def _write(
+        self, tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int] | None
+    ) -> None:
+        if heads is None:  # a sink that takes every head only is called as one
+            self.sink(tid, layer, blocks, k, v)
+        else:
+            self.sink(tid, layer, blocks, k, v, heads)
 
     def _on_device(self, t: torch.Tensor, pinned: list[torch.Tensor]) -> torch.Tensor:
         """``t`` on the device, under the side stream (the caller's ``with``)."""

@@ -169,3 +169,4 @@ class Inbound:
     last_heard: float = 0.0  # last message from the sender about this transfer
     in_order: tuple[int, ...] = ()  # the blocks as expect() named them: a piece of all of them is checked at once
     leading_run: bool = False  # the sender fills the first of ``in_order`` only, and its finish ends the transfer
+    heads: tuple[int, int] | None = None  # every piece carries these of the receiver's heads only (None: all)

@@ -76,6 +76,10 @@ class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
     kv_format: Annotated[str, msgspec.Meta(max_length=16)] = "plain"
     # what a row is: one head's K or V ("heads"), or half of a latent-attention row ("latent")
     kv_layout: Annotated[str, msgspec.Meta(max_length=16)] = "heads"
+    # the KV heads this end holds (a tensor-parallel rank's slice): heads [head_start, head_start + num_kv_heads) of
+    # the model's ``model_kv_heads`` (0: all of them, num_kv_heads)
+    head_start: int = 0
+    model_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
@@ -87,6 +91,8 @@ class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if int(getattr(self, f)) <= 0:
                 raise ValueError(f"{f} must be > 0")
+        if self.head_start < 0 or self.model_kv_heads < 0 or self.head_start + self.num_kv_heads > self.total_heads:
+            raise ValueError(f"heads [{self.head_start}, +{self.num_kv_heads}) are not within {self.total_heads}")
 
     @classmethod
     def from_spec(cls, spec: Any) -> ModelFingerprint:
@@ -101,6 +107,21 @@ class ModelFingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
             int(spec.block_size),
             str(getattr(spec, "quantization", None) or "plain"),
             str(getattr(spec, "kv_layout", "heads")),
+        )
+
+    @property
+    def total_heads(self) -> int:
+        return self.model_kv_heads or self.num_kv_heads
+
+    def slice(self, head_start: int, num_heads: int) -> ModelFingerprint:
+        """The fingerprint of an end that holds heads ``[head_start, head_start + num_heads)`` of this one's (a
+        tensor-parallel rank of a worker whose whole-model fingerprint this is)."""
+        if self.head_start or self.model_kv_heads:
+            raise ValueError("a slice is taken of the whole model's fingerprint")
+        if (head_start, num_heads) == (0, self.num_kv_heads):
+            return self
+        return msgspec.structs.replace(
+            self, num_kv_heads=num_heads, head_start=head_start, model_kv_heads=self.num_kv_heads
         )
 
     @property
@@ -171,6 +192,13 @@ class PieceHeader(Header, tag="kv"):
     shm: Annotated[list[Any], msgspec.Meta(max_length=5)] | None = None  # ring path: [positions..., end], checked by
     # shm_ring.check_positions against the ring itself
     direct: bool = False  # direct path: no payload, the sender wrote it into `blocks`; the frames' xxh3 cover them
+    # some of the receiver's heads only, [first, first + count) of its slice (a tensor-parallel sender holds those);
+    # None: all of them
+    heads: tuple[Count, Count] | None = None
+
+    @property
+    def num_heads(self) -> int | None:
+        return None if self.heads is None else self.heads[1]
 
 
 MAX_BATCH_PIECES = 32  # a whole small transfer of a 30-layer model in one message
@@ -302,13 +330,17 @@ def tensor_over(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Ten
     return torch.frombuffer(buf, dtype=dtype).view(tuple(shape))
 
 
-def expected_frames(fp: ModelFingerprint, wire: str, n: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, shape) of every frame a piece of `n` blocks must carry, derived from *our* fingerprint."""
-    full = (n, *fp.block_shape)
+def expected_frames(
+    fp: ModelFingerprint, wire: str, n: int, num_heads: int | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every frame a piece of `n` blocks (of `num_heads` of our heads: all by default) must carry,
+    derived from *our* fingerprint."""
+    heads = fp.num_kv_heads if num_heads is None else num_heads
+    full = (n, fp.block_size, heads, fp.head_dim)
     if wire == "raw":
         return [(fp.dtype, full), (fp.dtype, full)]
     if wire == "int8":
-        scale = (n, fp.num_kv_heads)
+        scale = (n, heads)
         return [("int8", full), ("float32", scale), ("int8", full), ("float32", scale)]
     raise ProtocolError(f"unknown wire dtype {wire!r:.20}")
 
@@ -326,7 +358,9 @@ def batch_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
 def declared_sizes_match(p: PieceHeader, fp: ModelFingerprint) -> bool:
     """Whether a piece's frame sizes are those our fingerprint gives for its blocks: what makes a batch's layout
     (batch_layout over the declared sizes) trustworthy before any piece is checked in full."""
-    want = expected_frames(fp, p.wire, len(p.blocks))
+    if p.heads is not None and not (p.heads[1] > 0 and p.heads[0] + p.heads[1] <= fp.num_kv_heads):
+        return False
+    want = expected_frames(fp, p.wire, len(p.blocks), p.num_heads)
     return len(want) == len(p.frames) and all(
         f.nbytes == math.prod(shape) * dtype_from_name(dt).itemsize for f, (dt, shape) in zip(p.frames, want)
     )
@@ -338,7 +372,9 @@ def check_piece(p: PieceHeader, fp: ModelFingerprint, max_frame_bytes: int) -> N
         raise FingerprintMismatch(f"piece fingerprint {p.fingerprint} != receiver's {fp}")
     if not 0 <= p.layer < fp.num_layers:
         raise ProtocolError(f"layer {p.layer} out of range [0, {fp.num_layers})")
-    want = expected_frames(fp, p.wire, len(p.blocks))
+    if p.heads is not None and not (p.heads[1] > 0 and p.heads[0] + p.heads[1] <= fp.num_kv_heads):
+        raise ProtocolError(f"heads {list(p.heads)} are not within the receiver's {fp.num_kv_heads}")
+    want = expected_frames(fp, p.wire, len(p.blocks), p.num_heads)
     if len(p.frames) != len(want):
         raise ProtocolError(f"{len(p.frames)} frames, expected {len(want)} for wire={p.wire}")
     for spec, (dt, shape) in zip(p.frames, want):
@@ -389,8 +425,10 @@ def encode_piece(
     v: torch.Tensor,
     wire: str,
     with_checksum: bool,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[PieceHeader, list[torch.Tensor]]:
-    """Header and payload tensors (contiguous, in frame order) for one layer piece.
+    """Header and payload tensors (contiguous, in frame order) for one layer piece (``heads``: of some of the
+    receiver's heads only).
 
     raw: [k, v] as they are (bit-exact). int8: [k_q, k_scale, v_q, v_scale] (see transfer.compress)."""
     from transfer.compress import quantize_int8
@@ -402,7 +440,8 @@ def encode_piece(
     else:
         raise ValueError(f"unknown wire dtype {wire!r}")
     specs = tuple(spec_of(t, with_checksum) for t in tensors)
-    return PieceHeader(transfer_id, layer, block_tuple(blocks), cast(Wire, wire), specs, fp), tensors
+    header = PieceHeader(transfer_id, layer, block_tuple(blocks), cast(Wire, wire), specs, fp, heads=heads)
+    return header, tensors
 
 
 def block_tuple(blocks: Sequence[int]) -> tuple[int, ...]:

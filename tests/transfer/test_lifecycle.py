@@ -7,7 +7,9 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
+import torch
 
 from tests.helpers import transfer_peers as procs
 from tests.helpers.kv import Cache, fingerprint, make_kv, poll_until
@@ -192,3 +194,68 @@ def test_a_leading_run_with_a_gap_or_ragged_layers_fails(backend, gap, closing) 
     s.finish("t")
     rev, sev = _by_side(r, s)
     assert isinstance(_one_failure(rev), ProtocolError) and isinstance(_one_failure(sev), ProtocolError)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_transfer_of_some_heads_writes_only_those(backend, closing) -> None:
+    """A tensor-parallel sender's share of a receiver's heads: the receiver names the heads at expect, every piece
+    carries exactly them, and the sink is told which; a piece of other heads fails the transfer."""
+    whole = fingerprint("float32")
+    fp = whole.slice(0, whole.num_kv_heads)  # a receiver holding every head of a 1-head model is its whole fp
+    assert fp == whole
+    writes: list = []
+
+    def sink(tid, layer, blocks, k, v, heads=None):
+        writes.append((layer, blocks, tuple(k.shape), heads))
+
+    r = closing(make_receiver(backend, fp, sink, BACKENDS[backend], FAST))
+    s = closing(make_sender(backend, fp, FAST))
+    r.expect("t", [3, 4], heads=(0, fp.num_kv_heads))  # all of them, said explicitly: as a whole transfer
+    s.begin("t", r.address)
+    for layer in range(fp.num_layers):
+        s.send_layer("t", layer, [3, 4], *make_kv(fp, layer, 2, 1))
+    s.finish("t")
+    rev, sev = _by_side(r, s)
+    assert rev[0].ok and sev[0].ok and all(w[3] is None for w in writes)
+
+
+def test_heads_of_a_fingerprint_slice_and_pieces_that_carry_them():
+    from transfer.wire import check_piece, encode_piece
+
+    whole = fingerprint("float32")
+    wide = msgspec_replace(whole, num_kv_heads=4)
+    rank = wide.slice(2, 2)  # a tensor-parallel rank holding heads 2 and 3 of 4
+    assert (rank.head_start, rank.num_kv_heads, rank.model_kv_heads, rank.total_heads) == (2, 2, 4, 4)
+    assert rank != wide
+    with pytest.raises(ValueError, match="not within"):
+        msgspec_replace(wide, head_start=3, num_kv_heads=2, model_kv_heads=4)
+    k = torch.zeros(1, rank.block_size, 1, rank.head_dim)
+    piece, _ = encode_piece(rank, "t", 0, [7], k, k, "raw", False, heads=(1, 1))
+    check_piece(piece, rank, 1 << 30)  # one of the rank's two heads: its second
+    bad, _ = encode_piece(rank, "t", 0, [7], k, k, "raw", False, heads=(2, 1))
+    with pytest.raises(ProtocolError, match="heads"):
+        check_piece(bad, rank, 1 << 30)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_piece_of_other_heads_than_expected_fails_the_transfer(backend, closing) -> None:
+    whole = msgspec_replace(fingerprint("float32"), num_kv_heads=2)
+    writes: list = []
+
+    def sink(tid, layer, blocks, k, v, heads=None):
+        writes.append(heads)
+
+    r = closing(make_receiver(backend, whole, sink, BACKENDS[backend], FAST))
+    s = closing(make_sender(backend, whole, FAST))
+    r.expect("t", [1], heads=(1, 1))  # the second head only
+    s.begin("t", r.address)
+    one = torch.ones(1, whole.block_size, 1, whole.head_dim)
+    s.send_layer("t", 0, [1], one, one, heads=(1, 1))
+    poll_until([r.poll], lambda _: writes == [(1, 1)], 3)  # written with its heads named
+    s.send_layer("t", 1, [1], one, one, heads=(0, 1))  # the first head: not this transfer's share
+    rev, sev = _by_side(r, s)
+    assert isinstance(_one_failure(rev), ProtocolError) and writes == [(1, 1)]
+
+
+def msgspec_replace(fp, **fields):
+    return msgspec.structs.replace(fp, **fields)
