@@ -303,3 +303,14 @@ def test_compare_sweeps_speedups_and_draws_the_attainment_curves(tmp_path, byte_
     assert "slo_attainment_curves.png" in summary["plots"]
     assert (tmp_path / "cmp" / "slo_attainment_curves.png").stat().st_size > 0
     assert all(summary["modes"][mode]["sweep"]["target_attainment_pct"] == 90.0 for mode in summary["modes"])
+
+
+def test_the_shipped_trace_config_matches_the_recommended_token_scale():
+    """configs/local-trace.yaml (docs/loadtest.md): kv_aware routing, KV blocks the size of Mooncake's hash blocks at
+    --trace-token-scale 1/64, a context that holds the trace's longest row at that scale."""
+    from cluster.config import load_config
+
+    config = load_config(Path(__file__).parents[3] / "configs" / "local-trace.yaml")
+    assert config.router.prefill_policy == config.router.decode_policy == "kv_aware"
+    assert config.transfer.block_size == round(512 / 64)
+    assert config.model.max_model_len is not None and config.model.max_model_len >= 1972 + 5
