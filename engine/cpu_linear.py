@@ -113,21 +113,26 @@ def can_convert(module: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def tune_cpu_linears(model: nn.Module, pack: bool = True) -> FormTable | None:
+def tune_cpu_linears(model: nn.Module, pack: bool = True, kept: tuple[Form, ...] | None = None) -> FormTable | None:
     """Make every plain float32 ``nn.Linear`` of a CPU model a ``CpuLinear`` on the fastest form per row bucket,
-    timed here (``pack``: oneDNN on packed weights is one of the forms, where torch has oneDNN); None: nothing to
-    tune."""
+    timed here (``pack``: oneDNN on packed weights is one of the forms, where torch has oneDNN), or on ``kept``, the
+    forms an earlier start timed (a compiled decode step's graphs were traced with them); None: nothing to tune."""
     linears = [cast(CpuLinear, module) for module in model.modules() if can_convert(module)]
     if not linears:
         return None
     forms = [Form.LINEAR, Form.LEFT]
-    if pack and torch.backends.mkldnn.is_available():
+    if pack and torch.backends.mkldnn.is_available() and (kept is None or Form.PACKED in kept):
         forms.append(Form.PACKED)
         for module in linears:
             # the layout oneDNN picks for a batch of 1; prefill-sized inputs run about as fast on it
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1)
     for module in linears:
         module.__class__ = CpuLinear
+    if kept is not None and len(kept) == len(BUCKETS) and set(kept) <= set(forms):
+        table = FormTable(kept, {})
+        for module in linears:
+            module.table = table
+        return table
     timed = _timed_subset(linears)
     best: dict[tuple[Form, int], float] = {}
     for _ in range(TIMED_ROUNDS):

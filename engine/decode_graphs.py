@@ -10,25 +10,32 @@ hidden states are dropped before the lm_head. A verified proposal's tokens are r
 to itself. Other steps run eagerly (``Fallback``). A graphed step attends with gather + SDPA whatever the eager
 backend (the paged layout is shared). ``StaticStep.EAGER`` runs the same static path eagerly, as the CPU tests do;
 the capture itself (``_capture``) has not run on a GPU. ``StaticStep.COMPILED`` (the CPU) runs it through
-``torch.compile``: one graph per configured batch size, the context width dynamic, compiled at start-up
-(docs/speculative.md, "A compiled CPU decode step").
+``torch.compile``: one graph per configured batch size, the context width dynamic, compiled ahead of time at
+start-up and kept on disk (engine/compile_cache.py), so that a later start loads it (docs/speculative.md, "A
+compiled CPU decode step").
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
+import functools
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.attention import AttentionBatch, DecodeGroup, SdpaBackend
 from engine.blocks import blocks_for_tokens
+from engine.compile_cache import CompiledStore, model_fingerprint, runtime_fields
 from engine.config import EngineConfig
+from engine.cpu_linear import CpuLinear
 from engine.host_values import long_tensor
 from engine.kv_cache import KVSpec
 from engine.model_runner import ModelRunner, StepStats, sample_rows, wait_for_compute
@@ -136,6 +143,7 @@ class DecodeGraphs:
         max_graphs: int = DEFAULT_MAX_GRAPHS,
         max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES,
         compile_batches: list[int] | None = None,
+        cache_root: Path | None = None,
     ) -> None:
         if mode is StaticStep.GRAPHS and runner.device.type != "cuda":
             raise ValueError(f"CUDA graph capture needs a CUDA device, the model is on {runner.device}")
@@ -169,8 +177,11 @@ class DecodeGraphs:
         capture = mode is StaticStep.GRAPHS
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device) if capture else None
-        self._compiled: Callable[..., torch.Tensor] | None = None
-        self.compile_s: dict[int, float] = {}  # batch bucket -> seconds its compile took (COMPILED)
+        self._compiled: dict[int, Callable[..., torch.Tensor]] = {}  # batch bucket -> its compiled step (COMPILED)
+        self.compile_s: dict[int, float] = {}  # batch bucket -> seconds its compile (or its load from disk) took
+        self.loaded: set[int] = set()  # the batch buckets loaded from disk rather than compiled here
+        # None: the compiled steps are kept under $PDSERVE_CACHE/compiled (engine.compile_cache); a path: there
+        self.cache_root = cache_root
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last staging copy is done
         self._broken = False  # a capture failed: every later step runs eagerly
         self.num_replays = 0
@@ -282,7 +293,7 @@ class DecodeGraphs:
             entry.graph.replay()
             hidden = entry.hidden
             self.num_replays += 1
-        elif self._compiled is not None:
+        elif self._compiled:
             hidden = self._run_compiled(key)
         else:
             hidden = self._forward_static(key)
@@ -367,26 +378,136 @@ class DecodeGraphs:
         return out.last_hidden_state[0]
 
     def _run_compiled(self, key: _Key) -> torch.Tensor:
-        """The compiled step; one that would compile again (a minute on a CPU, mid-serving) runs eagerly instead,
-        and so does every later step of this engine (``CAPTURE_FAILED``)."""
-        assert self._compiled is not None
+        """The key's batch bucket's compiled step. One it cannot take (its graph's guards fail, or the plain
+        ``torch.compile`` step would compile again: a minute on a CPU, mid-serving) runs eagerly instead, and so does
+        every later step of this engine (``CAPTURE_FAILED``)."""
         try:
+            if key.batch not in self._compiled:
+                raise RuntimeError(f"Detected recompile: no step was compiled for batch {key.batch}")
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._compiled(*self._views(key))
+                return self._compiled[key.batch](*self._views(key))
         except RuntimeError as e:
-            if "Detected recompile" not in str(e):
+            if "Detected recompile" not in str(e) and "GuardManager check failed" not in str(e):
                 raise
-            logger.warning("the compiled decode step would compile again for %s; decode runs eagerly: %s", key, e)
-            self._broken, self._compiled = True, None
+            logger.warning("the compiled decode step cannot run %s; decode runs eagerly: %s", key, e)
+            self._broken, self._compiled = True, {}
             return self._forward_static(key)
+
+    def cache_fields(self) -> dict[str, object]:
+        """What the compiled graphs depend on: the key of their entry on disk (engine.compile_cache)."""
+        runner = self.runner
+        cache = runner.kv_cache
+        linear = next((m for m in runner.model.modules() if isinstance(m, CpuLinear)), None)
+        return runtime_fields() | {
+            "model": model_fingerprint(runner.model),
+            "kv": [str(cache.spec), len(cache.kv), list(cache.kv[0].shape)],
+            "context_buckets": [self.context_buckets[0], self.max_gather_blocks],
+            "linear_forms": None if linear is None else [f.value for f in linear.table.forms],
+            "packed_weights": linear is not None and linear.packed_weight is not None,
+            "softcap": runner.final_logit_softcap,
+            "windows": sorted(runner.sliding_windows),
+            "head_split": str(runner.head_split),
+            "threads": torch.get_num_threads(),
+        }
+
+    def _keeps_on_disk(self) -> bool:
+        """At a tensor-parallel degree above 1 the graphs name their process's own device group: not kept."""
+        return self.runner.tp_group is None or self.runner.tp_group.size == 1
 
     @torch.inference_mode()
     def compile_all(self) -> dict[int, float]:
-        """Compile the static step for every batch bucket now, each over all context widths (the width is marked
-        dynamic at its first call, made at a padding key); returns seconds per bucket. A compile that fails leaves
-        the engine eager (``CAPTURE_FAILED``): eager is always correct."""
+        """Compile the static step for every batch bucket now, each over all context widths (the table's width is
+        dynamic), or load it from disk where an earlier start kept it (engine.compile_cache); returns seconds per
+        bucket. Each graph runs once on padding here (its kernels load, its guards are checked). A model whose step
+        does not trace as one graph, and a degree above 1, take plain ``torch.compile``, compiled at every start. A
+        compile that fails leaves the engine eager (``CAPTURE_FAILED``): eager is always correct."""
         assert self.mode is StaticStep.COMPILED
-        self._compiled = torch.compile(self._step, dynamic=False)
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        plain = not self._keeps_on_disk()
+        try:
+            if not plain:
+                store = CompiledStore(self.cache_fields(), self.cache_root)
+                with contextlib.ExitStack() as held:
+                    try:
+                        held.enter_context(store.locked())
+                    except OSError as exc:  # nowhere to keep it: compiled here, as at every start
+                        logger.warning("the compiled decode step cannot be kept in %s: %s", store.root, exc)
+                        plain = True
+                    else:
+                        held.enter_context(temporary_cache_dir(str(store.inductor_dir)))
+                        plain = not self._compile_ahead(store)
+            if plain:
+                self._compile_plain()
+        except Exception:
+            logger.exception("compiling the decode step failed; decode runs eagerly")
+            self._broken, self._compiled = True, {}
+        return self.compile_s
+
+    def _compile_ahead(self, store: CompiledStore) -> bool:
+        """Load or compile ahead of time every bucket's step, keeping what it compiles in ``store``; False: the step
+        does not trace as one graph (nothing kept)."""
+        held = store.verified_batches()
+        steps: dict[int, Callable[..., torch.Tensor]] = {}  # kept off self until the end: a later bucket's trace
+        # serializes the guards' view of self, which a compiled step's own guard manager cannot join
+        for number, batch in enumerate(self.batch_buckets, 1):
+            started = time.perf_counter()
+            key = _Key(batch, self.context_buckets[0])
+            self._fill(None, key)
+            step = self._load(store, batch, key) if batch in held else None
+            if step is None:
+                if held and batch in held:  # listed but not loadable: the entry is not trusted
+                    store.clear()
+                    held = set()
+                try:
+                    compiled = self._aot_compile(key)
+                except torch._dynamo.exc.Unsupported as exc:
+                    logger.info("the decode step does not compile as one graph (%s): compiled at every start", exc)
+                    return False
+                store.dir.mkdir(parents=True, exist_ok=True)
+                compiled.save_compiled_function(str(store.graph_path(batch)))
+                step = functools.partial(compiled, self)
+                step(*self._views(key))
+                held.add(batch)
+                store.record(held)
+            else:
+                self.loaded.add(batch)
+            steps[batch] = step
+            self.compile_s[batch] = round(time.perf_counter() - started, 3)
+            logger.info(
+                "decode step for batch %d %s in %.1f s (%d/%d, %s)",
+                batch,
+                "loaded from disk" if batch in self.loaded else "compiled",
+                self.compile_s[batch],
+                number,
+                len(self.batch_buckets),
+                store.dir,
+            )
+        self._compiled = steps
+        return True
+
+    def _aot_compile(self, key: _Key) -> Any:  # torch._dynamo.aot_compile.AOTCompiledFunction
+        views = self._views(key)
+        torch._dynamo.mark_dynamic(views[-1], 1)  # the table's width: one graph for every context bucket
+        # guards on the inputs' shapes, dtypes and strides only: the store's key stands for the rest
+        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+        compiled: Any = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
+        return compiled.aot_compile((views, {}))
+
+    def _load(self, store: CompiledStore, batch: int, key: _Key) -> Callable[..., torch.Tensor] | None:
+        """The kept step of ``batch``, run once on padding; None when it does not load or run."""
+        try:
+            with store.graph_path(batch).open("rb") as f:
+                step = functools.partial(torch.compiler.load_compiled_function(f), self)
+            step(*self._views(key))
+        except Exception as exc:  # a file the manifest vouched for, but this torch cannot use: compile again
+            logger.warning("the kept decode step for batch %d did not load (%r): compiling it again", batch, exc)
+            return None
+        return step
+
+    def _compile_plain(self) -> None:
+        """``torch.compile`` (dynamo traces at every start; inductor's own cache may spare its kernels' compile)."""
+        compiled = torch.compile(self._step, dynamic=False)
         # every engine of a process (in-process workers, other models) adds its graphs to this one function's: past
         # dynamo's limit of 8 it would run the step eagerly without a word. While serving nothing compiles anyway
         with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_PER_PROCESS):
@@ -395,16 +516,11 @@ class DecodeGraphs:
                 started = time.perf_counter()
                 self._fill(None, key)
                 views = self._views(key)
-                torch._dynamo.mark_dynamic(views[-1], 1)  # the table's width: one graph for every context bucket
-                try:
-                    self._compiled(*views)
-                except Exception:
-                    logger.exception("compiling the decode step for batch %d failed; decode runs eagerly", batch)
-                    self._broken, self._compiled = True, None
-                    break
+                torch._dynamo.mark_dynamic(views[-1], 1)
+                compiled(*views)
+                self._compiled[batch] = compiled
                 self.compile_s[batch] = round(time.perf_counter() - started, 3)
                 logger.info("compiled the decode step for batch %d in %.1f s", batch, self.compile_s[batch])
-        return self.compile_s
 
     def _capture(self, key: _Key) -> _Entry:
         """Warm up on the capture stream, then record ``_forward_static(key)`` into a graph in the shared pool.

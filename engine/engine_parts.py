@@ -16,9 +16,10 @@ import torch
 
 from engine.attention import register_paged_attention, select_backend
 from engine.blocks import kv_blocks_for
+from engine.compile_cache import keep_linear_forms, kept_linear_forms, model_fingerprint, runtime_fields
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
-from engine.cpu_linear import BUCKETS, tune_cpu_linears
-from engine.decode_graphs import decode_graphs_for, graph_scratch_bytes
+from engine.cpu_linear import BUCKETS, Form, tune_cpu_linears
+from engine.decode_graphs import decode_graphs_for, graph_scratch_bytes, uses_compiled_decode
 from engine.kv_cache import KVCache, KVSpec
 from engine.memory import KVMemoryPlanner, MemoryPlan
 from engine.model_loader import load_model
@@ -58,10 +59,7 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
     model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
     if model.device.type == "cpu" and config.cpu_linear_tuning:  # decode's few rows: the fastest product here
-        if table := tune_cpu_linears(model):
-            logger.info(
-                "CPU linears by rows %s: %s (pass ms %s)", BUCKETS, [f.value for f in table.forms], table.pass_ms
-            )
+        _tune_linears(model, config, group)
     hf_config = model.config
     attention = probe_model(model, hf_config.num_hidden_layers)  # the KV layout and features, from the model itself
     size = group.size if group else 1
@@ -122,6 +120,30 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         eos_token_ids,
         vocab_size,
         sampler,
+    )
+
+
+def _tune_linears(model: torch.nn.Module, config: EngineConfig, group: TPGroup | None) -> None:
+    """Time the linears' forms (engine.cpu_linear); with a compiled decode step kept on disk, time them once per
+    machine and model and take the kept forms after that (the step's graphs were traced with them)."""
+    keep = uses_compiled_decode(config) and (group is None or group.size == 1)
+    fields = runtime_fields() | {"model": model_fingerprint(model), "threads": torch.get_num_threads()} if keep else {}
+    fields.pop("engine_source", None)  # the forms are timed, not traced
+    kept = kept_linear_forms(fields) if keep else None
+    try:
+        forms = tuple(Form(f) for f in kept) if kept else None
+    except ValueError:  # not forms of this version: timed again
+        forms = kept = None
+    table = tune_cpu_linears(model, kept=forms)
+    if table is None:
+        return
+    if keep and kept is None:
+        keep_linear_forms(fields, [f.value for f in table.forms])
+    logger.info(
+        "CPU linears by rows %s: %s (%s)",
+        BUCKETS,
+        [f.value for f in table.forms],
+        f"pass ms {table.pass_ms}" if table.pass_ms else "as timed at an earlier start",
     )
 
 

@@ -308,7 +308,7 @@ def test_a_compiled_step_that_would_compile_again_runs_eagerly(make_engine, tiny
         expected = graphs._forward_static(key).clone()
         got = graphs._run_compiled(key)
     assert torch.equal(got, expected)
-    assert graphs._compiled is None and graphs.fallback_reason([]) is Fallback.CAPTURE_FAILED
+    assert not graphs._compiled and graphs.fallback_reason([]) is Fallback.CAPTURE_FAILED
 
 
 def test_a_failed_compile_leaves_the_engine_eager(make_engine, tiny_llama_path, monkeypatch):
@@ -324,7 +324,7 @@ def test_a_failed_compile_leaves_the_engine_eager(make_engine, tiny_llama_path, 
     expected = _tokens(_run(make_engine(tiny_llama_path, **SETTINGS), prompts, params))
     engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=[2])
     graphs = engine.runner.decode_graphs
-    assert graphs.compile_s == {} and graphs._compiled is None
+    assert graphs.compile_s == {} and not graphs._compiled
     assert _tokens(_run(engine, prompts, params)) == expected
     assert graphs.fallbacks[Fallback.CAPTURE_FAILED] > 0 and not graphs.steps
 

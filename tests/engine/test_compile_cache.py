@@ -1,0 +1,112 @@
+"""The compiled decode step kept on disk (``engine.compile_cache``): a second start loads what the first compiled,
+and an entry that is corrupt or made for something else is removed and compiled again, never run.
+
+Compiles cost tens of seconds on 2 cores, so these tests share the tiny Llama's entries in ``$PDSERVE_CACHE`` with
+tests/engine/test_decode_graphs.py (same settings, same batch sizes), and each test that must compile afresh does so
+once, into a copy of those entries under its own cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine.compile_cache import MANIFEST, CompiledStore, store_root
+from engine.cpu_info import cpu_fingerprint, cpu_model
+from engine.decode_graphs import Fallback
+from engine.request import SamplingParams
+from tests.helpers.engine import random_prompts
+
+SETTINGS = dict(block_size=4, max_num_seqs=6, max_model_len=256, max_batch_tokens=64)
+BATCHES = [2]
+
+
+def _greedy_tokens(engine) -> list[list[int]]:
+    prompts = random_prompts(2, 4, 10, seed=21)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+@pytest.fixture
+def kept(make_engine, tiny_llama_path):
+    """An engine whose compiled step for BATCHES is on disk (compiled now, or by an earlier test or run), its
+    tokens, and its entry."""
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES)
+    graphs = engine.runner.decode_graphs
+    assert set(graphs.compile_s) == set(BATCHES) and not graphs._broken
+    return engine, _greedy_tokens(engine), CompiledStore(graphs.cache_fields())
+
+
+def _copy_to(tmp_path, monkeypatch, store: CompiledStore) -> CompiledStore:
+    """The entry (and the kept CPU-linear forms) copied under a cache directory of this test's own."""
+    root = tmp_path / "cache" / "compiled"
+    root.mkdir(parents=True)
+    shutil.copytree(store.dir, root / store.key)
+    for forms in store_root().glob("linear-forms-*.json"):
+        shutil.copy(forms, root / forms.name)
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    return CompiledStore(store.fields, root)
+
+
+def test_a_second_engine_loads_the_kept_step_and_is_token_exact(kept, make_engine, tiny_llama_path):
+    engine, tokens, store = kept
+    again = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES)
+    graphs = again.runner.decode_graphs
+    assert graphs.loaded == set(BATCHES) and CompiledStore(graphs.cache_fields()).key == store.key
+    assert _greedy_tokens(again) == tokens
+    assert sum(graphs.steps.values()) > 5 and Fallback.CAPTURE_FAILED not in graphs.fallbacks
+    assert store.verified_batches() == set(BATCHES)  # loading left the entry as it was
+
+
+def _damage(store: CompiledStore, damage: str) -> None:
+    if damage == "graph":
+        path = store.graph_path(BATCHES[0])
+        path.write_bytes(path.read_bytes()[:-100] + bytes(100))
+    elif damage == "kernel":
+        kernel = next(p for p in store.inductor_dir.rglob("*.so"))
+        kernel.write_bytes(b"\0" * kernel.stat().st_size)
+    elif damage == "manifest":
+        (store.dir / MANIFEST).write_text("{not json")
+    elif damage == "foreign":  # another machine's entry under this key
+        manifest = json.loads((store.dir / MANIFEST).read_text())
+        manifest["fields"]["cpu"] = "another-cpu"
+        (store.dir / MANIFEST).write_text(json.dumps(manifest))
+    else:
+        (store.inductor_dir / "planted.py").write_text("raise SystemExit('never run')\n")
+
+
+@pytest.mark.parametrize("damage", ["graph", "kernel", "manifest", "foreign", "extra"])
+def test_a_corrupt_or_foreign_entry_is_not_trusted(kept, tmp_path, monkeypatch, damage):
+    """Found before anything of the entry is read as code: the entry is removed."""
+    copy = _copy_to(tmp_path, monkeypatch, kept[2])
+    assert copy.verified_batches() == set(BATCHES)
+    _damage(copy, damage)
+    assert copy.verified_batches() == set() and not copy.dir.exists()
+
+
+def test_an_engine_on_a_corrupt_entry_compiles_again_and_is_correct(
+    kept, make_engine, tiny_llama_path, tmp_path, monkeypatch
+):
+    engine, tokens, store = kept
+    copy = _copy_to(tmp_path, monkeypatch, store)
+    _damage(copy, "graph")
+    again = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES)
+    graphs = again.runner.decode_graphs
+    assert graphs.loaded == set() and set(graphs.compile_s) == set(BATCHES) and not graphs._broken
+    assert _greedy_tokens(again) == tokens
+    assert copy.verified_batches() == set(BATCHES)  # compiled again, and kept
+
+
+def test_the_kept_forms_of_the_cpu_linears_are_reused(kept, make_engine, tiny_llama_path):
+    engine, _, _ = kept
+    again = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES)
+    first = next(m.table for m in engine.model.modules() if hasattr(m, "table"))
+    second = next(m.table for m in again.model.modules() if hasattr(m, "table"))
+    assert second.forms == first.forms and second.pass_ms == {}  # taken from disk, not timed
+
+
+def test_the_cpu_is_named_and_fingerprinted():
+    assert cpu_model() and "cores" in cpu_model()
+    assert cpu_fingerprint() == cpu_fingerprint() and len(cpu_fingerprint()) == 16
