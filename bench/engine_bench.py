@@ -4,7 +4,9 @@ batch 1 against llama.cpp on the same F32 weights when llama-cpp-python is insta
 Both sides run the same prompts (equal lengths: ``generate`` needs no padding) on the same weights. Decode tokens/s
 is ``(t(N tokens) - t(1 token)) / (batch * (N - 1))`` for both, so prefill and start-up are subtracted, not guessed.
 Each figure is the median of ``--repeats`` runs after a warm-up, reported as a ratio against transformers in the
-same run because this machine is shared. ``interleaved_medians`` and ``decode_rates`` are the timing rules the
+same run because this machine is shared; the CPU is named beside them. The compiled decode step (the CPU serving
+configs' default) is measured from a cold start (compiled into an empty entry on disk) and a warm one (another
+process loading that entry), both printed under ``compiled_decode``. ``interleaved_medians`` and ``decode_rates`` are the timing rules the
 experiments that measure the engine (benchmarks/speculative_bench.py, kv_quant_bench.py, model_families_bench.py)
 take from here. ``--speculative ngram`` runs the speculative experiment instead (cli/main.py's ``ROUTES``: it is
 benchmarks/speculative_bench.py, ``pdserve bench speculative``), never this module's ``run``.
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -23,7 +28,9 @@ import torch
 from bench.llama_cpp_baseline import LlamaCpp, unavailable_reason
 from bench.options import add_engine_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from bench.options import engine_bench_defaults
+from engine.compile_cache import CompiledStore
 from engine.config import EngineConfig
+from engine.cpu_info import cpu_model
 from engine.llm_engine import LLMEngine
 from engine.model_loader import parse_dtype, resolve_model_path
 from engine.request import SamplingParams
@@ -51,6 +58,45 @@ def decode_rates(times: dict[str, float], names: list[str], tokens: int) -> dict
     return {name: round(tokens / max(times[f"{name}_full"] - times[f"{name}_first"], 1e-9), 1) for name in names}
 
 
+WARM_START = """
+import json, sys, time
+from engine.config import EngineConfig
+from engine.engine_parts import build_engine_parts
+started = time.perf_counter()
+graphs = build_engine_parts(EngineConfig(**json.loads(sys.argv[1]))).runner.decode_graphs
+print(json.dumps({"engine_s": time.perf_counter() - started, "step_s": sum(graphs.compile_s.values()),
+                  "loaded": sorted(graphs.loaded), "buckets": graphs.batch_buckets}))
+"""
+
+
+def _compiled_engine(config: EngineConfig) -> tuple[LLMEngine, dict[str, object]]:
+    """The engine with its decode step compiled from a cold start (an entry on disk that held it is removed
+    first), and the seconds a warm start of another process takes to load it: the whole engine and the step."""
+    engine = LLMEngine(config)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None
+    if graphs.loaded:  # kept by an earlier run: compiled again, for the cold figure
+        store = CompiledStore(graphs.cache_fields())
+        with store.locked():
+            store.clear()
+        engine = LLMEngine(config)
+        graphs = engine.runner.decode_graphs
+        assert graphs is not None and not graphs.loaded
+    times: dict[str, object] = {"cold_start_step_s": round(sum(graphs.compile_s.values()), 1)}
+    settings = json.dumps(dataclasses.asdict(engine.config))
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_START, settings], capture_output=True, text=True, timeout=600, check=False
+    )
+    try:
+        warm = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return engine, times | {"warm_start": f"failed: {done.stderr[-500:]}"}
+    times["warm_start_step_s"] = round(warm["step_s"], 1)
+    times["warm_start_engine_s"] = round(warm["engine_s"], 1)
+    times["warm_start_loaded_all"] = warm["loaded"] == warm["buckets"]
+    return engine, times
+
+
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -72,8 +118,12 @@ def run(args: argparse.Namespace) -> dict:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     # and with its decode step compiled for each measured batch size (engine/decode_graphs.py, StaticStep.COMPILED)
     compiled = None
+    start_times: dict[str, object] = {}
     if args.device == "cpu" and not getattr(args, "no_compiled", False):
-        compiled = LLMEngine(dataclasses.replace(config, compile_decode_batches=sorted(set(sizes))))
+        compiled_config = dataclasses.replace(
+            config, compile_decode_batches=sorted(set(sizes)), compile_decode_background=False
+        )
+        compiled, start_times = _compiled_engine(compiled_config)
     hf = (
         AutoModelForCausalLM.from_pretrained(
             resolve_model_path(args.model), dtype=parse_dtype(args.dtype), attn_implementation="sdpa"
@@ -193,6 +243,7 @@ def run(args: argparse.Namespace) -> dict:
             other.check_no_leaks()
     compiled_graphs = compiled.runner.decode_graphs if compiled is not None else None
     return {
+        "cpu": cpu_model() if args.device == "cpu" else None,
         "model": args.model,
         "dtype": args.dtype,
         "device": args.device,
@@ -206,6 +257,7 @@ def run(args: argparse.Namespace) -> dict:
         "compiled_decode": None
         if compiled_graphs is None
         else {
+            **start_times,
             "compile_s": {str(b): s for b, s in compiled_graphs.compile_s.items()},
             "eager_steps": {reason.name: n for reason, n in compiled_graphs.fallbacks.items()},
         },

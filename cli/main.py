@@ -205,6 +205,10 @@ def _benchmark(
             for route in chosen:
                 assert route.nested is not None
                 result[route.nested] = _run_experiment(route, options, args)
+        if isinstance(result, dict) and "cpu" not in result:  # every CPU figure is read against its CPU
+            from engine.cpu_info import cpu_model
+
+            result = {"cpu": cpu_model(), **result}
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
 

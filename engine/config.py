@@ -116,8 +116,12 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDtype = "auto"
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured per batch-size bucket; ignored on the CPU
     # CPU: decode-only steps of up to the largest of these batch sizes run a torch.compile'd static step, rows padded
-    # to the next listed size, each size compiled at start-up (about 40 s for SmolLM2 on 2 cores); None: eager
+    # to the next listed size, each size compiled once per machine (30-120 s for SmolLM2 on 2 cores) and then loaded
+    # from $PDSERVE_CACHE at every start (seconds; engine/compile_cache.py); None: eager
     compile_decode_batches: list[int] | None = None
+    # a step not yet on disk compiles in a background process while the engine serves eagerly, and is loaded between
+    # steps when done (engine/background_compile.py; at a tensor-parallel degree of 1); false: the start waits for it
+    compile_decode_background: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_batch_tokens: int = 2048  # tokens per forward: longer prompts are prefilled in chunks
     max_num_seqs: int = 64  # requests in the running batch

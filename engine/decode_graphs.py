@@ -22,7 +22,9 @@ import contextlib
 import enum
 import functools
 import logging
+import subprocess
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +70,7 @@ class Fallback(enum.Enum):
     PROMPT_LOGPROBS = "a request wants prompt logprobs"  # they need every position's hidden state
     LAYER_HOOK = "a layer hook is installed (streaming KV export)"  # Python per layer, which a graph cannot run
     CAPTURE_FAILED = "a capture or compile failed; static steps are off for this engine"
+    COMPILING = "the compiled step is compiling in a background process"
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -182,6 +185,7 @@ class DecodeGraphs:
         self.loaded: set[int] = set()  # the batch buckets loaded from disk rather than compiled here
         # None: the compiled steps are kept under $PDSERVE_CACHE/compiled (engine.compile_cache); a path: there
         self.cache_root = cache_root
+        self._background: subprocess.Popen | None = None  # the process compiling this step (engine.background_compile)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last staging copy is done
         self._broken = False  # a capture failed: every later step runs eagerly
         self.num_replays = 0
@@ -249,6 +253,10 @@ class DecodeGraphs:
 
     def fallback_reason(self, chunks: list[ScheduledChunk]) -> Fallback | None:
         """None when this step can run on a graph (or, without ``capture``, on the static path); else why not."""
+        if self._background is not None:
+            self.poll_background()
+            if self._background is not None:
+                return Fallback.COMPILING
         if self._broken:
             return Fallback.CAPTURE_FAILED
         if not chunks or any(chunk.start == 0 or chunk.num_tokens != 1 and not chunk.proposal for chunk in chunks):
@@ -414,13 +422,56 @@ class DecodeGraphs:
         """At a tensor-parallel degree above 1 the graphs name their process's own device group: not kept."""
         return self.runner.tp_group is None or self.runner.tp_group.size == 1
 
+    def start_background(self, config: EngineConfig) -> None:
+        """Load the step now if its entry holds every bucket; else compile it in a background process while the
+        engine serves eagerly (``poll_background`` loads it when that is done). At a degree above 1 the ranks
+        compile now, together."""
+        if not self._keeps_on_disk():
+            self.compile_all()
+            return
+        store = CompiledStore(self.cache_fields(), self.cache_root)
+        try:
+            with store.locked():
+                held = store.verified_batches()
+        except OSError:
+            held = set()
+        if set(self.batch_buckets) <= held:
+            self.compile_all()
+            return
+        from engine.background_compile import start
+
+        self._background = start(config)
+        weakref.finalize(self, self._background.terminate)
+        logger.info(
+            "the decode step for batches %s is compiling in process %d (%s); decode runs eagerly until it is done",
+            self.batch_buckets,
+            self._background.pid,
+            store.dir,
+        )
+
+    def poll_background(self) -> None:
+        """Between steps: once the background compile has exited, load what it kept (or stay eager)."""
+        assert self._background is not None
+        returncode = self._background.poll()
+        if returncode is None:
+            return
+        self._background = None
+        if returncode != 0:
+            logger.warning("the background compile exited with %d; decode stays eager", returncode)
+            self._broken = True
+            return
+        started = time.perf_counter()
+        self.compile_all(load_only=True)
+        logger.info("switched to the compiled decode step (%.1f s to load)", time.perf_counter() - started)
+
     @torch.inference_mode()
-    def compile_all(self) -> dict[int, float]:
+    def compile_all(self, load_only: bool = False) -> dict[int, float]:
         """Compile the static step for every batch bucket now, each over all context widths (the table's width is
         dynamic), or load it from disk where an earlier start kept it (engine.compile_cache); returns seconds per
         bucket. Each graph runs once on padding here (its kernels load, its guards are checked). A model whose step
         does not trace as one graph, and a degree above 1, take plain ``torch.compile``, compiled at every start. A
-        compile that fails leaves the engine eager (``CAPTURE_FAILED``): eager is always correct."""
+        compile that fails, or with ``load_only`` a bucket not on disk, leaves the engine eager (``CAPTURE_FAILED``):
+        eager is always correct."""
         assert self.mode is StaticStep.COMPILED
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
@@ -436,7 +487,9 @@ class DecodeGraphs:
                         plain = True
                     else:
                         held.enter_context(temporary_cache_dir(str(store.inductor_dir)))
-                        plain = not self._compile_ahead(store)
+                        plain = not self._compile_ahead(store, load_only)
+            if plain and load_only:
+                raise RuntimeError("the background compile kept no step to load")
             if plain:
                 self._compile_plain()
         except Exception:
@@ -444,7 +497,7 @@ class DecodeGraphs:
             self._broken, self._compiled = True, {}
         return self.compile_s
 
-    def _compile_ahead(self, store: CompiledStore) -> bool:
+    def _compile_ahead(self, store: CompiledStore, load_only: bool = False) -> bool:
         """Load or compile ahead of time every bucket's step, keeping what it compiles in ``store``; False: the step
         does not trace as one graph (nothing kept)."""
         held = store.verified_batches()
@@ -455,6 +508,8 @@ class DecodeGraphs:
             key = _Key(batch, self.context_buckets[0])
             self._fill(None, key)
             step = self._load(store, batch, key) if batch in held else None
+            if step is None and load_only:
+                raise RuntimeError(f"the decode step for batch {batch} is not on disk in {store.dir}")
             if step is None:
                 if held and batch in held:  # listed but not loadable: the entry is not trusted
                     store.clear()
@@ -582,7 +637,10 @@ def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: 
     if uses_compiled_decode(config):
         batches = list(config.compile_decode_batches or ())
         graphs = DecodeGraphs(runner, config.max_num_seqs, max_model_len, StaticStep.COMPILED, compile_batches=batches)
-        graphs.compile_all()
+        if config.compile_decode_background:
+            graphs.start_background(config)
+        else:
+            graphs.compile_all()
         return graphs
     if not uses_decode_graphs(config):
         return None

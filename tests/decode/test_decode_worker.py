@@ -14,13 +14,14 @@ import time
 import msgspec
 import pytest
 
-from decode.worker import shared_kv_cache
 from engine.blocks import reserved_blocks
 from engine.request import RequestStatus
 from tests.helpers.engine import random_prompts
 from tests.helpers.roles import assert_same_logprobs, build_engine, greedy
 from transfer.config import TransferConfig
+from transfer.wire import ModelFingerprint
 from worker.messages import ErrorEvent, Start, Timing, Tokens
+from worker.rank_kv import shared_kv_cache
 from worker.spec import RuntimeOptions, WorkerSpec
 
 
@@ -137,7 +138,7 @@ def test_a_request_that_finishes_with_its_first_token(role_pair):
 def test_a_handoff_onto_a_compiled_decode_step_is_token_exact_and_counted(role_pair):
     """A decode worker whose engine compiled its decode step (``compile_decode_batches``) decodes the handed-off
     request on it, token for token as the eager engine, and its totals say so (``/metrics``)."""
-    pair = role_pair(decode_engine=dict(compile_decode_batches=[1, 2]))
+    pair = role_pair(decode_engine=dict(compile_decode_batches=[1, 2], compile_decode_background=False))
     [prompt] = random_prompts(1, 30, 30, seed=71)
     pair.handoff("c", prompt, greedy(12))
     assert pair.client_view("c") == pair.expected(prompt, greedy(12))
@@ -503,7 +504,7 @@ def test_the_cache_moves_into_shared_memory_for_same_node_direct_writes(tiny_lla
         TransferConfig(direct_write=direct_write),
         transfer_backend=backend,
     )
-    segment = shared_kv_cache(spec, engine)
+    segment = shared_kv_cache(spec, engine.kv_cache, ModelFingerprint.from_spec(engine.kv_spec))
     try:
         assert (segment is not None) is shared
         if segment is None:

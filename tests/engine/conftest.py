@@ -23,7 +23,8 @@ def make_engine():
     engines: list[LLMEngine] = []
 
     def factory(model, **overrides) -> LLMEngine:
-        settings = dict(model=str(model), kv_blocks=256)
+        # a compiled decode step compiles (or loads) before the engine is returned, never in the background
+        settings = dict(model=str(model), kv_blocks=256, compile_decode_background=False)
         settings.update(overrides)
         engine = LLMEngine(EngineConfig(**settings))
         engines.append(engine)

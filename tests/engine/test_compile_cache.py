@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -105,6 +106,31 @@ def test_the_kept_forms_of_the_cpu_linears_are_reused(kept, make_engine, tiny_ll
     first = next(m.table for m in engine.model.modules() if hasattr(m, "table"))
     second = next(m.table for m in again.model.modules() if hasattr(m, "table"))
     assert second.forms == first.forms and second.pass_ms == {}  # taken from disk, not timed
+
+
+def test_a_background_compile_loads_a_warm_entry_at_start(kept, make_engine, tiny_llama_path):
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES, compile_decode_background=True)
+    graphs = engine.runner.decode_graphs
+    assert graphs._background is None and graphs.loaded == set(BATCHES)
+
+
+@pytest.mark.e2e  # a compile in another process: about a minute on 2 cores
+def test_a_cold_step_compiles_in_the_background_while_the_engine_serves_eagerly(
+    kept, make_engine, tiny_llama_path, tmp_path, monkeypatch
+):
+    engine, tokens, store = kept
+    copy = _copy_to(tmp_path, monkeypatch, store)
+    copy.clear()  # the kept linear forms stay: the same key
+    started = time.perf_counter()
+    again = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES, compile_decode_background=True)
+    graphs = again.runner.decode_graphs
+    assert graphs._background is not None and time.perf_counter() - started < 30
+    assert _greedy_tokens(again) == tokens  # eagerly, meanwhile
+    assert graphs.fallbacks[Fallback.COMPILING] > 0 and not graphs.steps
+    assert graphs._background.wait(timeout=600) == 0
+    assert _greedy_tokens(again) == tokens  # the first step after the exit loads the kept step
+    assert graphs.loaded == set(BATCHES) and sum(graphs.steps.values()) > 5
+    assert copy.verified_batches() == set(BATCHES)
 
 
 def test_the_cpu_is_named_and_fingerprinted():

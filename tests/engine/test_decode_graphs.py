@@ -311,13 +311,14 @@ def test_a_compiled_step_that_would_compile_again_runs_eagerly(make_engine, tiny
     assert not graphs._compiled and graphs.fallback_reason([]) is Fallback.CAPTURE_FAILED
 
 
-def test_a_failed_compile_leaves_the_engine_eager(make_engine, tiny_llama_path, monkeypatch):
+def test_a_failed_compile_leaves_the_engine_eager(make_engine, tiny_llama_path, monkeypatch, tmp_path):
     def broken_compile(fn, **kwargs):
         def run(*args):
             raise RuntimeError("the compiler is broken")
 
         return run
 
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))  # nothing kept on disk: the engine must compile
     monkeypatch.setattr(torch, "compile", broken_compile)
     prompts = random_prompts(2, 3, 8, seed=5)
     params = [_greedy(6)] * 2

@@ -1,0 +1,63 @@
+"""A cold compiled decode step compiled in another process, so that an engine's start never waits for it.
+
+An engine whose step is not yet on disk (engine/compile_cache.py) starts on the eager path and runs
+``python -m engine.background_compile '<EngineConfig as JSON>'``: the same engine built again there, at the lowest
+CPU priority (it takes what serving leaves), compiles every batch bucket into the same entry (the same config gives
+the same key) and exits. The serving engine polls the process between steps and, once it has exited, loads the
+entry (``DecodeGraphs.poll_background``). The child ends itself when its parent is gone (it watches its parent's
+pid); the graphs it kept before that stay on disk for the next start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 1.0
+
+
+def _end_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(3)  # the serving process is gone: nobody will load this compile
+
+
+def start(config: EngineConfig) -> subprocess.Popen:
+    """The process compiling ``config``'s decode step into its entry on disk."""
+    settings = dataclasses.asdict(dataclasses.replace(config, compile_decode_background=False))
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.background_compile", str(os.getpid()), json.dumps(settings)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # its progress goes to stderr, the worker's log
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+
+
+def main(argv: list[str]) -> int:
+    os.nice(19)  # what serving leaves
+    threading.Thread(target=_end_with, args=(int(argv[0]),), daemon=True).start()
+    logging.basicConfig(level=logging.INFO, format="[background compile %(process)d] %(name)s %(message)s")
+    for noisy in ("httpx", "torch", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from engine.engine_parts import build_engine_parts
+
+    config = EngineConfig(**json.loads(argv[1]))
+    parts = build_engine_parts(config)
+    graphs = getattr(parts.runner, "decode_graphs", None)
+    done = graphs is not None and not getattr(graphs, "_broken", True)
+    logger.info("the decode step is %s", "compiled and kept" if done else "not compiled (see above)")
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
