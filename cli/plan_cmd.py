@@ -83,14 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", default=None, metavar="FILE", help="plot goodput against the split (PNG)")
-    add_trace_arguments(parser, TRACE_RATES)
+    add_trace_arguments(parser, TRACE_RATES, max_rows_default="--num-requests")
 
 
 TRACE_RATES = (
     "Goodput on a trace: each rate the search tries replays the same rows with the trace's own clock compressed or "
     "stretched uniformly so that its mean rate is that rate; bursts, lulls and order are kept, and 'x trace' is the "
     "goodput over the trace's own rate at --trace-speedup (how much faster than recorded the layout still meets the "
-    "SLO). A probe shorter than --min-duration repeats the trace, the repeat sharing no prefix with the rows before."
+    "SLO); rows that arrive together stay together at every rate. A probe shorter than --min-duration repeats the "
+    "trace, the repeat sharing no prefix with the rows before."
 )
 
 

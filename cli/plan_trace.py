@@ -18,7 +18,7 @@ PREFIX = "trace:"
 TRACE_FLAGS = ("trace_speedup", "trace_token_scale", "trace_window", "max_rows", "trace_format")
 
 
-def add_trace_arguments(parser: argparse.ArgumentParser, rate_note: str) -> None:
+def add_trace_arguments(parser: argparse.ArgumentParser, rate_note: str, max_rows_default: str = "all") -> None:
     """The load tester's names for fitting a trace to a cluster (issue 53's spellings)."""
     group = parser.add_argument_group(
         "trace workloads (--workload trace:[FORMAT:]FILE)",
@@ -39,7 +39,13 @@ def add_trace_arguments(parser: argparse.ArgumentParser, rate_note: str) -> None
     group.add_argument(
         "--trace-window", default=None, metavar="START:END", help="only the rows in [START, END) seconds of trace time"
     )
-    group.add_argument("--max-rows", type=int, default=None, metavar="N", help="at most the window's first N rows")
+    group.add_argument(
+        "--max-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"at most the window's first N rows (default: {max_rows_default})",
+    )
 
 
 @dataclass(frozen=True, slots=True)
