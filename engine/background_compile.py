@@ -4,8 +4,9 @@ An engine whose step is not yet on disk (engine/compile_cache.py) starts on the 
 ``python -m engine.background_compile '<EngineConfig as JSON>'``: the same engine built again there, at the lowest
 CPU priority (it takes what serving leaves), compiles every batch bucket into the same entry (the same config gives
 the same key) and exits. The serving engine polls the process between steps and, once it has exited, loads the
-entry (``DecodeGraphs.poll_background``). The child ends itself when its parent is gone (it watches its parent's
-pid); the graphs it kept before that stay on disk for the next start.
+entry (``DecodeGraphs.poll_background``). The child finishes even if its parent stops first (the compile is paid
+once per machine: the next start loads it); an engine that starts while another process holds the entry serves
+eagerly and waits for it in a child of its own, never in its start.
 """
 
 from __future__ import annotations
@@ -16,27 +17,17 @@ import logging
 import os
 import subprocess
 import sys
-import threading
-import time
 
 from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-PARENT_CHECK_S = 1.0
-
-
-def _end_with(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_CHECK_S)
-    os._exit(3)  # the serving process is gone: nobody will load this compile
 
 
 def start(config: EngineConfig) -> subprocess.Popen:
     """The process compiling ``config``'s decode step into its entry on disk."""
     settings = dataclasses.asdict(dataclasses.replace(config, compile_decode_background=False))
     return subprocess.Popen(
-        [sys.executable, "-m", "engine.background_compile", str(os.getpid()), json.dumps(settings)],
+        [sys.executable, "-m", "engine.background_compile", json.dumps(settings)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,  # its progress goes to stderr, the worker's log
         env=os.environ | {"PYTHONUNBUFFERED": "1"},
@@ -45,13 +36,12 @@ def start(config: EngineConfig) -> subprocess.Popen:
 
 def main(argv: list[str]) -> int:
     os.nice(19)  # what serving leaves
-    threading.Thread(target=_end_with, args=(int(argv[0]),), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="[background compile %(process)d] %(name)s %(message)s")
     for noisy in ("httpx", "torch", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from engine.engine_parts import build_engine_parts
 
-    config = EngineConfig(**json.loads(argv[1]))
+    config = EngineConfig(**json.loads(argv[0]))
     parts = build_engine_parts(config)
     graphs = getattr(parts.runner, "decode_graphs", None)
     done = graphs is not None and not getattr(graphs, "_broken", True)

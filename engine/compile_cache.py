@@ -140,10 +140,11 @@ class CompiledStore:
         return self.dir / f"batch-{batch}.bin"
 
     @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self, wait: bool = True) -> Iterator[None]:
+        """Hold the key; ``wait=False``: raise ``BlockingIOError`` at once if another process holds it."""
         self.root.mkdir(parents=True, exist_ok=True)
         with (self.root / f"{self.key}.lock").open("a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
                 yield
             finally:

@@ -431,7 +431,7 @@ class DecodeGraphs:
             return
         store = CompiledStore(self.cache_fields(), self.cache_root)
         try:
-            with store.locked():
+            with store.locked(wait=False):  # held elsewhere: another process compiles it, which the child waits for
                 held = store.verified_batches()
         except OSError:
             held = set()

@@ -133,6 +133,18 @@ def test_a_cold_step_compiles_in_the_background_while_the_engine_serves_eagerly(
     assert copy.verified_batches() == set(BATCHES)
 
 
+@pytest.mark.e2e  # a child process that loads the entry: about 20 s on 2 cores
+def test_a_start_while_another_process_holds_the_entry_does_not_wait(kept, make_engine, tiny_llama_path):
+    engine, tokens, store = kept
+    with store.locked():  # as a background compile of another worker would
+        started = time.perf_counter()
+        again = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES, compile_decode_background=True)
+        graphs = again.runner.decode_graphs
+        assert graphs._background is not None and time.perf_counter() - started < 30
+    assert graphs._background.wait(timeout=300) == 0  # its child waited for the entry, found it whole
+    assert _greedy_tokens(again) == tokens and graphs.loaded == set(BATCHES)
+
+
 def test_the_cpu_is_named_and_fingerprinted():
     assert cpu_model() and "cores" in cpu_model()
     assert cpu_fingerprint() == cpu_fingerprint() and len(cpu_fingerprint()) == 16
