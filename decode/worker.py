@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import logging
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 
 import torch
@@ -26,14 +23,10 @@ import torch
 from engine.kv_connector import KVSink
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
-from transfer.base import KVReceiver, KVSender, make_receiver, make_sender
+from transfer.base import KVReceiver, KVSender
 from transfer.errors import SenderAborted
 from transfer.inbound import Sink
-from transfer.kv_segment import KVSegment
-from transfer.pair_path import gpu_uuid
-from transfer.shm_ring import ShmUnavailable
 from transfer.state import TransferEvent
-from transfer.wire import ModelFingerprint
 from worker.messages import (
     Command,
     ErrorCode,
@@ -47,7 +40,8 @@ from worker.messages import (
     WorkerCounters,
     WorkerLoad,
 )
-from worker.role import Emit, Role, send_kv_to
+from worker.rank_kv import HandoffReceiver, HandoffSender, handoff_layout, rank_kv
+from worker.role import Emit, Role
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -77,7 +71,8 @@ class _Export:
 
 
 def kv_sink(engine: LLMEngine) -> Sink:
-    """The receiver's sink: arrived KV into the blocks the engine reserved for that transfer's request."""
+    """A plain receiver's sink, for a worker of one rank whose receiver is made outside (``HandoffReceiver.over``):
+    arrived KV into the blocks the engine reserved for that transfer's request."""
 
     def sink(
         transfer_id: str,
@@ -99,23 +94,27 @@ class DecodeRole(Role):
         self,
         name: str,
         engine: LLMEngine,
-        receiver: KVReceiver,
+        receiver: HandoffReceiver | KVReceiver,
         emit: Emit,
         *,
         failure_policy: FailurePolicy = "fail",
         headroom_tokens: int = 0,
         start_deadline_s: float = 30.0,
         counters: WorkerCounters | None = None,
-        make_migration_sender: Callable[[], KVSender] | None = None,
+        make_migration_sender: Callable[[], HandoffSender | KVSender] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``receiver``'s sink must be ``kv_sink(engine)``; ``make_migration_sender`` makes the sender of running
-        requests' KV to other decode workers at the first move (None: this worker moves nothing out). ``clock``: what
-        the reservations' expiry goes by (the planner's simulation gives its own, as to ``engine.kv_importer``)."""
+        """``receiver``: the worker's (``from_spec``), or a plain one of a worker of one rank, whose sink is
+        ``kv_sink(engine)``; ``make_migration_sender`` makes the sender of running requests' KV to other decode
+        workers at the first move (None: this worker moves nothing out). ``clock``: what the reservations' expiry
+        goes by (the planner's simulation gives its own, as to ``engine.kv_importer``)."""
         super().__init__(name, engine, emit, counters)
-        self.receiver = receiver
+        self.layout = handoff_layout(engine.kv_spec, engine.runner.head_split)
+        self.receiver = (
+            receiver if isinstance(receiver, HandoffReceiver) else HandoffReceiver.over(receiver, self.layout)
+        )
         self._make_sender = make_migration_sender
-        self.sender: KVSender | None = None
+        self.sender: HandoffSender | None = None
         self._exports: dict[str, _Export] = {}  # by transfer id (the target's request id)
         self.failure_policy = failure_policy
         self.headroom_tokens = headroom_tokens
@@ -126,15 +125,18 @@ class DecodeRole(Role):
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> DecodeRole:
-        fingerprint = ModelFingerprint.from_spec(engine.handoff_spec)
-        receiver = make_receiver(
-            spec.transfer_backend,
-            fingerprint,
-            kv_sink(engine),
-            receiver_address(spec),
-            dataclasses.replace(spec.transfer, kv_device=engine.config.device),  # GPU cache: side-stream writes
-            shared_kv_cache(spec, engine),
+        # this rank's endpoints (the other ranks hold theirs: worker/tp_rank.py): KV arrives into the blocks the
+        # engine reserved for its request; a move's KV leaves on the pool's backend, as a prefill worker's
+        kv = rank_kv(
+            spec, engine.kv_cache, handoff_layout(engine.kv_spec, engine.runner.head_split), engine.kv_importer.write
         )
+        channel = engine.runner.step_channel
+        try:
+            receiver = HandoffReceiver(kv, channel)
+        except BaseException:
+            kv.close()
+            raise
+        sender = HandoffSender(kv, channel)
         return cls(
             spec.name,
             engine,
@@ -143,8 +145,7 @@ class DecodeRole(Role):
             failure_policy=spec.failure_policy,
             headroom_tokens=spec.reserve_headroom_tokens,
             start_deadline_s=spec.transfer.deadline_s,
-            # the pool's backend, as a prefill worker's sender
-            make_migration_sender=functools.partial(make_sender, spec.transfer_backend, fingerprint, spec.transfer),
+            make_migration_sender=lambda: sender,
         )
 
     def info(self) -> dict:
@@ -184,7 +185,13 @@ class DecodeRole(Role):
         local = not moved and 0 < uncached <= command.local_prefill_max_tokens
         if not local:
             expected = engine.kv_importer.expected_blocks(held)
-            self.receiver.expect(rid, expected, num_layers=engine.kv_spec.num_layers, leading_run=moved)
+            self.receiver.expect(
+                rid,
+                expected,
+                num_layers=engine.kv_spec.num_layers,
+                leading_run=moved,
+                source_degree=command.source_degree,
+            )
         first = held.num_cached_tokens // engine.kv_spec.block_size
         reply = Reserved(
             rid=rid,
@@ -228,11 +235,12 @@ class DecodeRole(Role):
         self._migration_sender().begin(command.target_rid, command.kv_address)
         self._exports[command.target_rid] = _Export(command.rid, command.target_rid, list(command.dst_blocks), src)
 
-    def _migration_sender(self) -> KVSender:
+    def _migration_sender(self) -> HandoffSender:
         if self.sender is None:
             if self._make_sender is None:
                 raise ValueError("this decode worker has no KV sender: it moves no request out")
-            self.sender = self._make_sender()
+            sender = self._make_sender()
+            self.sender = sender if isinstance(sender, HandoffSender) else HandoffSender.over(sender, self.layout)
         return self.sender
 
     def _export_step(self) -> None:
@@ -253,16 +261,15 @@ class DecodeRole(Role):
             ):
                 sender.abort(job.transfer_id, "the request left its blocks")
                 continue
-            sink = send_kv_to(sender, job.transfer_id, job.dst)
             try:
                 if job.src and job.layer < num_layers:
                     end_layer = min(num_layers, job.layer + -(-num_layers // PRECOPY_TURNS))
-                    engine.kv_exporter.export_held(request, sink, 0, len(job.src), range(job.layer, end_layer))
+                    self._send_held(job, request, 0, len(job.src), range(job.layer, end_layer))
                     job.layer = end_layer
                 if job.transfer_id not in sender.active_transfers():
                     continue  # it failed already: the request runs on here, and poll reports the failure
                 if job.layer == num_layers or not job.src or not self._fits_next_step(request, job.dst):
-                    self._freeze_and_send(job, sink)
+                    self._freeze_and_send(job)
             except Exception as exc:  # noqa: BLE001 - reported by poll; the request decodes on here if it can
                 logger.warning("%s: moving %s failed: %s", self.name, job.rid, exc)
                 sender.abort(job.transfer_id, f"migration failed: {exc}")
@@ -274,7 +281,17 @@ class DecodeRole(Role):
         step_tokens = 1 + (spec.config.num_tokens if spec is not None and request.params.speculative else 0)
         return request.num_tokens - 1 + step_tokens <= len(dst) * self.engine.kv_spec.block_size
 
-    def _freeze_and_send(self, job: _Export, sink: KVSink) -> None:
+    def _send_held(self, job: _Export, request: Request, first_block: int, end_block: int, layers: range) -> None:
+        """Some layers of the request's blocks ``[first_block, end_block)``: rank 0's heads through the engine's
+        exporter, the other ranks' by their own (``HandoffSender.send_held``)."""
+        sender = self.sender
+        assert sender is not None
+        sink: KVSink = sender.sink(job.transfer_id, job.dst)
+        self.engine.kv_exporter.export_held(request, sink, first_block, end_block, layers)
+        src, dst = request.block_ids[first_block:end_block], job.dst[first_block:end_block]
+        sender.send_held(job.transfer_id, src, dst, layers)
+
+    def _freeze_and_send(self, job: _Export) -> None:
         """Stop the request between steps (its tokens so far went out in earlier ``tokens`` events: ``Frozen`` names
         them), then send every layer's blocks the pre-copy did not: the transfer's end comes from the sender."""
         engine, sender = self.engine, self.sender
@@ -286,8 +303,8 @@ class DecodeRole(Role):
         sent, done = len(job.src), job.layer
         job.phase = ExportPhase.SENT
         if done and sent < end:
-            engine.kv_exporter.export_held(request, sink, sent, end, range(done))
-        engine.kv_exporter.export_held(request, sink, 0, end, range(done, engine.kv_spec.num_layers))
+            self._send_held(job, request, sent, end, range(done))
+        self._send_held(job, request, 0, end, range(done, engine.kv_spec.num_layers))
         sender.finish(job.transfer_id)
 
     def _resume(self, rid: str) -> None:
@@ -411,39 +428,3 @@ class DecodeRole(Role):
         self.receiver.close()
         if self.sender is not None:
             self.sender.close()
-
-
-def shared_kv_cache(spec: WorkerSpec, engine: LLMEngine) -> KVSegment | None:
-    """The engine's cache offered to same-node senders, which write KV in place (transfer/direct_path.py): a CPU cache
-    moved into shared memory (shm, auto), or a GPU cache's CUDA IPC handles (nccl, shm, auto); one rank holding every
-    head. None: a ring, a pair group or frames instead."""
-    cache = engine.kv_cache
-    on_gpu = cache.kv[0].device.type == "cuda"
-    backends = ("nccl", "shm", "auto") if on_gpu else ("shm", "auto")
-    if spec.transfer_backend not in backends or not spec.transfer.direct_write or engine.handoff_spec != engine.kv_spec:
-        return None
-    fp, num_blocks = ModelFingerprint.from_spec(engine.kv_spec), cache.kv[0].shape[1]
-    try:
-        if on_gpu:
-            cfg = dataclasses.replace(spec.transfer, device=engine.config.device)
-            return KVSegment(fp, num_blocks, device_layers=cache.kv, gpu=gpu_uuid(cfg))
-        segment = KVSegment(fp, num_blocks)
-    except (ShmUnavailable, ValueError) as e:
-        logger.warning("the KV cache is not offered to same-node senders (a ring or a pair group instead): %s", e)
-        return None
-    cache.rehome(segment.layers)
-    return segment
-
-
-def receiver_address(spec: WorkerSpec) -> str:
-    """Where the KV receiver binds: a free TCP port, a fresh Unix socket, or an in-process name. ``shm+`` (read by
-    the sender) offers the node's senders a shared-memory ring (transfer/ring_path.py): ``shm`` (one node) with its
-    control channel on a Unix socket, ``auto`` on TCP so that senders on other nodes reach it too, inline as zmq."""
-    if spec.transfer_backend == "local":
-        return f"local://{spec.name}-{uuid.uuid4().hex[:8]}"
-    if spec.transfer_backend == "auto":
-        return f"shm+tcp://{spec.runtime.host}:0"
-    if spec.transfer_backend == "shm" or spec.zmq_transport == "ipc":
-        scheme = "shm+" if spec.transfer_backend == "shm" else ""
-        return f"{scheme}ipc://{tempfile.gettempdir()}/pdserve-{spec.name}-{uuid.uuid4().hex[:8]}.sock"
-    return f"tcp://{spec.runtime.host}:0"

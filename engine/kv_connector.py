@@ -17,8 +17,8 @@ writes the expected blocks (``write``) and says when it is done or failed; the r
 ``KVImport.state`` follows; once KV and tokens are in, the scheduler admits it from its next token (or, after a failed
 transfer, computes it here).
 
-Either way the KV that crosses holds every head of the model (``WholeKV``), whatever the tensor-parallel degree on
-each side: rank 0 gathers the other ranks' heads, or hands them theirs.
+At a tensor-parallel degree above 1 every rank sends and receives its own heads (``engine.tensor_parallel.
+handoff_parts``: who sends which heads to whom); this is each rank's part of it, rank 0's with the requests.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 
 from engine.blocks import blocks_for_tokens, complete_prompt_blocks, reserved_tokens
 from engine.request import FinishReason, ImportState, KVExport, KVImport, RequestStatus
+from engine.tensor_parallel import ExportSpan, export_slot
 
 if TYPE_CHECKING:  # annotations only
     from engine.attention import AttentionBatch, LayerHook
@@ -39,7 +40,6 @@ if TYPE_CHECKING:  # annotations only
     from engine.kv_tiers import TierLoad
     from engine.request import Request, SamplingParams
     from engine.scheduler import ScheduledChunk, Scheduler
-    from engine.tensor_parallel import HeadSplit, StepChannel
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,38 +58,6 @@ class KVBlocksReady:
 KVSink = Callable[[KVBlocksReady], None]
 
 
-class WholeKV:
-    """One layer's KV of every head of the model, read from or written into blocks of this engine's cache. At
-    tensor-parallel degree N rank 0 reads its own heads and gathers the others' (``StepChannel.gather_kv``), or keeps
-    its heads of arriving KV and sends every head to the other ranks, which keep theirs (``send_kv``)."""
-
-    def __init__(self, kv_cache: KVCache, split: HeadSplit | None, channel: StepChannel | None) -> None:
-        self.kv_cache = kv_cache
-        self.split = split if channel is not None else None
-        self.channel = channel
-
-    def read(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self.kv_cache.block_index(block_ids)
-        k, v = self.kv_cache.read_blocks(layer, index)
-        if self.split is None or self.channel is None:
-            return k, v
-        whole = self.split.whole_kv(self.channel.gather_kv(layer, block_ids, torch.stack((k, v)))).to(k.device)
-        return whole[0], whole[1]
-
-    def write(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        split, channel, spec = self.split, self.channel, self.kv_cache.spec
-        if split is None or channel is None:
-            self.kv_cache.write_blocks(layer, block_ids, k, v)
-            return
-        expected = (len(block_ids), spec.block_size, split.kv_total, spec.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"KV blocks for layer {layer} have shape {tuple(k.shape)}, expected {expected}")
-        kv = torch.stack((k, v)).to(spec.dtype)
-        channel.send_kv(layer, block_ids, kv)
-        mine = split.local_kv(kv)
-        self.kv_cache.write_blocks(layer, block_ids, mine[0], mine[1])
-
-
 @dataclass(slots=True)
 class _PlannedExport:
     request: Request
@@ -98,31 +66,22 @@ class _PlannedExport:
     end_block: int
 
 
-# tensor parallelism: this rank's heads of some blocks' KV, ``[2, blocks, block_size, heads, head_dim]``, in; every
-# head of the model out (on rank 0, gathered from every rank), so the KV that leaves fits any degree on the other side
-HeadGather = Callable[[torch.Tensor], torch.Tensor]
-
-
 class KVExporter:
-    """Reports exported requests' completed blocks, inside the forward (streamed) or after it. Per step:
-    ``layer_hook_for(chunks)`` plans and returns the runner's hook (None when nothing needs one, so decode-only steps
-    pay nothing), then ``commit`` after a forward that succeeded or ``discard`` after one that raised. With
-    ``gather_heads`` (tensor parallelism) every layer's planned blocks are gathered from the ranks in one collective,
-    the other ranks reading ``planned_block_ids`` in their own forward. Between steps, ``export_held`` reads a
-    decoding request's blocks through ``whole_kv`` (the same gather, announced to the other ranks)."""
+    """Reports exported requests' completed blocks, inside the forward (streamed) or after it: this rank's KV heads
+    of them (each rank of a tensor-parallel worker sends its own: ``spans`` tells the other ranks which blocks). Per step: ``layer_hook_for(chunks)`` plans and returns the runner's hook (None when
+    nothing needs one, so decode-only steps pay nothing), then ``commit`` after a forward that succeeded or
+    ``discard`` after one that raised. Between steps, ``export_held`` reads a decoding request's blocks."""
 
-    def __init__(self, kv_cache: KVCache, whole_kv: WholeKV, gather_heads: HeadGather | None = None) -> None:
+    def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
-        self.whole_kv = whole_kv
         self.block_size = kv_cache.spec.block_size
-        self.gather_heads = gather_heads
         self.user_hook: LayerHook | None = None  # ``LLMEngine.set_layer_hook`` (fault injection), after the exports
         self._planned: list[_PlannedExport] = []
-        self.planned_block_ids: list[int] = []  # physical ids of every planned export's blocks, in plan order
-        self._index: torch.Tensor | None = None  # ... on the cache's device: built once per step, not per layer
+        self.spans: list[ExportSpan] = []  # the planned exports, for the other ranks (the step message)
+        self._index: torch.Tensor | None = None  # every planned block on the cache's device: built once per step
 
     def layer_hook_for(self, chunks: list[ScheduledChunk]) -> LayerHook | None:
-        self._planned, self.planned_block_ids = [], []
+        self._planned, self.spans = [], []
         for chunk in chunks:
             export = chunk.request.kv_export
             if export is None or not export.stream:
@@ -131,17 +90,16 @@ class KVExporter:
             first = export.num_blocks_reported
             if end > first:
                 self._planned.append(_PlannedExport(chunk.request, export, first, end))
-                self.planned_block_ids += chunk.request.block_ids[first:end]
+                slot = export_slot(chunk.request.request_id)
+                self.spans.append(ExportSpan(slot, first, end, chunk.request.block_ids[first:end]))
         if not self._planned:
             return self.user_hook
-        self._index = self.kv_cache.block_index(self.planned_block_ids)
+        self._index = self.kv_cache.block_index([block for span in self.spans for block in span.block_ids])
         return self._on_layer
 
     def _on_layer(self, layer: int, batch: AttentionBatch) -> None:
         assert self._index is not None
         k, v = self.kv_cache.read_blocks(layer, self._index)
-        if self.gather_heads is not None:
-            k, v = self.gather_heads(torch.stack((k, v))).unbind(0)
         offset = 0
         for planned in self._planned:
             n = planned.end_block - planned.first_block
@@ -160,11 +118,11 @@ class KVExporter:
         self.discard()
 
     def discard(self) -> None:
-        self._planned, self.planned_block_ids, self._index = [], [], None
+        self._planned, self.spans, self._index = [], [], None
 
     def export_whole_prompt(self, request: Request) -> None:
-        """Unstreamed: every layer of the prompt's blocks not yet reported, once the prompt is done (one rank only:
-        the other ranks take part in a gather inside the forward alone)."""
+        """Unstreamed: every layer of the prompt's blocks not yet reported, once the prompt is done (a worker of one
+        rank: at degree N the export streams, every rank sending its heads inside the forward)."""
         export = request.kv_export
         if export is None:
             return
@@ -178,18 +136,18 @@ class KVExporter:
         export.num_blocks_reported = end
 
     def export_held(self, request: Request, sink: KVSink, first_block: int, end_block: int, layers: range) -> None:
-        """``layers`` of a decoding request's logical blocks ``[first_block, end_block)``, every head, to ``sink``:
-        full blocks of a RUNNING request (their KV no longer changes while it decodes on) or any of a FROZEN one (up
-        to its last computed token). ValueError when it is not decoding or has not filled those blocks."""
+        """``layers`` of a decoding request's logical blocks ``[first_block, end_block)``, this rank's heads, to
+        ``sink``: full blocks of a RUNNING request (their KV no longer changes while it decodes on) or any of a FROZEN
+        one (up to its last computed token). ValueError when it is not decoding or has not filled those blocks."""
         if request.status not in (RequestStatus.RUNNING, RequestStatus.FROZEN) or request.prefill_only:
             raise ValueError(f"request {request.request_id!r} is {request.status.name}: only a decoding request moves")
         filled = request.num_computed_tokens
         end = filled // self.block_size if request.status is RequestStatus.RUNNING else -(-filled // self.block_size)
         if not 0 <= first_block < end_block <= end:
             raise ValueError(f"request {request.request_id!r} has not filled blocks {first_block} to {end_block}")
-        blocks = request.block_ids[first_block:end_block]
+        index = self.kv_cache.block_index(request.block_ids[first_block:end_block])
         for layer in layers:
-            k, v = self.whole_kv.read(layer, blocks)
+            k, v = self.kv_cache.read_blocks(layer, index)
             sink(KVBlocksReady(request.request_id, layer, first_block, end_block, k, v))
 
 
@@ -218,11 +176,11 @@ class KVImporter:
     """The decode side of every hand-off: reservations, their expected blocks, arrivals and failures, the join."""
 
     def __init__(
-        self, engine: RequestTable, scheduler: Scheduler, whole_kv: WholeKV, clock: Callable[[], float] = time.monotonic
+        self, engine: RequestTable, scheduler: Scheduler, kv_cache: KVCache, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
-        self.whole_kv = whole_kv
+        self.kv_cache = kv_cache
         self.block_size = scheduler.block_size
         # the hand-off's stamps, and the time ``expire`` goes by (the planner's simulation gives its own)
         self.clock = clock
@@ -319,7 +277,7 @@ class KVImporter:
         heads: tuple[int, int] | None = None,
     ) -> None:
         """Write one layer of a request's imported KV (the KV receiver's sink; the transfer id is the request id;
-        ``heads``: some of this rank's heads only, a tensor-parallel sender's share). Raises, writing nothing, unless
+        ``heads``: some of this rank's heads only, one tensor-parallel sender's share). Raises, writing nothing, unless
         the request waits for its KV and ``block_ids`` are among its expected blocks, so a late or stray piece never
         lands in another request's blocks nor in shared prefix-cached ones."""
         request, handoff = self._waiting(request_id)
@@ -327,10 +285,7 @@ class KVImporter:
             raise ValueError(f"the KV transfer of request {request_id!r} has already ended")
         if not set(block_ids) <= set(self.expected_blocks(request)):
             raise ValueError(f"blocks {block_ids} are not reserved for the KV of request {request_id!r}")
-        if heads is None:
-            self.whole_kv.write(layer, block_ids, k, v)
-        else:
-            self.whole_kv.kv_cache.write_blocks(layer, block_ids, k, v, heads)
+        self.kv_cache.write_blocks(layer, block_ids, k, v, heads)
 
     def kv_done(self, request_id: str, num_blocks: int | None = None) -> bool:
         """Every layer of the request's KV is in (``num_blocks``: how many blocks the sender filled, for a moved

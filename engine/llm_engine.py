@@ -26,7 +26,7 @@ from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig
 from engine.engine_parts import EngineParts, build_engine_parts
 from engine.host_values import long_tensor
-from engine.kv_connector import KVExporter, KVImporter, KVSink, WholeKV
+from engine.kv_connector import KVExporter, KVImporter, KVSink
 from engine.kv_tiers import KVTiers, tier_fingerprint
 from engine.model_runner import StepStats
 from engine.outputs import (
@@ -81,19 +81,11 @@ class LLMEngine:
         # it could only preempt itself, recompute and preempt itself again, forever
         self.length_limit = min(self.max_model_len, self.block_manager.num_blocks * config.block_size)
         split = self.runner.head_split
-        # what crosses to another worker holds every KV head, so either side's degree may be anything (one rank's
-        # part would fit only the same split on the other side)
+        # the whole model's KV layout, of which each rank of a tensor-parallel worker holds its heads (what a hand-off
+        # between workers of any two degrees is planned on: engine.tensor_parallel.handoff_parts)
         self.handoff_spec = dataclasses.replace(self.kv_spec, num_kv_heads=split.kv_total) if split else self.kv_spec
-        gather = None
-        if tp_group is not None and split is not None and tp_group.size > 1:
-            group = tp_group
-
-            def gather(kv: torch.Tensor) -> torch.Tensor:
-                return split.whole_kv(group.gather(kv)).to(kv.device)
-
-        self.whole_kv = WholeKV(self.kv_cache, split, self.runner.step_channel)
-        self.kv_exporter = KVExporter(self.kv_cache, self.whole_kv, gather)
-        self.kv_importer = KVImporter(self, self.scheduler, self.whole_kv)
+        self.kv_exporter = KVExporter(self.kv_cache)
+        self.kv_importer = KVImporter(self, self.scheduler, self.kv_cache)
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
@@ -209,7 +201,7 @@ class LLMEngine:
             return list(admitted.values())
         sampling = [c for c in chunks if c.samples]
         self.runner.layer_hook = self.kv_exporter.layer_hook_for(chunks)
-        self.runner.export_blocks = self.kv_exporter.planned_block_ids  # the other ranks read the same blocks
+        self.runner.exports = self.kv_exporter.spans  # the other ranks send their heads of the same blocks
         speculating = any(c.proposal for c in sampling)
         try:
             logits, stats = self.runner.execute(chunks)

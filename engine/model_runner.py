@@ -34,7 +34,7 @@ from engine.kv_cache import KVCache
 from engine.model_probe import final_logits
 from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
-from engine.tensor_parallel import HeadSplit, StepChannel, StepKind, StepMessage, TPGroup
+from engine.tensor_parallel import ExportSpan, HeadSplit, StepChannel, StepKind, StepMessage, TPGroup
 
 PROMPT_SCORE_ROWS = 256  # positions projected to the vocabulary at a time: bounds the [rows, vocab] float32 logits
 
@@ -63,11 +63,11 @@ class StaticDecode(Protocol):
 class EngineRunner(Protocol):
     """What ``LLMEngine`` drives each step: a ``ModelRunner``, or a stand-in whose forward costs nothing (the
     planner's simulated workers, planner/sim_engine.py). ``layer_hook`` runs after each layer's KV write (the KV
-    connector's streamed export); ``export_blocks`` are the blocks it reads, for the other ranks."""
+    connector's streamed export); ``exports`` are the blocks it reads, for the other ranks."""
 
     kv_cache: KVCache
     layer_hook: LayerHook | None
-    export_blocks: list[int]
+    exports: list[ExportSpan]
     head_split: HeadSplit | None
     step_channel: StepChannel | None
     decode_graphs: StaticDecode | None
@@ -93,7 +93,7 @@ class ModelRunner:
         self.tp_group: TPGroup | None = None  # every rank: the group whose collectives a step ends by waiting for
         self.projects_logits = True
         self.head_split: HeadSplit | None = None  # the KV heads this rank's cache holds (build_engine_parts)
-        self.export_blocks: list[int] = []  # rank 0: physical blocks whose KV the step's layer hook exports
+        self.exports: list[ExportSpan] = []  # rank 0: the blocks whose KV the step's layer hook exports
         self.final_logit_softcap: float | None = None  # the model's (engine.model_probe.ModelAttention)
         self.sliding_windows: frozenset[int] = frozenset()  # the windows of the model's sliding-window layers
         # latent attention (engine.attention.latent): the decoder's cache argument, given a LatentCache each step
@@ -286,7 +286,7 @@ class ModelRunner:
         """Run one forward; returns float32 logits for the chunks whose ``samples`` is True, ``num_sampled_rows`` of
         each (``[n, vocab]``)."""
         if self.step_channel is not None:  # first: the other ranks run this step as it runs here, static or not
-            self.step_channel.send(StepMessage(StepKind.STEP, chunks, self.export_blocks))
+            self.step_channel.send(StepMessage(StepKind.STEP, chunks, self.exports))
         if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
             self._kept_hidden = None  # can_run refuses steps with prompt-logprob requests
             return self.decode_graphs.execute(chunks)

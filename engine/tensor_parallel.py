@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _functional
+import xxhash
 from torch.distributed.distributed_c10d import GroupName
 
 from engine.blocks import rank_kv_heads
@@ -120,8 +121,8 @@ def group_backends(device: torch.device | str) -> tuple[str, str]:
 
 
 class TPGroup:
-    """One rank's view of its worker's two groups: the device group for the layers' all-reduces and the KV that
-    leaves or arrives between steps, the CPU group for the step messages and the start barrier. Every wait is bounded
+    """One rank's view of its worker's two groups: the device group for the layers' all-reduces, the CPU group for
+    the step messages, the KV endpoints' control and the start barrier. Every wait is bounded
     by ``timeout_s``; a failure breaks both and aborts them, so no op outlives a dead rank. The device group is also
     registered by name, so the compiled decode step (and a CUDA graph) carries its all-reduces as functional
     collectives (``RowParallel``). NCCL's process-wide settings are the process's own (transfer/nccl_env.py, set by
@@ -181,19 +182,27 @@ class TPGroup:
         self._run("broadcast", lambda: self._cpu.broadcast([tensor], _root(dist.BroadcastOptions())))
         return tensor
 
-    def broadcast_kv(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's KV onto every rank, in place, on the device group (a host tensor where that group is gloo)."""
-        tensor = tensor if self.device_backend == "nccl" else tensor.cpu()
-        self._run("KV broadcast", lambda: self._device.broadcast([tensor], _root(dist.BroadcastOptions())))
-        return tensor
-
-    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (one shape on all) on rank 0, in rank order, on the device group; [] on the
-        others (gloo gathers host tensors: a device tensor goes through the host there)."""
-        tensor = tensor if self.device_backend == "nccl" else tensor.cpu()
-        outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
-        self._run("gather", lambda: self._device.gather(outputs, [tensor], _root(dist.GatherOptions())))
-        return outputs[0] if outputs else []
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` on rank 0, in rank order ([] on the others), on the CPU group: the followers'
+        answers to a control message (their KV endpoints' news)."""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = [[torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]] if self.rank == 0 else []
+        self._run("gather", lambda: self._cpu.gather(lengths, [length], _root(dist.GatherOptions())))
+        longest = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            longest[0] = max(int(t) for t in lengths[0])
+        self._run("broadcast", lambda: self._cpu.broadcast([longest], _root(dist.BroadcastOptions())))
+        size = int(longest[0])
+        if size == 0:
+            return [b""] * self.size if self.rank == 0 else []
+        mine = torch.zeros(size, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outputs = [[torch.zeros(size, dtype=torch.uint8) for _ in range(self.size)]] if self.rank == 0 else []
+        self._run("gather", lambda: self._cpu.gather(outputs, [mine], _root(dist.GatherOptions())))
+        if self.rank != 0:
+            return []
+        return [bytes(t[: int(n)].numpy()) for t, n in zip(outputs[0], lengths[0])]
 
     def barrier(self, timeout_s: float = TP_START_TIMEOUT_S) -> None:
         """Wait until every rank gets here (after loading its shard), at most ``timeout_s``, on the CPU group."""
@@ -386,8 +395,63 @@ class StepKind(enum.IntEnum):
     STEP = 1
     KEEPALIVE = 2
     STOP = 3
-    KV_WRITE = 4  # imported KV for some blocks of one layer, every head: each rank keeps its own
-    KV_READ = 5  # some blocks of one layer leave between steps: each rank sends its heads to rank 0
+    CONTROL = 4  # the worker's KV endpoints on every rank: a message of its own (bytes), maybe with replies gathered
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffPart:
+    """One sender rank's share of one receiver rank's KV heads in a hand-off between tensor-parallel workers: its
+    ``count`` heads from the sender's local head ``sender_first`` go into the receiver's local head
+    ``receiver_first``."""
+
+    sender_rank: int
+    receiver_rank: int
+    sender_first: int
+    receiver_first: int
+    count: int
+
+
+def handoff_parts(num_heads: int, num_kv_heads: int, sender_degree: int, receiver_degree: int) -> list[HandoffPart]:
+    """Who sends which heads to whom when a worker of ``sender_degree`` ranks hands KV to one of ``receiver_degree``:
+    each receiver rank gets each of its heads from the first sender rank that holds it (a head replicated over several
+    sender ranks is sent once), in runs of consecutive heads. Both ends compute the same list."""
+    senders = [head_split(num_heads, num_kv_heads, sender_degree, r) for r in range(sender_degree)]
+    parts: list[HandoffPart] = []
+    for receiver in (head_split(num_heads, num_kv_heads, receiver_degree, r) for r in range(receiver_degree)):
+        for local in range(receiver.kv_heads):
+            head = receiver.kv_start + local
+            owner = next(s for s in senders if s.kv_start <= head < s.kv_start + s.kv_heads)
+            last = parts[-1] if parts else None
+            if (
+                last is not None
+                and last.receiver_rank == receiver.rank
+                and last.sender_rank == owner.rank
+                and last.receiver_first + last.count == local
+                and last.sender_first + last.count == head - owner.kv_start
+            ):
+                parts[-1] = HandoffPart(
+                    owner.rank, receiver.rank, last.sender_first, last.receiver_first, last.count + 1
+                )
+            else:
+                parts.append(HandoffPart(owner.rank, receiver.rank, head - owner.kv_start, local, 1))
+    return parts
+
+
+def export_slot(request_id: str) -> int:
+    """A streamed export's number in the step message (int64), the same on every rank: the hand-off's id hashed, so
+    a follower finds the hand-off its ``ExportSpan`` belongs to from what rank 0 told it when the hand-off began."""
+    return xxhash.xxh3_64_intdigest(request_id.encode()) - (1 << 63)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSpan:
+    """Logical blocks ``[first_block, end_block)`` of the request exported under ``slot`` (``export_slot`` of its
+    id), at ``block_ids``, hold their final KV in this step: each rank sends its heads of them."""
+
+    slot: int
+    first_block: int
+    end_block: int
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -407,22 +471,28 @@ class StepRequest:
 @dataclass(slots=True)
 class StepMessage:
     """A message to the followers as int64 frames: a header ``[kind, payload length]``, then for a STEP
-    ``[num_export_blocks, *export_blocks]`` and per chunk ``[start, num_tokens, samples, num_blocks, *block_ids,
-    *token_ids]``; for a KV_WRITE or KV_READ ``[layer, *block_ids]``. ``export_blocks``: the physical blocks whose KV leaves
-    this step (read after each layer and gathered on rank 0, every head)."""
+    ``[num_exports, per export (slot, first, end, num_blocks, *block_ids)]`` and per chunk ``[start, num_tokens,
+    samples, num_blocks, *block_ids, *token_ids]``; for a CONTROL ``[reply, num_bytes, *bytes packed 8 a value]``.
+    ``exports``: the blocks whose KV leaves this step (each rank sends its heads of them after each layer)."""
 
     kind: StepKind
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    export_blocks: list[int] = field(default_factory=list)
-    layer: int = 0  # KV_WRITE, KV_READ
-    block_ids: list[int] = field(default_factory=list)  # KV_WRITE, KV_READ
+    exports: list[ExportSpan] = field(default_factory=list)
+    control: bytes = b""  # CONTROL: the worker's own message
+    reply: bool = False  # CONTROL: every follower answers with bytes, gathered on rank 0
 
     def encode(self) -> torch.Tensor:
-        if self.kind in (StepKind.KV_WRITE, StepKind.KV_READ):
-            return torch.tensor([self.layer, *self.block_ids], dtype=torch.int64)
+        if self.kind == StepKind.CONTROL:
+            padded = self.control + b"\0" * (-len(self.control) % 8)
+            body = (
+                torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else torch.zeros(0, dtype=torch.int64)
+            )
+            return torch.cat((torch.tensor([int(self.reply), len(self.control)], dtype=torch.int64), body))
         if self.kind != StepKind.STEP:
             return torch.zeros(0, dtype=torch.int64)
-        payload: list[int] = [len(self.export_blocks), *self.export_blocks]
+        payload: list[int] = [len(self.exports)]
+        for span in self.exports:
+            payload += [span.slot, span.first_block, span.end_block, len(span.block_ids), *span.block_ids]
         for chunk in self.chunks:
             blocks = chunk.request.block_ids
             payload += [chunk.start, chunk.num_tokens, int(chunk.samples), len(blocks), *blocks]
@@ -431,13 +501,18 @@ class StepMessage:
 
     @staticmethod
     def decode(kind: StepKind, payload: torch.Tensor) -> StepMessage:
-        values = payload.tolist()
-        if kind in (StepKind.KV_WRITE, StepKind.KV_READ):
-            return StepMessage(kind, layer=values[0], block_ids=values[1:])
+        if kind == StepKind.CONTROL:
+            reply, length = int(payload[0]), int(payload[1])
+            return StepMessage(kind, control=payload[2:].numpy().tobytes()[:length], reply=bool(reply))
         if kind != StepKind.STEP:
             return StepMessage(kind)
-        export_blocks = values[1 : 1 + values[0]]
-        chunks, i = [], 1 + values[0]
+        values = payload.tolist()
+        exports, i = [], 1
+        for _ in range(values[0]):
+            slot, first, end, count = values[i : i + 4]
+            exports.append(ExportSpan(slot, first, end, values[i + 4 : i + 4 + count]))
+            i += 4 + count
+        chunks = []
         while i < len(values):
             start, num_tokens, samples, num_blocks = values[i : i + 4]
             i += 4
@@ -448,12 +523,12 @@ class StepMessage:
             end = start + num_tokens
             request = StepRequest(blocks, start, tokens, end if samples else end + 1)
             chunks.append(ScheduledChunk(cast("Request", request), start, num_tokens))
-        return StepMessage(kind, chunks, export_blocks)
+        return StepMessage(kind, chunks, exports)
 
 
 class StepChannel:
-    """Rank 0 announces each step (or a keep-alive, an import's KV, the stop); the others receive it, bounded by the
-    group's timeout."""
+    """Rank 0 announces each step (or a keep-alive, a control message of the worker's KV endpoints, the stop); the
+    others receive it, bounded by the group's timeout."""
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
@@ -478,17 +553,11 @@ class StepChannel:
         if payload.numel():
             self.group.broadcast(payload)
 
-    def send_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """An import's KV for ``block_ids`` of ``layer`` (``[2, blocks, block_size, every head, head_dim]``, the
-        cache's dtype) to every follower, which keeps its heads (``TPFollower``)."""
-        self.send(StepMessage(StepKind.KV_WRITE, layer=layer, block_ids=block_ids))
-        self.group.broadcast_kv(kv.contiguous())  # received as ``TPFollower._write_kv`` allocates it
-
-    def gather_kv(self, layer: int, block_ids: list[int], mine: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's heads of ``block_ids`` of ``layer`` on rank 0 (``mine``: its own, ``[2, blocks, block_size,
-        heads, head_dim]``), in rank order: KV that leaves between steps (``TPFollower._read_kv``)."""
-        self.send(StepMessage(StepKind.KV_READ, layer=layer, block_ids=block_ids))
-        return self.group.gather(mine)
+    def control(self, message: bytes, reply: bool = False) -> list[bytes]:
+        """A control message of the worker's KV endpoints to every follower (``TPFollower``'s ``kv.control``);
+        with ``reply``, each follower's answer, in rank order (rank 0's own is b"")."""
+        self.send(StepMessage(StepKind.CONTROL, control=message, reply=reply))
+        return self.group.gather_bytes(b"") if reply else []
 
     def receive(self) -> StepMessage:
         self.group.broadcast(self._header)
@@ -497,6 +566,17 @@ class StepChannel:
         if length:
             self.group.broadcast(payload)
         return StepMessage.decode(kind, payload)
+
+
+class FollowerKV(Protocol):
+    """A follower rank's KV endpoints, as the worker builds them (worker/rank_kv.py): what its control messages do
+    (an answer for rank 0, b"" when none is asked), and its heads of a step's exported blocks, after each layer."""
+
+    def control(self, message: bytes) -> bytes: ...
+
+    def export(self, layer: int, spans: list[ExportSpan], k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class FollowerRunner(Protocol):
@@ -510,13 +590,14 @@ class FollowerRunner(Protocol):
 
 
 class TPFollower:
-    """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure; sends
-    its heads of the blocks a step (or a read between steps) exports to rank 0, and keeps its heads of the KV rank 0
-    imports."""
+    """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure; after
+    each layer of a step that exports KV, hands its heads of those blocks to its KV endpoints (``kv``), which send
+    them; and passes the worker's control messages to them."""
 
-    def __init__(self, runner: FollowerRunner, channel: StepChannel) -> None:
+    def __init__(self, runner: FollowerRunner, channel: StepChannel, kv: FollowerKV | None = None) -> None:
         self.runner = runner
         self.channel = channel
+        self.kv = kv
         self.steps = 0
 
     def serve(self) -> str:
@@ -527,36 +608,26 @@ class TPFollower:
                 if message.kind == StepKind.STOP:
                     return "stop"
                 if message.kind == StepKind.STEP:
-                    self.runner.layer_hook = self._export_hook(message.export_blocks)
+                    self.runner.layer_hook = self._export_hook(message.exports)
                     self.runner.execute(message.chunks)
                     self.steps += 1
-                elif message.kind == StepKind.KV_WRITE:
-                    self._write_kv(message.layer, message.block_ids)
-                elif message.kind == StepKind.KV_READ:
-                    cache = self.runner.kv_cache
-                    self.channel.group.gather(torch.stack(cache.read_blocks(message.layer, message.block_ids)))
+                elif message.kind == StepKind.CONTROL:
+                    answer = self.kv.control(message.control) if self.kv is not None else b""
+                    if message.reply:
+                        self.channel.group.gather_bytes(answer)
             except TPError as exc:
                 logger.error("tensor-parallel rank %d stops: %s", self.channel.group.rank, exc)
                 return str(exc)
 
-    def _export_hook(self, export_blocks: list[int]) -> LayerHook | None:
-        if not export_blocks:
+    def _export_hook(self, spans: list[ExportSpan]) -> LayerHook | None:
+        kv = self.kv
+        if not spans or kv is None:
             return None
-        cache, group = self.runner.kv_cache, self.channel.group
-        index = cache.block_index(export_blocks)
+        cache = self.runner.kv_cache
+        index = cache.block_index([block for span in spans for block in span.block_ids])
 
-        def send_heads(layer: int, _batch: object) -> None:  # rank 0's KVExporter gathers them, layer by layer
-            group.gather(torch.stack(cache.read_blocks(layer, index)))
+        def send_heads(layer: int, _batch: object) -> None:
+            k, v = cache.read_blocks(layer, index)
+            kv.export(layer, spans, k, v)
 
         return send_heads
-
-    def _write_kv(self, layer: int, block_ids: list[int]) -> None:
-        cache, split = self.runner.kv_cache, self.runner.head_split
-        assert split is not None  # build_engine_parts sets it on every rank
-        spec = cache.spec
-        shape = (2, len(block_ids), spec.block_size, split.kv_total, spec.head_dim)
-        group = self.channel.group
-        kv = torch.empty(shape, dtype=spec.dtype, device=group.device if group.device_backend == "nccl" else "cpu")
-        kv = group.broadcast_kv(kv)
-        mine = split.local_kv(kv)
-        cache.write_blocks(layer, block_ids, mine[0], mine[1])

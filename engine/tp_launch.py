@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_parts import build_engine_parts
-from engine.tensor_parallel import StepChannel, TPFollower, TPGroup
+from engine.engine_parts import EngineParts, build_engine_parts
+from engine.tensor_parallel import FollowerKV, StepChannel, TPFollower, TPGroup
 
 RankTarget = Callable[[int, int, str, Any], Any]
 
@@ -77,11 +77,17 @@ def run_ranks(
     return out
 
 
-def serve_follower(config: EngineConfig, group: TPGroup) -> str:
+def serve_follower(
+    config: EngineConfig, group: TPGroup, make_kv: Callable[[EngineParts], FollowerKV] | None = None
+) -> str:
     """A rank other than 0 inside a target: its shard of ``config``'s engine runs rank 0's steps until rank 0 stops it
-    or the group breaks; the group is closed after; why serving ended."""
+    or the group breaks; the group is closed after; why serving ended. ``make_kv``: the rank's KV-plane endpoints
+    (worker/rank_kv.py), for a target that hands KV between workers."""
     parts = build_engine_parts(config, group)
+    kv = make_kv(parts) if make_kv is not None else None
     try:
-        return TPFollower(parts.runner, StepChannel(group)).serve()
+        return TPFollower(parts.runner, StepChannel(group), kv).serve()
     finally:
         group.close()
+        if kv is not None:
+            kv.close()

@@ -149,9 +149,9 @@ class ProfileSet:
         return self.by_degree[degree]
 
     def transfer_s(self, num_bytes: int, decode_degree: int = 1) -> float:
-        """One request's whole KV (every head: a prefill rank 0 gathers it at any degree) into a decode worker of
-        ``decode_degree``, whose rank 0 hands each piece on to its ranks: by that degree's transfer fit, else by the
-        lowest degree's that has one (0 if none does: a colocated profile)."""
+        """One request's whole KV into a decode worker of ``decode_degree``, each of whose ranks takes its own heads
+        at once (the fit maps the whole request's bytes to the time of one rank's share): by that degree's transfer
+        fit, else by the lowest degree's that has one (0 if none does: a colocated profile)."""
         candidates = [self.by_degree.get(decode_degree), *self.by_degree.values()]
         fitted = next((p for p in candidates if p is not None and p.transfer_fit is not None), None)
         return 0.0 if fitted is None else fitted.transfer_s(num_bytes)

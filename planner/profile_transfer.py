@@ -1,9 +1,11 @@
 """The transfer part of ``pdserve profile``: one request's KV, sender to receiver, on the configured backend.
 
 In one process a sender and receiver move the KV through the same sockets, rings and copies as two workers on one
-node, into a real engine's KV cache (at tensor-parallel degree N, through rank 0 to every rank, as an import does). ``auto`` is shm, as between two workers on one node; ``nccl`` needs two GPUs in
-two processes, so shm is measured and recorded instead (the notes say so). The gather of the source blocks is not
-timed (the prefill worker does it inside its forward), nor the first transfer of each size (it opens the session).
+node, into a real engine's KV cache. At tensor-parallel degree N every rank takes its own heads at once, so rank 0's
+share is what is timed, recorded against the whole request's bytes. ``auto`` is shm, as between two workers on one
+node; ``nccl`` needs two GPUs in two processes, so shm is measured and recorded instead (the notes say so). Reading
+the source blocks is not timed (the prefill worker does it inside its forward), nor the first transfer of each size
+(it opens the session).
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from collections.abc import Callable
 
 import torch
 
-from decode.worker import receiver_address
 from engine.llm_engine import LLMEngine
 from planner.profile_model import TransferPoint
 from transfer.base import make_receiver, make_sender
 from transfer.state import TransferState
 from transfer.wire import ModelFingerprint
+from worker.rank_kv import receiver_address
 from worker.spec import WorkerSpec
 
 
@@ -42,13 +44,16 @@ def measure_transfer(
     """(backend recorded, note, one point per block count in ``blocks``: the median of ``repeats`` transfers)."""
     spec, backend, note = transfer_backend(spec)
     config = dataclasses.replace(spec.transfer, secret=spec.transfer.secret or secrets.token_hex(16))
-    kv_spec = engine.handoff_spec  # every head of the model crosses, whatever the degrees
-    fingerprint = ModelFingerprint.from_spec(kv_spec)
+    kv_spec, whole = engine.kv_spec, engine.handoff_spec  # rank 0's heads; the model's
+    split = engine.runner.head_split
+    fingerprint = ModelFingerprint.from_spec(whole)
+    if split is not None:
+        fingerprint = fingerprint.slice(split.kv_start, split.kv_heads)
 
     def sink(
         _tid: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int] | None = None
     ) -> None:
-        engine.whole_kv.write(layer, blocks, k, v)
+        engine.kv_cache.write_blocks(layer, blocks, k, v, heads)
 
     receiver = make_receiver(spec.transfer_backend, fingerprint, sink, receiver_address(spec), config)
     sender = make_sender(spec.transfer_backend, fingerprint, config)
@@ -65,7 +70,7 @@ def measure_transfer(
                 _one_transfer(sender, receiver, f"profile-{count}-{i}", destination, layers, config.deadline_s)
                 for i in range(repeats + 1)
             ][1:]  # the first one opens the session
-            points.append(TransferPoint(count * kv_spec.bytes_per_block, statistics.median(times)))
+            points.append(TransferPoint(count * whole.bytes_per_block, statistics.median(times)))
             tick()
     finally:
         sender.close()

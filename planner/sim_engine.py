@@ -26,7 +26,7 @@ from engine.model_probe import LayerAttention, ModelAttention
 from engine.model_runner import StaticDecode, StepStats
 from engine.sampler import PromptScores, Sampler
 from engine.scheduler import ScheduledChunk
-from engine.tensor_parallel import HeadSplit, StepChannel
+from engine.tensor_parallel import ExportSpan, HeadSplit, StepChannel
 
 SIM_EOS, SIM_TOKEN = 0, 1  # the logits' two columns: EOS, never chosen, and the token every sample takes
 SIM_PROMPT_VOCAB = 1 << 62  # prompt ids the simulated model accepts
@@ -69,7 +69,7 @@ class SimRunner:
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self.layer_hook: LayerHook | None = None
-        self.export_blocks: list[int] = []
+        self.exports: list[ExportSpan] = []
         self.head_split: HeadSplit | None = None
         self.step_channel: StepChannel | None = None
         self.decode_graphs: StaticDecode | None = None

@@ -15,11 +15,11 @@ import logging
 from engine.blocks import blocks_for_tokens
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason
-from transfer.base import KVSender, make_sender
+from transfer.base import KVSender
 from transfer.state import TransferEvent
-from transfer.wire import ModelFingerprint
 from worker.messages import Command, ErrorCode, Prefill, Tokens, WorkerCounters, WorkerLoad
-from worker.role import Emit, Role, send_kv_to, token_item
+from worker.rank_kv import HandoffSender, handoff_layout, rank_kv
+from worker.role import Emit, Role, token_item
 from worker.spec import WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,17 @@ class PrefillRole(Role):
         self,
         name: str,
         engine: LLMEngine,
-        sender: KVSender,
+        sender: HandoffSender | KVSender,
         emit: Emit,
         *,
         stream_kv: bool = True,
         counters: WorkerCounters | None = None,
     ) -> None:
+        """``sender``: the worker's (``from_spec``), or a plain one of a worker of one rank (its receivers hold
+        every head)."""
         super().__init__(name, engine, emit, counters)
+        if not isinstance(sender, HandoffSender):
+            sender = HandoffSender.over(sender, handoff_layout(engine.kv_spec, engine.runner.head_split))
         self.sender = sender
         self.stream_kv = stream_kv  # False: every layer's KV once the whole prompt is done (the overlap baseline)
         # transfers whose end the router already knows of (it aborted, or got this worker's error first): poll()
@@ -47,7 +51,9 @@ class PrefillRole(Role):
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> PrefillRole:
-        sender = make_sender(spec.transfer_backend, ModelFingerprint.from_spec(engine.handoff_spec), spec.transfer)
+        # this rank's senders (the other ranks send their heads themselves: worker/tp_rank.py)
+        kv = rank_kv(spec, engine.kv_cache, handoff_layout(engine.kv_spec, engine.runner.head_split), None)
+        sender = HandoffSender(kv, engine.runner.step_channel)
         return cls(spec.name, engine, sender, emit, stream_kv=spec.stream_layers)
 
     def handle(self, command: Command, arrival_s: float) -> None:
@@ -57,13 +63,14 @@ class PrefillRole(Role):
         params.max_tokens = 1
         block_size = self.engine.kv_spec.block_size
         first_block = command.cached_tokens // block_size  # the engine refuses a count that is not whole blocks
+        dst_blocks = list(command.dst_blocks)
         self.engine.add_request(
             command.prompt,
             params,
             rid,
             prefill_only=True,
             arrival_s=arrival_s,
-            kv_sink=send_kv_to(self.sender, rid, list(command.dst_blocks), first_block),
+            kv_sink=self.sender.sink(rid, dst_blocks, first_block),
             stream_kv=self.stream_kv,
             export_from_token=command.cached_tokens,
         )
@@ -72,7 +79,7 @@ class PrefillRole(Role):
             self.engine.abort(rid)
             raise ValueError(f"decode reserved {len(command.dst_blocks)} blocks, the prompt needs more")
         try:
-            self.sender.begin(rid, command.kv_address)
+            self.sender.begin(rid, command.kv_address, dst_blocks, first_block)
         except Exception:  # no transfer, so nothing would ever release the request: it ends here
             self.engine.abort(rid)
             raise

@@ -170,6 +170,22 @@ class _PromptCommand(_RequestCommand):
     params: SamplingParams  # validate()d by the worker on receipt
 
 
+KV_ADDRESS_SEPARATOR = "|"  # a worker's KV address: each of its ranks' receivers, in rank order
+
+
+def join_kv_address(addresses: list[str]) -> str:
+    return KV_ADDRESS_SEPARATOR.join(addresses)
+
+
+def split_kv_address(address: str) -> list[str]:
+    """Each rank's receiver address of a worker's ``kv_address`` (ValueError naming it when it holds an empty one or
+    more than 64)."""
+    parts = address.split(KV_ADDRESS_SEPARATOR)
+    if any(not part for part in parts) or len(parts) > 64:
+        raise ValueError(f"kv_address {address[:200]!r} is not one receiver address per rank joined by '|'")
+    return parts
+
+
 class Reserve(_PromptCommand, tag="reserve"):
     """Hold decode KV for a request whose KV and tokens come from another worker (``Reserved`` answers): a prompt
     about to be prefilled, or (``context_tokens``) a running request about to move here from another decode worker."""
@@ -182,6 +198,9 @@ class Reserve(_PromptCommand, tag="reserve"):
     context_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # reserved beyond the pool's headroom: a move's room for the tokens the request makes until its source stops it
     extra_headroom_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    # the ranks of the worker the KV comes from (its tensor_parallel_size): each of them sends its heads to the ranks
+    # here that hold them (worker/rank_kv.py)
+    source_degree: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class Prefill(_PromptCommand, tag="prefill"):
@@ -251,7 +270,7 @@ class Reserved(_Event, tag="reserved"):
     rid: str
     ok: bool
     blocks: list[int] = []  # ok: the reserved block ids the KV goes into (missing prompt blocks, first token, headroom)
-    kv_address: str = ""  # ok: where the prefill worker sends the KV
+    kv_address: str = ""  # ok: where the prefill worker sends the KV (each rank's receiver, joined by "|")
     reason: RefusalReason | None = None  # not ok: why
     cached_tokens: int = 0  # ok: the prompt's leading tokens the worker already holds (whole blocks, prefix cache)
     prefill_local: bool = False  # ok: the worker computes the rest itself (Reserve.local_prefill_max_tokens): no KV

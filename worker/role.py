@@ -12,10 +12,8 @@ from typing import ClassVar
 
 import msgspec
 
-from engine.kv_connector import KVBlocksReady, KVSink
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, RequestOutput
-from transfer.base import KVSender
 from worker.messages import (
     Command,
     ErrorCode,
@@ -186,14 +184,3 @@ def token_item(output: RequestOutput) -> TokenItem:
         output.prompt_logprobs if first_here else None,
         output.num_cached_tokens if first_here else None,
     )
-
-
-def send_kv_to(sender: KVSender, transfer_id: str, dst_blocks: list[int], first_block: int = 0) -> KVSink:
-    """The sink of one hand-off's sending side (a prefill, or a move's source): logical blocks ``[first, end)`` onto
-    the receiver's reserved blocks, which start at logical block ``first_block``."""
-
-    def send(ready: KVBlocksReady) -> None:
-        dst = dst_blocks[ready.first_block - first_block : ready.end_block - first_block]
-        sender.send_layer(transfer_id, ready.layer, dst, ready.k, ready.v)
-
-    return send

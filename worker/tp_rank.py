@@ -1,7 +1,8 @@
 """The ranks of a tensor-parallel worker (``tensor_parallel_size`` N > 1) beyond rank 0.
 
 Rank 0 is the worker (``WorkerRuntime``: the engine, its scheduler, the sockets); ranks 1..N-1 are ``TPRank``s, each
-holding its shard of the model and of the KV heads and running every step rank 0 announces (engine.tensor_parallel).
+holding its shard of the model and of the KV heads, running every step rank 0 announces (engine.tensor_parallel), and
+sending and taking its own heads of every hand-off on KV-plane endpoints of its own (worker/rank_kv.py).
 All N meet once per incarnation on a FileStore at ``spec.tp_rendezvous`` (one node, no socket; the pool picks a fresh
 path for every start, so a restarted worker never meets its previous incarnation's keys). A rank that ends (rank 0
 stopped, or the group broke) does not come back alone: the pool restarts all N together.
@@ -12,9 +13,10 @@ from __future__ import annotations
 import datetime
 import threading
 
-from engine.engine_parts import build_engine_parts
+from engine.engine_parts import EngineParts, build_engine_parts
 from engine.tensor_parallel import TP_START_TIMEOUT_S, TP_TIMEOUT_S, StepChannel, TPFollower, TPGroup
-from worker.spec import WorkerSpec, resolve_spec
+from worker.rank_kv import LandKV, RankKV, handoff_layout, rank_kv
+from worker.spec import WorkerRole, WorkerSpec, resolve_spec
 
 
 def join_group(spec: WorkerSpec, rank: int, timeout_s: float = TP_TIMEOUT_S) -> TPGroup | None:
@@ -49,14 +51,22 @@ class TPRank:
             group.close()
             raise
         self.kv_heads = parts.kv_spec.num_kv_heads
-        self.follower = TPFollower(parts.runner, StepChannel(group))
+        try:
+            self.kv = follower_kv(spec, parts)
+        except BaseException:
+            group.close()
+            raise
+        self.follower = TPFollower(parts.runner, StepChannel(group), self.kv)
         self.ended = ""  # why serving ended ("stop", or the group's failure); "" while it serves
         self._thread = threading.Thread(target=self._serve, name=f"{self.name}-serve", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        self.ended = self.follower.serve()
-        self.group.close()
+        try:
+            self.ended = self.follower.serve()
+        finally:
+            self.group.close()
+            self.kv.close()
 
     def wait(self, timeout_s: float = TP_START_TIMEOUT_S) -> str:
         """Block until serving ends (rank 0 stopped, or the group broke, or ``timeout_s``); why it ended."""
@@ -79,3 +89,19 @@ class TPRank:
         if self._thread.is_alive():
             self.group.close()
             self._thread.join(timeout_s)
+
+
+def follower_kv(spec: WorkerSpec, parts: EngineParts) -> RankKV:
+    """A rank's own KV-plane endpoints: senders for the hand-offs its worker sends, and (a decode worker) a receiver
+    whose arrivals land in its cache, polled by a thread of its own. Only blocks an expected part names are written:
+    rank 0 tells it which (``Expect``), in order with the steps that may reuse them."""
+    cache = parts.kv_cache
+    land: LandKV | None = None
+    if spec.role is WorkerRole.DECODE:
+
+        def land(_handoff: str, layer: int, blocks: list[int], k, v, heads: tuple[int, int] | None) -> None:
+            cache.write_blocks(layer, blocks, k, v, heads)
+
+    kv = rank_kv(spec, cache, handoff_layout(parts.kv_spec, parts.runner.head_split), land)
+    kv.start_polling()
+    return kv

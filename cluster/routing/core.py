@@ -45,6 +45,7 @@ from worker.messages import (
     Start,
     Stats,
     Tokens,
+    split_kv_address,
 )
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,12 @@ class RouterCore:
             flow.asking, flow.asked_s, flow.status = worker.name, now, FlowStatus.RESERVING
             self.sync(flow)
             local_max = self.config.router.local_prefill_max_tokens
-            self.send(worker.name, Reserve(flow.wire_id, flow.prompt, flow.params, local_prefill_max_tokens=local_max))
+            # the KV comes from a prefill worker, whose ranks each send their heads (the pool's degree)
+            source = self.config.pools.prefill.tensor_parallel_size
+            command = Reserve(
+                flow.wire_id, flow.prompt, flow.params, local_prefill_max_tokens=local_max, source_degree=source
+            )
+            self.send(worker.name, command)
             return
         flow.tried.clear()  # a new round once capacity may have been freed
         flow.status = FlowStatus.QUEUED
@@ -395,8 +401,15 @@ class RouterCore:
         flow.move, flow.status = move, FlowStatus.MIGRATING
         self.sync(flow)
         context, slack = moves.computed_tokens(flow), moves.slack_tokens(precopy)
+        source = self.members.get(flow.decode)
+        degree = len(split_kv_address(source.kv_address)) if source is not None and source.kv_address else 1
         command = Reserve(
-            move.target_wire, flow.prompt, flow.params, context_tokens=context, extra_headroom_tokens=slack
+            move.target_wire,
+            flow.prompt,
+            flow.params,
+            context_tokens=context,
+            extra_headroom_tokens=slack,
+            source_degree=degree,  # the source's ranks each send their heads
         )
         self.send(target, command)
 

@@ -143,8 +143,8 @@ def test_draining_a_decode_worker_moves_its_streams(serve):
 
 
 def test_a_stream_on_tensor_parallel_decode_workers_moves_exactly(serve):
-    """Decode workers of degree 2 (rank threads): the source's rank 0 gathers every KV head between its steps, the
-    target's ranks each keep their own; the client's text is the undisturbed run's."""
+    """Decode workers of degree 2 (rank threads): each source rank sends its KV heads to the target rank that holds
+    them, between its steps; the client's text is the undisturbed run's."""
     pools = _pools()
     pools["decode"] |= {"tensor_parallel_size": 2, "kv_blocks": 96}
     handle = serve(pools=pools)

@@ -582,8 +582,8 @@ def test_stale_rings_of_dead_receivers_are_swept(spawn) -> None:
 def test_the_decode_worker_chooses_the_address_and_auto_uses_the_ring(closing) -> None:
     """``auto``: the decode worker listens on TCP and marks its address ``shm+``; a sender on this node reads the
     scheme and moves the KV through the ring. ``shm``: a Unix socket (one node). ``zmq``: unchanged."""
-    from decode.worker import receiver_address
     from engine.config import EngineConfig
+    from worker.rank_kv import receiver_address
     from worker.spec import RuntimeOptions, WorkerSpec
 
     def spec(backend: str, transport: str = "tcp") -> WorkerSpec:

@@ -321,3 +321,27 @@ def test_rebalancing_moves_the_longest_to_go_off_a_worker_about_to_preempt():
     core.on_event(Reserved(rid=command.rid, worker="decode-1", ok=True, blocks=[5, 6, 7], kv_address="tcp://b"), 1.1)
     [(_, export)] = sent(core, Export)
     assert export.rid == source_wire and not export.precopy  # it must leave the batch now: it stops at once
+
+
+def test_a_reservation_names_the_degree_of_the_worker_its_kv_comes_from():
+    """Each rank of the worker the KV comes from sends its heads, so the receiving worker's ranks expect a part from
+    each: a prompt's comes from the prefill pool (its tensor_parallel_size), a move's from the source worker (as many
+    ranks as its KV address names)."""
+    prefill_pool = {"replicas": 1, "torch_threads": 1, "kv_blocks": 96, "tensor_parallel_size": 2}
+    config = tiny_cluster_config("unused-model", pools={"prefill": prefill_pool})
+    core = RouterCore(config, RouterMetrics(), Admission(8))
+    core.add_worker("prefill-0", "prefill", "tcp://prefill-0", None, 0.0)
+    core.add_worker("decode-0", "decode", "tcp://decode-0", "tcp://a0|tcp://a1|tcp://a2|tcp://a3", 0.0)
+    core.add_worker("decode-1", "decode", "tcp://decode-1", "tcp://b0", 0.0)
+    for name, role, free in (("prefill-0", "prefill", 150), ("decode-0", "decode", 150), ("decode-1", "decode", 100)):
+        core.on_event(stats(name, role, free=free), 0.0)
+    flow = core.submit("r", PROMPT, PARAMS.copy(), 0.0)
+    [(decode, reserve)] = sent(core, Reserve)
+    assert decode == "decode-0" and reserve.source_degree == 2 and reserve.context_tokens is None
+    core.on_event(Reserved(rid=reserve.rid, worker=decode, ok=True, blocks=[1, 2, 3], kv_address="tcp://a0"), 0.1)
+    [(prefill, _)] = sent(core, Prefill)
+    core.on_event(Tokens(worker=prefill, items=[TokenItem(flow.wire_id, [7], "a")]), 0.2)
+    core.on_event(Tokens(worker=decode, items=[TokenItem(flow.wire_id, [8, 8], "bb")]), 0.3)
+    assert core.migrate(flow, 1.0) == ""
+    [(target, move)] = sent(core, Reserve)
+    assert target == "decode-1" and move.context_tokens is not None and move.source_degree == 4

@@ -107,9 +107,9 @@ def test_two_ranks_serve_the_same_tokens_as_one(tiny_llama_path, colocated_two_r
 def test_disaggregated_degrees_serve_what_colocated_ranks_do(
     tiny_llama_path, colocated_two_ranks, prefill_tp, decode_tp, backend
 ):
-    """Every KV head crosses from the prefill worker's rank 0 (gathered) to the decode worker's (each rank keeps its
-    own), so any two degrees and any transfer backend give the colocated worker's tokens; the repeated prompts reuse
-    the decode worker's prefix cache across the hand-off."""
+    """Each prefill rank sends its KV heads to the decode ranks that hold them (worker/rank_kv.py), so any two
+    degrees and any transfer backend give the colocated worker's tokens; the repeated prompts reuse the decode
+    worker's prefix cache across the hand-off."""
     colocated, _, _ = colocated_two_ranks
     disaggregated, ranks, cached = _serve_all(_disaggregated(tiny_llama_path, prefill_tp, decode_tp, backend), PROMPTS)
     gap = _same_tokens_gap(colocated, disaggregated)
