@@ -156,10 +156,6 @@ class EngineConfig:
         if self.kv_offload is not None and self.kv_offload.enabled:
             if not self.enable_prefix_caching:
                 raise ValueError("kv_offload keeps blocks the prefix cache evicts: it needs enable_prefix_caching")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(
-                    "kv_offload with tensor_parallel_size > 1 is not supported: each rank holds only its KV heads"
-                )
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flashinfer":
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} (a scale per token and head) is read by the sdpa and flex "

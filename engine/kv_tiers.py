@@ -2,11 +2,12 @@
 back instead of recomputed (``kv_offload`` in the engine config; page format and sharing: docs/engine.md).
 
 A tier is a folder of pages, one per block, named by the block's chained hash under ``tier_fingerprint`` (model, KV
-layout, weights). The host tier is shared memory, one pool per node, model and ``host_pool``; the disk tier outlives
-the worker. Each is bounded, evicts its least recently used pages into the tier below, and turns itself off (serving
-goes on) when its folder cannot be written. Down: the engine gathers the evicted blocks' KV in one copy (``save``);
-the saver thread writes the pages. Up: a prompt whose prefix continues in a tier waits in LOADING while the loader
-thread reads and checks its pages (``start_load``); the engine writes them into its blocks at a later step (``poll``).
+layout, weights; at tensor_parallel_size N also the rank's heads: each rank pages its own, engine.rank_tiers). The
+host tier is shared memory, one pool per node, model and ``host_pool``; the disk tier outlives the worker. Each is
+bounded, evicts its least recently used pages into the tier below, and turns itself off (serving goes on) when its
+folder cannot be written. Down: the engine gathers the evicted blocks' KV in one copy (``save``); the saver thread
+writes the pages. Up: a prompt whose prefix continues in a tier waits in LOADING while the loader thread reads and
+checks its pages (``start_load``); the engine writes them into its blocks at a later step (``poll``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from engine.kv_cache import KVCache, KVSpec
 
 if TYPE_CHECKING:
     from engine.request import Request
+    from engine.tensor_parallel import HeadSplit
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +54,15 @@ SAMPLES_PER_TENSOR = 4096  # weight values per tensor that go into the fingerpri
 MIB = 1024 * 1024
 
 
-def tier_fingerprint(spec: KVSpec, model: torch.nn.Module) -> bytes:
+def tier_fingerprint(spec: KVSpec, model: torch.nn.Module, split: HeadSplit | None = None) -> bytes:
     """16 bytes naming what a page's bytes mean: the KV layout (``KVSpec``) and the weights, by an evenly strided
     sample of every tensor (a fine-tune of the same architecture gets other pages; reading all weights would cost
-    seconds at start-up)."""
+    seconds at start-up); at a degree above 1, which of the model's heads the rank holds (``split``), so that no
+    two ranks, nor two degrees, read each other's pages."""
     digest = xxhash.xxh3_128()
     digest.update(repr(dataclasses.astuple(spec)).encode())
+    if split is not None and split.size > 1:
+        digest.update(repr(("heads", split.rank, split.size, split.kv_start, split.kv_heads, split.kv_total)).encode())
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             flat = tensor.detach().reshape(-1)
@@ -364,6 +369,7 @@ class TierLoad:
     buffer: torch.Tensor | None = None
     tiers: list[TierName] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    load_id: int = 0  # tensor parallel: how rank 0 names the load to the other ranks (engine.rank_tiers)
 
 
 @dataclass(slots=True)
@@ -491,8 +497,12 @@ class KVTiers:
             counts_as_cached,
         )
         self._pending[request.request_id] = load
-        self._loads.put(load)
+        self.read_async(load)
         return load
+
+    def read_async(self, load: TierLoad) -> None:
+        """Queue the reading of a load's pages on the loader thread (``load.done`` is set when it ends)."""
+        self._loads.put(load)
 
     def _load_loop(self) -> None:
         while (load := self._loads.get()) is not None:
@@ -551,6 +561,10 @@ class KVTiers:
         stats.loads += 1
         stats.load_seconds += time.monotonic() - load.started_s
         return count
+
+    def drop(self, load: TierLoad) -> None:
+        """A finished load whose request no longer waits for it: its pages go nowhere."""
+        load.buffer = None
 
     @property
     def stats(self) -> TierStats:

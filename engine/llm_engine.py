@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.engine_parts import EngineParts, build_engine_parts
 from engine.host_values import long_tensor
 from engine.kv_connector import KVExporter, KVImporter, KVSink
-from engine.kv_tiers import KVTiers, tier_fingerprint
+from engine.kv_tiers import KVTiers
 from engine.model_runner import StepStats
 from engine.outputs import (
     add_token,
@@ -38,6 +38,7 @@ from engine.outputs import (
     merge_outputs,
     token_output,
 )
+from engine.rank_tiers import build_tiers
 from engine.request import (
     CompletionResult,
     FinishReason,
@@ -90,11 +91,9 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
         self.tp_group = tp_group
-        self.kv_tiers: KVTiers | None = None
         self.speculator = build_speculator(config, self.vocab_size, self.max_model_len, LLMEngine)
-        offload = config.kv_offload
-        if offload is not None and offload.enabled:
-            self.kv_tiers = KVTiers(offload, self.kv_cache, tier_fingerprint(self.kv_spec, self.model))
+        self.kv_tiers: KVTiers | None = build_tiers(config, self.kv_cache, self.model, split, self.runner.step_channel)
+        if self.kv_tiers is not None:
             self.block_manager.record_evictions = True
             self.scheduler.tiers = self.kv_tiers
 
@@ -317,6 +316,7 @@ class LLMEngine:
         for load in self.kv_tiers.poll():
             request = self.requests.get(load.request_id)
             if request is None or not request.num_loading_blocks:
+                self.kv_tiers.drop(load)
                 continue  # aborted meanwhile (``_finish`` cancels; this guards a reused id)
             loaded = self.kv_tiers.write(load)
             if request.status == RequestStatus.LOADING:

@@ -396,6 +396,10 @@ class StepKind(enum.IntEnum):
     KEEPALIVE = 2
     STOP = 3
     CONTROL = 4  # the worker's KV endpoints on every rank: a message of its own (bytes), maybe with replies gathered
+    TIERS = 5  # the KV tiers on every rank (engine.rank_tiers): as CONTROL
+
+
+BYTE_KINDS = (StepKind.CONTROL, StepKind.TIERS)  # a message of bytes for the followers' endpoints
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,17 +476,18 @@ class StepRequest:
 class StepMessage:
     """A message to the followers as int64 frames: a header ``[kind, payload length]``, then for a STEP
     ``[num_exports, per export (slot, first, end, num_blocks, *block_ids)]`` and per chunk ``[start, num_tokens,
-    samples, num_blocks, *block_ids, *token_ids]``; for a CONTROL ``[reply, num_bytes, *bytes packed 8 a value]``.
+    samples, num_blocks, *block_ids, *token_ids]``; for a CONTROL or TIERS ``[reply, num_bytes, *bytes packed 8 a
+    value]``.
     ``exports``: the blocks whose KV leaves this step (each rank sends its heads of them after each layer)."""
 
     kind: StepKind
     chunks: list[ScheduledChunk] = field(default_factory=list)
     exports: list[ExportSpan] = field(default_factory=list)
-    control: bytes = b""  # CONTROL: the worker's own message
-    reply: bool = False  # CONTROL: every follower answers with bytes, gathered on rank 0
+    control: bytes = b""  # CONTROL, TIERS: the message for the endpoints
+    reply: bool = False  # CONTROL, TIERS: every follower answers with bytes, gathered on rank 0
 
     def encode(self) -> torch.Tensor:
-        if self.kind == StepKind.CONTROL:
+        if self.kind in BYTE_KINDS:
             padded = self.control + b"\0" * (-len(self.control) % 8)
             body = (
                 torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else torch.zeros(0, dtype=torch.int64)
@@ -501,7 +506,7 @@ class StepMessage:
 
     @staticmethod
     def decode(kind: StepKind, payload: torch.Tensor) -> StepMessage:
-        if kind == StepKind.CONTROL:
+        if kind in BYTE_KINDS:
             reply, length = int(payload[0]), int(payload[1])
             return StepMessage(kind, control=payload[2:].numpy().tobytes()[:length], reply=bool(reply))
         if kind != StepKind.STEP:
@@ -553,10 +558,11 @@ class StepChannel:
         if payload.numel():
             self.group.broadcast(payload)
 
-    def control(self, message: bytes, reply: bool = False) -> list[bytes]:
-        """A control message of the worker's KV endpoints to every follower (``TPFollower``'s ``kv.control``);
-        with ``reply``, each follower's answer, in rank order (rank 0's own is b"")."""
-        self.send(StepMessage(StepKind.CONTROL, control=message, reply=reply))
+    def control(self, message: bytes, reply: bool = False, kind: StepKind = StepKind.CONTROL) -> list[bytes]:
+        """A control message of the worker's KV endpoints (CONTROL: ``TPFollower``'s ``kv.control``) or of its KV
+        tiers (TIERS: ``tiers.control``) to every follower; with ``reply``, each follower's answer, in rank order
+        (rank 0's own is b"")."""
+        self.send(StepMessage(kind, control=message, reply=reply))
         return self.group.gather_bytes(b"") if reply else []
 
     def receive(self) -> StepMessage:
@@ -579,6 +585,15 @@ class FollowerKV(Protocol):
     def close(self) -> None: ...
 
 
+class FollowerTiers(Protocol):
+    """A follower rank's KV tiers (engine.rank_tiers): what rank 0's TIERS messages do (an answer, b"" when none is
+    asked)."""
+
+    def control(self, message: bytes) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
 class FollowerRunner(Protocol):
     """What a follower drives: its rank's ``engine.model_runner.ModelRunner``."""
 
@@ -592,16 +607,31 @@ class FollowerRunner(Protocol):
 class TPFollower:
     """A rank other than 0: runs every step rank 0 announces on its own shard, until the stop or a failure; after
     each layer of a step that exports KV, hands its heads of those blocks to its KV endpoints (``kv``), which send
-    them; and passes the worker's control messages to them."""
+    them; passes the worker's control messages to them, and rank 0's tier messages to its KV tiers (``tiers``,
+    closed when serving ends)."""
 
-    def __init__(self, runner: FollowerRunner, channel: StepChannel, kv: FollowerKV | None = None) -> None:
+    def __init__(
+        self,
+        runner: FollowerRunner,
+        channel: StepChannel,
+        kv: FollowerKV | None = None,
+        tiers: FollowerTiers | None = None,
+    ) -> None:
         self.runner = runner
         self.channel = channel
         self.kv = kv
+        self.tiers = tiers
         self.steps = 0
 
     def serve(self) -> str:
         """Returns why it ended: "stop", or the group's failure (rank 0 gone, a timeout)."""
+        try:
+            return self._serve()
+        finally:
+            if self.tiers is not None:
+                self.tiers.close()
+
+    def _serve(self) -> str:
         while True:
             try:
                 message = self.channel.receive()
@@ -611,8 +641,9 @@ class TPFollower:
                     self.runner.layer_hook = self._export_hook(message.exports)
                     self.runner.execute(message.chunks)
                     self.steps += 1
-                elif message.kind == StepKind.CONTROL:
-                    answer = self.kv.control(message.control) if self.kv is not None else b""
+                elif message.kind in BYTE_KINDS:
+                    endpoint = self.kv if message.kind == StepKind.CONTROL else self.tiers
+                    answer = endpoint.control(message.control) if endpoint is not None else b""
                     if message.reply:
                         self.channel.group.gather_bytes(answer)
             except TPError as exc:

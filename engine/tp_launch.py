@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_parts import EngineParts, build_engine_parts
+from engine.rank_tiers import follower_tiers
 from engine.tensor_parallel import FollowerKV, StepChannel, TPFollower, TPGroup
 
 RankTarget = Callable[[int, int, str, Any], Any]
@@ -82,11 +83,12 @@ def serve_follower(
 ) -> str:
     """A rank other than 0 inside a target: its shard of ``config``'s engine runs rank 0's steps until rank 0 stops it
     or the group breaks; the group is closed after; why serving ended. ``make_kv``: the rank's KV-plane endpoints
-    (worker/rank_kv.py), for a target that hands KV between workers."""
+    (worker/rank_kv.py), for a target that hands KV between workers. With ``kv_offload``, the rank pages its own heads
+    (engine.rank_tiers)."""
     parts = build_engine_parts(config, group)
     kv = make_kv(parts) if make_kv is not None else None
     try:
-        return TPFollower(parts.runner, StepChannel(group), kv).serve()
+        return TPFollower(parts.runner, StepChannel(group), kv, follower_tiers(parts)).serve()
     finally:
         group.close()
         if kv is not None:

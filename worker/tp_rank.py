@@ -14,6 +14,7 @@ import datetime
 import threading
 
 from engine.engine_parts import EngineParts, build_engine_parts
+from engine.rank_tiers import follower_tiers
 from engine.tensor_parallel import TP_START_TIMEOUT_S, TP_TIMEOUT_S, StepChannel, TPFollower, TPGroup
 from worker.rank_kv import LandKV, RankKV, handoff_layout, rank_kv
 from worker.spec import WorkerRole, WorkerSpec, resolve_spec
@@ -53,10 +54,11 @@ class TPRank:
         self.kv_heads = parts.kv_spec.num_kv_heads
         try:
             self.kv = follower_kv(spec, parts)
+            tiers = follower_tiers(parts)  # with kv_offload: this rank pages its own heads (engine.rank_tiers)
         except BaseException:
             group.close()
             raise
-        self.follower = TPFollower(parts.runner, StepChannel(group), self.kv)
+        self.follower = TPFollower(parts.runner, StepChannel(group), self.kv, tiers)
         self.ended = ""  # why serving ended ("stop", or the group's failure); "" while it serves
         self._thread = threading.Thread(target=self._serve, name=f"{self.name}-serve", daemon=True)
         self._thread.start()
