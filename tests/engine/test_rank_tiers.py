@@ -104,6 +104,10 @@ def _rank_main(rank: int, size: int, store_path: str, run: dict) -> dict:
 
     def serve(index: int) -> None:
         rid = engine.add_request(prompts[index], params.copy(), request_id=f"r{index}")
+        if run.get("abort") and index == TENANTS:  # aborted while its prefix is being read on both ranks
+            engine.step()
+            result["aborted_while"] = engine.requests[rid].status.name
+            assert engine.abort(rid)
         while engine.has_unfinished():
             for out in engine.step():
                 assert out.error is None, out.error
@@ -113,9 +117,9 @@ def _rank_main(rank: int, size: int, store_path: str, run: dict) -> dict:
                     cached[rid] = out.num_cached_tokens
         time.sleep(0.02)  # requests arriving apart: the saver threads get a moment
 
+    result: dict = {}
     for index in range(TENANTS):
         serve(index)
-    result: dict = {}
     if size > 1:  # both ranks hold the same pages; only rank 0's tiers report them
         assert _wait(lambda: not engine.kv_tiers._saves.unfinished_tasks)  # noqa: SLF001
         theirs = next(folder for folder in _tier_folders(run, tier).iterdir() if folder.is_dir() and folder != own)
@@ -225,6 +229,18 @@ def test_a_page_bad_on_one_rank_only_is_recomputed_on_both(tiny_llama_path, tmp_
     # computed again and evicted again, the block went down to rank 1's disk tier once more (rank 0 held it)
     damaged = prompt_block_hashes(tenant_prompts()[0], BLOCK_SIZE)[DAMAGED_BLOCK]
     assert damaged in _pages(Path(leader["follower_folder"]))
+
+
+def test_an_abort_while_both_ranks_load_leaks_nothing_on_either(tiny_llama_path, tmp_path, one_rank):
+    run = _settings(tiny_llama_path, tmp_path, "host") | {"abort": True}
+    ranks = _run(2, run)
+    leader, follower = ranks[0], ranks[1]
+    assert leader["aborted_while"] == "LOADING"
+    aborted = f"r{TENANTS}"
+    assert aborted not in leader["tokens"]
+    others = {key: {rid: v for rid, v in one_rank[key].items() if rid != aborted} for key in ("tokens", "logprobs")}
+    _compare(others, leader)  # the aborted load's blocks, reused at once, hold the next requests' own KV
+    assert follower["ended"] == "stop" and follower["loads_left"] == 0
 
 
 def test_kv_offload_is_accepted_at_any_degree():
