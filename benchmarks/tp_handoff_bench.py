@@ -2,13 +2,14 @@
 
 For each (p, d) a prefill engine of p ranks and a decode engine of d ranks run as local processes (engine.tp_launch)
 on a random-weight model shaped for KV bytes rather than compute (30 layers of 4 KV heads of 64: 60 KiB per token in
-float32). Per repeat, decode rank 0 reserves blocks for ``--requests`` prompts and expects their KV on the backend's
-receiver; prefill rank 0 prefills them in one step, streaming each layer's KV (gathered from its ranks) to the sender
-as a prefill worker does, and decode rank 0 hands each piece on to its ranks as an import does. Timed: the prefill
-step, and from its start until decode holds every request's KV (perf_counter is system-wide on Linux): the hand-off
-GB/s, whose time holds the forward producing the KV, as a request's does. Then the last repeat's pieces are sent
-again with no forward (``send_only``): the wire and the decode side's hand-on to its ranks, not the prefill side's
-gather, which is inside the forward.
+float32). Every rank holds its own KV endpoints (worker/rank_kv.py), as a worker's ranks do: each prefill rank sends
+the heads it computed straight to the decode rank(s) that hold them, and rank 0 on each side only joins the parts'
+ends. Per repeat, decode rank 0 reserves blocks for ``--requests`` prompts and expects their parts; prefill rank 0
+prefills them in one step, every rank streaming each layer's heads as a prefill worker does. Timed: the prefill step,
+and from its start until decode rank 0 knows every request's KV complete on every rank (perf_counter is system-wide on
+Linux): the hand-off GB/s, whose time holds the forward producing the KV, as a request's does. Then the last repeat's
+prefilled KV, still held, is sent again with no forward (``send_only``: every rank reads its heads of the held blocks
+and sends them at once), which times the wire and the receiving ranks alone.
 """
 
 from __future__ import annotations
@@ -74,18 +75,65 @@ def _group(rank: int, size: int, store_path: str):
     return TPGroup(dist.FileStore(store_path, size), rank, size, 60.0) if size > 1 else None
 
 
-def _engine(rank: int, size: int, store_path: str, job: dict):
-    from engine.llm_engine import LLMEngine
+def _rank_kv(job: dict, side: str, rank: int, kv_spec, split, cache, land=None):
+    """A rank's endpoints on the bench's backend (a worker builds them from its spec: worker.rank_kv.rank_kv)."""
+    from transfer.base import make_receiver, make_sender
+    from transfer.config import TransferConfig
+    from worker.rank_kv import RankKV, handoff_layout
 
-    return LLMEngine(_engine_config(job, size), _group(rank, size, store_path))
+    config = TransferConfig(secret=job["secret"])
+    backend = job["backend"]
+    if backend == "shm":
+        address = f"shm+ipc://{job['folder']}/kv-{side}-{rank}.sock"
+    else:
+        address = "tcp://127.0.0.1:0"
+
+    def receiver(fingerprint, sink):
+        return make_receiver(backend, fingerprint, sink, address, config)
+
+    return RankKV(
+        handoff_layout(kv_spec, split),
+        cache,
+        make_receiver=receiver if land is not None else None,
+        land=land,
+        make_sender=lambda fingerprint: make_sender(backend, fingerprint, config),
+    )
 
 
-def _follower(rank: int, size: int, store_path: str, job: dict) -> dict:
+def _follower(rank: int, size: int, store_path: str, job: dict, receives: bool) -> dict:
     from engine.tp_launch import serve_follower
+
+    def make_kv(parts):
+        land = None
+        if receives:
+            cache = parts.kv_cache
+
+            def land(_handoff, layer, blocks, k, v, heads):
+                cache.write_blocks(layer, blocks, k, v, heads)
+
+        kv = _rank_kv(
+            job, "decode" if receives else "prefill", rank, parts.kv_spec, parts.runner.head_split, parts.kv_cache, land
+        )
+        kv.start_polling()
+        return kv
 
     group = _group(rank, size, store_path)
     assert group is not None  # size > 1
-    return {"ended": serve_follower(_engine_config(job, size), group)}
+    return {"ended": serve_follower(_engine_config(job, size), group, make_kv)}
+
+
+def _engine(rank: int, size: int, store_path: str, job: dict, receives: bool):
+    """Rank 0's engine and its endpoints: a receiver (decode) or a sender (prefill) over every rank's."""
+    from engine.llm_engine import LLMEngine
+    from worker.rank_kv import HandoffReceiver, HandoffSender
+
+    engine = LLMEngine(_engine_config(job, size), _group(rank, size, store_path))
+    land = engine.kv_importer.write if receives else None
+    side = "decode" if receives else "prefill"
+    kv = _rank_kv(job, side, rank, engine.kv_spec, engine.runner.head_split, engine.kv_cache, land)
+    channel = engine.runner.step_channel
+    endpoint = HandoffReceiver(kv, channel) if receives else HandoffSender(kv, channel)
+    return engine, kv, endpoint
 
 
 def _params():
@@ -94,95 +142,74 @@ def _params():
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def _decode_main(rank: int, size: int, store_path: str, job: dict) -> dict:
-    """Reserve, expect, time each repeat's KV until every request's is in, then free it all."""
-    if rank > 0:
-        return _follower(rank, size, store_path, job)
-    from transfer.base import make_receiver
-    from transfer.config import TransferConfig
+def _wait(poll, ids, what: str) -> None:
+    """Every id's end (DONE, or raise), polling for at most WAIT_S."""
     from transfer.state import TransferState
-    from transfer.wire import ModelFingerprint
 
-    engine = _engine(rank, size, store_path, job)
-    fingerprint = ModelFingerprint.from_spec(engine.handoff_spec)
-    config = TransferConfig(secret=job["secret"])
-    address = "tcp://127.0.0.1:0" if job["backend"] != "shm" else f"shm+ipc://{job['socket']}"
-    receiver = make_receiver(job["backend"], fingerprint, engine.kv_importer.write, address, config)
+    waiting, deadline = set(ids), time.monotonic() + WAIT_S
+    while waiting:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: {len(waiting)} transfers did not end within {WAIT_S:.0f} s")
+        for event in poll():
+            if event.transfer_id in waiting:
+                if event.state != TransferState.DONE:
+                    raise RuntimeError(f"{what}: transfer {event.transfer_id} failed: {event.error}")
+                waiting.discard(event.transfer_id)
+        time.sleep(0.0002)
+
+
+def _decode_main(rank: int, size: int, store_path: str, job: dict) -> dict:
+    """Reserve, expect every rank's parts, time each repeat's KV until every rank holds it, then free it all."""
+    if rank > 0:
+        return _follower(rank, size, store_path, job, receives=True)
+    engine, kv, receiver = _engine(rank, size, store_path, job, receives=True)
     done_at: list[float] = []
     try:
-        for repeat in range(2 * (job["repeats"] + 1)):  # streamed, then replayed
+        for repeat in range(2 * (job["repeats"] + 1)):  # streamed, then sent again from the held blocks
             rids = [f"r{repeat}-{i}" for i in range(job["requests"])]
             offer = {}
             for rid, prompt in zip(rids, job["prompts"]):
                 if engine.kv_importer.reserve(prompt, _params(), rid) is None:
                     raise RuntimeError("the decode engine could not reserve the KV of a repeat")
                 blocks = engine.kv_importer.expected_blocks(engine.requests[rid])
-                receiver.expect(rid, blocks)
+                receiver.expect(rid, blocks, source_degree=job["prefill_degree"])
                 offer[rid] = blocks
             job["offers"].put((receiver.address, offer))
-            waiting, deadline = set(rids), time.monotonic() + WAIT_S
-            while waiting and time.monotonic() < deadline:
-                for event in receiver.poll():
-                    if event.transfer_id in waiting:
-                        if event.state != TransferState.DONE:
-                            raise RuntimeError(f"transfer {event.transfer_id} failed: {event.error}")
-                        waiting.discard(event.transfer_id)
-                time.sleep(0.0002)
-            if waiting:
-                raise RuntimeError(f"{len(waiting)} transfers did not end within {WAIT_S:.0f} s")
+            _wait(receiver.poll, rids, "decode")
             done_at.append(time.perf_counter())
             for rid in rids:
                 engine.abort(rid)
         engine.check_no_leaks()
+        left = len(receiver.pending_transfers())
+        job["senders_done"].get(timeout=WAIT_S)  # the receivers stay until every lease's end reached its sender
     finally:
-        receiver.close()
-        engine.close()
-    return {"done_at": done_at, "kv_bytes": engine.handoff_spec.bytes_per_token * sum(map(len, job["prompts"]))}
-
-
-def _streaming_sink(sender, rid: str, blocks: list[int], kept: list):
-    """A prefill worker's sink (each piece onto the reserved blocks, sent at once) that also keeps a copy."""
-
-    def sink(ready) -> None:
-        sender.send_layer(rid, ready.layer, blocks[ready.first_block : ready.end_block], ready.k, ready.v)
-        kept.append((ready.layer, ready.first_block, ready.end_block, ready.k.clone(), ready.v.clone()))
-
-    return sink
+        engine.close()  # stops the followers
+        kv.close()
+    return {"done_at": done_at, "kv_bytes": job["kv_bytes"], "left": left}
 
 
 def _prefill_main(rank: int, size: int, store_path: str, job: dict) -> dict:
-    """Each repeat's prompts prefilled in one step, every layer's KV streamed to the decode engine's blocks; then the
-    last repeat's pieces sent again alone (``replays``), to time the wire and the decode side without the forward."""
+    """Each repeat's prompts prefilled in one step, every rank streaming its heads of every layer to the decode
+    engine's ranks; then the last repeat's KV, held, sent again alone (``replays``), without the forward."""
     if rank > 0:
-        return _follower(rank, size, store_path, job)
+        return _follower(rank, size, store_path, job, receives=False)
     from engine.outputs import FinishReason
-    from transfer.base import make_sender
-    from transfer.config import TransferConfig
-    from transfer.wire import ModelFingerprint
 
-    engine = _engine(rank, size, store_path, job)
-    config = TransferConfig(secret=job["secret"])
-    sender = make_sender(job["backend"], ModelFingerprint.from_spec(engine.handoff_spec), config)
+    engine, kv, sender = _engine(rank, size, store_path, job, receives=False)
+    layers = range(engine.kv_spec.num_layers)
     steps: list[tuple[float, float]] = []
     replays: list[float] = []
-    pieces: dict[int, list] = {}  # per prompt: (layer, first block, end block, k, v) of the latest streamed repeat
-
-    def acknowledged(rids) -> None:
-        pending, deadline = set(rids), time.monotonic() + WAIT_S
-        while pending and time.monotonic() < deadline:
-            for event in sender.poll():
-                pending.discard(event.transfer_id)
-                engine.abort(event.transfer_id)  # its lease ended: the blocks go back (nothing, for a replay)
-            time.sleep(0.0002)
-
+    held: list[str] = []  # the last streamed repeat's requests, kept to be sent again
     try:
         for _ in range(job["repeats"] + 1):
             address, offer = job["offers"].get(timeout=WAIT_S)
-            pieces.clear()
-            for i, (rid, prompt) in enumerate(zip(offer, job["prompts"])):
-                sink = _streaming_sink(sender, rid, offer[rid], pieces.setdefault(i, []))
+            for rid in held:
+                engine.release(rid)
+            held = list(offer)
+            for rid, prompt in zip(offer, job["prompts"]):
+                sink = sender.sink(rid, offer[rid])
                 engine.add_request(prompt, _params(), rid, prefill_only=True, kv_sink=sink, stream_kv=True)
-                sender.begin(rid, address)
+                sender.begin(rid, address, offer[rid])
             start = time.perf_counter()
             outputs = engine.step()
             steps.append((start, time.perf_counter()))
@@ -190,21 +217,27 @@ def _prefill_main(rank: int, size: int, store_path: str, job: dict) -> dict:
                 if output.finish_reason is not FinishReason.PREFILLED:
                     raise RuntimeError(f"{output.request_id} did not prefill in one step: {output.error}")
                 sender.finish(output.request_id)
-            acknowledged(offer)
+            _wait(sender.poll, offer, "prefill")
         for _ in range(job["repeats"] + 1):
             address, offer = job["offers"].get(timeout=WAIT_S)
             replays.append(time.perf_counter())
-            for i, rid in enumerate(offer):
-                sender.begin(rid, address)
-                for layer, first, end, k, v in pieces[i]:
-                    sender.send_layer(rid, layer, offer[rid][first:end], k, v)
+            for source, rid in zip(held, offer):
+                request = engine.requests[source]
+                dst = offer[rid]
+                sender.begin(rid, address, dst)
+                sender.send_held(rid, list(request.block_ids), dst, layers)  # the other ranks start theirs first
+                engine.kv_exporter.export_held(request, sender.sink(rid, dst), 0, len(dst), layers)
                 sender.finish(rid)
-            acknowledged(offer)
+            _wait(sender.poll, offer, "prefill (sent again)")
+        job["senders_done"].put(True)
+        for rid in held:
+            engine.release(rid)
         engine.check_no_leaks()
+        left = len(sender.active_transfers())
     finally:
-        sender.close()
         engine.close()
-    return {"steps": steps, "replays": replays}
+        kv.close()
+    return {"steps": steps, "replays": replays, "left": left}
 
 
 def _pair(prefill_degree: int, decode_degree: int, job: dict) -> dict:
@@ -212,7 +245,8 @@ def _pair(prefill_degree: int, decode_degree: int, job: dict) -> dict:
 
     from engine.tp_launch import run_ranks
 
-    job = job | {"offers": multiprocessing.get_context("spawn").Queue()}
+    spawn = multiprocessing.get_context("spawn")
+    job = job | {"offers": spawn.Queue(), "senders_done": spawn.Queue(), "prefill_degree": prefill_degree}
     results: dict[str, Any] = {}
 
     def side(name: str, main, degree: int) -> None:
@@ -247,10 +281,12 @@ def _pair(prefill_degree: int, decode_degree: int, job: dict) -> dict:
         "handoff_gb_s": round(kv_bytes / handoff_s / 1e9, 4),
         "send_only_ms": round(1000 * replay_s, 2),
         "send_only_gb_s": round(kv_bytes / replay_s / 1e9, 4),
+        "transfers_left": results["prefill"]["left"] + results["decode"]["left"],
     }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.cpu_info import cpu_model
     from engine.tiny_model import build_tiny_model
 
     pairs = parse_degrees(args.degrees)
@@ -261,27 +297,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [[rng.randrange(3, 250) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     block_size = 16
     kv_blocks = 2 * args.requests * (-(-args.prompt_len // block_size)) + 8
+    per_token = 2 * MODEL_SHAPE["num_hidden_layers"] * MODEL_SHAPE["num_key_value_heads"] * MODEL_SHAPE["head_dim"] * 4
     with tempfile.TemporaryDirectory(prefix="pdserve-tp-handoff-") as folder:
         model = build_tiny_model(Path(folder) / "model", **MODEL_SHAPE)
         job = {
             "model": str(model),
             "backend": args.handoff_backend,
             "secret": secrets.token_hex(16),
-            "socket": str(Path(folder) / "kv.sock"),
+            "folder": folder,
             "requests": args.requests,
             "prompt_len": args.prompt_len,
             "prompts": prompts,
             "repeats": args.reps,
             "kv_blocks": kv_blocks,
+            "kv_bytes": per_token * args.requests * args.prompt_len,
         }
         by_pair = {f"{p}:{d}": _pair(p, d, job) for p, d in pairs}
     base = next(iter(by_pair.values()))
     first = next(iter(by_pair))
     for figures in by_pair.values():
         figures[f"handoff_vs_{first}"] = round(figures["handoff_ms"] / base["handoff_ms"], 3)
+        figures[f"send_only_gb_s_vs_{first}"] = round(figures["send_only_gb_s"] / base["send_only_gb_s"], 3)
     return {
-        "benchmark": "KV hand-off between tensor-parallel engines (prefill p ranks -> decode d ranks)",
+        "benchmark": "KV hand-off between tensor-parallel engines (prefill p ranks -> decode d ranks, rank to rank)",
         "model": "random weights: " + ", ".join(f"{k} {v}" for k, v in MODEL_SHAPE.items()) + ", float32",
+        "cpu": cpu_model(),
         "backend": args.handoff_backend,
         "requests": args.requests,
         "prompt_len": args.prompt_len,

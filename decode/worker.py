@@ -286,10 +286,10 @@ class DecodeRole(Role):
         exporter, the other ranks' by their own (``HandoffSender.send_held``)."""
         sender = self.sender
         assert sender is not None
+        src, dst = request.block_ids[first_block:end_block], job.dst[first_block:end_block]
+        sender.send_held(job.transfer_id, src, dst, layers)  # told first: the ranks send while rank 0 does
         sink: KVSink = sender.sink(job.transfer_id, job.dst)
         self.engine.kv_exporter.export_held(request, sink, first_block, end_block, layers)
-        src, dst = request.block_ids[first_block:end_block], job.dst[first_block:end_block]
-        sender.send_held(job.transfer_id, src, dst, layers)
 
     def _freeze_and_send(self, job: _Export) -> None:
         """Stop the request between steps (its tokens so far went out in earlier ``tokens`` events: ``Frozen`` names

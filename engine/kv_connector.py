@@ -136,13 +136,15 @@ class KVExporter:
         export.num_blocks_reported = end
 
     def export_held(self, request: Request, sink: KVSink, first_block: int, end_block: int, layers: range) -> None:
-        """``layers`` of a decoding request's logical blocks ``[first_block, end_block)``, this rank's heads, to
-        ``sink``: full blocks of a RUNNING request (their KV no longer changes while it decodes on) or any of a FROZEN
-        one (up to its last computed token). ValueError when it is not decoding or has not filled those blocks."""
-        if request.status not in (RequestStatus.RUNNING, RequestStatus.FROZEN) or request.prefill_only:
-            raise ValueError(f"request {request.request_id!r} is {request.status.name}: only a decoding request moves")
+        """``layers`` of a request's logical blocks ``[first_block, end_block)``, this rank's heads, to ``sink``: full
+        blocks of a RUNNING decoding request (their KV no longer changes while it decodes on) or any of a FROZEN one or
+        of a PREFILLED one held for export (up to its last computed token: its KV is complete; sent again, as to
+        another decode worker). ValueError when it is none of these or has not filled those blocks."""
+        running = request.status is RequestStatus.RUNNING and not request.prefill_only
+        if not running and request.status not in (RequestStatus.FROZEN, RequestStatus.PREFILLED):
+            raise ValueError(f"request {request.request_id!r} is {request.status.name}: its KV is not held for export")
         filled = request.num_computed_tokens
-        end = filled // self.block_size if request.status is RequestStatus.RUNNING else -(-filled // self.block_size)
+        end = filled // self.block_size if running else -(-filled // self.block_size)
         if not 0 <= first_block < end_block <= end:
             raise ValueError(f"request {request.request_id!r} has not filled blocks {first_block} to {end_block}")
         index = self.kv_cache.block_index(request.block_ids[first_block:end_block])

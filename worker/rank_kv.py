@@ -55,7 +55,11 @@ from worker.spec import WorkerSpec
 logger = logging.getLogger(__name__)
 
 MAX_RANKS = 64
-FOLLOWER_POLL_INTERVAL_S = 0.002  # rank 0 asks the other ranks for their parts' ends at most this often
+# rank 0 asks the other ranks for their parts' ends at most this often once only their parts of a hand-off are left;
+# while its own are under way too, at most every FOLLOWER_WATCH_INTERVAL_S (to hear of a failure there): each ask
+# stops rank 0 and every follower for a round trip of the step channel, which the parts' own I/O would wait behind
+FOLLOWER_POLL_INTERVAL_S = 0.002
+FOLLOWER_WATCH_INTERVAL_S = 0.02
 POLLER_WAIT_S = 0.001  # a follower's receiver thread: the longest it waits for an arrival before polling again
 
 
@@ -519,10 +523,10 @@ class _Join:
         self.handoffs[transfer_id] = _Handoff(transfer_id, dict(parts))
         self._handoff_of.update((pid, transfer_id) for pid in parts)
 
-    def tell(self, message: Control) -> None:
-        """A message to the other ranks (none at degree 1)."""
+    def tell(self, message: Control, wait: bool = False) -> None:
+        """A message to the other ranks (none at degree 1); ``wait``: return once every rank has applied it."""
         if self.channel is not None:
-            self.channel.control(_encoder.encode(message))
+            self.channel.control(_encoder.encode(message), reply=wait)
 
     def abort(self, transfer_id: str, reason: str) -> None:
         """End a hand-off now (as a plain endpoint's abort does: it is no longer pending; ``ended`` reports it)."""
@@ -535,7 +539,8 @@ class _Join:
         now = time.monotonic()
         pending_elsewhere = any(rank for h in self.handoffs.values() for rank in h.parts.values())
         if self.channel is not None and pending_elsewhere and now >= self._next_poll_s:
-            self._next_poll_s = now + FOLLOWER_POLL_INTERVAL_S
+            only_elsewhere = any(h.parts and 0 not in h.parts.values() for h in self.handoffs.values())
+            self._next_poll_s = now + (FOLLOWER_POLL_INTERVAL_S if only_elsewhere else FOLLOWER_WATCH_INTERVAL_S)
             for answer in self.channel.control(_encoder.encode(Poll(self.side)), reply=True)[1:]:
                 news += [item.event() for item in _news.decode(answer)] if answer else []
         out, self._aborted = self._aborted, []
@@ -713,7 +718,9 @@ class HandoffReceiver:
         message = Expect(transfer_id, list(dst_block_ids), layers, deadline_s, leading_run, source_degree)
         parts = self.kv.layout.parts(source_degree, self.degree)
         self.kv.expect(message)
-        self._join.tell(message)
+        # every rank expects its parts before rank 0's caller names this worker to the sender: a piece for a part not
+        # yet expected would be dropped (transfer/inbound.py)
+        self._join.tell(message, wait=True)
         self._join.add(transfer_id, {part_id(transfer_id, p, len(parts)): p.receiver_rank for p in parts})
 
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:

@@ -595,3 +595,30 @@ def test_prefill_here_only_for_an_untouched_reservation_and_abort_frees_it(tiny_
     assert decode.abort("local") and decode.abort("started")
     assert decode.step() == [] and not decode.has_unfinished()
     no_leaks(decode)
+
+
+def test_a_prefilled_requests_held_kv_exports_again_whole_as_it_streamed(tiny_llama_path, make_engine):
+    """A prefill-only request's KV, held after its hand-off, reads back whole (its last partial block too): it can be
+    sent again (as ``pdserve bench tp-handoff``'s send-only run does), bit-identical to what streamed out."""
+    engine = make_engine(tiny_llama_path)
+    prompt = random_prompts(1, 40, 40, seed=3)[0]
+    streamed: list[KVBlocksReady] = []
+    rid = engine.add_request(prompt, greedy(), prefill_only=True, kv_sink=streamed.append)
+    with pytest.raises(ValueError, match="not held for export"):  # waiting: no KV yet
+        engine.kv_exporter.export_held(engine.requests[rid], streamed.append, 0, 1, range(1))
+    while engine.requests[rid].status is not RequestStatus.PREFILLED:
+        engine.step()
+    request, layers = engine.requests[rid], range(engine.kv_spec.num_layers)
+    end = blocks_for_tokens(len(prompt), BLOCK)
+    held: list[KVBlocksReady] = []
+    engine.kv_exporter.export_held(request, held.append, 0, end, layers)
+    assert [(r.layer, r.first_block, r.end_block) for r in held] == [(layer, 0, end) for layer in layers]
+    for layer in layers:
+        pieces = [r for r in streamed if r.layer == layer]
+        k = torch.cat([r.k for r in pieces])
+        v = torch.cat([r.v for r in pieces])
+        assert torch.equal(held[layer].k, k) and torch.equal(held[layer].v, v)
+    with pytest.raises(ValueError, match="has not filled"):
+        engine.kv_exporter.export_held(request, held.append, 0, end + 1, layers)
+    engine.release(rid)
+    engine.check_no_leaks()
