@@ -50,11 +50,11 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # One command on a GPU machine (docs/gpu.md): no venv, the machine's own python3 with CUDA torch and transformers.
-# Wheels that image lacks (pyzmq, for the shm transfer's control socket; FlashInfer with FLASHINFER=1) come from
+# Wheels that image lacks (pyzmq and msgspec, for the KV plane; FlashInfer with FLASHINFER=1) come from
 # `make gpu-wheels`, run where pip can reach PyPI (checks/gpu/gpu_wheels.py); they are installed into .whl/site,
 # outside the system's packages. gpu-check-quick is the first run (at most 4 minutes on one H200); gpu-check the whole
 # one (at most 8). Each writes its JSON after every section. checks/ is an acceptance run, not part of the package.
-.PHONY: gpu-check gpu-check-quick gpu-wheels
+.PHONY: gpu-check gpu-check-quick gpu-check-tp gpu-wheels
 GPU_SITE = PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}
 
 define gpu_site
@@ -71,6 +71,11 @@ gpu-check:
 gpu-check-quick:
 	$(gpu_site)
 	$(GPU_SITE) $(PYTHON) checks/gpu/gpu_check.py --quick --out gpu-check-quick.json
+
+# two GPUs: only the tensor-parallel section (degree 2 on NCCL, hand-offs (1,2) (2,1) (2,2)), at most 4.5 minutes
+gpu-check-tp:
+	$(gpu_site)
+	$(GPU_SITE) $(PYTHON) checks/gpu/gpu_check.py --tensor-parallel-only --out gpu-check-tp.json
 
 gpu-wheels:
 	$(PYTHON) checks/gpu/gpu_wheels.py --dest .whl $(if $(FLASHINFER),--flashinfer)

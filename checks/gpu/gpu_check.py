@@ -4,6 +4,10 @@
     python checks/gpu/gpu_check.py --out gpu-check.json                # make gpu-check: everything, <= 8 minutes
     python checks/gpu/gpu_check.py --device cpu --tiny --quick --out x.json  # the same script on a tiny model (CI)
 
+On a machine with two GPUs the run starts with ``tensor_parallel_2`` (checks/gpu/gpu_check_tp.py: one engine at
+degree 2 on NCCL, KV hand-offs between degrees 1 and 2), and its budget and hard limit grow by that section's cap;
+elsewhere the section only says why it was skipped ("one device", "no CUDA device").
+
 No network, no Ray: random-weight Llama-shaped models built in-process (checks/gpu/gpu_check_models.py), the engine
 run directly (checks/gpu/gpu_check_engine.py), a prefill/decode pair over the shm backend (checks/gpu/gpu_check_pd.py).
 Each figure is compared with a baseline from the same run; the goals are ratios with pass/fail. Sections run in order
@@ -40,6 +44,7 @@ import torch
 
 from checks.gpu import gpu_check_engine as eng
 from checks.gpu import gpu_check_models as models
+from checks.gpu import gpu_check_tp as tp
 from checks.gpu.gpu_check_kernels import sdpa_kernels
 from checks.gpu.gpu_check_pd import run_pair
 from checks.gpu.gpu_check_time import Deadline, OutOfTime
@@ -54,6 +59,8 @@ GPU_SIZES: dict[str, Any] = dict(
     reps=3, prefill_count=8, prefill_len=2048, kernel_prompt_len=512,
     pd=dict(exact_prompts=4, exact_prompt_len=256, exact_tokens=32, running=32, idle_steps=200, during_steps_max=400,
             long_prompts=3, long_prompt_len=8192, max_model_len=16384, timeout_s=150),
+    tp=dict(exact_prompts=4, exact_prompt_len=64, exact_tokens=32, batches=[1, 8], decode_prompt_len=128,
+            decode_tokens=64, handoff_prompts=8, handoff_prompt_len=1024, handoff_reps=3),
 )  # fmt: skip
 TINY_SIZES: dict[str, Any] = dict(
     exact_prompts=2, exact_prompt_len=16, exact_tokens=8,
@@ -61,13 +68,17 @@ TINY_SIZES: dict[str, Any] = dict(
     prefill_count=2, prefill_len=32, kernel_prompt_len=48,
     pd=dict(exact_prompts=2, exact_prompt_len=40, exact_tokens=6, running=2, idle_steps=8, during_steps_max=64,
             long_prompts=1, long_prompt_len=128, max_model_len=512, timeout_s=150),
+    tp=dict(exact_prompts=2, exact_prompt_len=16, exact_tokens=6, batches=[1, 8], decode_prompt_len=16,
+            decode_tokens=6, handoff_prompts=2, handoff_prompt_len=64, handoff_reps=2),
 )  # fmt: skip
 # wall-clock caps per section, seconds (the run's budget bounds them all); the quick run's where they differ
 CAPS = dict(
     model=60, exact_float32=45, decode=90, generate_compiled=150, sdpa_kernels=25, prefill_decode_pair=150,
-    memory=45, prefill=45, decode_other_backends=150, llama_3_8b=200,
+    memory=45, prefill=45, decode_other_backends=150, llama_3_8b=200, tensor_parallel_2=240,
 )  # fmt: skip
-QUICK_CAPS = dict(generate_compiled=75, prefill_decode_pair=90, decode_other_backends=60)
+QUICK_CAPS = dict(generate_compiled=75, prefill_decode_pair=90, decode_other_backends=60, tensor_parallel_2=180)
+# tensor_parallel_2's (prefill degree, decode degree) hand-offs, by mode
+TP_PAIRS = {"full": [(1, 2), (2, 1), (2, 2)], "quick": [(1, 2), (2, 2)]}
 # one H200 in at most 4 minutes, compiles included (the imports before the clock starts take about 10 s)
 QUICK_BUDGET_S, QUICK_HARD_S = 200.0, 220.0
 FULL_BUDGET_S, FULL_HARD_S = 450.0, 475.0  # at most 8 minutes
@@ -84,7 +95,8 @@ GOALS = [  # name, what it divides, target, "ge"/"le"
 # what the check imports, by import name: the distribution a missing one comes from
 DEPENDENCIES = {
     "torch": "torch", "transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
-    "tokenizers": "tokenizers", "numpy": "numpy", "msgpack": "msgpack", "xxhash": "xxhash", "zmq": "pyzmq",
+    "tokenizers": "tokenizers", "numpy": "numpy", "msgpack": "msgpack", "msgspec": "msgspec", "xxhash": "xxhash",
+    "zmq": "pyzmq",
     "flashinfer": "flashinfer-python", "flashinfer_cubin": "flashinfer-cubin",
     "flashinfer_jit_cache": "flashinfer-jit-cache",
 }  # fmt: skip
@@ -99,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None, help="no section runs past this (default: by mode)")
     ap.add_argument("--hard-limit-s", type=float, default=None, help="the watchdog ends the run here")
     ap.add_argument("--skip-8b", action="store_true", help="only the 1B-shaped model (the quick run never has 8B)")
+    ap.add_argument(
+        "--tensor-parallel-only", action="store_true", help="only tensor_parallel_2 (two GPUs), within its own cap"
+    )
     return ap.parse_args(argv)
 
 
@@ -372,6 +387,31 @@ def primary(run: Run, shape: models.Shape, device: str, quick: bool, workdir: Pa
     return out
 
 
+def tensor_parallel(run: Run, shape: models.Shape, device: str, quick: bool, workdir: Path) -> dict[str, Any]:
+    """Section ``tensor_parallel_2`` where the machine has two devices (on a model folder of its own, removed after);
+    elsewhere ``{"skipped": why}``, written at once whatever the budget."""
+    reason = tp.skip_reason(device)
+    if reason is not None:
+        run.result[tp.NAME] = {"skipped": reason}
+        run.write()
+        return run.result[tp.NAME]
+    folder = workdir / f"tp-{shape.name}"
+
+    def section(deadline: Deadline) -> dict[str, Any]:
+        hf, tokenizer = models.build_model(shape, device, torch.bfloat16)
+        models.save_folder(hf, tokenizer, folder)
+        del hf
+        _free()
+        sizes, pairs = run.sizes["tp"], TP_PAIRS["quick" if quick else "full"]
+        params = tp.section_params(folder, shape.vocab_size, shape.kv_bytes_per_token(4), device, sizes, pairs)
+        try:
+            return tp.tensor_parallel_2(params, deadline)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    return run.section(tp.NAME, section)
+
+
 def decode_kv_bytes(sizes: dict[str, Any], shape: models.Shape) -> int:
     """bf16 KV for the largest decode batch at its full length, with a quarter to spare."""
     tokens = max(sizes["batches"]) * (sizes["decode_prompt_len"] + sizes["decode_tokens"] + 48)
@@ -502,10 +542,13 @@ def goals(primary_out: dict[str, Any], sizes: dict[str, Any]) -> list[dict[str, 
 def exact_summary(result: dict[str, Any]) -> dict[str, Any]:
     primary_out = result.get("primary") or {}
     pair = primary_out.get("prefill_decode_pair") or {}
+    tensor_parallel = result.get(tp.NAME) or {}
     return {
         "float32_vs_generate": (primary_out.get("exact_float32") or {}).get("exact"),
         "prefill_decode_pair_float32_vs_single_engine": (pair.get("exact") or {}).get("exact"),
         "prefill_decode_pair_bfloat16_top1": (pair.get("bfloat16") or {}).get("top1_agreement"),
+        "tensor_parallel_2_float32_vs_degree_1": (tensor_parallel.get("greedy") or {}).get("exact"),
+        "tensor_parallel_2_handoffs_float32_vs_degree_1": tensor_parallel.get("handoffs_exact"),
     }
 
 
@@ -538,7 +581,12 @@ def environment(device: str) -> dict[str, Any]:
     }
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
+        env.update(
+            gpu=props.name,
+            gpu_memory_bytes=props.total_memory,
+            gpu_count=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+        )
     return env
 
 
@@ -547,6 +595,12 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     quick = bool(args.quick)
     budget = args.budget_s or (QUICK_BUDGET_S if quick else FULL_BUDGET_S)
     hard = args.hard_limit_s or (QUICK_HARD_S if quick else FULL_HARD_S)
+    caps = {**CAPS, **(QUICK_CAPS if quick else {})}
+    if args.tensor_parallel_only:
+        budget, hard = caps[tp.NAME], caps[tp.NAME] + 25
+    elif tp.skip_reason(device) is None:  # two devices: the tensor-parallel section's time comes on top
+        budget += caps[tp.NAME]
+        hard += caps[tp.NAME]
     sizes = TINY_SIZES if args.tiny else GPU_SIZES
     result: dict[str, Any] = {
         "check": "gpu-check",
@@ -557,20 +611,23 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         "environment": environment(device),
         "dependencies": dependencies(),
     }
-    state = Run(
-        Path(args.out), result, Deadline.after(budget, "the run"), sizes, {**CAPS, **(QUICK_CAPS if quick else {})}
-    )
+    state = Run(Path(args.out), result, Deadline.after(budget, "the run"), sizes, caps)
     state.write()
     watchdog = state.start_watchdog(hard)
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     try:
         shape = models.SHAPES["tiny" if args.tiny else "llama-3.2-1b"]
         try:
-            primary(state, shape, device, quick, workdir)
+            tensor_parallel(state, shape, device, quick, workdir)
+        except Exception as exc:  # noqa: BLE001 (a bug of the check itself: the other sections still run)
+            result[f"{tp.NAME}_error"] = eng.error_string(exc)
+        try:
+            if not args.tensor_parallel_only:
+                primary(state, shape, device, quick, workdir)
         except Exception as exc:  # noqa: BLE001 (a bug of the check itself: still leave the JSON)
             result["primary_error"] = eng.error_string(exc)
         shutil.rmtree(workdir / shape.name, ignore_errors=True)
-        if not quick and not args.tiny and not args.skip_8b:
+        if not quick and not args.tiny and not args.skip_8b and not args.tensor_parallel_only:
             big = models.SHAPES["llama-3-8b"]
             state.section("llama_3_8b", lambda d: secondary(state, big, device, workdir, d))
     finally:

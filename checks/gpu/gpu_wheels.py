@@ -1,6 +1,6 @@
 """`make gpu-wheels`: the wheels `make gpu-check` needs that the GPU machine's image lacks, fetched where pip works.
 
-    python3 checks/gpu/gpu_wheels.py --dest .whl               # pyzmq (the shm transfer's control socket)
+    python3 checks/gpu/gpu_wheels.py --dest .whl               # pyzmq and msgspec (the KV plane's sockets, headers)
     python3 checks/gpu/gpu_wheels.py --dest .whl --flashinfer  # and FlashInfer 0.6 with its prebuilt kernels
 
 Each wheel is ``pip download --no-deps`` with the image's platform tags (CPython 3.12, manylinux x86_64), so the
@@ -37,7 +37,7 @@ TARGET_MARKERS = {
     "os_name": "posix",
     "extra": "",
 }
-BASE_WHEELS = ["pyzmq==27.3.0"]
+BASE_WHEELS = ["pyzmq==27.3.0", "msgspec==0.22.0"]  # the KV plane's sockets and its typed headers
 FLASHINFER_VERSION = "0.6.13"  # the newest release with a matching flashinfer-cubin on PyPI
 # cu13: the image's CUDA (FlashInfer's extra picks the CUTLASS DSL libraries built for it)
 FLASHINFER_WHEELS = [f"flashinfer-python[cu13]=={FLASHINFER_VERSION}", f"flashinfer-cubin=={FLASHINFER_VERSION}"]
