@@ -1,7 +1,8 @@
 """A cold compiled decode step compiled in another process, so that an engine's start never waits for it.
 
 An engine whose step is not yet on disk (engine/compile_cache.py) starts on the eager path and runs
-``python -m engine.background_compile '<EngineConfig as JSON>'``: the same engine built again there, at the lowest
+``python -m engine.background_compile '<EngineConfig as JSON>'`` (started by ``engine.decode_graphs``, which names this
+module rather than importing it: this one builds an engine): the same engine built again there, at the lowest
 CPU priority (it takes what serving leaves), compiles every batch bucket into the same entry (the same config gives
 the same key) and exits. The serving engine polls the process between steps and, once it has exited, loads the
 entry (``DecodeGraphs.poll_background``). The child finishes even if its parent stops first (the compile is paid
@@ -11,27 +12,14 @@ eagerly and waits for it in a child of its own, never in its start.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import subprocess
 import sys
 
 from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-def start(config: EngineConfig) -> subprocess.Popen:
-    """The process compiling ``config``'s decode step into its entry on disk."""
-    settings = dataclasses.asdict(dataclasses.replace(config, compile_decode_background=False))
-    return subprocess.Popen(
-        [sys.executable, "-m", "engine.background_compile", json.dumps(settings)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # its progress goes to stderr, the worker's log
-        env=os.environ | {"PYTHONUNBUFFERED": "1"},
-    )
 
 
 def main(argv: list[str]) -> int:

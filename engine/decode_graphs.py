@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import enum
 import functools
+import json
 import logging
+import os
 import subprocess
+import sys
 import time
 import weakref
 from collections import Counter
@@ -438,9 +442,7 @@ class DecodeGraphs:
         if set(self.batch_buckets) <= held:
             self.compile_all()
             return
-        from engine.background_compile import start
-
-        self._background = start(config)
+        self._background = _start_background_compile(config)
         weakref.finalize(self, self._background.terminate)
         logger.info(
             "the decode step for batches %s is compiling in process %d (%s); decode runs eagerly until it is done",
@@ -647,3 +649,14 @@ def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: 
     if runner.backend.name != SdpaBackend.name:
         logger.info("decode graphs attend with gather+SDPA; eager steps use %s", runner.backend.name)
     return DecodeGraphs(runner, config.max_num_seqs, max_model_len)
+
+
+def _start_background_compile(config: EngineConfig) -> subprocess.Popen:
+    """The process compiling ``config``'s decode step into its entry on disk (engine/background_compile.py)."""
+    settings = dataclasses.asdict(dataclasses.replace(config, compile_decode_background=False))
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.background_compile", json.dumps(settings)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # its progress goes to stderr, the worker's log
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
