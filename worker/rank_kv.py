@@ -232,6 +232,12 @@ class RankKV:
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self.receiver = make_receiver(self.fingerprint, self._sink) if make_receiver is not None else None
+        if make_sender is not None:  # the sender to workers of one rank, the common peer, made at start: its I/O
+            try:  # thread's health is the worker's from then on (a dead one degrades the worker before any hand-off)
+                self._sender(layout.fingerprint(1, 0))
+            except BaseException:
+                self.close()
+                raise
 
     # ---- receiving -----------------------------------------------------------------------------------------------
 
@@ -479,9 +485,13 @@ class RankKV:
     def paths(self) -> dict[str, str]:
         return {address: path for sender in self._senders.values() for address, path in sender.paths().items()}
 
+    def endpoints(self) -> list[KVSender | KVReceiver]:
+        """The transfer endpoints this rank holds now: a sender per receiving rank's fingerprint met so far, and its
+        receiver."""
+        return [*self._senders.values(), *([self.receiver] if self.receiver else [])]
+
     def io_problem(self) -> str:
-        ends: list[KVSender | KVReceiver] = [*self._senders.values(), *([self.receiver] if self.receiver else [])]
-        return next((problem for end in ends if (problem := end.io_problem())), "")
+        return next((problem for end in self.endpoints() if (problem := end.io_problem())), "")
 
     def close(self) -> None:
         """Idempotent: a decode worker's sender and receiver share their rank's endpoints."""

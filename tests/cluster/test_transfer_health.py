@@ -39,7 +39,8 @@ def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_re
     def bug() -> None:
         raise RuntimeError("injected: a bug in the KV sender's loop")
 
-    broken.role.sender._check_timeouts = bug  # the sender's I/O thread dies at its next turn
+    (sender,) = broken.role.sender.kv.endpoints()  # the one made for the decode worker's KV (its first hand-off)
+    sender._check_timeouts = bug  # the sender's I/O thread dies at its next turn
     wait_until(lambda: handle.router.members.workers["prefill-1"].degraded, 5)
 
     health = httpx.get(f"{handle.base_url}/health", timeout=5)
