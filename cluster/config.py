@@ -84,6 +84,8 @@ class PoolSection(_Strict):
     )
     cuda_graphs: bool = True
     compile_decode_batches: list[int] | None = None  # CPU: a torch.compile'd decode step per listed batch size
+    # a cold compile runs in a background process while the worker serves eagerly (false: the start waits for it)
+    compile_decode_background: bool = True
     max_batch_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True

@@ -229,11 +229,12 @@ class KvSampler:
                 at = self.clock.now() - start
                 try:
                     response = await client.get(f"{self.base_url.rstrip('/')}/status", headers=headers)
-                    used = kv_used(response.json()) if response.status_code == 200 else {}
+                    body = response.json() if response.status_code == 200 else None
                 except (httpx.HTTPError, ValueError):
-                    used = {}
+                    body = None
+                used = kv_used(body)
                 if used:
                     self.samples.append((at, used))
-                elif not self.samples:
-                    return
+                elif not self.samples and not (isinstance(body, dict) and isinstance(body.get("workers"), list)):
+                    return  # not pdserve's /status (pdserve's before its workers' first heartbeats: sampled on)
                 await self.clock.sleep(self.period_s)

@@ -129,8 +129,10 @@ def test_zero_configuration_makes_a_secret_and_every_worker_gets_it(serve, tiny_
     for record in handle.workers:
         worker = record.actor.worker
         assert worker.options.secret == secret
-    assert _worker(handle, "prefill").actor.worker.role.sender.cfg.secret == secret
-    assert _worker(handle, "decode").actor.worker.role.receiver.cfg.secret == secret
+    prefill, decode = (_worker(handle, name).actor.worker.role for name in ("prefill", "decode"))
+    # every KV endpoint of each worker's rank (worker/rank_kv.py): the prefill's sender, the decode's receiver and sender
+    for endpoints in (prefill.sender.kv.endpoints(), decode.receiver.kv.endpoints()):
+        assert endpoints and all(end.cfg.secret == secret for end in endpoints)
     assert _reference(handle)  # and it serves
 
 

@@ -314,3 +314,35 @@ def test_the_shipped_trace_config_matches_the_recommended_token_scale():
     assert config.router.prefill_policy == config.router.decode_policy == "kv_aware"
     assert config.transfer.block_size == round(512 / 64)
     assert config.model.max_model_len is not None and config.model.max_model_len >= 1972 + 5
+
+
+def _sampled(bodies: list[object]) -> list[tuple[float, dict[str, float]]]:
+    """What a KvSampler keeps of ``/status`` answering ``bodies`` in turn (then the last one again), for 0.3 s."""
+    import httpx
+
+    answers = iter(bodies)
+    last: list[object] = [None]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        last[0] = next(answers, last[0])
+        body = last[0]
+        return httpx.Response(200, json=body) if body is not None else httpx.Response(404)
+
+    async def go() -> list[tuple[float, dict[str, float]]]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        sampler = replay.KvSampler("http://server", period_s=0.01, client=client)
+        task = asyncio.ensure_future(sampler.run(0.0))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return sampler.samples
+
+    return asyncio.run(go())
+
+
+def test_the_kv_sampler_waits_for_pdserves_first_heartbeats_and_stops_at_once_for_another_server():
+    before = {"workers": [{"name": "prefill-0", "role": "prefill", "alive": True}]}  # no heartbeat yet: no blocks
+    after = {"workers": [{"role": "prefill", "alive": True, "total_blocks": 10, "free_blocks": 4}]}
+    samples = _sampled([before, before, after])
+    assert samples and all(used == {"prefill": pytest.approx(0.6)} for _, used in samples)
+    assert _sampled([None, after]) == []  # not pdserve's /status: one request, then no more
