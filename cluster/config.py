@@ -279,8 +279,8 @@ class ClusterConfig(_Strict):
         if self.mode == "disaggregated" and not self.transfer.stream_layers and prefill.tensor_parallel_size > 1:
             raise ValueError(
                 f"transfer.stream_layers: false cannot hold with pools.prefill.tensor_parallel_size "
-                f"{prefill.tensor_parallel_size}: its ranks gather each layer's KV inside the forward, so it streams "
-                "anyway; leave it true"
+                f"{prefill.tensor_parallel_size}: each rank sends its heads of every layer from inside the forward, so it "
+                "streams anyway; leave it true"
             )
         if self.mode == "disaggregated" and prefill.speculative is not None:
             raise ValueError(

@@ -21,10 +21,12 @@ LOGPROB_TOLERANCE = 1e-4
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
 
 
-def _generate(engine, prompts: list[str], max_tokens: int, prefix_repeat: bool) -> dict:
-    from engine.request import SamplingParams
+def _generate(engine, prompts: list[str], max_tokens: int, prefix_repeat: bool, regex: str | None = None) -> dict:
+    from engine.request import GuidedDecoding, SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=regex is None)
+    if regex is not None:
+        params.guided = GuidedDecoding("regex", regex)
     rounds = [prompts, [p + " and" for p in prompts]] if prefix_repeat else [prompts]
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
@@ -79,6 +81,8 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         attention_backend=run.get("attention_backend", "auto"),
         tensor_parallel_size=size,
         compile_decode_batches=run.get("compile_decode_batches"),
+        kv_cache_dtype=run.get("kv_cache_dtype", "auto"),
+        speculative=run.get("speculative"),
     )
     if rank > 0:
         parts = build_engine_parts(config, group)
@@ -108,7 +112,9 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         time.sleep(0.05)
     if run.get("follower_dies_after_steps"):
         return _fail_when_a_follower_dies(engine, run)
-    out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False))
+    out = _generate(engine, run["prompts"], run["max_tokens"], run.get("prefix_repeat", False), run.get("regex"))
+    out["texts"] = {rid: engine.tokenizer.decode(ids, skip_special_tokens=True) for rid, ids in out["tokens"].items()}
+    out["proposed"] = engine.speculator.totals.proposed_tokens if engine.speculator is not None else 0
     engine.check_no_leaks()
     if engine.runner.step_channel is not None:
         engine.runner.step_channel.stop()
@@ -208,6 +214,30 @@ def test_two_ranks_generate_what_one_does(arch_fixture, request):
     assert two[0]["cached_tokens"] > 0  # the second round reused the first round's prompt blocks on both ranks
     assert two[1]["ended"] == "stop" and two[1]["steps"] > 0
     assert one["kv_heads"] == 2 and two[0]["kv_heads"] == two[1]["kv_heads"] == 1  # each rank caches its own head
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [
+        {"kv_cache_dtype": "int8"},  # each rank quantizes its own heads, a scale per token and head
+        {"speculative": {"method": "ngram", "num_tokens": 3}, "prefix_repeat": True},  # verified rows on every rank
+        {"regex": r"(yes|no), [0-9]{3}!", "max_tokens": 16},  # the grammar's mask on rank 0's logits
+    ],
+    ids=["int8-kv", "ngram-speculation", "regex-grammar"],
+)
+def test_two_ranks_with_a_feature_on_generate_what_one_does(tiny_llama_path, feature):
+    """Quantized KV, speculative decoding and structured output at degree 2, each against degree 1 with it on."""
+    import re
+
+    run = {"prompts": PROMPTS, "max_tokens": 12, "max_batch_tokens": 16} | feature
+    one = run_ranks(1, tiny_llama_path, **run)[0]
+    two = run_ranks(2, tiny_llama_path, **run)
+    _compare(one, two[0])
+    if "regex" in feature:
+        assert all(re.fullmatch(feature["regex"], text) for text in two[0]["texts"].values()), two[0]["texts"]
+    if "speculative" in feature:
+        assert two[0]["proposed"] > 0 and two[0]["proposed"] == one["proposed"]
+    assert two[1]["ended"] == "stop"
 
 
 @pytest.mark.e2e  # long (two ranks, flex compiled per rank): `make test-e2e`
