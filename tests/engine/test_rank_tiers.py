@@ -196,7 +196,7 @@ def test_one_rank_loads_every_prefix_back(one_rank):
     assert [one_rank["cached"][f"r{i}"] for i in range(TENANTS, 2 * TENANTS)] == [64] * TENANTS
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["host", pytest.param("disk", marks=pytest.mark.e2e)])  # disk: `make test-e2e`
 def test_two_ranks_page_their_own_heads_and_load_them_back_as_one_rank_does(tiny_llama_path, tmp_path, one_rank, tier):
     run = _settings(tiny_llama_path, tmp_path, tier)
     ranks = _run(2, run)
@@ -214,7 +214,7 @@ def test_two_ranks_page_their_own_heads_and_load_them_back_as_one_rank_does(tiny
         assert not _tier_folders(run, "host").exists(), "the host pool outlived its ranks"
 
 
-@pytest.mark.parametrize("damage", ["missing", "corrupted"])
+@pytest.mark.parametrize("damage", ["missing", pytest.param("corrupted", marks=pytest.mark.e2e)])
 def test_a_page_bad_on_one_rank_only_is_recomputed_on_both(tiny_llama_path, tmp_path, one_rank, damage):
     run = _settings(tiny_llama_path, tmp_path, "disk", damage)
     ranks = _run(2, run)
