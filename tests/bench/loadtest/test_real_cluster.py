@@ -82,6 +82,7 @@ def test_a_mooncake_replay_against_the_real_cluster(tiny_llama_path, tmp_path):
             + ["--trace-token-scale", "0.03125", "--trace-speedup", "3", "--ignore-eos", "--disable-tqdm"]
             + ["--result-dir", str(tmp_path / "r"), "--goodput", "ttft:10000", "tpot:10000"]
         )
+        wait_all_kv_free(handle.base_url)  # the workers' first heartbeats: the replay (under 2 s) samples /status once
         summary = cli.run(args)
         wait_all_kv_free(handle.base_url)
     finally:
