@@ -27,8 +27,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="[background compile %(process)d] %(name)s %(message)s")
     for noisy in ("httpx", "torch", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from engine import decode_graphs
     from engine.engine_parts import build_engine_parts
 
+    decode_graphs.KEEP_ONLY = True
     config = EngineConfig(**json.loads(argv[0]))
     parts = build_engine_parts(config)
     graphs = getattr(parts.runner, "decode_graphs", None)

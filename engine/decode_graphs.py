@@ -54,6 +54,9 @@ DEFAULT_MAX_GATHER_BYTES = 512 * 1024 * 1024  # the static gather buffer: one la
 WARMUP_STEPS = 2  # eager runs on the capture stream before capture (lazy inits, cuBLAS workspaces, autotuning)
 COMPILED_GRAPHS_PER_PROCESS = 256  # compiled static steps one process may hold (every engine's, every batch size)
 NUM_STATIC_VECTORS = 4  # input ids, positions, slot mapping, context lengths: each [batch] in the packed buffer
+# set by engine/background_compile.py: its process exists to keep the step on disk, so a step that cannot be kept is
+# not compiled there at all (its parent would not load it)
+KEEP_ONLY = False
 
 
 class StaticStep(enum.Enum):
@@ -492,6 +495,8 @@ class DecodeGraphs:
                         plain = not self._compile_ahead(store, load_only)
             if plain and load_only:
                 raise RuntimeError("the background compile kept no step to load")
+            if plain and KEEP_ONLY:
+                raise RuntimeError("this decode step cannot be kept on disk: the background compile has none to keep")
             if plain:
                 self._compile_plain()
         except Exception:
@@ -520,6 +525,15 @@ class DecodeGraphs:
                     compiled = self._aot_compile(key)
                 except torch._dynamo.exc.Unsupported as exc:
                     logger.info("the decode step does not compile as one graph (%s): compiled at every start", exc)
+                    return False
+                except Exception as exc:  # noqa: BLE001 - e.g. oneDNN-packed (mkldnn) weights, whose guards do not
+                    # serialize: the step still compiles, only not ahead of time
+                    logger.warning(
+                        "the decode step cannot be compiled ahead of time and kept (%s: %s): compiled at every start",
+                        type(exc).__name__,
+                        exc,
+                    )
+                    store.clear()
                     return False
                 store.dir.mkdir(parents=True, exist_ok=True)
                 compiled.save_compiled_function(str(store.graph_path(batch)))
