@@ -219,15 +219,11 @@ def test_two_ranks_generate_what_one_does(arch_fixture, request):
 @pytest.mark.parametrize(
     "feature",
     [
-        # each rank quantizes its own heads, a scale per token and head (`make test-e2e`, as the next: suite time)
-        pytest.param({"kv_cache_dtype": "int8"}, marks=pytest.mark.e2e, id="int8-kv"),
-        pytest.param(  # verified rows on every rank
-            {"speculative": {"method": "ngram", "num_tokens": 3}, "prefix_repeat": True},
-            marks=pytest.mark.e2e,
-            id="ngram-speculation",
-        ),
-        pytest.param({"regex": r"(yes|no), [0-9]{3}!", "max_tokens": 16}, id="regex-grammar"),  # rank 0's mask
+        {"kv_cache_dtype": "int8"},  # each rank quantizes its own heads, a scale per token and head
+        {"speculative": {"method": "ngram", "num_tokens": 3}, "prefix_repeat": True},  # verified rows on every rank
+        {"regex": r"(yes|no), [0-9]{3}!", "max_tokens": 16},  # the grammar's mask on rank 0's logits
     ],
+    ids=["int8-kv", "ngram-speculation", "regex-grammar"],
 )
 def test_two_ranks_with_a_feature_on_generate_what_one_does(tiny_llama_path, feature):
     """Quantized KV, speculative decoding and structured output at degree 2, each against degree 1 with it on."""
