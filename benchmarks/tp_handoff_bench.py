@@ -77,40 +77,21 @@ def _group(rank: int, size: int, store_path: str):
 
 def _rank_kv(job: dict, side: str, rank: int, kv_spec, split, cache, land=None):
     """A rank's endpoints on the bench's backend (a worker builds them from its spec: worker.rank_kv.rank_kv)."""
-    from transfer.base import make_receiver, make_sender
     from transfer.config import TransferConfig
-    from worker.rank_kv import RankKV, handoff_layout
+    from worker.rank_kv import plain_rank_kv
 
+    shm = job["backend"] == "shm"
+    address = f"shm+ipc://{job['folder']}/kv-{side}-{rank}.sock" if shm else "tcp://127.0.0.1:0"
     config = TransferConfig(secret=job["secret"])
-    backend = job["backend"]
-    if backend == "shm":
-        address = f"shm+ipc://{job['folder']}/kv-{side}-{rank}.sock"
-    else:
-        address = "tcp://127.0.0.1:0"
-
-    def receiver(fingerprint, sink):
-        return make_receiver(backend, fingerprint, sink, address, config)
-
-    return RankKV(
-        handoff_layout(kv_spec, split),
-        cache,
-        make_receiver=receiver if land is not None else None,
-        land=land,
-        make_sender=lambda fingerprint: make_sender(backend, fingerprint, config),
-    )
+    return plain_rank_kv(kv_spec, split, cache, job["backend"], config, land, address)
 
 
 def _follower(rank: int, size: int, store_path: str, job: dict, receives: bool) -> dict:
     from engine.tp_launch import serve_follower
+    from worker.rank_kv import cache_land
 
     def make_kv(parts):
-        land = None
-        if receives:
-            cache = parts.kv_cache
-
-            def land(_handoff, layer, blocks, k, v, heads):
-                cache.write_blocks(layer, blocks, k, v, heads)
-
+        land = cache_land(parts.kv_cache) if receives else None
         kv = _rank_kv(
             job, "decode" if receives else "prefill", rank, parts.kv_spec, parts.runner.head_split, parts.kv_cache, land
         )

@@ -19,7 +19,7 @@ TRACE_FLAGS = ("trace_speedup", "trace_token_scale", "trace_window", "max_rows",
 
 
 def add_trace_arguments(parser: argparse.ArgumentParser, rate_note: str, max_rows_default: str = "all") -> None:
-    """The load tester's names for fitting a trace to a cluster (issue 53's spellings)."""
+    """The load tester's names for fitting a trace to a cluster (the spellings scripts rely on)."""
     group = parser.add_argument_group(
         "trace workloads (--workload trace:[FORMAT:]FILE)",
         "FORMAT: mooncake, azure, burstgpt or trace-jsonl (the load tester's --dataset-name); without it, "

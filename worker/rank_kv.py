@@ -42,6 +42,7 @@ from engine.tensor_parallel import (
     head_split,
 )
 from transfer.base import KVReceiver, KVSender, make_receiver, make_sender
+from transfer.config import TransferConfig
 from transfer.errors import ProtocolError, TransferAborted, TransferError, error_from_code
 from transfer.inbound import Sink
 from transfer.kv_segment import KVSegment
@@ -768,6 +769,40 @@ def handoff_layout(kv_spec: object, split: HeadSplit | None) -> HandoffLayout:
         return HandoffLayout(whole, whole.num_kv_heads)
     whole = ModelFingerprint.from_spec(dataclasses.replace(kv_spec, num_kv_heads=split.kv_total))  # type: ignore[type-var]
     return HandoffLayout(whole, split.q_heads * split.size, split.size, split.rank)
+
+
+def cache_land(cache: KVCache) -> LandKV:
+    """A follower rank's landing: a part's KV straight into its cache's blocks (rank 0 lands through the engine's
+    importer, which checks them against its reservation)."""
+
+    def land(_handoff: str, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor, heads=None) -> None:
+        cache.write_blocks(layer, blocks, k, v, heads)
+
+    return land
+
+
+def plain_rank_kv(
+    kv_spec: object,
+    split: HeadSplit | None,
+    kv_cache: KVCache,
+    backend: str,
+    config: TransferConfig,
+    land: LandKV | None = None,
+    address: str = "tcp://127.0.0.1:0",
+) -> RankKV:
+    """A rank's endpoints without a worker's spec (benchmarks, the GPU check, tests): on ``backend`` with ``config``,
+    a receiver bound at ``address`` when it takes KV (``land`` given), and no cache offered for direct writes."""
+
+    def receiver(fingerprint: ModelFingerprint, sink: Sink) -> KVReceiver:
+        return make_receiver(backend, fingerprint, sink, address, config)
+
+    return RankKV(
+        handoff_layout(kv_spec, split),
+        kv_cache,
+        make_receiver=receiver if land is not None else None,
+        land=land,
+        make_sender=functools.partial(make_sender, backend, config=config),
+    )
 
 
 def rank_kv(spec: WorkerSpec, kv_cache: KVCache, layout: HandoffLayout, land: LandKV | None) -> RankKV:

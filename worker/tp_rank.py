@@ -16,7 +16,7 @@ import threading
 from engine.engine_parts import EngineParts, build_engine_parts
 from engine.rank_tiers import follower_tiers
 from engine.tensor_parallel import TP_START_TIMEOUT_S, TP_TIMEOUT_S, StepChannel, TPFollower, TPGroup
-from worker.rank_kv import LandKV, RankKV, handoff_layout, rank_kv
+from worker.rank_kv import RankKV, cache_land, handoff_layout, rank_kv
 from worker.spec import WorkerRole, WorkerSpec, resolve_spec
 
 
@@ -97,13 +97,7 @@ def follower_kv(spec: WorkerSpec, parts: EngineParts) -> RankKV:
     """A rank's own KV-plane endpoints: senders for the hand-offs its worker sends, and (a decode worker) a receiver
     whose arrivals land in its cache, polled by a thread of its own. Only blocks an expected part names are written:
     rank 0 tells it which (``Expect``), in order with the steps that may reuse them."""
-    cache = parts.kv_cache
-    land: LandKV | None = None
-    if spec.role is WorkerRole.DECODE:
-
-        def land(_handoff: str, layer: int, blocks: list[int], k, v, heads: tuple[int, int] | None) -> None:
-            cache.write_blocks(layer, blocks, k, v, heads)
-
-    kv = rank_kv(spec, cache, handoff_layout(parts.kv_spec, parts.runner.head_split), land)
+    land = cache_land(parts.kv_cache) if spec.role is WorkerRole.DECODE else None
+    kv = rank_kv(spec, parts.kv_cache, handoff_layout(parts.kv_spec, parts.runner.head_split), land)
     kv.start_polling()
     return kv

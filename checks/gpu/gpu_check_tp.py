@@ -250,24 +250,13 @@ def _backend_of(group: Any) -> str:
 def _rank_kv(kv_spec: Any, split: Any, cache: Any, backend: str, device: str, land: Any) -> Any:
     """A rank's endpoints on ``backend`` over loopback; a receiver when ``land`` is given. The decode side offers no
     cache for direct writes, so parts between devices take NCCL pairs on nccl (a ring or frames on one device)."""
-    from transfer.base import make_receiver, make_sender
     from transfer.config import TransferConfig
-    from worker.rank_kv import RankKV, handoff_layout
+    from worker.rank_kv import plain_rank_kv
 
     config = TransferConfig(
         secret=SECRET, device=device if backend == "nccl" else "cpu", kv_device=device, direct_write=False
     )
-
-    def receiver(fingerprint: Any, sink: Any) -> Any:
-        return make_receiver(backend, fingerprint, sink, "tcp://127.0.0.1:0", config)
-
-    return RankKV(
-        handoff_layout(kv_spec, split),
-        cache,
-        make_receiver=receiver if land is not None else None,
-        land=land,
-        make_sender=lambda fingerprint: make_sender(backend, fingerprint, config),
-    )
+    return plain_rank_kv(kv_spec, split, cache, backend, config, land)
 
 
 class _FollowerKV:
@@ -278,13 +267,10 @@ class _FollowerKV:
         self.rounds = len(self.backends)
 
     def __call__(self, parts: Any, i: int) -> Any:
-        cache = parts.kv_cache
+        from worker.rank_kv import cache_land
 
-        def land(_handoff: str, layer: int, blocks: list[int], k: Any, v: Any, heads: Any) -> None:
-            cache.write_blocks(layer, blocks, k, v, heads)
-
-        split = parts.runner.head_split
-        return _rank_kv(parts.kv_spec, split, cache, self.backends[i], self.device, land if self.receives else None)
+        land = cache_land(parts.kv_cache) if self.receives else None
+        return _rank_kv(parts.kv_spec, parts.runner.head_split, parts.kv_cache, self.backends[i], self.device, land)
 
 
 def _get(q: Any, deadline: Deadline, what: str) -> Any:

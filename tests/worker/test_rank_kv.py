@@ -84,26 +84,12 @@ def _group(rank: int, size: int, store_path: str):
 
 def _rank_kv(kv_spec, split, cache, secret: str, receives: bool, land=None):
     """A rank's endpoints on zmq over loopback (a worker builds them from its spec: worker.rank_kv.rank_kv)."""
-    from transfer.base import make_receiver, make_sender
     from transfer.config import TransferConfig
-    from worker.rank_kv import RankKV, handoff_layout
+    from worker.rank_kv import cache_land, plain_rank_kv
 
-    config = TransferConfig(secret=secret)
     if receives and land is None:
-
-        def land(_handoff, layer, blocks, k, v, heads):
-            cache.write_blocks(layer, blocks, k, v, heads)
-
-    def receiver(fingerprint, sink):
-        return make_receiver("zmq", fingerprint, sink, "tcp://127.0.0.1:0", config)
-
-    return RankKV(
-        handoff_layout(kv_spec, split),
-        cache,
-        make_receiver=receiver if receives else None,
-        land=land if receives else None,
-        make_sender=lambda fingerprint: make_sender("zmq", fingerprint, config),
-    )
+        land = cache_land(cache)
+    return plain_rank_kv(kv_spec, split, cache, "zmq", TransferConfig(secret=secret), land if receives else None)
 
 
 def _follower(rank: int, size: int, store_path: str, job: dict, receives: bool) -> dict:
