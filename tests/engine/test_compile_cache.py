@@ -83,7 +83,7 @@ def _damage(store: CompiledStore, damage: str) -> None:
 def test_a_corrupt_or_foreign_entry_is_not_trusted(kept, tmp_path, monkeypatch, damage):
     """Found before anything of the entry is read as code: the entry is removed."""
     copy = _copy_to(tmp_path, monkeypatch, kept[2])
-    assert copy.verified_batches() == set(BATCHES)
+    assert copy.verified_batches() >= set(BATCHES)  # and any sizes an earlier run kept under this key
     _damage(copy, damage)
     assert copy.verified_batches() == set() and not copy.dir.exists()
 
@@ -131,7 +131,7 @@ def test_a_cold_step_compiles_in_the_background_while_the_engine_serves_eagerly(
     assert graphs._background.wait(timeout=600) == 0
     assert _greedy_tokens(again) == tokens  # the first step after the exit loads the kept step
     assert graphs.loaded == set(BATCHES) and sum(graphs.steps.values()) > 5
-    assert copy.verified_batches() == set(BATCHES)
+    assert copy.verified_batches() >= set(BATCHES)
 
 
 @pytest.mark.e2e  # a child process that loads the entry: about 20 s on 2 cores
