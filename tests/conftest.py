@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -10,6 +12,26 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+_SESSION_CACHE: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each run keeps its compiled decode steps in a cache of its own, as on a clean machine: entries an earlier run
+    (of other code, or interrupted) left in the machine's cache must not decide what a test sees. The converted
+    models are shared with the machine's cache (converted once per machine). Set here, before any worker process
+    starts, so that every process of the run reads the same folder."""
+    global _SESSION_CACHE
+    machine = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    (machine / "models").mkdir(parents=True, exist_ok=True)
+    _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="pdserve-test-cache-"))
+    (_SESSION_CACHE / "models").symlink_to(machine / "models", target_is_directory=True)
+    os.environ["PDSERVE_CACHE"] = str(_SESSION_CACHE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def _tiny_model(tmp_path_factory, arch: str) -> Path:
