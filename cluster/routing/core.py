@@ -22,7 +22,7 @@ from cluster.routing.admission import Admission
 from cluster.routing.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.routing.flow import Flow, FlowStatus, Move, MovePhase
 from cluster.routing.membership import Membership, WorkerHandle, free_blocks
-from cluster.routing.metrics import RouterMetrics
+from cluster.routing.metrics import TTFT_STAGES, RouterMetrics
 from cluster.routing.placement import Placer
 from cluster.routing.policies import Placements, Policy
 from engine.blocks import prompt_block_hashes
@@ -317,9 +317,11 @@ class RouterCore:
             elif flow.status is FlowStatus.PREFILLING:  # prefilled where it decodes: its first token
                 flow.status = FlowStatus.DECODING
                 self.sync(flow)
-            first = flow.first_token_s is None
+            first, last_token_s = flow.first_token_s is None, flow.last_token_s
             if flow.push(item, now):
                 self.updated.append(flow)
+                if item.token_ids and last_token_s is not None:
+                    self.metrics.itl.observe(now - last_token_s)
                 if flow.move is not None and name == flow.move.target:  # the target streams: it holds the request
                     self._move_landed(flow, flow.move, now)
                 if first and flow.first_token_s is not None:
@@ -598,6 +600,9 @@ class RouterCore:
         timing.ttft_s, timing.e2e_s = first - flow.started_s, now - flow.started_s
         known = sum(t or 0.0 for t in (timing.router_queue_s, timing.prefill_queue_s, timing.prefill_compute_s))
         timing.first_token_delivery_s = max(0.0, timing.ttft_s - known)
+        for stage in TTFT_STAGES:
+            if (seconds := getattr(timing, f"{stage}_s")) is not None:
+                metrics.ttft_stage.labels(stage).observe(seconds)
         if timing.prefill_end_mono is not None and timing.kv_done_mono is not None:  # same-host monotonic stamps
             timing.kv_after_prefill_s = timing.kv_done_mono - timing.prefill_end_mono
             metrics.kv_after_prefill.observe(timing.kv_after_prefill_s)

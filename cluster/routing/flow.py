@@ -98,12 +98,14 @@ class Flow:
     retries: int = 0  # dispatched again after a worker died before anything reached the client
     timing: Timing = field(default_factory=Timing)
     first_token_s: float | None = None  # when the router got its first token
+    last_token_s: float | None = None  # ... its latest tokens (``pdserve_itl_seconds``)
     received_tokens: int = 0  # tokens its workers sent
     num_output_tokens: int = 0  # tokens taken (given to the client)
     finished: bool = False  # the finish was taken
     error: RequestFailed | None = None
     closed: bool = False  # a finish or an error was pushed: later items are dropped
     waiter: Any = None  # the live router's wake-up for the response side (an asyncio.Event); the core ignores it
+    trace: str | None = None  # the live router's span for it, as a traceparent its commands carry (worker/tracing.py)
     pending_text: bytearray = field(default_factory=bytearray)
     pending_tokens: int = 0
     pending_finish: str | None = None
@@ -142,6 +144,8 @@ class Flow:
                 self.pending_logprobs += logprobs
         if item.timing is not None:
             self.timing.merge(item.timing)
+        if num_tokens:
+            self.last_token_s = now
         if num_tokens and self.first_token_s is None:
             self.first_token_s = now
             # the prompt's figures come with the first token only
@@ -179,6 +183,7 @@ class Flow:
         """Forget the old dispatch's state before a new one (nothing of it was taken)."""
         self.pending_text, self.pending_tokens, self.pending_finish = bytearray(), 0, None
         self.pending_logprobs = self.pending_prompt_logprobs = self.pending_cached_tokens = None
-        self.error, self.closed, self.first_token_s, self.received_tokens = None, False, None, 0
+        self.error, self.closed, self.received_tokens = None, False, 0
+        self.first_token_s = self.last_token_s = None
         self.prefill = self.decode = self.asking = None
         self.tried.clear()

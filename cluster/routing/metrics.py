@@ -21,6 +21,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 # heartbeat fields under their own names: load as ``pdserve_worker{key}``, counters as ``pdserve_worker_total{key}``
 GAUGE_KEYS: tuple[str, ...] = WorkerLoad.__struct_fields__
 TOTAL_KEYS: tuple[str, ...] = WorkerCounters.__struct_fields__
+# ``pdserve_ttft_stage_seconds{stage}``: the Timing fields (worker/messages.py) that add up to a request's TTFT
+TTFT_STAGES: tuple[str, ...] = ("router_queue", "prefill_queue", "prefill_compute", "first_token_delivery")
 
 
 class RouterMetrics:
@@ -33,8 +35,8 @@ class RouterMetrics:
         self.worker_gauges = worker_gauges
         r = self.registry
 
-        def histogram(name: str, doc: str, buckets: tuple = LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, doc, registry=r, buckets=buckets)
+        def histogram(name: str, doc: str, buckets: tuple = LATENCY_BUCKETS, labels: tuple = ()) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(name, doc, labels, registry=r)
@@ -46,6 +48,20 @@ class RouterMetrics:
         self.ttft = histogram("pdserve_ttft_seconds", "Time to first token at the router")
         self.tpot = histogram("pdserve_tpot_seconds", "Time per output token after the first")
         self.e2e = histogram("pdserve_e2e_seconds", "End-to-end request latency")
+        self.itl = histogram(
+            "pdserve_itl_seconds",
+            "Inter-token latency: time between one stream's successive token messages at the router (a message that "
+            "brings several tokens, e.g. speculative decoding's, is one gap)",
+        )
+        self.ttft_stage = histogram(
+            "pdserve_ttft_stage_seconds",
+            "A finished request's TTFT by stage, which sum to its TTFT: router_queue (arrival to dispatch), "
+            "prefill_queue and prefill_compute (on the worker that computed the prompt), first_token_delivery (the "
+            "rest: the first token's trip to the router)",
+            labels=("stage",),
+        )
+        for stage in TTFT_STAGES:
+            self.ttft_stage.labels(stage)  # every stage shows from the start
         self.kv_transfer = histogram(
             "pdserve_kv_transfer_seconds", "Decode reservation to complete KV (spans the prefill)"
         )

@@ -146,6 +146,29 @@ def test_a_disaggregated_request_walks_every_status_and_each_message_goes_where_
     h.check_no_leaks()
 
 
+def test_the_metrics_show_each_gap_between_token_messages_and_the_ttft_by_stage():
+    h = Harness()
+    flow, decode, prefill = _disaggregated_to_decoding(h)  # the first token at 0.0
+    h.now = 0.25
+    h.tokens(decode, flow.wire_id, [8, 9])
+    h.now = 1.25
+    h.tokens(decode, flow.wire_id, [])  # no token: no gap
+    h.now = 1.5
+    h.tokens(decode, flow.wire_id, [10], finish=FinishReason.LENGTH)
+    registry = h.core.metrics.registry
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert sample("pdserve_itl_seconds_count") == 2 and sample("pdserve_itl_seconds_sum") == 1.5
+    assert sample("pdserve_itl_seconds_bucket", le="0.25") == 1
+    assert sample("pdserve_ttft_stage_seconds_count", stage="router_queue") == 1
+    assert sample("pdserve_ttft_stage_seconds_count", stage="first_token_delivery") == 1
+    assert sample("pdserve_ttft_stage_seconds_count", stage="prefill_compute") == 0  # no worker reported it
+    h.release(flow)
+    h.check_no_leaks()
+
+
 def test_a_colocated_request_goes_to_one_worker():
     h = Harness(mode="colocated")
     flow = h.submit()
