@@ -13,6 +13,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cluster.routing.errors import Overloaded
 from worker.messages import Stats, WorkerCounters, WorkerLoad
 from worker.protocol import Rejection
 
@@ -85,6 +86,7 @@ class RouterMetrics:
         )
         self.requests = counter("pdserve_requests", "Requests by outcome", "outcome")
         self.errors = counter("pdserve_errors", "Failed or aborted requests by reason", "reason")
+        self.errors.labels(Overloaded.code)  # the 429s show, at 0, from the start: a rate sees the first one
         self.queue_depth = gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", mode="livesum")
         self.inflight = gauge("pdserve_router_inflight", "Requests in flight at the router", mode="livesum")
         self.control_rejected = counter(
