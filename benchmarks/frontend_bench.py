@@ -21,8 +21,12 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.serve_process import ServeProcess
+
+if TYPE_CHECKING:  # imported when the benchmark runs: ``--help`` loads neither protobuf nor the engine
+    from benchmarks.otlp_receiver import OtlpReceiver
 
 DETOKENIZE_METRIC = "pdserve_router_detokenize_seconds_total"
 BLOCK_SIZE = 16  # transfer.block_size default
@@ -40,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--load-timeout-s", type=float, default=900.0, help="bound on the load's duration")
+    parser.add_argument(
+        "--tracing",
+        default="off",
+        help="comma-separated: off, on (request traces over OTLP/HTTP to a receiver in this process, sampling 1.0). "
+        "'off,on' runs each router-process count both ways, for tracing's overhead",
+    )
     parser.add_argument("--quick", action="store_true", help="8 streams of 64 tokens, 4 low-load requests (tests)")
     parser.add_argument("--json", action="store_true")
 
@@ -245,14 +255,19 @@ def _empty(n: int, status: str, reason: str | None = None) -> dict:
     return {"router_processes": n, "status": status, "reason": reason} | {k: None for k in FIGURES}
 
 
-def run_configuration(n: int, model: str, args: argparse.Namespace, folder: Path) -> dict:
+def run_configuration(n: int, model: str, args: argparse.Namespace, folder: Path, traces: OtlpReceiver | None) -> dict:
+    """``traces``: where the cluster sends its request traces (None: tracing off)."""
     import yaml
 
-    config_path = folder / f"frontend-{n}.yaml"
-    config_path.write_text(yaml.safe_dump(cluster_config(model, args)))
-    print(f"frontend bench: starting pdserve serve (router processes: {n})", file=sys.stderr)
+    config = cluster_config(model, args)
+    if traces is not None:
+        config["observability"] = {"otlp_endpoint": traces.endpoint}
+    tracing = "on" if traces is not None else "off"
+    config_path = folder / f"frontend-{n}-{tracing}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    print(f"frontend bench: starting pdserve serve (router processes: {n}, tracing {tracing})", file=sys.stderr)
     serve = ServeProcess.start(config_path, n, args.start_timeout_s)
-    result = _empty(n, "ok")
+    result = _empty(n, "ok") | {"tracing": tracing}
     try:
         url, exclude = serve.url, set(serve.worker_pids)
         low = run_load(url, model, args.low_load_requests, 1, 32, 16, args, warmups=2)["summary"]
@@ -292,6 +307,8 @@ def run_configuration(n: int, model: str, args: argparse.Namespace, folder: Path
         }
     finally:
         result["serve_stop"] = serve.stop()
+    if traces is not None:
+        result["spans_received"] = traces.span_count  # after the stop, which exports what was buffered
     return result
 
 
@@ -310,11 +327,25 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(
             "--max-concurrency, --num-prompts, --input-len, --output-len and --low-load-requests must be at least 1"
         )
+    from benchmarks.otlp_receiver import OtlpReceiver
+    from engine.cpu_info import cpu_model
+
+    modes = [x.strip() for x in str(args.tracing).split(",") if x.strip()]
+    if not modes or set(modes) - {"off", "on"}:
+        raise ValueError(f"--tracing: a comma-separated list of off and on, got {args.tracing!r}")
     model = str(Path(args.model).expanduser()) if args.model else str(tiny_model_path())
     configurations = []
-    with tempfile.TemporaryDirectory(prefix="frontend-bench-config-") as folder:
-        for n in counts:
-            configurations.append(run_configuration(n, model, args, Path(folder)))
+    traces = OtlpReceiver(keep=False) if "on" in modes else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="frontend-bench-config-") as folder:
+            for n in counts:
+                for mode in modes:
+                    configurations.append(
+                        run_configuration(n, model, args, Path(folder), traces if mode == "on" else None)
+                    )
+    finally:
+        if traces is not None:
+            traces.close()
     return {
         "benchmark": {
             "model": model,
@@ -324,10 +355,25 @@ def run(args: argparse.Namespace) -> dict:
             "output_len": args.output_len,
             "low_load": {"requests": args.low_load_requests, "concurrency": 1, "input_len": 32, "output_len": 16},
             "cpu_count": os.cpu_count(),
+            "cpu_model": cpu_model(),
             "router_cpu_rule": "serve process + its non-Ray descendants (not the workers), user+system",
         },
         "configurations": configurations,
+        "tracing_overhead": _tracing_overhead(configurations),
     }
+
+
+def _tracing_overhead(configurations: list[dict]) -> dict[str, float | None]:
+    """Per router-process count run both ways: router CPU per streamed token with tracing on over off, less 1."""
+    by = {(c["router_processes"], c.get("tracing")): c for c in configurations}
+    overhead: dict[str, float | None] = {}
+    for (n, mode), off in by.items():
+        on = by.get((n, "on"))
+        if mode != "off" or on is None:
+            continue
+        rates = off["tokens_per_router_cpu_s"], on["tokens_per_router_cpu_s"]
+        overhead[f"router_processes_{n}"] = round(rates[0] / rates[1] - 1, 4) if all(rates) else None
+    return overhead
 
 
 if __name__ == "__main__":

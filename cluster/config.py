@@ -30,6 +30,7 @@ from engine.config import (
 )
 from transfer.config import TransferConfig
 from worker.spec import FailurePolicy, RuntimeOptions, TransferBackend, WorkerRole, WorkerSpec, ZmqTransport
+from worker.tracing import TracingOptions, traces_endpoint
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -244,6 +245,35 @@ class AutoscaleSection(_Strict):
         return value
 
 
+class ObservabilitySection(_Strict):
+    """Request traces over OTLP/HTTP (worker/tracing.py, docs/observability.md). Tracing is on when an endpoint is
+    set here or in ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` where ``pdserve serve``
+    runs; the router passes the resolved endpoint to every worker."""
+
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318 (OTLP's /v1/traces is added to a bare endpoint)
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)  # share of new traces kept; a client's sampled one is kept
+    service_name: str = "pdserve"
+    otlp_headers: dict[str, str] = Field(default_factory=dict)  # sent with every export (a collector's API key)
+
+    @model_validator(mode="after")
+    def _check(self) -> ObservabilitySection:
+        if self.otlp_endpoint is not None:
+            self.tracing_options()
+        return self
+
+    def tracing_options(self) -> TracingOptions | None:
+        """Where this cluster's traces go (None: tracing off)."""
+        endpoint = traces_endpoint(self.otlp_endpoint)
+        if endpoint is None:
+            return None
+        return TracingOptions(
+            endpoint=endpoint,
+            sample_ratio=self.sample_ratio,
+            service_name=self.service_name,
+            headers=dict(self.otlp_headers),
+        )
+
+
 class ClusterConfig(_Strict):
     model: ModelSection = ModelSection()
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -253,6 +283,7 @@ class ClusterConfig(_Strict):
     slo: SLOSection = SLOSection()
     ray: RaySection = RaySection()
     autoscale: AutoscaleSection = AutoscaleSection()
+    observability: ObservabilitySection = ObservabilitySection()
 
     @model_validator(mode="after")
     def _pools_can_serve(self) -> ClusterConfig:
@@ -327,6 +358,7 @@ class ClusterConfig(_Strict):
             host=host,
             secret=self.transfer.secret,
             orphan_timeout_s=self.router.orphan_timeout_s,
+            tracing=self.observability.tracing_options(),
         )
 
     def nccl_peers(self, role: str) -> int:

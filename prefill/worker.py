@@ -108,6 +108,9 @@ class PrefillRole(Role):
         self.engine.abort(rid)  # PREFILLED: released; still computing: aborted; gone: nothing to do
         known = rid in self._known_to_router
         self._known_to_router.discard(rid)
+        if self.spans is not None:
+            error = None if event.error is None else str(event.error)
+            self.spans.on_transfer_end(rid, event.ok, event.nbytes, event.elapsed_s, error, self.sender.paths())
         if event.ok:
             self.counters.transfers_ok += 1
             self.counters.transfer_bytes += event.nbytes

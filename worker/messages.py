@@ -156,9 +156,15 @@ class WorkerCounters(msgspec.Struct):
 # ---- commands: router -> worker --------------------------------------------------------------------------------
 
 
+# a W3C traceparent (version 00): the router's span a request's work continues (worker/tracing.py)
+TraceParent = Annotated[str, msgspec.Meta(pattern=r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
+
+
 class _Command(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
     router: Annotated[int, msgspec.Meta(ge=0)] = 0  # the sending router's index: a request's events go back there
     sent_at: float | None = None  # time.time() when sent (how long it sat in the socket; same-host clocks)
+    # a request command's, when the router traces the request (observability.otlp_endpoint): its span's context
+    trace: TraceParent | None = None
 
 
 class _RequestCommand(_Command):

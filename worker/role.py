@@ -27,6 +27,7 @@ from worker.messages import (
     kind,
 )
 from worker.spec import WorkerRole, WorkerSpec
+from worker.tracing import RequestSpans
 
 Emit = Callable[[Event], None]  # where a role's events go (the runtime's socket to the owning router, or a test)
 
@@ -41,6 +42,7 @@ class Role:
         self.engine = engine
         self.emit = emit
         self.counters = counters if counters is not None else WorkerCounters()  # the heartbeat's totals
+        self.spans: RequestSpans | None = None  # the runtime's, when it traces requests (worker/tracing.py)
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> Role:

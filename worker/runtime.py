@@ -42,6 +42,7 @@ from worker.role import Role
 from worker.routers import RouterBook
 from worker.spec import WorkerSpec, resolve_spec
 from worker.tp_rank import join_group
+from worker.tracing import RequestSpans, Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +64,17 @@ class WorkerRuntime:
         self.spec = spec
         self.options = options = spec.runtime
         self.name = spec.name
+        # made first: close() ends it whatever fails after
+        self.tracing = Tracing(options.tracing, self.name) if options.tracing is not None else None
+        self.spans = RequestSpans(self.tracing, self.name, spec.role.value) if self.tracing is not None else None
         # rank 0 of a tensor-parallel worker: the other ranks (worker/tp_rank.py) run each step it announces
         self.engine = LLMEngine(spec.engine, join_group(spec, 0))
         try:
             self.engine.warm_up()
         except BaseException:
             self.engine.close()
+            if self.tracing is not None:
+                self.tracing.close()
             raise
         self._ctx = zmq.Context()
         self._commands = self._socket(zmq.PULL)
@@ -96,6 +102,7 @@ class WorkerRuntime:
         except BaseException:
             self.close()
             raise
+        self.role.spans = self.spans
 
     @property
     def counters(self) -> WorkerCounters:
@@ -156,6 +163,10 @@ class WorkerRuntime:
         role = getattr(self, "role", None)  # absent when the role's own constructor failed
         if role is not None:
             role.close()
+        if self.spans is not None:
+            self.spans.close()
+        if self.tracing is not None:
+            self.tracing.close()
         self.engine.close()
         self._commands.close(0)
         for sock, _ in self._events:
@@ -200,6 +211,8 @@ class WorkerRuntime:
                 self.role.abort(rid)
                 self.role.emit_error(rid, "router unreachable", ErrorCode.WORKER_ERROR)
             self._book.prune(now, self.engine.requests)
+            if self.spans is not None:
+                self.spans.prune(self.engine.requests)
             self._publish_kv_events(now)
             if self._book.draining:
                 self._book.drain_turn(now, self.holds_requests, self.role.fail_all)
@@ -296,6 +309,8 @@ class WorkerRuntime:
             # how long the command sat in the socket while a step ran (same-host clocks; 0 if unknown)
             waited = 0.0 if command.sent_at is None else max(0.0, time.time() - command.sent_at)
             arrival_s = time.monotonic() - waited
+            if self.spans is not None:
+                self.spans.on_command(command)
             try:
                 if isinstance(command, Abort):
                     self.counters.aborts += 1
@@ -310,6 +325,8 @@ class WorkerRuntime:
         """Send an event to the router that owns its request; a ``tokens`` message goes out split per router."""
         if self._dead.is_set():
             return
+        if self.spans is not None:
+            self.spans.on_event(event)
         for index, part in self._book.route(event):
             self._send_event(index, part)
 

@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 from engine.config import EngineConfig, resolve_dtype
 from transfer.config import TransferConfig
+from worker.tracing import TracingOptions
 
 # gloo: the nccl code on the CPU (how it is tested); shm: one node, payload through /dev/shm; auto: shm with senders
 # on the receiver's node, zmq over TCP with the others
@@ -46,6 +47,7 @@ class RuntimeOptions:
     hwm: int = 100_000  # SNDHWM / RCVHWM (messages) on every control socket
     secret: str | None = None  # the cluster secret (required): commands not sealed with it are dropped and counted
     orphan_timeout_s: float = 10.0  # no word from a router this long: free its requests (it restarted or died)
+    tracing: TracingOptions | None = None  # where request spans go (worker/tracing.py); None: tracing off
 
     def __post_init__(self) -> None:
         if isinstance(self.router_addresses, str):

@@ -45,6 +45,7 @@ from cluster.openai.openai_schema import (
 )
 from cluster.openai.request_params import GenerationDefaults, for_choice, prompts, sampling_params
 from cluster.openai.responses import ResponseShape, collect, http_error, stream
+from cluster.openai.tracing import TraceRequests
 from cluster.routing.errors import RequestFailed, ScaleError
 from cluster.routing.router import Router
 from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config
@@ -193,6 +194,8 @@ def create_app(
     app.exception_handler(StarletteHTTPException)(_http_error_body)
     app.exception_handler(Exception)(_unexpected)
     app.include_router(routes)
+    if router.tracing is not None:
+        app.add_middleware(TraceRequests, tracing=router.tracing)
     return app
 
 

@@ -29,6 +29,7 @@ from engine.request import SamplingParams
 from transfer.errors import AuthError
 from worker.messages import Command, Event, Ping
 from worker.protocol import MAX_FRAME_BYTES, Channel, Rejection, RejectionLog, Signer, Verifier, rejected
+from worker.tracing import REQUEST_SPAN, Tracing, epoch_ns, mark_error, timing_attributes, traceparent_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class Router:
         self.core = RouterCore(config, self.metrics, admission)
         self.members = self.core.members
         self.scaler: PoolScaler | None = None  # POST /admin/scale
+        tracing = config.observability.tracing_options()
+        self.tracing = Tracing(tracing, f"router-{index}") if tracing is not None else None
         self._ctx = zmq.asyncio.Context()
         self._events = self._socket(zmq.PULL, rcvhwm=1_000_000)
         port = self._events.bind_to_random_port(f"tcp://{host}")
@@ -178,6 +181,9 @@ class Router:
             return True  # removed meanwhile: nothing to tell it
         sock, signer = link
         command.router, command.sent_at = self.index, time.time()
+        rid = getattr(command, "rid", None)
+        if rid is not None and (flow := self.core.flows.get(rid)) is not None:
+            command.trace = flow.trace
         try:
             sock.send(signer.seal(command), zmq.NOBLOCK)
         except zmq.Again:
@@ -217,6 +223,8 @@ class Router:
             sock.close(0)
         self._events.close(0)
         self._ctx.term()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.close)  # the last spans' export: off the loop
 
     async def _receive_events(self) -> None:
         """Events failing the MAC check are dropped unread, counted in ``pdserve_control_rejected_total{reason}``."""
@@ -266,6 +274,20 @@ class Router:
         ``affinity``: an earlier request's client id whose workers this one prefers (unknown ids are ignored)."""
         flow = self.core.submit(request_id or uuid.uuid4().hex, prompt, params, time.monotonic(), affinity)
         flow.waiter = ready = asyncio.Event()
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start(
+                "pdserve.route",
+                REQUEST_SPAN.get(),
+                {
+                    "pdserve.request.id": flow.rid,
+                    "pdserve.prompt_tokens": len(prompt),
+                    "pdserve.max_tokens": params.max_tokens,
+                    "pdserve.mode": self.config.mode,
+                },
+                start_ns=epoch_ns(flow.started_s),
+            )
+            flow.trace = traceparent_of(span)
         self._flush()
         try:
             while True:
@@ -281,6 +303,34 @@ class Router:
                     return
         finally:
             self._run(self.core.release, flow, time.monotonic())
+            if span is not None:
+                self._end_span(span, flow)
+
+    def _end_span(self, span, flow: Flow) -> None:
+        """The route span's figures, at the request's end: its workers, prefix hit, stages, and how it ended."""
+        timing = flow.timing
+        if timing.router_queue_s is not None:
+            span.add_event("dispatched", timestamp=epoch_ns(flow.started_s + timing.router_queue_s))
+        if flow.first_token_s is not None:
+            span.add_event("first_token", timestamp=epoch_ns(flow.first_token_s))
+        attributes = {
+            "pdserve.status": flow.status.value,
+            "pdserve.output_tokens": flow.num_output_tokens,
+            "pdserve.retries": flow.retries,
+            "pdserve.migrations": flow.migrations,
+            **timing_attributes(timing),
+        }
+        for name, worker in (("prefill", flow.prefill), ("decode", flow.decode)):
+            if worker is not None:
+                attributes[f"pdserve.worker.{name}"] = worker
+        if timing.decode_cached_tokens is not None:
+            attributes["pdserve.prefix_hit_tokens"] = timing.decode_cached_tokens
+        span.set_attributes(attributes)
+        if flow.error is not None:
+            mark_error(span, flow.error.code, str(flow.error))
+        elif not flow.finished:
+            span.set_attribute("pdserve.cancelled", True)  # the client left before its finish
+        span.end()
 
     def status(self) -> dict:
         core = self.core
