@@ -64,13 +64,16 @@ class PrefillRole(Role):
         block_size = self.engine.kv_spec.block_size
         first_block = command.cached_tokens // block_size  # the engine refuses a count that is not whole blocks
         dst_blocks = list(command.dst_blocks)
+        sink = self.sender.sink(rid, dst_blocks, first_block)
+        if self.spans is not None:
+            sink = self.spans.layer_sink(rid, sink)
         self.engine.add_request(
             command.prompt,
             params,
             rid,
             prefill_only=True,
             arrival_s=arrival_s,
-            kv_sink=self.sender.sink(rid, dst_blocks, first_block),
+            kv_sink=sink,
             stream_kv=self.stream_kv,
             export_from_token=command.cached_tokens,
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -174,6 +174,7 @@ class _Held:
     steps: int = 0  # tokens events seen
     first_token: bool = False
     kv_imported: bool = False  # its KV import's span was made (timing comes again with the last token)
+    pieces: int = 0  # prefill: KV pieces (a layer's range of blocks) handed to the sender
 
 
 class RequestSpans:
@@ -266,6 +267,27 @@ class RequestSpans:
         elif isinstance(event, Frozen):
             held.span.add_event("migration.frozen", {"pdserve.tokens": len(event.output_token_ids)})
 
+    def layer_sink(self, rid: str, sink: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``sink`` (a prefill's KV sink, engine.kv_connector), with an event per piece it sends: the layer, its
+        blocks and bytes, at the moment the layer was done."""
+        held = self.held.get(rid)
+        if held is None:
+            return sink
+
+        def send(ready: Any) -> None:
+            sink(ready)
+            held.pieces += 1
+            held.span.add_event(
+                "kv.layer_sent",
+                {
+                    "pdserve.kv.layer": ready.layer,
+                    "pdserve.kv.blocks": ready.end_block - ready.first_block,
+                    "pdserve.kv.bytes": ready.k.nbytes + (ready.v.nbytes if ready.v is not None else 0),
+                },
+            )
+
+        return send
+
     def on_transfer_end(
         self, rid: str, ok: bool, nbytes: int, elapsed_s: float, error: str | None, paths: Mapping[str, str]
     ) -> None:
@@ -276,6 +298,7 @@ class RequestSpans:
         end_ns = time.time_ns()
         attributes: dict[str, Any] = {
             "pdserve.kv.bytes": nbytes,
+            "pdserve.kv.pieces": held.pieces,
             "pdserve.kv.ok": ok,
             "pdserve.kv.paths": ",".join(sorted(set(paths.values()))),
         }

@@ -74,6 +74,9 @@ def test_a_disaggregated_request_is_one_trace_across_router_prefill_transfer_and
     assert prefill.event("first_token") is not None and "pdserve.timing.prefill_queue_s" in prefill.attributes
     assert transfer.attributes["pdserve.kv.ok"] is True and transfer.attributes["pdserve.kv.bytes"] > 0
     assert transfer.attributes["pdserve.kv.paths"]  # how the KV went (zmq, shm-direct, ...)
+    layers = [attrs for name, attrs in prefill.events if name == "kv.layer_sent"]  # streamed as each layer was done
+    assert len(layers) == transfer.attributes["pdserve.kv.pieces"] >= 1
+    assert sum(a["pdserve.kv.bytes"] for a in layers) == transfer.attributes["pdserve.kv.bytes"]
     assert decode.event("reserved") is not None and decode.event("start") is not None
     assert decode.attributes["pdserve.finish_reason"] == "length" and decode.attributes["pdserve.steps"] >= 1
     assert "pdserve.timing.kv_transfer_s" in decode.attributes
@@ -125,7 +128,9 @@ def test_a_move_shows_on_both_decode_workers_spans(serve, receiver):
     response = _complete(handle, max_tokens=120)
     mover.join(30)
     assert response.status_code == 200 and list(moved.values()) == ["moving"], moved
-    spans = receiver.wait_for(lambda s: len([x for x in s if x.name == "pdserve.decode"]) >= 2)
+    spans = receiver.wait_for(
+        lambda s: len([x for x in s if x.name == "pdserve.decode"]) >= 2 and _has("pdserve.route")(s)
+    )
     decodes = [s for s in spans if s.name == "pdserve.decode"]
     source = next(s for s in decodes if s.event("migration.export") is not None)
     target = next(s for s in decodes if "pdserve.migration.context_tokens" in s.attributes)
