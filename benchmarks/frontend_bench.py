@@ -266,6 +266,7 @@ def run_configuration(n: int, model: str, args: argparse.Namespace, folder: Path
     config_path = folder / f"frontend-{n}-{tracing}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     print(f"frontend bench: starting pdserve serve (router processes: {n}, tracing {tracing})", file=sys.stderr)
+    spans_before = traces.span_count if traces is not None else 0
     serve = ServeProcess.start(config_path, n, args.start_timeout_s)
     result = _empty(n, "ok") | {"tracing": tracing}
     try:
@@ -308,7 +309,7 @@ def run_configuration(n: int, model: str, args: argparse.Namespace, folder: Path
     finally:
         result["serve_stop"] = serve.stop()
     if traces is not None:
-        result["spans_received"] = traces.span_count  # after the stop, which exports what was buffered
+        result["spans_received"] = traces.span_count - spans_before  # after the stop, which exports what was buffered
     return result
 
 
@@ -364,15 +365,17 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _tracing_overhead(configurations: list[dict]) -> dict[str, float | None]:
-    """Per router-process count run both ways: router CPU per streamed token with tracing on over off, less 1."""
-    by = {(c["router_processes"], c.get("tracing")): c for c in configurations}
+    """Per router-process count run both ways: router CPU per streamed token with tracing on over off, less 1 (the
+    mean rate of each mode's runs)."""
+    rates: dict[tuple[int, str], list[float]] = {}  # repeated modes (--tracing off,on,off,on): their mean
+    for c in configurations:
+        if c.get("tokens_per_router_cpu_s"):
+            rates.setdefault((c["router_processes"], c.get("tracing", "off")), []).append(c["tokens_per_router_cpu_s"])
     overhead: dict[str, float | None] = {}
-    for (n, mode), off in by.items():
-        on = by.get((n, "on"))
-        if mode != "off" or on is None:
-            continue
-        rates = off["tokens_per_router_cpu_s"], on["tokens_per_router_cpu_s"]
-        overhead[f"router_processes_{n}"] = round(rates[0] / rates[1] - 1, 4) if all(rates) else None
+    for (n, mode), off in rates.items():
+        on = rates.get((n, "on"))
+        if mode == "off" and on:
+            overhead[f"router_processes_{n}"] = round((sum(off) / len(off)) / (sum(on) / len(on)) - 1, 4)
     return overhead
 
 

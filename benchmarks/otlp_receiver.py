@@ -35,6 +35,7 @@ class ReceivedSpan:
     events: list[tuple[str, dict[str, Any]]]
     status_code: int  # 0 unset, 1 ok, 2 error
     resource: dict[str, Any] = field(default_factory=dict)
+    event_times_ns: list[int] = field(default_factory=list)  # each event's time, in ``events``' order
 
     def event(self, name: str) -> dict[str, Any] | None:
         return next((attrs for event, attrs in self.events if event == name), None)
@@ -95,6 +96,7 @@ class OtlpReceiver:
                             events=[(e.name, _attributes(e.attributes)) for e in span.events],
                             status_code=span.status.code,
                             resource=resource,
+                            event_times_ns=[e.time_unix_nano for e in span.events],
                         )
                     )
         with self._lock:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from worker.messages import (
+    KV_ADDRESS_SEPARATOR,
     Abort,
     Command,
     ErrorEvent,
@@ -175,6 +176,7 @@ class _Held:
     first_token: bool = False
     kv_imported: bool = False  # its KV import's span was made (timing comes again with the last token)
     pieces: int = 0  # prefill: KV pieces (a layer's range of blocks) handed to the sender
+    kv_addresses: tuple[str, ...] = ()  # prefill: the receivers of its KV (each rank's of the decode worker)
 
 
 class RequestSpans:
@@ -206,7 +208,9 @@ class RequestSpans:
                 attributes["pdserve.kv.dst_blocks"] = len(command.dst_blocks)
             else:
                 name = "pdserve.generate"
-            self.held[command.rid] = _Held(self.tracing.start(name, command.trace, attributes))
+            started = self.held[command.rid] = _Held(self.tracing.start(name, command.trace, attributes))
+            if isinstance(command, Prefill):
+                started.kv_addresses = tuple(command.kv_address.split(KV_ADDRESS_SEPARATOR))
             return
         if not isinstance(command, (Export, Start, Resume, Abort)):
             return
@@ -300,7 +304,8 @@ class RequestSpans:
             "pdserve.kv.bytes": nbytes,
             "pdserve.kv.pieces": held.pieces,
             "pdserve.kv.ok": ok,
-            "pdserve.kv.paths": ",".join(sorted(set(paths.values()))),
+            # how the payload went to this transfer's receivers (inline, shm-direct, cuda-ipc, pair)
+            "pdserve.kv.paths": ",".join(sorted({paths[a] for a in held.kv_addresses if a in paths})),
         }
         span = self.tracing.child(held.span, "pdserve.kv_transfer", end_ns - int(elapsed_s * 1e9), end_ns, attributes)
         if not ok:
