@@ -207,22 +207,24 @@ async def _lifespan(app: FastAPI):
     await router.close()
 
 
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def _error_response(request: Request, error: APIError, headers: dict | None = None) -> JSONResponse:
+    """Every error body the API answers with, counted (``pdserve_http_errors_total{status, type}``)."""
+    request.app.state.serving.router.metrics.http_errors.labels(str(error.status), error.type).inc()
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def _http_error_body(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_response(request, exc, exc.headers)
+
+
+async def _http_error_body(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """An unknown route or a wrong method: the same error body as the rest."""
     err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(
-        APIError(exc.status_code, str(exc.detail), err_type=err_type).body(),
-        status_code=exc.status_code,
-        headers=exc.headers,
-    )
+    return _error_response(request, APIError(exc.status_code, str(exc.detail), err_type=err_type), exc.headers)
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", err_type="server_error").body(), 500)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    return _error_response(request, APIError(500, f"internal error: {type(exc).__name__}", err_type="server_error"))
 
 
 async def read_json(request: Request, serving: Serving):

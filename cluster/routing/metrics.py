@@ -87,6 +87,14 @@ class RouterMetrics:
         self.requests = counter("pdserve_requests", "Requests by outcome", "outcome")
         self.errors = counter("pdserve_errors", "Failed or aborted requests by reason", "reason")
         self.errors.labels(Overloaded.code)  # the 429s show, at 0, from the start: a rate sees the first one
+        self.http_errors = counter(
+            "pdserve_http_errors",
+            "Error responses of the HTTP API by status and OpenAI error type: refused input (400, 413, 422), auth "
+            "(401), unknown routes (404), the router's refusals and failures before a stream began (429, 503, ...)",
+            "status",
+            "type",
+        )
+        self.http_errors.labels("400", "invalid_request_error")  # at 0 from the start
         self.queue_depth = gauge("pdserve_router_queue_depth", "Requests waiting for decode KV", mode="livesum")
         self.inflight = gauge("pdserve_router_inflight", "Requests in flight at the router", mode="livesum")
         self.control_rejected = counter(

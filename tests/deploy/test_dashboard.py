@@ -283,6 +283,12 @@ def test_every_panel_returns_data_from_a_real_prometheus(cluster, tmp_path):
                 _move_a_stream(cluster)
                 codes = _burst(cluster)
                 assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+                refused = httpx.post(  # refused by the API before the router: an HTTP error by status
+                    f"{cluster.base_url}/v1/completions",
+                    json={"model": cluster.config.served_model_name, "prompt": "x", "max_tokens": -1},
+                    timeout=30,
+                )
+                assert refused.status_code == 400, refused.text
             wait_all_kv_free(cluster.base_url)
         # a scrape after the load's end: the router's counts, and the workers' from a heartbeat after it
         ended = metric_value(cluster.base_url, "pdserve_requests_total", outcome="error")

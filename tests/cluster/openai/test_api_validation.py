@@ -262,8 +262,11 @@ CASES = [
 def test_bad_input_is_refused_with_an_openai_error_naming_the_field(server, route, body, status, param):
     if callable(body):
         body = body(server)
+    counted = metric_value(server.base_url, "pdserve_http_errors_total", status=str(status)) or 0
     response = _post(server, route, body)
     assert response.status_code == status, response.text[:300]
+    # counted by status and type, for the dashboard's "errors by code"
+    assert metric_value(server.base_url, "pdserve_http_errors_total", status=str(status)) == counted + 1
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] == param, error
