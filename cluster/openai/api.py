@@ -19,6 +19,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,7 +208,7 @@ async def _lifespan(app: FastAPI):
     await router.close()
 
 
-def _error_response(request: Request, error: APIError, headers: dict | None = None) -> JSONResponse:
+def _error_response(request: Request, error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """Every error body the API answers with, counted (``pdserve_http_errors_total{status, type}``)."""
     request.app.state.serving.router.metrics.http_errors.labels(str(error.status), error.type).inc()
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
