@@ -126,3 +126,28 @@ def test_config_holds_every_stream_at_full_length():
     from cluster.config import parse_config
 
     parse_config(config)  # a valid config file
+
+
+def test_tracing_overhead_is_cpu_per_token_on_over_off_from_each_modes_mean():
+    from benchmarks.frontend_bench import _tracing_overhead
+
+    runs = [
+        {"router_processes": 1, "tracing": "off", "tokens_per_router_cpu_s": 1000.0},
+        {"router_processes": 1, "tracing": "on", "tokens_per_router_cpu_s": 900.0},
+        {"router_processes": 1, "tracing": "off", "tokens_per_router_cpu_s": 1200.0},
+        {"router_processes": 1, "tracing": "on", "tokens_per_router_cpu_s": 1100.0},
+        {"router_processes": 2, "tracing": "off", "tokens_per_router_cpu_s": 800.0},  # never run with tracing
+        {"router_processes": 2, "tracing": "on", "tokens_per_router_cpu_s": None},  # its load failed
+    ]
+    assert _tracing_overhead(runs) == {"router_processes_1": round(1100 / 1000 - 1, 4)}
+
+
+def test_tracing_modes_are_checked_before_anything_starts():
+    import argparse
+
+    from benchmarks.frontend_bench import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match="--tracing"):
+        run(parser.parse_args(["--tracing", "off,maybe"]))
