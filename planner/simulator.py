@@ -42,9 +42,7 @@ from prefill.worker import PrefillRole
 from transfer.wire import ModelFingerprint
 from worker.colocated import ColocatedRole
 from worker.messages import (
-    Abort,
     Command,
-    ErrorCode,
     Event,
     KvEvents,
     Role,
@@ -281,17 +279,7 @@ class SimWorker:
         """``Abort`` frees the request; a command the role refuses (ValueError, KeyError) is answered with an error.
         Taken when it arrives, even during a step (a real worker takes commands between steps: docs/planner.md says
         what that changes); the engine ran the step when it began, so the command sees the state the step leaves."""
-        role = self.role
-        rid = getattr(command, "rid", "")
-        try:
-            if isinstance(command, Abort):
-                role.counters.aborts += 1
-                role.abort(rid)
-            else:
-                role.handle(command, self.env.now)
-        except (ValueError, KeyError) as exc:
-            role.counters.errors += 1
-            role.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
+        self.role.take(command, self.env.now)
         self._report()
         self.notify()
 

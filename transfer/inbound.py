@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -46,8 +46,17 @@ class Sink(Protocol):
 class InboundTable:
     """All transfers this receiver expects; single-threaded (the thread that calls `poll()`)."""
 
-    def __init__(self, fingerprint: ModelFingerprint, sink: Sink, max_frame_bytes: int, deadline_s: float) -> None:
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint,
+        sink: Sink,
+        max_frame_bytes: int,
+        deadline_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: what deadlines and silences are measured by (a simulation passes its own)."""
         self.fp = fingerprint
+        self.clock = clock
         self.sink = sink
         self.max_frame_bytes = max_frame_bytes
         self.deadline_s = deadline_s
@@ -80,7 +89,7 @@ class InboundTable:
             raise ValueError(f"num_layers {layers} out of range")
         if heads is not None and not (heads[1] > 0 and 0 <= heads[0] and heads[0] + heads[1] <= self.fp.num_kv_heads):
             raise ValueError(f"heads {heads} are not within our {self.fp.num_kv_heads}")
-        now = time.monotonic()
+        now = self.clock()
         missing = [set(blocks) for _ in range(layers)]
         deadline = now + (deadline_s or self.deadline_s)
         self._tx[transfer_id] = Inbound(
@@ -109,19 +118,19 @@ class InboundTable:
         rec = self._tx.pop(transfer_id, None)
         if rec is not None:
             self._events.append(
-                TransferEvent(transfer_id, TransferState.FAILED, error, rec.nbytes, time.monotonic() - rec.started)
+                TransferEvent(transfer_id, TransferState.FAILED, error, rec.nbytes, self.clock() - rec.started)
             )
         return rec
 
     def heard(self, transfer_id: str, session: bytes) -> None:
         rec = self._tx.get(transfer_id)
         if rec is not None and rec.session == session:
-            rec.last_heard = time.monotonic()
+            rec.last_heard = self.clock()
 
     def expire(self, silence_s: float | None = None) -> list[Inbound]:
         """Fail transfers past their deadline, and (with silence_s) bound to a sender that has not
         been heard from for silence_s: a killed prefill worker frees decode blocks in ~lease_s."""
-        now = time.monotonic()
+        now = self.clock()
         out: list[Inbound | None] = []  # fail() finds each (the ids come from the table): no None in practice
         if silence_s is not None:
             for t, r in list(self._tx.items()):
@@ -171,7 +180,7 @@ class InboundTable:
             todo -= blocks
         rec.state = TransferState.TRANSFERRING
         rec.headers_seen += 1
-        rec.last_heard = time.monotonic()
+        rec.last_heard = self.clock()
         return piece
 
     def complete(self, piece: PieceHeader, bufs: Sequence[Any]) -> None:
@@ -242,7 +251,7 @@ class InboundTable:
     def _end(self, rec: Inbound, num_blocks: int) -> None:
         self._tx.pop(rec.transfer_id)
         rec.state = TransferState.DONE
-        elapsed_s = time.monotonic() - rec.started
+        elapsed_s = self.clock() - rec.started
         self._events.append(TransferEvent(rec.transfer_id, TransferState.DONE, None, rec.nbytes, elapsed_s, num_blocks))
 
 

@@ -6,7 +6,8 @@ send_layer encodes the piece exactly like the wire backends (so int8 and the hea
 code) and appends it with its tensors to the receiver's inbox, a deque (thread-safe appends); finish and abort
 go the same way, as the wire's Finish and Abort. The receiver's poll() runs them through InboundTable; Ack, Nack
 and Renew go back into the sender's inbox.
-No bytes are copied or checksummed: the payload tensors are handed over by reference.
+No bytes are copied: the payload tensors are handed over by reference, checksummed as on the wire when
+``checksum`` is on (the receiver checks them before its sink writes a byte).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,12 +84,15 @@ class LocalReceiver(KVReceiver):
         address: str,
         config: TransferConfig | None = None,
         hub: LocalHub | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: what deadlines and renewals go by (a simulation passes its own)."""
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
         self.address = address
         self._hub = hub or DEFAULT_HUB
-        self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s)
+        self.clock = clock
+        self._table = InboundTable(fingerprint, sink, self.cfg.max_frame_bytes, self.cfg.deadline_s, clock)
         self._inbox: deque[Delivery] = deque()
         self._senders: dict[bytes, LocalSender] = {}
         self._hub.register(_name(address), self)
@@ -135,7 +139,7 @@ class LocalReceiver(KVReceiver):
         for rec in self._table.expire():
             if rec.session:
                 self._reply(rec.session, Nack(rec.transfer_id, "timeout", "receiver deadline passed"))
-        now = time.monotonic()
+        now = self.clock()
         for rec in self._table.items():  # keep the producer's lease alive while we wait
             if rec.session and now - rec.last_renew >= self.cfg.lease_s / 3:
                 rec.last_renew = now
@@ -164,12 +168,17 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 class LocalSender(KVSender):
     def __init__(
-        self, fingerprint: ModelFingerprint, config: TransferConfig | None = None, hub: LocalHub | None = None
+        self,
+        fingerprint: ModelFingerprint,
+        config: TransferConfig | None = None,
+        hub: LocalHub | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: what leases expire by (a simulation passes its own)."""
         self.fp = fingerprint
         self.cfg = config or TransferConfig()
         self._hub = hub or DEFAULT_HUB
-        self._leases = LeaseTable(self.cfg.lease_s)
+        self._leases = LeaseTable(self.cfg.lease_s, clock)
         self._route: dict[str, tuple[LocalReceiver, bytes]] = {}
         self._pieces: dict[str, int] = {}
         self.inbox: deque[Ack | Nack | Renew] = deque()
@@ -203,7 +212,7 @@ class LocalSender(KVSender):
             return False
         wire = self.cfg.kv_wire_dtype
         piece, tensors = encode_piece(
-            self.fp, transfer_id, layer, dst_block_ids, _host(k), _host(v), wire, with_checksum=False, heads=heads
+            self.fp, transfer_id, layer, dst_block_ids, _host(k), _host(v), wire, self.cfg.checksum, heads=heads
         )
         route[0].deliver(Delivery(route[1], piece, tensors))
         self._pieces[transfer_id] += 1

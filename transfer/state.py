@@ -12,6 +12,7 @@ import enum
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transfer.errors import TransferError, TransferTimeout
@@ -53,14 +54,16 @@ class Lease:
 class LeaseTable:
     """Thread-safe sender-side leases: the API thread begins them, the I/O thread acks/renews them."""
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: what leases expire by (a simulation passes its own)."""
         self.lease_s = lease_s
+        self.clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._events: deque[TransferEvent] = deque()
 
     def begin(self, transfer_id: str, peer: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             if transfer_id in self._leases:
                 raise ValueError(f"transfer {transfer_id!r} already in flight")
@@ -83,7 +86,7 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(transfer_id)
             if lease is not None:
-                lease.expires = max(lease.expires, time.monotonic() + self.lease_s)
+                lease.expires = max(lease.expires, self.clock() + self.lease_s)
 
     def release(self, transfer_id: str, error: TransferError | None = None) -> bool:
         """End a lease (ACK when error is None); queue its event. False if it was already gone."""
@@ -92,9 +95,7 @@ class LeaseTable:
             if lease is None:
                 return False
             state = TransferState.DONE if error is None else TransferState.FAILED
-            self._events.append(
-                TransferEvent(transfer_id, state, error, lease.nbytes, time.monotonic() - lease.started)
-            )
+            self._events.append(TransferEvent(transfer_id, state, error, lease.nbytes, self.clock() - lease.started))
             return True
 
     def release_peer(self, peer: str, error: TransferError) -> list[str]:
@@ -104,7 +105,7 @@ class LeaseTable:
 
     def expire(self) -> list[tuple[str, str]]:
         """Release every lease past its expiry; returns (id, peer) pairs (to tell the receivers)."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             dead = [(t, lease.peer) for t, lease in self._leases.items() if lease.expires < now]
         return [
@@ -139,7 +140,7 @@ class LeaseTable:
 
     def due_keepalives(self, every_s: float) -> list[tuple[str, str]]:
         """(id, peer) of leases whose receiver should hear from us again (sender liveness)."""
-        now = time.monotonic()
+        now = self.clock()
         out = []
         with self._lock:
             for lease in self._leases.values():

@@ -15,6 +15,7 @@ import msgspec
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, RequestOutput
 from worker.messages import (
+    Abort,
     Command,
     ErrorCode,
     ErrorEvent,
@@ -78,6 +79,20 @@ class Role:
 
     def close(self) -> None:
         """Close the transfer endpoint."""
+
+    def take(self, command: Command, arrival_s: float) -> None:
+        """A request command as every worker takes it (the runtime, the planner's and the fault simulations):
+        ``Abort`` frees the request; a command the role refuses (ValueError, KeyError) is answered with an error."""
+        rid = getattr(command, "rid", "")
+        try:
+            if isinstance(command, Abort):
+                self.counters.aborts += 1
+                self.abort(rid)
+            else:
+                self.handle(command, arrival_s)
+        except (ValueError, KeyError) as exc:
+            self.counters.errors += 1
+            self.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
 
     # ---- shared ------------------------------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ from engine.llm_engine import LLMEngine
 from transfer.errors import AuthError
 from worker.messages import (
     MAX_KV_EVENT_HASHES,
-    Abort,
     Command,
     Drain,
     ErrorCode,
@@ -311,15 +310,7 @@ class WorkerRuntime:
             arrival_s = time.monotonic() - waited
             if self.spans is not None:
                 self.spans.on_command(command)
-            try:
-                if isinstance(command, Abort):
-                    self.counters.aborts += 1
-                    self.role.abort(rid)
-                    continue
-                self.role.handle(command, arrival_s)
-            except (ValueError, KeyError) as exc:
-                self.counters.errors += 1
-                self.role.emit_error(rid, str(exc), ErrorCode.INVALID_REQUEST)
+            self.role.take(command, arrival_s)
 
     def emit(self, event: Event) -> None:
         """Send an event to the router that owns its request; a ``tokens`` message goes out split per router."""
