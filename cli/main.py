@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, NoReturn
 
-from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd
+from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd, sim_cmd
 from cli import status as status_command
 
 Command = Callable[[argparse.Namespace], int]
@@ -335,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=_call("cluster.run.demo", "run_demo"))
+
+    sim = sub.add_parser(
+        "sim",
+        help="the cluster protocol in a seeded simulation with faults: run seeds, or replay one (exit 1: violation)",
+    )
+    sim_cmd.add_arguments(sim)
+    sim.set_defaults(func=_call("cli.sim_cmd", "run"))
 
     profile = sub.add_parser(
         "profile", help="measure prefill, decode and KV transfer times on this hardware (the input of `plan`)"

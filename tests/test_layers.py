@@ -13,7 +13,7 @@ Rules (a package may import itself and anything in a lower layer):
 - two packages of one layer never import each other (prefill/decode, engine/transfer, bench/planner);
 - nothing imports cli (it is the top layer);
 - engine, transfer, worker, prefill and decode never import Ray (they run and are tested without it);
-- inside cluster/, wings top to bottom: run (pools, launch, scaling); openai (the HTTP surface); routing (the router
+- inside cluster/, wings top to bottom: sim (the protocol's seeded simulation); run (pools, launch, scaling); openai (the HTTP surface); routing (the router
   core); the config modules at cluster/'s top level;
 - benchmarks/ (the experiments) and checks/ (the GPU acceptance run) are folders of the checkout, not packaged: they
   may import any package, not each other, and no package imports them, by statement or by a module name in a
@@ -70,7 +70,9 @@ def violation(importer: str, imp: Import) -> str | None:
     return None
 
 
-CLUSTER_WINGS = ["run", "openai", "routing", ""]  # top first; "": cluster/config*.py and network_exposure.py
+# top first; "": cluster/config*.py and network_exposure.py. sim: the protocol's simulation (the router core and the
+# roles in simulated time), which nothing of the cluster imports
+CLUSTER_WINGS = ["sim", "run", "openai", "routing", ""]
 WING_LEVEL = {wing: len(CLUSTER_WINGS) - i for i, wing in enumerate(CLUSTER_WINGS)}
 
 

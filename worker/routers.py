@@ -23,13 +23,17 @@ class RouterBook:
     """Per router: last heard, and whether it said ``drain``; per request: its owner. Loop thread only, except
     ``drained`` and ``draining`` (plain reads, from ``info()``)."""
 
-    def __init__(self, name: str, count: int, orphan_timeout_s: float) -> None:
+    def __init__(
+        self, name: str, count: int, orphan_timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``clock``: the worker's (a simulation passes its own)."""
         self.name = name  # the worker's, for its log lines
+        self.clock = clock
         self.count = count
         self.orphan_timeout_s = orphan_timeout_s
         self._owners: dict[str, tuple[int, float]] = {}  # rid -> (owning router's index, when it last sent a command)
         self._next_owner_prune_s = 0.0
-        self._last_router_s = [time.monotonic()] * count
+        self._last_router_s = [clock()] * count
         self._drain_from: set[int] = set()
         self._drain_deadline: float | None = None  # monotonic; None: not draining
         self._drained = False  # set by the loop thread (info() reads it from another)
@@ -98,7 +102,7 @@ class RouterBook:
     def begin_drain(self, router: int, deadline_s: float) -> None:
         if self._drain_deadline is None:
             logger.info("%s: draining (deadline %.1f s)", self.name, deadline_s)
-            self._drain_deadline = time.monotonic() + deadline_s
+            self._drain_deadline = self.clock() + deadline_s
         self._drain_from.add(router)
 
     @property
