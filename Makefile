@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: test test-e2e cluster-e2e lint demo venv bench clean
+.PHONY: test test-e2e cluster-e2e lint demo venv bench clean sim
 
 venv: $(STAMP)
 
@@ -39,6 +39,13 @@ test-e2e: $(STAMP)
 # namespaces; installs openssh-server, rsync and iptables when missing; about 6 minutes on 2 cores. Not run by CI.
 cluster-e2e: $(STAMP)
 	$(PY) deploy/e2e/run.py
+
+# The cluster protocol in its seeded simulation (docs/simulation.md): SEEDS seeds from START on every core, every
+# fault class; prints seeds per second and coverage, and on a violation its seed, invariant and shrunk faults (exit 1).
+SEEDS ?= 1000
+START ?= 0
+sim: $(STAMP)
+	$(PY) -m cli.main sim --seeds $(SEEDS) --start $(START) --jobs $$(nproc)
 
 demo: $(STAMP)
 	$(VENV)/bin/pdserve demo

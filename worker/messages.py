@@ -284,7 +284,7 @@ class Reserved(_Event, tag="reserved"):
 
 class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One request's share of a step (``worker.role.token_item``): ``[rid, token ids, text, finish reason, timing,
-    logprobs, prompt logprobs, cached tokens]`` on the wire (nil for the absent ones). A prefill worker's first token
+    logprobs, prompt logprobs, cached tokens, index]`` on the wire (nil for the absent ones). A prefill worker's first token
     is one too: the router forwards it to the decode worker (``Start``)."""
 
     rid: str
@@ -297,6 +297,9 @@ class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # tokens that worker's prefix cache held
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int | None = None
+    # where its first token stands among the request's output tokens (0: the first): the router takes items only in
+    # order, so a lost ``tokens`` message fails the request instead of leaving a hole in its text (None: unchecked)
+    index: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class Tokens(_Event, tag="tokens"):

@@ -200,4 +200,5 @@ def token_item(output: RequestOutput) -> TokenItem:
         output.logprobs if output.new_token_ids else None,
         output.prompt_logprobs if first_here else None,
         output.num_cached_tokens if first_here else None,
+        before,
     )

@@ -133,6 +133,12 @@ class Flow:
             raise TypeError(f"text must be a string, got {type(item.text).__name__}")
         if self.closed:
             return False
+        if item.index is not None and item.index != self.received_tokens:
+            if item.index < self.received_tokens:
+                return False  # tokens it has (a message sent twice): nothing new
+            lost = item.index - self.received_tokens  # a message lost on the way: the text would have a hole
+            self.fail(RequestFailed(f"{lost} tokens from its worker were lost on the way", "worker_error"))
+            return False
         num_tokens, logprobs = len(item.token_ids), item.logprobs
         if logprobs is not None:  # checked first: a wrong count leaves the pending state as it was
             if len(logprobs) != num_tokens:  # a worker's bug: an explicit error, never logprobs shifted

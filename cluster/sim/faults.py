@@ -61,11 +61,16 @@ class FaultAction:
 
 
 def draw_schedule(
-    rng: random.Random, kinds: frozenset[FaultKind], workers: list[str], decode_workers: list[str], requests: int
+    rng: random.Random, kinds: frozenset[FaultKind], workers: list[str], decode_workers: list[str], arrivals: list[float]
 ) -> list[FaultAction]:
-    """A few faults of each enabled kind, placed where a run of ``requests`` requests has messages and time."""
+    """A few faults of each enabled kind, placed where the run has messages and requests in flight: a timed fault
+    mostly within a tenth of a second after some request's arrival (a tiny model's request lasts about that long)."""
     actions: list[FaultAction] = []
-    horizon_s = 1.5  # the requests arrive and mostly run within this much simulated time
+    requests = len(arrivals)
+
+    def when() -> float:
+        return round(rng.choice(arrivals) + rng.uniform(0.0, 0.12), 4)
+
     for kind in sorted(kinds, key=lambda k: k.value):
         for _ in range(rng.randint(0, 2)):
             if kind.on_message:
@@ -76,14 +81,14 @@ def draw_schedule(
                 amount = rng.uniform(0.01, 4.0) if kind is FaultKind.KV_LATE else 0.0
                 actions.append(FaultAction(kind, rng.randint(0, 6 * requests), "", round(amount, 4)))
             elif kind is FaultKind.CLIENT_ABORT:
-                at = round(rng.uniform(0.0, horizon_s), 4)
-                actions.append(FaultAction(kind, at, str(rng.randrange(requests))))
+                index = rng.randrange(requests)
+                at = round(arrivals[index] + rng.uniform(0.0, 0.08), 4)
+                actions.append(FaultAction(kind, at, str(index)))
             elif kind is FaultKind.DRAIN:
-                at = round(rng.uniform(0.0, horizon_s), 4)
-                actions.append(FaultAction(kind, at, rng.choice(decode_workers)))
+                actions.append(FaultAction(kind, when(), rng.choice(decode_workers)))
                 break  # one drain: with two decode workers, the other one must stay
             else:  # CRASH, PARTITION, SLOW
-                at = round(rng.uniform(0.0, horizon_s), 4)
+                at = when()
                 amount = round(rng.uniform(0.1, 4.0), 4)
                 actions.append(FaultAction(kind, at, rng.choice(workers), amount))
     return sorted(actions)

@@ -167,6 +167,7 @@ class SimWorker:
                 world, fingerprint, kv_sink(self.engine), self.kv_address, spec.transfer, world.hub, world.clock
             )
             self.engine.kv_importer.clock = world.clock
+            self.engine.kv_importer.write = self._checked_write  # type: ignore[method-assign]
             self.role = DecodeRole(
                 name,
                 self.engine,
@@ -179,6 +180,24 @@ class SimWorker:
                 clock=world.clock,
             )
         self._sent_load = None
+
+    def _checked_write(self, request_id: str, layer: int, block_ids: list[int], k, v, heads=None) -> None:
+        """The receiver's writes into the cache, watched: a piece may land only in blocks of the request it belongs
+        to while that request waits for its KV (never in freed blocks, nor in another request's). A violation is
+        noted here (the receiver would swallow an exception as the engine's) and raised after the event."""
+        importer = self.engine.kv_importer
+        request = self.engine.requests.get(request_id)
+        handoff = request.kv_import if request is not None else None
+        owned = set(importer.expected_blocks(request)) if request is not None and handoff is not None else set()
+        try:
+            type(importer).write(importer, request_id, layer, block_ids, k, v, heads)
+        except Exception:
+            raise  # refused, nothing written: what the engine is for
+        if not set(block_ids) <= owned:
+            self.world.late_violation = (
+                f"{self.name}: KV of {request_id!r} written into blocks {sorted(set(block_ids) - owned)} it does not "
+                "hold (freed, or another request's)"
+            )
 
     # ---- in ------------------------------------------------------------------------------------------------------
 
@@ -291,6 +310,8 @@ class FaultyReceiver(LocalReceiver):
         self.world = world
 
     def deliver(self, delivery: Delivery) -> None:
+        if self.world.cut_off_address(self.address):
+            return  # a partition cuts the KV plane too
         if not isinstance(delivery.message, PieceHeader):
             super().deliver(delivery)
             return
@@ -306,6 +327,11 @@ class FaultyReceiver(LocalReceiver):
             super().deliver(Delivery(delivery.session, delivery.message, tensors))
         else:  # KV_LATE
             self.world.at(self.world.now + action.amount, "kv_late", lambda: LocalReceiver.deliver(self, delivery))
+
+
+    def _reply(self, session, reply) -> None:  # type: ignore[no-untyped-def]
+        if not self.world.cut_off_address(self.address):
+            super()._reply(session, reply)
 
 
 class World:
@@ -348,7 +374,8 @@ class World:
         count = num_requests if num_requests is not None else self.rng.randint(2, 5)
         self.requests = [self._request(i) for i in range(count)]
         decode = [n for n, s in self.specs.items() if s.role.value == "decode"]
-        drawn = draw_schedule(self.rng, faults, sorted(self.specs), decode, len(self.requests))  # always: the
+        arrivals = [r.arrival_s for r in self.requests]
+        drawn = draw_schedule(self.rng, faults, sorted(self.specs), decode, arrivals)  # always: the
         # seed's draws after it stay the same when a shrunk schedule replaces it
         self.schedule = drawn if schedule is None else schedule
         self._message_faults = {
@@ -358,6 +385,7 @@ class World:
         self._ordinals = {"to_worker": 0, "to_router": 0, "kv": 0}
         self._channel_free: dict[str, float] = {}  # per socket: when its last message arrives (FIFO)
         self.applied: list[FaultAction] = []
+        self.late_violation: str | None = None  # found inside a callee that must not raise (the KV sink)
         self.partitioned_until: dict[str, float] = {}
 
     # ---- set-up ------------------------------------------------------------------------------------------------
@@ -449,7 +477,7 @@ class World:
                     if self.now - settled_at >= SETTLE_S and not self._busy():
                         break
                 if self.now > MAX_SIM_S:
-                    raise Violation(f"not settled after {MAX_SIM_S:.0f} s of simulated time: {self._open()}")
+                    raise Violation(f"not settled after {MAX_SIM_S:.0f} s of simulated time: {self._holding()}")
             self._check_quiescent()
         except Violation as exc:
             violation = str(exc)
@@ -473,6 +501,16 @@ class World:
 
     def _busy(self) -> bool:
         return any(w.alive and w.busy() for w in self.workers.values()) or bool(self.core.flows)
+
+    def _holding(self) -> str:
+        """What still holds anything: open requests, router flows, and each worker's load."""
+        held = [f"open requests {self._open()}"] if self._open() else []
+        if self.core.flows:
+            held.append(f"router flows {sorted(self.core.flows)}")
+        for w in self.workers.values():
+            if w.alive and w.busy():
+                held.append(f"{w.name} holds {sorted(w.engine.requests)} ({w.role.load()})")
+        return "; ".join(held) or "nothing"
 
     def _open(self) -> list[str]:
         return [f"{r.rid}:{r.flow.status.value if r.flow else 'unsent'}" for r in self.requests if r.outcome is None]
@@ -544,6 +582,10 @@ class World:
 
     def _cut_off(self, name: str) -> bool:
         return self.partitioned_until.get(name, -1.0) > self.now
+
+    def cut_off_address(self, kv_address: str) -> bool:
+        """A KV receiver's worker is partitioned: its pieces in and its acks out are lost."""
+        return any(w.kv_address == kv_address and self._cut_off(w.name) for w in self.workers.values())
 
     def _to_worker(self, name: str, command: Command) -> None:
         worker = self.workers.get(name)
@@ -676,6 +718,8 @@ class World:
     # ---- invariants --------------------------------------------------------------------------------------------
 
     def _check_always(self) -> None:
+        if self.late_violation is not None:
+            raise Violation(self.late_violation)
         for r in self.requests:
             text, count = r.expected
             if not text.startswith(r.text) and r.outcome != "finished":

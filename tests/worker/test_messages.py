@@ -128,11 +128,12 @@ def test_every_event_round_trips_as_itself(message):
 
 
 def test_a_tokens_item_is_a_positional_array_on_the_wire():
-    """[rid, token ids, text, finish reason, timing, logprobs, prompt logprobs, cached tokens]: nil when absent."""
+    """[rid, token ids, text, finish reason, timing, logprobs, prompt logprobs, cached tokens, index]: nil when
+    absent."""
     wire = msgpack.unpackb(encode(EVENTS[2]))
-    assert wire["items"][0] == ["r1", [1, 2], "ab", None, None, None, None, None]
+    assert wire["items"][0] == ["r1", [1, 2], "ab", None, None, None, None, None, None]
     assert wire["items"][1][3] == "stop" and wire["items"][1][4] == {"kv_done_mono": 1.0, "decode_queue_s": 0.01}
-    assert wire["items"][1][5:] == [None, None, None]
+    assert wire["items"][1][5:] == [None, None, None, None]
     first = wire["items"][3]  # a first sampled token: its logprobs, the prompt's, and the prefix-cache hit
     assert first[:5] == ["r4", [5], "q", None, None]
     assert first[5] == [{"token_id": 5, "logprob": -0.25, "top": [[5, -0.25], [6, -1.5]]}]
