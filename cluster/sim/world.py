@@ -328,7 +328,6 @@ class FaultyReceiver(LocalReceiver):
         else:  # KV_LATE
             self.world.at(self.world.now + action.amount, "kv_late", lambda: LocalReceiver.deliver(self, delivery))
 
-
     def _reply(self, session, reply) -> None:  # type: ignore[no-untyped-def]
         if not self.world.cut_off_address(self.address):
             super()._reply(session, reply)
@@ -393,10 +392,16 @@ class World:
     def _config(self) -> ClusterConfig:
         rng = self.rng
         pool = {"replicas": 1, "torch_threads": 1, "kv_blocks": rng.choice((24, 48, 96)), "max_num_seqs": 4}
+        decode = dict(pool) | {"replicas": 2}
+        # n-gram speculation on the decode workers (verification steps, proposals, rollbacks) on some seeds, whose
+        # requests are greedy: its output is then exactly the plain engine's (sampled output keeps only its law)
+        self.speculative = rng.random() < 0.3
+        if self.speculative:
+            decode["speculative"] = {"method": "ngram", "num_tokens": 3}
         return parse_config(
             {
                 "model": {"name": self.model, "dtype": "float32", "max_model_len": 256},
-                "pools": {"prefill": dict(pool), "decode": dict(pool) | {"replicas": 2}},
+                "pools": {"prefill": dict(pool), "decode": decode},
                 "transfer": {
                     "block_size": 4,
                     "deadline_s": 2.0,
@@ -419,7 +424,9 @@ class World:
     def _request(self, index: int) -> SimRequest:
         rng = self.rng
         prompt = [rng.randrange(3, 250) for _ in range(rng.randint(3, 30))]
-        if rng.random() < 0.5:
+        if rng.random() < 0.3:  # a pattern repeated: n-grams for a speculative worker to propose from
+            prompt = (prompt[: rng.randint(2, 6)] * 5)[:30]
+        if self.speculative or rng.random() < 0.5:
             params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True)
         else:
             params = SamplingParams(
