@@ -33,7 +33,9 @@ def test_seeds_hold_every_invariant_under_every_fault_class():
     assert applied == set(FaultKind), set(FaultKind) - applied  # every class was injected somewhere
     outcomes = {k for r in results for k in r.outcomes}
     assert {"finished", "error", "aborted"} <= outcomes, outcomes
-    print(f"{SEEDS} seeds in {time.perf_counter() - started:.1f} s; coverage {len(set().union(*[r.coverage for r in results]))}")
+    print(
+        f"{SEEDS} seeds in {time.perf_counter() - started:.1f} s; coverage {len(set().union(*[r.coverage for r in results]))}"
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(FaultKind, key=lambda k: k.value))
@@ -149,9 +151,9 @@ def _ack_for_a_transfer_that_failed(monkeypatch):
 )
 def test_a_deliberate_bug_is_caught_with_its_seed_and_invariant(bug, monkeypatch):
     faults = bug(monkeypatch)
-    # a lease outlives its transfer only where both the receiver's answer and the router's abort are lost: seed 112
-    # is the first of these faults' seeds to reach that (a partition of each side, a crash)
-    first = 110 if bug is _lease_that_never_expires else 0
+    # a lease outlives its transfer only where both the receiver's answer and the router's abort are lost: seed 375
+    # is the first of these faults' seeds to reach that (drops, partitions, a crash); it moves when the draws change
+    first = 370 if bug is _lease_that_never_expires else 0
     seed, invariant, schedule = _first_violation(faults, range(first, first + 60))
     print(f"{bug.__name__}: seed {seed}, shrunk to {schedule}: {invariant}")
     assert invariant
