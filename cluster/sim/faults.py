@@ -61,7 +61,11 @@ class FaultAction:
 
 
 def draw_schedule(
-    rng: random.Random, kinds: frozenset[FaultKind], workers: list[str], decode_workers: list[str], arrivals: list[float]
+    rng: random.Random,
+    kinds: frozenset[FaultKind],
+    workers: list[str],
+    decode_workers: list[str],
+    arrivals: list[float],
 ) -> list[FaultAction]:
     """A few faults of each enabled kind, placed where the run has messages and requests in flight: a timed fault
     mostly within a tenth of a second after some request's arrival (a tiny model's request lasts about that long)."""
