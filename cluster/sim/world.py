@@ -391,7 +391,12 @@ class World:
 
     def _config(self) -> ClusterConfig:
         rng = self.rng
-        pool = {"replicas": 1, "torch_threads": 1, "kv_blocks": rng.choice((24, 48, 96)), "max_num_seqs": 4}
+        pool: dict[str, object] = {
+            "replicas": 1,
+            "torch_threads": 1,
+            "kv_blocks": rng.choice((24, 48, 96)),
+            "max_num_seqs": 4,
+        }
         decode = dict(pool) | {"replicas": 2}
         # n-gram speculation on the decode workers (verification steps, proposals, rollbacks) on some seeds, whose
         # requests are greedy: its output is then exactly the plain engine's (sampled output keeps only its law)
