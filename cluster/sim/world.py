@@ -396,6 +396,7 @@ class World:
             "torch_threads": 1,
             "kv_blocks": rng.choice((24, 48, 96)),
             "max_num_seqs": 4,
+            "cpu_linear_tuning": False,  # timing kernels at start: slow, and a choice the seed would not make
         }
         decode = dict(pool) | {"replicas": 2}
         # n-gram speculation on the decode workers (verification steps, proposals, rollbacks) on some seeds, whose

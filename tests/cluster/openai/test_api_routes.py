@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 from cluster.config import parse_config
 from cluster.openai.api import create_app
 from cluster.routing.errors import ScaleError
+from cluster.routing.metrics import RouterMetrics
 
 KEY = "k" * 32
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -30,6 +31,9 @@ class Members:
 
 
 class Metrics:
+    def __init__(self) -> None:
+        self.http_errors = RouterMetrics().http_errors  # every error body the API answers with is counted
+
     def render(self) -> bytes:
         return b"pdserve_requests_total 3\n"
 
@@ -57,6 +61,7 @@ class FakeRouter:
     scaler: Scaler | None = field(default_factory=Scaler)
     moves: list[tuple] = field(default_factory=list)
     lifecycle: list[str] = field(default_factory=list)
+    tracing: None = None  # request traces off (worker/tracing.py)
 
     async def start(self) -> None:
         self.lifecycle.append("start")

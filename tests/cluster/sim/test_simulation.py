@@ -14,7 +14,7 @@ from cluster.sim.world import World, run_seed, shrink
 
 pytestmark = pytest.mark.timeout(600)
 
-SEEDS = 40  # make test's share (about 15 s on 2 cores); `make sim SEEDS=N` runs as many as asked
+SEEDS = 40  # make test's share; `make sim SEEDS=N` runs as many as asked
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +40,7 @@ def test_seeds_hold_every_invariant_under_every_fault_class():
 
 @pytest.mark.parametrize("kind", sorted(FaultKind, key=lambda k: k.value))
 def test_each_fault_class_alone(kind):
-    results = [run_seed(seed, frozenset({kind})) for seed in range(100, 104)]
+    results = [run_seed(seed, frozenset({kind})) for seed in range(100, 103)]
     assert not [r.violation for r in results if r.violation]
     assert any(a.kind is kind for r in results for a in r.faults)  # injected, not just enabled
 
