@@ -50,8 +50,11 @@ def parse_faults(text: str):
 
 
 def _one(args: tuple[int, frozenset]):
+    from transformers.utils import logging as transformers_logging
+
     from cluster.sim.world import run_seed
 
+    transformers_logging.disable_progress_bar()
     logging.disable(logging.WARNING)  # the faults make the roles log what they handle; the result says it all
     return run_seed(*args)
 
@@ -61,16 +64,16 @@ def run(args: argparse.Namespace) -> int:
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, "-m", "cli.main", *sys.argv[1:]])
     faults = parse_faults(args.faults)
-    from cluster.sim.world import run_seed
+    from transformers.utils import logging as transformers_logging
 
+    from cluster.sim.world import World
+
+    transformers_logging.disable_progress_bar()  # a model load per worker incarnation: no bar each time
     logging.disable(logging.WARNING)
     if args.seed is not None:
-        result = run_seed(args.seed, faults)
+        world = World(args.seed, faults)
+        result = world.run()
         if args.verbose:
-            from cluster.sim.world import World
-
-            world = World(args.seed, faults)
-            world.run()
             print("\n".join(world.trace))
         if result.violation:
             _report(result, faults, not args.no_shrink)
@@ -112,10 +115,8 @@ def _report(result, faults, shrinking: bool) -> None:
     print(f"faults: {[str(a) for a in result.faults]}", file=sys.stderr)
     print("last events:\n  " + "\n  ".join(result.trace_tail), file=sys.stderr)
     if shrinking and result.faults:
-        from cluster.sim.world import World
-
-        schedule = World(result.seed, faults).schedule
-        print(f"shortest failing schedule: {[str(a) for a in shrink(result.seed, faults, schedule)]}", file=sys.stderr)
+        shortest = shrink(result.seed, faults, result.schedule)
+        print(f"shortest failing schedule: {[str(a) for a in shortest]}", file=sys.stderr)
 
 
 class _Inline:

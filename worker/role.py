@@ -69,6 +69,12 @@ class Role:
         """Something to do before the next command: a step to run, or a request waiting on the transfer layer."""
         return self.engine.has_unfinished() or bool(self.engine.requests)
 
+    def holds_requests(self) -> bool:
+        """Anything a request still needs from this worker: engine requests (decode reservations included), steps
+        or transfers in flight, exported KV a decode worker has not confirmed."""
+        load = self.load()
+        return self.has_work() or bool(load.requests or load.awaiting_kv or load.leased_transfers)
+
     def health_problem(self) -> str:
         """A role's own reason to be degraded ("" when none): a dead transfer I/O thread."""
         return ""

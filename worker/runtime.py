@@ -214,17 +214,11 @@ class WorkerRuntime:
                 self.spans.prune(self.engine.requests)
             self._publish_kv_events(now)
             if self._book.draining:
-                self._book.drain_turn(now, self.holds_requests, self.role.fail_all)
+                self._book.drain_turn(now, self.role.holds_requests, self.role.fail_all)
             self._loop_seen = now
             self._snapshot = self.stats()  # a few len() calls: cheap enough to keep the heartbeat's view current
 
-    # ---- draining ----------------------------------------------------------------------------------------------
-
-    def holds_requests(self) -> bool:
-        """Anything a request still needs from this worker: engine requests (decode reservations included), steps
-        or transfers in flight, exported KV a decode worker has not confirmed."""
-        load = self.role.load()
-        return self.role.has_work() or bool(load.requests or load.awaiting_kv or load.leased_transfers)
+    # ---- health ------------------------------------------------------------------------------------------------
 
     def _note_failure(self, exc: Exception) -> None:
         """Count a loop failure; several close together make the worker degraded (the engine's step already fails

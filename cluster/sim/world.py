@@ -37,29 +37,23 @@ from cluster.routing.membership import Membership
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.policies import make_policy
 from cluster.sim.faults import FaultAction, FaultKind, draw_schedule
-from decode.worker import DecodeRole, kv_sink
+from cluster.sim.worker import ROUTER_ADDRESS, SECRET, SimWorker, Violation
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from prefill.worker import PrefillRole
 from transfer.errors import AuthError
-from transfer.local_backend import Delivery, LocalHub, LocalReceiver, LocalSender
-from transfer.wire import ModelFingerprint, PieceHeader
+from transfer.local_backend import LocalHub
+from transfer.wire import PieceHeader
 from worker.messages import (
     Command,
-    Drain,
     Event,
     KvEvents,
     Ping,
     Stats,
     kind,
 )
-from worker.protocol import Channel, Signer, Verifier
-from worker.role import Role
-from worker.routers import RouterBook
+from worker.protocol import Channel, Verifier
 
-SECRET = "pdserve-simulation"
-ROUTER_ADDRESS = "sim://router"
 HOP_S = 0.0005  # a control message's base latency (plus up to as much again, from the seed)
 BUSY_TURN_S = 0.004  # a worker's loop turn while it has work (a tiny model's step)
 IDLE_TURN_S = 0.05  # ... while it has none
@@ -96,10 +90,6 @@ def _reference(model: str, prompt: tuple[int, ...], params: bytes) -> tuple[str,
     return result.text, len(result.token_ids)
 
 
-class Violation(AssertionError):
-    """An invariant broke: the message names it; the run's seed, schedule and last events say how."""
-
-
 @dataclass(slots=True)
 class SimRequest:
     index: int
@@ -126,6 +116,7 @@ class SimResult:
     violation: str | None = None
     trace_tail: list[str] = field(default_factory=list)
     coverage: set[tuple[str, str, str]] = field(default_factory=set)
+    schedule: list[FaultAction] = field(default_factory=list)  # every fault the seed drew (applied or not)
 
     def summary(self) -> str:
         outcome = " ".join(f"{k}={v}" for k, v in sorted(self.outcomes.items()))
@@ -134,203 +125,6 @@ class SimResult:
             f"seed={self.seed} {verdict} events={self.events} requests={self.requests} faults={len(self.faults)} "
             f"{outcome} sim_s={self.sim_s:.3f} digest={self.digest}"
         )
-
-
-class SimWorker:
-    """One worker incarnation: the real role over a real engine, its router book, and the loop the runtime runs
-    (worker/runtime.py): take commands, turn the role, free orphans, drain, report."""
-
-    def __init__(self, world: World, name: str, role: str, incarnation: int) -> None:
-        self.world, self.name, self.kind, self.incarnation = world, name, role, incarnation
-        self.address = f"sim://{name}#{incarnation}"
-        spec = world.specs[name]
-        # the control plane's real sealing: a duplicate or an overtaken message is refused as a replay, as live
-        self.verifier = Verifier(SECRET, Channel.COMMANDS, self.address)
-        self.signer = Signer(SECRET, Channel.EVENTS, ROUTER_ADDRESS)
-        self.router_signer = Signer(SECRET, Channel.COMMANDS, self.address)  # the router's, to this incarnation
-        self.beat_signer = Signer(SECRET, Channel.EVENTS, ROUTER_ADDRESS)  # heartbeats: a socket of their own
-        self.engine = LLMEngine(spec.engine)
-        self.book = RouterBook(name, 1, world.config.router.orphan_timeout_s, clock=world.clock)
-        self.alive = True
-        self.slow_until = 0.0
-        self.sender: LocalSender | None = None
-        self.receiver: LocalReceiver | None = None
-        self.kv_address: str | None = None
-        fingerprint = ModelFingerprint.from_spec(self.engine.kv_spec)
-        self.role: Role
-        if role == "prefill":
-            self.sender = LocalSender(fingerprint, spec.transfer, world.hub, world.clock)
-            self.role = PrefillRole(name, self.engine, self.sender, self.emit, stream_kv=spec.stream_layers)
-        else:
-            self.kv_address = f"local://{name}-{incarnation}"
-            self.receiver = FaultyReceiver(
-                world, fingerprint, kv_sink(self.engine), self.kv_address, spec.transfer, world.hub, world.clock
-            )
-            self.engine.kv_importer.clock = world.clock
-            self.engine.kv_importer.write = self._checked_write  # type: ignore[method-assign]
-            self.role = DecodeRole(
-                name,
-                self.engine,
-                self.receiver,
-                self.emit,
-                failure_policy=spec.failure_policy,
-                headroom_tokens=spec.reserve_headroom_tokens,
-                start_deadline_s=spec.transfer.deadline_s,
-                make_migration_sender=lambda: LocalSender(fingerprint, spec.transfer, world.hub, world.clock),
-                clock=world.clock,
-            )
-        self._sent_load = None
-
-    def _checked_write(self, request_id: str, layer: int, block_ids: list[int], k, v, heads=None) -> None:
-        """The receiver's writes into the cache, watched: a piece may land only in blocks of the request it belongs
-        to while that request waits for its KV (never in freed blocks, nor in another request's). A violation is
-        noted here (the receiver would swallow an exception as the engine's) and raised after the event."""
-        importer = self.engine.kv_importer
-        request = self.engine.requests.get(request_id)
-        handoff = request.kv_import if request is not None else None
-        owned = set(importer.expected_blocks(request)) if request is not None and handoff is not None else set()
-        try:
-            type(importer).write(importer, request_id, layer, block_ids, k, v, heads)
-        except Exception:
-            raise  # refused, nothing written: what the engine is for
-        if not set(block_ids) <= owned:
-            self.world.late_violation = (
-                f"{self.name}: KV of {request_id!r} written into blocks {sorted(set(block_ids) - owned)} it does not "
-                "hold (freed, or another request's)"
-            )
-
-    # ---- in ------------------------------------------------------------------------------------------------------
-
-    def take(self, data: bytes) -> Command | None:
-        """A sealed command as the runtime takes it (None: refused unread, as a replay or forgery)."""
-        try:
-            command: Command = self.verifier.open(data)  # type: ignore[assignment]
-        except AuthError:
-            self.role.counters.control_rejected += 1
-            return None
-        now = self.world.now
-        self.book.heard(0, now)
-        if isinstance(command, Ping):
-            return command
-        if isinstance(command, Drain):
-            self.book.begin_drain(0, command.deadline_s)
-            return command
-        self.book.claim(command.rid, 0, now)
-        self.role.take(command, now)
-        return command
-
-    # ---- the loop ------------------------------------------------------------------------------------------------
-
-    def turn(self) -> None:
-        now = self.world.now
-        self.role.tick()
-        for rid in list(self.book.orphans(now, self.engine.requests)):
-            self.role.abort(rid)
-            self.role.emit_error(rid, "router unreachable", _worker_error())
-        self.book.prune(now, self.engine.requests)
-        if self.book.draining:
-            self.book.drain_turn(now, self.holds_requests, self.role.fail_all)
-            if self.book.drained:
-                self.world.remove_drained(self)
-                return
-        self._report()
-
-    def holds_requests(self) -> bool:
-        load = self.role.load()
-        return self.role.has_work() or bool(load.requests or load.awaiting_kv or load.leased_transfers)
-
-    def busy(self) -> bool:
-        return self.role.has_work() or self.holds_requests()
-
-    # ---- out -----------------------------------------------------------------------------------------------------
-
-    def emit(self, event: Event) -> None:
-        if self.alive:
-            self.world.to_router(self, event)
-
-    def _report(self) -> None:
-        batch = self.engine.block_manager.drain_kv_events()
-        if batch is not None:
-            self.world.to_router(
-                self,
-                KvEvents(
-                    worker=self.name,
-                    address=self.address,
-                    seq=self.world.next_kv_seq(self.name),
-                    stored=list(batch.stored),
-                    removed=list(batch.removed),
-                    reset=batch.reset,
-                ),
-            )
-
-    def stats(self) -> Stats:
-        return Stats(
-            worker=self.name,
-            role=self.kind,  # type: ignore[arg-type]
-            address=self.address,
-            load=self.role.load(),
-            counters=self.role.totals(),
-            draining=self.book.draining,
-        )
-
-    def check_no_leaks(self) -> None:
-        try:
-            self.engine.check_no_leaks()
-        except AssertionError as exc:
-            raise Violation(f"{self.name}: {exc}") from None
-        if self.sender is not None and self.sender.active_transfers():
-            raise Violation(f"{self.name}: leases held: {self.sender.active_transfers()}")
-        if self.receiver is not None and self.receiver.pending_transfers():
-            raise Violation(f"{self.name}: transfers expected: {self.receiver.pending_transfers()}")
-        load = self.role.load()
-        if load.requests or load.awaiting_kv or load.leased_transfers:
-            raise Violation(f"{self.name}: still holds {load}")
-        exports = getattr(self.role, "_exports", {})
-        if exports:
-            raise Violation(f"{self.name}: moves still exporting: {sorted(exports)}")
-
-    def crash(self) -> None:
-        """Gone, as a killed process is: nothing it held is freed or told; its KV receiver disappears."""
-        self.alive = False
-        if self.receiver is not None:
-            self.world.hub.unregister(self.receiver.address[len("local://") :])
-
-
-def _worker_error():
-    from worker.messages import ErrorCode
-
-    return ErrorCode.WORKER_ERROR
-
-
-class FaultyReceiver(LocalReceiver):
-    """The local KV receiver, with the simulation's KV faults applied as pieces arrive."""
-
-    def __init__(self, world: World, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.world = world
-
-    def deliver(self, delivery: Delivery) -> None:
-        if self.world.cut_off_address(self.address):
-            return  # a partition cuts the KV plane too
-        if not isinstance(delivery.message, PieceHeader):
-            super().deliver(delivery)
-            return
-        action = self.world.kv_fault(delivery.message)
-        if action is None:
-            super().deliver(delivery)
-        elif action.kind is FaultKind.KV_LOSS:
-            return
-        elif action.kind is FaultKind.KV_CORRUPT:
-            tensors = [t.clone() for t in delivery.tensors]
-            flat = tensors[0].view(-1)
-            flat[0] = flat[0] + 1 if flat.dtype.is_floating_point else flat[0] ^ 1
-            super().deliver(Delivery(delivery.session, delivery.message, tensors))
-        else:  # KV_LATE
-            self.world.at(self.world.now + action.amount, "kv_late", lambda: LocalReceiver.deliver(self, delivery))
-
-    def _reply(self, session, reply) -> None:  # type: ignore[no-untyped-def]
-        if not self.world.cut_off_address(self.address):
-            super()._reply(session, reply)
 
 
 class World:
@@ -510,10 +304,11 @@ class World:
             violation,
             self.trace[-40:],
             self.coverage,
+            list(self.schedule),
         )
 
     def _busy(self) -> bool:
-        return any(w.alive and w.busy() for w in self.workers.values()) or bool(self.core.flows)
+        return any(w.busy() for w in self.workers.values()) or bool(self.core.flows)
 
     def _holding(self) -> str:
         """What still holds anything: open requests, router flows, and each worker's load."""
@@ -521,7 +316,7 @@ class World:
         if self.core.flows:
             held.append(f"router flows {sorted(self.core.flows)}")
         for w in self.workers.values():
-            if w.alive and w.busy():
+            if w.busy():
                 held.append(f"{w.name} holds {sorted(w.engine.requests)} ({w.role.load()})")
         return "; ".join(held) or "nothing"
 

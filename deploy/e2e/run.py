@@ -557,7 +557,7 @@ def main() -> int:
         if os.environ.get("E2E_KEEP") != "1":
             teardown(summary)
         summary["seconds"] = round(time.monotonic() - started, 1)
-        # the conjunction of every part's own verdict (deploy/e2e/verdict.py), never "no step raised"
+        # the conjunction of every part's own verdict (deploy/e2e/verdict.py)
         summary["failed_parts"] = failed_parts(summary)
         summary["ok"] = not summary["failed_parts"]
         print(json.dumps(summary, indent=1))

@@ -1,5 +1,5 @@
 """``make cluster-e2e``'s verdict (deploy/e2e/verdict.py): the summary's ``ok`` is the conjunction of its parts, so
-a part that failed (12-06: the KV-path check's ``ok: false`` under an overall ``ok: true``) fails the run."""
+a part that failed (a KV-path check's ``ok: false``) fails the run."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_a_summary_whose_parts_all_pass_is_ok():
     assert verdict.failed_parts(PASSING) == []
 
 
-def test_the_12_06_summary_fails_on_its_kv_path_check():
+def test_a_summary_fails_on_its_kv_path_check():
     summary = {**PASSING, "kv_paths_by_host_pair": {"pairs": [{"path": "shm-direct"}], "ok": False}}
     assert verdict.failed_parts(summary) == ["kv_paths_by_host_pair.ok"]
 
