@@ -15,6 +15,7 @@ KVCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024  # the KV budget of a CPU engine given neither blocks nor bytes
 TierName = Literal["host", "disk"]
 KV_TIERS: tuple[TierName, ...] = ("host", "disk")  # below the device, in the order a block falls through them
+KVPlace = Literal["device", "host", "disk"]  # where a block's KV is: the device cache or a tier below it
 
 
 @dataclass(slots=True)
@@ -27,6 +28,9 @@ class KVOffloadConfig:
     disk_dir: str | None = None  # None: no disk tier
     disk_mb: int = 0  # the disk tier's bound (needed with disk_dir)
     host_pool: str = "default"  # workers of one model on a node under the same name share their host tier
+    # pages written and read on the engine's own thread at once, without the tier threads: a seeded simulation
+    # (cluster/sim) must not depend on thread timing; serving keeps the threads (a read overlaps the forward)
+    inline_io: bool = False
 
     def __post_init__(self) -> None:
         for name in ("host_memory_mb", "disk_mb"):

@@ -413,10 +413,12 @@ class KVTiers:
         self._loads: queue.Queue[TierLoad | None] = queue.Queue()
         self._pending: dict[str, TierLoad] = {}  # request id -> its load in flight
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: device-to-host copies of evicted blocks
+        self.inline_io = config.inline_io
         self._saver = threading.Thread(target=self._save_loop, name="kv-tier-saver", daemon=True)
         self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
-        self._saver.start()
-        self._loader.start()
+        if not self.inline_io:
+            self._saver.start()
+            self._loader.start()
 
     # ---- down: blocks leaving the prefix cache -------------------------------------------------------------------
 
@@ -450,20 +452,26 @@ class KVTiers:
             gathered, ready = host, event
         else:
             gathered = gathered.contiguous()
-        self._saves.put((gathered, [(h, tokens) for h, tokens, _ in wanted], ready))
+        job = (gathered, [(h, tokens) for h, tokens, _ in wanted], ready)
+        if self.inline_io:
+            self._write_pages(*job)
+        else:
+            self._saves.put(job)
 
     def _save_loop(self) -> None:
         while (job := self._saves.get()) is not None:
-            gathered, blocks, ready = job
-            if ready is not None:
-                ready.synchronize()  # type: ignore[attr-defined]
-            raw = gathered.view(torch.uint8).reshape(len(blocks), -1).numpy()
-            for i, (block_hash, tokens) in enumerate(blocks):
-                try:
-                    self.top.write(block_hash, tokens, memoryview(raw[i]))
-                except Exception:  # noqa: BLE001 - a tier fault must never end the engine's thread
-                    logger.exception("KV %s tier: saving a page failed", self.top.name)
+            self._write_pages(*job)
             self._saves.task_done()
+
+    def _write_pages(self, gathered: torch.Tensor, blocks: list[tuple[int, tuple[int, ...]]], ready: object) -> None:
+        if ready is not None:
+            ready.synchronize()  # type: ignore[attr-defined]
+        raw = gathered.view(torch.uint8).reshape(len(blocks), -1).numpy()
+        for i, (block_hash, tokens) in enumerate(blocks):
+            try:
+                self.top.write(block_hash, tokens, memoryview(raw[i]))
+            except Exception:  # noqa: BLE001 - a tier fault must never end the engine's thread
+                logger.exception("KV %s tier: saving a page failed", self.top.name)
 
     # ---- up: a prefix found in a tier ----------------------------------------------------------------------------
 
@@ -501,16 +509,23 @@ class KVTiers:
         return load
 
     def read_async(self, load: TierLoad) -> None:
-        """Queue the reading of a load's pages on the loader thread (``load.done`` is set when it ends)."""
-        self._loads.put(load)
+        """Queue the reading of a load's pages on the loader thread (``load.done`` is set when it ends); inline, read
+        them now."""
+        if self.inline_io:
+            self._read_pages(load)
+        else:
+            self._loads.put(load)
 
     def _load_loop(self) -> None:
         while (load := self._loads.get()) is not None:
-            try:
-                self._read(load)
-            except Exception:  # noqa: BLE001 - what was read stays usable; the rest is computed
-                logger.exception("KV tier: loading request %s's pages failed", load.request_id)
-            load.done.set()
+            self._read_pages(load)
+
+    def _read_pages(self, load: TierLoad) -> None:
+        try:
+            self._read(load)
+        except Exception:  # noqa: BLE001 - what was read stays usable; the rest is computed
+            logger.exception("KV tier: loading request %s's pages failed", load.request_id)
+        load.done.set()
 
     def _read(self, load: TierLoad) -> None:
         """Each page straight into its row of the load's buffer, in chain order, up to the first one missing."""
@@ -606,9 +621,10 @@ class KVTiers:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued saves (bounded), stop the threads, and leave the shared host pool."""
-        self._saves.put(None)
-        self._loads.put(None)
-        self._saver.join(timeout_s)
-        self._loader.join(timeout_s)
+        if not self.inline_io:
+            self._saves.put(None)
+            self._loads.put(None)
+            self._saver.join(timeout_s)
+            self._loader.join(timeout_s)
         for store in self.stores.values():
             store.close()

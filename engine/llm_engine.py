@@ -16,14 +16,14 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from engine.attention import LayerHook
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, KvEventBatch
 from engine.blocks import blocks_for_tokens
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVPlace
 from engine.engine_parts import EngineParts, build_engine_parts
 from engine.host_values import long_tensor
 from engine.kv_connector import KVExporter, KVImporter, KVSink
@@ -75,6 +75,8 @@ class LLMEngine:
         config = self.config
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        # the requests' timing stamps (they decide nothing); a simulation sets its own clock (``set_clock``)
+        self.clock: Callable[[], float] = time.monotonic
         windows = [layer.sliding_window for layer in self.attention.layers]
         if all(windows):  # every layer forgets what is behind its window: those blocks can go back early
             self.scheduler.release_window = max(w for w in windows if w)
@@ -136,7 +138,7 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        timing = RequestTiming(arrival_s or time.monotonic())
+        timing = RequestTiming(arrival_s or self.clock())
         request = Request(request_id, token_ids, params, timing, prefill_only=prefill_only)
         if params.guided is not None:  # a spec that does not compile is this request's ValueError (GrammarError)
             from engine.structured import GrammarState, compile_grammar  # xgrammar: only for guided requests
@@ -178,6 +180,27 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
+
+    def drain_kv_events(self) -> list[tuple[KVPlace, KvEventBatch]]:
+        """What the prefix cache and each KV tier below it gained and lost since the last drain, per tier (routers
+        place by it: cluster/routing/prefix_index.py)."""
+        batches: list[tuple[KVPlace, KvEventBatch]] = []
+        if (batch := self.block_manager.drain_kv_events()) is not None:
+            batches.append(("device", batch))
+        if self.kv_tiers is not None:
+            batches.extend(self.kv_tiers.drain_events())
+        return batches
+
+    def resync_kv_events(self) -> None:
+        """The next drain is a snapshot of every tier (a reader missed a batch, or its periodic resync)."""
+        self.block_manager.resync_kv_events()
+        if self.kv_tiers is not None:
+            self.kv_tiers.resync_events()
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """The clock of the requests' timing stamps (time.monotonic by default; a seeded simulation's own), which
+        decide nothing but are reported."""
+        self.clock = self.scheduler.clock = self.kv_importer.clock = clock
 
     # ---- the step ----------------------------------------------------------------------------------------------
 
@@ -349,7 +372,7 @@ class LLMEngine:
                 return self._fail(request, f"KV export failed: {type(exc).__name__}: {exc}", "worker_error")
         handoff = request.kv_import
         if handoff is not None and handoff.admitted_s is not None and handoff.first_decode_s is None:
-            handoff.first_decode_s = time.monotonic()
+            handoff.first_decode_s = self.clock()
         return self._append_token(request, token_id, logprob=logprob)
 
     def _admit_remote(self) -> dict[str, RequestOutput]:
@@ -387,6 +410,8 @@ class LLMEngine:
         grammar = request.grammar
         if grammar is not None and not grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
             return self._fail(request, f"token {token_id} does not match the request's grammar", "sampling_error")
+        if request.timing.first_token_s is None:
+            request.timing.first_token_s = self.clock()
         reason, delta = add_token(request, token_id, self.tokenizer, self.eos_token_ids, self.length_limit, text_sent)
         if reason is not None:
             self.finish_request(request, reason)
@@ -398,7 +423,7 @@ class LLMEngine:
         # the whole text, cut at a stop string
         request.output_text = detokenize(request, self.tokenizer, final=True).text
         request.finish_reason = reason
-        request.timing.finished_s = time.monotonic()
+        request.timing.finished_s = self.clock()
         if reason == FinishReason.PREFILLED:
             request.status = RequestStatus.PREFILLED  # blocks held until release()
             return

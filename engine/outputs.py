@@ -8,7 +8,6 @@ same deterministic detokenizer over the same tokens and drops its own delta for 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Set
 from typing import Any
 
@@ -28,8 +27,6 @@ def add_token(
     (None: it goes on) and the token's text, for the caller to finish the request. ``text_sent``: a prefill worker
     sent the text, having run exactly this non-final ``add`` on a fresh detokenizer; only a finish's rest is new."""
     request.output_token_ids.append(token_id)
-    if request.timing.first_token_s is None:
-        request.timing.first_token_s = time.monotonic()
     params = request.params
     stop_ids = request.stop_token_set
     if stop_ids is None:  # a set, made once: the check runs for every token

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,6 +85,7 @@ class Scheduler:
         # a model whose every layer has a sliding window of at most this many tokens: blocks behind it go back early
         self.release_window: int | None = None
         self.num_released_blocks = 0
+        self.clock: Callable[[], float] = time.monotonic  # the requests' timing stamps (LLMEngine.set_clock)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -130,7 +131,7 @@ class Scheduler:
         """A reservation computed here instead (conditional disaggregation): it runs from its cached prefix on (after
         its tier blocks are in, if a load is under way)."""
         request.kv_import = None
-        request.timing.scheduled_s = time.monotonic()  # admitted now: its queue time is the wait for the router
+        request.timing.scheduled_s = self.clock()  # admitted now: its queue time is the wait for the router
         if request.num_loading_blocks:
             request.num_computed_tokens = request.num_cached_tokens - request.num_loading_blocks * self.block_size
             request.status = RequestStatus.LOADING
@@ -196,7 +197,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is not waiting for remote KV")
         joined = handoff.state in (ImportState.READY, ImportState.RECOMPUTE)
         if joined and handoff.ready_s is None and not request.num_loading_blocks:
-            handoff.ready_s = time.monotonic()
+            handoff.ready_s = self.clock()
             self.remote_ready.append(request)
 
     def admit_remote(self) -> list[Request]:
@@ -204,7 +205,7 @@ class Scheduler:
         but the last); RECOMPUTE -> WAITING, at the back. The caller appends each one's tokens."""
         admitted = list(self.remote_ready)
         self.remote_ready.clear()
-        now = time.monotonic()
+        now = self.clock()
         for request in admitted:
             handoff = request.kv_import
             assert handoff is not None  # only import_progress queues, and it checks
@@ -284,7 +285,7 @@ class Scheduler:
             req.num_hashed_blocks = req.num_computed_tokens // self.block_manager.block_size
             first_admission = req.timing.scheduled_s is None
             if first_admission:
-                req.timing.scheduled_s = time.monotonic()
+                req.timing.scheduled_s = self.clock()
                 req.num_cached_tokens = req.num_computed_tokens
             if use_cache and self._start_tier_load(req, tokens, first_admission):
                 req.status = RequestStatus.LOADING

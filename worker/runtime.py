@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Literal
 
 import msgspec
 import zmq
 
 from engine.block_manager import KvEventBatch
+from engine.config import KVPlace
 from engine.llm_engine import LLMEngine
 from transfer.errors import AuthError
 from worker.messages import (
@@ -318,26 +318,16 @@ class WorkerRuntime:
     def _publish_kv_events(self, now: float) -> None:
         """Send the prefix cache's changes since the last turn to every router (nothing when nothing changed), and
         those of the KV tiers below it, one message per tier."""
-        blocks, tiers = self.engine.block_manager, self.engine.kv_tiers
         if now >= self._next_kv_resync_s:
             self._next_kv_resync_s = now + KV_RESYNC_INTERVAL_S
-            blocks.resync_kv_events()
-            if tiers is not None:
-                tiers.resync_events()
-        batches: list[tuple[Literal["device", "host", "disk"], KvEventBatch]] = []
-        if (batch := blocks.drain_kv_events()) is not None:
-            batches.append(("device", batch))
-        if tiers is not None:
-            batches.extend(tiers.drain_events())
+            self.engine.resync_kv_events()
+        batches = self.engine.drain_kv_events()
         if not batches or self._dead.is_set():
             return
         if not all([self._send_kv_batch(tier, batch) for tier, batch in batches]):
-            # that router's view would drift: the next batch is a snapshot for all
-            blocks.resync_kv_events()
-            if tiers is not None:
-                tiers.resync_events()
+            self.engine.resync_kv_events()  # that router's view would drift: the next batch is a snapshot for all
 
-    def _send_kv_batch(self, tier: Literal["device", "host", "disk"], batch: KvEventBatch) -> bool:
+    def _send_kv_batch(self, tier: KVPlace, batch: KvEventBatch) -> bool:
         """One tier's batch to every router, split at ``MAX_KV_EVENT_HASHES``; False if some router missed it."""
         changes = [(h, True) for h in batch.stored] + [(h, False) for h in batch.removed]
         delivered = True
