@@ -409,8 +409,16 @@ def decode_frames(p: PieceHeader, bufs: Sequence[Any]) -> list[torch.Tensor]:
 
 
 def verify_tensors(p: PieceHeader, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Checksum-check payloads received directly into tensors (CPU ones; device ones carry none)."""
+    """Checksum-check payloads received directly into tensors (CPU ones; device ones carry none), each first held to
+    its frame's declared size and shape (a short one is refused before anything reads it)."""
+    if len(tensors) != len(p.frames):
+        raise ProtocolError(f"layer {p.layer}: {len(tensors)} payload tensors for {len(p.frames)} frames")
     for spec, t in zip(p.frames, tensors, strict=True):
+        if t.numel() * t.element_size() != spec.nbytes or tuple(t.shape) != tuple(spec.shape):
+            raise ProtocolError(
+                f"layer {p.layer}: a payload of {t.numel() * t.element_size()} bytes {tuple(t.shape)} for a frame of "
+                f"{spec.nbytes} bytes {tuple(spec.shape)}"
+            )
         if spec.xxh3 is not None and t.device.type == "cpu" and checksum(frame_view(t)) != spec.xxh3:
             raise ChecksumError(f"xxh3 mismatch on a {spec.nbytes}-byte frame of layer {p.layer}")
     return list(tensors)
