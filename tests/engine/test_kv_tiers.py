@@ -49,12 +49,15 @@ def tiered(tiny_llama_path, tmp_path):
     engines: list[LLMEngine] = []
     pool = f"test-{uuid.uuid4().hex[:8]}"
 
-    def factory(host_mb: int = 0, disk_mb: int = 0, disk_dir: Path | None = None, **overrides) -> LLMEngine:
+    def factory(
+        host_mb: int = 0, disk_mb: int = 0, disk_dir: Path | None = None, inline_io: bool = False, **overrides
+    ) -> LLMEngine:
         offload = KVOffloadConfig(
             host_memory_mb=host_mb,
             disk_dir=str(disk_dir or tmp_path / "disk") if disk_mb else None,
             disk_mb=disk_mb,
             host_pool=pool,
+            inline_io=inline_io,
         )
         settings = dict(model=str(tiny_llama_path), kv_blocks=12, kv_offload=offload)
         settings.update(overrides)
@@ -97,6 +100,18 @@ def test_evicted_prefixes_load_back_token_exact(tiered, expected, tier):
     stats = engine.kv_tiers.stats
     assert stats.hit_tokens == {"host": 0, "disk": 0, tier: 6 * 64}
     assert stats.loads == 6 and stats.load_seconds > 0
+
+
+def test_inline_io_pages_on_the_engines_thread_with_the_same_tokens(tiered, expected):
+    """The simulation's mode: no tier thread runs; a page is on disk as soon as its block is evicted, and read back
+    at the step that finds it, with the same tokens and hits as the threaded tiers."""
+    engine = tiered(disk_mb=8, inline_io=True)
+    assert not engine.kv_tiers._saver.is_alive() and not engine.kv_tiers._loader.is_alive()  # noqa: SLF001
+    prompts = tenant_prompts(12, 6)
+    results = [r for prompt in prompts for r in engine.generate([prompt], GREEDY)]  # no pause between requests
+    assert [r.token_ids for r in results] == expected(prompts)
+    assert [r.num_cached_tokens for r in results[6:]] == [64] * 6
+    assert engine.kv_tiers.stats.hit_tokens == {"host": 0, "disk": 6 * 64}
 
 
 def test_a_full_host_tier_evicts_to_disk_and_both_report_it(tiered, expected):

@@ -24,6 +24,7 @@ from transfer.wire import (
     frame_view,
     pack_header,
     unpack_header,
+    verify_tensors,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -94,6 +95,21 @@ def test_decode_frames_truncated_and_corrupted() -> None:
     flipped[5] ^= 0x10
     with pytest.raises(ChecksumError):
         decode_frames(piece, [bufs[0], bytes(flipped)])
+
+
+def test_tensors_received_directly_are_held_to_their_frames_before_the_checksum() -> None:
+    """The local and NCCL paths hand payloads over as tensors: a short one, a reshaped one or a missing one is refused
+    by its size, even without a checksum to catch it."""
+    fp = fingerprint()
+    piece, tensors = _piece(fp)
+    assert verify_tensors(piece, tensors) == tensors
+    unchecked = msgspec.structs.replace(piece, frames=[msgspec.structs.replace(f, xxh3=None) for f in piece.frames])
+    with pytest.raises(ProtocolError, match="payload of"):
+        verify_tensors(unchecked, [tensors[0].reshape(-1)[:-1], tensors[1]])
+    with pytest.raises(ProtocolError, match="payload of"):
+        verify_tensors(unchecked, [tensors[0].reshape(-1), tensors[1]])
+    with pytest.raises(ProtocolError, match="frames"):
+        verify_tensors(unchecked, tensors[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
