@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--faults",
         default="all",
         help="comma-separated fault kinds to inject (drop, duplicate, delay, reorder, kv_loss, kv_corrupt, kv_late, "
-        "crash, partition, slow, client_abort, drain), 'all' or 'none'",
+        "kv_truncate, crash, partition, slow, client_abort, drain, scale_up, tier_loss, tier_corrupt), 'all' or 'none'",
     )
     parser.add_argument("--jobs", type=int, default=1, help="processes (make sim: every core)")
     parser.add_argument("--no-shrink", action="store_true", help="report a failing seed without shrinking it")
@@ -49,16 +48,6 @@ def parse_faults(text: str):
     return frozenset(known[n] for n in names)
 
 
-def _one(args: tuple[int, frozenset]):
-    from transformers.utils import logging as transformers_logging
-
-    from cluster.sim.world import run_seed
-
-    transformers_logging.disable_progress_bar()
-    logging.disable(logging.WARNING)  # the faults make the roles log what they handle; the result says it all
-    return run_seed(*args)
-
-
 def run(args: argparse.Namespace) -> int:
     if os.environ.get("PYTHONHASHSEED") != "0":  # set iteration order decides message order: fixed for replays
         os.environ["PYTHONHASHSEED"] = "0"
@@ -66,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     faults = parse_faults(args.faults)
     from transformers.utils import logging as transformers_logging
 
-    from cluster.sim.world import World
+    from cluster.sim.world import World, run_seeds
 
     transformers_logging.disable_progress_bar()  # a model load per worker incarnation: no bar each time
     logging.disable(logging.WARNING)
@@ -81,16 +70,20 @@ def run(args: argparse.Namespace) -> int:
         return 1 if result.violation else 0
     seeds = range(args.start, args.start + args.seeds)
     started = time.perf_counter()
-    done, coverage, events = 0, set(), 0
+    done, coverage, events, tier_tokens = 0, set(), 0, 0
     failed = None
-    with ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else _Inline() as pool:
-        for result in pool.map(_one, [(seed, faults) for seed in seeds]):
+    results = run_seeds(seeds, faults, args.jobs)  # a generator: closing it lets the pool's other seeds go
+    try:
+        for result in results:
             done += 1
             events += result.events
             coverage |= result.coverage
+            tier_tokens += result.tier_loaded_tokens
             if result.violation:
                 failed = result
                 break
+    finally:
+        results.close()
     elapsed = time.perf_counter() - started
     totals = {
         "seeds": done,
@@ -100,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         "seconds": round(elapsed, 2),
         "seeds_per_s": round(done / elapsed, 2) if elapsed else None,
         "coverage": len(coverage),  # (command kind, flow status, faults applied so far) reached
+        "tier_loaded_tokens": tier_tokens,  # prompt tokens loaded back from the KV disk tier, all seeds together
         "violation": None if failed is None else {"seed": failed.seed, "invariant": failed.violation},
     }
     if failed is not None:
@@ -117,16 +111,3 @@ def _report(result, faults, shrinking: bool) -> None:
     if shrinking and result.faults:
         shortest = shrink(result.seed, faults, result.schedule)
         print(f"shortest failing schedule: {[str(a) for a in shortest]}", file=sys.stderr)
-
-
-class _Inline:
-    """``ProcessPoolExecutor``'s ``map`` in this process (``--jobs 1``), lazily: the first violation stops it."""
-
-    def __enter__(self) -> _Inline:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def map(self, function, items):
-        return (function(item) for item in items)

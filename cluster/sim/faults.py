@@ -22,11 +22,15 @@ class FaultKind(str, enum.Enum):
     KV_LOSS = "kv_loss"  # a KV piece lost
     KV_CORRUPT = "kv_corrupt"  # ... its bytes changed on the way (the checksum must catch it)
     KV_LATE = "kv_late"  # ... delivered ``amount`` seconds late (past the receiver's deadline, maybe)
+    KV_TRUNCATE = "kv_truncate"  # ... cut short: its payload holds fewer bytes than its header says
     CRASH = "crash"  # a worker dies at ``at_s`` (everything it held is gone) and restarts empty ``amount`` s later
     PARTITION = "partition"  # a worker and the router cannot hear each other for ``amount`` seconds
     SLOW = "slow"  # a worker's loop turns ten times slower for ``amount`` seconds
     CLIENT_ABORT = "client_abort"  # a client goes away at ``at_s`` (request ``target``)
     DRAIN = "drain"  # a decode worker is drained at ``at_s`` (its streams move to the other one)
+    SCALE_UP = "scale_up"  # a worker joins pool ``target`` at ``at_s`` (the router places work on it at once)
+    TIER_LOSS = "tier_loss"  # a page of the KV disk tier goes missing at ``at_s`` (seeds that run with tiers)
+    TIER_CORRUPT = "tier_corrupt"  # ... a page's bytes change (its checksum must catch it)
 
     @property
     def on_message(self) -> bool:
@@ -38,7 +42,8 @@ class FaultKind(str, enum.Enum):
 
 
 MESSAGE_FAULTS = frozenset({FaultKind.DROP, FaultKind.DUPLICATE, FaultKind.DELAY, FaultKind.REORDER})
-KV_FAULTS = frozenset({FaultKind.KV_LOSS, FaultKind.KV_CORRUPT, FaultKind.KV_LATE})
+KV_FAULTS = frozenset({FaultKind.KV_LOSS, FaultKind.KV_CORRUPT, FaultKind.KV_LATE, FaultKind.KV_TRUNCATE})
+TIER_FAULTS = frozenset({FaultKind.TIER_LOSS, FaultKind.TIER_CORRUPT})
 ALL_FAULTS = frozenset(FaultKind)
 
 
@@ -55,7 +60,9 @@ class FaultAction:
 
     def __str__(self) -> str:
         where = f" {self.target}" if self.target else ""
-        amount = f" +{self.amount:.3f}s" if self.amount else ""
+        amount = f" +{self.amount:.3f}s" if self.amount and self.kind not in TIER_FAULTS else ""
+        if self.kind in TIER_FAULTS:
+            amount = f" page {self.amount:.4f}"
         unit = "#" if self.kind.on_message or self.kind.on_kv else "@"
         return f"{self.kind.value}{where} {unit}{self.at:g}{amount}"
 
@@ -91,6 +98,12 @@ def draw_schedule(
             elif kind is FaultKind.DRAIN:
                 actions.append(FaultAction(kind, when(), rng.choice(decode_workers)))
                 break  # one drain: with two decode workers, the other one must stay
+            elif kind is FaultKind.SCALE_UP:
+                actions.append(FaultAction(kind, when(), rng.choice(("prefill", "decode"))))
+                break  # one spare worker per pool is built
+            elif kind in TIER_FAULTS:
+                # ``amount`` picks the page: the ``int(amount * pages)``-th of the tier's pages then, in name order
+                actions.append(FaultAction(kind, when(), "", round(rng.random(), 4)))
             else:  # CRASH, PARTITION, SLOW
                 at = when()
                 amount = round(rng.uniform(0.1, 4.0), 4)

@@ -62,6 +62,7 @@ class SimWorker:
         self.router_signer = Signer(SECRET, Channel.COMMANDS, self.address)  # the router's, to this incarnation
         self.beat_signer = Signer(SECRET, Channel.EVENTS, ROUTER_ADDRESS)  # heartbeats: a socket of their own
         self.engine = LLMEngine(spec.engine)
+        self.engine.set_clock(world.clock)
         self.book = RouterBook(name, 1, world.config.router.orphan_timeout_s, clock=world.clock)
         self.alive = True
         self.slow_until = 0.0
@@ -78,7 +79,6 @@ class SimWorker:
             self.receiver = FaultyReceiver(
                 world, fingerprint, kv_sink(self.engine), self.kv_address, spec.transfer, world.hub, world.clock
             )
-            self.engine.kv_importer.clock = world.clock
             self.engine.kv_importer.write = self._checked_write  # type: ignore[method-assign]
             self.role = DecodeRole(
                 name,
@@ -152,8 +152,7 @@ class SimWorker:
             self.world.to_router(self, event)
 
     def _report(self) -> None:
-        batch = self.engine.block_manager.drain_kv_events()
-        if batch is not None:
+        for tier, batch in self.engine.drain_kv_events():
             self.world.to_router(
                 self,
                 KvEvents(
@@ -163,6 +162,7 @@ class SimWorker:
                     stored=list(batch.stored),
                     removed=list(batch.removed),
                     reset=batch.reset,
+                    tier=tier,
                 ),
             )
 
@@ -217,6 +217,11 @@ class FaultyReceiver(LocalReceiver):
             super().deliver(delivery)
         elif action.kind is FaultKind.KV_LOSS:
             return
+        elif action.kind is FaultKind.KV_TRUNCATE:  # the first frame's payload cut to half its bytes
+            tensors = list(delivery.tensors)
+            flat = tensors[0].reshape(-1)
+            tensors[0] = flat[: flat.numel() // 2].clone()
+            super().deliver(Delivery(delivery.session, delivery.message, tensors))
         elif action.kind is FaultKind.KV_CORRUPT:
             tensors = [t.clone() for t in delivery.tensors]
             flat = tensors[0].view(-1)

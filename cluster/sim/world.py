@@ -20,9 +20,13 @@ import functools
 import hashlib
 import heapq
 import itertools
+import logging
+import multiprocessing
 import random
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +40,10 @@ from cluster.routing.flow import Flow, FlowStatus
 from cluster.routing.membership import Membership
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.policies import make_policy
-from cluster.sim.faults import FaultAction, FaultKind, draw_schedule
+from cluster.sim.faults import TIER_FAULTS, FaultAction, FaultKind, draw_schedule
 from cluster.sim.worker import ROUTER_ADDRESS, SECRET, SimWorker, Violation
 from engine.config import EngineConfig
+from engine.kv_tiers import PAGE_SUFFIX
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from transfer.errors import AuthError
@@ -53,6 +58,7 @@ from worker.messages import (
     kind,
 )
 from worker.protocol import Channel, Verifier
+from worker.spec import WorkerSpec
 
 HOP_S = 0.0005  # a control message's base latency (plus up to as much again, from the seed)
 BUSY_TURN_S = 0.004  # a worker's loop turn while it has work (a tiny model's step)
@@ -117,6 +123,7 @@ class SimResult:
     trace_tail: list[str] = field(default_factory=list)
     coverage: set[tuple[str, str, str]] = field(default_factory=set)
     schedule: list[FaultAction] = field(default_factory=list)  # every fault the seed drew (applied or not)
+    tier_loaded_tokens: int = 0  # prompt tokens the workers loaded back from the KV disk tier instead of computing
 
     def summary(self) -> str:
         outcome = " ".join(f"{k}={v}" for k, v in sorted(self.outcomes.items()))
@@ -148,9 +155,11 @@ class World:
         self.coverage: set[tuple[str, str, str]] = set()
         self.events = 0
         self.hub = LocalHub()
+        self.tier_dir = Path(tempfile.mkdtemp(prefix="pdserve-sim-tiers-"))  # the disk tier, on seeds that have one
         self.verifier = Verifier(SECRET, Channel.EVENTS, ROUTER_ADDRESS)  # the router's event socket
         self.config = self._config()
         self.specs = {s.name: s for s in self.config.worker_specs(self.model, ["sim://router"], "127.0.0.1")}
+        self.spares = self._spares()  # pool -> a worker a scale-up adds
         metrics = RouterMetrics(worker_gauges=False)
         members = Membership(metrics, clock=self.clock)
         policies = {
@@ -158,17 +167,21 @@ class World:
             for pool in ("prefill", "decode", "colocated")
         }
         self.core = RouterCore(self.config, metrics, Admission(self.config.router.queue_size), members, policies)
-        self.workers: dict[str, SimWorker] = {}
+        self.workers: dict[str, SimWorker] = {}  # the live incarnation of each worker
+        self.started: list[SimWorker] = []  # every incarnation, in start order
         self.incarnations: dict[str, int] = {}
         self._kv_seq: dict[str, int] = {}
         self.removed: set[str] = set()
         for spec in self.specs.values():
             self._start_worker(spec.name, spec.role.value)
         count = num_requests if num_requests is not None else self.rng.randint(2, 5)
-        self.requests = [self._request(i) for i in range(count)]
+        self.requests: list[SimRequest] = []
+        for index in range(count):
+            self.requests.append(self._request(index))
         decode = [n for n, s in self.specs.items() if s.role.value == "decode"]
         arrivals = [r.arrival_s for r in self.requests]
-        drawn = draw_schedule(self.rng, faults, sorted(self.specs), decode, arrivals)  # always: the
+        kinds = faults if self.tiers else faults - TIER_FAULTS  # without a tier, nothing for those to hit
+        drawn = draw_schedule(self.rng, kinds, sorted(self.specs), decode, arrivals)  # always: the
         # seed's draws after it stay the same when a shrunk schedule replaces it
         self.schedule = drawn if schedule is None else schedule
         self._message_faults = {
@@ -192,6 +205,13 @@ class World:
             "max_num_seqs": 4,
             "cpu_linear_tuning": False,  # timing kernels at start: slow, and a choice the seed would not make
         }
+        # a disk tier under every worker's prefix cache on some seeds, its pages written and read on the engine's
+        # thread (inline_io); prefill workers then have few blocks, so that prefixes go down and come back up
+        self.tiers = rng.random() < 0.4
+        prefill = dict(pool)
+        if self.tiers:
+            pool["kv_offload"] = {"disk_dir": str(self.tier_dir), "disk_mb": 64, "inline_io": True}
+            prefill = dict(pool) | {"kv_blocks": rng.choice((9, 12))}
         decode = dict(pool) | {"replicas": 2}
         # n-gram speculation on the decode workers (verification steps, proposals, rollbacks) on some seeds, whose
         # requests are greedy: its output is then exactly the plain engine's (sampled output keeps only its law)
@@ -201,7 +221,7 @@ class World:
         return parse_config(
             {
                 "model": {"name": self.model, "dtype": "float32", "max_model_len": 256},
-                "pools": {"prefill": dict(pool), "decode": decode},
+                "pools": {"prefill": prefill, "decode": decode},
                 "transfer": {
                     "block_size": 4,
                     "deadline_s": 2.0,
@@ -221,24 +241,42 @@ class World:
             }
         )
 
+    def _spares(self) -> dict[str, WorkerSpec]:
+        """One more worker per pool, for scale-ups: the spec the config gives the next replica."""
+        bigger = self.config.model_copy(deep=True)
+        for pool in (bigger.pools.prefill, bigger.pools.decode):
+            assert pool is not None
+            pool.replicas += 1
+        specs = bigger.worker_specs(self.model, ["sim://router"], "127.0.0.1")
+        return {s.role.value: s for s in specs if s.name not in self.specs}
+
     def _request(self, index: int) -> SimRequest:
         rng = self.rng
         prompt = [rng.randrange(3, 250) for _ in range(rng.randint(3, 30))]
         if rng.random() < 0.3:  # a pattern repeated: n-grams for a speculative worker to propose from
             prompt = (prompt[: rng.randint(2, 6)] * 5)[:30]
+        arrival_s = round(rng.uniform(0.0, 0.8), 4)
+        if self.requests and rng.random() < 0.4:  # an earlier prompt's prefix again, after every request so far:
+            earlier = rng.choice(self.requests)  # prefix caches hit; with a tier, the first request's prefix, which
+            if self.tiers and len(self.requests) >= 2:  # the others pushed out of the device cache meanwhile
+                earlier = min(self.requests, key=lambda r: r.arrival_s)
+            shared = earlier.prompt if rng.random() < 0.5 else earlier.prompt[: rng.randint(1, len(earlier.prompt))]
+            prompt = (shared + prompt)[:30]
+            arrival_s = round(max(r.arrival_s for r in self.requests) + rng.uniform(0.1, 0.5), 4)
         if self.speculative or rng.random() < 0.5:
             params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True)
         else:
             params = SamplingParams(
                 max_tokens=rng.randint(1, 20), temperature=0.8, seed=rng.randrange(1 << 30), ignore_eos=True
             )
-        request = SimRequest(index, f"req{index}", prompt, params, round(rng.uniform(0.0, 0.8), 4))
+        request = SimRequest(index, f"req{index}", prompt, params, arrival_s)
         request.expected = reference(self.model, prompt, params)
         return request
 
     def _start_worker(self, name: str, role: str) -> SimWorker:
         incarnation = self.incarnations[name] = self.incarnations.get(name, -1) + 1
         worker = self.workers[name] = SimWorker(self, name, role, incarnation)
+        self.started.append(worker)
         self.core.add_worker(name, role, worker.address, worker.kv_address, self.now)
         self.core.on_event(worker.stats(), self.now)
         self._flush()
@@ -288,6 +326,8 @@ class World:
             self._check_quiescent()
         except Violation as exc:
             violation = str(exc)
+        finally:
+            shutil.rmtree(self.tier_dir, ignore_errors=True)
         outcomes: dict[str, int] = {}
         for r in self.requests:
             key = (r.outcome or "none").split(":")[0]
@@ -305,6 +345,9 @@ class World:
             self.trace[-40:],
             self.coverage,
             list(self.schedule),
+            sum(
+                sum(w.engine.kv_tiers.stats.hit_tokens.values()) for w in self.started if w.engine.kv_tiers is not None
+            ),
         )
 
     def _busy(self) -> bool:
@@ -499,6 +542,14 @@ class World:
             if worker is not None and worker.alive and action.target not in self.removed:
                 self.core.drain(action.target, 10.0, self.now)
                 self._flush()
+        elif action.kind is FaultKind.SCALE_UP:
+            spare = self.spares.pop(action.target, None)
+            if spare is not None:
+                self.specs[spare.name] = spare
+                self.note(f"scale up {spare.name}")
+                self._start_worker(spare.name, spare.role.value)
+        elif action.kind in TIER_FAULTS:
+            self._tier_fault(action)
         elif worker is None or not worker.alive:
             return
         elif action.kind is FaultKind.CRASH:
@@ -508,6 +559,20 @@ class World:
             self.partitioned_until[action.target] = self.now + action.amount
         elif action.kind is FaultKind.SLOW:
             worker.slow_until = self.now + action.amount
+
+    def _tier_fault(self, action: FaultAction) -> None:
+        """A page of the disk tier goes missing or bad (its reader must find out and compute the prefix instead)."""
+        pages = sorted(self.tier_dir.glob(f"*/*{PAGE_SUFFIX}"))
+        if not pages:
+            return
+        page = pages[min(int(action.amount * len(pages)), len(pages) - 1)]
+        self.note(f"{action.kind.value} {page.name}")
+        if action.kind is FaultKind.TIER_LOSS:
+            page.unlink()
+            return
+        data = bytearray(page.read_bytes())
+        data[-1] ^= 0xFF  # the payload's last byte
+        page.write_bytes(bytes(data))
 
     def _restart(self, old: SimWorker) -> None:
         if self.workers.get(old.name) is old and old.name not in self.removed:
@@ -565,6 +630,27 @@ class World:
 
 def run_seed(seed: int, faults: frozenset[FaultKind], schedule: list[FaultAction] | None = None) -> SimResult:
     return World(seed, faults, schedule).run()
+
+
+def _run_quietly(args: tuple[int, frozenset[FaultKind]]) -> SimResult:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a model load per worker incarnation: no bar each time
+    logging.disable(logging.WARNING)  # the faults make the roles log what they handle; the result says it all
+    return run_seed(*args)
+
+
+def run_seeds(seeds: range, faults: frozenset[FaultKind], jobs: int = 1) -> Generator[SimResult]:
+    """Each seed's result, in seed order, on ``jobs`` processes (fresh interpreters: nothing inherited from a parent
+    that has run threads); lazily, so that a caller can stop at the first violation."""
+    if jobs <= 1:
+        yield from (_run_quietly((seed, faults)) for seed in seeds)
+        return
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield from pool.map(_run_quietly, [(seed, faults) for seed in seeds])
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # stopped early: the seeds not begun are dropped
 
 
 def shrink(
