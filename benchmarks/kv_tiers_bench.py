@@ -270,7 +270,7 @@ def compare_runs(runs: dict[str, dict]) -> dict[str, Any]:
     without, with_ = runs["without"], runs["with"]
     p50 = ratio(with_["ttft_ms"]["p50"], without["ttft_ms"]["p50"])
     rate = hit_rate(with_)
-    return {
+    out: dict[str, Any] = {
         "ttft_p50_ratio": p50,
         "ttft_p90_ratio": ratio(with_["ttft_ms"]["p90"], without["ttft_ms"]["p90"]),
         "hit_rate": {name: hit_rate(figures) for name, figures in runs.items()},
@@ -281,6 +281,9 @@ def compare_runs(runs: dict[str, dict]) -> dict[str, Any]:
             "hit_rate_met": rate is not None and rate >= GOAL_HIT_RATE,
         },
     }
+    goals = out["goals"]
+    goals["all_met"] = goals["ttft_p50_ratio_met"] and goals["hit_rate_met"]
+    return out
 
 
 def compare_restart(cold: dict, restarted: dict) -> dict[str, Any]:

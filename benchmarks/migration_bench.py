@@ -178,6 +178,9 @@ def drain_figures(
     }
 
 
+MIGRATION_FLAGS = ("all_streams_moved", "tokens_lost_0_duplicated_0")  # goals that are flags, not thresholds
+
+
 def compare_drains(migrate: dict[str, Any], wait: dict[str, Any], streams: int) -> dict[str, Any]:
     drain_ratio = ratio(migrate["drain_time_s"], wait["drain_time_s"])
     itl_ratio = migrate["itl_p99_ratio"]
@@ -185,7 +188,7 @@ def compare_drains(migrate: dict[str, Any], wait: dict[str, Any], streams: int) 
         run["tokens"]["tokens_lost"] == run["tokens"]["tokens_duplicated"] == 0 and not run["errors"]
         for run in (migrate, wait)
     )
-    return {
+    out: dict[str, Any] = {
         "drain_time_ratio": drain_ratio,
         "itl_p99_ratio": itl_ratio,
         "goals": {
@@ -197,6 +200,9 @@ def compare_drains(migrate: dict[str, Any], wait: dict[str, Any], streams: int) 
             "tokens_lost_0_duplicated_0": exact,
         },
     }
+    goals = out["goals"]
+    goals["all_met"] = all(goals[k] for k in goals if k.endswith("_met") or k in MIGRATION_FLAGS)
+    return out
 
 
 def request_figures(stream: Stream) -> dict[str, float | None]:

@@ -169,12 +169,14 @@ class Run:
             if aborted is None:
                 self.result["goals"] = goals(self.result.get("primary") or {}, self.sizes)
                 self.result["exact"] = exact_summary(self.result)
+                self.result["verdict"] = verdict(self.result)
                 self.result["wall_s"] = round(time.monotonic() - self._start, 1)
                 text = json.dumps(self.result)
                 self._written = text
             else:  # the watchdog: the last complete state, marked; never the dict the main thread may be changing
                 data = json.loads(self._written) if self._written else {"check": "gpu-check"}
                 data["aborted"] = aborted
+                data["verdict"] = verdict(data)
                 data["wall_s"] = round(time.monotonic() - self._start, 1)
                 text = json.dumps(data)
             tmp = self.out.with_name(f".{self.out.name}.{os.getpid()}.tmp")
@@ -550,6 +552,21 @@ def exact_summary(result: dict[str, Any]) -> dict[str, Any]:
         "tensor_parallel_2_float32_vs_degree_1": (tensor_parallel.get("greedy") or {}).get("exact"),
         "tensor_parallel_2_handoffs_float32_vs_degree_1": tensor_parallel.get("handoffs_exact"),
     }
+
+
+def verdict(result: dict[str, Any]) -> dict[str, Any]:
+    """The run's one answer: ``ok`` only when every goal passed and every exactness check held, and no part was
+    left unmeasured (a part that did not run is not a pass); the parts that did not, by name."""
+    failed = [f"goals.{row['goal']}" for row in result.get("goals", []) if row.get("passed") is False]
+    unmeasured = [f"goals.{row['goal']}" for row in result.get("goals", []) if row.get("passed") is None]
+    for name, value in (result.get("exact") or {}).items():
+        if value is None:
+            unmeasured.append(f"exact.{name}")
+        elif value is False:  # a figure (bfloat16's top-1 agreement) is reported, not judged
+            failed.append(f"exact.{name}")
+    if result.get("aborted"):
+        failed.append("aborted")
+    return {"ok": not failed and not unmeasured, "failed": failed, "unmeasured": unmeasured}
 
 
 # ---- environment ------------------------------------------------------------------------------------------------

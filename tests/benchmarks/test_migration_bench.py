@@ -119,7 +119,8 @@ def test_the_drain_goals():
     met = compare_drains(run(1.0, 2.9), run(20.0, None, moved=0), 16)
     assert met["drain_time_ratio"] == 0.05 and met["itl_p99_ratio"] == 2.9
     assert all(met["goals"][k] for k in ("drain_time_ratio_met", "itl_p99_ratio_met", "all_streams_moved"))
-    assert met["goals"]["tokens_lost_0_duplicated_0"]
+    assert met["goals"]["tokens_lost_0_duplicated_0"] and met["goals"]["all_met"]
+    assert not compare_drains(run(1.0, 2.9, moved=15), run(20.0, None, moved=0), 16)["goals"]["all_met"]
     missed = compare_drains(run(3.0, 3.5, moved=15, duplicated=1), run(20.0, None, moved=0), 16)
     assert not any(
         missed["goals"][k]

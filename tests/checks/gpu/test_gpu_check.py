@@ -309,6 +309,21 @@ def test_goals_take_the_faster_generate_and_name_it():
     assert goals["prefill_vs_forward"]["value"] is None and goals["prefill_vs_forward"]["passed"] is None
 
 
+def test_the_verdict_is_ok_only_when_every_goal_passed_and_every_exact_check_held():
+    """A part that failed or never ran makes the run's verdict fail, by name; a figure (bfloat16 top-1) is not judged."""
+
+    def result(passed, exact):
+        return {"goals": [{"goal": "a", "passed": True}, {"goal": "b", "passed": passed}], "exact": exact}
+
+    held = {"float32_vs_generate": True, "prefill_decode_pair_bfloat16_top1": 0.97}
+    assert gpu_check.verdict(result(True, held)) == {"ok": True, "failed": [], "unmeasured": []}
+    assert gpu_check.verdict(result(False, held)) == {"ok": False, "failed": ["goals.b"], "unmeasured": []}
+    missing = gpu_check.verdict(result(None, held | {"float32_vs_generate": None}))
+    assert missing == {"ok": False, "failed": [], "unmeasured": ["goals.b", "exact.float32_vs_generate"]}
+    broken = gpu_check.verdict(result(True, held | {"float32_vs_generate": False}) | {"aborted": "the hard limit"})
+    assert broken["failed"] == ["exact.float32_vs_generate", "aborted"] and not broken["ok"]
+
+
 def test_a_section_keeps_what_it_recorded_before_it_failed_and_the_file_follows(tmp_path):
     out = tmp_path / "run.json"
     run = gpu_check.Run(out, {"check": "gpu-check"}, Deadline.after(60, "the run"), gpu_check.TINY_SIZES)
