@@ -32,7 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) 
         "--timeout", type=float, default=300.0, help="seconds to wait for the answer (new workers load a model)"
     )
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--api-key", default=default_api_key, help="the router's API key (default: $PDSERVE_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=default_api_key,
+        help="the router's API key (default: $PDSERVE_API_KEY; without one, the admin token that pdserve serve wrote "
+        "for --url's address, readable by its user only)",
+    )
 
 
 def post_scale(
@@ -42,7 +47,9 @@ def post_scale(
     body: dict[str, Any] = {"pool": pool, "replicas": replicas}
     if drain_timeout_s is not None:
         body["drain_timeout_s"] = drain_timeout_s
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    from cluster.admin_token import admin_headers  # the API key, else the token file pdserve serve wrote
+
+    headers = {"Content-Type": "application/json", **admin_headers(url, api_key)}
     request = urllib.request.Request(
         f"{url.rstrip('/')}/admin/scale", data=json.dumps(body).encode(), headers=headers, method="POST"
     )

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from cluster.admin_token import admin_credential
 from cluster.config import ClusterConfig, LimitsSection, pool_layout
 from cluster.openai.api_format import TokenText, system_fingerprint
 from cluster.openai.chat_template import render
@@ -72,18 +73,19 @@ class Serving:
     token_text: TokenText
     kv_status: dict | None  # /status's ``kv``
     expected_auth: bytes | None  # b"Bearer <api_key>"; None: no key
+    admin_auth: bytes  # /admin/*: the API key's, else b"Bearer <admin token>" (cluster/admin_token.py)
 
     def check_api_key(self, request: Request) -> None:
-        if self.expected_auth is None:
-            return
-        given = request.headers.get("authorization", "").encode("latin-1")  # the raw bytes (ASGI decodes latin-1)
-        if not hmac.compare_digest(given, self.expected_auth):
-            raise APIError(
-                401,
-                "missing or wrong API key (Authorization: Bearer ...)",
-                err_type="authentication_error",
-                code="invalid_api_key",
-            )
+        if self.expected_auth is not None:
+            _check_bearer(request, self.expected_auth, "missing or wrong API key (Authorization: Bearer ...)")
+
+    def check_admin(self, request: Request) -> None:
+        _check_bearer(
+            request,
+            self.admin_auth,
+            "missing or wrong admin credential (Authorization: Bearer <router.api_key, or the admin token that "
+            "pdserve serve wrote for this address; pdserve scale reads it>)",
+        )
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -149,6 +151,12 @@ class Serving:
         )
 
 
+def _check_bearer(request: Request, expected: bytes, message: str) -> None:
+    given = request.headers.get("authorization", "").encode("latin-1")  # the raw bytes (ASGI decodes latin-1)
+    if not hmac.compare_digest(given, expected):
+        raise APIError(401, message, err_type="authentication_error", code="invalid_api_key")
+
+
 async def get_serving(request: Request) -> Serving:
     return request.app.state.serving
 
@@ -162,6 +170,14 @@ async def authorized(request: Request, serving: ServingDep) -> None:
 
 
 AUTHORIZED = [Depends(authorized)]
+
+
+async def admin_authorized(request: Request, serving: ServingDep) -> None:
+    """``/admin/*`` needs a credential even on loopback, where any local process can connect."""
+    serving.check_admin(request)
+
+
+ADMIN_AUTHORIZED = [Depends(admin_authorized)]
 
 
 def create_app(
@@ -190,6 +206,7 @@ def create_app(
         token_text=TokenText(tokenizer),
         kv_status=model_kv_status(config, model_dir),  # config.json read once
         expected_auth=None if api_key is None else f"Bearer {api_key}".encode(),
+        admin_auth=f"Bearer {admin_credential(config)}".encode(),
     )
     app.exception_handler(APIError)(_api_error)
     app.exception_handler(StarletteHTTPException)(_http_error_body)
@@ -383,7 +400,7 @@ async def admin_body(request: Request, serving: Serving, fields: set[str]) -> di
     return body
 
 
-@routes.post("/admin/scale", dependencies=AUTHORIZED)
+@routes.post("/admin/scale", dependencies=ADMIN_AUTHORIZED)
 async def admin_scale(request: Request, serving: ServingDep):
     """``{"pool": "decode", "replicas": N, "drain_timeout_s": S}`` -> the pools once the new workers serve
     (cluster/run/scaling.py)."""
@@ -397,7 +414,7 @@ async def admin_scale(request: Request, serving: ServingDep):
         raise APIError(400, str(exc), exc.param) from None
 
 
-@routes.post("/admin/migrate", dependencies=AUTHORIZED)
+@routes.post("/admin/migrate", dependencies=ADMIN_AUTHORIZED)
 async def admin_migrate(request: Request, serving: ServingDep):
     """``{"request_id": ID}`` or ``{"worker": NAME}``, optionally ``"to": NAME``: move that running request, or
     every one the decode worker runs, to another decode worker -> ``{"moving": {id: "moving" | why not}}``. Each

@@ -14,8 +14,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.admin_token import admin_credential, remove_token, write_token
 from cluster.config import ClusterConfig, ConfigError, pool_layout
 from cluster.network_exposure import check_network_exposure
 from cluster.run.autoscale import Autoscaler, CapacityModel
@@ -43,6 +45,18 @@ class ServeHandle:
     frontends: RouterProcesses | None = None
     scaler: Scaler | None = None  # live resizing (cluster/run/scaling.py)
     autoscaler: Autoscaler | None = None  # the ``autoscale:`` policy's thread, when enabled
+    token_file: Path | None = None  # /admin/*'s token for this address, without an API key (cluster/admin_token.py)
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """What a client of ``/admin/*`` sends to this cluster."""
+        return {"Authorization": f"Bearer {admin_credential(self.config)}"}
+
+    def write_admin_token(self) -> None:
+        """Keep ``/admin/*``'s token where this user's CLI finds it (no file with an API key: that is the
+        credential, and the user has it)."""
+        if not self.config.router.api_key:
+            self.token_file = write_token(self.base_url, admin_credential(self.config))
 
     @property
     def workers(self) -> list[WorkerRecord]:
@@ -63,6 +77,8 @@ class ServeHandle:
         should exit at once (Ray's exit handlers would hang too).
         """
         deadline = time.monotonic() + timeout_s
+        if self.token_file is not None:
+            remove_token(self.base_url, admin_credential(self.config))
         if self.autoscaler is not None:
             self.autoscaler.stop()
         if self.scaler is not None:
@@ -178,6 +194,7 @@ def start_serving(
             config, f"http://{url_host}:{http_port}", frontends, pools, started_ray, None, None, frontends, scaler
         )
         handle.autoscaler = Autoscaler.start_if_enabled(config, scaler, handle.base_url, capacity_model)
+        handle.write_admin_token()
         return handle
     router = Router(config, host=bind_host)
     try:
@@ -212,6 +229,7 @@ def start_serving(
     handle = ServeHandle(config, f"http://{url_host}:{http_port}", router, pools, started_ray, server, thread)
     handle.scaler = scaler
     handle.autoscaler = Autoscaler.start_if_enabled(config, scaler, handle.base_url, capacity_model)
+    handle.write_admin_token()
     return handle
 
 

@@ -52,7 +52,12 @@ def test_a_move_whose_source_or_target_dies_loses_and_repeats_nothing(ray_local,
             [flow] = list(dict.fromkeys(handle.router.flows.values()))
             source = flow.decode
             target = next(w.name for w in handle.router.live("decode") if w.name != source)
-            httpx.post(f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid, "to": target}, timeout=10)
+            httpx.post(
+                f"{handle.base_url}/admin/migrate",
+                json={"request_id": flow.rid, "to": target},
+                headers=handle.admin_headers,
+                timeout=10,
+            )
             name = source if victim == "source" else target
             pid = _pid(handle, name)
             os.kill(pid, signal.SIGKILL)  # while the move is under way (its pre-copy and tail take tens of ms)

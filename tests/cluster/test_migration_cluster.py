@@ -89,7 +89,9 @@ def test_admin_migrate_moves_a_stream_and_the_client_sees_nothing_of_it(serve):
 
     def move() -> None:
         [flow] = list(dict.fromkeys(handle.router.core.flows.values()))
-        response = httpx.post(f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid}, timeout=10)
+        response = httpx.post(
+            f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid}, headers=handle.admin_headers, timeout=10
+        )
         moves.append({"status": response.status_code, "body": response.json(), "from": flow.decode})
 
     text, last = _stream(handle, PROMPTS[0], after_chunks=5, action=move)
@@ -105,13 +107,14 @@ def test_admin_migrate_moves_a_stream_and_the_client_sees_nothing_of_it(serve):
 
 def test_admin_migrate_refuses_what_cannot_move(serve):
     handle = serve(pools=_pools())
-    url = f"{handle.base_url}/admin/migrate"
-    assert httpx.post(url, json={"request_id": "nope"}, timeout=10).status_code == 404
-    bad = httpx.post(url, json={"request_id": "a", "worker": "b"}, timeout=10)
+    url, auth = f"{handle.base_url}/admin/migrate", handle.admin_headers
+    assert httpx.post(url, json={"request_id": "nope"}, timeout=10).status_code == 401  # no credential
+    assert httpx.post(url, json={"request_id": "nope"}, headers=auth, timeout=10).status_code == 404
+    bad = httpx.post(url, json={"request_id": "a", "worker": "b"}, headers=auth, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
-    bad = httpx.post(url, json={"worker": "prefill-0"}, timeout=10)
+    bad = httpx.post(url, json={"worker": "prefill-0"}, headers=auth, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "worker"
-    bad = httpx.post(url, json={"worker": "decode-0", "speed": 1}, timeout=10)
+    bad = httpx.post(url, json={"worker": "decode-0", "speed": 1}, headers=auth, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "speed"
 
 
@@ -152,7 +155,9 @@ def test_a_stream_on_tensor_parallel_decode_workers_moves_exactly(serve):
 
     def move() -> None:
         [flow] = list(dict.fromkeys(handle.router.core.flows.values()))
-        httpx.post(f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid}, timeout=10)
+        httpx.post(
+            f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid}, headers=handle.admin_headers, timeout=10
+        )
 
     text, last = _stream(handle, PROMPTS[2], after_chunks=5, action=move)
     assert text == expected["choices"][0]["text"]

@@ -121,7 +121,11 @@ def test_a_move_shows_on_both_decode_workers_spans(serve, receiver):
         wait_until(lambda: any(f.decode and f.num_output_tokens > 4 for f in handle.router.flows.values()), 30)
         flow = next(iter(handle.router.flows.values()))
         body = {"request_id": flow.rid}
-        moved.update(httpx.post(f"{handle.base_url}/admin/migrate", json=body, timeout=30).json()["moving"])
+        moved.update(
+            httpx.post(f"{handle.base_url}/admin/migrate", json=body, headers=handle.admin_headers, timeout=30).json()[
+                "moving"
+            ]
+        )
 
     mover = threading.Thread(target=move_once)
     mover.start()

@@ -239,7 +239,9 @@ def _move_a_stream(handle) -> None:
 
     wait_until(lambda: decoding() is not None, timeout_s=30, step_s=0.01)
     flow = decoding()
-    response = httpx.post(f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid}, timeout=10)
+    response = httpx.post(
+        f"{handle.base_url}/admin/migrate", json={"request_id": flow.rid}, headers=handle.admin_headers, timeout=10
+    )
     assert response.status_code == 200, response.text
     runner.join(timeout=60)
     assert done and done[0].status_code == 200, done and done[0].text

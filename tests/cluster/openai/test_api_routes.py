@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 from starlette.testclient import TestClient
 
+from cluster.admin_token import admin_token
 from cluster.config import parse_config
 from cluster.openai.api import create_app
 from cluster.routing.errors import ScaleError
@@ -87,9 +88,14 @@ class FakeTokenizer:
         return 100
 
 
-def client(router: FakeRouter, **router_section) -> TestClient:
-    config = parse_config({"router": {"served_model_name": "m", **router_section}})
-    return TestClient(create_app(router, FakeTokenizer(), config, max_model_len=64))
+SECRET = "a-cluster-secret-of-this-test-00"
+ADMIN = {"Authorization": f"Bearer {admin_token(SECRET)}"}  # what pdserve serve writes to its token file
+
+
+def client(router: FakeRouter, admin: bool = False, **router_section) -> TestClient:
+    """``admin``: every request carries the admin token (the cluster has no API key)."""
+    config = parse_config({"router": {"served_model_name": "m", **router_section}, "transfer": {"secret": SECRET}})
+    return TestClient(create_app(router, FakeTokenizer(), config, max_model_len=64), headers=ADMIN if admin else None)
 
 
 def error(response) -> dict:
@@ -137,9 +143,28 @@ def test_status_metrics_and_models_answer_for_the_router():
     ]
 
 
-def test_admin_scale_passes_the_request_on_and_names_a_refused_field():
+def test_admin_routes_take_a_credential_even_on_loopback():
+    """Without an API key, /admin/* takes the token derived from the cluster secret (any local process could
+    connect); with one, the API key; the other routes stay open without a key."""
     router = FakeRouter()
     http = client(router)
+    for path, body in (("/admin/scale", {"pool": "decode", "replicas": 3}), ("/admin/migrate", {"worker": "decode-0"})):
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            answer = http.post(path, json=body, headers=headers)
+            assert answer.status_code == 401 and error(answer)["type"] == "authentication_error"
+        assert http.post(path, json=body, headers=ADMIN).status_code == 200
+    assert router.scaler is not None and router.scaler.asked == [("decode", 3, None)] and len(router.moves) == 1
+    assert http.get("/status").status_code == 200
+    keyed = client(FakeRouter(), api_key=KEY)
+    assert keyed.post("/admin/scale", json={"pool": "decode", "replicas": 3}, headers=ADMIN).status_code == 401
+    assert keyed.post("/admin/scale", json={"pool": "decode", "replicas": 3}, headers=AUTH).status_code == 200
+    unset = create_app(FakeRouter(), FakeTokenizer(), parse_config({}), max_model_len=64)  # no secret: closed
+    assert TestClient(unset).post("/admin/scale", json={"pool": "decode", "replicas": 3}).status_code == 401
+
+
+def test_admin_scale_passes_the_request_on_and_names_a_refused_field():
+    router = FakeRouter()
+    http = client(router, admin=True)
     assert http.post("/admin/scale", json={"pool": "decode", "replicas": 3}).json() == {"decode": 3}
     refused = http.post("/admin/scale", json={"pool": "prefil", "replicas": 1})
     assert refused.status_code == 400 and error(refused)["param"] == "pool"
@@ -166,7 +191,7 @@ def test_admin_scale_passes_the_request_on_and_names_a_refused_field():
 )
 def test_admin_migrate_checks_its_body_before_moving_anything(body, status, param):
     router = FakeRouter()
-    answer = client(router).post("/admin/migrate", json=body)
+    answer = client(router, admin=True).post("/admin/migrate", json=body)
     assert answer.status_code == status
     if status == 400:
         assert error(answer)["param"] == param and router.moves == []

@@ -245,10 +245,10 @@ def test_with_two_router_processes_every_one_hears_the_resize(tiny_llama_path):
     config = tiny_cluster_config(tiny_llama_path, router={"port": 0, "processes": 2})
     handle = start_serving(config, in_process=True)
     try:
-        url = f"{handle.base_url}/admin/scale"
-        response = httpx.post(url, json={"pool": "decode", "replicas": 2}, timeout=60)
+        url, auth = f"{handle.base_url}/admin/scale", handle.admin_headers
+        response = httpx.post(url, json={"pool": "decode", "replicas": 2}, headers=auth, timeout=60)
         assert response.status_code == 200 and response.json()["pools"]["decode"]["replicas"] == 2
-        assert httpx.post(url, json={"pool": "decode", "replicas": 0}, timeout=60).status_code == 400
+        assert httpx.post(url, json={"pool": "decode", "replicas": 0}, headers=auth, timeout=60).status_code == 400
 
         def every_process(predicate) -> bool:
             statuses = []
@@ -263,7 +263,9 @@ def test_with_two_router_processes_every_one_hears_the_resize(tiny_llama_path):
         load = Load(handle.base_url, config.served_model_name, max_tokens=32)
         load.start(6)
         wait_until(lambda: sum(r.tokens > 0 or bool(r.text) for r in load.results) >= 2, timeout_s=30)
-        response = httpx.post(url, json={"pool": "decode", "replicas": 1, "drain_timeout_s": 60}, timeout=60)
+        response = httpx.post(
+            url, json={"pool": "decode", "replicas": 1, "drain_timeout_s": 60}, headers=auth, timeout=60
+        )
         assert response.json()["pools"]["decode"]["draining"] == ["decode-1"]
         results = load.join()
         assert all(r.status == 200 and r.error is None and r.tokens == 32 for r in results), results

@@ -33,7 +33,12 @@ def test_a_replica_that_does_not_fit_stays_pending_until_scaled_away(tiny_llama_
     handle = start_serving(config)
     try:
         total_cpus = ray.cluster_resources()["CPU"]
-        response = httpx.post(f"{handle.base_url}/admin/scale", json={"pool": "decode", "replicas": 2}, timeout=60)
+        response = httpx.post(
+            f"{handle.base_url}/admin/scale",
+            json={"pool": "decode", "replicas": 2},
+            headers=handle.admin_headers,
+            timeout=60,
+        )
         assert response.status_code == 200
         decode = response.json()["pools"]["decode"]
         assert decode["pending"] == ["decode-1"] and decode["workers"] == ["decode-0"], decode
@@ -44,7 +49,12 @@ def test_a_replica_that_does_not_fit_stays_pending_until_scaled_away(tiny_llama_
         status = httpx.get(f"{handle.base_url}/status", timeout=10).json()
         assert [w["name"] for w in status["workers"]] == ["prefill-0", "decode-0"]  # the pending one takes no work
 
-        response = httpx.post(f"{handle.base_url}/admin/scale", json={"pool": "decode", "replicas": 1}, timeout=60)
+        response = httpx.post(
+            f"{handle.base_url}/admin/scale",
+            json={"pool": "decode", "replicas": 1},
+            headers=handle.admin_headers,
+            timeout=60,
+        )
         assert response.json()["pools"]["decode"] == {
             "replicas": 1,
             "workers": ["decode-0"],

@@ -1,0 +1,92 @@
+"""The credential of ``/admin/*`` (scale, migrate) when no API key is set: without one, any process that can reach
+loopback could resize the pools or move requests. Like Jupyter's server token, it is made at start and kept in a file
+only the cluster's user can read, which the CLI reads (``pdserve scale`` and the benchmarks find it by the URL).
+
+The token is derived from the cluster secret (``transfer.secret``, made per start unless configured), so every router
+process of one cluster computes the same one without being told. With ``router.api_key`` set, the API key is the
+admin credential too and no file is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
+
+TOKEN_LABEL = b"pdserve/v1/admin-token"
+
+
+def admin_token(secret: str) -> str:
+    if not secret:
+        raise ValueError("the admin token needs the cluster secret (transfer.secret; the launcher makes one)")
+    return hmac.digest(secret.encode(), TOKEN_LABEL, hashlib.sha256).hex()
+
+
+def admin_credential(config: ClusterConfig) -> str:
+    """The API key, else the token derived from the cluster secret, else (no secret: an app built by hand) a random
+    one that no client knows, so ``/admin/*`` is closed rather than open."""
+    if config.router.api_key:
+        return config.router.api_key
+    return admin_token(config.transfer.secret) if config.transfer.secret else secrets.token_hex(32)
+
+
+def runtime_dir() -> Path:
+    """Where a running cluster's files for its user's CLI go: ``$XDG_RUNTIME_DIR/pdserve`` (a per-user tmpfs) or
+    ``<tmp>/pdserve-<uid>``; made 0700, and refused if another user owns it or others may enter it."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(base) / "pdserve" if base else Path(tempfile.gettempdir()) / f"pdserve-{os.getuid()}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} must be a folder of this user that no one else can enter (mode 0700)")
+    return folder
+
+
+def token_path(url: str) -> Path:
+    """The token file of the cluster serving ``url`` (by host and port: one file per listening address)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    host = (parts.hostname or "127.0.0.1").replace(":", "_")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return runtime_dir() / f"admin-{host}-{port}.token"
+
+
+def write_token(url: str, token: str) -> Path:
+    """Write the token for ``url``, readable by this user only (created 0600, replaced whole)."""
+    path = token_path(url)
+    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(temp, path)
+    return path
+
+
+def read_token(url: str) -> str | None:
+    """The token of the cluster at ``url``, or None when this user has none for it."""
+    try:
+        return token_path(url).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def remove_token(url: str, token: str) -> None:
+    """Remove ``url``'s token file if it is still this cluster's (a newer cluster on the same port keeps its own)."""
+    with contextlib.suppress(OSError):
+        if read_token(url) == token:
+            token_path(url).unlink()
+
+
+def admin_headers(url: str, api_key: str | None) -> dict[str, str]:
+    """What a client of ``/admin/*`` sends: the API key when it has one, else the token file's token."""
+    credential = api_key or read_token(url)
+    return {"Authorization": f"Bearer {credential}"} if credential else {}
