@@ -8,11 +8,16 @@ submits): ``check_ray_auth`` asks the GCS once from a child process that has no 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import secrets
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
+from cluster.admin_token import runtime_dir
 from cluster.config import ClusterConfig, ConfigError, pool_layout
 from cluster.network_exposure import is_loopback
 
@@ -42,11 +47,51 @@ def keep_ray_on_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]  # Ray's module, typed as a bare ModuleType
 
 
+def local_ray_token() -> Path | None:
+    """A token of the local Ray's own, in a file only this user can read (0600 in a 0700 folder): Ray would otherwise
+    write ``~/.ray/auth_token`` with the default umask (0644), and any local user holding it can join as a driver and
+    read the cluster secret from the workers. The Ray processes started from here find it by RAY_AUTH_TOKEN_PATH.
+    None where the user turned Ray's authentication off (RAY_AUTH_MODE=disabled), deliberately."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return None
+    folder = runtime_dir()
+    path = folder / f"ray-{os.getpid()}-{secrets.token_hex(4)}.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)})
+    return path
+
+
+def check_token_file(config: ClusterConfig) -> None:
+    """Joining a cluster: refuse a token file that others can read (they could join it too), naming it."""
+    if os.environ.get("RAY_AUTH_TOKEN") or config.ray.allow_unauthenticated:
+        return
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # no file: Ray says so itself, or the cluster is open and check_ray_auth refuses it
+    if mode & 0o077:
+        raise ConfigError(
+            f"ray.address: Ray's token file {path} can be read by other users (mode {stat.S_IMODE(mode):o}): with "
+            f"it they can join the cluster and run code on it. Run `chmod 600 {path}`"
+        )
+
+
 def init_local_ray(num_cpus: int, namespace: str) -> None:
-    """A fresh local Ray on loopback (``address="local"``: never another Ray running on this machine)."""
+    """A fresh local Ray on loopback (``address="local"``: never another Ray running on this machine), with a token
+    of its own (``local_ray_token``)."""
     import ray
 
     keep_ray_on_loopback()
+    token = local_ray_token()
+    if token is not None:  # this process's Ray read its settings when it was imported: read them again
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     # log_to_driver=False: workers log to Ray's session files, and commands that print JSON keep stdout clean
     ray.init(
         address="local",
@@ -56,6 +101,8 @@ def init_local_ray(num_cpus: int, namespace: str) -> None:
         logging_level=logging.WARNING,
         log_to_driver=False,
     )
+    if token is not None:
+        atexit.register(token.unlink, missing_ok=True)
     node_ip = ray.util.get_node_ip_address()
     if not is_loopback(node_ip):
         ray.shutdown()
@@ -107,6 +154,7 @@ def connect_ray(config: ClusterConfig, address: str | None) -> bool:
     ray.init(address=address, namespace=config.ray.namespace, logging_level=logging.WARNING)
     try:
         check_ray_auth(config, ray.get_runtime_context().gcs_address)
+        check_token_file(config)  # a cluster that takes tokens: ours must be this user's alone
     except BaseException:
         ray.shutdown()
         raise

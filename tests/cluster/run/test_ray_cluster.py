@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, parse_config
-from cluster.run.ray_cluster import LOOPBACK_ENV, check_ray_auth
+from cluster.run.ray_cluster import LOOPBACK_ENV, check_ray_auth, check_token_file
 from tests.helpers.serve_process import serve_process
 from tests.helpers.sockets import listening_sockets
 
@@ -70,15 +71,15 @@ import os, sys
 from cluster.run.ray_cluster import init_local_ray
 import ray
 init_local_ray(1, "pdserve-auth-test")
-print(ray.get_runtime_context().gcs_address, flush=True)
+print(ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_TOKEN_PATH", ""), flush=True)
 sys.stdin.read()  # until the test closes our stdin
 ray.shutdown()
 """
 
 
 @contextmanager
-def _ray_head(auth_mode: str) -> Iterator[str]:
-    """A local Ray in a child process with ``RAY_AUTH_MODE=auth_mode``; yields its GCS address."""
+def _ray_head(auth_mode: str) -> Iterator[tuple[str, str]]:
+    """A local Ray in a child process with ``RAY_AUTH_MODE=auth_mode``; yields its GCS address and token file."""
     env = {**os.environ, **LOOPBACK_ENV, "RAY_AUTH_MODE": auth_mode}
     proc = subprocess.Popen(
         [sys.executable, "-c", _RAY_HEAD],
@@ -92,9 +93,9 @@ def _ray_head(auth_mode: str) -> Iterator[str]:
     )
     try:
         assert proc.stdout is not None and proc.stdin is not None
-        address = proc.stdout.readline().strip()
+        address, _, token_file = proc.stdout.readline().strip().partition(" ")
         assert address, "the Ray head did not start"
-        yield address
+        yield address, token_file
         proc.stdin.close()
         proc.wait(timeout=30)
     finally:
@@ -105,7 +106,7 @@ def _ray_head(auth_mode: str) -> Iterator[str]:
 
 def test_joining_a_ray_cluster_without_token_auth_is_refused_with_the_field_to_set(tiny_llama_path, tmp_path):
     config = _tiny_config_file(tmp_path, tiny_llama_path)
-    with _ray_head("disabled") as address:
+    with _ray_head("disabled") as (address, _):
         run = subprocess.run(
             [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port", "0", "--address", address],
             cwd=REPO,
@@ -121,8 +122,41 @@ def test_joining_a_ray_cluster_without_token_auth_is_refused_with_the_field_to_s
 
 
 def test_a_ray_cluster_with_token_auth_is_accepted():
-    with _ray_head("token") as address:
+    with _ray_head("token") as (address, _):
         check_ray_auth(parse_config({}), address)
+
+
+def test_a_local_ray_has_a_token_of_its_own_that_only_its_user_can_read(tmp_path):
+    """Not ~/.ray/auth_token (written 0644 by Ray): a file 0600 in a 0700 folder, which the shared default token does
+    not open, and which is gone when the head stops."""
+    with _ray_head("token") as (address, token_file):
+        token = Path(token_file)
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+        other = tmp_path / "someone-elses-token"
+        other.write_text("0" * 64)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        join = f"import ray; ray.init(address={address!r}); print('joined')"
+        refused = subprocess.run(
+            [sys.executable, "-c", join],
+            env=env | LOOPBACK_ENV | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(other)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "joined" not in refused.stdout and refused.returncode != 0
+    assert not token.exists()
+
+
+def test_joining_with_a_token_file_others_can_read_is_refused_naming_it(tmp_path, monkeypatch):
+    token = tmp_path / "auth_token"
+    token.write_text("0" * 64)
+    token.chmod(0o644)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    with pytest.raises(ConfigError, match=f"chmod 600 {token}"):
+        check_token_file(parse_config({}))
+    token.chmod(0o600)
+    check_token_file(parse_config({}))
 
 
 def test_an_address_where_no_ray_answers_is_refused_not_waited_on():
