@@ -88,7 +88,7 @@ def init_local_ray(num_cpus: int, namespace: str) -> None:
     keep_ray_on_loopback()
     token = local_ray_token()
     if token is not None:  # this process's Ray read its settings when it was imported: read them again
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
