@@ -3,7 +3,8 @@
 ``Signer.seal`` seals a typed message (worker/messages.py) with transfer/auth.py's ``seal``, the KV plane's frame
 ``tag(32) | sender(16) | seq(8) | body``; ``Verifier.open`` checks the MAC before msgpack sees a byte, then the order,
 then decodes the body into the socket's direction (commands or events). The key is derived from the cluster secret,
-the direction and the receiving socket's address, so a message is valid only at the socket it was sent to; ``sender``
+the direction and the receiving socket's address (with a random value of its start: ``with_start_value``), so a
+message is valid only at the socket and in the process it was sent to; ``sender``
 is random per sending socket and ``seq`` strictly increases on it, so a replayed message is refused. What is dropped
 is an AuthError with its ``Rejection``, counted by the worker (``control_rejected``) and the router
 (``pdserve_control_rejected_total``).
@@ -15,6 +16,7 @@ import enum
 import itertools
 import logging
 import os
+import secrets
 from collections import OrderedDict
 
 from transfer.auth import IDENT_BYTES, OVERHEAD, derive_key, seal, split, verify
@@ -44,6 +46,18 @@ class Rejection(str, enum.Enum):
 def rejected(reason: Rejection, detail: str = "") -> AuthError:
     """A control message to drop: before it was unpacked, or (MALFORMED) after it was authenticated."""
     return AuthError(f"{reason.value}{': ' + detail if detail else ''}", reason=reason)
+
+
+def with_start_value(endpoint: str) -> str:
+    """A receiving socket's address as it is announced: its ZeroMQ endpoint and a random value of this start, after
+    ``#``. Keys derive from the whole address, so a restarted worker or router (even on the same port, with the same
+    configured secret) never accepts what was sealed for its predecessor."""
+    return f"{endpoint}#{secrets.token_hex(8)}"
+
+
+def zmq_endpoint(address: str) -> str:
+    """What ZeroMQ connects to: the address without its start value."""
+    return address.partition("#")[0]
 
 
 def control_key(secret: str | None, channel: Channel, address: str) -> bytes:

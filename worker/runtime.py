@@ -36,7 +36,17 @@ from worker.messages import (
     WorkerCounters,
     kind,
 )
-from worker.protocol import MAX_FRAME_BYTES, Channel, Rejection, RejectionLog, Signer, Verifier, rejected
+from worker.protocol import (
+    MAX_FRAME_BYTES,
+    Channel,
+    Rejection,
+    RejectionLog,
+    Signer,
+    Verifier,
+    rejected,
+    with_start_value,
+    zmq_endpoint,
+)
 from worker.role import Role
 from worker.routers import RouterBook
 from worker.spec import WorkerSpec, resolve_spec
@@ -78,7 +88,7 @@ class WorkerRuntime:
         self._ctx = zmq.Context()
         self._commands = self._socket(zmq.PULL)
         port = self._commands.bind_to_random_port(f"tcp://{options.host}")
-        self.command_address = f"tcp://{options.host}:{port}"
+        self.command_address = with_start_value(f"tcp://{options.host}:{port}")
         self._verifier = Verifier(options.secret, Channel.COMMANDS, self.command_address)
         self._rejections = RejectionLog(self.name)
         self._routers = options.router_addresses
@@ -113,7 +123,7 @@ class WorkerRuntime:
         sockets = []
         for address in self._routers:
             sock = self._socket(zmq.PUSH)
-            sock.connect(address)
+            sock.connect(zmq_endpoint(address))
             sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))
         return sockets
 

@@ -28,7 +28,17 @@ from cluster.routing.metrics import RouterMetrics
 from engine.request import SamplingParams
 from transfer.errors import AuthError
 from worker.messages import Command, Event, Ping
-from worker.protocol import MAX_FRAME_BYTES, Channel, Rejection, RejectionLog, Signer, Verifier, rejected
+from worker.protocol import (
+    MAX_FRAME_BYTES,
+    Channel,
+    Rejection,
+    RejectionLog,
+    Signer,
+    Verifier,
+    rejected,
+    with_start_value,
+    zmq_endpoint,
+)
 from worker.tracing import REQUEST_SPAN, Tracing, epoch_ns, mark_error, timing_attributes, traceparent_of
 
 logger = logging.getLogger(__name__)
@@ -62,7 +72,7 @@ class Router:
         self._ctx = zmq.asyncio.Context()
         self._events = self._socket(zmq.PULL, rcvhwm=1_000_000)
         port = self._events.bind_to_random_port(f"tcp://{host}")
-        self.event_address = f"tcp://{host}:{port}"
+        self.event_address = with_start_value(f"tcp://{host}:{port}")
         # outlives a restart of _receive_events, so a replay is refused across it too
         self._event_verifier = Verifier(config.transfer.secret, Channel.EVENTS, self.event_address)
         self._links: dict[str, tuple[zmq.asyncio.Socket, Signer]] = {}  # per worker: its command socket and signer
@@ -91,7 +101,7 @@ class Router:
         sock = self._socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.SNDTIMEO, 1000)
-        sock.connect(command_address)
+        sock.connect(zmq_endpoint(command_address))
         self._links[name] = (sock, Signer(self.config.transfer.secret, Channel.COMMANDS, command_address))
         self._run(self.core.add_worker, name, role, command_address, kv_address, time.monotonic())
 

@@ -16,7 +16,7 @@ import zmq
 from engine.request import FinishReason, SamplingParams
 from tests.helpers.cluster import metric_value, tiny_cluster_config
 from worker.messages import Abort, Reserve, Stats, TokenItem, Tokens, WorkerCounters, WorkerLoad
-from worker.protocol import SEAL_OVERHEAD, Channel, Signer
+from worker.protocol import SEAL_OVERHEAD, Channel, Signer, zmq_endpoint
 
 pytestmark = pytest.mark.timeout(240)
 PROMPT, MAX_TOKENS = "the quick brown fox", 40
@@ -58,7 +58,7 @@ def pusher():
     def connect(address: str) -> zmq.Socket:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(address)
+        sock.connect(zmq_endpoint(address))
         return sock
 
     yield connect
@@ -144,7 +144,7 @@ def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pu
     replay = next(
         raw
         for endpoint, raw in sent
-        if endpoint == decode and msgpack.unpackb(raw[SEAL_OVERHEAD:])["type"] == "reserve"
+        if endpoint == zmq_endpoint(decode) and msgpack.unpackb(raw[SEAL_OVERHEAD:])["type"] == "reserve"
     )  # the first request's, sealed
     forged: list[bytes] = []
 
@@ -194,7 +194,7 @@ def test_forged_and_replayed_events_are_dropped_and_counted_in_metrics(serve, se
         first = next(
             raw
             for endpoint, raw in sent
-            if endpoint == router
+            if endpoint == zmq_endpoint(router)
             and raw[SEAL_OVERHEAD:]
             and msgpack.unpackb(raw[SEAL_OVERHEAD:]).get("rid") == wire_rid
         )  # its real first_token

@@ -43,7 +43,16 @@ from worker.messages import (
     encode,
     kind,
 )
-from worker.protocol import AuthError, Channel, Rejection, Signer, Verifier, control_key
+from worker.protocol import (
+    AuthError,
+    Channel,
+    Rejection,
+    Signer,
+    Verifier,
+    control_key,
+    with_start_value,
+    zmq_endpoint,
+)
 
 SECRET = "typed-messages-test-secret-0123456789"
 PARAMS = SamplingParams(
@@ -217,6 +226,18 @@ def test_the_mac_is_checked_before_the_body_is_decoded():
     assert events.open(Signer(SECRET, Channel.EVENTS, address).seal(EVENTS[4])) == EVENTS[4]
 
 
+def test_a_restarted_receiver_refuses_what_was_sealed_for_its_predecessor():
+    """Same endpoint (a port reused), same configured secret: the start value in the address changes the key."""
+    endpoint = "tcp://127.0.0.1:5555"
+    before, after = with_start_value(endpoint), with_start_value(endpoint)
+    assert before != after and zmq_endpoint(before) == zmq_endpoint(after) == endpoint
+    captured = Signer(SECRET, Channel.COMMANDS, before).seal(COMMANDS[3])
+    assert Verifier(SECRET, Channel.COMMANDS, before).open(captured) == COMMANDS[3]
+    with pytest.raises(AuthError) as error:
+        Verifier(SECRET, Channel.COMMANDS, after).open(captured)
+    assert error.value.reason is Rejection.BAD_MAC
+
+
 def test_both_planes_seal_with_one_primitive():
     address = "tcp://127.0.0.1:1"
     key = control_key(SECRET, Channel.COMMANDS, address)
@@ -301,7 +322,7 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
     worker.start()
     commands = ctx.socket(zmq.PUSH)
     commands.setsockopt(zmq.LINGER, 0)
-    commands.connect(worker.command_address)
+    commands.connect(zmq_endpoint(worker.command_address))
     signer = Signer(SECRET, Channel.COMMANDS, worker.command_address)
     received: list = []
 

@@ -34,7 +34,7 @@ from engine.request import SamplingParams
 from tests.helpers.cluster import metric_value, wait_all_kv_free
 from tests.helpers.engine import Reference, random_prompts
 from worker.messages import Abort, Command, ErrorEvent, Event, Generate, Ping, Reserve, Reserved, Stats, Tokens
-from worker.protocol import Channel, Signer, Verifier
+from worker.protocol import Channel, Signer, Verifier, zmq_endpoint
 from worker.spec import RuntimeOptions, WorkerSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -66,7 +66,7 @@ class FakeRouters:
         for _ in self.pulls:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(command_address)
+            sock.connect(zmq_endpoint(command_address))
             self.pushes.append((sock, Signer(SECRET, Channel.COMMANDS, command_address)))
 
     def send(self, router: int, message: Command) -> None:
