@@ -419,6 +419,7 @@ class DecodeRole(Role):
     def totals(self) -> WorkerCounters:
         counters = super().totals()
         counters.kv_rejected = self.receiver.rejected  # KV-plane messages dropped unread (the receiver counts)
+        counters.kv_handshake_refused = self.receiver.handshake_refused  # peers dropped at connect
         return counters
 
     def has_work(self) -> bool:

@@ -54,6 +54,8 @@ class Peer:
     last_sent: float = 0.0  # the welcome, then our latest message: a peer idle too long is closed
     seq_out: int = 0  # last sequence number we sealed
     seq_in: int = 0  # last one we accepted from the receiver
+    # ZeroMQ's own events of the connection: a handshake the receiver refused (another cluster's password) shows here
+    monitor: zmq.Socket | None = None
 
     def seal(self, header: Header) -> bytes:
         """A header of this session: MAC under the session key, the next sequence number."""

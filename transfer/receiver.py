@@ -63,6 +63,7 @@ from transfer.wire import (
     pack_header,
     unpack_header,
 )
+from transfer.zap import ZapHandler, plane_keys, serve_plain
 
 log = logging.getLogger(__name__)
 MAX_FRAMES = 2 + 4  # identity, header, at most 4 payload frames (int8: k, k scales, v, v scales); a batch has 1
@@ -106,12 +107,16 @@ class Receiver(KVReceiver):
         self._sessions = SessionTable(self.cfg.max_sessions, self.cfg.idle_session_s)
         self._seq_out = 0
         self._ctx = zmq.Context()
+        self.handshake_refused = 0  # peers without the cluster's password, dropped at connect (the ZAP thread counts)
+        self._zap = ZapHandler(self._ctx, plane_keys(self.cfg.secret), "kv-receiver", self._count_refused)
         # no frame larger than a payload frame or a sealed header is ever buffered (ZeroMQ drops the peer)
         self._sock = configure(
             self._ctx.socket(zmq.ROUTER),
             self.cfg,
             max_msg_bytes=max(self.cfg.max_frame_bytes, MAX_HEADER_BYTES + OVERHEAD),
         )
+        serve_plain(self._sock)  # a stranger is dropped in ZeroMQ's handshake (transfer/zap.py)
+        self._zap.watch(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to vanished peers error, not vanish
         self._sock.bind(bind_address(control_address(address)))
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -225,9 +230,15 @@ class Receiver(KVReceiver):
         for path in [s.path for s in self._sessions.values()] + self._retired:
             path.close(join_s=max(0.0, end - time.monotonic()))
         self._sock.close(linger=0)
+        self._zap.close()
         self._ctx.destroy(linger=0)
         if self._segment is not None:
             self._segment.close()
+
+    def _count_refused(self, reason: str) -> None:
+        self.handshake_refused += 1
+        if self.handshake_refused & (self.handshake_refused - 1) == 0:
+            log.warning("refused a KV peer in the handshake (%s; %d so far)", reason, self.handshake_refused)
 
     # ------------------------------------------------------------------ messages
 

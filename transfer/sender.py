@@ -57,6 +57,7 @@ from transfer.wire import (
     encode_piece,
     unpack_header,
 )
+from transfer.zap import connect_plain, plane_keys
 
 log = logging.getLogger(__name__)
 
@@ -376,10 +377,13 @@ class Sender(KVSender):
         # replies are headers only: anything larger is refused by ZeroMQ before it is buffered
         sock = configure(self._ctx.socket(zmq.DEALER), self.cfg, max_msg_bytes=MAX_HEADER_BYTES + OVERHEAD)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a receiver that is not connected
+        connect_plain(sock, plane_keys(self.cfg.secret))  # what the receiver's ZAP handler asks of a peer
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         sock.connect(control_address(address))
         peer = Peer(
             address, sock, time.monotonic(), Outbox(self._meter), self._handshake.inline, os.urandom(NONCE_BYTES)
         )
+        peer.monitor = monitor
         self._peers[address] = peer
         return peer
 
@@ -546,6 +550,15 @@ class Sender(KVSender):
                 self._leases.release(tid, err)
         now = time.monotonic()
         for peer in list(self._peers.values()):
+            if peer.state is not PeerState.READY and peer.monitor is not None and peer.monitor.poll(0):
+                self._drop_peer(
+                    peer,
+                    AuthError(
+                        f"{peer.address} refused this cluster's password in ZeroMQ's handshake: a different cluster "
+                        "secret?"
+                    ),
+                )
+                continue
             if peer.state is not PeerState.READY and now - peer.created > self.cfg.connect_timeout_s:
                 why = f"no handshake with {peer.address} within {self.cfg.connect_timeout_s}s (receiver not running?)"
             elif peer.stuck_since is not None and now - peer.stuck_since > self.cfg.send_timeout_s:
@@ -596,4 +609,7 @@ class Sender(KVSender):
     def _close_peer(self, peer: Peer) -> None:
         peer.outbox.clear()
         peer.path.close()
+        if peer.monitor is not None:
+            peer.sock.disable_monitor()
+            peer.monitor.close(linger=0)
         peer.sock.close(linger=0)

@@ -112,6 +112,7 @@ class WorkerCounters(msgspec.Struct):
     errors: int = 0
     aborts: int = 0
     control_rejected: int = 0  # commands dropped unread or undecodable (by Rejection reason in the log)
+    handshake_refused: int = 0  # peers without the cluster's keys, dropped at the command socket's handshake
     step_failures: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
@@ -122,6 +123,7 @@ class WorkerCounters(msgspec.Struct):
     recomputes: int = 0
     reservations_expired: int = 0
     kv_rejected: int = 0  # decode: KV-plane messages dropped unread (bad or missing MAC, replayed, too many frames)
+    kv_handshake_refused: int = 0  # decode: KV peers without the cluster's password, dropped at connect
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     migrations_out: int = 0  # decode: running requests whose KV went to another decode worker

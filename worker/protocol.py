@@ -41,6 +41,7 @@ class Rejection(str, enum.Enum):
     REPLAYED = "replayed"  # a sequence number this sender already used
     MULTIPART = "multipart"  # control messages are one frame
     MALFORMED = "malformed"  # authenticated, but not a valid message (a bug of the sender, not an attack)
+    HANDSHAKE = "handshake"  # a peer without the cluster's keys, dropped in ZeroMQ's handshake (transfer/zap.py)
 
 
 def rejected(reason: Rejection, detail: str = "") -> AuthError:

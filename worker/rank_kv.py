@@ -754,6 +754,10 @@ class HandoffReceiver:
     def rejected(self) -> int:
         return self.receiver.rejected
 
+    @property
+    def handshake_refused(self) -> int:
+        return self.receiver.handshake_refused
+
     def close(self) -> None:
         self.kv.close()
 

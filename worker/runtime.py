@@ -23,6 +23,7 @@ from engine.block_manager import KvEventBatch
 from engine.config import KVPlace
 from engine.llm_engine import LLMEngine
 from transfer.errors import AuthError
+from transfer.zap import ZapHandler, connect_curve, plane_keys, serve_curve
 from worker.messages import (
     MAX_KV_EVENT_HASHES,
     Command,
@@ -86,7 +87,12 @@ class WorkerRuntime:
                 self.tracing.close()
             raise
         self._ctx = zmq.Context()
+        self._keys = plane_keys(options.secret)
+        self.handshake_refused = 0
+        self._zap = ZapHandler(self._ctx, self._keys, self.name, self._count_refused)  # before anything binds
         self._commands = self._socket(zmq.PULL)
+        serve_curve(self._commands, self._keys)
+        self._zap.watch(self._commands)  # a stranger is dropped in ZeroMQ's handshake (transfer/zap.py)
         port = self._commands.bind_to_random_port(f"tcp://{options.host}")
         self.command_address = with_start_value(f"tcp://{options.host}:{port}")
         self._verifier = Verifier(options.secret, Channel.COMMANDS, self.command_address)
@@ -123,6 +129,7 @@ class WorkerRuntime:
         sockets = []
         for address in self._routers:
             sock = self._socket(zmq.PUSH)
+            connect_curve(sock, self._keys)
             sock.connect(zmq_endpoint(address))
             sockets.append((sock, Signer(self.options.secret, Channel.EVENTS, address)))
         return sockets
@@ -180,7 +187,15 @@ class WorkerRuntime:
         self._commands.close(0)
         for sock, _ in self._events:
             sock.close(0)
+        self._zap.close()
         self._ctx.term()
+
+    def _count_refused(self, reason: str) -> None:
+        """A peer without the cluster's keys at the command socket (the ZAP thread is the only writer)."""
+        self.handshake_refused += 1
+        count = self.handshake_refused
+        if count & (count - 1) == 0:
+            logger.warning("%s: refused a peer in the handshake (%s; %d so far)", self.name, reason, count)
 
     def info(self) -> dict:
         return {
@@ -374,7 +389,7 @@ class WorkerRuntime:
             role=self.role.kind.value,
             address=self.command_address,
             load=self.role.load(),
-            counters=self.role.totals(),
+            counters=msgspec.structs.replace(self.role.totals(), handshake_refused=self.handshake_refused),
             degraded=self.degraded,
             draining=self._book.draining,
             kv_paths=self.role.kv_paths(),

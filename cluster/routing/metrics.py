@@ -99,7 +99,8 @@ class RouterMetrics:
         self.inflight = gauge("pdserve_router_inflight", "Requests in flight at the router", mode="livesum")
         self.control_rejected = counter(
             "pdserve_control_rejected",
-            "Worker events dropped unread by the router: bad or missing MAC, replayed, multipart, malformed",
+            "Worker events dropped unread by the router: bad or missing MAC, replayed, multipart, malformed; and peers "
+            "without the cluster's keys refused in the handshake",
             "reason",
         )
         for reason in Rejection:

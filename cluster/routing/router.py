@@ -27,6 +27,7 @@ from cluster.routing.membership import WorkerHandle
 from cluster.routing.metrics import RouterMetrics
 from engine.request import SamplingParams
 from transfer.errors import AuthError
+from transfer.zap import ZapHandler, connect_curve, plane_keys, serve_curve
 from worker.messages import Command, Event, Ping
 from worker.protocol import (
     MAX_FRAME_BYTES,
@@ -70,7 +71,12 @@ class Router:
         tracing = config.observability.tracing_options()
         self.tracing = Tracing(tracing, f"router-{index}") if tracing is not None else None
         self._ctx = zmq.asyncio.Context()
+        self._keys = plane_keys(config.transfer.secret)
+        # before anything binds; a peer without the cluster's keys is dropped in ZeroMQ's handshake (transfer/zap.py)
+        self._zap = ZapHandler(self._ctx, self._keys, f"router-{index}", self._count_refused)
         self._events = self._socket(zmq.PULL, rcvhwm=1_000_000)
+        serve_curve(self._events, self._keys)
+        self._zap.watch(self._events)
         port = self._events.bind_to_random_port(f"tcp://{host}")
         self.event_address = with_start_value(f"tcp://{host}:{port}")
         # outlives a restart of _receive_events, so a replay is refused across it too
@@ -92,6 +98,9 @@ class Router:
             sock.setsockopt(zmq.RCVHWM, options["rcvhwm"])
         return sock
 
+    def _count_refused(self, reason: str) -> None:  # the ZAP thread's; prometheus counters are thread-safe
+        self.metrics.control_rejected.labels(Rejection.HANDSHAKE.value).inc()
+
     # ---- membership ----------------------------------------------------------------------------------------------
 
     def add_worker(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
@@ -101,6 +110,7 @@ class Router:
         sock = self._socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.SNDTIMEO, 1000)
+        connect_curve(sock, self._keys)
         sock.connect(zmq_endpoint(command_address))
         self._links[name] = (sock, Signer(self.config.transfer.secret, Channel.COMMANDS, command_address))
         self._run(self.core.add_worker, name, role, command_address, kv_address, time.monotonic())
@@ -232,6 +242,7 @@ class Router:
         for sock, _ in self._links.values():
             sock.close(0)
         self._events.close(0)
+        await asyncio.to_thread(self._zap.close)  # its socket is on this context: closed before term
         self._ctx.term()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.close)  # the last spans' export: off the loop

@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from engine.request import FinishReason, SamplingParams
-from tests.helpers.cluster import metric_value, tiny_cluster_config
+from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_until
+from transfer.zap import connect_curve, plane_keys
 from worker.messages import Abort, Reserve, Stats, TokenItem, Tokens, WorkerCounters, WorkerLoad
 from worker.protocol import SEAL_OVERHEAD, Channel, Signer, zmq_endpoint
 
@@ -52,12 +53,16 @@ def serve(serve):
 
 @pytest.fixture
 def pusher():
-    """PUSH sockets of a stranger on the same host, connected to any address."""
+    """PUSH sockets on the same host, connected to any address: a stranger's (no keys: ZeroMQ's handshake drops it,
+    transfer/zap.py), or, with the cluster secret, those of a process that holds the cluster's keys, so that what
+    is tested is the MAC check behind the handshake."""
     ctx = zmq.Context()
 
-    def connect(address: str) -> zmq.Socket:
+    def connect(address: str, secret: str | None = None) -> zmq.Socket:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)
+        if secret is not None:
+            connect_curve(sock, plane_keys(secret))
         sock.connect(zmq_endpoint(address))
         return sock
 
@@ -109,16 +114,19 @@ def _stream(handle, after_first_token) -> tuple[str, str | None]:
     return "".join(text), finish
 
 
-def _worker_rejected(handle, name: str, want: int) -> None:
-    """The worker's counter reaches `want` in /status and in /metrics (heartbeats lag a little)."""
+def _worker_rejected(handle, name: str, want: int, key: str = "control_rejected", at_least: bool = False) -> None:
+    """The worker's counter reaches `want` (or more, ``at_least``) in /status and in /metrics (heartbeats lag a
+    little)."""
     for _ in range(50):
         status = httpx.get(f"{handle.base_url}/status", timeout=5).json()
-        seen = next(w for w in status["workers"] if w["name"] == name).get("control_rejected")
-        total = metric_value(handle.base_url, "pdserve_worker_total", worker=name, key="control_rejected")
+        seen = next(w for w in status["workers"] if w["name"] == name).get(key)
+        total = metric_value(handle.base_url, "pdserve_worker_total", worker=name, key=key)
+        if at_least and seen is not None and total is not None and min(seen, total) >= want:
+            return
         if seen == want and total == want:
             return
         time.sleep(0.1)
-    raise AssertionError(f"{name}: control_rejected {seen} in /status, {total} in /metrics; want {want}")
+    raise AssertionError(f"{name}: {key} {seen} in /status, {total} in /metrics; want {want}")
 
 
 def test_zero_configuration_makes_a_secret_and_every_worker_gets_it(serve, tiny_llama_path):
@@ -163,7 +171,10 @@ def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pu
                 replay,  # a real command of the first request, replayed
             ]
         )
-        sock = pusher(decode)
+        stranger = pusher(decode)  # no keys: dropped in the handshake, before a byte of it is buffered
+        for frame in forged:
+            stranger.send(frame, zmq.NOBLOCK)
+        sock = pusher(decode, secret)  # past the handshake: each frame must still fail its MAC, order or shape
         for frame in forged:
             sock.send(frame)
         sock.send_multipart([Signer("x", Channel.COMMANDS, decode).seal(abort), b"more"])
@@ -172,6 +183,7 @@ def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pu
     text, finish = _stream(handle, forge)
     assert text == expected and finish == "length"  # not aborted, nothing lost
     _worker_rejected(handle, "decode-0", len(forged) + 2)
+    _worker_rejected(handle, "decode-0", 1, key="handshake_refused", at_least=True)  # each reconnection counts
     _worker_rejected(handle, "prefill-0", 0)
     assert _reference(handle) == expected
 
@@ -198,7 +210,8 @@ def test_forged_and_replayed_events_are_dropped_and_counted_in_metrics(serve, se
             and raw[SEAL_OVERHEAD:]
             and msgpack.unpackb(raw[SEAL_OVERHEAD:]).get("rid") == wire_rid
         )  # its real first_token
-        sock = pusher(router)
+        pusher(router).send(msgpack.packb(raw_finish), zmq.NOBLOCK)  # a stranger: dropped in the handshake
+        sock = pusher(router, secret)  # with the cluster's keys: the MACs must hold
         for frame in (
             msgpack.packb(raw_finish),  # what a stranger could do before: end the request
             Signer("not-the-secret", Channel.EVENTS, router).seal(finish),
@@ -214,9 +227,14 @@ def test_forged_and_replayed_events_are_dropped_and_counted_in_metrics(serve, se
     assert text == expected and finish == "length"
     counts = {
         reason: metric_value(handle.base_url, "pdserve_control_rejected_total", reason=reason)
-        for reason in ("bad_mac", "missing_mac", "replayed", "multipart", "malformed")
+        for reason in ("bad_mac", "missing_mac", "replayed", "multipart", "malformed", "handshake")
     }
+    counts.pop("handshake")
     assert counts == {"bad_mac": 4, "missing_mac": 1, "replayed": 1, "multipart": 1, "malformed": 0}, counts
+    wait_until(  # the stranger, at each of its reconnections
+        lambda: (metric_value(handle.base_url, "pdserve_control_rejected_total", reason="handshake") or 0) >= 1,
+        timeout_s=5,
+    )
     assert _reference(handle) == expected
 
 

@@ -13,6 +13,7 @@ import zmq
 from tests.helpers.cluster import metric_value, wait_until, worker_named
 from transfer.auth import NO_SESSION, handshake_key, seal
 from transfer.wire import pack_header
+from transfer.zap import connect_plain, plane_keys
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,23 +64,31 @@ def test_a_prefill_worker_whose_kv_sender_thread_died_is_degraded_and_gets_no_re
 
 
 def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serve):
+    """A stranger (no password) is refused in ZeroMQ's handshake; a peer past it (the password, sniffed: PLAIN sends
+    it in the clear) still fails the MACs. Both are counted per decode worker."""
     handle = serve()
     kv_address = handle.router.members.workers["decode-0"].kv_address
 
-    def rejected() -> float | None:
-        return metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key="kv_rejected")
+    def counted(key: str) -> float | None:
+        return metric_value(handle.base_url, "pdserve_worker_total", worker="decode-0", key=key)
 
-    wait_until(lambda: rejected() is not None, 5)  # the first heartbeat
-    assert rejected() == 0
+    wait_until(lambda: counted("kv_rejected") is not None, 5)  # the first heartbeat
+    assert counted("kv_rejected") == 0 and counted("kv_handshake_refused") == 0
     ctx = zmq.Context()
     try:
+        hello = {"kind": "hello", "fp": [], "transport": "zmq", "nonce": b"n" * 16}
         stranger = ctx.socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.connect(kv_address.removeprefix("shm+"))  # the default (auto) receiver's zmq control socket
-        stranger.send(b"\0" * 80)  # no valid MAC
-        hello = {"kind": "hello", "fp": [], "transport": "zmq", "nonce": b"n" * 16}
-        stranger.send(seal(handshake_key("a guessed secret"), NO_SESSION, 0, pack_header(hello)))
-        wait_until(lambda: rejected() == 2, 5)
+        stranger.send(b"\0" * 80, zmq.NOBLOCK)
+        wait_until(lambda: (counted("kv_handshake_refused") or 0) >= 1, 5)
+        insider = ctx.socket(zmq.DEALER)
+        insider.setsockopt(zmq.LINGER, 0)
+        connect_plain(insider, plane_keys(handle.config.transfer.secret))
+        insider.connect(kv_address.removeprefix("shm+"))
+        insider.send(b"\0" * 80)  # no valid MAC
+        insider.send(seal(handshake_key("a guessed secret"), NO_SESSION, 0, pack_header(hello)))
+        wait_until(lambda: counted("kv_rejected") == 2, 5)
     finally:
         ctx.destroy(linger=0)
     assert _complete(handle).status_code == 200  # the decode worker serves on

@@ -26,6 +26,7 @@ from transfer.errors import AuthError, PeerGone, ProtocolError
 from transfer.pairgroup import PairLink, local_ip_towards, make_store_server
 from transfer.state import TransferState
 from transfer.wire import MAX_HEADER_BYTES, pack_header, unpack_header
+from transfer.zap import ZapHandler, connect_plain, plane_keys, serve_plain
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "a-cluster-secret-0123456789abcdef"
@@ -124,7 +125,8 @@ def test_a_different_secret_is_refused_both_ways(sender_secret, receiver_secret,
     t0 = time.monotonic()
     error = _failed(poll_until([s.poll, lambda: [e for e in r.poll() if e.transfer_id != "t"]], lambda e: e, 3), "t")
     assert isinstance(error, AuthError) and "secret" in str(error) and time.monotonic() - t0 < 1.0
-    assert r._sessions == {} and r.rejected >= 1 and cache.writes == 0  # no session was ever opened
+    # refused in ZeroMQ's handshake (transfer/zap.py): no session was ever opened, no byte of it read
+    assert r._sessions == {} and r.handshake_refused >= 1 and cache.writes == 0
     r.abort("t")
     assert r.poll()[0].transfer_id == "t" and r.pending_transfers() == [] and s.active_transfers() == []
 
@@ -134,6 +136,8 @@ def test_a_receiver_that_cannot_prove_the_secret_gets_no_kv(zctx, closing) -> No
     fp = fingerprint()
     fake = zctx.socket(zmq.ROUTER)
     fake.setsockopt(zmq.RCVTIMEO, 2000)
+    serve_plain(fake)  # it sniffed the cluster's password (PLAIN is sent in the clear)
+    impostor = ZapHandler(zctx, plane_keys(SECRET), "impostor")
     port = fake.bind_to_random_port("tcp://127.0.0.1")
     s = closing(make_sender("zmq", fp, TransferConfig(secret=SECRET, **FAST)))
     s.begin("t", f"tcp://127.0.0.1:{port}")
@@ -153,6 +157,7 @@ def test_a_receiver_that_cannot_prove_the_secret_gets_no_kv(zctx, closing) -> No
     with pytest.raises(zmq.Again):
         fake.recv_multipart(zmq.NOBLOCK)  # the piece never left
     assert s.active_transfers() == []
+    impostor.close()  # its socket is on zctx's libzmq context, which the fixture terminates
 
 
 def test_replayed_hello_and_pieces_are_dropped(sent, zctx, closing) -> None:
@@ -169,6 +174,7 @@ def test_replayed_hello_and_pieces_are_dropped(sent, zctx, closing) -> None:
     captured = _messages(sent, zmq.DEALER)  # the hello and the first piece, as they went on the wire
     assert len(captured) == 2 and len(captured[1]) == 3
     attacker = zctx.socket(zmq.DEALER)
+    connect_plain(attacker, plane_keys(SECRET))  # past ZeroMQ's handshake (a sniffed password): the MACs must hold
     attacker.connect(r.address)
     for message in captured:
         attacker.send_multipart(message)
@@ -368,6 +374,7 @@ def test_an_authenticated_but_malformed_hello_gets_a_reject_naming_why(zctx, clo
     r = closing(make_receiver("zmq", fp, Cache(fp).sink, "tcp://127.0.0.1:0", TransferConfig(secret=SECRET, **FAST)))
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    connect_plain(sock, plane_keys(SECRET))
     sock.connect(r.address)
     hello = {"kind": "hello", "fp": msgspec.to_builtins(fp), "transport": "zmq"}
     sock.send(seal(handshake_key(SECRET), NO_SESSION, 0, pack_header(hello)))

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.request import FinishReason, SamplingParams, TokenLogprob
 from tests.helpers.engine import random_prompts
 from transfer import auth, errors
+from transfer.zap import connect_curve, plane_keys, serve_curve
 from worker.messages import (
     MAX_MESSAGE_BYTES,
     Abort,
@@ -309,6 +310,7 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
     ctx = zmq.Context()
     events_sock = ctx.socket(zmq.PULL)
     events_sock.setsockopt(zmq.LINGER, 0)
+    serve_curve(events_sock, plane_keys(SECRET))  # the worker connects as a CURVE client (transfer/zap.py)
     router_address = f"tcp://127.0.0.1:{events_sock.bind_to_random_port('tcp://127.0.0.1')}"
     verifier = Verifier(SECRET, Channel.EVENTS, router_address)
     engine = EngineConfig(model=str(tiny_llama_path), kv_blocks=32, torch_threads=1, max_model_len=128)
@@ -322,6 +324,7 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
     worker.start()
     commands = ctx.socket(zmq.PUSH)
     commands.setsockopt(zmq.LINGER, 0)
+    connect_curve(commands, plane_keys(SECRET))
     commands.connect(zmq_endpoint(worker.command_address))
     signer = Signer(SECRET, Channel.COMMANDS, worker.command_address)
     received: list = []

@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.request import SamplingParams
 from tests.helpers.cluster import metric_value, wait_all_kv_free
 from tests.helpers.engine import Reference, random_prompts
+from transfer.zap import connect_curve, plane_keys, serve_curve
 from worker.messages import Abort, Command, ErrorEvent, Event, Generate, Ping, Reserve, Reserved, Stats, Tokens
 from worker.protocol import Channel, Signer, Verifier, zmq_endpoint
 from worker.spec import RuntimeOptions, WorkerSpec
@@ -54,6 +55,7 @@ class FakeRouters:
         for _ in range(count):
             sock = self.ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
+            serve_curve(sock, plane_keys(SECRET))  # the workers connect as CURVE clients (transfer/zap.py)
             port = sock.bind_to_random_port("tcp://127.0.0.1")
             address = f"tcp://127.0.0.1:{port}"
             self.pulls.append(sock)
@@ -66,6 +68,7 @@ class FakeRouters:
         for _ in self.pulls:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
+            connect_curve(sock, plane_keys(SECRET))
             sock.connect(zmq_endpoint(command_address))
             self.pushes.append((sock, Signer(SECRET, Channel.COMMANDS, command_address)))
 
