@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cli.main import main
 
 
@@ -24,6 +26,7 @@ def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):
         "32",
         "--repeats",
         "1",
+        "--no-compiled",  # the compiled step's cold and warm starts: its own tests (tests/engine/test_compile_cache.py)
     ]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -37,3 +40,12 @@ def test_engine_bench_prints_the_figures(tiny_llama_path, capsys):
     assert "ratio_vs_llama_cpp" not in result["decode"]["1"] and isinstance(result["llama_cpp"], str)
     assert result["prefill"]["pdserve_tokens_per_s"] > 0
     assert result["torch_threads"] >= 1
+
+
+@pytest.mark.e2e  # compiles the decode step twice (cold, then a warm start in another process): `make test-e2e`
+def test_engine_bench_prints_the_compiled_steps_cold_and_warm_starts(tiny_llama_path, capsys):
+    args = ["bench", "engine", "--json", "--model", str(tiny_llama_path), "--batch-sizes", "1", "--output-len", "4"]
+    args += ["--input-len", "16", "--prefill-prompts", "1", "--prefill-len", "16", "--repeats", "1"]
+    assert main(args) == 0
+    compiled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["compiled_decode"]
+    assert compiled["cold_start_step_s"] > 0 and compiled["warm_start_loaded_all"] is True, compiled
