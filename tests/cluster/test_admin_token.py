@@ -23,7 +23,9 @@ def test_the_token_file_is_the_users_alone_and_found_by_the_url(runtime):
     path = admin_token.write_token("http://127.0.0.1:8123", "t0k")
     assert path.parent == runtime and stat.S_IMODE(runtime.stat().st_mode) == 0o700
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert admin_token.read_token("http://127.0.0.1:8123/") == "t0k" and admin_token.read_token("127.0.0.1:8124") is None
+    assert (
+        admin_token.read_token("http://127.0.0.1:8123/") == "t0k" and admin_token.read_token("127.0.0.1:8124") is None
+    )
     assert admin_token.admin_headers("http://127.0.0.1:8123", None) == {"Authorization": "Bearer t0k"}
     assert admin_token.admin_headers("http://127.0.0.1:8123", "sk-key") == {"Authorization": "Bearer sk-key"}
     admin_token.remove_token("http://127.0.0.1:8123", "another cluster's")  # a newer cluster's file stays
