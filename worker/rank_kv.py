@@ -49,7 +49,7 @@ from transfer.kv_segment import KVSegment
 from transfer.pair_path import gpu_uuid
 from transfer.shm_ring import ShmUnavailable
 from transfer.state import TransferEvent, TransferState
-from transfer.wire import ModelFingerprint
+from transfer.wire import MAX_BATCH_PIECES, ModelFingerprint
 from worker.messages import join_kv_address, split_kv_address
 from worker.spec import WorkerSpec
 
@@ -815,7 +815,11 @@ def rank_kv(spec: WorkerSpec, kv_cache: KVCache, layout: HandoffLayout, land: La
     made as hand-offs need them."""
     make = None
     if land is not None:
-        device_transfer = dataclasses.replace(spec.transfer, kv_device=spec.engine.device)  # GPU: side-stream writes
+        device_transfer = dataclasses.replace(  # GPU: side-stream writes
+            spec.transfer,
+            kv_device=spec.engine.device,
+            max_frame_bytes=frame_bound(kv_cache, spec.transfer.max_frame_bytes),
+        )
 
         def make(fingerprint: ModelFingerprint, sink: Sink) -> KVReceiver:
             segment = shared_kv_cache(spec, kv_cache, fingerprint)
@@ -825,6 +829,19 @@ def rank_kv(spec: WorkerSpec, kv_cache: KVCache, layout: HandoffLayout, land: La
 
     senders = functools.partial(make_sender, spec.transfer_backend, config=spec.transfer)
     return RankKV(layout, kv_cache, make_receiver=make, land=land, make_sender=senders)
+
+
+# a batch's payload frame: its pieces' bytes (under the largest path's batch bound, 8 MiB on the direct path) and the
+# 64-byte alignment of each (transfer/wire.py batch_layout), with room to spare
+MAX_BATCH_FRAME_BYTES = 16 * 1024 * 1024 + 64 * MAX_BATCH_PIECES
+
+
+def frame_bound(cache: KVCache, configured: int) -> int:
+    """A receiver's ``max_frame_bytes``: its largest legitimate frame, if under the configured bound. A piece's frame
+    holds K or V of some of one layer's blocks, at most the whole layer's cache; a batch's one payload frame holds
+    small pieces up to its byte bound. ZeroMQ drops a peer that sends more (MAXMSGSIZE), before buffering it."""
+    layer = max(t.nbytes for t in cache.kv)
+    return min(configured, max(layer, MAX_BATCH_FRAME_BYTES))
 
 
 def shared_kv_cache(spec: WorkerSpec, cache: KVCache, fingerprint: ModelFingerprint) -> KVSegment | None:

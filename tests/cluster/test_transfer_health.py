@@ -6,6 +6,8 @@ In-process clusters (the real router, API, workers and transfer, as threads) so 
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import zmq
@@ -14,6 +16,7 @@ from tests.helpers.cluster import metric_value, wait_until, worker_named
 from transfer.auth import NO_SESSION, handshake_key, seal
 from transfer.wire import pack_header
 from transfer.zap import connect_plain, plane_keys
+from worker.rank_kv import frame_bound
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -92,3 +95,26 @@ def test_kv_messages_that_fail_authentication_are_counted_per_decode_worker(serv
     finally:
         ctx.destroy(linger=0)
     assert _complete(handle).status_code == 200  # the decode worker serves on
+
+
+def test_a_decode_workers_frame_bound_is_its_largest_legitimate_frame_and_a_larger_one_drops_the_peer(serve):
+    """Not the 1 GiB default: one layer of its KV cache (or a full batch of small pieces, whichever is more); ZeroMQ
+    drops a peer past the handshake that sends more, before buffering it, and the worker serves on."""
+    handle = serve()
+    decode = worker_named(handle, "decode-0").role
+    receiver = decode.receiver.kv.receiver
+    bound = frame_bound(decode.engine.kv_cache, 1 << 30)
+    assert receiver.cfg.max_frame_bytes == bound < 1 << 30
+    assert bound >= max(t.nbytes for t in decode.engine.kv_cache.kv)
+    ctx = zmq.Context()
+    try:
+        insider = ctx.socket(zmq.DEALER)
+        insider.setsockopt(zmq.LINGER, 0)
+        connect_plain(insider, plane_keys(handle.config.transfer.secret))
+        insider.connect(receiver.address.removeprefix("shm+"))
+        insider.send_multipart([b"\0" * 80, b"\0" * (bound + 1)])  # one frame past the bound
+        time.sleep(0.5)
+        assert receiver.rejected == 0 and receiver.dropped == 0  # never read: ZeroMQ dropped the connection
+    finally:
+        ctx.destroy(linger=0)
+    assert _complete(handle).status_code == 200
