@@ -10,8 +10,6 @@ admin credential too and no file is written.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import os
 import secrets
 import stat
@@ -19,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+from transfer.auth import derive_key
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
@@ -29,7 +29,7 @@ TOKEN_LABEL = b"pdserve/v1/admin-token"
 def admin_token(secret: str) -> str:
     if not secret:
         raise ValueError("the admin token needs the cluster secret (transfer.secret; the launcher makes one)")
-    return hmac.digest(secret.encode(), TOKEN_LABEL, hashlib.sha256).hex()
+    return derive_key(secret, TOKEN_LABEL).hex()
 
 
 def admin_credential(config: ClusterConfig) -> str:

@@ -107,8 +107,12 @@ class KVReceiver(ABC):
     address: str
     dropped: int = 0  # messages refused before they could be attributed to a transfer (backends that count them)
     rejected: int = 0  # of which unauthenticated: bad or missing MAC, replayed, or too many frames
-    handshake_refused: int = 0  # peers without the cluster's password, dropped in ZeroMQ's handshake (zmq backends)
     _table: InboundTable  # every backend's expected transfers, checks and events
+
+    @property
+    def handshake_refused(self) -> int:
+        """Peers without the cluster's password, dropped in ZeroMQ's handshake (zmq backends; 0 for the others)."""
+        return 0
 
     def expect(
         self,

@@ -107,8 +107,7 @@ class Receiver(KVReceiver):
         self._sessions = SessionTable(self.cfg.max_sessions, self.cfg.idle_session_s)
         self._seq_out = 0
         self._ctx = zmq.Context()
-        self.handshake_refused = 0  # peers without the cluster's password, dropped at connect (the ZAP thread counts)
-        self._zap = ZapHandler(self._ctx, plane_keys(self.cfg.secret), "kv-receiver", self._count_refused)
+        self._zap = ZapHandler(self._ctx, plane_keys(self.cfg.secret), "kv-receiver")
         # no frame larger than a payload frame or a sealed header is ever buffered (ZeroMQ drops the peer)
         self._sock = configure(
             self._ctx.socket(zmq.ROUTER),
@@ -235,10 +234,10 @@ class Receiver(KVReceiver):
         if self._segment is not None:
             self._segment.close()
 
-    def _count_refused(self, reason: str) -> None:
-        self.handshake_refused += 1
-        if self.handshake_refused & (self.handshake_refused - 1) == 0:
-            log.warning("refused a KV peer in the handshake (%s; %d so far)", reason, self.handshake_refused)
+    @property
+    def handshake_refused(self) -> int:
+        """Peers without the cluster's password, dropped at connect (the ZAP handler counts)."""
+        return self._zap.refused
 
     # ------------------------------------------------------------------ messages
 

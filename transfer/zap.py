@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import hmac
 import logging
 import operator
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.utils.z85
 from zmq.utils.monitor import parse_monitor_message
+
+from transfer.auth import derive_key
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def plane_keys(secret: str | None) -> PlaneKeys:
     can derive; the launcher always makes a secret)."""
 
     def derived(label: str) -> bytes:
-        return hmac.digest((secret or "").encode(), f"pdserve/v1/zmq/{label}".encode(), hashlib.sha256)
+        return derive_key(secret or "", f"pdserve/v1/zmq/{label}".encode())
 
     server_secret = zmq.utils.z85.encode(derived("curve-server"))
     client_secret = zmq.utils.z85.encode(derived("curve-client"))
@@ -109,7 +110,8 @@ FAILED_HANDSHAKES: dict[int, str] = {
 
 class ZapHandler:
     """Answers the ZAP requests of one ZeroMQ context on a thread of its own, and watches the handshakes of the
-    server sockets given to ``watch``: ``on_refused(reason)`` counts each peer dropped there (``FAILED_HANDSHAKES``)."""
+    server sockets given to ``watch``: ``refused`` counts the peers dropped there (its thread is the only writer; the
+    1st, 2nd, 4th, ... are logged), and ``on_refused(reason)`` hears of each (``FAILED_HANDSHAKES``)."""
 
     def __init__(
         self, ctx: zmq.Context, keys: PlaneKeys, name: str, on_refused: Callable[[str], None] | None = None
@@ -119,6 +121,8 @@ class ZapHandler:
         self._keys = keys
         self._client_key = keys.client_public_raw
         self._on_refused = on_refused
+        self._name = name
+        self.refused = 0
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._watch: queue.SimpleQueue[str] = queue.SimpleQueue()  # monitor endpoints for the thread to read
@@ -168,7 +172,12 @@ class ZapHandler:
     def _note_failure(self, message: list[bytes]) -> None:
         event = parse_monitor_message(message)["event"]
         reason = FAILED_HANDSHAKES.get(int(event))
-        if reason is not None and self._on_refused is not None:
+        if reason is None:
+            return
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # a flood cannot flood the log
+            log.warning("%s: refused a peer in the handshake (%s; %d so far)", self._name, reason, self.refused)
+        if self._on_refused is not None:
             self._on_refused(reason)
 
     def _answer(self, request: list[bytes]) -> list[bytes]:

@@ -88,8 +88,7 @@ class WorkerRuntime:
             raise
         self._ctx = zmq.Context()
         self._keys = plane_keys(options.secret)
-        self.handshake_refused = 0
-        self._zap = ZapHandler(self._ctx, self._keys, self.name, self._count_refused)  # before anything binds
+        self._zap = ZapHandler(self._ctx, self._keys, self.name)  # before anything binds
         self._commands = self._socket(zmq.PULL)
         serve_curve(self._commands, self._keys)
         self._zap.watch(self._commands)  # a stranger is dropped in ZeroMQ's handshake (transfer/zap.py)
@@ -189,13 +188,6 @@ class WorkerRuntime:
             sock.close(0)
         self._zap.close()
         self._ctx.term()
-
-    def _count_refused(self, reason: str) -> None:
-        """A peer without the cluster's keys at the command socket (the ZAP thread is the only writer)."""
-        self.handshake_refused += 1
-        count = self.handshake_refused
-        if count & (count - 1) == 0:
-            logger.warning("%s: refused a peer in the handshake (%s; %d so far)", self.name, reason, count)
 
     def info(self) -> dict:
         return {
@@ -389,7 +381,7 @@ class WorkerRuntime:
             role=self.role.kind.value,
             address=self.command_address,
             load=self.role.load(),
-            counters=msgspec.structs.replace(self.role.totals(), handshake_refused=self.handshake_refused),
+            counters=msgspec.structs.replace(self.role.totals(), handshake_refused=self._zap.refused),
             degraded=self.degraded,
             draining=self._book.draining,
             kv_paths=self.role.kv_paths(),
