@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import stat
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from transfer.auth import derive_key
+from transfer.private_dir import runtime_dir
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
@@ -38,18 +37,6 @@ def admin_credential(config: ClusterConfig) -> str:
     if config.router.api_key:
         return config.router.api_key
     return admin_token(config.transfer.secret) if config.transfer.secret else secrets.token_hex(32)
-
-
-def runtime_dir() -> Path:
-    """Where a running cluster's files for its user's CLI go: ``$XDG_RUNTIME_DIR/pdserve`` (a per-user tmpfs) or
-    ``<tmp>/pdserve-<uid>``; made 0700, and refused if another user owns it or others may enter it."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    folder = Path(base) / "pdserve" if base else Path(tempfile.gettempdir()) / f"pdserve-{os.getuid()}"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = folder.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{folder} must be a folder of this user that no one else can enter (mode 0700)")
-    return folder
 
 
 def token_path(url: str) -> Path:

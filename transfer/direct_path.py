@@ -1,8 +1,9 @@
 """The direct payload path: a same-node sender writes KV into the receiver's cache (backends `shm` and `auto` on a
 CPU; `nccl`, `shm` and `auto` on a GPU the sender sees, through CUDA IPC instead of an NCCL pair or a ring).
 
-welcome   [pid, fd, token, blocks] (+ [gpu, IPC handles]) of the receiver's transfer/kv_segment.py segment, to a
-          sender in its node and PID namespace; expect() tags the reserved blocks with the transfer's owner tag
+welcome   [socket, token, blocks] (+ [gpu, IPC handles]) of the receiver's transfer/kv_segment.py segment, to a
+          sender in its node and PID namespace, which proves the token on the socket for the cache's descriptors
+          (transfer/fd_pass.py); expect() tags the reserved blocks with the transfer's owner tag
 sender    per piece, under the segment's flock: check the blocks' tags, copy K and V in, xxh3 of the destination
           (host caches); then the header with `direct` and no payload frames
 receiver  admit -> xxh3 over the destination blocks -> count it (no sink: the bytes are in place)

@@ -1,13 +1,18 @@
 """The decode worker's KV cache in shared memory, written in place by same-node senders (the `shm-direct` and
 `cuda-ipc` paths; docs/transfer.md, "Same-node direct writes").
 
-The cache is a memfd (gone with the last process that maps it), opened by a sender in this PID namespace as
-/proc/<pid>/fd/<fd> and proven by the token the MACed welcome announced. Layout: page 0: magic | token | num_layers |
-num_blocks | layer_bytes, then one u64 owner tag per block (0: free; else `tag_of` the transfer expected into it), then
-per layer ``[2, num_blocks, block_size, kv_heads, head_dim]`` (K, V), page aligned. A writer writes a block only while
-its tag is its transfer's, holding the segment's flock over the check and the copies; the receiver clears a failed
-transfer's tags under the flock, so afterwards no write into them is under way. On a GPU the layers stay the engine's
-CUDA tensors (announced as CUDA IPC handles, transfer/cuda_ipc.py) and a writer waits for its copies before unlocking.
+The cache is two memfds (gone with the last process that maps them), handed to a sender that proves the token of the
+MACed welcome over a Unix socket (transfer/fd_pass.py; a worker's /proc/<pid>/fd is closed to other processes). The
+control memfd: page 0: magic | token | num_layers | num_blocks | layer_bytes, then one u64 owner tag per block (0:
+free; else `tag_of` the transfer expected into it). It is sealed against writes once the receiver mapped it
+(F_SEAL_FUTURE_WRITE), so a sender can map it only read-only: no sender can tag blocks for itself. The data memfd: per
+layer ``[2, num_blocks, block_size, kv_heads, head_dim]`` (K, V). A writer writes a block only while its tag is its
+transfer's, holding the flock of its own file description of the control memfd over the check and the copies; the
+receiver clears a failed transfer's tags under the flock, so afterwards no write into them is under way. A sender
+still maps the data writable: the tags keep an honest sender's late or wrong writes out of other transfers' blocks,
+not a hostile process of the cluster's user (docs/architecture.md, "What a node trusts"). On a GPU the layers stay the
+engine's CUDA tensors (announced as CUDA IPC handles, transfer/cuda_ipc.py) and a writer waits for its copies before
+unlocking.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import xxhash
 
 from transfer import cuda_ipc
 from transfer.errors import ChecksumError, ProtocolError
+from transfer.fd_pass import FdPassError, FdServer, check_path, fetch_fds
 from transfer.shm_ring import PAGE, ShmUnavailable
 from transfer.wire import FrameSpec, ModelFingerprint, frame_bytes
 
@@ -45,6 +51,8 @@ TOUCH_CHUNK_BYTES = 64 << 20  # pages mapped per look at whether the writer clos
 LOCK_POLL_S = 1e-4  # naps while the other side holds the flock (one piece's copy, under a millisecond)
 WRITE_LOCK_WAIT_S = 1.0  # a writer waits this long for the flock, then fails the piece's transfer
 DEVICE_COPY_WAIT_S = 5.0  # a GPU writer's copy of one piece, at most (then the piece's transfer fails)
+F_SEAL_FUTURE_WRITE = 0x10  # Linux >= 5.1: no new writable mapping or write(); the receiver's own mapping stays
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
 
 def tag_of(transfer_id: str) -> int:
@@ -61,12 +69,33 @@ def pid_namespace() -> str:
 
 
 def _layout(fp: ModelFingerprint, num_blocks: int, host_layers: bool = True) -> tuple[int, int, int]:
-    """(offset of the first layer, bytes per layer, total bytes) of a segment for `fp` with `num_blocks` blocks
-    (without ``host_layers``: the control page and the tags only)."""
+    """(bytes of the control memfd, bytes per layer, bytes of the data memfd) of a segment for `fp` with `num_blocks`
+    blocks (without ``host_layers``: no data memfd, 0)."""
     block_bytes = math.prod(fp.block_shape) * fp.torch_dtype.itemsize
     layer_bytes = 2 * num_blocks * block_bytes
-    first = -(-(PAGE + 8 * num_blocks) // PAGE) * PAGE
-    return first, layer_bytes, first + fp.num_layers * layer_bytes * host_layers
+    control = -(-(PAGE + 8 * num_blocks) // PAGE) * PAGE
+    return control, layer_bytes, fp.num_layers * layer_bytes * host_layers
+
+
+def _memfd(name: str, nbytes: int, sealing: bool = False) -> int:
+    flags = os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealing else 0)
+    try:
+        fd = os.memfd_create(f"pdserve-{name}-{os.getpid()}", flags)
+    except (AttributeError, OSError) as e:
+        raise ShmUnavailable(f"no memfd for a shared KV cache: {e}") from None
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not SIGBUS on a later write
+    except OSError as e:
+        os.close(fd)
+        raise ShmUnavailable(f"cannot allocate a {nbytes}-byte shared KV cache: {e}") from None
+    return fd
+
+
+def _reopen(fd: int, flags: int) -> int:
+    """A new file description of one of our own memfds (a sender's flock must not be the receiver's; a dup shares
+    it), read-only or not."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,20 +121,22 @@ def _touch(data: np.ndarray, stop: threading.Event) -> None:
 
 
 class _Mapped:
-    """A mapped segment's views: control page, owner tags, and each layer's K/V as a tensor and (host layers) as
-    bytes. ``device_layers``: the layers are CUDA tensors outside the memfd."""
+    """A mapped segment's views: control page, owner tags (read-only in a sender), and each layer's K/V as a tensor
+    and (host layers) as bytes. ``device_layers``: the layers are CUDA tensors, no data memfd. ``fd``: this side's
+    own file description of the control memfd, whose flock the writers and the receiver take."""
 
     def __init__(
         self,
-        mm: mmap.mmap,
+        control: mmap.mmap,
         fd: int,
+        data: tuple[mmap.mmap, int] | None,
         fp: ModelFingerprint,
         num_blocks: int,
         device_layers: list[torch.Tensor] | None = None,
     ) -> None:
-        first, layer_bytes, _ = _layout(fp, num_blocks)
-        self.mm, self.fd, self.fp, self.num_blocks = mm, fd, fp, num_blocks
-        self.tags = np.frombuffer(mm, dtype=np.uint64, count=num_blocks, offset=PAGE)
+        _, layer_bytes, _ = _layout(fp, num_blocks)
+        self.mm, self.fd, self.data, self.fp, self.num_blocks = control, fd, data, fp, num_blocks
+        self.tags = np.frombuffer(control, dtype=np.uint64, count=num_blocks, offset=PAGE)
         self.block_bytes = layer_bytes // (2 * num_blocks)
         self.on_device = device_layers is not None
         shape = (2, num_blocks, *fp.block_shape)
@@ -113,7 +144,8 @@ class _Mapped:
             self.bytes = np.empty(0, dtype=np.uint8)
             self.layers = [t.view(fp.torch_dtype).view(shape) for t in device_layers]
             return
-        self.bytes = np.frombuffer(mm, dtype=np.uint8, offset=first, count=fp.num_layers * layer_bytes)
+        assert data is not None
+        self.bytes = np.frombuffer(data[0], dtype=np.uint8, count=fp.num_layers * layer_bytes)
         whole = torch.from_numpy(self.bytes)  # through numpy: its buffer export keeps mm from closing under a view
         self.layers = [
             whole[i * layer_bytes : (i + 1) * layer_bytes].view(fp.torch_dtype).view(shape)
@@ -143,14 +175,13 @@ class _Mapped:
     def close(self) -> None:
         del self.tags, self.bytes
         self.layers = []
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-        try:
-            self.mm.close()
-        except BufferError:  # the engine's cache tensors still view it: unmapped when they are collected
-            log.debug("KV segment still viewed at close")
+        for mm, fd in [(self.mm, self.fd)] + ([self.data] if self.data is not None else []):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            try:
+                mm.close()
+            except BufferError:  # the engine's cache tensors still view it: unmapped when they are collected
+                log.debug("KV segment still viewed at close")
 
 
 class KVSegment:
@@ -178,23 +209,47 @@ class KVSegment:
                 self._exports = [cuda_ipc.export(t) for t in device_layers]
             except cuda_ipc.CudaIpcError as e:
                 raise ShmUnavailable(f"the KV cache has no CUDA IPC handles: {e}") from None
-        _, layer_bytes, total = _layout(fp, num_blocks, host_layers=device_layers is None)
+        control_bytes, layer_bytes, data_bytes = _layout(fp, num_blocks, host_layers=device_layers is None)
+        opened: list[int] = []
         try:
-            fd = os.memfd_create(f"pdserve-kvc-{os.getpid()}", os.MFD_CLOEXEC)
-        except (AttributeError, OSError) as e:
-            raise ShmUnavailable(f"no memfd for a shared KV cache: {e}") from None
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, total)  # ENOSPC now, not SIGBUS on a later write
-            mm = mmap.mmap(fd, total)
-        except OSError as e:
-            os.close(fd)
-            raise ShmUnavailable(f"cannot allocate a {total}-byte shared KV cache: {e}") from None
-        _HEAD.pack_into(mm, 0, MAGIC, self.token, fp.num_layers, num_blocks, layer_bytes)
-        self.nbytes, self.num_blocks, self.on_device = total, num_blocks, device_layers is not None
-        self._map = _Mapped(mm, fd, fp, num_blocks, device_layers)
+            opened.append(_memfd("kvtags", control_bytes, sealing=True))
+            control = mmap.mmap(opened[0], control_bytes)
+            _HEAD.pack_into(control, 0, MAGIC, self.token, fp.num_layers, num_blocks, layer_bytes)
+            try:  # after our mapping: it stays writable, every later one (a sender's) is read-only
+                fcntl.fcntl(opened[0], fcntl.F_ADD_SEALS, SEALS)
+            except OSError as e:
+                control.close()
+                raise ShmUnavailable(f"the KV cache's owner tags cannot be sealed (Linux < 5.1?): {e}") from None
+            data = None
+            if device_layers is None:
+                opened.append(_memfd("kvc", data_bytes))
+                data = (mmap.mmap(opened[1], data_bytes), opened[1])
+        except (OSError, ShmUnavailable) as e:
+            for fd in opened:
+                os.close(fd)
+            raise e if isinstance(e, ShmUnavailable) else ShmUnavailable(f"cannot map a shared KV cache: {e}") from None
+        self.nbytes, self.num_blocks, self.on_device = control_bytes + data_bytes, num_blocks, device_layers is not None
+        self._map = _Mapped(control, opened[0], data, fp, num_blocks, device_layers)
         self._claims: dict[str, np.ndarray] = {}  # transfer id -> its destination blocks, tagged
         self._closed = False
+        try:
+            self._server = FdServer(self.token, self._fds_for_sender)
+        except OSError as e:
+            self._map.close()
+            raise ShmUnavailable(f"no socket to hand the KV cache to senders: {e}") from None
+
+    def _fds_for_sender(self) -> list[int]:
+        """A sender's own file descriptions: the control memfd read-only (sealed: it could not map it writable
+        anyway), the data memfd read-write."""
+        fds = [_reopen(self._map.fd, os.O_RDONLY)]
+        if self._map.data is not None:
+            fds.append(_reopen(self._map.data[1], os.O_RDWR))
+        return fds
+
+    @property
+    def handoffs_refused(self) -> int:
+        """Processes that asked for the cache without proving its token (or of another user)."""
+        return self._server.refused
 
     @property
     def layers(self) -> list[torch.Tensor]:
@@ -202,9 +257,9 @@ class KVSegment:
         return self._map.layers
 
     def announce(self) -> list[Any]:
-        """What the welcome tells a same-node sender: [pid, fd, token, num_blocks], and on a GPU
+        """What the welcome tells a same-node sender: [socket path, token, num_blocks], and on a GPU
         [gpu UUID, [[handle, offset, nbytes] per layer]]."""
-        head = [os.getpid(), self._map.fd, self.token, self.num_blocks]
+        head = [self._server.path, self.token, self.num_blocks]
         return [*head, [self.gpu, self._exports]] if self.on_device else head
 
     def claim(self, transfer_id: str, blocks: Sequence[int], wait_s: float = 1.0) -> None:
@@ -273,6 +328,7 @@ class KVSegment:
     def close(self) -> None:
         """Refuse every writer from now on (a GPU cache's memory goes back to its allocator), then unmap."""
         self._closed = True
+        self._server.close()
         self._locked(lambda: self._map.tags.fill(0), WRITE_LOCK_WAIT_S)
         self._map.close()
 
@@ -294,40 +350,44 @@ class SegmentWriter:
     """Sender side: a receiver's mapped KV cache, written only into blocks tagged for the piece's transfer."""
 
     def __init__(
-        self, fp: ModelFingerprint, pid: int, fd: int, token: bytes, num_blocks: int, device: list[Any] | None = None
+        self, fp: ModelFingerprint, path: str, token: bytes, num_blocks: int, device: list[Any] | None = None
     ) -> None:
-        path = f"/proc/{pid}/fd/{fd}"
+        control_bytes, layer_bytes, data_bytes = _layout(fp, num_blocks, host_layers=device is None)
         try:
-            own = os.open(path, os.O_RDWR)
-        except OSError as e:
-            raise ShmUnavailable(f"cannot open the receiver's KV cache {path}: {e}") from None
+            fds = fetch_fds(path, token, 1 if device is not None else 2)
+        except FdPassError as e:
+            raise ShmUnavailable(str(e)) from None
+        maps: list[mmap.mmap] = []
         try:
-            _, layer_bytes, total = _layout(fp, num_blocks, host_layers=device is None)
-            st = os.fstat(own)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != total:
-                raise ShmUnavailable(f"{path} is not a KV cache of this model (type, owner or size differ)")
-            mm = mmap.mmap(own, total)
-        except OSError as e:
-            os.close(own)
-            raise ShmUnavailable(f"cannot map {path}: {e}") from None
-        except ShmUnavailable:
-            os.close(own)
-            raise
-        magic, got, layers, blocks, _ = _HEAD.unpack_from(mm, 0)
-        if magic != MAGIC or got != token or layers != fp.num_layers or blocks != num_blocks:
-            mm.close()
-            os.close(own)
-            raise ShmUnavailable(f"{path} is not the KV cache the receiver announced (token or layout differ)")
+            for fd, size in zip(fds, (control_bytes, data_bytes), strict=False):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != size:
+                    raise ShmUnavailable(f"{path} handed over no KV cache of this model (type, owner or size differ)")
+            maps.append(mmap.mmap(fds[0], control_bytes, prot=mmap.PROT_READ))  # sealed: read-only is all it allows
+            if device is None:
+                maps.append(mmap.mmap(fds[1], data_bytes))
+        except (OSError, ShmUnavailable) as e:
+            for m in maps:
+                m.close()
+            for fd in fds:
+                os.close(fd)
+            raise e if isinstance(e, ShmUnavailable) else ShmUnavailable(f"cannot map {path}'s KV cache: {e}") from None
+        magic, got, layers, blocks, _ = _HEAD.unpack_from(maps[0], 0)
         self._opened: cuda_ipc.OpenedMemory | None = None
         self._stream: Any = None
         try:
-            layers = None if device is None else self._open_device(device, fp.num_layers, layer_bytes)
-        except (cuda_ipc.CudaIpcError, RuntimeError, TypeError, ValueError) as e:
+            if magic != MAGIC or got != token or layers != fp.num_layers or blocks != num_blocks:
+                raise ShmUnavailable(f"{path} handed over another KV cache than announced (token or layout differ)")
+            device_layers = None if device is None else self._open_device(device, fp.num_layers, layer_bytes)
+        except (ShmUnavailable, cuda_ipc.CudaIpcError, RuntimeError, TypeError, ValueError) as e:
             self._close_device()
-            mm.close()
-            os.close(own)
-            raise ShmUnavailable(f"cannot open the receiver's GPU KV cache: {e}") from None
-        self._map = _Mapped(mm, own, fp, num_blocks, layers)
+            for m in maps:
+                m.close()
+            for fd in fds:
+                os.close(fd)
+            raise e if isinstance(e, ShmUnavailable) else ShmUnavailable(f"cannot open the GPU KV cache: {e}") from None
+        data = (maps[1], fds[1]) if device is None else None
+        self._map = _Mapped(maps[0], fds[0], data, fp, num_blocks, device_layers)
         self.on_device = self._map.on_device
         self._last: tuple[tuple[str, tuple[int, ...]], np.ndarray, tuple[tuple[int, int, int], ...]] | None = None
         # every page mapped into this process once, off the I/O thread: a first write into a page costs a fault, and
@@ -360,21 +420,23 @@ class SegmentWriter:
 
     @classmethod
     def open(cls, fp: ModelFingerprint, announced: Any) -> SegmentWriter:
-        """Map what a (MACed) welcome announced: [pid, fd, token, num_blocks] (and a GPU cache's [gpu, handles]),
-        each checked before opening."""
+        """Map what a (MACed) welcome announced: [socket path, token, num_blocks] (and a GPU cache's [gpu, handles]),
+        each checked before connecting."""
         if not (
             isinstance(announced, list)
-            and len(announced) in (4, 5)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in (announced[0], announced[1], announced[3]))
-            and 0 < announced[0] < 1 << 32
-            and 0 <= announced[1] < 1 << 31
-            and 0 < announced[3] < 1 << 31
-            and isinstance(announced[2], bytes)
-            and len(announced[2]) == 16
+            and len(announced) in (3, 4)
+            and isinstance(announced[2], int)
+            and not isinstance(announced[2], bool)
+            and 0 < announced[2] < 1 << 31
+            and isinstance(announced[1], bytes)
+            and len(announced[1]) == 16
         ):
             raise ShmUnavailable(f"malformed KV cache announcement {announced!r:.100}")
-        pid, fd, token, num_blocks = announced[:4]
-        return cls(fp, pid, fd, token, num_blocks, announced[4] if len(announced) == 5 else None)
+        try:
+            path = check_path(announced[0])
+        except FdPassError as e:
+            raise ShmUnavailable(f"malformed KV cache announcement: {e}") from None
+        return cls(fp, path, announced[1], announced[2], announced[3] if len(announced) == 4 else None)
 
     def write_all(self, pieces: Sequence[DirectPiece], digest: bool) -> list[list[int] | None | ProtocolError]:
         """Copy each piece's K and V into its blocks, under one hold of the flock from the checks to the end of the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from worker.hardening import close_to_other_processes, dumpable
 from worker.spec import WorkerRole, WorkerSpec
 
 if TYPE_CHECKING:
@@ -30,12 +31,22 @@ def role_class(role: WorkerRole) -> type[Role]:
     return ColocatedRole
 
 
+def _closed_if_own_process() -> None:
+    """A Ray actor's process is the worker's alone: closed to the user's other processes before it holds a secret or
+    a cache. An in-process pool (no actor) leaves its host process as it is."""
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        close_to_other_processes()
+
+
 class WorkerActor:
     def __init__(self, spec: WorkerSpec) -> None:
         """Runs in the worker's own process, where the host "auto" resolves to this node's address and the GPUs Ray
         gave it are visible (``worker.spec.resolve_spec``)."""
         import ray
 
+        _closed_if_own_process()
         if spec.runtime.host == "auto":
             spec = spec.with_host(ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
@@ -45,7 +56,7 @@ class WorkerActor:
         self.worker.start()
 
     def info(self) -> dict:
-        return {**self.worker.info(), "pid": os.getpid(), "node_id": self.node_id}
+        return {**self.worker.info(), "pid": os.getpid(), "node_id": self.node_id, "dumpable": dumpable()}
 
     def snapshot(self) -> dict:
         return self.worker.snapshot()
@@ -66,11 +77,12 @@ class TPRankActor:
 
         from worker.tp_rank import TPRank  # the engine and torch: in the rank's process only
 
+        _closed_if_own_process()
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self.rank = TPRank(spec, rank)
 
     def info(self) -> dict:
-        return {**self.rank.info(), "pid": os.getpid(), "node_id": self.node_id}
+        return {**self.rank.info(), "pid": os.getpid(), "node_id": self.node_id, "dumpable": dumpable()}
 
     def stop(self) -> None:
         self.rank.stop()

@@ -17,9 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.admin_token import runtime_dir
 from cluster.config import ClusterConfig, ConfigError, pool_layout
 from cluster.network_exposure import is_loopback
+from transfer.private_dir import runtime_dir
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 AUTH_PROBE_TIMEOUT_S = 30.0

@@ -62,6 +62,8 @@ def test_two_process_handoff_is_token_exact(ray_local, tiny_llama_path, backend,
         assert decode["transfers_failed"] == 0 and decode["recomputes"] == 0
         if backend in ("shm", "auto"):  # one node: the prefill worker writes into the decode worker's cache
             assert set(prefill["kv_paths"].values()) == {"shm-direct"}, prefill["kv_paths"]
+        # each worker's process is closed to the user's other processes: the cache went over the fd socket
+        assert [record.info["dumpable"] for record in handle.pools.workers] == [False, False]
     finally:
         handle.stop()
 

@@ -201,11 +201,11 @@ def test_an_unopenable_gpu_cache_is_refused_before_any_write(ipc) -> None:
     with pytest.raises(ShmUnavailable, match="not visible"):
         SegmentWriter.open(fp, good)
     ipc.visible = [RX_GPU]
-    gpu, exports = good[4]
+    gpu, exports = good[3]
     malformed = ([gpu, exports[:-1]], [gpu, [[*exports[0][:2], 12], *exports[1:]]], [7, exports], "x", [gpu])
     for bad in malformed:
         with pytest.raises(ShmUnavailable):
-            SegmentWriter.open(fp, [*good[:4], bad])
+            SegmentWriter.open(fp, [*good[:3], bad])
     cache.segment.close()
 
 

@@ -9,9 +9,12 @@ a sender that does not allow it) goes inline or through a ring.
 
 from __future__ import annotations
 
+import mmap
 import os
 import resource
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -252,18 +255,27 @@ def test_an_announcement_is_checked_before_and_after_opening(closing) -> None:
     fp = fingerprint()
     segment = KVSegment(fp, 8)
     try:
-        pid, fd, token, blocks = segment.announce()
-        for bad in ([pid, fd, token], [pid, fd, token[:8], blocks], [0, fd, token, blocks], [pid, fd, True, blocks]):
+        path, token, blocks = segment.announce()
+        for bad in (
+            [path, token],
+            [path, token[:8], blocks],
+            [path, token, 0],
+            [path, True, blocks],
+            ["/etc/passwd", token, blocks],
+            ["kvc-1-0123456789abcdef.sock", token, blocks],
+        ):
             with pytest.raises(ShmUnavailable, match="malformed"):
                 SegmentWriter.open(fp, bad)
-        with pytest.raises(ShmUnavailable, match="token"):
-            SegmentWriter.open(fp, [pid, fd, os.urandom(16), blocks])
+        with pytest.raises(ShmUnavailable, match="refused the token"):
+            SegmentWriter.open(fp, [path, os.urandom(16), blocks])
+        assert segment.handoffs_refused == 1
         with pytest.raises(ShmUnavailable, match="size"):
-            SegmentWriter.open(fingerprint(layers=5), [pid, fd, token, blocks])
-        with pytest.raises(ShmUnavailable):
-            SegmentWriter.open(fp, [pid, 10_000, token, blocks])
+            SegmentWriter.open(fingerprint(layers=5), [path, token, blocks])
+        with pytest.raises(ShmUnavailable, match="No such file"):
+            SegmentWriter.open(fp, [path.replace("kvc-", "kvc-9"), token, blocks])
     finally:
         segment.close()
+    assert not os.path.exists(path)  # the socket goes with the segment
 
 
 def test_the_writer_maps_the_cache_ahead_of_its_writes() -> None:
@@ -304,4 +316,57 @@ def test_a_writer_waits_for_the_lock_a_bounded_time(closing) -> None:
         write_piece(writer, "t", 0, [1], *make_kv(fp, 0, 1, seed=1), False)
     finally:
         writer.close()
+        segment.close()
+
+
+def test_a_sender_cannot_write_the_owner_tags(closing) -> None:
+    """The tags sit in a memfd sealed against new writable mappings once the receiver mapped it: a sender reads them,
+    and neither its descriptor, nor a writable one it opens again through /proc/self, lets it tag blocks for itself."""
+    fp = fingerprint()
+    segment = KVSegment(fp, 8)
+    writer = SegmentWriter.open(fp, segment.announce())
+    try:
+        assert not writer._map.tags.flags.writeable
+        size = os.fstat(writer._map.fd).st_size
+        with pytest.raises(PermissionError):
+            mmap.mmap(writer._map.fd, size)  # read-only description
+        again = os.open(f"/proc/self/fd/{writer._map.fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(again, size)  # sealed: F_SEAL_FUTURE_WRITE
+            with pytest.raises(PermissionError):
+                os.pwrite(again, b"\xff" * 8, 4096)
+        finally:
+            os.close(again)
+        segment.claim("t", [1])  # the receiver's own mapping still writes them
+        assert int(writer._map.tags[1]) == tag_of("t")
+        k, v = make_kv(fp, 0, 1, seed=3)
+        write_piece(writer, "t", 0, [1], k, v, digest=False)
+    finally:
+        writer.close()
+        segment.close()
+
+
+AS_OTHER_USER = """
+import os, socket, sys
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+with socket.socket(socket.AF_UNIX) as s:
+    try:
+        s.connect(sys.argv[1])
+        print("connected")
+    except PermissionError:
+        print("refused")
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process of another user")
+def test_another_user_cannot_reach_the_cache_socket(closing) -> None:
+    """Its folder is the user's 0700 one: another user's process stops at connect, before any exchange."""
+    segment = KVSegment(fingerprint(), 8)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", AS_OTHER_USER, segment.announce()[0]], capture_output=True, text=True, timeout=30
+        )
+        assert run.stdout.strip() == "refused", run.stderr
+    finally:
         segment.close()
