@@ -294,3 +294,18 @@ def main(prog: str, add_arguments: Callable[[argparse.ArgumentParser], None], ru
         return 2
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def add_stranger_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench stranger`` (``benchmarks/stranger_bench.py``)."""
+    parser.add_argument("--config", default="local", help="cluster config to serve: a path or a name")
+    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument(
+        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="how long each attack lasts")
+    parser.add_argument(
+        "--attacks",
+        default="flood,big_frame,routing_ids,held,wrong_keys",
+        help="comma-separated: flood, big_frame, routing_ids, held, wrong_keys",
+    )

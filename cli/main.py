@@ -76,6 +76,8 @@ EXPERIMENTS: list[tuple[str, str, str, str, str]] = [
      "KV tiers (host memory, disk) vs none under a multi-tenant shared-prefix load: TTFT, hit rate, a restart"),
     ("migrate", "options", "add_migration_bench_arguments", "migration_bench",
      "live migration: a decode worker's streams drained by moving vs by waiting; rebalancing vs preemption"),
+    ("stranger", "options", "add_stranger_bench_arguments", "stranger_bench",
+     "a process without the cluster's keys attacks every socket: memory it moves, handshakes refused, served after"),
 ]
 # fmt: on
 
