@@ -362,3 +362,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "all_met": worst <= GOAL_MB and out["served_after"] and out["kv_free_after"],
     }
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.loadtest.cli import run_main
+
+    return run_main("python -m benchmarks.stranger_bench", (__doc__ or "").splitlines()[0], add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
