@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.blocks import kv_blocks_for, rank_kv_heads
+from engine.blocks import kv_blocks_for, model_kv_bytes_per_token, rank_kv_heads
 from engine.config import (
     DEFAULT_CPU_KV_BYTES,
     DEFAULT_MODEL,
@@ -359,7 +359,24 @@ class ClusterConfig(_Strict):
             secret=self.transfer.secret,
             orphan_timeout_s=self.router.orphan_timeout_s,
             tracing=self.observability.tracing_options(),
+            max_body_bytes=self.router.max_body_bytes,
+            router_queue_size=self.router.queue_size,
         )
+
+    def max_event_bytes(self, model_path: str, max_model_len: int) -> int:
+        """The bound of the router's event socket: the largest event any worker of the pools can send
+        (``worker.messages.max_event_bytes``), its KV tokens from the pool's blocks (a GPU pool's, measured at start,
+        as if every running request held a whole context)."""
+        from worker.messages import max_event_bytes
+
+        per_token = model_kv_bytes_per_token(model_path, self.pool_dtype(self.pools.prefill))
+        bound = 0
+        for _, _, pool in pool_layout(self):
+            blocks = self.pool_kv_blocks(pool, per_token * self.transfer.block_size)
+            kv_tokens = pool.max_num_seqs * max_model_len if blocks is None else blocks * self.transfer.block_size
+            step = 1 + (pool.speculative.num_tokens if pool.speculative is not None else 0)
+            bound = max(bound, max_event_bytes(max_model_len, pool.max_num_seqs, kv_tokens, step))
+        return bound
 
     def nccl_peers(self, role: str) -> int:
         """The KV pair groups one worker of this role forms: one per worker of the other pool."""

@@ -16,10 +16,47 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine.request import FinishReason, SamplingParams, TokenLogprob
+from engine.request import MAX_LOGPROBS, FinishReason, SamplingParams, TokenLogprob
 from transfer.errors import ProtocolError
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the ceiling of any control message; each socket's own bound is below it
+# what the sizes of the largest real messages are made of (msgpack): a token or block id (uint32), one position's
+# logprobs (the chosen and MAX_LOGPROBS top (id, float64) pairs), a generated token's text, and the fields every
+# message has (ids, addresses, timing, counters, stop strings) with room to spare
+TOKEN_ID_BYTES = 5
+POSITION_LOGPROB_BYTES = (MAX_LOGPROBS + 1) * 16 + 16
+TOKEN_TEXT_BYTES = 64
+ITEM_BYTES = 1024
+FIXED_MESSAGE_BYTES = 64 * 1024
+
+
+def max_command_bytes(max_model_len: int, max_body_bytes: int) -> int:
+    """The largest command a router sends a worker that serves ``max_model_len`` tokens: a prompt of that many token
+    ids and as many block ids or tokens again (``Prefill``, ``Start``), and a request's parameters, which come from an
+    HTTP body of at most ``max_body_bytes`` (counted twice: msgpack may spend more on a number than JSON does)."""
+    return min(MAX_MESSAGE_BYTES, FIXED_MESSAGE_BYTES + 2 * TOKEN_ID_BYTES * max_model_len + 2 * max_body_bytes)
+
+
+def command_queue_bound(max_num_seqs: int, router_queue_size: int) -> int:
+    """A worker's command socket's RCVHWM: what routers can have in flight to it (a few commands for each request it
+    runs or a router queues, pings, drains), with room for several routers and a stalled loop."""
+    return 8 * (max_num_seqs + router_queue_size) + 1024
+
+
+def max_event_bytes(max_model_len: int, max_num_seqs: int, kv_tokens: int, tokens_per_step: int) -> int:
+    """The largest event a worker sends: a step's ``tokens`` for ``max_num_seqs`` requests of ``tokens_per_step``
+    tokens each (text and top logprobs), with the prompt logprobs of every prompt whose first token it carries
+    (their KV is held, so at most ``kv_tokens`` positions in all), or a move's ``frozen`` (``max_model_len`` ids)."""
+    per_item = ITEM_BYTES + tokens_per_step * (TOKEN_ID_BYTES + TOKEN_TEXT_BYTES + POSITION_LOGPROB_BYTES)
+    prompt_positions = min(kv_tokens, max_num_seqs * max_model_len)
+    return min(
+        MAX_MESSAGE_BYTES,
+        FIXED_MESSAGE_BYTES
+        + max_num_seqs * per_item
+        + prompt_positions * POSITION_LOGPROB_BYTES
+        + TOKEN_ID_BYTES * max_model_len,
+    )
+
 
 Role = Literal["prefill", "decode", "colocated"]
 RefusalReason = Literal["kv_full", "max_num_seqs"]  # why a decode worker refused a reservation (ok=False)
@@ -368,19 +405,19 @@ def encode(message: Command | Event) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_command(data: bytes | memoryview) -> Command:
+def decode_command(data: bytes | memoryview, max_bytes: int = MAX_MESSAGE_BYTES) -> Command:
     """The typed command, or MalformedMessage."""
-    return _decode(_command_decoder, data)
+    return _decode(_command_decoder, data, max_bytes)
 
 
-def decode_event(data: bytes | memoryview) -> Event:
+def decode_event(data: bytes | memoryview, max_bytes: int = MAX_MESSAGE_BYTES) -> Event:
     """The typed event, or MalformedMessage."""
-    return _decode(_event_decoder, data)
+    return _decode(_event_decoder, data, max_bytes)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise MalformedMessage(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, max_bytes: int):
+    if len(data) > max_bytes:
+        raise MalformedMessage(f"control message of {len(data)} bytes exceeds {max_bytes}")
     try:
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # ValidationError is a DecodeError; both named

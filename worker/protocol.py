@@ -26,7 +26,7 @@ from worker.messages import MAX_MESSAGE_BYTES, Command, Event, MalformedMessage,
 logger = logging.getLogger(__name__)
 
 SEAL_OVERHEAD = OVERHEAD
-MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + SEAL_OVERHEAD  # zmq.MAXMSGSIZE of every control socket
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + SEAL_OVERHEAD  # the ceiling; each receiving socket's bound: frame_bound()
 MAX_SENDERS = 4096  # senders whose last sequence number a receiver remembers (least recently heard forgotten first)
 
 
@@ -61,6 +61,12 @@ def zmq_endpoint(address: str) -> str:
     return address.partition("#")[0]
 
 
+def frame_bound(max_message_bytes: int) -> int:
+    """A receiving socket's zmq.MAXMSGSIZE for messages of at most ``max_message_bytes``: ZeroMQ drops a peer that
+    sends a larger frame before buffering it."""
+    return min(max_message_bytes, MAX_MESSAGE_BYTES) + SEAL_OVERHEAD
+
+
 def control_key(secret: str | None, channel: Channel, address: str) -> bytes:
     if not secret:
         raise ValueError("the control plane needs the cluster secret (transfer.secret; the launcher makes one)")
@@ -84,20 +90,24 @@ class Signer:
 
 
 class Verifier:
-    """Opens what arrives on one receiving socket (at `address`): MAC, then order, then the typed message (commands
-    on a worker's command socket, events on the router's event socket)."""
+    """Opens what arrives on one receiving socket (at `address`): size, MAC, then order, then the typed message
+    (commands on a worker's command socket, events on the router's event socket), each at most `max_message_bytes`
+    (the largest real one: ``max_command_bytes``, ``max_event_bytes``)."""
 
-    def __init__(self, secret: str | None, channel: Channel, address: str) -> None:
+    def __init__(
+        self, secret: str | None, channel: Channel, address: str, max_message_bytes: int = MAX_MESSAGE_BYTES
+    ) -> None:
         self._key = control_key(secret, channel, address)
         self._last: OrderedDict[bytes, int] = OrderedDict()
         self._decode = decode_command if channel is Channel.COMMANDS else decode_event
+        self.max_frame_bytes = frame_bound(max_message_bytes)
 
     def open(self, data: bytes) -> Command | Event:
         """The typed message, or AuthError (with its reason) when it must be dropped."""
         if len(data) < SEAL_OVERHEAD:
             raise rejected(Rejection.MISSING_MAC, f"a {len(data)}-byte frame")
-        if len(data) > MAX_FRAME_BYTES:
-            raise rejected(Rejection.MALFORMED, f"a {len(data)}-byte frame")
+        if len(data) > self.max_frame_bytes:
+            raise rejected(Rejection.MALFORMED, f"a {len(data)}-byte frame over {self.max_frame_bytes}")
         if not verify(self._key, data):
             raise rejected(Rejection.BAD_MAC)
         _, sender, seq, body = split(data)

@@ -35,15 +35,17 @@ from worker.messages import (
     Ping,
     Stats,
     WorkerCounters,
+    command_queue_bound,
     kind,
+    max_command_bytes,
 )
 from worker.protocol import (
-    MAX_FRAME_BYTES,
     Channel,
     Rejection,
     RejectionLog,
     Signer,
     Verifier,
+    frame_bound,
     rejected,
     with_start_value,
     zmq_endpoint,
@@ -89,12 +91,16 @@ class WorkerRuntime:
         self._ctx = zmq.Context()
         self._keys = plane_keys(options.secret)
         self._zap = ZapHandler(self._ctx, self._keys, self.name)  # before anything binds
+        # bounded by the largest command a router sends and what routers can have in flight here
+        max_command = max_command_bytes(self.engine.max_model_len, options.max_body_bytes)
         self._commands = self._socket(zmq.PULL)
+        self._commands.setsockopt(zmq.MAXMSGSIZE, frame_bound(max_command))
+        self._commands.setsockopt(zmq.RCVHWM, command_queue_bound(spec.engine.max_num_seqs, options.router_queue_size))
         serve_curve(self._commands, self._keys)
         self._zap.watch(self._commands)  # a stranger is dropped in ZeroMQ's handshake (transfer/zap.py)
         port = self._commands.bind_to_random_port(f"tcp://{options.host}")
         self.command_address = with_start_value(f"tcp://{options.host}:{port}")
-        self._verifier = Verifier(options.secret, Channel.COMMANDS, self.command_address)
+        self._verifier = Verifier(options.secret, Channel.COMMANDS, self.command_address, max_command)
         self._rejections = RejectionLog(self.name)
         self._routers = options.router_addresses
         if not self._routers:
@@ -140,7 +146,6 @@ class WorkerRuntime:
         sock.setsockopt(zmq.RCVHWM, self.options.hwm)
         sock.setsockopt(zmq.SNDTIMEO, self.options.send_timeout_ms)
         sock.setsockopt(zmq.RCVTIMEO, self.options.send_timeout_ms)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a larger frame drops its sender before it is buffered
         return sock
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------

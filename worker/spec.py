@@ -48,12 +48,14 @@ class RuntimeOptions:
     secret: str | None = None  # the cluster secret (required): commands not sealed with it are dropped and counted
     orphan_timeout_s: float = 10.0  # no word from a router this long: free its requests (it restarted or died)
     tracing: TracingOptions | None = None  # where request spans go (worker/tracing.py); None: tracing off
+    max_body_bytes: int = 1 << 20  # the router's HTTP body bound: with max_model_len, the largest command's size
+    router_queue_size: int = 256  # requests a router queues: with max_num_seqs, the commands it can have in flight
 
     def __post_init__(self) -> None:
         if isinstance(self.router_addresses, str):
             self.router_addresses = [self.router_addresses]
         self.router_addresses = list(self.router_addresses)
-        for name in ("stats_interval_s", "send_timeout_ms", "hwm", "orphan_timeout_s"):
+        for name in ("stats_interval_s", "send_timeout_ms", "hwm", "orphan_timeout_s", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

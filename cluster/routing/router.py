@@ -28,14 +28,14 @@ from cluster.routing.metrics import RouterMetrics
 from engine.request import SamplingParams
 from transfer.errors import AuthError
 from transfer.zap import ZapHandler, connect_curve, plane_keys, serve_curve
-from worker.messages import Command, Event, Ping
+from worker.messages import MAX_MESSAGE_BYTES, Command, Event, Ping
 from worker.protocol import (
-    MAX_FRAME_BYTES,
     Channel,
     Rejection,
     RejectionLog,
     Signer,
     Verifier,
+    frame_bound,
     rejected,
     with_start_value,
     zmq_endpoint,
@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 1.0  # workers that hear nothing from the router for a while free everything they hold
 TICK_S = 0.1  # deadlines and heartbeat expiry are checked this often
+# events queued per worker connection while this router is busy (its RCVHWM): a step's tokens, a heartbeat and a
+# prefix-cache batch per loop turn, a fast GPU worker's minute of them; past it the worker's own queue takes the rest
+EVENT_QUEUE_PER_WORKER = 20_000
 
 
 class PoolScaler(Protocol):
@@ -57,10 +60,17 @@ class PoolScaler(Protocol):
 
 class Router:
     def __init__(
-        self, config: ClusterConfig, host: str = "127.0.0.1", index: int = 0, admission: Admission | None = None
+        self,
+        config: ClusterConfig,
+        host: str = "127.0.0.1",
+        index: int = 0,
+        admission: Admission | None = None,
+        max_event_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         """``index``: this router among ``config.router.processes``; every command carries it, so workers send each
-        request's events to the router that owns it. ``admission``: the queue bound shared by those processes."""
+        request's events to the router that owns it. ``admission``: the queue bound shared by those processes.
+        ``max_event_bytes``: the largest event a worker of the config sends (``ClusterConfig.max_event_bytes``), the
+        event socket's bound."""
         if not config.transfer.secret:
             raise ValueError("the router needs the cluster secret (transfer.secret; start_serving makes one)")
         self.config, self.host, self.index = config, host, index
@@ -74,13 +84,15 @@ class Router:
         self._keys = plane_keys(config.transfer.secret)
         # before anything binds; a peer without the cluster's keys is dropped in ZeroMQ's handshake (transfer/zap.py)
         self._zap = ZapHandler(self._ctx, self._keys, f"router-{index}", self._count_refused)
-        self._events = self._socket(zmq.PULL, rcvhwm=1_000_000)
+        self._events = self._socket(zmq.PULL)
+        self._events.setsockopt(zmq.MAXMSGSIZE, frame_bound(max_event_bytes))  # a larger frame: its sender dropped
+        self._events.setsockopt(zmq.RCVHWM, EVENT_QUEUE_PER_WORKER)
         serve_curve(self._events, self._keys)
         self._zap.watch(self._events)
         port = self._events.bind_to_random_port(f"tcp://{host}")
         self.event_address = with_start_value(f"tcp://{host}:{port}")
         # outlives a restart of _receive_events, so a replay is refused across it too
-        self._event_verifier = Verifier(config.transfer.secret, Channel.EVENTS, self.event_address)
+        self._event_verifier = Verifier(config.transfer.secret, Channel.EVENTS, self.event_address, max_event_bytes)
         self._links: dict[str, tuple[zmq.asyncio.Socket, Signer]] = {}  # per worker: its command socket and signer
         self._tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -90,12 +102,9 @@ class Router:
         """The requests in flight, by wire id."""
         return self.core.flows
 
-    def _socket(self, kind: int, **options: int) -> zmq.asyncio.Socket:
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a larger frame drops its sender unbuffered
-        if "rcvhwm" in options:
-            sock.setsockopt(zmq.RCVHWM, options["rcvhwm"])
         return sock
 
     def _count_refused(self, reason: str) -> None:  # the ZAP thread's; prometheus counters are thread-safe

@@ -196,7 +196,7 @@ def start_serving(
         handle.autoscaler = Autoscaler.start_if_enabled(config, scaler, handle.base_url, capacity_model)
         handle.write_admin_token()
         return handle
-    router = Router(config, host=bind_host)
+    router = Router(config, host=bind_host, max_event_bytes=config.max_event_bytes(model_path, max_model_len))
     try:
         pools = (LocalPools if in_process else RayPools)(config, model_path, [router.event_address], worker_host)
     except BaseException:

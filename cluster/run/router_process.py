@@ -90,7 +90,10 @@ def _serve_router(spec: RouterProcessSpec, conn, slots) -> None:
     config = ClusterConfig.model_validate(spec.config)
     tokenizer = load_tokenizer(spec.model_path)
     admission = Admission(config.router.queue_size, slots, spec.index)
-    router = Router(config, host=spec.event_host, index=spec.index, admission=admission)
+    max_event_bytes = config.max_event_bytes(spec.model_path, spec.max_model_len)
+    router = Router(
+        config, host=spec.event_host, index=spec.index, admission=admission, max_event_bytes=max_event_bytes
+    )
     conn.send(("router", router.event_address, os.getpid()))
     # the main process starts the pools meanwhile (placement, then every worker's start-up: each bounded there)
     message = _receive(conn, 4 * spec.start_timeout_s, spec.parent_pid)

@@ -30,7 +30,11 @@ CARRIED = [
     (TransferSection, TransferConfig, _by_name(TransferSection, TransferConfig)),
     (TransferSection, WorkerSpec, _by_name(TransferSection, WorkerSpec, backend="transfer_backend")),
     # router.host is where the HTTP server binds, not the workers' RuntimeOptions.host
-    (RouterSection, RuntimeOptions, {"orphan_timeout_s": "orphan_timeout_s"}),
+    (
+        RouterSection,
+        RuntimeOptions,
+        {"orphan_timeout_s": "orphan_timeout_s", "max_body_bytes": "max_body_bytes", "queue_size": "router_queue_size"},
+    ),
 ]
 
 # EngineConfig and TransferConfig fields no section declares, and why: a new field fails

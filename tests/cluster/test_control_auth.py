@@ -144,6 +144,35 @@ def test_zero_configuration_makes_a_secret_and_every_worker_gets_it(serve, tiny_
     assert _reference(handle)  # and it serves
 
 
+def test_every_control_socket_is_bounded_by_its_largest_real_message(serve, tiny_llama_path):
+    """Not the 64 MiB ceiling: the router's event socket takes the largest event its pools' workers can send, each
+    worker's command socket the largest command for its context, and their queues what can be in flight."""
+    from cluster.routing.router import EVENT_QUEUE_PER_WORKER
+    from worker.messages import MAX_MESSAGE_BYTES, command_queue_bound, max_command_bytes
+    from worker.protocol import frame_bound
+
+    handle = serve()
+    config = handle.config
+    max_model_len = (
+        config.model.max_model_len
+        or json.loads((tiny_llama_path / "config.json").read_text())["max_position_embeddings"]
+    )
+    events = handle.router._events
+    assert events.getsockopt(zmq.MAXMSGSIZE) == frame_bound(config.max_event_bytes(str(tiny_llama_path), max_model_len))
+    assert events.getsockopt(zmq.MAXMSGSIZE) < MAX_MESSAGE_BYTES // 4
+    assert events.getsockopt(zmq.RCVHWM) == EVENT_QUEUE_PER_WORKER
+    for record in handle.workers:
+        worker = record.actor.worker
+        commands = worker._commands
+        assert commands.getsockopt(zmq.MAXMSGSIZE) == frame_bound(
+            max_command_bytes(worker.engine.max_model_len, config.router.max_body_bytes)
+        )
+        assert commands.getsockopt(zmq.RCVHWM) == command_queue_bound(
+            worker.spec.engine.max_num_seqs, config.router.queue_size
+        )
+    assert _reference(handle)  # and it serves
+
+
 def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pusher):
     handle = serve()
     expected = _reference(handle)

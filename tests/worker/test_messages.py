@@ -25,6 +25,7 @@ from worker.messages import (
     Abort,
     ErrorCode,
     ErrorEvent,
+    Frozen,
     Generate,
     MalformedMessage,
     Ping,
@@ -39,10 +40,13 @@ from worker.messages import (
     Tokens,
     WorkerCounters,
     WorkerLoad,
+    command_queue_bound,
     decode_command,
     decode_event,
     encode,
     kind,
+    max_command_bytes,
+    max_event_bytes,
 )
 from worker.protocol import (
     AuthError,
@@ -51,6 +55,7 @@ from worker.protocol import (
     Signer,
     Verifier,
     control_key,
+    frame_bound,
     with_start_value,
     zmq_endpoint,
 )
@@ -198,6 +203,34 @@ def test_a_body_over_the_size_bound_is_refused_before_it_is_decoded():
         decode_command(b"\x90" * (MAX_MESSAGE_BYTES + 1))
 
 
+def test_the_largest_real_messages_fit_their_bounds_far_below_the_ceiling():
+    """Each socket's bound is what its largest legitimate message needs: a command with a whole context of token ids
+    and block ids and a request body's worth of parameters; a step's tokens for a full batch with top logprobs and
+    the prompt logprobs of as many positions as the KV holds; a move's frozen tokens."""
+    max_model_len, body_bytes, max_num_seqs, kv_tokens, step = 4096, 1 << 20, 64, 11_000, 5
+    command_bound = max_command_bytes(max_model_len, body_bytes)
+    ids = list(range(2**32 - max_model_len, 2**32))  # the widest msgpack ints a token or block id takes
+    bias = {2**32 - 1 - i: -100.125 for i in range(body_bytes // 16)}  # ~16 JSON bytes per entry: a full body
+    params = SamplingParams(max_tokens=max_model_len, stop=["x" * 100] * 4, logit_bias=bias, logprobs=20)
+    prefill = Prefill("r" * 64, ids, params, kv_address="shm+tcp://127.0.0.1:65535#" + "f" * 16, dst_blocks=ids)
+    assert len(encode(prefill)) <= command_bound < MAX_MESSAGE_BYTES // 16
+    top = [(2**32 - 1, -1e-300)] * 20
+    position = TokenLogprob(2**32 - 1, -1e-300, top)
+    items = [
+        TokenItem(
+            "r" * 64, [2**32 - 1] * step, "\U0001f600" * 8 * step, FinishReason.LENGTH, Timing(), [position] * step
+        )
+        for _ in range(max_num_seqs)
+    ]
+    items[0].prompt_logprobs = [None] + [position] * (kv_tokens - 1)  # every position the KV holds
+    event_bound = max_event_bytes(max_model_len, max_num_seqs, kv_tokens, step)
+    assert len(encode(Tokens(worker="decode-0", items=items))) <= event_bound < MAX_MESSAGE_BYTES // 8
+    frozen = Frozen(worker="decode-0", rid="r" * 64, output_token_ids=ids)
+    assert len(encode(frozen)) <= event_bound
+    assert frame_bound(command_bound) < frame_bound(event_bound) <= frame_bound(MAX_MESSAGE_BYTES * 2)
+    assert command_queue_bound(64, 256) < 100_000  # the old RCVHWM of every control socket
+
+
 def test_sampling_values_are_checked_by_the_worker_not_the_decoder():
     """A well-typed but invalid value decodes (the worker's validate() answers the request with invalid_request)."""
     command = decode_command(encode(Generate("r", [1], SamplingParams(temperature=-1.0))))
@@ -336,7 +369,15 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
             if events_sock.poll(50):
                 received.append(verifier.open(events_sock.recv()))
 
+    oversized = ctx.socket(zmq.PUSH)  # a holder of the keys whose frame is over the worker's bound: dropped unread
+    oversized.setsockopt(zmq.LINGER, 0)
+    connect_curve(oversized, plane_keys(SECRET))
+    oversized.connect(zmq_endpoint(worker.command_address))
+    bound = max_command_bytes(128, 1 << 20)  # the spec's max_model_len and the router's default body bound
     try:
+        assert worker._commands.getsockopt(zmq.MAXMSGSIZE) == frame_bound(bound)
+        assert worker._commands.getsockopt(zmq.RCVHWM) == command_queue_bound(engine.max_num_seqs, 256)
+        oversized.send(Signer(SECRET, Channel.COMMANDS, worker.command_address).seal_body(b"\x90" * (bound + 1)))
         malformed = [signer.seal_body(data) for data in MALFORMED_COMMANDS.values()]
         malformed.append(signer.seal(Abort("r", router=1)))  # well formed, but this worker knows one router only
         for frame in malformed:
@@ -366,5 +407,6 @@ def test_a_worker_counts_malformed_authenticated_commands_and_keeps_serving(tiny
     finally:
         worker.stop()
         commands.close(0)
+        oversized.close(0)
         events_sock.close(0)
         ctx.term()
