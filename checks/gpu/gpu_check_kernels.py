@@ -2,8 +2,9 @@
 
 A real engine (``attention_backend: sdpa``) runs each path once under ``torch.profiler`` (CPU activity: the ATen op
 each SDPA call dispatches to is recorded on the host, on CPU and CUDA alike): a prefill with no cached context, a
-chunk with cached context (the lower-right causal path), a decode batch of unequal contexts (masked), a single
-decode (unmasked), and the static decode step the CUDA graphs capture (masked, padded). Kernels: ``flash``,
+chunk with cached context (folded heads and a mask under GQA; the lower-right causal bias without), a decode batch
+of unequal contexts (masked), a single decode (unmasked), and the static decode step the CUDA graphs capture (masked,
+padded). Kernels: ``flash``,
 ``efficient``, ``cudnn``, ``math`` (unfused: upcasts to float32, repeats K/V per head) or ``cpu_flash``.
 """
 

@@ -64,8 +64,11 @@ def absorbed_decode(
     query = torch.cat((q_latent, q[..., nope:]), dim=-1)  # [B, H, 1, lora + rope]
     lora = w_uk.shape[2]
     keys = context.unsqueeze(1)  # [B, 1, C, lora + rope]: one head that every query head reads
-    out = F.scaled_dot_product_attention(query, keys, keys[..., :lora], attn_mask=mask, scale=scale, enable_gqa=True)
-    return torch.einsum("bhl,hdl->bhd", out[:, :, 0], w_uv)  # [B, H, dv]
+    # the heads folded into the query axis of that one head: no GQA beside the mask (on CUDA only the math kernel
+    # takes both, which would copy the latent once per head); ``mask [B, 1, 1, C]`` broadcasts over the heads
+    folded = query.transpose(1, 2)  # [B, 1, H, lora + rope]
+    out = F.scaled_dot_product_attention(folded, keys, keys[..., :lora], attn_mask=mask, scale=scale)
+    return torch.einsum("bhl,hdl->bhd", out[:, 0], w_uv)  # [B, H, dv]
 
 
 def latent_attention_forward(

@@ -2,9 +2,10 @@
 
 The CPU path, and CUDA's fallback without FlashInfer. Decode rows attend together in one SDPA over their gathered,
 padded context (a verified request's row holds its last token and its proposal, each query masked to its own
-position), the query heads that share a KV head folded into the query axis; prefill chunks attend one by one, with
-``causal_lower_right``. So no call pairs GQA with a mask tensor, which only the unfused math kernel takes (docs/gpu.md,
-"SDPA and its CUDA kernels"). A layer's sliding window joins the mask; soft-capping and sinks have no SDPA form, so
+position), the query heads that share a KV head folded into the query axis; prefill chunks attend one by one: a
+first chunk ``is_causal``, a later one of a model without GQA with ``causal_lower_right``, every other (GQA, or a
+window) with a mask and its query heads folded. So no call pairs GQA with a mask tensor, which only the unfused math
+kernel takes (docs/gpu.md, "SDPA and its CUDA kernels"); tests/engine/test_model_families.py checks every call. A layer's sliding window joins the mask; soft-capping and sinks have no SDPA form, so
 those layers attend in ``math_attention``, the operations of transformers' eager attention.
 """
 
@@ -86,11 +87,13 @@ def prefill_attention(
     allowed = key_pos <= query_pos
     if features.sliding_window is not None:
         allowed &= key_pos > query_pos - features.sliding_window
-    if features.softcap is None and features.sinks is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=features.scaling, enable_gqa=heads != k.shape[1]
-        )
     groups = heads // k.shape[1]
+    if features.softcap is None and features.sinks is None:
+        # the query heads that share a KV head folded into the query axis, the mask repeated for each: no GQA beside
+        # a mask tensor (on CUDA only the math kernel takes both, repeating K and V per query head)
+        folded = q.reshape(1, k.shape[1], groups * q_len, q.shape[-1])
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=allowed.repeat(groups, 1), scale=features.scaling)
+        return out.view(1, heads, q_len, -1)
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     sinks = None if features.sinks is None else features.sinks.view(1, heads, 1, 1)
     return math_attention(q, k, v, allowed, features, sinks)
@@ -153,13 +156,15 @@ class SdpaBackend(AttentionBackend):
                 stored = kv_flat.index_select(1, seq.context_slots).transpose(1, 2).unsqueeze(1)
                 kv = batch.kv_cache.dequantize(stored, query.dtype)  # [2, 1, kvH, C, d]
                 k, v = kv[0], kv[1]
-            if not features.plain:
+            if not features.plain or (seq.context_slots is not None and gqa):
+                # a causal bias beside GQA is materialized into a mask where no flash kernel runs (a CPU, float32
+                # on CUDA): the query heads folded instead, as windowed chunks are
                 o = prefill_attention(q, k, v, seq.context_len, features)
             elif seq.context_slots is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=features.scaling, enable_gqa=gqa)
             else:
                 causal = causal_lower_right(seq.q_len, seq.context_len)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=features.scaling, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=features.scaling)
             out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
 
         return out.unsqueeze(0)

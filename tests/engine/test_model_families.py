@@ -48,6 +48,39 @@ def test_ragged_chunked_and_prefix_cached_steps_match_transformers(family, make_
     _assert_exact(reference, again, results)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", *FAMILIES])
+def test_no_sdpa_call_pairs_a_mask_tensor_with_grouped_query_heads(arch, make_engine, monkeypatch, tmp_path):
+    """On CUDA only SDPA's math kernel takes a mask tensor with GQA, repeating K and V per query head (for an absorbed
+    latent decode, the whole head count in copies): windowed prefills and latent decodes fold the query heads instead.
+    A causal bias (``causal_lower_right``) is not a mask tensor: the flash kernel takes it with GQA."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import CausalBias
+
+    real = F.scaled_dot_product_attention
+    calls: list[tuple[bool, bool]] = []
+
+    def spy(query, key, value, attn_mask=None, *args, enable_gqa=False, **kwargs):
+        mask_tensor = isinstance(attn_mask, torch.Tensor) and not isinstance(attn_mask, CausalBias)
+        calls.append((mask_tensor, bool(enable_gqa) or query.shape[-3] != key.shape[-3]))
+        if isinstance(attn_mask, CausalBias):  # its own dispatch looks for the real function, which this one hides
+            return CausalBias._dispatch(query, key, value, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
+        return real(query, key, value, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
+
+    from engine.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path, arch=arch)
+    reference = Reference(path, attn_implementation="eager")
+    engine = make_engine(path, max_batch_tokens=48)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    prompts = random_prompts(3, 20, 70, seed=13)  # chunked past every window, then decoded in one batch
+    results = engine.generate(prompts, GREEDY)
+    monkeypatch.undo()
+    _assert_exact(reference, prompts, results)
+    assert calls or arch in ("gemma2", "gpt_oss"), arch  # soft-caps and sinks attend without SDPA
+    assert not [call for call in calls if all(call)], f"{arch}: {sum(all(c) for c in calls)} of {len(calls)} calls"
+
+
 def test_preemption_keeps_output_exact(family, make_engine):
     arch, path, reference = family
     engine = make_engine(path, kv_blocks=12, enable_prefix_caching=False)
