@@ -1,7 +1,9 @@
 """KV sizing from a model's shape: bytes per token, tokens per GiB, and how many requests of a context fit a GPU.
 
 From config.json alone, since sizing comes before any download: the attention shape and the parameter count it
-implies (dense SwiGLU decoders; exact for the presets). The KV formula is the engine's own
+implies (SwiGLU decoders, dense or with routed and shared experts, per-head or latent attention; exact for the dense
+presets, within 0.5% of the published totals for the mixture-of-experts ones), and a mixture of experts' parameters
+per token (those of the experts a token is routed to). The KV formula is the engine's own
 (``engine.kv_cache.kv_bytes_per_token``), so the figure is what a worker allocates. Activations, CUDA graphs and
 fragmentation are left to ``--gpu-memory-utilization`` (default 0.9, as in vLLM).
 """
@@ -109,6 +111,67 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 32768,
         },
     ),
+    "mixtral-8x7b": (
+        "mistralai/Mixtral-8x7B-v0.1 config.json",
+        {
+            "model_type": "mixtral",
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "vocab_size": 32000,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 32768,
+        },
+    ),
+    "qwen3-235b-a22b": (
+        "Qwen/Qwen3-235B-A22B config.json",
+        {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 94,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "moe_intermediate_size": 1536,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 40960,
+        },
+    ),
+    "deepseek-v3": (
+        "deepseek-ai/DeepSeek-V3 config.json (the main model; its one multi-token-prediction layer is not served)",
+        {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": 61,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3,
+            "moe_layer_freq": 1,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "vocab_size": 129280,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 163840,
+        },
+    ),
     "smollm2-135m": (
         "HuggingFaceTB/SmolLM2-135M config.json",
         {
@@ -145,6 +208,20 @@ class ModelShape:
     attention_bias: bool
     mlp_bias: bool
     per_head_kv_values: int | None = None  # latent attention: decompressed K+V values per token and layer
+    # a mixture of experts (routed_experts 0: dense): each MoE layer's routed experts, the shared ones' total width,
+    # how many a token is routed to, and how many layers have them (the others: a dense MLP of intermediate_size)
+    routed_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    moe_layers: int = 0
+    expert_bias: bool = False  # gpt-oss: every expert projection and the router carry a bias
+    # multi-head latent attention (DeepSeek): its projections instead of q, k and v (kv_lora_rank 0: none)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_config(cls, name: str, source: str, config: dict[str, Any]) -> ModelShape:
@@ -172,29 +249,64 @@ class ModelShape:
                 attention_bias=bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
                 per_head_kv_values=per_head_kv_values(config),
+                **_experts(config, layers),
+                **_latent(config),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: lacks a usable field {exc}") from exc
 
     @property
     def parameters(self) -> int:
-        """Weights of a dense SwiGLU decoder with this shape, as transformers builds it (Qwen2's q/k/v biases, Qwen3's
-        q/k norms and any ``attention_bias`` / ``mlp_bias`` included; the LM head unless tied)."""
+        """Weights of a SwiGLU decoder with this shape, as transformers builds it (Qwen2's q/k/v biases, Qwen3's q/k
+        norms, any ``attention_bias`` / ``mlp_bias``, every routed and shared expert and the routers included; the LM
+        head unless tied): what a replica holds."""
+        return self._count(self.routed_experts)
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters one token's forward reads: a mixture of experts' routed experts only those it is routed to
+        (DeepSeek-V3: 37 B of 671 B); a dense model's all of them."""
+        return self._count(self.experts_per_token)
+
+    def _count(self, experts: int) -> int:
         hidden = self.hidden_size
-        q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        mlp = 3 * hidden * self.intermediate_size + (2 * self.intermediate_size + hidden) * self.mlp_bias
+        norms = 4 if self.model_type in ("gemma2", "gemma3", "gemma3_text") else 2  # Gemma: before and after each
+        per_layer = self._attention() + norms * hidden
+        dense_layers = self.num_layers - self.moe_layers
+        total = self.num_layers * per_layer + dense_layers * mlp
+        if self.moe_layers:
+            expert = 3 * hidden * self.expert_intermediate_size
+            expert += (2 * self.expert_intermediate_size + hidden) * self.expert_bias
+            router = (hidden + self.expert_bias) * self.routed_experts
+            shared = 3 * hidden * self.shared_intermediate_size
+            shared += hidden * (self.model_type == "qwen2_moe" and self.shared_intermediate_size > 0)  # its gate
+            total += self.moe_layers * (experts * expert + shared + router)
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return total + embeddings + hidden
+
+    def _attention(self) -> int:
+        """One layer's attention weights: q, k, v and o per head, or latent attention's projections and norms."""
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        if self.kv_lora_rank:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = hidden * heads * qk
+            if self.q_lora_rank:
+                q = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk
+            kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + heads * self.v_head_dim * hidden
+        q_width, kv_width = heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
-        if self.model_type == "qwen2":  # q, k and v always carry a bias there; o does not
+        if self.model_type in ("qwen2", "qwen2_moe"):  # q, k and v always carry a bias there; o does not
             attention += q_width + 2 * kv_width
         elif self.attention_bias:
             attention += q_width + 2 * kv_width + hidden
-        if self.model_type == "qwen3":  # RMSNorm over each head's q and k
+        if self.model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):  # RMSNorm over each head's q and k
             attention += 2 * self.head_dim
-        mlp = 3 * hidden * self.intermediate_size
-        if self.mlp_bias:
-            mlp += 2 * self.intermediate_size + hidden
-        per_layer = attention + mlp + 2 * hidden
-        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + hidden
+        if self.model_type == "gpt_oss":  # a sink per head
+            attention += heads
+        return attention
 
     def rank_shape(self, tensor_parallel_size: int) -> ModelShape:
         """What one of ``tensor_parallel_size`` ranks holds (engine.tensor_parallel): 1/N of the q heads and of the MLP,
@@ -206,17 +318,64 @@ class ModelShape:
         from engine.tensor_parallel import head_split
 
         split = head_split(self.num_attention_heads, self.num_kv_heads, tensor_parallel_size, 0)
-        if self.intermediate_size % tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size {tensor_parallel_size} does not divide the model's intermediate_size "
-                f"{self.intermediate_size}"
-            )
+        widths = {
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.expert_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_intermediate_size,
+        }
+        for name, width in widths.items():
+            if width % tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size {tensor_parallel_size} does not divide the model's {name} {width}"
+                )
         return replace(
             self,
             num_attention_heads=split.q_heads,
             num_kv_heads=split.kv_heads,
             intermediate_size=self.intermediate_size // tensor_parallel_size,
+            expert_intermediate_size=self.expert_intermediate_size // tensor_parallel_size,
+            shared_intermediate_size=self.shared_intermediate_size // tensor_parallel_size,
         )
+
+
+def _experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' fields, under each family's names (Mixtral and gpt-oss: ``num_local_experts``, every
+    layer; Qwen2/3-MoE: ``num_experts``, every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``;
+    DeepSeek: ``n_routed_experts`` and ``n_shared_experts``, dense below ``first_k_dense_replace``)."""
+    routed = int(config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts") or 0)
+    if not routed:
+        return {}
+    width = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    if "first_k_dense_replace" in config:
+        freq = int(config.get("moe_layer_freq", 1))
+        first = int(config["first_k_dense_replace"])
+        moe_layers = sum(1 for i in range(num_layers) if i >= first and i % freq == 0)
+    else:
+        step = int(config.get("decoder_sparse_step", 1))
+        dense = set(config.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    shared = int(config.get("shared_expert_intermediate_size") or 0) or int(config.get("n_shared_experts") or 0) * width
+    return {
+        "routed_experts": routed,
+        "experts_per_token": int(config.get("num_experts_per_tok") or config.get("experts_per_token") or 1),
+        "expert_intermediate_size": width,
+        "shared_intermediate_size": shared,
+        "moe_layers": moe_layers,
+        "expert_bias": config.get("model_type") == "gpt_oss",
+    }
+
+
+def _latent(config: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's projection widths (DeepSeek-V2/V3, Kimi-K2), when the config has them."""
+    if not config.get("kv_lora_rank"):
+        return {}
+    return {
+        "q_lora_rank": int(config.get("q_lora_rank") or 0),
+        "kv_lora_rank": int(config["kv_lora_rank"]),
+        "qk_nope_head_dim": int(config["qk_nope_head_dim"]),
+        "qk_rope_head_dim": int(config["qk_rope_head_dim"]),
+        "v_head_dim": int(config["v_head_dim"]),
+    }
 
 
 def normalize_dtype(name: str) -> str:
@@ -280,6 +439,7 @@ class KVSizing:
     tokens_per_gib: int
     parameters: int
     weight_bytes: int
+    active_parameters: int  # per token: a mixture of experts' routed experts only those a token is routed to
     tensor_parallel_size: int = 1  # > 1: every figure above and below is one rank's (one GPU's), KV heads included
     gpu_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
@@ -358,6 +518,7 @@ def size_kv(
         tokens_per_gib=GIB // per_token,
         parameters=shape.parameters,
         weight_bytes=weight_bytes,
+        active_parameters=shape.active_parameters,
         tensor_parallel_size=tensor_parallel_size,
         **fields,
     )
@@ -388,6 +549,11 @@ def format_table(s: KVSizing) -> str:
         ),
         ("KV per block", f"{_bytes(s.kv_bytes_per_block)} ({s.block_size} tokens)"),
         ("weights", f"{s.parameters / 1e9:,.3f} B parameters = {_bytes(s.weight_bytes)}"),
+        *(
+            [("per token", f"{s.active_parameters / 1e9:,.3f} B parameters (the experts a token is routed to)")]
+            if s.active_parameters != s.parameters
+            else []
+        ),
     ]
     if s.tensor_parallel_size > 1:
         rows.insert(0, ("per GPU", f"one of {s.tensor_parallel_size} tensor-parallel ranks: its KV heads, its weights"))

@@ -3,7 +3,8 @@
 ``pdserve profile --roofline GPU --model M --tensor-parallel-size N`` writes a ``Profile`` whose fits are this file's
 formulas, not measurements: its device says "roofline estimate" and its notes list every figure used, so each plan
 made from it is labelled so. Per rank of a degree-N worker (``ModelShape.rank_shape``), with ``P`` its parameters,
-``B`` its weight bytes and ``E`` the efficiencies below:
+``B`` its weight bytes (every expert's: a batch of a few dozen tokens reaches them all) and ``E`` the efficiencies below
+(a mixture of experts' ``P`` is its parameters per token: the experts a token is routed to):
 - prefill of ``t`` tokens after ``c`` cached: ``B / HBM + (2 P t + 4 L W (t c + t^2 / 2)) / FLOPS`` (W: its q width);
 - decode of ``b`` requests holding ``k`` tokens of KV: ``B / HBM + k · KV bytes per token / HBM + 2 P b / FLOPS``;
 - at N > 1, two all-reduces per layer of ``hidden`` values per token (ring: ``2 (N - 1) / N`` of them cross a link);
@@ -81,7 +82,7 @@ def roofline_profile(
     flops_s = gpu.dense_tflops * 1e12 * eff.compute
     hbm_s = gpu.hbm_tb_s * 1e12 * eff.memory
     weights_s = rank.weight_bytes / hbm_s
-    per_token_s = 2 * rank.parameters / flops_s
+    per_token_s = 2 * rank.active_parameters / flops_s  # a mixture of experts computes with the routed ones only
     attention = 4 * shape.num_layers * rank_shape.num_attention_heads * shape.head_dim / flops_s  # per token x key
     all_reduces = 2 * shape.num_layers if n > 1 else 0
     ring_s = 2 * (n - 1) / n * shape.hidden_size * whole.dtype_bytes / (gpu.link_gb_s * 1e9 * eff.link)

@@ -24,7 +24,11 @@ PUBLISHED_PARAMETERS = {
     "qwen2.5-7b": 7_615_616_512,
     "mistral-7b": 7_248_023_552,
     "smollm2-135m": 134_515_008,
+    "mixtral-8x7b": 46_702_792_704,
 }
+# Published in billions, total and per token (model cards: DeepSeek-V3 "671B total, 37B activated"; Qwen3-235B-A22B
+# "235B total, 22B activated"; Mixtral "46.7B total, 12.9B active")
+PUBLISHED_MOE_BILLIONS = {"deepseek-v3": (671, 37), "qwen3-235b-a22b": (235, 22), "mixtral-8x7b": (46.7, 12.9)}
 
 
 def test_formula_for_llama_3_1_8b_by_hand():
@@ -44,8 +48,33 @@ def test_dtype_bytes_match_torch():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_parameter_counts_equal_the_published_ones(name):
-    assert set(PRESETS) == set(PUBLISHED_PARAMETERS)
-    assert load_shape(name).parameters == PUBLISHED_PARAMETERS[name]
+    assert set(PRESETS) == set(PUBLISHED_PARAMETERS) | set(PUBLISHED_MOE_BILLIONS)
+    shape = load_shape(name)
+    if name in PUBLISHED_PARAMETERS:
+        assert shape.parameters == PUBLISHED_PARAMETERS[name]
+    if name in PUBLISHED_MOE_BILLIONS:  # every expert held, the routed ones a token reads: as rounded in the cards
+        total, active = PUBLISHED_MOE_BILLIONS[name]
+        assert shape.parameters / 1e9 == pytest.approx(total, rel=0.005)
+        assert shape.active_parameters / 1e9 == pytest.approx(active, rel=0.02)
+    else:
+        assert shape.active_parameters == shape.parameters
+
+
+@pytest.mark.parametrize(
+    "arch", ["mistral", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+)
+def test_every_familys_parameter_count_from_config_json_equals_the_model(arch, tmp_path):
+    """Experts (routed, shared, their routers and biases), latent attention's projections, Gemma's extra norms: the
+    count from config.json alone is the built model's, for every family the engine serves."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path, arch=arch)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    shape = load_shape(str(folder))
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    assert (shape.active_parameters < shape.parameters) == (shape.routed_experts > shape.experts_per_token > 0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
