@@ -34,7 +34,8 @@ Command = Callable[[argparse.Namespace], int]
 # ``pdserve model tiny --arch``: engine.tiny_model.TINY_ARCHITECTURES, named here without importing torch (a test
 # keeps the two equal)
 TINY_ARCHITECTURE_NAMES = [
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "cohere", "mixtral", "qwen3_moe",
+    "gpt_oss", "deepseek_v3",
 ]  # fmt: skip
 # (subcommand, options module, its function, run module, help); options modules import nothing heavy (test_startup.py)
 # fmt: off

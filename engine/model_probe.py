@@ -5,8 +5,9 @@ layers that are not attention (recurrent, state-space, convolution) are refused 
 runs one short forward of the loaded model with every attention call recorded instead of computed: each layer must
 call transformers' attention interface exactly once, and what it passes (KV heads, key and value widths, sliding
 window, soft-cap, sinks) becomes the KV layout and the attention's per-layer features. The same forward checks that
-the model's own logits equal what the engine computes from its hidden states (``lm_head``, then the config's final
-soft-cap), so a family that transforms its logits some other way is refused, not served wrongly.
+the model's own logits equal what the engine computes from its hidden states (the model's own head over them,
+``engine.model_head``: Gemma's soft-cap, Granite's and Cohere's scales come with it), so a family whose logits need
+more than its hidden states is refused, not served wrongly.
 """
 
 from __future__ import annotations
@@ -194,20 +195,20 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
         raise ValueError(f"model: model type {model_type!r} has layers with different head counts; not supported")
     softcap = getattr(model.config, "final_logit_softcapping", None) or None
     attention = ModelAttention(model_type, layers, float(softcap) if softcap else None)
-    with torch.inference_mode():
-        projected = model.get_output_embeddings()(hidden.last_hidden_state[0]).float()
-        ours = final_logits(projected, attention.final_logit_softcap)
+    from engine.model_head import ModelHead
+
+    try:
+        with torch.inference_mode():
+            ours = ModelHead(model)(hidden.last_hidden_state[0])
+    except (AttributeError, TypeError) as exc:  # its head reads more of the decoder than its hidden states
+        raise ValueError(
+            f"model: model type {model_type!r} computes its logits from more than its hidden states ({exc}); "
+            "not supported"
+        ) from None
     gap = (ours - out.logits[0].float()).abs().max().item()
     if not gap <= LOGITS_TOLERANCE * max(1.0, out.logits.abs().max().item()):
         raise ValueError(
-            f"model: model type {model_type!r} computes its logits in a way pdserve does not reproduce (they differ "
-            f"from lm_head of the hidden states by {gap:.3g}); not supported"
+            f"model: model type {model_type!r} computes its logits in a way pdserve does not reproduce (its head "
+            f"over the engine's hidden states differs from its own forward by {gap:.3g}); not supported"
         )
     return attention
-
-
-def final_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """The model's final soft-cap (Gemma 2/3: ``tanh(logits / cap) * cap``), in place on float32 logits."""
-    if softcap is None:
-        return logits
-    return logits.div_(softcap).tanh_().mul_(softcap)

@@ -31,7 +31,7 @@ from engine.attention.metadata import layout_spans as layout_spans_for
 from engine.blocks import blocks_for_tokens
 from engine.host_values import long_tensor
 from engine.kv_cache import KVCache
-from engine.model_probe import final_logits
+from engine.model_head import ModelHead
 from engine.sampler import PromptScores, logprob_summary
 from engine.scheduler import ScheduledChunk
 from engine.tensor_parallel import ExportSpan, HeadSplit, StepChannel, StepKind, StepMessage, TPGroup
@@ -82,6 +82,7 @@ class ModelRunner:
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
+        self.head = ModelHead(model)  # the model's own forward after the decoder: lm_head and its logit transforms
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.device = next(model.parameters()).device
@@ -278,8 +279,8 @@ class ModelRunner:
         return self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, pd_batch=batch, **extra)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of hidden states, as the model computes them (``engine.model_probe`` checked this)."""
-        return final_logits(self.lm_head(hidden).float(), self.final_logit_softcap)
+        """float32 logits of hidden states, by the model's own head (``engine.model_probe`` checked this)."""
+        return self.head(hidden)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepStats]:

@@ -40,7 +40,8 @@ def build_byte_tokenizer():
 # the families the exactness tests cover, as transformers' ``model_type`` and the fields that make each one's tiny
 # model exercise what sets it apart: sliding windows short enough for test prompts to leave them (Gemma 2/3,
 # gpt-oss), soft-capping (Gemma 2), attention sinks (gpt-oss), mixtures of experts (Mixtral, Qwen3-MoE, gpt-oss,
-# DeepSeek-V3), and DeepSeek's latent attention, whose value heads are narrower than its key heads
+# DeepSeek-V3), DeepSeek's latent attention, whose value heads are narrower than its key heads, and logits scaled by
+# the model's head (Granite, Cohere)
 TINY_WINDOW = 8
 _ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
 TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {
@@ -60,6 +61,12 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {
     ),
     "gemma3": ("gemma3_text", {"sliding_window": TINY_WINDOW, "layer_types": _ALTERNATING}),
     "phi3": ("phi3", {}),
+    # heads that transform their logits (and Granite's multipliers in the decoder): the model's own head runs them
+    "granite": (
+        "granite",
+        {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25},
+    ),
+    "cohere": ("cohere", {"logit_scale": 0.25}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": (
         "qwen3_moe",

@@ -17,7 +17,7 @@ from engine.config import SpeculativeConfig
 from engine.request import SamplingParams
 from tests.helpers.engine import Reference, handoff, random_prompts
 
-FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["gemma2", "gemma3", "phi3", "granite", "cohere", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
