@@ -181,14 +181,15 @@ def test_models_that_cannot_work_are_refused_naming_the_type_and_reason(tmp_path
         load_model(str(tmp_path))
 
 
-def test_tensor_parallelism_is_refused_for_families_it_cannot_cut(tmp_path):
+def test_tensor_parallelism_is_refused_for_a_plan_it_cannot_run(tmp_path):
     from transformers import AutoConfig
 
     from engine.tensor_parallel import check_degree
 
-    config = AutoConfig.for_model("gemma2", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: model type 'gemma2' is served on one rank only"):
+    config = AutoConfig.for_model("phi3", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: model type 'phi3'.*colwise_gather_output"):
         check_degree(config, 2)
+    check_degree(AutoConfig.for_model("gemma2", num_attention_heads=4, num_key_value_heads=2), 2)  # its plan runs
 
 
 def test_sliding_window_layers_gather_only_blocks_their_windows_reach(tmp_path_factory, make_engine):

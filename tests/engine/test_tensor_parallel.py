@@ -8,6 +8,7 @@ largest gap is printed).
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -214,6 +215,42 @@ def test_two_ranks_generate_what_one_does(arch_fixture, request):
     assert two[0]["cached_tokens"] > 0  # the second round reused the first round's prompt blocks on both ranks
     assert two[1]["ended"] == "stop" and two[1]["steps"] > 0
     assert one["kv_heads"] == 2 and two[0]["kv_heads"] == two[1]["kv_heads"] == 1  # each rank caches its own head
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "granite", "cohere"])
+def test_every_family_the_plan_cuts_gives_what_one_rank_does(arch, tmp_path):
+    """Cut by the model's own plan, not a list of families: soft-caps, windows and per-head norms follow their heads,
+    Gemma's scaled embedding is rebuilt on every rank, Granite's and Cohere's heads scale as on one rank."""
+    from engine.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path, arch=arch)
+    run = {"prompts": PROMPTS, "max_tokens": 12, "max_batch_tokens": 16}
+    one = run_ranks(1, model, **run)[0]
+    two = run_ranks(2, model, **run)
+    _compare(one, two[0])
+    assert one["kv_heads"] == 2 and two[0]["kv_heads"] == two[1]["kv_heads"] == 1
+    assert two[1]["ended"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "arch, entry",
+    [
+        ("phi3", "'layers.*.self_attn.qkv_proj': 'colwise_gather_output'"),  # fused q/k/v, split by its parts
+        ("deepseek_v3", "'layers.*.self_attn.kv_a_proj_with_mqa': 'mla_kv_a_proj'"),
+        ("gpt_oss", "'embed_tokens': 'embedding_rowwise'"),
+        ("mixtral", "transformers converts its checkpoint at load"),  # experts stored one by one, fused in the model
+        ("qwen3_moe", "transformers converts its checkpoint at load"),
+    ],
+)
+def test_a_plan_entry_pdserve_cannot_run_is_refused_by_name(arch, entry):
+    from transformers import AutoConfig
+
+    from engine.tiny_model import TINY_ARCHITECTURES
+
+    config = AutoConfig.for_model(TINY_ARCHITECTURES[arch][0], num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 2: model type '{arch}'.*{re.escape(entry)}"):
+        check_degree(config, 2)
+    check_degree(config, 1)  # one rank serves it
 
 
 @pytest.mark.parametrize(
