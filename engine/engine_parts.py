@@ -92,6 +92,7 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     backend = select_backend(config.attention_backend, config.device, model.dtype, attention.features)
     runner = ModelRunner(model, kv_cache, backend)
     runner.final_logit_softcap = attention.final_logit_softcap
+    runner.plain_head = attention.plain_head
     runner.sliding_windows = frozenset(layer.sliding_window for layer in attention.layers if layer.sliding_window)
     runner.head_split = split
     if group is not None and group.size > 1:

@@ -83,11 +83,13 @@ class LayerAttention:
 
 @dataclass(frozen=True, slots=True)
 class ModelAttention:
-    """Every layer's attention, and the model's final logit soft-cap (applied after the lm_head)."""
+    """Every layer's attention, the model's final logit soft-cap (applied by its head), and whether its head is its
+    ``lm_head`` alone (then the engine calls that, without the model's forward around it)."""
 
     model_type: str
     layers: tuple[LayerAttention, ...]
     final_logit_softcap: float | None
+    plain_head: bool = True
 
     @property
     def latent_width(self) -> int | None:
@@ -194,12 +196,13 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
     if len({(layer.kv_heads, layer.query_heads) for layer in layers}) > 1:
         raise ValueError(f"model: model type {model_type!r} has layers with different head counts; not supported")
     softcap = getattr(model.config, "final_logit_softcapping", None) or None
-    attention = ModelAttention(model_type, layers, float(softcap) if softcap else None)
+    softcap = float(softcap) if softcap else None
     from engine.model_head import ModelHead
 
     try:
         with torch.inference_mode():
             ours = ModelHead(model)(hidden.last_hidden_state[0])
+            plain = model.get_output_embeddings()(hidden.last_hidden_state[0]).float()
     except (AttributeError, TypeError) as exc:  # its head reads more of the decoder than its hidden states
         raise ValueError(
             f"model: model type {model_type!r} computes its logits from more than its hidden states ({exc}); "
@@ -211,4 +214,4 @@ def probe_model(model: Any, num_layers: int) -> ModelAttention:
             f"model: model type {model_type!r} computes its logits in a way pdserve does not reproduce (its head "
             f"over the engine's hidden states differs from its own forward by {gap:.3g}); not supported"
         )
-    return attention
+    return ModelAttention(model_type, layers, softcap, plain_head=bool(torch.equal(plain, ours)))

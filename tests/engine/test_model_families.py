@@ -139,6 +139,8 @@ def test_features_come_from_the_model_not_its_family(family, make_engine):
     assert windows == expected
     assert any(layer.softcap for layer in attention.layers) == (arch == "gemma2")
     assert attention.final_logit_softcap == (10.0 if arch == "gemma2" else None)
+    # a head that soft-caps or scales runs through the model's own forward; a plain one is its lm_head alone
+    assert attention.plain_head == (arch not in ("gemma2", "granite", "cohere")) == engine.runner.plain_head
     assert all(layer.has_sinks for layer in attention.layers) == (arch == "gpt_oss")
     if arch == "deepseek_v3":
         # the cache holds the 32-wide latent and the 8-wide rotary key, half in each of the K and V planes: 480
