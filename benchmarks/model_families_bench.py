@@ -212,10 +212,64 @@ def measure(name: str, model_type: str, build: Callable[[Path], str | None], arg
             row["all_exact"] = matched == count
             row |= measured.decode_speed(args.batch, args.input_len, args.max_tokens, args.repeats)
             engine.check_no_leaks()
+            if args.tensor_parallel_size > 1:
+                stage = "tensor parallel"
+                prompts = measured.prompts(args.prompts, (12, 64), seed=2)
+                del measured, engine
+                row["tensor_parallel"] = tensor_parallel_row(str(path), prompts, args)
     except Exception as exc:  # noqa: BLE001 - one family's failure is its row, not the end of the run
         logger.debug("%s failed", name, exc_info=True)
         row["error"] = f"{stage}: {_short(exc)}"
     return row
+
+
+def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """The family at ``--tensor-parallel-size`` N ranks against 1 (``benchmarks/tp_bench.py``'s rank, each in a
+    process, the same total threads): same greedy tokens, the largest gap between chosen tokens' logprobs, step
+    times; or why it is refused at N."""
+    from benchmarks.tp_bench import _rank
+    from engine.tensor_parallel import check_degree
+    from engine.tp_launch import run_ranks
+
+    size = args.tensor_parallel_size
+    try:
+        from transformers import AutoConfig
+
+        check_degree(AutoConfig.from_pretrained(model), size)
+    except ValueError as exc:
+        return {"degree": size, "refused": str(exc)}
+    payload = {
+        "model": model,
+        "threads": max(size, args.torch_threads),
+        "batch": len(prompts),
+        "input_len": max(len(p) for p in prompts),
+        "output_len": args.max_tokens,
+        "repeats": args.repeats,
+        "prompts": prompts,
+        "logprobs": True,
+    }
+    one = run_ranks(_rank, 1, payload, timeout_s=600)[0]
+    many = run_ranks(_rank, size, payload, timeout_s=600)[0]
+    gap = max(
+        (
+            abs(a - b)
+            for x, y in zip(one["logprobs"], many["logprobs"], strict=True)
+            for a, b in zip(x, y, strict=False)
+        ),
+        default=0.0,
+    )
+    config = AutoConfig.from_pretrained(model)
+    # each rank's o and down projections end in an all-reduce of the hidden state (ring: 2 (N - 1) / N of it leaves
+    # each rank): derived from the shape, float32
+    ring_bytes = 2 * config.num_hidden_layers * config.hidden_size * 4 * 2 * (size - 1) / size
+    return {
+        "degree": size,
+        "exact": one["tokens"] == many["tokens"],
+        "all_reduce_bytes_per_token_per_rank": round(ring_bytes),
+        "logprob_gap": float(f"{gap:.3g}"),
+        "decode_step_ms": {"1": round(one["decode_step_ms"], 2), str(size): round(many["decode_step_ms"], 2)},
+        "decode_step_ratio": round(many["decode_step_ms"] / one["decode_step_ms"], 2),
+    }
 
 
 def status(row: dict) -> str:
@@ -261,6 +315,7 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": "float32",
             "device": "cpu",
             "torch_threads": args.torch_threads,
+            "tensor_parallel_size": args.tensor_parallel_size,
         },
     }
 

@@ -153,6 +153,14 @@ def add_model_families_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads while it runs: a tiny model gains nothing from more, and on a busy machine threads "
         "that wait for a core slow every step by orders of magnitude",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also run each family at N ranks (processes) against 1: same greedy tokens, the logprob gap, step time "
+        "with the same total threads (a correctness feature on a CPU, not a speed claim), or the refusal",
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
 
 

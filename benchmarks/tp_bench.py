@@ -13,6 +13,7 @@ import argparse
 import random
 import statistics
 import sys
+from typing import Any
 
 from benchmarks.options import main
 
@@ -52,6 +53,7 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
         return {"ended": serve_follower(config, group)}
     engine = LLMEngine(config, group)
     params = SamplingParams(max_tokens=payload["output_len"], temperature=0.0, ignore_eos=True)
+    greedy = _greedy_logprobs(engine, payload["prompts"], params) if payload.get("logprobs") else None
     runs = []
     for _ in range(1 + payload["repeats"]):
         engine.step_stats.clear()
@@ -68,7 +70,20 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
         "prefill_step_ms": 1000 * statistics.median(r["prefill_s"] for r in measured),
         "decode_step_ms": 1000 * statistics.median(r["decode_s"] for r in measured),
         "tokens": [r.token_ids for r in results],
+        **({"logprobs": greedy} if greedy is not None else {}),
     }
+
+
+def _greedy_logprobs(engine: Any, prompts: list[list[int]], params: Any) -> list[list[float]]:
+    """Each prompt's chosen tokens' logprobs, greedy (the gap between degrees is measured on them)."""
+    params = params.copy()
+    params.logprobs = 0
+    ids = [engine.add_request(prompt, params.copy(), request_id=f"logprobs-{i}") for i, prompt in enumerate(prompts)]
+    out: dict[str, list[float]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for step in engine.step():
+            out[step.request_id].extend(lp.logprob for lp in step.logprobs or [])
+    return [out[rid] for rid in ids]
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -27,6 +27,18 @@ def test_families_are_exact_and_timed_and_a_state_space_model_is_refused():
     assert result["summary"] == {"exact": 2, "refused": 1, "inexact": 0, "failed": 0}
 
 
+def test_at_two_ranks_a_family_is_exact_or_its_plan_refused_by_name():
+    from benchmarks.model_families_bench import run
+
+    result = run(_args("--families", "gemma2,phi3", "--tensor-parallel-size", "2", *TINY))
+    rows = {row["name"]: row["tensor_parallel"] for row in result["families"]}
+    gemma2 = rows["gemma2"]
+    assert gemma2["exact"] is True and gemma2["logprob_gap"] < 1e-4, gemma2  # float32 sums in another order
+    assert set(gemma2["decode_step_ms"]) == {"1", "2"} and gemma2["all_reduce_bytes_per_token_per_rank"] == 1536
+    assert "qkv_proj': 'colwise_gather_output'" in rows["phi3"]["refused"]
+    assert result["settings"]["tensor_parallel_size"] == 2
+
+
 def test_a_family_that_fails_to_build_is_a_row_with_its_error():
     from benchmarks.model_families_bench import measure
 
