@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +40,7 @@ PROOF_BYTES = 32
 HANDOFF_TIMEOUT_S = 2.0  # one peer's whole exchange, either side
 ACCEPT_POLL_S = 0.25  # how often the serving thread looks whether it was closed
 BACKLOG = 8
+STALE_AGE_S = 30.0  # a dead receiver's socket file is swept only once this old (another PID namespace may share it)
 NAME_RE = re.compile(r"^kvc-[0-9]{1,10}-[0-9a-f]{16}\.sock$")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -66,12 +68,36 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+def sweep_stale(folder: Path, now: float | None = None) -> int:
+    """Unlink the socket files of receivers that died without closing (SIGKILL): their pid gone, old enough."""
+    now = time.time() if now is None else now
+    gone = 0
+    for entry in folder.iterdir():
+        if not NAME_RE.match(entry.name):
+            continue
+        try:
+            if now - entry.lstat().st_mtime < STALE_AGE_S:
+                continue
+            os.kill(int(entry.name.split("-")[1]), 0)
+            continue  # its receiver is alive
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        with contextlib.suppress(OSError):
+            entry.unlink()
+            gone += 1
+    return gone
+
+
 class FdServer:
     """Serves ``open_fds()`` (fresh descriptors, closed here once sent) to peers that prove ``token``."""
 
     def __init__(self, token: bytes, open_fds: Callable[[], list[int]]) -> None:
         self._token, self._open_fds = token, open_fds
-        self.path = str(runtime_dir() / f"kvc-{os.getpid()}-{secrets.token_hex(8)}.sock")
+        folder = runtime_dir()
+        sweep_stale(folder)
+        self.path = str(folder / f"kvc-{os.getpid()}-{secrets.token_hex(8)}.sock")
         self.refused = 0  # peers of another user, or that did not prove the token
         self.served = 0
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -370,3 +370,31 @@ def test_another_user_cannot_reach_the_cache_socket(closing) -> None:
         assert run.stdout.strip() == "refused", run.stderr
     finally:
         segment.close()
+
+
+def test_the_socket_file_of_a_killed_receiver_is_swept_by_the_next_one(closing) -> None:
+    """A SIGKILLed decode worker leaves its socket file; the next segment on the node removes it once it is older
+    than STALE_AGE_S and its pid is gone, and leaves a live receiver's and a young one alone."""
+    from transfer.fd_pass import STALE_AGE_S
+    from transfer.private_dir import runtime_dir
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    folder = runtime_dir()
+    old = time.time() - STALE_AGE_S - 5
+    stale, young, alive = (
+        folder / f"kvc-{dead.pid}-{'a' * 16}.sock",
+        folder / f"kvc-{dead.pid}-{'b' * 16}.sock",
+        folder / f"kvc-{os.getpid()}-{'c' * 16}.sock",
+    )
+    for path in (stale, young, alive):
+        path.touch()
+    for path in (stale, alive):
+        os.utime(path, (old, old))
+    segment = KVSegment(fingerprint(), 8)
+    try:
+        assert not stale.exists() and young.exists() and alive.exists()
+    finally:
+        segment.close()
+        young.unlink()
+        alive.unlink()
