@@ -54,6 +54,9 @@ MAX_RECORDS = 10_000  # finished requests' timing and recent requests' placement
 MAX_RETRIES = 2  # re-dispatches of a request whose worker died before anything reached its client
 MAX_WORKERS_TRIED = 3  # decode workers asked per round before the request waits for capacity
 QUEUE_RETRY_S = 0.5  # a queued request asks again at least this often, heartbeats or not
+# a worker removed after its drain said it was idle once it had failed what it held; those errors are on their way
+# (the pool reads "drained" from the worker, not from this router's events): its requests wait this long for them
+REMOVAL_GRACE_S = 2.0
 
 
 def _room(stats: Stats | None) -> float:
@@ -85,6 +88,7 @@ class RouterCore:
         self.updated: list[Flow] = []
         self._queue: deque[Flow] = deque()  # waiting for decode KV, oldest first
         self._next_queue_retry_s = 0.0
+        self._removed: dict[str, float] = {}  # workers removed by scale-down -> when their requests are failed
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
@@ -350,7 +354,11 @@ class RouterCore:
             self.fail(flow, RequestFailed(error.message, error.code.value, status))
 
     def on_tick(self, now: float) -> None:
-        """Deadlines: request timeouts, unanswered reservations, queue retries."""
+        """Deadlines: request timeouts, unanswered reservations, queue retries, removed workers' requests."""
+        for name, until in list(self._removed.items()):
+            if now >= until:
+                del self._removed[name]
+                self._worker_gone(name, "worker removed by scale-down", now)
         worker_timeout_s = self.config.router.worker_timeout_s
         for flow in list(self.flows.values()):
             if flow.status.ended:
@@ -542,9 +550,11 @@ class RouterCore:
                         self.migrate(flow, now, reason="drain")
 
     def remove_worker(self, name: str, now: float) -> None:
-        """Forget a worker the pool stopped after its drain: what it still held gets an error, or a retry."""
-        self._worker_gone(name, "worker removed by scale-down", now)
+        """Forget a worker the pool stopped after its drain. What it still held gets an error or a retry
+        ``REMOVAL_GRACE_S`` later (``on_tick``), unless the worker's own answer, already sent, ends it first: past its
+        drain deadline the worker fails each request with the reason, then says it is idle."""
         self.members.remove(name)
+        self._removed[name] = now + REMOVAL_GRACE_S
         self._wake(now)
 
     def _worker_gone(self, name: str, reason: str, now: float) -> None:

@@ -417,11 +417,31 @@ def test_a_draining_worker_gets_nothing_new_and_finishes_what_it_holds():
 
 
 def test_a_request_left_on_a_removed_worker_gets_an_explicit_error():
+    """After a grace for the worker's own answer (sent before it said it was idle): the router's error then."""
+    from cluster.routing.core import REMOVAL_GRACE_S
+
     h = Harness()
     flow, decode, _ = _disaggregated_to_decoding(h)
     flow.take()
     h.core.remove_worker(decode, h.now)
+    assert flow.status is FlowStatus.DECODING and decode not in h.core.members.workers  # nothing new goes there
+    h.tick(REMOVAL_GRACE_S)
     assert flow.status is FlowStatus.FAILED and "scale-down" in str(flow.error)
+    h.release(flow)
+    h.check_no_leaks()
+
+
+def test_a_removed_workers_own_error_in_flight_is_the_one_the_client_gets():
+    """Past its drain deadline the worker fails what it holds, then says it is idle; the pool then removes it, which
+    may reach the router before the worker's error does: the worker's reason wins, not a generic one."""
+    h = Harness()
+    flow, decode, _ = _disaggregated_to_decoding(h)
+    flow.take()
+    h.core.remove_worker(decode, h.now)
+    reason = "worker removed by scale-down: its drain deadline passed before the request finished"
+    h.core.on_event(ErrorEvent(worker=decode, rid=flow.wire_id, message=reason, code=ErrorCode.WORKER_ERROR), h.now)
+    assert flow.status is FlowStatus.FAILED and "drain deadline" in str(flow.error)
+    h.tick(10.0)
     h.release(flow)
     h.check_no_leaks()
 
