@@ -228,8 +228,8 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
     process, the same total threads): same greedy tokens, the largest gap between chosen tokens' logprobs, step
     times; or why it is refused at N."""
     from benchmarks.tp_bench import _rank
-    from engine.tensor_parallel import check_degree
     from engine.tp_launch import run_ranks
+    from engine.tp_shard import check_degree
 
     size = args.tensor_parallel_size
     try:

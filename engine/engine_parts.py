@@ -65,7 +65,7 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     size = group.size if group else 1
     if size == 1:  # the heads the layers pass (configs name them differently, or not at all)
         split = head_split(attention.layers[0].query_heads, attention.num_kv_heads, 1, 0)
-    else:  # a shard cut by the model's own plan (engine.tensor_parallel.tp_plan), its heads named by its config
+    else:  # a shard cut by the model's own plan (engine.tp_shard.tp_plan), its heads named by its config
         assert group is not None
         split = head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, group.rank)
     max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))

@@ -110,7 +110,7 @@ def load_model(
     """Load (model, tokenizer); errors name the field and the cause. Any decoder-only causal LM whose attention goes
     through transformers' attention interface is accepted (``engine.model_probe``); what cannot work is refused
     with the model type and the reason. With a tensor-parallel ``group`` of more than one rank, the model is this
-    rank's shard (``engine.tensor_parallel.load_shard``).
+    rank's shard (``engine.tp_shard.load_shard``).
 
     The weights go from their files straight onto ``device`` in ``dtype`` (``device_map``): never built in host RAM
     nor held in float32 on the way, so a GPU node needs no host memory for them and the load is one pass."""
@@ -129,7 +129,7 @@ def load_model(
         raise ValueError(f"model: {refusal}")
     try:
         if group is not None and group.size > 1:
-            from engine.tensor_parallel import load_shard
+            from engine.tp_shard import load_shard
 
             hf_model: torch.nn.Module = load_shard(path, torch_dtype, target, attn_implementation, group)
         else:

@@ -27,8 +27,9 @@ from engine.blocks import blocks_for_tokens
 from engine.llm_engine import LLMEngine
 from engine.model_loader import resolve_model_path
 from engine.request import RequestStatus, SamplingParams
-from engine.tensor_parallel import TPGroup, check_degree
+from engine.tensor_parallel import TPGroup
 from engine.tp_launch import run_ranks
+from engine.tp_shard import check_degree
 from planner.fit import fit_points
 from planner.profile_model import (
     DECODE_FEATURES,

@@ -143,7 +143,7 @@ def _bind_host(config: ClusterConfig, in_process: bool) -> str:
 
 def check_tensor_parallel(config: ClusterConfig, hf_config) -> None:
     """ConfigError naming the pool's field when the model cannot be split ``tensor_parallel_size`` ways."""
-    from engine.tensor_parallel import check_degree
+    from engine.tp_shard import check_degree
 
     for name, _, pool in pool_layout(config):
         if pool.replicas and pool.tensor_parallel_size > 1:

@@ -186,7 +186,7 @@ def test_models_that_cannot_work_are_refused_naming_the_type_and_reason(tmp_path
 def test_tensor_parallelism_is_refused_for_a_plan_it_cannot_run(tmp_path):
     from transformers import AutoConfig
 
-    from engine.tensor_parallel import check_degree
+    from engine.tp_shard import check_degree
 
     config = AutoConfig.for_model("phi3", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     with pytest.raises(ValueError, match="tensor_parallel_size 2: model type 'phi3'.*colwise_gather_output"):

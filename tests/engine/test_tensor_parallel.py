@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tensor_parallel import HeadSplit, StepKind, StepMessage, check_degree, head_split
+from engine.tensor_parallel import HeadSplit, StepKind, StepMessage, head_split
 from engine.tp_launch import run_ranks as launch_ranks
+from engine.tp_shard import check_degree
 
 LOGPROB_TOLERANCE = 1e-4
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]

@@ -1,0 +1,208 @@
+"""A tensor-parallel rank's shard of a model: what to cut comes from the model's own plan (transformers'
+``base_model_tp_plan``), and each rank reads only its slices from the safetensors files.
+
+``colwise`` linears (q/k/v by heads, gate/up in slices of the MLP) keep their part of the output, ``rowwise`` ones (o,
+down) their part of the input and end in one all-reduce (``RowParallel``); ``replicated`` entries and everything the
+plan does not name (norms, the embedding, the lm_head, a mixture's experts where its plan leaves them) are whole on
+every rank. A plan entry of another style, or a checkpoint transformers converts at load, is a refusal naming it
+(``tp_plan``). The group, the step messages and the followers: ``engine.tensor_parallel``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from engine.tensor_parallel import HeadSplit, RowParallel, TPGroup, head_split
+
+CUT_STYLES = ("colwise", "rowwise")
+REPLICATED_STYLES = ("replicated_with_grad_allreduce",)  # whole on every rank (its gradient all-reduced in training)
+HEAD_CUTS = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+MLP_WIDTHS = ("gate_proj", "up_proj", "down_proj")  # cut in slices of intermediate_size
+
+
+def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
+    """The model's tensor-parallel plan (module pattern -> style), or a ValueError naming ``tensor_parallel_size``,
+    the model type and the entry pdserve cannot run: a style other than colwise, rowwise or replicated (fused
+    projections split by their parts, latent attention's, experts'), or a plan that does not cut the attention by
+    heads (each rank's KV cache holds its heads)."""
+    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+    where = f"tensor_parallel_size {size}: model type {hf_config.model_type!r}"
+    for pattern, style in plan.items():
+        if style not in CUT_STYLES + REPLICATED_STYLES:
+            raise ValueError(
+                f"{where}: its tensor-parallel plan's entry {pattern!r}: {style!r} is not a cut pdserve runs "
+                f"({', '.join(CUT_STYLES + REPLICATED_STYLES)}); serve it on one rank"
+            )
+    converted = _checkpoint_conversions(hf_config.model_type)
+    if converted:
+        raise ValueError(
+            f"{where}: transformers converts its checkpoint at load ({converted} renames or fusions, e.g. experts "
+            "stored one by one and fused in the model); pdserve's shard loader reads each rank's slices as stored; "
+            "serve it on one rank"
+        )
+    attention = {p.rsplit(".", 1)[-1]: style for p, style in plan.items() if ".self_attn." in p}
+    if any(attention.get(name) != style for name, style in HEAD_CUTS.items()):
+        raise ValueError(
+            f"{where}: its tensor-parallel plan does not cut q_proj, k_proj and v_proj by heads and o_proj by rows "
+            f"({plan or 'the config has no plan'}); serve it on one rank"
+        )
+    return plan
+
+
+def _checkpoint_conversions(model_type: str) -> int:
+    """How many renames and fusions transformers applies to this model type's checkpoint at load (0: none)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without them
+        return 0
+    return len(get_checkpoint_conversion_mapping(model_type) or [])
+
+
+def check_degree(hf_config: Any, size: int) -> None:
+    """ValueError naming ``tensor_parallel_size`` when the model cannot be split ``size`` ways."""
+    if size == 1:
+        return
+    plan = tp_plan(hf_config, size)
+    head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
+    cuts_mlp = any(p.rsplit(".", 1)[-1] in MLP_WIDTHS for p in plan)
+    if cuts_mlp and hf_config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the model's intermediate_size {hf_config.intermediate_size}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """Which slice of each split weight this rank keeps, by its full name (``model.layers.0.self_attn.q_proj.weight``):
+    (dim, start, stop); a weight not named is replicated. Row-parallel biases stay on rank 0 only, so the sum adds
+    them once. ``rowwise``: the modules whose outputs are summed over the ranks."""
+
+    slices: dict[str, tuple[int, int, int]]
+    zero_bias: frozenset[str]
+    rowwise: tuple[str, ...]
+
+    def cut(self, name: str, tensor: Any) -> torch.Tensor:
+        """This rank's part of the weight ``name`` (a tensor or a safetensors slice); a full weight is read whole."""
+        if name in self.zero_bias:
+            return torch.zeros_like(tensor[:])
+        where = self.slices.get(name)
+        if where is None:
+            return tensor[:]
+        dim, start, stop = where
+        return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+
+
+def _span(leaf: str, width: int, hf_config: Any, split: HeadSplit) -> tuple[int, int]:
+    """This rank's part of a cut dimension of ``width``: its q heads (q, o), its KV heads (k, v), else 1/N."""
+    if leaf in ("q_proj", "o_proj"):
+        per_head = width // hf_config.num_attention_heads
+        return split.q_start * per_head, (split.q_start + split.q_heads) * per_head
+    if leaf in ("k_proj", "v_proj"):
+        per_head = width // hf_config.num_key_value_heads
+        return split.kv_start * per_head, (split.kv_start + split.kv_heads) * per_head
+    if width % split.size:
+        raise ValueError(f"tensor_parallel_size {split.size} does not divide {leaf}'s {width} features")
+    per_rank = width // split.size
+    return split.rank * per_rank, (split.rank + 1) * per_rank
+
+
+def shard_plan(model: torch.nn.Module, hf_config: Any, split: HeadSplit, plan: dict[str, str]) -> ShardPlan:
+    """The slices of every linear the model's plan cuts, found by matching its patterns (``*``: a layer index) against
+    the decoder's module names."""
+    prefix = str(cast(Any, model).base_model_prefix)
+    patterns = [(re.compile(re.escape(p).replace(r"\*", r"\d+") + "$"), style) for p, style in plan.items()]
+    slices: dict[str, tuple[int, int, int]] = {}
+    zero_bias: set[str] = set()
+    rowwise: list[str] = []
+    for name, module in getattr(model, prefix).named_modules():
+        style = next((style for pattern, style in patterns if pattern.match(name)), None)
+        if style not in CUT_STYLES:
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            raise ValueError(f"model type {hf_config.model_type!r}: the plan cuts {name}, which is not a linear layer")
+        full, leaf = f"{prefix}.{name}", name.rsplit(".", 1)[-1]
+        if style == "colwise":
+            start, stop = _span(leaf, module.out_features, hf_config, split)
+            slices[f"{full}.weight"] = slices[f"{full}.bias"] = (0, start, stop)
+        else:
+            slices[f"{full}.weight"] = (1, *_span(leaf, module.in_features, hf_config, split))
+            if split.rank:
+                zero_bias.add(f"{full}.bias")
+            rowwise.append(full)
+    return ShardPlan(slices, frozenset(zero_bias), tuple(rowwise))
+
+
+def _cut_linear(linear: torch.nn.Linear, name: str, plan: ShardPlan) -> None:
+    linear.weight = torch.nn.Parameter(plan.cut(f"{name}.weight", linear.weight.data).clone(), requires_grad=False)
+    linear.out_features, linear.in_features = linear.weight.shape
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(plan.cut(f"{name}.bias", linear.bias.data).clone(), requires_grad=False)
+
+
+def load_shard(path: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str, group: TPGroup) -> Any:
+    """This rank's shard of the model at ``path``: built on the meta device, cut to the rank's shapes, then filled
+    from the safetensors files slice by slice, so no rank ever holds a whole split weight."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    check_degree(config, group.size)
+    split = head_split(config.num_attention_heads, config.num_key_value_heads, group.size, group.rank)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    plan = shard_plan(model, config, split, tp_plan(config, group.size))
+    with torch.no_grad():
+        for name in plan.slices.keys() - plan.zero_bias:
+            if name.endswith(".weight"):
+                module_name = name.removesuffix(".weight")
+                _cut_linear(model.get_submodule(module_name), module_name, plan)  # meta shapes, no data
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                tensor = plan.cut(name, f.get_slice(name))
+                state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        missing = [m for m in missing if not m.startswith("lm_head.")]
+    if missing or unexpected:
+        raise ValueError(f"model: {path}: weights missing {missing[:3]} or not in the model {unexpected[:3]}")
+    _init_buffers(model, device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"model: {path}: {len(left)} tensors were not loaded, e.g. {left[0]}")
+    for name in plan.rowwise:
+        parent, _, leaf = name.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, leaf, RowParallel(getattr(holder, leaf), group))
+    model.eval()
+    return model
+
+
+def _init_buffers(model: Any, device: torch.device) -> None:
+    """Non-persistent buffers are not in the files (rotary ``inv_freq``, Gemma's ``embed_scale``): made on the device
+    and set by the model's own ``_init_weights``, as transformers does after a meta-device load; the loaded weights
+    are marked initialized, so it leaves them as they are."""
+    for parameter in model.parameters():
+        parameter._is_hf_initialized = True
+    owners = []
+    for module in model.modules():
+        meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+        if meta:
+            owners.append(module)
+    with torch.no_grad():
+        for module in owners:
+            model._init_weights(module)
