@@ -13,9 +13,8 @@ Each attack runs in a process of its own for ``--seconds`` while this process sa
 resident memory (``VmRSS``, every 20 ms; the router runs in this process). Figures: per attack and process, the peak
 above the median of the second before; the refused handshakes the workers and the router counted; whether a request
 is served afterwards, and that no KV block is held. The same attacks hit a baseline process of plain ZeroMQ sockets,
-as pdserve's were before the handshake gate (``unguarded_baseline``, not in the goal), so the figures show what the
-gate stops. Goal (issue 57): a stranger moves no process's memory by more than
-50 MB at any moment.
+without the handshake gate (``unguarded_baseline``, not in the goal), so the figures show what the gate stops. Goal:
+a stranger moves no process's memory by more than 50 MB at any moment.
 """
 
 from __future__ import annotations
@@ -176,8 +175,8 @@ def attack(kind: str, targets: list[dict[str, Any]], seconds: float) -> None:
 
 
 def unguarded(ports: Any, seconds: float) -> None:
-    """The baseline: sockets as pdserve's were before the handshake gate (no CURVE, no ZAP; frame bounds of 64 MiB
-    for control and 1 GiB for KV), in a process of their own, for `seconds`. The same attacks hit them."""
+    """The baseline: plain ZeroMQ sockets without the handshake gate (no CURVE, no ZAP; frame bounds of 64 MiB for
+    control and 1 GiB for KV), in a process of their own, for `seconds`. The same attacks hit them."""
     import zmq
 
     ctx = zmq.Context()

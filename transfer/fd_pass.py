@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from transfer.private_dir import runtime_dir
+from transfer.shm_ring import left_behind
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ PROOF_BYTES = 32
 HANDOFF_TIMEOUT_S = 2.0  # one peer's whole exchange, either side
 ACCEPT_POLL_S = 0.25  # how often the serving thread looks whether it was closed
 BACKLOG = 8
-STALE_AGE_S = 30.0  # a dead receiver's socket file is swept only once this old (another PID namespace may share it)
 NAME_RE = re.compile(r"^kvc-[0-9]{1,10}-[0-9a-f]{16}\.sock$")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -69,19 +69,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def sweep_stale(folder: Path, now: float | None = None) -> int:
-    """Unlink the socket files of receivers that died without closing (SIGKILL): their pid gone, old enough."""
+    """Unlink the socket files of receivers that died without closing (SIGKILL): ``left_behind``."""
     now = time.time() if now is None else now
     gone = 0
     for entry in folder.iterdir():
         if not NAME_RE.match(entry.name):
             continue
         try:
-            if now - entry.lstat().st_mtime < STALE_AGE_S:
+            if not left_behind(int(entry.name.split("-")[1]), entry.lstat(), now):
                 continue
-            os.kill(int(entry.name.split("-")[1]), 0)
-            continue  # its receiver is alive
-        except ProcessLookupError:
-            pass
         except OSError:
             continue
         with contextlib.suppress(OSError):

@@ -303,18 +303,25 @@ def sweep_stale(now: float | None = None) -> int:
         if not NAME_RE.match(name):
             continue
         pid = int(name[len(PREFIX) :].split("-", 1)[0])
-        if pid <= 0:
-            continue
         try:
-            st = os.stat(_path(name), follow_symlinks=False)
-            if st.st_uid != os.getuid() or now - st.st_mtime < STALE_AGE_S:
+            if not left_behind(pid, os.stat(_path(name), follow_symlinks=False), now):
                 continue
-            os.kill(pid, 0)
-            continue  # its receiver is alive
-        except ProcessLookupError:
-            pass
         except OSError:
             continue
         _unlink(name)
         gone += 1
     return gone
+
+
+def left_behind(pid: int, info: os.stat_result, now: float) -> bool:
+    """A file of this user named for process ``pid``, which is gone, and at least ``STALE_AGE_S`` old (another PID
+    namespace may share the folder): what a killed receiver left (a ring's name, a KV cache socket)."""
+    if pid <= 0 or info.st_uid != os.getuid() or now - info.st_mtime < STALE_AGE_S:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False  # alive

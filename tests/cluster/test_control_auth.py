@@ -190,7 +190,7 @@ def test_forged_commands_are_dropped_counted_and_harm_no_request(serve, sent, pu
         abort = Abort(wire_rid)
         forged.extend(
             [
-                msgpack.packb(raw_abort),  # no MAC at all (what was enough before)
+                msgpack.packb(raw_abort),  # no MAC at all
                 msgpack.packb({**raw_abort, "auth": "guess"}),
                 Signer("not-the-secret", Channel.COMMANDS, decode).seal(abort),
                 Signer(secret, Channel.COMMANDS, prefill).seal(abort),  # the right secret, sealed for another worker
@@ -242,7 +242,7 @@ def test_forged_and_replayed_events_are_dropped_and_counted_in_metrics(serve, se
         pusher(router).send(msgpack.packb(raw_finish), zmq.NOBLOCK)  # a stranger: dropped in the handshake
         sock = pusher(router, secret)  # with the cluster's keys: the MACs must hold
         for frame in (
-            msgpack.packb(raw_finish),  # what a stranger could do before: end the request
+            msgpack.packb(raw_finish),  # a stranger's attempt to end the request
             Signer("not-the-secret", Channel.EVENTS, router).seal(finish),
             Signer(secret, Channel.COMMANDS, router).seal(finish),
             Signer("not-the-secret", Channel.EVENTS, router).seal(no_room),

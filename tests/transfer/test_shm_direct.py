@@ -375,8 +375,8 @@ def test_another_user_cannot_reach_the_cache_socket(closing) -> None:
 def test_the_socket_file_of_a_killed_receiver_is_swept_by_the_next_one(closing) -> None:
     """A SIGKILLed decode worker leaves its socket file; the next segment on the node removes it once it is older
     than STALE_AGE_S and its pid is gone, and leaves a live receiver's and a young one alone."""
-    from transfer.fd_pass import STALE_AGE_S
     from transfer.private_dir import runtime_dir
+    from transfer.shm_ring import STALE_AGE_S
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)

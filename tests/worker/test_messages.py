@@ -228,7 +228,7 @@ def test_the_largest_real_messages_fit_their_bounds_far_below_the_ceiling():
     frozen = Frozen(worker="decode-0", rid="r" * 64, output_token_ids=ids)
     assert len(encode(frozen)) <= event_bound
     assert frame_bound(command_bound) < frame_bound(event_bound) <= frame_bound(MAX_MESSAGE_BYTES * 2)
-    assert command_queue_bound(64, 256) < 100_000  # the old RCVHWM of every control socket
+    assert command_queue_bound(64, 256) < 100_000
 
 
 def test_sampling_values_are_checked_by_the_worker_not_the_decoder():
