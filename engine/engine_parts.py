@@ -21,12 +21,12 @@ from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from engine.cpu_linear import BUCKETS, Form, tune_cpu_linears
 from engine.decode_graphs import decode_graphs_for, graph_scratch_bytes, uses_compiled_decode
 from engine.kv_cache import KVCache, KVSpec
-from engine.memory import KVMemoryPlanner, MemoryPlan
+from engine.memory import KVMemoryPlanner, MemoryPlan, needs_measured_budget
 from engine.model_loader import load_model
 from engine.model_probe import ModelAttention, probe_model
 from engine.model_runner import EngineRunner, ModelRunner
 from engine.sampler import Sampler
-from engine.tensor_parallel import StepChannel, TPGroup, head_split
+from engine.tensor_parallel import HeadSplit, StepChannel, TPGroup, head_split
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +45,17 @@ class EngineParts:
     eos_token_ids: set[int]
     vocab_size: int  # the logits' width (may exceed the tokenizer's)
     sampler: Sampler
+    memory_planner: KVMemoryPlanner | None = None  # measured from before the weights loaded (CUDA, no KV budget)
+
+
+# what the loaded weights depend on: a config that differs in any of these needs another load, not ``rebuild``
+WEIGHT_FIELDS = ("model", "dtype", "device", "tensor_parallel_size", "cpu_linear_tuning")
 
 
 def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> EngineParts:
     """With a tensor-parallel ``group``: this rank's shard, KV heads and cache; rank 0 announces each step to the
     others, which project nothing to the vocabulary."""
-    if config.dtype == "auto":
-        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
+    config = _resolved(config)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     planner = KVMemoryPlanner.start(config)  # CUDA, no explicit KV budget: measure from here (engine.memory)
@@ -68,6 +72,56 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     else:  # a shard cut by the model's own plan (engine.tp_shard.tp_plan), its heads named by its config
         assert group is not None
         split = head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, group.rank)
+    return _place(config, group, model, tokenizer, attention, split, planner)
+
+
+def rebuild_engine_parts(parts: EngineParts, config: EngineConfig) -> EngineParts:
+    """The same loaded weights under another config (a worker switching role keeps its model): a new KV cache, runner
+    and sampler sized by ``config``. The caller has let go of ``parts``' cache (``check_same_weights`` first)."""
+    config = check_same_weights(parts.config, config)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    if parts.memory_planner is not None and needs_measured_budget(config):
+        planner = parts.memory_planner.for_config(config)  # measured from before the weights: their share stands
+    else:
+        planner = KVMemoryPlanner.start(config)  # the loaded weights count as memory in use
+    split = parts.runner.head_split
+    assert split is not None  # every runner this module builds has one
+    return _place(config, None, parts.model, parts.tokenizer, parts.attention, split, planner)
+
+
+def check_same_weights(loaded: EngineConfig, config: EngineConfig) -> EngineConfig:
+    """``config`` resolved, if the weights loaded for ``loaded`` serve it; else ValueError naming the first field the
+    weights depend on (``WEIGHT_FIELDS``) that differs: that takes a load."""
+    config = _resolved(config)
+    for name in WEIGHT_FIELDS:
+        if getattr(config, name) != getattr(loaded, name):
+            raise ValueError(
+                f"{name}: {getattr(config, name)!r}, but the weights were loaded for {getattr(loaded, name)!r}; the "
+                "same weights serve only the same value"
+            )
+    if config.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size: a worker of several ranks is not rebuilt in place (its ranks are not)")
+    return config
+
+
+def _resolved(config: EngineConfig) -> EngineConfig:
+    if config.dtype == "auto":
+        return dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
+    return config
+
+
+def _place(
+    config: EngineConfig,
+    group: TPGroup | None,
+    model: Any,
+    tokenizer: Any,
+    attention: ModelAttention,
+    split: HeadSplit,
+    planner: KVMemoryPlanner | None,
+) -> EngineParts:
+    """Everything but the weights: the KV layout and cache, the runner and its static steps, the sampler."""
+    hf_config = model.config
     max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
     kv_spec = KVSpec.for_model(
         architecture=hf_config.model_type,
@@ -121,6 +175,7 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         eos_token_ids,
         vocab_size,
         sampler,
+        planner,
     )
 
 

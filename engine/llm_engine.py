@@ -24,7 +24,7 @@ from engine.attention import LayerHook
 from engine.block_manager import BlockManager, KvEventBatch
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig, KVPlace
-from engine.engine_parts import EngineParts, build_engine_parts
+from engine.engine_parts import EngineParts, build_engine_parts, check_same_weights, rebuild_engine_parts
 from engine.host_values import long_tensor
 from engine.kv_connector import KVExporter, KVImporter, KVSink
 from engine.kv_tiers import KVTiers
@@ -67,6 +67,7 @@ class LLMEngine:
             parts = build_engine_parts(config, tp_group)
         elif parts.config is not config:
             raise ValueError("parts were built for another config")
+        self._parts = parts  # what ``reconfigured`` builds on
         self.config, self.model, self.tokenizer = parts.config, parts.model, parts.tokenizer
         self.max_model_len, self.kv_spec, self.memory_plan = parts.max_model_len, parts.kv_spec, parts.memory_plan
         self.attention = parts.attention  # what each layer's attention needs (engine.model_probe)
@@ -512,6 +513,23 @@ class LLMEngine:
                 except Exception:  # noqa: BLE001 - a broken group: the followers end on their own timeout
                     logger.warning("tensor-parallel stop was not delivered: %s", self.tp_group.broken)
             self.tp_group.close()
+
+    def reconfigured(self, config: EngineConfig) -> LLMEngine:
+        """This engine's weights under another config (a worker switching role keeps its model): a new engine whose
+        KV cache, scheduler and runner ``config`` sizes. This one is closed and its cache freed first (a GPU holds one
+        cache at a time), so it must not be used again. ValueError, with this engine untouched, while it holds a
+        request or when the weights do not serve ``config`` (``engine_parts.check_same_weights``)."""
+        if self.requests or self.scheduler.has_work():
+            raise ValueError(f"the engine still holds {len(self.requests)} requests: it is rebuilt only when idle")
+        check_same_weights(self.config, config)
+        self.close()
+        parts, cache = self._parts, self.kv_cache
+        cache.kv, cache.k, cache.v = [], [], []  # the runner, importer and exporter share these lists' owner
+        self.runner.decode_graphs = None  # CUDA graphs and compiled steps hold the old cache's tensors
+        if self.config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        rebuilt = rebuild_engine_parts(parts, config)
+        return LLMEngine(rebuilt.config, None, rebuilt)
 
     def generate(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -11,6 +11,7 @@ request. The arithmetic is pure and the device is read through ``DeviceMemory``,
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import uuid
@@ -236,6 +237,14 @@ class KVMemoryPlanner:
         if not needs_measured_budget(config):
             return None
         return cls(config, memory if memory is not None else CudaMemory(config.device))
+
+    def for_config(self, config: EngineConfig) -> KVMemoryPlanner:
+        """This measurement from before the weights loaded, planned for another config of the same weights (a worker
+        switching role, its old KV cache freed)."""
+        planner = copy.copy(self)
+        planner.config = config
+        check_share(self.at_start.total_bytes, self.at_start.free_bytes, config.gpu_memory_utilization)
+        return planner
 
     def plan(
         self, model: PreTrainedModel, spec: KVSpec, max_model_len: int, extra_scratch_bytes: int = 0
