@@ -81,6 +81,7 @@ def rebuild_engine_parts(parts: EngineParts, config: EngineConfig) -> EnginePart
     config = check_same_weights(parts.config, config)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    planner: KVMemoryPlanner | None
     if parts.memory_planner is not None and needs_measured_budget(config):
         planner = parts.memory_planner.for_config(config)  # measured from before the weights: their share stands
     else:
