@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, NoReturn
 
-from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, scale_cmd, sim_cmd
+from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, role_cmd, scale_cmd, sim_cmd
 from cli import status as status_command
 
 Command = Callable[[argparse.Namespace], int]
@@ -79,6 +79,8 @@ EXPERIMENTS: list[tuple[str, str, str, str, str]] = [
      "live migration: a decode worker's streams drained by moving vs by waiting; rebalancing vs preemption"),
     ("stranger", "options", "add_stranger_bench_arguments", "stranger_bench",
      "a process without the cluster's keys attacks every socket: memory it moves, handshakes refused, served after"),
+    ("role-switch", "options", "add_role_switch_bench_arguments", "role_switch_bench",
+     "a worker switching between prefill and decode in place against replacing it (stop one, start one)"),
 ]
 # fmt: on
 
@@ -332,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="resize a pool of a running cluster (new workers join, removed ones drain)")
     scale_cmd.add_arguments(scale, default_api_key=api_key)
     scale.set_defaults(func=_call("cli.scale_cmd", "run"))
+
+    role = sub.add_parser(
+        "role", help="switch a worker of a running cluster between prefill and decode in place (its weights kept)"
+    )
+    role_cmd.add_arguments(role, default_api_key=api_key)
+    role.set_defaults(func=_call("cli.role_cmd", "run"))
 
     demo = sub.add_parser("demo", help="start a local cluster with the default model and chat with it")
     demo.add_argument("--config", default=None, help="default: the shipped local config (configs/local.yaml)")

@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) 
         "(default: the server's, 60)",
     )
     parser.add_argument("--wait", action="store_true", help="return only once the removed workers have drained")
+    add_admin_client_arguments(parser, default_api_key)
+
+
+def add_admin_client_arguments(parser: argparse.ArgumentParser, default_api_key: str | None) -> None:
+    """Where the router is and how to be let in: the options of every admin command (scale, role)."""
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for the answer (new workers load a model)"
@@ -47,11 +52,16 @@ def post_scale(
     body: dict[str, Any] = {"pool": pool, "replicas": replicas}
     if drain_timeout_s is not None:
         body["drain_timeout_s"] = drain_timeout_s
+    return post_admin(url, "/admin/scale", body, timeout_s, api_key)
+
+
+def post_admin(url: str, path: str, body: dict[str, Any], timeout_s: float, api_key: str | None) -> dict[str, Any]:
+    """An admin call's answer; ValueError (a message for the user) when refused."""
     from cluster.admin_token import admin_headers  # the API key, else the token file pdserve serve wrote
 
     headers = {"Content-Type": "application/json", **admin_headers(url, api_key)}
     request = urllib.request.Request(
-        f"{url.rstrip('/')}/admin/scale", data=json.dumps(body).encode(), headers=headers, method="POST"
+        f"{url.rstrip('/')}{path}", data=json.dumps(body).encode(), headers=headers, method="POST"
     )
     return call_router(url, request, timeout_s)
 
@@ -64,6 +74,8 @@ def format_membership(data: dict[str, Any]) -> str:
             line += f"; starting: {', '.join(pool['pending'])}"
         if pool.get("draining"):
             line += f"; draining: {', '.join(pool['draining'])}"
+        if pool.get("switching"):
+            line += f"; switching role: {', '.join(pool['switching'])}"
         lines.append(line)
     return "\n".join(lines)
 

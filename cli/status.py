@@ -77,9 +77,17 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(
             f"{w['name']:<14}{w['role']:<11}{str(w['alive']):<7}{w.get('waiting', 0):>8}"
             f"{w.get('running', 0):>8}{kv:>12}{int(w.get('transfers_ok', 0)):>11}"
-            f"{int(w.get('transfer_bytes', 0)):>12}" + ("  draining" if w.get("state") == "draining" else "")
+            f"{int(w.get('transfer_bytes', 0)):>12}" + _state(w)
         )
     return "\n".join(lines)
+
+
+def _state(worker: dict[str, Any]) -> str:
+    """A worker's line's tail: a role switch under way and its phase, or a plain drain."""
+    switch = worker.get("switch")
+    if switch:
+        return f"  switching to {switch['to']}: {switch['phase']} ({switch['elapsed_s']:.1f} s)"
+    return "  draining" if worker.get("state") == "draining" else ""
 
 
 def status(args: argparse.Namespace) -> int:

@@ -185,6 +185,7 @@ class WorkerCounters(msgspec.Struct):
     # seconds the compiled step's start-up compile took
     static_decode_steps: int = 0
     decode_compile_seconds: float = 0.0
+    role_switches: int = 0  # prefill <-> decode switches made in place (cluster/run/role_switch.py)
 
     @property
     def spec_mean_accepted_length(self) -> float:
@@ -288,12 +289,18 @@ class Ping(_Command, tag="ping"):
 
 
 class Drain(_Command, tag="drain"):
-    """The worker is being removed (``pdserve scale``, cluster/run/scaling.py): every router sends it once it routes
-    nothing new there. The worker finishes what it holds; once every router has sent it and nothing is left, it says
-    ``drained`` (the pool then stops it). What it still holds ``deadline_s`` after the first one is failed with an
-    explicit error, never dropped."""
+    """The worker is being removed (``pdserve scale``, cluster/run/scaling.py) or is switching role
+    (cluster/run/role_switch.py): every router sends it once it routes nothing new there. The worker finishes what it
+    holds; once every router has sent it and nothing is left, it says ``drained`` (the pool then stops or switches
+    it). What a removed worker still holds ``deadline_s`` after the first one is failed with an explicit error, never
+    dropped; a switching one (``fail_at_deadline`` false) keeps it: the switch is called off (``Undrain``)."""
 
     deadline_s: Annotated[float, msgspec.Meta(gt=0)]
+    fail_at_deadline: bool = True
+
+
+class Undrain(_Command, tag="undrain"):
+    """A drain called off (a role switch that could not drain in its deadline): the worker serves on as before."""
 
 
 class Resume(_RequestCommand, tag="resume"):
@@ -301,7 +308,7 @@ class Resume(_RequestCommand, tag="resume"):
     and it decodes on (frozen or not); on the target, the KV that has not come is computed here from its tokens."""
 
 
-Command = Reserve | Prefill | Export | Start | Generate | Abort | Resume | Ping | Drain
+Command = Reserve | Prefill | Export | Start | Generate | Abort | Resume | Ping | Drain | Undrain
 
 
 # ---- events: worker -> router ----------------------------------------------------------------------------------
@@ -360,7 +367,8 @@ class Stats(_Event, tag="stats"):
     counters: WorkerCounters
     degraded: str = ""  # why the worker should get no new work ("" when healthy)
     loop_age_s: float = 0.0  # how long ago the worker's loop last came round (slow vs stuck)
-    draining: bool = False  # a router sent ``drain``: it is being removed
+    draining: bool = False  # a router sent ``drain``: it is being removed or switching role
+    epoch: int = 0  # role switches this process has made (each under a new command address)
     kv_paths: dict[str, str] = {}  # how its KV sender reaches each receiver (``KVSender.paths``)
 
 

@@ -38,6 +38,7 @@ class RouterBook:
         self._drain_deadline: float | None = None  # monotonic; None: not draining
         self._drained = False  # set by the loop thread (info() reads it from another)
         self._drain_failed = False  # the deadline passed and what was held was failed
+        self._fail_at_deadline = True  # false for a role switch's drain: it is called off instead
 
     # ---- liveness and ownership --------------------------------------------------------------------------------
 
@@ -99,11 +100,20 @@ class RouterBook:
 
     # ---- draining ----------------------------------------------------------------------------------------------
 
-    def begin_drain(self, router: int, deadline_s: float) -> None:
+    def begin_drain(self, router: int, deadline_s: float, fail_at_deadline: bool = True) -> None:
         if self._drain_deadline is None:
             logger.info("%s: draining (deadline %.1f s)", self.name, deadline_s)
             self._drain_deadline = self.clock() + deadline_s
+            self._fail_at_deadline = fail_at_deadline
         self._drain_from.add(router)
+
+    def end_drain(self) -> None:
+        """The drain was called off (``Undrain``): the worker takes work again."""
+        if self._drain_deadline is not None:
+            logger.info("%s: drain called off", self.name)
+        self._drain_from.clear()
+        self._drain_deadline = None
+        self._drained = self._drain_failed = False
 
     @property
     def draining(self) -> bool:
@@ -118,9 +128,9 @@ class RouterBook:
         """Once per loop turn while draining: fail what is left after the deadline, then say whether it is idle."""
         assert self._drain_deadline is not None
         past = now > self._drain_deadline
-        if past and not self._drain_failed and holds_requests():
+        if past and self._fail_at_deadline and not self._drain_failed and holds_requests():
             self._drain_failed = True
             logger.warning("%s: drain deadline passed; failing the requests it still holds", self.name)
             fail_all("worker removed by scale-down: its drain deadline passed before the request finished")
-        told = len(self._drain_from) == self.count or past
+        told = len(self._drain_from) == self.count or (past and self._fail_at_deadline)
         self._drained = told and not holds_requests()

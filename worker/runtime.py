@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from engine.block_manager import KvEventBatch
 from engine.config import KVPlace
+from engine.engine_parts import check_same_weights
 from engine.llm_engine import LLMEngine
 from transfer.errors import AuthError
 from transfer.zap import ZapHandler, connect_curve, plane_keys, serve_curve
@@ -34,6 +36,7 @@ from worker.messages import (
     KvEvents,
     Ping,
     Stats,
+    Undrain,
     WorkerCounters,
     command_queue_bound,
     kind,
@@ -57,6 +60,17 @@ from worker.tp_rank import join_group
 from worker.tracing import RequestSpans, Tracing
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class RoleSwitch:
+    """A role switch asked of the loop thread, and how it ended (``WorkerRuntime.switch_role``)."""
+
+    spec: WorkerSpec
+    role_class: type[Role]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+
 
 DEGRADED_AFTER_FAILURES = 3  # loop failures within DEGRADED_WINDOW_S that make a worker degraded
 DEGRADED_WINDOW_S = 30.0  # ... and a degraded worker with no failure for this long is healthy again
@@ -101,6 +115,9 @@ class WorkerRuntime:
         port = self._commands.bind_to_random_port(f"tcp://{options.host}")
         self.command_address = with_start_value(f"tcp://{options.host}:{port}")
         self._verifier = Verifier(options.secret, Channel.COMMANDS, self.command_address, max_command)
+        self.epoch = 0  # role switches made; each takes a new command address on the same socket
+        self._switch: RoleSwitch | None = None  # asked of the loop thread (``switch_role``)
+        self._switch_lock = threading.Lock()
         self._rejections = RejectionLog(self.name)
         self._routers = options.router_addresses
         if not self._routers:
@@ -198,6 +215,7 @@ class WorkerRuntime:
         return {
             "name": self.name,
             "role": self.role.kind.value,
+            "epoch": self.epoch,
             "command_address": self.command_address,
             "degraded": self.degraded,
             "draining": self._book.draining,
@@ -209,10 +227,91 @@ class WorkerRuntime:
         """The last stats, as plain data (Ray actor methods return it)."""
         return msgspec.to_builtins(self._snapshot)
 
+    # ---- switching role ----------------------------------------------------------------------------------------
+
+    def switch_role(self, spec: WorkerSpec, role_class: type[Role], timeout_s: float) -> dict:
+        """Become a worker of another role with the same weights, once drained: the loop thread rebuilds the engine
+        for ``spec`` (``LLMEngine.reconfigured``: a KV cache of the new pool's size) and the role around it, and takes
+        a new command address on the same socket, so a command sealed for the old role is refused (``bad_mac``),
+        never applied. Returns ``info()`` after it. ValueError, with nothing changed, while the worker holds a
+        request or when the weights do not serve ``spec``; TimeoutError if the loop did not take it up in
+        ``timeout_s``, RuntimeError if the worker stopped or was killed first. A failure after the old role closed
+        leaves the worker degraded (a pool restarts it)."""
+        if spec.name != self.name or spec.role is not role_class.kind:
+            raise ValueError(f"worker {self.name}: a {spec.role.value} spec for {spec.name} given to switch to")
+        switch = RoleSwitch(spec, role_class)
+        with self._switch_lock:
+            if self._switch is not None:
+                raise ValueError(f"worker {self.name}: a role switch is already under way")
+            self._switch = switch
+        deadline = time.monotonic() + timeout_s
+        while not switch.done.wait(0.05):
+            gone = self._stop.is_set()  # stopped or killed: its loop takes nothing up any more
+            if gone or time.monotonic() > deadline:
+                with self._switch_lock:
+                    if self._switch is switch:  # not taken up: withdrawn
+                        self._switch = None
+                        why = "stopped" if gone else f"did not take up the switch in {timeout_s:.0f} s"
+                        raise (RuntimeError if gone else TimeoutError)(f"worker {self.name}: {why}")
+                switch.done.wait()  # under way: it ends (a rebuild is bounded by the model's size)
+        if switch.error is not None:
+            raise switch.error
+        return self.info()
+
+    def _take_switch(self) -> None:
+        """Between turns: the switch asked for, if any."""
+        with self._switch_lock:
+            switch, self._switch = self._switch, None
+        if switch is None:
+            return
+        try:
+            self._rebuild(switch.spec, switch.role_class)
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            switch.error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+        finally:
+            switch.done.set()
+
+    def _rebuild(self, spec: WorkerSpec, role_class: type[Role]) -> None:
+        if self.role.holds_requests():
+            raise ValueError(f"worker {self.name} still holds requests: it switches role only once drained")
+        spec = resolve_spec(spec)
+        check_same_weights(self.engine.config, spec.engine)  # before anything closes
+        old_role, counters = self.role, self.role.counters
+        old_role.close()
+        try:
+            engine = self.engine.reconfigured(spec.engine)
+            engine.warm_up()
+            role = role_class.from_spec(spec, engine, self.emit)
+        except BaseException as exc:
+            self._loop_problem = f"role switch to {spec.role.value} failed: {type(exc).__name__}: {exc}"[:300]
+            logger.exception("%s: %s", self.name, self._loop_problem)
+            raise
+        role.counters = counters
+        counters.role_switches += 1
+        if self.spans is not None:
+            assert self.tracing is not None
+            self.spans.close()
+            self.spans = RequestSpans(self.tracing, self.name, spec.role.value)
+        role.spans = self.spans
+        self.engine, self.role, self.spec = engine, role, spec
+        self.epoch += 1
+        # a new address on the same socket: the routers' signers for the old one no longer open here
+        max_command = max_command_bytes(engine.max_model_len, self.options.max_body_bytes)
+        self.command_address = with_start_value(zmq_endpoint(self.command_address))
+        self._verifier = Verifier(self.options.secret, Channel.COMMANDS, self.command_address, max_command)
+        self._book = RouterBook(self.name, len(self._routers), self.options.orphan_timeout_s)
+        self._kv_seq = 0  # the new address's KV events count from 0, a snapshot first
+        engine.resync_kv_events()
+        logger.info(
+            "%s: now a %s worker (epoch %d) at %s", self.name, spec.role.value, self.epoch, self.command_address
+        )
+
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._switch is not None:
+                self._take_switch()
             # a router is silent only up to the last look at its socket: a ping that came during a long step is
             # unread, not missing
             looked_s = time.monotonic()
@@ -315,7 +414,10 @@ class WorkerRuntime:
             if isinstance(command, Ping):
                 continue
             if isinstance(command, Drain):
-                self._book.begin_drain(router, command.deadline_s)
+                self._book.begin_drain(router, command.deadline_s, command.fail_at_deadline)
+                continue
+            if isinstance(command, Undrain):
+                self._book.end_drain()
                 continue
             rid = command.rid
             self._book.claim(rid, router, now)
@@ -390,4 +492,5 @@ class WorkerRuntime:
             degraded=self.degraded,
             draining=self._book.draining,
             kv_paths=self.role.kv_paths(),
+            epoch=self.epoch,
         )

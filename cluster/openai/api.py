@@ -414,6 +414,22 @@ async def admin_scale(request: Request, serving: ServingDep):
         raise APIError(400, str(exc), exc.param) from None
 
 
+@routes.post("/admin/role", dependencies=ADMIN_AUTHORIZED)
+async def admin_role(request: Request, serving: ServingDep):
+    """``{"worker": NAME, "to": "prefill" | "decode", "drain_timeout_s": S, "wait": bool}`` -> the switch's record
+    and the pools (cluster/run/role_switch.py); with ``wait``, once the switch has ended."""
+    body = await admin_body(request, serving, {"worker", "to", "drain_timeout_s", "wait"})
+    scaler = serving.router.scaler
+    if scaler is None:
+        raise APIError(503, "this router cannot switch workers' roles", err_type="server_error")
+    try:
+        return await scaler.switch_role_async(
+            body.get("worker"), body.get("to"), body.get("drain_timeout_s"), body.get("wait", False)
+        )
+    except ScaleError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+
+
 @routes.post("/admin/migrate", dependencies=ADMIN_AUTHORIZED)
 async def admin_migrate(request: Request, serving: ServingDep):
     """``{"request_id": ID}`` or ``{"worker": NAME}``, optionally ``"to": NAME``: move that running request, or

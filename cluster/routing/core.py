@@ -21,7 +21,7 @@ from cluster.routing import moves
 from cluster.routing.admission import Admission
 from cluster.routing.errors import NoWorkers, Overloaded, RequestFailed
 from cluster.routing.flow import Flow, FlowStatus, Move, MovePhase
-from cluster.routing.membership import Membership, WorkerHandle, free_blocks
+from cluster.routing.membership import Membership, SwitchPhase, SwitchView, WorkerHandle, free_blocks
 from cluster.routing.metrics import TTFT_STAGES, RouterMetrics
 from cluster.routing.placement import Placer
 from cluster.routing.policies import Placements, Policy
@@ -45,6 +45,7 @@ from worker.messages import (
     Start,
     Stats,
     Tokens,
+    Undrain,
     split_kv_address,
 )
 
@@ -530,24 +531,60 @@ class RouterCore:
 
     # ---- membership --------------------------------------------------------------------------------------------
 
-    def add_worker(self, name: str, role: str, command_address: str, kv_address: str | None, now: float) -> None:
+    def add_worker(
+        self,
+        name: str,
+        role: str,
+        command_address: str,
+        kv_address: str | None,
+        now: float,
+        switch_result: str | None = None,
+    ) -> None:
+        """Register a worker, again after a restart, or in its new role after a switch (``switch_result``: "done",
+        or "restarted" when it died mid-switch and came back in the new role): it then joins its new pool afresh,
+        routable, its old role's flows ended."""
+        old = self.members.get(name)
+        if old is not None and old.role != role:
+            self._worker_gone(name, f"worker switched to {role}", now)  # drained: nothing is left, normally
+            self.members.remove(name)
+            self.metrics.role_switches.labels(role, switch_result or "done").inc()
         if self.members.add(name, role, command_address, kv_address, now):
             self._worker_gone(name, "worker restarted", now)  # what the old process held is gone with it
+        if old is not None and old.role != role:
+            self._wake(now)  # queued requests may fit there now
 
     def mark_dead(self, name: str, reason: str, now: float) -> None:
         if self.members.mark_dead(name, reason):
             self._worker_gone(name, reason, now)
 
-    def drain(self, name: str, deadline_s: float, now: float = 0.0) -> None:
+    def drain(self, name: str, deadline_s: float, now: float = 0.0, switch_to: str | None = None) -> None:
         """The worker gets nothing new and finishes what it holds (``Drain``: it says when it is idle); a decode
-        worker's running requests move to the others (``router.migrate_on_drain``)."""
+        worker's running requests move to the others (``router.migrate_on_drain``; always when it is to switch role,
+        ``switch_to``: then what it holds at the deadline is kept, and the switch called off)."""
         if self.members.drain(name):
-            self.send(name, Drain(deadline_s=deadline_s))
+            self.send(name, Drain(deadline_s=deadline_s, fail_at_deadline=switch_to is None))
             worker = self.members.get(name)
-            if self.config.router.migrate_on_drain and worker is not None and worker.role == "decode":
+            if worker is not None and switch_to is not None:
+                worker.switch = SwitchView(switch_to, SwitchPhase.DRAINING, now)
+            migrate = self.config.router.migrate_on_drain or switch_to is not None
+            if migrate and worker is not None and worker.role == "decode":
                 for flow in list(self.flows.values()):
                     if flow.decode == name and flow.status is FlowStatus.DECODING:
                         self.migrate(flow, now, reason="drain")
+
+    def switch_phase(self, name: str, phase: str, now: float) -> None:
+        """A role switch moved on (shown in ``/status``): "reconfiguring" once drained, "called_off" when it could not
+        drain in its deadline (the worker serves on in its old role)."""
+        worker = self.members.get(name)
+        if worker is None or worker.switch is None:
+            return
+        if phase == SwitchPhase.CALLED_OFF:
+            self.metrics.role_switches.labels(worker.switch.to, "called_off").inc()
+            self.members.undrain(name)
+            self.send(name, Undrain())
+            self._wake(now)
+        else:
+            worker.switch.phase = SwitchPhase(phase)
 
     def remove_worker(self, name: str, now: float) -> None:
         """Forget a worker the pool stopped after its drain. What it still held gets an error or a retry

@@ -34,7 +34,31 @@ ROLES = ("prefill", "decode", "colocated")
 
 class WorkerState(str, enum.Enum):
     ACTIVE = "active"  # takes new requests (when alive and not degraded)
-    DRAINING = "draining"  # being removed: finishes what it holds, gets nothing new
+    DRAINING = "draining"  # being removed or switching role: finishes what it holds, gets nothing new
+
+
+class SwitchPhase(str, enum.Enum):
+    """A role switch's phases (cluster/run/role_switch.py runs it): the worker drains (a decode worker's running
+    requests move away), then rebuilds its engine for the new role and rejoins under a new address; the routers see
+    the first two, and how it ended as the worker rejoins (or serves on)."""
+
+    DRAINING = "draining"
+    RECONFIGURING = "reconfiguring"
+    DONE = "done"
+    CALLED_OFF = "called_off"  # not drained within its deadline: the worker serves on in its old role
+    RESTARTED = "restarted"  # it died mid-switch and was started again in the new role
+    FAILED = "failed"  # it died mid-switch and could not be started again
+
+    @property
+    def ended(self) -> bool:
+        return self not in (SwitchPhase.DRAINING, SwitchPhase.RECONFIGURING)
+
+
+@dataclass(slots=True)
+class SwitchView:
+    to: str  # the role it is switching to
+    phase: SwitchPhase
+    since: float  # monotonic: when the switch began
 
 
 @dataclass(slots=True, eq=False)
@@ -49,6 +73,7 @@ class WorkerHandle:
     alive: bool = True
     state: WorkerState = WorkerState.ACTIVE
     flows: set[Flow] = field(default_factory=set)  # the flows it holds (``Flow.holders``)
+    switch: SwitchView | None = None  # a role switch under way
 
     @property
     def inflight(self) -> int:
@@ -122,6 +147,15 @@ class Membership:
         worker.state = WorkerState.DRAINING
         return True
 
+    def undrain(self, name: str) -> bool:
+        """A drain called off: the worker is routable again (False if unknown)."""
+        worker = self.workers.get(name)
+        if worker is None:
+            return False
+        worker.state, worker.switch = WorkerState.ACTIVE, None
+        logger.info("worker %s serves again", name)
+        return True
+
     def remove(self, name: str) -> None:
         self.forget_prefixes(name)
         worker = self.workers.pop(name, None)
@@ -192,10 +226,14 @@ class Membership:
             gauge.labels(name, role, tier).set(index.blocks_held(name, tier))
 
     def pools(self) -> dict[str, dict]:
-        """Per pool (worker names are ``<pool>-<index>``): how many replicas serve and which ones drain."""
+        """Per pool: how many replicas serve, which ones drain and which switch role (a prefill or decode worker is in
+        its role's pool, whatever its name; colocated workers by their name, ``<pool>-<index>``)."""
         out: dict[str, dict] = {}
         for w in self.workers.values():
-            pool = out.setdefault(w.name.rsplit("-", 1)[0], {"replicas": 0, "workers": [], "draining": []})
+            name = w.name.rsplit("-", 1)[0] if w.role == "colocated" else w.role
+            pool = out.setdefault(name, {"replicas": 0, "workers": [], "draining": [], "switching": []})
+            if w.switch is not None:
+                pool["switching"].append(w.name)
             if w.state is WorkerState.DRAINING:
                 pool["draining"].append(w.name)
             else:
@@ -214,6 +252,7 @@ class Membership:
                 "last_seen_s": round(now - w.last_seen, 3),
                 "stats_age_s": None if w.stats_seen is None else round(now - w.stats_seen, 3),
                 **heartbeat_status(w.stats),
+                **switch_status(w.switch, now),
             }
             for w in self.workers.values()
         ]
@@ -221,6 +260,13 @@ class Membership:
     def _update_gauge(self) -> None:
         for role in ROLES:
             self._metrics.workers_alive.labels(role).set(len(self.live(role)))
+
+
+def switch_status(switch: SwitchView | None, now: float) -> dict:
+    """A role switch under way, for ``/status``."""
+    if switch is None:
+        return {}
+    return {"switch": {"to": switch.to, "phase": switch.phase.value, "elapsed_s": round(now - switch.since, 3)}}
 
 
 def heartbeat_status(stats: Stats | None) -> dict:
@@ -231,6 +277,7 @@ def heartbeat_status(stats: Stats | None) -> dict:
         "address": stats.address,
         "degraded": stats.degraded,
         "loop_age_s": stats.loop_age_s,
+        "epoch": stats.epoch,
         "kv_paths": stats.kv_paths,
         **msgspec.structs.asdict(stats.load),
         **msgspec.structs.asdict(stats.counters),

@@ -75,6 +75,14 @@ class RouterMetrics:
             "reason",
             "result",
         )
+        self.role_switches = counter(
+            "pdserve_role_switches_total",
+            "Workers switching role in place (prefill <-> decode, weights kept), by the role switched to and how it "
+            "ended: done, called_off (it did not drain within its deadline: it kept its old role), restarted (it "
+            "died mid-switch and came back in the new role)",
+            "to",
+            "result",
+        )
         self.migration_stall = histogram(
             "pdserve_migration_seconds",
             "A moved stream's standstill: its freeze on the source (after the pre-copy) until the move ended",

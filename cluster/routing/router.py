@@ -52,10 +52,15 @@ EVENT_QUEUE_PER_WORKER = 20_000
 
 
 class PoolScaler(Protocol):
-    """What resizes the pools for POST /admin/scale: cluster/run/scaling.py's Scaler, or a router process's
+    """What resizes the pools for POST /admin/scale and switches roles for POST /admin/role: cluster/run/scaling.py's
+    Scaler, or a router process's
     RemoteScaler (the values as the client sent them; bad ones raise ScaleError)."""
 
     async def scale_async(self, pool: object, replicas: object, drain_timeout_s: object = None) -> dict: ...
+
+    async def switch_role_async(
+        self, worker: object, to: object, drain_timeout_s: object = None, wait: object = False
+    ) -> dict: ...
 
 
 class Router:
@@ -112,7 +117,15 @@ class Router:
 
     # ---- membership ----------------------------------------------------------------------------------------------
 
-    def add_worker(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
+    def add_worker(
+        self,
+        name: str,
+        role: str,
+        command_address: str,
+        kv_address: str | None = None,
+        switch_result: str | None = None,
+    ) -> None:
+        """Register a worker (again: restarted, or in its new role after a switch, ``switch_result``)."""
         old = self._links.pop(name, None)
         if old is not None:
             old[0].close(0)
@@ -122,13 +135,16 @@ class Router:
         connect_curve(sock, self._keys)
         sock.connect(zmq_endpoint(command_address))
         self._links[name] = (sock, Signer(self.config.transfer.secret, Channel.COMMANDS, command_address))
-        self._run(self.core.add_worker, name, role, command_address, kv_address, time.monotonic())
+        self._run(self.core.add_worker, name, role, command_address, kv_address, time.monotonic(), switch_result)
 
     def mark_dead(self, name: str, reason: str = "worker died") -> None:
         self._run(self.core.mark_dead, name, reason, time.monotonic())
 
-    def drain_worker(self, name: str, deadline_s: float) -> None:
-        self._run(self.core.drain, name, deadline_s, time.monotonic())
+    def drain_worker(self, name: str, deadline_s: float, switch_to: str | None = None) -> None:
+        self._run(self.core.drain, name, deadline_s, time.monotonic(), switch_to)
+
+    def switch_phase(self, name: str, phase: str) -> None:
+        self._run(self.core.switch_phase, name, phase, time.monotonic())
 
     def migrate(self, request_id: str | None, worker: str | None, to: str | None) -> dict[str, str]:
         """Move a request (by the client's id) or every decoding request of a decode worker that this router process
@@ -149,14 +165,24 @@ class Router:
         if link is not None:
             link[0].close(0)
 
-    def add_worker_threadsafe(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
-        self._call_threadsafe(self.add_worker, name, role, command_address, kv_address)
+    def add_worker_threadsafe(
+        self,
+        name: str,
+        role: str,
+        command_address: str,
+        kv_address: str | None = None,
+        switch_result: str | None = None,
+    ) -> None:
+        self._call_threadsafe(self.add_worker, name, role, command_address, kv_address, switch_result)
 
     def mark_dead_threadsafe(self, name: str, reason: str) -> None:
         self._call_threadsafe(self.mark_dead, name, reason, wait_s=0.0)
 
-    def drain_worker_threadsafe(self, name: str, deadline_s: float) -> None:
-        self._call_threadsafe(self.drain_worker, name, deadline_s)
+    def drain_worker_threadsafe(self, name: str, deadline_s: float, switch_to: str | None = None) -> None:
+        self._call_threadsafe(self.drain_worker, name, deadline_s, switch_to)
+
+    def switch_phase_threadsafe(self, name: str, phase: str) -> None:
+        self._call_threadsafe(self.switch_phase, name, phase)
 
     def remove_worker_threadsafe(self, name: str) -> None:
         self._call_threadsafe(self.remove_worker, name)

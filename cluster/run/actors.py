@@ -61,6 +61,13 @@ class WorkerActor:
     def snapshot(self) -> dict:
         return self.worker.snapshot()
 
+    def switch_role(self, spec: WorkerSpec, timeout_s: float) -> dict:
+        """Serve in another role with the weights loaded (``WorkerRuntime.switch_role``): ``info()`` after it."""
+        if spec.runtime.host == "auto":
+            spec = spec.with_host(self.worker.spec.runtime.host)  # where this worker already listens
+        self.worker.switch_role(spec, role_class(spec.role), timeout_s)
+        return self.info()
+
     def stop(self) -> None:
         self.worker.stop()
 

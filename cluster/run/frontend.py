@@ -128,15 +128,25 @@ class RouterProcesses:
             self._send(index, message)
 
     # the pool monitor calls these from its thread, as it would an in-process router's
-    def add_worker_threadsafe(self, name: str, role: str, command_address: str, kv_address: str | None = None) -> None:
-        self._broadcast(("add_worker", name, role, command_address, kv_address))
+    def add_worker_threadsafe(
+        self,
+        name: str,
+        role: str,
+        command_address: str,
+        kv_address: str | None = None,
+        switch_result: str | None = None,
+    ) -> None:
+        self._broadcast(("add_worker", name, role, command_address, kv_address, switch_result))
 
     def mark_dead_threadsafe(self, name: str, reason: str) -> None:
         self._broadcast(("mark_dead", name, reason))
 
     # live resizing (cluster/run/scaling.py) calls these
-    def drain_worker_threadsafe(self, name: str, deadline_s: float) -> None:
-        self._broadcast(("drain_worker", name, deadline_s))
+    def drain_worker_threadsafe(self, name: str, deadline_s: float, switch_to: str | None = None) -> None:
+        self._broadcast(("drain_worker", name, deadline_s, switch_to))
+
+    def switch_phase_threadsafe(self, name: str, phase: str) -> None:
+        self._broadcast(("switch_phase", name, phase))
 
     def remove_worker_threadsafe(self, name: str) -> None:
         self._broadcast(("remove_worker", name))
@@ -152,18 +162,16 @@ class RouterProcesses:
                 try:
                     while conn.poll():
                         message = conn.recv()
-                        if message[0] == "scale":
-                            threading.Thread(
-                                target=self._scale, args=(scaler, index, *message[1:]), daemon=True
-                            ).start()
+                        if message[0] in ("scale", "switch_role"):  # the Scaler's methods
+                            threading.Thread(target=self._scale, args=(scaler, index, *message), daemon=True).start()
                 except (EOFError, OSError):
                     continue  # that router process is gone: _watch reports it
 
-    def _scale(self, scaler, index: int, request_id: str, pool, replicas, drain_timeout_s) -> None:
+    def _scale(self, scaler, index: int, method: str, request_id: str, *args) -> None:
         from cluster.routing.errors import ScaleError
 
         try:
-            result: tuple = (200, scaler.scale(pool, replicas, drain_timeout_s))
+            result: tuple = (200, getattr(scaler, method)(*args))
         except ScaleError as exc:
             result = (400, {"param": exc.param, "message": str(exc)})
         except Exception as exc:  # the router process answers 500 with it rather than waiting forever

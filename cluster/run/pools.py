@@ -49,6 +49,7 @@ class WorkerRecord:
     spec: WorkerSpec | None = None  # Ray, tensor-parallel: what a restart of all its ranks starts again
     restarts: int = 0  # ... and how many times they were restarted together
     restarting: bool = False
+    switching: bool = False  # a role switch is under way (cluster/run/role_switch.py): the monitor leaves it alone
 
 
 class _Resizable:
@@ -67,12 +68,21 @@ class _Resizable:
 
     def new_spec(self, pool: str) -> WorkerSpec:
         """The pool's next worker's spec, under the next unused name."""
+        spec = self.pool_spec(pool, f"{pool}-{self._next_index[pool]}")
+        self._next_index[pool] += 1
+        return spec
+
+    def pool_spec(self, pool: str, name: str) -> WorkerSpec:
+        """A worker of ``pool`` named ``name`` (a new one, or one switching into the pool)."""
         section = getattr(self.config.pools, pool).model_copy(update={"replicas": 1})
         one = self.config.model_copy(update={"pools": self.config.pools.model_copy(update={pool: section})})
         spec = next(s for s in one.worker_specs(self._model_path, self._router_addresses, self._host) if s.pool == pool)
-        spec.name = f"{pool}-{self._next_index[pool]}"
-        self._next_index[pool] += 1
+        spec.name = name
         return spec
+
+    def switched(self, record: WorkerRecord, spec: WorkerSpec, info: dict[str, Any]) -> None:
+        """The record of a worker now serving in another pool (same name, same placement)."""
+        record.pool, record.role, record.spec, record.info = spec.pool, spec.role.value, spec, info
 
     def begin_removal(self, record: WorkerRecord) -> None:
         self.workers = [r for r in self.workers if r is not record]
@@ -140,6 +150,17 @@ class LocalPools(_Resizable):
 
     def drained(self, record: WorkerRecord) -> bool:
         return bool(record.actor.info().get("drained"))
+
+    def switch_role(self, record: WorkerRecord, spec: WorkerSpec, timeout_s: float) -> dict[str, Any]:
+        """The worker's ``info()`` in its new role (``WorkerActor.switch_role``)."""
+        return record.actor.switch_role(spec, timeout_s)
+
+    def restart_as(self, record: WorkerRecord, spec: WorkerSpec) -> dict[str, Any]:
+        """A worker that died mid-switch, started again as ``spec`` (a load): its ``info()``."""
+        _stop_local(record)
+        started = self._start(spec, self.config.ray.start_timeout_s)
+        record.actor, record.ranks, record.restarts = started.actor, started.ranks, record.restarts + 1
+        return started.info
 
     def stop_replica(self, record: WorkerRecord) -> None:
         _stop_local(record)
@@ -217,9 +238,10 @@ class RayPools(_Resizable):
             ) from None
         return group
 
-    def _start(self, record: WorkerRecord, pool) -> None:
+    def _start(self, record: WorkerRecord, pool, suffix: str = "") -> None:
         """Start the record's actors in its group: one, or a tensor-parallel worker's N ranks meeting at a fresh
-        rendezvous (bundle r for rank r)."""
+        rendezvous (bundle r for rank r). ``suffix``: after a name still taken (a live name may not be reused at
+        once)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         assert record.spec is not None and record.group is not None
@@ -238,9 +260,10 @@ class RayPools(_Resizable):
             )
 
         if size == 1:
-            record.actor = self._remote_cls.options(**options(f"pdserve-{spec.name}", record.bundle)).remote(spec)
+            name = f"pdserve-{spec.name}{suffix}"
+            record.actor = self._remote_cls.options(**options(name, record.bundle)).remote(spec)
             return
-        suffix = f"-{record.restarts}" if record.restarts else ""  # a live name may not be reused at once
+        suffix = f"-{record.restarts}" if record.restarts else ""
         record.ranks = [
             self._rank_cls.options(**options(f"pdserve-{spec.name}-rank{r}{suffix}", r)).remote(spec, r)
             for r in range(1, size)
@@ -309,6 +332,23 @@ class RayPools(_Resizable):
         except Exception:
             return True
 
+    def switch_role(self, record: WorkerRecord, spec: WorkerSpec, timeout_s: float) -> dict[str, Any]:
+        """The worker's ``info()`` in its new role (``WorkerActor.switch_role``); a Ray error if its process died."""
+        import ray
+
+        info = ray.get(record.actor.switch_role.remote(spec, timeout_s), timeout=timeout_s + 30)
+        return {**info, "ranks": record.info.get("ranks", [])} if record.ranks else info
+
+    def restart_as(self, record: WorkerRecord, spec: WorkerSpec) -> dict[str, Any]:
+        """A worker that died mid-switch: its actor killed for good and started again as ``spec`` in the same bundle
+        (a load, counted against ``ray.max_restarts``): its ``info()``."""
+        self._stop_actors([record], timeout_s=2.0)
+        record.restarts += 1
+        record.spec = spec
+        self._start(record, getattr(self.config.pools, spec.pool), suffix=f"-{record.restarts}")
+        self._await_info(record, self.config.ray.start_timeout_s)
+        return record.info
+
     def stop_replica(self, record: WorkerRecord, timeout_s: float = 5.0) -> None:
         """Stop and kill the actors; its own group is removed, or its bundle given back to the pool."""
         import ray
@@ -351,7 +391,7 @@ class RayPools(_Resizable):
 
         while not self._stop.wait(interval_s):
             for record in self.workers:
-                if record.restarting:
+                if record.restarting or record.switching:
                     continue
                 try:
                     info = ray.get(record.actor.info.remote(), timeout=5)

@@ -143,7 +143,13 @@ async def _control(server, router, conn, parent_pid: int) -> None:
             gone = os.getppid() != parent_pid
             while not gone and conn.poll():
                 message = conn.recv()
-                if message[0] in ("add_worker", "mark_dead", "drain_worker", "remove_worker"):  # Router's methods
+                if message[0] in (
+                    "add_worker",
+                    "mark_dead",
+                    "drain_worker",
+                    "switch_phase",
+                    "remove_worker",
+                ):  # Router's methods
                     getattr(router, message[0])(*message[1:])
                 elif message[0] == "scale_result":
                     router.scaler.answer(*message[1:])
@@ -175,13 +181,20 @@ class RemoteScaler:
         self._waiting: dict[str, asyncio.Future] = {}
 
     async def scale_async(self, pool, replicas, drain_timeout_s=None) -> dict:
+        return await self._ask("scale", pool, replicas, drain_timeout_s)
+
+    async def switch_role_async(self, worker, to, drain_timeout_s=None, wait=False) -> dict:
+        return await self._ask("switch_role", worker, to, drain_timeout_s, wait)
+
+    async def _ask(self, method: str, *args) -> dict:
+        """The main process's scaler's ``method(*args)``, over the pipe."""
         from cluster.routing.errors import ScaleError
 
         request_id = os.urandom(8).hex()
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
-            self._conn.send(("scale", request_id, pool, replicas, drain_timeout_s))
+            self._conn.send((method, request_id, *args))
             status, body = await asyncio.wait_for(future, self.TIMEOUT_S)
         finally:
             self._waiting.pop(request_id, None)

@@ -18,6 +18,7 @@ from typing import Protocol
 from cluster.config import ClusterConfig
 from cluster.routing.errors import ScaleError
 from cluster.run.pools import LocalPools, RayPools, WorkerRecord
+from cluster.run.role_switch import RoleSwitcher
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,10 @@ class MembershipSink(Protocol):
 
     def remove_worker_threadsafe(self, name: str) -> None: ...
 
+    def switch_phase_threadsafe(self, name: str, phase: str) -> None: ...
+
+    def mark_dead_threadsafe(self, name: str, reason: str) -> None: ...
+
 
 class Scaler:
     def __init__(self, config: ClusterConfig, pools: LocalPools | RayPools, routers: MembershipSink) -> None:
@@ -48,6 +53,7 @@ class Scaler:
         self._lock = threading.Lock()
         self._removals: list[threading.Thread] = []
         self._closing = threading.Event()
+        self.roles = RoleSwitcher(config, pools, routers)  # POST /admin/role: a worker changing pools in place
 
     def check(self, pool: object, replicas: object, drain_timeout_s: object = None) -> tuple[str, int, float | None]:
         """The values as a client sent them, typed; raises ScaleError naming the field."""
@@ -75,6 +81,8 @@ class Scaler:
         """Returns the membership after it (removals still draining); bad values (``check``) raise ScaleError."""
         pool, replicas, drain_s = self.check(pool, replicas, drain_timeout_s)
         deadline_s = drain_s or DRAIN_TIMEOUT_S
+        if self.roles.in_flight(pool):
+            raise ScaleError("pool", f"a worker is switching role out of or into {pool}: scale it once that ends")
         with self._lock:
             current = self.pools.active(pool)
             for _ in range(replicas - len(current)):
@@ -87,6 +95,23 @@ class Scaler:
     async def scale_async(self, pool: object, replicas: object, drain_timeout_s: object = None) -> dict:
         return await asyncio.to_thread(self.scale, pool, replicas, drain_timeout_s)
 
+    def switch_role(self, worker: object, to: object, drain_timeout_s: object = None, wait: object = False) -> dict:
+        """``RoleSwitcher.switch`` (cluster/run/role_switch.py), with the membership after it."""
+        return {"switch": self.roles.switch(worker, to, drain_timeout_s, wait), **self.membership()}
+
+    def switch_pool(self, source: object, to: object) -> dict:
+        """The newest serving worker of pool ``source`` switches to ``to`` (the autoscaler's move): its record.
+        ScaleError when none can (RoleSwitcher.check)."""
+        candidates = [r for r in self.pools.workers if r.pool == source and not r.switching]
+        if not candidates:
+            raise ScaleError("pool", f"no serving {source} worker to switch")
+        return self.roles.switch(candidates[-1].name, to)
+
+    async def switch_role_async(
+        self, worker: object, to: object, drain_timeout_s: object = None, wait: object = False
+    ) -> dict:
+        return await asyncio.to_thread(self.switch_role, worker, to, drain_timeout_s, wait)
+
     def membership(self) -> dict:
         """Per pool: serving workers, those still starting (Ray: not placed yet), those draining."""
         pools = self.pools
@@ -97,21 +122,24 @@ class Scaler:
                     "workers": [r.name for r in pools.workers if r.pool == name],
                     "pending": [r.name for r in pools.pending if r.pool == name],
                     "draining": [r.name for r in pools.draining if r.pool == name],
+                    "switching": [r.name for r in pools.workers if r.pool == name and r.switching],
                 }
                 for name in POOLS
             }
         }
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """False if a removal is still running after ``timeout_s``."""
+        """False if a removal or a role switch is still running after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         for thread in list(self._removals):
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._removals)
+        switches_idle = self.roles.wait_idle(max(0.0, deadline - time.monotonic()))
+        return switches_idle and not any(t.is_alive() for t in self._removals)
 
     def close(self) -> None:
         """Stop waiting for drains (the cluster is stopping: the pools stop every worker, draining ones too)."""
         self._closing.set()
+        self.roles.close()
 
     # ---- internals ---------------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from prefill.worker import PrefillRole
 from transfer.errors import AuthError
 from transfer.local_backend import Delivery, LocalHub, LocalReceiver, LocalSender
 from transfer.wire import ModelFingerprint, PieceHeader
-from worker.messages import Command, Drain, ErrorCode, Event, KvEvents, Ping, Stats
+from worker.messages import Command, Drain, ErrorCode, Event, KvEvents, Ping, Stats, Undrain
 from worker.protocol import Channel, Signer, Verifier
 from worker.role import Role
 from worker.routers import RouterBook
@@ -120,7 +120,10 @@ class SimWorker:
         if isinstance(command, Ping):
             return command
         if isinstance(command, Drain):
-            self.book.begin_drain(0, command.deadline_s)
+            self.book.begin_drain(0, command.deadline_s, command.fail_at_deadline)
+            return command
+        if isinstance(command, Undrain):
+            self.book.end_drain()
             return command
         self.book.claim(command.rid, 0, now)
         self.role.take(command, now)

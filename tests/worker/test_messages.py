@@ -307,7 +307,7 @@ def test_status_shows_a_heartbeat_as_one_flat_map():
     stats = EVENTS[-1]
     status = heartbeat_status(stats)
     assert set(status) == (
-        {"address", "degraded", "loop_age_s", "kv_paths"}
+        {"address", "degraded", "loop_age_s", "epoch", "kv_paths"}
         | set(WorkerLoad.__struct_fields__)
         | set(WorkerCounters.__struct_fields__)
     )

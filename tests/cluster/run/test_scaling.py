@@ -121,7 +121,12 @@ def test_scale_decode_up_under_load_the_new_worker_gets_traffic(serve):
     assert all(r.status == 200 and r.error is None and r.tokens == 24 for r in results), results
     assert "decode-1" in seen  # the new worker took requests
     status = httpx.get(f"{handle.base_url}/status", timeout=5).json()
-    assert status["pools"]["decode"] == {"replicas": 2, "workers": ["decode-0", "decode-1"], "draining": []}
+    assert status["pools"]["decode"] == {
+        "replicas": 2,
+        "workers": ["decode-0", "decode-1"],
+        "draining": [],
+        "switching": [],
+    }
 
 
 def test_scale_decode_down_under_load_drains_loses_nothing_and_stops_the_worker(serve):
@@ -147,7 +152,7 @@ def test_scale_decode_down_under_load_drains_loses_nothing_and_stops_the_worker(
     assert [r.name for r in handle.workers if r.pool == "decode"] == ["decode-0"]
     status = wait_all_kv_free(handle.base_url, timeout_s=15)  # survivors hold nothing
     assert [w["name"] for w in status["workers"]] == ["prefill-0", "decode-0"]
-    assert status["pools"]["decode"] == {"replicas": 1, "workers": ["decode-0"], "draining": []}
+    assert status["pools"]["decode"] == {"replicas": 1, "workers": ["decode-0"], "draining": [], "switching": []}
 
 
 def test_a_request_left_at_the_drain_deadline_gets_an_explicit_error(serve):

@@ -60,6 +60,7 @@ def test_a_replica_that_does_not_fit_stays_pending_until_scaled_away(tiny_llama_
             "workers": ["decode-0"],
             "pending": [],
             "draining": [],
+            "switching": [],
         }
         assert _group_states().get("pdserve-decode-1") in (None, "REMOVED")
         assert ray.cluster_resources()["CPU"] == total_cpus
