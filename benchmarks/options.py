@@ -317,3 +317,13 @@ def add_stranger_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default="flood,big_frame,routing_ids,held,wrong_keys",
         help="comma-separated: flood, big_frame, routing_ids, held, wrong_keys",
     )
+
+
+def add_role_switch_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench role-switch`` (``benchmarks/role_switch_bench.py``)."""
+    parser.add_argument("--config", default="local", help="cluster config to serve: a path or a name")
+    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument(
+        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of each (a round moves a worker and back)")

@@ -30,6 +30,19 @@ if TYPE_CHECKING:
 Snapshot = tuple[Samples, dict]  # the router's samples and its settled /status
 
 
+def bench_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config a benchmark serves: ``--config`` (or ``args.cluster_config``, a ClusterConfig tests give), its model
+    overridden by ``--model``, on a free port."""
+    from cluster.config import load_config
+
+    given = getattr(args, "cluster_config", None)
+    config = (given if given is not None else load_config(args.config)).model_copy(deep=True)
+    if args.model:
+        config.model.name = args.model
+    config.router.port = 0
+    return config
+
+
 @contextmanager
 def local_ray(config: ClusterConfig, in_process: bool) -> Iterator[None]:
     """A local Ray for the whole benchmark, its logical CPUs enough for every worker's share; shut down after."""

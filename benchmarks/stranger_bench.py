@@ -32,7 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.options import add_stranger_bench_arguments as add_arguments
-from benchmarks.served_cluster import local_ray, serving
+from benchmarks.served_cluster import bench_config, local_ray, serving
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
@@ -293,24 +293,13 @@ def _kv_free(handle: Any, timeout_s: float = 30.0) -> bool:
     return False
 
 
-def config_for(args: argparse.Namespace) -> ClusterConfig:
-    from cluster.config import load_config
-
-    given = getattr(args, "cluster_config", None)  # a ClusterConfig object (tests) instead of a file
-    config = (given if given is not None else load_config(args.config)).model_copy(deep=True)
-    if args.model:
-        config.model.name = args.model
-    config.router.port = 0
-    return config
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.cpu_info import cpu_model
 
     kinds = [k for k in args.attacks.replace(" ", "").split(",") if k]
     if not kinds or any(k not in ATTACKS for k in kinds):
         raise ValueError(f"--attacks: {args.attacks!r}: choose from {', '.join(ATTACKS)}")
-    config = config_for(args)
+    config = bench_config(args)
     spawn = multiprocessing.get_context("spawn")
     out: dict[str, Any] = {"cpu": cpu_model(), "seconds_per_attack": args.seconds, "attacks": {}}
     with local_ray(config, args.in_process), serving(config, "stranger", args.in_process) as handle:
