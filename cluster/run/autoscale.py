@@ -4,7 +4,9 @@ Every ``interval_s`` it reads the router's own ``/metrics`` and takes the interv
 (bucket deltas, as ``histogram_quantile``); each pool votes too small or too big against ``slo:`` (the rules:
 docs/planner.md, "Autoscaling"), or the planner's ``CapacityModel`` votes where ``autoscale.profile`` gives one. A
 pool changes by one replica after ``breaches`` like votes, within its bounds and ``cooldown_s``, through the same
-``Scaler.scale`` as ``pdserve scale``.
+``Scaler.scale`` as ``pdserve scale``; when one pool is to grow and the other to shrink in the same interval, a worker
+switches role instead (``autoscale.switch_roles``; ``Scaler.switch_pool``), and where it cannot (one switch per pool
+at a time, pools that differ in placement) the pools are resized.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cluster.config import AutoscaleSection, ClusterConfig, SLOSection
+from cluster.routing.errors import ScaleError
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +286,8 @@ class Autoscaler:
         self.metrics = metrics
         self.clock = clock
         self.decisions: list[tuple[float, str, int]] = []  # (when, pool, new size): what it did
+        self.switches: list[tuple[float, str, str]] = []  # (when, from pool, to pool): the decisions made by a switch
+        self.switch_roles = config.autoscale.switch_roles and config.mode == "disaggregated"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -309,6 +314,8 @@ class Autoscaler:
         window = self.metrics.read()
         replicas = {pool: len(self.scaler.pools.active(pool)) for pool in ("prefill", "decode")}
         changes = self.policy.decide(self.clock(), window, replicas)
+        if self._switched(changes, replicas):
+            return changes
         for pool, target in changes.items():
             needed = self.policy.last_needed.get(pool)
             why = f"model: {needed} needed" if needed is not None else "threshold rule"
@@ -316,6 +323,25 @@ class Autoscaler:
             self.scaler.scale(pool, target)
             self.decisions.append((self.clock(), pool, target))
         return changes
+
+    def _switched(self, changes: dict[str, int], replicas: dict[str, int]) -> bool:
+        """One pool one up, the other one down: a worker of the second switches to the first, if it can."""
+        if not self.switch_roles or len(changes) != 2:
+            return False
+        grow = [pool for pool, target in changes.items() if target > replicas[pool]]
+        shrink = [pool for pool, target in changes.items() if target < replicas[pool]]
+        if len(grow) != 1 or len(shrink) != 1:
+            return False
+        try:
+            switch = self.scaler.switch_pool(shrink[0], grow[0])
+        except ScaleError as exc:
+            logger.warning("autoscale: no role switch %s -> %s (%s); resizing both", shrink[0], grow[0], exc)
+            return False
+        logger.warning("autoscale: %s switches %s -> %s (%s)", switch["worker"], shrink[0], grow[0], changes)
+        now = self.clock()
+        self.switches.append((now, shrink[0], grow[0]))
+        self.decisions += [(now, pool, target) for pool, target in changes.items()]
+        return True
 
     def _run(self) -> None:
         try:

@@ -24,8 +24,21 @@ class RecordingScaler:
     def __init__(self, **replicas: int) -> None:
         self.pools = CountingPools(replicas)
         self.calls: list[tuple[str, int]] = []
+        self.refuse_switch = ""  # set: switch_pool refuses with this reason
 
     def scale(self, pool: str, replicas: int) -> dict:
         self.calls.append((pool, replicas))
         self.pools.replicas[pool] = replicas
         return {}
+
+    def switch_pool(self, source: str, to: str) -> dict:
+        """One worker of ``source`` into ``to``; ScaleError as the real one's when ``refuse`` says why not."""
+        from cluster.routing.errors import ScaleError
+
+        if self.refuse_switch:
+            raise ScaleError("worker", self.refuse_switch)
+        worker = self.pools.active(source)[-1]
+        self.calls.append(("switch", f"{worker}->{to}"))  # type: ignore[arg-type]
+        self.pools.replicas[source] -= 1
+        self.pools.replicas[to] += 1
+        return {"worker": worker, "to": to}

@@ -164,3 +164,52 @@ def test_the_config_takes_a_profile_path_and_refuses_a_missing_one_naming_the_fi
     path.write_text("autoscale:\n  target_utilization: 1.5\n")
     with pytest.raises(ConfigError, match=r"autoscale\.target_utilization"):
         load_config(path)
+
+
+def test_one_pool_up_and_the_other_down_is_a_role_switch_and_else_two_resizes(tiny_llama_path):
+    """Slow first tokens with fast decode: prefill too small, decode too big in the same interval. A decode worker
+    switches role (one move, weights kept); where the switch is refused, both pools are resized instead."""
+    for refuse in ("", "one role switch at a time per pool: one is under way"):
+        metrics, clock = RouterMetrics(), Clock()
+        scaler = RecordingScaler(prefill=1, decode=2)
+        scaler.refuse_switch = refuse
+        config = _config(tiny_llama_path, cooldown_s=0, prefill={"min_replicas": 1, "max_replicas": 3})
+        autoscaler = Autoscaler(config, scaler, MetricsWindow(metrics.render), clock)
+        autoscaler.metrics.read()
+        for _ in range(2):  # breaches: 2
+            clock.now += 10
+            _observe(metrics, 5, ttft_s=4.0, tpot_s=0.02)
+            changes = autoscaler.tick()
+        assert changes == {"prefill": 2, "decode": 1}
+        if refuse:
+            assert sorted(scaler.calls) == [("decode", 1), ("prefill", 2)] and not autoscaler.switches
+        else:
+            assert scaler.calls == [("switch", "decode-1->prefill")]
+            assert autoscaler.switches == [(clock.now, "decode", "prefill")]
+        assert scaler.pools.replicas == {"prefill": 2, "decode": 1}
+
+
+@pytest.mark.timeout(120)
+def test_the_autoscaler_switches_a_live_workers_role(serve):
+    """The real Scaler and role switcher: slow first tokens against the SLO and fast decode move decode-1 into the
+    prefill pool in place."""
+    from cluster.run.autoscale import http_metrics
+    from tests.helpers.cluster import wait_until, worker_named
+
+    handle = serve(
+        pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}},
+        autoscale={"breaches": 1, "cooldown_s": 0, "min_requests": 1, "scale_down_fraction": 0.99},
+        slo={"ttft_s": 0.000001, "tpot_s": 10.0},  # every first token is late, every decode step far under its SLO
+    )
+    clock = Clock()
+    autoscaler = Autoscaler(handle.config, handle.scaler, MetricsWindow(http_metrics(handle.base_url, None)), clock)
+    autoscaler.metrics.read()
+    body = {"model": handle.config.served_model_name, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    for _ in range(2):
+        assert httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert autoscaler.tick() == {"prefill": 2, "decode": 1}
+    assert [s[1:] for s in autoscaler.switches] == [("decode", "prefill")]
+    wait_until(lambda: handle.router.members.workers["decode-1"].role == "prefill", timeout_s=60)
+    assert handle.scaler.wait_idle(timeout_s=30)
+    assert worker_named(handle, "decode-1").info()["epoch"] == 1
+    assert [r.name for r in handle.workers if r.pool == "prefill"] == ["prefill-0", "decode-1"]
