@@ -249,24 +249,48 @@ class Policy:
         return {"decode": 1 if queued else tpot, "prefill": 0 if queued else ttft}
 
     def decide(self, now: float, window: Window, replicas: dict[str, int]) -> dict[str, int]:
-        """The pools to resize now and their new sizes."""
+        """The pools to resize now and their new sizes (within ``max_workers``: ``_within_budget``)."""
         changes = {}
         for pool, vote in self.votes(window, replicas).items():
             state = self.state.setdefault(pool, _PoolState())
             state.up, state.down = (state.up + 1, 0) if vote > 0 else (0, state.down + 1) if vote < 0 else (0, 0)
             bounds = getattr(self.section, pool)
             current = replicas.get(pool, 0)
-            cooling = state.last_change is not None and now - state.last_change < self.section.cooldown_s
             target = current
             if state.up >= self.section.breaches and current < bounds.max_replicas:
                 target = current + 1
             elif state.down >= self.section.breaches and current > bounds.min_replicas:
                 target = current - 1
-            if target != current and not cooling:
+            if target != current and not self._cooling(pool, now):
                 changes[pool] = target
-                state.up = state.down = 0
-                state.last_change = now
+        changes = self._within_budget(now, changes, replicas)
+        for pool in changes:
+            state = self.state[pool]
+            state.up = state.down = 0
+            state.last_change = now
         return changes
+
+    def _cooling(self, pool: str, now: float) -> bool:
+        state = self.state.get(pool)
+        return state is not None and state.last_change is not None and now - state.last_change < self.section.cooldown_s
+
+    def _within_budget(self, now: float, changes: dict[str, int], replicas: dict[str, int]) -> dict[str, int]:
+        """With ``max_workers`` (a device budget: both pools together), a pool that grows past it takes its worker from
+        the other pool, if that one is above its minimum, not cooling down and not growing itself; else it waits."""
+        budget = self.section.max_workers
+        if budget is None or self.mode != "disaggregated":
+            return changes
+        sizes = {pool: changes.get(pool, replicas.get(pool, 0)) for pool in ("prefill", "decode")}
+        for pool in [p for p, target in changes.items() if target > replicas.get(p, 0)]:
+            if sum(sizes.values()) <= budget:
+                break
+            other = "decode" if pool == "prefill" else "prefill"
+            minimum = getattr(self.section, other).min_replicas
+            if other not in changes and sizes[other] > minimum and not self._cooling(other, now):
+                sizes[other] -= 1  # a move: a switch where the autoscaler can (``Autoscaler._switched``)
+            else:
+                sizes[pool] = replicas.get(pool, 0)  # no room: it grows once the other pool can give
+        return {pool: size for pool, size in sizes.items() if size != replicas.get(pool, 0)}
 
 
 class Autoscaler:

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import AutoscaleSection, SLOSection
 from cluster.routing.metrics import RouterMetrics
-from cluster.run.autoscale import Autoscaler, MetricsWindow, Policy, Window, window_quantile
+from cluster.run.autoscale import Autoscaler, MetricsWindow, Policy, Window, _PoolState, window_quantile
 from tests.helpers.cluster import tiny_cluster_config
 from tests.helpers.scaling import Clock, RecordingScaler
 
@@ -213,3 +213,18 @@ def test_the_autoscaler_switches_a_live_workers_role(serve):
     assert handle.scaler.wait_idle(timeout_s=30)
     assert worker_named(handle, "decode-1").info()["epoch"] == 1
     assert [r.name for r in handle.workers if r.pool == "prefill"] == ["prefill-0", "decode-1"]
+
+
+def test_a_pool_that_must_grow_on_a_spent_budget_takes_a_worker_from_the_other():
+    """``max_workers``: decode too slow on 2P:1D with a budget of 3 moves a prefill worker to decode (prefill voted
+    nothing); at prefill's minimum, or with prefill cooling down after a change of its own, decode waits."""
+    section = AutoscaleSection(breaches=1, cooldown_s=30, min_requests=1, max_workers=3)
+    slow_decode = Window(queue_depth=0, requests=5, ttft_p90_s=1.5, tpot_p90_s=0.5)  # TTFT near its SLO: no vote
+    policy = Policy(section, SLO, "disaggregated")
+    assert policy.decide(0.0, slow_decode, {"prefill": 2, "decode": 1}) == {"prefill": 1, "decode": 2}
+    assert policy.decide(100.0, slow_decode, {"prefill": 1, "decode": 2}) == {}  # prefill is at its minimum of 1
+    cooling = Policy(section, SLO, "disaggregated")
+    cooling.state["prefill"] = _PoolState(last_change=90.0)  # prefill changed 10 s ago
+    assert cooling.decide(100.0, slow_decode, {"prefill": 2, "decode": 1}) == {}
+    unbounded = Policy(AutoscaleSection(breaches=1, cooldown_s=30, min_requests=1), SLO, "disaggregated")
+    assert unbounded.decide(0.0, slow_decode, {"prefill": 2, "decode": 1}) == {"decode": 2}
