@@ -98,7 +98,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     switches: list[dict[str, Any]] = []
     replacements: list[dict[str, Any]] = []
     served: list[bool] = []
-    with local_ray(config, args.in_process), serving(config, "role-switch", args.in_process) as handle:
+    # replacing starts a worker in the growing pool's own placement group while the bundle the stopped one held stays
+    # in the shrinking pool's group (cluster/run/pools.py): one CPU more than the pools, or it is never placed
+    spare = max(config.pools.prefill.cpus_per_replica, config.pools.decode.cpus_per_replica)
+    with local_ray(config, args.in_process, spare), serving(config, "role-switch", args.in_process) as handle:
         assert handle.scaler is not None
         for round_ in range(args.repeats):
             worker = handle.scaler.pools.active("decode")[-1].name

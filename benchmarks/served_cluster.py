@@ -44,8 +44,9 @@ def bench_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 @contextmanager
-def local_ray(config: ClusterConfig, in_process: bool) -> Iterator[None]:
-    """A local Ray for the whole benchmark, its logical CPUs enough for every worker's share; shut down after."""
+def local_ray(config: ClusterConfig, in_process: bool, spare_cpus: float = 0) -> Iterator[None]:
+    """A local Ray for the whole benchmark, its logical CPUs enough for every worker's share and ``spare_cpus`` more
+    (a worker started while another still holds its bundle); shut down after."""
     import ray
 
     from cluster.run.ray_cluster import init_local_ray
@@ -53,7 +54,7 @@ def local_ray(config: ClusterConfig, in_process: bool) -> Iterator[None]:
     if in_process or ray.is_initialized():
         yield
         return
-    needed = sum(p.replicas * p.cpus_per_replica for p in (config.pools.prefill, config.pools.decode))
+    needed = sum(p.replicas * p.cpus_per_replica for p in (config.pools.prefill, config.pools.decode)) + spare_cpus
     init_local_ray(max(math.ceil(needed), os.cpu_count() or 1), config.ray.namespace)
     try:
         yield
