@@ -327,3 +327,28 @@ def add_role_switch_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
     )
     parser.add_argument("--repeats", type=int, default=2, help="rounds of each (a round moves a worker and back)")
+
+
+def add_role_shift_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve bench role-shift`` (``benchmarks/role_shift_bench.py``)."""
+    parser.add_argument("--config", default="local", help="cluster config the runs start from: a path or a name")
+    parser.add_argument("--model", default=None, help="override model.name (a folder, or the built-in default)")
+    parser.add_argument("--tokenizer", default=None, help="the load tester's tokenizer (default: the model's)")
+    parser.add_argument(
+        "--in-process", action="store_true", help="workers as threads of this process (no Ray): quick, for tests"
+    )
+    parser.add_argument("--traces", default="../shared/traces", help="folder of the public traces (its README)")
+    parser.add_argument("--workers", type=int, default=3, help="workers in every run (the autoscaler's budget)")
+    parser.add_argument("--fixed-prefill", type=int, default=2, help="prefill workers of the fixed split (and start)")
+    parser.add_argument("--window-s", type=float, default=90.0, help="seconds of each window on the replay's clock")
+    parser.add_argument("--code-rate", type=float, default=0.5, help="requests per second in the code window")
+    parser.add_argument("--chat-rate", type=float, default=0.8, help="requests per second in the conversation window")
+    parser.add_argument("--code-input-scale", type=float, default=0.125, help="the code window's prompt lengths x")
+    parser.add_argument("--chat-input-scale", type=float, default=0.005, help="the conversation window's prompts x")
+    parser.add_argument("--chat-output-scale", type=float, default=0.5, help="the conversation window's answers x")
+    parser.add_argument("--interval-s", type=float, default=5.0, help="the autoscaler's interval")
+    parser.add_argument("--cooldown-s", type=float, default=15.0, help="the autoscaler's cool-down per pool")
+    parser.add_argument("--ways", default=None, help="comma-separated subset of fixed,restarts,switches")
+    parser.add_argument("--max-concurrency", type=int, default=512, help="requests in flight at most (the trace's)")
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--seed", type=int, default=0, help="the same prompts in every run")

@@ -81,6 +81,8 @@ EXPERIMENTS: list[tuple[str, str, str, str, str]] = [
      "a process without the cluster's keys attacks every socket: memory it moves, handshakes refused, served after"),
     ("role-switch", "options", "add_role_switch_bench_arguments", "role_switch_bench",
      "a worker switching between prefill and decode in place against replacing it (stop one, start one)"),
+    ("role-shift", "options", "add_role_shift_bench_arguments", "role_shift_bench",
+     "a trace whose mix shifts: a fixed split against autoscaling by restarts and by role switches (goodput)"),
 ]
 # fmt: on
 

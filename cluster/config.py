@@ -237,7 +237,8 @@ class AutoscaleSection(_Strict):
     profile: str | None = None
     target_utilization: float = Field(default=0.7, gt=0, le=1)  # the model keeps each pool's busy share under this
     # the pools' replicas together (a device budget): a pool that must grow when it is spent takes a worker from the
-    # other pool, within that pool's min_replicas and cool-down (null: each pool only within its own bounds)
+    # other pool, within that pool's min_replicas and cool-down; no pool shrinks alone, its workers are held for the
+    # other (null: each pool grows and shrinks within its own bounds)
     max_workers: int | None = Field(default=None, ge=2)
     # one pool to grow and the other to shrink in the same interval: a worker of the shrinking pool switches role
     # (its weights kept: cluster/run/role_switch.py) instead of one stopping and another loading the model

@@ -234,7 +234,8 @@ class Policy:
         s, slo = self.section, self.slo
         queued = window.queue_depth > s.queue_per_replica * max(1, replicas.get("decode", 1))
         known = window.requests >= s.min_requests
-        idle = window.requests == 0 and window.queue_depth == 0
+        # nothing finished, queued or in flight: long answers that finish in no interval are not idleness
+        idle = window.requests == 0 and window.queue_depth == 0 and window.inflight == 0
 
         def vote(p90: float | None, limit: float) -> int:
             if not known or p90 is None:
@@ -276,10 +277,14 @@ class Policy:
 
     def _within_budget(self, now: float, changes: dict[str, int], replicas: dict[str, int]) -> dict[str, int]:
         """With ``max_workers`` (a device budget: both pools together), a pool that grows past it takes its worker from
-        the other pool, if that one is above its minimum, not cooling down and not growing itself; else it waits."""
+        the other pool, if that one is above its minimum, not cooling down and not growing itself; else it waits. A
+        pool does not shrink alone: its worker stays until the other pool needs it (a move, cheap as a switch)."""
         budget = self.section.max_workers
         if budget is None or self.mode != "disaggregated":
             return changes
+        grows = any(target > replicas.get(pool, 0) for pool, target in changes.items())
+        if not grows:
+            return {}  # a budget's workers are held: a pool gives one up only to the other (below), never alone
         sizes = {pool: changes.get(pool, replicas.get(pool, 0)) for pool in ("prefill", "decode")}
         for pool in [p for p, target in changes.items() if target > replicas.get(p, 0)]:
             if sum(sizes.values()) <= budget:

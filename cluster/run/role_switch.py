@@ -12,7 +12,6 @@ times are in ``/status`` (the routers' view) and in this module's records (``pds
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -119,9 +118,6 @@ class RoleSwitcher:
         if wait:
             thread.join(drain_s + REBUILD_TIMEOUT_S + 30)
         return switch.as_dict()
-
-    async def switch_async(self, worker: object, to: object, drain_timeout_s: object = None, wait: object = False):
-        return await asyncio.to_thread(self.switch, worker, to, drain_timeout_s, wait)
 
     def in_flight(self, pool: str) -> bool:
         """A switch out of or into ``pool`` is under way."""

@@ -228,3 +228,14 @@ def test_a_pool_that_must_grow_on_a_spent_budget_takes_a_worker_from_the_other()
     assert cooling.decide(100.0, slow_decode, {"prefill": 2, "decode": 1}) == {}
     unbounded = Policy(AutoscaleSection(breaches=1, cooldown_s=30, min_requests=1), SLO, "disaggregated")
     assert unbounded.decide(0.0, slow_decode, {"prefill": 2, "decode": 1}) == {"decode": 2}
+    quiet = Window(queue_depth=0, requests=0, ttft_p90_s=None, tpot_p90_s=None)  # idle: every pool votes down
+    assert unbounded.decide(100.0, quiet, {"prefill": 2, "decode": 2}) == {"prefill": 1, "decode": 1}
+    held = Policy(section, SLO, "disaggregated")
+    assert held.decide(0.0, quiet, {"prefill": 2, "decode": 1}) == {}  # under a budget, workers wait for the other pool
+
+
+def test_long_answers_in_flight_are_not_idleness():
+    """An interval in which no request finished but many are in flight (long answers) votes nothing down."""
+    policy = Policy(AutoscaleSection(breaches=1, cooldown_s=0, min_requests=1), SLO, "disaggregated")
+    streaming = Window(queue_depth=0, requests=0, ttft_p90_s=None, tpot_p90_s=None, inflight=26)
+    assert policy.decide(0.0, streaming, {"prefill": 2, "decode": 2}) == {}
