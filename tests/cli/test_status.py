@@ -118,3 +118,16 @@ def test_status_prints_the_served_models_kv_sizing(capsys, monkeypatch):
         "prefill 100 blocks = 1,600 tokens per replica; decode 400 blocks = 6,400 tokens per replica"
     )
     assert lines.index(kv_line) + 1 == next(i for i, line in enumerate(lines) if line.startswith("worker"))
+
+
+def test_status_marks_a_worker_switching_role_with_its_phase():
+    from cli.status import format_status
+
+    payload = canned_status()
+    payload["pools"] = {
+        "decode": {"replicas": 1, "workers": ["decode-1"], "draining": ["decode-1"], "switching": ["decode-1"]}
+    }
+    payload["workers"][0]["switch"] = {"to": "prefill", "phase": "reconfiguring", "elapsed_s": 1.25}
+    lines = format_status(payload).splitlines()
+    worker = next(line for line in lines if line.startswith(payload["workers"][0]["name"]))
+    assert worker.endswith("switching to prefill: reconfiguring (1.2 s)")

@@ -269,3 +269,51 @@ def test_pdserve_role_against_a_running_pdserve_serve(tiny_llama_path, tmp_path)
         wait_all_kv_free(url, timeout_s=20)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.e2e  # Ray actors: `make test-e2e`
+@pytest.mark.timeout(300)
+def test_a_ray_worker_killed_mid_switch_comes_back_in_its_new_role(tiny_llama_path, monkeypatch):
+    """The worker's process is SIGKILLed as its rebuild is asked for: its actor is killed for good and a new one is
+    started as a prefill worker in its bundle (``RayPools.restart_as``), registered with result "restarted"."""
+    import os
+    import signal
+
+    import ray
+
+    from cluster.run.launch import start_serving
+    from cluster.run.pools import RayPools
+    from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
+
+    if ray.is_initialized():
+        ray.shutdown()
+    pool = {"replicas": 1, "torch_threads": 1, "kv_blocks": 64, "cpus_per_replica": 0.5}
+    config = tiny_cluster_config(
+        tiny_llama_path, router={"port": 0}, pools={"prefill": pool, "decode": {**pool, "replicas": 2}}
+    )
+    switch_role = RayPools.switch_role
+    killed: list[int] = []
+
+    def kill_then_switch(self, record, spec, timeout_s):
+        killed.append(record.info["pid"])
+        os.kill(record.info["pid"], signal.SIGKILL)
+        return switch_role(self, record, spec, timeout_s)
+
+    monkeypatch.setattr(RayPools, "switch_role", kill_then_switch)
+    handle = start_serving(config)
+    try:
+        assert handle.scaler is not None
+        answer = handle.scaler.switch_role("decode-1", "prefill", wait=True)
+        assert answer["switch"]["phase"] == "restarted", answer
+        record = next(r for r in handle.workers if r.name == "decode-1")
+        assert record.pool == "prefill" and record.info["role"] == "prefill" and record.info["pid"] != killed[0]
+        wait_until(lambda: handle.router.members.workers["decode-1"].role == "prefill", timeout_s=30)
+        body = {"model": config.served_model_name, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        for _ in range(3):
+            served = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
+        url = handle.base_url
+        assert metric_value(url, "pdserve_role_switches_total", None, to="prefill", result="restarted") == 1.0
+        wait_all_kv_free(url, timeout_s=20)
+    finally:
+        handle.stop()
