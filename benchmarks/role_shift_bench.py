@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fixed_split": {"prefill": args.fixed_prefill, "decode": args.workers - args.fixed_prefill},
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         "windows": windows,
+        "trace_file": str(trace_path),  # pdserve plan shift simulates the same trace
         "runs": {},
     }
     workload = [

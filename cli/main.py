@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, NoReturn
 
-from cli import plan_cmd, plan_kv_cmd, plan_validate_cmd, profile_cmd, role_cmd, scale_cmd, sim_cmd
+from cli import plan_cmd, plan_kv_cmd, plan_shift_cmd, plan_validate_cmd, profile_cmd, role_cmd, scale_cmd, sim_cmd
 from cli import status as status_command
 
 Command = Callable[[argparse.Namespace], int]
@@ -376,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan_validate_cmd.add_arguments(validate)
     validate.set_defaults(func=_call("cli.plan_validate_cmd", "run"))
+    shift = plan_sub.add_parser(
+        "shift", help="a trace whose mix shifts: the fixed split against the autoscaler moving workers by role switches"
+    )
+    plan_shift_cmd.add_arguments(shift)
+    shift.set_defaults(func=_call("cli.plan_shift_cmd", "run"))
 
     return parser
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,10 +43,13 @@ from transfer.wire import ModelFingerprint
 from worker.colocated import ColocatedRole
 from worker.messages import (
     Command,
+    Drain,
     Event,
     KvEvents,
+    Ping,
     Role,
     Stats,
+    Undrain,
     WorkerLoad,
     decode_command,
     encode,
@@ -278,7 +281,10 @@ class SimWorker:
     def handle(self, command: Command) -> None:
         """``Abort`` frees the request; a command the role refuses (ValueError, KeyError) is answered with an error.
         Taken when it arrives, even during a step (a real worker takes commands between steps: docs/planner.md says
-        what that changes); the engine ran the step when it began, so the command sees the state the step leaves."""
+        what that changes); the engine ran the step when it began, so the command sees the state the step leaves.
+        A drain's commands (a role switch's: planner/sim_switch.py) are the switch's business, which reads the role."""
+        if isinstance(command, Drain | Undrain | Ping):
+            return
         self.role.take(command, self.env.now)
         self._report()
         self.notify()
@@ -393,25 +399,35 @@ class SimCluster:
         members = Membership(metrics, clock=lambda: env.now)
         self.core = RouterCore(config, metrics, Admission(settings.queue_size), members, policies)
         self.workers: dict[str, SimWorker] = {}
-        s = settings
-        decode = profiles.at(layout.decode_tp), s.decode_kv_blocks, s.decode_max_batch_tokens, s.decode_max_num_seqs
-        pools: list[tuple[Role, int, Profile, int, int, int]]
-        if layout.mode == "colocated":
-            pools = [("colocated", layout.decode, *decode)]
-        else:
-            prefill = profiles.at(layout.prefill_tp), s.prefill_kv_blocks, s.prefill_max_batch_tokens
-            pools = [("prefill", layout.prefill, *prefill, s.prefill_max_num_seqs), ("decode", layout.decode, *decode)]
-        for role, count, profile, blocks, batch_tokens, num_seqs in pools:
+        pools: list[tuple[Role, int]] = [("colocated", layout.decode)]
+        if layout.mode != "colocated":
+            pools = [("prefill", layout.prefill), ("decode", layout.decode)]
+        for role, count in pools:
             for i in range(count):
-                name = f"{role}-{i}"
-                worker = self.workers[name] = SimWorker(self, name, role, profile, blocks, batch_tokens, num_seqs)
-                kv_address = worker.receiver.address if worker.receiver is not None else None
-                self.core.add_worker(name, role, name, kv_address, env.now)
-                self.core.on_event(worker.stats(), env.now)  # its first heartbeat, before any request
+                self.start_worker(f"{role}-{i}", role)
         self.records: list[SimRecord] = []  # by trace index
         self._open: dict[Flow, SimRecord] = {}
         self._arrived = False
         self.all_done = env.event()
+
+    def start_worker(self, name: str, role: Role, switch_result: str | None = None) -> SimWorker:
+        """A worker of ``role``'s pool (its profile, KV blocks and batch limits), registered with the router core
+        (``switch_result``: in its new pool after a role switch, planner/sim_switch.py) and heard from once."""
+        s, layout = self.settings, self.layout
+        if role == "prefill":
+            profile, blocks = self.profiles.at(layout.prefill_tp), s.prefill_kv_blocks
+            batch_tokens, num_seqs = s.prefill_max_batch_tokens, s.prefill_max_num_seqs
+        else:
+            profile, blocks = self.profiles.at(layout.decode_tp), s.decode_kv_blocks
+            batch_tokens, num_seqs = s.decode_max_batch_tokens, s.decode_max_num_seqs
+        old = self.workers.get(name)
+        if old is not None and old.receiver is not None:
+            self.receivers.pop(old.receiver.address, None)
+        worker = self.workers[name] = SimWorker(self, name, role, profile, blocks, batch_tokens, num_seqs)
+        kv_address = worker.receiver.address if worker.receiver is not None else None
+        self.core.add_worker(name, role, name, kv_address, self.env.now, switch_result)
+        self.core.on_event(worker.stats(), self.env.now)  # its first heartbeat, before any request
+        return worker
 
     def clock(self) -> float:
         """The simulated time: what the decode roles' reservation expiry goes by."""
@@ -423,20 +439,20 @@ class SimCluster:
         self.records.append(record)
         flow = self.core.submit(f"r{index}", synthetic_prompt(index, trace), params, self.env.now)
         self._open[flow] = record
-        self._flush()
+        self.flush()
 
     def to_router(self, event: Event) -> None:
         self._later(lambda: self._router_hears(event))
 
     def _router_hears(self, event: Event) -> None:
         self.core.on_event(event, self.env.now)
-        self._flush()
+        self.flush()
 
     def _later(self, action: Callable[[], None]) -> None:
         timeout = self.env.timeout(self.settings.hop_s)
         timeout.callbacks.append(lambda _: action())
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         core = self.core
         while core.outbox:
             name, command = core.outbox.popleft()
@@ -481,16 +497,23 @@ def as_profile_set(profile: Profile | ProfileSet) -> ProfileSet:
 
 
 def simulate(
-    profile: Profile | ProfileSet, trace: Sequence[TraceRequest], layout: Layout, settings: SimSettings
+    profile: Profile | ProfileSet,
+    trace: Sequence[TraceRequest],
+    layout: Layout,
+    settings: SimSettings,
+    beside: Callable[[SimCluster], Generator] | None = None,
 ) -> list[SimRecord]:
     """Serve ``trace`` on ``layout`` (each pool's degree needs its profile); one record per request, in arrival
-    order. Deterministic for one seed."""
+    order. ``beside``: a process run with the cluster's (an autoscaler's: planner/sim_switch.py). Deterministic for
+    one seed."""
     ordered = sorted(trace, key=lambda t: t.arrival_s)
     if not ordered:
         return []
     env = simpy.Environment()
     cluster = SimCluster(env, as_profile_set(profile), layout, settings)
     env.process(cluster.arrivals(ordered))
+    if beside is not None:
+        env.process(beside(cluster))
     horizon = ordered[-1].arrival_s + settings.request_timeout_s
     env.run(until=env.any_of([cluster.all_done, env.timeout(horizon)]))
     unfinished = [SimRecord(t.arrival_s, math.inf, None, math.inf, t.input_tokens, t.output_tokens) for t in ordered]
