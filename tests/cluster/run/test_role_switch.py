@@ -28,10 +28,14 @@ pytestmark = pytest.mark.timeout(180)
 class Load:
     """Greedy completions from threads: each prompt's text as its client saw it."""
 
-    def __init__(self, handle, max_tokens: int) -> None:
-        self.url, self.model, self.max_tokens = handle.base_url, handle.config.served_model_name, max_tokens
+    def __init__(self, url: str, model: str, max_tokens: int) -> None:
+        self.url, self.model, self.max_tokens = url, model, max_tokens
         self.texts: dict[str, str | None] = {}
         self.threads: list[threading.Thread] = []
+
+    @classmethod
+    def of(cls, handle, max_tokens: int) -> Load:
+        return cls(handle.base_url, handle.config.served_model_name, max_tokens)
 
     def start(self, prompts: list[str]) -> None:
         for prompt in prompts:
@@ -76,7 +80,7 @@ def test_a_decode_worker_becomes_a_prefill_worker_under_load(serve):
     handle = serve(pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}})
     before = worker_named(handle, "decode-1")
     model = before.engine.model
-    load = Load(handle, max_tokens=48)
+    load = Load.of(handle, max_tokens=48)
     load.start([f"tell me a story about {i}" for i in range(6)])
     wait_until(lambda: _holds(handle, "decode-1"), timeout_s=30)
     answer = handle.scaler.switch_role("decode-1", "prefill", drain_timeout_s=60, wait=True)
@@ -111,7 +115,7 @@ def test_a_decode_worker_becomes_a_prefill_worker_under_load(serve):
 
 def test_a_prefill_worker_becomes_a_decode_worker_and_decodes(serve):
     handle = serve(pools={"prefill": {"replicas": 2, "torch_threads": 1, "kv_blocks": 96}})
-    load = Load(handle, max_tokens=24)
+    load = Load.of(handle, max_tokens=24)
     load.start([f"a prompt for the prefill pool {i}" for i in range(4)])
     answer = handle.scaler.switch_role("prefill-1", "decode", drain_timeout_s=60, wait=True)
     assert answer["switch"]["phase"] == "done", answer
@@ -119,7 +123,7 @@ def test_a_prefill_worker_becomes_a_decode_worker_and_decodes(serve):
     assert worker.engine.block_manager.num_blocks == 160 and not worker.engine.config.prefill_only
     handle.scaler.scale("decode", 1)  # there is one decode worker besides it: this removes nothing
     # only it decodes now: decode-0 drains away
-    handle.router.drain_worker("decode-0", 30)
+    handle.router.drain_worker_threadsafe("decode-0", 30)
     load.start([f"decoded on the switched worker {i}" for i in range(3)])
     wait_until(lambda: any(f.decode == "prefill-1" for f in list(handle.router.flows.values())), timeout_s=30)
     texts = load.join()
@@ -155,10 +159,10 @@ def test_a_switch_that_cannot_drain_in_time_is_called_off(serve):
     """decode-0 drains, so decode-1's slowed stream can neither move away nor end in time; the switch is called off
     at its deadline and decode-1 decodes on as before."""
     handle = serve(pools={"decode": {"replicas": 2, "torch_threads": 1, "kv_blocks": 160}})
-    handle.router.drain_worker("decode-0", 60)  # every new request goes to decode-1, and no move to decode-0
+    handle.router.drain_worker_threadsafe("decode-0", 60)  # every new request goes to decode-1, and no move to decode-0
     slow = worker_named(handle, "decode-1")
     slow.engine.set_layer_hook(lambda layer, batch: time.sleep(0.005))  # a step of tens of ms
-    load = Load(handle, max_tokens=100)
+    load = Load.of(handle, max_tokens=100)
     load.start(["a long story that stays where it is"])
     wait_until(lambda: _holds(handle, "decode-1"), timeout_s=30)
     answer = handle.scaler.switch_role("decode-1", "prefill", drain_timeout_s=0.5, wait=True)
@@ -208,7 +212,7 @@ def test_a_worker_that_fails_mid_switch_is_started_again_in_its_new_role(serve, 
     assert view.role == "prefill" and view.state.value == "active"
     url, key = handle.base_url, handle.config.router.api_key
     assert metric_value(url, "pdserve_role_switches_total", key, to="prefill", result="restarted") == 1.0
-    load = Load(handle, max_tokens=8)
+    load = Load.of(handle, max_tokens=8)
     load.start([f"served after the restart {i}" for i in range(3)])
     assert all(t is not None for t in load.join().values())
 
@@ -248,21 +252,23 @@ def test_pdserve_role_against_a_running_pdserve_serve(tiny_llama_path, tmp_path)
     with serve_process(config) as (proc, url):
         before = {p: complete(p) for p in ("one", "two", "three")}
         cli = [sys.executable, "-m", "cli.main", "role", "--url", url, "--worker", "decode-1", "--wait", "--json"]
-        load = Load.__new__(Load)
-        load.url, load.model, load.max_tokens, load.texts, load.threads = url, str(tiny_llama_path), 64, {}, []
+        load = Load(url, str(tiny_llama_path), max_tokens=64)
         load.start([f"in flight {i}" for i in range(4)])
         out = subprocess.run([*cli, "--to", "prefill"], capture_output=True, text=True, timeout=200)
         assert out.returncode == 0, out.stderr
         answer = json.loads(out.stdout)
         assert answer["switch"]["phase"] == "done", answer
         assert answer["pools"]["prefill"]["workers"] == ["prefill-0", "decode-1"]
-        assert all(t is not None for t in load.join().values())
+        _replayed_alone(load, load.join())
         assert {p: complete(p) for p in before} == before
         status = httpx.get(f"{url}/status", timeout=10).json()
         switched = next(w for w in status["workers"] if w["name"] == "decode-1")
         assert switched["role"] == "prefill" and switched.get("epoch") == 1
+        load = Load(url, str(tiny_llama_path), max_tokens=64)
+        load.start([f"in flight back {i}" for i in range(4)])
         back = subprocess.run([*cli, "--to", "decode"], capture_output=True, text=True, timeout=200)
         assert back.returncode == 0 and json.loads(back.stdout)["switch"]["phase"] == "done", back.stderr
+        _replayed_alone(load, load.join())
         bad = subprocess.run([*cli, "--to", "decode"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "HTTP 400" in bad.stderr and "already a decode worker" in bad.stderr
         assert {p: complete(p) for p in before} == before
