@@ -336,8 +336,7 @@ class RayPools(_Resizable):
         """The worker's ``info()`` in its new role (``WorkerActor.switch_role``); a Ray error if its process died."""
         import ray
 
-        info = ray.get(record.actor.switch_role.remote(spec, timeout_s), timeout=timeout_s + 30)
-        return {**info, "ranks": record.info.get("ranks", [])} if record.ranks else info
+        return ray.get(record.actor.switch_role.remote(spec, timeout_s), timeout=timeout_s + 30)
 
     def restart_as(self, record: WorkerRecord, spec: WorkerSpec) -> dict[str, Any]:
         """A worker that died mid-switch: its actor killed for good and started again as ``spec`` in the same bundle
@@ -409,6 +408,9 @@ class RayPools(_Resizable):
                     self._restart_together(router, record, stopped or info["degraded"])
                 elif info.get("command_address") != record.info.get("command_address"):
                     logger.warning("worker %s restarted (pid %s); re-registering", record.name, info.get("pid"))
+                    if info.get("role") != record.role:  # Ray restarts an actor with the spec it was made with
+                        self._restore_role(router, record)
+                        continue
                     record.info = info
                     router.add_worker_threadsafe(
                         record.name, record.role, info["command_address"], info.get("kv_address")
@@ -418,6 +420,28 @@ class RayPools(_Resizable):
                     logger.error("worker %s is degraded (%s); restarting it", record.name, info["degraded"])
                     router.mark_dead_threadsafe(record.name, f"degraded: {info['degraded']}")
                     ray.kill(record.actor, no_restart=False)
+
+    def _restore_role(self, router, record: WorkerRecord) -> None:
+        """A worker that switched role and was then restarted by Ray comes back in the role it was created with:
+        switched again, idle as it is, to the role of its pool (from a thread; the monitor leaves it alone meanwhile),
+        then registered."""
+        assert record.spec is not None  # every record RayPools makes carries its spec
+        record.switching = True
+        spec = record.spec
+
+        def restore() -> None:
+            try:
+                info = self.switch_role(record, spec, self.config.ray.start_timeout_s)
+            except Exception:
+                logger.exception("worker %s: could not take its %s role again after a restart", record.name, spec.pool)
+                router.mark_dead_threadsafe(record.name, f"restarted in a role other than {spec.pool}")
+            else:
+                record.info = info
+                router.add_worker_threadsafe(record.name, record.role, info["command_address"], info.get("kv_address"))
+            finally:
+                record.switching = False
+
+        threading.Thread(target=restore, name=f"pdserve-restore-{record.name}", daemon=True).start()
 
     def _restart_together(self, router, record: WorkerRecord, why: str) -> None:
         """Kill all of a tensor-parallel worker's ranks and start them again in the same bundles, at a fresh

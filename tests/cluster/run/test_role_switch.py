@@ -323,3 +323,46 @@ def test_a_ray_worker_killed_mid_switch_comes_back_in_its_new_role(tiny_llama_pa
         wait_all_kv_free(url, timeout_s=20)
     finally:
         handle.stop()
+
+
+@pytest.mark.e2e  # Ray actors: `make test-e2e`
+@pytest.mark.timeout(300)
+def test_a_switched_ray_worker_restarted_by_ray_takes_its_new_role_again(tiny_llama_path):
+    """Ray restarts a dead actor with the spec it was made with: a decode worker switched to prefill, then SIGKILLed,
+    comes back as a decode worker, and the pool monitor switches it to prefill again before it is registered."""
+    import os
+    import signal
+
+    import ray
+
+    from cluster.run.launch import start_serving
+    from tests.helpers.cluster import tiny_cluster_config, wait_all_kv_free
+
+    if ray.is_initialized():
+        ray.shutdown()
+    pool = {"replicas": 1, "torch_threads": 1, "kv_blocks": 64, "cpus_per_replica": 0.5}
+    config = tiny_cluster_config(
+        tiny_llama_path, router={"port": 0}, pools={"prefill": pool, "decode": {**pool, "replicas": 2}}
+    )
+    handle = start_serving(config)
+    try:
+        assert handle.scaler is not None
+        assert handle.scaler.switch_role("decode-1", "prefill", wait=True)["switch"]["phase"] == "done"
+        record = next(r for r in handle.workers if r.name == "decode-1")
+        pid, address = record.info["pid"], record.info["command_address"]
+        os.kill(pid, signal.SIGKILL)
+
+        def back_as_prefill() -> bool:
+            view = handle.router.members.workers.get("decode-1")
+            fresh = record.info.get("pid") != pid and record.info.get("role") == "prefill"
+            return fresh and view is not None and view.alive and view.command_address != address
+
+        wait_until(back_as_prefill, timeout_s=120)
+        assert record.pool == "prefill" and handle.router.members.workers["decode-1"].role == "prefill"
+        body = {"model": config.served_model_name, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        for _ in range(3):
+            served = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
+        wait_all_kv_free(handle.base_url, timeout_s=30)
+    finally:
+        handle.stop()
