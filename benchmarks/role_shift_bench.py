@@ -1,5 +1,5 @@
 """``pdserve bench role-shift``: a trace whose mix shifts, on a fixed split against autoscaling by restarts and by
-role switches (issue 56).
+role switches.
 
 The trace is two windows back to back, from the public traces in ``--traces`` (``../shared/traces``), scaled to this
 box: a code-like window (the Azure code trace's first rows: long prompts, short answers; prompts times

@@ -8,7 +8,7 @@ from decode to prefill and back, twice over:
   prefill pool grows by one (a new worker starts and loads the model), and the same back.
 Idle cluster, so the figures are the mechanism's: a drain under load adds the time its requests take to move (bench
 migrate measures that). Each figure is a median over ``--repeats`` rounds, with every sample; the ratio is switch /
-replace. Goal (issue 56): a switch takes at most 0.2 x replacing. A request is served after each move, and no KV block
+replace. Goal: a switch takes at most 0.2 x replacing. A request is served after each move, and no KV block
 is held at the end.
 """
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.config import AutoscalePoolBounds, AutoscaleSection, SLOSection
-from cluster.run.autoscale import MetricsWindow, Policy
+from cluster.run.autoscale import MetricsWindow, Policy, move
 from planner.profile_model import Profile, ProfileSet
 from planner.simulator import Layout, SimCluster, SimRecord, SimSettings, simulate
 from planner.trace import TraceRequest
@@ -82,12 +82,11 @@ class Switcher:
             yield env.timeout(self.settings.interval_s)
             pools = self.pools()
             replicas = {pool: len(names) for pool, names in pools.items()}
-            changes = self.policy.decide(env.now, self.metrics.read(), replicas)
-            grow = [p for p, target in changes.items() if target > replicas[p]]
-            shrink = [p for p, target in changes.items() if target < replicas[p]]
+            pair = move(self.policy.decide(env.now, self.metrics.read(), replicas), replicas)
             under_way = any(s.phase in ("draining", "reconfiguring") for s in self.switches)
-            if len(grow) == 1 and len(shrink) == 1 and not under_way:
-                env.process(self.switch(pools[shrink[0]][-1], grow[0]))
+            if pair is not None and not under_way:
+                source, to = pair
+                env.process(self.switch(pools[source][-1], to))
 
     def switch(self, name: str, to: str):
         cluster, env, settings = self.cluster, self.cluster.env, self.settings

@@ -544,13 +544,14 @@ class RouterCore:
         or "restarted" when it died mid-switch and came back in the new role): it then joins its new pool afresh,
         routable, its old role's flows ended."""
         old = self.members.get(name)
-        if old is not None and old.role != role:
+        switched = old is not None and old.role != role
+        if switched:
             self._worker_gone(name, f"worker switched to {role}", now)  # drained: nothing is left, normally
             self.members.remove(name)
             self.metrics.role_switches.labels(role, switch_result or "done").inc()
         if self.members.add(name, role, command_address, kv_address, now):
             self._worker_gone(name, "worker restarted", now)  # what the old process held is gone with it
-        if old is not None and old.role != role:
+        if switched:
             self._wake(now)  # queued requests may fit there now
 
     def mark_dead(self, name: str, reason: str, now: float) -> None:

@@ -53,8 +53,7 @@ EVENT_QUEUE_PER_WORKER = 20_000
 
 class PoolScaler(Protocol):
     """What resizes the pools for POST /admin/scale and switches roles for POST /admin/role: cluster/run/scaling.py's
-    Scaler, or a router process's
-    RemoteScaler (the values as the client sent them; bad ones raise ScaleError)."""
+    Scaler, or a router process's RemoteScaler (the values as the client sent them; bad ones raise ScaleError)."""
 
     async def scale_async(self, pool: object, replicas: object, drain_timeout_s: object = None) -> dict: ...
 

@@ -298,6 +298,14 @@ class Policy:
         return {pool: size for pool, size in sizes.items() if size != replicas.get(pool, 0)}
 
 
+def move(changes: dict[str, int], replicas: dict[str, int]) -> tuple[str, str] | None:
+    """(from pool, to pool) when ``changes`` take a worker from one pool and give one to the other: what a role
+    switch does in one step; None otherwise."""
+    grow = [pool for pool, target in changes.items() if target > replicas.get(pool, 0)]
+    shrink = [pool for pool, target in changes.items() if target < replicas.get(pool, 0)]
+    return (shrink[0], grow[0]) if len(changes) == 2 and len(grow) == len(shrink) == 1 else None
+
+
 class Autoscaler:
     """Runs the policy every ``interval_s`` and applies its decisions through the scaler."""
 
@@ -355,20 +363,18 @@ class Autoscaler:
 
     def _switched(self, changes: dict[str, int], replicas: dict[str, int]) -> bool:
         """One pool one up, the other one down: a worker of the second switches to the first, if it can."""
-        if not self.switch_roles or len(changes) != 2:
+        pools = move(changes, replicas) if self.switch_roles else None
+        if pools is None:
             return False
-        grow = [pool for pool, target in changes.items() if target > replicas[pool]]
-        shrink = [pool for pool, target in changes.items() if target < replicas[pool]]
-        if len(grow) != 1 or len(shrink) != 1:
-            return False
+        source, to = pools
         try:
-            switch = self.scaler.switch_pool(shrink[0], grow[0])
+            switch = self.scaler.switch_pool(source, to)
         except ScaleError as exc:
-            logger.warning("autoscale: no role switch %s -> %s (%s); resizing both", shrink[0], grow[0], exc)
+            logger.warning("autoscale: no role switch %s -> %s (%s); resizing both", source, to, exc)
             return False
-        logger.warning("autoscale: %s switches %s -> %s (%s)", switch["worker"], shrink[0], grow[0], changes)
+        logger.warning("autoscale: %s switches %s -> %s (%s)", switch["worker"], source, to, changes)
         now = self.clock()
-        self.switches.append((now, shrink[0], grow[0]))
+        self.switches.append((now, source, to))
         self.decisions += [(now, pool, target) for pool, target in changes.items()]
         return True
 

@@ -15,12 +15,14 @@ import os
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig, ConfigError, pool_layout
+from cluster.routing.errors import ScaleError
 from cluster.run.actors import TPRankActor, WorkerActor
 from transfer.nccl_env import NCCL_PROCESS_ENV
 from worker.spec import WorkerSpec
@@ -31,6 +33,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SCALE_UP_WAIT_S = 30.0  # Ray: how long ``add_replica`` waits for a new actor before leaving it pending
+DRAIN_TIMEOUT_S = 60.0  # default: how long a removed or switching worker may take to finish what it holds
+DRAIN_POLL_S = 0.05  # how often a draining worker is asked whether it is drained
+
+
+def drain_timeout(value: object) -> float | None:
+    """A client's ``drain_timeout_s`` (None: the default); ScaleError naming the field unless a number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ScaleError("drain_timeout_s", f"drain_timeout_s must be a number > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(eq=False)  # a worker is itself: membership tests (``in pending``) compare identity
@@ -92,6 +105,23 @@ class _Resizable:
         self.pending = [r for r in self.pending if r is not record]
         self.workers = self.workers + [record]
         on_ready(record)
+
+    def wait_drained(self, record: WorkerRecord, until: float, stop: threading.Event) -> bool:
+        """Poll ``drained`` until it says so (a worker whose process is gone counts as drained) or monotonic ``until``
+        passes; False then, or once ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                if self.drained(record):
+                    return True
+            except Exception:  # its thread or process is gone: nothing left to wait for
+                return True
+            if time.monotonic() >= until:
+                return False
+            stop.wait(DRAIN_POLL_S)
+        return False
+
+    def drained(self, record: WorkerRecord) -> bool:
+        raise NotImplementedError
 
     def forget(self, record: WorkerRecord) -> None:
         self.draining = [r for r in self.draining if r is not record]

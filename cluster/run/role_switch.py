@@ -20,14 +20,12 @@ from dataclasses import asdict, dataclass
 from cluster.config import ClusterConfig
 from cluster.routing.errors import ScaleError
 from cluster.routing.membership import SwitchPhase
-from cluster.run.pools import LocalPools, RayPools, WorkerRecord
+from cluster.run.pools import DRAIN_TIMEOUT_S, LocalPools, RayPools, WorkerRecord, drain_timeout
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
-DRAIN_TIMEOUT_S = 60.0  # default: how long a switching worker may take to finish or move what it holds
 REBUILD_TIMEOUT_S = 120.0  # for the worker's loop to take the switch up and rebuild its engine
-POLL_S = 0.05
 KEPT_RECORDS = 64  # finished switches kept for ``records``
 # what must be equal in both pools for a worker to move between them in place: its placement and its weights
 SAME_IN_BOTH_POOLS = ("gpus_per_replica", "cpus_per_replica", "resources", "tensor_parallel_size", "cpu_linear_tuning")
@@ -88,15 +86,7 @@ class RoleSwitcher:
                 )
         if getattr(pools, to).tensor_parallel_size > 1:
             raise ScaleError("to", "a worker of several tensor-parallel ranks does not switch role in place")
-        drain_s = DRAIN_TIMEOUT_S
-        if drain_timeout_s is not None:
-            if (
-                isinstance(drain_timeout_s, bool)
-                or not isinstance(drain_timeout_s, int | float)
-                or drain_timeout_s <= 0
-            ):
-                raise ScaleError("drain_timeout_s", f"drain_timeout_s must be a number > 0, got {drain_timeout_s!r}")
-            drain_s = float(drain_timeout_s)
+        drain_s = drain_timeout(drain_timeout_s) or DRAIN_TIMEOUT_S
         return record, to, drain_s
 
     def switch(self, worker: object, to: object, drain_timeout_s: object = None, wait: object = False) -> dict:
@@ -141,7 +131,7 @@ class RoleSwitcher:
     def _run(self, record: WorkerRecord, switch: SwitchRecord, drain_s: float) -> None:
         started = time.monotonic()
         try:
-            if not self._drained(record, started + drain_s):
+            if not self.pools.wait_drained(record, started + drain_s, self._closing):
                 if self._closing.is_set():
                     return
                 switch.phase, switch.error = SwitchPhase.CALLED_OFF, f"not drained within {drain_s:.0f} s"
@@ -186,15 +176,3 @@ class RoleSwitcher:
         finally:
             record.switching = False
             switch.total_s = round(time.monotonic() - started, 3)
-
-    def _drained(self, record: WorkerRecord, deadline: float) -> bool:
-        while not self._closing.is_set():
-            try:
-                if self.pools.drained(record):
-                    return True
-            except Exception:  # its process is gone: the switch finds out and starts it again
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            self._closing.wait(POLL_S)
-        return False

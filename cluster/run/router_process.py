@@ -25,6 +25,8 @@ from cluster.routing.admission import Admission
 
 logger = logging.getLogger(__name__)
 
+# the Router's methods the main process calls over the pipe (membership news from the pools and the scaler)
+MEMBERSHIP_METHODS = ("add_worker", "mark_dead", "drain_worker", "switch_phase", "remove_worker")
 CONTROL_POLL_S = 0.1  # how often a router process looks at its pipe and at its parent (the main process's too)
 ORPHAN_EXIT_S = 5.0  # a router process whose parent is gone exits this long after starting to stop, at the latest
 GRACEFUL_SHUTDOWN_S = 2  # uvicorn's wait for open streams when a router process stops
@@ -143,13 +145,7 @@ async def _control(server, router, conn, parent_pid: int) -> None:
             gone = os.getppid() != parent_pid
             while not gone and conn.poll():
                 message = conn.recv()
-                if message[0] in (
-                    "add_worker",
-                    "mark_dead",
-                    "drain_worker",
-                    "switch_phase",
-                    "remove_worker",
-                ):  # Router's methods
+                if message[0] in MEMBERSHIP_METHODS:
                     getattr(router, message[0])(*message[1:])
                 elif message[0] == "scale_result":
                     router.scaler.answer(*message[1:])

@@ -17,16 +17,14 @@ from typing import Protocol
 
 from cluster.config import ClusterConfig
 from cluster.routing.errors import ScaleError
-from cluster.run.pools import LocalPools, RayPools, WorkerRecord
+from cluster.run.pools import DRAIN_TIMEOUT_S, LocalPools, RayPools, WorkerRecord, drain_timeout
 from cluster.run.role_switch import RoleSwitcher
 
 logger = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
 MAX_REPLICAS = 1024  # a bound on one request, not a recommendation
-DRAIN_TIMEOUT_S = 60.0  # default: how long a removed worker may take to finish what it holds
 DRAIN_GRACE_S = 10.0  # after the deadline: for the worker to fail what it held and end its KV leases
-POLL_S = 0.1
 
 
 class MembershipSink(Protocol):
@@ -61,15 +59,7 @@ class Scaler:
             raise ScaleError("pool", f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= MAX_REPLICAS:
             raise ScaleError("replicas", f"replicas must be an integer from 0 to {MAX_REPLICAS}, got {replicas!r}")
-        drain_s = None
-        if drain_timeout_s is not None:
-            if (
-                not isinstance(drain_timeout_s, int | float)
-                or isinstance(drain_timeout_s, bool)
-                or drain_timeout_s <= 0
-            ):
-                raise ScaleError("drain_timeout_s", f"drain_timeout_s must be a number > 0, got {drain_timeout_s!r}")
-            drain_s = float(drain_timeout_s)
+        drain_s = drain_timeout(drain_timeout_s)
         if self.config.mode == "disaggregated" and replicas < 1:
             raise ScaleError("replicas", f"disaggregated mode needs at least one {pool} replica")
         other = next(p for p in POOLS if p != pool)
@@ -161,16 +151,7 @@ class Scaler:
 
     def _finish_removal(self, record: WorkerRecord, deadline_s: float) -> None:
         started = time.monotonic()
-        give_up = started + deadline_s + DRAIN_GRACE_S
-        drained = False
-        while not self._closing.is_set() and time.monotonic() < give_up:
-            try:
-                drained = self.pools.drained(record)
-            except Exception:  # its thread or process is gone: nothing left to wait for
-                drained = True
-            if drained:
-                break
-            self._closing.wait(POLL_S)
+        drained = self.pools.wait_drained(record, started + deadline_s + DRAIN_GRACE_S, self._closing)
         if self._closing.is_set():
             return
         if not drained:
