@@ -10,12 +10,18 @@ count runs with the form of the bucket at or above it, the weight-left form on r
 BLAS kernels are up to 2x slower for odd counts). Results differ from ``linear`` by float rounding only. The packed
 copy is kept only if some bucket uses it; the dense weight always stays (a tied embedding and latent attention's
 absorbed weights read it). ``cpu_linear_tuning: false`` leaves torch's ``linear`` everywhere.
+
+The packed copies live in this module's table (``packed_copy``), keyed by their dense weight, not on the modules: a
+compiled step kept on disk serializes its guards' view of everything the step reaches, and an ``mkldnn`` tensor has
+no such view (``Unsupported device type for mkldnn layout: meta``). The step passes the dense weight to one opaque
+operator, which finds its packed copy when it runs.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+import weakref
 from dataclasses import dataclass
 from typing import cast
 
@@ -59,12 +65,36 @@ class FormTable:
 
 ALL_LINEAR = FormTable(tuple(Form.LINEAR for _ in BUCKETS), {})
 
+_PackedKey = tuple[int, tuple[int, ...]]
+_PACKED: dict[_PackedKey, torch.Tensor] = {}  # dense weight (storage address, shape) -> its oneDNN-packed copy
+
+
+def _packed_key(weight: torch.Tensor) -> _PackedKey:
+    return weight.data_ptr(), tuple(weight.shape)
+
+
+def pack_weight(weight: torch.Tensor) -> None:
+    """Keep ``weight``'s packed copy until the weight itself is freed (tied weights share one)."""
+    key = _packed_key(weight)
+    if key not in _PACKED:
+        # the layout oneDNN picks for a batch of 1; prefill-sized inputs run about as fast on it
+        _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        weakref.finalize(weight, _PACKED.pop, key, None)
+
+
+def unpack_weight(weight: torch.Tensor) -> None:
+    _PACKED.pop(_packed_key(weight), None)
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    return _PACKED.get(_packed_key(weight))
+
 
 class CpuLinear(nn.Linear):
     """An ``nn.Linear`` whose product takes its model's ``table`` form for the input's row count."""
 
     table: FormTable = ALL_LINEAR
-    packed_weight: torch.Tensor | None = None
+    packed: bool = False  # its weight has a packed copy (``packed_copy``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -76,10 +106,12 @@ class CpuLinear(nn.Linear):
             if self.bias is not None:
                 out = out + self.bias
             return out.reshape(*x.shape[:-1], self.out_features)
-        if form is Form.PACKED and self.packed_weight is not None:
+        if form is Form.PACKED and self.packed:
             if torch.compiler.is_compiling():  # inductor lowers oneDNN's op only on frozen weights: call it opaque
-                return packed_linear(x, self.packed_weight, self.bias, self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+                return packed_linear(x, self.weight, self.bias, self.out_features)
+            packed = packed_copy(self.weight)
+            if packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         if form is not Form.LEFT:
             return nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
@@ -93,14 +125,17 @@ class CpuLinear(nn.Linear):
 
 
 @torch.library.custom_op("pdserve::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """oneDNN's product on a packed weight, as one opaque operator of a compiled step."""
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """oneDNN's product on ``weight``'s packed copy (``linear`` on the weight if it has none)."""
+    packed = packed_copy(weight)
+    if packed is None:
+        return nn.functional.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @packed_linear.register_fake
 def _packed_linear_shape(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -124,8 +159,8 @@ def tune_cpu_linears(model: nn.Module, pack: bool = True, kept: tuple[Form, ...]
     if pack and torch.backends.mkldnn.is_available() and (kept is None or Form.PACKED in kept):
         forms.append(Form.PACKED)
         for module in linears:
-            # the layout oneDNN picks for a batch of 1; prefill-sized inputs run about as fast on it
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1)
+            pack_weight(module.weight)
+            module.packed = True
     for module in linears:
         module.__class__ = CpuLinear
     if kept is not None and len(kept) == len(BUCKETS) and set(kept) <= set(forms):
@@ -148,7 +183,8 @@ def tune_cpu_linears(model: nn.Module, pack: bool = True, kept: tuple[Form, ...]
     for module in linears:
         module.table = table
         if not keep_packed:
-            module.packed_weight = None  # no bucket reads it: free the copy
+            unpack_weight(module.weight)  # no bucket reads it: free the copy
+            module.packed = False
     return table
 
 

@@ -418,7 +418,7 @@ class DecodeGraphs:
             "kv": [str(cache.spec), len(cache.kv), list(cache.kv[0].shape)],
             "context_buckets": [self.context_buckets[0], self.max_gather_blocks],
             "linear_forms": None if linear is None else [f.value for f in linear.table.forms],
-            "packed_weights": linear is not None and linear.packed_weight is not None,
+            "packed_weights": linear is not None and linear.packed,
             "softcap": runner.final_logit_softcap,
             "windows": sorted(runner.sliding_windows),
             "head_split": str(runner.head_split),
@@ -526,8 +526,8 @@ class DecodeGraphs:
                 except torch._dynamo.exc.Unsupported as exc:
                     logger.info("the decode step does not compile as one graph (%s): compiled at every start", exc)
                     return False
-                except Exception as exc:  # noqa: BLE001 - e.g. oneDNN-packed (mkldnn) weights, whose guards do not
-                    # serialize: the step still compiles, only not ahead of time
+                except Exception as exc:  # noqa: BLE001 - e.g. a tensor whose guards do not serialize: the step
+                    # still compiles, only not ahead of time
                     logger.warning(
                         "the decode step cannot be compiled ahead of time and kept (%s: %s): compiled at every start",
                         type(exc).__name__,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine import cpu_linear
-from engine.cpu_linear import BUCKETS, REDUCE_MAX_ROWS, CpuLinear, Form, FormTable, tune_cpu_linears
+from engine.cpu_linear import BUCKETS, REDUCE_MAX_ROWS, CpuLinear, Form, FormTable, packed_copy, tune_cpu_linears
 
 FORMS = [Form.LINEAR, Form.LEFT] + ([Form.PACKED] if torch.backends.mkldnn.is_available() else [])
 
@@ -49,7 +49,7 @@ def test_each_bucket_takes_its_fastest_form(monkeypatch):
     assert FormTable((Form.LEFT,) * len(BUCKETS), {}).form_for(1) == (Form.LEFT, 2)  # one row runs as a GEMM of two
     assert table.form_for(33) == (Form.LINEAR, 33)  # past the buckets: a prefill's rows
     assert [type(m) for m in model] == [CpuLinear, nn.ReLU, CpuLinear]
-    assert all(m.packed_weight is not None for m in (model[0], model[2]))
+    assert all(m.packed and packed_copy(m.weight) is not None for m in (model[0], model[2]))
     assert torch.allclose(model(x), want, atol=1e-5)
 
 
@@ -67,7 +67,7 @@ def test_no_packed_copy_without_a_bucket_for_it_and_shared_weights_stay(monkeypa
     table = tune_cpu_linears(model)
     assert table is not None and set(table.forms) == {Form.LEFT}
     assert type(model["head"]) is CpuLinear and type(model["custom"]) is Custom and type(model["bf16"]) is nn.Linear
-    assert model["head"].packed_weight is None  # no bucket reads it
+    assert not model["head"].packed and packed_copy(model["head"].weight) is None  # no bucket reads it
     assert model["head"].weight is embed.weight  # the embedding still reads it
     assert tune_cpu_linears(nn.Sequential(nn.ReLU())) is None  # nothing to tune
 
@@ -76,7 +76,7 @@ def test_packing_can_be_turned_off():
     model = nn.Sequential(nn.Linear(32, 64))
     table = tune_cpu_linears(model, pack=False)
     assert table is not None and Form.PACKED not in table.forms and "packed" not in table.pass_ms
-    assert model[0].packed_weight is None
+    assert not model[0].packed and packed_copy(model[0].weight) is None
 
 
 def test_a_compiled_step_takes_the_reduction_for_a_few_rows_only():
@@ -101,3 +101,29 @@ def test_the_compiled_reduction_equals_linear(bias):
         got = compiled(x)
         assert got.shape == want[rows].shape
         assert torch.allclose(got, want[rows], atol=1e-5, rtol=1e-5), rows
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_a_step_on_packed_weights_is_compiled_ahead_of_time_saved_and_loaded(tmp_path):
+    """A compiled step kept on disk serializes its guards' view of what it reaches: the packed copies stay out of it
+    (an ``mkldnn`` tensor has no meta form), and the loaded step runs oneDNN's product on the live weights' copies."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 200), nn.ReLU(), nn.Linear(200, 96, bias=False)).requires_grad_(False)
+    x = torch.randn(1, 8, 96)  # 8 rows: the packed form inside a compiled step
+    want = model(x)
+    tune_cpu_linears(model, kept=(Form.PACKED,) * len(BUCKETS))
+    assert all(m.packed and packed_copy(m.weight) is not None for m in (model[0], model[2]))
+    reached = [*model.parameters(), *(v for m in model.modules() for v in vars(m).values() if torch.is_tensor(v))]
+    assert all(t.layout is torch.strided for t in reached)
+
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, options=options).aot_compile(((model, x), {}))
+    path = tmp_path / "step.bin"
+    compiled.save_compiled_function(str(path))
+    with path.open("rb") as f:
+        loaded = torch.compiler.load_compiled_function(f)
+    got = loaded(model, x)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
