@@ -4,7 +4,8 @@ An engine whose step is not yet on disk (engine/compile_cache.py) starts on the 
 ``python -m engine.background_compile '<EngineConfig as JSON>'`` (started by ``engine.decode_graphs``, which names this
 module rather than importing it: this one builds an engine): the same engine built again there, at the lowest
 CPU priority (it takes what serving leaves), compiles every batch bucket into the same entry (the same config gives
-the same key) and exits. The serving engine polls the process between steps and, once it has exited, loads the
+the same key) and exits. It is detached (engine/detached.py): neither Ray, which ends a worker's children with it, nor
+a Ctrl-C stops it. The serving engine polls the process between steps and, once it has exited, loads the
 entry (``DecodeGraphs.poll_background``). The child finishes even if its parent stops first (the compile is paid
 once per machine: the next start loads it); an engine that starts while another process holds the entry serves
 eagerly and waits for it in a child of its own, never in its start.
@@ -18,6 +19,7 @@ import os
 import sys
 
 from engine.config import EngineConfig
+from engine.detached import report_exit
 
 logger = logging.getLogger(__name__)
 
@@ -40,4 +42,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    report_exit(status)
+    sys.exit(status)

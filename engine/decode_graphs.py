@@ -25,10 +25,8 @@ import functools
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from engine.blocks import blocks_for_tokens
 from engine.compile_cache import CompiledStore, model_fingerprint, runtime_fields
 from engine.config import EngineConfig
 from engine.cpu_linear import CpuLinear
+from engine.detached import Detached, start_detached
 from engine.host_values import long_tensor
 from engine.kv_cache import KVSpec
 from engine.model_runner import ModelRunner, StepStats, sample_rows, wait_for_compute
@@ -192,7 +191,7 @@ class DecodeGraphs:
         self.loaded: set[int] = set()  # the batch buckets loaded from disk rather than compiled here
         # None: the compiled steps are kept under $PDSERVE_CACHE/compiled (engine.compile_cache); a path: there
         self.cache_root = cache_root
-        self._background: subprocess.Popen | None = None  # the process compiling this step (engine.background_compile)
+        self._background: Detached | None = None  # the process compiling this step (engine.background_compile)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last staging copy is done
         self._broken = False  # a capture failed: every later step runs eagerly
         self.num_replays = 0
@@ -446,7 +445,6 @@ class DecodeGraphs:
             self.compile_all()
             return
         self._background = _start_background_compile(config)
-        weakref.finalize(self, self._background.terminate)
         logger.info(
             "the decode step for batches %s is compiling in process %d (%s); decode runs eagerly until it is done",
             self.batch_buckets,
@@ -665,12 +663,9 @@ def decode_graphs_for(runner: ModelRunner, config: EngineConfig, max_model_len: 
     return DecodeGraphs(runner, config.max_num_seqs, max_model_len)
 
 
-def _start_background_compile(config: EngineConfig) -> subprocess.Popen:
-    """The process compiling ``config``'s decode step into its entry on disk (engine/background_compile.py)."""
+def _start_background_compile(config: EngineConfig) -> Detached:
+    """The process compiling ``config``'s decode step into its entry on disk (engine/background_compile.py),
+    detached: it finishes even if this process stops first. Its progress goes to stderr, the worker's log."""
     settings = dataclasses.asdict(dataclasses.replace(config, compile_decode_background=False))
-    return subprocess.Popen(
-        [sys.executable, "-m", "engine.background_compile", json.dumps(settings)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # its progress goes to stderr, the worker's log
-        env=os.environ | {"PYTHONUNBUFFERED": "1"},
-    )
+    argv = [sys.executable, "-m", "engine.background_compile", json.dumps(settings)]
+    return start_detached(argv, os.environ | {"PYTHONUNBUFFERED": "1"})
