@@ -162,10 +162,10 @@ def run(args: argparse.Namespace) -> dict:
         if other is not None:
             ours(warm, 4, other)
     theirs(warm, 4)
-    llama_cpp_missing = unavailable_reason(args.model)
+    llama_cpp_missing = unavailable_reason(args.model, args.dtype)
     llama = None
     if llama_cpp_missing is None:
-        llama = LlamaCpp(torch.get_num_threads(), args.input_len + args.output_len + 8)
+        llama = LlamaCpp(torch.get_num_threads(), args.input_len + args.output_len + 8, args.dtype)
 
     decode: dict[str, dict] = {}
     for batch_size in sizes:

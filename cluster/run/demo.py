@@ -90,6 +90,18 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+def _decode_step_line(workers: list[dict]) -> str:
+    """Whether decode ran on the compiled step (engine/compile_cache.py): kept on disk by an earlier run's background
+    compile, or compiling now, this run decoding eagerly (counters as of each worker's last heartbeat)."""
+    static = sum(int(w.get("static_decode_steps", 0)) for w in workers if w["role"] != "prefill")
+    if static:
+        return f"decode ran on the compiled step ({static} steps as of the last heartbeats)"
+    return (
+        "decode ran eagerly: the compiled step is compiling in the background, once per machine (the next run loads"
+        " it), or is off for this config (compile_decode_batches)"
+    )
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from cluster.run.launch import start_serving
 
@@ -129,6 +141,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 f"KV moved prefill -> decode: {moved / 1e6:.1f} MB in "
                 f"{sum(int(w.get('transfers_ok', 0)) for w in status['workers'] if w['role'] == 'decode')} transfers"
             )
+        print(_decode_step_line(status["workers"]))
     finally:
         print("shutting down ...", flush=True)
         handle.stop()

@@ -47,3 +47,5 @@ def test_demo_answers_with_the_default_model(capsys):
     assert "Paris" in out and "ttft_ms_median" in out
     moved = float(out.split("KV moved prefill -> decode: ")[1].split(" MB")[0])
     assert moved > 0  # the KV really crossed from the prefill worker to the decode worker
+    # a clean cache: the compiled step compiles in the background meanwhile, so decode ran eagerly, and says so
+    assert "decode ran eagerly: the compiled step is compiling in the background" in out
