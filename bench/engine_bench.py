@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench.llama_cpp_baseline import LlamaCpp, unavailable_reason
+from bench.llama_cpp_baseline import LlamaCpp, gguf_type, unavailable_reason
 from bench.options import add_engine_bench_arguments as add_arguments  # noqa: F401 (re-exported, light)
 from bench.options import engine_bench_defaults
 from engine.compile_cache import CompiledStore
@@ -252,7 +252,9 @@ def run(args: argparse.Namespace) -> dict:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "decode": decode,
-        "llama_cpp": "F32 GGUF of the served weights, batch 1" if llama is not None else llama_cpp_missing,
+        "llama_cpp": f"{gguf_type(args.dtype)} GGUF of the served weights, batch 1"
+        if llama is not None
+        else llama_cpp_missing,
         # the compiled step: seconds each batch size's compile took at start-up, and steps that ran eagerly instead
         "compiled_decode": None
         if compiled_graphs is None

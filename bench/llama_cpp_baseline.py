@@ -26,7 +26,7 @@ def unavailable_reason(model: str, dtype: str = "float32") -> str | None:
         return "llama-cpp-python is not installed (pip install llama-cpp-python builds it)"
     if model != DEFAULT_MODEL:
         return f"only the built-in model {DEFAULT_MODEL!r} comes as a GGUF to rewrite in F32"
-    if _dtype_name(dtype) not in GGUF_TYPES:
+    if gguf_type(dtype) is None:
         return f"no GGUF in {dtype} (only {', '.join(GGUF_TYPES)})"
     return None
 
@@ -34,13 +34,16 @@ def unavailable_reason(model: str, dtype: str = "float32") -> str | None:
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}  # the bench's dtype -> the rewritten file's tensor type
 
 
-def _dtype_name(dtype: str) -> str:
-    return str(parse_dtype(dtype)).removeprefix("torch.")
+def gguf_type(dtype: str) -> str | None:
+    """The GGUF tensor type of the bench's ``dtype`` (``GGUF_TYPES``), or None."""
+    return GGUF_TYPES.get(str(parse_dtype(dtype)).removeprefix("torch."))
 
 
 def gguf_for(dtype: str = "float32") -> Path:
     """The built-in model's GGUF with its tensors in ``dtype`` (``GGUF_TYPES``), written once into the cache."""
-    kind = GGUF_TYPES[_dtype_name(dtype)]
+    kind = gguf_type(dtype)
+    if kind is None:
+        raise ValueError(f"no GGUF in {dtype} (only {', '.join(GGUF_TYPES)})")
     out = cache_dir() / "models" / f"{DEFAULT_MODEL}-{kind.lower()}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
