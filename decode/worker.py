@@ -22,7 +22,7 @@ import torch
 
 from engine.kv_connector import KVSink
 from engine.llm_engine import LLMEngine
-from engine.request import Request, RequestStatus
+from engine.request import ImportState, Request, RequestStatus
 from transfer.base import KVReceiver, KVSender
 from transfer.errors import SenderAborted
 from transfer.inbound import Sink
@@ -50,6 +50,12 @@ EXPIRY_CHECK_INTERVAL_S = 0.5  # how often reservations are checked for tokens t
 # a pre-copy ships its layers over this many loop turns: the worker's other streams pay a share of the copy in each
 # of a few steps instead of all of it in one, and the move waits only a few steps for it
 PRECOPY_TURNS = 4
+# a move's two halves, the tail of its KV and its tokens (``Start``), leave the source in one turn: once one is here
+# the other is a transfer away, so the target waits up to this share of its last step for it rather than step without
+# the move, which would hold the moved stream still for that whole step too; with nothing running, up to the cap
+MOVE_JOIN_WAIT_SHARE = 0.25
+MOVE_JOIN_WAIT_MAX_S = 0.05
+MOVE_JOIN_POLL_S = 0.001  # the wait's sleep between looks (the KV is written by the receiver's thread meanwhile)
 
 
 class ExportPhase(enum.Enum):
@@ -122,6 +128,7 @@ class DecodeRole(Role):
         self.start_deadline_s = start_deadline_s
         self.clock = clock
         self._next_expiry_check_s = 0.0
+        self._last_step_s = 0.0  # the last engine step's duration (``_move_half_joined``)
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, engine: LLMEngine, emit: Emit) -> DecodeRole:
@@ -247,6 +254,16 @@ class DecodeRole(Role):
         """Before the step: the next layers of each pre-copy under way (a ``PRECOPY_TURNS``th of them); a pre-copy
         done, or whose request would outgrow the target's blocks in this step, stops the request and sends the rest
         of its KV. A request that left its blocks (finished, aborted, preempted) ends its export failed."""
+        frozen: list[Frozen] = []
+        try:
+            self._export_turn(frozen)
+        finally:
+            # said together, after every tail of the turn went: the target joins them at one step boundary, not
+            # stepping with the first while the rest arrive (which cost the rest a whole step of waiting)
+            for event in frozen:
+                self.emit(event)
+
+    def _export_turn(self, frozen: list[Frozen]) -> None:
         engine, sender = self.engine, self.sender
         assert sender is not None
         num_layers = engine.kv_spec.num_layers
@@ -269,7 +286,7 @@ class DecodeRole(Role):
                 if job.transfer_id not in sender.active_transfers():
                     continue  # it failed already: the request runs on here, and poll reports the failure
                 if job.layer == num_layers or not job.src or not self._fits_next_step(request, job.dst):
-                    self._freeze_and_send(job)
+                    self._freeze_and_send(job, frozen)
             except Exception as exc:  # noqa: BLE001 - reported by poll; the request decodes on here if it can
                 logger.warning("%s: moving %s failed: %s", self.name, job.rid, exc)
                 sender.abort(job.transfer_id, f"migration failed: {exc}")
@@ -291,13 +308,14 @@ class DecodeRole(Role):
         sink: KVSink = sender.sink(job.transfer_id, job.dst)
         self.engine.kv_exporter.export_held(request, sink, first_block, end_block, layers)
 
-    def _freeze_and_send(self, job: _Export) -> None:
-        """Stop the request between steps (its tokens so far went out in earlier ``tokens`` events: ``Frozen`` names
-        them), then send every layer's blocks the pre-copy did not: the transfer's end comes from the sender."""
+    def _freeze_and_send(self, job: _Export, frozen: list[Frozen]) -> None:
+        """Stop the request between steps (its tokens so far went out in earlier ``tokens`` events: its ``Frozen``,
+        added to ``frozen``, names them), then send every layer's blocks the pre-copy did not: the transfer's end
+        comes from the sender."""
         engine, sender = self.engine, self.sender
         assert sender is not None
         tokens = engine.freeze(job.rid)
-        self.emit(Frozen(rid=job.rid, worker=self.name, output_token_ids=tokens))
+        frozen.append(Frozen(rid=job.rid, worker=self.name, output_token_ids=tokens))
         request = engine.requests[job.rid]
         end = -(-request.num_computed_tokens // engine.kv_spec.block_size)
         sent, done = len(job.src), job.layer
@@ -358,7 +376,33 @@ class DecodeRole(Role):
                 if sent.transfer_id in self._exports:
                     self._export_ended(sent)
         if self.engine.has_unfinished():
-            self.emit_outputs(self.engine.step())
+            if self._move_half_joined():
+                time.sleep(MOVE_JOIN_POLL_S)
+                return
+            started_s = self.clock()
+            outputs = self.engine.step()
+            self._last_step_s = self.clock() - started_s
+            self.emit_outputs(outputs)
+
+    def _move_half_joined(self) -> bool:
+        """A moved request here has had one half of its join (its KV's tail or its tokens) for less than
+        ``MOVE_JOIN_WAIT_SHARE`` of the last step (``MOVE_JOIN_WAIT_MAX_S`` at most, and with nothing running): the
+        next step waits for the other half."""
+        running = self.engine.scheduler.running
+        limit_s = (
+            min(MOVE_JOIN_WAIT_MAX_S, MOVE_JOIN_WAIT_SHARE * self._last_step_s) if running else MOVE_JOIN_WAIT_MAX_S
+        )
+        now = self.clock()
+        for request in self.engine.requests.values():
+            handoff = request.kv_import
+            if request.status != RequestStatus.WAITING_FOR_REMOTE_KV or handoff is None or not handoff.moved:
+                continue
+            half_s = {ImportState.KV_IN: handoff.kv_done_s, ImportState.TOKENS_IN: handoff.tokens_in_s}.get(
+                handoff.state
+            )
+            if half_s is not None and now - half_s < limit_s:
+                return True
+        return False
 
     def _transfer_ended(self, event: TransferEvent) -> None:
         rid = event.transfer_id

@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from decode import worker as decode_worker
 from decode.worker import DecodeRole, kv_sink
 from tests.helpers.engine import random_prompts
 from tests.helpers.roles import EventLog, build_engine, copy_params, greedy
@@ -203,5 +204,65 @@ def test_a_move_target_aborted_before_its_tokens_frees_its_blocks(trio):
     assert not target.engine.requests and not target.receiver.pending_transfers()
     pair.run_until(lambda: pair.finished("x"), what="finished on the source")
     pair.settle()
+    pair.check_no_leaks()
+    target.engine.check_no_leaks()
+
+
+def test_the_stop_is_said_after_its_tail_went(trio):
+    """The source sends a move's last KV before its ``Frozen``: the router's ``Start`` then finds the tail landed or
+    landing, and the stops of one turn reach the target together (it would otherwise step with the first of them while
+    the rest came, and hold those still for that whole step)."""
+    pair, target, target_events = trio
+    [prompt] = random_prompts(1, 30, 30, seed=72)
+    params = greedy(30)
+    _start_decoding(pair, prompt, params, tokens_first=6)
+    reserved = _reserve_on_target(pair, target, target_events, prompt, params, "x.1")
+    _export(pair, reserved, "x.1", precopy=False)
+    order: list[str] = []
+    sender = pair.decode._migration_sender()
+    finish = sender.finish
+    sender.finish = lambda transfer_id: (order.append(f"finish {transfer_id}"), finish(transfer_id))[1]
+    emit = pair.decode.emit
+    pair.decode.emit = lambda event: (order.append(f"{type(event).__name__} {event.rid}"), emit(event))[1]
+    frozen = _hand_off(pair, target, "x.1")
+    assert order.index("finish x.1") < order.index("Frozen x") and frozen.output_token_ids == _tokens_so_far(pair)
+    _run_until(pair, target, lambda: any(i.finish_reason for i in target_events.items("x.1")), "finished")
+    pair.decode.abort("x")
+    assert _client_view(pair, target_events, "x.1") == pair.expected(prompt, params)
+    _run_until(pair, target, lambda: pair.idle and not target.engine.requests and not pair.decode.has_work(), "idle")
+    pair.check_no_leaks()
+    target.engine.check_no_leaks()
+
+
+def test_the_target_waits_a_bounded_while_for_a_moves_other_half(trio):
+    """A move whose tokens came but whose KV has not (or the reverse) holds the target's next step up to a share of
+    its last step (``MOVE_JOIN_WAIT_SHARE``, at most ``MOVE_JOIN_WAIT_MAX_S``), then its other requests step on
+    without it: a bound, never a hang. The times are the role's clock, set by hand."""
+    pair, target, target_events = trio
+    now = [1000.0]
+    target.clock = lambda: now[0]
+    target.engine.set_clock(target.clock)
+    [local, prompt] = random_prompts(2, 12, 30, seed=73)
+    target.engine.add_request(local, greedy(40), request_id="here")
+    target.tick()  # its prefill
+    target.tick()
+    target._last_step_s = 0.1  # the last step took 100 ms (of the hand-set clock)
+    steps = lambda: len(target.engine.requests["here"].output_token_ids)  # noqa: E731
+    _start_decoding(pair, prompt, greedy(30), tokens_first=4)
+    _reserve_on_target(pair, target, target_events, prompt, greedy(30), "x.1")
+    target.handle(Start(rid="x.1", tokens=_tokens_so_far(pair)), now[0])  # its tokens; its KV never leaves here
+    before = steps()
+    target.tick()
+    assert steps() == before  # held: the other half is a transfer away
+    now[0] += decode_worker.MOVE_JOIN_WAIT_SHARE * 0.1 - 0.001
+    target.tick()
+    assert steps() == before
+    now[0] += 0.002  # past the share of the last step: the others step on without it
+    target.tick()
+    assert steps() == before + 1
+    target.abort("x.1")
+    _run_until(pair, target, lambda: "here" not in target.engine.requests, "finished")
+    pair.decode.abort("x")
+    _run_until(pair, target, lambda: pair.idle and not target.engine.requests and not pair.decode.has_work(), "idle")
     pair.check_no_leaks()
     target.engine.check_no_leaks()
