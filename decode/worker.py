@@ -5,9 +5,10 @@ prompt, sharing what the prefix cache holds, or for a moved request's whole cont
 short rest (``local_prefill_max_tokens``) is computed here, else the receiver expects the missing blocks; ``Start``
 brings the tokens made where the KV comes from; with both in, the next step admits the request, and every step sends
 the running requests' tokens in one ``tokens`` event. A request leaves by the same hand-off (``Export``): its full
-blocks go to the target while it decodes on, then it stops between steps (``Frozen``), the rest of its KV goes, and
-its blocks are held until the router says ``Abort`` (it moved) or ``Resume`` (called off). Failures, expiry and moves
-step by step: docs/request-lifecycle.md and docs/architecture.md ("Failure handling", "Moving running requests").
+blocks go to the target while it decodes on, then it stops between steps, the rest of its KV goes, it says so
+(``Frozen``), and its blocks are held until the router says ``Abort`` (it moved) or ``Resume`` (called off). Failures,
+expiry and moves step by step: docs/request-lifecycle.md and docs/architecture.md ("Failure handling", "Moving
+running requests").
 """
 
 from __future__ import annotations
