@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.llama_cpp_baseline import _rewrite, unavailable_reason
+from bench import llama_cpp_baseline
+from bench.llama_cpp_baseline import _rewrite, gguf_type, unavailable_reason
 from engine.model_loader import smollm2_gguf
 
 
@@ -49,4 +50,10 @@ def test_the_rewritten_gguf_holds_the_served_weights(smollm2_path, tmp_path, kin
 
 def test_a_folder_model_has_no_llama_cpp_baseline(tiny_llama_path):
     assert unavailable_reason(str(tiny_llama_path)) is not None
+
+
+def test_a_dtype_without_a_gguf_type_has_no_llama_cpp_baseline(monkeypatch):
+    monkeypatch.setattr(llama_cpp_baseline.importlib.util, "find_spec", lambda name: object())  # as if installed
+    assert gguf_type("bfloat16") == "BF16" and gguf_type("float32") == "F32" and gguf_type("float16") is None
     assert "no GGUF in float16" in str(unavailable_reason("smollm2-135m-instruct", "float16"))
+    assert unavailable_reason("smollm2-135m-instruct", "bfloat16") is None
