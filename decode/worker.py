@@ -398,9 +398,12 @@ class DecodeRole(Role):
             handoff = request.kv_import
             if request.status != RequestStatus.WAITING_FOR_REMOTE_KV or handoff is None or not handoff.moved:
                 continue
-            half_s = {ImportState.KV_IN: handoff.kv_done_s, ImportState.TOKENS_IN: handoff.tokens_in_s}.get(
-                handoff.state
-            )
+            if handoff.state is ImportState.KV_IN:
+                half_s = handoff.kv_done_s
+            elif handoff.state is ImportState.TOKENS_IN:
+                half_s = handoff.tokens_in_s
+            else:
+                continue
             if half_s is not None and now - half_s < limit_s:
                 return True
         return False

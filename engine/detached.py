@@ -9,6 +9,7 @@ a pipe (it writes it there last, ``report_exit``); the pipe's end without a stat
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import time
@@ -24,24 +25,23 @@ class Detached:
 
     def __init__(self, pid: int, status_fd: int) -> None:
         self.pid = pid
-        self._fd: int | None = status_fd
+        os.set_blocking(status_fd, False)
+        self._pipe: io.FileIO | None = io.FileIO(status_fd, "r")  # closed when read to its end, or with the handle
         self._read = b""
         self._status: int | None = None
-        os.set_blocking(status_fd, False)
 
     def poll(self) -> int | None:
         """The child's exit status once it has ended (``DIED`` when it reported none), else None."""
-        while self._fd is not None:
-            try:
-                chunk = os.read(self._fd, 64)
-            except BlockingIOError:
+        while self._pipe is not None:
+            chunk = self._pipe.read(64)
+            if chunk is None:  # nothing yet
                 return None
             self._read += chunk
             if chunk and not self._read.endswith(b"\n"):
                 continue
             # reported (a copy of the pipe its own children may hold does not matter), or the pipe ended without it
-            os.close(self._fd)
-            self._fd = None
+            self._pipe.close()
+            self._pipe = None
             try:
                 self._status = int(self._read) if self._read.endswith(b"\n") else DIED
             except ValueError:
@@ -54,12 +54,6 @@ class Detached:
         while (status := self.poll()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return status
-
-    def close(self) -> None:
-        """Stop listening; the child runs on."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def start_detached(argv: Sequence[str], env: Mapping[str, str]) -> Detached:
