@@ -37,7 +37,7 @@ import torch
 
 from engine.attention import AttentionBatch, DecodeGroup, SdpaBackend
 from engine.blocks import blocks_for_tokens
-from engine.compile_cache import CompiledStore, model_fingerprint, runtime_fields
+from engine.compile_cache import CompiledStore, KeptStepLoader, model_fingerprint, runtime_fields
 from engine.config import EngineConfig
 from engine.cpu_linear import CpuLinear
 from engine.detached import Detached, start_detached
@@ -52,6 +52,7 @@ DEFAULT_MAX_GRAPHS = 96  # more than the keys of max_num_seqs=128 x 8k context a
 DEFAULT_MAX_GATHER_BYTES = 512 * 1024 * 1024  # the static gather buffer: one layer's K+V of batch x context blocks
 WARMUP_STEPS = 2  # eager runs on the capture stream before capture (lazy inits, cuBLAS workspaces, autotuning)
 COMPILED_GRAPHS_PER_PROCESS = 256  # compiled static steps one process may hold (every engine's, every batch size)
+LOADER_JOIN_S = 30.0  # close() waits this long for a load of kept steps under way
 NUM_STATIC_VECTORS = 4  # input ids, positions, slot mapping, context lengths: each [batch] in the packed buffer
 # set by engine/background_compile.py: its process exists to keep the step on disk, so a step that cannot be kept is
 # not compiled there at all (its parent would not load it)
@@ -77,6 +78,7 @@ class Fallback(enum.Enum):
     LAYER_HOOK = "a layer hook is installed (streaming KV export)"  # Python per layer, which a graph cannot run
     CAPTURE_FAILED = "a capture or compile failed; static steps are off for this engine"
     COMPILING = "the compiled step is compiling in a background process"
+    LOADING = "the compiled step of this batch size is still loading from disk (on a thread)"
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -192,6 +194,7 @@ class DecodeGraphs:
         # None: the compiled steps are kept under $PDSERVE_CACHE/compiled (engine.compile_cache); a path: there
         self.cache_root = cache_root
         self._background: Detached | None = None  # the process compiling this step (engine.background_compile)
+        self._loader: KeptStepLoader | None = None  # the thread loading the kept steps while the engine serves
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last staging copy is done
         self._broken = False  # a capture failed: every later step runs eagerly
         self.num_replays = 0
@@ -263,6 +266,8 @@ class DecodeGraphs:
             self.poll_background()
             if self._background is not None:
                 return Fallback.COMPILING
+        if self._loader is not None:
+            self._install_loaded()
         if self._broken:
             return Fallback.CAPTURE_FAILED
         if not chunks or any(chunk.start == 0 or chunk.num_tokens != 1 and not chunk.proposal for chunk in chunks):
@@ -276,6 +281,9 @@ class DecodeGraphs:
             return Fallback.BATCH_TOO_LARGE
         if key.batch * key.blocks > self.max_gather_blocks:
             return Fallback.GATHER_TOO_WIDE
+        if self._loader is not None and key.batch not in self._compiled:
+            self._loader.want(key.batch)
+            return Fallback.LOADING
         if (
             self.mode is StaticStep.GRAPHS
             and (key.batch, key.blocks) not in self._entries
@@ -429,9 +437,9 @@ class DecodeGraphs:
         return self.runner.tp_group is None or self.runner.tp_group.size == 1
 
     def start_background(self, config: EngineConfig) -> None:
-        """Load the step now if its entry holds every bucket; else compile it in a background process while the
-        engine serves eagerly (``poll_background`` loads it when that is done). At a degree above 1 the ranks
-        compile now, together."""
+        """Load the step on a thread if its entry holds every bucket; else compile it in a background process, then
+        load it so (``poll_background``). Either way the engine serves eagerly meanwhile, each batch bucket taking
+        its compiled step once that is loaded. At a degree above 1 the ranks compile now, together."""
         if not self._keeps_on_disk():
             self.compile_all()
             return
@@ -442,7 +450,7 @@ class DecodeGraphs:
         except OSError:
             held = set()
         if set(self.batch_buckets) <= held:
-            self.compile_all()
+            self._loader = KeptStepLoader(store, self.batch_buckets)
             return
         self._background = _start_background_compile(config)
         logger.info(
@@ -453,7 +461,7 @@ class DecodeGraphs:
         )
 
     def poll_background(self) -> None:
-        """Between steps: once the background compile has exited, load what it kept (or stay eager)."""
+        """Between steps: once the background compile has exited, load what it kept on a thread (or stay eager)."""
         assert self._background is not None
         returncode = self._background.poll()
         if returncode is None:
@@ -463,9 +471,40 @@ class DecodeGraphs:
             logger.warning("the background compile exited with %d; decode stays eager", returncode)
             self._broken = True
             return
-        started = time.perf_counter()
-        self.compile_all(load_only=True)
-        logger.info("switched to the compiled decode step (%.1f s to load)", time.perf_counter() - started)
+        self._loader = KeptStepLoader(CompiledStore(self.cache_fields(), self.cache_root), self.batch_buckets)
+
+    @torch.inference_mode()
+    def _install_loaded(self) -> None:
+        """Between steps: each step the loader has read runs once on padding (its kernels load, its guards are
+        checked, on this thread: it writes the static inputs) and then serves its batch bucket. A loader that failed
+        leaves the engine eager, as a failed compile does."""
+        loader = self._loader
+        assert loader is not None
+        for batch, function in list(loader.loaded.items()):
+            if batch in self._compiled:
+                continue
+            started = time.perf_counter()
+            key = _Key(batch, self.context_buckets[0])
+            step = functools.partial(function, self)
+            try:
+                self._fill(None, key)
+                step(*self._views(key))
+            except Exception as exc:  # noqa: BLE001 - a file the manifest vouched for, but unusable here
+                loader.error = f"the step for batch {batch} does not run: {type(exc).__name__}: {exc}"
+                break
+            self._compiled[batch] = step
+            self.loaded.add(batch)
+            self.compile_s[batch] = round(loader.seconds[batch] + time.perf_counter() - started, 3)
+        if loader.error is not None:
+            logger.warning("the kept decode step did not load (%s); decode runs eagerly", loader.error)
+            self._loader, self._broken, self._compiled = None, True, {}
+        elif loader.done and set(self._compiled) == set(self.batch_buckets):
+            self._loader = None
+            logger.info(
+                "the compiled decode step serves batches %s (loaded from disk on a thread in %.1f s)",
+                self.batch_buckets,
+                sum(self.compile_s.values()),
+            )
 
     @torch.inference_mode()
     def compile_all(self, load_only: bool = False) -> dict[int, float]:
@@ -558,8 +597,15 @@ class DecodeGraphs:
     def _aot_compile(self, key: _Key) -> Any:  # torch._dynamo.aot_compile.AOTCompiledFunction
         views = self._views(key)
         torch._dynamo.mark_dynamic(views[-1], 1)  # the table's width: one graph for every context bucket
-        # guards on the inputs' shapes, dtypes and strides only: the store's key stands for the rest
-        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+        # guards on the inputs' shapes, dtypes and strides only: the store's key stands for the rest. Inductor's
+        # runtime asserts (each extern kernel's output sizes and strides, alignments, scalars) are checks of its own
+        # codegen, some 340 Python calls a SmolLM2 step at batch 1: 0.5 ms of its 21 (docs/benchmarks.md, section 17)
+        options: dict[str, Any] = {
+            "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe,
+            "size_asserts": False,
+            "alignment_asserts": False,
+            "scalar_asserts": False,
+        }
         compiled: Any = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
         return compiled.aot_compile((views, {}))
 
@@ -626,7 +672,11 @@ class DecodeGraphs:
         return _Entry(graph, hidden)
 
     def close(self) -> None:
-        """Drop every graph and its pool memory; the engine calls it when it shuts down."""
+        """Drop every graph and its pool memory; the engine calls it when it shuts down. A load under way is waited
+        for (briefly): its thread holds the entry's lock."""
+        if self._loader is not None:
+            self._loader.join(LOADER_JOIN_S)
+            self._loader = None
         self._entries.clear()
         self._pool = None
 

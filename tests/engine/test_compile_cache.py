@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engine.compile_cache import MANIFEST, CompiledStore, store_root
+from engine.compile_cache import MANIFEST, CompiledStore, KeptStepLoader, store_root
 from engine.cpu_info import cpu_fingerprint, cpu_model
 from engine.decode_graphs import Fallback
 from engine.request import SamplingParams
@@ -109,10 +109,38 @@ def test_the_kept_forms_of_the_cpu_linears_are_reused(kept, make_engine, tiny_ll
     assert second.forms == first.forms and second.pass_ms == {}  # taken from disk, not timed
 
 
-def test_a_background_compile_loads_a_warm_entry_at_start(kept, make_engine, tiny_llama_path):
+def test_a_serving_start_loads_a_warm_entry_on_a_thread_and_serves_meanwhile(kept, make_engine, tiny_llama_path):
+    """With ``compile_decode_background`` (the serving configs) a kept step loads on a thread: the engine is built
+    at once and serves eagerly, each bucket taking its compiled step between steps once loaded, with the same
+    tokens."""
+    _, tokens, _ = kept
     engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES, compile_decode_background=True)
     graphs = engine.runner.decode_graphs
-    assert graphs._background is None and graphs.loaded == set(BATCHES)
+    assert graphs._background is None and graphs._loader is not None  # nothing compiles: it loads
+    assert _greedy_tokens(engine) == tokens  # whatever part of it ran before the load was done
+    assert graphs._loader is None or graphs._loader.join(60)
+    assert _greedy_tokens(engine) == tokens
+    assert graphs.loaded == set(BATCHES) and graphs._loader is None and not graphs._broken
+    assert sum(graphs.steps.values()) > 5  # the second generate ran on the loaded step
+    assert set(graphs.compile_s) == set(BATCHES)
+
+
+def test_a_load_that_fails_on_the_thread_leaves_the_engine_eager(
+    kept, make_engine, tiny_llama_path, tmp_path, monkeypatch
+):
+    """An entry damaged after the start's check: the thread's own check removes it, and the engine stays eager
+    with the same tokens (never a step half loaded)."""
+    _, tokens, store = kept
+    copy = _copy_to(tmp_path, monkeypatch, store)
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES)
+    graphs = engine.runner.decode_graphs
+    _damage(copy, "graph")
+    graphs._compiled, graphs.loaded = {}, set()  # as the start leaves them before a load on a thread
+    graphs._loader = KeptStepLoader(CompiledStore(graphs.cache_fields()), BATCHES)
+    assert graphs._loader.join(60) and graphs._loader.error and not graphs._loader.loaded
+    assert _greedy_tokens(engine) == tokens
+    assert graphs._loader is None and graphs._broken and not graphs.steps
+    assert not copy.dir.exists()  # removed, to be compiled again by the next start
 
 
 @pytest.mark.e2e  # a compile in another process: about a minute on 2 cores
