@@ -38,6 +38,8 @@ from engine.model_loader import cache_dir
 
 logger = logging.getLogger(__name__)
 
+LOADER_POLL_S = 0.01  # KeptStepLoader.wait_loaded's look interval
+LOADER_IDLE_WAIT_S = 1.0  # the loader's wait for the next want() between looks at whether it was closed
 FORMAT = 1  # the layout above; another format is another key
 MANIFEST = "manifest.json"
 INDUCTOR = "inductor"
@@ -207,11 +209,12 @@ class CompiledStore:
 
 
 class KeptStepLoader:
-    """Loads an entry's kept steps on a thread of its own, so that a worker serves (eagerly) at once instead of
-    after the seconds a load takes: the first graph's load imports the compiler (1.5-2 s on 2 cores; importing it
-    beside the model's load only slowed that load as much), each graph then links its kernels and builds its guards
-    (about 0.1 s). The batch sizes the owner has asked for (``want``) load first. The thread only reads
-    the store; the owner installs what ``loaded`` holds between its own steps (a graph's first run writes the owner's
+    """Loads an entry's kept steps on a thread of its own, each when its owner first asks for it (``want``): a
+    worker serves (eagerly) meanwhile instead of waiting, and loads no size it never meets. The first load imports
+    the compiler (1.5-2 s on 2 cores); each graph then links its kernels and builds its guards (about 0.1 s). A load
+    holds the GIL for long stretches, so a step running beside one is slower (eager steps of 55 ms took about 130
+    while the first load ran): sizes are loaded only when asked for, not all at once. The thread only reads the
+    store; the owner installs what ``loaded`` holds between its own steps (a graph's first run writes the owner's
     static inputs)."""
 
     def __init__(self, store: CompiledStore, batches: list[int]) -> None:
@@ -220,36 +223,53 @@ class KeptStepLoader:
         self.loaded: dict[int, Any] = {}  # batch -> its AOT-compiled function, in the order loaded
         self.seconds: dict[int, float] = {}  # batch -> seconds its load took
         self.error: str | None = None  # why the rest did not load (the entry is gone or damaged)
-        self._wanted: list[int] = []  # batch sizes a step met before their load: appended by the owner's thread
+        self._wanted: list[int] = []  # batch sizes asked for, in order: appended by the owner's thread
+        self._asked = threading.Event()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-kept-steps", daemon=True)
         self._thread.start()
 
     def want(self, batch: int) -> None:
-        """A step needs ``batch``'s graph: it loads next."""
+        """A step needs ``batch``'s graph (one of ``batches``): it loads next."""
         if batch not in self._wanted:
             self._wanted.append(batch)
+            self._asked.set()
+
+    def wait_loaded(self, batch: int, timeout_s: float) -> bool:
+        """Wait until ``batch`` is loaded (True), the loader failed or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while batch not in self.loaded and self.error is None and time.monotonic() < deadline:
+            time.sleep(LOADER_POLL_S)
+        return batch in self.loaded
 
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def join(self, timeout_s: float) -> bool:
+    def close(self, timeout_s: float) -> None:
+        """Stop after the load under way (waited for up to ``timeout_s``: it holds the entry's lock)."""
+        self._closed.set()
+        self._asked.set()
         self._thread.join(timeout_s)
-        return self.done
 
     def _run(self) -> None:
         import torch
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+        held: set[int] | None = None
         try:
-            # under inference mode, as the steps run: a guard built on load compares a tensor's dispatch keys under
-            # this thread's modes, and inference mode is per thread
-            with torch.inference_mode(), self.store.locked(), temporary_cache_dir(str(self.store.inductor_dir)):
-                held = self.store.verified_batches()
-                remaining = list(self.batches)
-                while remaining:
-                    batch = next((b for b in list(self._wanted) if b in remaining), remaining[0])
-                    remaining.remove(batch)
+            while not self._closed.is_set() and len(self.loaded) < len(self.batches):
+                batch = next((b for b in list(self._wanted) if b not in self.loaded), None)
+                if batch is None:
+                    self._asked.wait(LOADER_IDLE_WAIT_S)
+                    self._asked.clear()  # a want() since the look above is found by the next look
+                    continue
+                # under inference mode, as the steps run: a guard built on load compares a tensor's dispatch keys
+                # under this thread's modes, and inference mode is per thread. The lock is held per load only: a
+                # worker waiting for its next size must not keep another from starting on the entry
+                with torch.inference_mode(), self.store.locked(), temporary_cache_dir(str(self.store.inductor_dir)):
+                    if held is None:
+                        held = self.store.verified_batches()
                     if batch not in held:
                         raise RuntimeError(f"the entry {self.store.dir} holds no step for batch {batch}")
                     started = time.perf_counter()

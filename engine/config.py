@@ -123,9 +123,9 @@ class EngineConfig:
     # to the next listed size, each size compiled once per machine (30-120 s for SmolLM2 on 2 cores) and then loaded
     # from $PDSERVE_CACHE at every start (seconds; engine/compile_cache.py); None: eager
     compile_decode_batches: list[int] | None = None
-    # a step not yet on disk compiles in a background process while the engine serves eagerly, and a kept one loads on
-    # a thread meanwhile (engine/background_compile.py, engine/compile_cache.py; at a tensor-parallel degree of 1);
-    # false: the start waits for the compile or the load
+    # a step not yet on disk compiles in a background process while the engine serves eagerly; of a kept one the start
+    # loads the smallest size and a thread the others when first met (engine/background_compile.py,
+    # engine/compile_cache.py; at a tensor-parallel degree of 1); false: the start compiles or loads every size
     compile_decode_background: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_batch_tokens: int = 2048  # tokens per forward: longer prompts are prefilled in chunks

@@ -52,7 +52,7 @@ DEFAULT_MAX_GRAPHS = 96  # more than the keys of max_num_seqs=128 x 8k context a
 DEFAULT_MAX_GATHER_BYTES = 512 * 1024 * 1024  # the static gather buffer: one layer's K+V of batch x context blocks
 WARMUP_STEPS = 2  # eager runs on the capture stream before capture (lazy inits, cuBLAS workspaces, autotuning)
 COMPILED_GRAPHS_PER_PROCESS = 256  # compiled static steps one process may hold (every engine's, every batch size)
-LOADER_JOIN_S = 30.0  # close() waits this long for a load of kept steps under way
+LOADER_JOIN_S = 30.0  # the start waits this long for the smallest kept size's load, close() for one under way
 NUM_STATIC_VECTORS = 4  # input ids, positions, slot mapping, context lengths: each [batch] in the packed buffer
 # set by engine/background_compile.py: its process exists to keep the step on disk, so a step that cannot be kept is
 # not compiled there at all (its parent would not load it)
@@ -450,7 +450,13 @@ class DecodeGraphs:
         except OSError:
             held = set()
         if set(self.batch_buckets) <= held:
+            # the smallest size (a lone stream's) before serving: about 2 s, most of it the compiler's imports, which
+            # a load beside the first requests' steps slowed as much as it saved (docs/speculative.md); the other
+            # sizes when a step first meets them
             self._loader = KeptStepLoader(store, self.batch_buckets)
+            self._loader.want(self.batch_buckets[0])
+            self._loader.wait_loaded(self.batch_buckets[0], LOADER_JOIN_S)
+            self._install_loaded()
             return
         self._background = _start_background_compile(config)
         logger.info(
@@ -498,7 +504,7 @@ class DecodeGraphs:
         if loader.error is not None:
             logger.warning("the kept decode step did not load (%s); decode runs eagerly", loader.error)
             self._loader, self._broken, self._compiled = None, True, {}
-        elif loader.done and set(self._compiled) == set(self.batch_buckets):
+        elif set(self._compiled) == set(self.batch_buckets):
             self._loader = None
             logger.info(
                 "the compiled decode step serves batches %s (loaded from disk on a thread in %.1f s)",
@@ -507,13 +513,12 @@ class DecodeGraphs:
             )
 
     @torch.inference_mode()
-    def compile_all(self, load_only: bool = False) -> dict[int, float]:
+    def compile_all(self) -> dict[int, float]:
         """Compile the static step for every batch bucket now, each over all context widths (the table's width is
         dynamic), or load it from disk where an earlier start kept it (engine.compile_cache); returns seconds per
         bucket. Each graph runs once on padding here (its kernels load, its guards are checked). A model whose step
         does not trace as one graph, and a degree above 1, take plain ``torch.compile``, compiled at every start. A
-        compile that fails, or with ``load_only`` a bucket not on disk, leaves the engine eager (``CAPTURE_FAILED``):
-        eager is always correct."""
+        compile that fails leaves the engine eager (``CAPTURE_FAILED``): eager is always correct."""
         assert self.mode is StaticStep.COMPILED
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
@@ -529,9 +534,7 @@ class DecodeGraphs:
                         plain = True
                     else:
                         held.enter_context(temporary_cache_dir(str(store.inductor_dir)))
-                        plain = not self._compile_ahead(store, load_only)
-            if plain and load_only:
-                raise RuntimeError("the background compile kept no step to load")
+                        plain = not self._compile_ahead(store)
             if plain and KEEP_ONLY:
                 raise RuntimeError("this decode step cannot be kept on disk: the background compile has none to keep")
             if plain:
@@ -541,7 +544,7 @@ class DecodeGraphs:
             self._broken, self._compiled = True, {}
         return self.compile_s
 
-    def _compile_ahead(self, store: CompiledStore, load_only: bool = False) -> bool:
+    def _compile_ahead(self, store: CompiledStore) -> bool:
         """Load or compile ahead of time every bucket's step, keeping what it compiles in ``store``; False: the step
         does not trace as one graph (nothing kept)."""
         held = store.verified_batches()
@@ -552,8 +555,6 @@ class DecodeGraphs:
             key = _Key(batch, self.context_buckets[0])
             self._fill(None, key)
             step = self._load(store, batch, key) if batch in held else None
-            if step is None and load_only:
-                raise RuntimeError(f"the decode step for batch {batch} is not on disk in {store.dir}")
             if step is None:
                 if held and batch in held:  # listed but not loadable: the entry is not trusted
                     store.clear()
@@ -675,7 +676,7 @@ class DecodeGraphs:
         """Drop every graph and its pool memory; the engine calls it when it shuts down. A load under way is waited
         for (briefly): its thread holds the entry's lock."""
         if self._loader is not None:
-            self._loader.join(LOADER_JOIN_S)
+            self._loader.close(LOADER_JOIN_S)
             self._loader = None
         self._entries.clear()
         self._pool = None

@@ -109,20 +109,31 @@ def test_the_kept_forms_of_the_cpu_linears_are_reused(kept, make_engine, tiny_ll
     assert second.forms == first.forms and second.pass_ms == {}  # taken from disk, not timed
 
 
-def test_a_serving_start_loads_a_warm_entry_on_a_thread_and_serves_meanwhile(kept, make_engine, tiny_llama_path):
-    """With ``compile_decode_background`` (the serving configs) a kept step loads on a thread: the engine is built
-    at once and serves eagerly, each bucket taking its compiled step between steps once loaded, with the same
-    tokens."""
+def test_a_serving_start_loads_the_smallest_kept_size_before_serving(kept, make_engine, tiny_llama_path):
+    """With ``compile_decode_background`` (the serving configs) a kept entry loads through ``KeptStepLoader``: the
+    smallest size before the start returns (here the only one), nothing compiles."""
     _, tokens, _ = kept
     engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES, compile_decode_background=True)
     graphs = engine.runner.decode_graphs
-    assert graphs._background is None and graphs._loader is not None  # nothing compiles: it loads
-    assert _greedy_tokens(engine) == tokens  # whatever part of it ran before the load was done
-    assert graphs._loader is None or graphs._loader.join(60)
+    assert graphs._background is None and graphs.loaded == set(BATCHES) and graphs._loader is None
+    assert _greedy_tokens(engine) == tokens and sum(graphs.steps.values()) > 5
+
+
+def test_a_size_loads_on_the_thread_when_a_step_first_meets_it(kept, make_engine, tiny_llama_path):
+    """A size not yet loaded: its steps run eagerly (``LOADING``) while the thread loads it, asked for by the
+    first such step, and the steps after it run on the loaded graph, with the same tokens."""
+    _, tokens, store = kept
+    engine = make_engine(tiny_llama_path, **SETTINGS, compile_decode_batches=BATCHES)
+    graphs = engine.runner.decode_graphs
+    graphs._compiled, graphs.loaded = {}, set()  # as a start leaves the sizes it has not met yet
+    loader = graphs._loader = KeptStepLoader(CompiledStore(graphs.cache_fields()), BATCHES)
+    time.sleep(0.2)
+    assert not loader.loaded  # nothing is loaded before a step asks
+    assert _greedy_tokens(engine) == tokens
+    assert graphs.fallbacks[Fallback.LOADING] > 0 and loader.wait_loaded(BATCHES[0], 60)
     assert _greedy_tokens(engine) == tokens
     assert graphs.loaded == set(BATCHES) and graphs._loader is None and not graphs._broken
-    assert sum(graphs.steps.values()) > 5  # the second generate ran on the loaded step
-    assert set(graphs.compile_s) == set(BATCHES)
+    assert sum(graphs.steps.values()) > 5 and loader.done  # it ends once every size is in
 
 
 def test_a_load_that_fails_on_the_thread_leaves_the_engine_eager(
@@ -137,7 +148,8 @@ def test_a_load_that_fails_on_the_thread_leaves_the_engine_eager(
     _damage(copy, "graph")
     graphs._compiled, graphs.loaded = {}, set()  # as the start leaves them before a load on a thread
     graphs._loader = KeptStepLoader(CompiledStore(graphs.cache_fields()), BATCHES)
-    assert graphs._loader.join(60) and graphs._loader.error and not graphs._loader.loaded
+    graphs._loader.want(BATCHES[0])
+    assert not graphs._loader.wait_loaded(BATCHES[0], 60) and graphs._loader.error and not graphs._loader.loaded
     assert _greedy_tokens(engine) == tokens
     assert graphs._loader is None and graphs._broken and not graphs.steps
     assert not copy.dir.exists()  # removed, to be compiled again by the next start
