@@ -437,9 +437,9 @@ class DecodeGraphs:
         return self.runner.tp_group is None or self.runner.tp_group.size == 1
 
     def start_background(self, config: EngineConfig) -> None:
-        """Load the step on a thread if its entry holds every bucket; else compile it in a background process, then
-        load it so (``poll_background``). Either way the engine serves eagerly meanwhile, each batch bucket taking
-        its compiled step once that is loaded. At a degree above 1 the ranks compile now, together."""
+        """If the step's entry holds every bucket, load the smallest now and each other when a step first meets it
+        (``KeptStepLoader``); else compile it in a background process, then load it so (``poll_background``). A
+        bucket not loaded yet runs eagerly. At a degree above 1 the ranks compile now, together."""
         if not self._keeps_on_disk():
             self.compile_all()
             return
@@ -501,16 +501,13 @@ class DecodeGraphs:
             self._compiled[batch] = step
             self.loaded.add(batch)
             self.compile_s[batch] = round(loader.seconds[batch] + time.perf_counter() - started, 3)
+            logger.info("decode step for batch %d loaded from disk in %.1f s", batch, self.compile_s[batch])
         if loader.error is not None:
             logger.warning("the kept decode step did not load (%s); decode runs eagerly", loader.error)
+            loader.close(0.0)  # told to stop; what it loads meanwhile is dropped
             self._loader, self._broken, self._compiled = None, True, {}
         elif set(self._compiled) == set(self.batch_buckets):
             self._loader = None
-            logger.info(
-                "the compiled decode step serves batches %s (loaded from disk on a thread in %.1f s)",
-                self.batch_buckets,
-                sum(self.compile_s.values()),
-            )
 
     @torch.inference_mode()
     def compile_all(self) -> dict[int, float]:
