@@ -453,7 +453,7 @@ class DecodeGraphs:
             # the smallest size (a lone stream's) before serving: about 2 s, most of it the compiler's imports, which
             # a load beside the first requests' steps slowed as much as it saved (docs/speculative.md); the other
             # sizes when a step first meets them
-            self._loader = KeptStepLoader(store, self.batch_buckets)
+            self._loader = KeptStepLoader(store, self.batch_buckets, verified=held)
             self._loader.want(self.batch_buckets[0])
             self._loader.wait_loaded(self.batch_buckets[0], LOADER_JOIN_S)
             self._install_loaded()
