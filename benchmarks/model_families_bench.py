@@ -62,6 +62,11 @@ def _check_positive(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2 (decode pace is t(N) - t(1)), got {args.max_tokens}")
+    if args.expert_parallel_size not in (1, args.tensor_parallel_size):
+        raise ValueError(
+            f"--expert-parallel-size must be 1 or --tensor-parallel-size ({args.tensor_parallel_size}): the experts "
+            f"are split over the tensor-parallel ranks, got {args.expert_parallel_size}"
+        )
 
 
 def _build_family(out: Path, arch: str) -> None:
@@ -228,6 +233,7 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
     process, the same total threads): same greedy tokens, the largest gap between chosen tokens' logprobs, step
     times; or why it is refused at N."""
     from benchmarks.tp_bench import _rank
+    from engine.expert_parallel import routed_experts
     from engine.tp_launch import run_ranks
     from engine.tp_shard import check_degree
 
@@ -235,7 +241,9 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
     try:
         from transformers import AutoConfig
 
-        check_degree(AutoConfig.from_pretrained(model), size)
+        config = AutoConfig.from_pretrained(model)
+        experts = args.expert_parallel_size if routed_experts(config) else 1  # a dense family: its MLP as the plan says
+        check_degree(config, size, experts)
     except ValueError as exc:
         return {"degree": size, "refused": str(exc)}
     payload = {
@@ -249,7 +257,7 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
         "logprobs": True,
     }
     one = run_ranks(_rank, 1, payload, timeout_s=600)[0]
-    many = run_ranks(_rank, size, payload, timeout_s=600)[0]
+    many = run_ranks(_rank, size, payload | {"expert_parallel_size": experts}, timeout_s=600)[0]
     gap = max(
         (
             abs(a - b)
@@ -258,14 +266,15 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
         ),
         default=0.0,
     )
-    config = AutoConfig.from_pretrained(model)
-    # each rank's o and down projections end in an all-reduce of the hidden state (ring: 2 (N - 1) / N of it leaves
-    # each rank): derived from the shape, float32
-    ring_bytes = 2 * config.num_hidden_layers * config.hidden_size * 4 * 2 * (size - 1) / size
+    # each of a rank's row-parallel linears (o, a dense MLP's down) ends in an all-reduce of the hidden state (ring:
+    # 2 (N - 1) / N of it leaves each rank): derived from the shape, float32
+    ring_bytes = many["row_parallel_linears"] * config.hidden_size * 4 * 2 * (size - 1) / size
     return {
         "degree": size,
+        "expert_degree": experts,
         "exact": one["tokens"] == many["tokens"],
         "all_reduce_bytes_per_token_per_rank": round(ring_bytes),
+        **({"experts": many["expert_traffic"]} if many.get("expert_traffic") else {}),
         "logprob_gap": float(f"{gap:.3g}"),
         "decode_step_ms": {"1": round(one["decode_step_ms"], 2), str(size): round(many["decode_step_ms"], 2)},
         "decode_step_ratio": round(many["decode_step_ms"] / one["decode_step_ms"], 2),
@@ -316,6 +325,7 @@ def run(args: argparse.Namespace) -> dict:
             "device": "cpu",
             "torch_threads": args.torch_threads,
             "tensor_parallel_size": args.tensor_parallel_size,
+            "expert_parallel_size": args.expert_parallel_size,
         },
     }
 

@@ -161,6 +161,14 @@ def add_model_families_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run each family at N ranks (processes) against 1: same greedy tokens, the logprob gap, step time "
         "with the same total threads (a correctness feature on a CPU, not a speed claim), or the refusal",
     )
+    parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        metavar="E",
+        help="at N ranks, split a mixture of experts' routed experts E ways over them (1 or N; a family without "
+        "routed experts runs at N alone): the bytes the experts' exchange moves per token, the load imbalance",
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
 
 

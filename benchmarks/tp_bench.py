@@ -36,7 +36,7 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
-    from engine.tensor_parallel import TPGroup
+    from engine.tensor_parallel import RowParallel, TPGroup
     from engine.tp_launch import serve_follower
 
     torch.set_num_threads(max(1, payload["threads"] // size))
@@ -47,6 +47,7 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
         max_batch_tokens=payload["batch"] * payload["input_len"],
         enable_prefix_caching=False,  # every repeat computes its prompts
         tensor_parallel_size=size,
+        expert_parallel_size=payload.get("expert_parallel_size", 1),
     )
     if rank > 0:
         assert group is not None  # size > 1
@@ -66,7 +67,10 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
     if engine.runner.step_channel is not None:
         engine.runner.step_channel.stop()
     measured = runs[1:]  # the first is the warm-up
+    traffic = engine.expert_traffic
     return {
+        "row_parallel_linears": sum(isinstance(m, RowParallel) for m in engine.model.modules()),
+        "expert_traffic": traffic.summary() if traffic is not None else None,
         "prefill_step_ms": 1000 * statistics.median(r["prefill_s"] for r in measured),
         "decode_step_ms": 1000 * statistics.median(r["decode_s"] for r in measured),
         "tokens": [r.token_ids for r in results],

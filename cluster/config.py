@@ -91,6 +91,7 @@ class PoolSection(_Strict):
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks per replica, each with the pool's per-replica CPUs and GPUs
+    expert_parallel_size: int = 1  # a mixture of experts' routed experts split over those ranks: 1 or the above
     kv_offload: KVOffloadConfig | None = None  # host and disk tiers below the device KV (engine/kv_tiers.py)
     speculative: SpeculativeConfig | None = None  # decode and colocated pools (engine/speculative.py)
     # the worker's (WorkerSpec)

@@ -143,6 +143,8 @@ class EngineConfig:
     memory_reserve_bytes: int = 1024 * 1024 * 1024
     # ranks of this engine (engine.tensor_parallel): each holds 1/N of every layer and of the KV heads
     tensor_parallel_size: int = 1
+    # a mixture of experts' routed experts split over those ranks (engine.expert_parallel): 1, or tensor_parallel_size
+    expert_parallel_size: int = 1
     kv_offload: KVOffloadConfig | None = None  # host and disk tiers below the device KV (None: evicted KV is dropped)
     speculative: SpeculativeConfig | None = None  # proposed tokens verified per decode step (None: one token a step)
 
@@ -168,10 +170,15 @@ class EngineConfig:
             )
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("block_size", "max_batch_tokens", "max_num_seqs", "tensor_parallel_size"):
+        for name in ("block_size", "max_batch_tokens", "max_num_seqs", "tensor_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(
+                f"expert_parallel_size {self.expert_parallel_size}: the experts are split over the ranks of the "
+                f"worker's tensor-parallel group, so it is 1 or tensor_parallel_size ({self.tensor_parallel_size})"
+            )
         if self.compile_decode_batches is not None:
             self._check_compile_batches(self.compile_decode_batches)
         for name in ("nccl_peers", "memory_reserve_bytes"):

@@ -49,7 +49,7 @@ class EngineParts:
 
 
 # what the loaded weights depend on: a config that differs in any of these needs another load, not ``rebuild``
-WEIGHT_FIELDS = ("model", "dtype", "device", "tensor_parallel_size", "cpu_linear_tuning")
+WEIGHT_FIELDS = ("model", "dtype", "device", "tensor_parallel_size", "expert_parallel_size", "cpu_linear_tuning")
 
 
 def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> EngineParts:
@@ -61,7 +61,9 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     planner = KVMemoryPlanner.start(config)  # CUDA, no explicit KV budget: measure from here (engine.memory)
     if (group.size if group else 1) != config.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
-    model, tokenizer = load_model(config.model, config.dtype, config.device, register_paged_attention(), group)
+    model, tokenizer = load_model(
+        config.model, config.dtype, config.device, register_paged_attention(), group, config.expert_parallel_size
+    )
     if model.device.type == "cpu" and config.cpu_linear_tuning:  # decode's few rows: the fastest product here
         _tune_linears(model, config, group)
     hf_config = model.config

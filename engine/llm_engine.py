@@ -25,6 +25,7 @@ from engine.block_manager import BlockManager, KvEventBatch
 from engine.blocks import blocks_for_tokens
 from engine.config import EngineConfig, KVPlace
 from engine.engine_parts import EngineParts, build_engine_parts, check_same_weights, rebuild_engine_parts
+from engine.expert_parallel import expert_traffic
 from engine.host_values import long_tensor
 from engine.kv_connector import KVExporter, KVImporter, KVSink
 from engine.kv_tiers import KVTiers
@@ -94,6 +95,7 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_recomputes = 0  # remote requests whose KV transfer failed and that were prefilled here instead
         self.tp_group = tp_group
+        self.expert_traffic = expert_traffic(self.model)  # None unless its experts are split over the ranks
         self.speculator = build_speculator(config, self.vocab_size, self.max_model_len, LLMEngine)
         self.kv_tiers: KVTiers | None = build_tiers(config, self.kv_cache, self.model, split, self.runner.step_channel)
         if self.kv_tiers is not None:

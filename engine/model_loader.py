@@ -106,11 +106,12 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str = "sdpa",
     group: TPGroup | None = None,
+    expert_parallel_size: int = 1,
 ):
     """Load (model, tokenizer); errors name the field and the cause. Any decoder-only causal LM whose attention goes
     through transformers' attention interface is accepted (``engine.model_probe``); what cannot work is refused
     with the model type and the reason. With a tensor-parallel ``group`` of more than one rank, the model is this
-    rank's shard (``engine.tp_shard.load_shard``).
+    rank's shard (``engine.tp_shard.load_shard``), its routed experts 1/``expert_parallel_size`` of them.
 
     The weights go from their files straight onto ``device`` in ``dtype`` (``device_map``): never built in host RAM
     nor held in float32 on the way, so a GPU node needs no host memory for them and the load is one pass."""
@@ -131,7 +132,9 @@ def load_model(
         if group is not None and group.size > 1:
             from engine.tp_shard import load_shard
 
-            hf_model: torch.nn.Module = load_shard(path, torch_dtype, target, attn_implementation, group)
+            hf_model: torch.nn.Module = load_shard(
+                path, torch_dtype, target, attn_implementation, group, expert_parallel_size
+            )
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch_dtype, attn_implementation=attn_implementation, device_map=target

@@ -157,6 +157,20 @@ class TPGroup:
         self._run("all-reduce", lambda: self._device.allreduce([tensor]))
         return tensor
 
+    def all_to_all(
+        self, output: torch.Tensor, tensor: torch.Tensor, output_rows: list[int], input_rows: list[int]
+    ) -> torch.Tensor:
+        """Rows ``input_rows[r]`` of ``tensor`` to rank r, in rank order; ``output`` gets ``output_rows[r]`` rows from
+        rank r (an expert-parallel layer's dispatch and combine), on the device group."""
+        self._run("all-to-all", lambda: self._device.alltoall_base(output, tensor, output_rows, input_rows))
+        return output
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (the same shape on each), stacked on dim 0 in rank order, on the device group."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._run("all-gather", lambda: self._device.allgather([parts], [tensor]))
+        return torch.cat(parts)
+
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's host ``tensor`` (a step message) onto every rank, in place, on the CPU group."""
         self._run("broadcast", lambda: self._cpu.broadcast([tensor], _root(dist.BroadcastOptions())))

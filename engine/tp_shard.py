@@ -1,11 +1,13 @@
-"""A tensor-parallel rank's shard of a model: what to cut comes from the model's own plan (transformers'
-``base_model_tp_plan``), and each rank reads only its slices from the safetensors files.
+"""A tensor-parallel rank's shard of a model: what to cut comes from the model's own plans (transformers'
+``base_model_tp_plan``, and ``base_model_ep_plan`` at an expert degree above 1: ``engine.expert_parallel``), and each
+rank reads only its slices from the safetensors files.
 
 ``colwise`` linears (q/k/v by heads, gate/up in slices of the MLP) keep their part of the output, ``rowwise`` ones (o,
 down) their part of the input and end in one all-reduce (``RowParallel``); ``replicated`` entries and everything the
 plan does not name (norms, the embedding, the lm_head, a mixture's experts where its plan leaves them) are whole on
-every rank. A plan entry of another style, or a checkpoint transformers converts at load, is a refusal naming it
-(``tp_plan``). The group, the step messages and the followers: ``engine.tensor_parallel``.
+every rank. Experts stored one by one and fused in the model (Mixtral's, Qwen3-MoE's) are fused here as transformers
+does at load, from this rank's experts only. A plan entry of another style, or a checkpoint conversion of another kind,
+is a refusal naming it (``tp_plan``). The group, the step messages and the followers: ``engine.tensor_parallel``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, cast
 
 import torch
 
+from engine.expert_parallel import ExpertParallel, ExpertSplit, ExpertTraffic, ep_plan, routed_experts
 from engine.tensor_parallel import HeadSplit, RowParallel, TPGroup, head_split
 
 CUT_STYLES = ("colwise", "rowwise")
@@ -39,13 +42,7 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
                 f"{where}: its tensor-parallel plan's entry {pattern!r}: {style!r} is not a cut pdserve runs "
                 f"({', '.join(CUT_STYLES + REPLICATED_STYLES)}); serve it on one rank"
             )
-    converted = _checkpoint_conversions(hf_config.model_type)
-    if converted:
-        raise ValueError(
-            f"{where}: transformers converts its checkpoint at load ({converted} renames or fusions, e.g. experts "
-            "stored one by one and fused in the model); pdserve's shard loader reads each rank's slices as stored; "
-            "serve it on one rank"
-        )
+    checkpoint_layout(hf_config.model_type, where)  # a conversion pdserve cannot do is refused here
     attention = {p.rsplit(".", 1)[-1]: style for p, style in plan.items() if ".self_attn." in p}
     if any(attention.get(name) != style for name, style in HEAD_CUTS.items()):
         raise ValueError(
@@ -55,17 +52,70 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
     return plan
 
 
-def _checkpoint_conversions(model_type: str) -> int:
-    """How many renames and fusions transformers applies to this model type's checkpoint at load (0: none)."""
+@dataclass(frozen=True, slots=True)
+class ExpertFusion:
+    """Experts stored one by one and fused in the model (transformers' ``WeightConverter`` of ``MergeModulelist(dim=0)``
+    then ``Concatenate(dim=1)``): each source's experts stacked on the expert axis, the sources (gate, up) concatenated
+    on dim 1 into ``target``."""
+
+    sources: tuple[re.Pattern[str], ...]  # group 1: the name's prefix, group 2: the expert's index
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLayout:
+    """How a model type's stored names become the model's (transformers' conversion mapping): renames, then fusions."""
+
+    renames: tuple[tuple[re.Pattern[str], str], ...] = ()
+    fusions: tuple[ExpertFusion, ...] = ()
+
+    def rename(self, name: str) -> str:
+        for pattern, replacement in self.renames:
+            name = pattern.sub(replacement, name)
+        return name
+
+    def fused(self, name: str) -> tuple[str, int, int] | None:
+        """(the model's weight, which source, which expert) for a stored expert's weight, None for any other."""
+        for fusion in self.fusions:
+            for index, pattern in enumerate(fusion.sources):
+                hit = pattern.match(name)
+                if hit:
+                    return hit.group(1) + fusion.target, index, int(hit.group(2))
+        return None
+
+
+def checkpoint_layout(model_type: str, where: str = "") -> CheckpointLayout:
+    """The renames and expert fusions transformers applies to this model type's checkpoint at load; ValueError
+    naming the conversion when it is of another kind."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # a transformers without them
-        return 0
-    return len(get_checkpoint_conversion_mapping(model_type) or [])
+        return CheckpointLayout()
+    renames: list[tuple[re.Pattern[str], str]] = []
+    fusions: list[ExpertFusion] = []
+    for conversion in get_checkpoint_conversion_mapping(model_type) or []:
+        kind = type(conversion).__name__
+        sources, targets = list(conversion.source_patterns), list(conversion.target_patterns)
+        operations = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(conversion, "operations", [])]
+        if kind == "WeightRenaming" and len(sources) == len(targets) == 1:
+            renames.append((re.compile(sources[0]), targets[0]))
+            continue
+        fused = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(sources) > 1 else [])
+        if kind == "WeightConverter" and len(targets) == 1 and operations == fused and all("*" in p for p in sources):
+            patterns = tuple(re.compile("^(.*?)" + re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in sources)
+            fusions.append(ExpertFusion(patterns, targets[0]))
+            continue
+        raise ValueError(
+            f"{where or f'model type {model_type!r}'}: transformers converts its checkpoint at load ({kind} "
+            f"{sources} -> {targets}, {operations}), which pdserve's shard loader does not; serve it on one rank"
+        )
+    return CheckpointLayout(tuple(renames), tuple(fusions))
 
 
-def check_degree(hf_config: Any, size: int) -> None:
-    """ValueError naming ``tensor_parallel_size`` when the model cannot be split ``size`` ways."""
+def check_degree(hf_config: Any, size: int, expert_size: int = 1) -> None:
+    """ValueError naming ``tensor_parallel_size`` when the model cannot be split ``size`` ways, or
+    ``expert_parallel_size`` when its experts cannot be split ``expert_size`` ways over those ranks."""
+    ep_plan(hf_config, size, expert_size)
     if size == 1:
         return
     plan = tp_plan(hf_config, size)
@@ -112,11 +162,16 @@ def _span(leaf: str, width: int, hf_config: Any, split: HeadSplit) -> tuple[int,
     return split.rank * per_rank, (split.rank + 1) * per_rank
 
 
+def _plan_patterns(plan: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    """A plan's module patterns (``*``: a layer index) as regular expressions, with their styles."""
+    return [(re.compile(re.escape(p).replace(r"\*", r"\d+") + "$"), style) for p, style in plan.items()]
+
+
 def shard_plan(model: torch.nn.Module, hf_config: Any, split: HeadSplit, plan: dict[str, str]) -> ShardPlan:
     """The slices of every linear the model's plan cuts, found by matching its patterns (``*``: a layer index) against
     the decoder's module names."""
     prefix = str(cast(Any, model).base_model_prefix)
-    patterns = [(re.compile(re.escape(p).replace(r"\*", r"\d+") + "$"), style) for p, style in plan.items()]
+    patterns = _plan_patterns(plan)
     slices: dict[str, tuple[int, int, int]] = {}
     zero_bias: set[str] = set()
     rowwise: list[str] = []
@@ -145,18 +200,58 @@ def _cut_linear(linear: torch.nn.Linear, name: str, plan: ShardPlan) -> None:
         linear.bias = torch.nn.Parameter(plan.cut(f"{name}.bias", linear.bias.data).clone(), requires_grad=False)
 
 
-def load_shard(path: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str, group: TPGroup) -> Any:
+def expert_shard(model: torch.nn.Module, split: ExpertSplit, plan: dict[str, str]) -> dict[str, list[str]]:
+    """Each ``ep_dispatch_experts`` module of the expert plan (its full name) with its ``grouped_gemm`` weights, cut
+    here on the meta device to the rank's experts (the module's ``num_experts`` then counts its own)."""
+    prefix = str(cast(Any, model).base_model_prefix)
+    patterns = _plan_patterns(plan)
+    styles = {
+        f"{prefix}.{name}": style
+        for name, _ in [*getattr(model, prefix).named_modules(), *getattr(model, prefix).named_parameters()]
+        for pattern, style in patterns
+        if pattern.match(name)
+    }
+    shard: dict[str, list[str]] = {}
+    for name, style in styles.items():
+        if style != "ep_dispatch_experts":
+            continue
+        module = model.get_submodule(name)
+        weights = [leaf for leaf, _ in module.named_parameters(recurse=False) if styles.get(f"{name}.{leaf}")]
+        for leaf in weights:
+            whole = module._parameters[leaf]
+            assert whole is not None and whole.shape[0] == split.total  # one row per routed expert
+            local = torch.empty(split.count, *whole.shape[1:], dtype=whole.dtype, device="meta")
+            module._parameters[leaf] = torch.nn.Parameter(local, requires_grad=False)
+        cast(Any, module).num_experts = split.count
+        cast(Any, module)._is_expert_parallel = True  # transformers' experts skip the masked id (num_experts)
+        shard[name] = weights
+    return shard
+
+
+def load_shard(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str,
+    group: TPGroup,
+    expert_size: int = 1,
+) -> Any:
     """This rank's shard of the model at ``path``: built on the meta device, cut to the rank's shapes, then filled
-    from the safetensors files slice by slice, so no rank ever holds a whole split weight."""
+    from the safetensors files slice by slice, so no rank ever holds a whole split weight (nor, at an expert degree
+    above 1, another rank's experts)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
-    check_degree(config, group.size)
+    check_degree(config, group.size, expert_size)
     split = head_split(config.num_attention_heads, config.num_key_value_heads, group.size, group.rank)
+    experts = ExpertSplit(group.rank, expert_size, routed_experts(config)) if expert_size > 1 else None
+    layout = checkpoint_layout(config.model_type)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     plan = shard_plan(model, config, split, tp_plan(config, group.size))
+    expert_modules = expert_shard(model, experts, ep_plan(config, group.size, expert_size)) if experts else {}
+    expert_weights = {f"{name}.{leaf}" for name, leaves in expert_modules.items() for leaf in leaves}
     with torch.no_grad():
         for name in plan.slices.keys() - plan.zero_bias:
             if name.endswith(".weight"):
@@ -167,11 +262,28 @@ def load_shard(path: Path, dtype: torch.dtype, device: torch.device, attn_implem
         sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     )
     state: dict[str, torch.Tensor] = {}
+    stored_experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}  # fused weight -> source -> expert -> tensor
+    first, last = (experts.start, experts.start + experts.count) if experts else (0, routed_experts(config))
     for file in files:
         with safe_open(str(path / file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                tensor = plan.cut(name, f.get_slice(name))
+            for stored in f.keys():
+                name = layout.rename(stored)
+                fused = layout.fused(name)
+                if fused is not None:
+                    target, source, expert = fused
+                    if first <= expert < last:
+                        sources = stored_experts.setdefault(target, {})
+                        sources.setdefault(source, {})[expert - first] = f.get_tensor(stored)
+                    continue
+                tensor = f.get_slice(stored)
+                if name in expert_weights and experts is not None:
+                    tensor = tensor[experts.start : experts.start + experts.count]
+                else:
+                    tensor = plan.cut(name, tensor)
                 state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    for target, sources in stored_experts.items():  # stacked on the expert axis, then gate and up side by side
+        stacked = [torch.stack([by_expert[e] for e in sorted(by_expert)]) for _, by_expert in sorted(sources.items())]
+        state[target] = torch.cat(stacked, dim=1).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -186,6 +298,12 @@ def load_shard(path: Path, dtype: torch.dtype, device: torch.device, attn_implem
         parent, _, leaf = name.rpartition(".")
         holder = model.get_submodule(parent)
         setattr(holder, leaf, RowParallel(getattr(holder, leaf), group))
+    if experts is not None:
+        traffic = ExpertTraffic(expert_size, moe_layers=len(expert_modules))
+        for name in expert_modules:
+            parent, _, leaf = name.rpartition(".")
+            holder = model.get_submodule(parent)
+            setattr(holder, leaf, ExpertParallel(getattr(holder, leaf), experts, group, traffic))
     model.eval()
     return model
 

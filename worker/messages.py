@@ -186,6 +186,18 @@ class WorkerCounters(msgspec.Struct):
     static_decode_steps: int = 0
     decode_compile_seconds: float = 0.0
     role_switches: int = 0  # prefill <-> decode switches made in place (cluster/run/role_switch.py)
+    # expert parallelism (engine/expert_parallel.py), rank 0's eager forwards: tokens through the mixture-of-experts
+    # layers, the (token, expert) pairs the busiest rank's experts computed and a rank's mean, bytes rank 0 sent
+    expert_tokens: int = 0
+    expert_pairs_busiest_rank: int = 0
+    expert_pairs_mean_rank: int = 0
+    expert_bytes_sent: int = 0
+
+    @property
+    def expert_load_imbalance(self) -> float:
+        """The busiest rank's routed pairs over the mean rank's (1.0: even; 0.0: no expert parallelism)."""
+        mean = self.expert_pairs_mean_rank
+        return self.expert_pairs_busiest_rank / mean if mean else 0.0
 
     @property
     def spec_mean_accepted_length(self) -> float:

@@ -156,6 +156,12 @@ class Role:
         if graphs is not None:
             fields["static_decode_steps"] = sum(graphs.steps.values())
             fields["decode_compile_seconds"] = sum(graphs.compile_s.values())
+        traffic = engine.expert_traffic
+        if traffic is not None and traffic.pairs_per_rank:
+            fields["expert_tokens"] = traffic.tokens
+            fields["expert_pairs_busiest_rank"] = max(traffic.pairs_per_rank)
+            fields["expert_pairs_mean_rank"] = sum(traffic.pairs_per_rank) // traffic.size
+            fields["expert_bytes_sent"] = traffic.bytes_sent
         if engine.kv_tiers is not None:
             stats = engine.kv_tiers.stats
             for tier in ("host", "disk"):

@@ -130,6 +130,13 @@ class RouterMetrics:
             "worker",
             "pool",
         )
+        self.expert_load_imbalance = gauge(
+            "pdserve_expert_load_imbalance",
+            "Expert parallelism: the (token, expert) pairs of the busiest rank's experts over a rank's mean, since the "
+            "worker started (1.0: even; the counts are pdserve_worker_total{key=expert_*})",
+            "worker",
+            "pool",
+        )
         self.worker_revivals = counter("pdserve_worker_revivals", "Workers marked dead that were heard from again")
         # prefix-aware routing, per pool: the predicted prefix hit rate is matched / routed prompt tokens
         self.routing_decisions = counter(
@@ -213,6 +220,8 @@ class RouterMetrics:
         degraded.set(1 if stats.degraded else 0)
         if counters.spec_verify_steps:  # only workers that verified proposals show it (no 0 for "none")
             self.spec_mean_accepted_length.labels(stats.worker, stats.role).set(counters.spec_mean_accepted_length)
+        if counters.expert_pairs_mean_rank:  # only workers whose experts are split
+            self.expert_load_imbalance.labels(stats.worker, stats.role).set(counters.expert_load_imbalance)
 
     def render(self) -> bytes:
         if not self.multiprocess:

@@ -1,0 +1,78 @@
+"""Expert parallelism behind the real router and API: ``pools.<pool>.expert_parallel_size`` splits a mixture of
+experts' routed experts over the worker's tensor-parallel ranks, and each phase may take its own layout (the KV moves
+by heads whatever the experts' layout). Token-exact against one rank within 1e-4 per chosen token's logprob, and the
+worker's expert traffic in ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ConfigError
+from engine.tiny_model import build_tiny_model
+from tests.cluster.run.test_tensor_parallel_pools import LOGPROB_TOLERANCE, PROMPTS, _complete, _same_tokens_gap
+from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv_free, wait_until
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral")
+
+
+def _pool(tp: int, ep: int) -> dict:
+    return {"replicas": 1, "torch_threads": 1, "kv_blocks": 96, "tensor_parallel_size": tp, "expert_parallel_size": ep}
+
+
+def _serve(config) -> tuple[dict, dict[str, float | None]]:
+    """Each prompt's text and logprobs, and each pool's expert load imbalance as ``/metrics`` shows it."""
+    from cluster.run.launch import start_serving
+
+    handle = start_serving(config, in_process=True)
+    try:
+        outputs = {p: _complete(handle, p) for p in PROMPTS}
+        wait_all_kv_free(handle.base_url)
+        assert not handle.router.flows
+        imbalance: dict[str, float | None] = {}
+        for record in handle.pools.workers:
+            name, pool = record.name, record.name.split("-")[0]
+
+            def shown(name: str = name, pool: str = pool) -> float | None:
+                return metric_value(handle.base_url, "pdserve_expert_load_imbalance", worker=name, pool=pool)
+
+            if getattr(config.pools, pool).expert_parallel_size > 1:
+                wait_until(lambda: shown() is not None, 10)  # the first heartbeat after the requests
+            imbalance[pool] = shown()
+    finally:
+        handle.stop()
+    return outputs, imbalance
+
+
+def test_prefill_with_its_experts_split_hands_off_to_a_one_rank_decode_and_serves_what_one_rank_does(
+    tiny_mixtral_path,
+):
+    one, _ = _serve(
+        tiny_cluster_config(
+            tiny_mixtral_path, mode="colocated", pools={"prefill": {"replicas": 0}, "decode": _pool(1, 1)}
+        )
+    )
+    config = tiny_cluster_config(
+        tiny_mixtral_path,
+        pools={"prefill": _pool(2, 2), "decode": _pool(1, 1)},
+        transfer={"backend": "zmq", "deadline_s": 20, "lease_s": 20},
+        router={"port": 0, "local_prefill_max_tokens": 0},  # every prompt through the prefill worker
+    )
+    split, imbalance = _serve(config)
+    gap = _same_tokens_gap(one, split)
+    print(f"prefill (tensor 2, expert 2) -> decode (1, 1): largest logprob gap {gap:.3g}; imbalance {imbalance}")
+    assert gap < LOGPROB_TOLERANCE
+    assert imbalance["prefill"] is not None and imbalance["prefill"] >= 1.0  # the busiest rank over the mean
+    assert imbalance["decode"] is None  # whole experts: the gauge is not shown
+
+
+def test_an_expert_degree_the_model_cannot_take_is_a_config_error(tiny_mixtral_path, tiny_llama_path):
+    from cluster.run.launch import start_serving
+
+    with pytest.raises(ValueError, match="expert_parallel_size 2: .* 1 or tensor_parallel_size"):
+        tiny_cluster_config(tiny_mixtral_path, pools={"decode": _pool(1, 2)})
+    with pytest.raises(ConfigError, match=r"pools\.decode\.expert_parallel_size: .*no routed experts"):
+        start_serving(tiny_cluster_config(tiny_llama_path, pools={"decode": _pool(2, 2)}), in_process=True)

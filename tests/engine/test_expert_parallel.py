@@ -1,0 +1,116 @@
+"""Expert parallelism on the CPU over gloo: a mixture of experts' routed experts split over a tensor-parallel worker's
+ranks, each rank reading only its experts from the checkpoint, tokens exchanged by all-to-all (eager) or the other
+ranks' experts masked and summed (compiled).
+
+Exactness: the experts' outputs are weighted and summed per token in another order than one rank's, and attention's
+partial sums are added by an all-reduce, so outputs are compared token for token and the chosen tokens' logprobs
+within 1e-4 (the largest gap is printed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.tiny_model import build_tiny_model
+from engine.tp_shard import check_degree, checkpoint_layout
+from tests.engine.test_tensor_parallel import PROMPTS, _compare, run_ranks
+
+
+def _moe_config(arch: str, **fields):
+    from transformers import AutoConfig
+
+    from engine.tiny_model import TINY_ARCHITECTURES
+
+    model_type, family = TINY_ARCHITECTURES[arch]
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3}
+    return AutoConfig.for_model(model_type, **(family | shape | fields))
+
+
+@pytest.mark.parametrize(
+    ("arch", "expert_size"),
+    [
+        ("mixtral", 2),  # experts stored one by one (w1, w3 fused into gate_up_proj), block_sparse_moe renamed
+        pytest.param("qwen3_moe", 2, marks=pytest.mark.e2e),  # `make test-e2e`: the same path, another family
+        pytest.param("mixtral", 1, marks=pytest.mark.e2e),  # attention split, every expert on both ranks
+    ],
+)
+def test_two_ranks_with_the_experts_split_generate_what_one_does(arch, expert_size, tmp_path):
+    model = build_tiny_model(tmp_path, arch=arch)
+    run = {"prompts": PROMPTS, "max_tokens": 12}
+    one = run_ranks(1, model, **run)[0]
+    two = run_ranks(2, model, **run, expert_parallel_size=expert_size)
+    _compare(one, two[0])  # same tokens, logprobs within the tolerance; every rank checked its own leaks
+    traffic = two[0]["expert_traffic"]
+    if expert_size == 1:
+        assert traffic is None  # whole experts on every rank: nothing is dispatched
+        return
+    prompt_tokens = sum(len(p.encode()) + 1 for p in PROMPTS)  # the byte tokenizer's ids, and its BOS
+    assert traffic["tokens"] >= prompt_tokens
+    # top-2 of 4 experts in each of the tiny model's 3 layers: every pair counted once, on the rank of its expert
+    assert sum(traffic["pairs_per_rank"]) == 2 * 3 * traffic["tokens"]
+    assert traffic["bytes_sent_per_token"] > 0 and traffic["load_imbalance"] >= 1.0
+    print(f"{arch} at expert degree 2: {traffic}")
+
+
+@pytest.mark.e2e  # long (the compiled step of two ranks): `make test-e2e`
+def test_the_compiled_decode_step_masks_the_other_ranks_experts_and_stays_exact(tmp_path):
+    model = build_tiny_model(tmp_path, arch="mixtral")
+    run = {"prompts": PROMPTS, "max_tokens": 12}
+    one = run_ranks(1, model, **run)[0]
+    two = run_ranks(2, model, **run, expert_parallel_size=2, compile_decode_batches=[1, 2, 4])
+    _compare(one, two[0])
+    assert two[0]["static"] > 0  # decode steps ran on the compiled step, its experts masked and all-reduced
+
+
+def test_an_expert_degree_the_model_cannot_take_names_the_field():
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"expert_parallel_size 2: .* 1 or tensor_parallel_size \(1\)"):
+        EngineConfig(model="m", expert_parallel_size=2)
+    dense = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="expert_parallel_size 2: model type 'llama': the model has no routed experts"):
+        check_degree(dense, 2, 2)
+    six = _moe_config("mixtral", num_local_experts=6)
+    with pytest.raises(ValueError, match="does not divide the model's 6 experts"):
+        check_degree(six, 4, 4)
+    check_degree(six, 2, 2)  # 3 experts a rank
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_families_whose_attention_the_plan_does_not_cut_by_heads_are_refused_with_their_experts(arch):
+    """The experts ride on the tensor-parallel ranks, so a family refused at tensor degree 2 (latent attention, an
+    embedding cut by rows) is refused at expert degree 2 too, naming the entry."""
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 2: model type '{arch}'"):
+        check_degree(_moe_config(arch), 2, 2)
+
+
+def test_experts_stored_one_by_one_map_to_the_fused_weight_and_their_part():
+    mixtral = checkpoint_layout("mixtral")
+    name = mixtral.rename("model.layers.3.block_sparse_moe.experts.5.w3.weight")
+    assert name == "model.layers.3.mlp.experts.5.w3.weight"
+    assert mixtral.fused(name) == ("model.layers.3.mlp.experts.gate_up_proj", 1, 5)  # w3 (up) after w1 (gate)
+    assert mixtral.fused("model.layers.3.mlp.experts.5.w2.weight") == ("model.layers.3.mlp.experts.down_proj", 0, 5)
+    assert mixtral.fused("model.layers.3.mlp.gate.weight") is None  # the router, stored as the model has it
+    qwen = checkpoint_layout("qwen3_moe")
+    assert qwen.fused("model.layers.0.mlp.experts.2.gate_proj.weight") == (
+        "model.layers.0.mlp.experts.gate_up_proj",
+        0,
+        2,
+    )
+
+
+def test_a_checkpoint_conversion_of_another_kind_is_refused_by_name(monkeypatch):
+    import transformers.conversion_mapping as mapping
+
+    class Chunk:
+        dim = 0
+
+    class WeightConverter:
+        source_patterns = ["mlp.gate_up_proj.weight"]
+        target_patterns = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+        operations = [Chunk()]
+
+    monkeypatch.setattr(mapping, "get_checkpoint_conversion_mapping", lambda model_type: [WeightConverter()])
+    with pytest.raises(ValueError, match=r"model type 'x': transformers converts .*WeightConverter.*'Chunk', 0"):
+        checkpoint_layout("x")
