@@ -40,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="ranks per worker (pools.<pool>.tensor_parallel_size): the figures are then one rank's GPU (default 1)",
     )
+    parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        metavar="E",
+        help="a mixture of experts' routed experts split over those ranks (pools.<pool>.expert_parallel_size: 1 or "
+        "N); at 1 every rank holds every routed expert, whole",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -78,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--model: {exc}") from None
     try:
-        shape.rank_shape(args.tensor_parallel_size)  # the model splits that many ways
+        shape.rank_shape(args.tensor_parallel_size, args.expert_parallel_size)  # the model splits that many ways
     except ValueError as exc:
-        raise ValueError(f"--tensor-parallel-size: {exc}") from None
+        flag = "--expert-parallel-size" if str(exc).startswith("expert") else "--tensor-parallel-size"
+        raise ValueError(f"{flag}: {exc}") from None
     sizing = size_kv(
         shape,
         dtype,
@@ -89,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         context_tokens=args.context,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
     )
     print(json.dumps(sizing.to_dict()) if args.json else format_table(sizing))
     return 0

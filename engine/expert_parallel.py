@@ -115,6 +115,7 @@ class ExpertTraffic:
         mean = sum(pairs) / len(pairs)
         return {
             "expert_parallel_size": self.size,
+            "moe_layers": self.moe_layers,
             "tokens": tokens,
             "pairs_per_rank": pairs,
             "bytes_sent_per_token": round(self.bytes_sent / tokens) if tokens else 0,
@@ -185,8 +186,11 @@ class ExpertParallel(torch.nn.Module):
         return out.to(hidden.dtype)
 
 
-def expert_traffic(model: torch.nn.Module) -> ExpertTraffic | None:
-    """The traffic counters the model's expert-parallel layers share (None: its experts are whole)."""
+def expert_traffic(model: Any) -> ExpertTraffic | None:
+    """The traffic counters the model's expert-parallel layers share (None: its experts are whole, or the model is
+    the planner's stand-in, which computes nothing)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
     for module in model.modules():
         if isinstance(module, ExpertParallel):
             return module.traffic

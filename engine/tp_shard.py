@@ -20,12 +20,19 @@ from typing import Any, cast
 
 import torch
 
+from engine.blocks import kv_shape_from_config
 from engine.expert_parallel import ExpertParallel, ExpertSplit, ExpertTraffic, ep_plan, routed_experts
 from engine.tensor_parallel import HeadSplit, RowParallel, TPGroup, head_split
 
 CUT_STYLES = ("colwise", "rowwise")
-REPLICATED_STYLES = ("replicated_with_grad_allreduce",)  # whole on every rank (its gradient all-reduced in training)
+# whole on every rank (in training their gradients are all-reduced): per-head norms, and latent attention's down
+# projection to the latent row, which every rank caches whole (the one KV "head" that all its q heads read)
+REPLICATED_STYLES = ("replicated_with_grad_allreduce", "mla_kv_a_proj")
 HEAD_CUTS = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+# latent attention (DeepSeek): the query (q_proj, or q_b_proj after a low-rank q_a_proj) and the latent's up
+# projection kv_b_proj by heads, o_proj by rows
+LATENT_HEAD_CUTS = {"kv_b_proj": "colwise", "o_proj": "rowwise"}
+PER_Q_HEAD = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")  # widths cut in runs of the rank's query heads
 MLP_WIDTHS = ("gate_proj", "up_proj", "down_proj")  # cut in slices of intermediate_size
 
 
@@ -44,12 +51,22 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
             )
     checkpoint_layout(hf_config.model_type, where)  # a conversion pdserve cannot do is refused here
     attention = {p.rsplit(".", 1)[-1]: style for p, style in plan.items() if ".self_attn." in p}
-    if any(attention.get(name) != style for name, style in HEAD_CUTS.items()):
+    if "kv_b_proj" in attention:  # latent attention: the query by heads, whichever projection ends in them
+        q_leaf = "q_b_proj" if getattr(hf_config, "q_lora_rank", None) else "q_proj"
+        cuts, named = LATENT_HEAD_CUTS | {q_leaf: "colwise"}, f"{q_leaf} and kv_b_proj"
+    else:
+        cuts, named = HEAD_CUTS, "q_proj, k_proj and v_proj"
+    if any(attention.get(name) != style for name, style in cuts.items()):
         raise ValueError(
-            f"{where}: its tensor-parallel plan does not cut q_proj, k_proj and v_proj by heads and o_proj by rows "
+            f"{where}: its tensor-parallel plan does not cut {named} by heads and o_proj by rows "
             f"({plan or 'the config has no plan'}); serve it on one rank"
         )
     return plan
+
+
+def cache_kv_heads(hf_config: Any) -> int:
+    """The KV heads the engine caches (one latent row for latent attention), as its probe finds them."""
+    return kv_shape_from_config(hf_config.to_dict())[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +136,7 @@ def check_degree(hf_config: Any, size: int, expert_size: int = 1) -> None:
     if size == 1:
         return
     plan = tp_plan(hf_config, size)
-    head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
+    head_split(hf_config.num_attention_heads, cache_kv_heads(hf_config), size, 0)
     cuts_mlp = any(p.rsplit(".", 1)[-1] in MLP_WIDTHS for p in plan)
     if cuts_mlp and hf_config.intermediate_size % size:
         raise ValueError(
@@ -150,7 +167,7 @@ class ShardPlan:
 
 def _span(leaf: str, width: int, hf_config: Any, split: HeadSplit) -> tuple[int, int]:
     """This rank's part of a cut dimension of ``width``: its q heads (q, o), its KV heads (k, v), else 1/N."""
-    if leaf in ("q_proj", "o_proj"):
+    if leaf in PER_Q_HEAD:
         per_head = width // hf_config.num_attention_heads
         return split.q_start * per_head, (split.q_start + split.q_heads) * per_head
     if leaf in ("k_proj", "v_proj"):
@@ -244,7 +261,7 @@ def load_shard(
 
     config = AutoConfig.from_pretrained(path)
     check_degree(config, group.size, expert_size)
-    split = head_split(config.num_attention_heads, config.num_key_value_heads, group.size, group.rank)
+    split = head_split(config.num_attention_heads, cache_kv_heads(config), group.size, group.rank)
     experts = ExpertSplit(group.rank, expert_size, routed_experts(config)) if expert_size > 1 else None
     layout = checkpoint_layout(config.model_type)
     with torch.device("meta"):

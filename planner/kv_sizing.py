@@ -216,6 +216,7 @@ class ModelShape:
     shared_intermediate_size: int = 0
     moe_layers: int = 0
     expert_bias: bool = False  # gpt-oss: every expert projection and the router carry a bias
+    expert_parallel_size: int = 1  # a rank's shape (``rank_shape``): 1/E of the routed experts, whole
     # multi-head latent attention (DeepSeek): its projections instead of q, k and v (kv_lora_rank 0: none)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -260,15 +261,16 @@ class ModelShape:
         """Weights of a SwiGLU decoder with this shape, as transformers builds it (Qwen2's q/k/v biases, Qwen3's q/k
         norms, any ``attention_bias`` / ``mlp_bias``, every routed and shared expert and the routers included; the LM
         head unless tied): what a replica holds."""
-        return self._count(self.routed_experts)
+        return self._count(self.routed_experts / self.expert_parallel_size)
 
     @property
     def active_parameters(self) -> int:
         """The parameters one token's forward reads: a mixture of experts' routed experts only those it is routed to
-        (DeepSeek-V3: 37 B of 671 B); a dense model's all of them."""
-        return self._count(self.experts_per_token)
+        (DeepSeek-V3: 37 B of 671 B); a dense model's all of them. A rank of expert degree E computes 1/E of a
+        token's routed experts, on average."""
+        return self._count(self.experts_per_token / self.expert_parallel_size)
 
-    def _count(self, experts: int) -> int:
+    def _count(self, experts: float) -> int:
         hidden = self.hidden_size
         mlp = 3 * hidden * self.intermediate_size + (2 * self.intermediate_size + hidden) * self.mlp_bias
         norms = 4 if self.model_type in ("gemma2", "gemma3", "gemma3_text") else 2  # Gemma: before and after each
@@ -281,7 +283,7 @@ class ModelShape:
             router = (hidden + self.expert_bias) * self.routed_experts
             shared = 3 * hidden * self.shared_intermediate_size
             shared += hidden * (self.model_type == "qwen2_moe" and self.shared_intermediate_size > 0)  # its gate
-            total += self.moe_layers * (experts * expert + shared + router)
+            total += round(self.moe_layers * (experts * expert + shared + router))
         embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
         return total + embeddings + hidden
 
@@ -308,11 +310,23 @@ class ModelShape:
             attention += heads
         return attention
 
-    def rank_shape(self, tensor_parallel_size: int) -> ModelShape:
-        """What one of ``tensor_parallel_size`` ranks holds (engine.tensor_parallel): 1/N of the q heads and of the MLP,
-        its KV heads (one, replicated, when there are fewer than N), the embedding, LM head and norms whole; so its
-        ``parameters`` are one GPU's weights and its KV heads one GPU's KV. ValueError naming the degree when the
-        model does not split."""
+    def rank_shape(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> ModelShape:
+        """What one of ``tensor_parallel_size`` ranks holds (engine.tensor_parallel): 1/N of the q heads, of a dense
+        MLP and of the shared experts, its KV heads (one, replicated, when there are fewer than N; a latent row whole),
+        the embedding, LM head, norms and routers whole; the routed experts whole, 1/E of them at
+        ``expert_parallel_size`` E (engine.expert_parallel: the plans leave experts uncut). So its ``parameters`` are
+        one GPU's weights and its KV heads one GPU's KV. ValueError naming the degree when the model does not split."""
+        if expert_parallel_size not in (1, tensor_parallel_size):
+            raise ValueError(
+                f"expert_parallel_size {expert_parallel_size} is 1 or tensor_parallel_size ({tensor_parallel_size})"
+            )
+        if expert_parallel_size > 1 and not self.routed_experts:
+            raise ValueError(f"expert_parallel_size {expert_parallel_size}: the model has no routed experts to split")
+        if expert_parallel_size > 1 and self.routed_experts % expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size {expert_parallel_size} does not divide the model's {self.routed_experts} routed "
+                "experts"
+            )
         if tensor_parallel_size == 1:
             return self
         from engine.tensor_parallel import head_split
@@ -320,7 +334,6 @@ class ModelShape:
         split = head_split(self.num_attention_heads, self.num_kv_heads, tensor_parallel_size, 0)
         widths = {
             "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.expert_intermediate_size,
             "shared_expert_intermediate_size": self.shared_intermediate_size,
         }
         for name, width in widths.items():
@@ -333,8 +346,8 @@ class ModelShape:
             num_attention_heads=split.q_heads,
             num_kv_heads=split.kv_heads,
             intermediate_size=self.intermediate_size // tensor_parallel_size,
-            expert_intermediate_size=self.expert_intermediate_size // tensor_parallel_size,
             shared_intermediate_size=self.shared_intermediate_size // tensor_parallel_size,
+            expert_parallel_size=expert_parallel_size,
         )
 
 
@@ -441,6 +454,7 @@ class KVSizing:
     weight_bytes: int
     active_parameters: int  # per token: a mixture of experts' routed experts only those a token is routed to
     tensor_parallel_size: int = 1  # > 1: every figure above and below is one rank's (one GPU's), KV heads included
+    expert_parallel_size: int = 1  # > 1: that rank's weights hold 1/E of the routed experts
     gpu_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     usable_bytes: int | None = None  # gpu memory x utilization
@@ -468,10 +482,12 @@ def size_kv(
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     context_tokens: int | None = None,
     tensor_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> KVSizing:
-    """``tensor_parallel_size`` N: per GPU of a worker of N ranks (each holds the same tokens, its heads of them)."""
+    """``tensor_parallel_size`` N: per GPU of a worker of N ranks (each holds the same tokens, its heads of them),
+    ``expert_parallel_size`` E of them splitting the routed experts."""
     dtype = normalize_dtype(dtype)
-    shape = shape.rank_shape(tensor_parallel_size)
+    shape = shape.rank_shape(tensor_parallel_size, expert_parallel_size)
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
     dtype_bytes = DTYPE_BYTES[dtype]
@@ -520,6 +536,7 @@ def size_kv(
         weight_bytes=weight_bytes,
         active_parameters=shape.active_parameters,
         tensor_parallel_size=tensor_parallel_size,
+        expert_parallel_size=expert_parallel_size,
         **fields,
     )
 
@@ -556,7 +573,10 @@ def format_table(s: KVSizing) -> str:
         ),
     ]
     if s.tensor_parallel_size > 1:
-        rows.insert(0, ("per GPU", f"one of {s.tensor_parallel_size} tensor-parallel ranks: its KV heads, its weights"))
+        experts = f", 1/{s.expert_parallel_size} of the routed experts" if s.expert_parallel_size > 1 else ""
+        rows.insert(
+            0, ("per GPU", f"one of {s.tensor_parallel_size} tensor-parallel ranks: its KV heads, its weights{experts}")
+        )
     if s.gpu_memory_bytes is not None:
         rows += [
             (

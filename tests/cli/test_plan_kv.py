@@ -137,3 +137,24 @@ def test_a_degree_that_does_not_split_the_model_names_the_flag(capsys):
     assert "--tensor-parallel-size: tensor_parallel_size 3 does not divide the model's 64 attention heads" in (
         capsys.readouterr().err
     )
+
+
+def test_a_latent_mixture_of_experts_per_gpu_holds_the_whole_latent_and_its_share_of_the_experts(capsys):
+    """DeepSeek-V3 at tensor degree 8: each GPU caches the whole latent row (the same KV bytes per token as one
+    GPU), and holds every routed expert unless they are split 8 ways (expert degree 8)."""
+    args = ["--model", "deepseek-v3", "--dtype", "bf16", "--tensor-parallel-size", "8"]
+    one = _json(capsys, "--model", "deepseek-v3", "--dtype", "bf16")
+    whole = _json(capsys, *args)
+    split = _json(capsys, *args, "--expert-parallel-size", "8")
+    assert one["kv_bytes_per_token"] == whole["kv_bytes_per_token"] == split["kv_bytes_per_token"] == 70_272
+    routed = 58 * 256 * 3 * 7168 * 2048  # MoE layers x routed experts x (gate, up, down) x hidden x expert width
+    assert whole["parameters"] - split["parameters"] == routed * 7 // 8
+    assert split["expert_parallel_size"] == 8 and split["parameters"] < one["parameters"] / 7
+
+
+def test_an_expert_degree_the_model_cannot_take_names_the_flag(capsys):
+    argv = ["plan", "kv", "--model", "llama-3.1-70b", "--dtype", "bf16", "--tensor-parallel-size", "2"]
+    assert main([*argv, "--expert-parallel-size", "2"]) == 2
+    assert "--expert-parallel-size: expert_parallel_size 2: the model has no routed experts to split" in (
+        capsys.readouterr().err
+    )

@@ -14,6 +14,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.tiny_model import build_tiny_model
 from engine.tp_shard import check_degree, checkpoint_layout
+from planner.kv_sizing import load_shape
 from tests.engine.test_tensor_parallel import PROMPTS, _compare, run_ranks
 
 
@@ -32,6 +33,7 @@ def _moe_config(arch: str, **fields):
     [
         ("mixtral", 2),  # experts stored one by one (w1, w3 fused into gate_up_proj), block_sparse_moe renamed
         pytest.param("qwen3_moe", 2, marks=pytest.mark.e2e),  # `make test-e2e`: the same path, another family
+        pytest.param("deepseek_v3", 2, marks=pytest.mark.e2e),  # shared experts cut by the tensor plan beside
         pytest.param("mixtral", 1, marks=pytest.mark.e2e),  # attention split, every expert on both ranks
     ],
 )
@@ -41,14 +43,18 @@ def test_two_ranks_with_the_experts_split_generate_what_one_does(arch, expert_si
     one = run_ranks(1, model, **run)[0]
     two = run_ranks(2, model, **run, expert_parallel_size=expert_size)
     _compare(one, two[0])  # same tokens, logprobs within the tolerance; every rank checked its own leaks
+    # the planner's count of one rank's weights (pdserve plan kv --tensor-parallel-size 2 --expert-parallel-size E)
+    assert two[0]["parameters"] == load_shape(str(model)).rank_shape(2, expert_size).parameters
     traffic = two[0]["expert_traffic"]
     if expert_size == 1:
         assert traffic is None  # whole experts on every rank: nothing is dispatched
         return
     prompt_tokens = sum(len(p.encode()) + 1 for p in PROMPTS)  # the byte tokenizer's ids, and its BOS
     assert traffic["tokens"] >= prompt_tokens
-    # top-2 of 4 experts in each of the tiny model's 3 layers: every pair counted once, on the rank of its expert
-    assert sum(traffic["pairs_per_rank"]) == 2 * 3 * traffic["tokens"]
+    # top-2 of 4 experts in each mixture-of-experts layer (DeepSeek's first is dense): every pair counted once, on
+    # the rank of its expert
+    assert traffic["moe_layers"] == (2 if arch == "deepseek_v3" else 3)
+    assert sum(traffic["pairs_per_rank"]) == 2 * traffic["moe_layers"] * traffic["tokens"]
     assert traffic["bytes_sent_per_token"] > 0 and traffic["load_imbalance"] >= 1.0
     print(f"{arch} at expert degree 2: {traffic}")
 
@@ -77,12 +83,11 @@ def test_an_expert_degree_the_model_cannot_take_names_the_field():
     check_degree(six, 2, 2)  # 3 experts a rank
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
-def test_families_whose_attention_the_plan_does_not_cut_by_heads_are_refused_with_their_experts(arch):
-    """The experts ride on the tensor-parallel ranks, so a family refused at tensor degree 2 (latent attention, an
-    embedding cut by rows) is refused at expert degree 2 too, naming the entry."""
-    with pytest.raises(ValueError, match=f"tensor_parallel_size 2: model type '{arch}'"):
-        check_degree(_moe_config(arch), 2, 2)
+def test_a_family_whose_attention_the_plan_does_not_cut_by_heads_is_refused_with_its_experts():
+    """The experts ride on the tensor-parallel ranks, so gpt-oss, refused at tensor degree 2 (its plan cuts only the
+    embedding, by rows), is refused at expert degree 2 too, naming the entry."""
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: model type 'gpt_oss'.*embedding_rowwise"):
+        check_degree(_moe_config("gpt_oss"), 2, 2)
 
 
 def test_experts_stored_one_by_one_map_to_the_fused_weight_and_their_part():

@@ -133,6 +133,7 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         "preemptions": preemptions,
         "static": static,
         "expert_traffic": traffic.summary() if traffic is not None else None,
+        "parameters": sum(p.numel() for p in engine.model.parameters()),  # this rank's shard
     }
 
 
@@ -244,11 +245,27 @@ def test_every_family_the_plan_cuts_gives_what_one_rank_does(arch, tmp_path):
     assert two[1]["ended"] == "stop"
 
 
+def test_latent_attention_splits_its_heads_and_every_rank_caches_the_whole_latent(tmp_path):
+    """DeepSeek-V3 by its plan: q_b_proj and kv_b_proj by heads, o_proj by rows, the shared experts and the dense
+    MLP in slices; kv_a_proj_with_mqa whole, so each rank caches the same latent row (one KV "head") and absorbs its
+    own heads' part of kv_b_proj. A hand-off takes the latent from one sender rank, once to each receiver rank."""
+    from engine.tensor_parallel import HandoffPart, handoff_parts
+    from engine.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path, arch="deepseek_v3")
+    run = {"prompts": PROMPTS, "max_tokens": 12, "max_batch_tokens": 16}  # chunked: context latents expanded too
+    one = run_ranks(1, model, **run)[0]
+    two = run_ranks(2, model, **run)
+    _compare(one, two[0])
+    assert one["kv_heads"] == two[0]["kv_heads"] == two[1]["kv_heads"] == 1
+    assert handoff_parts(4, 1, 2, 2) == [HandoffPart(0, 0, 0, 0, 1), HandoffPart(0, 1, 0, 0, 1)]
+    assert handoff_parts(4, 1, 2, 1) == [HandoffPart(0, 0, 0, 0, 1)]
+
+
 @pytest.mark.parametrize(
     "arch, entry",
     [
         ("phi3", "'layers.*.self_attn.qkv_proj': 'colwise_gather_output'"),  # fused q/k/v, split by its parts
-        ("deepseek_v3", "'layers.*.self_attn.kv_a_proj_with_mqa': 'mla_kv_a_proj'"),
         ("gpt_oss", "'embed_tokens': 'embedding_rowwise'"),
     ],
 )

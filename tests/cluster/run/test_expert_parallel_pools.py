@@ -15,8 +15,11 @@ from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv
 
 
 @pytest.fixture(scope="module")
-def tiny_mixtral_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral")
+def tiny_moe_paths(tmp_path_factory):
+    return {
+        arch: build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
+        for arch in ("mixtral", "deepseek_v3")
+    }
 
 
 def _pool(tp: int, ep: int) -> dict:
@@ -47,32 +50,42 @@ def _serve(config) -> tuple[dict, dict[str, float | None]]:
     return outputs, imbalance
 
 
-def test_prefill_with_its_experts_split_hands_off_to_a_one_rank_decode_and_serves_what_one_rank_does(
-    tiny_mixtral_path,
-):
+@pytest.mark.parametrize(
+    ("arch", "prefill", "decode"),
+    [
+        ("mixtral", (2, 2), (1, 1)),  # (tensor, expert) degrees
+        # latent attention: q and kv_b_proj cut by heads, every rank caching the whole latent row, which the one
+        # prefill rank sends once to each decode rank
+        ("deepseek_v3", (1, 1), (2, 2)),
+        pytest.param("deepseek_v3", (2, 2), (2, 1), marks=pytest.mark.e2e),  # the latent from rank 0 only
+    ],
+)
+def test_each_phase_takes_its_own_layout_and_serves_what_one_rank_does(tiny_moe_paths, arch, prefill, decode):
+    model = tiny_moe_paths[arch]
     one, _ = _serve(
-        tiny_cluster_config(
-            tiny_mixtral_path, mode="colocated", pools={"prefill": {"replicas": 0}, "decode": _pool(1, 1)}
-        )
+        tiny_cluster_config(model, mode="colocated", pools={"prefill": {"replicas": 0}, "decode": _pool(1, 1)})
     )
     config = tiny_cluster_config(
-        tiny_mixtral_path,
-        pools={"prefill": _pool(2, 2), "decode": _pool(1, 1)},
+        model,
+        pools={"prefill": _pool(*prefill), "decode": _pool(*decode)},
         transfer={"backend": "zmq", "deadline_s": 20, "lease_s": 20},
         router={"port": 0, "local_prefill_max_tokens": 0},  # every prompt through the prefill worker
     )
     split, imbalance = _serve(config)
     gap = _same_tokens_gap(one, split)
-    print(f"prefill (tensor 2, expert 2) -> decode (1, 1): largest logprob gap {gap:.3g}; imbalance {imbalance}")
+    print(f"{arch}: prefill {prefill} -> decode {decode}: largest logprob gap {gap:.3g}; imbalance {imbalance}")
     assert gap < LOGPROB_TOLERANCE
-    assert imbalance["prefill"] is not None and imbalance["prefill"] >= 1.0  # the busiest rank over the mean
-    assert imbalance["decode"] is None  # whole experts: the gauge is not shown
+    for pool, (_, experts) in (("prefill", prefill), ("decode", decode)):
+        if experts > 1:  # the busiest rank's pairs over the mean
+            assert imbalance[pool] is not None and imbalance[pool] >= 1.0
+        else:
+            assert imbalance[pool] is None  # whole experts: the gauge is not shown
 
 
-def test_an_expert_degree_the_model_cannot_take_is_a_config_error(tiny_mixtral_path, tiny_llama_path):
+def test_an_expert_degree_the_model_cannot_take_is_a_config_error(tiny_moe_paths, tiny_llama_path):
     from cluster.run.launch import start_serving
 
     with pytest.raises(ValueError, match="expert_parallel_size 2: .* 1 or tensor_parallel_size"):
-        tiny_cluster_config(tiny_mixtral_path, pools={"decode": _pool(1, 2)})
+        tiny_cluster_config(tiny_moe_paths["mixtral"], pools={"decode": _pool(1, 2)})
     with pytest.raises(ConfigError, match=r"pools\.decode\.expert_parallel_size: .*no routed experts"):
         start_serving(tiny_cluster_config(tiny_llama_path, pools={"decode": _pool(2, 2)}), in_process=True)
