@@ -54,7 +54,7 @@ def batch_latency_s(profile: Profile, batch: int, prompt: int, output: int) -> f
         prefill_max_batch_tokens=8192, decode_max_batch_tokens=8192, decode_max_num_seqs=256, hop_s=0.0
     )
     requests = [TraceRequest(0.0, prompt, output) for _ in range(batch)]
-    layout = Layout("colocated", 0, 1, decode_tp=profile.tensor_parallel_size)
+    layout = Layout("colocated", 0, 1, decode_tp=profile.tensor_parallel_size, decode_ep=profile.expert_parallel_size)
     return max(r.e2e_s for r in simulate(profile, requests, layout, settings))
 
 

@@ -175,8 +175,8 @@ def _shares_prefixes(workload) -> bool:
 def describe_profile(profiles) -> str:
     """One profile, or a set of them (one per tensor-parallel degree, of one model)."""
     one = getattr(profiles, "first", profiles)
-    degrees = getattr(profiles, "degrees", [one.tensor_parallel_size])
-    at = f", tensor-parallel degree {'/'.join(map(str, degrees))}" if degrees != [1] else ""
+    degrees = getattr(profiles, "degrees", [one.degree])
+    at = f", degrees {'/'.join(d.label for d in degrees)}" if [tuple(d) for d in degrees] != [(1, 1)] else ""
     when = "estimated" if one.backend == "estimate" else "measured"  # planner/roofline.py: no GPU was run
     backend = "" if one.backend == "estimate" else f" ({one.backend})"
     return f"profile {one.model} {one.dtype} on {one.device}{backend}{at}, {when} {one.date}"
@@ -277,7 +277,10 @@ def _as_json(results, chosen, profiles, args, devices: int, ttft_s: float, tpot_
     return {
         "simulated": True,
         "profile": {k: getattr(profile, k) for k in ("model", "dtype", "device", "backend", "date")}
-        | {"tensor_parallel_sizes": profiles.degrees},
+        | {
+            "tensor_parallel_sizes": sorted({d.tensor for d in profiles.degrees}),
+            "degrees": [{"tensor": d.tensor, "expert": d.expert} for d in profiles.degrees],
+        },
         "workload": args.workload,
         "workers": devices,
         "min_duration_s": args.min_duration,
@@ -290,6 +293,8 @@ def _as_json(results, chosen, profiles, args, devices: int, ttft_s: float, tpot_
                 "decode": r.layout.decode,
                 "prefill_tensor_parallel_size": r.layout.prefill_tp,
                 "decode_tensor_parallel_size": r.layout.decode_tp,
+                "prefill_expert_parallel_size": r.layout.prefill_ep,
+                "decode_expert_parallel_size": r.layout.decode_ep,
                 "devices": r.layout.devices,
                 "goodput_rps": r.goodput.rate,
                 "attainment": r.goodput.attainment,
@@ -309,20 +314,23 @@ def _plot(results, path: str, label: str, workload: str, ttft_s: float, tpot_s: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from planner.profile_model import Degree
+
     devices = max(r.layout.devices for r in results)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    pairs = sorted({(r.layout.prefill_tp, r.layout.decode_tp) for r in results if r.layout.mode == "disaggregated"})
+
+    def degrees(r) -> tuple:
+        return (r.layout.prefill_degree, r.layout.decode_degree)
+
+    pairs = sorted({degrees(r) for r in results if r.layout.mode == "disaggregated"})
     colocated = [r for r in results if r.layout.mode == "colocated"]
-    only_degree_1 = pairs in ([], [(1, 1)]) and all(r.layout.decode_tp == 1 for r in colocated)
-    for i, (prefill_tp, decode_tp) in enumerate(pairs):  # the load-test plots' colors: colocated C0, split C1...
-        split = [
-            r
-            for r in results
-            if r.layout.mode == "disaggregated" and (r.layout.prefill_tp, r.layout.decode_tp) == (prefill_tp, decode_tp)
-        ]
-        name = "disaggregated P:D" if only_degree_1 else f"P tp{prefill_tp} : D tp{decode_tp}"
+    one = (Degree(), Degree())
+    only_degree_1 = pairs in ([], [one]) and all(r.layout.decode_degree == Degree() for r in colocated)
+    for i, (prefill, decode) in enumerate(pairs):  # the load-test plots' colors: colocated C0, split C1...
+        split = [r for r in results if r.layout.mode == "disaggregated" and degrees(r) == (prefill, decode)]
+        name = "disaggregated P:D" if only_degree_1 else f"P {prefill.label} : D {decode.label}"
         ax.plot(
-            [r.layout.prefill * prefill_tp for r in split],
+            [r.layout.prefill * prefill.tensor for r in split],
             [r.goodput.rate for r in split],
             "o-",
             color=f"C{1 + i}",

@@ -334,9 +334,22 @@ def _layout(config):
     pools = config.pools
     prefill, decode = pools.prefill.replicas, pools.decode.replicas
     if config.mode == "colocated":  # both pools' workers serve whole requests; the simulator gives them one degree
-        return Layout("colocated", 0, prefill + decode, decode_tp=pools.decode.tensor_parallel_size)
+        degree = pools.decode
+        return Layout(
+            "colocated",
+            0,
+            prefill + decode,
+            decode_tp=degree.tensor_parallel_size,
+            decode_ep=degree.expert_parallel_size,
+        )
     return Layout(
-        "disaggregated", prefill, decode, pools.prefill.tensor_parallel_size, pools.decode.tensor_parallel_size
+        "disaggregated",
+        prefill,
+        decode,
+        pools.prefill.tensor_parallel_size,
+        pools.decode.tensor_parallel_size,
+        pools.prefill.expert_parallel_size,
+        pools.decode.expert_parallel_size,
     )
 
 

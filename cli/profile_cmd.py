@@ -25,6 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "profile per degree",
     )
     parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=None,
+        metavar="E",
+        help="split a mixture of experts' routed experts E ways over those ranks (1 or N; default: the pools' own); "
+        "`pdserve plan` reads one profile per (tensor, expert) degree",
+    )
+    parser.add_argument(
         "--roofline",
         default=None,
         metavar="GPU",
@@ -55,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
     )
     profile.save(args.out)
     summary = (
         f"wrote {args.out}: {profile.model} ({profile.dtype}) on {profile.device}, tensor_parallel_size "
-        f"{profile.tensor_parallel_size}, backend {profile.backend}, "
+        f"{profile.tensor_parallel_size}, expert_parallel_size {profile.expert_parallel_size}, backend {profile.backend}, "
         f"{len(profile.prefill_points)} prefill / {len(profile.decode_points)} decode / "
         f"{len(profile.transfer_points)} transfer points\n{profile.notes}"
     )
@@ -73,4 +82,12 @@ def _roofline(args: argparse.Namespace):
 
     if args.model is None:
         raise ValueError("--roofline needs --model (a preset such as llama-3.1-8b, or a model folder)")
-    return roofline_profile(load_shape(args.model), args.roofline, args.dtype, args.tensor_parallel_size or 1)
+    tp = args.tensor_parallel_size or 1
+    try:
+        load_shape(args.model).rank_shape(tp, args.expert_parallel_size or 1)
+    except ValueError as exc:
+        flag = "--expert-parallel-size" if str(exc).startswith("expert") else "--tensor-parallel-size"
+        raise ValueError(f"{flag}: {exc}") from None
+    return roofline_profile(
+        load_shape(args.model), args.roofline, args.dtype, tp, expert_parallel_size=args.expert_parallel_size or 1
+    )

@@ -93,8 +93,8 @@ def layout_goodput(
     bracket takes few doublings. ``min_duration_s``: each probe's trace spans at least this long."""
     if start is None:
         profiles = as_profile_set(profile)
-        prefill = profiles.at(layout.prefill_tp if layout.mode == "disaggregated" else layout.decode_tp)
-        decode = profiles.at(layout.decode_tp)
+        prefill = profiles.at(layout.prefill_degree if layout.mode == "disaggregated" else layout.decode_degree)
+        decode = profiles.at(layout.decode_degree)
         per_request = prefill.prefill_s(int(workload.mean_input)) + workload.mean_output * decode.decode_step_s(
             1, int(workload.mean_input + workload.mean_output / 2)
         )

@@ -6,7 +6,8 @@ so it records what it was measured on next to the points. The simulator asks onl
 - ``prefill_s(tokens, context)``: one forward over ``tokens`` new prompt tokens after ``context`` cached ones;
 - ``decode_step_s(batch, context_tokens)``: one decode step for ``batch`` requests holding that much KV in total;
 - ``transfer_s(num_bytes)``: one request's KV from a prefill to a decode worker.
-A profile is one tensor-parallel degree's; ``ProfileSet`` holds one per degree for a plan that searches degrees.
+A profile is one worker layout's (its tensor degree, and its expert degree: the ways its routed experts are split over
+those ranks); ``ProfileSet`` holds one per layout for a plan that searches them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,23 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 PROFILE_VERSION = 1
+
+
+class Degree(NamedTuple):
+    """A worker's parallel layout: its ranks (``tensor_parallel_size``) and the ways its routed experts are split
+    over them (``expert_parallel_size``: 1, or the same as the ranks)."""
+
+    tensor: int = 1
+    expert: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"tp{self.tensor}" + (f" ep{self.expert}" if self.expert > 1 else "")
+
+
 # the fits' features (``feature_value``): what a step's or a transfer's time is linear in
 PREFILL_FEATURES = ["1", "tokens", "tokens*context", "tokens*tokens"]
 DECODE_FEATURES = ["1", "batch", "context_tokens"]
@@ -81,6 +97,7 @@ class Profile:
     notes: str = ""  # how it was measured (threads, repeats), shown with every plan made from it
     version: int = PROFILE_VERSION
     tensor_parallel_size: int = 1  # ranks of the measured worker; its step times are the whole worker's
+    expert_parallel_size: int = 1  # the ways its routed experts were split over those ranks
     num_kv_heads: int = 0  # the model's (0: not recorded); a tensor-parallel rank holds its share of them
     kv_blocks: int = 0  # KV blocks the measured worker's engine got (0: not recorded); a GPU pool's from free memory
 
@@ -114,19 +131,24 @@ class Profile:
             data[name] = Fit(**data[name]) if data.get(name) else None
         return cls(**data)
 
+    @property
+    def degree(self) -> Degree:
+        return Degree(self.tensor_parallel_size, self.expert_parallel_size)
+
 
 @dataclass(slots=True)
 class ProfileSet:
-    """One profile per tensor-parallel degree of one model, dtype and block size: what a degree search reads."""
+    """One profile per worker layout (tensor and expert degree) of one model, dtype and block size: what a search
+    over layouts reads."""
 
-    by_degree: dict[int, Profile]
+    by_degree: dict[Degree, Profile]
 
     @classmethod
     def of(cls, profiles: list[Profile]) -> ProfileSet:
         if not profiles:
             raise ValueError("--profile: at least one profile is needed")
         first = profiles[0]
-        by_degree: dict[int, Profile] = {}
+        by_degree: dict[Degree, Profile] = {}
         for profile in profiles:
             for name in ("model", "dtype", "block_size", "kv_bytes_per_token"):
                 if getattr(profile, name) != getattr(first, name):
@@ -134,25 +156,30 @@ class ProfileSet:
                         f"--profile: the profiles differ in {name} ({getattr(first, name)!r} and "
                         f"{getattr(profile, name)!r}): a plan compares degrees of one model and KV layout"
                     )
-            if profile.tensor_parallel_size in by_degree:
-                raise ValueError(f"--profile: two profiles of tensor_parallel_size {profile.tensor_parallel_size}")
-            by_degree[profile.tensor_parallel_size] = profile
+            if profile.degree in by_degree:
+                raise ValueError(
+                    f"--profile: two profiles of tensor_parallel_size {profile.tensor_parallel_size}, "
+                    f"expert_parallel_size {profile.expert_parallel_size}"
+                )
+            by_degree[profile.degree] = profile
         return cls(dict(sorted(by_degree.items())))
 
     @property
-    def degrees(self) -> list[int]:
+    def degrees(self) -> list[Degree]:
         return list(self.by_degree)
 
-    def at(self, degree: int) -> Profile:
+    def at(self, degree: Degree) -> Profile:
         if degree not in self.by_degree:
-            raise ValueError(f"no profile of tensor_parallel_size {degree} (profiled: {self.degrees})")
+            profiled = ", ".join(d.label for d in self.degrees)
+            raise ValueError(f"no profile of {degree.label} (profiled: {profiled})")
         return self.by_degree[degree]
 
     def transfer_s(self, num_bytes: int, decode_degree: int = 1) -> float:
         """One request's whole KV into a decode worker of ``decode_degree``, each of whose ranks takes its own heads
         at once (the fit maps the whole request's bytes to the time of one rank's share): by that degree's transfer
         fit, else by the lowest degree's that has one (0 if none does: a colocated profile)."""
-        candidates = [self.by_degree.get(decode_degree), *self.by_degree.values()]
+        same = [p for d, p in self.by_degree.items() if d.tensor == decode_degree]
+        candidates = [*same, *self.by_degree.values()]
         fitted = next((p for p in candidates if p is not None and p.transfer_fit is not None), None)
         return 0.0 if fitted is None else fitted.transfer_s(num_bytes)
 

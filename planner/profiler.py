@@ -130,29 +130,46 @@ def decode_grid(decode: LLMEngine, quick: bool, transfers: bool) -> DecodeGrid:
 # ---- the engines -------------------------------------------------------------------------------------------------
 
 
-def pool_specs(config: ClusterConfig, tensor_parallel_size: int | None = None) -> tuple[WorkerSpec, WorkerSpec]:
-    """The (prefill, decode) workers' specs as their processes resolve them, at ``tensor_parallel_size`` (default:
-    the pools' own, which must then agree: a profile is one degree's); colocated: one pool stands for both."""
+def pool_specs(
+    config: ClusterConfig, tensor_parallel_size: int | None = None, expert_parallel_size: int | None = None
+) -> tuple[WorkerSpec, WorkerSpec]:
+    """The (prefill, decode) workers' specs as their processes resolve them, at ``tensor_parallel_size`` and
+    ``expert_parallel_size`` (default: the pools' own, which must then agree: a profile is one degree's); colocated:
+    one pool stands for both."""
     model_path = str(resolve_model_path(config.model.name))
-    if tensor_parallel_size is not None:
+    if tensor_parallel_size is not None or expert_parallel_size is not None:
+        degree = {
+            name: value
+            for name, value in (
+                ("tensor_parallel_size", tensor_parallel_size),
+                ("expert_parallel_size", expert_parallel_size or 1),
+            )
+            if value is not None
+        }
+        size = degree.get("tensor_parallel_size", config.pools.decode.tensor_parallel_size)
         try:
-            check_degree(AutoConfig.from_pretrained(model_path), tensor_parallel_size)
+            check_degree(AutoConfig.from_pretrained(model_path), size, degree["expert_parallel_size"])
         except ValueError as exc:
-            raise ValueError(f"--tensor-parallel-size: {exc}") from None
-        degree = {"tensor_parallel_size": tensor_parallel_size}
+            flag = "--expert-parallel-size" if str(exc).startswith("expert") else "--tensor-parallel-size"
+            raise ValueError(f"{flag}: {exc}") from None
         pools = {name: getattr(config.pools, name).model_copy(update=degree) for name in ("prefill", "decode")}
         config = config.model_copy(update={"pools": config.pools.model_copy(update=pools)})
     specs = config.worker_specs(model_path, ["tcp://127.0.0.1:1"], "127.0.0.1")  # router never contacted
     by_pool = {spec.pool: resolve_spec(spec) for spec in reversed(specs)}  # the first replica of each pool
     prefill = by_pool.get("prefill") or by_pool["decode"]
     decode = by_pool.get("decode") or by_pool["prefill"]
-    degrees = sorted({prefill.engine.tensor_parallel_size, decode.engine.tensor_parallel_size})
+    degrees = sorted({_degree(prefill), _degree(decode)})
     if len(degrees) > 1:
         raise ValueError(
-            f"pools.<pool>.tensor_parallel_size: the pools ask for degrees {degrees}, and a profile is one degree's; "
-            "profile each with --tensor-parallel-size N and give `pdserve plan` every file"
+            f"pools.<pool>.tensor_parallel_size: the pools ask for (tensor, expert) degrees {degrees}, and a profile is "
+            "one degree's; profile each with --tensor-parallel-size N (--expert-parallel-size E) and give "
+            "`pdserve plan` every file"
         )
     return prefill, decode
+
+
+def _degree(spec: WorkerSpec) -> tuple[int, int]:
+    return spec.engine.tensor_parallel_size, spec.engine.expert_parallel_size
 
 
 def measuring_engine(spec: WorkerSpec, group: TPGroup | None = None) -> LLMEngine:
@@ -365,11 +382,12 @@ def profile_cluster(
     progress: bool = True,
     seed: int = 0,
     tensor_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
 ) -> Profile:
     """Measure this machine with ``config``'s workers (at ``tensor_parallel_size``, default the pools') and fit the
     curves; the caller saves the ``Profile``. The prefill engine is measured, then closed, then the decode engine."""
     started = time.monotonic()
-    prefill_spec, decode_spec = pool_specs(config, tensor_parallel_size)
+    prefill_spec, decode_spec = pool_specs(config, tensor_parallel_size, expert_parallel_size)
     transfers = config.mode == "disaggregated"
     prefill_run = measure_part("prefill", Job(prefill_spec, quick, seed, progress))
     decode_run = measure_part("decode", Job(decode_spec, quick, seed, progress, transfers))
@@ -387,11 +405,12 @@ def profile_cluster(
     prefill_fit = fit("prefill", prefill, PREFILL_FEATURES, "tokens", "context")
     decode_fit = fit("decode", decode, DECODE_FEATURES, "batch", "context_tokens")
     transfer_fit = fit("transfer", transfer, TRANSFER_FEATURES, "num_bytes") if transfer else None
-    degree = prefill_spec.engine.tensor_parallel_size
+    degree, experts = _degree(prefill_spec)
     notes = "; ".join(
         [
             f"measured by pdserve profile in {time.monotonic() - started:.0f} s",
-            f"tensor_parallel_size {degree}" + (" (ranks as local processes)" if degree > 1 else ""),
+            f"tensor_parallel_size {degree}, expert_parallel_size {experts}"
+            + (" (ranks as local processes)" if degree > 1 else ""),
             f"torch threads{' per rank' if degree > 1 else ''} prefill {prefill_spec.engine.torch_threads or 'default'}"
             f", decode {decode_spec.engine.torch_threads or 'default'}",
             f"devices prefill {prefill_spec.engine.device}, decode {decode_spec.engine.device}",
@@ -420,4 +439,5 @@ def profile_cluster(
         transfer_fit=transfer_fit,
         notes=notes,
         tensor_parallel_size=degree,
+        expert_parallel_size=experts,
     )

@@ -18,7 +18,7 @@ import yaml
 
 from cluster.config import ClusterConfig, parse_config
 from planner.goodput import SLO, GoodputResult, layout_goodput
-from planner.profile_model import ProfileSet
+from planner.profile_model import Degree, ProfileSet
 from planner.simulator import Layout, SimSettings
 from planner.trace import Workload
 
@@ -33,23 +33,28 @@ class LayoutResult:
         return self.goodput.rate / self.layout.devices
 
 
-def layouts(devices: int, split_step: int = 1, degrees: Sequence[int] = (1,)) -> list[Layout]:
-    """Per degree d: colocated with devices // d workers. Per (prefill degree, decode degree): 1, 1 + step, ... prefill
-    workers (and the most that leave room for one decode worker), the rest of the devices in decode workers (a larger
-    step keeps a 64-device sweep affordable)."""
+def layouts(devices: int, split_step: int = 1, degrees: Sequence[Degree] = (Degree(),)) -> list[Layout]:
+    """Per worker degree d (tensor, expert): colocated with devices // d.tensor workers. Per (prefill degree, decode
+    degree): 1, 1 + step, ... prefill workers (and the most that leave room for one decode worker), the rest of the
+    devices in decode workers (a larger step keeps a 64-device sweep affordable). A worker takes one device per rank."""
     if devices < 1:
         raise ValueError(f"--workers / --gpus must be at least 1, got {devices}")
     if split_step < 1:
         raise ValueError(f"--split-step must be at least 1, got {split_step}")
-    found = [Layout("colocated", 0, devices // d, decode_tp=d) for d in degrees if devices // d >= 1]
-    for prefill_tp in degrees:
-        for decode_tp in degrees:
-            most = (devices - decode_tp) // prefill_tp
+    found = [
+        Layout("colocated", 0, devices // d.tensor, decode_tp=d.tensor, decode_ep=d.expert)
+        for d in degrees
+        if devices // d.tensor >= 1
+    ]
+    for p in degrees:
+        for d in degrees:
+            most = (devices - d.tensor) // p.tensor
             for prefill in sorted(set(range(1, most + 1, split_step)) | ({most} if most >= 1 else set())):
-                decode = (devices - prefill * prefill_tp) // decode_tp
-                found.append(Layout("disaggregated", prefill, decode, prefill_tp, decode_tp))
+                decode = (devices - prefill * p.tensor) // d.tensor
+                found.append(Layout("disaggregated", prefill, decode, p.tensor, d.tensor, p.expert, d.expert))
     if not found:
-        raise ValueError(f"{devices} devices hold no worker of the profiled degrees {list(degrees)}")
+        labels = [d.label for d in degrees]
+        raise ValueError(f"{devices} devices hold no worker of the profiled degrees {labels}")
     return found
 
 
@@ -76,8 +81,8 @@ def evaluate(
     results: list[LayoutResult] = []
     start, degrees = None, None
     for layout in layouts(devices, split_step, profiles.degrees):
-        if (layout.mode, layout.prefill_tp, layout.decode_tp) != degrees:
-            start, degrees = None, (layout.mode, layout.prefill_tp, layout.decode_tp)
+        if (layout.mode, layout.prefill_degree, layout.decode_degree) != degrees:
+            start, degrees = None, (layout.mode, layout.prefill_degree, layout.decode_degree)
         settings = layout_settings(base, layout, profiles, seed)
         goodput = layout_goodput(profiles, workload, layout, settings, slo, rel_tol, start, min_duration_s)
         result = LayoutResult(layout, goodput)
@@ -102,6 +107,8 @@ def best(results: list[LayoutResult], rel_tol: float = 0.02) -> LayoutResult:
             r.layout.prefill,
             r.layout.prefill_tp,
             r.layout.decode_tp,
+            r.layout.prefill_ep,
+            r.layout.decode_ep,
         ),
     )
 
@@ -116,9 +123,11 @@ def plan_config(base: ClusterConfig, layout: Layout) -> ClusterConfig:
     data["mode"] = layout.mode
     data["pools"]["prefill"]["replicas"] = layout.prefill
     data["pools"]["decode"]["replicas"] = layout.decode
-    if layout.mode == "disaggregated":
-        data["pools"]["prefill"]["tensor_parallel_size"] = layout.prefill_tp
-    data["pools"]["decode"]["tensor_parallel_size"] = layout.decode_tp
+    # colocated: the prefill pool (0 replicas) takes the decode pool's degrees, which have a profile
+    prefill = layout.prefill_degree if layout.mode == "disaggregated" else layout.decode_degree
+    for pool, degree in (("prefill", prefill), ("decode", layout.decode_degree)):
+        data["pools"][pool]["tensor_parallel_size"] = degree.tensor
+        data["pools"][pool]["expert_parallel_size"] = degree.expert
     return parse_config(data, f"<plan: {layout.label}>")
 
 

@@ -7,7 +7,13 @@ made from it is labelled so. Per rank of a degree-N worker (``ModelShape.rank_sh
 (a mixture of experts' ``P`` is its parameters per token: the experts a token is routed to):
 - prefill of ``t`` tokens after ``c`` cached: ``B / HBM + (2 P t + 4 L W (t c + t^2 / 2)) / FLOPS`` (W: its q width);
 - decode of ``b`` requests holding ``k`` tokens of KV: ``B / HBM + k · KV bytes per token / HBM + 2 P b / FLOPS``;
-- at N > 1, two all-reduces per layer of ``hidden`` values per token (ring: ``2 (N - 1) / N`` of them cross a link);
+- at N > 1, an all-reduce of ``hidden`` values per token (ring: ``2 (N - 1) / N`` of them cross a link) after each
+  layer's attention, dense MLP and shared experts (a mixture's routed experts are whole on every rank at expert
+  degree 1: the plans leave them uncut);
+- at expert degree E = N, each MoE layer's routed experts 1/E per rank: prefill exchanges each token's ``k`` routed
+  rows with their ranks and back (all-to-all, ``2 k (E - 1) / E`` rows cross a link) and all-gathers the rows
+  (``(E - 1) / E``), four collectives; decode's captured step masks the other ranks' experts and all-reduces once
+  (``engine.expert_parallel``);
 - a fixed cost per step (launches, sampling, scheduling), and per transfer plus bytes over ``transfer_gb_s``.
 Memory and compute terms are added, not overlapped: an upper bound of a well-run step, not a prediction of one.
 """
@@ -56,6 +62,7 @@ def roofline_profile(
     gpu_name: str,
     dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
     block_size: int = 16,
     max_batch_tokens: int = 8192,
     max_num_seqs: int = 256,
@@ -70,25 +77,43 @@ def roofline_profile(
     dtype = normalize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"--dtype: a roofline profile is bf16 or fp16 (the tensor-core peak), got {dtype}")
-    n = tensor_parallel_size
+    n, e = tensor_parallel_size, expert_parallel_size
     whole = size_kv(shape, dtype, block_size)
-    rank = size_kv(shape, dtype, block_size, gpu.memory_gib, gpu_memory_utilization, tensor_parallel_size=n)
+    degree = f"degree {n}" + (f", expert degree {e}" if e > 1 else "")
+    rank = size_kv(
+        shape, dtype, block_size, gpu.memory_gib, gpu_memory_utilization, tensor_parallel_size=n, expert_parallel_size=e
+    )
     if not rank.weights_fit or not rank.kv_budget_blocks:
         raise ValueError(
-            f"--tensor-parallel-size: {shape.name} at degree {n} leaves no KV room on a {gpu.name}: "
+            f"--tensor-parallel-size: {shape.name} at {degree} leaves no KV room on a {gpu.name}: "
             f"{rank.weight_bytes / 2**30:.1f} GiB of weights per GPU, {(rank.usable_bytes or 0) / 2**30:.1f} GiB usable"
         )
-    rank_shape = shape.rank_shape(n)
+    rank_shape = shape.rank_shape(n, e)
     flops_s = gpu.dense_tflops * 1e12 * eff.compute
     hbm_s = gpu.hbm_tb_s * 1e12 * eff.memory
+    link_s = gpu.link_gb_s * 1e9 * eff.link
+    row_bytes = shape.hidden_size * whole.dtype_bytes
     weights_s = rank.weight_bytes / hbm_s
     per_token_s = 2 * rank.active_parameters / flops_s  # a mixture of experts computes with the routed ones only
     attention = 4 * shape.num_layers * rank_shape.num_attention_heads * shape.head_dim / flops_s  # per token x key
-    all_reduces = 2 * shape.num_layers if n > 1 else 0
-    ring_s = 2 * (n - 1) / n * shape.hidden_size * whole.dtype_bytes / (gpu.link_gb_s * 1e9 * eff.link)
-    fixed_s = eff.step_s + weights_s + all_reduces * eff.all_reduce_s
-    prefill = Fit(PREFILL_FEATURES, [fixed_s, per_token_s + all_reduces * ring_s, attention, attention / 2])
-    decode = Fit(DECODE_FEATURES, [fixed_s, per_token_s + all_reduces * ring_s, rank.kv_bytes_per_token / hbm_s])
+    dense_layers = shape.num_layers - shape.moe_layers
+    shared = shape.moe_layers if shape.shared_intermediate_size else 0
+    all_reduces = shape.num_layers + dense_layers + shared if n > 1 else 0
+    ring_s = 2 * (n - 1) / n * row_bytes / link_s
+    # the routed experts' exchange per token and its collectives, by phase (0 at expert degree 1)
+    exchange = shape.moe_layers if e > 1 else 0
+    prefill_rows = exchange * (2 * shape.experts_per_token + 1) * (e - 1) / e
+    prefill_comm = [all_reduces + 4 * exchange, all_reduces * ring_s + prefill_rows * row_bytes / link_s]
+    decode_comm = [all_reduces + exchange, (all_reduces + exchange) * ring_s]
+    fixed_s = eff.step_s + weights_s
+    prefill = Fit(
+        PREFILL_FEATURES,
+        [fixed_s + prefill_comm[0] * eff.all_reduce_s, per_token_s + prefill_comm[1], attention, attention / 2],
+    )
+    decode = Fit(
+        DECODE_FEATURES,
+        [fixed_s + decode_comm[0] * eff.all_reduce_s, per_token_s + decode_comm[1], rank.kv_bytes_per_token / hbm_s],
+    )
     transfer = Fit(TRANSFER_FEATURES, [eff.transfer_s, 1 / (eff.transfer_gb_s * 1e9)])
     notes = (
         f"NOT MEASURED: roofline estimate (planner/roofline.py) for {gpu.name} from the {gpu.source}: "
@@ -96,7 +121,9 @@ def roofline_profile(
         f"{gpu.memory_gib:g} GiB at utilisation {gpu_memory_utilization:g}; efficiencies: compute {eff.compute:g}, "
         f"memory {eff.memory:g}, link {eff.link:g}; {eff.all_reduce_s * 1e6:g} us per all-reduce, "
         f"{eff.step_s * 1e3:g} ms per step, KV transfers {eff.transfer_s * 1e3:g} ms + bytes at "
-        f"{eff.transfer_gb_s:g} GB/s; model shape from {shape.source}; tensor_parallel_size {n}: "
+        f"{eff.transfer_gb_s:g} GB/s; model shape from {shape.source}; tensor_parallel_size {n}"
+        + (f", expert_parallel_size {e}" if e > 1 else "")
+        + ": "
         f"{rank.weight_bytes / 2**30:.2f} GiB of weights and {rank.kv_budget_blocks} KV blocks per GPU"
     )
     return Profile(
@@ -114,6 +141,7 @@ def roofline_profile(
         transfer_fit=transfer,
         notes=notes,
         tensor_parallel_size=n,
+        expert_parallel_size=e,
         num_kv_heads=shape.num_kv_heads,
         kv_blocks=rank.kv_budget_blocks,
     )

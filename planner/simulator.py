@@ -34,7 +34,7 @@ from cluster.routing.policies import make_policy
 from decode.worker import EXPIRY_CHECK_INTERVAL_S, DecodeRole, kv_sink
 from engine.request import SamplingParams
 from engine.scheduler import ScheduledChunk
-from planner.profile_model import Profile, ProfileSet
+from planner.profile_model import Degree, Profile, ProfileSet
 from planner.sim_engine import SimRunner, sim_engine
 from planner.sim_transfer import SimReceiver, SimSender
 from planner.trace import TraceRequest
@@ -64,10 +64,14 @@ class Layout:
     decode: int  # colocated: every worker
     prefill_tp: int = 1  # ranks per prefill worker (pools.prefill.tensor_parallel_size)
     decode_tp: int = 1  # ranks per decode worker, or per colocated one
+    prefill_ep: int = 1  # ways a prefill worker's routed experts are split over its ranks (expert_parallel_size)
+    decode_ep: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError(f"a layout's tensor-parallel degrees are at least 1, got {self}")
+        if self.prefill_ep not in (1, self.prefill_tp) or self.decode_ep not in (1, self.decode_tp):
+            raise ValueError(f"a layout's expert degrees are 1 or its tensor degrees, got {self}")
         if self.mode == "colocated" and (self.prefill != 0 or self.decode < 1):
             raise ValueError(f"a colocated layout has decode >= 1 workers and prefill 0, got {self}")
         if self.mode == "disaggregated" and (self.prefill < 1 or self.decode < 1):
@@ -83,13 +87,21 @@ class Layout:
         return self.prefill * self.prefill_tp + self.decode * self.decode_tp
 
     @property
+    def prefill_degree(self) -> Degree:
+        return Degree(self.prefill_tp, self.prefill_ep)
+
+    @property
+    def decode_degree(self) -> Degree:
+        return Degree(self.decode_tp, self.decode_ep)
+
+    @property
     def label(self) -> str:
-        def tp(degree: int) -> str:
-            return f"(tp{degree})" if self.prefill_tp > 1 or self.decode_tp > 1 else ""
+        def tp(degree: Degree) -> str:
+            return f"({degree.label})" if self.prefill_tp > 1 or self.decode_tp > 1 else ""
 
         if self.mode == "colocated":
-            return f"colocated {self.decode}{tp(self.decode_tp)}"
-        return f"{self.prefill}P{tp(self.prefill_tp)}:{self.decode}D{tp(self.decode_tp)}"
+            return f"colocated {self.decode}{tp(self.decode_degree)}"
+        return f"{self.prefill}P{tp(self.prefill_degree)}:{self.decode}D{tp(self.decode_degree)}"
 
 
 @dataclass(slots=True)
@@ -127,13 +139,14 @@ class SimSettings:
 
         def blocks(pool) -> int:
             count = config.pool_kv_blocks(pool, bytes_per_block, num_kv_heads)
-            measured = profiles.by_degree.get(pool.tensor_parallel_size)
+            measured = profiles.by_degree.get(Degree(pool.tensor_parallel_size, pool.expert_parallel_size))
             if count is None and measured is not None and measured.kv_blocks > 0:
                 count = measured.kv_blocks
             if count is None:
                 raise ValueError(
                     "pools: a GPU pool sizes its KV from free memory at start; set kv_memory_mb or kv_blocks to plan "
-                    f"it, or use a profile of tensor_parallel_size {pool.tensor_parallel_size} that records its blocks"
+                    f"it, or use a profile of tensor_parallel_size {pool.tensor_parallel_size}, expert_parallel_size "
+                    f"{pool.expert_parallel_size} that records its blocks"
                 )
             return count
 
@@ -415,10 +428,10 @@ class SimCluster:
         (``switch_result``: in its new pool after a role switch, planner/sim_switch.py) and heard from once."""
         s, layout = self.settings, self.layout
         if role == "prefill":
-            profile, blocks = self.profiles.at(layout.prefill_tp), s.prefill_kv_blocks
+            profile, blocks = self.profiles.at(layout.prefill_degree), s.prefill_kv_blocks
             batch_tokens, num_seqs = s.prefill_max_batch_tokens, s.prefill_max_num_seqs
         else:
-            profile, blocks = self.profiles.at(layout.decode_tp), s.decode_kv_blocks
+            profile, blocks = self.profiles.at(layout.decode_degree), s.decode_kv_blocks
             batch_tokens, num_seqs = s.decode_max_batch_tokens, s.decode_max_num_seqs
         old = self.workers.get(name)
         if old is not None and old.receiver is not None:

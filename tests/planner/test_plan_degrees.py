@@ -13,7 +13,7 @@ import pytest
 from cli.main import main
 from cluster.config import load_config, parse_config
 from planner.goodput import SLO
-from planner.profile_model import Fit, Profile, ProfileSet
+from planner.profile_model import Degree, Fit, Profile, ProfileSet
 from planner.recommend import best, evaluate, layout_settings, layouts
 from planner.simulator import Layout, simulate
 from planner.trace import TraceRequest, poisson_workload
@@ -47,7 +47,7 @@ def base_config(**decode):
 
 
 def test_layouts_spend_the_device_budget_at_each_degree() -> None:
-    found = {layout.label: layout for layout in layouts(4, degrees=[1, 2])}
+    found = {layout.label: layout for layout in layouts(4, degrees=[Degree(1), Degree(2)])}
     assert {"colocated 4", "colocated 2(tp2)", "2P(tp1):1D(tp2)", "1P(tp2):2D(tp1)", "1P(tp2):1D(tp2)"} <= set(found)
     assert all(layout.devices <= 4 for layout in found.values())
     assert "3P:1D" in found and "2P(tp2):1D(tp2)" not in found  # 6 devices
@@ -63,7 +63,7 @@ def test_a_pools_degree_sets_its_step_time_and_its_kv_blocks() -> None:
     (slow,) = simulate(profiles, trace, Layout("colocated", 0, 1, decode_tp=1), one)
     (fast,) = simulate(profiles, trace, Layout("colocated", 0, 1, decode_tp=2), two)
     assert fast.tpot_s == pytest.approx(slow.tpot_s / 2, rel=0.05)
-    with pytest.raises(ValueError, match="no profile of tensor_parallel_size 4"):
+    with pytest.raises(ValueError, match=r"no profile of tp4 \(profiled: tp1, tp2\)"):
         simulate(profiles, trace, Layout("colocated", 0, 1, decode_tp=4), one)
 
 
@@ -115,3 +115,23 @@ def test_plan_cli_writes_the_chosen_degrees(tmp_path, capsys) -> None:
     assert (config.pools.decode.replicas, config.pools.decode.tensor_parallel_size) == (1, 2)
     assert main([*argv[:-2], "--workers", "3"]) == 2  # two budgets that differ
     assert "give one budget" in capsys.readouterr().err
+
+
+def test_the_search_takes_each_pools_expert_degree_from_its_profiles() -> None:
+    """A profile is one (tensor, expert) degree's: two of one tensor degree with different expert degrees are two
+    candidates, each layout takes its pools' own, and the written config carries both degrees of both pools."""
+    split = degree_profile(2)
+    split.expert_parallel_size = 2
+    profiles = ProfileSet.of([degree_profile(2), split])
+    assert profiles.degrees == [Degree(2, 1), Degree(2, 2)] and profiles.at(Degree(2, 2)) is split
+    found = {layout.label: layout for layout in layouts(4, degrees=profiles.degrees)}
+    assert {"colocated 2(tp2)", "colocated 2(tp2 ep2)", "1P(tp2 ep2):1D(tp2)", "1P(tp2):1D(tp2 ep2)"} <= set(found)
+    with pytest.raises(ValueError, match="expert degrees are 1 or its tensor degrees"):
+        Layout("colocated", 0, 1, decode_tp=2, decode_ep=4)
+    from planner.recommend import plan_config
+
+    config = plan_config(base_config(), found["1P(tp2 ep2):1D(tp2)"])
+    assert (config.pools.prefill.tensor_parallel_size, config.pools.prefill.expert_parallel_size) == (2, 2)
+    assert (config.pools.decode.tensor_parallel_size, config.pools.decode.expert_parallel_size) == (2, 1)
+    colocated = plan_config(base_config(), found["colocated 2(tp2 ep2)"])  # its empty prefill pool: the same degrees
+    assert colocated.pools.prefill.replicas == 0 and colocated.pools.prefill.expert_parallel_size == 2

@@ -162,7 +162,10 @@ def test_geometric_grids() -> None:
 
 def test_pools_of_different_degrees_are_refused_with_the_field(tiny_llama_path) -> None:
     config = tiny_cluster_config(tiny_llama_path, pools={"decode": {"replicas": 1, "tensor_parallel_size": 2}})
-    with pytest.raises(ValueError, match=r"pools.<pool>.tensor_parallel_size: the pools ask for degrees \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"pools.<pool>.tensor_parallel_size: the pools ask for \(tensor, expert\) degrees \[\(1, 1\), \(2, 1\)\]",
+    ):
         profile_cluster(config, quick=True, progress=False)
 
 
@@ -186,9 +189,23 @@ def test_a_profile_at_degree_two_runs_two_ranks_and_moves_every_head(profiled, t
     two = Profile.load(out)
     assert _segments() - before == set()
     assert two.tensor_parallel_size == 2 and one.tensor_parallel_size == 1
-    assert "tensor_parallel_size 2 (ranks as local processes)" in two.notes
+    assert "tensor_parallel_size 2, expert_parallel_size 1 (ranks as local processes)" in two.notes
     assert two.kv_bytes_per_token == one.kv_bytes_per_token and two.num_kv_heads == one.num_kv_heads
     assert two.kv_blocks == one.kv_blocks == 256  # the config's kv_blocks, on every rank (each with half the heads)
     assert {p.num_bytes for p in two.transfer_points} and two.backend == one.backend == "shm"
     assert len(two.prefill_points) == len(one.prefill_points) and len(two.decode_points) >= 3
     assert two.prefill_fit is not None and two.decode_fit is not None and two.transfer_fit is not None
+
+
+def test_a_profile_takes_an_expert_degree_for_both_pools(tmp_path) -> None:
+    """``pdserve profile --tensor-parallel-size 2 --expert-parallel-size 2`` profiles both pools' workers at (2, 2),
+    and a degree the model cannot take names the flag (a dense model has no experts to split)."""
+    from engine.tiny_model import build_tiny_model
+    from planner.profiler import pool_specs
+
+    mixtral = build_tiny_model(tmp_path / "mixtral", arch="mixtral")
+    prefill, decode = pool_specs(tiny_cluster_config(mixtral), 2, 2)
+    assert {(s.engine.tensor_parallel_size, s.engine.expert_parallel_size) for s in (prefill, decode)} == {(2, 2)}
+    dense = build_tiny_model(tmp_path / "llama", arch="llama")
+    with pytest.raises(ValueError, match="--expert-parallel-size: expert_parallel_size 2: .* no routed experts"):
+        pool_specs(tiny_cluster_config(dense), 2, 2)

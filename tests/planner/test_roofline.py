@@ -57,9 +57,25 @@ def test_the_cli_writes_one_profile_per_degree_that_plan_reads(tmp_path, capsys)
         assert main([*args, "--out", str(path)]) == 0
         paths.append(path)
     profiles = ProfileSet.of([Profile.load(p) for p in paths])
-    assert profiles.degrees == [1, 2] and profiles.first.device == "H200 141GB (roofline estimate)"
+    assert profiles.degrees == [(1, 1), (2, 1)] and profiles.first.device == "H200 141GB (roofline estimate)"
     label = describe_profile(profiles)  # what every plan made from them prints above its table
-    assert "on H200 141GB (roofline estimate), tensor-parallel degree 1/2, estimated 20" in label
+    assert "on H200 141GB (roofline estimate), degrees tp1/tp2, estimated 20" in label
     assert "measured" not in label
     assert main(["profile", "--model", "llama-3.1-8b", "--out", str(tmp_path / "x.json")]) == 2
     assert "--model goes with --roofline" in capsys.readouterr().err
+
+
+def test_a_mixture_of_experts_split_over_its_ranks_reads_its_share_of_the_experts() -> None:
+    """Mixtral-8x7B on H200s at tensor degree 2: with every routed expert on both ranks (expert degree 1) a decode
+    step reads 86 GiB per GPU; split two ways, half the routed experts' (and the captured step's masked exchange adds
+    one all-reduce per layer). Qwen3-235B-A22B fits an 80 GB GPU only split eight ways."""
+    shape = load_shape("mixtral-8x7b")
+    whole = roofline_profile(shape, "h200", tensor_parallel_size=2)
+    split = roofline_profile(shape, "h200", tensor_parallel_size=2, expert_parallel_size=2)
+    assert (whole.expert_parallel_size, split.expert_parallel_size) == (1, 2)
+    assert split.decode_step_s(1, 2048) < 0.6 * whole.decode_step_s(1, 2048)
+    assert "expert_parallel_size 2" in split.notes and split.kv_blocks > whole.kv_blocks
+    qwen = load_shape("qwen3-235b-a22b")
+    with pytest.raises(ValueError, match="at degree 8 leaves no KV room on a H100 SXM 80GB: 427.1 GiB"):
+        roofline_profile(qwen, "h100-sxm", tensor_parallel_size=8)
+    assert roofline_profile(qwen, "h100-sxm", tensor_parallel_size=8, expert_parallel_size=8).kv_blocks > 0
