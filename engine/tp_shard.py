@@ -12,6 +12,7 @@ is a refusal naming it (``tp_plan``). The group, the step messages and the follo
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -33,7 +34,13 @@ HEAD_CUTS = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_p
 # projection kv_b_proj by heads, o_proj by rows
 LATENT_HEAD_CUTS = {"kv_b_proj": "colwise", "o_proj": "rowwise"}
 PER_Q_HEAD = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")  # widths cut in runs of the rank's query heads
-MLP_WIDTHS = ("gate_proj", "up_proj", "down_proj")  # cut in slices of intermediate_size
+MLP_WIDTHS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")  # cut in slices of intermediate_size
+# fused projections and their parts, in order (Phi-3's qkv_proj, Phi-3's and GLM-4's gate_up_proj). transformers'
+# plans gather such an output whole (``colwise_gather_output``) and split the next layer's input again
+# (``rowwise_split_input``); here each rank keeps its heads' or its slice's share of every part, side by side, which
+# is the same shard with no gather, so those two styles run as colwise and rowwise on these layers
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+GATHERED_STYLES = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
 
 
 def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
@@ -41,7 +48,7 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
     the model type and the entry pdserve cannot run: a style other than colwise, rowwise or replicated (fused
     projections split by their parts, latent attention's, experts'), or a plan that does not cut the attention by
     heads (each rank's KV cache holds its heads)."""
-    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+    plan = {pattern: _shard_style(pattern, style) for pattern, style in _model_plan(hf_config).items()}
     where = f"tensor_parallel_size {size}: model type {hf_config.model_type!r}"
     for pattern, style in plan.items():
         if style not in CUT_STYLES + REPLICATED_STYLES:
@@ -54,6 +61,8 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
     if "kv_b_proj" in attention:  # latent attention: the query by heads, whichever projection ends in them
         q_leaf = "q_b_proj" if getattr(hf_config, "q_lora_rank", None) else "q_proj"
         cuts, named = LATENT_HEAD_CUTS | {q_leaf: "colwise"}, f"{q_leaf} and kv_b_proj"
+    elif "qkv_proj" in attention:  # one fused projection, cut by the heads of each of its parts
+        cuts, named = {"qkv_proj": "colwise", "o_proj": "rowwise"}, "qkv_proj's q, k and v"
     else:
         cuts, named = HEAD_CUTS, "q_proj, k_proj and v_proj"
     if any(attention.get(name) != style for name, style in cuts.items()):
@@ -62,6 +71,21 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
             f"({plan or 'the config has no plan'}); serve it on one rank"
         )
     return plan
+
+
+def _model_plan(hf_config: Any) -> dict[str, str]:
+    return dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+
+
+def _shard_style(pattern: str, style: str) -> str:
+    """The style pdserve runs for a plan entry: a gathered one on a fused projection, or the split input after it,
+    as its plain cut (``FUSED_PARTS``); any other entry as it is."""
+    leaf = pattern.rsplit(".", 1)[-1]
+    if style == "colwise_gather_output" and leaf in FUSED_PARTS:
+        return "colwise"
+    if style == "rowwise_split_input":
+        return "rowwise"  # its input is the fused projection's local share, never a gathered one (refused above)
+    return style
 
 
 def cache_kv_heads(hf_config: Any) -> int:
@@ -144,25 +168,49 @@ def check_degree(hf_config: Any, size: int, expert_size: int = 1) -> None:
         )
 
 
+Spans = tuple[tuple[int, int], ...]  # [start, stop) ranges of a cut dimension, kept side by side
+
+
 @dataclass(frozen=True, slots=True)
 class ShardPlan:
     """Which slice of each split weight this rank keeps, by its full name (``model.layers.0.self_attn.q_proj.weight``):
-    (dim, start, stop); a weight not named is replicated. Row-parallel biases stay on rank 0 only, so the sum adds
+    (dim, spans); a weight not named is replicated. Row-parallel biases stay on rank 0 only, so the sum adds
     them once. ``rowwise``: the modules whose outputs are summed over the ranks."""
 
-    slices: dict[str, tuple[int, int, int]]
+    slices: dict[str, tuple[int, Spans]]
     zero_bias: frozenset[str]
     rowwise: tuple[str, ...]
 
     def cut(self, name: str, tensor: Any) -> torch.Tensor:
-        """This rank's part of the weight ``name`` (a tensor or a safetensors slice); a full weight is read whole."""
+        """This rank's part of the weight ``name`` (a tensor or a safetensors slice): its spans of the cut dimension
+        side by side (one per part of a fused projection); a full weight is read whole."""
         if name in self.zero_bias:
             return torch.zeros_like(tensor[:])
         where = self.slices.get(name)
         if where is None:
             return tensor[:]
-        dim, start, stop = where
-        return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+        dim, spans = where
+        parts = [tensor[start:stop] if dim == 0 else tensor[:, start:stop] for start, stop in spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _spans(leaf: str, width: int, hf_config: Any, split: HeadSplit) -> Spans:
+    """This rank's spans of a cut dimension of ``width``: one, or one per part of a fused projection (its q, k and v
+    heads; its gate and up slices), each at its part's offset."""
+    parts = FUSED_PARTS.get(leaf)
+    if parts is None:
+        return (_span(leaf, width, hf_config, split),)
+    if leaf == "qkv_proj":
+        head_dim = width // (hf_config.num_attention_heads + 2 * hf_config.num_key_value_heads)
+        widths = [hf_config.num_attention_heads * head_dim] + [hf_config.num_key_value_heads * head_dim] * 2
+    else:
+        widths = [width // len(parts)] * len(parts)
+    spans, offset = [], 0
+    for part, part_width in zip(parts, widths, strict=True):
+        start, stop = _span(part, part_width, hf_config, split)
+        spans.append((offset + start, offset + stop))
+        offset += part_width
+    return tuple(spans)
 
 
 def _span(leaf: str, width: int, hf_config: Any, split: HeadSplit) -> tuple[int, int]:
@@ -189,7 +237,7 @@ def shard_plan(model: torch.nn.Module, hf_config: Any, split: HeadSplit, plan: d
     the decoder's module names."""
     prefix = str(cast(Any, model).base_model_prefix)
     patterns = _plan_patterns(plan)
-    slices: dict[str, tuple[int, int, int]] = {}
+    slices: dict[str, tuple[int, Spans]] = {}
     zero_bias: set[str] = set()
     rowwise: list[str] = []
     for name, module in getattr(model, prefix).named_modules():
@@ -200,10 +248,9 @@ def shard_plan(model: torch.nn.Module, hf_config: Any, split: HeadSplit, plan: d
             raise ValueError(f"model type {hf_config.model_type!r}: the plan cuts {name}, which is not a linear layer")
         full, leaf = f"{prefix}.{name}", name.rsplit(".", 1)[-1]
         if style == "colwise":
-            start, stop = _span(leaf, module.out_features, hf_config, split)
-            slices[f"{full}.weight"] = slices[f"{full}.bias"] = (0, start, stop)
+            slices[f"{full}.weight"] = slices[f"{full}.bias"] = (0, _spans(leaf, module.out_features, hf_config, split))
         else:
-            slices[f"{full}.weight"] = (1, *_span(leaf, module.in_features, hf_config, split))
+            slices[f"{full}.weight"] = (1, _spans(leaf, module.in_features, hf_config, split))
             if split.rank:
                 zero_bias.add(f"{full}.bias")
             rowwise.append(full)
@@ -215,6 +262,21 @@ def _cut_linear(linear: torch.nn.Linear, name: str, plan: ShardPlan) -> None:
     linear.out_features, linear.in_features = linear.weight.shape
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(plan.cut(f"{name}.bias", linear.bias.data).clone(), requires_grad=False)
+
+
+def _fused_attention_heads(model: torch.nn.Module, plan: ShardPlan, split: HeadSplit) -> None:
+    """A fused q/k/v projection's forward finds its parts by the head counts in its module and its config (Phi-3's
+    ``query_pos``): each attention module whose ``qkv_proj`` the plan cut gets its rank's counts, in a config of its
+    own (the model's, shallow-copied; the model's own config keeps the whole model's)."""
+    for name, module in model.named_modules():
+        if f"{name}.qkv_proj.weight" not in plan.slices:
+            continue
+        local = copy.copy(cast(Any, module).config)
+        local.num_attention_heads, local.num_key_value_heads = split.q_heads, split.kv_heads
+        cast(Any, module).config = local
+        for attribute, value in (("num_heads", split.q_heads), ("num_key_value_heads", split.kv_heads)):
+            if hasattr(module, attribute):
+                setattr(module, attribute, value)
 
 
 def expert_shard(model: torch.nn.Module, split: ExpertSplit, plan: dict[str, str]) -> dict[str, list[str]]:
@@ -274,6 +336,7 @@ def load_shard(
             if name.endswith(".weight"):
                 module_name = name.removesuffix(".weight")
                 _cut_linear(model.get_submodule(module_name), module_name, plan)  # meta shapes, no data
+    _fused_attention_heads(model, plan, split)
     index = path / "model.safetensors.index.json"
     files = (
         sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]

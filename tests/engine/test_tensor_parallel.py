@@ -228,12 +228,14 @@ def test_two_ranks_generate_what_one_does(arch_fixture, request):
 
 
 @pytest.mark.parametrize(
-    "arch",  # Gemma 2 in `make test` (soft-caps, windows, a scaled embedding); the others in `make test-e2e`
-    ["gemma2", *(pytest.param(arch, marks=pytest.mark.e2e) for arch in ("gemma3", "granite", "cohere"))],
+    "arch",  # Gemma 2 (soft-caps, windows, a scaled embedding) and Phi-3 (fused projections) in `make test`
+    ["gemma2", "phi3", *(pytest.param(arch, marks=pytest.mark.e2e) for arch in ("gemma3", "granite", "cohere"))],
 )
 def test_every_family_the_plan_cuts_gives_what_one_rank_does(arch, tmp_path):
     """Cut by the model's own plan, not a list of families: soft-caps, windows and per-head norms follow their heads,
-    Gemma's scaled embedding is rebuilt on every rank, Granite's and Cohere's heads scale as on one rank."""
+    Gemma's scaled embedding is rebuilt on every rank, Granite's and Cohere's heads scale as on one rank, Phi-3's
+    fused qkv_proj and gate_up_proj keep each rank's share of every part (its plan's gathered cuts, without the
+    gather)."""
     from engine.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path, arch=arch)
@@ -265,7 +267,7 @@ def test_latent_attention_splits_its_heads_and_every_rank_caches_the_whole_laten
 @pytest.mark.parametrize(
     "arch, entry",
     [
-        ("phi3", "'layers.*.self_attn.qkv_proj': 'colwise_gather_output'"),  # fused q/k/v, split by its parts
+        ("olmo2", "'layers.*.self_attn.q_proj': 'colwise_gather_output'"),  # q/k norms over every head: gathered
         ("gpt_oss", "'embed_tokens': 'embedding_rowwise'"),
     ],
 )
@@ -274,7 +276,8 @@ def test_a_plan_entry_pdserve_cannot_run_is_refused_by_name(arch, entry):
 
     from engine.tiny_model import TINY_ARCHITECTURES
 
-    config = AutoConfig.for_model(TINY_ARCHITECTURES[arch][0], num_attention_heads=4, num_key_value_heads=2)
+    model_type = TINY_ARCHITECTURES[arch][0] if arch in TINY_ARCHITECTURES else arch
+    config = AutoConfig.for_model(model_type, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match=f"tensor_parallel_size 2: model type '{arch}'.*{re.escape(entry)}"):
         check_degree(config, 2)
     check_degree(config, 1)  # one rank serves it
