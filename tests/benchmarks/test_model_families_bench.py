@@ -30,13 +30,25 @@ def test_families_are_exact_and_timed_and_a_state_space_model_is_refused():
 def test_at_two_ranks_a_family_is_exact_or_its_plan_refused_by_name():
     from benchmarks.model_families_bench import run
 
-    result = run(_args("--families", "gemma2,phi3", "--tensor-parallel-size", "2", *TINY))
+    argv = ["--families", "gemma2,mixtral,gpt_oss", "--tensor-parallel-size", "2", "--expert-parallel-size", "2"]
+    result = run(_args(*argv, *TINY))
     rows = {row["name"]: row["tensor_parallel"] for row in result["families"]}
-    gemma2 = rows["gemma2"]
+    gemma2, mixtral = rows["gemma2"], rows["mixtral"]
     assert gemma2["exact"] is True and gemma2["logprob_gap"] < 1e-4, gemma2  # float32 sums in another order
     assert set(gemma2["decode_step_ms"]) == {"1", "2"} and gemma2["all_reduce_bytes_per_token_per_rank"] == 1536
-    assert "qkv_proj': 'colwise_gather_output'" in rows["phi3"]["refused"]
-    assert result["settings"]["tensor_parallel_size"] == 2
+    assert gemma2["expert_degree"] == 1 and "experts" not in gemma2  # dense: at tensor degree 2 alone
+    # the experts split over both ranks: o_proj's all-reduce per layer, and the experts' exchange measured
+    assert (
+        mixtral["exact"] is True
+        and mixtral["expert_degree"] == 2
+        and mixtral["all_reduce_bytes_per_token_per_rank"] == 768
+    )
+    experts = mixtral["experts"]
+    assert (
+        experts["bytes_sent_per_token"] > 0 and len(experts["pairs_per_rank"]) == 2 and experts["load_imbalance"] >= 1
+    )
+    assert "'embed_tokens': 'embedding_rowwise'" in rows["gpt_oss"]["refused"]
+    assert result["settings"]["tensor_parallel_size"] == result["settings"]["expert_parallel_size"] == 2
 
 
 def test_a_family_that_fails_to_build_is_a_row_with_its_error():
