@@ -233,7 +233,7 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
     process, the same total threads): same greedy tokens, the largest gap between chosen tokens' logprobs, step
     times; or why it is refused at N."""
     from benchmarks.tp_bench import _rank
-    from engine.expert_parallel import routed_experts
+    from engine.blocks import routed_experts
     from engine.tp_launch import run_ranks
     from engine.tp_shard import check_degree
 
@@ -242,7 +242,9 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model)
-        experts = args.expert_parallel_size if routed_experts(config) else 1  # a dense family: its MLP as the plan says
+        experts = (
+            args.expert_parallel_size if routed_experts(config.to_dict()) else 1
+        )  # a dense family: its MLP as the plan says
         check_degree(config, size, experts)
     except ValueError as exc:
         return {"degree": size, "refused": str(exc)}

@@ -75,6 +75,7 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check(args)
     from engine.config import EngineConfig
+    from engine.expert_parallel import degree_field
     from planner.kv_sizing import DEFAULT_GPU_MEMORY_UTILIZATION, format_table, load_shape, normalize_dtype, size_kv
 
     try:
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         shape.rank_shape(args.tensor_parallel_size, args.expert_parallel_size)  # the model splits that many ways
     except ValueError as exc:
-        flag = "--expert-parallel-size" if str(exc).startswith("expert") else "--tensor-parallel-size"
+        flag = "--" + degree_field(exc).replace("_", "-")
         raise ValueError(f"{flag}: {exc}") from None
     sizing = size_kv(
         shape,

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _roofline(args: argparse.Namespace):
+    from engine.expert_parallel import degree_field
     from planner.kv_sizing import load_shape
     from planner.roofline import roofline_profile
 
@@ -86,7 +87,7 @@ def _roofline(args: argparse.Namespace):
     try:
         load_shape(args.model).rank_shape(tp, args.expert_parallel_size or 1)
     except ValueError as exc:
-        flag = "--expert-parallel-size" if str(exc).startswith("expert") else "--tensor-parallel-size"
+        flag = "--" + degree_field(exc).replace("_", "-")
         raise ValueError(f"{flag}: {exc}") from None
     return roofline_profile(
         load_shape(args.model), args.roofline, args.dtype, tp, expert_parallel_size=args.expert_parallel_size or 1

@@ -95,6 +95,15 @@ def rank_kv_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return num_kv_heads // tensor_parallel_size if num_kv_heads >= tensor_parallel_size else 1
 
 
+# a config's routed experts per layer, by family's name: DeepSeek; Mixtral, gpt-oss and Qwen-MoE's saved configs; Qwen-MoE
+EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
+
+
+def routed_experts(config: Mapping[str, Any]) -> int:
+    """The model's routed experts per mixture-of-experts layer, from its config.json's fields (0: a dense model)."""
+    return int(next((config[name] for name in EXPERT_COUNT_FIELDS if config.get(name)), 0))
+
+
 def kv_shape_from_config(config: Mapping[str, Any]) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the cache, from config.json, as the engine's probe finds them in the loaded
     model (``engine.model_probe``): KV heads default to the attention heads, head dim to hidden / heads; latent

@@ -27,6 +27,7 @@ from engine.model_probe import ModelAttention, probe_model
 from engine.model_runner import EngineRunner, ModelRunner
 from engine.sampler import Sampler
 from engine.tensor_parallel import HeadSplit, StepChannel, TPGroup, head_split
+from engine.tp_shard import cache_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,8 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     if size == 1:  # the heads the layers pass (configs name them differently, or not at all)
         split = head_split(attention.layers[0].query_heads, attention.num_kv_heads, 1, 0)
     else:  # a shard cut by the model's own plan (engine.tp_shard.tp_plan), its heads named by its config
-        assert group is not None  # a latent row is one KV head every rank holds whole
-        kv_heads = attention.num_kv_heads if attention.latent_width else hf_config.num_key_value_heads
-        split = head_split(hf_config.num_attention_heads, kv_heads, size, group.rank)
+        assert group is not None  # the heads the shard was cut by (a latent row: one KV head, whole on every rank)
+        split = head_split(hf_config.num_attention_heads, cache_kv_heads(hf_config), size, group.rank)
     return _place(config, group, model, tokenizer, attention, split, planner)
 
 

@@ -19,19 +19,16 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as _functional
 
+from engine.blocks import routed_experts
 from engine.tensor_parallel import TPGroup
 
 EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")  # the plan's styles ExpertParallel runs
-EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # a config's routed experts, by family
 
 
-def routed_experts(hf_config: Any) -> int:
-    """The model's routed experts per mixture-of-experts layer (0: a dense model)."""
-    for name in EXPERT_COUNT_FIELDS:
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
+def degree_field(exc: Exception) -> str:
+    """The degree a split's error is about: each names its field first (``expert_parallel_size ...``, else a
+    ``tensor_parallel_size`` one), so a pool's config or a command's flag can say which."""
+    return "expert_parallel_size" if str(exc).startswith("expert_parallel_size") else "tensor_parallel_size"
 
 
 def ep_plan(hf_config: Any, tensor_size: int, expert_size: int) -> dict[str, str]:
@@ -47,7 +44,7 @@ def ep_plan(hf_config: Any, tensor_size: int, expert_size: int) -> dict[str, str
             f"group, so it is 1 or tensor_parallel_size ({tensor_size})"
         )
     plan = dict(getattr(hf_config, "base_model_ep_plan", None) or {})
-    experts = routed_experts(hf_config)
+    experts = routed_experts(hf_config.to_dict())
     if not plan or not experts:
         raise ValueError(f"{where}: the model has no routed experts to split (no expert-parallel plan); leave it 1")
     for pattern, style in plan.items():
@@ -94,9 +91,10 @@ class ExpertTraffic:
     pairs_per_rank: list[int] = field(default_factory=list)
     bytes_sent: int = 0
 
+    def __post_init__(self) -> None:
+        self.pairs_per_rank = self.pairs_per_rank or [0] * self.size
+
     def count(self, tokens: int, pairs: list[int], sent_bytes: int) -> None:
-        if not self.pairs_per_rank:
-            self.pairs_per_rank = [0] * self.size
         self.layer_forwards += 1
         self.layer_tokens += tokens
         self.pairs_per_rank = [a + b for a, b in zip(self.pairs_per_rank, pairs, strict=True)]
@@ -111,7 +109,7 @@ class ExpertTraffic:
         """Tokens each rank's experts computed per model token, bytes this rank sent per token (every MoE layer),
         and the imbalance: the busiest rank's pairs over the mean (1.0: even)."""
         tokens = self.tokens
-        pairs = self.pairs_per_rank or [0] * self.size
+        pairs = self.pairs_per_rank
         mean = sum(pairs) / len(pairs)
         return {
             "expert_parallel_size": self.size,

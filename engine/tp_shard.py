@@ -21,8 +21,8 @@ from typing import Any, cast
 
 import torch
 
-from engine.blocks import kv_shape_from_config
-from engine.expert_parallel import ExpertParallel, ExpertSplit, ExpertTraffic, ep_plan, routed_experts
+from engine.blocks import kv_shape_from_config, routed_experts
+from engine.expert_parallel import ExpertParallel, ExpertSplit, ExpertTraffic, ep_plan
 from engine.tensor_parallel import HeadSplit, RowParallel, TPGroup, head_split
 
 CUT_STYLES = ("colwise", "rowwise")
@@ -324,7 +324,8 @@ def load_shard(
     config = AutoConfig.from_pretrained(path)
     check_degree(config, group.size, expert_size)
     split = head_split(config.num_attention_heads, cache_kv_heads(config), group.size, group.rank)
-    experts = ExpertSplit(group.rank, expert_size, routed_experts(config)) if expert_size > 1 else None
+    total_experts = routed_experts(config.to_dict())
+    experts = ExpertSplit(group.rank, expert_size, total_experts) if expert_size > 1 else None
     layout = checkpoint_layout(config.model_type)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
@@ -343,7 +344,7 @@ def load_shard(
     )
     state: dict[str, torch.Tensor] = {}
     stored_experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}  # fused weight -> source -> expert -> tensor
-    first, last = (experts.start, experts.start + experts.count) if experts else (0, routed_experts(config))
+    first, last = (experts.start, experts.start + experts.count) if experts else (0, total_experts)
     for file in files:
         with safe_open(str(path / file), framework="pt", device=str(device)) as f:
             for stored in f.keys():

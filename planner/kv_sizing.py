@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config, per_head_kv_values
+from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config, per_head_kv_values, routed_experts
 from engine.model_loader import DEFAULT_MODEL, cache_dir
 from engine.model_probe import config_refusal
 
@@ -355,7 +355,7 @@ def _experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """A mixture of experts' fields, under each family's names (Mixtral and gpt-oss: ``num_local_experts``, every
     layer; Qwen2/3-MoE: ``num_experts``, every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``;
     DeepSeek: ``n_routed_experts`` and ``n_shared_experts``, dense below ``first_k_dense_replace``)."""
-    routed = int(config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts") or 0)
+    routed = routed_experts(config)
     if not routed:
         return {}
     width = int(config.get("moe_intermediate_size") or config["intermediate_size"])

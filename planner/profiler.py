@@ -24,6 +24,7 @@ from transformers import AutoConfig
 
 from cluster.config import ClusterConfig
 from engine.blocks import blocks_for_tokens
+from engine.expert_parallel import degree_field
 from engine.llm_engine import LLMEngine
 from engine.model_loader import resolve_model_path
 from engine.request import RequestStatus, SamplingParams
@@ -138,19 +139,14 @@ def pool_specs(
     one pool stands for both."""
     model_path = str(resolve_model_path(config.model.name))
     if tensor_parallel_size is not None or expert_parallel_size is not None:
-        degree = {
-            name: value
-            for name, value in (
-                ("tensor_parallel_size", tensor_parallel_size),
-                ("expert_parallel_size", expert_parallel_size or 1),
-            )
-            if value is not None
-        }
+        degree = {"expert_parallel_size": expert_parallel_size or 1}
+        if tensor_parallel_size is not None:
+            degree["tensor_parallel_size"] = tensor_parallel_size
         size = degree.get("tensor_parallel_size", config.pools.decode.tensor_parallel_size)
         try:
             check_degree(AutoConfig.from_pretrained(model_path), size, degree["expert_parallel_size"])
         except ValueError as exc:
-            flag = "--expert-parallel-size" if str(exc).startswith("expert") else "--tensor-parallel-size"
+            flag = "--" + degree_field(exc).replace("_", "-")
             raise ValueError(f"{flag}: {exc}") from None
         pools = {name: getattr(config.pools, name).model_copy(update=degree) for name in ("prefill", "decode")}
         config = config.model_copy(update={"pools": config.pools.model_copy(update=pools)})

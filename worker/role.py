@@ -157,7 +157,7 @@ class Role:
             fields["static_decode_steps"] = sum(graphs.steps.values())
             fields["decode_compile_seconds"] = sum(graphs.compile_s.values())
         traffic = engine.expert_traffic
-        if traffic is not None and traffic.pairs_per_rank:
+        if traffic is not None and traffic.layer_forwards:
             fields["expert_tokens"] = traffic.tokens
             fields["expert_pairs_busiest_rank"] = max(traffic.pairs_per_rank)
             fields["expert_pairs_mean_rank"] = sum(traffic.pairs_per_rank) // traffic.size

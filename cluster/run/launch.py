@@ -144,6 +144,7 @@ def _bind_host(config: ClusterConfig, in_process: bool) -> str:
 def check_tensor_parallel(config: ClusterConfig, hf_config) -> None:
     """ConfigError naming the pool's field when the model cannot be split ``tensor_parallel_size`` ways (its experts
     ``expert_parallel_size`` ways)."""
+    from engine.expert_parallel import degree_field
     from engine.tp_shard import check_degree
 
     for name, _, pool in pool_layout(config):
@@ -151,8 +152,7 @@ def check_tensor_parallel(config: ClusterConfig, hf_config) -> None:
             try:
                 check_degree(hf_config, pool.tensor_parallel_size, pool.expert_parallel_size)
             except ValueError as exc:
-                field = "expert_parallel_size" if str(exc).startswith("expert") else "tensor_parallel_size"
-                raise ConfigError(f"pools.{name}.{field}: {exc}") from None
+                raise ConfigError(f"pools.{name}.{degree_field(exc)}: {exc}") from None
 
 
 def start_serving(
