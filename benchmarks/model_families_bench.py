@@ -29,7 +29,7 @@ import torch
 from bench.engine_bench import decode_rates, interleaved_medians
 from benchmarks.options import add_model_families_bench_arguments as add_arguments
 from benchmarks.options import main
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_parallel, worker_ranks
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.tiny_model import TINY_ARCHITECTURES, build_byte_tokenizer, build_tiny_model, tiny_fields
@@ -62,11 +62,10 @@ def _check_positive(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2 (decode pace is t(N) - t(1)), got {args.max_tokens}")
-    if args.expert_parallel_size not in (1, args.tensor_parallel_size):
-        raise ValueError(
-            f"--expert-parallel-size must be 1 or --tensor-parallel-size ({args.tensor_parallel_size}): the experts "
-            f"are split over the tensor-parallel ranks, got {args.expert_parallel_size}"
-        )
+    try:
+        check_parallel(args.tensor_parallel_size, args.expert_parallel_size)
+    except ValueError as exc:
+        raise ValueError(f"--{str(exc).replace('_', '-')}") from None
 
 
 def _build_family(out: Path, arch: str) -> None:
@@ -217,7 +216,7 @@ def measure(name: str, model_type: str, build: Callable[[Path], str | None], arg
             row["all_exact"] = matched == count
             row |= measured.decode_speed(args.batch, args.input_len, args.max_tokens, args.repeats)
             engine.check_no_leaks()
-            if args.tensor_parallel_size > 1:
+            if worker_ranks(args.tensor_parallel_size, args.expert_parallel_size) > 1:
                 stage = "tensor parallel"
                 prompts = measured.prompts(args.prompts, (12, 64), seed=2)
                 del measured, engine
@@ -229,25 +228,34 @@ def measure(name: str, model_type: str, build: Callable[[Path], str | None], arg
 
 
 def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    """The family at ``--tensor-parallel-size`` N ranks against 1 (``benchmarks/tp_bench.py``'s rank, each in a
-    process, the same total threads): same greedy tokens, the largest gap between chosen tokens' logprobs, step
-    times; or why it is refused at N."""
+    """The family at ``--tensor-parallel-size`` N (its experts split ``--expert-parallel-size`` E ways) against one
+    rank (``benchmarks/tp_bench.py``'s rank, each in a process, the same total threads): same greedy tokens, the
+    largest gap between chosen tokens' logprobs, step times; or why it is refused. A mixture whose plan refuses
+    tensor degree N is measured with its experts split alone (tensor 1, expert E), the refusal beside."""
+    from transformers import AutoConfig
+
     from benchmarks.tp_bench import _rank
     from engine.blocks import routed_experts
     from engine.tp_launch import run_ranks
     from engine.tp_shard import check_degree
 
-    size = args.tensor_parallel_size
+    tensor = args.tensor_parallel_size
+    config = AutoConfig.from_pretrained(model)
+    experts = args.expert_parallel_size if routed_experts(config.to_dict()) else 1  # a dense family: as the plan says
+    tensor_refused: dict[str, str] = {}
     try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model)
-        experts = (
-            args.expert_parallel_size if routed_experts(config.to_dict()) else 1
-        )  # a dense family: its MLP as the plan says
-        check_degree(config, size, experts)
+        check_degree(config, tensor, experts)
     except ValueError as exc:
-        return {"degree": size, "refused": str(exc)}
+        if experts == 1 or tensor == 1:
+            return {"degree": tensor, "refused": str(exc)}
+        tensor, tensor_refused = 1, {"tensor_refused": str(exc)}
+        try:
+            check_degree(config, tensor, experts)
+        except ValueError as alone:
+            return {"degree": args.tensor_parallel_size, "refused": f"{exc}; experts alone: {alone}"}
+    size = worker_ranks(tensor, experts)
+    if size == 1:
+        return {"degree": tensor, "refused": "a dense model at tensor degree 1: nothing to split"}
     payload = {
         "model": model,
         "threads": max(size, args.torch_threads),
@@ -259,7 +267,8 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
         "logprobs": True,
     }
     one = run_ranks(_rank, 1, payload, timeout_s=600)[0]
-    many = run_ranks(_rank, size, payload | {"expert_parallel_size": experts}, timeout_s=600)[0]
+    layout = {"tensor_parallel_size": tensor, "expert_parallel_size": experts}
+    many = run_ranks(_rank, size, payload | layout, timeout_s=600)[0]
     gap = max(
         (
             abs(a - b)
@@ -272,8 +281,10 @@ def tensor_parallel_row(model: str, prompts: list[list[int]], args: argparse.Nam
     # 2 (N - 1) / N of it leaves each rank): derived from the shape, float32
     ring_bytes = many["row_parallel_linears"] * config.hidden_size * 4 * 2 * (size - 1) / size
     return {
-        "degree": size,
+        "degree": tensor,
         "expert_degree": experts,
+        "ranks": size,
+        **tensor_refused,
         "exact": one["tokens"] == many["tokens"],
         "all_reduce_bytes_per_token_per_rank": round(ring_bytes),
         **({"experts": many["expert_traffic"]} if many.get("expert_traffic") else {}),

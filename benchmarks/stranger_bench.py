@@ -248,7 +248,7 @@ def _targets(handle: Any) -> list[dict[str, Any]]:
     out = [entry("control", "router", handle.router.event_address)]
     for info in handle.worker_infos():
         out.append(entry("control", info["name"], info["command_address"]))
-        for rank_address in split_kv_address(info["kv_address"]) if info.get("kv_address") else []:
+        for rank_address in split_kv_address(info["kv_address"]).ranks if info.get("kv_address") else []:
             out.append(entry("kv", info["name"], rank_address))
     return out
 

@@ -46,7 +46,7 @@ def _rank(rank: int, size: int, store_path: str, payload: dict) -> dict:
         dtype="float32",
         max_batch_tokens=payload["batch"] * payload["input_len"],
         enable_prefix_caching=False,  # every repeat computes its prompts
-        tensor_parallel_size=size,
+        tensor_parallel_size=payload.get("tensor_parallel_size", size),
         expert_parallel_size=payload.get("expert_parallel_size", 1),
     )
     if rank > 0:

@@ -330,7 +330,7 @@ def _plot(results, path: str, label: str, workload: str, ttft_s: float, tpot_s: 
         split = [r for r in results if r.layout.mode == "disaggregated" and degrees(r) == (prefill, decode)]
         name = "disaggregated P:D" if only_degree_1 else f"P {prefill.label} : D {decode.label}"
         ax.plot(
-            [r.layout.prefill * prefill.tensor for r in split],
+            [r.layout.prefill * prefill.ranks for r in split],
             [r.goodput.rate for r in split],
             "o-",
             color=f"C{1 + i}",

@@ -27,6 +27,7 @@ from engine.config import (
     KVOffloadConfig,
     SpeculativeConfig,
     resolve_dtype,
+    worker_ranks,
 )
 from transfer.config import TransferConfig
 from worker.spec import FailurePolicy, RuntimeOptions, TransferBackend, WorkerRole, WorkerSpec, ZmqTransport
@@ -90,12 +91,18 @@ class PoolSection(_Strict):
     max_batch_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1  # ranks per replica, each with the pool's per-replica CPUs and GPUs
-    expert_parallel_size: int = 1  # a mixture of experts' routed experts split over those ranks: 1 or the above
+    # the ways a replica's ranks cut every layer, and a mixture's routed experts (EngineConfig): its ranks are the
+    # larger (``ranks``), each with the pool's per-replica CPUs and GPUs
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     kv_offload: KVOffloadConfig | None = None  # host and disk tiers below the device KV (engine/kv_tiers.py)
     speculative: SpeculativeConfig | None = None  # decode and colocated pools (engine/speculative.py)
     # the worker's (WorkerSpec)
     reserve_headroom_tokens: int = 0
+
+    @property
+    def ranks(self) -> int:
+        return worker_ranks(self.tensor_parallel_size, self.expert_parallel_size)
 
     @model_validator(mode="after")
     def _check(self) -> PoolSection:
@@ -315,10 +322,11 @@ class ClusterConfig(_Strict):
                 f"transfer.kv_wire_dtype {self.transfer.kv_wire_dtype!r} would compress an already quantized KV cache "
                 f"(kv_cache_dtype {sorted(quantized)[0]!r}); leave it 'raw'"
             )
-        if self.mode == "disaggregated" and not self.transfer.stream_layers and prefill.tensor_parallel_size > 1:
+        if self.mode == "disaggregated" and not self.transfer.stream_layers and prefill.ranks > 1:
             raise ValueError(
                 f"transfer.stream_layers: false cannot hold with pools.prefill.tensor_parallel_size "
-                f"{prefill.tensor_parallel_size}: each rank sends its heads of every layer from inside the forward, so it "
+                f"{prefill.tensor_parallel_size} (expert_parallel_size {prefill.expert_parallel_size}): each of its "
+                f"{prefill.ranks} ranks sends its heads of every layer from inside the forward, so it "
                 "streams anyway; leave it true"
             )
         if self.mode == "disaggregated" and prefill.speculative is not None:

@@ -97,6 +97,21 @@ class SpeculativeConfig:
 MAX_COMPILED_BATCHES = 8  # compile_decode_batches: each size costs a compile at start-up (about 35 s on 2 cores)
 
 
+def worker_ranks(tensor_parallel_size: int, expert_parallel_size: int) -> int:
+    """A worker's ranks: its tensor degree, or its expert degree when only its experts are split."""
+    return max(tensor_parallel_size, expert_parallel_size)
+
+
+def check_parallel(tensor_parallel_size: int, expert_parallel_size: int) -> None:
+    """ValueError naming ``expert_parallel_size`` for a layout the ranks cannot take: the experts ride on the
+    tensor-parallel ranks (vLLM's ``--enable-expert-parallel``), or on ranks of their own whose attention is whole."""
+    if expert_parallel_size not in (1, tensor_parallel_size) and tensor_parallel_size != 1:
+        raise ValueError(
+            f"expert_parallel_size {expert_parallel_size}: the experts are split over the worker's ranks, so it is 1, "
+            f"tensor_parallel_size ({tensor_parallel_size}), or any with tensor_parallel_size 1"
+        )
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """``"auto"``: bfloat16 on CUDA (half the bytes to load, hold and ship, full speed on tensor cores), float32 on
     the CPU (bfloat16 matmuls are slow there, and token-exactness against transformers is checked there)."""
@@ -141,9 +156,10 @@ class EngineConfig:
     # reserve for what loads after the profile (lazily loaded kernels, new streams' workspaces)
     nccl_peers: int = 0
     memory_reserve_bytes: int = 1024 * 1024 * 1024
-    # ranks of this engine (engine.tensor_parallel): each holds 1/N of every layer and of the KV heads
+    # the ways this engine's ranks cut every layer and the KV heads (engine.tensor_parallel)
     tensor_parallel_size: int = 1
-    # a mixture of experts' routed experts split over those ranks (engine.expert_parallel): 1, or tensor_parallel_size
+    # the ways they split a mixture's routed experts (engine.expert_parallel): 1, the tensor degree, or any with a
+    # tensor degree of 1 (then every rank holds the whole attention and every KV head): ``ranks``
     expert_parallel_size: int = 1
     kv_offload: KVOffloadConfig | None = None  # host and disk tiers below the device KV (None: evicted KV is dropped)
     speculative: SpeculativeConfig | None = None  # proposed tokens verified per decode step (None: one token a step)
@@ -174,11 +190,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
-            raise ValueError(
-                f"expert_parallel_size {self.expert_parallel_size}: the experts are split over the ranks of the "
-                f"worker's tensor-parallel group, so it is 1 or tensor_parallel_size ({self.tensor_parallel_size})"
-            )
+        check_parallel(self.tensor_parallel_size, self.expert_parallel_size)
         if self.compile_decode_batches is not None:
             self._check_compile_batches(self.compile_decode_batches)
         for name in ("nccl_peers", "memory_reserve_bytes"):
@@ -189,6 +201,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or null, got {value!r}")
+
+    @property
+    def ranks(self) -> int:
+        """The engine's ranks (processes, devices): ``worker_ranks``."""
+        return worker_ranks(self.tensor_parallel_size, self.expert_parallel_size)
 
     def _check_compile_batches(self, batches: object) -> None:
         name = "compile_decode_batches"

@@ -60,10 +60,16 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     planner = KVMemoryPlanner.start(config)  # CUDA, no explicit KV budget: measure from here (engine.memory)
-    if (group.size if group else 1) != config.tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}, the group has {group and group.size}")
+    if (group.size if group else 1) != config.ranks:
+        raise ValueError(f"the engine has {config.ranks} ranks, the group {group and group.size}")
     model, tokenizer = load_model(
-        config.model, config.dtype, config.device, register_paged_attention(), group, config.expert_parallel_size
+        config.model,
+        config.dtype,
+        config.device,
+        register_paged_attention(),
+        group,
+        config.tensor_parallel_size,
+        config.expert_parallel_size,
     )
     if model.device.type == "cpu" and config.cpu_linear_tuning:  # decode's few rows: the fastest product here
         _tune_linears(model, config, group)
@@ -74,7 +80,8 @@ def build_engine_parts(config: EngineConfig, group: TPGroup | None = None) -> En
         split = head_split(attention.layers[0].query_heads, attention.num_kv_heads, 1, 0)
     else:  # a shard cut by the model's own plan (engine.tp_shard.tp_plan), its heads named by its config
         assert group is not None  # the heads the shard was cut by (a latent row: one KV head, whole on every rank)
-        split = head_split(hf_config.num_attention_heads, cache_kv_heads(hf_config), size, group.rank)
+        heads = hf_config.num_attention_heads, cache_kv_heads(hf_config)
+        split = head_split(*heads, size, group.rank, config.tensor_parallel_size)
     return _place(config, group, model, tokenizer, attention, split, planner)
 
 
@@ -104,8 +111,11 @@ def check_same_weights(loaded: EngineConfig, config: EngineConfig) -> EngineConf
                 f"{name}: {getattr(config, name)!r}, but the weights were loaded for {getattr(loaded, name)!r}; the "
                 "same weights serve only the same value"
             )
-    if config.tensor_parallel_size > 1:
-        raise ValueError("tensor_parallel_size: a worker of several ranks is not rebuilt in place (its ranks are not)")
+    if config.ranks > 1:
+        raise ValueError(
+            f"{'tensor' if config.tensor_parallel_size > 1 else 'expert'}_parallel_size: a worker of several ranks is "
+            "not rebuilt in place (its ranks are not)"
+        )
     return config
 
 

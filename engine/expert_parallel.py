@@ -4,7 +4,8 @@ layer's routed experts, and the tokens go to the ranks of their experts and come
 What to split is the model's own plan (transformers' ``base_model_ep_plan``): ``grouped_gemm`` expert weights are cut
 on the expert axis as the shard loads (``engine.tp_shard``), and the ``ep_dispatch_experts`` module is reached through
 ``ExpertParallel``. The ranks are the worker's tensor-parallel group (vLLM's ``--enable-expert-parallel``: the expert
-degree is the tensor degree), so they hold the same tokens. An eager forward gives each rank its own slice of them and
+degree is the tensor degree), or at tensor degree 1 ranks of their own, each with the whole attention (and every KV
+head) and the whole of any dense layer; either way they hold the same tokens. An eager forward gives each rank its own slice of them and
 exchanges (token, expert) pairs: an all-to-all to the experts' ranks, the experts, an all-to-all back, weighted and
 summed per token, then one all-gather of the slices (transformers' ``AllToAllEP``). A compiled or captured step cannot
 read the exchange's sizes back to the host, so it masks the other ranks' experts and sums over the ranks instead
@@ -20,6 +21,7 @@ import torch
 import torch.distributed._functional_collectives as _functional
 
 from engine.blocks import routed_experts
+from engine.config import check_parallel
 from engine.tensor_parallel import TPGroup
 
 EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")  # the plan's styles ExpertParallel runs
@@ -33,16 +35,12 @@ def degree_field(exc: Exception) -> str:
 
 def ep_plan(hf_config: Any, tensor_size: int, expert_size: int) -> dict[str, str]:
     """The model's expert-parallel plan (module or weight pattern -> style) at ``expert_size`` ranks, {} at 1; else a
-    ValueError naming ``expert_parallel_size``: a degree other than the tensor degree, a dense model, a style pdserve
-    does not run, or experts that do not divide."""
+    ValueError naming ``expert_parallel_size``: a layout the ranks cannot take (``engine.config.check_parallel``), a
+    dense model, a style pdserve does not run, or experts that do not divide."""
     if expert_size == 1:
         return {}
     where = f"expert_parallel_size {expert_size}: model type {hf_config.model_type!r}"
-    if expert_size != tensor_size:
-        raise ValueError(
-            f"expert_parallel_size {expert_size}: the experts are split over the ranks of the worker's tensor-parallel "
-            f"group, so it is 1 or tensor_parallel_size ({tensor_size})"
-        )
+    check_parallel(tensor_size, expert_size)
     plan = dict(getattr(hf_config, "base_model_ep_plan", None) or {})
     experts = routed_experts(hf_config.to_dict())
     if not plan or not experts:

@@ -178,7 +178,7 @@ class LLMEngine:
                 f"prompt's {request.num_prompt_tokens} tokens, got {export_from_token}"
             )
         if kv_sink is not None:  # tensor parallel: streamed, as the ranks gather its heads inside the forward
-            stream_kv = stream_kv or self.config.tensor_parallel_size > 1
+            stream_kv = stream_kv or self.config.ranks > 1
             request.kv_export = KVExport(kv_sink, stream_kv, first_block=export_from_token // self.config.block_size)
         self.requests[request.request_id] = request
         self.scheduler.add(request)

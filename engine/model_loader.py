@@ -106,12 +106,14 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str = "sdpa",
     group: TPGroup | None = None,
+    tensor_parallel_size: int = 1,
     expert_parallel_size: int = 1,
 ):
     """Load (model, tokenizer); errors name the field and the cause. Any decoder-only causal LM whose attention goes
     through transformers' attention interface is accepted (``engine.model_probe``); what cannot work is refused
     with the model type and the reason. With a tensor-parallel ``group`` of more than one rank, the model is this
-    rank's shard (``engine.tp_shard.load_shard``), its routed experts 1/``expert_parallel_size`` of them.
+    rank's shard (``engine.tp_shard.load_shard``): its layers cut ``tensor_parallel_size`` ways, its routed experts
+    1/``expert_parallel_size`` of them.
 
     The weights go from their files straight onto ``device`` in ``dtype`` (``device_map``): never built in host RAM
     nor held in float32 on the way, so a GPU node needs no host memory for them and the load is one pass."""
@@ -133,7 +135,7 @@ def load_model(
             from engine.tp_shard import load_shard
 
             hf_model: torch.nn.Module = load_shard(
-                path, torch_dtype, target, attn_implementation, group, expert_parallel_size
+                path, torch_dtype, target, attn_implementation, group, tensor_parallel_size, expert_parallel_size
             )
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(

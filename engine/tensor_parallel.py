@@ -46,7 +46,9 @@ class TPError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class HeadSplit:
-    """Which attention heads one rank holds: q heads ``[q_start, q_start + q_heads)``, KV heads likewise."""
+    """Which attention heads one rank of ``size`` holds: q heads ``[q_start, q_start + q_heads)``, KV heads likewise.
+    ``degree``: the ways the heads are cut, ``size`` or 1 (attention whole on every rank: a plan that leaves it
+    uncut, or ranks that split only a mixture's experts, ``engine.expert_parallel``)."""
 
     rank: int
     size: int
@@ -55,11 +57,17 @@ class HeadSplit:
     kv_start: int
     kv_heads: int
     kv_total: int  # the model's KV heads
+    degree: int  # the ways the heads are cut: ``size``, or 1
 
     @property
     def replicated_kv(self) -> bool:
-        """Fewer KV heads than ranks: several ranks hold the same head."""
+        """Several ranks hold the same KV head (fewer KV heads than ranks, or attention whole on several)."""
         return self.kv_heads * self.size > self.kv_total
+
+    @property
+    def holders(self) -> int:
+        """The consecutive ranks that hold the same KV heads (``head_split``)."""
+        return self.kv_heads * self.size // self.kv_total if self.replicated_kv else 1
 
     def local_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """This rank's heads of KV holding every head of the model (heads on dim -2)."""
@@ -67,15 +75,19 @@ class HeadSplit:
 
     def whole_kv(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Every head of the model, in order, from each rank's part (rank order; heads on dim -2). Replicated, a head
-        is held by ``size // kv_total`` consecutive ranks (``head_split``): the first of them gives it."""
-        per_head = self.size // self.kv_total if self.replicated_kv else 1
-        return torch.cat(parts[::per_head], dim=-2)
+        is held by ``holders`` consecutive ranks: the first of them gives it."""
+        return torch.cat(parts[:: self.holders], dim=-2)
 
 
-def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadSplit:
-    """Rank ``rank``'s heads at degree ``size``; ValueError naming ``tensor_parallel_size`` when it cannot split."""
+def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int, degree: int | None = None) -> HeadSplit:
+    """Rank ``rank``'s heads of ``size`` ranks that cut them ``degree`` ways (default ``size``; 1: every rank holds
+    every head); ValueError naming ``tensor_parallel_size`` when it cannot split."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if degree not in (None, size, 1):
+        raise ValueError(f"the heads of {size} ranks are cut {size} ways or whole on each, not {degree}")
+    if degree == 1 and size > 1:
+        return HeadSplit(rank, size, 0, num_heads, 0, num_kv_heads, num_kv_heads, 1)
     if num_heads % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's {num_heads} attention heads")
     if num_kv_heads % size and size % num_kv_heads:
@@ -89,10 +101,9 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
         kv_start = rank * kv_heads
     else:  # fewer KV heads than ranks: the one KV head this rank's q heads attend with, replicated
         kv_start = q_start // (num_heads // num_kv_heads)
-    return HeadSplit(rank, size, q_start, q_heads, kv_start, kv_heads, num_kv_heads)
+    return HeadSplit(rank, size, q_start, q_heads, kv_start, kv_heads, num_kv_heads, size)
 
 
-# the families whose weights ``shard_plan`` knows how to cut (separate q/k/v/o and gate/up/down projections)
 def group_backends(device: torch.device | str) -> tuple[str, str]:
     """The backends of a worker's two groups for ranks on ``device``: the device group carries the layers'
     collectives (NCCL on CUDA tensors, gloo on host ones: the same calls), the CPU group the step messages and the
@@ -306,13 +317,18 @@ class HandoffPart:
     count: int
 
 
-def handoff_parts(num_heads: int, num_kv_heads: int, sender_degree: int, receiver_degree: int) -> list[HandoffPart]:
-    """Who sends which heads to whom when a worker of ``sender_degree`` ranks hands KV to one of ``receiver_degree``:
-    each receiver rank gets each of its heads from the first sender rank that holds it (a head replicated over several
-    sender ranks is sent once), in runs of consecutive heads. Both ends compute the same list."""
+def handoff_parts(
+    num_heads: int, num_kv_heads: int, sender_degree: int, receiver_degree: int, receiver_ranks: int | None = None
+) -> list[HandoffPart]:
+    """Who sends which heads to whom when a worker whose ranks cut the heads ``sender_degree`` ways hands KV to one of
+    ``receiver_ranks`` ranks (default ``receiver_degree``) that cut them ``receiver_degree`` ways (1: each rank holds
+    every head): each receiver rank gets each of its heads from the first sender rank that holds it (a head
+    replicated over several sender ranks is sent once; a sender whose ranks hold every head sends from rank 0), in
+    runs of consecutive heads. Both ends compute the same list."""
+    ranks = receiver_ranks or receiver_degree
     senders = [head_split(num_heads, num_kv_heads, sender_degree, r) for r in range(sender_degree)]
     parts: list[HandoffPart] = []
-    for receiver in (head_split(num_heads, num_kv_heads, receiver_degree, r) for r in range(receiver_degree)):
+    for receiver in (head_split(num_heads, num_kv_heads, ranks, r, receiver_degree) for r in range(ranks)):
         for local in range(receiver.kv_heads):
             head = receiver.kv_start + local
             owner = next(s for s in senders if s.kv_start <= head < s.kv_start + s.kv_heads)

@@ -50,11 +50,14 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
     heads (each rank's KV cache holds its heads)."""
     plan = {pattern: _shard_style(pattern, style) for pattern, style in _model_plan(hf_config).items()}
     where = f"tensor_parallel_size {size}: model type {hf_config.model_type!r}"
+    instead = "serve it on one rank"
+    if getattr(hf_config, "base_model_ep_plan", None) and routed_experts(hf_config.to_dict()):
+        instead += ", or split its experts alone (tensor_parallel_size 1, expert_parallel_size N)"
     for pattern, style in plan.items():
         if style not in CUT_STYLES + REPLICATED_STYLES:
             raise ValueError(
                 f"{where}: its tensor-parallel plan's entry {pattern!r}: {style!r} is not a cut pdserve runs "
-                f"({', '.join(CUT_STYLES + REPLICATED_STYLES)}); serve it on one rank"
+                f"({', '.join(CUT_STYLES + REPLICATED_STYLES)}); {instead}"
             )
     checkpoint_layout(hf_config.model_type, where)  # a conversion pdserve cannot do is refused here
     attention = {p.rsplit(".", 1)[-1]: style for p, style in plan.items() if ".self_attn." in p}
@@ -68,7 +71,7 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
     if any(attention.get(name) != style for name, style in cuts.items()):
         raise ValueError(
             f"{where}: its tensor-parallel plan does not cut {named} by heads and o_proj by rows "
-            f"({plan or 'the config has no plan'}); serve it on one rank"
+            f"({plan or 'the config has no plan'}); {instead}"
         )
     return plan
 
@@ -313,24 +316,26 @@ def load_shard(
     device: torch.device,
     attn_implementation: str,
     group: TPGroup,
+    tensor_size: int,
     expert_size: int = 1,
 ) -> Any:
-    """This rank's shard of the model at ``path``: built on the meta device, cut to the rank's shapes, then filled
-    from the safetensors files slice by slice, so no rank ever holds a whole split weight (nor, at an expert degree
-    above 1, another rank's experts)."""
+    """This rank's shard of the model at ``path`` (its layers cut ``tensor_size`` ways, its experts ``expert_size``
+    ways, over the group's ranks): built on the meta device, cut to the rank's shapes, then filled from the
+    safetensors files slice by slice, so no rank ever holds a whole split weight (nor, at an expert degree above 1,
+    another rank's experts). At tensor degree 1 every rank holds the attention whole."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
-    check_degree(config, group.size, expert_size)
-    split = head_split(config.num_attention_heads, cache_kv_heads(config), group.size, group.rank)
+    check_degree(config, tensor_size, expert_size)
+    split = head_split(config.num_attention_heads, cache_kv_heads(config), group.size, group.rank, tensor_size)
     total_experts = routed_experts(config.to_dict())
     experts = ExpertSplit(group.rank, expert_size, total_experts) if expert_size > 1 else None
     layout = checkpoint_layout(config.model_type)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    plan = shard_plan(model, config, split, tp_plan(config, group.size))
-    expert_modules = expert_shard(model, experts, ep_plan(config, group.size, expert_size)) if experts else {}
+    plan = shard_plan(model, config, split, tp_plan(config, tensor_size) if tensor_size > 1 else {})
+    expert_modules = expert_shard(model, experts, ep_plan(config, tensor_size, expert_size)) if experts else {}
     expert_weights = {f"{name}.{leaf}" for name, leaves in expert_modules.items() for leaf in leaves}
     with torch.no_grad():
         for name in plan.slices.keys() - plan.zero_bias:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.blocks import DTYPE_BYTES, kv_bytes_per_token, kv_shape_from_config, per_head_kv_values, routed_experts
+from engine.config import check_parallel
 from engine.model_loader import DEFAULT_MODEL, cache_dir
 from engine.model_probe import config_refusal
 
@@ -311,15 +312,13 @@ class ModelShape:
         return attention
 
     def rank_shape(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> ModelShape:
-        """What one of ``tensor_parallel_size`` ranks holds (engine.tensor_parallel): 1/N of the q heads, of a dense
+        """What one rank holds at ``tensor_parallel_size`` N (engine.tensor_parallel): 1/N of the q heads, of a dense
         MLP and of the shared experts, its KV heads (one, replicated, when there are fewer than N; a latent row whole),
         the embedding, LM head, norms and routers whole; the routed experts whole, 1/E of them at
-        ``expert_parallel_size`` E (engine.expert_parallel: the plans leave experts uncut). So its ``parameters`` are
+        ``expert_parallel_size`` E (engine.expert_parallel: the plans leave experts uncut; at N = 1 the E ranks each
+        hold the rest whole). So its ``parameters`` are
         one GPU's weights and its KV heads one GPU's KV. ValueError naming the degree when the model does not split."""
-        if expert_parallel_size not in (1, tensor_parallel_size):
-            raise ValueError(
-                f"expert_parallel_size {expert_parallel_size} is 1 or tensor_parallel_size ({tensor_parallel_size})"
-            )
+        check_parallel(tensor_parallel_size, expert_parallel_size)
         if expert_parallel_size > 1 and not self.routed_experts:
             raise ValueError(f"expert_parallel_size {expert_parallel_size}: the model has no routed experts to split")
         if expert_parallel_size > 1 and self.routed_experts % expert_parallel_size:
@@ -327,8 +326,8 @@ class ModelShape:
                 f"expert_parallel_size {expert_parallel_size} does not divide the model's {self.routed_experts} routed "
                 "experts"
             )
-        if tensor_parallel_size == 1:
-            return self
+        if tensor_parallel_size == 1:  # the attention and dense layers whole on each of the expert degree's ranks
+            return replace(self, expert_parallel_size=expert_parallel_size)
         from engine.tensor_parallel import head_split
 
         split = head_split(self.num_attention_heads, self.num_kv_heads, tensor_parallel_size, 0)

@@ -19,15 +19,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from engine.config import worker_ranks
+
 PROFILE_VERSION = 1
 
 
 class Degree(NamedTuple):
-    """A worker's parallel layout: its ranks (``tensor_parallel_size``) and the ways its routed experts are split
-    over them (``expert_parallel_size``: 1, or the same as the ranks)."""
+    """A worker's parallel layout: the ways its ranks cut every layer (``tensor_parallel_size``) and its routed
+    experts (``expert_parallel_size``: 1, the same, or any at tensor degree 1); its ranks are the larger."""
 
     tensor: int = 1
     expert: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return worker_ranks(self.tensor, self.expert)
 
     @property
     def label(self) -> str:

@@ -365,8 +365,8 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, Job]) 
 
 
 def measure_part(part: str, job: Job) -> dict:
-    """``part`` measured here at degree 1; at degree N > 1 by N local processes, rank 0 measuring."""
-    size = job.spec.engine.tensor_parallel_size
+    """``part`` measured here at degree 1; by a local process per rank at more ranks, rank 0 measuring."""
+    size = job.spec.engine.ranks
     if size == 1:
         return PARTS[part](job)
     return run_ranks(_rank_main, size, (part, job), timeout_s=PART_TIMEOUT_S)[0]
@@ -406,8 +406,8 @@ def profile_cluster(
         [
             f"measured by pdserve profile in {time.monotonic() - started:.0f} s",
             f"tensor_parallel_size {degree}, expert_parallel_size {experts}"
-            + (" (ranks as local processes)" if degree > 1 else ""),
-            f"torch threads{' per rank' if degree > 1 else ''} prefill {prefill_spec.engine.torch_threads or 'default'}"
+            + (" (ranks as local processes)" if prefill_spec.engine.ranks > 1 else ""),
+            f"torch threads{' per rank' if prefill_spec.engine.ranks > 1 else ''} prefill {prefill_spec.engine.torch_threads or 'default'}"
             f", decode {decode_spec.engine.torch_threads or 'default'}",
             f"devices prefill {prefill_spec.engine.device}, decode {decode_spec.engine.device}",
             f"median of >= {prefill_run['repeats']} timings per point",

@@ -34,7 +34,7 @@ class LayoutResult:
 
 
 def layouts(devices: int, split_step: int = 1, degrees: Sequence[Degree] = (Degree(),)) -> list[Layout]:
-    """Per worker degree d (tensor, expert): colocated with devices // d.tensor workers. Per (prefill degree, decode
+    """Per worker degree d (tensor, expert): colocated with devices // d.ranks workers. Per (prefill degree, decode
     degree): 1, 1 + step, ... prefill workers (and the most that leave room for one decode worker), the rest of the
     devices in decode workers (a larger step keeps a 64-device sweep affordable). A worker takes one device per rank."""
     if devices < 1:
@@ -42,15 +42,15 @@ def layouts(devices: int, split_step: int = 1, degrees: Sequence[Degree] = (Degr
     if split_step < 1:
         raise ValueError(f"--split-step must be at least 1, got {split_step}")
     found = [
-        Layout("colocated", 0, devices // d.tensor, decode_tp=d.tensor, decode_ep=d.expert)
+        Layout("colocated", 0, devices // d.ranks, decode_tp=d.tensor, decode_ep=d.expert)
         for d in degrees
-        if devices // d.tensor >= 1
+        if devices // d.ranks >= 1
     ]
     for p in degrees:
         for d in degrees:
-            most = (devices - d.tensor) // p.tensor
+            most = (devices - d.ranks) // p.ranks
             for prefill in sorted(set(range(1, most + 1, split_step)) | ({most} if most >= 1 else set())):
-                decode = (devices - prefill * p.tensor) // d.tensor
+                decode = (devices - prefill * p.ranks) // d.ranks
                 found.append(Layout("disaggregated", prefill, decode, p.tensor, d.tensor, p.expert, d.expert))
     if not found:
         labels = [d.label for d in degrees]

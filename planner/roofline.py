@@ -100,11 +100,13 @@ def roofline_profile(
     shared = shape.moe_layers if shape.shared_intermediate_size else 0
     all_reduces = shape.num_layers + dense_layers + shared if n > 1 else 0
     ring_s = 2 * (n - 1) / n * row_bytes / link_s
-    # the routed experts' exchange per token and its collectives, by phase (0 at expert degree 1)
+    # the routed experts' exchange per token and its collectives, by phase (0 at expert degree 1), over the e ranks
+    # that split them (the tensor-parallel ones, or at n = 1 ranks of their own)
     exchange = shape.moe_layers if e > 1 else 0
     prefill_rows = exchange * (2 * shape.experts_per_token + 1) * (e - 1) / e
+    expert_ring_s = 2 * (e - 1) / e * row_bytes / link_s
     prefill_comm = [all_reduces + 4 * exchange, all_reduces * ring_s + prefill_rows * row_bytes / link_s]
-    decode_comm = [all_reduces + exchange, (all_reduces + exchange) * ring_s]
+    decode_comm = [all_reduces + exchange, all_reduces * ring_s + exchange * expert_ring_s]
     fixed_s = eff.step_s + weights_s
     prefill = Fit(
         PREFILL_FEATURES,

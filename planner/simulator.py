@@ -32,6 +32,7 @@ from cluster.routing.membership import Membership
 from cluster.routing.metrics import RouterMetrics
 from cluster.routing.policies import make_policy
 from decode.worker import EXPIRY_CHECK_INTERVAL_S, DecodeRole, kv_sink
+from engine.config import check_parallel
 from engine.request import SamplingParams
 from engine.scheduler import ScheduledChunk
 from planner.profile_model import Degree, Profile, ProfileSet
@@ -70,8 +71,11 @@ class Layout:
     def __post_init__(self) -> None:
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError(f"a layout's tensor-parallel degrees are at least 1, got {self}")
-        if self.prefill_ep not in (1, self.prefill_tp) or self.decode_ep not in (1, self.decode_tp):
-            raise ValueError(f"a layout's expert degrees are 1 or its tensor degrees, got {self}")
+        try:
+            check_parallel(self.prefill_tp, self.prefill_ep)
+            check_parallel(self.decode_tp, self.decode_ep)
+        except ValueError as exc:
+            raise ValueError(f"a layout's degrees: {exc}, got {self}") from None
         if self.mode == "colocated" and (self.prefill != 0 or self.decode < 1):
             raise ValueError(f"a colocated layout has decode >= 1 workers and prefill 0, got {self}")
         if self.mode == "disaggregated" and (self.prefill < 1 or self.decode < 1):
@@ -83,8 +87,8 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        """Ranks in all (GPUs on a GPU cluster): a worker of degree N takes N."""
-        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+        """Ranks in all (GPUs on a GPU cluster): a worker takes one per rank (``Degree.ranks``)."""
+        return self.prefill * self.prefill_degree.ranks + self.decode * self.decode_degree.ranks
 
     @property
     def prefill_degree(self) -> Degree:
@@ -97,7 +101,7 @@ class Layout:
     @property
     def label(self) -> str:
         def tp(degree: Degree) -> str:
-            return f"({degree.label})" if self.prefill_tp > 1 or self.decode_tp > 1 else ""
+            return f"({degree.label})" if self.prefill_degree.ranks > 1 or self.decode_degree.ranks > 1 else ""
 
         if self.mode == "colocated":
             return f"colocated {self.decode}{tp(self.decode_degree)}"

@@ -12,7 +12,7 @@ with ``context_tokens``, ``Export``, ``Frozen``, ``Start``); the flows: docs/req
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 
@@ -229,19 +229,31 @@ class _PromptCommand(_RequestCommand):
 
 
 KV_ADDRESS_SEPARATOR = "|"  # a worker's KV address: each of its ranks' receivers, in rank order
+# before them, ``1@`` when the worker's ranks each hold every KV head (its attention whole on every rank: its plan does
+# not cut it, or the ranks split only a mixture's experts); else its ranks cut the heads as many ways as they are
+WHOLE_HEADS_PREFIX = "1@"
 
 
-def join_kv_address(addresses: list[str]) -> str:
-    return KV_ADDRESS_SEPARATOR.join(addresses)
+class KVAddress(NamedTuple):
+    """A worker's KV receivers, one per rank, and the ways its ranks cut the KV heads (len(ranks), or 1)."""
+
+    ranks: list[str]
+    degree: int
 
 
-def split_kv_address(address: str) -> list[str]:
-    """Each rank's receiver address of a worker's ``kv_address`` (ValueError naming it when it holds an empty one or
-    more than 64)."""
-    parts = address.split(KV_ADDRESS_SEPARATOR)
+def join_kv_address(addresses: list[str], degree: int | None = None) -> str:
+    joined = KV_ADDRESS_SEPARATOR.join(addresses)
+    return WHOLE_HEADS_PREFIX + joined if degree == 1 and len(addresses) > 1 else joined
+
+
+def split_kv_address(address: str) -> KVAddress:
+    """Each rank's receiver address of a worker's ``kv_address``, and how its ranks cut the heads (ValueError naming
+    it when it holds an empty one or more than 64)."""
+    whole = address.startswith(WHOLE_HEADS_PREFIX)
+    parts = address.removeprefix(WHOLE_HEADS_PREFIX).split(KV_ADDRESS_SEPARATOR)
     if any(not part for part in parts) or len(parts) > 64:
         raise ValueError(f"kv_address {address[:200]!r} is not one receiver address per rank joined by '|'")
-    return parts
+    return KVAddress(parts, 1 if whole else len(parts))
 
 
 class Reserve(_PromptCommand, tag="reserve"):
@@ -256,8 +268,8 @@ class Reserve(_PromptCommand, tag="reserve"):
     context_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # reserved beyond the pool's headroom: a move's room for the tokens the request makes until its source stops it
     extra_headroom_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
-    # the ranks of the worker the KV comes from (its tensor_parallel_size): each of them sends its heads to the ranks
-    # here that hold them (worker/rank_kv.py)
+    # the ways the worker the KV comes from cuts its heads over its ranks (its tensor degree; 1 when each rank holds
+    # every head): each rank that holds a head first sends it to the ranks here that hold it (worker/rank_kv.py)
     source_degree: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 

@@ -67,12 +67,19 @@ POLLER_WAIT_S = 0.001  # a follower's receiver thread: the longest it waits for 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HandoffLayout:
     """What both ends of a hand-off compute its parts from: the model's KV fingerprint and attention heads, and this
-    end's degree and rank."""
+    end's degree (the ways its ranks cut the heads), rank and ranks (the degree, or more that each hold every head)."""
 
     whole: ModelFingerprint  # every KV head of the model
     num_heads: int  # the model's attention (query) heads: where a replicated KV head lies (engine.tensor_parallel)
     degree: int = 1
     rank: int = 0
+    ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.degree not in (1, self.ranks):
+            raise ValueError(
+                f"{self.ranks} ranks cut the heads {self.ranks} ways or hold them whole, not {self.degree}"
+            )
 
     def fingerprint(self, degree: int, rank: int) -> ModelFingerprint:
         """The fingerprint of rank ``rank`` of a worker of ``degree`` ranks: its slice of the model's heads."""
@@ -81,13 +88,15 @@ class HandoffLayout:
         split = head_split(self.num_heads, self.whole.num_kv_heads, degree, rank)
         return self.whole.slice(split.kv_start, split.kv_heads)
 
-    def parts(self, sender_degree: int, receiver_degree: int) -> list[HandoffPart]:
-        return _parts(self.num_heads, self.whole.num_kv_heads, sender_degree, receiver_degree)
+    def parts(self, sender_degree: int, receiver_degree: int, receiver_ranks: int | None = None) -> list[HandoffPart]:
+        return _parts(self.num_heads, self.whole.num_kv_heads, sender_degree, receiver_degree, receiver_ranks)
 
 
 @functools.lru_cache(maxsize=64)
-def _parts(num_heads: int, num_kv_heads: int, sender_degree: int, receiver_degree: int) -> list[HandoffPart]:
-    return handoff_parts(num_heads, num_kv_heads, sender_degree, receiver_degree)
+def _parts(
+    num_heads: int, num_kv_heads: int, sender_degree: int, receiver_degree: int, receiver_ranks: int | None
+) -> list[HandoffPart]:
+    return handoff_parts(num_heads, num_kv_heads, sender_degree, receiver_degree, receiver_ranks)
 
 
 def part_id(transfer_id: str, part: HandoffPart, num_parts: int) -> str:
@@ -119,6 +128,7 @@ class Expect(msgspec.Struct, tag="expect"):
 class Begin(msgspec.Struct, tag="begin"):
     transfer_id: str
     addresses: list[str]  # the receiving worker's ranks
+    receiver_degree: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]  # the ways they cut the heads (KVAddress)
     dst_blocks: list[int]  # where the KV streamed from the forward goes: logical block first_block + i onto dst[i]
     first_block: int
 
@@ -263,7 +273,7 @@ class RankKV:
             raise ValueError("this worker takes no KV: it has no receiver")
         if message.transfer_id in self._inbound:
             raise ValueError(f"transfer {message.transfer_id!r} already expected")
-        parts = self.layout.parts(message.source_degree, self.layout.degree)
+        parts = self.layout.parts(message.source_degree, self.layout.degree, self.layout.ranks)
         mine = [p for p in parts if p.receiver_rank == self.layout.rank]
         local_heads = self.fingerprint.num_kv_heads
         ids: list[str] = []
@@ -349,8 +359,8 @@ class RankKV:
         """This rank's parts of an outbound hand-off, begun on the senders for their receivers."""
         if message.transfer_id in self._outbound:
             raise ValueError(f"transfer {message.transfer_id!r} already begun")
-        receiver_degree = len(message.addresses)
-        parts = self.layout.parts(self.layout.degree, receiver_degree)
+        receiver_degree, receiver_ranks = message.receiver_degree, len(message.addresses)
+        parts = self.layout.parts(self.layout.degree, receiver_degree, receiver_ranks)
         mine = [p for p in parts if p.sender_rank == self.layout.rank]
         begun: list[tuple[str, HandoffPart, KVSender]] = []
         try:
@@ -363,7 +373,7 @@ class RankKV:
             for pid, _, sender in begun:
                 sender.abort(pid, "its hand-off could not begin whole")
             raise
-        heads = [self.layout.fingerprint(receiver_degree, r).num_kv_heads for r in range(receiver_degree)]
+        heads = [self.layout.fingerprint(receiver_degree, r).num_kv_heads for r in range(receiver_ranks)]
         self._outbound[message.transfer_id] = _Outbound(begun, message.dst_blocks, message.first_block, heads)
         self._slots[export_slot(message.transfer_id)] = message.transfer_id
 
@@ -470,12 +480,12 @@ class RankKV:
         transfer_id = getattr(message, "transfer_id", "")
         error = exc if isinstance(exc, TransferError) else ProtocolError(f"rank {self.layout.rank}: {exc}")
         if isinstance(message, Expect):
-            parts = self.layout.parts(message.source_degree, self.layout.degree)
+            parts = self.layout.parts(message.source_degree, self.layout.degree, self.layout.ranks)
             ids = [part_id(transfer_id, p, len(parts)) for p in parts if p.receiver_rank == self.layout.rank]
             with self._lock:
                 self._received += [TransferEvent(pid, TransferState.FAILED, error) for pid in ids]
         elif isinstance(message, Begin):
-            parts = self.layout.parts(self.layout.degree, len(message.addresses))
+            parts = self.layout.parts(self.layout.degree, message.receiver_degree, len(message.addresses))
             ids = [part_id(transfer_id, p, len(parts)) for p in parts if p.sender_rank == self.layout.rank]
             self._failed_sends += [TransferEvent(pid, TransferState.FAILED, error) for pid in ids]
 
@@ -599,7 +609,7 @@ class HandoffSender:
     its heads; ``poll`` reports each hand-off's end once, when every part's lease ended (or the first failed)."""
 
     def __init__(self, kv: RankKV, channel: StepChannel | None = None) -> None:
-        if kv.layout.degree > 1 and channel is None:
+        if kv.layout.ranks > 1 and channel is None:
             raise ValueError("a worker of several ranks reaches them through its step channel")
         self.kv = kv
         self.channel = channel
@@ -623,9 +633,9 @@ class HandoffSender:
         ``first_block`` on) is where the KV that streams from the forward goes on the other ranks."""
         if transfer_id in self._join.handoffs:
             raise ValueError(f"transfer {transfer_id!r} already begun")
-        addresses = split_kv_address(peer)
-        parts = self.kv.layout.parts(self.degree, len(addresses))
-        message = Begin(transfer_id, addresses, list(dst_blocks), first_block)
+        address = split_kv_address(peer)
+        parts = self.kv.layout.parts(self.degree, address.degree, len(address.ranks))
+        message = Begin(transfer_id, address.ranks, address.degree, list(dst_blocks), first_block)
         self._join.tell(message)
         try:
             self.kv.begin(message)
@@ -690,7 +700,7 @@ class HandoffReceiver:
     def __init__(self, kv: RankKV, channel: StepChannel | None = None, *, whole_only: bool = False) -> None:
         if kv.receiver is None:
             raise ValueError("a hand-off receiver needs a rank receiver")
-        if kv.layout.degree > 1 and channel is None:
+        if kv.layout.ranks > 1 and channel is None:
             raise ValueError("a worker of several ranks reaches them through its step channel")
         self.kv = kv
         self.receiver = kv.receiver
@@ -701,7 +711,7 @@ class HandoffReceiver:
         addresses = [self.receiver.address]
         if channel is not None:  # the other ranks' receivers, bound as their ranks started
             addresses += [answer.decode() for answer in channel.control(_encoder.encode(Hello()), reply=True)[1:]]
-        self.address = join_kv_address(addresses)
+        self.address = join_kv_address(addresses, self.degree)
 
     @classmethod
     def over(cls, receiver: KVReceiver, layout: HandoffLayout) -> HandoffReceiver:
@@ -727,7 +737,7 @@ class HandoffReceiver:
             raise ValueError(f"transfer {transfer_id!r} already expected")
         layers = num_layers or self.kv.fingerprint.num_layers
         message = Expect(transfer_id, list(dst_block_ids), layers, deadline_s, leading_run, source_degree)
-        parts = self.kv.layout.parts(source_degree, self.degree)
+        parts = self.kv.layout.parts(source_degree, self.degree, self.kv.layout.ranks)
         self.kv.expect(message)
         # every rank expects its parts before rank 0's caller names this worker to the sender: a piece for a part not
         # yet expected would be dropped (transfer/inbound.py)
@@ -772,7 +782,7 @@ def handoff_layout(kv_spec: object, split: HeadSplit | None) -> HandoffLayout:
         whole = ModelFingerprint.from_spec(kv_spec)
         return HandoffLayout(whole, whole.num_kv_heads)
     whole = ModelFingerprint.from_spec(dataclasses.replace(kv_spec, num_kv_heads=split.kv_total))  # type: ignore[type-var]
-    return HandoffLayout(whole, split.q_heads * split.size, split.size, split.rank)
+    return HandoffLayout(whole, split.q_heads * split.degree, split.degree, split.rank, split.size)
 
 
 def cache_land(cache: KVCache) -> LandKV:

@@ -24,11 +24,11 @@ def join_group(spec: WorkerSpec, rank: int, timeout_s: float = TP_TIMEOUT_S) -> 
     """This rank's tensor-parallel group (None at degree 1)."""
     import torch.distributed as dist
 
-    size = spec.engine.tensor_parallel_size
+    size = spec.engine.ranks
     if size == 1:
         return None
     if not spec.tp_rendezvous:
-        raise ValueError(f"worker {spec.name}: tensor_parallel_size {size} needs a rendezvous path (the pool sets it)")
+        raise ValueError(f"worker {spec.name}: {size} ranks need a rendezvous path (the pool sets it)")
     store = dist.FileStore(spec.tp_rendezvous, size)
     store.set_timeout(datetime.timedelta(seconds=TP_START_TIMEOUT_S))
     # the ranks share a node: loopback; the layers' collectives on NCCL when the engine's device is a GPU
@@ -39,8 +39,8 @@ class TPRank:
     """One rank other than 0: its shard, served from a thread until rank 0 stops it or the group breaks."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        if not 0 < rank < spec.engine.tensor_parallel_size:
-            raise ValueError(f"worker {spec.name}: rank {rank} outside 1..{spec.engine.tensor_parallel_size - 1}")
+        if not 0 < rank < spec.engine.ranks:
+            raise ValueError(f"worker {spec.name}: rank {rank} outside 1..{spec.engine.ranks - 1}")
         spec = resolve_spec(spec)
         self.name, self.rank = f"{spec.name}/rank{rank}", rank
         group = join_group(spec, rank)

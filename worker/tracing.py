@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from worker.messages import (
-    KV_ADDRESS_SEPARATOR,
     Abort,
     Command,
     ErrorEvent,
@@ -38,6 +37,7 @@ from worker.messages import (
     Start,
     Timing,
     Tokens,
+    split_kv_address,
 )
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ class RequestSpans:
                 name = "pdserve.generate"
             started = self.held[command.rid] = _Held(self.tracing.start(name, command.trace, attributes))
             if isinstance(command, Prefill):
-                started.kv_addresses = tuple(command.kv_address.split(KV_ADDRESS_SEPARATOR))
+                started.kv_addresses = tuple(split_kv_address(command.kv_address).ranks)
             return
         if not isinstance(command, (Export, Start, Resume, Abort)):
             return

@@ -476,6 +476,7 @@ def model_kv_status(config: ClusterConfig, model_dir: str | None) -> dict | None
             "role": role.value,
             "replicas": pool.replicas,
             "tensor_parallel_size": pool.tensor_parallel_size,
+            "expert_parallel_size": pool.expert_parallel_size,
             "kv_memory_mb": pool.kv_memory_mb,
             "kv_blocks": pool.kv_blocks,
             # per replica; None: a GPU pool sizes its cache from measured free memory at start (gpu_memory_utilization)

@@ -413,14 +413,14 @@ class RouterCore:
         self.sync(flow)
         context, slack = moves.computed_tokens(flow), moves.slack_tokens(precopy)
         source = self.members.get(flow.decode)
-        degree = len(split_kv_address(source.kv_address)) if source is not None and source.kv_address else 1
+        degree = split_kv_address(source.kv_address).degree if source is not None and source.kv_address else 1
         command = Reserve(
             move.target_wire,
             flow.prompt,
             flow.params,
             context_tokens=context,
             extra_headroom_tokens=slack,
-            source_degree=degree,  # the source's ranks each send their heads
+            source_degree=degree,  # the source's ranks each send the heads they hold first
         )
         self.send(target, command)
 

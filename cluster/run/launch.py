@@ -148,7 +148,7 @@ def check_tensor_parallel(config: ClusterConfig, hf_config) -> None:
     from engine.tp_shard import check_degree
 
     for name, _, pool in pool_layout(config):
-        if pool.replicas and pool.tensor_parallel_size > 1:
+        if pool.replicas and pool.ranks > 1:
             try:
                 check_degree(hf_config, pool.tensor_parallel_size, pool.expert_parallel_size)
             except ValueError as exc:

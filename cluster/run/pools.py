@@ -141,7 +141,7 @@ class LocalPools(_Resizable):
     @staticmethod
     def _start(spec: WorkerSpec, timeout_s: float) -> WorkerRecord:
         """Rank 0 here; ranks 1..N-1 of a tensor-parallel worker are built in threads meanwhile (they meet it)."""
-        size = spec.engine.tensor_parallel_size
+        size = spec.engine.ranks
         if size == 1:
             actor = WorkerActor(spec)
             return WorkerRecord(spec.name, spec.role.value, actor, actor.info(), spec.pool)
@@ -229,11 +229,11 @@ class RayPools(_Resizable):
                 if pool.replicas == 0:
                     continue
                 pool_specs = [s for s in specs if s.pool == pool_name]
-                if pool.tensor_parallel_size == 1:  # one group for the pool, a bundle per replica
+                if pool.ranks == 1:  # one group for the pool, a bundle per replica
                     group = self._placement(pool_name, pool, pool.replicas, pool.placement_strategy, pool_name)
                     placed = [(spec, group, index, False) for index, spec in enumerate(pool_specs)]
                 else:  # a group per replica: its N ranks on one node
-                    size = pool.tensor_parallel_size
+                    size = pool.ranks
                     placed = [
                         (s, self._placement(pool_name, pool, size, "STRICT_PACK", s.name), 0, True) for s in pool_specs
                     ]
@@ -261,8 +261,9 @@ class RayPools(_Resizable):
             ray.get(group.ready(), timeout=self.config.ray.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             what = f"{pool.replicas} x {bundle}"
-            if pool.tensor_parallel_size > 1:
-                what = f"{pool.tensor_parallel_size} x {bundle} on one node (tensor_parallel_size {pool.tensor_parallel_size})"
+            if pool.ranks > 1:
+                degrees = f"tensor_parallel_size {pool.tensor_parallel_size}, expert_parallel_size {pool.expert_parallel_size}"
+                what = f"{pool.ranks} x {bundle} on one node ({degrees})"
             raise ConfigError(
                 f"pools.{pool_name}: the Ray cluster cannot place {what} (available: {ray.available_resources()})"
             ) from None
@@ -275,7 +276,7 @@ class RayPools(_Resizable):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         assert record.spec is not None and record.group is not None
-        spec, size, group = record.spec, pool.tensor_parallel_size, record.group
+        spec, size, group = record.spec, pool.ranks, record.group
         if size > 1:
             spec = dataclasses.replace(spec, tp_rendezvous=rendezvous_path())
 
@@ -314,7 +315,7 @@ class RayPools(_Resizable):
         import ray
 
         spec, pool = self.new_spec(pool_name), getattr(self.config.pools, pool_name)
-        size = pool.tensor_parallel_size
+        size = pool.ranks
         free = self._free_bundles.get(pool_name) or []
         if free and size == 1:
             (group, index), own = free.pop(), False

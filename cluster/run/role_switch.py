@@ -28,7 +28,14 @@ ROLES = ("prefill", "decode")
 REBUILD_TIMEOUT_S = 120.0  # for the worker's loop to take the switch up and rebuild its engine
 KEPT_RECORDS = 64  # finished switches kept for ``records``
 # what must be equal in both pools for a worker to move between them in place: its placement and its weights
-SAME_IN_BOTH_POOLS = ("gpus_per_replica", "cpus_per_replica", "resources", "tensor_parallel_size", "cpu_linear_tuning")
+SAME_IN_BOTH_POOLS = (
+    "gpus_per_replica",
+    "cpus_per_replica",
+    "resources",
+    "tensor_parallel_size",
+    "expert_parallel_size",
+    "cpu_linear_tuning",
+)
 
 
 @dataclass(slots=True)
@@ -84,8 +91,8 @@ class RoleSwitcher:
                     f"pools.{record.pool}.{name} is {here!r} and pools.{to}.{name} is {there!r}: a worker switches in "
                     "place only between pools of the same placement and weights",
                 )
-        if getattr(pools, to).tensor_parallel_size > 1:
-            raise ScaleError("to", "a worker of several tensor-parallel ranks does not switch role in place")
+        if getattr(pools, to).ranks > 1:
+            raise ScaleError("to", "a worker of several ranks does not switch role in place")
         drain_s = drain_timeout(drain_timeout_s) or DRAIN_TIMEOUT_S
         return record, to, drain_s
 

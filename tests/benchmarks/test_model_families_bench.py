@@ -27,16 +27,18 @@ def test_families_are_exact_and_timed_and_a_state_space_model_is_refused():
     assert result["summary"] == {"exact": 2, "refused": 1, "inexact": 0, "failed": 0}
 
 
-def test_at_two_ranks_a_family_is_exact_or_its_plan_refused_by_name():
+def _two_ranks(families: str) -> dict:
     from benchmarks.model_families_bench import run
 
-    argv = ["--families", "gemma2,mixtral,gpt_oss", "--tensor-parallel-size", "2", "--expert-parallel-size", "2"]
+    argv = ["--families", families, "--tensor-parallel-size", "2", "--expert-parallel-size", "2"]
     result = run(_args(*argv, *TINY))
-    rows = {row["name"]: row["tensor_parallel"] for row in result["families"]}
-    gemma2, mixtral = rows["gemma2"], rows["mixtral"]
-    assert gemma2["exact"] is True and gemma2["logprob_gap"] < 1e-4, gemma2  # float32 sums in another order
-    assert set(gemma2["decode_step_ms"]) == {"1", "2"} and gemma2["all_reduce_bytes_per_token_per_rank"] == 1536
-    assert gemma2["expert_degree"] == 1 and "experts" not in gemma2  # dense: at tensor degree 2 alone
+    assert result["settings"]["tensor_parallel_size"] == result["settings"]["expert_parallel_size"] == 2
+    return {row["name"]: row["tensor_parallel"] for row in result["families"]}
+
+
+def test_at_two_ranks_a_mixture_splits_its_experts_or_splits_them_alone_when_its_plan_is_refused():
+    rows = _two_ranks("mixtral,gpt_oss")
+    mixtral = rows["mixtral"]
     # the experts split over both ranks: o_proj's all-reduce per layer, and the experts' exchange measured
     assert (
         mixtral["exact"] is True
@@ -47,8 +49,20 @@ def test_at_two_ranks_a_family_is_exact_or_its_plan_refused_by_name():
     assert (
         experts["bytes_sent_per_token"] > 0 and len(experts["pairs_per_rank"]) == 2 and experts["load_imbalance"] >= 1
     )
-    assert "'embed_tokens': 'embedding_rowwise'" in rows["gpt_oss"]["refused"]
-    assert result["settings"]["tensor_parallel_size"] == result["settings"]["expert_parallel_size"] == 2
+    # gpt-oss's plan cuts no head: refused at tensor degree 2 by name, so measured with its experts split alone
+    gpt_oss = rows["gpt_oss"]
+    assert "'embed_tokens': 'embedding_rowwise'" in gpt_oss["tensor_refused"]
+    assert (gpt_oss["degree"], gpt_oss["expert_degree"], gpt_oss["ranks"]) == (1, 2, 2)
+    assert gpt_oss["exact"] is True and gpt_oss["all_reduce_bytes_per_token_per_rank"] == 0
+    assert gpt_oss["experts"]["bytes_sent_per_token"] > 0
+
+
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): the dense path is the engine's tests' too
+def test_at_two_ranks_a_dense_family_is_cut_by_its_plan_alone():
+    gemma2 = _two_ranks("gemma2")["gemma2"]
+    assert gemma2["exact"] is True and gemma2["logprob_gap"] < 1e-4, gemma2  # float32 sums in another order
+    assert set(gemma2["decode_step_ms"]) == {"1", "2"} and gemma2["all_reduce_bytes_per_token_per_rank"] == 1536
+    assert gemma2["expert_degree"] == 1 and "experts" not in gemma2  # dense: at tensor degree 2 alone
 
 
 def test_a_family_that_fails_to_build_is_a_row_with_its_error():

@@ -69,11 +69,37 @@ def test_the_compiled_decode_step_masks_the_other_ranks_experts_and_stays_exact(
     assert two[0]["static"] > 0  # decode steps ran on the compiled step, its experts masked and all-reduced
 
 
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "mixtral",
+        "gpt_oss",  # its plan cuts no attention head: its experts split alone (sinks, windows, biased experts)
+        pytest.param("qwen3_moe", marks=pytest.mark.e2e),
+        pytest.param("deepseek_v3", marks=pytest.mark.e2e),  # the latent row and the dense first layer whole
+    ],
+)
+def test_the_experts_split_alone_over_ranks_that_hold_the_attention_whole(arch, tmp_path):
+    """Expert degree 2 at tensor degree 1: two ranks, each with every attention head, every KV head and the dense
+    layers whole, and half the routed experts; the same tokens as one rank."""
+    model = build_tiny_model(tmp_path, arch=arch)
+    run = {"prompts": PROMPTS, "max_tokens": 12}
+    one = run_ranks(1, model, **run)[0]
+    two = run_ranks(2, model, **run, tensor_parallel_size=1, expert_parallel_size=2)
+    _compare(one, two[0])
+    assert two[0]["parameters"] == load_shape(str(model)).rank_shape(1, 2).parameters < one["parameters"]
+    assert two[1]["kv_heads"] == one["kv_heads"]  # every KV head on every rank
+    traffic = two[0]["expert_traffic"]
+    assert traffic["expert_parallel_size"] == 2 and sum(traffic["pairs_per_rank"]) > 0
+    print(f"{arch} at (tensor 1, expert 2): {traffic}")
+
+
 def test_an_expert_degree_the_model_cannot_take_names_the_field():
     from transformers import AutoConfig
 
-    with pytest.raises(ValueError, match=r"expert_parallel_size 2: .* 1 or tensor_parallel_size \(1\)"):
-        EngineConfig(model="m", expert_parallel_size=2)
+    assert EngineConfig(model="m", expert_parallel_size=2).ranks == 2  # the experts alone over two ranks
+    assert EngineConfig(model="m", tensor_parallel_size=2, expert_parallel_size=2).ranks == 2
+    with pytest.raises(ValueError, match=r"expert_parallel_size 4: .* 1, tensor_parallel_size \(2\), or any with"):
+        EngineConfig(model="m", tensor_parallel_size=2, expert_parallel_size=4)
     dense = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match="expert_parallel_size 2: model type 'llama': the model has no routed experts"):
         check_degree(dense, 2, 2)
@@ -83,11 +109,12 @@ def test_an_expert_degree_the_model_cannot_take_names_the_field():
     check_degree(six, 2, 2)  # 3 experts a rank
 
 
-def test_a_family_whose_attention_the_plan_does_not_cut_by_heads_is_refused_with_its_experts():
-    """The experts ride on the tensor-parallel ranks, so gpt-oss, refused at tensor degree 2 (its plan cuts only the
-    embedding, by rows), is refused at expert degree 2 too, naming the entry."""
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: model type 'gpt_oss'.*embedding_rowwise"):
+def test_a_family_whose_attention_the_plan_does_not_cut_by_heads_splits_its_experts_alone():
+    """gpt-oss's plan cuts only the embedding, by rows: refused at tensor degree 2 naming the entry, with the layout
+    that serves it over several ranks, its experts split alone."""
+    with pytest.raises(ValueError, match="'gpt_oss'.*embedding_rowwise.*split its experts alone"):
         check_degree(_moe_config("gpt_oss"), 2, 2)
+    check_degree(_moe_config("gpt_oss"), 1, 2)
 
 
 def test_experts_stored_one_by_one_map_to_the_fused_weight_and_their_part():

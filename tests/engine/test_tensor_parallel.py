@@ -82,7 +82,7 @@ def _rank_main(rank: int, size: int, store_path: str, payload: tuple[str, dict])
         block_size=4,
         max_batch_tokens=run.get("max_batch_tokens", 2048),
         attention_backend=run.get("attention_backend", "auto"),
-        tensor_parallel_size=size,
+        tensor_parallel_size=run.get("tensor_parallel_size", size) if size > 1 else 1,
         expert_parallel_size=run.get("expert_parallel_size", 1) if size > 1 else 1,
         compile_decode_batches=run.get("compile_decode_batches"),
         kv_cache_dtype=run.get("kv_cache_dtype", "auto"),
@@ -164,7 +164,7 @@ def test_head_split_covers_every_head_once_or_replicates_when_kv_heads_are_fewer
     replicated = [head_split(4, 2, 4, r) for r in range(4)]
     assert [(s.q_start, s.kv_start, s.kv_heads) for s in replicated] == [(0, 0, 1), (1, 0, 1), (2, 1, 1), (3, 1, 1)]
     assert all(s.replicated_kv for s in replicated) and not splits[0].replicated_kv
-    assert head_split(9, 3, 3, 2) == HeadSplit(2, 3, 6, 3, 2, 1, 3)
+    assert head_split(9, 3, 3, 2) == HeadSplit(2, 3, 6, 3, 2, 1, 3, 3)
 
 
 @pytest.mark.parametrize(

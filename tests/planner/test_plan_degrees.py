@@ -126,8 +126,15 @@ def test_the_search_takes_each_pools_expert_degree_from_its_profiles() -> None:
     assert profiles.degrees == [Degree(2, 1), Degree(2, 2)] and profiles.at(Degree(2, 2)) is split
     found = {layout.label: layout for layout in layouts(4, degrees=profiles.degrees)}
     assert {"colocated 2(tp2)", "colocated 2(tp2 ep2)", "1P(tp2 ep2):1D(tp2)", "1P(tp2):1D(tp2 ep2)"} <= set(found)
-    with pytest.raises(ValueError, match="expert degrees are 1 or its tensor degrees"):
+    with pytest.raises(ValueError, match="a layout's degrees: expert_parallel_size 4: .* or any with"):
         Layout("colocated", 0, 1, decode_tp=2, decode_ep=4)
+    # the experts split alone: a worker of tensor degree 1 takes a device per expert rank
+    alone = Layout("disaggregated", 1, 1, prefill_tp=1, decode_tp=1, decode_ep=2)
+    assert alone.devices == 3 and alone.label == "1P(tp1):1D(tp1 ep2)"
+    assert [lay.label for lay in layouts(4, degrees=[Degree(1, 2)])] == [
+        "colocated 2(tp1 ep2)",
+        "1P(tp1 ep2):1D(tp1 ep2)",
+    ]
     from planner.recommend import plan_config
 
     config = plan_config(base_config(), found["1P(tp2 ep2):1D(tp2)"])

@@ -133,7 +133,9 @@ def test_ray_worker_actors_start_with_them():
     asked: list[dict] = []
     spec = SimpleNamespace(name="decode-0", gpus=1.0)
     record = WorkerRecord("decode-0", "decode", None, spec=spec, group=PLACED)
-    _recording_pools(asked)._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=1))
+    _recording_pools(asked)._start(
+        record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=1, ranks=1)
+    )
     assert record.actor == ("actor", "decode-0")
     assert asked[0]["runtime_env"] == {"env_vars": NCCL_PROCESS_ENV}
     assert asked[0]["name"] == "pdserve-decode-0" and asked[0]["num_gpus"] == 1.0
@@ -153,7 +155,9 @@ def test_every_tensor_parallel_rank_starts_with_them():
 
     asked: list[dict] = []
     record = WorkerRecord("prefill-0", "prefill", None, spec=Spec("prefill-0", 1.0), group=PLACED)
-    _recording_pools(asked)._start(record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=3))
+    _recording_pools(asked)._start(
+        record, SimpleNamespace(cpus_per_replica=2, resources=None, tensor_parallel_size=3, ranks=3)
+    )
     assert record.actor == ("actor", "prefill-0")
     assert record.ranks == [("actor", "prefill-0", 1), ("actor", "prefill-0", 2)]
     assert [a["name"] for a in asked] == ["pdserve-prefill-0-rank1", "pdserve-prefill-0-rank2", "pdserve-prefill-0"]

@@ -38,7 +38,7 @@ class Pair:
         self.caches = [KVCache(_rank_spec(), 16, "cpu") for _ in range(2)]
         self.ranks = [
             RankKV(
-                HandoffLayout(whole, HEADS, 2, rank),
+                HandoffLayout(whole, HEADS, 2, rank, 2),
                 self.caches[rank],
                 make_receiver=lambda fp, sink, rank=rank: LocalReceiver(fp, sink, f"local://d{rank}", hub=hub),
                 land=self._lander(rank),

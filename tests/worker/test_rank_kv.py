@@ -55,6 +55,28 @@ def test_each_receiver_rank_gets_each_of_its_heads_from_one_sender_rank():
         HandoffPart(1, 3, 2, 0, 2),
     ]
 
+    # ranks that each hold every head (the experts split alone): each receiver rank gets them all, and such a sender
+    # worker is one of degree 1 (its rank 0 sends)
+    assert handoff_parts(4, 2, 2, 1, 2) == [
+        HandoffPart(0, 0, 0, 0, 1),
+        HandoffPart(1, 0, 0, 1, 1),
+        HandoffPart(0, 1, 0, 0, 1),
+        HandoffPart(1, 1, 0, 1, 1),
+    ]
+    assert handoff_parts(4, 2, 1, 1, 2) == [HandoffPart(0, 0, 0, 0, 2), HandoffPart(0, 1, 0, 0, 2)]
+
+
+def test_a_kv_address_says_how_its_ranks_hold_the_heads():
+    from worker.messages import join_kv_address, split_kv_address
+
+    assert split_kv_address(join_kv_address(["tcp://a:1", "tcp://a:2"], 2)) == (["tcp://a:1", "tcp://a:2"], 2)
+    whole = join_kv_address(["tcp://a:1", "tcp://a:2"], 1)
+    assert whole == "1@tcp://a:1|tcp://a:2" and split_kv_address(whole) == (["tcp://a:1", "tcp://a:2"], 1)
+    assert split_kv_address(join_kv_address(["tcp://a:1"], 1)) == (["tcp://a:1"], 1)
+    with pytest.raises(ValueError, match="kv_address"):
+        split_kv_address("1@tcp://a:1||tcp://a:2")
+    assert HeadSplit(1, 2, 0, 4, 0, 2, 2, 1).holders == 2  # both ranks hold both heads: the first gives them
+
 
 # ---- ranks as processes ------------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from tests.helpers.cluster import metric_value, tiny_cluster_config, wait_all_kv
 def tiny_moe_paths(tmp_path_factory):
     return {
         arch: build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
-        for arch in ("mixtral", "deepseek_v3")
+        for arch in ("mixtral", "deepseek_v3", "gpt_oss")
     }
 
 
@@ -58,6 +58,11 @@ def _serve(config) -> tuple[dict, dict[str, float | None]]:
         # prefill rank sends once to each decode rank
         ("deepseek_v3", (1, 1), (2, 2)),
         pytest.param("deepseek_v3", (2, 2), (2, 1), marks=pytest.mark.e2e),  # the latent from rank 0 only
+        # the experts split alone: each decode rank holds every head, so each gets all of them (from the rank of the
+        # prefill worker that holds them first); a prefill worker whose ranks all hold every head sends from rank 0
+        ("mixtral", (2, 2), (1, 2)),
+        pytest.param("gpt_oss", (1, 2), (1, 2), marks=pytest.mark.e2e),
+        pytest.param("mixtral", (1, 2), (2, 2), marks=pytest.mark.e2e),
     ],
 )
 def test_each_phase_takes_its_own_layout_and_serves_what_one_rank_does(tiny_moe_paths, arch, prefill, decode):
@@ -85,7 +90,7 @@ def test_each_phase_takes_its_own_layout_and_serves_what_one_rank_does(tiny_moe_
 def test_an_expert_degree_the_model_cannot_take_is_a_config_error(tiny_moe_paths, tiny_llama_path):
     from cluster.run.launch import start_serving
 
-    with pytest.raises(ValueError, match="expert_parallel_size 2: .* 1 or tensor_parallel_size"):
-        tiny_cluster_config(tiny_moe_paths["mixtral"], pools={"decode": _pool(1, 2)})
+    with pytest.raises(ValueError, match="expert_parallel_size 4: .* 1, tensor_parallel_size"):
+        tiny_cluster_config(tiny_moe_paths["mixtral"], pools={"decode": _pool(2, 4)})
     with pytest.raises(ConfigError, match=r"pools\.decode\.expert_parallel_size: .*no routed experts"):
-        start_serving(tiny_cluster_config(tiny_llama_path, pools={"decode": _pool(2, 2)}), in_process=True)
+        start_serving(tiny_cluster_config(tiny_llama_path, pools={"decode": _pool(1, 2)}), in_process=True)
