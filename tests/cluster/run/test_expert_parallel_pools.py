@@ -94,3 +94,36 @@ def test_an_expert_degree_the_model_cannot_take_is_a_config_error(tiny_moe_paths
         tiny_cluster_config(tiny_moe_paths["mixtral"], pools={"decode": _pool(2, 4)})
     with pytest.raises(ConfigError, match=r"pools\.decode\.expert_parallel_size: .*no routed experts"):
         start_serving(tiny_cluster_config(tiny_llama_path, pools={"decode": _pool(1, 2)}), in_process=True)
+
+
+def test_a_stream_moves_exactly_between_workers_whose_ranks_each_hold_every_head(tiny_moe_paths):
+    """Decode workers with the experts split alone (tensor 1, expert 2): the source's rank 0 sends every head to each
+    of the target's ranks (its KV address says they hold them whole); the client's text is the undisturbed run's."""
+    import httpx
+
+    from cluster.run.launch import start_serving
+    from tests.cluster.test_migration_cluster import PROMPTS as MOVE_PROMPTS
+    from tests.cluster.test_migration_cluster import _reference, _stream
+
+    config = tiny_cluster_config(
+        tiny_moe_paths["mixtral"],
+        pools={"prefill": _pool(1, 1), "decode": _pool(1, 2) | {"replicas": 2}},
+        transfer={"backend": "zmq", "deadline_s": 20, "lease_s": 20},
+    )
+    handle = start_serving(config, in_process=True)
+    try:
+        expected = _reference(handle, MOVE_PROMPTS[2])
+
+        def move() -> None:
+            [flow] = list(dict.fromkeys(handle.router.core.flows.values()))
+            body = {"request_id": flow.rid}
+            httpx.post(f"{handle.base_url}/admin/migrate", json=body, headers=handle.admin_headers, timeout=10)
+
+        text, last = _stream(handle, MOVE_PROMPTS[2], after_chunks=5, action=move)
+        assert text == expected["choices"][0]["text"]
+        assert last["timing"]["migrations"] == 1
+        assert metric_value(handle.base_url, "pdserve_migrations_total", reason="admin", result="moved") == 1
+        wait_all_kv_free(handle.base_url)
+        assert not handle.router.flows
+    finally:
+        handle.stop()
