@@ -355,23 +355,15 @@ def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path):
     assert ranks[1]["ended"] == "stop" and ranks[0]["tokens"]
 
 
-def test_the_compiled_decode_step_at_degree_two_is_token_exact_against_eager(tiny_llama_path):
+def test_the_compiled_decode_step_at_degree_two_is_token_exact_against_one_rank(tiny_llama_path):
     """The compiled CPU decode step with the ranks' all-reduces inside it (functional collectives on the device
-    group): every rank runs the same compiled steps, and the tokens are eager's at degree 2 (and at degree 1)."""
+    group): every rank runs the same compiled steps, and the tokens are one rank's (eager at degree 2 is too, above)."""
     run = {"prompts": PROMPTS, "max_tokens": 8}
     one = run_ranks(1, tiny_llama_path, **run)[0]
-    eager = run_ranks(2, tiny_llama_path, **run)[0]
     ranks = run_ranks(2, tiny_llama_path, **run, compile_decode_batches=[1, 2, 4])
     compiled = ranks[0]
     assert compiled["static"] > 0 and ranks[1]["static"] == compiled["static"]  # every rank took the same steps
-    assert compiled["tokens"] == eager["tokens"]
-    gap = max(
-        abs(a - b)
-        for rid in eager["logprobs"]
-        for a, b in zip(eager["logprobs"][rid], compiled["logprobs"][rid], strict=True)
-    )
-    print(f"compiled at degree 2 against eager at degree 2: largest logprob gap {gap:.2e}")
-    assert gap < LOGPROB_TOLERANCE
+    _compare(one, compiled)  # the same tokens, logprobs within the tolerance
     _compare(one, compiled)
 
 
