@@ -106,7 +106,7 @@ def _follower(rank: int, size: int, store_path: str, job: dict, receives: bool) 
 def _engine(rank: int, size: int, store_path: str, job: dict, receives: bool):
     """Rank 0's engine and its endpoints: a receiver (decode) or a sender (prefill) over every rank's."""
     from engine.llm_engine import LLMEngine
-    from worker.rank_kv import HandoffReceiver, HandoffSender
+    from worker.handoff_join import HandoffReceiver, HandoffSender
 
     engine = LLMEngine(_engine_config(job, size), _group(rank, size, store_path))
     land = engine.kv_importer.write if receives else None

@@ -28,6 +28,7 @@ from transfer.base import KVReceiver, KVSender
 from transfer.errors import SenderAborted
 from transfer.inbound import Sink
 from transfer.state import TransferEvent
+from worker.handoff_join import HandoffReceiver, HandoffSender
 from worker.messages import (
     Command,
     ErrorCode,
@@ -41,7 +42,7 @@ from worker.messages import (
     WorkerCounters,
     WorkerLoad,
 )
-from worker.rank_kv import HandoffReceiver, HandoffSender, handoff_layout, rank_kv
+from worker.rank_kv import handoff_layout, rank_kv
 from worker.role import Emit, Role
 from worker.spec import FailurePolicy, WorkerRole, WorkerSpec
 

@@ -17,8 +17,9 @@ from engine.llm_engine import LLMEngine
 from engine.request import FinishReason
 from transfer.base import KVSender
 from transfer.state import TransferEvent
+from worker.handoff_join import HandoffSender
 from worker.messages import Command, ErrorCode, Prefill, Tokens, WorkerCounters, WorkerLoad
-from worker.rank_kv import HandoffSender, handoff_layout, rank_kv
+from worker.rank_kv import handoff_layout, rank_kv
 from worker.role import Emit, Role, token_item
 from worker.spec import WorkerRole, WorkerSpec
 

@@ -324,7 +324,7 @@ def _prefill_main(rank: int, size: int, store_path: str, job: dict[str, Any]) ->
     from every rank; the first tokens and the step's start and end go back; the leases end, the blocks go back."""
     from engine.outputs import FinishReason
     from engine.request import SamplingParams
-    from worker.rank_kv import HandoffSender
+    from worker.handoff_join import HandoffSender
 
     engine, follower = _worker(rank, size, store_path, job, receives=False)
     if engine is None:
@@ -372,7 +372,7 @@ def _decode_main(rank: int, size: int, store_path: str, job: dict[str, Any]) -> 
     """Per backend and round: reserve and expect every prompt's KV on every rank, time it in; decode the first round
     to the end; each backend's row goes to ``job["rows"]`` as it ends."""
     from engine.request import SamplingParams
-    from worker.rank_kv import HandoffReceiver
+    from worker.handoff_join import HandoffReceiver
 
     engine, follower = _worker(rank, size, store_path, job, receives=True)
     if engine is None:

@@ -12,7 +12,8 @@ import torch
 
 from engine.kv_cache import KVCache, KVSpec
 from transfer.local_backend import LocalHub, LocalReceiver, LocalSender
-from worker.rank_kv import HandoffLayout, HandoffReceiver, HandoffSender, RankKV
+from worker.handoff_join import HandoffReceiver, HandoffSender
+from worker.rank_kv import HandoffLayout, RankKV
 
 SPEC = KVSpec("llama", torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, block_size=2)
 HEADS = 4  # attention heads: one KV head per rank at degree 2

@@ -138,7 +138,7 @@ def _split(runner) -> tuple:
 def _worker(rank: int, size: int, store_path: str, job: dict, receives: bool):
     """Rank 0's engine and its hand-off endpoints."""
     from engine.llm_engine import LLMEngine
-    from worker.rank_kv import HandoffReceiver, HandoffSender
+    from worker.handoff_join import HandoffReceiver, HandoffSender
 
     engine = LLMEngine(_config(job["model"], size), _group(rank, size, store_path))
     land = engine.kv_importer.write if receives else None
