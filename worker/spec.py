@@ -78,7 +78,8 @@ class WorkerSpec:
     # nccl: pair groups this worker will hold (the other pool's replicas), in its KV plan; None: DEFAULT_NCCL_PEERS
     nccl_peers: int | None = None
     pool: str = ""  # the config's pool it belongs to ("prefill", "decode"); default: its role's name
-    # tensor_parallel_size > 1: the FileStore path where this incarnation's ranks meet (one node; the pool picks it)
+    # more than one rank (EngineConfig.ranks): the FileStore path where this incarnation's ranks meet (one node; the
+    # pool picks it)
     tp_rendezvous: str = ""
 
     def __post_init__(self) -> None:

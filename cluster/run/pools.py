@@ -58,7 +58,7 @@ class WorkerRecord:
     group: PlacementGroup | None = None  # Ray: the placement group it was placed in
     bundle: int = 0  # ... and its bundle there
     own_group: bool = False  # Ray: a group of its own (an added replica, a tensor-parallel one): removed with it
-    ranks: list[Any] = field(default_factory=list)  # tensor_parallel_size > 1: ranks 1..N-1 (``TPRankActor``s)
+    ranks: list[Any] = field(default_factory=list)  # several ranks (pool.ranks): ranks 1..N-1 (``TPRankActor``s)
     spec: WorkerSpec | None = None  # Ray, tensor-parallel: what a restart of all its ranks starts again
     restarts: int = 0  # ... and how many times they were restarted together
     restarting: bool = False
