@@ -5,9 +5,9 @@ What to split is the model's own plan (transformers' ``base_model_ep_plan``): ``
 on the expert axis as the shard loads (``engine.tp_shard``), and the ``ep_dispatch_experts`` module is reached through
 ``ExpertParallel``. The ranks are the worker's tensor-parallel group (vLLM's ``--enable-expert-parallel``: the expert
 degree is the tensor degree), or at tensor degree 1 ranks of their own, each with the whole attention (and every KV
-head) and the whole of any dense layer; either way they hold the same tokens. An eager forward gives each rank its own slice of them and
-exchanges (token, expert) pairs: an all-to-all to the experts' ranks, the experts, an all-to-all back, weighted and
-summed per token, then one all-gather of the slices (transformers' ``AllToAllEP``). A compiled or captured step cannot
+head) and the whole of any dense layer; either way they hold the same tokens. An eager forward gives each rank its
+own slice of them and exchanges (token, expert) pairs: an all-to-all to the experts' ranks, the experts, an
+all-to-all back, weighted and summed per token, then one all-gather of the slices (transformers' ``AllToAllEP``). A compiled or captured step cannot
 read the exchange's sizes back to the host, so it masks the other ranks' experts and sums over the ranks instead
 (transformers' ``AllReduceEP``). The routers and shared experts are whole, or cut by the tensor plan.
 """
@@ -33,6 +33,12 @@ def degree_field(exc: Exception) -> str:
     return "expert_parallel_size" if str(exc).startswith("expert_parallel_size") else "tensor_parallel_size"
 
 
+def expert_plan(hf_config: Any) -> dict[str, str]:
+    """The model's own expert-parallel plan, {} when it has none or no routed experts to split (a dense model)."""
+    plan = dict(getattr(hf_config, "base_model_ep_plan", None) or {})
+    return plan if plan and routed_experts(hf_config.to_dict()) else {}
+
+
 def ep_plan(hf_config: Any, tensor_size: int, expert_size: int) -> dict[str, str]:
     """The model's expert-parallel plan (module or weight pattern -> style) at ``expert_size`` ranks, {} at 1; else a
     ValueError naming ``expert_parallel_size``: a layout the ranks cannot take (``engine.config.check_parallel``), a
@@ -41,9 +47,8 @@ def ep_plan(hf_config: Any, tensor_size: int, expert_size: int) -> dict[str, str
         return {}
     where = f"expert_parallel_size {expert_size}: model type {hf_config.model_type!r}"
     check_parallel(tensor_size, expert_size)
-    plan = dict(getattr(hf_config, "base_model_ep_plan", None) or {})
-    experts = routed_experts(hf_config.to_dict())
-    if not plan or not experts:
+    plan = expert_plan(hf_config)
+    if not plan:
         raise ValueError(f"{where}: the model has no routed experts to split (no expert-parallel plan); leave it 1")
     for pattern, style in plan.items():
         if style not in EP_STYLES:
@@ -51,6 +56,7 @@ def ep_plan(hf_config: Any, tensor_size: int, expert_size: int) -> dict[str, str
                 f"{where}: its expert-parallel plan's entry {pattern!r}: {style!r} is not one pdserve runs "
                 f"({', '.join(EP_STYLES)})"
             )
+    experts = routed_experts(hf_config.to_dict())
     if experts % expert_size:
         raise ValueError(f"{where}: expert_parallel_size {expert_size} does not divide the model's {experts} experts")
     return plan

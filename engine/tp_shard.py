@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 
 from engine.blocks import kv_shape_from_config, routed_experts
-from engine.expert_parallel import ExpertParallel, ExpertSplit, ExpertTraffic, ep_plan
+from engine.expert_parallel import ExpertParallel, ExpertSplit, ExpertTraffic, ep_plan, expert_plan
 from engine.tensor_parallel import HeadSplit, RowParallel, TPGroup, head_split
 
 CUT_STYLES = ("colwise", "rowwise")
@@ -51,7 +51,7 @@ def tp_plan(hf_config: Any, size: int) -> dict[str, str]:
     plan = {pattern: _shard_style(pattern, style) for pattern, style in _model_plan(hf_config).items()}
     where = f"tensor_parallel_size {size}: model type {hf_config.model_type!r}"
     instead = "serve it on one rank"
-    if getattr(hf_config, "base_model_ep_plan", None) and routed_experts(hf_config.to_dict()):
+    if expert_plan(hf_config):
         instead += ", or split its experts alone (tensor_parallel_size 1, expert_parallel_size N)"
     for pattern, style in plan.items():
         if style not in CUT_STYLES + REPLICATED_STYLES:
