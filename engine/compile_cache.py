@@ -6,7 +6,8 @@ One entry per key under ``$PDSERVE_CACHE/compiled/<key>/``:
   with ``save_compiled_function``): loading it skips dynamo's trace, which is most of a warm start otherwise;
 - ``inductor/``: inductor's cache while those graphs compiled (their kernels' shared objects), so that a load
   compiles no C++ either;
-- ``manifest.json``, written last: the key's fields, the batch sizes held, and every file's sha256.
+- ``manifest.json``, written last: the key's fields, the batch sizes held, every file's sha256, and the vector ISAs
+  inductor found usable while compiling (``vec_isas``).
 
 The key hashes what a graph depends on (``DecodeGraphs.cache_fields``: the model's structure, dtype, the KV cache's
 shape, the CPU linears' forms, torch threads, tensor-parallel rank, pdserve's engine source, torch, transformers,
@@ -14,6 +15,11 @@ Python, the CPU). The weights' values are inputs of the graph, not part of it, s
 entry. An entry is trusted only whole: a missing or unreadable manifest, other fields, a listed file missing or with
 another hash, or a file the manifest does not list, and the entry is removed and compiled again. One process at a
 time holds a key (``locked``): a second worker of the same model waits, then loads what the first compiled.
+
+A load asks inductor which vector ISA its kernels were built for. Inductor answers by compiling and ``dlopen``-ing a
+test library per candidate ISA, each in a Python subprocess: about 1 s of a 4.5 s load on 2 cores. When the entry
+records that every ISA the CPU's flags allow was usable at compile time (same CPU: it is in the key), a load takes
+that answer instead (``vec_isas_kept``); otherwise it probes, as before.
 """
 
 from __future__ import annotations
@@ -122,6 +128,18 @@ def keep_linear_forms(fields: dict[str, object], forms: list[str], root: Path | 
         logger.warning("the CPU linears' forms are not kept in %s: %s", root, exc)
 
 
+def vec_isas(probed: bool) -> list[str]:
+    """Inductor's vector ISAs for this CPU, best first: ``probed``, those it found usable (each compiled and loaded
+    once per process); else those the CPU's flags allow, without a probe. On other than x86 inductor does not probe:
+    both are the same list."""
+    from torch._inductor import cpu_vec_isa
+
+    if probed or platform.machine() not in ("x86_64", "AMD64"):
+        return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -199,13 +217,30 @@ class CompiledStore:
     def record(self, batches: set[int]) -> None:
         """Write the manifest of what the entry holds now (the last write of a save)."""
         files = {name: _sha256(path) for name, path in sorted(self._files().items())}
-        manifest = {"fields": self.fields, "batches": sorted(batches), "files": files}
+        manifest = {"fields": self.fields, "batches": sorted(batches), "files": files, "vec_isas": vec_isas(True)}
         tmp = self.dir / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(tmp, self.dir / MANIFEST)
 
     def clear(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def vec_isas_kept(self) -> Iterator[bool]:
+        """Load under this: inductor skips its ISA probes when the entry's compile found every ISA the CPU's flags
+        allow usable (yields True), since its probes would find the same here; otherwise it probes (False). Its
+        answer is kept for the process either way."""
+        try:
+            kept = json.loads((self.dir / MANIFEST).read_text()).get("vec_isas")
+        except (OSError, ValueError, AttributeError):
+            kept = None
+        if kept is None or kept != vec_isas(False):
+            yield False
+            return
+        from torch._inductor import config
+
+        with config.patch({"cpp.vec_isa_ok": True}):
+            yield True
 
 
 class KeptStepLoader:
@@ -268,7 +303,12 @@ class KeptStepLoader:
                 # under inference mode, as the steps run: a guard built on load compares a tensor's dispatch keys
                 # under this thread's modes, and inference mode is per thread. The lock is held per load only: a
                 # worker waiting for its next size must not keep another from starting on the entry
-                with torch.inference_mode(), self.store.locked(), temporary_cache_dir(str(self.store.inductor_dir)):
+                with (
+                    torch.inference_mode(),
+                    self.store.locked(),
+                    temporary_cache_dir(str(self.store.inductor_dir)),
+                    self.store.vec_isas_kept(),
+                ):
                     if self._held is None:
                         self._held = self.store.verified_batches()
                     if batch not in self._held:

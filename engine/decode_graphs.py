@@ -610,7 +610,7 @@ class DecodeGraphs:
     def _load(self, store: CompiledStore, batch: int, key: _Key) -> Callable[..., torch.Tensor] | None:
         """The kept step of ``batch``, run once on padding; None when it does not load or run."""
         try:
-            with store.graph_path(batch).open("rb") as f:
+            with store.vec_isas_kept(), store.graph_path(batch).open("rb") as f:
                 step = functools.partial(torch.compiler.load_compiled_function(f), self)
             step(*self._views(key))
         except Exception as exc:  # a file the manifest vouched for, but this torch cannot use: compile again

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engine.compile_cache import MANIFEST, CompiledStore, KeptStepLoader, store_root
+from engine.compile_cache import MANIFEST, CompiledStore, KeptStepLoader, store_root, vec_isas
 from engine.cpu_info import cpu_fingerprint, cpu_model
 from engine.decode_graphs import Fallback
 from engine.request import SamplingParams
@@ -189,3 +189,22 @@ def test_a_start_while_another_process_holds_the_entry_does_not_wait(kept, make_
 def test_the_cpu_is_named_and_fingerprinted():
     assert cpu_model() and "cores" in cpu_model()
     assert cpu_fingerprint() == cpu_fingerprint() and len(cpu_fingerprint()) == 16
+
+
+def test_a_load_skips_inductors_isa_probes_only_where_the_compile_found_every_isa_usable(tmp_path):
+    """The manifest keeps the ISAs inductor found usable while compiling; a load takes them as they are (no base
+    probe in a subprocess per ISA) only when they are every ISA the CPU's flags allow, else it probes as before."""
+    from torch._inductor import config
+
+    store = CompiledStore({"model": "m"}, tmp_path)
+    store.dir.mkdir(parents=True)
+    store.record(set())
+    manifest = json.loads((store.dir / MANIFEST).read_text())
+    assert manifest["vec_isas"] == vec_isas(True)
+    for recorded, trusted in [(vec_isas(False), True), ([*vec_isas(False), "another"], False), (None, False)]:
+        manifest["vec_isas"] = recorded
+        (store.dir / MANIFEST).write_text(json.dumps(manifest))
+        with store.vec_isas_kept() as kept:
+            assert kept is trusted and config.cpp.vec_isa_ok is (True if trusted else None)
+        assert config.cpp.vec_isa_ok is None
+    assert store.verified_batches() == set()  # the ISAs are not among what the entry is checked against
