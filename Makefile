@@ -28,9 +28,10 @@ lint: $(STAMP)
 test: lint
 	tools/loopback-only $(PY) -m pytest -m "not e2e" tests
 
-# The long end-to-end runs that `make test` leaves out for its time (marker e2e: a few shutdown signals, two router
-# processes, the benchmarks' smoke runs, tensor-parallel variants, Ray chaos with worker kills, migration under
-# chaos); not run by CI.
+# The long end-to-end runs that `make test` leaves out to keep CI's run under 20 minutes (marker e2e: a few shutdown
+# signals, two router processes, the benchmarks' smoke runs, tensor-parallel and compiled variants, most families'
+# compiled steps, Ray chaos with worker kills, migration under chaos, Ray's pending placement and two Ray nodes, the
+# llama.cpp baseline's GGUF); not run by CI.
 test-e2e: $(STAMP)
 	tools/loopback-only $(PY) -m pytest -m e2e tests
 

@@ -14,6 +14,7 @@ from bench.llama_cpp_baseline import _rewrite, gguf_type, unavailable_reason
 from engine.model_loader import smollm2_gguf
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): the benchmark's baseline, not what pdserve serves
 @pytest.mark.parametrize("kind", ["F32", "BF16"])
 def test_the_rewritten_gguf_holds_the_served_weights(smollm2_path, tmp_path, kind):
     import gguf

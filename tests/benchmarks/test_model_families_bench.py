@@ -36,6 +36,7 @@ def _two_ranks(families: str) -> dict:
     return {row["name"]: row["tensor_parallel"] for row in result["families"]}
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): the (1, 2) and (2, 2) engines are test_expert_parallel.py's
 def test_at_two_ranks_a_mixture_splits_its_experts_or_splits_them_alone_when_its_plan_is_refused():
     rows = _two_ranks("mixtral,gpt_oss")
     mixtral = rows["mixtral"]

@@ -26,6 +26,7 @@ def _traces(folder) -> None:
     (folder / "mooncake_conversation_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): a whole benchmark run; the switch itself is tests/cluster/run/test_role_switch.py's
 def test_the_shifting_trace_is_served_every_way(tiny_llama_path, tmp_path) -> None:
     _traces(tmp_path)
     parser = argparse.ArgumentParser()

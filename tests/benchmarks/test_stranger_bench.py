@@ -14,6 +14,7 @@ from tests.helpers.cluster import tiny_cluster_config
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): a whole benchmark run
 def test_a_stranger_moves_no_memory_of_the_cluster(tiny_llama_path) -> None:
     parser = argparse.ArgumentParser()
     stranger_bench.add_arguments(parser)

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[3, 4, 5, 6] * 6, [90, 11] * 9 + [5], [30, 31, 32] * 4]
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated", "disaggregated-draft"])
+# a draft model in make test-e2e (the suite's 20 minutes): the engine's tests check its tokens
+@pytest.fixture(
+    scope="module", params=["disaggregated", "colocated", pytest.param("disaggregated-draft", marks=pytest.mark.e2e)]
+)
 def server(request, ray_local, tiny_llama_path):
     speculative = {"method": "ngram", "num_tokens": 4, "ngram_max": 3}
     if request.param.endswith("draft"):  # the model as its own draft: most proposals kept

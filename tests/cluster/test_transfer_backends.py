@@ -23,7 +23,7 @@ BLOCK_BYTES = 16 * 2 * 3 * 2 * 16 * 4  # tokens x (K,V) x layers x kv heads x he
         ("zmq", "ipc", True),
         ("gloo", "tcp", True),
         ("zmq", "tcp", False),
-        ("shm", "tcp", True),
+        pytest.param("shm", "tcp", True, marks=pytest.mark.e2e),  # make test-e2e: "auto" resolves to it here
         ("auto", "tcp", True),
     ],
     ids=["zmq-tcp", "zmq-ipc", "gloo", "zmq-tcp-unstreamed", "shm", "auto"],

@@ -57,6 +57,7 @@ def test_plan_end_to_end(tmp_path, profile_path, capsys) -> None:
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): the search's JSON is test_plan_degrees.py's
 def test_plan_json_agrees_with_its_recommendation(profile_path, capsys) -> None:
     argv = ["plan", "--profile", str(profile_path), "--workload", "shared-prefix:2:64:32:8", "--workers", "2"]
     assert main([*argv, "--num-requests", "40", "--min-duration", "5", "--slo", "ttft:500", "tpot:50", "--json"]) == 0

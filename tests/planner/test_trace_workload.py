@@ -141,7 +141,7 @@ def test_a_bare_jsonl_path_is_pdserves_trace_format(profile_path, tmp_path, caps
     path = tmp_path / "trace.jsonl"
     rows = [{"arrival_s": 0.3 * i, "input_tokens": 40 + i, "output_tokens": 5} for i in range(12)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main([*plan(profile_path, "--workload", str(path), "--json")]) == 0
+    assert main([*plan(profile_path, "--workload", str(path), "--json", "--tolerance", "0.5")]) == 0  # the format only
     data = json.loads(capsys.readouterr().out)
     assert data["trace"]["format"] == "trace-jsonl" and data["trace"]["rows"]["used"] == 12
     assert data["trace"]["native_rate_rps"] == pytest.approx(11 / 3.3)

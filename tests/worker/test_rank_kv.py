@@ -400,9 +400,10 @@ def _move_target_main(rank: int, size: int, store_path: str, job: dict) -> dict:
 
 @pytest.mark.parametrize(
     ("source_degree", "target_degree"),
-    # (2, 1) in `make test`; (2, 2) in `make test-e2e` (for the suite's 20 minutes)
-    [(2, 1), pytest.param(2, 2, marks=pytest.mark.e2e)],
+    [(2, 1), (2, 2)],
 )
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): tests/cluster/test_migration_cluster.py moves a stream
+# between tensor-parallel decode workers through the router
 def test_a_request_moves_between_tensor_parallel_workers_rank_to_rank_token_exact(
     tiny_llama_path: Path, alone: dict, source_degree: int, target_degree: int
 ):

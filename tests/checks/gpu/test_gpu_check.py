@@ -182,6 +182,7 @@ def _read_when(path: Path, ready, timeout_s: float) -> dict:
     raise AssertionError(f"{path} never held what was waited for")
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): a run killed midway
 def test_a_killed_run_keeps_every_finished_section(tmp_path):
     out = tmp_path / "killed.json"
     command = [sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--quick", "--out", str(out)]
@@ -197,6 +198,7 @@ def test_a_killed_run_keeps_every_finished_section(tmp_path):
     assert [g["goal"] for g in again["goals"]] == GOAL_NAMES
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): a run past its limit
 def test_the_watchdog_ends_the_run_at_its_hard_limit_and_says_where(tmp_path):
     out = tmp_path / "cut.json"
     before = _segments()

@@ -31,6 +31,7 @@ def three_nodes():
     cluster.shutdown()
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): KV over TCP is test_transfer_backends.py's; hosts apart, `make cluster-e2e`
 def test_pools_land_on_their_nodes_and_kv_crosses_over_tcp(three_nodes, tiny_llama_path):
     _, prefill_node, decode_node = three_nodes
     config = tiny_cluster_config(

@@ -138,7 +138,10 @@ def test_a_local_ray_has_a_token_of_its_own_that_only_its_user_can_read(tmp_path
         join = f"import ray; ray.init(address={address!r}); print('joined')"
         refused = subprocess.run(
             [sys.executable, "-c", join],
-            env=env | LOOPBACK_ENV | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(other)},
+            # 2 tries, not Ray's 20 a second apart: a wrong token fails every one, a right one joins at the first
+            env=env
+            | LOOPBACK_ENV
+            | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(other), "RAY_NUM_REDIS_GET_RETRIES": "2"},
             capture_output=True,
             text=True,
             timeout=120,

@@ -18,6 +18,7 @@ def _group_states() -> dict[str, str]:
     return {entry["name"]: entry["state"] for entry in ray.util.placement_group_table().values()}
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): Ray's pending placement; scaling itself is test_scaling.py's
 def test_a_replica_that_does_not_fit_stays_pending_until_scaled_away(tiny_llama_path, monkeypatch):
     import ray
 

@@ -16,6 +16,8 @@ from tests.helpers.serve_process import serve_process
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): test_ray_cluster.py's loopback test serves and stops on SIGTERM,
+# test_shutdown.py's SIGTERM to the group stays
 def test_serve_prints_the_url_serves_and_stops_cleanly_on_sigterm(tiny_llama_path, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(
