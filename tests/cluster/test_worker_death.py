@@ -74,6 +74,7 @@ def _break_the_loop(actor) -> None:
     actor.worker.role.tick = failing_tick
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): Ray's restart of a dead worker is the test above's
 def test_a_degraded_worker_is_restarted_by_ray_and_serves_again(ray_local, tiny_llama_path):
     import ray
 

@@ -349,6 +349,7 @@ def test_a_follower_stops_within_the_timeout_when_rank_0_is_gone(tiny_llama_path
     assert follower["served_s"] < 5.0 + 5.0
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): the followers' timeouts are the tests above's
 def test_an_idle_rank_0_keeps_its_followers_waiting(tiny_llama_path):
     run = {"prompts": PROMPTS[:1], "max_tokens": 4, "idle_s": 6.0, "timeout_s": 3.0}
     ranks = run_ranks(2, tiny_llama_path, **run)

@@ -48,6 +48,7 @@ def _no_rank_left() -> None:
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): a whole run of the two-GPU check on the CPU
 def test_degree_two_on_the_cpu_decodes_as_degree_one_and_reports_its_figures(folder):
     t0 = time.monotonic()
     out = tp.tensor_parallel_2(_params(folder, []), Deadline.after(100, "tensor_parallel_2"))
@@ -85,6 +86,7 @@ def _degree_1_alone(folder: Path, sizes: dict) -> list[list[int]]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): tests/worker/test_rank_kv.py's hand-offs stay
 def test_a_handoff_from_one_rank_into_two_is_token_exact_on_each_backend(folder):
     """Both backends in one pair of workers, as on two GPUs (each backend's endpoints made anew on every rank); without
     a degree_1 piece the rows keep the decode worker's tokens, compared here with one engine alone."""

@@ -239,6 +239,8 @@ def test_pdserve_scale_against_a_running_pdserve_serve(tiny_llama_path, tmp_path
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.e2e  # `make test-e2e` (for the suite's 20 minutes): tests/cluster/run/test_router_processes.py's routers
+# hear the monitor
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_with_two_router_processes_every_one_hears_the_resize(tiny_llama_path):

@@ -22,11 +22,10 @@ from benchmarks.serve_process import process_running
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
-# SIGTERM to the whole group (systemd, docker stop) is the hard case and stays in `make test`; the others: make test-e2e
-@pytest.mark.parametrize(
-    "how",
-    [pytest.param("sigint", marks=pytest.mark.e2e), pytest.param("sigterm", marks=pytest.mark.e2e), "sigterm_group"],
-)
+# make test-e2e (the suite's 20 minutes); make test stops its loopback test's `pdserve serve` by SIGTERM to the group,
+# the hard case, with the same checks (tests/cluster/run/test_ray_cluster.py)
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["sigint", "sigterm", "sigterm_group"])
 def test_serve_exits_within_10s_and_leaves_no_worker(how, tiny_llama_path, tmp_path):
     import ray
 
