@@ -7,9 +7,10 @@ on the expert axis as the shard loads (``engine.tp_shard``), and the ``ep_dispat
 degree is the tensor degree), or at tensor degree 1 ranks of their own, each with the whole attention (and every KV
 head) and the whole of any dense layer; either way they hold the same tokens. An eager forward gives each rank its
 own slice of them and exchanges (token, expert) pairs: an all-to-all to the experts' ranks, the experts, an
-all-to-all back, weighted and summed per token, then one all-gather of the slices (transformers' ``AllToAllEP``). A compiled or captured step cannot
-read the exchange's sizes back to the host, so it masks the other ranks' experts and sums over the ranks instead
-(transformers' ``AllReduceEP``). The routers and shared experts are whole, or cut by the tensor plan.
+all-to-all back, weighted and summed per token, then one all-gather of the slices (transformers' ``AllToAllEP``). A
+compiled or captured step cannot read the exchange's sizes back to the host, so it masks the other ranks' experts and
+sums over the ranks instead (transformers' ``AllReduceEP``). The routers and shared experts are whole, or cut by the
+tensor plan.
 """
 
 from __future__ import annotations
